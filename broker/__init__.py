@@ -1,0 +1,1 @@
+"""The broker process: client and worker sockets around the scheduling policy."""

@@ -1,0 +1,404 @@
+"""The broker: one request pool, a draft topic and a target topic, two ROUTER sockets.
+
+Clients (DEALER) submit, cancel and receive streamed tokens on the client socket; workers
+(DEALER) register, pull, and return results on the worker socket. The decisions are the
+``Scheduler``'s; this module only moves messages, validates them and keeps counters. It
+never blocks on a peer: every send is non-blocking, and a peer that cannot take a message is
+dropped (a worker's tasks are re-queued).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from nebula_flow import protocol
+from nebula_flow.models.config import ModelConfig
+from nebula_flow.params import InvalidParams, SamplingParams
+from nebula_flow.protocol import Message, ProtocolError
+from nebula_flow.request import DRAFT, ROUND, Request
+from nebula_flow.scheduler import MODES, Scheduler
+from nebula_flow.tokenizer import TextCodec, eos_token_ids
+
+log = logging.getLogger("nebula_flow.broker")
+MAX_REQ_ID = 128
+
+
+@dataclass
+class BrokerOptions:
+    mode: str = "pooled"
+    host: str = "127.0.0.1"
+    client_port: int = 5555
+    worker_port: int = 5556
+    model: str | None = None  # the target checkpoint: tokenizer, context length, EOS ids
+    k: int = 4
+    proposal_top_k: int = 16
+    max_pending: int = 1024
+    max_new_tokens_limit: int = 4096
+    heartbeat_s: float = 1.0
+    liveness_s: float = 10.0
+    drain_s: float = 30.0
+
+    @property
+    def client_address(self) -> str:
+        return f"tcp://{self.host}:{self.client_port}"
+
+    @property
+    def worker_address(self) -> str:
+        return f"tcp://{self.host}:{self.worker_port}"
+
+
+@dataclass
+class WorkerInfo:
+    identity: bytes
+    role: str
+    name: str
+    last_seen: float
+    busy_s: float = 0.0
+    tasks: int = 0
+
+
+class Broker:
+    def __init__(self, opts: BrokerOptions) -> None:
+        self.opts = opts
+        self.scheduler = Scheduler(opts.mode, opts.k)
+        self.codec = TextCodec(opts.model) if opts.model else None
+        self.eos_ids = eos_token_ids(opts.model, self.codec) if opts.model else ()
+        self.max_model_len = ModelConfig.from_dir(opts.model).max_position_embeddings if opts.model else 1 << 30
+        self.vocab_size = ModelConfig.from_dir(opts.model).vocab_size if opts.model else None
+        self.counters: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.workers: dict[int, WorkerInfo] = {}
+        self.by_identity: dict[bytes, int] = {}
+        self.by_client: dict[tuple[bytes, str], int] = {}
+        self.next_rid = self.next_worker = 1
+        self.frees: list[int] = []
+        self.draining_since: float | None = None
+        self.started = time.monotonic()
+
+    # -- sockets ---------------------------------------------------------------------------
+    def bind(self) -> None:
+        ctx = zmq.Context.instance()
+        self.clients = ctx.socket(zmq.ROUTER)
+        self.peers = ctx.socket(zmq.ROUTER)
+        for sock in (self.clients, self.peers):
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # learn about vanished peers instead of dropping silently
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.clients.bind(self.opts.client_address)
+        self.peers.bind(self.opts.worker_address)
+
+    def _send(self, sock: zmq.Socket, identity: bytes, msg: Message) -> bool:
+        try:
+            sock.send_multipart([identity, *protocol.encode(msg)], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError:
+            self.counters["send_failures"] += 1
+            return False
+
+    def _reject(self, sock: zmq.Socket, identity: bytes, code: str, message: str, req_id: str | None = None) -> None:
+        self.errors[code] += 1
+        self._send(sock, identity, protocol.error(code, message, req_id))
+
+    # -- clients ---------------------------------------------------------------------------
+    def on_client(self, identity: bytes, frames: list[Any], now: float) -> None:
+        try:
+            msg = protocol.decode(frames)
+            if msg.kind == "SUBMIT":
+                self._submit(identity, msg, now)
+            elif msg.kind == "CANCEL":
+                rid = self.by_client.get((identity, msg.header["req_id"]))
+                if rid is None:
+                    raise ProtocolError("unknown_request", f"no active request {msg.header['req_id']!r}")
+                self._finish(rid, "cancelled")
+            elif msg.kind == "STATUS":
+                self._send(self.clients, identity, Message("STATE", {"state": self.state(now)}))
+            else:
+                raise ProtocolError("unexpected_kind", f"{msg.kind} is not a client message")
+        except ProtocolError as exc:
+            req_id = _req_id_of(frames)
+            self._reject(self.clients, identity, exc.code, exc.message, req_id)
+
+    def _submit(self, identity: bytes, msg: Message, now: float) -> None:
+        h = msg.header
+        req_id = h["req_id"]
+        if not 0 < len(req_id) <= MAX_REQ_ID:
+            raise ProtocolError("malformed", f"req_id must have 1..{MAX_REQ_ID} characters")
+        if self.draining_since is not None:
+            raise ProtocolError("shutting_down", "the broker is shutting down")
+        if (identity, req_id) in self.by_client:
+            raise ProtocolError("duplicate", f"request {req_id!r} is already running")
+        try:
+            params = SamplingParams.from_wire(h["params"])
+            params.validate(self.opts.max_new_tokens_limit)
+        except (InvalidParams, TypeError) as exc:
+            raise ProtocolError("invalid_params", str(exc)) from None
+        if (h.get("prompt") is None) == (h.get("prompt_tokens") is None):
+            raise ProtocolError("malformed", "give exactly one of prompt and prompt_tokens")
+        if h.get("prompt") is not None:
+            if self.codec is None:
+                raise ProtocolError("no_tokenizer", "this broker has no tokenizer; send prompt_tokens")
+            try:
+                prompt = self.codec.encode(h["prompt"], chat=bool(h.get("chat")))
+            except ValueError as exc:
+                raise ProtocolError("invalid_prompt", str(exc)) from None
+        else:
+            prompt = msg.int_list(h["prompt_tokens"], "prompt_tokens")
+            if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in prompt):
+                raise ProtocolError("invalid_prompt", f"token ids must be in [0, {self.vocab_size})")
+        if not prompt:
+            raise ProtocolError("invalid_prompt", "the prompt is empty")
+        if len(prompt) + params.max_new_tokens > self.max_model_len:
+            raise ProtocolError("too_long", f"prompt ({len(prompt)} tokens) + max_new_tokens "
+                                            f"({params.max_new_tokens}) exceeds the context ({self.max_model_len})")
+        if len(self.scheduler.requests) >= self.opts.max_pending:
+            raise ProtocolError("busy", f"{self.opts.max_pending} requests pending; retry later")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = Request(self.next_rid, req_id, prompt, params, seed, owner=identity, t_submit=now)
+        self.next_rid += 1
+        self.by_client[(identity, req_id)] = req.rid
+        self.counters["requests_submitted"] += 1
+        self.scheduler.admit(req)
+
+    def _finish(self, rid: int, reason: str, error: tuple[str, str] | None = None) -> None:
+        req = self.scheduler.finish(rid)
+        if req is None:
+            return
+        self.by_client.pop((req.owner, req.req_id), None)
+        self.frees.append(rid)
+        req.finish_reason = req.finish_reason or reason
+        if error is not None:
+            self.counters["requests_failed"] += 1
+            self._reject(self.clients, req.owner, error[0], error[1], req.req_id)
+            return
+        self.counters[f"requests_{req.finish_reason}"] += 1
+        text = apply_stop(self.codec.decode(req.output), req.params.stop)[0] if self.codec else ""
+        self._send(self.clients, req.owner, Message("DONE", {
+            "req_id": req.req_id, "token_ids": req.output, "text": text,
+            "finish_reason": req.finish_reason, "stats": req.stats()}))
+
+    def _stream(self, req: Request, kept: list[int], now: float) -> None:
+        """Send what a verify committed; apply stop strings to the decoded text."""
+        delta = ""
+        if self.codec is not None:
+            full, hit = apply_stop(self.codec.decode(req.output), req.params.stop)
+            if hit:
+                req.finish_reason = "stop"
+            if hit or not full.endswith("\ufffd"):  # hold back a partial UTF-8 character
+                delta, req.text = full[len(req.text):], full
+        if req.t_first is None:
+            req.t_first = now
+        self._send(self.clients, req.owner, Message("TOKENS", {"req_id": req.req_id, "token_ids": kept, "text": delta}))
+
+    # -- workers ---------------------------------------------------------------------------
+    def on_worker(self, identity: bytes, frames: list[Any], now: float) -> None:
+        wid = self.by_identity.get(identity)
+        try:
+            msg = protocol.decode(frames)
+            if msg.kind == "REGISTER":
+                self._register(identity, msg, now)
+                return
+            if wid is None:
+                raise ProtocolError("unknown_worker", "register first")
+            self.workers[wid].last_seen = now
+            if msg.kind == "PULL":
+                self.scheduler.pull(wid, min(msg.header["credits"], 4096), msg.header["idle"], now)
+            elif msg.kind == "RESULT":
+                self.workers[wid].busy_s += max(0.0, float(msg.header["busy_s"]))
+                for raw in msg.header["results"]:
+                    try:
+                        self._result(wid, msg, raw, now)
+                    except ProtocolError as exc:  # one bad entry must not strand the others
+                        self._reject(self.peers, identity, exc.code, exc.message)
+            elif msg.kind == "BYE":
+                self._drop_worker(wid, "left")
+            elif msg.kind != "HEARTBEAT":
+                raise ProtocolError("unexpected_kind", f"{msg.kind} is not a worker message")
+        except ProtocolError as exc:
+            self._reject(self.peers, identity, exc.code, exc.message)
+
+    def _register(self, identity: bytes, msg: Message, now: float) -> None:
+        h = msg.header
+        if identity in self.by_identity:
+            self._drop_worker(self.by_identity[identity], "re-registered")
+        if not 1 <= h["capacity"] <= 4096:
+            raise ProtocolError("invalid_params", "capacity must be in 1..4096")
+        wid = self.next_worker
+        try:
+            slot = self.scheduler.register(wid, h["role"], h["capacity"])
+        except ValueError as exc:
+            raise ProtocolError("wrong_role", str(exc)) from None
+        self.next_worker += 1
+        self.workers[wid] = WorkerInfo(identity, h["role"], h["name"][:64], now)
+        self.by_identity[identity] = wid
+        log.info("worker %d (%s, %s) joined in slot %d", wid, h["name"][:64], h["role"], slot)
+        self._send(self.peers, identity, Message("WELCOME", {
+            "worker_id": wid, "slot": slot, "mode": self.opts.mode,
+            "settings": {"proposal_top_k": self.opts.proposal_top_k, "heartbeat_s": self.opts.heartbeat_s}}))
+
+    def _drop_worker(self, wid: int, why: str) -> None:
+        info = self.workers.pop(wid, None)
+        if info is None:
+            return
+        self.by_identity.pop(info.identity, None)
+        requeued = self.scheduler.unregister(wid)
+        self.counters[f"workers_{why}"] += 1
+        self.counters["tasks_requeued"] += len(requeued)
+        log.warning("worker %d (%s) %s; %d tasks re-queued", wid, info.name, why, len(requeued))
+
+    def _result(self, wid: int, msg: Message, raw: Any, now: float) -> None:
+        protocol.check_fields(raw, protocol.RESULT_FIELDS, "result")
+        req = self.scheduler.accepts_result(wid, raw["rid"], raw["attempt"], raw["kind"])
+        if req is None:
+            self.counters["stale_results"] += 1
+            return
+        self.workers[wid].tasks += 1
+        if raw.get("error"):
+            self._finish(req.rid, "error", ("worker_error", str(raw["error"])[:500]))
+            return
+        try:
+            self._apply_result(wid, msg, req, raw, now)
+        except ProtocolError as exc:
+            # A result we cannot use still ends its request with a clear error, never a hang.
+            self.errors[exc.code] += 1
+            self._finish(req.rid, "error", ("worker_error", f"bad result from worker {wid}: {exc.message}"))
+
+    def _apply_result(self, wid: int, msg: Message, req: Request, raw: dict, now: float) -> None:
+        if raw["kind"] == DRAFT:
+            draft = _int_list(raw.get("draft"), "draft")
+            if len(draft) != req.k:
+                raise ProtocolError("malformed", f"draft has {len(draft)} tokens, asked for {req.k}")
+            q = {}
+            if not req.params.greedy:
+                idx, prob = protocol.split_q(msg, raw)
+                q = {"q_idx": [a.copy() for a in idx], "q_prob": [p.copy() for p in prob]}
+            self.scheduler.draft_done(req, wid, draft, q)
+            return
+        committed = _int_list(raw.get("committed"), "committed")
+        proposed = len(req.draft) if raw["kind"] != ROUND else raw.get("proposed") or 0
+        if not 1 <= len(committed) <= proposed + 1 or proposed > req.k:
+            raise ProtocolError("malformed", f"{len(committed)} committed tokens for {proposed} drafts")
+        if raw["kind"] == ROUND:
+            req.proposed += proposed
+        self.scheduler.verify_done(req, wid, len(committed) - 1)
+        kept = req.commit(committed, self.eos_ids)
+        self.counters["rounds"] += 1
+        self.counters["tokens_out"] += len(kept)
+        self._stream(req, kept, now)
+        if req.finish_reason:
+            self._finish(req.rid, req.finish_reason)
+        else:
+            self.scheduler.start_round(req)
+
+    def _send_tasks(self, wid: int, batch: list[Request]) -> None:
+        msg = Message("TASKS", {"tasks": []})
+        for req in batch:
+            role = {"draft": "draft", "verify": "target", "round": "colocated"}[req.phase]
+            holder = req.holders.get(role, (0, 0))
+            task = {"rid": req.rid, "kind": req.phase, "round": req.round, "attempt": req.attempt,
+                    "tokens": msg.add_array(req.tokens), "k": req.k, "params": req.params.to_wire(),
+                    "seed": req.seed, "holder": {"worker": holder[0], "valid": holder[1]}}
+            if req.draft:
+                task["draft"] = req.draft
+                protocol.attach_q(msg, task, req.q.get("q_idx"), req.q.get("q_prob"))
+            msg.header["tasks"].append(task)
+        if not self._send(self.peers, self.workers[wid].identity, msg):
+            self._drop_worker(wid, "unreachable")
+
+    # -- the loop --------------------------------------------------------------------------
+    def state(self, now: float) -> dict[str, Any]:
+        return {
+            "mode": self.opts.mode, "uptime_s": now - self.started, "pool": len(self.scheduler.requests),
+            "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
+            "workers": [{"id": wid, "role": w.role, "name": w.name, "busy_s": w.busy_s, "tasks": w.tasks,
+                         "slot": self.scheduler.workers[wid].slot} for wid, w in self.workers.items()],
+            "counters": dict(self.counters), "errors": dict(self.errors),
+        }
+
+    def step(self, now: float) -> None:
+        """Housekeeping after events: dispatch, FREE broadcasts, heartbeats, liveness."""
+        for wid, batch in self.scheduler.dispatch():
+            self._send_tasks(wid, batch)
+        if self.frees:
+            for info in list(self.workers.values()):
+                self._send(self.peers, info.identity, Message("FREE", {"rids": self.frees}))
+            self.frees = []
+        if now - self._last_beat >= self.opts.heartbeat_s:
+            self._last_beat = now
+            for wid, info in list(self.workers.items()):
+                if now - info.last_seen > self.opts.liveness_s:
+                    self._drop_worker(wid, "dead")
+                else:
+                    self._send(self.peers, info.identity, Message("HEARTBEAT"))
+
+    def run(self) -> int:
+        self.bind()
+        self._last_beat = time.monotonic()
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+        poller = zmq.Poller()
+        poller.register(self.clients, zmq.POLLIN)
+        poller.register(self.peers, zmq.POLLIN)
+        log.info("broker (%s) clients at %s, workers at %s", self.opts.mode,
+                 self.opts.client_address, self.opts.worker_address)
+        while True:
+            events = dict(poller.poll(timeout=int(self.opts.heartbeat_s * 1000 / 2)))
+            now = time.monotonic()
+            for sock, handler in ((self.peers, self.on_worker), (self.clients, self.on_client)):
+                if sock in events:
+                    for _ in range(1000):  # bounded, so one busy socket cannot starve the other
+                        try:
+                            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        if len(frames) < 2:
+                            self.errors["malformed"] += 1
+                            continue
+                        handler(frames[0].bytes, frames[1:], now)
+            self.step(now)
+            if stop and self.draining_since is None:
+                log.info("stopping: no new requests; %d in flight", len(self.scheduler.requests))
+                self.draining_since = now
+            if self.draining_since is not None:
+                if not self.scheduler.requests or now - self.draining_since > self.opts.drain_s:
+                    for rid in list(self.scheduler.requests):
+                        self._finish(rid, "error", ("shutting_down", "the broker shut down before this request finished"))
+                    break
+        self.clients.close()
+        self.peers.close()
+        return 0
+
+
+def apply_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """Cut ``text`` before the earliest stop string; says whether one was found."""
+    cuts = [at for at in (text.find(s) for s in stops) if at >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ProtocolError("malformed", f"{name} must be a list of token ids")
+    return value
+
+
+def _req_id_of(frames: list[Any]) -> str | None:
+    """Best effort: the req_id of a rejected message, so the client can match the error."""
+    try:
+        header = protocol.orjson.loads(bytes(frames[1].buffer if hasattr(frames[1], "buffer") else frames[1]))
+        rid = header.get("req_id")
+        return rid if isinstance(rid, str) and len(rid) <= MAX_REQ_ID else None
+    except Exception:
+        return None
+
+
+def serve_broker(opts: BrokerOptions) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
+    return Broker(opts).run()

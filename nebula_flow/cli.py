@@ -1,0 +1,272 @@
+"""The ``nebula-flow`` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from nebula_flow.config import ConfigError, DeployConfig, cache_dir, load_config
+from nebula_flow.scheduler import MODES
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO / "configs" / "default.toml"
+DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+
+
+def _load(config: str | None) -> DeployConfig:
+    try:
+        return load_config(config or DEFAULT_CONFIG)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def prepare_models(cfg: DeployConfig) -> None:
+    """Build project-made models the config names but the cache lacks (the tiny pair)."""
+    tiny = cache_dir() / "tiny-pair"
+    for pool in (cfg.draft, cfg.target):
+        if pool.model and Path(pool.model).is_relative_to(tiny) and not (tiny / "READY").exists():
+            from nebula_flow.tiny import build_tiny_pair
+
+            click.echo(f"building the tiny model pair in {tiny} ...", err=True)
+            build_tiny_pair(tiny)
+
+
+def _apply_overrides(cfg: DeployConfig, mode: str | None, draft_workers: int | None,
+                     target_workers: int | None, port: int | None) -> DeployConfig:
+    if mode:
+        cfg.mode = mode
+    if draft_workers:
+        cfg.draft.workers = draft_workers
+    if target_workers:
+        cfg.target.workers = target_workers
+    if port is not None:
+        cfg.broker.client_port, cfg.broker.worker_port = port, (port + 1 if port else 0)
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    return cfg
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def main() -> None:
+    """nebula-flow: speculative decoding as a dataflow pipeline on a ZeroMQ bus.
+
+    A broker holds the request pool; draft and target workers pull request-round tasks.
+    Start a whole deployment with `serve` (or `run` for a one-shot demo); talk to it with
+    `generate` and `status`.
+    """
+
+
+@main.command()
+@click.option("--mode", type=click.Choice(list(MODES)), default="pooled", show_default=True,
+              help="Scheduling mode: pooled (M-for-N), paired, colocated or autoregressive.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind.")
+@click.option("--client-port", default=5555, show_default=True, help="Port for clients.")
+@click.option("--worker-port", default=5556, show_default=True, help="Port for workers.")
+@click.option("--model", type=click.Path(), help="Target checkpoint directory: tokenizer, context length, EOS.")
+@click.option("--k", default=4, show_default=True, help="Draft tokens proposed per round.")
+@click.option("--proposal-top-k", default=16, show_default=True,
+              help="Entries of the draft distribution q sent with each sampled draft token.")
+@click.option("--max-pending", default=1024, show_default=True, help="Admission limit; beyond it clients get BUSY.")
+@click.option("--heartbeat-s", default=1.0, show_default=True, help="Heartbeat interval.")
+@click.option("--liveness-s", default=10.0, show_default=True, help="Silence after which a worker is declared dead.")
+def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
+           proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float) -> None:
+    """Run the broker: the request pool, the draft and target topics, the two sockets."""
+    from broker.server import BrokerOptions, serve_broker
+
+    sys.exit(serve_broker(BrokerOptions(mode, host, client_port, worker_port, model, k, proposal_top_k,
+                                        max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s)))
+
+
+@main.command()
+@click.option("--role", type=click.Choice(["draft", "target", "colocated"]), required=True,
+              help="Which topic to serve; colocated workers hold both models.")
+@click.option("--model", required=True, type=click.Path(), help="Checkpoint directory (the draft's for role draft).")
+@click.option("--draft-model", type=click.Path(), help="Draft checkpoint (colocated workers only).")
+@click.option("--broker", "broker_addr", default="tcp://127.0.0.1:5556", show_default=True,
+              help="The broker's worker address.")
+@click.option("--name", default="", help="Name shown in status and logs.")
+@click.option("--max-batch", default=8, show_default=True, help="Tasks per batch (the credits of each PULL).")
+@click.option("--threads", default=1, show_default=True, help="torch threads for this worker.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA).")
+def worker(role: str, model: str, draft_model: str | None, broker_addr: str, name: str,
+           max_batch: int, threads: int, device: str, dtype: str | None) -> None:
+    """Run one worker: register, pull tasks, run them, return results."""
+    from nebula_flow.models.config import ModelConfigError
+    from workers.worker import WorkerOptions, serve_worker
+
+    try:
+        sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch,
+                                            threads, device, dtype)))
+    except (ModelConfigError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+_deploy_options = [
+    click.option("--config", type=click.Path(), help=f"Deployment TOML (default {DEFAULT_CONFIG.relative_to(REPO)})."),
+    click.option("--mode", type=click.Choice(list(MODES)), help="Override the config's mode."),
+    click.option("--draft-workers", type=int, help="Override the number of draft workers (M)."),
+    click.option("--target-workers", type=int, help="Override the number of target workers (N)."),
+    click.option("--port", type=int, help="Client port (workers use port+1); 0 picks free ports."),
+    click.option("--log-dir", type=click.Path(), help="Where child process logs go (default: a temp folder)."),
+]
+
+
+def deploy_options(f):  # noqa: ANN001, ANN201 - click decorator
+    for opt in reversed(_deploy_options):
+        f = opt(f)
+    return f
+
+
+def _start(config, mode, draft_workers, target_workers, port, log_dir):  # noqa: ANN001, ANN202
+    from nebula_flow.deploy import Deployment, DeploymentError
+
+    cfg = _apply_overrides(_load(config), mode, draft_workers, target_workers, port)
+    prepare_models(cfg)
+    dep = Deployment(cfg, log_dir)
+    plan = cfg.worker_plan()
+    click.echo(f"starting {cfg.mode}: broker + {len(plan)} workers "
+               f"({', '.join(sorted({r for r, _ in plan}))}); logs in {dep.log_dir}", err=True)
+    t0 = time.monotonic()
+    try:
+        dep.start()
+    except DeploymentError as exc:
+        dep.stop()
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"ready in {time.monotonic() - t0:.1f} s", err=True)
+    return dep
+
+
+@main.command()
+@deploy_options
+def serve(config, mode, draft_workers, target_workers, port, log_dir) -> None:  # noqa: ANN001
+    """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM."""
+    import signal
+
+    dep = _start(config, mode, draft_workers, target_workers, port, log_dir)
+    click.echo(dep.address)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(0.5)
+            dep.check_alive()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        click.echo("stopping ...", err=True)
+        dep.stop()
+
+
+def _print_completion(out, as_json: bool) -> None:  # noqa: ANN001
+    if as_json:
+        click.echo(json.dumps(out.to_json()))
+        return
+    click.echo(f"\n[{len(out.token_ids)} tokens, {out.rounds} rounds, {out.mean_tokens_per_round:.2f} tokens/round, "
+               f"TTFT {out.ttft_s * 1000:.0f} ms, latency {out.latency_s:.2f} s, "
+               f"{len(out.token_ids) / max(out.latency_s, 1e-9):.1f} tokens/s, finish: {out.finish_reason}]", err=True)
+
+
+def _generate(address: str, prompt: str, as_json: bool, **params) -> None:  # noqa: ANN003
+    from nebula_flow.client import Client, Completion, NebulaError
+
+    try:
+        with Client(address, timeout_s=params.pop("timeout_s")) as client:
+            for item in client.stream(prompt, **params):
+                if isinstance(item, Completion):
+                    _print_completion(item, as_json)
+                elif not as_json:
+                    click.echo(item.text, nl=False)
+    except (NebulaError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+_gen_options = [
+    click.option("--max-new-tokens", default=64, show_default=True),
+    click.option("--temperature", default=0.0, show_default=True, help="0 = greedy."),
+    click.option("--top-k", default=0, show_default=True, help="0 = off."),
+    click.option("--top-p", default=1.0, show_default=True),
+    click.option("--seed", type=int, help="Fixes the output for sampled generation."),
+    click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template."),
+    click.option("--timeout-s", default=300.0, show_default=True),
+]
+
+
+def gen_options(f):  # noqa: ANN001, ANN201 - click decorator
+    for opt in reversed(_gen_options):
+        f = opt(f)
+    return f
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@gen_options
+def generate(prompt: str, address: str, as_json: bool, **params) -> None:  # noqa: ANN003
+    """Generate from PROMPT: stream the text, then print rounds, tokens/round, TTFT, latency."""
+    _generate(address, prompt, as_json, stop=tuple(params.pop("stop")), **params)
+
+
+@main.command()
+@click.argument("prompts", nargs=-1)
+@deploy_options
+@gen_options
+def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, **params) -> None:  # noqa: ANN001, ANN003
+    """One-shot demo: start the deployment, generate from PROMPTS (a default set if none), stop."""
+    prompts = prompts or ("def fibonacci(n):", "import os\n\ndef list_files(path):", "The quick brown fox")
+    dep = _start(config, mode, draft_workers, target_workers, 0 if port is None else port, log_dir)
+    try:
+        for prompt in prompts:
+            click.echo(f"\n>>> {prompt}")
+            _generate(dep.address, prompt, False, stop=tuple(params["stop"]),
+                      **{k: v for k, v in params.items() if k != "stop"})
+    finally:
+        dep.stop()
+
+
+@main.command()
+@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw state as JSON.")
+def status(address: str, as_json: bool) -> None:
+    """Show the broker's workers, topics and counters."""
+    from nebula_flow.client import Client, NebulaError
+
+    try:
+        with Client(address, timeout_s=5) as client:
+            state = client.status()
+    except NebulaError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(state, indent=2))
+        return
+    click.echo(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool, "
+               f"topics {state['topics']}")
+    for w in state["workers"]:
+        click.echo(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} "
+                   f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s")
+    click.echo(f"counters {state['counters']}")
+    if state["errors"]:
+        click.echo(f"errors {state['errors']}")
+
+
+@main.command("tiny-pair")
+@click.argument("out", type=click.Path(), default=None, required=False)
+def tiny_pair(out: str | None) -> None:
+    """Build the project's tiny draft/target pair (random weights) into OUT (default: the cache)."""
+    from nebula_flow.tiny import build_tiny_pair
+
+    path = build_tiny_pair(out or cache_dir() / "tiny-pair")
+    click.echo(f"wrote {path}/target and {path}/draft")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""The ZeroMQ client library: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+    from nebula_flow.client import Client
+    with Client("tcp://127.0.0.1:5555") as c:
+        out = c.generate("def fib(n):", max_new_tokens=32)
+        print(out.text, out.rounds, out.tokens_per_round, out.ttft_s)
+        for chunk in c.stream("Once upon a time", max_new_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+A ``Client`` runs one request at a time (it is not thread-safe); ``AsyncClient`` runs any
+number concurrently over one socket. TTFT and latency are measured here, on the client's
+clock, from the moment the request is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from nebula_flow import protocol
+from nebula_flow.params import SamplingParams
+from nebula_flow.protocol import Message, ProtocolError
+
+
+class NebulaError(Exception):
+    """Base class of the client's errors."""
+
+
+class RequestError(NebulaError):
+    """The broker rejected or failed a request. ``code`` says why (e.g. ``busy``, ``too_long``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class Busy(RequestError):
+    """The broker is at its admission limit; retry later."""
+
+
+class RequestTimeout(NebulaError):
+    """No answer from the broker within the timeout."""
+
+
+@dataclass
+class Chunk:
+    """Tokens committed by one verify step, and their text."""
+
+    token_ids: list[int]
+    text: str
+    t_s: float  # seconds since the request was sent
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    rounds: int
+    tokens_per_round: list[int]
+    ttft_s: float
+    latency_s: float
+    chunk_times_s: list[float] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mean_tokens_per_round(self) -> float:
+        return len(self.token_ids) / self.rounds if self.rounds else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "rounds": self.rounds, "tokens_per_round": self.tokens_per_round,
+                "ttft_s": self.ttft_s, "latency_s": self.latency_s, "stats": self.stats}
+
+
+def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, **params: Any) -> Message:
+    """The SUBMIT message for one request (parameters validated before they leave)."""
+    if (prompt is None) == (token_ids is None):
+        raise ValueError("give exactly one of prompt and token_ids")
+    sp = SamplingParams(stop=tuple([params.pop("stop")] if isinstance(params.get("stop"), str)
+                                    else params.pop("stop", None) or ()), **params)
+    sp.validate()
+    msg = Message("SUBMIT", {"req_id": req_id, "params": sp.to_wire(), "chat": chat})
+    if prompt is not None:
+        msg.header["prompt"] = prompt
+    else:
+        msg.header["prompt_tokens"] = msg.add_array(np.asarray(token_ids, dtype=np.int32))
+    return msg
+
+
+def _raise_error(header: dict[str, Any]) -> None:
+    cls = Busy if header["code"] == "busy" else RequestError
+    raise cls(header["code"], header["message"])
+
+
+class _Collector:
+    """Turns TOKENS / DONE messages of one request into chunks and a ``Completion``."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.ttft: float | None = None
+        self.times: list[float] = []
+
+    def chunk(self, h: dict[str, Any]) -> Chunk:
+        t = time.monotonic() - self.t0
+        self.ttft = t if self.ttft is None else self.ttft
+        self.times.append(t)
+        return Chunk(h["token_ids"], h["text"], t)
+
+    def done(self, h: dict[str, Any]) -> Completion:
+        latency = time.monotonic() - self.t0
+        st = h["stats"]
+        return Completion(h["text"], h["token_ids"], h["finish_reason"], st.get("rounds", 0),
+                          st.get("tokens_per_round", []), self.ttft if self.ttft is not None else latency,
+                          latency, self.times, st)
+
+
+class Client:
+    """Blocking client. ``timeout_s`` bounds the wait for each message from the broker."""
+
+    def __init__(self, address: str, timeout_s: float = 120.0) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _recv(self, timeout_s: float | None = None) -> Message:
+        if not self.sock.poll(int((timeout_s or self.timeout_s) * 1000)):
+            raise RequestTimeout(f"no answer from {self.address} within {timeout_s or self.timeout_s:.0f} s")
+        return protocol.decode(self.sock.recv_multipart(copy=False))
+
+    def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
+               **params: Any) -> Iterator[Chunk | Completion]:
+        """Yield a ``Chunk`` per verify step, then the final ``Completion``."""
+        req_id = uuid.uuid4().hex
+        self.sock.send_multipart(protocol.encode(build_submit(req_id, prompt, token_ids, chat, **params)), copy=False)
+        col = _Collector()
+        try:
+            while True:
+                msg = self._recv()
+                if msg.header.get("req_id") not in (req_id, None):
+                    continue  # a late message of an earlier, abandoned request
+                if msg.kind == "TOKENS":
+                    yield col.chunk(msg.header)
+                elif msg.kind == "DONE":
+                    yield col.done(msg.header)
+                    return
+                elif msg.kind == "ERROR":
+                    _raise_error(msg.header)
+        except GeneratorExit:
+            self.sock.send_multipart(protocol.encode(Message("CANCEL", {"req_id": req_id})))
+            raise
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        """Run one request to the end; see ``SamplingParams`` for the keyword arguments."""
+        for item in self.stream(prompt, **kwargs):
+            if isinstance(item, Completion):
+                return item
+        raise NebulaError("the stream ended without a result")
+
+    def status(self) -> dict[str, Any]:
+        self.sock.send_multipart(protocol.encode(Message("STATUS")))
+        while True:
+            msg = self._recv(min(self.timeout_s, 10.0))
+            if msg.kind == "STATE":
+                return msg.header["state"]
+
+
+class AsyncClient:
+    """asyncio client: many concurrent requests over one socket, dispatched by req_id."""
+
+    def __init__(self, address: str, timeout_s: float = 120.0) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.queues: dict[str, asyncio.Queue[Message]] = {}
+        self.reader: asyncio.Task | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+        self.sock.close()
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                msg = protocol.decode(frames)
+            except ProtocolError:
+                continue
+            key = msg.header.get("req_id") or ("__status__" if msg.kind == "STATE" else None)
+            if key in self.queues:
+                self.queues[key].put_nowait(msg)
+
+    async def _next(self, queue: asyncio.Queue[Message]) -> Message:
+        try:
+            return await asyncio.wait_for(queue.get(), self.timeout_s)
+        except TimeoutError:
+            raise RequestTimeout(f"no answer from {self.address} within {self.timeout_s:.0f} s") from None
+
+    async def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
+                     **params: Any) -> AsyncIterator[Chunk | Completion]:
+        if self.reader is None:
+            self.reader = asyncio.ensure_future(self._read())
+        req_id = uuid.uuid4().hex
+        queue: asyncio.Queue[Message] = asyncio.Queue()
+        self.queues[req_id] = queue
+        msg = build_submit(req_id, prompt, token_ids, chat, **params)
+        await self.sock.send_multipart(protocol.encode(msg), copy=False)
+        col = _Collector()
+        finished = False
+        try:
+            while True:
+                reply = await self._next(queue)
+                if reply.kind == "TOKENS":
+                    yield col.chunk(reply.header)
+                elif reply.kind == "DONE":
+                    finished = True
+                    yield col.done(reply.header)
+                    return
+                elif reply.kind == "ERROR":
+                    finished = True
+                    _raise_error(reply.header)
+        finally:
+            self.queues.pop(req_id, None)
+            if not finished:
+                await self.sock.send_multipart(protocol.encode(Message("CANCEL", {"req_id": req_id})))
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        async for item in self.stream(prompt, **kwargs):
+            if isinstance(item, Completion):
+                return item
+        raise NebulaError("the stream ended without a result")
+
+    async def status(self) -> dict[str, Any]:
+        if self.reader is None:
+            self.reader = asyncio.ensure_future(self._read())
+        queue: asyncio.Queue[Message] = asyncio.Queue()
+        self.queues["__status__"] = queue
+        try:
+            await self.sock.send_multipart(protocol.encode(Message("STATUS")))
+            return (await self._next(queue)).header["state"]
+        finally:
+            self.queues.pop("__status__", None)

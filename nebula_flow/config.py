@@ -1,0 +1,124 @@
+"""Deployment configuration: a TOML file naming the mode, the broker settings and both pools.
+
+    mode = "pooled"              # pooled | paired | colocated | autoregressive
+    [broker]                     # any BrokerOptions field: k, proposal_top_k, ports, ...
+    k = 4
+    [draft]
+    model = "cache:tiny-pair/draft"
+    workers = 1
+    max_batch = 16
+    [target]
+    model = "cache:tiny-pair/target"
+    workers = 1
+    max_batch = 8
+
+Model paths: ``cache:NAME`` lives in the nebula-flow cache folder ($NEBULA_FLOW_CACHE, default
+~/.cache/nebula-flow); a relative path is relative to the repository holding ``configs/``
+(the config file's parent folder's parent), an absolute path or hub-style id is used as is.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from broker.server import BrokerOptions
+from nebula_flow.scheduler import MODES
+
+
+class ConfigError(ValueError):
+    """A configuration file or option that cannot be used; the message says what to fix."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NEBULA_FLOW_CACHE", Path.home() / ".cache" / "nebula-flow"))
+
+
+def resolve_model(spec: str, base: Path | None = None) -> str:
+    if spec.startswith("cache:"):
+        return str(cache_dir() / spec[len("cache:"):])
+    p = Path(spec).expanduser()
+    if not p.is_absolute() and base is not None and (base / p).exists():
+        return str(base / p)
+    return str(p)
+
+
+@dataclass
+class PoolConfig:
+    model: str | None = None
+    workers: int = 1
+    max_batch: int = 8
+    threads: int | None = None  # default: the machine's cores shared among all workers
+    device: str = "cpu"
+    dtype: str | None = None
+
+
+@dataclass
+class DeployConfig:
+    mode: str = "pooled"
+    broker: BrokerOptions = field(default_factory=BrokerOptions)
+    draft: PoolConfig = field(default_factory=PoolConfig)
+    target: PoolConfig = field(default_factory=PoolConfig)
+    source: str = "<defaults>"
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        self.broker.mode = self.mode
+        if self.target.model is None:
+            raise ConfigError(f"{self.source}: [target] model is required")
+        if self.mode != "autoregressive" and self.draft.model is None:
+            raise ConfigError(f"{self.source}: [draft] model is required in {self.mode} mode")
+        for name, pool in (("draft", self.draft), ("target", self.target)):
+            if pool.workers < 1 or pool.max_batch < 1:
+                raise ConfigError(f"[{name}] workers and max_batch must be >= 1")
+        if self.broker.k < 0:
+            raise ConfigError("[broker] k must be >= 0")
+
+    def worker_plan(self) -> list[tuple[str, PoolConfig]]:
+        """(role, pool) per worker process. Colocated and autoregressive use M+N workers, so
+        every mode runs on the same devices."""
+        total = self.draft.workers + self.target.workers
+        if self.mode == "colocated":
+            return [("colocated", self.target)] * total
+        if self.mode == "autoregressive":
+            return [("target", self.target)] * total
+        return [("draft", self.draft)] * self.draft.workers + [("target", self.target)] * self.target.workers
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    names = {f.name for f in fields(cls)}
+    unknown = set(raw) - names
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(names)})")
+    return cls(**raw)
+
+
+def load_config(path: str | Path | None) -> DeployConfig:
+    if path is None:
+        return DeployConfig()
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    base = path.resolve().parent.parent
+    unknown = set(raw) - {"mode", "broker", "draft", "target"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown sections {sorted(unknown)}")
+    cfg = DeployConfig(
+        mode=raw.get("mode", "pooled"),
+        broker=_build(BrokerOptions, raw.get("broker", {}), f"{path} [broker]"),
+        draft=_build(PoolConfig, raw.get("draft", {}), f"{path} [draft]"),
+        target=_build(PoolConfig, raw.get("target", {}), f"{path} [target]"),
+        source=str(path),
+    )
+    for pool in (cfg.draft, cfg.target):
+        if pool.model:
+            pool.model = resolve_model(pool.model, base)
+    return cfg

@@ -1,0 +1,143 @@
+"""Start a broker and its workers as child processes, wait until ready, stop them cleanly.
+
+Used by ``nebula-flow serve`` / ``run`` / ``bench`` and by the integration tests, so all of
+them start deployments the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from nebula_flow.client import Client, NebulaError
+from nebula_flow.config import DeployConfig
+
+# glibc's default allocator returns and re-faults large buffers on every forward pass; these
+# settings keep them mapped (measured up to ~4x faster forwards on CPU).
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184",
+                 "MALLOC_TOP_PAD_": "1073741824"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class DeploymentError(RuntimeError):
+    """A child process failed to start or died; the message carries its log tail."""
+
+
+class Deployment:
+    """One broker plus the workers ``cfg.worker_plan()`` asks for."""
+
+    def __init__(self, cfg: DeployConfig, log_dir: str | Path | None = None, extra_worker_args: list[str] | None = None) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="nebula-flow-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.extra_worker_args = extra_worker_args or []
+        b = cfg.broker
+        if b.client_port == 0:
+            b.client_port = free_port()
+        if b.worker_port == 0:
+            b.worker_port = free_port()
+        b.model = b.model or cfg.target.model
+
+    @property
+    def address(self) -> str:
+        return self.cfg.broker.client_address
+
+    def _spawn(self, name: str, args: list[str], threads: int = 1) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), **ALLOCATOR_ENV)
+        log = open(self.log_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", *args], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs.append((name, proc))
+
+    def start(self, timeout_s: float = 600.0) -> str:
+        b = self.cfg.broker
+        self._spawn("broker", [
+            "broker", "--mode", self.cfg.mode, "--host", b.host, "--client-port", str(b.client_port),
+            "--worker-port", str(b.worker_port), "--model", str(b.model), "--k", str(b.k),
+            "--proposal-top-k", str(b.proposal_top_k), "--max-pending", str(b.max_pending),
+            "--heartbeat-s", str(b.heartbeat_s), "--liveness-s", str(b.liveness_s)])
+        plan = self.cfg.worker_plan()
+        shared = max(1, usable_cores() // len(plan))
+        for i, (role, pool) in enumerate(plan):
+            threads = pool.threads or shared
+            args = ["worker", "--role", role, "--broker", b.worker_address, "--model", str(pool.model),
+                    "--max-batch", str(pool.max_batch), "--threads", str(threads),
+                    "--device", pool.device, "--name", f"{role}-{i}", *self.extra_worker_args]
+            if pool.dtype:
+                args += ["--dtype", pool.dtype]
+            if role == "colocated":
+                args += ["--draft-model", str(self.cfg.draft.model)]
+            self._spawn(f"{role}-{i}", args, threads)
+        self.wait_ready(len(plan), timeout_s)
+        return self.address
+
+    def wait_ready(self, n_workers: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with Client(self.address, timeout_s=2.0) as client:
+            while time.monotonic() < deadline:
+                self.check_alive()
+                try:
+                    if len(client.status()["workers"]) >= n_workers:
+                        return
+                except NebulaError:
+                    pass
+                time.sleep(0.2)
+        raise DeploymentError(f"workers not ready within {timeout_s:.0f} s; logs in {self.log_dir}")
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise DeploymentError(f"{name} exited with code {proc.returncode}:\n{self.log_tail(name)}")
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.log_dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        for n, proc in self.procs:
+            if n == name:
+                proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM workers then the broker; SIGKILL whatever is still running after the timeout."""
+        for _, proc in sorted(self.procs, key=lambda p: p[0] == "broker"):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Deployment:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

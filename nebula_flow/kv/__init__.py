@@ -1,0 +1,1 @@
+"""Per-request KV state: the buffer layout, the worker-side store."""

@@ -1,0 +1,79 @@
+"""The per-request KV buffer, and the one place its layout is defined.
+
+Layout: one contiguous tensor per request per role,
+
+    buf[position, layer, kv (0 = K, 1 = V), kv_head, head_dim]
+
+Position-major on purpose: the KV of positions ``a..b`` (all layers) is the single
+contiguous slice ``buf[a:b]``, so rolling back is a length change and handing positions to
+another worker is one transfer, not one per layer. The attention kernel reads a strided
+view per layer, which costs a gather inside SDPA but nothing on the wire.
+
+Each cache also records the token ids whose KV it holds, so a worker can find by itself how
+much of a task's token sequence it already has (the longest common prefix) and roll back the
+rest: KV at position i depends only on tokens 0..i.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class KVCache:
+    """KV of one request for one model; grows by doubling, rolls back by length."""
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, *,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", capacity: int = 64,
+    ) -> None:
+        self.row_shape = (num_layers, 2, num_kv_heads, head_dim)
+        self.buf = torch.empty((capacity, *self.row_shape), dtype=dtype, device=device)
+        self.tokens: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.element_size() * self.buf[0].numel() * self.length
+
+    def reserve(self, total: int) -> None:
+        """Make room for ``total`` positions, keeping the valid prefix."""
+        cap = self.buf.shape[0]
+        if total <= cap:
+            return
+        while cap < total:
+            cap *= 2
+        grown = torch.empty((cap, *self.row_shape), dtype=self.buf.dtype, device=self.buf.device)
+        grown[: self.length] = self.buf[: self.length]
+        self.buf = grown
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:]
+
+    def common_prefix(self, tokens: np.ndarray) -> int:
+        """How many leading positions of ``tokens`` this cache already holds."""
+        n = min(len(tokens), self.length)
+        if n == 0:
+            return 0
+        held = np.asarray(self.tokens[:n], dtype=np.int64)
+        diff = np.nonzero(held != tokens[:n])[0]
+        return int(diff[0]) if len(diff) else n
+
+    def layer_kv(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer for positions ``0..end``, shaped [kv_heads, end, head_dim]."""
+        rows = self.buf[:end, layer]
+        return rows[:, 0].transpose(0, 1), rows[:, 1].transpose(0, 1)
+
+    def export(self, start: int, end: int) -> torch.Tensor:
+        """Positions ``start..end`` as one contiguous tensor (for a peer transfer)."""
+        return self.buf[start:end]
+
+    def load(self, start: int, rows: torch.Tensor, tokens: list[int]) -> None:
+        """Install positions ``start..start+len(rows)`` received from a peer."""
+        self.truncate(start)
+        self.reserve(start + len(rows))
+        self.buf[start : start + len(rows)].copy_(rows)
+        self.tokens.extend(tokens)

@@ -1,0 +1,197 @@
+"""A compact Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, SmolLM).
+
+One forward call takes a ragged batch: every sequence brings its own KV cache and its own
+number of new tokens (the whole prompt for a prefill, 1 for a decode step, k+1 for a verify).
+Projections and MLPs run once over all new tokens concatenated; attention runs per sequence
+against that sequence's KV. Module names mirror HuggingFace's so checkpoints load unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nebula_flow.kv.cache import KVCache
+from nebula_flow.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementation, so bf16 runs agree with HF.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse rotary frequencies, with linear or Llama-3 scaling applied."""
+    dim = cfg.head_dim
+    theta = float(cfg.rope["rope_theta"])
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = cfg.rope["rope_type"]
+    if kind == "linear":
+        inv_freq = inv_freq / float(cfg.rope["factor"])
+    elif kind == "llama3":
+        factor = float(cfg.rope["factor"])
+        low, high = float(cfg.rope["low_freq_factor"]), float(cfg.rope["high_freq_factor"])
+        old_len = float(cfg.rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attention_mask(past: int, n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean [n, past+n] mask: query i sees keys j <= past+i (and within the window)."""
+    q_pos = torch.arange(past, past + n, device=device)[:, None]
+    k_pos = torch.arange(past + n, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= q_pos - k_pos < window
+    return allowed
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        caches: list[KVCache], lengths: list[int],
+    ) -> torch.Tensor:
+        cfg, hd = self.cfg, self.cfg.head_dim
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, cfg.num_heads, hd)
+        k = self.k_proj(x).view(T, cfg.num_kv_heads, hd)
+        v = self.v_proj(x).view(T, cfg.num_kv_heads, hd)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        outs, start = [], 0
+        for cache, n in zip(caches, lengths):
+            past = cache.length
+            end = past + n
+            cache.buf[past:end, self.layer, 0] = k[start : start + n]
+            cache.buf[past:end, self.layer, 1] = v[start : start + n]
+            keys, values = cache.layer_kv(self.layer, end)
+            window = cfg.sliding_window if cfg.sliding_window and end > cfg.sliding_window else None
+            mask, causal = None, False
+            if past == 0 and window is None:
+                causal = n > 1
+            elif n > 1 or window is not None:
+                mask = _attention_mask(past, n, window, x.device)
+            out = F.scaled_dot_product_attention(
+                q[start : start + n].transpose(0, 1)[None], keys[None], values[None],
+                attn_mask=mask, is_causal=causal, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+            )
+            outs.append(out[0].transpose(0, 1).reshape(n, cfg.num_heads * hd))
+            start += n
+        return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, caches, lengths):  # noqa: ANN001, ANN201 - internal
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, caches, lengths)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder plus output head. ``forward`` advances every cache by its new tokens."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def new_cache(self, capacity: int = 64) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim,
+                       dtype=p.dtype, device=p.device, capacity=capacity)
+
+    @torch.inference_mode()
+    def forward(self, caches: list[KVCache], new_tokens: list[list[int]], logit_rows: list[int]) -> list[torch.Tensor]:
+        """Run one ragged step.
+
+        ``new_tokens[i]`` are appended to ``caches[i]``; the result holds, for sequence i,
+        fp32 logits of its last ``logit_rows[i]`` new positions (0 = none). Only those rows go
+        through the output head, which dominates the cost for large vocabularies.
+        """
+        device = self.lm_head.weight.device
+        lengths = [len(t) for t in new_tokens]
+        for cache, n in zip(caches, lengths):
+            cache.reserve(cache.length + n)
+        ids = torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.long, device=device)
+        positions = torch.cat([
+            torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, lengths)
+        ]).float()
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x = self.model.embed_tokens(ids)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, caches, lengths)
+        for cache, seq in zip(caches, new_tokens):
+            cache.tokens.extend(seq)
+        rows, start = [], 0
+        for n, want in zip(lengths, logit_rows):
+            rows.append(torch.arange(start + n - want, start + n, device=device))
+            start += n
+        picked = self.model.norm(x[torch.cat(rows)])
+        logits = self.lm_head(picked).float()
+        return list(torch.split(logits, logit_rows))

@@ -1,0 +1,74 @@
+"""Load a local HuggingFace checkpoint directory into the runtime's ``CausalLM``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from nebula_flow.models.config import ModelConfig, ModelConfigError
+from nebula_flow.models.llama import CausalLM, rope_inv_freq
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """fp32 on CPU (exact and fast enough there); bf16 on CUDA."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def resolve_dtype(name: str | None, device: str) -> torch.dtype:
+    if name in (None, "", "auto"):
+        return default_dtype(device)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    raise ModelConfigError(f"no *.safetensors weights in {path}")
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(Path(path)):
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None) -> CausalLM:
+    """Build the model described by ``path/config.json`` and load its safetensors weights."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelConfigError(f"model directory not found: {path}")
+    cfg = ModelConfig.from_dir(path)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    state = {k: v for k, v in load_state_dict(path).items() if not k.endswith("rotary_emb.inv_freq")}
+    if "lm_head.weight" not in state:
+        if not cfg.tie_word_embeddings and "model.embed_tokens.weight" not in state:
+            raise ModelConfigError(f"{path}: checkpoint has no lm_head.weight")
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    expected = set(model.state_dict().keys())
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ModelConfigError(
+            f"{path}: weights do not match a {cfg.model_type} model "
+            f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
+        )
+    state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
+    model.load_state_dict(state, assign=True)
+    # The rotary buffer was built on the meta device; rebuild it for real.
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.eval()
+

@@ -1,0 +1,82 @@
+"""Sampling parameters of one request, validated where they enter the system."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+MAX_SEED = 2**63 - 1
+
+
+class InvalidParams(ValueError):
+    """A request's sampling parameters are out of range or of the wrong type."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` means greedy (argmax).
+
+    ``top_k == 0`` and ``top_p == 1.0`` disable those filters. ``seed`` fixes every random
+    number the request uses (see ``specdec.uniform``); the broker draws one when it is absent,
+    so a request's randomness never depends on which worker runs it.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        return d
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> SamplingParams:
+        if not isinstance(raw, dict):
+            raise InvalidParams("params must be an object")
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidParams(f"unknown parameters: {sorted(unknown)}")
+        raw = dict(raw)
+        stop = raw.pop("stop", ()) or ()
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise InvalidParams("stop must be a string or a list of non-empty strings")
+        params = cls(stop=tuple(stop), **raw)
+        params.validate()
+        return params
+
+    def validate(self, max_new_tokens_limit: int | None = None) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise InvalidParams(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
+            raise InvalidParams(f"max_new_tokens {self.max_new_tokens} exceeds the limit {max_new_tokens_limit}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0 or t > 100:
+            raise InvalidParams(f"temperature must be a finite number in [0, 100], got {t!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise InvalidParams(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p) or not 0 < p <= 1:
+            raise InvalidParams(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidParams(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):
+            raise InvalidParams(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidParams("ignore_eos must be a boolean")

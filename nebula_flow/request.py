@@ -1,0 +1,78 @@
+"""Broker-side state of one request: its tokens, its round in progress, its stop rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nebula_flow.params import SamplingParams
+
+# The phase of a request says which topic its next task sits on.
+DRAFT, VERIFY, ROUND, DONE = "draft", "verify", "round", "done"
+
+
+@dataclass
+class Request:
+    """One generation in the broker's pool. ``owner`` is opaque to the policy (the client)."""
+
+    rid: int
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    owner: Any = None
+    output: list[int] = field(default_factory=list)
+    phase: str = DRAFT
+    round: int = 0
+    attempt: int = 0
+    k: int = 0  # draft tokens asked for in the current round
+    slot: int | None = None  # the pair / colocated worker a request is bound to, if any
+    draft: list[int] = field(default_factory=list)
+    q: dict[str, Any] = field(default_factory=dict)  # q_idx, q_prob, q_len of the draft
+    holders: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (worker, valid)
+    tokens_per_round: list[int] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    t_submit: float = 0.0
+    t_first: float | None = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Committed tokens, prompt first: what every task's KV must cover."""
+        return np.asarray(self.prompt + self.output, dtype=np.int32)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output)
+
+    def commit(self, committed: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+        """Append a verify's tokens, cut at EOS and max_new_tokens; returns what was kept."""
+        kept = committed[: self.remaining]
+        if not self.params.ignore_eos:
+            for i, t in enumerate(kept):
+                if t in eos_ids:
+                    kept = kept[: i + 1]
+                    self.finish_reason = "stop"
+                    break
+        self.output.extend(kept)
+        self.tokens_per_round.append(len(kept))
+        if self.finish_reason is None and self.remaining <= 0:
+            self.finish_reason = "length"
+        return kept
+
+    def stats(self) -> dict[str, Any]:
+        rounds = len(self.tokens_per_round)
+        return {
+            "rounds": rounds,
+            "tokens_per_round": self.tokens_per_round,
+            "mean_tokens_per_round": (len(self.output) / rounds) if rounds else 0.0,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "prompt_tokens": len(self.prompt),
+            "output_tokens": len(self.output),
+            "seed": self.seed,
+        }

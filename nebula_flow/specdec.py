@@ -1,0 +1,131 @@
+"""Speculative decoding math: the draft's proposal and the target's verification.
+
+Lossless by construction:
+
+* Greedy (temperature 0): the draft proposes argmax tokens; the target accepts the longest
+  prefix equal to its own argmax and appends its own argmax at the first mismatch (or after
+  the last draft token). The output is the target's greedy output, token for token.
+* Sampling: standard speculative rejection sampling. The draft samples token x from a
+  proposal q and ships q (sparse: its top-P entries, renormalised). The verifier accepts x
+  with probability min(1, p(x)/q(x)); on rejection it samples from norm(max(0, p - q)); if all
+  drafts pass it samples a bonus token from p. Because the verifier uses exactly the q the
+  draft sampled from, the output follows p exactly, whatever q is.
+
+Every random number is ``uniform(seed, position, stream)``: a pure function of the request's
+seed, the absolute position of the token being decided and what it decides. No worker RNG
+state is involved, so the output is the same whatever worker, batch or mode runs the round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nebula_flow.params import SamplingParams
+
+STREAM_DRAFT = 1  # the draft's choice of a proposal token
+STREAM_ACCEPT = 2  # the accept/reject test of a proposal token
+STREAM_RESAMPLE = 3  # sampling a correction or bonus token from the target
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int, stream: int) -> float:
+    """A uniform number in [0, 1) determined by (seed, position, stream) alone."""
+    h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ stream)
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Rows of logits -> the sampling distribution (temperature, then top-k, then top-p), fp64."""
+    scores = logits.double() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - params.top_p
+        drop[..., -1] = False  # always keep the most likely token
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return scores.softmax(-1)
+
+
+def sample_index(probs: torch.Tensor | np.ndarray, u: float) -> int:
+    """Inverse-CDF sample from unnormalised non-negative weights with the uniform ``u``."""
+    cdf = np.cumsum(np.asarray(probs, dtype=np.float64))
+    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return min(idx, int(np.flatnonzero(np.asarray(probs) > 0)[-1]))
+
+
+def normalize_proposal(q_prob: np.ndarray) -> np.ndarray:
+    """The exact fp64 proposal both sides use, derived from the fp32 values on the wire."""
+    q = np.asarray(q_prob, dtype=np.float64)
+    return q / q.sum()
+
+
+def propose(
+    logits: torch.Tensor, params: SamplingParams, seed: int, position: int, proposal_top_k: int,
+) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+    """Pick the draft token for ``position`` from one row of draft logits.
+
+    Returns (token, q_idx, q_prob); q is None for greedy. With sampling, q is the draft's
+    distribution cut to its ``proposal_top_k`` most likely tokens (fp32 on the wire).
+    """
+    if params.greedy:
+        return int(torch.argmax(logits)), None, None
+    p = target_probs(logits, params)
+    top = torch.topk(p, min(proposal_top_k, p.shape[-1]))
+    q_prob = top.values.float().numpy()
+    q_idx = top.indices.to(torch.int32).numpy()
+    keep = q_prob > 0
+    q_prob, q_idx = q_prob[keep], q_idx[keep]
+    pick = sample_index(normalize_proposal(q_prob), uniform(seed, position, STREAM_DRAFT))
+    return int(q_idx[pick]), q_idx, q_prob
+
+
+def verify(
+    logits: torch.Tensor, draft: list[int], q_idx: list[np.ndarray] | None,
+    q_prob: list[np.ndarray] | None, params: SamplingParams, seed: int, position: int,
+) -> list[int]:
+    """Decide the tokens a round commits: accepted drafts plus one correction/bonus token.
+
+    ``logits`` holds len(draft)+1 target rows: row i scores the token at ``position + i``
+    (row 0 follows the last committed token). Returns between 1 and len(draft)+1 tokens.
+    """
+    vocab = logits.shape[-1]
+    if params.greedy:
+        best = torch.argmax(logits, dim=-1).tolist()
+        out = []
+        for i, x in enumerate(draft):
+            if x != best[i]:
+                break
+            out.append(x)
+        out.append(best[len(out)])
+        return out
+    p = target_probs(logits, params).numpy()
+    out = []
+    for i, x in enumerate(draft):
+        q = np.zeros(vocab, dtype=np.float64)
+        idx = np.asarray(q_idx[i], dtype=np.int64)
+        inside = idx < vocab  # a draft with a padded vocabulary may propose ids the target lacks
+        q[idx[inside]] = normalize_proposal(q_prob[i])[inside]
+        px = p[i, x] if x < vocab else 0.0
+        if uniform(seed, position + i, STREAM_ACCEPT) * q[x if x < vocab else 0] < px:
+            out.append(x)
+            continue
+        residual = np.maximum(p[i] - q, 0.0)
+        if residual.sum() <= 0:  # p == q up to rounding: any sample from p is exact
+            residual = p[i]
+        out.append(sample_index(residual, uniform(seed, position + i, STREAM_RESAMPLE)))
+        return out
+    k = len(draft)
+    out.append(sample_index(p[k], uniform(seed, position + k, STREAM_RESAMPLE)))
+    return out

@@ -1,0 +1,1 @@
+"""The worker process: pull loop (``worker``) and model runner (``runner``)."""

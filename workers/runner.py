@@ -1,0 +1,94 @@
+"""The model runner: runs a batch of draft, verify or whole-round tasks on one device.
+
+No sockets here: the worker loop hands it decoded tasks and sends back what it returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nebula_flow import specdec
+from nebula_flow.kv.store import KVStore
+from nebula_flow.models.llama import CausalLM
+from nebula_flow.params import SamplingParams
+
+
+@dataclass
+class Task:
+    """A decoded task (see ``protocol.TASK_FIELDS``)."""
+
+    rid: int
+    kind: str
+    round: int
+    attempt: int
+    tokens: np.ndarray
+    k: int
+    params: SamplingParams
+    seed: int
+    draft: list[int] = field(default_factory=list)
+    q_idx: list[np.ndarray] | None = None
+    q_prob: list[np.ndarray] | None = None
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    q_idx: list[np.ndarray] | None
+    q_prob: list[np.ndarray] | None
+
+
+class ModelRunner:
+    """One model plus its KV store. ``busy_s`` accumulates time spent in forward passes."""
+
+    def __init__(self, model: CausalLM, *, proposal_top_k: int = 16, max_kv_tokens: int = 1 << 20) -> None:
+        self.model = model
+        self.store = KVStore(model, max_kv_tokens)
+        self.proposal_top_k = proposal_top_k
+        self.busy_s = 0.0
+        self.forwards = 0
+
+    def _forward(self, caches, new_tokens, rows):  # noqa: ANN001, ANN202 - internal
+        t0 = time.perf_counter()
+        out = self.model(caches, new_tokens, rows)
+        self.busy_s += time.perf_counter() - t0
+        self.forwards += 1
+        return out
+
+    def draft(self, tasks: list[Task]) -> list[Draft]:
+        """Propose ``task.k`` tokens per task, one forward per draft position for the batch."""
+        caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
+        drafts = [Draft([], None if t.params.greedy else [], None if t.params.greedy else []) for t in tasks]
+        new = [t.tokens[c.length:].tolist() for t, c in zip(tasks, caches)]
+        active = [i for i, t in enumerate(tasks) if t.k > 0]
+        step = 0
+        while active:
+            logits = self._forward([caches[i] for i in active], [new[i] for i in active], [1] * len(active))
+            for i, row in zip(active, logits):
+                t = tasks[i]
+                tok, q_idx, q_prob = specdec.propose(row[0], t.params, t.seed, len(t.tokens) + step, self.proposal_top_k)
+                drafts[i].tokens.append(tok)
+                if q_idx is not None:
+                    drafts[i].q_idx.append(q_idx)
+                    drafts[i].q_prob.append(q_prob)
+                new[i] = [tok]
+            step += 1
+            active = [i for i in active if tasks[i].k > step]
+        self.store.evict(protect={t.rid for t in tasks})
+        return drafts
+
+    def verify(self, tasks: list[Task]) -> list[list[int]]:
+        """Score each task's drafts in one forward; returns the committed tokens per task."""
+        caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
+        new = [t.tokens[c.length:].tolist() + t.draft for t, c in zip(tasks, caches)]
+        logits = self._forward(caches, new, [len(t.draft) + 1 for t in tasks])
+        out = []
+        for t, c, rows in zip(tasks, caches, logits):
+            committed = specdec.verify(rows, t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens))
+            # Keep the KV of the accepted drafts; the rejected suffix is rolled back.
+            c.truncate(len(t.tokens) + len(committed) - 1)
+            out.append(committed)
+        self.store.evict(protect={t.rid for t in tasks})
+        return out

@@ -1,0 +1,226 @@
+"""The worker process: register, pull, compute, return results — pipelined.
+
+The main thread owns the ZeroMQ socket and never computes; a single compute thread runs the
+model (torch releases the GIL inside its kernels). So heartbeats flow while a batch runs, and
+the next batch's PULL goes out as soon as the current batch starts: one batch computing, one
+being fetched. A worker is stateless with respect to placement: it may get any task, and it
+recomputes whatever KV it lacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from nebula_flow import protocol
+from nebula_flow.models.loader import load_model
+from nebula_flow.params import InvalidParams, SamplingParams
+from nebula_flow.protocol import Message, ProtocolError
+from workers.runner import ModelRunner, Task
+
+log = logging.getLogger("nebula_flow.worker")
+ROLES = ("draft", "target", "colocated")
+
+
+@dataclass
+class WorkerOptions:
+    role: str
+    broker: str
+    model: str | None = None  # draft model for role draft, target model otherwise
+    draft_model: str | None = None  # colocated only
+    name: str = ""
+    capacity: int = 8
+    threads: int = 1
+    device: str = "cpu"
+    dtype: str | None = None
+    heartbeat_s: float = 1.0
+    max_kv_tokens: int = 1 << 20
+
+
+class Worker:
+    def __init__(self, opts: WorkerOptions) -> None:
+        if opts.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}")
+        if opts.model is None or (opts.role == "colocated" and opts.draft_model is None):
+            raise ValueError("--model is required (and --draft-model for a colocated worker)")
+        self.opts = opts
+        self.name = opts.name or f"{opts.role}-{os.getpid()}"
+        torch.set_num_threads(max(1, opts.threads))
+        self.target = self.draft = None
+        if opts.role == "draft":
+            self.draft = ModelRunner(load_model(opts.model, opts.device, opts.dtype), max_kv_tokens=opts.max_kv_tokens)
+        else:
+            self.target = ModelRunner(load_model(opts.model, opts.device, opts.dtype), max_kv_tokens=opts.max_kv_tokens)
+        if opts.role == "colocated":
+            self.draft = ModelRunner(load_model(opts.draft_model, opts.device, opts.dtype), max_kv_tokens=opts.max_kv_tokens)
+        self.runners = [r for r in (self.draft, self.target) if r is not None]
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.wake_r, self.wake_w = os.pipe()
+        self.stopping = False
+        self.errors = 0
+
+    # -- protocol --------------------------------------------------------------------------
+    def _model_facts(self) -> dict[str, Any]:
+        cfg = (self.target or self.draft).model.cfg
+        return {"vocab_size": cfg.vocab_size, "max_model_len": cfg.max_position_embeddings,
+                "path": str(self.opts.model)}
+
+    def _send(self, msg: Message) -> None:
+        self.sock.send_multipart(protocol.encode(msg), copy=False)
+        self.last_sent = time.monotonic()
+
+    def _register(self) -> None:
+        self._send(Message("REGISTER", {"role": self.opts.role, "name": self.name,
+                                        "capacity": self.opts.capacity, "model": self._model_facts()}))
+        self.registered = False
+
+    def _decode_tasks(self, msg: Message) -> list[Task]:
+        tasks = []
+        for raw in msg.header["tasks"]:
+            protocol.check_fields(raw, protocol.TASK_FIELDS, "task")
+            if raw["kind"] not in protocol.TASK_KINDS:
+                raise ProtocolError("malformed", f"unknown task kind {raw['kind']!r}")
+            try:
+                params = SamplingParams.from_wire(raw["params"])
+            except (InvalidParams, TypeError) as exc:
+                raise ProtocolError("invalid_params", str(exc)) from None
+            task = Task(raw["rid"], raw["kind"], raw["round"], raw["attempt"],
+                        np.asarray(msg.int_list(raw["tokens"], "tokens"), dtype=np.int64),
+                        raw["k"], params, raw["seed"], list(raw.get("draft") or []))
+            if len(task.tokens) == 0:
+                raise ProtocolError("malformed", "task has no tokens")
+            if raw.get("q_len") is not None:
+                task.q_idx, task.q_prob = protocol.split_q(msg, raw)
+            tasks.append(task)
+        return tasks
+
+    # -- compute (runs on the compute thread) -----------------------------------------------
+    def _compute(self, tasks: list[Task], frees: list[int]) -> tuple[Message, float]:
+        for r in self.runners:
+            r.store.free(frees)
+        busy0 = sum(r.busy_s for r in self.runners)
+        msg = Message("RESULT", {"results": [], "busy_s": 0.0})
+        by_kind: dict[str, list[Task]] = {}
+        for t in tasks:
+            by_kind.setdefault(t.kind, []).append(t)
+        results = msg.header["results"]
+        for kind, group in by_kind.items():
+            heads = [{"rid": t.rid, "kind": t.kind, "round": t.round, "attempt": t.attempt} for t in group]
+            try:
+                if kind == "draft" and self.draft:
+                    for h, d in zip(heads, self.draft.draft(group)):
+                        h["draft"] = d.tokens
+                        protocol.attach_q(msg, h, d.q_idx, d.q_prob)
+                elif kind == "verify" and self.target and self.opts.role != "draft":
+                    for h, committed in zip(heads, self.target.verify(group)):
+                        h["committed"] = committed
+                elif kind == "round" and self.opts.role == "colocated":
+                    drafts = self.draft.draft([t for t in group if t.k > 0])
+                    it = iter(drafts)
+                    for t in group:
+                        if t.k > 0:
+                            d = next(it)
+                            t.draft, t.q_idx, t.q_prob = d.tokens, d.q_idx, d.q_prob
+                    for h, t, committed in zip(heads, group, self.target.verify(group)):
+                        h["committed"], h["proposed"] = committed, len(t.draft)
+                else:
+                    raise ProtocolError("wrong_role", f"a {self.opts.role} worker cannot run {kind} tasks")
+            except ProtocolError as exc:
+                for h in heads:
+                    h["error"] = exc.message
+            results.extend(heads)
+        busy = sum(r.busy_s for r in self.runners) - busy0
+        msg.header["busy_s"] = busy
+        return msg, busy
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self) -> int:
+        ctx = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(self.opts.broker)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.wake_r, zmq.POLLIN)
+        self._register()
+        computing: Future | None = None
+        pending: list[Task] | None = None
+        pull_out, frees = False, []
+        while True:
+            if self.stopping and computing is None:
+                if self.registered:
+                    self._send(Message("BYE"))
+                break
+            if self.registered and not self.stopping:
+                if computing is None and pending:
+                    computing = self.executor.submit(self._compute, pending, frees)
+                    computing.add_done_callback(lambda _f: os.write(self.wake_w, b"x"))
+                    pending, frees = None, []
+                if pending is None and not pull_out:
+                    self._send(Message("PULL", {"credits": self.opts.capacity, "idle": computing is None}))
+                    pull_out = True
+            if time.monotonic() - self.last_sent > self.opts.heartbeat_s:
+                self._send(Message("HEARTBEAT"))
+            events = dict(poller.poll(timeout=int(self.opts.heartbeat_s * 1000)))
+            if self.wake_r in events:
+                os.read(self.wake_r, 64)
+            if computing is not None and computing.done():
+                try:
+                    result, _ = computing.result()
+                    self._send(result)
+                except Exception:  # a bug in compute must not kill the worker silently
+                    log.exception("batch failed")
+                    self.errors += 1
+                computing = None
+            if self.sock in events:
+                frames = self.sock.recv_multipart(copy=False)
+                try:
+                    msg = protocol.decode(frames)
+                except ProtocolError as exc:
+                    self.errors += 1
+                    log.warning("dropped a malformed message from the broker: %s", exc)
+                    continue
+                if msg.kind == "WELCOME":
+                    self.registered, pull_out = True, False
+                    log.info("%s registered as worker %d (slot %d, mode %s)", self.name,
+                             msg.header["worker_id"], msg.header["slot"], msg.header["mode"])
+                    for r in self.runners:
+                        r.proposal_top_k = int(msg.header["settings"].get("proposal_top_k", r.proposal_top_k))
+                elif msg.kind == "TASKS":
+                    pull_out = False
+                    try:
+                        pending = (pending or []) + self._decode_tasks(msg)
+                    except ProtocolError as exc:
+                        self.errors += 1
+                        log.warning("bad task batch from the broker: %s", exc)
+                elif msg.kind == "FREE":
+                    frees.extend(int(r) for r in msg.header["rids"] if isinstance(r, int))
+                elif msg.kind == "ERROR":
+                    if msg.header["code"] == "unknown_worker":  # the broker restarted: join again
+                        pull_out = False
+                        self._register()
+                    else:
+                        log.warning("broker error: %s", msg.header["message"])
+        self.executor.shutdown(wait=True)
+        self.sock.close()
+        return 0
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.stopping = True
+        os.write(self.wake_w, b"x")
+
+
+def serve_worker(opts: WorkerOptions) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {opts.role} %(levelname)s %(message)s")
+    return Worker(opts).run()
