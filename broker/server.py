@@ -219,6 +219,8 @@ class Broker:
                         self._reject(self.peers, identity, exc.code, exc.message)
             elif msg.kind == "BYE":
                 self._drop_worker(wid, "left")
+            elif msg.kind == "ERROR":  # a worker rejected something we sent it
+                self.errors[f"worker_reported_{msg.header['code']}"] += 1
             elif msg.kind != "HEARTBEAT":
                 raise ProtocolError("unexpected_kind", f"{msg.kind} is not a worker message")
         except ProtocolError as exc:

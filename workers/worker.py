@@ -84,24 +84,48 @@ class Worker:
         self.registered = False
 
     def _decode_tasks(self, msg: Message) -> list[Task]:
-        tasks = []
+        """Decode a TASKS batch. A bad task is answered with an error result for its request
+        (so the broker ends that request instead of waiting); the good ones still run."""
+        tasks, failed = [], Message("RESULT", {"results": [], "busy_s": 0.0})
         for raw in msg.header["tasks"]:
-            protocol.check_fields(raw, protocol.TASK_FIELDS, "task")
-            if raw["kind"] not in protocol.TASK_KINDS:
-                raise ProtocolError("malformed", f"unknown task kind {raw['kind']!r}")
             try:
-                params = SamplingParams.from_wire(raw["params"])
-            except (InvalidParams, TypeError) as exc:
-                raise ProtocolError("invalid_params", str(exc)) from None
-            task = Task(raw["rid"], raw["kind"], raw["round"], raw["attempt"],
-                        np.asarray(msg.int_list(raw["tokens"], "tokens"), dtype=np.int64),
-                        raw["k"], params, raw["seed"], list(raw.get("draft") or []))
-            if len(task.tokens) == 0:
-                raise ProtocolError("malformed", "task has no tokens")
-            if raw.get("q_len") is not None:
-                task.q_idx, task.q_prob = protocol.split_q(msg, raw)
-            tasks.append(task)
+                tasks.append(self._decode_task(msg, raw))
+            except ProtocolError as exc:
+                head = {k: raw.get(k) for k in ("rid", "kind", "round", "attempt")} if isinstance(raw, dict) else {}
+                try:
+                    protocol.check_fields(head, {"rid": int, "kind": str, "round": int, "attempt": int}, "task")
+                except ProtocolError:
+                    self._complain(exc)
+                    continue
+                self.errors += 1
+                failed.header["results"].append(dict(head, error=f"{exc.code}: {exc.message}"))
+        if failed.header["results"]:
+            self._send(failed)
         return tasks
+
+    def _decode_task(self, msg: Message, raw: Any) -> Task:
+        protocol.check_fields(raw, protocol.TASK_FIELDS, "task")
+        if raw["kind"] not in protocol.TASK_KINDS:
+            raise ProtocolError("malformed", f"unknown task kind {raw['kind']!r}")
+        try:
+            params = SamplingParams.from_wire(raw["params"])
+        except (InvalidParams, TypeError) as exc:
+            raise ProtocolError("invalid_params", str(exc)) from None
+        task = Task(raw["rid"], raw["kind"], raw["round"], raw["attempt"],
+                    np.asarray(msg.int_list(raw["tokens"], "tokens"), dtype=np.int64),
+                    raw["k"], params, raw["seed"], list(raw.get("draft") or []))
+        vocab = (self.target or self.draft).model.cfg.vocab_size
+        if len(task.tokens) == 0 or task.tokens.min() < 0 or task.tokens.max() >= vocab:
+            raise ProtocolError("malformed", f"task tokens must be a non-empty list of ids below {vocab}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in task.draft):
+            raise ProtocolError("malformed", "draft must be a list of token ids")
+        if not 0 <= task.k <= 64 or len(task.draft) > 64:
+            raise ProtocolError("malformed", "k and draft length must be in 0..64")
+        if raw.get("q_len") is not None:
+            task.q_idx, task.q_prob = protocol.split_q(msg, raw)
+        elif task.draft and not params.greedy:
+            raise ProtocolError("malformed", "a sampled draft needs its proposal q")
+        return task
 
     # -- compute (runs on the compute thread) -----------------------------------------------
     def _compute(self, tasks: list[Task], frees: list[int]) -> tuple[Message, float]:
@@ -134,9 +158,10 @@ class Worker:
                         h["committed"], h["proposed"] = committed, len(t.draft)
                 else:
                     raise ProtocolError("wrong_role", f"a {self.opts.role} worker cannot run {kind} tasks")
-            except ProtocolError as exc:
+            except Exception as exc:  # fail these requests clearly rather than leave them hanging
+                log.exception("%s batch failed", kind)
                 for h in heads:
-                    h["error"] = exc.message
+                    h["error"] = f"{type(exc).__name__}: {exc}"
             results.extend(heads)
         busy = sum(r.busy_s for r in self.runners) - busy0
         msg.header["busy_s"] = busy
@@ -188,8 +213,7 @@ class Worker:
                 try:
                     msg = protocol.decode(frames)
                 except ProtocolError as exc:
-                    self.errors += 1
-                    log.warning("dropped a malformed message from the broker: %s", exc)
+                    self._complain(exc)
                     continue
                 if msg.kind == "WELCOME":
                     self.registered, pull_out = True, False
@@ -202,8 +226,7 @@ class Worker:
                     try:
                         pending = (pending or []) + self._decode_tasks(msg)
                     except ProtocolError as exc:
-                        self.errors += 1
-                        log.warning("bad task batch from the broker: %s", exc)
+                        self._complain(exc)
                 elif msg.kind == "FREE":
                     frees.extend(int(r) for r in msg.header["rids"] if isinstance(r, int))
                 elif msg.kind == "ERROR":
@@ -215,6 +238,12 @@ class Worker:
         self.executor.shutdown(wait=True)
         self.sock.close()
         return 0
+
+    def _complain(self, exc: ProtocolError) -> None:
+        """Count a malformed message and tell the broker, which counts it too."""
+        self.errors += 1
+        log.warning("rejected a message from the broker: %s", exc)
+        self._send(protocol.error(exc.code, exc.message))
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stopping = True

@@ -1,0 +1,52 @@
+"""Shared fixtures: the project's tiny model pair, HF references, live deployments."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from nebula_flow.config import DeployConfig, PoolConfig
+from nebula_flow.tiny import build_tiny_pair
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built once per test session; deterministic (seeded) weights and tokenizer."""
+    return build_tiny_pair(tmp_path_factory.mktemp("tiny-pair"))
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: HF transformers alone, greedy, stopping at EOS like ``generate`` does."""
+
+    model = _hf_model(str(model_dir))
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+_HF_CACHE: dict[str, object] = {}
+
+
+def _hf_model(path: str):  # noqa: ANN202
+    from transformers import AutoModelForCausalLM
+
+    if path not in _HF_CACHE:
+        _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path).eval()
+    return _HF_CACHE[path]
+
+
+def deploy_config(pair: Path, mode: str, draft_workers: int = 1, target_workers: int = 1, k: int = 4,
+                  max_batch: int = 8) -> DeployConfig:
+    cfg = DeployConfig(mode=mode, draft=PoolConfig(str(pair / "draft"), draft_workers, max_batch, threads=1),
+                       target=PoolConfig(str(pair / "target"), target_workers, max_batch, threads=1))
+    cfg.broker.client_port = cfg.broker.worker_port = 0  # free ports
+    cfg.broker.k = k
+    return cfg
+
+
+# Many processes share 2 cores in CI: keep torch in each to one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)

@@ -1,0 +1,84 @@
+"""The runtime's logits equal HF transformers' for every supported family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from nebula_flow.models import ModelConfigError, load_model
+
+COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+FAMILIES = {
+    "llama2": lambda: LlamaConfig(**COMMON),
+    "llama3-rope-scaling": lambda: LlamaConfig(**COMMON, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama-linear-rope": lambda: LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "llama-mha-bias": lambda: LlamaConfig(**dict(COMMON, num_key_value_heads=4), attention_bias=True),
+    "qwen2": lambda: Qwen2Config(**COMMON),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
+    "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=6),
+    "smollm-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def pair(request, tmp_path_factory):  # noqa: ANN001, ANN201
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(FAMILIES[request.param]()).eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are far from uniform
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, load_model(path)
+
+
+def _ref(hf, ids: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    with torch.no_grad():
+        return hf(ids[None]).logits[0]
+
+
+def test_prefill_matches_hf(pair) -> None:  # noqa: ANN001
+    hf, model = pair
+    ids = torch.randint(0, 101, (19,), generator=torch.Generator().manual_seed(1))
+    got = model([model.new_cache()], [ids.tolist()], [19])[0]
+    torch.testing.assert_close(got, _ref(hf, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_ragged_batch_and_decode_with_cache_match_hf(pair) -> None:  # noqa: ANN001
+    hf, model = pair
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 101, (n,), generator=g) for n in (3, 17, 9)]
+    caches = [model.new_cache(capacity=4) for _ in seqs]  # small capacity: exercises growth
+    # Ragged step: different prefill lengths in one call.
+    first = model(caches, [s[:-2].tolist() for s in seqs], [len(s) - 2 for s in seqs])
+    # Then a ragged continuation: 1 token (decode) and 2 tokens (verify-like) on the caches.
+    second = model(caches, [s[-2:-1].tolist() for s in seqs[:2]] + [seqs[2][-2:].tolist()], [1, 1, 2])
+    third = model(caches[:2], [s[-1:].tolist() for s in seqs[:2]], [1, 1])
+    for i, s in enumerate(seqs):
+        ref = _ref(hf, s)
+        got = torch.cat([first[i], second[i], third[i]]) if i < 2 else torch.cat([first[i], second[i]])
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_rollback_then_recompute_is_exact(pair) -> None:  # noqa: ANN001
+    hf, model = pair
+    ids = torch.randint(0, 101, (12,), generator=torch.Generator().manual_seed(3))
+    other = (ids[8:] + 1) % 101
+    cache = model.new_cache()
+    model([cache], [ids[:8].tolist() + other.tolist()], [1])  # a rejected suffix
+    cache.truncate(8)
+    got = model([cache], [ids[8:].tolist()], [4])[0]
+    torch.testing.assert_close(got, _ref(hf, ids)[8:], rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_family_and_missing_dir_are_clear_errors(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(ModelConfigError, match="model directory not found"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ModelConfigError, match="unsupported model_type 'gpt2'"):
+        load_model(tmp_path)

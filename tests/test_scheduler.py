@@ -1,0 +1,113 @@
+"""The pure scheduling policy, driven without sockets or clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from nebula_flow.params import SamplingParams
+from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
+from nebula_flow.scheduler import Scheduler
+
+
+def req(rid: int, max_new: int = 16) -> Request:
+    return Request(rid, str(rid), [1, 2, 3], SamplingParams(max_new_tokens=max_new), seed=rid)
+
+
+def test_pooled_any_worker_takes_any_task_and_rounds_flow() -> None:
+    s = Scheduler("pooled", k=4)
+    s.register(1, "draft", 4)
+    s.register(2, "target", 4)
+    for rid in range(3):
+        s.admit(req(rid))
+    s.pull(1, 2, True, now=0.0)
+    [(wid, batch)] = s.dispatch()
+    assert wid == 1 and [r.rid for r in batch] == [0, 1] and all(r.phase == DRAFT for r in batch)
+    s.draft_done(batch[0], 1, [5, 6, 7, 8], {})
+    assert batch[0].phase == VERIFY and s.topics["target"] == s.topics["target"].__class__([0])
+    s.pull(2, 4, True, now=1.0)
+    [(wid, vbatch)] = s.dispatch()
+    assert wid == 2 and vbatch == [batch[0]]
+    s.verify_done(vbatch[0], 2, accepted=2)
+    assert vbatch[0].holders["target"] == (2, 5) and vbatch[0].holders["draft"] == (1, 5)
+
+
+def test_a_waiting_pull_is_served_when_tasks_arrive_and_idle_workers_come_first() -> None:
+    s = Scheduler("pooled", k=4)
+    s.register(1, "draft", 1)
+    s.register(2, "draft", 1)
+    s.pull(1, 1, idle=False, now=0.0)  # worker 1 is prefetching behind a running batch
+    s.pull(2, 1, idle=True, now=1.0)
+    assert s.dispatch() == []
+    s.admit(req(0))
+    [(wid, _)] = s.dispatch()
+    assert wid == 2
+
+
+def test_paired_binds_requests_to_pairs() -> None:
+    s = Scheduler("paired", k=2)
+    for wid, role in [(1, "draft"), (2, "draft"), (3, "target"), (4, "target")]:
+        s.register(wid, role, 8)
+    for rid in range(4):
+        s.admit(req(rid))
+    assert sorted(r.slot for r in s.requests.values()) == [0, 0, 1, 1]
+    s.pull(1, 8, True, 0.0)
+    [(wid, batch)] = s.dispatch()
+    assert all(r.slot == s.workers[1].slot for r in batch) and len(batch) == 2
+    for r in batch:
+        s.draft_done(r, 1, [9, 9], {})
+    s.pull(4, 8, True, 1.0)  # target of the other pair: must not take pair 0's verifies
+    assert s.dispatch() == []
+    s.pull(3, 8, True, 2.0)
+    [(wid, vbatch)] = s.dispatch()
+    assert wid == 3 and len(vbatch) == 2
+
+
+def test_colocated_runs_whole_rounds_and_autoregressive_has_no_draft() -> None:
+    s = Scheduler("colocated", k=3)
+    s.register(1, "colocated", 4)
+    s.admit(req(0))
+    assert s.requests[0].phase == ROUND and s.requests[0].k == 3
+    a = Scheduler("autoregressive", k=3)
+    a.register(1, "target", 4)
+    a.admit(req(0))
+    assert a.requests[0].phase == VERIFY and a.requests[0].k == 0
+    with pytest.raises(ValueError, match="no 'draft' workers"):
+        a.register(2, "draft", 4)
+
+
+def test_k_shrinks_near_max_new_tokens() -> None:
+    s = Scheduler("pooled", k=4)
+    r = req(0, max_new=3)
+    s.admit(r)
+    assert r.k == 2  # the verify's correction/bonus token is the third
+    r.output = [1, 2]
+    s.finish(0)
+    r2 = req(1, max_new=1)
+    s.admit(r2)
+    assert r2.k == 0 and r2.phase == VERIFY
+
+
+def test_dead_worker_tasks_are_requeued_and_late_results_are_stale() -> None:
+    s = Scheduler("pooled", k=4)
+    s.register(1, "draft", 4)
+    s.register(2, "draft", 4)
+    s.admit(req(0))
+    s.pull(1, 4, True, 0.0)
+    [(_, [r])] = s.dispatch()
+    first_attempt = r.attempt
+    assert s.unregister(1) == [0]
+    s.pull(2, 4, True, 1.0)
+    [(wid, [again])] = s.dispatch()
+    assert wid == 2 and again.attempt == first_attempt + 1
+    assert s.accepts_result(1, 0, first_attempt, DRAFT) is None  # the dead worker's late result
+    assert s.accepts_result(2, 0, first_attempt, DRAFT) is None  # an old attempt
+    assert s.accepts_result(2, 0, again.attempt, DRAFT) is again
+
+
+def test_finish_removes_a_request_from_its_topic() -> None:
+    s = Scheduler("pooled", k=4)
+    s.admit(req(0))
+    s.admit(req(1))
+    done = s.finish(0)
+    assert done.phase == DONE and list(s.topics["draft"]) == [1]
+    assert s.finish(0) is None

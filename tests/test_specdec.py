@@ -1,0 +1,119 @@
+"""Speculative decoding math: determinism, greedy rules, and exactness of sampled output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nebula_flow import specdec
+from nebula_flow.models.config import ModelConfig
+from nebula_flow.models.llama import CausalLM
+from nebula_flow.params import SamplingParams
+from nebula_flow.tiny import _config, _init_target
+from workers.runner import ModelRunner, Task
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Chi-square quantile at p = 0.001 (Wilson-Hilferty). Seeds are fixed: no flakiness."""
+    a = 2.0 / (9.0 * df)
+    return df * (1 - a + z * a**0.5) ** 3
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token the target gives probability 0"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_uniform_is_a_pure_function_in_range() -> None:
+    a = [specdec.uniform(7, pos, s) for pos in range(200) for s in (1, 2, 3)]
+    assert a == [specdec.uniform(7, pos, s) for pos in range(200) for s in (1, 2, 3)]
+    assert all(0.0 <= u < 1.0 for u in a)
+    assert len(set(a)) == len(a)
+    assert specdec.uniform(8, 0, 1) != specdec.uniform(7, 0, 1)
+    assert abs(np.mean(a) - 0.5) < 0.05
+
+
+def test_target_probs_applies_temperature_top_k_top_p() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = specdec.target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (p[0, 2:] == 0).all() and torch.isclose(p[0, :2].sum(), torch.tensor(1.0, dtype=torch.float64))
+    p = specdec.target_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    full = torch.softmax(logits.double(), -1)[0]
+    assert full[0] < 0.7 < full[0] + full[1]
+    assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()
+    cold = specdec.target_probs(logits, SamplingParams(temperature=0.1))
+    assert cold[0, 0] > 0.99
+
+
+def test_greedy_verify_accepts_the_matching_prefix_and_corrects() -> None:
+    logits = torch.full((4, 10), -1.0)
+    for row, best in enumerate([3, 5, 7, 9]):
+        logits[row, best] = 1.0
+    greedy = SamplingParams()
+    assert specdec.verify(logits, [3, 5, 7], None, None, greedy, 0, 0) == [3, 5, 7, 9]  # all + bonus
+    assert specdec.verify(logits, [3, 6, 7], None, None, greedy, 0, 0) == [3, 5]  # correction
+    assert specdec.verify(logits[:1], [], None, None, greedy, 0, 0) == [3]  # no draft: plain decode
+
+
+def test_rejection_sampling_with_truncated_proposal_follows_the_target() -> None:
+    """One draft position, q cut to its top 3 of 6 tokens: the committed token follows p."""
+    g = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(2, 6, generator=g) * 1.5
+    draft_logits = torch.randn(6, generator=g) * 1.5
+    params = SamplingParams(temperature=1.0)
+    p = specdec.target_probs(target_logits[:1], params)[0].numpy()
+    counts = np.zeros(6)
+    accepted = 0
+    for seed in range(20000):
+        tok, q_idx, q_prob = specdec.propose(draft_logits, params, seed, 10, proposal_top_k=3)
+        assert tok in q_idx.tolist()
+        out = specdec.verify(target_logits, [tok], [q_idx], [q_prob], params, seed, 10)
+        counts[out[0]] += 1
+        accepted += len(out) == 2
+    assert 0 < accepted < 20000  # both paths ran
+    assert chi_square(counts, p) < chi2_critical(5)
+
+
+def _tiny_vocab_model(seed: int, layers: int) -> CausalLM:
+    model = CausalLM(ModelConfig.from_dict(dict(_config(8, layers, 0), max_position_embeddings=64)))
+    _init_target(model, torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, max_new_tokens=2),
+                                    SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_new_tokens=2)])
+def test_speculative_sampling_with_real_models_follows_the_target(params: SamplingParams) -> None:
+    """A tiny-vocabulary pair (independent random draft): the first two committed tokens of
+    many seeded requests follow the target's exact two-token distribution (chi-square)."""
+    target, draft = _tiny_vocab_model(1, 2), _tiny_vocab_model(2, 1)
+    prompt = np.array([1, 2, 3], dtype=np.int64)
+    with torch.no_grad():
+        cache = target.new_cache()
+        first = specdec.target_probs(target([cache], [prompt.tolist()], [1])[0], params)[0]
+        exact = np.zeros((8, 8))
+        for a in range(8):
+            c = target.new_cache()
+            row = target([c], [prompt.tolist() + [a]], [1])[0]
+            exact[a] = first[a].item() * specdec.target_probs(row, params)[0].numpy()
+    t_run, d_run = ModelRunner(target, proposal_top_k=4), ModelRunner(draft, proposal_top_k=4)
+    n = 6000
+    outputs: dict[int, list[int]] = {rid: [] for rid in range(n)}
+    for _ in range(2):  # at most two rounds are needed for two tokens
+        tasks = [Task(rid, "draft", 1, 1, np.concatenate([prompt, outputs[rid]]).astype(np.int64), 3, params, rid)
+                 for rid in range(n) if len(outputs[rid]) < 2]
+        if not tasks:
+            break
+        for start in range(0, len(tasks), 500):
+            batch = tasks[start:start + 500]
+            for t, d in zip(batch, d_run.draft(batch)):
+                t.draft, t.q_idx, t.q_prob = d.tokens, d.q_idx, d.q_prob
+            for t, committed in zip(batch, t_run.verify(batch)):
+                outputs[t.rid].extend(committed)
+    counts = np.zeros((8, 8))
+    for toks in outputs.values():
+        counts[toks[0], toks[1]] += 1
+    df = int((exact > 0).sum()) - 1
+    assert chi_square(counts.flatten(), exact.flatten() / exact.sum()) < chi2_critical(df)
