@@ -152,6 +152,7 @@ class Client:
         req_id = uuid.uuid4().hex
         self.sock.send_multipart(protocol.encode(build_submit(req_id, prompt, token_ids, chat, **params)), copy=False)
         col = _Collector()
+        finished = False
         try:
             while True:
                 msg = self._recv()
@@ -160,13 +161,15 @@ class Client:
                 if msg.kind == "TOKENS":
                     yield col.chunk(msg.header)
                 elif msg.kind == "DONE":
+                    finished = True
                     yield col.done(msg.header)
                     return
                 elif msg.kind == "ERROR":
+                    finished = True
                     _raise_error(msg.header)
-        except GeneratorExit:
-            self.sock.send_multipart(protocol.encode(Message("CANCEL", {"req_id": req_id})))
-            raise
+        finally:
+            if not finished:  # abandoned (or timed out): the broker should stop working on it
+                self.sock.send_multipart(protocol.encode(Message("CANCEL", {"req_id": req_id})))
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Run one request to the end; see ``SamplingParams`` for the keyword arguments."""

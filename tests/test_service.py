@@ -1,0 +1,228 @@
+"""The service as a user meets it: client library, errors, malformed input, CLI commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orjson
+import pytest
+import zmq
+from click.testing import CliRunner
+
+from nebula_flow import protocol
+from nebula_flow.cli import main
+from nebula_flow.client import Chunk, Client, Completion, RequestError, RequestTimeout
+from nebula_flow.deploy import Deployment, free_port
+from nebula_flow.protocol import Message
+from tests.conftest import deploy_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def live(tiny_pair):  # noqa: ANN001, ANN201
+    with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep:
+        yield dep
+
+
+def raw_socket(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(address)
+    return sock
+
+
+def test_stream_chunks_add_up_to_the_completion(live) -> None:  # noqa: ANN001
+    with Client(live.address) as c:
+        items = list(c.stream("def add(a, b):", max_new_tokens=20))
+    chunks, final = items[:-1], items[-1]
+    assert all(isinstance(x, Chunk) for x in chunks) and isinstance(final, Completion)
+    assert [t for ch in chunks for t in ch.token_ids] == final.token_ids
+    assert "".join(ch.text for ch in chunks) == final.text
+    assert len(final.token_ids) == 20 and final.finish_reason == "length"
+    assert final.rounds == len(chunks) == len(final.tokens_per_round)
+    assert 0 < final.ttft_s <= final.latency_s
+
+
+def test_stop_string_cuts_the_text(live) -> None:  # noqa: ANN001
+    with Client(live.address) as c:
+        full = c.generate("import os\n", max_new_tokens=30)
+        stop = full.text[5:8]
+        assert stop and stop not in full.text[:5]
+        cut = c.generate("import os\n", max_new_tokens=30, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+
+
+def test_chat_template_is_applied(live) -> None:  # noqa: ANN001
+    with Client(live.address) as c:
+        plain = c.generate("hello", max_new_tokens=4)
+        chat = c.generate("hello", max_new_tokens=4, chat=True)
+    assert chat.stats["prompt_tokens"] > plain.stats["prompt_tokens"]
+
+
+@pytest.mark.parametrize("kwargs, code", [
+    ({"prompt": "x", "max_new_tokens": 2000}, "too_long"),
+    ({"token_ids": [1, 99999]}, "invalid_prompt"),
+    ({"token_ids": []}, "invalid_prompt"),
+])
+def test_bad_requests_get_clear_errors(live, kwargs: dict, code: str) -> None:  # noqa: ANN001
+    with Client(live.address) as c:
+        with pytest.raises(RequestError) as err:
+            c.generate(**kwargs)
+        assert err.value.code == code
+        assert c.generate("still fine", max_new_tokens=3).token_ids  # and the service goes on
+
+
+def test_client_validates_parameters_before_sending(live) -> None:  # noqa: ANN001
+    with Client(live.address) as c, pytest.raises(ValueError, match="temperature"):
+        c.generate("x", temperature=float("nan"))
+
+
+def test_timeout_when_no_broker_answers() -> None:
+    with Client(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3) as c, pytest.raises(RequestTimeout):
+        c.generate("x")
+
+
+def test_cancel_frees_the_request(live) -> None:  # noqa: ANN001
+    with Client(live.address) as c:
+        before = c.status()["counters"].get("requests_cancelled", 0)
+        stream = c.stream("a long one", max_new_tokens=800, ignore_eos=True)
+        next(stream)
+        stream.close()  # abandoning a stream cancels the request
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            st = c.status()
+            if st["pool"] == 0 and st["counters"].get("requests_cancelled", 0) == before + 1:
+                break
+            time.sleep(0.1)
+        assert st["pool"] == 0 and st["counters"]["requests_cancelled"] == before + 1
+        assert len(c.generate("after cancel", max_new_tokens=5).token_ids) >= 1
+
+
+GARBAGE = [
+    [b"x"], [b"SUBMIT", b"{"], [b"SUBMIT", b"[]"], [b"SUBMIT", orjson.dumps({"v": 2})],
+    [b"NOPE", orjson.dumps({"v": 1})], [b"SUBMIT", orjson.dumps({"v": 1, "req_id": "a", "params": {}})],
+    [b"SUBMIT", orjson.dumps({"v": 1, "req_id": "b", "params": {"max_new_tokens": -4}, "prompt": "x"})],
+    [b"SUBMIT", orjson.dumps({"v": 1, "req_id": "c", "params": {}, "prompt_tokens": {"f": 0, "dtype": "int32", "shape": [9]}}), b"abc"],
+    [b"CANCEL", orjson.dumps({"v": 1, "req_id": "never"})],
+    [b"PULL", orjson.dumps({"v": 1, "credits": 1, "idle": True})],
+]
+
+
+def test_malformed_client_messages_are_answered_and_counted(live) -> None:  # noqa: ANN001
+    sock = raw_socket(live.address)
+    with Client(live.address) as c:
+        before = sum(c.status()["errors"].values())
+        for frames in GARBAGE:
+            sock.send_multipart(frames)
+            reply = protocol.decode(sock.recv_multipart())
+            assert reply.kind == "ERROR" and reply.header["code"]
+        after = c.status()["errors"]
+        assert sum(after.values()) - before >= len(GARBAGE)
+        assert c.generate("still serving", max_new_tokens=5).token_ids
+    sock.close()
+
+
+def test_malformed_worker_messages_are_answered_and_counted(live) -> None:  # noqa: ANN001
+    sock = raw_socket(live.cfg.broker.worker_address)
+    bad = [[b"RESULT", orjson.dumps({"v": 1, "results": [], "busy_s": 0})],  # not registered
+           [b"REGISTER", orjson.dumps({"v": 1, "role": "wizard", "name": "x", "capacity": 1, "model": {}})],
+           [b"REGISTER", orjson.dumps({"v": 1, "role": "draft", "name": "x", "capacity": 0, "model": {}})],
+           [b"garbage"], [b"PULL", b"\xff\xfe"]]
+    for frames in bad:
+        sock.send_multipart(frames)
+        reply = protocol.decode(sock.recv_multipart())
+        assert reply.kind == "ERROR"
+    sock.close()
+    with Client(live.address) as c:
+        errors = c.status()["errors"]
+        assert errors.get("unknown_worker", 0) >= 1 and errors.get("wrong_role", 0) >= 1
+        assert errors.get("invalid_params", 0) >= 1
+        assert c.generate("still serving", max_new_tokens=5).token_ids
+
+
+def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: ANN001
+    """A fake broker feeds a real worker process garbage, then a valid task it must run."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVTIMEO, 60_000)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "worker", "--role", "target",
+                             "--model", str(tiny_pair / "target"), "--broker", f"tcp://127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def recv_kind(kind: str) -> tuple[bytes, Message]:
+            while True:
+                ident, *frames = router.recv_multipart()
+                msg = protocol.decode(frames)
+                if msg.kind == kind:
+                    return ident, msg
+
+        ident, _ = recv_kind("REGISTER")
+        router.send_multipart([ident, *protocol.encode(Message("WELCOME", {"worker_id": 1, "slot": 0, "mode": "pooled", "settings": {}}))])
+        recv_kind("PULL")
+        task = {"rid": 7, "kind": "verify", "round": 1, "attempt": 1, "k": 0, "params": {"max_new_tokens": 4},
+                "seed": 1, "holder": {"worker": 0, "valid": 0}}
+        garbage = [[b"junk"], [b"TASKS", b"{"], [b"TASKS", orjson.dumps({"v": 1, "tasks": [{"rid": 1}]})],
+                   [b"TASKS", orjson.dumps({"v": 1, "tasks": [dict(task, tokens={"f": 0, "dtype": "int32", "shape": [50]})]}), b"short"]]
+        for frames in garbage:
+            router.send_multipart([ident, *frames])
+        errors = 0
+        while errors < 3:  # three are answered with ERROR, the last with an error result for rid 7
+            _, msg = recv_kind("ERROR")
+            errors += 1
+        _, failed = recv_kind("RESULT")
+        assert failed.header["results"][0]["rid"] == 7 and "error" in failed.header["results"][0]
+        good = Message("TASKS", {"tasks": []})
+        good.header["tasks"].append(dict(task, tokens=good.add_array(np.array([1, 2, 3], np.int32))))
+        router.send_multipart([ident, *protocol.encode(good)])
+        _, result = recv_kind("RESULT")
+        assert result.header["results"][0]["rid"] == 7 and len(result.header["results"][0]["committed"]) == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        router.close()
+
+
+def test_cli_generate_json_and_status(live) -> None:  # noqa: ANN001
+    runner = CliRunner()
+    res = runner.invoke(main, ["generate", "--broker", live.address, "--json", "--max-new-tokens", "8", "def f():"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert {"text", "token_ids", "rounds", "tokens_per_round", "ttft_s", "latency_s"} <= set(out)
+    assert len(out["token_ids"]) == 8 and out["rounds"] == len(out["tokens_per_round"])
+    res = runner.invoke(main, ["status", "--broker", live.address])
+    assert res.exit_code == 0 and "draft" in res.output and "target" in res.output
+    res = runner.invoke(main, ["generate", "--broker", live.address, "--temperature", "-1", "x"])
+    assert res.exit_code != 0 and "temperature" in res.output
+
+
+def test_serve_starts_prints_the_address_and_stops_cleanly(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'mode = "pooled"\n[draft]\nmodel = "{tiny_pair / "draft"}"\n[target]\nmodel = "{tiny_pair / "target"}"\n')
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ))
+    try:
+        address = proc.stdout.readline().strip()
+        assert address == f"tcp://127.0.0.1:{port}"
+        with Client(address) as c:
+            assert len(c.generate("hi", max_new_tokens=6).token_ids) >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_rejects_a_bad_config(tmp_path) -> None:  # noqa: ANN001
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('mode = "warp"\n[target]\nmodel = "x"\n')
+    res = CliRunner().invoke(main, ["serve", "--config", str(cfg)])
+    assert res.exit_code != 0 and "mode must be one of" in res.output
