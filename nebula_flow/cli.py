@@ -258,6 +258,42 @@ def status(address: str, as_json: bool) -> None:
         click.echo(f"errors {state['errors']}")
 
 
+@main.command()
+@click.option("--config", type=click.Path(), help="Deployment TOML (default: the bundled one).")
+@click.option("--modes", default="pooled,paired,colocated,autoregressive", show_default=True,
+              help="Comma-separated modes, measured in turn; ratios are against the first.")
+@click.option("--draft-workers", type=int, help="Override M.")
+@click.option("--target-workers", type=int, help="Override N.")
+@click.option("--concurrency", default=1, show_default=True, help="Concurrent requests (1 = single stream).")
+@click.option("--requests", "n_requests", default=8, show_default=True, help="Requests per repeat.")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True)
+@click.option("--repeats", default=3, show_default=True, help="Repeats per mode; figures are medians.")
+@click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
+def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
+          temperature, repeats, as_json) -> None:  # noqa: ANN001
+    """Benchmark the modes side by side on one config and workload (medians over repeats)."""
+    from nebula_flow.bench import DEFAULT_PROMPTS, Workload, bench_mode, table
+
+    names = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in names if m not in MODES]
+    if bad or not names:
+        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+    prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n_requests)]
+    wl = Workload(prompts, max_new_tokens, concurrency, temperature)
+    results = {}
+    for mode in names:
+        cfg = _apply_overrides(_load(config), mode, draft_workers, target_workers, None)
+        prepare_models(cfg)
+        click.echo(f"[bench] {mode}: {n_requests} requests x {max_new_tokens} tokens, concurrency {concurrency}, "
+                   f"{repeats} repeats", err=True)
+        results[mode] = bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True))
+    if as_json:
+        click.echo(json.dumps({"modes": results}))
+    else:
+        click.echo(table(results))
+
+
 @main.command("tiny-pair")
 @click.argument("out", type=click.Path(), default=None, required=False)
 def tiny_pair(out: str | None) -> None:

@@ -1,0 +1,116 @@
+"""Side-by-side benchmark of the modes on one configuration and one workload.
+
+Each mode is started in turn (same config, same devices), warmed up, then the workload is run
+``repeats`` times; every figure reported is the median over repeats, and ratios are taken
+against the first mode measured in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nebula_flow.client import AsyncClient, Client, Completion, RequestError
+from nebula_flow.config import DeployConfig
+from nebula_flow.deploy import Deployment
+
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):", "import os\n\ndef list_files(path):", "class Stack:\n    def __init__(self):",
+    "for i in range(10):\n", "def read_config(path):\n    with open(path) as f:", "# sort a list of numbers\n",
+    "The quick brown fox", "Once upon a time, there was",
+]
+
+
+@dataclass
+class Workload:
+    prompts: list[str]
+    max_new_tokens: int = 64
+    concurrency: int = 1
+    temperature: float = 0.0
+    ignore_eos: bool = True  # fixed-length outputs keep modes comparable
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    s = sorted(values)
+
+    def pick(q: float) -> float:
+        return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+async def _closed_loop(address: str, wl: Workload) -> list[Completion]:
+    queue = list(enumerate(wl.prompts))
+    outs: list[Completion] = []
+    async with AsyncClient(address, timeout_s=600) as client:
+        async def user() -> None:
+            while queue:
+                i, prompt = queue.pop(0)
+                outs.append(await client.generate(prompt, max_new_tokens=wl.max_new_tokens, temperature=wl.temperature,
+                                                  seed=i, ignore_eos=wl.ignore_eos))
+        await asyncio.gather(*(user() for _ in range(max(1, wl.concurrency))))
+    return outs
+
+
+def _busy(state: dict[str, Any]) -> dict[int, float]:
+    return {w["id"]: w["busy_s"] for w in state["workers"]}
+
+
+def run_once(address: str, wl: Workload) -> dict[str, Any]:
+    with Client(address) as c:
+        busy0 = _busy(c.status())
+        t0 = time.monotonic()
+        outs = asyncio.run(_closed_loop(address, wl))
+        wall = time.monotonic() - t0
+        busy1 = _busy(c.status())
+    tokens = sum(len(o.token_ids) for o in outs)
+    rounds = sum(o.rounds for o in outs)
+    util = {wid: (busy1[wid] - busy0.get(wid, 0.0)) / wall for wid in busy1}
+    return {"wall_s": wall, "requests": len(outs), "tokens": tokens, "rounds": rounds,
+            "tokens_per_s": tokens / wall, "round_rate": rounds / wall,
+            "tokens_per_round": tokens / max(rounds, 1),
+            "utilization": statistics.mean(util.values()) if util else 0.0,
+            "ttft_s": percentiles([o.ttft_s for o in outs]), "latency_s": percentiles([o.latency_s for o in outs])}
+
+
+def bench_mode(cfg: DeployConfig, mode: str, wl: Workload, repeats: int, log=print) -> dict[str, Any]:  # noqa: ANN001
+    cfg.mode = mode
+    cfg.broker.client_port = cfg.broker.worker_port = 0
+    with Deployment(cfg) as dep:
+        with Client(dep.address) as c:  # warm-up: first-call allocations, page faults
+            try:
+                c.generate(wl.prompts[0], max_new_tokens=8)
+            except RequestError as exc:
+                raise RuntimeError(f"{mode}: warm-up failed: {exc}") from None
+        runs = []
+        for r in range(repeats):
+            res = run_once(dep.address, wl)
+            log(f"  {mode} repeat {r + 1}/{repeats}: {res['tokens_per_s']:.1f} tokens/s, "
+                f"{res['round_rate']:.1f} rounds/s, {res['tokens_per_round']:.2f} tokens/round")
+            runs.append(res)
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    return {"tokens_per_s": med("tokens_per_s"), "round_rate": med("round_rate"),
+            "tokens_per_round": med("tokens_per_round"), "utilization": med("utilization"),
+            "ttft_s": {p: statistics.median(r["ttft_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
+            "latency_s": {p: statistics.median(r["latency_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
+            "repeats": runs}
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    base_name = next(iter(results))
+    base = results[base_name]
+    rows = [f"{'mode':<15}{'tokens/s':>10}{'rounds/s':>10}{'tok/round':>10}{'util':>7}"
+            f"{'TTFT p50':>10}{'lat p50':>9}{'lat p90':>9}{'tokens/s vs ' + base_name:>22}"]
+    for mode, r in results.items():
+        rows.append(f"{mode:<15}{r['tokens_per_s']:>10.1f}{r['round_rate']:>10.1f}{r['tokens_per_round']:>10.2f}"
+                    f"{r['utilization']:>7.2f}{r['ttft_s']['p50'] * 1000:>8.0f}ms{r['latency_s']['p50']:>8.2f}s"
+                    f"{r['latency_s']['p90']:>8.2f}s{r['tokens_per_s'] / base['tokens_per_s']:>21.2f}x")
+    return "\n".join(rows)
