@@ -25,14 +25,28 @@ def _load(config: str | None) -> DeployConfig:
 
 
 def prepare_models(cfg: DeployConfig) -> None:
-    """Build project-made models the config names but the cache lacks (the tiny pair)."""
+    """Build project-made models the config names but the cache lacks (the bundled target,
+    the tiny pair), then check that the draft can serve the target."""
+    from nebula_flow.bundled import prepare_target, target_dir
+    from nebula_flow.models.compat import IncompatiblePair, check_pair
+    from nebula_flow.models.config import ModelConfigError
+
     tiny = cache_dir() / "tiny-pair"
     for pool in (cfg.draft, cfg.target):
-        if pool.model and Path(pool.model).is_relative_to(tiny) and not (tiny / "READY").exists():
+        if not pool.model:
+            continue
+        if Path(pool.model).is_relative_to(tiny) and not (tiny / "READY").exists():
             from nebula_flow.tiny import build_tiny_pair
 
             click.echo(f"building the tiny model pair in {tiny} ...", err=True)
             build_tiny_pair(tiny)
+        if Path(pool.model) == target_dir():
+            prepare_target(log=lambda m: click.echo(m, err=True))
+    if cfg.mode != "autoregressive":
+        try:
+            check_pair(cfg.draft.model, cfg.target.model)
+        except (IncompatiblePair, ModelConfigError) as exc:
+            raise click.ClickException(f"draft {cfg.draft.model} cannot serve target {cfg.target.model}: {exc}") from None
 
 
 def _apply_overrides(cfg: DeployConfig, mode: str | None, draft_workers: int | None,
@@ -292,6 +306,33 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         click.echo(json.dumps({"modes": results}))
     else:
         click.echo(table(results))
+
+
+@main.command("train-draft")
+@click.option("--target", required=True, type=click.Path(exists=True, file_okay=False), help="Target checkpoint directory.")
+@click.option("--out", required=True, type=click.Path(), help="Where the draft checkpoint goes (resumes if a checkpoint is there).")
+@click.option("--corpus", multiple=True, type=click.Path(exists=True), help="Text files/folders (*.py); default: the stdlib sources.")
+@click.option("--max-tokens", default=400_000, show_default=True, help="Corpus tokens to use.")
+@click.option("--seq-len", default=256, show_default=True)
+@click.option("--steps", default=1500, show_default=True)
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--lr", default=2e-3, show_default=True)
+@click.option("--hidden-size", default=256, show_default=True)
+@click.option("--layers", default=4, show_default=True)
+@click.option("--heads", default=4, show_default=True)
+@click.option("--kv-heads", default=2, show_default=True)
+@click.option("--intermediate-size", default=704, show_default=True)
+@click.option("--head-vocab", default=8192, show_default=True, help="Tokens the draft's output head scores (0 = all).")
+@click.option("--teacher-dtype", default="bfloat16", show_default=True, help="dtype of the cached teacher pass.")
+@click.option("--eval-tokens", default=48, show_default=True, help="Tokens per prompt in the acceptance evaluation.")
+def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
+    """Distil a draft model for TARGET: cached teacher logits, resumable training, evaluation."""
+    from nebula_flow.distill import DistillConfig
+    from nebula_flow.distill import train_draft as run_training
+
+    report = run_training(DistillConfig(target=target, out=out, corpus=list(corpus) or None, **kw))
+    click.echo(json.dumps({"held_out_loss": report["held_out_loss"], "acceptance": report["acceptance"],
+                           "parameters": report["parameters"]}, indent=2))
 
 
 @main.command("tiny-pair")

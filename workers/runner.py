@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from nebula_flow import specdec
 from nebula_flow.kv.store import KVStore
@@ -69,6 +70,10 @@ class ModelRunner:
             for i, row in zip(active, logits):
                 t = tasks[i]
                 tok, q_idx, q_prob = specdec.propose(row[0], t.params, t.seed, len(t.tokens) + step, self.proposal_top_k)
+                if self.model.head_token_ids is not None:  # a reduced draft head: rows -> token ids
+                    tok = int(self.model.head_token_ids[tok])
+                    if q_idx is not None:
+                        q_idx = self.model.token_ids(torch.from_numpy(q_idx)).to(torch.int32).numpy()
                 drafts[i].tokens.append(tok)
                 if q_idx is not None:
                     drafts[i].q_idx.append(q_idx)

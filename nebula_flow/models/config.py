@@ -40,6 +40,10 @@ class ModelConfig:
     rope: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # A draft may score only a subset of the vocabulary (its output head has ``draft_head_size``
+    # rows; the checkpoint's ``head_token_ids`` tensor maps row -> token id). Proposals stay
+    # lossless because the verifier uses exactly the distribution the draft sampled from.
+    draft_head_size: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -79,6 +83,7 @@ class ModelConfig:
                 rope=_rope_parameters(raw),
                 eos_token_ids=eos_ids,
                 bos_token_id=raw.get("bos_token_id"),
+                draft_head_size=int(raw["draft_head_size"]) if raw.get("draft_head_size") else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelConfigError(f"malformed model config: {exc!r}") from exc

@@ -156,8 +156,14 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_head_size or cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        head_ids = torch.zeros(cfg.draft_head_size, dtype=torch.long) if cfg.draft_head_size else None
+        self.register_buffer("head_token_ids", head_ids)  # None (not saved) for an ordinary model
+
+    def token_ids(self, head_rows: torch.Tensor) -> torch.Tensor:
+        """Map output-head rows to token ids (identity unless the head covers a subset)."""
+        return head_rows if self.head_token_ids is None else self.head_token_ids[head_rows.long()]
 
     def new_cache(self, capacity: int = 64) -> KVCache:
         p = self.lm_head.weight
@@ -170,7 +176,8 @@ class CausalLM(nn.Module):
 
         ``new_tokens[i]`` are appended to ``caches[i]``; the result holds, for sequence i,
         fp32 logits of its last ``logit_rows[i]`` new positions (0 = none). Only those rows go
-        through the output head, which dominates the cost for large vocabularies.
+        through the output head, which dominates the cost for large vocabularies. Logit column j
+        scores token ``token_ids(j)``.
         """
         device = self.lm_head.weight.device
         lengths = [len(t) for t in new_tokens]

@@ -66,7 +66,8 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype |
             f"{path}: weights do not match a {cfg.model_type} model "
             f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
         )
-    state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
+    state = {k: v.to(device=device, dtype=torch_dtype) if v.is_floating_point() else v.to(device)
+             for k, v in state.items()}
     model.load_state_dict(state, assign=True)
     # The rotary buffer was built on the meta device; rebuild it for real.
     model.inv_freq = rope_inv_freq(cfg).to(device)

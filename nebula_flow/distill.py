@@ -1,0 +1,342 @@
+"""Distil a small draft model for any target checkpoint (``nebula-flow train-draft``).
+
+1. Corpus: text files (default: the Python standard library's sources, recorded in the run's
+   ``training.json`` because it differs between machines), tokenized with the target's
+   tokenizer and cut into fixed-length sequences; the last few percent are held out.
+2. Teacher: the target runs once over the corpus; the top-K log-probabilities of every
+   position are cached on disk (the target's cost is paid once; the cache is reused by later
+   runs and resumed if interrupted).
+3. Student: a narrow Llama (same tokenizer). Its input embedding covers the full vocabulary
+   (a gather, nearly free) and starts from a PCA projection of the target's embeddings; its
+   output head covers the ``head_vocab`` most frequent tokens, which keeps the per-token cost
+   low on CPUs (a 49k-row head would cost as much as the rest of the draft several times).
+4. Loss: cross-entropy of the student against the teacher's top-K distribution.
+5. Evaluation: held-out loss and the mean committed tokens per round at k = 2, 4, 6 (greedy)
+   with the real speculative pipeline code on prompts outside the corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from nebula_flow.config import cache_dir
+from nebula_flow.models.config import ModelConfig
+from nebula_flow.models.llama import CausalLM
+from nebula_flow.models.loader import load_model
+
+EVAL_PROMPTS = [
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n",
+    "import json\n\ndef load_settings(path):\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "def is_palindrome(s: str) -> bool:\n",
+    "# Count the words in a file\nfrom collections import Counter\n\n",
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
+    "async def fetch_all(urls):\n",
+    "def parse_args():\n    parser = argparse.ArgumentParser(",
+    "class Matrix:\n    def __mul__(self, other):\n",
+    "def flatten(nested):\n    result = []\n",
+    "with open('data.csv') as f:\n    reader = csv.reader(f)\n",
+    "def retry(times=3):\n    def decorator(func):\n",
+]
+
+
+@dataclass
+class DistillConfig:
+    target: str
+    out: str
+    corpus: list[str] | None = None  # files or folders; default: the stdlib sources
+    max_tokens: int = 400_000
+    seq_len: int = 256
+    teacher_top_k: int = 32
+    teacher_dtype: str = "bfloat16"
+    hidden_size: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int = 704
+    head_vocab: int = 8192
+    steps: int = 1500
+    batch_size: int = 16
+    lr: float = 2e-3
+    seed: int = 0
+    checkpoint_every: int = 250
+    eval_tokens: int = 48
+
+
+def _log(msg: str) -> None:
+    print(f"[train-draft {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def corpus_files(paths: list[str] | None) -> list[Path]:
+    roots = [Path(p) for p in paths] if paths else [Path(sysconfig.get_paths()["stdlib"])]
+    files: list[Path] = []
+    for root in roots:
+        files.extend(sorted(root.rglob("*.py")) if root.is_dir() else [root])
+    return [f for f in files if "test" not in f.parts and f.is_file()]
+
+
+def tokenize_corpus(cfg: DistillConfig, tok) -> tuple[np.ndarray, dict]:  # noqa: ANN001
+    """Token sequences [n, seq_len] from the corpus, files shuffled with the seed."""
+    files = corpus_files(cfg.corpus)
+    rng = np.random.default_rng(cfg.seed)
+    rng.shuffle(files)
+    ids: list[int] = []
+    used = 0
+    for f in files:
+        if len(ids) >= cfg.max_tokens:
+            break
+        ids.extend(tok(f.read_text(errors="replace"))["input_ids"] + [tok.eos_token_id])
+        used += 1
+    n = min(len(ids), cfg.max_tokens) // cfg.seq_len
+    if n < 8:
+        raise ValueError(f"corpus too small: {len(ids)} tokens")
+    info = {"files_available": len(files), "files_used": used, "tokens": n * cfg.seq_len,
+            "python": platform.python_version(), "roots": cfg.corpus or [sysconfig.get_paths()["stdlib"]]}
+    return np.asarray(ids[: n * cfg.seq_len], dtype=np.int32).reshape(n, cfg.seq_len), info
+
+
+def teacher_cache(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Top-K teacher log-probs per position, computed once and kept in the cache folder."""
+    key = hashlib.sha256(seqs.tobytes() + f"{Path(cfg.target).resolve()}|{cfg.teacher_top_k}|{cfg.teacher_dtype}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "teacher" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    n, L, K = seqs.shape[0], seqs.shape[1], cfg.teacher_top_k
+    mode = "r+" if (folder / "idx.npy").exists() else "w+"
+    idx = np.lib.format.open_memmap(folder / "idx.npy", mode, np.int32, (n, L, K))
+    lp = np.lib.format.open_memmap(folder / "logp.npy", mode, np.float16, (n, L, K))
+    done_file = folder / "done"
+    done = int(done_file.read_text()) if done_file.exists() else 0
+    if done >= n:
+        return idx, lp
+    teacher = load_model(cfg.target, dtype=cfg.teacher_dtype)
+    _log(f"teacher pass over {n} x {L} tokens ({cfg.teacher_dtype}), cached in {folder}; resuming at {done}")
+    t0, batch = time.monotonic(), 4
+    for start in range(done, n, batch):
+        rows = seqs[start:start + batch]
+        logits = teacher([teacher.new_cache(L) for _ in rows], [r.tolist() for r in rows], [L] * len(rows))
+        for j, lg in enumerate(logits):
+            top = torch.topk(torch.log_softmax(lg.float(), -1), K, dim=-1)
+            idx[start + j], lp[start + j] = top.indices.numpy(), top.values.numpy()
+        done_file.write_text(str(start + len(rows)))
+        if (start // batch) % 10 == 0:
+            rate = (start + len(rows) - done) * L / (time.monotonic() - t0)
+            _log(f"teacher {start + len(rows)}/{n} sequences, {rate:.0f} tokens/s, "
+                 f"ETA {(n - start - len(rows)) * L / max(rate, 1e-9) / 60:.1f} min")
+    idx.flush()
+    lp.flush()
+    return idx, lp
+
+
+def draft_config(cfg: DistillConfig, target: ModelConfig, target_raw: dict) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": target.vocab_size,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.hidden_size // cfg.heads, "max_position_embeddings": target.max_position_embeddings,
+            "rms_norm_eps": 1e-5, "rope_theta": float(target.rope["rope_theta"]), "tie_word_embeddings": False,
+            "bos_token_id": target_raw.get("bos_token_id"), "eos_token_id": target_raw.get("eos_token_id"),
+            "draft_head_size": cfg.head_vocab or None, "draft_for": Path(cfg.target).name}
+
+
+class Student(nn.Module):
+    """Training-time view of the draft: the runtime's modules, run with full causal attention."""
+
+    def __init__(self, model: CausalLM) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from nebula_flow.models.llama import _rotate_half
+
+        cfg, m = self.m.cfg, self.m
+        B, L = ids.shape
+        x = m.model.embed_tokens(ids)
+        freqs = torch.arange(L, dtype=torch.float32)[:, None] * m.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+        for layer in m.model.layers:
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(B, L, cfg.num_heads, cfg.head_dim)
+            k = a.k_proj(h).view(B, L, cfg.num_kv_heads, cfg.head_dim)
+            v = a.v_proj(h).view(B, L, cfg.num_kv_heads, cfg.head_dim)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(B, L, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return m.lm_head(m.model.norm(x))
+
+
+def _head_vocab(seqs: np.ndarray, t_idx: np.ndarray, size: int, vocab: int, keep: list[int]) -> np.ndarray:
+    """The ``size`` tokens the teacher most often ranks first or that the corpus uses most."""
+    counts = np.bincount(t_idx[..., 0].ravel(), minlength=vocab) * 4 + np.bincount(seqs.ravel(), minlength=vocab)
+    order = [t for t in keep if t is not None] + [int(t) for t in np.argsort(-counts, kind="stable")]
+    seen, ids = set(), []
+    for t in order:
+        if t not in seen:
+            seen.add(t)
+            ids.append(t)
+        if len(ids) == size:
+            break
+    return np.asarray(sorted(ids), dtype=np.int64)
+
+
+def _loss(student: Student, ids: torch.Tensor, t_idx: torch.Tensor, t_lp: torch.Tensor, remap: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(student(ids).float(), -1)
+    rows = remap[t_idx.long()]  # teacher token -> head row, -1 when outside the head
+    inside = rows >= 0
+    p = t_lp.float().exp() * inside
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    picked = torch.gather(logp, -1, rows.clamp_min(0))
+    return -(p * picked).sum(-1).mean()
+
+
+def train_draft(cfg: DistillConfig) -> dict:
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(cfg.target)
+    seqs, corpus_info = tokenize_corpus(cfg, tok)
+    _log(f"corpus: {corpus_info['files_used']} files, {corpus_info['tokens']} tokens")
+    t_idx, t_lp = teacher_cache(cfg, seqs)
+    target_raw = json.loads((Path(cfg.target) / "config.json").read_text())
+    tcfg = ModelConfig.from_dict(target_raw)
+    head = _head_vocab(seqs, t_idx, cfg.head_vocab or tcfg.vocab_size, tcfg.vocab_size,
+                       [tok.eos_token_id, *tcfg.eos_token_ids])
+    raw = draft_config(cfg, tcfg, target_raw)
+    raw["draft_head_size"] = len(head) if cfg.head_vocab else None
+    model = CausalLM(ModelConfig.from_dict(raw))
+    if model.head_token_ids is not None:
+        model.head_token_ids.copy_(torch.from_numpy(head))
+    _init_from_target(model, cfg.target, head)
+    student = Student(model)
+    remap = torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
+    remap[torch.from_numpy(head)] = torch.arange(len(head))
+    n_hold = max(2, len(seqs) // 50)
+    train_ids = np.arange(len(seqs) - n_hold)
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    step = 0
+    ckpt = out / "checkpoint.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        student.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        _log(f"resumed at step {step}")
+    rng = np.random.default_rng(cfg.seed + step)
+    t0, seen = time.monotonic(), 0
+    student.train()
+    while step < cfg.steps:
+        lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        b = np.sort(rng.choice(train_ids, cfg.batch_size, replace=False))
+        loss = _loss(student, torch.from_numpy(seqs[b]).long(), torch.from_numpy(t_idx[b]), torch.from_numpy(t_lp[b]), remap)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        seen += cfg.batch_size * cfg.seq_len
+        if step % 25 == 0 or step == cfg.steps:
+            _log(f"step {step}/{cfg.steps} loss {loss.item():.3f} lr {lr:.2e} "
+                 f"{seen / (time.monotonic() - t0):.0f} tokens/s")
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            torch.save({"model": student.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+    student.eval()
+    with torch.no_grad():
+        hold = np.arange(len(seqs) - n_hold, len(seqs))
+        held = float(np.mean([_loss(student, torch.from_numpy(seqs[i:i + 1]).long(), torch.from_numpy(t_idx[i:i + 1]),
+                                    torch.from_numpy(t_lp[i:i + 1]), remap).item() for i in hold]))
+    save_draft(model, raw, out, cfg.target)
+    report = {"held_out_loss": held, "corpus": corpus_info, "config": asdict(cfg),
+              "parameters": sum(p.numel() for p in model.parameters())}
+    report["acceptance"] = evaluate_pair(cfg.target, str(out), cfg.eval_tokens)
+    (out / "training.json").write_text(json.dumps(report, indent=2))
+    ckpt.unlink(missing_ok=True)
+    return report
+
+
+def _init_from_target(model: CausalLM, target: str, head: np.ndarray) -> None:
+    """Start the draft's embedding and head from a PCA projection of the target's embeddings."""
+    from nebula_flow.models.loader import load_state_dict
+
+    emb = load_state_dict(target)["model.embed_tokens.weight"].float()
+    centered = emb - emb.mean(0, keepdim=True)
+    _, _, v = torch.linalg.svd(centered[torch.randperm(len(emb))[:8192]], full_matrices=False)
+    proj = centered @ v[: model.cfg.hidden_size].T
+    proj = proj / proj.std() * 0.5
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(proj)
+        rows = proj[torch.from_numpy(head)]
+        model.lm_head.weight.copy_(rows / rows.norm(dim=1).mean())  # unit-scale logits at the start
+        for name, p in model.named_parameters():
+            if name.endswith(("proj.weight",)):
+                p.normal_(0, 0.02)
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(1 / math.sqrt(2 * model.cfg.num_layers))
+
+
+def save_draft(model: CausalLM, raw: dict, out: Path, target: str) -> None:
+    """Write an ordinary checkpoint folder (bf16 weights keep the file small) plus the tokenizer."""
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    tgt = Path(target)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):
+        if (tgt / name).exists():
+            (out / name).write_bytes((tgt / name).read_bytes())
+
+
+def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[int, ...] = (2, 4, 6)) -> dict:
+    """Mean committed tokens per round (greedy) at each k on ``EVAL_PROMPTS``, using the
+    real runner code; also checks the output equals the target's own greedy output."""
+    from transformers import AutoTokenizer
+
+    from nebula_flow.params import SamplingParams
+    from workers.runner import ModelRunner, Task
+
+    tok = AutoTokenizer.from_pretrained(target)
+    t_run, d_run = ModelRunner(load_model(target)), ModelRunner(load_model(draft))
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    prompts = [tok(p)["input_ids"] for p in EVAL_PROMPTS]
+    result = {}
+    reference = None
+    for k in (0, *ks):  # k = 0 is the target alone: the reference every k must reproduce
+        outs, rounds = [], 0
+        for rid, prompt in enumerate(prompts):
+            toks = list(prompt)
+            while len(toks) - len(prompt) < max_new_tokens:
+                kk = min(k, max_new_tokens - (len(toks) - len(prompt)) - 1)
+                task = Task(rid, "draft", rounds, 1, np.asarray(toks), kk, params, 0)
+                if kk > 0:
+                    task.draft = d_run.draft([task])[0].tokens
+                toks += t_run.verify([task])[0]
+                rounds += 1
+            outs.append(toks[len(prompt):][:max_new_tokens])
+            for r in (t_run, d_run):
+                r.store.free([rid])
+        if k == 0:
+            reference = outs
+            continue
+        result[f"k={k}"] = {"tokens_per_round": sum(map(len, outs)) / rounds, "lossless": outs == reference}
+        _log(f"eval k={k}: {result[f'k={k}']['tokens_per_round']:.2f} committed tokens per round, "
+             f"output {'equals' if outs == reference else 'DIFFERS FROM'} the target's greedy output")
+    return result
