@@ -45,6 +45,8 @@ class BrokerOptions:
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0
     drain_s: float = 30.0
+    locality: bool = False  # prefer giving a worker tasks whose KV it holds (never waits for it)
+    migrate: bool = False  # testing/measurement: never give a request the same worker twice in a row
 
     @property
     def client_address(self) -> str:
@@ -61,14 +63,16 @@ class WorkerInfo:
     role: str
     name: str
     last_seen: float
+    kv_endpoint: str | None = None
     busy_s: float = 0.0
     tasks: int = 0
+    kv: dict[str, Any] | None = None  # the worker's latest KV counters
 
 
 class Broker:
     def __init__(self, opts: BrokerOptions) -> None:
         self.opts = opts
-        self.scheduler = Scheduler(opts.mode, opts.k)
+        self.scheduler = Scheduler(opts.mode, opts.k, locality=opts.locality, migrate=opts.migrate)
         self.codec = TextCodec(opts.model) if opts.model else None
         self.eos_ids = eos_token_ids(opts.model, self.codec) if opts.model else ()
         self.max_model_len = ModelConfig.from_dir(opts.model).max_position_embeddings if opts.model else 1 << 30
@@ -212,6 +216,8 @@ class Broker:
                 self.scheduler.pull(wid, min(msg.header["credits"], 4096), msg.header["idle"], now)
             elif msg.kind == "RESULT":
                 self.workers[wid].busy_s += max(0.0, float(msg.header["busy_s"]))
+                if isinstance(msg.header.get("kv"), dict):
+                    self.workers[wid].kv = msg.header["kv"]
                 for raw in msg.header["results"]:
                     try:
                         self._result(wid, msg, raw, now)
@@ -238,7 +244,10 @@ class Broker:
         except ValueError as exc:
             raise ProtocolError("wrong_role", str(exc)) from None
         self.next_worker += 1
-        self.workers[wid] = WorkerInfo(identity, h["role"], h["name"][:64], now)
+        endpoint = h.get("kv_endpoint")
+        if endpoint is not None and (len(endpoint) > 256 or not endpoint.startswith(("tcp://", "ucx://"))):
+            raise ProtocolError("malformed", "kv_endpoint must be a tcp:// or ucx:// address")
+        self.workers[wid] = WorkerInfo(identity, h["role"], h["name"][:64], now, endpoint)
         self.by_identity[identity] = wid
         log.info("worker %d (%s, %s) joined in slot %d", wid, h["name"][:64], h["role"], slot)
         self._send(self.peers, identity, Message("WELCOME", {
@@ -303,10 +312,14 @@ class Broker:
         msg = Message("TASKS", {"tasks": []})
         for req in batch:
             role = {"draft": "draft", "verify": "target", "round": "colocated"}[req.phase]
-            holder = req.holders.get(role, (0, 0))
+            holder_id, valid = req.holders.get(role, (0, 0))
+            holder = {"worker": holder_id, "valid": valid}
+            info = self.workers.get(holder_id)
+            if info is not None and info.kv_endpoint:
+                holder["endpoint"] = info.kv_endpoint
             task = {"rid": req.rid, "kind": req.phase, "round": req.round, "attempt": req.attempt,
                     "tokens": msg.add_array(req.tokens), "k": req.k, "params": req.params.to_wire(),
-                    "seed": req.seed, "holder": {"worker": holder[0], "valid": holder[1]}}
+                    "seed": req.seed, "holder": holder}
             if req.draft:
                 task["draft"] = req.draft
                 protocol.attach_q(msg, task, req.q.get("q_idx"), req.q.get("q_prob"))
@@ -320,7 +333,8 @@ class Broker:
             "mode": self.opts.mode, "uptime_s": now - self.started, "pool": len(self.scheduler.requests),
             "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
             "workers": [{"id": wid, "role": w.role, "name": w.name, "busy_s": w.busy_s, "tasks": w.tasks,
-                         "slot": self.scheduler.workers[wid].slot} for wid, w in self.workers.items()],
+                         "slot": self.scheduler.workers[wid].slot, "kv_endpoint": w.kv_endpoint, "kv": w.kv}
+                        for wid, w in self.workers.items()],
             "counters": dict(self.counters), "errors": dict(self.errors),
         }
 

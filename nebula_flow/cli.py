@@ -89,13 +89,17 @@ def main() -> None:
 @click.option("--max-pending", default=1024, show_default=True, help="Admission limit; beyond it clients get BUSY.")
 @click.option("--heartbeat-s", default=1.0, show_default=True, help="Heartbeat interval.")
 @click.option("--liveness-s", default=10.0, show_default=True, help="Silence after which a worker is declared dead.")
+@click.option("--locality", is_flag=True, help="Prefer giving a worker the tasks whose KV it already holds.")
+@click.option("--migrate", is_flag=True, help="Never give a request the same worker twice in a row (forces KV moves).")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
-           proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float) -> None:
+           proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
+           locality: bool, migrate: bool) -> None:
     """Run the broker: the request pool, the draft and target topics, the two sockets."""
     from broker.server import BrokerOptions, serve_broker
 
     sys.exit(serve_broker(BrokerOptions(mode, host, client_port, worker_port, model, k, proposal_top_k,
-                                        max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s)))
+                                        max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
+                                        locality=locality, migrate=migrate)))
 
 
 @main.command()
@@ -110,15 +114,18 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
 @click.option("--threads", default=1, show_default=True, help="torch threads for this worker.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA).")
+@click.option("--kv-transport", type=click.Choice(["auto", "ucx", "zmq", "none"]), default="auto", show_default=True,
+              help="How KV moves between workers: auto = UCX if ucxx is installed, else ZeroMQ.")
+@click.option("--kv-host", default="127.0.0.1", show_default=True, help="Interface the KV server binds and advertises.")
 def worker(role: str, model: str, draft_model: str | None, broker_addr: str, name: str,
-           max_batch: int, threads: int, device: str, dtype: str | None) -> None:
+           max_batch: int, threads: int, device: str, dtype: str | None, kv_transport: str, kv_host: str) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
     from workers.worker import WorkerOptions, serve_worker
 
     try:
         sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch,
-                                            threads, device, dtype)))
+                                            threads, device, dtype, kv_transport=kv_transport, kv_host=kv_host)))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 

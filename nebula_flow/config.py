@@ -62,6 +62,7 @@ class DeployConfig:
     broker: BrokerOptions = field(default_factory=BrokerOptions)
     draft: PoolConfig = field(default_factory=PoolConfig)
     target: PoolConfig = field(default_factory=PoolConfig)
+    kv_transport: str = "auto"  # auto (UCX if ucxx is installed, else ZeroMQ) | ucx | zmq | none
     source: str = "<defaults>"
 
     def validate(self) -> None:
@@ -77,6 +78,8 @@ class DeployConfig:
                 raise ConfigError(f"[{name}] workers and max_batch must be >= 1")
         if self.broker.k < 0:
             raise ConfigError("[broker] k must be >= 0")
+        if self.kv_transport not in ("auto", "ucx", "zmq", "none"):
+            raise ConfigError(f"kv_transport must be auto, ucx, zmq or none, got {self.kv_transport!r}")
 
     def worker_plan(self) -> list[tuple[str, PoolConfig]]:
         """(role, pool) per worker process. Colocated and autoregressive use M+N workers, so
@@ -108,11 +111,12 @@ def load_config(path: str | Path | None) -> DeployConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     base = path.resolve().parent.parent
-    unknown = set(raw) - {"mode", "broker", "draft", "target"}
+    unknown = set(raw) - {"mode", "kv_transport", "broker", "draft", "target"}
     if unknown:
         raise ConfigError(f"{path}: unknown sections {sorted(unknown)}")
     cfg = DeployConfig(
         mode=raw.get("mode", "pooled"),
+        kv_transport=raw.get("kv_transport", "auto"),
         broker=_build(BrokerOptions, raw.get("broker", {}), f"{path} [broker]"),
         draft=_build(PoolConfig, raw.get("draft", {}), f"{path} [draft]"),
         target=_build(PoolConfig, raw.get("target", {}), f"{path} [target]"),

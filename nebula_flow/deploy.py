@@ -75,14 +75,16 @@ class Deployment:
             "broker", "--mode", self.cfg.mode, "--host", b.host, "--client-port", str(b.client_port),
             "--worker-port", str(b.worker_port), "--model", str(b.model), "--k", str(b.k),
             "--proposal-top-k", str(b.proposal_top_k), "--max-pending", str(b.max_pending),
-            "--heartbeat-s", str(b.heartbeat_s), "--liveness-s", str(b.liveness_s)])
+            "--heartbeat-s", str(b.heartbeat_s), "--liveness-s", str(b.liveness_s),
+            *(["--locality"] if b.locality else []), *(["--migrate"] if b.migrate else [])])
         plan = self.cfg.worker_plan()
         shared = max(1, usable_cores() // len(plan))
         for i, (role, pool) in enumerate(plan):
             threads = pool.threads or shared
             args = ["worker", "--role", role, "--broker", b.worker_address, "--model", str(pool.model),
                     "--max-batch", str(pool.max_batch), "--threads", str(threads),
-                    "--device", pool.device, "--name", f"{role}-{i}", *self.extra_worker_args]
+                    "--device", pool.device, "--name", f"{role}-{i}", "--kv-transport", self.cfg.kv_transport,
+                    *self.extra_worker_args]
             if pool.dtype:
                 args += ["--dtype", pool.dtype]
             if role == "colocated":

@@ -31,6 +31,12 @@ Worker <-> broker (worker socket, DEALER -> ROUTER):
   FREE     broker -> worker  rids whose KV can be dropped (finished or cancelled).
   HEARTBEAT either way       liveness when nothing else is said.
   BYE      worker -> broker  the worker leaves; its in-flight tasks go back to their topic.
+
+Worker <-> worker (KV server, ZeroMQ transport; the UCX transport carries the same fields
+as fixed-size int64 headers, see ``nebula_flow/kv/ucx.py``):
+  KV_PULL    puller -> holder  seq, rid, role, start, end: "send me these KV positions".
+  KV_DATA    holder -> puller  seq, tokens (int32 tensor) and rows (tensor [n, layers, 2, heads, dim]).
+  KV_MISSING holder -> puller  seq: the holder no longer has them (evicted, freed, shorter).
 """
 
 from __future__ import annotations
@@ -56,14 +62,17 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "DONE": {"req_id": str, "token_ids": list, "text": str, "finish_reason": str, "stats": dict},
     "STATE": {"state": dict},
     "ERROR": {"code": str, "message": str, "?req_id": str},
-    "REGISTER": {"role": str, "name": str, "capacity": int, "model": dict},
+    "REGISTER": {"role": str, "name": str, "capacity": int, "model": dict, "?kv_endpoint": str},
     "WELCOME": {"worker_id": int, "slot": int, "mode": str, "settings": dict},
     "PULL": {"credits": int, "idle": bool},
     "TASKS": {"tasks": list},
-    "RESULT": {"results": list, "busy_s": _NUM},
+    "RESULT": {"results": list, "busy_s": _NUM, "?kv": dict},
     "FREE": {"rids": list},
     "HEARTBEAT": {},
     "BYE": {},
+    "KV_PULL": {"seq": int, "rid": int, "role": str, "start": int, "end": int},
+    "KV_DATA": {"seq": int, "tokens": dict, "rows": dict},
+    "KV_MISSING": {"seq": int},
 }
 
 # A task names one request's round half. ``tokens`` are the request's committed tokens

@@ -49,12 +49,16 @@ class WorkerState:
 class Scheduler:
     """Request pool + topics + workers for one mode; decides who runs what next."""
 
-    def __init__(self, mode: str, k: int) -> None:
+    def __init__(self, mode: str, k: int, locality: bool = False, migrate: bool = False) -> None:
+        """``locality``: prefer tasks whose KV the pulling worker holds (it never waits for a
+        particular worker). ``migrate``: never give a request the worker that ran its previous
+        task of that role while another exists (forces KV movement, for tests and benchmarks)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if k < 0:
             raise ValueError("k must be >= 0")
         self.mode, self.k = mode, k
+        self.locality, self.migrate = locality, migrate
         self.requests: dict[int, Request] = {}
         self.topics: dict[str, deque[int]] = {role: deque() for role in ("draft", "target", "colocated")}
         self.workers: dict[int, WorkerState] = {}
@@ -167,23 +171,28 @@ class Scheduler:
 
     def _take(self, w: WorkerState) -> list[Request]:
         topic = self.topics[w.role]
-        batch, keep = [], deque()
-        while topic and len(batch) < w.pull_credits:
-            rid = topic.popleft()
+        eligible = [rid for rid in topic if self._eligible(self.requests[rid], w)]
+        if self.locality:  # holders first, otherwise first come first served (a stable sort)
+            eligible.sort(key=lambda rid: self._holder(self.requests[rid]) != w.worker_id)
+        chosen = eligible[: w.pull_credits]
+        taken = set(chosen)
+        self.topics[w.role] = deque(rid for rid in topic if rid not in taken)
+        batch = []
+        for rid in chosen:
             req = self.requests[rid]
-            if self._eligible(req, w):
-                req.attempt += 1
-                w.inflight.add(rid)
-                batch.append(req)
-            else:
-                keep.append(rid)
-        keep.extend(topic)
-        self.topics[w.role] = keep
+            req.attempt += 1
+            w.inflight.add(rid)
+            batch.append(req)
         return batch
+
+    def _holder(self, req: Request) -> int | None:
+        return req.holders.get(PHASE_ROLE[req.phase], (None, 0))[0]
 
     def _eligible(self, req: Request, w: WorkerState) -> bool:
         if self.mode in ("paired", "colocated"):
             return req.slot == w.slot
+        if self.migrate and self._holder(req) == w.worker_id:
+            return not any(o.role == w.role and o.worker_id != w.worker_id for o in self.workers.values())
         return True
 
     def _bind(self, req: Request) -> None:

@@ -32,6 +32,7 @@ class Task:
     draft: list[int] = field(default_factory=list)
     q_idx: list[np.ndarray] | None = None
     q_prob: list[np.ndarray] | None = None
+    holder: dict = field(default_factory=dict)  # {worker, valid, endpoint}: who has this role's KV
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from nebula_flow import protocol
+from nebula_flow.kv.transport import make_transport
 from nebula_flow.models.loader import load_model
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.protocol import Message, ProtocolError
@@ -44,6 +45,8 @@ class WorkerOptions:
     dtype: str | None = None
     heartbeat_s: float = 1.0
     max_kv_tokens: int = 1 << 20
+    kv_transport: str = "auto"  # auto (UCX if installed, else ZeroMQ) | ucx | zmq | none
+    kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
 
 
 class Worker:
@@ -64,6 +67,11 @@ class Worker:
             self.draft = ModelRunner(load_model(opts.draft_model, opts.device, opts.dtype), max_kv_tokens=opts.max_kv_tokens)
         self.runners = [r for r in (self.draft, self.target) if r is not None]
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
+        self.worker_id = 0
+        self.stall_s = 0.0
+        self.transport = make_transport(opts.kv_transport) if opts.role != "colocated" else None
+        self.kv_endpoint = self.transport.serve(opts.kv_host, self._lookup) if self.transport else None
         self.wake_r, self.wake_w = os.pipe()
         self.stopping = False
         self.errors = 0
@@ -79,9 +87,46 @@ class Worker:
         self.last_sent = time.monotonic()
 
     def _register(self) -> None:
-        self._send(Message("REGISTER", {"role": self.opts.role, "name": self.name,
-                                        "capacity": self.opts.capacity, "model": self._model_facts()}))
+        msg = Message("REGISTER", {"role": self.opts.role, "name": self.name,
+                                   "capacity": self.opts.capacity, "model": self._model_facts()})
+        if self.kv_endpoint:
+            msg.header["kv_endpoint"] = self.kv_endpoint
+        self._send(msg)
         self.registered = False
+
+    # -- KV movement ---------------------------------------------------------------------
+    def _store_for(self, role: str):  # noqa: ANN202
+        runner = {"draft": self.draft, "target": self.target}.get(role)
+        return runner.store if runner is not None and role == self.opts.role else None
+
+    def _lookup(self, rid: int, role: str, start: int, end: int):  # noqa: ANN202 - KV server thread
+        store = self._store_for(role)
+        return store.snapshot(rid, start, end) if store is not None else None
+
+    def _prefetch(self, tasks: list[Task]) -> None:
+        """Pull the batch's missing KV from its holders (prefetch thread, overlapping compute)."""
+        role = self.opts.role
+        store = self._store_for(role)
+        if store is None or self.transport is None:
+            return
+        for t in tasks:
+            h = t.holder
+            if h.get("endpoint") and h.get("worker") != self.worker_id and h.get("valid", 0) > 0:
+                try:
+                    store.fetch(t.rid, role, t.tokens, int(h["valid"]), str(h["endpoint"]), self.transport)
+                except Exception:  # never let a transfer problem cost the batch: recompute instead
+                    log.exception("KV pull for request %d failed", t.rid)
+                    store.stats.pull_failures += 1
+
+    def _kv_stats(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for r in self.runners:
+            for k, v in r.store.stats.to_wire().items():
+                merged[k] = merged.get(k, 0) + v
+        merged["stall_s"] = merged.get("stall_s", 0.0) + self.stall_s
+        merged["overlap_s"] = max(0.0, merged.get("pull_s", 0.0) - merged["stall_s"])
+        merged["transport"] = self.transport.scheme if self.transport else "none"
+        return merged
 
     def _decode_tasks(self, msg: Message) -> list[Task]:
         """Decode a TASKS batch. A bad task is answered with an error result for its request
@@ -113,7 +158,7 @@ class Worker:
             raise ProtocolError("invalid_params", str(exc)) from None
         task = Task(raw["rid"], raw["kind"], raw["round"], raw["attempt"],
                     np.asarray(msg.int_list(raw["tokens"], "tokens"), dtype=np.int64),
-                    raw["k"], params, raw["seed"], list(raw.get("draft") or []))
+                    raw["k"], params, raw["seed"], list(raw.get("draft") or []), holder=raw["holder"])
         vocab = (self.target or self.draft).model.cfg.vocab_size
         if len(task.tokens) == 0 or task.tokens.min() < 0 or task.tokens.max() >= vocab:
             raise ProtocolError("malformed", f"task tokens must be a non-empty list of ids below {vocab}")
@@ -128,7 +173,11 @@ class Worker:
         return task
 
     # -- compute (runs on the compute thread) -----------------------------------------------
-    def _compute(self, tasks: list[Task], frees: list[int]) -> tuple[Message, float]:
+    def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None) -> tuple[Message, float]:
+        if prefetch is not None:  # the batch's KV pulls started when it arrived; wait for the rest
+            t0 = time.perf_counter()
+            prefetch.result()
+            self.stall_s += time.perf_counter() - t0
         for r in self.runners:
             r.store.free(frees)
         busy0 = sum(r.busy_s for r in self.runners)
@@ -163,8 +212,11 @@ class Worker:
                 for h in heads:
                     h["error"] = f"{type(exc).__name__}: {exc}"
             results.extend(heads)
+        for r in self.runners:
+            r.store.unpin([t.rid for t in tasks])
         busy = sum(r.busy_s for r in self.runners) - busy0
         msg.header["busy_s"] = busy
+        msg.header["kv"] = self._kv_stats()
         return msg, busy
 
     # -- the loop --------------------------------------------------------------------------
@@ -181,6 +233,7 @@ class Worker:
         self._register()
         computing: Future | None = None
         pending: list[Task] | None = None
+        prefetch: Future | None = None
         pull_out, frees = False, []
         while True:
             if self.stopping and computing is None:
@@ -189,9 +242,9 @@ class Worker:
                 break
             if self.registered and not self.stopping:
                 if computing is None and pending:
-                    computing = self.executor.submit(self._compute, pending, frees)
+                    computing = self.executor.submit(self._compute, pending, frees, prefetch)
                     computing.add_done_callback(lambda _f: os.write(self.wake_w, b"x"))
-                    pending, frees = None, []
+                    pending, frees, prefetch = None, [], None
                 if pending is None and not pull_out:
                     self._send(Message("PULL", {"credits": self.opts.capacity, "idle": computing is None}))
                     pull_out = True
@@ -217,6 +270,7 @@ class Worker:
                     continue
                 if msg.kind == "WELCOME":
                     self.registered, pull_out = True, False
+                    self.worker_id = msg.header["worker_id"]
                     log.info("%s registered as worker %d (slot %d, mode %s)", self.name,
                              msg.header["worker_id"], msg.header["slot"], msg.header["mode"])
                     for r in self.runners:
@@ -224,9 +278,13 @@ class Worker:
                 elif msg.kind == "TASKS":
                     pull_out = False
                     try:
-                        pending = (pending or []) + self._decode_tasks(msg)
+                        batch = self._decode_tasks(msg)
                     except ProtocolError as exc:
                         self._complain(exc)
+                        batch = []
+                    if batch:  # start this batch's KV pulls now, while the current batch computes
+                        pending = batch
+                        prefetch = self.prefetcher.submit(self._prefetch, batch)
                 elif msg.kind == "FREE":
                     frees.extend(int(r) for r in msg.header["rids"] if isinstance(r, int))
                 elif msg.kind == "ERROR":
@@ -236,6 +294,9 @@ class Worker:
                     else:
                         log.warning("broker error: %s", msg.header["message"])
         self.executor.shutdown(wait=True)
+        self.prefetcher.shutdown(wait=True)
+        if self.transport is not None:
+            self.transport.close()
         self.sock.close()
         return 0
 

@@ -1,11 +1,21 @@
-"""A worker's KV caches for one model, by request id, with an LRU token budget."""
+"""A worker's KV caches for one model, by request id, with an LRU token budget.
+
+Three threads touch a store: the compute thread (``prepare``, ``evict``), the prefetch thread
+(``fetch``: pulls a batch's missing KV while the previous batch computes) and the KV server
+thread (``snapshot``: serves peers). A request is in at most one of a worker's batches at a
+time, so they never work on the same cache; the lock only guards the dictionary, and
+``pinned`` keeps a fetched cache from being evicted before its batch runs.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
 
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.models.llama import CausalLM
@@ -13,9 +23,22 @@ from nebula_flow.models.llama import CausalLM
 
 @dataclass
 class KVStats:
-    reused: int = 0  # positions a task found already held
-    computed: int = 0  # positions recomputed from tokens (prefill on a non-holder)
-    evicted: int = 0  # caches dropped for the budget
+    reused: int = 0  # positions a task found already held here
+    computed: int = 0  # positions recomputed from tokens (prefill on a worker lacking them)
+    pulled: int = 0  # positions received from a peer
+    bytes_pulled: int = 0
+    pulls: int = 0
+    pull_failures: int = 0  # holder unreachable / evicted / mismatched: recomputed instead
+    pull_s: float = 0.0  # time spent in pulls (in the prefetch thread)
+    stall_s: float = 0.0  # time compute waited for pulls to finish
+    served: int = 0  # pulls this worker answered for peers
+    bytes_served: int = 0
+    evicted: int = 0
+
+    def to_wire(self) -> dict:
+        d = asdict(self)
+        d["overlap_s"] = max(0.0, self.pull_s - self.stall_s)  # pull time hidden behind compute
+        return d
 
 
 class KVStore:
@@ -24,33 +47,85 @@ class KVStore:
     def __init__(self, model: CausalLM, max_tokens: int = 1 << 20) -> None:
         self.model, self.max_tokens = model, max_tokens
         self.caches: OrderedDict[int, KVCache] = OrderedDict()
+        self.pinned: set[int] = set()
+        self.lock = threading.Lock()
         self.stats = KVStats()
+
+    def _get(self, rid: int, length_hint: int) -> KVCache:
+        with self.lock:
+            cache = self.caches.pop(rid, None) or self.model.new_cache(capacity=max(64, length_hint + 16))
+            self.caches[rid] = cache
+            return cache
 
     def prepare(self, rid: int, tokens: np.ndarray) -> KVCache:
         """The cache for ``rid``, cut to the longest prefix of ``tokens`` it holds.
 
         At least the last token is left to compute, because the step needs its logits.
         """
-        cache = self.caches.pop(rid, None) or self.model.new_cache(capacity=max(64, len(tokens) + 16))
+        cache = self._get(rid, len(tokens))
         keep = min(cache.common_prefix(tokens), len(tokens) - 1)
         cache.truncate(keep)
-        self.caches[rid] = cache
         self.stats.reused += keep
         self.stats.computed += len(tokens) - 1 - keep
         return cache
 
+    def fetch(self, rid: int, role: str, tokens: np.ndarray, valid: int, endpoint: str, transport) -> None:  # noqa: ANN001
+        """Pull positions this store lacks, up to ``valid``, from the holder at ``endpoint``.
+
+        Only the missing suffix travels: a cache that holds a prefix keeps it, a longer stale
+        suffix (rejected drafts) is rolled back first. On any failure the cache is left at what
+        it verifiably holds and ``prepare`` recomputes the rest.
+        """
+        valid = min(valid, len(tokens) - 1)
+        cache = self._get(rid, len(tokens))
+        with self.lock:
+            self.pinned.add(rid)
+        have = min(cache.common_prefix(tokens), valid)
+        cache.truncate(have)
+        if have >= valid:
+            return
+        cache.reserve(valid)
+        t0 = time.perf_counter()
+        got = transport.pull(endpoint, rid, role, have, valid, cache.buf[have:valid])
+        self.stats.pull_s += time.perf_counter() - t0
+        if got is None or not np.array_equal(got, tokens[have:valid]):
+            self.stats.pull_failures += 1
+            return
+        cache.tokens.extend(int(t) for t in got)
+        self.stats.pulls += 1
+        self.stats.pulled += valid - have
+        self.stats.bytes_pulled += (valid - have) * cache.buf[0].numel() * cache.buf.element_size()
+
+    def snapshot(self, rid: int, start: int, end: int) -> tuple[np.ndarray, torch.Tensor] | None:
+        """Tokens and KV rows ``start..end`` of ``rid`` for a peer, or None if not held."""
+        with self.lock:
+            cache = self.caches.get(rid)
+        if cache is None or cache.length < end:
+            return None
+        self.stats.served += 1
+        self.stats.bytes_served += (end - start) * cache.buf[0].numel() * cache.buf.element_size()
+        return np.asarray(cache.tokens[start:end], dtype=np.int32), cache.export(start, end)
+
+    def unpin(self, rids: list[int]) -> None:
+        with self.lock:
+            self.pinned.difference_update(rids)
+
     def free(self, rids: list[int]) -> None:
-        for rid in rids:
-            self.caches.pop(rid, None)
+        with self.lock:
+            for rid in rids:
+                self.caches.pop(rid, None)
+                self.pinned.discard(rid)
 
     def held_tokens(self) -> int:
-        return sum(c.length for c in self.caches.values())
+        return sum(c.length for c in list(self.caches.values()))
 
     def evict(self, protect: set[int]) -> None:
-        """Drop least-recently used caches (never those in ``protect``) until under budget."""
-        for rid in list(self.caches):
-            if self.held_tokens() <= self.max_tokens:
-                return
-            if rid not in protect:
-                del self.caches[rid]
-                self.stats.evicted += 1
+        """Drop least-recently used caches (never protected or pinned ones) until under budget."""
+        with self.lock:
+            held = sum(c.length for c in self.caches.values())
+            for rid in list(self.caches):
+                if held <= self.max_tokens:
+                    return
+                if rid not in protect and rid not in self.pinned:
+                    held -= self.caches.pop(rid).length
+                    self.stats.evicted += 1

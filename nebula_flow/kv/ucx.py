@@ -1,0 +1,154 @@
+"""UCX transport through ucxx: KV rows land directly in the puller's cache rows.
+
+ucxx is asyncio-based, so one daemon thread runs an event loop for both the listener (serving
+this worker's KV) and the endpoints (pulling from peers; one cached endpoint per peer). The
+progress mode is ``blocking``: measured on a CPU machine it gives the same ~60 us round trip as
+``polling`` without spinning a core that the model needs, while the default ``thread`` mode
+gave ~2 ms round trips.
+
+Messages on an endpoint (fixed-size int64 headers, same fields as KV_PULL / KV_DATA):
+  request  [seq, rid, role, start, end]
+  reply    [seq, status (1 = data, 0 = missing), rows, row bytes total, 0, 0]
+           then, when status is 1, the int32 tokens and the rows themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+
+import numpy as np
+import torch
+import ucxx  # an ImportError here makes make_transport fall back to ZeroMQ
+
+from nebula_flow.kv.transport import PULL_TIMEOUT_S, KVTransport, Lookup, host_view, log
+
+ROLE_CODES = {"draft": 0, "target": 1, "colocated": 2}
+ROLE_NAMES = {v: k for k, v in ROLE_CODES.items()}
+
+
+def _device_buffer(t: torch.Tensor):  # noqa: ANN202
+    """What ucxx sends from / receives into: host memory as numpy, CUDA memory as CuPy."""
+    if t.device.type == "cpu":
+        return host_view(t)
+    import cupy
+
+    return cupy.asarray(t.view(torch.uint16) if t.dtype == torch.bfloat16 else t)
+
+
+class UcxTransport(KVTransport):
+    scheme = "ucx"
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="kv-ucx", daemon=True)
+        self.thread.start()
+        self._call(self._init())
+        self.endpoints: dict[str, object] = {}
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.seq = itertools.count(1)
+        self.listener = None
+        self.served = 0
+        self.errors = 0
+
+    def _call(self, coro, timeout: float | None = None):  # noqa: ANN001, ANN202
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _init(self) -> None:
+
+        ucxx.init(progress_mode="blocking")
+
+    # -- serving ---------------------------------------------------------------------------
+    def serve(self, host: str, lookup: Lookup) -> str:
+        async def start() -> int:
+
+            async def on_connect(ep) -> None:  # noqa: ANN001 - must be a coroutine function for ucxx
+                await self._handle(ep, lookup)
+
+            self.listener = ucxx.create_listener(on_connect, 0)
+            return self.listener.port
+
+        port = self._call(start())
+        return f"ucx://{host}:{port}"
+
+    async def _handle(self, ep, lookup: Lookup) -> None:  # noqa: ANN001
+        req = np.empty(5, dtype=np.int64)
+        while True:
+            try:
+                await ep.recv(req)
+            except Exception:  # the peer closed its endpoint
+                return
+            seq, rid, role, start, end = (int(x) for x in req)
+            found = None
+            if 0 <= start < end and role in ROLE_NAMES:
+                found = lookup(rid, ROLE_NAMES[role], start, end)
+            try:
+                if found is None:
+                    await ep.send(np.array([seq, 0, 0, 0, 0, 0], dtype=np.int64))
+                    continue
+                tokens, rows = found
+                buf = _device_buffer(rows.contiguous())
+                await ep.send(np.array([seq, 1, len(tokens), rows.numel() * rows.element_size(), 0, 0], dtype=np.int64))
+                await ep.send(np.ascontiguousarray(tokens, dtype=np.int32))
+                await ep.send(buf)
+                self.served += 1
+            except Exception:
+                self.errors += 1
+                return
+
+    # -- pulling ---------------------------------------------------------------------------
+    async def _endpoint(self, endpoint: str):  # noqa: ANN202
+
+        if endpoint not in self.endpoints:
+            host, port = endpoint[len("ucx://"):].rsplit(":", 1)
+            self.endpoints[endpoint] = await ucxx.create_endpoint(host, int(port))
+            self.locks[endpoint] = asyncio.Lock()
+        return self.endpoints[endpoint]
+
+    async def _pull(self, endpoint: str, rid: int, role: str, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
+        ep = await self._endpoint(endpoint)
+        async with self.locks[endpoint]:  # one exchange at a time per endpoint keeps messages in order
+            seq = next(self.seq)
+            await ep.send(np.array([seq, rid, ROLE_CODES[role], start, end], dtype=np.int64))
+            reply = np.empty(6, dtype=np.int64)
+            await ep.recv(reply)
+            if reply[0] != seq or reply[1] != 1:
+                return None
+            if reply[2] != end - start or reply[3] != dest.numel() * dest.element_size():
+                raise ValueError("KV shape mismatch between peers (different model or dtype?)")
+            tokens = np.empty(end - start, dtype=np.int32)
+            await ep.recv(tokens)
+            await ep.recv(_device_buffer(dest))
+            return tokens
+
+    def pull(self, endpoint: str, rid: int, role: str, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
+        try:
+            return self._call(asyncio.wait_for(self._pull(endpoint, rid, role, start, end, dest), PULL_TIMEOUT_S),
+                              PULL_TIMEOUT_S + 1)
+        except Exception as exc:  # peer gone, timeout, mismatch: the caller recomputes
+            log.warning("UCX pull from %s failed: %r", endpoint, exc)
+            ep = self.endpoints.pop(endpoint, None)
+            if ep is not None:
+                self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_abort(ep)))
+            return None
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            for ep in list(self.endpoints.values()):
+                await _abort(ep)
+            if self.listener is not None:
+                self.listener.close()
+
+        try:
+            self._call(shutdown(), 5)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def _abort(ep) -> None:  # noqa: ANN001
+    try:
+        ep.abort()
+    except Exception:
+        pass

@@ -1,0 +1,116 @@
+"""KV follows the request: peer-to-peer pulls over ZeroMQ and UCX, only what is missing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from nebula_flow.client import AsyncClient, Client
+from nebula_flow.deploy import Deployment
+from nebula_flow.kv.store import KVStore
+from nebula_flow.kv.transport import ZmqTransport, make_transport
+from nebula_flow.models import load_model
+from tests.conftest import deploy_config, hf_greedy
+
+TRANSPORTS = ["zmq", pytest.param("ucx", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("ucxx") is None, reason="ucxx not installed"))]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_incremental_pull_moves_only_missing_positions(tiny_pair, transport: str) -> None:  # noqa: ANN001
+    model = load_model(tiny_pair / "target")
+    holder, puller = KVStore(model), KVStore(model)
+    tokens = np.arange(1, 61, dtype=np.int64)
+    holder.prepare(7, tokens)
+    model([holder.caches[7]], [tokens[:-1].tolist()], [1])  # the holder computed positions 0..58
+    server = make_transport(transport)
+    client = server if transport == "ucx" else ZmqTransport()  # UCX is one context per process
+    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: holder.snapshot(rid, s, e))
+    try:
+        row_bytes = holder.caches[7].buf[0].numel() * 4
+        # The puller already holds the first 30 positions plus 5 stale ones (rejected drafts).
+        cache = puller.prepare(7, tokens[:31])
+        model([cache], [tokens[:30].tolist()], [1])
+        model([cache], [[400, 401, 402, 403, 404]], [1])
+        puller.fetch(7, "target", tokens, 59, endpoint, client)
+        assert puller.stats.pulled == 29 and puller.stats.bytes_pulled == 29 * row_bytes
+        assert puller.caches[7].tokens == tokens[:59].tolist()
+        # The pulled rows are the holder's bytes; the kept prefix was computed here (equal up to rounding).
+        assert np.array_equal(puller.caches[7].buf[30:59].numpy(), holder.caches[7].buf[30:59].numpy())
+        assert np.allclose(puller.caches[7].buf[:30].numpy(), holder.caches[7].buf[:30].numpy(), atol=1e-5)
+        # A holder without the request answers "missing": nothing is pulled, recompute follows.
+        puller.fetch(8, "target", tokens, 59, endpoint, client)
+        assert puller.stats.pull_failures == 1 and puller.stats.pulls == 1
+        # Logits after the pull equal those of a cache computed locally.
+        got = model([puller.prepare(7, tokens)], [tokens[59:].tolist()], [1])[0]
+        ref = model([model.new_cache()], [tokens.tolist()], [1])[0]
+        assert np.allclose(got.numpy(), ref.numpy(), atol=1e-5)
+    finally:
+        server.close()
+        if client is not server:
+            client.close()
+
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(10):", "return {", "The quick"]
+
+
+async def _gen_all(address: str, prompts: list[str], n: int) -> list:
+    async with AsyncClient(address, timeout_s=120) as client:
+        return await asyncio.gather(*(client.generate(p, max_new_tokens=n) for p in prompts))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_forced_migration_pulls_kv_and_stays_lossless(tiny_pair, transport: str) -> None:  # noqa: ANN001
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
+    refs = [hf_greedy(tiny_pair / "target", tok(p)["input_ids"], 40) for p in PROMPTS]
+    cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=4)
+    cfg.broker.migrate = True
+    cfg.kv_transport = transport
+    with Deployment(cfg) as dep:
+        outs = asyncio.run(_gen_all(dep.address, PROMPTS, 40))
+        with Client(dep.address) as c:
+            workers = c.status()["workers"]
+    assert [o.token_ids for o in outs] == refs
+    for role in ("draft", "target"):
+        kv = [w["kv"] for w in workers if w["role"] == role]
+        pulled = sum(k["pulled"] for k in kv)
+        assert all(k["transport"] == ("ucx" if transport == "ucx" else "tcp") for k in kv)
+        assert sum(k["pulls"] for k in kv) > 10 and sum(k["pull_failures"] for k in kv) == 0
+        # After its first round a request never recomputes: every later prefix arrives by pull.
+        computed = sum(k["computed"] for k in kv)
+        prompt_tokens = sum(len(tok(p)["input_ids"]) for p in PROMPTS)
+        assert computed <= prompt_tokens, f"{role}: {computed} positions recomputed"
+        assert pulled > computed
+
+
+@pytest.mark.slow
+def test_holder_killed_between_rounds_recomputes_and_output_is_unchanged(tiny_pair) -> None:  # noqa: ANN001
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
+    prompt = "while True:\n    line = f.readline()"
+    ref = hf_greedy(tiny_pair / "target", tok(prompt)["input_ids"], 120)
+    cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=4)
+    cfg.broker.migrate = True
+    cfg.broker.liveness_s = 2.0
+    cfg.kv_transport = "zmq"
+    with Deployment(cfg) as dep:
+        with Client(dep.address) as c:
+            stream = c.stream(prompt, max_new_tokens=120)
+            first = next(stream)
+            dep.kill("draft-0")  # SIGKILL: a holder vanishes mid-request
+            dep.kill("target-2")
+            rest = list(stream)
+            final = rest[-1]
+            time.sleep(0.5)
+            state = c.status()
+    assert final.token_ids == ref and first.token_ids == ref[: len(first.token_ids)]
+    survivors = [w for w in state["workers"] if w["kv"]]
+    assert state["counters"].get("workers_dead", 0) == 2
+    assert sum(w["kv"]["computed"] for w in survivors) > 0  # the lost KV was rebuilt from tokens
