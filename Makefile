@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test,convert,ucx]'
+	$(BIN)/pip install -q -e '.[test,convert,ucx,plots]'
 	touch $(STAMP)
 
 run: $(STAMP)

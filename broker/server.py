@@ -331,6 +331,7 @@ class Broker:
     def state(self, now: float) -> dict[str, Any]:
         return {
             "mode": self.opts.mode, "uptime_s": now - self.started, "pool": len(self.scheduler.requests),
+            "max_model_len": self.max_model_len,
             "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
             "workers": [{"id": wid, "role": w.role, "name": w.name, "busy_s": w.busy_s, "tasks": w.tasks,
                          "slot": self.scheduler.workers[wid].slot, "kv_endpoint": w.kv_endpoint, "kv": w.kv}

@@ -114,3 +114,68 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                     f"{r['utilization']:>7.2f}{r['ttft_s']['p50'] * 1000:>8.0f}ms{r['latency_s']['p50']:>8.2f}s"
                     f"{r['latency_s']['p90']:>8.2f}s{r['tokens_per_s'] / base['tokens_per_s']:>21.2f}x")
     return "\n".join(rows)
+
+
+def raw_transport_gbps(transport: str, nbytes: int, repeats: int = 20) -> float:
+    """Median bandwidth of bare pulls of ``nbytes`` between two endpoints on this machine."""
+    import numpy as np
+    import torch
+
+    from nebula_flow.kv.transport import ZmqTransport, make_transport
+
+    server = make_transport(transport)
+    client = server if server.scheme == "ucx" else ZmqTransport()
+    rows = torch.randn(max(1, nbytes // 4096), 1024)
+    tokens = np.zeros(len(rows), dtype=np.int32)
+    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: (tokens[s:e], rows[s:e]))
+    dest = torch.empty_like(rows)
+    times = []
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            client.pull(endpoint, 1, "target", 0, len(rows), dest)
+            times.append(time.perf_counter() - t0)
+    finally:
+        server.close()
+        if client is not server:
+            client.close()
+    return rows.numel() * 4 / statistics.median(times) / 1e9
+
+
+def _kv_totals(address: str) -> dict[str, float]:
+    with Client(address) as c:
+        workers = c.status()["workers"]
+    tot = {"busy_s": sum(w["busy_s"] for w in workers)}
+    for key in ("stall_s", "pull_s", "bytes_pulled", "pulls", "pull_failures", "computed", "pulled"):
+        tot[key] = sum((w["kv"] or {}).get(key, 0) for w in workers)
+    return tot
+
+
+def bench_kv(cfg: DeployConfig, wl: Workload, transport: str, log=print) -> dict[str, Any]:  # noqa: ANN001
+    """Pooled run with forced migration (every round moves KV), with and without overlap."""
+    out: dict[str, Any] = {"transport": transport}
+    for overlap in (True, False):
+        cfg.mode, cfg.kv_transport = "pooled", transport
+        cfg.broker.migrate = True
+        cfg.broker.client_port = cfg.broker.worker_port = 0
+        with Deployment(cfg, extra_worker_args=[] if overlap else ["--no-kv-overlap"]) as dep:
+            with Client(dep.address) as c:
+                c.generate(wl.prompts[0], max_new_tokens=8)
+            before = _kv_totals(dep.address)
+            res = run_once(dep.address, wl)
+            after = _kv_totals(dep.address)
+        d = {k: after[k] - before[k] for k in after}
+        key = "overlap" if overlap else "no_overlap"
+        out[key] = {"stall_fraction": d["stall_s"] / max(d["busy_s"], 1e-9), "stall_s": d["stall_s"],
+                    "compute_s": d["busy_s"], "pull_s": d["pull_s"], "pulls": d["pulls"],
+                    "pull_failures": d["pull_failures"], "bytes_pulled": d["bytes_pulled"],
+                    "positions_pulled": d["pulled"], "positions_recomputed": d["computed"],
+                    "system_gbps": d["bytes_pulled"] / max(d["pull_s"], 1e-9) / 1e9,
+                    "mean_pull_bytes": d["bytes_pulled"] / max(d["pulls"], 1), "tokens_per_s": res["tokens_per_s"]}
+        log(f"  {key}: stall {out[key]['stall_fraction'] * 100:.2f}% of compute, {d['pulls']:.0f} pulls, "
+            f"{d['bytes_pulled'] / 1e6:.1f} MB, {res['tokens_per_s']:.1f} tokens/s")
+    size = int(out["overlap"]["mean_pull_bytes"]) or 1 << 20
+    out["raw_gbps_same_size"] = raw_transport_gbps(transport, size)
+    out["raw_gbps_4mib"] = raw_transport_gbps(transport, 4 << 20)
+    out["bandwidth_ratio"] = out["overlap"]["system_gbps"] / out["raw_gbps_same_size"]
+    return out

@@ -117,15 +117,19 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
 @click.option("--kv-transport", type=click.Choice(["auto", "ucx", "zmq", "none"]), default="auto", show_default=True,
               help="How KV moves between workers: auto = UCX if ucxx is installed, else ZeroMQ.")
 @click.option("--kv-host", default="127.0.0.1", show_default=True, help="Interface the KV server binds and advertises.")
+@click.option("--kv-overlap/--no-kv-overlap", default=True, show_default=True,
+              help="Pull a batch's KV while the previous batch computes (off: at the start of its compute).")
 def worker(role: str, model: str, draft_model: str | None, broker_addr: str, name: str,
-           max_batch: int, threads: int, device: str, dtype: str | None, kv_transport: str, kv_host: str) -> None:
+           max_batch: int, threads: int, device: str, dtype: str | None, kv_transport: str, kv_host: str,
+           kv_overlap: bool) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
     from workers.worker import WorkerOptions, serve_worker
 
     try:
         sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch,
-                                            threads, device, dtype, kv_transport=kv_transport, kv_host=kv_host)))
+                                            threads, device, dtype, kv_transport=kv_transport, kv_host=kv_host,
+                                            kv_overlap=kv_overlap)))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -313,6 +317,100 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         click.echo(json.dumps({"modes": results}))
     else:
         click.echo(table(results))
+
+
+@main.command()
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@click.option("--tokenizer", type=click.Path(), help="Tokenizer folder for traces without text (default: the "
+              "target of --config or of the bundled config).")
+@click.option("--config", type=click.Path(), help="Deployment TOML whose target tokenizer to use.")
+@click.option("--time-scale", default=1.0, show_default=True, help="Divide arrival times by this (2 = twice as fast).")
+@click.option("--limit", type=int, help="Replay only the first N requests (after --start/--end).")
+@click.option("--start", "start_s", default=0.0, help="Window start, seconds from the trace's first request.")
+@click.option("--end", "end_s", type=float, help="Window end, seconds from the trace's first request.")
+@click.option("--poisson", type=float, help="Replace arrivals with a Poisson process of this many requests/s.")
+@click.option("--concurrency", type=int, help="At most this many requests in flight.")
+@click.option("--max-prompt-tokens", type=int, help="Clip longer prompts (the report counts them).")
+@click.option("--max-new-tokens", type=int, help="Clip longer outputs (the report counts them).")
+@click.option("--out", type=click.Path(), default="runs/replay", show_default=True,
+              help="Folder for requests.jsonl, summary.json and PNG plots.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option("--seed", default=0, show_default=True, help="Seed for prompt cutting and Poisson arrivals.")
+def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s, poisson, concurrency,
+           max_prompt_tokens, max_new_tokens, out, as_json, seed) -> None:  # noqa: ANN001
+    """Replay TRACE (JSONL or Azure CSV) against a broker, open loop, at its arrival times."""
+    import asyncio
+
+    from nebula_flow.client import Client, NebulaError
+    from nebula_flow.replay import replay as run_replay
+    from nebula_flow.replay import summarize, write_outputs
+    from nebula_flow.traces import PromptSource, Shaping, TraceError, load_trace, shape
+
+    try:
+        with Client(address, timeout_s=5) as c:
+            context = c.status().get("max_model_len", 1 << 30)
+        reqs, report = shape(load_trace(trace), Shaping(time_scale, limit, start_s, end_s, poisson,
+                                                        max_prompt_tokens, max_new_tokens, seed), context)
+    except (TraceError, NebulaError) as exc:
+        raise click.ClickException(str(exc)) from None
+    prompts = None
+    if any(r.prompt_len is not None for r in reqs):
+        tok_dir = tokenizer or _load(config).target.model
+        prompts = PromptSource(tok_dir, seed)
+    click.echo(f"replaying {len(reqs)} requests over {reqs[-1].arrival_s if reqs else 0:.1f} s "
+               f"(time scale {time_scale}); clipped prompts {report['clipped_prompts']}, "
+               f"clipped outputs {report['clipped_outputs']}", err=True)
+    records, wall = asyncio.run(run_replay(address, reqs, prompts, concurrency, progress=not as_json))
+    summary = summarize(records, wall, report)
+    paths = write_outputs(Path(out), records, summary)
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    click.echo(f"{summary['completed']}/{summary['requests']} completed, {summary['errors']} errors in {wall:.1f} s")
+    click.echo(f"throughput {summary['tokens_per_s']:.1f} tokens/s, {summary['requests_per_s']:.2f} requests/s, "
+               f"{summary['round_rate']:.1f} rounds/s, {summary['tokens_per_round']:.2f} tokens/round")
+    for key in ("ttft_s", "inter_chunk_s", "latency_s"):
+        p = summary[key]
+        click.echo(f"{key:<14} p50 {p['p50']:.3f}  p90 {p['p90']:.3f}  p99 {p['p99']:.3f}")
+    click.echo(f"wrote {out}/requests.jsonl, summary.json, " + ", ".join(p.name for p in paths))
+
+
+@main.command("bench-kv")
+@click.option("--config", type=click.Path(), help="Deployment TOML (default: the bundled one).")
+@click.option("--transport", type=click.Choice(["auto", "ucx", "zmq"]), default="auto", show_default=True)
+@click.option("--draft-workers", default=2, show_default=True)
+@click.option("--target-workers", default=2, show_default=True)
+@click.option("--concurrency", default=4, show_default=True)
+@click.option("--requests", "n_requests", default=8, show_default=True)
+@click.option("--max-new-tokens", default=48, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
+                 as_json) -> None:  # noqa: ANN001
+    """KV movement cost in a pooled run with forced migration: stall as a fraction of compute,
+    with and without overlap, and in-system bandwidth against the raw transport."""
+    from nebula_flow.bench import DEFAULT_PROMPTS, Workload, bench_kv
+
+    if transport == "auto":
+        import importlib.util
+
+        transport = "ucx" if importlib.util.find_spec("ucxx") else "zmq"
+    cfg = _apply_overrides(_load(config), "pooled", draft_workers, target_workers, None)
+    prepare_models(cfg)
+    wl = Workload([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n_requests)], max_new_tokens, concurrency)
+    res = bench_kv(cfg, wl, transport, log=lambda m: click.echo(m, err=True))
+    if as_json:
+        click.echo(json.dumps(res))
+        return
+    for key in ("overlap", "no_overlap"):
+        r = res[key]
+        click.echo(f"{key:<11} stall {r['stall_fraction'] * 100:6.2f}% of compute ({r['stall_s']:.3f} s / "
+                   f"{r['compute_s']:.2f} s), {r['pulls']:.0f} pulls, {r['bytes_pulled'] / 1e6:.1f} MB, "
+                   f"{r['positions_recomputed']:.0f} positions recomputed, {r['tokens_per_s']:.1f} tokens/s")
+    click.echo(f"bandwidth  in-system {res['overlap']['system_gbps']:.2f} GB/s (mean pull "
+               f"{res['overlap']['mean_pull_bytes'] / 1e3:.0f} kB); raw {res['transport']} at that size "
+               f"{res['raw_gbps_same_size']:.2f} GB/s -> ratio {res['bandwidth_ratio']:.2f}; raw at 4 MiB "
+               f"{res['raw_gbps_4mib']:.2f} GB/s")
 
 
 @main.command("train-draft")

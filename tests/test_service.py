@@ -226,3 +226,32 @@ def test_serve_rejects_a_bad_config(tmp_path) -> None:  # noqa: ANN001
     cfg.write_text('mode = "warp"\n[target]\nmodel = "x"\n')
     res = CliRunner().invoke(main, ["serve", "--config", str(cfg)])
     assert res.exit_code != 0 and "mode must be one of" in res.output
+
+
+def test_replay_jsonl_and_azure_csv_write_records_summary_and_plots(live, tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join([
+        '{"arrival_s": 0.0, "prompt": "def f(x):", "max_new_tokens": 6}',
+        '{"arrival_s": 0.2, "prompt_tokens": [1, 2, 3], "max_new_tokens": 5, "temperature": 0.8, "seed": 1}',
+        '{"arrival_s": 0.3, "prompt_len": 2000, "max_new_tokens": 4}']))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["replay", str(trace), "--broker", live.address, "--tokenizer",
+                                    str(tiny_pair / "target"), "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output.strip().splitlines()[-1])
+    assert summary["requests"] == 3 and summary["errors"] == 0 and summary["shaping"]["clipped_prompts"] == 1
+    assert {"tokens_per_s", "round_rate", "tokens_per_round", "ttft_s", "latency_s"} <= set(summary)
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in records] == [6, 5, 4]
+    assert records[2]["prompt_tokens"] == 1024 - 4  # clipped to the context
+    for name in ("latency_cdf.png", "throughput.png", "acceptance.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    azure = tmp_path / "azure.csv"
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,40,3\n"
+                     "2023-11-16 18:17:04.0319600,12,2\n2023-11-16 18:17:09.0319600,5000,3\n")
+    res = CliRunner().invoke(main, ["replay", str(azure), "--broker", live.address, "--tokenizer",
+                                    str(tiny_pair / "target"), "--out", str(out), "--json", "--time-scale", "10",
+                                    "--limit", "2"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output.strip().splitlines()[-1])
+    assert summary["requests"] == 2 and summary["completed"] == 2 and summary["tokens"] == 5

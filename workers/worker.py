@@ -47,6 +47,7 @@ class WorkerOptions:
     max_kv_tokens: int = 1 << 20
     kv_transport: str = "auto"  # auto (UCX if installed, else ZeroMQ) | ucx | zmq | none
     kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
+    kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
 
 
 class Worker:
@@ -174,10 +175,12 @@ class Worker:
 
     # -- compute (runs on the compute thread) -----------------------------------------------
     def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None) -> tuple[Message, float]:
+        t0 = time.perf_counter()
         if prefetch is not None:  # the batch's KV pulls started when it arrived; wait for the rest
-            t0 = time.perf_counter()
             prefetch.result()
-            self.stall_s += time.perf_counter() - t0
+        elif not self.opts.kv_overlap:
+            self._prefetch(tasks)  # no overlap: compute waits for every pull
+        self.stall_s += time.perf_counter() - t0
         for r in self.runners:
             r.store.free(frees)
         busy0 = sum(r.busy_s for r in self.runners)
@@ -284,7 +287,8 @@ class Worker:
                         batch = []
                     if batch:  # start this batch's KV pulls now, while the current batch computes
                         pending = batch
-                        prefetch = self.prefetcher.submit(self._prefetch, batch)
+                        if self.opts.kv_overlap:
+                            prefetch = self.prefetcher.submit(self._prefetch, batch)
                 elif msg.kind == "FREE":
                     frees.extend(int(r) for r in msg.header["rids"] if isinstance(r, int))
                 elif msg.kind == "ERROR":

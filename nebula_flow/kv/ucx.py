@@ -56,13 +56,14 @@ class UcxTransport(KVTransport):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _init(self) -> None:
-
-        ucxx.init(progress_mode="blocking")
+        try:
+            ucxx.init(progress_mode="blocking")
+        except RuntimeError:  # UCX is per process: a second transport shares the first's context
+            pass
 
     # -- serving ---------------------------------------------------------------------------
     def serve(self, host: str, lookup: Lookup) -> str:
         async def start() -> int:
-
             async def on_connect(ep) -> None:  # noqa: ANN001 - must be a coroutine function for ucxx
                 await self._handle(ep, lookup)
 
@@ -99,7 +100,6 @@ class UcxTransport(KVTransport):
 
     # -- pulling ---------------------------------------------------------------------------
     async def _endpoint(self, endpoint: str):  # noqa: ANN202
-
         if endpoint not in self.endpoints:
             host, port = endpoint[len("ucx://"):].rsplit(":", 1)
             self.endpoints[endpoint] = await ucxx.create_endpoint(host, int(port))
