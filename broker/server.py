@@ -20,6 +20,8 @@ from typing import Any
 import zmq
 
 from nebula_flow import protocol
+from nebula_flow.metrics import MetricsServer
+from nebula_flow.metrics import render as render_metrics
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.protocol import Message, ProtocolError
@@ -45,6 +47,7 @@ class BrokerOptions:
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0
     drain_s: float = 30.0
+    metrics_port: int | None = None  # HTTP port for Prometheus /metrics (None: off, 0: any free port)
     locality: bool = False  # prefer giving a worker tasks whose KV it holds (never waits for it)
     migrate: bool = False  # testing/measurement: never give a request the same worker twice in a row
 
@@ -86,6 +89,11 @@ class Broker:
         self.frees: list[int] = []
         self.draining_since: float | None = None
         self.started = time.monotonic()
+        self.proposed_by_position: list[int] = []
+        self.accepted_by_position: list[int] = []
+        self.tokens_per_round_hist: Counter[int] = Counter()
+        self.batch_sizes: dict[str, Counter[int]] = {}
+        self.metrics = None
 
     # -- sockets ---------------------------------------------------------------------------
     def bind(self) -> None:
@@ -298,6 +306,7 @@ class Broker:
             raise ProtocolError("malformed", f"{len(committed)} committed tokens for {proposed} drafts")
         if raw["kind"] == ROUND:
             req.proposed += proposed
+        self._count_acceptance(proposed, len(committed) - 1)
         self.scheduler.verify_done(req, wid, len(committed) - 1)
         kept = req.commit(committed, self.eos_ids)
         self.counters["rounds"] += 1
@@ -308,7 +317,18 @@ class Broker:
         else:
             self.scheduler.start_round(req)
 
+    def _count_acceptance(self, proposed: int, accepted: int) -> None:
+        while len(self.proposed_by_position) < proposed:
+            self.proposed_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(proposed):
+            self.proposed_by_position[i] += 1
+            self.accepted_by_position[i] += i < accepted
+        self.tokens_per_round_hist[accepted + 1] += 1
+
     def _send_tasks(self, wid: int, batch: list[Request]) -> None:
+        role = self.workers[wid].role
+        self.batch_sizes.setdefault(role, Counter())[len(batch)] += 1
         msg = Message("TASKS", {"tasks": []})
         for req in batch:
             role = {"draft": "draft", "verify": "target", "round": "colocated"}[req.phase]
@@ -337,6 +357,10 @@ class Broker:
                          "slot": self.scheduler.workers[wid].slot, "kv_endpoint": w.kv_endpoint, "kv": w.kv}
                         for wid, w in self.workers.items()],
             "counters": dict(self.counters), "errors": dict(self.errors),
+            "proposed_by_position": self.proposed_by_position, "accepted_by_position": self.accepted_by_position,
+            "tokens_per_round_hist": {str(k): v for k, v in self.tokens_per_round_hist.items()},
+            "batch_sizes": {r: {str(k): v for k, v in h.items()} for r, h in self.batch_sizes.items()},
+            "metrics_port": self.metrics.port if self.metrics else None,
         }
 
     def step(self, now: float) -> None:
@@ -347,6 +371,9 @@ class Broker:
             for info in list(self.workers.values()):
                 self._send(self.peers, info.identity, Message("FREE", {"rids": self.frees}))
             self.frees = []
+        if self.metrics is not None and now - self._last_render >= 0.5:
+            self._last_render = now
+            self.metrics.snapshot = render_metrics(self.state(now))
         if now - self._last_beat >= self.opts.heartbeat_s:
             self._last_beat = now
             for wid, info in list(self.workers.items()):
@@ -357,7 +384,10 @@ class Broker:
 
     def run(self) -> int:
         self.bind()
-        self._last_beat = time.monotonic()
+        self._last_beat = self._last_render = time.monotonic()
+        if self.opts.metrics_port is not None:
+            self.metrics = MetricsServer(self.opts.host, self.opts.metrics_port)
+            log.info("metrics at http://%s:%d/metrics", self.opts.host, self.metrics.port)
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         signal.signal(signal.SIGINT, lambda *_: stop.append(1))
@@ -391,6 +421,8 @@ class Broker:
                     break
         self.clients.close()
         self.peers.close()
+        if self.metrics is not None:
+            self.metrics.close()
         return 0
 
 

@@ -91,15 +91,16 @@ def main() -> None:
 @click.option("--liveness-s", default=10.0, show_default=True, help="Silence after which a worker is declared dead.")
 @click.option("--locality", is_flag=True, help="Prefer giving a worker the tasks whose KV it already holds.")
 @click.option("--migrate", is_flag=True, help="Never give a request the same worker twice in a row (forces KV moves).")
+@click.option("--metrics-port", type=int, help="Serve Prometheus text at http://HOST:PORT/metrics (0: a free port).")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
            proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
-           locality: bool, migrate: bool) -> None:
+           locality: bool, migrate: bool, metrics_port: int | None) -> None:
     """Run the broker: the request pool, the draft and target topics, the two sockets."""
     from broker.server import BrokerOptions, serve_broker
 
     sys.exit(serve_broker(BrokerOptions(mode, host, client_port, worker_port, model, k, proposal_top_k,
                                         max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
-                                        locality=locality, migrate=migrate)))
+                                        locality=locality, migrate=migrate, metrics_port=metrics_port)))
 
 
 @main.command()

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def live(tiny_pair):  # noqa: ANN001, ANN201
-    with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep:
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    cfg.broker.metrics_port = 0
+    with Deployment(cfg) as dep:
         yield dep
 
 
@@ -255,3 +257,33 @@ def test_replay_jsonl_and_azure_csv_write_records_summary_and_plots(live, tiny_p
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output.strip().splitlines()[-1])
     assert summary["requests"] == 2 and summary["completed"] == 2 and summary["tokens"] == 5
+
+
+def _scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
+    with Client(live.address) as c:
+        port = c.status()["metrics_port"]
+        time.sleep(0.7)
+        before = _scrape(port)
+        out = c.generate("def metrics():", max_new_tokens=12)
+        time.sleep(0.7)  # the snapshot refreshes every 0.5 s
+        after = _scrape(port)
+    assert after["nebula_rounds_total"] - before["nebula_rounds_total"] == out.rounds
+    assert after["nebula_output_tokens_total"] - before["nebula_output_tokens_total"] == 12
+    assert after['nebula_requests_total{outcome="length"}'] >= before.get('nebula_requests_total{outcome="length"}', 0) + 1
+    assert after['nebula_draft_tokens_proposed_total{position="1"}'] > before.get('nebula_draft_tokens_proposed_total{position="1"}', 0)
+    busy = [k for k in after if k.startswith("nebula_worker_busy_seconds_total")]
+    assert len(busy) == 2 and all(after[k] > 0 for k in busy)
+    assert after['nebula_workers{role="draft"}'] == 1 and 'nebula_topic_depth{topic="draft"}' in after
+    assert any(k.startswith("nebula_batch_size_total") for k in after)

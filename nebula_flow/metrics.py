@@ -1,0 +1,95 @@
+"""Prometheus text exposition of the broker's state, and the tiny HTTP server that serves it.
+
+The broker loop renders a snapshot every half second; the HTTP thread only hands out the
+latest string, so scraping never touches live broker state from another thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+def _line(name: str, value: float, labels: dict[str, Any] | None = None) -> str:
+    if labels:
+        inner = ",".join(f'{k}="{str(v).replace(chr(34), "")}"' for k, v in labels.items())
+        return f"{name}{{{inner}}} {value}"
+    return f"{name} {value}"
+
+
+def render(state: dict[str, Any]) -> str:
+    """Prometheus text format (version 0.0.4) of a broker ``state()`` snapshot."""
+    out: list[str] = []
+
+    def family(name: str, kind: str, help_: str, samples: list[tuple[float, dict[str, Any] | None]]) -> None:
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(_line(name, v, labels) for v, labels in samples)
+
+    c = state["counters"]
+    family("nebula_requests_total", "counter", "Requests by outcome.",
+           [(c.get("requests_submitted", 0), {"outcome": "submitted"})] +
+           [(v, {"outcome": k[len("requests_"):]}) for k, v in c.items()
+            if k.startswith("requests_") and k != "requests_submitted"])
+    family("nebula_rounds_total", "counter", "Completed request-rounds.", [(c.get("rounds", 0), None)])
+    family("nebula_output_tokens_total", "counter", "Committed output tokens.", [(c.get("tokens_out", 0), None)])
+    family("nebula_draft_tokens_proposed_total", "counter", "Draft tokens proposed, by position in the draft.",
+           [(v, {"position": i + 1}) for i, v in enumerate(state.get("proposed_by_position", []))])
+    family("nebula_draft_tokens_accepted_total", "counter", "Draft tokens accepted, by position in the draft.",
+           [(v, {"position": i + 1}) for i, v in enumerate(state.get("accepted_by_position", []))])
+    family("nebula_tokens_per_round_total", "counter", "Rounds by the number of tokens they committed.",
+           [(v, {"tokens": k}) for k, v in sorted(state.get("tokens_per_round_hist", {}).items(), key=lambda x: int(x[0]))])
+    family("nebula_batch_size_total", "counter", "Task batches sent to workers, by role and size.",
+           [(v, {"role": role, "size": size}) for role, hist in state.get("batch_sizes", {}).items()
+            for size, v in sorted(hist.items(), key=lambda x: int(x[0]))])
+    family("nebula_topic_depth", "gauge", "Tasks waiting per topic.",
+           [(v, {"topic": t}) for t, v in state["topics"].items()])
+    family("nebula_pool_requests", "gauge", "Requests in the pool.", [(state["pool"], None)])
+    family("nebula_workers", "gauge", "Registered workers by role.",
+           [(sum(1 for w in state["workers"] if w["role"] == r), {"role": r}) for r in state["roles"]])
+    family("nebula_worker_busy_seconds_total", "counter", "Time each worker spent in forward passes.",
+           [(w["busy_s"], {"worker": w["name"], "role": w["role"]}) for w in state["workers"]])
+    family("nebula_worker_tasks_total", "counter", "Tasks each worker completed.",
+           [(w["tasks"], {"worker": w["name"], "role": w["role"]}) for w in state["workers"]])
+    kv_keys = {"bytes_pulled": "nebula_kv_bytes_pulled_total", "pulls": "nebula_kv_pulls_total",
+               "pull_failures": "nebula_kv_pull_failures_total", "stall_s": "nebula_kv_stall_seconds_total",
+               "overlap_s": "nebula_kv_overlap_seconds_total", "computed": "nebula_kv_recomputed_positions_total"}
+    for key, name in kv_keys.items():
+        family(name, "counter", f"Per-worker KV counter {key}.",
+               [(w["kv"].get(key, 0), {"worker": w["name"], "role": w["role"]}) for w in state["workers"] if w.get("kv")])
+    family("nebula_errors_total", "counter", "Rejected or failed messages by code.",
+           [(v, {"code": k}) for k, v in state["errors"].items()])
+    family("nebula_uptime_seconds", "gauge", "Seconds since the broker started.", [(state["uptime_s"], None)])
+    return "\n".join(out) + "\n"
+
+
+class MetricsServer:
+    """Serves ``/metrics`` from the latest snapshot string on a background thread."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.snapshot = "# no data yet\n"
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served")
+                    return
+                body = server.snapshot.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:  # keep scrapes out of the broker log
+                pass
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
