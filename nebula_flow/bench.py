@@ -61,13 +61,19 @@ def _busy(state: dict[str, Any]) -> dict[int, float]:
     return {w["id"]: w["busy_s"] for w in state["workers"]}
 
 
+def _kv_bytes(state: dict[str, Any]) -> float:
+    return sum((w["kv"] or {}).get("bytes_pulled", 0) for w in state["workers"])
+
+
 def run_once(address: str, wl: Workload) -> dict[str, Any]:
     with Client(address) as c:
-        busy0 = _busy(c.status())
+        s0 = c.status()
+        busy0, kv0 = _busy(s0), _kv_bytes(s0)
         t0 = time.monotonic()
         outs = asyncio.run(_closed_loop(address, wl))
         wall = time.monotonic() - t0
-        busy1 = _busy(c.status())
+        s1 = c.status()
+        busy1 = _busy(s1)
     tokens = sum(len(o.token_ids) for o in outs)
     rounds = sum(o.rounds for o in outs)
     util = {wid: (busy1[wid] - busy0.get(wid, 0.0)) / wall for wid in busy1}
@@ -75,6 +81,7 @@ def run_once(address: str, wl: Workload) -> dict[str, Any]:
             "tokens_per_s": tokens / wall, "round_rate": rounds / wall,
             "tokens_per_round": tokens / max(rounds, 1),
             "utilization": statistics.mean(util.values()) if util else 0.0,
+            "kv_bytes": _kv_bytes(s1) - kv0,
             "ttft_s": percentiles([o.ttft_s for o in outs]), "latency_s": percentiles([o.latency_s for o in outs])}
 
 
@@ -99,6 +106,7 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: Workload, repeats: int, log=pri
 
     return {"tokens_per_s": med("tokens_per_s"), "round_rate": med("round_rate"),
             "tokens_per_round": med("tokens_per_round"), "utilization": med("utilization"),
+            "kv_bytes": med("kv_bytes"),
             "ttft_s": {p: statistics.median(r["ttft_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
             "latency_s": {p: statistics.median(r["latency_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
             "repeats": runs}
@@ -108,11 +116,13 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     base_name = next(iter(results))
     base = results[base_name]
     rows = [f"{'mode':<15}{'tokens/s':>10}{'rounds/s':>10}{'tok/round':>10}{'util':>7}"
-            f"{'TTFT p50':>10}{'lat p50':>9}{'lat p90':>9}{'tokens/s vs ' + base_name:>22}"]
+            f"{'TTFT p50':>10}{'lat p50':>9}{'lat p90':>9}{'KV MB':>8}{'rounds/s vs ' + base_name:>20}"
+            f"{'tokens/s vs ' + base_name:>20}"]
     for mode, r in results.items():
         rows.append(f"{mode:<15}{r['tokens_per_s']:>10.1f}{r['round_rate']:>10.1f}{r['tokens_per_round']:>10.2f}"
                     f"{r['utilization']:>7.2f}{r['ttft_s']['p50'] * 1000:>8.0f}ms{r['latency_s']['p50']:>8.2f}s"
-                    f"{r['latency_s']['p90']:>8.2f}s{r['tokens_per_s'] / base['tokens_per_s']:>21.2f}x")
+                    f"{r['latency_s']['p90']:>8.2f}s{r['kv_bytes'] / 1e6:>8.1f}"
+                    f"{r['round_rate'] / base['round_rate']:>19.2f}x{r['tokens_per_s'] / base['tokens_per_s']:>19.2f}x")
     return "\n".join(rows)
 
 

@@ -113,16 +113,20 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
 @click.option("--name", default="", help="Name shown in status and logs.")
 @click.option("--max-batch", default=8, show_default=True, help="Tasks per batch (the credits of each PULL).")
 @click.option("--threads", default=1, show_default=True, help="torch threads for this worker.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu, cuda, cuda:N, or emulated (forward passes take the time --profile predicts).")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA).")
 @click.option("--kv-transport", type=click.Choice(["auto", "ucx", "zmq", "none"]), default="auto", show_default=True,
               help="How KV moves between workers: auto = UCX if ucxx is installed, else ZeroMQ.")
 @click.option("--kv-host", default="127.0.0.1", show_default=True, help="Interface the KV server binds and advertises.")
 @click.option("--kv-overlap/--no-kv-overlap", default=True, show_default=True,
               help="Pull a batch's KV while the previous batch computes (off: at the start of its compute).")
+@click.option("--profile", type=click.Path(), help="Latency profile for --device emulated.")
+@click.option("--draft-profile", type=click.Path(), help="The draft's latency profile (colocated + emulated).")
+@click.option("--max-kv-gb", default=4.0, show_default=True, help="KV memory budget per model (LRU eviction).")
 def worker(role: str, model: str, draft_model: str | None, broker_addr: str, name: str,
            max_batch: int, threads: int, device: str, dtype: str | None, kv_transport: str, kv_host: str,
-           kv_overlap: bool) -> None:
+           kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
     from workers.worker import WorkerOptions, serve_worker
@@ -130,9 +134,37 @@ def worker(role: str, model: str, draft_model: str | None, broker_addr: str, nam
     try:
         sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch,
                                             threads, device, dtype, kv_transport=kv_transport, kv_host=kv_host,
-                                            kv_overlap=kv_overlap)))
+                                            kv_overlap=kv_overlap, profile=profile, draft_profile=draft_profile,
+                                            max_kv_gb=max_kv_gb)))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Checkpoint directory.")
+@click.option("--out", type=click.Path(), help="Profile JSON to write (default: print it).")
+@click.option("--batches", default="1,2,4,8", show_default=True)
+@click.option("--tokens", default="1,5", show_default=True, help="New tokens per sequence (1 = decode, k+1 = verify).")
+@click.option("--contexts", default="64,256", show_default=True, help="Context lengths.")
+@click.option("--threads", default=1, show_default=True)
+@click.option("--acceptance", type=float, help="Record a per-position acceptance rate (for draft profiles).")
+def profile(model, out, batches, tokens, contexts, threads, acceptance) -> None:  # noqa: ANN001
+    """Measure MODEL's forward latency over a grid and write a profile for --device emulated."""
+    from nebula_flow.emulated import measure_profile
+
+    def ints(s: str) -> list[int]:
+        return [int(x) for x in s.split(",") if x.strip()]
+
+    prof = measure_profile(model, ints(batches), ints(tokens), ints(contexts), threads,
+                           log=lambda m: click.echo(m, err=True))
+    if acceptance is not None:
+        prof["acceptance"] = acceptance
+    text = json.dumps(prof, indent=2)
+    if out:
+        Path(out).write_text(text)
+        click.echo(f"wrote {out}: {prof['latency']}", err=True)
+    else:
+        click.echo(text)
 
 
 _deploy_options = [

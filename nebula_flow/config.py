@@ -52,8 +52,10 @@ class PoolConfig:
     workers: int = 1
     max_batch: int = 8
     threads: int | None = None  # default: the machine's cores shared among all workers
-    device: str = "cpu"
+    device: str = "cpu"  # cpu | cuda | cuda:N | emulated
     dtype: str | None = None
+    profile: str | None = None  # latency profile for device = "emulated"
+    max_kv_gb: float = 4.0  # KV memory budget per worker model
 
 
 @dataclass
@@ -76,6 +78,8 @@ class DeployConfig:
         for name, pool in (("draft", self.draft), ("target", self.target)):
             if pool.workers < 1 or pool.max_batch < 1:
                 raise ConfigError(f"[{name}] workers and max_batch must be >= 1")
+            if pool.device == "emulated" and not pool.profile:
+                raise ConfigError(f"[{name}] device = \"emulated\" needs a profile")
         if self.broker.k < 0:
             raise ConfigError("[broker] k must be >= 0")
         if self.kv_transport not in ("auto", "ucx", "zmq", "none"):
@@ -125,4 +129,6 @@ def load_config(path: str | Path | None) -> DeployConfig:
     for pool in (cfg.draft, cfg.target):
         if pool.model:
             pool.model = resolve_model(pool.model, base)
+        if pool.profile:
+            pool.profile = resolve_model(pool.profile, base)
     return cfg

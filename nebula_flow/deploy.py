@@ -37,6 +37,16 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def device_for(device: str, index: int) -> str:
+    """Spread workers over the visible GPUs: plain "cuda" becomes cuda:<index mod count>."""
+    if device != "cuda":
+        return device
+    import torch
+
+    count = torch.cuda.device_count()
+    return f"cuda:{index % count}" if count > 1 else device
+
+
 class DeploymentError(RuntimeError):
     """A child process failed to start or died; the message carries its log tail."""
 
@@ -84,12 +94,17 @@ class Deployment:
             threads = pool.threads or shared
             args = ["worker", "--role", role, "--broker", b.worker_address, "--model", str(pool.model),
                     "--max-batch", str(pool.max_batch), "--threads", str(threads),
-                    "--device", pool.device, "--name", f"{role}-{i}", "--kv-transport", self.cfg.kv_transport,
+                    "--device", device_for(pool.device, i), "--name", f"{role}-{i}", "--kv-transport", self.cfg.kv_transport,
                     *self.extra_worker_args]
             if pool.dtype:
                 args += ["--dtype", pool.dtype]
+            if pool.profile:
+                args += ["--profile", pool.profile]
+            args += ["--max-kv-gb", str(pool.max_kv_gb)]
             if role == "colocated":
                 args += ["--draft-model", str(self.cfg.draft.model)]
+                if self.cfg.draft.profile:
+                    args += ["--draft-profile", self.cfg.draft.profile]
             self._spawn(f"{role}-{i}", args, threads)
         self.wait_ready(len(plan), timeout_s)
         return self.address

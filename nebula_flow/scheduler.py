@@ -158,23 +158,32 @@ class Scheduler:
 
     # -- the decision ----------------------------------------------------------------------
     def dispatch(self) -> list[tuple[int, list[Request]]]:
-        """Serve waiting PULLs from the topics: idle workers first, then by arrival."""
+        """Serve waiting PULLs from the topics: idle workers first, then by arrival.
+
+        With ``locality`` on, a first pass gives every waiting worker the tasks whose KV it
+        already holds; only then do the remaining tasks go to waiting workers in order. A task
+        whose holder is not waiting is never kept for it: any worker with room takes it.
+        """
         waiting = sorted((w for w in self.workers.values() if w.pull_credits > 0),
                          key=lambda w: (not w.pull_idle, w.pull_since, w.worker_id))
+        batches: dict[int, list[Request]] = {}
+        for held_only in ((True, False) if self.locality else (False,)):
+            for w in waiting:
+                room = w.pull_credits - len(batches.get(w.worker_id, []))
+                if room > 0:
+                    batches.setdefault(w.worker_id, []).extend(self._take(w, room, held_only))
         out = []
         for w in waiting:
-            batch = self._take(w)
+            batch = batches.get(w.worker_id)
             if batch:
                 w.pull_credits = 0
                 out.append((w.worker_id, batch))
         return out
 
-    def _take(self, w: WorkerState) -> list[Request]:
+    def _take(self, w: WorkerState, room: int, held_only: bool) -> list[Request]:
         topic = self.topics[w.role]
-        eligible = [rid for rid in topic if self._eligible(self.requests[rid], w)]
-        if self.locality:  # holders first, otherwise first come first served (a stable sort)
-            eligible.sort(key=lambda rid: self._holder(self.requests[rid]) != w.worker_id)
-        chosen = eligible[: w.pull_credits]
+        chosen = [rid for rid in topic if self._eligible(self.requests[rid], w)
+                  and (not held_only or self._holder(self.requests[rid]) == w.worker_id)][:room]
         taken = set(chosen)
         self.topics[w.role] = deque(rid for rid in topic if rid not in taken)
         batch = []

@@ -111,3 +111,40 @@ def test_finish_removes_a_request_from_its_topic() -> None:
     done = s.finish(0)
     assert done.phase == DONE and list(s.topics["draft"]) == [1]
     assert s.finish(0) is None
+
+
+def test_locality_gives_holders_their_tasks_first_but_never_holds_tasks_back() -> None:
+    s = Scheduler("pooled", k=4, locality=True)
+    s.register(1, "draft", 8)
+    s.register(2, "draft", 8)
+    reqs = [req(rid) for rid in range(4)]
+    for r in reqs:
+        s.admit(r)
+    reqs[0].holders["draft"] = reqs[1].holders["draft"] = (2, 3)  # worker 2 holds 0 and 1
+    s.pull(1, 8, idle=True, now=0.0)  # worker 1 pulls first and is idle...
+    s.pull(2, 8, idle=False, now=1.0)
+    got = dict(s.dispatch())
+    assert [r.rid for r in got[2]] == [0, 1]  # ...yet worker 2 gets the tasks whose KV it holds
+    assert [r.rid for r in got[1]] == [2, 3]
+    # A holder that is not waiting does not keep its tasks: anyone with room takes them.
+    s.finish(0)
+    reqs[1].phase = "draft"
+    s.topics["draft"].append(1)
+    s.pull(1, 8, idle=True, now=2.0)
+    assert [r.rid for r in dict(s.dispatch())[1]] == [1]
+
+
+def test_forced_migration_avoids_the_previous_worker_when_another_exists() -> None:
+    s = Scheduler("pooled", k=4, migrate=True)
+    s.register(1, "draft", 8)
+    r = req(0)
+    s.admit(r)
+    r.holders["draft"] = (1, 3)
+    s.pull(1, 8, True, 0.0)
+    assert dict(s.dispatch())[1] == [r]  # the only draft worker: migration cannot be forced
+    s.topics["draft"].append(0)
+    s.register(2, "draft", 8)
+    s.pull(1, 8, True, 1.0)
+    assert s.dispatch() == []
+    s.pull(2, 8, True, 2.0)
+    assert dict(s.dispatch())[2] == [r]

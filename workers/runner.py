@@ -45,9 +45,9 @@ class Draft:
 class ModelRunner:
     """One model plus its KV store. ``busy_s`` accumulates time spent in forward passes."""
 
-    def __init__(self, model: CausalLM, *, proposal_top_k: int = 16, max_kv_tokens: int = 1 << 20) -> None:
+    def __init__(self, model: CausalLM, *, proposal_top_k: int = 16, max_kv_bytes: int = 4 << 30) -> None:
         self.model = model
-        self.store = KVStore(model, max_kv_tokens)
+        self.store = KVStore(model, max_kv_bytes)
         self.proposal_top_k = proposal_top_k
         self.busy_s = 0.0
         self.forwards = 0

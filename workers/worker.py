@@ -44,28 +44,31 @@ class WorkerOptions:
     device: str = "cpu"
     dtype: str | None = None
     heartbeat_s: float = 1.0
-    max_kv_tokens: int = 1 << 20
+    max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted
     kv_transport: str = "auto"  # auto (UCX if installed, else ZeroMQ) | ucx | zmq | none
     kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
     kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
+    profile: str | None = None  # latency profile when device == "emulated"
+    draft_profile: str | None = None  # colocated + emulated: the draft's profile
 
 
 class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
         if opts.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
-        if opts.model is None or (opts.role == "colocated" and opts.draft_model is None):
+        if opts.device != "emulated" and (opts.model is None or (opts.role == "colocated" and opts.draft_model is None)):
             raise ValueError("--model is required (and --draft-model for a colocated worker)")
         self.opts = opts
         self.name = opts.name or f"{opts.role}-{os.getpid()}"
         torch.set_num_threads(max(1, opts.threads))
         self.target = self.draft = None
         if opts.role == "draft":
-            self.draft = ModelRunner(load_model(opts.model, opts.device, opts.dtype), max_kv_tokens=opts.max_kv_tokens)
+            self.draft = ModelRunner(self._load(opts.model, opts.profile, "draft"), max_kv_bytes=int(opts.max_kv_gb * (1 << 30)))
         else:
-            self.target = ModelRunner(load_model(opts.model, opts.device, opts.dtype), max_kv_tokens=opts.max_kv_tokens)
+            self.target = ModelRunner(self._load(opts.model, opts.profile, "target"), max_kv_bytes=int(opts.max_kv_gb * (1 << 30)))
         if opts.role == "colocated":
-            self.draft = ModelRunner(load_model(opts.draft_model, opts.device, opts.dtype), max_kv_tokens=opts.max_kv_tokens)
+            self.draft = ModelRunner(self._load(opts.draft_model, opts.draft_profile, "draft"),
+                                     max_kv_bytes=int(opts.max_kv_gb * (1 << 30)))
         self.runners = [r for r in (self.draft, self.target) if r is not None]
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
@@ -77,11 +80,20 @@ class Worker:
         self.stopping = False
         self.errors = 0
 
+    def _load(self, model: str, profile: str | None, role: str):  # noqa: ANN202
+        if self.opts.device != "emulated":
+            return load_model(model, self.opts.device, self.opts.dtype)
+        from nebula_flow.emulated import EmulatedModel, load_profile
+
+        if not profile:
+            raise ValueError("--device emulated needs --profile (and --draft-profile for colocated workers)")
+        return EmulatedModel(load_profile(profile), role)
+
     # -- protocol --------------------------------------------------------------------------
     def _model_facts(self) -> dict[str, Any]:
         cfg = (self.target or self.draft).model.cfg
         return {"vocab_size": cfg.vocab_size, "max_model_len": cfg.max_position_embeddings,
-                "path": str(self.opts.model)}
+                "path": str(self.opts.model), "device": self.opts.device}
 
     def _send(self, msg: Message) -> None:
         self.sock.send_multipart(protocol.encode(msg), copy=False)

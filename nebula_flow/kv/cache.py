@@ -39,6 +39,10 @@ class KVCache:
     def nbytes(self) -> int:
         return self.buf.element_size() * self.buf[0].numel() * self.length
 
+    @property
+    def allocated_bytes(self) -> int:
+        return self.buf.element_size() * self.buf.numel()
+
     def reserve(self, total: int) -> None:
         """Make room for ``total`` positions, keeping the valid prefix."""
         cap = self.buf.shape[0]

@@ -1,4 +1,4 @@
-"""A worker's KV caches for one model, by request id, with an LRU token budget.
+"""A worker's KV caches for one model, by request id, with an LRU memory budget.
 
 Three threads touch a store: the compute thread (``prepare``, ``evict``), the prefetch thread
 (``fetch``: pulls a batch's missing KV while the previous batch computes) and the KV server
@@ -44,8 +44,8 @@ class KVStats:
 class KVStore:
     """Holds ``KVCache`` objects of one model; ``prepare`` rolls a cache back to what a task may reuse."""
 
-    def __init__(self, model: CausalLM, max_tokens: int = 1 << 20) -> None:
-        self.model, self.max_tokens = model, max_tokens
+    def __init__(self, model: CausalLM, max_bytes: int = 4 << 30) -> None:
+        self.model, self.max_bytes = model, max_bytes
         self.caches: OrderedDict[int, KVCache] = OrderedDict()
         self.pinned: set[int] = set()
         self.lock = threading.Lock()
@@ -116,16 +116,16 @@ class KVStore:
                 self.caches.pop(rid, None)
                 self.pinned.discard(rid)
 
-    def held_tokens(self) -> int:
-        return sum(c.length for c in list(self.caches.values()))
+    def held_bytes(self) -> int:
+        return sum(c.allocated_bytes for c in list(self.caches.values()))
 
     def evict(self, protect: set[int]) -> None:
         """Drop least-recently used caches (never protected or pinned ones) until under budget."""
         with self.lock:
-            held = sum(c.length for c in self.caches.values())
+            held = sum(c.allocated_bytes for c in self.caches.values())
             for rid in list(self.caches):
-                if held <= self.max_tokens:
+                if held <= self.max_bytes:
                     return
                 if rid not in protect and rid not in self.pinned:
-                    held -= self.caches.pop(rid).length
+                    held -= self.caches.pop(rid).allocated_bytes
                     self.stats.evicted += 1

@@ -1,0 +1,148 @@
+"""Emulated devices: a model whose forward pass takes the time a latency profile predicts.
+
+Everything around it is real (processes, ZeroMQ, the scheduler, KV buffers of the model's
+real size moved over the real transport); only the arithmetic is replaced by a sleep, so one
+small machine can run many workers with GPU-like speed ratios. The tokens come from a
+deterministic stand-in: the "target" continues a sequence with a hash of its last tokens; the
+"draft" agrees with it at each position with the profile's ``acceptance`` probability. Text
+produced this way is not meaningful, and reports say so.
+
+A profile is JSON::
+
+    {"name": "...", "source": "measured on ..." | "hand-written" | "roofline",
+     "model": {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152,
+               "max_position_embeddings": 8192},
+     "latency": {"base_s": 0.02, "per_seq_s": 0.0002, "per_token_s": 0.0006, "per_ctx_token_s": 1e-7},
+     "acceptance": 0.7,                     # drafts only
+     "grid": [{"batch": 1, "tokens": 1, "context": 128, "seconds": 0.021}, ...]}   # optional, measured
+
+A forward over B sequences with T new tokens in all and C context positions in all takes
+``base + per_seq * B + per_token * T + per_ctx_token * C`` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nebula_flow.kv.cache import KVCache
+from nebula_flow.specdec import _splitmix64
+
+STAND_IN_VOCAB = 1000  # the stand-in only ever emits ids below this (cheap logits)
+
+
+class ProfileError(ValueError):
+    """A latency profile that cannot be used."""
+
+
+def load_profile(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"profile not found: {path}")
+    prof = json.loads(path.read_text())
+    for key in ("num_layers", "num_kv_heads", "head_dim", "vocab_size"):
+        if key not in prof.get("model", {}):
+            raise ProfileError(f"{path}: model.{key} is missing")
+    lat = prof.get("latency", {})
+    if not all(isinstance(lat.get(k, 0.0), (int, float)) and lat.get(k, 0.0) >= 0
+               for k in ("base_s", "per_seq_s", "per_token_s", "per_ctx_token_s")):
+        raise ProfileError(f"{path}: latency coefficients must be numbers >= 0")
+    return prof
+
+
+def predict_seconds(latency: dict[str, float], batch: int, tokens: int, context: int) -> float:
+    return (latency.get("base_s", 0.0) + latency.get("per_seq_s", 0.0) * batch
+            + latency.get("per_token_s", 0.0) * tokens + latency.get("per_ctx_token_s", 0.0) * context)
+
+
+class _Cfg:
+    def __init__(self, m: dict[str, Any]) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]
+        self.vocab_size = m["vocab_size"]
+        self.max_position_embeddings = m.get("max_position_embeddings", 4096)
+
+
+def stand_in_next(prev: int, prev2: int, position: int) -> int:
+    """The emulated target's next token: a pure function of the last two tokens and position."""
+    return _splitmix64((prev * 1_000_003 + prev2) ^ (position << 20)) % STAND_IN_VOCAB
+
+
+class EmulatedModel:
+    """Duck-types ``CausalLM`` for the runner: same ``forward`` contract, sleeps instead."""
+
+    head_token_ids = None
+
+    def __init__(self, profile: dict[str, Any], role: str) -> None:
+        self.profile, self.role = profile, role
+        self.cfg = _Cfg(profile["model"])
+        self.latency = profile["latency"]
+        self.acceptance = float(profile.get("acceptance", 1.0))
+
+    def new_cache(self, capacity: int = 64) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity=capacity)
+
+    def _logit_row(self, context: list[int]) -> torch.Tensor:
+        pos = len(context)
+        nxt = stand_in_next(context[-1], context[-2] if pos > 1 else 0, pos)
+        if self.role == "draft" and (_splitmix64(pos * 7919 + context[-1]) % 10_000) / 10_000 >= self.acceptance:
+            nxt = (nxt + 1) % STAND_IN_VOCAB  # this position disagrees with the target
+        row = torch.full((self.cfg.vocab_size,), -10.0)
+        row[nxt] = 10.0
+        return row
+
+    def __call__(self, caches: list[KVCache], new_tokens: list[list[int]], logit_rows: list[int]) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        tokens = sum(len(t) for t in new_tokens)
+        context = sum(c.length for c in caches) + tokens
+        out = []
+        for cache, seq, want in zip(caches, new_tokens, logit_rows):
+            cache.reserve(cache.length + len(seq))  # real-size KV rows, so transfers move real bytes
+            full = cache.tokens + list(seq)
+            rows = [self._logit_row(full[: len(full) - want + i + 1]) for i in range(want)]
+            out.append(torch.stack(rows) if rows else torch.empty(0, self.cfg.vocab_size))
+            cache.tokens.extend(seq)
+        remaining = predict_seconds(self.latency, len(caches), tokens, context) - (time.perf_counter() - t0)
+        if remaining > 0:
+            time.sleep(remaining)
+        return out
+
+
+def measure_profile(model_dir: str, batches: list[int], tokens: list[int], contexts: list[int],
+                    threads: int = 1, repeats: int = 3, log=print) -> dict[str, Any]:  # noqa: ANN001
+    """Time the real model over a grid and fit the linear latency model (least squares, >= 0)."""
+    import numpy as np
+
+    from nebula_flow.models import load_model
+
+    torch.set_num_threads(threads)
+    model = load_model(model_dir)
+    grid = []
+    for ctx in contexts:
+        for b in batches:
+            for t in tokens:
+                caches = [model.new_cache(ctx + t + 8) for _ in range(b)]
+                model(caches, [list(range(1, ctx + 1)) for _ in range(b)], [1] * b)
+                times = []
+                for _ in range(repeats):
+                    for c in caches:
+                        c.truncate(ctx)
+                    t0 = time.perf_counter()
+                    model(caches, [[5] * t for _ in range(b)], [t] * b)
+                    times.append(time.perf_counter() - t0)
+                sec = sorted(times)[len(times) // 2]
+                grid.append({"batch": b, "tokens": t, "context": ctx, "seconds": sec})
+                log(f"batch {b:>3} new tokens {t:>2} context {ctx:>5}: {sec * 1000:.1f} ms")
+    a = np.array([[1.0, g["batch"], g["batch"] * g["tokens"], g["batch"] * (g["context"] + g["tokens"])] for g in grid])
+    y = np.array([g["seconds"] for g in grid])
+    coef = np.linalg.lstsq(a, y, rcond=None)[0].clip(min=0)
+    cfg = model.cfg
+    return {"name": Path(model_dir).name, "source": f"measured with {threads} thread(s) by nebula-flow profile",
+            "model": {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                      "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings},
+            "latency": dict(zip(("base_s", "per_seq_s", "per_token_s", "per_ctx_token_s"), map(float, coef))),
+            "grid": grid}
