@@ -48,7 +48,7 @@ class BrokerOptions:
     liveness_s: float = 10.0
     drain_s: float = 30.0
     metrics_port: int | None = None  # HTTP port for Prometheus /metrics (None: off, 0: any free port)
-    locality: bool = False  # prefer giving a worker tasks whose KV it holds (never waits for it)
+    locality: bool = True  # prefer giving a worker tasks whose KV it holds (never waits for it); off = affinity-free
     migrate: bool = False  # testing/measurement: never give a request the same worker twice in a row
 
     @property

@@ -89,7 +89,8 @@ def main() -> None:
 @click.option("--max-pending", default=1024, show_default=True, help="Admission limit; beyond it clients get BUSY.")
 @click.option("--heartbeat-s", default=1.0, show_default=True, help="Heartbeat interval.")
 @click.option("--liveness-s", default=10.0, show_default=True, help="Silence after which a worker is declared dead.")
-@click.option("--locality", is_flag=True, help="Prefer giving a worker the tasks whose KV it already holds.")
+@click.option("--locality/--no-locality", default=True, show_default=True,
+              help="Prefer giving a worker the tasks whose KV it already holds (never waiting for it).")
 @click.option("--migrate", is_flag=True, help="Never give a request the same worker twice in a row (forces KV moves).")
 @click.option("--metrics-port", type=int, help="Serve Prometheus text at http://HOST:PORT/metrics (0: a free port).")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,

@@ -86,7 +86,7 @@ class Deployment:
             "--worker-port", str(b.worker_port), "--model", str(b.model), "--k", str(b.k),
             "--proposal-top-k", str(b.proposal_top_k), "--max-pending", str(b.max_pending),
             "--heartbeat-s", str(b.heartbeat_s), "--liveness-s", str(b.liveness_s),
-            *(["--locality"] if b.locality else []), *(["--migrate"] if b.migrate else []),
+            "--locality" if b.locality else "--no-locality", *(["--migrate"] if b.migrate else []),
             *(["--metrics-port", str(b.metrics_port)] if b.metrics_port is not None else [])])
         plan = self.cfg.worker_plan()
         shared = max(1, usable_cores() // len(plan))

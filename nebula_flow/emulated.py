@@ -32,7 +32,7 @@ import torch
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.specdec import _splitmix64
 
-STAND_IN_VOCAB = 1000  # the stand-in only ever emits ids below this (cheap logits)
+STAND_IN_VOCAB = 1000  # the stand-in emits ids below min(this, vocab): real-looking but cheap
 
 
 class ProfileError(ValueError):
@@ -66,9 +66,9 @@ class _Cfg:
         self.max_position_embeddings = m.get("max_position_embeddings", 4096)
 
 
-def stand_in_next(prev: int, prev2: int, position: int) -> int:
+def stand_in_next(prev: int, prev2: int, position: int, vocab: int) -> int:
     """The emulated target's next token: a pure function of the last two tokens and position."""
-    return _splitmix64((prev * 1_000_003 + prev2) ^ (position << 20)) % STAND_IN_VOCAB
+    return _splitmix64((prev * 1_000_003 + prev2) ^ (position << 20)) % min(STAND_IN_VOCAB, vocab)
 
 
 class EmulatedModel:
@@ -88,9 +88,10 @@ class EmulatedModel:
 
     def _logit_row(self, context: list[int]) -> torch.Tensor:
         pos = len(context)
-        nxt = stand_in_next(context[-1], context[-2] if pos > 1 else 0, pos)
+        vocab = min(STAND_IN_VOCAB, self.cfg.vocab_size)
+        nxt = stand_in_next(context[-1], context[-2] if pos > 1 else 0, pos, vocab)
         if self.role == "draft" and (_splitmix64(pos * 7919 + context[-1]) % 10_000) / 10_000 >= self.acceptance:
-            nxt = (nxt + 1) % STAND_IN_VOCAB  # this position disagrees with the target
+            nxt = (nxt + 1) % vocab  # this position disagrees with the target
         row = torch.full((self.cfg.vocab_size,), -10.0)
         row[nxt] = 10.0
         return row

@@ -1,0 +1,77 @@
+"""Emulated devices: real processes and transports, forward passes timed by a profile."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from nebula_flow.cli import main
+from nebula_flow.client import Client
+from nebula_flow.deploy import Deployment
+from nebula_flow.emulated import EmulatedModel, predict_seconds, stand_in_next
+from tests.conftest import deploy_config
+
+pytestmark = pytest.mark.slow
+
+PROFILE = {"name": "test", "source": "hand-written", "model": {"num_layers": 4, "num_kv_heads": 2, "head_dim": 16,
+           "vocab_size": 512, "max_position_embeddings": 1024},
+           "latency": {"base_s": 0.002, "per_seq_s": 0.0, "per_token_s": 0.0002, "per_ctx_token_s": 0.0}}
+
+
+@pytest.fixture
+def profiles(tmp_path):  # noqa: ANN001, ANN201
+    target, draft = tmp_path / "t.json", tmp_path / "d.json"
+    target.write_text(json.dumps(PROFILE))
+    draft.write_text(json.dumps(dict(PROFILE, acceptance=0.6, latency={"base_s": 0.0005})))
+    return str(draft), str(target)
+
+
+def stand_in_reference(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(stand_in_next(seq[-1], seq[-2] if len(seq) > 1 else 0, len(seq), 512))
+    return seq[len(prompt):]
+
+
+def test_latency_model_and_draft_agreement_rate() -> None:
+    assert predict_seconds(PROFILE["latency"], 2, 10, 100) == pytest.approx(0.002 + 0.002)
+    draft = EmulatedModel(dict(PROFILE, acceptance=0.6, latency={}), "draft")
+    target = EmulatedModel(dict(PROFILE, latency={}), "target")
+    agree = 0
+    for p in range(2, 2002):
+        ctx = [p % 97, p]
+        agree += int(draft._logit_row(ctx).argmax()) == int(target._logit_row(ctx).argmax())
+    assert 0.55 < agree / 2000 < 0.65
+
+
+@pytest.mark.parametrize("mode", ["pooled", "colocated", "autoregressive"])
+def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profiles, mode: str) -> None:  # noqa: ANN001
+    cfg = deploy_config(tiny_pair, mode, 2, 2)
+    cfg.draft.device = cfg.target.device = "emulated"
+    cfg.draft.profile, cfg.target.profile = profiles
+    cfg.kv_transport = "zmq"
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    with Deployment(cfg) as dep, Client(dep.address) as c:
+        outs = [c.generate(token_ids=p, max_new_tokens=30, ignore_eos=True) for p in prompts]
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == stand_in_reference(p, 30)
+    if mode != "autoregressive":
+        assert 1.5 < sum(len(o.token_ids) for o in outs) / sum(o.rounds for o in outs) < 4.5
+
+
+def test_bench_json_on_emulated_devices(tiny_pair, profiles, tmp_path) -> None:  # noqa: ANN001
+    cfg = tmp_path / "emu.toml"
+    cfg.write_text(f'mode = "pooled"\nkv_transport = "zmq"\n[draft]\nmodel = "{tiny_pair / "draft"}"\ndevice = "emulated"\n'
+                   f'profile = "{profiles[0]}"\nworkers = 2\n[target]\nmodel = "{tiny_pair / "target"}"\n'
+                   f'device = "emulated"\nprofile = "{profiles[1]}"\nworkers = 2\n')
+    res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "pooled,paired,colocated,autoregressive",
+                                    "--requests", "4", "--concurrency", "4", "--max-new-tokens", "16",
+                                    "--repeats", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
+    assert set(modes) == {"pooled", "paired", "colocated", "autoregressive"}
+    for m in modes.values():
+        assert m["round_rate"] > 0 and m["tokens_per_s"] > 0 and 0 < m["utilization"] <= 1.0
+    assert modes["autoregressive"]["tokens_per_round"] == 1.0
