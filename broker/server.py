@@ -13,7 +13,7 @@ import logging
 import secrets
 import signal
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ class BrokerOptions:
     k: int = 4
     proposal_top_k: int = 16
     max_pending: int = 1024
+    max_inflight_per_client: int = 256
     max_new_tokens_limit: int = 4096
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0
@@ -84,7 +85,11 @@ class Broker:
         self.errors: Counter[str] = Counter()
         self.workers: dict[int, WorkerInfo] = {}
         self.by_identity: dict[bytes, int] = {}
-        self.by_client: dict[tuple[bytes, str], int] = {}
+        # Client-chosen request ids (random, unique) make SUBMIT idempotent: a retry of a running
+        # request re-attaches to it, a retry of a finished one gets its result again.
+        self.by_req_id: dict[str, int] = {}
+        self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.inflight_by_owner: Counter[bytes] = Counter()
         self.next_rid = self.next_worker = 1
         self.frees: list[int] = []
         self.draining_since: float | None = None
@@ -126,7 +131,7 @@ class Broker:
             if msg.kind == "SUBMIT":
                 self._submit(identity, msg, now)
             elif msg.kind == "CANCEL":
-                rid = self.by_client.get((identity, msg.header["req_id"]))
+                rid = self.by_req_id.get(msg.header["req_id"])
                 if rid is None:
                     raise ProtocolError("unknown_request", f"no active request {msg.header['req_id']!r}")
                 self._finish(rid, "cancelled")
@@ -145,8 +150,21 @@ class Broker:
             raise ProtocolError("malformed", f"req_id must have 1..{MAX_REQ_ID} characters")
         if self.draining_since is not None:
             raise ProtocolError("shutting_down", "the broker is shutting down")
-        if (identity, req_id) in self.by_client:
-            raise ProtocolError("duplicate", f"request {req_id!r} is already running")
+        if req_id in self.by_req_id:  # a retry: re-attach and resend what was committed so far
+            req = self.scheduler.requests[self.by_req_id[req_id]]
+            self.inflight_by_owner[req.owner] -= 1
+            req.owner = identity
+            self.inflight_by_owner[identity] += 1
+            self.counters["requests_reattached"] += 1
+            self._send(self.clients, identity, Message("TOKENS", {"req_id": req_id, "token_ids": req.output,
+                                                                  "text": req.text, "offset": 0}))
+            return
+        if req_id in self.finished:
+            self.counters["requests_replayed"] += 1
+            self._send(self.clients, identity, Message("DONE", self.finished[req_id]))
+            return
+        if self.inflight_by_owner[identity] >= self.opts.max_inflight_per_client:
+            raise ProtocolError("busy", f"this client already has {self.opts.max_inflight_per_client} requests in flight")
         try:
             params = SamplingParams.from_wire(h["params"])
             params.validate(self.opts.max_new_tokens_limit)
@@ -175,7 +193,8 @@ class Broker:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         req = Request(self.next_rid, req_id, prompt, params, seed, owner=identity, t_submit=now)
         self.next_rid += 1
-        self.by_client[(identity, req_id)] = req.rid
+        self.by_req_id[req_id] = req.rid
+        self.inflight_by_owner[identity] += 1
         self.counters["requests_submitted"] += 1
         self.scheduler.admit(req)
 
@@ -183,7 +202,10 @@ class Broker:
         req = self.scheduler.finish(rid)
         if req is None:
             return
-        self.by_client.pop((req.owner, req.req_id), None)
+        self.by_req_id.pop(req.req_id, None)
+        self.inflight_by_owner[req.owner] -= 1
+        if self.inflight_by_owner[req.owner] <= 0:
+            del self.inflight_by_owner[req.owner]
         self.frees.append(rid)
         req.finish_reason = req.finish_reason or reason
         if error is not None:
@@ -192,9 +214,12 @@ class Broker:
             return
         self.counters[f"requests_{req.finish_reason}"] += 1
         text = apply_stop(self.codec.decode(req.output), req.params.stop)[0] if self.codec else ""
-        self._send(self.clients, req.owner, Message("DONE", {
-            "req_id": req.req_id, "token_ids": req.output, "text": text,
-            "finish_reason": req.finish_reason, "stats": req.stats()}))
+        done = {"req_id": req.req_id, "token_ids": req.output, "text": text,
+                "finish_reason": req.finish_reason, "stats": req.stats()}
+        self.finished[req.req_id] = done
+        while len(self.finished) > 4096:  # bounded: old results age out
+            self.finished.popitem(last=False)
+        self._send(self.clients, req.owner, Message("DONE", done))
 
     def _stream(self, req: Request, kept: list[int], now: float) -> None:
         """Send what a verify committed; apply stop strings to the decoded text."""
@@ -207,7 +232,8 @@ class Broker:
                 delta, req.text = full[len(req.text):], full
         if req.t_first is None:
             req.t_first = now
-        self._send(self.clients, req.owner, Message("TOKENS", {"req_id": req.req_id, "token_ids": kept, "text": delta}))
+        self._send(self.clients, req.owner, Message("TOKENS", {"req_id": req.req_id, "token_ids": kept, "text": delta,
+                                                               "offset": len(req.output) - len(kept)}))
 
     # -- workers ---------------------------------------------------------------------------
     def on_worker(self, identity: bytes, frames: list[Any], now: float) -> None:

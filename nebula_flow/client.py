@@ -102,18 +102,37 @@ def _raise_error(header: dict[str, Any]) -> None:
 
 
 class _Collector:
-    """Turns TOKENS / DONE messages of one request into chunks and a ``Completion``."""
+    """Turns TOKENS / DONE messages of one request into chunks and a ``Completion``.
+
+    Chunks carry the offset of their first token, so after a retry (which may resend tokens,
+    or, on a restarted broker, generate them again: seeded output is reproducible) only the
+    tokens not yet seen are passed on.
+    """
 
     def __init__(self) -> None:
         self.t0 = time.monotonic()
         self.ttft: float | None = None
         self.times: list[float] = []
+        self.seen_tokens = 0
+        self.seen_text = 0
 
-    def chunk(self, h: dict[str, Any]) -> Chunk:
+    def chunk(self, h: dict[str, Any]) -> Chunk | None:
+        offset = h.get("offset", self.seen_tokens)
+        skip = self.seen_tokens - offset
+        tokens = h["token_ids"][max(0, skip):]
+        text = h["text"]
+        if skip > 0:
+            if not tokens:
+                return None  # all of it was seen already
+            # A re-attach resends everything from offset 0 with the full text so far; a
+            # regenerated round (restarted broker) has the same boundaries, so never splits.
+            text = text[self.seen_text:] if offset == 0 else ""
+        self.seen_tokens += len(tokens)
+        self.seen_text += len(text)
         t = time.monotonic() - self.t0
         self.ttft = t if self.ttft is None else self.ttft
         self.times.append(t)
-        return Chunk(h["token_ids"], h["text"], t)
+        return Chunk(tokens, text, t)
 
     def done(self, h: dict[str, Any]) -> Completion:
         latency = time.monotonic() - self.t0
@@ -123,11 +142,19 @@ class _Collector:
                           latency, self.times, st)
 
 
-class Client:
-    """Blocking client. ``timeout_s`` bounds the wait for each message from the broker."""
+def _reproducible(params: dict[str, Any], retries: int) -> dict[str, Any]:
+    """A retried sampled request needs a seed to come out the same; pick one if none given."""
+    if retries and params.get("temperature", 0.0) and params.get("seed") is None:
+        params = dict(params, seed=int.from_bytes(uuid.uuid4().bytes[:7], "big"))
+    return params
 
-    def __init__(self, address: str, timeout_s: float = 120.0) -> None:
-        self.address, self.timeout_s = address, timeout_s
+
+class Client:
+    """Blocking client. ``timeout_s`` bounds the wait for each message from the broker; after
+    a timeout the request is resent ``retries`` times with the same id (idempotent)."""
+
+    def __init__(self, address: str, timeout_s: float = 120.0, retries: int = 0) -> None:
+        self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
@@ -149,17 +176,27 @@ class Client:
     def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
                **params: Any) -> Iterator[Chunk | Completion]:
         """Yield a ``Chunk`` per verify step, then the final ``Completion``."""
-        req_id = uuid.uuid4().hex
-        self.sock.send_multipart(protocol.encode(build_submit(req_id, prompt, token_ids, chat, **params)), copy=False)
+        req_id = params.pop("request_id", None) or uuid.uuid4().hex
+        submit = build_submit(req_id, prompt, token_ids, chat, **_reproducible(params, self.retries))
+        self.sock.send_multipart(protocol.encode(submit), copy=False)
         col = _Collector()
-        finished = False
+        finished, attempts = False, 0
         try:
             while True:
-                msg = self._recv()
+                try:
+                    msg = self._recv()
+                except RequestTimeout:
+                    if attempts >= self.retries:
+                        raise
+                    attempts += 1  # same req_id: the broker re-attaches or replays, never duplicates
+                    self.sock.send_multipart(protocol.encode(submit), copy=False)
+                    continue
                 if msg.header.get("req_id") not in (req_id, None):
                     continue  # a late message of an earlier, abandoned request
                 if msg.kind == "TOKENS":
-                    yield col.chunk(msg.header)
+                    chunk = col.chunk(msg.header)
+                    if chunk is not None:
+                        yield chunk
                 elif msg.kind == "DONE":
                     finished = True
                     yield col.done(msg.header)
@@ -230,7 +267,7 @@ class AsyncClient:
                      **params: Any) -> AsyncIterator[Chunk | Completion]:
         if self.reader is None:
             self.reader = asyncio.ensure_future(self._read())
-        req_id = uuid.uuid4().hex
+        req_id = params.pop("request_id", None) or uuid.uuid4().hex
         queue: asyncio.Queue[Message] = asyncio.Queue()
         self.queues[req_id] = queue
         msg = build_submit(req_id, prompt, token_ids, chat, **params)
@@ -241,7 +278,9 @@ class AsyncClient:
             while True:
                 reply = await self._next(queue)
                 if reply.kind == "TOKENS":
-                    yield col.chunk(reply.header)
+                    chunk = col.chunk(reply.header)
+                    if chunk is not None:
+                        yield chunk
                 elif reply.kind == "DONE":
                     finished = True
                     yield col.done(reply.header)

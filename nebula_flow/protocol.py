@@ -15,9 +15,12 @@ to answer, count it, and carry on.
 Client <-> broker (client socket, DEALER -> ROUTER):
   SUBMIT   client -> broker  req_id, params, and prompt (text) or prompt_tokens (int32 tensor);
                              chat (bool) applies the tokenizer's chat template to a text prompt.
+                             Idempotent: the req_id is the client's (random, unique); resending a
+                             running request re-attaches to it, a finished one replays its DONE.
   CANCEL   client -> broker  req_id.
   STATUS   client -> broker  ask for the broker's counters and workers.
-  TOKENS   broker -> client  req_id, token_ids and text committed by one verify (a stream chunk).
+  TOKENS   broker -> client  req_id, token_ids and text committed by one verify (a stream chunk);
+                             offset = tokens committed before this chunk (a retry may resend).
   DONE     broker -> client  req_id, all token_ids, text, finish_reason, stats.
   STATE    broker -> client  reply to STATUS: a JSON object of counters.
   ERROR    either way        code, message, and req_id when it concerns one request.
@@ -58,7 +61,7 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "SUBMIT": {"req_id": str, "params": dict, "?prompt": str, "?prompt_tokens": dict, "?chat": bool},
     "CANCEL": {"req_id": str},
     "STATUS": {},
-    "TOKENS": {"req_id": str, "token_ids": list, "text": str},
+    "TOKENS": {"req_id": str, "token_ids": list, "text": str, "?offset": int},
     "DONE": {"req_id": str, "token_ids": list, "text": str, "finish_reason": str, "stats": dict},
     "STATE": {"state": dict},
     "ERROR": {"code": str, "message": str, "?req_id": str},

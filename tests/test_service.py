@@ -287,3 +287,32 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
     assert len(busy) == 2 and all(after[k] > 0 for k in busy)
     assert after['nebula_workers{role="draft"}'] == 1 and 'nebula_topic_depth{topic="draft"}' in after
     assert any(k.startswith("nebula_batch_size_total") for k in after)
+
+
+def test_resubmitting_a_request_id_is_idempotent(live) -> None:  # noqa: ANN001
+    sock = raw_socket(live.address)
+    submit = Message("SUBMIT", {"req_id": "fixed-id-1", "params": {"max_new_tokens": 40, "ignore_eos": True},
+                                "prompt": "def retry():"})
+    sock.send_multipart(protocol.encode(submit))
+    first = protocol.decode(sock.recv_multipart())
+    assert first.kind == "TOKENS"
+    other = raw_socket(live.address)  # the client "reconnects" with a new socket and retries
+    other.send_multipart(protocol.encode(submit))
+    seen, done = [], None
+    while done is None:
+        msg = protocol.decode(other.recv_multipart())
+        if msg.kind == "DONE":
+            done = msg
+        else:
+            assert msg.kind == "TOKENS"
+            seen.append(msg.header)
+    assert seen[0]["offset"] == 0 and len(seen[0]["token_ids"]) >= len(first.header["token_ids"])
+    assert len(done.header["token_ids"]) == 40
+    other.send_multipart(protocol.encode(submit))  # a retry after the end replays the result
+    replay = protocol.decode(other.recv_multipart())
+    assert replay.kind == "DONE" and replay.header["token_ids"] == done.header["token_ids"]
+    with Client(live.address) as c:
+        counters = c.status()["counters"]
+    assert counters["requests_reattached"] >= 1 and counters["requests_replayed"] >= 1
+    sock.close()
+    other.close()

@@ -44,6 +44,7 @@ class WorkerOptions:
     device: str = "cpu"
     dtype: str | None = None
     heartbeat_s: float = 1.0
+    liveness_s: float = 10.0  # broker silence after which the worker reconnects (with backoff)
     max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted
     kv_transport: str = "auto"  # auto (UCX if installed, else ZeroMQ) | ucx | zmq | none
     kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
@@ -139,6 +140,7 @@ class Worker:
         merged["stall_s"] = merged.get("stall_s", 0.0) + self.stall_s
         merged["overlap_s"] = max(0.0, merged.get("pull_s", 0.0) - merged["stall_s"])
         merged["transport"] = self.transport.scheme if self.transport else "none"
+        merged["server_errors"] = getattr(self.transport, "errors", 0)
         return merged
 
     def _decode_tasks(self, msg: Message) -> list[Task]:
@@ -235,17 +237,26 @@ class Worker:
         return msg, busy
 
     # -- the loop --------------------------------------------------------------------------
-    def run(self) -> int:
-        ctx = zmq.Context.instance()
-        self.sock = ctx.socket(zmq.DEALER)
+    def _connect(self, poller: zmq.Poller) -> None:
+        """A fresh DEALER (a new identity: the broker sees a new worker) and a REGISTER."""
+        old = getattr(self, "sock", None)
+        if old is not None:
+            poller.unregister(old)
+            old.close(linger=0)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.connect(self.opts.broker)
+        poller.register(self.sock, zmq.POLLIN)
+        self.last_heard = time.monotonic()
+        self._register()
+
+    def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
         poller.register(self.wake_r, zmq.POLLIN)
-        self._register()
+        self._connect(poller)
+        backoff = 1.0
         computing: Future | None = None
         pending: list[Task] | None = None
         prefetch: Future | None = None
@@ -265,6 +276,11 @@ class Worker:
                     pull_out = True
             if time.monotonic() - self.last_sent > self.opts.heartbeat_s:
                 self._send(Message("HEARTBEAT"))
+            if time.monotonic() - self.last_heard > self.opts.liveness_s * (backoff if not self.registered else 1):
+                # The broker is gone (or never answered): reconnect, waiting longer each time.
+                log.warning("no word from the broker for %.0f s: reconnecting", time.monotonic() - self.last_heard)
+                self._connect(poller)
+                pull_out, backoff = False, min(backoff * 2, 16.0)
             events = dict(poller.poll(timeout=int(self.opts.heartbeat_s * 1000)))
             if self.wake_r in events:
                 os.read(self.wake_r, 64)
@@ -278,13 +294,14 @@ class Worker:
                 computing = None
             if self.sock in events:
                 frames = self.sock.recv_multipart(copy=False)
+                self.last_heard = time.monotonic()
                 try:
                     msg = protocol.decode(frames)
                 except ProtocolError as exc:
                     self._complain(exc)
                     continue
                 if msg.kind == "WELCOME":
-                    self.registered, pull_out = True, False
+                    self.registered, pull_out, backoff = True, False, 1.0
                     self.worker_id = msg.header["worker_id"]
                     log.info("%s registered as worker %d (slot %d, mode %s)", self.name,
                              msg.header["worker_id"], msg.header["slot"], msg.header["mode"])

@@ -1,0 +1,216 @@
+"""Faults and bad input: killed workers, malformed floods, overload, a restarted broker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nebula_flow import protocol
+from nebula_flow.client import AsyncClient, Busy, Client
+from nebula_flow.deploy import Deployment, free_port
+from tests.conftest import deploy_config, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+def _ref_outputs(tiny_pair, prompts: list[list[int]], n: int) -> list[list[int]]:  # noqa: ANN001
+    return [hf_greedy(tiny_pair / "target", p, n) for p in prompts]
+
+
+def test_chaos_kill_a_draft_and_a_target_worker_during_a_replay(tiny_pair) -> None:  # noqa: ANN001
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(2, 12))] for _ in range(64)]
+    refs = _ref_outputs(tiny_pair, prompts, 24)
+    cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=8)
+    cfg.broker.liveness_s = 2.0
+    cfg.kv_transport = "zmq"
+    with Deployment(cfg) as dep:
+        async def run() -> list:
+            async with AsyncClient(dep.address, timeout_s=120) as client:
+                done = 0
+
+                async def one(i: int):  # noqa: ANN202
+                    nonlocal done
+                    await asyncio.sleep(i * 0.02)  # a replay: arrivals spread over ~1.3 s
+                    out = await client.generate(token_ids=prompts[i], max_new_tokens=24)
+                    done += 1
+                    return out
+
+                async def killer() -> None:
+                    kills = {rng.randrange(4, 20): "draft-0", rng.randrange(20, 40): "target-3"}
+                    while kills:
+                        for at in [a for a in kills if done >= a]:
+                            dep.kill(kills.pop(at))
+                        await asyncio.sleep(0.01)
+
+                results = await asyncio.gather(*(one(i) for i in range(64)), killer())
+                return results[:64]
+
+        outs = asyncio.run(run())
+        with Client(dep.address) as c:
+            state = c.status()
+    assert [o.token_ids for o in outs] == refs
+    assert state["counters"].get("workers_dead", 0) == 2 and state["counters"]["requests_length"] + \
+        state["counters"].get("requests_stop", 0) == 64
+
+
+FUZZ_KINDS = list(protocol.SCHEMA) + ["", "SUBMITX", "\x00"]
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False),
+                                     st.text(max_size=12)), lambda inner: st.lists(inner, max_size=3) |
+                           st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+headers = st.dictionaries(st.sampled_from(["v", "req_id", "params", "prompt", "prompt_tokens", "credits", "idle",
+                                           "role", "name", "capacity", "model", "results", "busy_s", "seq", "rid",
+                                           "start", "end", "tokens", "rows", "f", "x"]), json_values, max_size=6)
+frames_st = st.one_of(
+    st.lists(st.binary(max_size=40), min_size=0, max_size=4),  # random bytes, truncated messages
+    st.tuples(st.sampled_from(FUZZ_KINDS), headers, st.lists(st.binary(max_size=16), max_size=2)).map(
+        lambda t: [t[0].encode(), orjson.dumps(dict(t[1], v=t[1].get("v", 1)) if t[1].get("v") != 1 else t[1]), *t[2]]),
+)
+
+
+def test_fuzz_ten_thousand_malformed_messages(tiny_pair) -> None:  # noqa: ANN001
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    cfg.broker.liveness_s = 2.0
+    cfg.kv_transport = "zmq"
+    with Deployment(cfg) as dep:
+        with Client(dep.address) as c:
+            state = c.status()
+        kv_endpoint = next(w["kv_endpoint"] for w in state["workers"] if w["role"] == "target")
+        ctx = zmq.Context.instance()
+        socks = {}
+        for name, addr in (("client", dep.address), ("worker", dep.cfg.broker.worker_address), ("kv", kv_endpoint)):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+            socks[name] = s
+        errors = {"client": 0, "worker": 0, "kv": 0}
+        sent = {"n": 0}
+
+        def drain(timeout_ms: int) -> None:
+            for name, sock in socks.items():
+                while sock.poll(timeout_ms):
+                    try:
+                        if protocol.decode(sock.recv_multipart()).kind == "ERROR":
+                            errors[name] += 1
+                    except protocol.ProtocolError:
+                        pass
+
+        @settings(max_examples=3400, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(frames_st)
+        def fuzz(frames: list[bytes]) -> None:
+            for sock in socks.values():
+                sock.send_multipart(frames or [b""])
+                sent["n"] += 1
+            if sent["n"] % 300 == 0:
+                drain(0)  # keep the reply queues short without waiting on each message
+
+        fuzz()
+        drain(1000)
+        assert sent["n"] >= 10_000
+        with Client(dep.address, timeout_s=60) as c:
+            out = c.generate(token_ids=[1, 2, 3], max_new_tokens=8, ignore_eos=True)  # the service still answers
+            state = c.status()
+        assert len(out.token_ids) == 8
+        counted = sum(state["errors"].values())
+        assert counted >= errors["client"] + errors["worker"] > 1000
+        target = next(w for w in state["workers"] if w["role"] == "target" and w["kv"])
+        assert target["kv"]["server_errors"] >= errors["kv"] > 1000
+        for s in socks.values():
+            s.close()
+
+
+def test_overload_gets_busy_and_every_admitted_request_completes(tiny_pair) -> None:  # noqa: ANN001
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    cfg.broker.max_pending = 8
+    with Deployment(cfg) as dep:
+        broker_pid = next(p.pid for n, p in dep.procs if n == "broker")
+
+        def rss_mb() -> float:
+            with open(f"/proc/{broker_pid}/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+        async def flood() -> list:
+            async with AsyncClient(dep.address, timeout_s=120) as client:
+                async def one(i: int):  # noqa: ANN202
+                    try:
+                        return await client.generate(token_ids=[1 + i % 400, 2], max_new_tokens=16)
+                    except Busy:
+                        return "busy"
+                return await asyncio.gather(*(one(i) for i in range(80)))
+
+        before = rss_mb()
+        results = asyncio.run(flood())
+        results += asyncio.run(flood())
+        after = rss_mb()
+    busy = sum(r == "busy" for r in results)
+    done = [r for r in results if r != "busy"]
+    assert busy >= 100 and len(done) >= 16
+    assert all(len(r.token_ids) == 16 for r in done)
+    assert after - before < 50, f"broker memory grew {after - before:.0f} MB"
+
+
+def test_workers_rejoin_a_restarted_broker(tiny_pair) -> None:  # noqa: ANN001
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    with Deployment(cfg) as dep:
+        with Client(dep.address) as c:
+            first = c.generate(token_ids=[4, 5, 6], max_new_tokens=10)
+        broker = next(p for n, p in dep.procs if n == "broker")
+        broker.kill()
+        broker.wait()
+        b = dep.cfg.broker
+        log = open(dep.log_dir / "broker2.log", "wb")
+        new = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "broker", "--client-port", str(b.client_port),
+                                "--worker-port", str(b.worker_port), "--model", str(b.model)], stdout=log,
+                               stderr=subprocess.STDOUT, env=dict(os.environ))
+        try:
+            deadline = time.monotonic() + 60
+            with Client(dep.address, timeout_s=5) as c:
+                while time.monotonic() < deadline:
+                    try:
+                        if len(c.status()["workers"]) == 2:
+                            break
+                    except Exception:
+                        pass
+                    time.sleep(0.3)
+                again = Client(dep.address, timeout_s=30).generate(token_ids=[4, 5, 6], max_new_tokens=10)
+        finally:
+            new.terminate()
+            new.wait(10)
+    assert again.token_ids == first.token_ids
+
+
+def test_client_retries_after_a_timeout_without_duplicating(tiny_pair) -> None:  # noqa: ANN001
+    port = free_port()
+    client = Client(f"tcp://127.0.0.1:{port}", timeout_s=1.0, retries=30)
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    cfg.broker.client_port = port
+    result: dict = {}
+
+    import threading
+
+    def late_start() -> None:
+        time.sleep(2.5)  # the broker comes up after the client's first attempts timed out
+        result["dep"] = Deployment(cfg)
+        result["dep"].start()
+
+    t = threading.Thread(target=late_start)
+    t.start()
+    try:
+        out = client.generate(token_ids=[7, 8, 9], max_new_tokens=12, temperature=0.8)
+        chunks_ok = len(out.token_ids) == 12
+    finally:
+        t.join()
+        result["dep"].stop()
+        client.close()
+    assert chunks_ok and out.stats["seed"] is not None
