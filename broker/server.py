@@ -27,6 +27,7 @@ from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.protocol import Message, ProtocolError
 from nebula_flow.request import DRAFT, ROUND, Request
 from nebula_flow.scheduler import MODES, Scheduler
+from nebula_flow.security import SecurityError, is_loopback, keys_dir, make_server, start_authenticator
 from nebula_flow.tokenizer import TextCodec, eos_token_ids
 
 log = logging.getLogger("nebula_flow.broker")
@@ -49,6 +50,7 @@ class BrokerOptions:
     liveness_s: float = 10.0
     drain_s: float = 30.0
     metrics_port: int | None = None  # HTTP port for Prometheus /metrics (None: off, 0: any free port)
+    keys: str | None = None  # CURVE key folder (see nebula_flow/security.py); required off loopback
     locality: bool = True  # prefer giving a worker tasks whose KV it holds (never waits for it); off = affinity-free
     migrate: bool = False  # testing/measurement: never give a request the same worker twice in a row
 
@@ -102,6 +104,11 @@ class Broker:
 
     # -- sockets ---------------------------------------------------------------------------
     def bind(self) -> None:
+        folder = keys_dir(self.opts.keys)
+        if folder is None and not is_loopback(self.opts.host):
+            raise SecurityError(f"binding to {self.opts.host} (off loopback) requires CURVE keys: "
+                                "create them with `nebula-flow keys DIR` and pass --keys DIR")
+        self.auth = start_authenticator(folder) if folder else None
         ctx = zmq.Context.instance()
         self.clients = ctx.socket(zmq.ROUTER)
         self.peers = ctx.socket(zmq.ROUTER)
@@ -109,6 +116,8 @@ class Broker:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # learn about vanished peers instead of dropping silently
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
+            if folder:
+                make_server(sock, folder, "broker")
         self.clients.bind(self.opts.client_address)
         self.peers.bind(self.opts.worker_address)
 
@@ -449,6 +458,8 @@ class Broker:
         self.peers.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.auth is not None:
+            self.auth.stop()
         return 0
 
 
@@ -476,4 +487,8 @@ def _req_id_of(frames: list[Any]) -> str | None:
 
 def serve_broker(opts: BrokerOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
-    return Broker(opts).run()
+    try:
+        return Broker(opts).run()
+    except SecurityError as exc:
+        log.error("%s", exc)
+        return 2

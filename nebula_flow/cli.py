@@ -93,15 +93,17 @@ def main() -> None:
               help="Prefer giving a worker the tasks whose KV it already holds (never waiting for it).")
 @click.option("--migrate", is_flag=True, help="Never give a request the same worker twice in a row (forces KV moves).")
 @click.option("--metrics-port", type=int, help="Serve Prometheus text at http://HOST:PORT/metrics (0: a free port).")
+@click.option("--keys", type=click.Path(), help="CURVE key folder (`nebula-flow keys`); required off loopback. "
+              "Also read from NEBULA_FLOW_KEYS.")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
            proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
-           locality: bool, migrate: bool, metrics_port: int | None) -> None:
+           locality: bool, migrate: bool, metrics_port: int | None, keys: str | None) -> None:
     """Run the broker: the request pool, the draft and target topics, the two sockets."""
     from broker.server import BrokerOptions, serve_broker
 
     sys.exit(serve_broker(BrokerOptions(mode, host, client_port, worker_port, model, k, proposal_top_k,
                                         max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
-                                        locality=locality, migrate=migrate, metrics_port=metrics_port)))
+                                        locality=locality, migrate=migrate, metrics_port=metrics_port, keys=keys)))
 
 
 @main.command()
@@ -125,9 +127,11 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
 @click.option("--profile", type=click.Path(), help="Latency profile for --device emulated.")
 @click.option("--draft-profile", type=click.Path(), help="The draft's latency profile (colocated + emulated).")
 @click.option("--max-kv-gb", default=4.0, show_default=True, help="KV memory budget per model (LRU eviction).")
+@click.option("--keys", type=click.Path(), help="CURVE key folder (or NEBULA_FLOW_KEYS).")
 def worker(role: str, model: str, draft_model: str | None, broker_addr: str, name: str,
            max_batch: int, threads: int, device: str, dtype: str | None, kv_transport: str, kv_host: str,
-           kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float) -> None:
+           kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
+           keys: str | None) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
     from workers.worker import WorkerOptions, serve_worker
@@ -136,7 +140,7 @@ def worker(role: str, model: str, draft_model: str | None, broker_addr: str, nam
         sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch,
                                             threads, device, dtype, kv_transport=kv_transport, kv_host=kv_host,
                                             kv_overlap=kv_overlap, profile=profile, draft_profile=draft_profile,
-                                            max_kv_gb=max_kv_gb)))
+                                            max_kv_gb=max_kv_gb, keys=keys)))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -464,6 +468,11 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
 @click.option("--head-vocab", default=8192, show_default=True, help="Tokens the draft's output head scores (0 = all).")
 @click.option("--teacher-dtype", default="bfloat16", show_default=True, help="dtype of the cached teacher pass.")
 @click.option("--eval-tokens", default=48, show_default=True, help="Tokens per prompt in the acceptance evaluation.")
+@click.option("--generate-seqs", default=0, show_default=True,
+              help="Also distil on this many sequences the target writes itself (its own style).")
+@click.option("--generate-len", default=192, show_default=True, help="Tokens per generated sequence.")
+@click.option("--init-from", type=click.Path(exists=True, file_okay=False), help="Fine-tune this draft instead of "
+              "starting from scratch.")
 def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
     """Distil a draft model for TARGET: cached teacher logits, resumable training, evaluation."""
     from nebula_flow.distill import DistillConfig
@@ -472,6 +481,17 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
     report = run_training(DistillConfig(target=target, out=out, corpus=list(corpus) or None, **kw))
     click.echo(json.dumps({"held_out_loss": report["held_out_loss"], "acceptance": report["acceptance"],
                            "parameters": report["parameters"]}, indent=2))
+
+
+@main.command()
+@click.argument("folder", type=click.Path())
+def keys(folder: str) -> None:
+    """Create CURVE keypairs for the broker, workers and clients in FOLDER (with authorized/)."""
+    from nebula_flow.security import generate_keys
+
+    path = generate_keys(folder)
+    click.echo(f"wrote broker, worker and client keypairs to {path}; pass --keys {path} "
+               "(or set NEBULA_FLOW_KEYS) on every broker, worker and client")
 
 
 @main.command("tiny-pair")

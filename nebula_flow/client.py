@@ -142,6 +142,15 @@ class _Collector:
                           latency, self.times, st)
 
 
+def _secure(sock: zmq.Socket, keys: str | None) -> None:
+    """CURVE with the client key when a key folder is given (or NEBULA_FLOW_KEYS is set)."""
+    from nebula_flow.security import keys_dir, make_client
+
+    folder = keys_dir(keys)
+    if folder is not None:
+        make_client(sock, folder, "client")
+
+
 def _reproducible(params: dict[str, Any], retries: int) -> dict[str, Any]:
     """A retried sampled request needs a seed to come out the same; pick one if none given."""
     if retries and params.get("temperature", 0.0) and params.get("seed") is None:
@@ -153,10 +162,12 @@ class Client:
     """Blocking client. ``timeout_s`` bounds the wait for each message from the broker; after
     a timeout the request is resent ``retries`` times with the same id (idempotent)."""
 
-    def __init__(self, address: str, timeout_s: float = 120.0, retries: int = 0) -> None:
+    def __init__(self, address: str, timeout_s: float = 120.0, retries: int = 0, keys: str | None = None) -> None:
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # no broker to talk to: never block forever
+        _secure(self.sock, keys)
         self.sock.connect(address)
 
     def __enter__(self) -> Client:
@@ -168,6 +179,13 @@ class Client:
     def close(self) -> None:
         self.sock.close()
 
+    def _send(self, msg: Message, block: bool = True) -> None:
+        try:
+            self.sock.send_multipart(protocol.encode(msg), copy=False, flags=0 if block else zmq.NOBLOCK)
+        except zmq.Again:
+            if block:
+                raise RequestTimeout(f"cannot reach {self.address} (not running, or keys refused)") from None
+
     def _recv(self, timeout_s: float | None = None) -> Message:
         if not self.sock.poll(int((timeout_s or self.timeout_s) * 1000)):
             raise RequestTimeout(f"no answer from {self.address} within {timeout_s or self.timeout_s:.0f} s")
@@ -178,7 +196,7 @@ class Client:
         """Yield a ``Chunk`` per verify step, then the final ``Completion``."""
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
         submit = build_submit(req_id, prompt, token_ids, chat, **_reproducible(params, self.retries))
-        self.sock.send_multipart(protocol.encode(submit), copy=False)
+        self._send(submit)
         col = _Collector()
         finished, attempts = False, 0
         try:
@@ -189,7 +207,7 @@ class Client:
                     if attempts >= self.retries:
                         raise
                     attempts += 1  # same req_id: the broker re-attaches or replays, never duplicates
-                    self.sock.send_multipart(protocol.encode(submit), copy=False)
+                    self._send(submit)
                     continue
                 if msg.header.get("req_id") not in (req_id, None):
                     continue  # a late message of an earlier, abandoned request
@@ -206,7 +224,7 @@ class Client:
                     _raise_error(msg.header)
         finally:
             if not finished:  # abandoned (or timed out): the broker should stop working on it
-                self.sock.send_multipart(protocol.encode(Message("CANCEL", {"req_id": req_id})))
+                self._send(Message("CANCEL", {"req_id": req_id}), block=False)
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Run one request to the end; see ``SamplingParams`` for the keyword arguments."""
@@ -216,7 +234,7 @@ class Client:
         raise NebulaError("the stream ended without a result")
 
     def status(self) -> dict[str, Any]:
-        self.sock.send_multipart(protocol.encode(Message("STATUS")))
+        self._send(Message("STATUS"))
         while True:
             msg = self._recv(min(self.timeout_s, 10.0))
             if msg.kind == "STATE":
@@ -226,11 +244,12 @@ class Client:
 class AsyncClient:
     """asyncio client: many concurrent requests over one socket, dispatched by req_id."""
 
-    def __init__(self, address: str, timeout_s: float = 120.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 120.0, keys: str | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        _secure(self.sock, keys)
         self.sock.connect(address)
         self.queues: dict[str, asyncio.Queue[Message]] = {}
         self.reader: asyncio.Task | None = None
@@ -257,6 +276,12 @@ class AsyncClient:
             if key in self.queues:
                 self.queues[key].put_nowait(msg)
 
+    async def _send(self, msg: Message) -> None:
+        try:
+            await asyncio.wait_for(self.sock.send_multipart(protocol.encode(msg), copy=False), self.timeout_s)
+        except TimeoutError:
+            raise RequestTimeout(f"cannot reach {self.address} (not running, or keys refused)") from None
+
     async def _next(self, queue: asyncio.Queue[Message]) -> Message:
         try:
             return await asyncio.wait_for(queue.get(), self.timeout_s)
@@ -271,7 +296,7 @@ class AsyncClient:
         queue: asyncio.Queue[Message] = asyncio.Queue()
         self.queues[req_id] = queue
         msg = build_submit(req_id, prompt, token_ids, chat, **params)
-        await self.sock.send_multipart(protocol.encode(msg), copy=False)
+        await self._send(msg)
         col = _Collector()
         finished = False
         try:
@@ -291,7 +316,11 @@ class AsyncClient:
         finally:
             self.queues.pop(req_id, None)
             if not finished:
-                await self.sock.send_multipart(protocol.encode(Message("CANCEL", {"req_id": req_id})))
+                try:
+                    await self.sock.send_multipart(protocol.encode(Message("CANCEL", {"req_id": req_id})),
+                                                   flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         async for item in self.stream(prompt, **kwargs):
@@ -305,7 +334,7 @@ class AsyncClient:
         queue: asyncio.Queue[Message] = asyncio.Queue()
         self.queues["__status__"] = queue
         try:
-            await self.sock.send_multipart(protocol.encode(Message("STATUS")))
+            await self._send(Message("STATUS"))
             return (await self._next(queue)).header["state"]
         finally:
             self.queues.pop("__status__", None)

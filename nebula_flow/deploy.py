@@ -74,6 +74,8 @@ class Deployment:
 
     def _spawn(self, name: str, args: list[str], threads: int = 1) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), **ALLOCATOR_ENV)
+        if self.cfg.broker.keys:  # every party of the deployment authenticates with CURVE
+            env["NEBULA_FLOW_KEYS"] = str(self.cfg.broker.keys)
         log = open(self.log_dir / f"{name}.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", *args], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -111,7 +113,7 @@ class Deployment:
 
     def wait_ready(self, n_workers: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with Client(self.address, timeout_s=2.0) as client:
+        with Client(self.address, timeout_s=2.0, keys=self.cfg.broker.keys) as client:
             while time.monotonic() < deadline:
                 self.check_alive()
                 try:

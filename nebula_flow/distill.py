@@ -74,6 +74,9 @@ class DistillConfig:
     seed: int = 0
     checkpoint_every: int = 250
     eval_tokens: int = 48
+    generate_seqs: int = 0  # sequences the target writes itself (from corpus snippets), distilled too
+    generate_len: int = 192  # tokens per generated sequence, the 32-token prompt included
+    init_from: str | None = None  # fine-tune an existing draft instead of starting from PCA
 
 
 def _log(msg: str) -> None:
@@ -138,6 +141,52 @@ def teacher_cache(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, np.
     idx.flush()
     lp.flush()
     return idx, lp
+
+
+def generated_corpus(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sequences the target writes from 32-token corpus snippets (half greedy, half sampled at
+    temperature 0.8), with the teacher's top-K recorded as it generates: the draft learns the
+    target's own style (an instruct model often answers code with prose), which a corpus lacks."""
+    n, L, K, prompt_len = cfg.generate_seqs, cfg.generate_len, cfg.teacher_top_k, 32
+    key = hashlib.sha256(seqs.tobytes() + f"{Path(cfg.target).resolve()}|gen|{n}|{L}|{K}|{cfg.seed}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "teacher" / key
+    if (folder / "done").exists():
+        return tuple(np.load(folder / f"{name}.npy") for name in ("ids", "idx", "logp"))
+    folder.mkdir(parents=True, exist_ok=True)
+    teacher = load_model(cfg.target, dtype=cfg.teacher_dtype)
+    rng = np.random.default_rng(cfg.seed + 1)
+    ids = np.zeros((n, L), np.int32)
+    idx = np.zeros((n, L, K), np.int32)
+    logp = np.zeros((n, L, K), np.float16)
+    batch, t0 = 32, time.monotonic()
+    for start in range(0, n, batch):
+        rows = range(start, min(n, start + batch))
+        for r in rows:
+            src = seqs[rng.integers(len(seqs))]
+            ids[r, :prompt_len] = src[(o := rng.integers(0, len(src) - prompt_len)): o + prompt_len]
+        caches = [teacher.new_cache(L + 8) for _ in rows]
+        logits = teacher(caches, [ids[r, :prompt_len].tolist() for r in rows], [prompt_len] * len(rows))
+        for pos in range(prompt_len, L + 1):
+            nxt = []
+            for r, lg in zip(rows, logits):
+                lps = torch.log_softmax(lg.float(), -1)
+                top = torch.topk(lps, K, dim=-1)
+                first = pos - prompt_len == 0
+                span = slice(0, prompt_len) if first else slice(pos - 1, pos)
+                idx[r, span], logp[r, span] = top.indices.numpy(), top.values.numpy()
+                if pos < L:
+                    last = lps[-1]
+                    tok = int(last.argmax()) if r % 2 == 0 else int(torch.multinomial((last / 0.8).softmax(-1), 1))
+                    ids[r, pos] = tok
+                    nxt.append([tok])
+            if pos < L:
+                logits = teacher(caches, nxt, [1] * len(nxt))
+        _log(f"generated {min(n, start + batch)}/{n} sequences "
+             f"({(min(n, start + batch)) * (L - prompt_len) / (time.monotonic() - t0):.0f} tokens/s)")
+    for name, arr in (("ids", ids), ("idx", idx), ("logp", logp)):
+        np.save(folder / f"{name}.npy", arr)
+    (folder / "done").write_text("ok")
+    return ids, idx, logp
 
 
 def draft_config(cfg: DistillConfig, target: ModelConfig, target_raw: dict) -> dict:
@@ -220,10 +269,20 @@ def train_draft(cfg: DistillConfig) -> dict:
                        [tok.eos_token_id, *tcfg.eos_token_ids])
     raw = draft_config(cfg, tcfg, target_raw)
     raw["draft_head_size"] = len(head) if cfg.head_vocab else None
-    model = CausalLM(ModelConfig.from_dict(raw))
-    if model.head_token_ids is not None:
-        model.head_token_ids.copy_(torch.from_numpy(head))
-    _init_from_target(model, cfg.target, head)
+    gen = generated_corpus(cfg, seqs) if cfg.generate_seqs else None
+    if cfg.init_from:  # fine-tune: keep the existing draft's shape and head
+        base = load_model(cfg.init_from)
+        raw = json.loads((Path(cfg.init_from) / "config.json").read_text())
+        model = CausalLM(ModelConfig.from_dict(raw))
+        model.load_state_dict(base.state_dict())
+        if model.head_token_ids is not None:
+            head = model.head_token_ids.numpy()
+        _log(f"fine-tuning {cfg.init_from}")
+    else:
+        model = CausalLM(ModelConfig.from_dict(raw))
+        if model.head_token_ids is not None:
+            model.head_token_ids.copy_(torch.from_numpy(head))
+        _init_from_target(model, cfg.target, head)
     student = Student(model)
     remap = torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
     remap[torch.from_numpy(head)] = torch.arange(len(head))
@@ -246,8 +305,14 @@ def train_draft(cfg: DistillConfig) -> dict:
         lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        b = np.sort(rng.choice(train_ids, cfg.batch_size, replace=False))
-        loss = _loss(student, torch.from_numpy(seqs[b]).long(), torch.from_numpy(t_idx[b]), torch.from_numpy(t_lp[b]), remap)
+        if gen is not None and step % 2 == 1:  # alternate corpus batches with the target's own text
+            b = np.sort(rng.choice(len(gen[0]), min(cfg.batch_size, len(gen[0])), replace=False))
+            loss = _loss(student, torch.from_numpy(gen[0][b]).long(), torch.from_numpy(gen[1][b]),
+                         torch.from_numpy(gen[2][b]), remap)
+        else:
+            b = np.sort(rng.choice(train_ids, cfg.batch_size, replace=False))
+            loss = _loss(student, torch.from_numpy(seqs[b]).long(), torch.from_numpy(t_idx[b]),
+                         torch.from_numpy(t_lp[b]), remap)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

