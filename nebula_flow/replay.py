@@ -131,38 +131,29 @@ def plot(out: Path, records: list[Record]) -> list[Path]:
     import matplotlib.pyplot as plt
 
     ok = [r for r in records if r.error is None and r.latency_s is not None]
-    paths = []
-    fig, ax = plt.subplots(figsize=(6, 4))
     lat = sorted(r.latency_s for r in ok)
-    ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))] if lat else [])
-    ax.set(xlabel="latency (s)", ylabel="fraction of requests", title="Latency CDF")
-    ax.grid(alpha=0.3)
-    paths.append(out / "latency_cdf.png")
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    stamps = sorted(r.sent_s + t for r in ok for t in r.chunk_times_s)
-    tokens_at = {}
+    tokens_at: dict[int, int] = {}
     for r in ok:
         for t, n in zip(r.chunk_times_s, r.tokens_per_round):
-            sec = int(r.sent_s + t)
-            tokens_at[sec] = tokens_at.get(sec, 0) + n
-    if stamps:
-        secs = list(range(int(stamps[-1]) + 1))
-        ax.plot(secs, [tokens_at.get(s, 0) for s in secs])
-    ax.set(xlabel="time (s)", ylabel="tokens/s", title="Throughput over time")
-    ax.grid(alpha=0.3)
-    paths.append(out / "throughput.png")
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+            tokens_at[int(r.sent_s + t)] = tokens_at.get(int(r.sent_s + t), 0) + n
+    secs = list(range(max(tokens_at) + 1)) if tokens_at else []
     per_round = [n for r in ok for n in r.tokens_per_round]
-    if per_round:
-        ax.hist(per_round, bins=range(1, max(per_round) + 2), align="left", rwidth=0.8)
-    ax.set(xlabel="tokens committed per round", ylabel="rounds", title="Acceptance")
-    paths.append(out / "acceptance.png")
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return paths
+
+    def figure(name: str, draw, xlabel: str, ylabel: str, title: str) -> Path:  # noqa: ANN001
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        ax.grid(alpha=0.3)
+        fig.savefig(out / name, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        return out / name
+
+    return [
+        figure("latency_cdf.png", lambda ax: ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))]),
+               "latency (s)", "fraction of requests", "Latency CDF"),
+        figure("throughput.png", lambda ax: ax.plot(secs, [tokens_at.get(x, 0) for x in secs]),
+               "time (s)", "tokens/s", "Throughput over time"),
+        figure("acceptance.png", lambda ax: per_round and ax.hist(
+            per_round, bins=range(1, max(per_round) + 2), align="left", rwidth=0.8),
+               "tokens committed per round", "rounds", "Acceptance"),
+    ]
