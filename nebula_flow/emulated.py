@@ -84,7 +84,9 @@ class EmulatedModel:
 
     def new_cache(self, capacity: int = 64) -> KVCache:
         c = self.cfg
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity=capacity)
+        # fp16 by default, as the emulated GPU would hold it: transfers move the real byte count.
+        dtype = getattr(torch, self.profile.get("kv_dtype", "float16"))
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, dtype=dtype, capacity=capacity)
 
     def _logit_row(self, context: list[int]) -> torch.Tensor:
         pos = len(context)

@@ -161,17 +161,18 @@ class Scheduler:
         """Serve waiting PULLs from the topics: idle workers first, then by arrival.
 
         With ``locality`` on, a first pass gives every waiting worker the tasks whose KV it
-        already holds; only then do the remaining tasks go to waiting workers in order. A task
-        whose holder is not waiting is never kept for it: any worker with room takes it.
+        already holds. In the second pass an idle worker takes any remaining task (a task is
+        never kept for its holder while a worker sits idle), but a busy worker that is only
+        prefetching takes no task another live worker holds: moving that KV would buy nothing.
         """
         waiting = sorted((w for w in self.workers.values() if w.pull_credits > 0),
                          key=lambda w: (not w.pull_idle, w.pull_since, w.worker_id))
         batches: dict[int, list[Request]] = {}
-        for held_only in ((True, False) if self.locality else (False,)):
+        for first_pass in ((True, False) if self.locality else (False,)):
             for w in waiting:
                 room = w.pull_credits - len(batches.get(w.worker_id, []))
                 if room > 0:
-                    batches.setdefault(w.worker_id, []).extend(self._take(w, room, held_only))
+                    batches.setdefault(w.worker_id, []).extend(self._take(w, room, first_pass))
         out = []
         for w in waiting:
             batch = batches.get(w.worker_id)
@@ -182,8 +183,16 @@ class Scheduler:
 
     def _take(self, w: WorkerState, room: int, held_only: bool) -> list[Request]:
         topic = self.topics[w.role]
-        chosen = [rid for rid in topic if self._eligible(self.requests[rid], w)
-                  and (not held_only or self._holder(self.requests[rid]) == w.worker_id)][:room]
+
+        def wanted(req: Request) -> bool:
+            holder = self._holder(req)
+            if held_only:
+                return holder == w.worker_id
+            if self.locality and not w.pull_idle and holder != w.worker_id and holder in self.workers:
+                return False  # leave it for its holder or an idle worker
+            return True
+
+        chosen = [rid for rid in topic if self._eligible(self.requests[rid], w) and wanted(self.requests[rid])][:room]
         taken = set(chosen)
         self.topics[w.role] = deque(rid for rid in topic if rid not in taken)
         batch = []

@@ -148,3 +148,17 @@ def test_forced_migration_avoids_the_previous_worker_when_another_exists() -> No
     assert s.dispatch() == []
     s.pull(2, 8, True, 2.0)
     assert dict(s.dispatch())[2] == [r]
+
+
+def test_a_busy_worker_does_not_take_tasks_another_live_worker_holds() -> None:
+    s = Scheduler("pooled", k=4, locality=True)
+    s.register(1, "draft", 8)
+    s.register(2, "draft", 8)
+    held, fresh = req(0), req(1)
+    s.admit(held)
+    s.admit(fresh)
+    held.holders["draft"] = (2, 3)  # worker 2 holds it but is not waiting (its batch is full)
+    s.pull(1, 8, idle=False, now=0.0)  # worker 1 is busy, prefetching
+    assert [r.rid for r in dict(s.dispatch())[1]] == [1]
+    s.pull(1, 8, idle=True, now=1.0)  # once idle, it takes the held task rather than wait
+    assert [r.rid for r in dict(s.dispatch())[1]] == [0]
