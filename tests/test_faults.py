@@ -214,3 +214,60 @@ def test_client_retries_after_a_timeout_without_duplicating(tiny_pair) -> None: 
         result["dep"].stop()
         client.close()
     assert chunks_ok and out.stats["seed"] is not None
+
+
+def test_cancel_frees_kv_on_every_worker(tiny_pair) -> None:  # noqa: ANN001
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    with Deployment(cfg) as dep, Client(dep.address) as c:
+        stream = c.stream(token_ids=[3, 4, 5], max_new_tokens=500, ignore_eos=True)
+        next(stream)
+        stream.close()  # cancel
+        time.sleep(0.3)
+        c.generate(token_ids=[6, 7], max_new_tokens=6, ignore_eos=True)  # a batch applies the FREE
+        workers = c.status()["workers"]
+    assert all(w["kv"]["held_requests"] == 1 for w in workers)  # only the second request's KV is left
+
+
+def test_broker_sigterm_finishes_in_flight_requests_and_refuses_new_ones(tiny_pair) -> None:  # noqa: ANN001
+    import signal
+
+    from nebula_flow.client import RequestError
+
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    with Deployment(cfg) as dep:
+        broker = next(p for n, p in dep.procs if n == "broker")
+        with Client(dep.address) as c, Client(dep.address) as late:
+            stream = c.stream(token_ids=[3, 4, 5], max_new_tokens=200, ignore_eos=True)
+            next(stream)
+            broker.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            with pytest.raises(RequestError) as err:
+                late.generate(token_ids=[1], max_new_tokens=4)
+            assert err.value.code == "shutting_down"
+            final = list(stream)[-1]
+        assert len(final.token_ids) == 200 and final.finish_reason == "length"
+        assert broker.wait(30) == 0
+
+
+def test_worker_sigterm_hands_its_work_back(tiny_pair) -> None:  # noqa: ANN001
+    import signal
+
+    prompts = [[i + 1, i + 2] for i in range(12)]
+    refs = _ref_outputs(tiny_pair, prompts, 40)
+    cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=4)
+    with Deployment(cfg) as dep:
+        async def run() -> list:
+            async with AsyncClient(dep.address, timeout_s=120) as client:
+                async def stopper() -> None:
+                    await asyncio.sleep(0.5)
+                    dep.kill("target-3", signal.SIGTERM)
+                    dep.kill("draft-0", signal.SIGTERM)
+                res = await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=40) for p in prompts), stopper())
+                return res[:-1]
+
+        outs = asyncio.run(run())
+        with Client(dep.address) as c:
+            counters = c.status()["counters"]
+        exits = {n: p.wait(30) for n, p in dep.procs if n in ("target-3", "draft-0")}
+    assert [o.token_ids for o in outs] == refs
+    assert counters.get("workers_left", 0) == 2 and set(exits.values()) == {0}

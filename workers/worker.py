@@ -147,6 +147,7 @@ class Worker:
         merged["overlap_s"] = max(0.0, merged.get("pull_s", 0.0) - merged["stall_s"])
         merged["transport"] = self.transport.scheme if self.transport else "none"
         merged["server_errors"] = getattr(self.transport, "errors", 0)
+        merged["held_requests"] = sum(len(r.store.caches) for r in self.runners)
         return merged
 
     def _decode_tasks(self, msg: Message) -> list[Task]:
