@@ -269,7 +269,11 @@ class Worker:
         computing: Future | None = None
         pending: list[Task] | None = None
         prefetch: Future | None = None
-        pull_out, frees = False, []
+        # The PULL waiting at the broker: None, "busy" (sent while computing: prefetch) or "idle".
+        # A worker that goes idle with a "busy" PULL parked says so again, so the broker's
+        # locality rules (only idle workers take tasks held elsewhere) see it as idle.
+        pull_out: str | None = None
+        frees: list[int] = []
         while True:
             if self.stopping and computing is None:
                 if self.registered:
@@ -280,16 +284,17 @@ class Worker:
                     computing = self.executor.submit(self._compute, pending, frees, prefetch)
                     computing.add_done_callback(lambda _f: os.write(self.wake_w, b"x"))
                     pending, frees, prefetch = None, [], None
-                if pending is None and not pull_out:
-                    self._send(Message("PULL", {"credits": self.opts.capacity, "idle": computing is None}))
-                    pull_out = True
+                idle = computing is None
+                if pending is None and (pull_out is None or (idle and pull_out == "busy")):
+                    self._send(Message("PULL", {"credits": self.opts.capacity, "idle": idle}))
+                    pull_out = "idle" if idle else "busy"
             if time.monotonic() - self.last_sent > self.opts.heartbeat_s:
                 self._send(Message("HEARTBEAT"))
             if time.monotonic() - self.last_heard > self.opts.liveness_s * (backoff if not self.registered else 1):
                 # The broker is gone (or never answered): reconnect, waiting longer each time.
                 log.warning("no word from the broker for %.0f s: reconnecting", time.monotonic() - self.last_heard)
                 self._connect(poller)
-                pull_out, backoff = False, min(backoff * 2, 16.0)
+                pull_out, backoff = None, min(backoff * 2, 16.0)
             events = dict(poller.poll(timeout=int(self.opts.heartbeat_s * 1000)))
             if self.wake_r in events:
                 os.read(self.wake_r, 64)
@@ -310,28 +315,30 @@ class Worker:
                     self._complain(exc)
                     continue
                 if msg.kind == "WELCOME":
-                    self.registered, pull_out, backoff = True, False, 1.0
+                    self.registered, pull_out, backoff = True, None, 1.0
                     self.worker_id = msg.header["worker_id"]
                     log.info("%s registered as worker %d (slot %d, mode %s)", self.name,
                              msg.header["worker_id"], msg.header["slot"], msg.header["mode"])
                     for r in self.runners:
                         r.proposal_top_k = int(msg.header["settings"].get("proposal_top_k", r.proposal_top_k))
                 elif msg.kind == "TASKS":
-                    pull_out = False
+                    pull_out = None
                     try:
                         batch = self._decode_tasks(msg)
                     except ProtocolError as exc:
                         self._complain(exc)
                         batch = []
                     if batch:  # start this batch's KV pulls now, while the current batch computes
-                        pending = batch
+                        # (two answers can cross a re-sent PULL: extend the waiting batch; the
+                        # prefetch thread runs in order, so the last future covers both)
+                        pending = (pending or []) + batch
                         if self.opts.kv_overlap:
                             prefetch = self.prefetcher.submit(self._prefetch, batch)
                 elif msg.kind == "FREE":
                     frees.extend(int(r) for r in msg.header["rids"] if isinstance(r, int))
                 elif msg.kind == "ERROR":
                     if msg.header["code"] == "unknown_worker":  # the broker restarted: join again
-                        pull_out = False
+                        pull_out = None
                         self._register()
                     else:
                         log.warning("broker error: %s", msg.header["message"])
