@@ -24,6 +24,7 @@ from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.params import InvalidParams, SamplingParams
+from nebula_flow.process import orphaned
 from nebula_flow.protocol import Message, ProtocolError
 from nebula_flow.request import DRAFT, ROUND, Request
 from nebula_flow.scheduler import MODES, Scheduler
@@ -446,6 +447,8 @@ class Broker:
                             continue
                         handler(frames[0].bytes, frames[1:], now)
             self.step(now)
+            if orphaned():  # the deployment that started us is gone
+                stop.append(1)
             if stop and self.draining_since is None:
                 log.info("stopping: no new requests; %d in flight", len(self.scheduler.requests))
                 self.draining_since = now

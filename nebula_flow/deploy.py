@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nebula_flow.client import Client, NebulaError
 from nebula_flow.config import DeployConfig
+from nebula_flow.process import PARENT_ENV
 
 # glibc's default allocator returns and re-faults large buffers on every forward pass; these
 # settings keep them mapped (measured up to ~4x faster forwards on CPU).
@@ -73,7 +74,8 @@ class Deployment:
         return self.cfg.broker.client_address
 
     def _spawn(self, name: str, args: list[str], threads: int = 1) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), **ALLOCATOR_ENV)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), **ALLOCATOR_ENV,
+                   **{PARENT_ENV: str(os.getpid())})  # children exit if we die without stopping them
         if self.cfg.broker.keys:  # every party of the deployment authenticates with CURVE
             env["NEBULA_FLOW_KEYS"] = str(self.cfg.broker.keys)
         log = open(self.log_dir / f"{name}.log", "wb")

@@ -272,3 +272,23 @@ def test_worker_sigterm_hands_its_work_back(tiny_pair) -> None:  # noqa: ANN001
         exits = {n: p.wait(30) for n, p in dep.procs if n in ("target-3", "draft-0")}
     assert [o.token_ids for o in outs] == refs
     assert counters.get("workers_left", 0) == 2 and set(exits.values()) == {0}
+
+
+def test_children_exit_when_the_deploying_process_dies(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    script = tmp_path / "deploy.py"
+    script.write_text(
+        "import sys, time\nfrom pathlib import Path\nsys.path.insert(0, {!r})\n"
+        "from tests.conftest import deploy_config\nfrom nebula_flow.deploy import Deployment\n"
+        "dep = Deployment(deploy_config(Path({!r}), 'pooled', 1, 1))\ndep.start()\n"
+        "print(' '.join(str(p.pid) for _, p in dep.procs), flush=True)\ntime.sleep(600)\n".format(str(__import__("pathlib").Path(__file__).resolve().parent.parent), str(tiny_pair)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 3
+    proc.kill()  # the parent dies without stopping its deployment
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and
+                                              open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids):
+        time.sleep(0.3)
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert not alive, f"orphans still running: {alive}"

@@ -25,6 +25,7 @@ from nebula_flow import protocol
 from nebula_flow.kv.transport import make_transport
 from nebula_flow.models.loader import load_model
 from nebula_flow.params import InvalidParams, SamplingParams
+from nebula_flow.process import orphaned
 from nebula_flow.protocol import Message, ProtocolError
 from nebula_flow.security import is_loopback, keys_dir, make_client
 from workers.runner import ModelRunner, Task
@@ -81,7 +82,7 @@ class Worker:
         if self.keys is None and not is_loopback(opts.kv_host):
             raise ValueError(f"a KV server on {opts.kv_host} (off loopback) requires CURVE keys (--keys DIR)")
         kv_transport = "zmq" if self.keys and opts.kv_transport != "none" else opts.kv_transport  # UCX has no CURVE
-        self.transport = make_transport(kv_transport, self.keys) if opts.role != "colocated" else None
+        self.transport = make_transport(kv_transport, self.keys, opts.device) if opts.role != "colocated" else None
         self.kv_endpoint = self.transport.serve(opts.kv_host, self._lookup) if self.transport else None
         self.wake_r, self.wake_w = os.pipe()
         self.stopping = False
@@ -275,6 +276,8 @@ class Worker:
         pull_out: str | None = None
         frees: list[int] = []
         while True:
+            if orphaned():  # the deployment that started us is gone: do not linger
+                self.stopping = True
             if self.stopping and computing is None:
                 if self.registered:
                     self._send(Message("BYE"))
