@@ -120,7 +120,7 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
               help="cpu, cuda, cuda:N, or emulated (forward passes take the time --profile predicts).")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA).")
 @click.option("--kv-transport", type=click.Choice(["auto", "ucx", "zmq", "none"]), default="auto", show_default=True,
-              help="How KV moves between workers: auto = UCX if ucxx is installed, else ZeroMQ.")
+              help="How KV moves between workers: auto = UCX on CUDA (if ucxx is installed), ZeroMQ on CPU.")
 @click.option("--kv-host", default="127.0.0.1", show_default=True, help="Interface the KV server binds and advertises.")
 @click.option("--kv-overlap/--no-kv-overlap", default=True, show_default=True,
               help="Pull a batch's KV while the previous batch computes (off: at the start of its compute).")

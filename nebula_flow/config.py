@@ -64,7 +64,7 @@ class DeployConfig:
     broker: BrokerOptions = field(default_factory=BrokerOptions)
     draft: PoolConfig = field(default_factory=PoolConfig)
     target: PoolConfig = field(default_factory=PoolConfig)
-    kv_transport: str = "auto"  # auto (UCX if ucxx is installed, else ZeroMQ) | ucx | zmq | none
+    kv_transport: str = "auto"  # auto (UCX for CUDA workers if installed, else ZeroMQ) | ucx | zmq | none
     source: str = "<defaults>"
 
     def validate(self) -> None:

@@ -48,7 +48,7 @@ class WorkerOptions:
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0  # broker silence after which the worker reconnects (with backoff)
     max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted
-    kv_transport: str = "auto"  # auto (UCX if installed, else ZeroMQ) | ucx | zmq | none
+    kv_transport: str = "auto"  # auto (UCX for CUDA workers if installed, else ZeroMQ) | ucx | zmq | none
     kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
     kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
     keys: str | None = None  # CURVE key folder (or NEBULA_FLOW_KEYS): authenticate to the broker and peers
