@@ -36,8 +36,9 @@ class KVCache:
         return len(self.tokens)
 
     @property
-    def nbytes(self) -> int:
-        return self.buf.element_size() * self.buf[0].numel() * self.length
+    def row_bytes(self) -> int:
+        """Bytes of one position (all layers, K and V)."""
+        return self.buf.element_size() * self.buf[0].numel()
 
     @property
     def allocated_bytes(self) -> int:
@@ -74,10 +75,3 @@ class KVCache:
     def export(self, start: int, end: int) -> torch.Tensor:
         """Positions ``start..end`` as one contiguous tensor (for a peer transfer)."""
         return self.buf[start:end]
-
-    def load(self, start: int, rows: torch.Tensor, tokens: list[int]) -> None:
-        """Install positions ``start..start+len(rows)`` received from a peer."""
-        self.truncate(start)
-        self.reserve(start + len(rows))
-        self.buf[start : start + len(rows)].copy_(rows)
-        self.tokens.extend(tokens)

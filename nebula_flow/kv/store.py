@@ -94,7 +94,7 @@ class KVStore:
         cache.tokens.extend(int(t) for t in got)
         self.stats.pulls += 1
         self.stats.pulled += valid - have
-        self.stats.bytes_pulled += (valid - have) * cache.buf[0].numel() * cache.buf.element_size()
+        self.stats.bytes_pulled += (valid - have) * cache.row_bytes
 
     def snapshot(self, rid: int, start: int, end: int) -> tuple[np.ndarray, torch.Tensor] | None:
         """Tokens and KV rows ``start..end`` of ``rid`` for a peer, or None if not held."""
@@ -103,7 +103,7 @@ class KVStore:
         if cache is None or cache.length < end:
             return None
         self.stats.served += 1
-        self.stats.bytes_served += (end - start) * cache.buf[0].numel() * cache.buf.element_size()
+        self.stats.bytes_served += (end - start) * cache.row_bytes
         return np.asarray(cache.tokens[start:end], dtype=np.int32), cache.export(start, end)
 
     def unpin(self, rids: list[int]) -> None:
@@ -115,9 +115,6 @@ class KVStore:
             for rid in rids:
                 self.caches.pop(rid, None)
                 self.pinned.discard(rid)
-
-    def held_bytes(self) -> int:
-        return sum(c.allocated_bytes for c in list(self.caches.values()))
 
     def evict(self, protect: set[int]) -> None:
         """Drop least-recently used caches (never protected or pinned ones) until under budget."""
