@@ -24,6 +24,7 @@ from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.params import InvalidParams, SamplingParams
+from nebula_flow.policy_log import RecordingScheduler
 from nebula_flow.process import orphaned
 from nebula_flow.protocol import Message, ProtocolError
 from nebula_flow.request import DRAFT, ROUND, Request
@@ -54,6 +55,7 @@ class BrokerOptions:
     keys: str | None = None  # CURVE key folder (see nebula_flow/security.py); required off loopback
     locality: bool = True  # prefer giving a worker tasks whose KV it holds (never waits for it); off = affinity-free
     migrate: bool = False  # testing/measurement: never give a request the same worker twice in a row
+    policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
 
     @property
     def client_address(self) -> str:
@@ -74,12 +76,14 @@ class WorkerInfo:
     busy_s: float = 0.0
     tasks: int = 0
     kv: dict[str, Any] | None = None  # the worker's latest KV counters
+    device: dict[str, Any] | None = None  # forwards run; emulated devices: predicted vs overrun seconds
 
 
 class Broker:
     def __init__(self, opts: BrokerOptions) -> None:
         self.opts = opts
-        self.scheduler = Scheduler(opts.mode, opts.k, locality=opts.locality, migrate=opts.migrate)
+        policy = RecordingScheduler if opts.policy_log else Scheduler
+        self.scheduler = policy(opts.mode, opts.k, locality=opts.locality, migrate=opts.migrate)
         self.codec = TextCodec(opts.model) if opts.model else None
         self.eos_ids = eos_token_ids(opts.model, self.codec) if opts.model else ()
         self.max_model_len = ModelConfig.from_dir(opts.model).max_position_embeddings if opts.model else 1 << 30
@@ -262,6 +266,8 @@ class Broker:
                 self.workers[wid].busy_s += max(0.0, float(msg.header["busy_s"]))
                 if isinstance(msg.header.get("kv"), dict):
                     self.workers[wid].kv = msg.header["kv"]
+                if isinstance(msg.header.get("device"), dict):
+                    self.workers[wid].device = msg.header["device"]
                 for raw in msg.header["results"]:
                     try:
                         self._result(wid, msg, raw, now)
@@ -390,7 +396,8 @@ class Broker:
             "max_model_len": self.max_model_len,
             "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
             "workers": [{"id": wid, "role": w.role, "name": w.name, "busy_s": w.busy_s, "tasks": w.tasks,
-                         "slot": self.scheduler.workers[wid].slot, "kv_endpoint": w.kv_endpoint, "kv": w.kv}
+                         "slot": self.scheduler.workers[wid].slot, "kv_endpoint": w.kv_endpoint, "kv": w.kv,
+                         "device": w.device}
                         for wid, w in self.workers.items()],
             "counters": dict(self.counters), "errors": dict(self.errors),
             "proposed_by_position": self.proposed_by_position, "accepted_by_position": self.accepted_by_position,
@@ -459,6 +466,9 @@ class Broker:
                     break
         self.clients.close()
         self.peers.close()
+        if isinstance(self.scheduler, RecordingScheduler):
+            self.scheduler.save(self.opts.policy_log)
+            log.info("policy log: %d records in %s", len(self.scheduler.records), self.opts.policy_log)
         if self.metrics is not None:
             self.metrics.close()
         if self.auth is not None:

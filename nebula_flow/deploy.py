@@ -91,7 +91,8 @@ class Deployment:
             "--proposal-top-k", str(b.proposal_top_k), "--max-pending", str(b.max_pending),
             "--heartbeat-s", str(b.heartbeat_s), "--liveness-s", str(b.liveness_s),
             "--locality" if b.locality else "--no-locality", *(["--migrate"] if b.migrate else []),
-            *(["--metrics-port", str(b.metrics_port)] if b.metrics_port is not None else [])])
+            *(["--metrics-port", str(b.metrics_port)] if b.metrics_port is not None else []),
+            *(["--policy-log", str(b.policy_log)] if b.policy_log else [])])
         plan = self.cfg.worker_plan()
         shared = max(1, usable_cores() // len(plan))
         for i, (role, pool) in enumerate(plan):

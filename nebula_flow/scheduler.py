@@ -192,9 +192,21 @@ class Scheduler:
                 return False  # leave it for its holder or an idle worker
             return True
 
-        chosen = [rid for rid in topic if self._eligible(self.requests[rid], w) and wanted(self.requests[rid])][:room]
-        taken = set(chosen)
-        self.topics[w.role] = deque(rid for rid in topic if rid not in taken)
+        chosen = []
+        for rid in topic:  # stop at ``room``: a long topic costs nothing when its head is eligible
+            req = self.requests[rid]
+            if self._eligible(req, w) and wanted(req):
+                chosen.append(rid)
+                if len(chosen) == room:
+                    break
+        if not chosen:
+            return []
+        if all(topic[i] == rid for i, rid in enumerate(chosen)):  # a prefix: the common case
+            for _ in chosen:
+                topic.popleft()
+        else:
+            taken = set(chosen)
+            self.topics[w.role] = deque(rid for rid in topic if rid not in taken)
         batch = []
         for rid in chosen:
             req = self.requests[rid]

@@ -1,0 +1,165 @@
+"""A written record of what a scheduling policy was told and what it decided, and its replay.
+
+The live broker (``--policy-log PATH``) and the simulator both drive ``Scheduler``; with a
+``RecordingScheduler`` in its place, every event it is fed (a worker registers, pulls, a
+request arrives, a draft or verify comes back, a round starts, a request finishes) and every
+non-empty ``dispatch`` decision is appended to a list. ``replay`` feeds such a record to
+another policy object and compares its decisions with the recorded ones: the check that the
+simulator and the broker run the same policy, and a debugging aid for operators ("would the
+new policy have decided the same on yesterday's traffic?").
+
+Records are JSON arrays, one per line (JSONL)::
+
+    ["policy", mode, k, locality, migrate]
+    ["register", worker, role, capacity, slot]
+    ["unregister", worker, [requeued rids]]
+    ["pull", worker, credits, idle, now]
+    ["admit", rid, prompt_len, max_new_tokens]
+    ["draft_done", rid, worker, n_draft]
+    ["verify_done", rid, worker, accepted]
+    ["start_round", rid, output_len]
+    ["finish", rid]
+    ["dispatch", [[worker, [[rid, attempt], ...]], ...]]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nebula_flow.params import SamplingParams
+from nebula_flow.request import Request
+from nebula_flow.scheduler import Scheduler
+
+PLACEHOLDER = 0  # token ids do not matter to a policy: only counts do
+
+
+def decisions(batches: list[tuple[int, list[Request]]]) -> list[list[Any]]:
+    """A dispatch result in record form: who got which request, at which attempt."""
+    return [[wid, [[r.rid, r.attempt] for r in batch]] for wid, batch in batches]
+
+
+class RecordingScheduler(Scheduler):
+    """``Scheduler`` that also appends its inputs and decisions to ``self.records``."""
+
+    def __init__(self, mode: str, k: int, locality: bool = False, migrate: bool = False) -> None:
+        super().__init__(mode, k, locality=locality, migrate=migrate)
+        self.records: list[list[Any]] = [["policy", mode, k, locality, migrate]]
+        self._admitting = False
+
+    def register(self, worker_id: int, role: str, capacity: int) -> int:
+        slot = super().register(worker_id, role, capacity)
+        self.records.append(["register", worker_id, role, capacity, slot])
+        return slot
+
+    def unregister(self, worker_id: int) -> list[int]:
+        requeued = super().unregister(worker_id)
+        self.records.append(["unregister", worker_id, requeued])
+        return requeued
+
+    def pull(self, worker_id: int, credits: int, idle: bool, now: float) -> None:
+        super().pull(worker_id, credits, idle, now)
+        self.records.append(["pull", worker_id, credits, idle, now])
+
+    def admit(self, req: Request) -> None:
+        self.records.append(["admit", req.rid, len(req.prompt), req.params.max_new_tokens])
+        self._admitting = True  # admit starts the first round itself: not a separate event
+        try:
+            super().admit(req)
+        finally:
+            self._admitting = False
+
+    def start_round(self, req: Request) -> None:
+        if not self._admitting:
+            self.records.append(["start_round", req.rid, len(req.output)])
+        super().start_round(req)
+
+    def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict) -> None:
+        self.records.append(["draft_done", req.rid, worker_id, len(draft)])
+        super().draft_done(req, worker_id, draft, q)
+
+    def verify_done(self, req: Request, worker_id: int, accepted: int) -> None:
+        self.records.append(["verify_done", req.rid, worker_id, accepted])
+        super().verify_done(req, worker_id, accepted)
+
+    def finish(self, rid: int) -> Request | None:
+        self.records.append(["finish", rid])
+        return super().finish(rid)
+
+    def dispatch(self) -> list[tuple[int, list[Request]]]:
+        out = super().dispatch()
+        if out:  # an empty dispatch changes nothing, so leaving it out loses nothing
+            self.records.append(["dispatch", decisions(out)])
+        return out
+
+    def save(self, path: str | Path) -> None:
+        with Path(path).open("w") as f:
+            for rec in self.records:
+                f.write(json.dumps(rec) + "\n")
+
+
+def load(path: str | Path) -> list[list[Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"policy log not found: {path}")
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not recs or recs[0][0] != "policy":
+        raise ValueError(f"{path}: not a policy log (first record must be ['policy', ...])")
+    return recs
+
+
+@dataclass
+class ReplayReport:
+    events: int
+    decisions: int
+    mismatches: list[dict[str, Any]]
+
+    @property
+    def identical(self) -> bool:
+        return not self.mismatches
+
+
+def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
+    """Feed ``records`` to ``policy`` and compare each of its decisions with the recorded one."""
+    events = n_decisions = 0
+    mismatches: list[dict[str, Any]] = []
+    for i, rec in enumerate(records):
+        kind, args = rec[0], rec[1:]
+        reqs = policy.requests
+        if kind == "policy":
+            continue
+        events += 1
+        if kind == "register":
+            slot = policy.register(args[0], args[1], args[2])
+            if slot != args[3]:
+                mismatches.append({"record": i, "event": rec, "got_slot": slot})
+        elif kind == "unregister":
+            got = policy.unregister(args[0])
+            if got != args[1]:
+                mismatches.append({"record": i, "event": rec, "got": got})
+        elif kind == "pull":
+            policy.pull(args[0], args[1], args[2], args[3])
+        elif kind == "admit":
+            rid, prompt_len, max_new = args
+            policy.admit(Request(rid, str(rid), [PLACEHOLDER] * prompt_len,
+                                 SamplingParams(max_new_tokens=max_new), seed=0))
+        elif kind == "draft_done":
+            policy.draft_done(reqs[args[0]], args[1], [PLACEHOLDER] * args[2], {})
+        elif kind == "verify_done":
+            policy.verify_done(reqs[args[0]], args[1], args[2])
+        elif kind == "start_round":
+            req = reqs[args[0]]
+            req.output = [PLACEHOLDER] * args[1]
+            policy.start_round(req)
+        elif kind == "finish":
+            policy.finish(args[0])
+        elif kind == "dispatch":
+            n_decisions += 1
+            got = decisions(policy.dispatch())
+            if got != args[0]:
+                mismatches.append({"record": i, "expected": args[0], "got": got})
+        else:
+            raise ValueError(f"record {i}: unknown event {kind!r}")
+    return ReplayReport(events, n_decisions, mismatches)
