@@ -77,11 +77,22 @@ def run_once(address: str, wl: Workload) -> dict[str, Any]:
     tokens = sum(len(o.token_ids) for o in outs)
     rounds = sum(o.rounds for o in outs)
     util = {wid: (busy1[wid] - busy0.get(wid, 0.0)) / wall for wid in busy1}
+    tasks0 = {w["id"]: w["tasks"] for w in s0["workers"]}
+    dev0 = {w["id"]: w.get("device") or {} for w in s0["workers"]}
+    forwards = overrun = 0.0
+    for w in s1["workers"]:
+        d1, d0 = w.get("device") or {}, dev0.get(w["id"], {})
+        forwards += d1.get("forwards", 0) - d0.get("forwards", 0)
+        overrun += d1.get("emulated_overrun_s", 0.0) - d0.get("emulated_overrun_s", 0.0)
+    workers = [{"id": w["id"], "role": w["role"], "utilization": util[w["id"]], "tasks": w["tasks"] - tasks0.get(w["id"], 0)}
+               for w in s1["workers"]]
     return {"wall_s": wall, "requests": len(outs), "tokens": tokens, "rounds": rounds,
             "tokens_per_s": tokens / wall, "round_rate": rounds / wall,
             "tokens_per_round": tokens / max(rounds, 1),
-            "utilization": statistics.mean(util.values()) if util else 0.0,
-            "kv_bytes": _kv_bytes(s1) - kv0,
+            "utilization": statistics.mean(util.values()) if util else 0.0, "workers": workers,
+            "kv_bytes": _kv_bytes(s1) - kv0, "forwards": forwards,
+            # emulated devices: mean time a forward ran past its profile (the host falling behind)
+            "emulated_overrun_per_forward_s": overrun / forwards if forwards else 0.0,
             "ttft_s": percentiles([o.ttft_s for o in outs]), "latency_s": percentiles([o.latency_s for o in outs])}
 
 
@@ -106,7 +117,7 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: Workload, repeats: int, log=pri
 
     return {"tokens_per_s": med("tokens_per_s"), "round_rate": med("round_rate"),
             "tokens_per_round": med("tokens_per_round"), "utilization": med("utilization"),
-            "kv_bytes": med("kv_bytes"),
+            "kv_bytes": med("kv_bytes"), "emulated_overrun_per_forward_s": med("emulated_overrun_per_forward_s"),
             "ttft_s": {p: statistics.median(r["ttft_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
             "latency_s": {p: statistics.median(r["latency_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
             "repeats": runs}

@@ -81,6 +81,9 @@ class EmulatedModel:
         self.cfg = _Cfg(profile["model"])
         self.latency = profile["latency"]
         self.acceptance = float(profile.get("acceptance", 1.0))
+        # How faithfully this host emulates the device: forwards that took longer than the profile
+        # says (host work or a late wake-up on a busy CPU) add up in ``overrun_s``.
+        self.forwards, self.predicted_s, self.overrun_s = 0, 0.0, 0.0
 
     def new_cache(self, capacity: int = 64) -> KVCache:
         c = self.cfg
@@ -94,7 +97,9 @@ class EmulatedModel:
         nxt = stand_in_next(context[-1], context[-2] if pos > 1 else 0, pos, vocab)
         if self.role == "draft" and (_splitmix64(pos * 7919 + context[-1]) % 10_000) / 10_000 >= self.acceptance:
             nxt = (nxt + 1) % vocab  # this position disagrees with the target
-        row = torch.full((self.cfg.vocab_size,), -10.0)
+        # Rows cover only the stand-in's ids: a full-vocabulary row (150k floats) per position
+        # would cost more host time than the emulated GPU's forward takes.
+        row = torch.full((vocab,), -10.0)
         row[nxt] = 10.0
         return row
 
@@ -107,11 +112,15 @@ class EmulatedModel:
             cache.reserve(cache.length + len(seq))  # real-size KV rows, so transfers move real bytes
             full = cache.tokens + list(seq)
             rows = [self._logit_row(full[: len(full) - want + i + 1]) for i in range(want)]
-            out.append(torch.stack(rows) if rows else torch.empty(0, self.cfg.vocab_size))
+            out.append(torch.stack(rows) if rows else torch.empty(0, min(STAND_IN_VOCAB, self.cfg.vocab_size)))
             cache.tokens.extend(seq)
-        remaining = predict_seconds(self.latency, len(caches), tokens, context) - (time.perf_counter() - t0)
+        predicted = predict_seconds(self.latency, len(caches), tokens, context)
+        remaining = predicted - (time.perf_counter() - t0)
         if remaining > 0:
             time.sleep(remaining)
+        self.forwards += 1
+        self.predicted_s += predicted
+        self.overrun_s += max(0.0, time.perf_counter() - t0 - predicted)
         return out
 
 

@@ -242,6 +242,7 @@ class Worker:
         busy = sum(r.busy_s for r in self.runners) - busy0
         msg.header["busy_s"] = busy
         msg.header["kv"] = self._kv_stats()
+        msg.header["device"] = self._device_stats()
         return msg, busy
 
     # -- the loop --------------------------------------------------------------------------
@@ -351,6 +352,15 @@ class Worker:
             self.transport.close()
         self.sock.close()
         return 0
+
+    def _device_stats(self) -> dict[str, Any]:
+        """Forward passes run; on emulated devices also how far the host fell behind the profile."""
+        out: dict[str, Any] = {"forwards": sum(r.forwards for r in self.runners)}
+        emulated = [r.model for r in self.runners if hasattr(r.model, "overrun_s")]
+        if emulated:
+            out["emulated_predicted_s"] = sum(m.predicted_s for m in emulated)
+            out["emulated_overrun_s"] = sum(m.overrun_s for m in emulated)
+        return out
 
     def _complain(self, exc: ProtocolError) -> None:
         """Count a malformed message and tell the broker, which counts it too."""
