@@ -95,15 +95,18 @@ def main() -> None:
 @click.option("--metrics-port", type=int, help="Serve Prometheus text at http://HOST:PORT/metrics (0: a free port).")
 @click.option("--keys", type=click.Path(), help="CURVE key folder (`nebula-flow keys`); required off loopback. "
               "Also read from NEBULA_FLOW_KEYS.")
+@click.option("--policy-log", type=click.Path(), help="At exit, write every scheduling event and decision here "
+              "(JSONL), for `nebula-flow simulate --check-policy-log`.")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
            proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
-           locality: bool, migrate: bool, metrics_port: int | None, keys: str | None) -> None:
+           locality: bool, migrate: bool, metrics_port: int | None, keys: str | None, policy_log: str | None) -> None:
     """Run the broker: the request pool, the draft and target topics, the two sockets."""
     from broker.server import BrokerOptions, serve_broker
 
     sys.exit(serve_broker(BrokerOptions(mode, host, client_port, worker_port, model, k, proposal_top_k,
                                         max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
-                                        locality=locality, migrate=migrate, metrics_port=metrics_port, keys=keys)))
+                                        locality=locality, migrate=migrate, metrics_port=metrics_port, keys=keys,
+                                        policy_log=policy_log)))
 
 
 @main.command()
@@ -492,6 +495,87 @@ def keys(folder: str) -> None:
     path = generate_keys(folder)
     click.echo(f"wrote broker, worker and client keypairs to {path}; pass --keys {path} "
                "(or set NEBULA_FLOW_KEYS) on every broker, worker and client")
+
+
+@main.command()
+@click.argument("scenario", type=click.Path(), required=False)
+@click.option("--modes", help="Comma-separated modes (default: the scenario's); ratios are against the first.")
+@click.option("--draft-workers", type=int, help="Override the draft pool size.")
+@click.option("--target-workers", type=int, help="Override the target pool size.")
+@click.option("--sweep", is_flag=True, help="Also scale both pools together (draft:target ratio kept) and "
+              "report capacity against worker count.")
+@click.option("--sweep-workers", help="Draft pool sizes for --sweep, e.g. 1,2,4,8 (default: the scenario's [sweep]).")
+@click.option("--seed", type=int, help="Override the scenario's seed (acceptance draws, prompt lengths, arrivals).")
+@click.option("--out", type=click.Path(), help="Write result.json and PNG plots (modes, scaling) into this folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {...}, \"sweep\": [...]} as JSON.")
+@click.option("--check-policy-log", type=click.Path(exists=True, dir_okay=False),
+              help="Instead of simulating: replay a broker's --policy-log into the simulator's policy and "
+              "say whether every decision is identical.")
+def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_workers, seed, out, as_json,
+             check_policy_log) -> None:  # noqa: ANN001
+    """Simulate a deployment: the live scheduling policy on a virtual clock, with profiled or
+    roofline device costs. SCENARIO is a TOML file (see configs/sim/)."""
+    from dataclasses import replace
+
+    if check_policy_log:
+        from nebula_flow import policy_log
+        from nebula_flow.scheduler import Scheduler
+
+        records = policy_log.load(check_policy_log)
+        _, mode, k, locality, migrate = records[0]
+        report = policy_log.replay(records, Scheduler(mode, k, locality=locality, migrate=migrate))
+        click.echo(f"{report.events} events, {report.decisions} dispatch decisions: "
+                   + ("all identical" if report.identical else f"{len(report.mismatches)} differ"))
+        for m in report.mismatches[:5]:
+            click.echo(f"  {m}")
+        sys.exit(0 if report.identical else 1)
+    if not scenario:
+        raise click.UsageError("give a SCENARIO file (e.g. configs/sim/paper-2d2t.toml)")
+    from nebula_flow.bench import table
+    from nebula_flow.sim import engine, report
+    from nebula_flow.sim.acceptance import Acceptance
+    from nebula_flow.sim.scenario import describe, load_scenario
+
+    try:
+        sc = load_scenario(scenario)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if seed is not None:
+        acc = sc.acceptance
+        sc = replace(sc, seed=seed, acceptance=Acceptance(acc.rates, dict(acc.histogram) if acc.histogram else None, seed))
+    names = [m.strip() for m in modes.split(",")] if modes else sc.modes
+    bad = [m for m in names if m not in MODES]
+    if bad:
+        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+    def log(m):
+        return (click.echo(m, err=True))
+    result: dict = {"scenario": describe(sc), "modes": {}}
+    for mode in names:
+        t0 = time.monotonic()
+        try:
+            result["modes"][mode] = engine.simulate(sc, mode, draft_workers, target_workers)
+        except (ValueError, RuntimeError) as exc:
+            raise click.ClickException(f"{mode}: {exc}") from None
+        r = result["modes"][mode]
+        log(f"[simulate] {mode}: {r['round_rate']:,.1f} rounds/s, {r['tokens_per_s']:,.1f} tokens/s "
+            f"({r['requests']} requests, {time.monotonic() - t0:.1f} s of simulation)")
+    base = names[0]
+    result["ratios"] = {m: r["round_rate"] / result["modes"][base]["round_rate"] for m, r in result["modes"].items()}
+    if sweep:
+        sizes = [int(x) for x in sweep_workers.split(",")] if sweep_workers else None
+        log(f"[simulate] sweep ({names[0]}):")
+        result["sweep"] = engine.sweep(sc, names[0], sizes, log=log)
+    if out:
+        folder = Path(out)
+        paths = report.plot(folder, result["modes"], result.get("sweep"), sc.name)
+        (folder / "result.json").write_text(json.dumps(result, indent=2))
+        log(f"[simulate] wrote {folder / 'result.json'} and {', '.join(p.name for p in paths)}")
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(table(result["modes"]))
+    if sweep:
+        click.echo(report.sweep_table(result["sweep"]))
 
 
 @main.command("tiny-pair")

@@ -1,0 +1,343 @@
+"""The discrete-event simulator: a virtual clock, an event heap, the live scheduling policy.
+
+The broker side is the live code: the same ``Scheduler`` object is fed the same events in the
+same order as ``broker.server.Broker`` feeds it (admit, pull, draft_done, verify_done, commit
+with ``Request.commit``, start_round or finish) and its ``dispatch`` decides every batch.
+Only the outside world is simulated:
+
+* workers behave like ``workers/worker.py``: a PULL for ``max_batch`` tasks goes out whenever no
+  batch is waiting and no PULL is outstanding (re-sent as "idle" when the worker goes idle),
+  the KV of a batch is pulled as soon as the batch arrives (one transfer at a time, overlapped
+  with the running batch), and a batch starts when compute is free and its KV has arrived;
+* forward passes cost what the pool's cost model says, counted the way the model runner runs
+  them (a draft task: one forward per draft position; a verify: one forward; a colocated
+  round: both, on one device);
+* each worker keeps per-request KV lengths; only missing positions are pulled or computed;
+* acceptance draws come from the scenario's acceptance model;
+* messages take ``message_latency_us``; the broker can cost ``broker_service_us`` per message.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nebula_flow.bench import percentiles
+from nebula_flow.config import DeployConfig, PoolConfig
+from nebula_flow.params import SamplingParams
+from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
+from nebula_flow.scheduler import PHASE_ROLE, Scheduler
+from nebula_flow.sim.costs import CostModel
+from nebula_flow.sim.scenario import Pool, Scenario, Workload
+
+PLACEHOLDER = 0  # simulated requests carry token counts, not token ids
+
+
+@dataclass
+class Task:
+    """What a TASKS message tells a worker about one request (a snapshot at dispatch)."""
+
+    req: Request
+    kind: str
+    attempt: int
+    round: int
+    length: int  # committed tokens (prompt + output): the KV the task must cover
+    k: int
+    holder: tuple[int, int] | None  # (worker, valid) of the KV for this task's role
+
+
+@dataclass
+class SimWorker:
+    wid: int
+    role: str
+    capacity: int
+    costs: dict[str, CostModel]  # model role ("draft"/"target") -> cost model on this device
+    computing: list[Task] | None = None
+    pending: list[Task] | None = None
+    pull_out: str | None = None  # None, "busy" or "idle": as in the live worker loop
+    prefetch_free: float = 0.0
+    kv_ready: float = 0.0
+    caches: dict[str, dict[int, int]] = field(default_factory=lambda: {"draft": {}, "target": {}})
+    busy_s: float = 0.0
+    stall_s: float = 0.0
+    tasks: int = 0
+    batches: int = 0
+    kv_bytes: int = 0
+    pulls: int = 0
+    recomputed: int = 0  # positions computed again because no peer held them
+
+
+class Simulator:
+    def __init__(self, sc: Scenario, mode: str, draft_workers: int | None = None, target_workers: int | None = None,
+                 workload: Workload | None = None, policy: type[Scheduler] = Scheduler) -> None:
+        self.sc, self.mode = sc, mode
+        self.workload = workload or sc.workload
+        self.policy = policy(mode, sc.k, locality=sc.locality, migrate=sc.migrate)
+        self.lat = sc.host.message_latency_us * 1e-6
+        self.heap: list[tuple[float, int, Callable, tuple]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.broker_free = 0.0  # the broker is busy until then (broker_service_us per message)
+        self.inbox: list[tuple[Callable, tuple]] = []
+        self.poll_scheduled = False
+        # The worker processes a deployment of this mode starts: the live plan, not a copy of it.
+        dep = DeployConfig(mode=mode, draft=PoolConfig(workers=draft_workers or sc.draft.workers,
+                                                       max_batch=sc.draft.max_batch),
+                           target=PoolConfig(workers=target_workers or sc.target.workers,
+                                             max_batch=sc.target.max_batch))
+        self.workers: dict[int, SimWorker] = {}
+        for i, (role, pool) in enumerate(dep.worker_plan(), 1):
+            costs = {"draft": sc.draft.cost} if role == "draft" else {"target": sc.target.cost}
+            if role == "colocated":
+                costs["draft"] = sc.draft.cost
+            self.workers[i] = SimWorker(i, role, pool.max_batch, costs)
+        self.pools: dict[str, Pool] = {"draft": sc.draft, "target": sc.target}
+        self.reqs = self.workload.arrivals(sc.seed)
+        self.closed = all(t is None for t, _, _ in self.reqs)  # closed loop: a finish lets the next one in
+        self.next_req = 0
+        self.inflight = 0
+        self.done: list[Request] = []
+        self.t_done: dict[int, float] = {}
+        self.rounds = self.tokens = self.stale = 0
+
+    # -- the event loop ----------------------------------------------------------------------
+    def at(self, t: float, fn: Callable, *args: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, fn, args))
+
+    def to_broker(self, fn: Callable, *args: Any) -> None:
+        """A message to the broker: in flight for a latency, then read at the broker's next poll."""
+        self.at(self.now + self.lat, self._broker_receive, fn, args)
+
+    def _broker_receive(self, fn: Callable, args: tuple) -> None:
+        self.inbox.append((fn, args))
+        if not self.poll_scheduled:
+            self.poll_scheduled = True
+            self.at(max(self.now, self.broker_free), self._broker_poll)
+
+    def _broker_poll(self) -> None:
+        """Like the live broker's loop: read every waiting message, then dispatch once."""
+        self.poll_scheduled = False
+        inbox, self.inbox = self.inbox, []
+        for fn, args in inbox:
+            fn(*args)
+        self.broker_free = self.now + self.sc.host.broker_service_us * 1e-6 * len(inbox)
+        for wid, batch in self.policy.dispatch():
+            tasks = [Task(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
+                          r.holders.get(PHASE_ROLE[r.phase])) for r in batch]
+            self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
+
+    def run(self) -> dict[str, Any]:
+        for w in self.workers.values():
+            self.policy.register(w.wid, w.role, w.capacity)
+        for w in self.workers.values():
+            self._worker_step(w)
+        n_now = len(self.reqs) if self.workload.concurrency is None else min(self.workload.concurrency, len(self.reqs))
+        if self.closed:
+            for _ in range(n_now):
+                self._client_submit()
+        else:
+            for i, (t, _, _) in enumerate(self.reqs):
+                self.at(t, self._client_submit_index, i)
+        while self.heap:
+            self.now, _, fn, args = heapq.heappop(self.heap)
+            fn(*args)
+        if len(self.done) != len(self.reqs):
+            raise RuntimeError(f"simulation stalled: {len(self.done)} of {len(self.reqs)} requests finished "
+                               f"(topics {self.policy.depth()})")
+        return self.result()
+
+    # -- clients -----------------------------------------------------------------------------
+    def _client_submit(self) -> None:
+        if self.next_req < len(self.reqs):
+            self._client_submit_index(self.next_req)
+
+    def _client_submit_index(self, i: int) -> None:
+        self.next_req = max(self.next_req, i + 1)
+        _, prompt_len, max_new = self.reqs[i]
+        req = Request(i + 1, str(i + 1), [PLACEHOLDER] * prompt_len,
+                      SamplingParams(max_new_tokens=max_new, ignore_eos=True), seed=self.sc.seed)
+        req.t_submit = self.now
+        self.to_broker(self.policy.admit, req)
+
+    # -- broker handlers (the live broker's order of policy calls) ----------------------------
+    def _results(self, wid: int, results: list[tuple[Task, int]]) -> None:
+        for task, accepted in results:
+            req = self.policy.accepts_result(wid, task.req.rid, task.attempt, task.kind)
+            if req is None:
+                self.stale += 1
+                continue
+            if task.kind == DRAFT:
+                self.policy.draft_done(req, wid, [PLACEHOLDER] * task.k, {})
+                continue
+            self.policy.verify_done(req, wid, accepted)
+            kept = req.commit([PLACEHOLDER] * (accepted + 1), ())
+            self.rounds += 1
+            self.tokens += len(kept)
+            if req.t_first is None:
+                req.t_first = self.now
+            valid = task.length + accepted  # what every copy of this request's KV is still good for
+            for w in self.workers.values():
+                for cache in w.caches.values():
+                    if req.rid in cache and cache[req.rid] > valid:
+                        cache[req.rid] = valid
+            if req.finish_reason:
+                self.policy.finish(req.rid)
+                self.done.append(req)
+                self.t_done[req.rid] = self.now
+                for w in self.workers.values():  # FREE
+                    for cache in w.caches.values():
+                        cache.pop(req.rid, None)
+                if self.closed:
+                    self.at(self.now + 2 * self.lat, self._client_submit)  # DONE reaches the client, which sends the next
+            else:
+                self.policy.start_round(req)
+
+    # -- workers -------------------------------------------------------------------------------
+    def _worker_step(self, w: SimWorker) -> None:
+        """The live worker loop's decisions: start a waiting batch, keep one PULL outstanding."""
+        if w.computing is None and w.pending:
+            self._start(w)
+        idle = w.computing is None
+        if w.pending is None and (w.pull_out is None or (idle and w.pull_out == "busy")):
+            w.pull_out = "idle" if idle else "busy"
+            self.to_broker(self.policy.pull, w.wid, w.capacity, idle, self.now)
+
+    def _tasks_arrive(self, w: SimWorker, tasks: list[Task]) -> None:
+        w.pull_out = None
+        w.pending = (w.pending or []) + tasks
+        transfer = 0.0
+        for t in tasks:  # start the pulls now, one at a time, while the current batch computes
+            model_role = "draft" if t.kind == DRAFT else "target"
+            if t.kind == ROUND or t.holder is None or t.holder[0] == w.wid:
+                continue
+            holder = self.workers.get(t.holder[0])
+            have = w.caches[model_role].get(t.req.rid, 0)
+            theirs = min(t.holder[1], holder.caches[model_role].get(t.req.rid, 0)) if holder else 0
+            if theirs > have:
+                nbytes = (theirs - have) * self.pools[model_role].cost.kv_bytes_per_token
+                transfer += self.sc.link.transfer_s(nbytes)
+                w.kv_bytes += nbytes
+                w.pulls += 1
+                w.caches[model_role][t.req.rid] = theirs
+            elif theirs < t.holder[1]:
+                w.recomputed += t.holder[1] - have
+        w.prefetch_free = max(self.now, w.prefetch_free) + transfer
+        w.kv_ready = w.prefetch_free
+        self._worker_step(w)
+
+    def _start(self, w: SimWorker) -> None:
+        batch, w.pending = w.pending, None
+        begin = max(self.now, w.kv_ready)
+        w.stall_s += begin - self.now
+        results: list[tuple[Task, int]] = []
+        compute = 0.0
+        drafts = [t for t in batch if t.kind in (DRAFT, ROUND)]
+        if drafts:
+            compute += self._draft_time(w, drafts)
+        verifies = [t for t in batch if t.kind in (VERIFY, ROUND)]
+        accepted = {id(t): self.sc.acceptance.accepted(t.req.rid, t.round, t.k) for t in verifies}
+        if verifies:
+            compute += self._verify_time(w, verifies, accepted)
+        results = [(t, accepted.get(id(t), 0)) for t in batch]
+        overhead = (self.sc.host.batch_overhead_us + self.sc.host.task_overhead_us * len(batch)) * 1e-6
+        w.busy_s += compute
+        w.tasks += len(batch)
+        w.batches += 1
+        w.computing = batch
+        self.at(begin + compute + overhead, self._finish_batch, w, results)
+
+    def _draft_time(self, w: SimWorker, tasks: list[Task]) -> float:
+        cost, cache = w.costs["draft"], w.caches["draft"]
+        total = 0.0
+        have = [cache.get(t.req.rid, 0) for t in tasks]
+        new = [t.length - h for t, h in zip(tasks, have)]
+        step = 0
+        active = [i for i, t in enumerate(tasks) if t.k > 0]
+        while active:  # one forward per draft position, as ModelRunner.draft runs them
+            tokens = sum(new[i] for i in active)
+            context = sum(have[i] for i in active) + tokens
+            total += self._forward_s(cost, len(active), tokens, context)
+            for i in active:
+                have[i] += new[i]
+                new[i] = 1
+            step += 1
+            active = [i for i in active if tasks[i].k > step]
+        for t, h in zip(tasks, have):
+            if t.k > 0:
+                cache[t.req.rid] = h  # the last draft token is proposed, never fed
+        return total
+
+    def _verify_time(self, w: SimWorker, tasks: list[Task], accepted: dict[int, int]) -> float:
+        cost, cache = w.costs["target"], w.caches["target"]
+        have = [cache.get(t.req.rid, 0) for t in tasks]
+        tokens = sum(t.length - h + t.k for t, h in zip(tasks, have))
+        context = sum(have) + tokens
+        for t in tasks:
+            cache[t.req.rid] = t.length + accepted[id(t)]  # rejected drafts rolled back
+        return self._forward_s(cost, len(tasks), tokens, context)
+
+    def _forward_s(self, cost: CostModel, batch: int, tokens: int, context: int) -> float:
+        return cost.forward_s(batch, tokens, context) + self.sc.host.forward_overhead_us * 1e-6
+
+    def _finish_batch(self, w: SimWorker, results: list[tuple[Task, int]]) -> None:
+        w.computing = None
+        self.to_broker(self._results, w.wid, results)
+        self._worker_step(w)
+
+    # -- the report ----------------------------------------------------------------------------
+    def result(self) -> dict[str, Any]:
+        makespan = max(self.t_done.values()) if self.t_done else 0.0
+        start = min(r.t_submit for r in self.done) if self.done else 0.0
+        wall = max(makespan - start, 1e-12)
+        util = {w.wid: w.busy_s / wall for w in self.workers.values()}
+        busy = sum(w.busy_s for w in self.workers.values())
+        roles: dict[str, list[float]] = {}
+        for w in self.workers.values():
+            roles.setdefault(w.role, []).append(util[w.wid])
+        return {
+            "wall_s": wall, "requests": len(self.done), "tokens": self.tokens, "rounds": self.rounds,
+            "tokens_per_s": self.tokens / wall, "round_rate": self.rounds / wall,
+            "tokens_per_round": self.tokens / max(self.rounds, 1),
+            "utilization": statistics.mean(util.values()),
+            "utilization_by_role": {r: statistics.mean(v) for r, v in roles.items()},
+            "workers": [{"id": w.wid, "role": w.role, "utilization": util[w.wid], "tasks": w.tasks,
+                         "batches": w.batches, "mean_batch": w.tasks / max(w.batches, 1)}
+                        for w in self.workers.values()],
+            "kv_bytes": sum(w.kv_bytes for w in self.workers.values()),
+            "kv_pulls": sum(w.pulls for w in self.workers.values()),
+            "kv_stall_fraction": sum(w.stall_s for w in self.workers.values()) / max(busy, 1e-12),
+            "stale_results": self.stale,
+            "ttft_s": percentiles([r.t_first - r.t_submit for r in self.done]),
+            "latency_s": percentiles([self.t_done[r.rid] - r.t_submit for r in self.done]),
+        }
+
+
+def simulate(sc: Scenario, mode: str, draft_workers: int | None = None, target_workers: int | None = None,
+             workload: Workload | None = None) -> dict[str, Any]:
+    return Simulator(sc, mode, draft_workers, target_workers, workload).run()
+
+
+def sweep(sc: Scenario, mode: str = "pooled", sizes: list[int] | None = None,
+          log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Pool sizes scaled together (the scenario's draft:target ratio kept); capacity per size."""
+    sizes = sizes or sc.sweep_draft_workers
+    ratio = sc.target.workers / sc.draft.workers
+    out: list[dict[str, Any]] = []
+    for n in sizes:
+        d, t = n, max(1, round(n * ratio))
+        wl = sc.workload.scaled(t / sc.target.workers) if sc.sweep_scale_workload else sc.workload
+        res = simulate(sc, mode, d, t, wl)
+        row = {"draft_workers": d, "target_workers": t, "requests": res["requests"], "round_rate": res["round_rate"],
+               "tokens_per_s": res["tokens_per_s"], "utilization": res["utilization"]}
+        base = out[0] if out else row
+        workers_ratio = (d + t) / (base["draft_workers"] + base["target_workers"])
+        row["proportional"] = row["round_rate"] / (base["round_rate"] * workers_ratio)
+        out.append(row)
+        if log:
+            log(f"  {d:>3} draft + {t:>3} target: {row['round_rate']:,.0f} rounds/s, "
+                f"{row['proportional']:.3f} of proportional")
+    return out

@@ -1,0 +1,50 @@
+"""What ``nebula-flow simulate`` prints and draws: the bench's table, the sweep, PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    out = [f"{'draft':>6}{'target':>7}{'requests':>10}{'rounds/s':>12}{'tokens/s':>12}{'util':>7}{'vs proportional':>17}"]
+    for r in rows:
+        out.append(f"{r['draft_workers']:>6}{r['target_workers']:>7}{r['requests']:>10}{r['round_rate']:>12,.0f}"
+                   f"{r['tokens_per_s']:>12,.0f}{r['utilization']:>7.2f}{r['proportional']:>16.3f}x")
+    return "\n".join(out)
+
+
+def plot(out: Path, modes: dict[str, dict[str, Any]], sweep: list[dict[str, Any]] | None, title: str) -> list[Path]:
+    """modes.png (request-round rate per mode) and, with a sweep, scaling.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    if modes:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        names = list(modes)
+        ax.bar(names, [modes[m]["round_rate"] for m in names])
+        for i, m in enumerate(names):
+            ax.annotate(f"{modes[m]['round_rate'] / modes[names[0]]['round_rate']:.2f}x",
+                        (i, modes[m]["round_rate"]), ha="center", va="bottom")
+        ax.set(ylabel="request-rounds/s", title=f"{title}: modes side by side")
+        fig.savefig(out / "modes.png", dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(out / "modes.png")
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        n = [r["draft_workers"] + r["target_workers"] for r in sweep]
+        rate = [r["round_rate"] for r in sweep]
+        ax.plot(n, rate, "o-", label="simulated")
+        ax.plot(n, [rate[0] * x / n[0] for x in n], "--", label="proportional")
+        ax.set(xscale="log", yscale="log", xlabel="workers (draft + target)", ylabel="request-rounds/s",
+               title=f"{title}: scaling")
+        ax.legend()
+        ax.grid(alpha=0.3, which="both")
+        fig.savefig(out / "scaling.png", dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(out / "scaling.png")
+    return paths

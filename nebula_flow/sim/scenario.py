@@ -1,0 +1,274 @@
+"""Simulation scenarios: a TOML file naming the pools, their cost models, the policy and the load.
+
+    name = "paper-2d2t"
+    modes = ["pooled", "paired", "colocated", "autoregressive"]   # measured in turn
+    seed = 0
+    # deploy = "../emulated-2d2t.toml"   # take mode knobs, pools and profiles from a deployment
+
+    [policy]            # the broker's policy knobs (BrokerOptions): k, locality, migrate
+    k = 4
+
+    [workload]
+    requests = 512
+    output_tokens = 128
+    prompt_tokens = [96, 144]   # uniform in [lo, hi], or one number
+    concurrency = 512           # closed loop: at most this many in flight (default: all at once)
+    # poisson_rate = 40.0       # open loop: Poisson arrivals (requests/s) instead
+    # trace = "../../traces/azure_code.csv"   # replay formats; time_scale, limit, max_prompt_tokens,
+    #                                         # max_new_tokens shape it as in `nebula-flow replay`
+
+    [draft]             # one pool: workers, max_batch and a cost model:
+    model = "qwen3-0.6b"        #   roofline: model (built-in name, checkpoint dir or config.json)
+    hardware = "rtx4090"        #   + hardware (built-in) [+ hardware_overrides = {mbu = 0.7}]
+    # profile = "configs/profiles/qwen3-0.6b-rtx4090.json"   # or a measured/emulated profile
+    workers = 2
+    max_batch = 64
+
+    [target]
+    ...
+
+    [acceptance]        # rate = 0.75 | per_position = [..] | histogram = {"1" = .., "2" = ..}
+    rate = 0.75         # | status = "status.json" (a live broker's `nebula-flow status --json`)
+
+    [kv]                # movement = "link" (the target hardware's interconnect) | "free"
+    movement = "link"   # bandwidth_gbps / latency_us override the hardware's link
+
+    [host]              # costs outside the devices (defaults: 50 us messages, nothing else)
+    message_latency_us = 50     # one way, broker <-> worker and broker <-> client
+    broker_service_us = 0       # broker time per message (one thread: messages queue)
+    batch_overhead_us = 0       # worker time per batch outside the forward passes
+    task_overhead_us = 0        # worker time per task outside the forward passes
+    forward_overhead_us = 0     # added to every forward pass (e.g. an emulating host falling behind)
+
+    [sweep]             # --sweep: pool sizes; the draft:target ratio of the pools above is kept
+    draft_workers = [1, 2, 4, 8, 16, 32, 64]
+    scale_workload = true       # requests and concurrency grow with the pools
+
+Relative paths are relative to the scenario file's folder, then to the repository root.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from nebula_flow.config import ConfigError, load_config
+from nebula_flow.emulated import load_profile
+from nebula_flow.scheduler import MODES
+from nebula_flow.sim.acceptance import Acceptance
+from nebula_flow.sim.costs import CostModel, Link, ProfileCost, RooflineCost
+from nebula_flow.sim.hardware import GB, resolve_hardware, resolve_model
+from nebula_flow.traces import Shaping, load_trace, shape
+
+
+@dataclass
+class Pool:
+    workers: int
+    max_batch: int
+    cost: CostModel
+    hardware: str | None = None  # the roofline hardware, for the default KV link
+
+
+@dataclass
+class HostCosts:
+    message_latency_us: float = 50.0
+    broker_service_us: float = 0.0
+    batch_overhead_us: float = 0.0
+    task_overhead_us: float = 0.0
+    forward_overhead_us: float = 0.0  # added to every forward (an emulating host's late wake-ups)
+
+
+@dataclass
+class Workload:
+    requests: int = 128
+    output_tokens: int = 128
+    prompt_tokens: tuple[int, int] = (128, 128)
+    concurrency: int | None = None
+    poisson_rate: float | None = None
+    trace: str | None = None
+    time_scale: float = 1.0
+    limit: int | None = None
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int | None = None
+
+    def scaled(self, factor: float) -> Workload:
+        """The same load for ``factor`` times the workers (closed loop or all-at-once only)."""
+        w = Workload(**{f.name: getattr(self, f.name) for f in fields(self)})
+        w.requests = max(1, round(self.requests * factor))
+        if self.concurrency is not None:
+            w.concurrency = max(1, round(self.concurrency * factor))
+        if self.poisson_rate is not None:
+            w.poisson_rate = self.poisson_rate * factor
+        return w
+
+    def arrivals(self, seed: int) -> list[tuple[float | None, int, int]]:
+        """(arrival time or None for closed loop, prompt tokens, output tokens) per request."""
+        rng = random.Random(seed)
+        if self.trace:
+            reqs, _ = shape(load_trace(self.trace), Shaping(self.time_scale, self.limit, max_prompt_tokens=self.max_prompt_tokens,
+                                                            max_new_tokens=self.max_new_tokens, seed=seed), 1 << 30)
+            return [(r.arrival_s, r.prompt_len or len(r.prompt_tokens or []) or max(1, len(r.prompt or "") // 4),
+                     r.max_new_tokens) for r in reqs]
+        lo, hi = self.prompt_tokens
+        out, t = [], 0.0
+        for _ in range(self.requests):
+            arrival = None
+            if self.poisson_rate:
+                t += rng.expovariate(self.poisson_rate)
+                arrival = t
+            out.append((arrival, rng.randint(lo, hi), self.output_tokens))
+        return out
+
+
+@dataclass
+class Scenario:
+    name: str
+    draft: Pool
+    target: Pool
+    acceptance: Acceptance
+    link: Link
+    workload: Workload = field(default_factory=Workload)
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    k: int = 4
+    locality: bool = True
+    migrate: bool = False
+    seed: int = 0
+    host: HostCosts = field(default_factory=HostCosts)
+    sweep_draft_workers: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    sweep_scale_workload: bool = True
+    source: str = "<built>"
+
+
+def _path(spec: str, base: Path) -> str:
+    """A relative path against the scenario's folder, then the repository root (configs/..)."""
+    p = Path(spec).expanduser()
+    if p.is_absolute():
+        return str(p)
+    for root in (base, base.parent, base.parent.parent):
+        if (root / p).exists():
+            return str(root / p)
+    return str(p)
+
+
+def _pool(raw: dict[str, Any], where: str, base: Path) -> Pool:
+    known = {"model", "hardware", "hardware_overrides", "profile", "workers", "max_batch"}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    workers, max_batch = int(raw.get("workers", 1)), int(raw.get("max_batch", 8))
+    if workers < 1 or max_batch < 1:
+        raise ConfigError(f"{where}: workers and max_batch must be >= 1")
+    try:
+        if "profile" in raw:
+            return Pool(workers, max_batch, ProfileCost(load_profile(_path(raw["profile"], base))))
+        if "model" in raw and "hardware" in raw:
+            model = raw["model"]
+            model = _path(model, base) if ("/" in model or model.endswith(".json")) else model
+            hw = resolve_hardware(raw["hardware"], raw.get("hardware_overrides"))
+            return Pool(workers, max_batch, RooflineCost(resolve_model(model), hw), hw.name)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    raise ConfigError(f"{where}: give a cost model: profile = PATH, or model = NAME and hardware = NAME")
+
+
+def _from_deploy(path: str) -> dict[str, Any]:
+    """Pools and policy knobs of a deployment config (its devices must be emulated: profiles)."""
+    cfg = load_config(path)
+    out: dict[str, Any] = {"policy": {"k": cfg.broker.k, "locality": cfg.broker.locality, "migrate": cfg.broker.migrate}}
+    for name, pool in (("draft", cfg.draft), ("target", cfg.target)):
+        if not pool.profile:
+            raise ConfigError(f"{path} [{name}]: simulating a deployment needs a latency profile "
+                              "(device = \"emulated\", or measure one with `nebula-flow profile`)")
+        out[name] = {"profile": pool.profile, "workers": pool.workers, "max_batch": pool.max_batch}
+    out["mode"] = cfg.mode
+    return out
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"scenario not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    known = {"name", "description", "modes", "seed", "deploy", "policy", "workload", "draft", "target",
+             "acceptance", "kv", "host", "sweep"}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    base = path.resolve().parent
+    if "deploy" in raw:  # the deployment's pools and knobs; the scenario's own entries win
+        dep = _from_deploy(_path(raw["deploy"], base))
+        for key in ("draft", "target", "policy"):
+            raw[key] = {**dep[key], **raw.get(key, {})}
+    policy = raw.get("policy", {})
+    unknown = set(policy) - {"k", "locality", "migrate"}
+    if unknown:
+        raise ConfigError(f"{path} [policy]: unknown keys {sorted(unknown)} (known: k, locality, migrate)")
+    modes = raw.get("modes", list(MODES))
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ConfigError(f"{path}: unknown modes {bad}; choose from {', '.join(MODES)}")
+    for name in ("draft", "target"):
+        if name not in raw:
+            raise ConfigError(f"{path}: [{name}] is required")
+    draft = _pool(raw["draft"], f"{path} [draft]", base)
+    target = _pool(raw["target"], f"{path} [target]", base)
+    seed = int(raw.get("seed", 0))
+    try:
+        acceptance = Acceptance.from_config(raw.get("acceptance", {}), seed, base)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{path} [acceptance]: {exc}") from None
+    wl_raw = dict(raw.get("workload", {}))
+    if "trace" in wl_raw:
+        wl_raw["trace"] = _path(wl_raw["trace"], base)
+    if isinstance(wl_raw.get("prompt_tokens"), int):
+        wl_raw["prompt_tokens"] = (wl_raw["prompt_tokens"], wl_raw["prompt_tokens"])
+    elif "prompt_tokens" in wl_raw:
+        wl_raw["prompt_tokens"] = tuple(wl_raw["prompt_tokens"])
+    try:
+        workload = Workload(**wl_raw)
+        host = HostCosts(**raw.get("host", {}))
+    except TypeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if workload.requests < 1 or workload.output_tokens < 1 or workload.prompt_tokens[0] < 1 \
+            or workload.prompt_tokens[0] > workload.prompt_tokens[1]:
+        raise ConfigError(f"{path} [workload]: requests, output_tokens >= 1 and 1 <= prompt_tokens lo <= hi")
+    sweep = raw.get("sweep", {})
+    return Scenario(
+        name=raw.get("name", path.stem), draft=draft, target=target, acceptance=acceptance,
+        link=_link(raw.get("kv", {}), target, f"{path} [kv]"), workload=workload, modes=list(modes),
+        k=int(policy.get("k", 4)), locality=bool(policy.get("locality", True)),
+        migrate=bool(policy.get("migrate", False)), seed=seed, host=host,
+        sweep_draft_workers=[int(n) for n in sweep.get("draft_workers", [1, 2, 4, 8, 16, 32, 64])],
+        sweep_scale_workload=bool(sweep.get("scale_workload", True)), source=str(path))
+
+
+def _link(raw: dict[str, Any], target: Pool, where: str) -> Link:
+    movement = raw.get("movement", "link")
+    if movement == "free":
+        return Link.free()
+    if movement != "link":
+        raise ConfigError(f"{where}: movement must be \"link\" or \"free\", got {movement!r}")
+    hw = resolve_hardware(target.hardware) if target.hardware else None
+    bw = raw.get("bandwidth_gbps", hw.link_bw / GB if hw else None)
+    lat = raw.get("latency_us", hw.link_latency_s * 1e6 if hw else None)
+    if bw is None or lat is None:
+        raise ConfigError(f"{where}: with profile cost models give bandwidth_gbps and latency_us (or movement = \"free\")")
+    return Link(float(bw) * GB, float(lat) * 1e-6)
+
+
+def describe(sc: Scenario) -> dict[str, Any]:
+    """What a result was computed from, for reports."""
+    return {"name": sc.name, "source": sc.source, "k": sc.k, "locality": sc.locality, "seed": sc.seed,
+            "draft": {"workers": sc.draft.workers, "max_batch": sc.draft.max_batch, "cost": sc.draft.cost.name},
+            "target": {"workers": sc.target.workers, "max_batch": sc.target.max_batch, "cost": sc.target.cost.name},
+            "kv_link": "free" if sc.link.bandwidth == float("inf") else
+            {"gbps": sc.link.bandwidth / GB, "latency_us": sc.link.latency_s * 1e6},
+            "expected_tokens_per_round": sc.acceptance.expected_tokens_per_round(sc.k),
+            "workload": json.loads(json.dumps({f.name: getattr(sc.workload, f.name) for f in fields(sc.workload)}))}

@@ -1,0 +1,233 @@
+"""The simulator: the live policy on a virtual clock, its cost models, scenarios and CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from broker.server import Broker, BrokerOptions
+from nebula_flow import policy_log
+from nebula_flow.cli import main
+from nebula_flow.client import AsyncClient
+from nebula_flow.config import ConfigError
+from nebula_flow.deploy import Deployment
+from nebula_flow.scheduler import Scheduler
+from nebula_flow.sim.acceptance import Acceptance
+from nebula_flow.sim.costs import Link, ProfileCost, RooflineCost
+from nebula_flow.sim.engine import Simulator, simulate, sweep
+from nebula_flow.sim.hardware import HARDWARE, MODELS, resolve_model
+from nebula_flow.sim.scenario import HostCosts, Pool, Scenario, Workload, load_scenario
+from tests.conftest import deploy_config
+
+REPO = Path(__file__).resolve().parent.parent
+PAPER = REPO / "configs" / "sim" / "paper-2d2t.toml"
+
+
+def flat_profile(base_s: float, per_seq_s: float = 0.0) -> ProfileCost:
+    return ProfileCost({"name": "flat", "model": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "vocab_size": 100},
+                        "latency": {"base_s": base_s, "per_seq_s": per_seq_s}})
+
+
+def small_scenario(**kw) -> Scenario:  # noqa: ANN003
+    base = dict(name="small", draft=Pool(2, 16, flat_profile(0.001)), target=Pool(2, 8, flat_profile(0.01)),
+                acceptance=Acceptance(rates=[0.7]), link=Link(10e9, 10e-6),
+                workload=Workload(requests=48, output_tokens=24, prompt_tokens=(8, 24)), k=4)
+    base.update(kw)
+    return Scenario(**base)
+
+
+# -- cost models ----------------------------------------------------------------------------
+def test_roofline_model_sizes_and_a_memory_bound_decode() -> None:
+    assert MODELS["qwen3-8b"].params == pytest.approx(8.19e9, rel=0.01)
+    assert MODELS["qwen3-0.6b"].params == pytest.approx(0.596e9, rel=0.01)
+    assert MODELS["qwen3-8b"].kv_bytes_per_token == 2 * 36 * 8 * 128 * 2
+    hw = HARDWARE["rtx4090"]
+    cost = RooflineCost(MODELS["qwen3-8b"], hw)
+    one = cost.forward_s(1, 1, 128)
+    weights = MODELS["qwen3-8b"].weight_bytes / (hw.mem_bw * hw.mbu)
+    assert one == pytest.approx(weights + hw.fixed_s + hw.per_layer_s * 36, rel=0.02)  # memory-bound
+    # A big prefill is compute-bound: ~2 FLOP per parameter per token.
+    big = cost.forward_s(8, 8 * 2048, 8 * 2048)
+    assert big > 2 * 8e9 * 8 * 2048 / (hw.flops * hw.mfu)
+    assert RooflineCost(MODELS["qwen3-8b"], HARDWARE["h100"]).forward_s(1, 1, 128) < one
+
+
+def test_model_spec_from_a_checkpoint_config(tiny_pair) -> None:  # noqa: ANN001
+    spec = resolve_model(str(tiny_pair / "target"))
+    cfg = json.loads((tiny_pair / "target" / "config.json").read_text())
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size) == (cfg["num_hidden_layers"], cfg["hidden_size"],
+                                                                    cfg["vocab_size"])
+    with pytest.raises(ValueError, match="unknown model"):
+        resolve_model("no-such-model")
+
+
+def test_profile_grid_is_interpolated_and_extended_by_the_fit() -> None:
+    grid = [{"batch": b, "tokens": t, "context": c, "seconds": 0.01 * b + 0.001 * t + 1e-5 * c + (0.002 if b == 4 else 0)}
+            for b in (1, 4) for t in (1, 5) for c in (100, 300)]
+    prof = {"name": "g", "model": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "vocab_size": 100},
+            "latency": {"base_s": 0.0, "per_seq_s": 0.01, "per_token_s": 0.001, "per_ctx_token_s": 1e-5}, "grid": grid}
+    cost = ProfileCost(prof)
+    # A grid point is reproduced exactly (batch 4, 5 new tokens each, 300 cached positions each).
+    assert cost.forward_s(4, 20, 4 * 305) == pytest.approx(0.04 + 0.005 + 0.003 + 0.002)
+    # Halfway between two batch sizes: halfway between the measured times.
+    mid = cost.forward_s(2, 2, 2 * 101)
+    lo, hi = cost.forward_s(1, 1, 101), cost.forward_s(3, 3, 3 * 101)
+    assert lo < mid < hi
+    # Beyond the grid the fitted slope continues it.
+    assert cost.forward_s(8, 8, 8 * 101) > cost.forward_s(4, 4, 4 * 101)
+
+
+def test_acceptance_draws_follow_the_rates_and_are_reproducible() -> None:
+    acc = Acceptance(rates=[0.8, 0.5])
+    draws = [acc.accepted(rid, 1, 4) for rid in range(4000)]
+    assert draws == [acc.accepted(rid, 1, 4) for rid in range(4000)]
+    mean_tokens = sum(d + 1 for d in draws) / len(draws)
+    assert mean_tokens == pytest.approx(acc.expected_tokens_per_round(4), rel=0.03)
+    assert acc.expected_tokens_per_round(4) == pytest.approx(1 + 0.8 + 0.4 + 0.2 + 0.1)
+    hist = Acceptance(histogram={1: 1, 3: 3})
+    assert {hist.accepted(r, 0, 4) for r in range(200)} == {0, 2}
+    assert {hist.accepted(r, 0, 1) for r in range(200)} == {0, 1}  # never more than k
+
+
+# -- the engine -----------------------------------------------------------------------------
+def test_a_saturated_target_pool_runs_at_the_cost_models_rate() -> None:
+    """Autoregressive, 1 worker, 10 ms per forward whatever the batch, 64 requests at once:
+    full batches of 8 back to back, so 8 rounds per 10 ms (plus the message round trips)."""
+    sc = small_scenario(draft=Pool(1, 8, flat_profile(0.01)), target=Pool(1, 8, flat_profile(0.01)),
+                        workload=Workload(requests=64, output_tokens=16, prompt_tokens=(4, 4)),
+                        host=HostCosts(message_latency_us=0.0))
+    res = simulate(sc, "autoregressive", 1, 0 + 1)
+    # worker_plan gives autoregressive M + N target workers: 2 workers of 8 here.
+    assert res["rounds"] == 64 * 16 and res["tokens_per_round"] == 1.0
+    assert res["round_rate"] == pytest.approx(2 * 8 / 0.01, rel=0.02)
+    assert all(w["mean_batch"] == 8 for w in res["workers"])
+
+
+def test_tokens_per_round_follow_the_acceptance_model() -> None:
+    sc = small_scenario(workload=Workload(requests=64, output_tokens=200, prompt_tokens=(8, 8)))
+    res = simulate(sc, "pooled")
+    # Rounds near the end ask for fewer drafts (k is capped by what remains), so slightly fewer.
+    assert res["tokens_per_round"] == pytest.approx(sc.acceptance.expected_tokens_per_round(4), rel=0.05)
+    assert res["requests"] == 64 and res["tokens"] == 64 * 200
+
+
+def test_same_seed_same_result_other_seed_other_result() -> None:
+    a, b = simulate(small_scenario(), "pooled"), simulate(small_scenario(), "pooled")
+    assert a == b
+    c = simulate(small_scenario(seed=1, acceptance=Acceptance(rates=[0.7], seed=1)), "pooled")
+    assert c["round_rate"] != a["round_rate"]
+
+
+def test_forced_migration_moves_kv_and_a_free_link_costs_nothing() -> None:
+    moved = simulate(small_scenario(migrate=True, locality=False), "pooled")
+    kept = simulate(small_scenario(), "pooled")
+    assert moved["kv_pulls"] > 0 and moved["kv_bytes"] > kept["kv_bytes"]
+    assert moved["kv_bytes"] % 32 == 0  # whole positions: 2 layers x 1 head x 8 dims x k|v x fp16
+    slow = simulate(small_scenario(migrate=True, locality=False, link=Link(1e6, 1e-3)), "pooled")
+    free = simulate(small_scenario(migrate=True, locality=False, link=Link.free()), "pooled")
+    assert slow["kv_stall_fraction"] > 0 and free["kv_stall_fraction"] == 0.0
+    assert slow["round_rate"] < free["round_rate"]
+
+
+def test_every_mode_finishes_every_request() -> None:
+    for mode in ("pooled", "paired", "colocated", "autoregressive"):
+        res = simulate(small_scenario(), mode)
+        assert res["requests"] == 48 and res["tokens"] == 48 * 24, mode
+
+
+def test_open_loop_arrivals_and_latency_percentiles() -> None:
+    sc = small_scenario(workload=Workload(requests=40, output_tokens=16, prompt_tokens=(8, 8), poisson_rate=50.0))
+    res = simulate(sc, "pooled")
+    assert res["requests"] == 40
+    assert 0 < res["ttft_s"]["p50"] <= res["latency_s"]["p50"] <= res["latency_s"]["p99"]
+    assert res["wall_s"] > 40 / 50.0 * 0.5  # arrivals spread over ~0.8 s
+
+
+def test_scaling_sweep_with_free_kv_stays_near_proportional() -> None:
+    sc = small_scenario(link=Link.free(), workload=Workload(requests=64, output_tokens=32, prompt_tokens=(8, 8)))
+    rows = sweep(sc, "pooled", [1, 2, 4, 8])
+    assert [(r["draft_workers"], r["target_workers"]) for r in rows] == [(1, 1), (2, 2), (4, 4), (8, 8)]
+    assert rows[-1]["requests"] == 64 * 4  # the load grows with the pools
+    assert all(r["proportional"] >= 0.9 for r in rows)
+
+
+# -- one policy: the simulator's and the broker's decisions are identical --------------------
+def test_simulated_events_replayed_into_the_brokers_policy_give_identical_decisions() -> None:
+    sc = small_scenario()
+    sim = Simulator(sc, "pooled", policy=policy_log.RecordingScheduler)
+    sim.run()
+    records = sim.policy.records
+    broker = Broker(BrokerOptions(mode="pooled", k=sc.k, locality=sc.locality, migrate=sc.migrate))
+    report = policy_log.replay(records, broker.scheduler)
+    assert report.decisions > 20 and report.identical, report.mismatches[:3]
+    # The check can fail: a policy with a different knob decides differently on the same events.
+    other = policy_log.replay(records, Scheduler("pooled", sc.k, locality=not sc.locality))
+    assert not other.identical
+
+
+@pytest.mark.slow
+def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_decisions(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=4)
+    log_path = tmp_path / "policy.jsonl"
+    cfg.broker.policy_log = str(log_path)
+    async def load(address: str) -> None:
+        async with AsyncClient(address) as c:
+            await asyncio.gather(*(c.generate(token_ids=[5 + i, 6, 7], max_new_tokens=12, ignore_eos=True)
+                                   for i in range(10)))
+
+    with Deployment(cfg) as dep:
+        asyncio.run(load(dep.address))
+    records = policy_log.load(log_path)
+    assert records[0] == ["policy", "pooled", 4, True, False]
+    sc = small_scenario(k=4, locality=True)
+    report = policy_log.replay(records, Simulator(sc, "pooled").policy)
+    assert report.decisions >= 10 and report.identical, report.mismatches[:3]
+    result = CliRunner().invoke(main, ["simulate", "--check-policy-log", str(log_path)])
+    assert result.exit_code == 0 and "all identical" in result.output
+
+
+# -- scenarios and the command line ---------------------------------------------------------
+def test_the_paper_scenario_loads() -> None:
+    sc = load_scenario(PAPER)
+    assert (sc.draft.workers, sc.target.workers, sc.draft.max_batch, sc.target.max_batch, sc.k) == (2, 2, 64, 16, 4)
+    assert sc.workload.requests == 512 and sc.workload.output_tokens == 128 and sc.workload.prompt_tokens == (96, 144)
+    assert sc.draft.cost.name == "qwen3-0.6b@rtx4090" and sc.target.cost.name == "qwen3-8b@rtx4090"
+
+
+def test_bad_scenarios_get_clear_errors(tmp_path) -> None:  # noqa: ANN001
+    cases = {
+        "bogus = 1\n[draft]\nprofile='x'\n[target]\nprofile='x'\n": "unknown keys",
+        "[draft]\nmodel='gpt-9'\nhardware='rtx4090'\n[target]\nmodel='qwen3-8b'\nhardware='rtx4090'\n": "unknown model",
+        "[draft]\nmodel='qwen3-0.6b'\nhardware='tpu'\n[target]\nmodel='qwen3-8b'\nhardware='rtx4090'\n": "unknown hardware",
+        "[draft]\nworkers=1\n[target]\nmodel='qwen3-8b'\nhardware='rtx4090'\n": "give a cost model",
+        "modes=['fast']\n[draft]\nmodel='qwen3-0.6b'\nhardware='h100'\n[target]\nmodel='qwen3-8b'\nhardware='h100'\n": "unknown modes",
+        "[target]\nmodel='qwen3-8b'\nhardware='h100'\n": "[draft] is required",
+    }
+    for i, (text, message) in enumerate(cases.items()):
+        path = tmp_path / f"s{i}.toml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            load_scenario(path)
+    result = CliRunner().invoke(main, ["simulate", str(tmp_path / "s1.toml")])
+    assert result.exit_code != 0 and "unknown model" in result.output
+
+
+def test_simulate_cli_json_sweep_and_plots(tmp_path) -> None:  # noqa: ANN001
+    scenario = tmp_path / "s.toml"
+    scenario.write_text(PAPER.read_text().replace("requests = 512", "requests = 64")
+                        .replace("output_tokens = 128", "output_tokens = 32"))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["simulate", str(scenario), "--modes", "pooled,paired", "--sweep",
+                                       "--sweep-workers", "1,2", "--json", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output.strip().splitlines()[-1])
+    assert set(data["modes"]) == {"pooled", "paired"} and data["modes"]["pooled"]["round_rate"] > 0
+    assert [r["draft_workers"] for r in data["sweep"]] == [1, 2] and data["sweep"][1]["round_rate"] > 0
+    assert data["ratios"]["pooled"] == 1.0
+    assert (out / "modes.png").stat().st_size > 0 and (out / "scaling.png").stat().st_size > 0
+    again = CliRunner().invoke(main, ["simulate", str(scenario), "--modes", "pooled,paired", "--json"])
+    assert json.loads(again.output.strip().splitlines()[-1])["modes"] == data["modes"]  # deterministic
