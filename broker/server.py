@@ -28,7 +28,7 @@ from nebula_flow.policy_log import RecordingScheduler
 from nebula_flow.process import orphaned
 from nebula_flow.protocol import Message, ProtocolError
 from nebula_flow.request import DRAFT, ROUND, Request
-from nebula_flow.scheduler import MODES, Scheduler
+from nebula_flow.scheduler import MODES, POLICY_KNOBS, Scheduler
 from nebula_flow.security import SecurityError, is_loopback, keys_dir, make_server, start_authenticator
 from nebula_flow.tokenizer import TextCodec, eos_token_ids
 
@@ -55,6 +55,7 @@ class BrokerOptions:
     keys: str | None = None  # CURVE key folder (see nebula_flow/security.py); required off loopback
     locality: bool = True  # prefer giving a worker tasks whose KV it holds (never waits for it); off = affinity-free
     migrate: bool = False  # testing/measurement: never give a request the same worker twice in a row
+    merge_batches: bool = True  # no small batch for a busy worker beside a bigger running one (Scheduler.dispatch)
     policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
 
     @property
@@ -83,7 +84,7 @@ class Broker:
     def __init__(self, opts: BrokerOptions) -> None:
         self.opts = opts
         policy = RecordingScheduler if opts.policy_log else Scheduler
-        self.scheduler = policy(opts.mode, opts.k, locality=opts.locality, migrate=opts.migrate)
+        self.scheduler = policy(opts.mode, opts.k, **{knob: getattr(opts, knob) for knob in POLICY_KNOBS})
         self.codec = TextCodec(opts.model) if opts.model else None
         self.eos_ids = eos_token_ids(opts.model, self.codec) if opts.model else ()
         self.max_model_len = ModelConfig.from_dir(opts.model).max_position_embeddings if opts.model else 1 << 30

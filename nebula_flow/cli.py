@@ -92,6 +92,9 @@ def main() -> None:
 @click.option("--locality/--no-locality", default=True, show_default=True,
               help="Prefer giving a worker the tasks whose KV it already holds (never waiting for it).")
 @click.option("--migrate", is_flag=True, help="Never give a request the same worker twice in a row (forces KV moves).")
+@click.option("--merge-batches/--no-merge-batches", default=True, show_default=True,
+              help="Give a busy worker no small batch beside a bigger running one (it would alternate two half "
+              "batches for ever); the tasks join the returning ones instead.")
 @click.option("--metrics-port", type=int, help="Serve Prometheus text at http://HOST:PORT/metrics (0: a free port).")
 @click.option("--keys", type=click.Path(), help="CURVE key folder (`nebula-flow keys`); required off loopback. "
               "Also read from NEBULA_FLOW_KEYS.")
@@ -99,13 +102,15 @@ def main() -> None:
               "(JSONL), for `nebula-flow simulate --check-policy-log`.")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
            proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
-           locality: bool, migrate: bool, metrics_port: int | None, keys: str | None, policy_log: str | None) -> None:
+           locality: bool, migrate: bool, merge_batches: bool, metrics_port: int | None, keys: str | None,
+           policy_log: str | None) -> None:
     """Run the broker: the request pool, the draft and target topics, the two sockets."""
     from broker.server import BrokerOptions, serve_broker
 
     sys.exit(serve_broker(BrokerOptions(mode, host, client_port, worker_port, model, k, proposal_top_k,
                                         max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
-                                        locality=locality, migrate=migrate, metrics_port=metrics_port, keys=keys,
+                                        locality=locality, migrate=migrate, merge_batches=merge_batches,
+                                        metrics_port=metrics_port, keys=keys,
                                         policy_log=policy_log)))
 
 
@@ -519,11 +524,9 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
 
     if check_policy_log:
         from nebula_flow import policy_log
-        from nebula_flow.scheduler import Scheduler
 
         records = policy_log.load(check_policy_log)
-        _, mode, k, locality, migrate = records[0]
-        report = policy_log.replay(records, Scheduler(mode, k, locality=locality, migrate=migrate))
+        report = policy_log.replay(records, policy_log.policy_of(records))
         click.echo(f"{report.events} events, {report.decisions} dispatch decisions: "
                    + ("all identical" if report.identical else f"{len(report.mismatches)} differ"))
         for m in report.mismatches[:5]:

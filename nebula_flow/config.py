@@ -76,8 +76,13 @@ class DeployConfig:
         if self.mode != "autoregressive" and self.draft.model is None:
             raise ConfigError(f"{self.source}: [draft] model is required in {self.mode} mode")
         for name, pool in (("draft", self.draft), ("target", self.target)):
-            if pool.workers < 1 or pool.max_batch < 1:
-                raise ConfigError(f"[{name}] workers and max_batch must be >= 1")
+            if pool.workers < 0 or pool.max_batch < 1:
+                raise ConfigError(f"[{name}] workers must be >= 0 and max_batch >= 1")
+            # Colocated and autoregressive run M + N workers: one pool may be empty there.
+            if pool.workers == 0 and self.mode in ("pooled", "paired"):
+                raise ConfigError(f"[{name}] workers must be >= 1 in {self.mode} mode")
+        if self.draft.workers + self.target.workers < 1:
+            raise ConfigError("no workers: give [draft] or [target] workers >= 1")
             if pool.device == "emulated" and not pool.profile:
                 raise ConfigError(f"[{name}] device = \"emulated\" needs a profile")
         if self.broker.k < 0:

@@ -91,6 +91,7 @@ class Deployment:
             "--proposal-top-k", str(b.proposal_top_k), "--max-pending", str(b.max_pending),
             "--heartbeat-s", str(b.heartbeat_s), "--liveness-s", str(b.liveness_s),
             "--locality" if b.locality else "--no-locality", *(["--migrate"] if b.migrate else []),
+            "--merge-batches" if b.merge_batches else "--no-merge-batches",
             *(["--metrics-port", str(b.metrics_port)] if b.metrics_port is not None else []),
             *(["--policy-log", str(b.policy_log)] if b.policy_log else [])])
         plan = self.cfg.worker_plan()

@@ -10,7 +10,7 @@ new policy have decided the same on yesterday's traffic?").
 
 Records are JSON arrays, one per line (JSONL)::
 
-    ["policy", mode, k, locality, migrate]
+    ["policy", mode, k, {knob: value}]   (scheduler.POLICY_KNOBS)
     ["register", worker, role, capacity, slot]
     ["unregister", worker, [requeued rids]]
     ["pull", worker, credits, idle, now]
@@ -44,9 +44,9 @@ def decisions(batches: list[tuple[int, list[Request]]]) -> list[list[Any]]:
 class RecordingScheduler(Scheduler):
     """``Scheduler`` that also appends its inputs and decisions to ``self.records``."""
 
-    def __init__(self, mode: str, k: int, locality: bool = False, migrate: bool = False) -> None:
-        super().__init__(mode, k, locality=locality, migrate=migrate)
-        self.records: list[list[Any]] = [["policy", mode, k, locality, migrate]]
+    def __init__(self, mode: str, k: int, **knobs: bool) -> None:
+        super().__init__(mode, k, **knobs)
+        self.records: list[list[Any]] = [["policy", mode, k, self.knobs()]]
         self._admitting = False
 
     def register(self, worker_id: int, role: str, capacity: int) -> int:
@@ -98,6 +98,12 @@ class RecordingScheduler(Scheduler):
         with Path(path).open("w") as f:
             for rec in self.records:
                 f.write(json.dumps(rec) + "\n")
+
+
+def policy_of(records: list[list[Any]]) -> Scheduler:
+    """A fresh policy configured as the one that wrote ``records``."""
+    _, mode, k, knobs = records[0]
+    return Scheduler(mode, k, **knobs)
 
 
 def load(path: str | Path) -> list[list[Any]]:

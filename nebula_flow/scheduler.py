@@ -20,7 +20,8 @@ idle workers are served before workers that are prefetching behind a running bat
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
@@ -32,6 +33,76 @@ MODES: dict[str, tuple[str, ...]] = {
     "autoregressive": ("target",),
 }
 PHASE_ROLE = {DRAFT: "draft", VERIFY: "target", ROUND: "colocated"}
+POLICY_KNOBS = ("locality", "migrate", "merge_batches")  # Scheduler keyword arguments; BrokerOptions fields
+
+
+class Topic:
+    """A FIFO of queued request ids, indexed by the worker that holds each one's KV.
+
+    Removal is O(1) and a worker finds the tasks it holds without scanning the whole queue,
+    so dispatch stays cheap with thousands of queued requests and many workers. The holder is
+    recorded when a task is queued (holders only change while a request is in flight).
+    """
+
+    def __init__(self, rids: Iterable[int] = ()) -> None:
+        self._seq: dict[int, int] = {}  # rid -> queue position key, in queue order
+        self._holder: dict[int, int | None] = {}
+        self._by_holder: dict[int | None, dict[int, int]] = {}
+        self._front = self._back = 0
+        for rid in rids:
+            self.append(rid)
+
+    def append(self, rid: int, holder: int | None = None) -> None:
+        self._back += 1
+        self._add(rid, holder, self._back)
+
+    def appendleft(self, rid: int, holder: int | None = None) -> None:
+        """Put ``rid`` first (a re-queued task); rare, so rebuilding the order is fine."""
+        self._front -= 1
+        self._seq = {rid: self._front, **self._seq}
+        self._holder[rid] = holder
+        self._by_holder[holder] = {rid: self._front, **self._by_holder.get(holder, {})}
+
+    def _add(self, rid: int, holder: int | None, seq: int) -> None:
+        self._seq[rid] = seq
+        self._holder[rid] = holder
+        self._by_holder.setdefault(holder, {})[rid] = seq
+
+    def remove(self, rid: int) -> None:
+        del self._seq[rid]
+        holder = self._holder.pop(rid)
+        group = self._by_holder[holder]
+        del group[rid]
+        if not group:
+            del self._by_holder[holder]
+
+    def forget_holder(self, holder: int) -> None:
+        """A holder left: its queued tasks count as held by no one, in queue order."""
+        group = self._by_holder.pop(holder, None)
+        if group:
+            for rid in group:
+                self._holder[rid] = None
+            merged = {**self._by_holder.get(None, {}), **group}
+            self._by_holder[None] = dict(sorted(merged.items(), key=lambda kv: kv[1]))
+
+    def held_by(self, holders: Iterable[int | None]) -> Iterator[int]:
+        """Queued tasks held by any of ``holders``, in queue order."""
+        groups = [self._by_holder[h].items() for h in holders if h in self._by_holder]
+        if len(groups) == 1:
+            return (rid for rid, _ in groups[0])
+        return (rid for rid, _ in heapq.merge(*groups, key=lambda kv: kv[1]))
+
+    def holders(self) -> list[int | None]:
+        return list(self._by_holder)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._seq)
+
+    def __len__(self) -> int:
+        return len(self._seq)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._seq
 
 
 @dataclass
@@ -49,18 +120,20 @@ class WorkerState:
 class Scheduler:
     """Request pool + topics + workers for one mode; decides who runs what next."""
 
-    def __init__(self, mode: str, k: int, locality: bool = False, migrate: bool = False) -> None:
+    def __init__(self, mode: str, k: int, locality: bool = False, migrate: bool = False,
+                 merge_batches: bool = True) -> None:
         """``locality``: prefer tasks whose KV the pulling worker holds (it never waits for a
         particular worker). ``migrate``: never give a request the worker that ran its previous
-        task of that role while another exists (forces KV movement, for tests and benchmarks)."""
+        task of that role while another exists (forces KV movement, for tests and benchmarks).
+        ``merge_batches``: see ``dispatch``."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if k < 0:
             raise ValueError("k must be >= 0")
         self.mode, self.k = mode, k
-        self.locality, self.migrate = locality, migrate
+        self.locality, self.migrate, self.merge_batches = locality, migrate, merge_batches
         self.requests: dict[int, Request] = {}
-        self.topics: dict[str, deque[int]] = {role: deque() for role in ("draft", "target", "colocated")}
+        self.topics: dict[str, Topic] = {role: Topic() for role in ("draft", "target", "colocated")}
         self.workers: dict[int, WorkerState] = {}
 
     # -- workers ---------------------------------------------------------------------------
@@ -87,12 +160,14 @@ class Scheduler:
         for rid in sorted(w.inflight):
             req = self.requests.get(rid)
             if req is not None and req.phase != DONE:
-                self.topics[PHASE_ROLE[req.phase]].appendleft(rid)
+                self.topics[PHASE_ROLE[req.phase]].appendleft(rid, self._holder(req))
                 requeued.append(rid)
         for req in self.requests.values():
             for role, (holder, _) in list(req.holders.items()):
                 if holder == worker_id:
                     del req.holders[role]
+        for topic in self.topics.values():
+            topic.forget_holder(worker_id)
         return requeued
 
     def pull(self, worker_id: int, credits: int, idle: bool, now: float) -> None:
@@ -114,14 +189,14 @@ class Scheduler:
             req.phase = ROUND
         else:
             req.phase = DRAFT if req.k > 0 else VERIFY
-        self.topics[PHASE_ROLE[req.phase]].append(req.rid)
+        self._enqueue(req)
 
     def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict) -> None:
         req.draft, req.q, req.phase = draft, q, VERIFY
         req.proposed += len(draft)
         req.holders["draft"] = (worker_id, len(req.prompt) + len(req.output) + max(0, len(draft) - 1))
         self.workers[worker_id].inflight.discard(req.rid)
-        self.topics["target"].append(req.rid)
+        self._enqueue(req)
 
     def verify_done(self, req: Request, worker_id: int, accepted: int) -> None:
         """Record a verify (or whole round); the caller then commits and calls start_round/finish."""
@@ -164,56 +239,75 @@ class Scheduler:
         already holds. In the second pass an idle worker takes any remaining task (a task is
         never kept for its holder while a worker sits idle), but a busy worker that is only
         prefetching takes no task another live worker holds: moving that KV would buy nothing.
+
+        A busy worker is also not given a partial batch no larger than the one it is running
+        (``merge_batches``): that would split its requests into two groups that alternate for
+        ever, each paying a whole forward pass (on a GPU, a weight read) for half the work.
+        The tasks wait a moment and join the returning ones in one batch when it goes idle.
         """
         waiting = sorted((w for w in self.workers.values() if w.pull_credits > 0),
                          key=lambda w: (not w.pull_idle, w.pull_since, w.worker_id))
-        batches: dict[int, list[Request]] = {}
+        picks: dict[int, list[int]] = {}
+        taken: set[int] = set()
         for first_pass in ((True, False) if self.locality else (False,)):
             for w in waiting:
-                room = w.pull_credits - len(batches.get(w.worker_id, []))
+                room = w.pull_credits - len(picks.get(w.worker_id, []))
                 if room > 0:
-                    batches.setdefault(w.worker_id, []).extend(self._take(w, room, first_pass))
+                    got = self._choose(w, room, first_pass, taken)
+                    picks.setdefault(w.worker_id, []).extend(got)
+                    taken.update(got)
         out = []
         for w in waiting:
-            batch = batches.get(w.worker_id)
-            if batch:
-                w.pull_credits = 0
-                out.append((w.worker_id, batch))
+            rids = picks.get(w.worker_id)
+            if not rids:
+                continue
+            if self.merge_batches and not w.pull_idle and len(rids) < w.pull_credits and len(rids) <= len(w.inflight):
+                continue
+            w.pull_credits = 0
+            out.append((w.worker_id, self._commit(w, rids)))
         return out
 
-    def _take(self, w: WorkerState, room: int, held_only: bool) -> list[Request]:
+    def _choose(self, w: WorkerState, room: int, held_only: bool, taken: set[int]) -> list[int]:
+        """Up to ``room`` queued tasks for ``w`` in queue order (not yet removed from the topic)."""
         topic = self.topics[w.role]
-
-        def wanted(req: Request) -> bool:
-            holder = self._holder(req)
-            if held_only:
-                return holder == w.worker_id
-            if self.locality and not w.pull_idle and holder != w.worker_id and holder in self.workers:
-                return False  # leave it for its holder or an idle worker
-            return True
-
-        chosen = []
-        for rid in topic:  # stop at ``room``: a long topic costs nothing when its head is eligible
-            req = self.requests[rid]
-            if self._eligible(req, w) and wanted(req):
-                chosen.append(rid)
-                if len(chosen) == room:
-                    break
-        if not chosen:
-            return []
-        if all(topic[i] == rid for i, rid in enumerate(chosen)):  # a prefix: the common case
-            for _ in chosen:
-                topic.popleft()
+        busy_local = self.locality and not w.pull_idle and not held_only
+        if held_only:
+            candidates: Iterable[int] = topic.held_by([w.worker_id])
+        elif busy_local:  # a prefetching worker: its own tasks, unheld ones, and those of departed holders
+            candidates = topic.held_by([h for h in topic.holders() if h is None or h == w.worker_id
+                                        or h not in self.workers])
         else:
-            taken = set(chosen)
-            self.topics[w.role] = deque(rid for rid in topic if rid not in taken)
+            candidates = topic
+        chosen = []
+        for rid in candidates:  # stop at ``room``: a long topic costs nothing when its head is eligible
+            if rid in taken:
+                continue
+            req = self.requests[rid]
+            if not self._eligible(req, w):
+                continue
+            holder = self._holder(req)  # checked again: the index is a hint, this is the rule
+            if held_only and holder != w.worker_id:
+                continue
+            if busy_local and holder != w.worker_id and holder in self.workers:
+                continue  # leave it for its holder or an idle worker
+            chosen.append(rid)
+            if len(chosen) == room:
+                break
+        return chosen
+
+    def _commit(self, w: WorkerState, rids: list[int]) -> list[Request]:
+        topic = self.topics[w.role]
         batch = []
-        for rid in chosen:
+        for rid in rids:
+            topic.remove(rid)
             req = self.requests[rid]
             req.attempt += 1
             w.inflight.add(rid)
             batch.append(req)
         return batch
+
+    def _enqueue(self, req: Request) -> None:
+        self.topics[PHASE_ROLE[req.phase]].append(req.rid, self._holder(req))
 
     def _holder(self, req: Request) -> int | None:
         return req.holders.get(PHASE_ROLE[req.phase], (None, 0))[0]
@@ -238,6 +332,9 @@ class Scheduler:
             if r.slot in load:
                 load[r.slot] += 1
         req.slot = min(slots, key=lambda s: (load[s], s))
+
+    def knobs(self) -> dict[str, bool]:
+        return {name: getattr(self, name) for name in POLICY_KNOBS}
 
     def depth(self) -> dict[str, int]:
         return {role: len(q) for role, q in self.topics.items() if role in MODES[self.mode]}

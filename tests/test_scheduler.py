@@ -6,7 +6,7 @@ import pytest
 
 from nebula_flow.params import SamplingParams
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
-from nebula_flow.scheduler import Scheduler
+from nebula_flow.scheduler import Scheduler, Topic
 
 
 def req(rid: int, max_new: int = 16) -> Request:
@@ -23,7 +23,7 @@ def test_pooled_any_worker_takes_any_task_and_rounds_flow() -> None:
     [(wid, batch)] = s.dispatch()
     assert wid == 1 and [r.rid for r in batch] == [0, 1] and all(r.phase == DRAFT for r in batch)
     s.draft_done(batch[0], 1, [5, 6, 7, 8], {})
-    assert batch[0].phase == VERIFY and s.topics["target"] == s.topics["target"].__class__([0])
+    assert batch[0].phase == VERIFY and list(s.topics["target"]) == [0]
     s.pull(2, 4, True, now=1.0)
     [(wid, vbatch)] = s.dispatch()
     assert wid == 2 and vbatch == [batch[0]]
@@ -118,9 +118,9 @@ def test_locality_gives_holders_their_tasks_first_but_never_holds_tasks_back() -
     s.register(1, "draft", 8)
     s.register(2, "draft", 8)
     reqs = [req(rid) for rid in range(4)]
-    for r in reqs:
-        s.admit(r)
     reqs[0].holders["draft"] = reqs[1].holders["draft"] = (2, 3)  # worker 2 holds 0 and 1
+    for r in reqs:  # (holders are set before a task is queued: they change only while it runs)
+        s.admit(r)
     s.pull(1, 8, idle=True, now=0.0)  # worker 1 pulls first and is idle...
     s.pull(2, 8, idle=False, now=1.0)
     got = dict(s.dispatch())
@@ -162,3 +162,45 @@ def test_a_busy_worker_does_not_take_tasks_another_live_worker_holds() -> None:
     assert [r.rid for r in dict(s.dispatch())[1]] == [1]
     s.pull(1, 8, idle=True, now=1.0)  # once idle, it takes the held task rather than wait
     assert [r.rid for r in dict(s.dispatch())[1]] == [0]
+
+
+def test_a_busy_worker_gets_no_small_batch_beside_a_bigger_running_one() -> None:
+    """Splitting a worker's requests into a big and a small group that alternate costs a whole
+    forward per group; the small group waits and merges with the big one when it returns."""
+    s = Scheduler("colocated", k=4)
+    s.register(1, "colocated", 8)
+    reqs = [req(rid) for rid in range(6)]
+    for r in reqs[:4]:
+        s.admit(r)
+    s.pull(1, 8, idle=True, now=0.0)
+    [(_, running)] = s.dispatch()
+    assert len(running) == 4
+    for r in reqs[4:]:
+        s.admit(r)
+    s.pull(1, 8, idle=False, now=1.0)  # prefetching behind the running batch of 4
+    assert s.dispatch() == []  # 2 ready beside 4 running: wait
+    for r in running:  # the running batch comes back; the worker goes idle and asks again
+        s.verify_done(r, 1, accepted=0)
+        s.start_round(r)
+    s.pull(1, 8, idle=True, now=2.0)
+    [(_, merged)] = s.dispatch()
+    assert sorted(r.rid for r in merged) == list(range(6))
+    # A batch larger than the running one (or a full one) is still prefetched.
+    for r in reqs[:4]:
+        s.admit(req(10 + r.rid))
+    s.pull(1, 4, idle=False, now=3.0)
+    assert [len(b) for _, b in s.dispatch()] == [4]
+    assert Scheduler("colocated", k=4, merge_batches=False).merge_batches is False
+
+
+def test_topic_keeps_queue_order_across_holders_and_requeues() -> None:
+    t = Topic()
+    for rid, holder in ((1, 7), (2, None), (3, 7), (4, 8)):
+        t.append(rid, holder)
+    t.appendleft(0, 8)
+    assert list(t) == [0, 1, 2, 3, 4]
+    assert list(t.held_by([7])) == [1, 3] and list(t.held_by([None, 8])) == [0, 2, 4]
+    t.forget_holder(8)  # worker 8 left: its tasks are held by no one, still in queue order
+    assert list(t.held_by([None])) == [0, 2, 4] and 8 not in t.holders()
+    t.remove(3)
+    assert list(t) == [0, 1, 2, 4] and 3 not in t and len(t) == 4 and list(t.held_by([7])) == [1]

@@ -148,7 +148,7 @@ def test_open_loop_arrivals_and_latency_percentiles() -> None:
 
 
 def test_scaling_sweep_with_free_kv_stays_near_proportional() -> None:
-    sc = small_scenario(link=Link.free(), workload=Workload(requests=64, output_tokens=32, prompt_tokens=(8, 8)))
+    sc = small_scenario(link=Link.free(), workload=Workload(requests=64, output_tokens=64, prompt_tokens=(8, 8)))
     rows = sweep(sc, "pooled", [1, 2, 4, 8])
     assert [(r["draft_workers"], r["target_workers"]) for r in rows] == [(1, 1), (2, 2), (4, 4), (8, 8)]
     assert rows[-1]["requests"] == 64 * 4  # the load grows with the pools
@@ -161,7 +161,7 @@ def test_simulated_events_replayed_into_the_brokers_policy_give_identical_decisi
     sim = Simulator(sc, "pooled", policy=policy_log.RecordingScheduler)
     sim.run()
     records = sim.policy.records
-    broker = Broker(BrokerOptions(mode="pooled", k=sc.k, locality=sc.locality, migrate=sc.migrate))
+    broker = Broker(BrokerOptions(mode="pooled", k=sc.k, **sc.knobs))
     report = policy_log.replay(records, broker.scheduler)
     assert report.decisions > 20 and report.identical, report.mismatches[:3]
     # The check can fail: a policy with a different knob decides differently on the same events.
@@ -182,7 +182,7 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
     with Deployment(cfg) as dep:
         asyncio.run(load(dep.address))
     records = policy_log.load(log_path)
-    assert records[0] == ["policy", "pooled", 4, True, False]
+    assert records[0] == ["policy", "pooled", 4, {"locality": True, "migrate": False, "merge_batches": True}]
     sc = small_scenario(k=4, locality=True)
     report = policy_log.replay(records, Simulator(sc, "pooled").policy)
     assert report.decisions >= 10 and report.identical, report.mismatches[:3]

@@ -14,7 +14,9 @@ Only the outside world is simulated:
   round: both, on one device);
 * each worker keeps per-request KV lengths; only missing positions are pulled or computed;
 * acceptance draws come from the scenario's acceptance model;
-* messages take ``message_latency_us``; the broker can cost ``broker_service_us`` per message.
+* messages take ``message_latency_us``; the broker is one thread that can cost
+  ``broker_service_us`` per message and ``broker_task_us`` per task it takes back or sends out,
+  so a saturated broker queues messages as the live one does.
 """
 
 from __future__ import annotations
@@ -75,13 +77,14 @@ class Simulator:
                  workload: Workload | None = None, policy: type[Scheduler] = Scheduler) -> None:
         self.sc, self.mode = sc, mode
         self.workload = workload or sc.workload
-        self.policy = policy(mode, sc.k, locality=sc.locality, migrate=sc.migrate)
+        self.policy = policy(mode, sc.k, **sc.knobs)
         self.lat = sc.host.message_latency_us * 1e-6
         self.heap: list[tuple[float, int, Callable, tuple]] = []
         self.seq = 0
         self.now = 0.0
-        self.broker_free = 0.0  # the broker is busy until then (broker_service_us per message)
+        self.broker_free = 0.0  # the broker is busy until then
         self.inbox: list[tuple[Callable, tuple]] = []
+        self.broker_busy_s = 0.0
         self.poll_scheduled = False
         # The worker processes a deployment of this mode starts: the live plan, not a copy of it.
         dep = DeployConfig(mode=mode, draft=PoolConfig(workers=draft_workers or sc.draft.workers,
@@ -122,10 +125,16 @@ class Simulator:
         """Like the live broker's loop: read every waiting message, then dispatch once."""
         self.poll_scheduled = False
         inbox, self.inbox = self.inbox, []
+        tasks = 0
         for fn, args in inbox:
             fn(*args)
-        self.broker_free = self.now + self.sc.host.broker_service_us * 1e-6 * len(inbox)
-        for wid, batch in self.policy.dispatch():
+            tasks += len(args[1]) if fn == self._results else 1 if fn == self.policy.admit else 0
+        dispatched = self.policy.dispatch()
+        tasks += sum(len(b) for _, b in dispatched)
+        host = self.sc.host
+        self.broker_free = self.now + (host.broker_service_us * len(inbox) + host.broker_task_us * tasks) * 1e-6
+        self.broker_busy_s += self.broker_free - self.now
+        for wid, batch in dispatched:
             tasks = [Task(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
                           r.holders.get(PHASE_ROLE[r.phase])) for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
@@ -136,9 +145,10 @@ class Simulator:
         for w in self.workers.values():
             self._worker_step(w)
         n_now = len(self.reqs) if self.workload.concurrency is None else min(self.workload.concurrency, len(self.reqs))
-        if self.closed:
-            for _ in range(n_now):
-                self._client_submit()
+        if self.closed:  # the client sends its first requests one after another
+            gap = self.workload.submit_gap_us * 1e-6
+            for i in range(n_now):
+                self.at(i * gap, self._client_submit)
         else:
             for i, (t, _, _) in enumerate(self.reqs):
                 self.at(t, self._client_submit_index, i)
@@ -310,7 +320,7 @@ class Simulator:
             "kv_bytes": sum(w.kv_bytes for w in self.workers.values()),
             "kv_pulls": sum(w.pulls for w in self.workers.values()),
             "kv_stall_fraction": sum(w.stall_s for w in self.workers.values()) / max(busy, 1e-12),
-            "stale_results": self.stale,
+            "stale_results": self.stale, "broker_utilization": self.broker_busy_s / wall,
             "ttft_s": percentiles([r.t_first - r.t_submit for r in self.done]),
             "latency_s": percentiles([self.t_done[r.rid] - r.t_submit for r in self.done]),
         }

@@ -5,7 +5,7 @@
     seed = 0
     # deploy = "../emulated-2d2t.toml"   # take mode knobs, pools and profiles from a deployment
 
-    [policy]            # the broker's policy knobs (BrokerOptions): k, locality, migrate
+    [policy]            # the broker's policy knobs (BrokerOptions): k, locality, migrate, merge_batches
     k = 4
 
     [workload]
@@ -13,6 +13,7 @@
     output_tokens = 128
     prompt_tokens = [96, 144]   # uniform in [lo, hi], or one number
     concurrency = 512           # closed loop: at most this many in flight (default: all at once)
+    submit_gap_us = 0           # closed loop: the client sends its first requests this far apart
     # poisson_rate = 40.0       # open loop: Poisson arrivals (requests/s) instead
     # trace = "../../traces/azure_code.csv"   # replay formats; time_scale, limit, max_prompt_tokens,
     #                                         # max_new_tokens shape it as in `nebula-flow replay`
@@ -36,6 +37,7 @@
     [host]              # costs outside the devices (defaults: 50 us messages, nothing else)
     message_latency_us = 50     # one way, broker <-> worker and broker <-> client
     broker_service_us = 0       # broker time per message (one thread: messages queue)
+    broker_task_us = 0          # broker time per task result taken or task sent
     batch_overhead_us = 0       # worker time per batch outside the forward passes
     task_overhead_us = 0        # worker time per task outside the forward passes
     forward_overhead_us = 0     # added to every forward pass (e.g. an emulating host falling behind)
@@ -58,7 +60,7 @@ from typing import Any
 
 from nebula_flow.config import ConfigError, load_config
 from nebula_flow.emulated import load_profile
-from nebula_flow.scheduler import MODES
+from nebula_flow.scheduler import MODES, POLICY_KNOBS
 from nebula_flow.sim.acceptance import Acceptance
 from nebula_flow.sim.costs import CostModel, Link, ProfileCost, RooflineCost
 from nebula_flow.sim.hardware import GB, resolve_hardware, resolve_model
@@ -77,6 +79,7 @@ class Pool:
 class HostCosts:
     message_latency_us: float = 50.0
     broker_service_us: float = 0.0
+    broker_task_us: float = 0.0
     batch_overhead_us: float = 0.0
     task_overhead_us: float = 0.0
     forward_overhead_us: float = 0.0  # added to every forward (an emulating host's late wake-ups)
@@ -88,6 +91,7 @@ class Workload:
     output_tokens: int = 128
     prompt_tokens: tuple[int, int] = (128, 128)
     concurrency: int | None = None
+    submit_gap_us: float = 0.0  # closed loop: time between the client's first submissions
     poisson_rate: float | None = None
     trace: str | None = None
     time_scale: float = 1.0
@@ -136,11 +140,17 @@ class Scenario:
     k: int = 4
     locality: bool = True
     migrate: bool = False
+    merge_batches: bool = True
     seed: int = 0
     host: HostCosts = field(default_factory=HostCosts)
     sweep_draft_workers: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     sweep_scale_workload: bool = True
     source: str = "<built>"
+
+    @property
+    def knobs(self) -> dict[str, bool]:
+        """The policy's keyword arguments (``scheduler.POLICY_KNOBS``)."""
+        return {name: getattr(self, name) for name in POLICY_KNOBS}
 
 
 def _path(spec: str, base: Path) -> str:
@@ -178,7 +188,7 @@ def _pool(raw: dict[str, Any], where: str, base: Path) -> Pool:
 def _from_deploy(path: str) -> dict[str, Any]:
     """Pools and policy knobs of a deployment config (its devices must be emulated: profiles)."""
     cfg = load_config(path)
-    out: dict[str, Any] = {"policy": {"k": cfg.broker.k, "locality": cfg.broker.locality, "migrate": cfg.broker.migrate}}
+    out: dict[str, Any] = {"policy": {"k": cfg.broker.k, **{n: getattr(cfg.broker, n) for n in POLICY_KNOBS}}}
     for name, pool in (("draft", cfg.draft), ("target", cfg.target)):
         if not pool.profile:
             raise ConfigError(f"{path} [{name}]: simulating a deployment needs a latency profile "
@@ -207,9 +217,9 @@ def load_scenario(path: str | Path) -> Scenario:
         for key in ("draft", "target", "policy"):
             raw[key] = {**dep[key], **raw.get(key, {})}
     policy = raw.get("policy", {})
-    unknown = set(policy) - {"k", "locality", "migrate"}
+    unknown = set(policy) - {"k", *POLICY_KNOBS}
     if unknown:
-        raise ConfigError(f"{path} [policy]: unknown keys {sorted(unknown)} (known: k, locality, migrate)")
+        raise ConfigError(f"{path} [policy]: unknown keys {sorted(unknown)} (known: k, {', '.join(POLICY_KNOBS)})")
     modes = raw.get("modes", list(MODES))
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -244,7 +254,8 @@ def load_scenario(path: str | Path) -> Scenario:
         name=raw.get("name", path.stem), draft=draft, target=target, acceptance=acceptance,
         link=_link(raw.get("kv", {}), target, f"{path} [kv]"), workload=workload, modes=list(modes),
         k=int(policy.get("k", 4)), locality=bool(policy.get("locality", True)),
-        migrate=bool(policy.get("migrate", False)), seed=seed, host=host,
+        migrate=bool(policy.get("migrate", False)), merge_batches=bool(policy.get("merge_batches", True)),
+        seed=seed, host=host,
         sweep_draft_workers=[int(n) for n in sweep.get("draft_workers", [1, 2, 4, 8, 16, 32, 64])],
         sweep_scale_workload=bool(sweep.get("scale_workload", True)), source=str(path))
 
@@ -265,7 +276,7 @@ def _link(raw: dict[str, Any], target: Pool, where: str) -> Link:
 
 def describe(sc: Scenario) -> dict[str, Any]:
     """What a result was computed from, for reports."""
-    return {"name": sc.name, "source": sc.source, "k": sc.k, "locality": sc.locality, "seed": sc.seed,
+    return {"name": sc.name, "source": sc.source, "k": sc.k, "policy": sc.knobs, "seed": sc.seed,
             "draft": {"workers": sc.draft.workers, "max_batch": sc.draft.max_batch, "cost": sc.draft.cost.name},
             "target": {"workers": sc.target.workers, "max_batch": sc.target.max_batch, "cost": sc.target.cost.name},
             "kv_link": "free" if sc.link.bandwidth == float("inf") else
