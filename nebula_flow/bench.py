@@ -167,7 +167,7 @@ def _kv_totals(address: str) -> dict[str, float]:
     with Client(address) as c:
         workers = c.status()["workers"]
     tot = {"busy_s": sum(w["busy_s"] for w in workers)}
-    for key in ("stall_s", "pull_s", "bytes_pulled", "pulls", "pull_failures", "computed", "pulled"):
+    for key in ("stall_s", "pull_s", "bytes_pulled", "pulls", "transfers", "pull_failures", "computed", "pulled"):
         tot[key] = sum((w["kv"] or {}).get(key, 0) for w in workers)
     return tot
 
@@ -188,12 +188,14 @@ def bench_kv(cfg: DeployConfig, wl: Workload, transport: str, log=print) -> dict
         d = {k: after[k] - before[k] for k in after}
         key = "overlap" if overlap else "no_overlap"
         out[key] = {"stall_fraction": d["stall_s"] / max(d["busy_s"], 1e-9), "stall_s": d["stall_s"],
-                    "compute_s": d["busy_s"], "pull_s": d["pull_s"], "pulls": d["pulls"],
+                    "compute_s": d["busy_s"], "pull_s": d["pull_s"], "pulls": d["pulls"], "transfers": d["transfers"],
                     "pull_failures": d["pull_failures"], "bytes_pulled": d["bytes_pulled"],
                     "positions_pulled": d["pulled"], "positions_recomputed": d["computed"],
                     "system_gbps": d["bytes_pulled"] / max(d["pull_s"], 1e-9) / 1e9,
-                    "mean_pull_bytes": d["bytes_pulled"] / max(d["pulls"], 1), "tokens_per_s": res["tokens_per_s"]}
-        log(f"  {key}: stall {out[key]['stall_fraction'] * 100:.2f}% of compute, {d['pulls']:.0f} pulls, "
+                    # one exchange carries every request a batch needs from one holder
+                    "mean_pull_bytes": d["bytes_pulled"] / max(d["transfers"], 1), "tokens_per_s": res["tokens_per_s"]}
+        log(f"  {key}: stall {out[key]['stall_fraction'] * 100:.2f}% of compute, {d['pulls']:.0f} pulls in "
+            f"{d['transfers']:.0f} exchanges, "
             f"{d['bytes_pulled'] / 1e6:.1f} MB, {res['tokens_per_s']:.1f} tokens/s")
     size = int(out["overlap"]["mean_pull_bytes"]) or 1 << 20
     out["raw_gbps_same_size"] = raw_transport_gbps(transport, size)

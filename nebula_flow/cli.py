@@ -510,14 +510,16 @@ def keys(folder: str) -> None:
 @click.option("--sweep", is_flag=True, help="Also scale both pools together (draft:target ratio kept) and "
               "report capacity against worker count.")
 @click.option("--sweep-workers", help="Draft pool sizes for --sweep, e.g. 1,2,4,8 (default: the scenario's [sweep]).")
+@click.option("--sweep-targets", help="Target pool sizes: with it --sweep runs every draft x target pair (a grid) "
+              "instead of keeping the scenario's draft:target ratio.")
 @click.option("--seed", type=int, help="Override the scenario's seed (acceptance draws, prompt lengths, arrivals).")
 @click.option("--out", type=click.Path(), help="Write result.json and PNG plots (modes, scaling) into this folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {...}, \"sweep\": [...]} as JSON.")
 @click.option("--check-policy-log", type=click.Path(exists=True, dir_okay=False),
               help="Instead of simulating: replay a broker's --policy-log into the simulator's policy and "
               "say whether every decision is identical.")
-def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_workers, seed, out, as_json,
-             check_policy_log) -> None:  # noqa: ANN001
+def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, seed, out,
+             as_json, check_policy_log) -> None:  # noqa: ANN001
     """Simulate a deployment: the live scheduling policy on a virtual clock, with profiled or
     roofline device costs. SCENARIO is a TOML file (see configs/sim/)."""
     from dataclasses import replace
@@ -565,9 +567,15 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
     base = names[0]
     result["ratios"] = {m: r["round_rate"] / result["modes"][base]["round_rate"] for m, r in result["modes"].items()}
     if sweep:
-        sizes = [int(x) for x in sweep_workers.split(",")] if sweep_workers else None
+        try:
+            sizes = [int(x) for x in sweep_workers.split(",")] if sweep_workers else None
+            targets = [int(x) for x in sweep_targets.split(",")] if sweep_targets else None
+        except ValueError:
+            raise click.BadParameter("pool sizes are comma-separated integers, e.g. 1,2,4") from None
+        if any(n < 1 for n in (sizes or []) + (targets or [])):
+            raise click.BadParameter("pool sizes must be >= 1")
         log(f"[simulate] sweep ({names[0]}):")
-        result["sweep"] = engine.sweep(sc, names[0], sizes, log=log)
+        result["sweep"] = engine.sweep(sc, names[0], sizes, log=log, targets=targets)
     if out:
         folder = Path(out)
         paths = report.plot(folder, result["modes"], result.get("sweep"), sc.name)

@@ -37,9 +37,11 @@ Worker <-> broker (worker socket, DEALER -> ROUTER):
 
 Worker <-> worker (KV server, ZeroMQ transport; the UCX transport carries the same fields
 as fixed-size int64 headers, see ``nebula_flow/kv/ucx.py``):
-  KV_PULL    puller -> holder  seq, rid, role, start, end: "send me these KV positions".
-  KV_DATA    holder -> puller  seq, tokens (int32 tensor) and rows (tensor [n, layers, 2, heads, dim]).
-  KV_MISSING holder -> puller  seq: the holder no longer has them (evicted, freed, shorter).
+  KV_PULL    puller -> holder  seq, items: [[rid, role, start, end], ...]: "send me these KV positions"
+                               (every request of a batch this holder has, in one exchange).
+  KV_DATA    holder -> puller  seq, items: per asked item {tokens (int32 tensor), rows (tensor
+                               [n, layers, 2, heads, dim])}, or null when the holder no longer has
+                               them (evicted, freed, shorter).
 """
 
 from __future__ import annotations
@@ -73,9 +75,8 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "FREE": {"rids": list},
     "HEARTBEAT": {},
     "BYE": {},
-    "KV_PULL": {"seq": int, "rid": int, "role": str, "start": int, "end": int},
-    "KV_DATA": {"seq": int, "tokens": dict, "rows": dict},
-    "KV_MISSING": {"seq": int},
+    "KV_PULL": {"seq": int, "items": list},
+    "KV_DATA": {"seq": int, "items": list},
 }
 
 # A task names one request's round half. ``tokens`` are the request's committed tokens

@@ -55,7 +55,7 @@ def test_only_authorised_keys_connect(tiny_pair, tmp_path, monkeypatch) -> None:
         kv_sock = zmq.Context.instance().socket(zmq.DEALER)  # nor read a worker's KV
         kv_sock.setsockopt(zmq.LINGER, 0)
         kv_sock.connect(kv)
-        kv_sock.send_multipart(protocol.encode(Message("KV_PULL", {"seq": 1, "rid": 1, "role": "target", "start": 0, "end": 1})))
+        kv_sock.send_multipart(protocol.encode(Message("KV_PULL", {"seq": 1, "items": [[1, "target", 0, 1]]})))
         assert not kv_sock.poll(1500)
         kv_sock.close()
         with Client(dep.address, keys=str(keys)) as c:

@@ -231,3 +231,13 @@ def test_simulate_cli_json_sweep_and_plots(tmp_path) -> None:  # noqa: ANN001
     assert (out / "modes.png").stat().st_size > 0 and (out / "scaling.png").stat().st_size > 0
     again = CliRunner().invoke(main, ["simulate", str(scenario), "--modes", "pooled,paired", "--json"])
     assert json.loads(again.output.strip().splitlines()[-1])["modes"] == data["modes"]  # deterministic
+
+
+def test_grid_sweep_covers_every_pool_pair_and_more_targets_help_a_target_bound_load() -> None:
+    sc = small_scenario(link=Link.free(), workload=Workload(requests=32, output_tokens=16, prompt_tokens=(8, 8)))
+    rows = sweep(sc, "pooled", [1, 2], targets=[1, 2])
+    assert [(r["draft_workers"], r["target_workers"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    rate = {(r["draft_workers"], r["target_workers"]): r["round_rate"] for r in rows}
+    assert rate[(1, 2)] > 1.3 * rate[(1, 1)]  # 10 ms verifies against 1 ms drafts: targets bound
+    result = CliRunner().invoke(main, ["simulate", str(PAPER), "--sweep", "--sweep-workers", "1,x"])
+    assert result.exit_code != 0 and "comma-separated" in result.output

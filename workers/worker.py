@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -130,14 +131,17 @@ class Worker:
         store = self._store_for(role)
         if store is None or self.transport is None:
             return
+        by_holder: dict[str, list[tuple[int, np.ndarray, int]]] = {}
         for t in tasks:
             h = t.holder
             if h.get("endpoint") and h.get("worker") != self.worker_id and h.get("valid", 0) > 0:
-                try:
-                    store.fetch(t.rid, role, t.tokens, int(h["valid"]), str(h["endpoint"]), self.transport)
-                except Exception:  # never let a transfer problem cost the batch: recompute instead
-                    log.exception("KV pull for request %d failed", t.rid)
-                    store.stats.pull_failures += 1
+                by_holder.setdefault(str(h["endpoint"]), []).append((t.rid, t.tokens, int(h["valid"])))
+        for endpoint, wanted in by_holder.items():  # one exchange per holder for the whole batch
+            try:
+                store.fetch_many(role, wanted, endpoint, self.transport)
+            except Exception:  # never let a transfer problem cost the batch: recompute instead
+                log.exception("KV pull from %s failed", endpoint)
+                store.stats.pull_failures += len(wanted)
 
     def _kv_stats(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
@@ -375,4 +379,8 @@ class Worker:
 
 def serve_worker(opts: WorkerOptions) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {opts.role} %(levelname)s %(message)s")
+    # The compute thread holds the GIL between torch ops; with the default 5 ms switch interval
+    # a peer's KV request (KV server thread) or the next batch's pulls (prefetch thread) wait up
+    # to 5 ms for it. 0.5 ms keeps them responsive for a small cost to compute.
+    sys.setswitchinterval(float(os.environ.get("NEBULA_FLOW_SWITCH_INTERVAL_S", "0.0005")))
     return Worker(opts).run()

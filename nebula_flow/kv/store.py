@@ -1,7 +1,7 @@
 """A worker's KV caches for one model, by request id, with an LRU memory budget.
 
 Three threads touch a store: the compute thread (``prepare``, ``evict``), the prefetch thread
-(``fetch``: pulls a batch's missing KV while the previous batch computes) and the KV server
+(``fetch_many``: pulls a batch's missing KV while the previous batch computes) and the KV server
 thread (``snapshot``: serves peers). A request is in at most one of a worker's batches at a
 time, so they never work on the same cache; the lock only guards the dictionary, and
 ``pinned`` keeps a fetched cache from being evicted before its batch runs.
@@ -27,7 +27,8 @@ class KVStats:
     computed: int = 0  # positions recomputed from tokens (prefill on a worker lacking them)
     pulled: int = 0  # positions received from a peer
     bytes_pulled: int = 0
-    pulls: int = 0
+    pulls: int = 0  # requests whose positions were received
+    transfers: int = 0  # exchanges with holders (one per holder per batch)
     pull_failures: int = 0  # holder unreachable / evicted / mismatched: recomputed instead
     pull_s: float = 0.0  # time spent in pulls (in the prefetch thread)
     stall_s: float = 0.0  # time compute waited for pulls to finish
@@ -70,31 +71,43 @@ class KVStore:
         return cache
 
     def fetch(self, rid: int, role: str, tokens: np.ndarray, valid: int, endpoint: str, transport) -> None:  # noqa: ANN001
-        """Pull positions this store lacks, up to ``valid``, from the holder at ``endpoint``.
+        """``fetch_many`` for one request."""
+        self.fetch_many(role, [(rid, tokens, valid)], endpoint, transport)
+
+    def fetch_many(self, role: str, wanted: list[tuple[int, np.ndarray, int]], endpoint: str, transport) -> None:  # noqa: ANN001
+        """Pull the positions this store lacks, up to each ``valid``, of several requests held
+        by the worker at ``endpoint``, in one exchange.
 
         Only the missing suffix travels: a cache that holds a prefix keeps it, a longer stale
         suffix (rejected drafts) is rolled back first. On any failure the cache is left at what
         it verifiably holds and ``prepare`` recomputes the rest.
         """
-        valid = min(valid, len(tokens) - 1)
-        cache = self._get(rid, len(tokens))
-        with self.lock:
-            self.pinned.add(rid)
-        have = min(cache.common_prefix(tokens), valid)
-        cache.truncate(have)
-        if have >= valid:
+        plan = []
+        for rid, tokens, valid in wanted:
+            valid = min(valid, len(tokens) - 1)
+            cache = self._get(rid, len(tokens))
+            with self.lock:
+                self.pinned.add(rid)
+            have = min(cache.common_prefix(tokens), valid)
+            cache.truncate(have)
+            if have < valid:
+                cache.reserve(valid)
+                plan.append((rid, tokens, have, valid, cache))
+        if not plan:
             return
-        cache.reserve(valid)
         t0 = time.perf_counter()
-        got = transport.pull(endpoint, rid, role, have, valid, cache.buf[have:valid])
+        got = transport.pull_many(endpoint, [(rid, role, have, valid, cache.buf[have:valid])
+                                             for rid, _, have, valid, cache in plan])
         self.stats.pull_s += time.perf_counter() - t0
-        if got is None or not np.array_equal(got, tokens[have:valid]):
-            self.stats.pull_failures += 1
-            return
-        cache.tokens.extend(int(t) for t in got)
-        self.stats.pulls += 1
-        self.stats.pulled += valid - have
-        self.stats.bytes_pulled += (valid - have) * cache.row_bytes
+        self.stats.transfers += 1
+        for (_, tokens, have, valid, cache), received in zip(plan, got):
+            if received is None or not np.array_equal(received, tokens[have:valid]):
+                self.stats.pull_failures += 1
+                continue
+            cache.tokens.extend(int(t) for t in received)
+            self.stats.pulls += 1
+            self.stats.pulled += valid - have
+            self.stats.bytes_pulled += (valid - have) * cache.row_bytes
 
     def snapshot(self, rid: int, start: int, end: int) -> tuple[np.ndarray, torch.Tensor] | None:
         """Tokens and KV rows ``start..end`` of ``rid`` for a peer, or None if not held."""

@@ -10,8 +10,10 @@ One small interface, two implementations:
 
 A server answers ``lookup(rid, role, start, end) -> (tokens, rows) | None`` where ``rows`` is
 the contiguous slice ``cache.buf[start:end]`` (see ``kv/cache.py`` for the layout). A pull
-receives into ``dest`` (the puller's own cache rows) and returns the tokens those positions
-hold, or None when the holder cannot serve them (the caller then recomputes).
+asks one holder for several requests' positions at once (a batch's worth: one exchange, not
+one per request), receives each into its ``dest`` (the puller's own cache rows) and returns
+the tokens those positions hold, or None for an item the holder cannot serve (the caller then
+recomputes it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from nebula_flow.protocol import Message, ProtocolError
 
 log = logging.getLogger("nebula_flow.kv")
 Lookup = Callable[[int, str, int, int], "tuple[np.ndarray, torch.Tensor] | None"]
+PullItem = tuple[int, str, int, int, torch.Tensor]  # rid, role, start, end, dest rows
+MAX_PULL_ITEMS = 4096
 PULL_TIMEOUT_S = 2.0  # a holder slower than this is treated as gone: recomputing is cheaper
 
 
@@ -53,8 +57,13 @@ class KVTransport(ABC):
         """Start serving in the background; returns the endpoint peers should use."""
 
     @abstractmethod
+    def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
+        """Fill each item's ``dest`` (its rows start..end) from one peer; per item, the tokens
+        those positions hold, or None when the peer cannot serve it."""
+
     def pull(self, endpoint: str, rid: int, role: str, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
-        """Fill ``dest`` (rows start..end) from the peer; returns their tokens, or None."""
+        """One request's rows start..end into ``dest``; their tokens, or None."""
+        return self.pull_many(endpoint, [(rid, role, start, end, dest)])[0]
 
     @abstractmethod
     def close(self) -> None: ...
@@ -96,17 +105,16 @@ class ZmqTransport(KVTransport):
                 req = protocol.decode(frames)
                 if req.kind != "KV_PULL":
                     raise ProtocolError("unexpected_kind", f"{req.kind} is not a KV request")
-                h = req.header
-                if not 0 <= h["start"] < h["end"]:
-                    raise ProtocolError("malformed", "need 0 <= start < end")
-                found = lookup(h["rid"], h["role"], h["start"], h["end"])
-                if found is None:
-                    reply = Message("KV_MISSING", {"seq": h["seq"]})
-                else:
+                items = _pull_items(req.header["items"])
+                reply = Message("KV_DATA", {"seq": req.header["seq"], "items": []})
+                for rid, role, start, end in items:
+                    found = lookup(rid, role, start, end)
+                    if found is None:
+                        reply.header["items"].append(None)
+                        continue
                     tokens, rows = found
-                    reply = Message("KV_DATA", {"seq": h["seq"]})
-                    reply.header["tokens"] = reply.add_array(np.asarray(tokens, dtype=np.int32))
-                    reply.header["rows"] = reply.add_array(host_view(rows))
+                    reply.header["items"].append({"tokens": reply.add_array(np.asarray(tokens, dtype=np.int32)),
+                                                  "rows": reply.add_array(host_view(rows))})
                     self.served += 1
             except ProtocolError as exc:
                 self.errors += 1
@@ -130,32 +138,23 @@ class ZmqTransport(KVTransport):
             self.peers[endpoint] = sock
         return sock
 
-    def pull(self, endpoint: str, rid: int, role: str, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
+    def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
         sock = self._peer(endpoint)
         seq = next(self.seq)
-        sock.send_multipart(protocol.encode(Message("KV_PULL", {"seq": seq, "rid": rid, "role": role,
-                                                                "start": start, "end": end})))
+        sock.send_multipart(protocol.encode(Message("KV_PULL", {
+            "seq": seq, "items": [[rid, role, start, end] for rid, role, start, end, _ in items]})))
         while True:
             if not sock.poll(int(PULL_TIMEOUT_S * 1000)):
                 # The peer is gone or stuck: drop the socket so a late reply cannot confuse us.
                 self.peers.pop(endpoint).close()
-                return None
+                return [None] * len(items)
             reply = protocol.decode(sock.recv_multipart(copy=False))
-            if reply.header.get("seq") != seq:
-                continue  # a late answer to an earlier, abandoned pull
-            if reply.kind != "KV_DATA":
-                return None
-            tokens = reply.array(reply.header["tokens"])
-            rows = reply.array(reply.header["rows"])
-            target = host_view(dest) if dest.device.type == "cpu" else None
-            if len(tokens) != end - start or rows.shape != tuple(dest.shape) or (
-                    target is not None and rows.dtype != target.dtype):
-                return None
-            if target is not None:
-                np.copyto(target, rows)
-            else:
-                dest.copy_(torch.from_numpy(rows.copy()).view(dest.dtype).to(dest.device))
-            return tokens.copy()
+            if reply.header.get("seq") == seq:
+                break  # (anything else is a late answer to an earlier, abandoned pull)
+        got = reply.header.get("items") if reply.kind == "KV_DATA" else None
+        if not isinstance(got, list) or len(got) != len(items):
+            return [None] * len(items)
+        return [_receive(reply, g, end - start, dest) for (_, _, start, end, dest), g in zip(items, got)]
 
     def close(self) -> None:
         self._stop.set()
@@ -166,6 +165,39 @@ class ZmqTransport(KVTransport):
         self.peers.clear()
         if self.auth is not None:
             self.auth.stop()
+
+
+def _pull_items(raw: object) -> list[tuple[int, str, int, int]]:
+    """Validate the ``items`` of a KV_PULL."""
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_PULL_ITEMS:
+        raise ProtocolError("malformed", f"items must be a list of 1..{MAX_PULL_ITEMS} [rid, role, start, end]")
+    items = []
+    for it in raw:
+        if (not isinstance(it, list) or len(it) != 4 or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                for x in (it[0], it[2], it[3]))
+                or not isinstance(it[1], str) or not 0 <= it[2] < it[3]):
+            raise ProtocolError("malformed", "each item is [rid, role, start, end] with 0 <= start < end")
+        items.append((it[0], it[1], it[2], it[3]))
+    return items
+
+
+def _receive(reply: Message, got: object, n: int, dest: torch.Tensor) -> np.ndarray | None:
+    """Copy one KV_DATA item into ``dest``; its tokens, or None if missing or not what was asked."""
+    if got is None:
+        return None
+    try:
+        tokens = reply.array(got["tokens"])
+        rows = reply.array(got["rows"])
+    except (ProtocolError, KeyError, TypeError):
+        return None
+    target = host_view(dest) if dest.device.type == "cpu" else None
+    if len(tokens) != n or rows.shape != tuple(dest.shape) or (target is not None and rows.dtype != target.dtype):
+        return None
+    if target is not None:
+        np.copyto(target, rows)
+    else:
+        dest.copy_(torch.from_numpy(rows.copy()).view(dest.dtype).to(dest.device))
+    return tokens.copy()
 
 
 def make_transport(name: str, keys: Path | None = None, device: str = "cpu") -> KVTransport | None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import ucxx  # an ImportError here makes make_transport fall back to ZeroMQ
 
-from nebula_flow.kv.transport import PULL_TIMEOUT_S, KVTransport, Lookup, host_view, log
+from nebula_flow.kv.transport import PULL_TIMEOUT_S, KVTransport, Lookup, PullItem, host_view, log
 
 ROLE_CODES = {"draft": 0, "target": 1, "colocated": 2}
 ROLE_NAMES = {v: k for k, v in ROLE_CODES.items()}
@@ -122,16 +122,19 @@ class UcxTransport(KVTransport):
             await ep.recv(_device_buffer(dest))
             return tokens
 
-    def pull(self, endpoint: str, rid: int, role: str, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
+    def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
+        """The exchanges run back to back on the event loop: one hand-off for the whole batch."""
+        async def run_all() -> list[np.ndarray | None]:
+            return [await self._pull(endpoint, *item) for item in items]
+
         try:
-            return self._call(asyncio.wait_for(self._pull(endpoint, rid, role, start, end, dest), PULL_TIMEOUT_S),
-                              PULL_TIMEOUT_S + 1)
+            return self._call(asyncio.wait_for(run_all(), PULL_TIMEOUT_S), PULL_TIMEOUT_S + 1)
         except Exception as exc:  # peer gone, timeout, mismatch: the caller recomputes
             log.warning("UCX pull from %s failed: %r", endpoint, exc)
             ep = self.endpoints.pop(endpoint, None)
             if ep is not None:
                 self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_abort(ep)))
-            return None
+            return [None] * len(items)
 
     def close(self) -> None:
         async def shutdown() -> None:

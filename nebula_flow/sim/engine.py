@@ -332,13 +332,16 @@ def simulate(sc: Scenario, mode: str, draft_workers: int | None = None, target_w
 
 
 def sweep(sc: Scenario, mode: str = "pooled", sizes: list[int] | None = None,
-          log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Pool sizes scaled together (the scenario's draft:target ratio kept); capacity per size."""
+          log: Callable[[str], None] | None = None, targets: list[int] | None = None) -> list[dict[str, Any]]:
+    """Capacity against pool sizes: draft pools of ``sizes`` with the scenario's draft:target
+    ratio kept, or, given ``targets``, every (draft, target) pair of the two lists (a grid).
+    ``proportional`` compares each row with the first, scaled by the total worker count."""
     sizes = sizes or sc.sweep_draft_workers
     ratio = sc.target.workers / sc.draft.workers
+    pairs = ([(d, t) for d in sizes for t in targets] if targets
+             else [(n, max(1, round(n * ratio))) for n in sizes])
     out: list[dict[str, Any]] = []
-    for n in sizes:
-        d, t = n, max(1, round(n * ratio))
+    for d, t in pairs:
         wl = sc.workload.scaled(t / sc.target.workers) if sc.sweep_scale_workload else sc.workload
         res = simulate(sc, mode, d, t, wl)
         row = {"draft_workers": d, "target_workers": t, "requests": res["requests"], "round_rate": res["round_rate"],
