@@ -296,8 +296,8 @@ class Broker:
             raise ProtocolError("wrong_role", str(exc)) from None
         self.next_worker += 1
         endpoint = h.get("kv_endpoint")
-        if endpoint is not None and (len(endpoint) > 256 or not endpoint.startswith(("tcp://", "ucx://"))):
-            raise ProtocolError("malformed", "kv_endpoint must be a tcp:// or ucx:// address")
+        if endpoint is not None and (len(endpoint) > 256 or not endpoint.startswith(("tcp://", "ucx://", "shm://"))):
+            raise ProtocolError("malformed", "kv_endpoint must be a tcp://, ucx:// or shm:// address")
         self.workers[wid] = WorkerInfo(identity, h["role"], h["name"][:64], now, endpoint)
         self.by_identity[identity] = wid
         log.info("worker %d (%s, %s) joined in slot %d", wid, h["name"][:64], h["role"], slot)

@@ -145,10 +145,18 @@ def raw_transport_gbps(transport: str, nbytes: int, repeats: int = 20) -> float:
     from nebula_flow.kv.transport import ZmqTransport, make_transport
 
     server = make_transport(transport)
-    client = server if server.scheme == "ucx" else ZmqTransport()
+    client = server if server.scheme in ("ucx", "shm") else ZmqTransport()
     rows = torch.randn(max(1, nbytes // 4096), 1024)
     tokens = np.zeros(len(rows), dtype=np.int32)
     endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: (tokens[s:e], rows[s:e]))
+    if server.scheme == "shm":  # a shared-memory holder serves from a file, not a thread
+        from nebula_flow.kv.cache import KVCache
+        from nebula_flow.kv.shm import kv_path
+
+        held = KVCache(1, 1, 512, capacity=len(rows))  # 4 kB rows, like ``rows``
+        held.buf[:] = rows.view(held.buf.shape)
+        held.tokens = tokens.tolist()
+        held.share(kv_path(server.folder, "target", 1))
     dest = torch.empty_like(rows)
     times = []
     try:

@@ -127,8 +127,9 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda, cuda:N, or emulated (forward passes take the time --profile predicts).")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA).")
-@click.option("--kv-transport", type=click.Choice(["auto", "ucx", "zmq", "none"]), default="auto", show_default=True,
-              help="How KV moves between workers: auto = UCX on CUDA (if ucxx is installed), ZeroMQ on CPU.")
+@click.option("--kv-transport", type=click.Choice(["auto", "ucx", "zmq", "shm", "none"]), default="auto", show_default=True,
+              help="How KV moves between workers: auto = UCX on CUDA (if ucxx is installed), ZeroMQ on CPU; "
+              "shm = peers on this host map the holder's KV files (CPU, one host).")
 @click.option("--kv-host", default="127.0.0.1", show_default=True, help="Interface the KV server binds and advertises.")
 @click.option("--kv-overlap/--no-kv-overlap", default=True, show_default=True,
               help="Pull a batch's KV while the previous batch computes (off: at the start of its compute).")
@@ -424,7 +425,8 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
 
 @main.command("bench-kv")
 @click.option("--config", type=click.Path(), help="Deployment TOML (default: the bundled one).")
-@click.option("--transport", type=click.Choice(["auto", "ucx", "zmq"]), default="auto", show_default=True)
+@click.option("--transport", type=click.Choice(["auto", "ucx", "zmq", "shm"]), default="auto", show_default=True,
+              help="KV transport to measure (shm: same-host shared memory, CPU workers).")
 @click.option("--draft-workers", default=2, show_default=True)
 @click.option("--target-workers", default=2, show_default=True)
 @click.option("--concurrency", default=4, show_default=True)

@@ -64,7 +64,7 @@ class DeployConfig:
     broker: BrokerOptions = field(default_factory=BrokerOptions)
     draft: PoolConfig = field(default_factory=PoolConfig)
     target: PoolConfig = field(default_factory=PoolConfig)
-    kv_transport: str = "auto"  # auto (UCX for CUDA workers if installed, else ZeroMQ) | ucx | zmq | none
+    kv_transport: str = "auto"  # auto (UCX for CUDA workers if installed, else ZeroMQ) | ucx | zmq | shm | none
     source: str = "<defaults>"
 
     def validate(self) -> None:
@@ -87,8 +87,8 @@ class DeployConfig:
                 raise ConfigError(f"[{name}] device = \"emulated\" needs a profile")
         if self.broker.k < 0:
             raise ConfigError("[broker] k must be >= 0")
-        if self.kv_transport not in ("auto", "ucx", "zmq", "none"):
-            raise ConfigError(f"kv_transport must be auto, ucx, zmq or none, got {self.kv_transport!r}")
+        if self.kv_transport not in ("auto", "ucx", "zmq", "shm", "none"):
+            raise ConfigError(f"kv_transport must be auto, ucx, zmq, shm or none, got {self.kv_transport!r}")
 
     def worker_plan(self) -> list[tuple[str, PoolConfig]]:
         """(role, pool) per worker process. Colocated and autoregressive use M+N workers, so

@@ -15,7 +15,7 @@ from nebula_flow.kv.transport import ZmqTransport, make_transport
 from nebula_flow.models import load_model
 from tests.conftest import deploy_config, hf_greedy
 
-TRANSPORTS = ["zmq", pytest.param("ucx", marks=pytest.mark.skipif(
+TRANSPORTS = ["zmq", "shm", pytest.param("ucx", marks=pytest.mark.skipif(
     __import__("importlib").util.find_spec("ucxx") is None, reason="ucxx not installed"))]
 
 
@@ -24,11 +24,14 @@ def test_incremental_pull_moves_only_missing_positions(tiny_pair, transport: str
     model = load_model(tiny_pair / "target")
     holder, puller = KVStore(model), KVStore(model)
     tokens = np.arange(1, 61, dtype=np.int64)
+    server = make_transport(transport)
+    client = server if transport in ("ucx", "shm") else ZmqTransport()  # UCX is one context per process
+    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: holder.snapshot(rid, s, e))
+    if transport == "shm":  # a shared-memory holder keeps its caches in files the puller maps
+        holder.share_into(server.folder, "target")
     holder.prepare(7, tokens)
     model([holder.caches[7]], [tokens[:-1].tolist()], [1])  # the holder computed positions 0..58
-    server = make_transport(transport)
-    client = server if transport == "ucx" else ZmqTransport()  # UCX is one context per process
-    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: holder.snapshot(rid, s, e))
+    holder.publish([7])
     try:
         row_bytes = holder.caches[7].buf[0].numel() * 4
         # The puller already holds the first 30 positions plus 5 stale ones (rejected drafts).
@@ -80,7 +83,7 @@ def test_forced_migration_pulls_kv_and_stays_lossless(tiny_pair, transport: str)
     for role in ("draft", "target"):
         kv = [w["kv"] for w in workers if w["role"] == role]
         pulled = sum(k["pulled"] for k in kv)
-        assert all(k["transport"] == ("ucx" if transport == "ucx" else "tcp") for k in kv)
+        assert all(k["transport"] == {"ucx": "ucx", "shm": "shm"}.get(transport, "tcp") for k in kv)
         assert sum(k["pulls"] for k in kv) > 10 and sum(k["pull_failures"] for k in kv) == 0
         # After its first round a request never recomputes: every later prefix arrives by pull.
         computed = sum(k["computed"] for k in kv)
@@ -114,3 +117,19 @@ def test_holder_killed_between_rounds_recomputes_and_output_is_unchanged(tiny_pa
     survivors = [w for w in state["workers"] if w["kv"]]
     assert state["counters"].get("workers_dead", 0) == 2
     assert sum(w["kv"]["computed"] for w in survivors) > 0  # the lost KV was rebuilt from tokens
+
+
+def test_shared_memory_folders_of_dead_workers_are_removed(tmp_path) -> None:  # noqa: ANN001
+    import subprocess
+    import sys
+
+    from nebula_flow.kv.shm import PREFIX, remove_orphans
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f"{PREFIX}{int(dead.stdout)}-abc"
+    alive = tmp_path / f"{PREFIX}{__import__('os').getpid()}-def"
+    for folder in (gone, alive):
+        folder.mkdir()
+        (folder / "target-1.kv").write_bytes(b"x")
+    assert remove_orphans(tmp_path) == [gone]
+    assert not gone.exists() and alive.exists()

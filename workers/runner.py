@@ -82,6 +82,7 @@ class ModelRunner:
                 new[i] = [tok]
             step += 1
             active = [i for i in active if tasks[i].k > step]
+        self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
         return drafts
 
@@ -96,5 +97,6 @@ class ModelRunner:
             # Keep the KV of the accepted drafts; the rejected suffix is rolled back.
             c.truncate(len(t.tokens) + len(committed) - 1)
             out.append(committed)
+        self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
         return out

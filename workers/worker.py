@@ -49,7 +49,7 @@ class WorkerOptions:
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0  # broker silence after which the worker reconnects (with backoff)
     max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted
-    kv_transport: str = "auto"  # auto (UCX for CUDA workers if installed, else ZeroMQ) | ucx | zmq | none
+    kv_transport: str = "auto"  # auto (UCX for CUDA workers if installed, else ZeroMQ) | ucx | zmq | shm | none
     kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
     kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
     keys: str | None = None  # CURVE key folder (or NEBULA_FLOW_KEYS): authenticate to the broker and peers
@@ -85,6 +85,10 @@ class Worker:
         kv_transport = "zmq" if self.keys and opts.kv_transport != "none" else opts.kv_transport  # UCX has no CURVE
         self.transport = make_transport(kv_transport, self.keys, opts.device) if opts.role != "colocated" else None
         self.kv_endpoint = self.transport.serve(opts.kv_host, self._lookup) if self.transport else None
+        if self.transport is not None and self.transport.scheme == "shm":  # peers read our files directly
+            for role, runner in (("draft", self.draft), ("target", self.target)):
+                if runner is not None:
+                    runner.store.share_into(self.transport.folder, role)
         self.wake_r, self.wake_w = os.pipe()
         self.stopping = False
         self.errors = 0

@@ -30,6 +30,8 @@ class KVCache:
         self.row_shape = (num_layers, 2, num_kv_heads, head_dim)
         self.buf = torch.empty((capacity, *self.row_shape), dtype=dtype, device=device)
         self.tokens: list[int] = []
+        self.shared = None  # kv/shm.py SharedRows when peers on this host read this cache directly
+        self.shared_path = None
 
     @property
     def length(self) -> int:
@@ -51,9 +53,33 @@ class KVCache:
             return
         while cap < total:
             cap *= 2
+        if self.shared_path is not None:
+            self._share_rows(cap)
+            return
         grown = torch.empty((cap, *self.row_shape), dtype=self.buf.dtype, device=self.buf.device)
         grown[: self.length] = self.buf[: self.length]
         self.buf = grown
+
+    def share(self, path) -> None:  # noqa: ANN001 - a pathlib.Path
+        """Keep this cache in a file at ``path`` that peers on this host map (kv/shm.py)."""
+        if self.buf.device.type != "cpu":
+            raise ValueError("shared-memory KV is for CPU workers")
+        self.shared_path = path
+        self._share_rows(self.buf.shape[0])
+
+    def _share_rows(self, capacity: int) -> None:
+        from nebula_flow.kv.shm import SharedRows
+
+        rows = SharedRows(self.shared_path, capacity, self.row_shape, self.buf.dtype)
+        rows.rows[: self.length] = self.buf[: self.length]
+        rows.publish(self.tokens)
+        rows.install()
+        self.buf, self.shared = rows.rows, rows
+
+    def publish(self) -> None:
+        """Let peers see the positions held now (shared caches only)."""
+        if self.shared is not None:
+            self.shared.publish(self.tokens)
 
     def truncate(self, length: int) -> None:
         del self.tokens[length:]

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -51,10 +52,36 @@ class KVStore:
         self.pinned: set[int] = set()
         self.lock = threading.Lock()
         self.stats = KVStats()
+        self.share_folder: Path | None = None  # kv/shm.py: caches live in files peers map
+        self.role = ""
+
+    def share_into(self, folder: Path, role: str) -> None:
+        """Keep every cache of this store in ``folder`` for same-host peers (``kv_transport = "shm"``)."""
+        self.share_folder, self.role = Path(folder), role
+
+    def publish(self, rids: list[int]) -> None:
+        """After a batch: peers reading shared caches see what these requests hold now."""
+        if self.share_folder is None:
+            return
+        with self.lock:
+            caches = [self.caches.get(rid) for rid in rids]
+        for cache in caches:
+            if cache is not None:
+                cache.publish()
+
+    def _unshare(self, cache: KVCache) -> None:
+        if cache.shared_path is not None:
+            cache.shared_path.unlink(missing_ok=True)
 
     def _get(self, rid: int, length_hint: int) -> KVCache:
         with self.lock:
-            cache = self.caches.pop(rid, None) or self.model.new_cache(capacity=max(64, length_hint + 16))
+            cache = self.caches.pop(rid, None)
+            if cache is None:
+                cache = self.model.new_cache(capacity=max(64, length_hint + 16))
+                if self.share_folder is not None:
+                    from nebula_flow.kv.shm import kv_path
+
+                    cache.share(kv_path(self.share_folder, self.role, rid))
             self.caches[rid] = cache
             return cache
 
@@ -126,7 +153,9 @@ class KVStore:
     def free(self, rids: list[int]) -> None:
         with self.lock:
             for rid in rids:
-                self.caches.pop(rid, None)
+                cache = self.caches.pop(rid, None)
+                if cache is not None:
+                    self._unshare(cache)
                 self.pinned.discard(rid)
 
     def evict(self, protect: set[int]) -> None:
@@ -137,5 +166,7 @@ class KVStore:
                 if held <= self.max_bytes:
                     return
                 if rid not in protect and rid not in self.pinned:
-                    held -= self.caches.pop(rid).allocated_bytes
+                    cache = self.caches.pop(rid)
+                    self._unshare(cache)
+                    held -= cache.allocated_bytes
                     self.stats.evicted += 1

@@ -1,12 +1,14 @@
 """KV transports: how one worker pulls a request's KV positions from the worker holding them.
 
-One small interface, two implementations:
+One small interface, three implementations:
 
 * ``ZmqTransport``: ROUTER server thread + one DEALER per peer; rows travel as one zero-copy
   frame. Always available; the fallback.
 * ``UcxTransport`` (``nebula_flow/kv/ucx.py``): ucxx endpoints, rows received straight into
   the destination cache rows (host memory on CPU, CUDA memory on GPU). The default when
   ucxx is installed.
+* ``ShmTransport`` (``nebula_flow/kv/shm.py``): same-host CPU workers keep their KV in shared
+  memory files and read each other's directly (one-sided: the holder does nothing).
 
 A server answers ``lookup(rid, role, start, end) -> (tokens, rows) | None`` where ``rows`` is
 the contiguous slice ``cache.buf[start:end]`` (see ``kv/cache.py`` for the layout). A pull
@@ -208,6 +210,12 @@ def make_transport(name: str, keys: Path | None = None, device: str = "cpu") -> 
     """
     if name == "none":
         return None
+    if name == "shm":
+        if device.startswith("cuda"):
+            raise ValueError("the shm KV transport is for CPU workers on one host; use ucx or zmq on GPUs")
+        from nebula_flow.kv.shm import ShmTransport
+
+        return ShmTransport()
     if name == "auto" and not device.startswith("cuda"):
         name = "zmq"
     if name in ("ucx", "auto") and keys is None:
@@ -221,4 +229,4 @@ def make_transport(name: str, keys: Path | None = None, device: str = "cpu") -> 
             log.info("ucxx is not installed: KV moves over ZeroMQ")
     if name in ("zmq", "auto"):
         return ZmqTransport(keys)
-    raise ValueError(f"unknown KV transport {name!r}; choose auto, ucx, zmq or none")
+    raise ValueError(f"unknown KV transport {name!r}; choose auto, ucx, zmq, shm or none")

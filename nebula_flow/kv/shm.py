@@ -1,0 +1,131 @@
+"""Shared-memory KV for workers on one host: peers read a holder's KV without asking it.
+
+With ``kv_transport = "shm"`` a worker keeps each request's KV rows and token ids in a file
+under a shared-memory folder (``/dev/shm`` when it exists) and advertises ``shm://FOLDER``.
+A peer on the same host pulls by mapping that file and copying the rows it lacks: a one-sided
+read, like UCX RMA or CUDA IPC, so a holder busy computing (or waiting for its GIL) costs the
+puller nothing. Peers on other hosts cannot see the folder; their pulls fail and they
+recompute, so use ``zmq`` or ``ucx`` across hosts. Files are readable by the same user only.
+
+One file per request and role, ``{role}-{rid}.kv``::
+
+    [int64 x 8 header: MAGIC, length, capacity, row_bytes, ...]
+    [int32 x capacity: token ids]            (padded to 64 bytes)
+    [capacity rows of the cache layout]      (see kv/cache.py)
+
+The holder writes rows as it computes and publishes the token ids and ``length`` after each
+batch (``KVStore.publish``). Growing the buffer writes a new file and renames it over the old
+one, so a reader never sees a half-built file; freeing unlinks it (a reader that already
+mapped it keeps a valid view).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nebula_flow.kv.transport import KVTransport, Lookup, PullItem, host_view
+
+MAGIC = 0x4E46_4B56_0001  # "NFKV" v1
+HEADER_BYTES = 64
+
+
+def _tokens_bytes(capacity: int) -> int:
+    return (capacity * 4 + 63) // 64 * 64
+
+
+def kv_path(folder: Path, role: str, rid: int) -> Path:
+    return folder / f"{role}-{rid}.kv"
+
+
+class SharedRows:
+    """A file-backed buffer for one cache: rows, token ids and a header, all mapped."""
+
+    def __init__(self, path: Path, capacity: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        row_bytes = int(np.prod(row_shape)) * torch.empty(0, dtype=dtype).element_size()
+        total = HEADER_BYTES + _tokens_bytes(capacity) + capacity * row_bytes
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        mem = torch.from_file(str(tmp), shared=True, size=total, dtype=torch.uint8)
+        self.header = mem[:HEADER_BYTES].view(torch.int64)
+        self.tokens = mem[HEADER_BYTES:HEADER_BYTES + capacity * 4].view(torch.int32)
+        start = HEADER_BYTES + _tokens_bytes(capacity)
+        self.rows = mem[start:].view(dtype).view(capacity, *row_shape)
+        self.header[:4] = torch.tensor([MAGIC, 0, capacity, row_bytes])
+        self.tmp, self.path = tmp, path
+
+    def install(self) -> None:
+        """Make this the file peers read (atomically replaces an older, smaller one)."""
+        os.replace(self.tmp, self.path)
+
+    def publish(self, tokens: list[int]) -> None:
+        n = min(len(tokens), self.tokens.shape[0])
+        self.tokens[:n] = torch.as_tensor(tokens[:n], dtype=torch.int32)
+        self.header[1] = n
+
+
+PREFIX = "nebula-flow-kv-"
+
+
+def remove_orphans(root: Path) -> list[Path]:
+    """Delete KV folders of workers that died without cleaning up (their pid is gone)."""
+    removed = []
+    for folder in root.glob(f"{PREFIX}*"):
+        try:
+            pid = int(folder.name[len(PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        except (ValueError, PermissionError, OSError):
+            continue  # not ours to judge
+    return removed
+
+
+def read_rows(path: Path, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
+    """Copy rows ``start..end`` of the file at ``path`` into ``dest``; their tokens, or None."""
+    try:
+        mem = np.memmap(path, mode="r", dtype=np.uint8)
+    except (OSError, ValueError):
+        return None  # not on this host, freed, or evicted
+    head = mem[:HEADER_BYTES].view(np.int64)
+    magic, length, capacity, row_bytes = (int(x) for x in head[:4])
+    if magic != MAGIC or length < end or dest.numel() * dest.element_size() != (end - start) * row_bytes:
+        return None
+    tokens = mem[HEADER_BYTES:HEADER_BYTES + capacity * 4].view(np.int32)[start:end].copy()
+    offset = HEADER_BYTES + _tokens_bytes(capacity)
+    rows = mem[offset + start * row_bytes: offset + end * row_bytes]
+    if dest.device.type == "cpu":
+        np.copyto(host_view(dest).reshape(-1).view(np.uint8), rows)
+    else:
+        dest.copy_(torch.from_numpy(np.array(rows)).view(dest.dtype).view(dest.shape).to(dest.device))
+    return tokens
+
+
+class ShmTransport(KVTransport):
+    """Serve by sharing files; pull by reading peers' files (same host only)."""
+
+    scheme = "shm"
+
+    def __init__(self) -> None:
+        root = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+        remove_orphans(root)
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
+        self.folder.chmod(0o700)
+
+    def serve(self, host: str, lookup: Lookup) -> str:
+        """Nothing runs: the worker's stores write their KV into ``self.folder``."""
+        return f"shm://{self.folder}"
+
+    def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
+        if not endpoint.startswith("shm://"):
+            return [None] * len(items)
+        folder = Path(endpoint[len("shm://"):])
+        return [read_rows(kv_path(folder, role, rid), start, end, dest) for rid, role, start, end, dest in items]
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
