@@ -241,3 +241,13 @@ def test_grid_sweep_covers_every_pool_pair_and_more_targets_help_a_target_bound_
     assert rate[(1, 2)] > 1.3 * rate[(1, 1)]  # 10 ms verifies against 1 ms drafts: targets bound
     result = CliRunner().invoke(main, ["simulate", str(PAPER), "--sweep", "--sweep-workers", "1,x"])
     assert result.exit_code != 0 and "comma-separated" in result.output
+
+
+def test_trace_arrivals_drive_the_simulation(tmp_path) -> None:  # noqa: ANN001
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"arrival_s": 0.5 * i, "prompt_len": 20 + i, "max_new_tokens": 8 + i})
+                               for i in range(6)))
+    sc = small_scenario(workload=Workload(trace=str(trace), time_scale=2.0))
+    res = simulate(sc, "pooled")
+    assert res["requests"] == 6 and res["tokens"] == sum(8 + i for i in range(6))
+    assert res["wall_s"] >= 5 * 0.5 / 2.0  # the last request arrives at 1.25 s (time scale 2)
