@@ -289,15 +289,15 @@ class Broker:
             self._drop_worker(self.by_identity[identity], "re-registered")
         if not 1 <= h["capacity"] <= 4096:
             raise ProtocolError("invalid_params", "capacity must be in 1..4096")
+        endpoint = h.get("kv_endpoint")
+        if endpoint is not None and (len(endpoint) > 256 or not endpoint.startswith(("tcp://", "ucx://", "shm://"))):
+            raise ProtocolError("malformed", "kv_endpoint must be a tcp://, ucx:// or shm:// address")
         wid = self.next_worker
         try:
             slot = self.scheduler.register(wid, h["role"], h["capacity"])
         except ValueError as exc:
             raise ProtocolError("wrong_role", str(exc)) from None
         self.next_worker += 1
-        endpoint = h.get("kv_endpoint")
-        if endpoint is not None and (len(endpoint) > 256 or not endpoint.startswith(("tcp://", "ucx://", "shm://"))):
-            raise ProtocolError("malformed", "kv_endpoint must be a tcp://, ucx:// or shm:// address")
         self.workers[wid] = WorkerInfo(identity, h["role"], h["name"][:64], now, endpoint)
         self.by_identity[identity] = wid
         log.info("worker %d (%s, %s) joined in slot %d", wid, h["name"][:64], h["role"], slot)

@@ -292,3 +292,18 @@ def test_children_exit_when_the_deploying_process_dies(tiny_pair, tmp_path) -> N
         time.sleep(0.3)
     alive = [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     assert not alive, f"orphans still running: {alive}"
+
+
+def test_a_worker_the_broker_refuses_exits_with_a_clear_error(tiny_pair) -> None:  # noqa: ANN001
+    """A draft worker pointed at an autoregressive broker cannot ever join: it says why and
+    exits (code 2) instead of retrying for ever, and the running deployment is unharmed."""
+    cfg = deploy_config(tiny_pair, "autoregressive", 1, 1)
+    with Deployment(cfg) as dep:
+        out = subprocess.run([sys.executable, "-m", "nebula_flow.cli", "worker", "--role", "draft", "--model",
+                              str(tiny_pair / "draft"), "--broker", cfg.broker.worker_address, "--kv-transport", "none"],
+                             capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "refused to register" in out.stderr and "no 'draft' workers" in out.stderr
+        with Client(dep.address) as c:
+            assert len(c.generate(token_ids=[4, 5, 6], max_new_tokens=5).token_ids) == 5
+            assert c.status()["errors"].get("wrong_role", 0) >= 1

@@ -33,6 +33,7 @@ from workers.runner import ModelRunner, Task
 
 log = logging.getLogger("nebula_flow.worker")
 ROLES = ("draft", "target", "colocated")
+REFUSALS = ("malformed", "wrong_role", "invalid_params")  # REGISTER errors that retrying cannot fix
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Worker:
                     runner.store.share_into(self.transport.folder, role)
         self.wake_r, self.wake_w = os.pipe()
         self.stopping = False
+        self.exit_code = 0
         self.errors = 0
 
     def _load(self, model: str, profile: str | None, role: str):  # noqa: ANN202
@@ -352,6 +354,12 @@ class Worker:
                     if msg.header["code"] == "unknown_worker":  # the broker restarted: join again
                         pull_out = None
                         self._register()
+                    elif not self.registered and msg.header["code"] in REFUSALS:
+                        # The broker refused this worker (wrong role for its mode, bad endpoint, ...):
+                        # retrying cannot help, and exiting lets a deployment report it at once.
+                        log.error("the broker refused to register this worker: %s", msg.header["message"])
+                        self.exit_code = 2
+                        self.stopping = True
                     else:
                         log.warning("broker error: %s", msg.header["message"])
         self.executor.shutdown(wait=True)
@@ -359,7 +367,7 @@ class Worker:
         if self.transport is not None:
             self.transport.close()
         self.sock.close()
-        return 0
+        return self.exit_code
 
     def _device_stats(self) -> dict[str, Any]:
         """Forward passes run; on emulated devices also how far the host fell behind the profile."""
