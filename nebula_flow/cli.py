@@ -514,14 +514,16 @@ def keys(folder: str) -> None:
 @click.option("--sweep-workers", help="Draft pool sizes for --sweep, e.g. 1,2,4,8 (default: the scenario's [sweep]).")
 @click.option("--sweep-targets", help="Target pool sizes: with it --sweep runs every draft x target pair (a grid) "
               "instead of keeping the scenario's draft:target ratio.")
+@click.option("--gpus", "devices", type=int, help="Also plan N devices: pooled with every draft/target split, "
+              "paired N/2 + N/2, colocated and autoregressive on all N, ranked by tokens/s.")
 @click.option("--seed", type=int, help="Override the scenario's seed (acceptance draws, prompt lengths, arrivals).")
 @click.option("--out", type=click.Path(), help="Write result.json and PNG plots (modes, scaling) into this folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {...}, \"sweep\": [...]} as JSON.")
 @click.option("--check-policy-log", type=click.Path(exists=True, dir_okay=False),
               help="Instead of simulating: replay a broker's --policy-log into the simulator's policy and "
               "say whether every decision is identical.")
-def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, seed, out,
-             as_json, check_policy_log) -> None:  # noqa: ANN001
+def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, devices, seed,
+             out, as_json, check_policy_log) -> None:  # noqa: ANN001
     """Simulate a deployment: the live scheduling policy on a virtual clock, with profiled or
     roofline device costs. SCENARIO is a TOML file (see configs/sim/)."""
     from dataclasses import replace
@@ -578,6 +580,11 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
             raise click.BadParameter("pool sizes must be >= 1")
         log(f"[simulate] sweep ({names[0]}):")
         result["sweep"] = engine.sweep(sc, names[0], sizes, log=log, targets=targets)
+    if devices is not None:
+        if devices < 2:
+            raise click.BadParameter("--gpus needs at least 2 devices")
+        log(f"[simulate] plan for {devices} devices:")
+        result["plan"] = engine.plan(sc, devices, log=log)
     if out:
         folder = Path(out)
         paths = report.plot(folder, result["modes"], result.get("sweep"), sc.name)
@@ -589,6 +596,8 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
     click.echo(table(result["modes"]))
     if sweep:
         click.echo(report.sweep_table(result["sweep"]))
+    if devices is not None:
+        click.echo(report.plan_table(result["plan"]))
 
 
 @main.command("tiny-pair")

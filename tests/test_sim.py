@@ -251,3 +251,19 @@ def test_trace_arrivals_drive_the_simulation(tmp_path) -> None:  # noqa: ANN001
     res = simulate(sc, "pooled")
     assert res["requests"] == 6 and res["tokens"] == sum(8 + i for i in range(6))
     assert res["wall_s"] >= 5 * 0.5 / 2.0  # the last request arrives at 1.25 s (time scale 2)
+
+
+def test_plan_tries_every_way_to_use_the_devices_best_first() -> None:
+    from nebula_flow.sim.engine import plan
+
+    rows = plan(small_scenario(link=Link.free()), 4)
+    shapes = {(r["mode"], r["draft_workers"], r["target_workers"]) for r in rows}
+    assert shapes == {("pooled", 1, 3), ("pooled", 2, 2), ("pooled", 3, 1), ("paired", 2, 2),
+                      ("colocated", 2, 2), ("autoregressive", 2, 2)}
+    rates = [r["tokens_per_s"] for r in rows]
+    assert rates == sorted(rates, reverse=True)
+    # 1 ms drafts and 10 ms verifies: the pool that gives most devices to the target wins among pooled.
+    pooled = {r["draft_workers"]: r["tokens_per_s"] for r in rows if r["mode"] == "pooled"}
+    assert pooled[1] > pooled[2] > pooled[3]
+    with pytest.raises(ValueError):
+        plan(small_scenario(), 1)

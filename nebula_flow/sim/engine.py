@@ -354,3 +354,26 @@ def sweep(sc: Scenario, mode: str = "pooled", sizes: list[int] | None = None,
             log(f"  {d:>3} draft + {t:>3} target: {row['round_rate']:,.0f} rounds/s, "
                 f"{row['proportional']:.3f} of proportional")
     return out
+
+
+def plan(sc: Scenario, devices: int, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Every way to run the scenario's workload on ``devices`` devices, best tokens/s first:
+    pooled with each draft/target split, paired as equal pairs, colocated and autoregressive
+    on all of them (both models fit on each device: the scenario's pools say what each costs)."""
+    if devices < 2:
+        raise ValueError("planning needs at least 2 devices")
+    half = devices // 2
+    options = [("pooled", d, devices - d) for d in range(1, devices)]
+    if devices % 2 == 0:
+        options.append(("paired", half, half))
+    options += [("colocated", half, devices - half), ("autoregressive", half, devices - half)]
+    rows = []
+    for mode, d, t in options:
+        res = simulate(sc, mode, d, t)
+        shape = f"{d} draft + {t} target" if mode in ("pooled", "paired") else f"{devices} workers"
+        rows.append({"mode": mode, "draft_workers": d, "target_workers": t, "shape": shape,
+                     "round_rate": res["round_rate"], "tokens_per_s": res["tokens_per_s"],
+                     "latency_p50_s": res["latency_s"]["p50"], "utilization_by_role": res["utilization_by_role"]})
+        if log:
+            log(f"  {mode:<15}{shape:<22}{res['tokens_per_s']:>10,.0f} tokens/s")
+    return sorted(rows, key=lambda r: -r["tokens_per_s"])

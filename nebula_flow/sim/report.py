@@ -14,6 +14,15 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def plan_table(rows: list[dict[str, Any]]) -> str:
+    best = rows[0]["tokens_per_s"]
+    out = [f"{'mode':<16}{'devices':<24}{'tokens/s':>11}{'rounds/s':>11}{'lat p50':>9}{'vs best':>9}"]
+    for r in rows:
+        out.append(f"{r['mode']:<16}{r['shape']:<24}{r['tokens_per_s']:>11,.0f}{r['round_rate']:>11,.0f}"
+                   f"{r['latency_p50_s']:>8.2f}s{r['tokens_per_s'] / best:>8.2f}x")
+    return "\n".join(out)
+
+
 def plot(out: Path, modes: dict[str, dict[str, Any]], sweep: list[dict[str, Any]] | None, title: str) -> list[Path]:
     """modes.png (request-round rate per mode) and, with a sweep, scaling.png."""
     import matplotlib
