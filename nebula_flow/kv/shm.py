@@ -50,6 +50,13 @@ class SharedRows:
         row_bytes = int(np.prod(row_shape)) * torch.empty(0, dtype=dtype).element_size()
         total = HEADER_BYTES + _tokens_bytes(capacity) + capacity * row_bytes
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:  # allocate the pages now, in one call, not one fault at a time while rows arrive
+            os.posix_fallocate(fd, 0, total)
+        except OSError:
+            os.ftruncate(fd, total)
+        finally:
+            os.close(fd)
         mem = torch.from_file(str(tmp), shared=True, size=total, dtype=torch.uint8)
         self.header = mem[:HEADER_BYTES].view(torch.int64)
         self.tokens = mem[HEADER_BYTES:HEADER_BYTES + capacity * 4].view(torch.int32)
@@ -87,23 +94,35 @@ def remove_orphans(root: Path) -> list[Path]:
 
 
 def read_rows(path: Path, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
-    """Copy rows ``start..end`` of the file at ``path`` into ``dest``; their tokens, or None."""
+    """Copy rows ``start..end`` of the file at ``path`` into ``dest``; their tokens, or None.
+
+    Plain reads, not a mapping: one system call per part, which copies from the page cache
+    without faulting the holder's pages into this process (and releases the GIL meanwhile).
+    """
     try:
-        mem = np.memmap(path, mode="r", dtype=np.uint8)
-    except (OSError, ValueError):
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed below
+    except OSError:
         return None  # not on this host, freed, or evicted
-    head = mem[:HEADER_BYTES].view(np.int64)
-    magic, length, capacity, row_bytes = (int(x) for x in head[:4])
-    if magic != MAGIC or length < end or dest.numel() * dest.element_size() != (end - start) * row_bytes:
-        return None
-    tokens = mem[HEADER_BYTES:HEADER_BYTES + capacity * 4].view(np.int32)[start:end].copy()
-    offset = HEADER_BYTES + _tokens_bytes(capacity)
-    rows = mem[offset + start * row_bytes: offset + end * row_bytes]
-    if dest.device.type == "cpu":
-        np.copyto(host_view(dest).reshape(-1).view(np.uint8), rows)
-    else:
-        dest.copy_(torch.from_numpy(np.array(rows)).view(dest.dtype).view(dest.shape).to(dest.device))
-    return tokens
+    with f:
+        head = np.frombuffer(os.pread(f.fileno(), HEADER_BYTES, 0), dtype=np.int64)
+        if len(head) < 4:
+            return None
+        magic, length, capacity, row_bytes = (int(x) for x in head[:4])
+        nbytes = (end - start) * row_bytes
+        if magic != MAGIC or length < end or dest.numel() * dest.element_size() != nbytes:
+            return None
+        tokens = np.frombuffer(os.pread(f.fileno(), (end - start) * 4, HEADER_BYTES + start * 4), dtype=np.int32)
+        offset = HEADER_BYTES + _tokens_bytes(capacity) + start * row_bytes
+        if dest.device.type == "cpu":
+            target = memoryview(host_view(dest).reshape(-1).view(np.uint8))
+            got = os.preadv(f.fileno(), [target], offset)
+        else:
+            data = os.pread(f.fileno(), nbytes, offset)
+            got = len(data)
+            dest.copy_(torch.frombuffer(bytearray(data), dtype=dest.dtype).view(dest.shape).to(dest.device))
+        if got != nbytes or len(tokens) != end - start:
+            return None
+        return tokens.copy()
 
 
 class ShmTransport(KVTransport):
