@@ -109,16 +109,22 @@ def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
     return cls(**raw)
 
 
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A TOML file's contents, or a ``ConfigError`` that names the file and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path}")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
 def load_config(path: str | Path | None) -> DeployConfig:
     if path is None:
         return DeployConfig()
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    raw = read_toml(path)
     base = path.resolve().parent.parent
     unknown = set(raw) - {"mode", "kv_transport", "broker", "draft", "target"}
     if unknown:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from nebula_flow.bench import DEFAULT_PROMPTS, Workload, bench_mode, run_once  # noqa: E402
 from nebula_flow.client import Client  # noqa: E402
-from nebula_flow.config import load_config  # noqa: E402
+from nebula_flow.config import load_config, read_toml  # noqa: E402
 from nebula_flow.deploy import Deployment  # noqa: E402
 from nebula_flow.sim.engine import simulate  # noqa: E402
 from nebula_flow.sim.scenario import load_scenario  # noqa: E402
@@ -56,10 +56,8 @@ def measure_hop_s(deploy: str, wl: Workload, repeats: int = 3) -> float:
 @click.option("--repeats", default=5, show_default=True, help="Live repeats per mode (medians).")
 @click.option("--json", "as_json", is_flag=True)
 def main(scenario: str, modes: str, repeats: int, as_json: bool) -> None:
-    import tomllib
-
     sc = load_scenario(scenario)
-    raw = tomllib.loads(Path(scenario).read_text())
+    raw = read_toml(scenario, "scenario")
     deploy = str((Path(scenario).resolve().parent / raw["deploy"]).resolve())
     w = sc.workload
     wl = Workload([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(w.requests)], w.output_tokens,

@@ -53,12 +53,11 @@ from __future__ import annotations
 
 import json
 import random
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from nebula_flow.config import ConfigError, load_config
+from nebula_flow.config import ConfigError, load_config, read_toml
 from nebula_flow.emulated import load_profile
 from nebula_flow.scheduler import MODES, POLICY_KNOBS
 from nebula_flow.sim.acceptance import Acceptance
@@ -200,12 +199,7 @@ def _from_deploy(path: str) -> dict[str, Any]:
 
 def load_scenario(path: str | Path) -> Scenario:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"scenario not found: {path}")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    raw = read_toml(path, "scenario")
     known = {"name", "description", "modes", "seed", "deploy", "policy", "workload", "draft", "target",
              "acceptance", "kv", "host", "sweep"}
     unknown = set(raw) - known
