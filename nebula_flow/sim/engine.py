@@ -243,7 +243,6 @@ class Simulator:
         batch, w.pending = w.pending, None
         begin = max(self.now, w.kv_ready)
         w.stall_s += begin - self.now
-        results: list[tuple[Task, int]] = []
         compute = 0.0
         drafts = [t for t in batch if t.kind in (DRAFT, ROUND)]
         if drafts:
@@ -319,6 +318,7 @@ class Simulator:
                         for w in self.workers.values()],
             "kv_bytes": sum(w.kv_bytes for w in self.workers.values()),
             "kv_pulls": sum(w.pulls for w in self.workers.values()),
+            "kv_recomputed_positions": sum(w.recomputed for w in self.workers.values()),
             "kv_stall_fraction": sum(w.stall_s for w in self.workers.values()) / max(busy, 1e-12),
             "stale_results": self.stale, "broker_utilization": self.broker_busy_s / wall,
             "ttft_s": percentiles([r.t_first - r.t_submit for r in self.done]),
