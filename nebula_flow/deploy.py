@@ -63,6 +63,7 @@ class Deployment:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.extra_worker_args = extra_worker_args or []
         b = cfg.broker
+        self.auto_ports = b.client_port == 0 or b.worker_port == 0
         if b.client_port == 0:
             b.client_port = free_port()
         if b.worker_port == 0:
@@ -84,16 +85,8 @@ class Deployment:
         self.procs.append((name, proc))
 
     def start(self, timeout_s: float = 600.0) -> str:
+        self._start_broker(timeout_s)
         b = self.cfg.broker
-        self._spawn("broker", [
-            "broker", "--mode", self.cfg.mode, "--host", b.host, "--client-port", str(b.client_port),
-            "--worker-port", str(b.worker_port), "--model", str(b.model), "--k", str(b.k),
-            "--proposal-top-k", str(b.proposal_top_k), "--max-pending", str(b.max_pending),
-            "--heartbeat-s", str(b.heartbeat_s), "--liveness-s", str(b.liveness_s),
-            "--locality" if b.locality else "--no-locality", *(["--migrate"] if b.migrate else []),
-            "--merge-batches" if b.merge_batches else "--no-merge-batches",
-            *(["--metrics-port", str(b.metrics_port)] if b.metrics_port is not None else []),
-            *(["--policy-log", str(b.policy_log)] if b.policy_log else [])])
         plan = self.cfg.worker_plan()
         shared = max(1, usable_cores() // len(plan))
         for i, (role, pool) in enumerate(plan):
@@ -114,6 +107,41 @@ class Deployment:
             self._spawn(f"{role}-{i}", args, threads)
         self.wait_ready(len(plan), timeout_s)
         return self.address
+
+    def _start_broker(self, timeout_s: float, attempts: int = 5) -> None:
+        """Start the broker and wait until it answers. A port picked free by ``free_port`` can
+        be taken by another process before the broker binds it: then pick new ones and retry."""
+        for attempt in range(attempts):
+            self._spawn_broker()
+            name, proc = self.procs[-1]
+            deadline = time.monotonic() + timeout_s
+            with Client(self.address, timeout_s=1.0, keys=self.cfg.broker.keys) as client:
+                while proc.poll() is None and time.monotonic() < deadline:
+                    try:
+                        client.status()
+                        return
+                    except NebulaError:
+                        time.sleep(0.1)
+            if proc.poll() is None:
+                raise DeploymentError(f"the broker did not answer within {timeout_s:.0f} s; logs in {self.log_dir}")
+            tail = self.log_tail(name)
+            if not (self.auto_ports and "Address already in use" in tail) or attempt == attempts - 1:
+                raise DeploymentError(f"broker exited with code {proc.returncode}:\n{tail}")
+            self.procs.pop()
+            b = self.cfg.broker
+            b.client_port, b.worker_port = free_port(), free_port()
+
+    def _spawn_broker(self) -> None:
+        b = self.cfg.broker
+        self._spawn("broker", [
+            "broker", "--mode", self.cfg.mode, "--host", b.host, "--client-port", str(b.client_port),
+            "--worker-port", str(b.worker_port), "--model", str(b.model), "--k", str(b.k),
+            "--proposal-top-k", str(b.proposal_top_k), "--max-pending", str(b.max_pending),
+            "--heartbeat-s", str(b.heartbeat_s), "--liveness-s", str(b.liveness_s),
+            "--locality" if b.locality else "--no-locality", *(["--migrate"] if b.migrate else []),
+            "--merge-batches" if b.merge_batches else "--no-merge-batches",
+            *(["--metrics-port", str(b.metrics_port)] if b.metrics_port is not None else []),
+            *(["--policy-log", str(b.policy_log)] if b.policy_log else [])])
 
     def wait_ready(self, n_workers: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -307,3 +307,23 @@ def test_a_worker_the_broker_refuses_exits_with_a_clear_error(tiny_pair) -> None
         with Client(dep.address) as c:
             assert len(c.generate(token_ids=[4, 5, 6], max_new_tokens=5).token_ids) == 5
             assert c.status()["errors"].get("wrong_role", 0) >= 1
+
+
+def test_a_deployment_retries_when_its_chosen_port_is_taken_before_the_broker_binds(tiny_pair, monkeypatch) -> None:  # noqa: ANN001
+    import socket
+
+    import nebula_flow.deploy as deploy
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    ports = iter([busy, free_port()])  # the first pick is stolen before the broker binds it
+    monkeypatch.setattr(deploy, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep:
+            assert dep.cfg.broker.client_port != busy
+            with Client(dep.address) as c:
+                assert len(c.generate(token_ids=[4, 5, 6], max_new_tokens=4).token_ids) == 4
+    finally:
+        taken.close()
