@@ -483,6 +483,8 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
 @click.option("--generate-len", default=192, show_default=True, help="Tokens per generated sequence.")
 @click.option("--init-from", type=click.Path(exists=True, file_okay=False), help="Fine-tune this draft instead of "
               "starting from scratch.")
+@click.option("--seed", default=0, show_default=True,
+              help="Seeds initialisation, batches and generation (a new seed writes new generated sequences).")
 def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
     """Distil a draft model for TARGET: cached teacher logits, resumable training, evaluation."""
     from nebula_flow.distill import DistillConfig
