@@ -127,6 +127,10 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda, cuda:N, or emulated (forward passes take the time --profile predicts).")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA).")
+@click.option("--batch-invariant/--no-batch-invariant", default=None,
+              help="Give a token's logits the same bits whatever it is batched with, so speculative output "
+              "equals plain decoding exactly in reduced precision (costs a little speed). Default: on for "
+              "bfloat16/float16 on CPU, off otherwise.")
 @click.option("--kv-transport", type=click.Choice(["auto", "ucx", "zmq", "shm", "none"]), default="auto", show_default=True,
               help="How KV moves between workers: auto = UCX on CUDA (if ucxx is installed), ZeroMQ on CPU; "
               "shm = peers on this host map the holder's KV files (CPU, one host).")
@@ -138,8 +142,8 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
 @click.option("--max-kv-gb", default=4.0, show_default=True, help="KV memory budget per model (LRU eviction).")
 @click.option("--keys", type=click.Path(), help="CURVE key folder (or NEBULA_FLOW_KEYS).")
 def worker(role: str, model: str, draft_model: str | None, broker_addr: str, name: str,
-           max_batch: int, threads: int, device: str, dtype: str | None, kv_transport: str, kv_host: str,
-           kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
+           max_batch: int, threads: int, device: str, dtype: str | None, batch_invariant: bool | None,
+           kv_transport: str, kv_host: str, kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
            keys: str | None) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
@@ -147,7 +151,8 @@ def worker(role: str, model: str, draft_model: str | None, broker_addr: str, nam
 
     try:
         sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch,
-                                            threads, device, dtype, kv_transport=kv_transport, kv_host=kv_host,
+                                            threads, device, dtype, batch_invariant, kv_transport=kv_transport,
+                                            kv_host=kv_host,
                                             kv_overlap=kv_overlap, profile=profile, draft_profile=draft_profile,
                                             max_kv_gb=max_kv_gb, keys=keys)))
     except (ModelConfigError, ValueError) as exc:

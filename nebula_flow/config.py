@@ -54,6 +54,7 @@ class PoolConfig:
     threads: int | None = None  # default: the machine's cores shared among all workers
     device: str = "cpu"  # cpu | cuda | cuda:N | emulated
     dtype: str | None = None
+    batch_invariant: bool | None = None  # bit-equal logits however a token is batched; None: on for bf16/fp16 CPU
     profile: str | None = None  # latency profile for device = "emulated"
     max_kv_gb: float = 4.0  # KV memory budget per worker model
 

@@ -97,6 +97,8 @@ class Deployment:
                     *self.extra_worker_args]
             if pool.dtype:
                 args += ["--dtype", pool.dtype]
+            if pool.batch_invariant is not None:
+                args += ["--batch-invariant" if pool.batch_invariant else "--no-batch-invariant"]
             if pool.profile:
                 args += ["--profile", pool.profile]
             args += ["--max-kv-gb", str(pool.max_kv_gb)]

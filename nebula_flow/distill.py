@@ -124,7 +124,7 @@ def teacher_cache(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, np.
     done = int(done_file.read_text()) if done_file.exists() else 0
     if done >= n:
         return idx, lp
-    teacher = load_model(cfg.target, dtype=cfg.teacher_dtype)
+    teacher = load_model(cfg.target, dtype=cfg.teacher_dtype, batch_invariant=False)  # whole sequences: no need
     _log(f"teacher pass over {n} x {L} tokens ({cfg.teacher_dtype}), cached in {folder}; resuming at {done}")
     t0, batch = time.monotonic(), 4
     for start in range(done, n, batch):
@@ -153,7 +153,7 @@ def generated_corpus(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, 
     if (folder / "done").exists():
         return tuple(np.load(folder / f"{name}.npy") for name in ("ids", "idx", "logp"))
     folder.mkdir(parents=True, exist_ok=True)
-    teacher = load_model(cfg.target, dtype=cfg.teacher_dtype)
+    teacher = load_model(cfg.target, dtype=cfg.teacher_dtype, batch_invariant=False)  # whole sequences: no need
     rng = np.random.default_rng(cfg.seed + 1)
     ids = np.zeros((n, L), np.int32)
     idx = np.zeros((n, L, K), np.int32)
@@ -332,7 +332,7 @@ def train_draft(cfg: DistillConfig) -> dict:
     save_draft(model, raw, out, cfg.target)
     report = {"held_out_loss": held, "corpus": corpus_info, "config": asdict(cfg),
               "parameters": sum(p.numel() for p in model.parameters())}
-    report["acceptance"] = evaluate_pair(cfg.target, str(out), cfg.eval_tokens)
+    report["acceptance"] = evaluate_pair(cfg.target, str(out), cfg.eval_tokens, target_dtype=cfg.teacher_dtype)
     (out / "training.json").write_text(json.dumps(report, indent=2))
     ckpt.unlink(missing_ok=True)
     return report
@@ -370,16 +370,18 @@ def save_draft(model: CausalLM, raw: dict, out: Path, target: str) -> None:
             (out / name).write_bytes((tgt / name).read_bytes())
 
 
-def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[int, ...] = (2, 4, 6)) -> dict:
+def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[int, ...] = (2, 4, 6),
+                  target_dtype: str | None = None) -> dict:
     """Mean committed tokens per round (greedy) at each k on ``EVAL_PROMPTS``, using the
-    real runner code; also checks the output equals the target's own greedy output."""
+    real runner code; also checks the output equals the target's own greedy output (the target
+    runs in ``target_dtype``, batch-invariant in reduced precision, as a deployment runs it)."""
     from transformers import AutoTokenizer
 
     from nebula_flow.params import SamplingParams
     from workers.runner import ModelRunner, Task
 
     tok = AutoTokenizer.from_pretrained(target)
-    t_run, d_run = ModelRunner(load_model(target)), ModelRunner(load_model(draft))
+    t_run, d_run = ModelRunner(load_model(target, dtype=target_dtype)), ModelRunner(load_model(draft))
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     prompts = [tok(p)["input_ids"] for p in EVAL_PROMPTS]
     result = {}

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from nebula_flow.client import AsyncClient
+from nebula_flow.client import AsyncClient, Client
 from nebula_flow.deploy import Deployment
 from tests.conftest import deploy_config, hf_greedy
 
@@ -84,3 +84,20 @@ def test_seeded_sampling_is_identical_across_modes_and_pool_sizes(runs) -> None:
         assert [o.token_ids for o in runs(*key)[1]] == base, f"seeded output changed in {key}"
     greedy = [o.token_ids for o in runs("pooled", 2, 2)[0][:8]]
     assert base != [g[:30] for g in greedy]  # temperature 0.8 is not greedy
+
+
+def test_bf16_target_speculative_output_equals_its_own_greedy_output(tiny_pair) -> None:  # noqa: ANN001
+    """In bf16 the target's rounding depends on call shapes unless it runs batch-invariant (the
+    default for bf16 on CPU): pooled speculation must still reproduce the bf16 target alone."""
+    outs = {}
+    for mode, m, n in (("autoregressive", 0, 1), ("pooled", 2, 2)):
+        cfg = deploy_config(tiny_pair, mode, m, n, max_batch=4)
+        cfg.target.dtype = "bfloat16"
+        with Deployment(cfg) as dep:
+            outs[mode] = asyncio.run(_run_all(dep.address, greedy_requests()))
+            with Client(dep.address) as client:
+                workers = client.status()["workers"]
+        assert {w["device"].get("target_numerics") for w in workers if w["role"] == "target"} == {"bfloat16 batch-invariant"}
+    for i, (spec, alone) in enumerate(zip(outs["pooled"], outs["autoregressive"])):
+        assert spec.token_ids == alone.token_ids, f"request {i} differs"
+    assert sum(len(o.token_ids) for o in outs["pooled"]) / sum(o.rounds for o in outs["pooled"]) > 1.3

@@ -47,6 +47,7 @@ class WorkerOptions:
     threads: int = 1
     device: str = "cpu"
     dtype: str | None = None
+    batch_invariant: bool | None = None  # see models.invariant; None: on for bf16/fp16 on CPU
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0  # broker silence after which the worker reconnects (with backoff)
     max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted
@@ -97,7 +98,10 @@ class Worker:
 
     def _load(self, model: str, profile: str | None, role: str):  # noqa: ANN202
         if self.opts.device != "emulated":
-            return load_model(model, self.opts.device, self.opts.dtype)
+            model = load_model(model, self.opts.device, self.opts.dtype, self.opts.batch_invariant)
+            if model.batch_invariant:
+                log.info("%s: batch-invariant numerics (%s)", role, model.invariance)
+            return model
         from nebula_flow.emulated import EmulatedModel, load_profile
 
         if not profile:
@@ -370,8 +374,13 @@ class Worker:
         return self.exit_code
 
     def _device_stats(self) -> dict[str, Any]:
-        """Forward passes run; on emulated devices also how far the host fell behind the profile."""
+        """Forward passes run and each model's numerics; on emulated devices also how far the host
+        fell behind the profile."""
         out: dict[str, Any] = {"forwards": sum(r.forwards for r in self.runners)}
+        for role, runner in (("draft", self.draft), ("target", self.target)):
+            if runner is not None and isinstance(runner.model, torch.nn.Module):
+                dtype = str(runner.model.lm_head.weight.dtype).removeprefix("torch.")
+                out[f"{role}_numerics"] = dtype + (" batch-invariant" if runner.model.batch_invariant else "")
         emulated = [r.model for r in self.runners if hasattr(r.model, "overrun_s")]
         if emulated:
             out["emulated_predicted_s"] = sum(m.predicted_s for m in emulated)

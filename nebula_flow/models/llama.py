@@ -15,7 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from nebula_flow.kv.cache import KVCache
+from nebula_flow.models import invariant
 from nebula_flow.models.config import ModelConfig
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that runs on fixed row chunks in batch-invariant mode (see ``invariant``)."""
+
+    row_chunks = False
+    pad_rows = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.row_chunks:
+            return super().forward(x)
+        return invariant.chunked_linear(x, self.weight, self.bias, self.pad_rows)
 
 
 class RMSNorm(nn.Module):
@@ -69,14 +82,16 @@ def _attention_mask(past: int, n: int, window: int | None, device: torch.device)
 
 
 class Attention(nn.Module):
+    batch_invariant = False  # one query row at a time, against exactly its own prefix
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
         hd = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -102,6 +117,10 @@ class Attention(nn.Module):
             cache.buf[past:end, self.layer, 0] = k[start : start + n]
             cache.buf[past:end, self.layer, 1] = v[start : start + n]
             keys, values = cache.layer_kv(self.layer, end)
+            if self.batch_invariant:
+                outs.extend(self._rows_alone(q[start : start + n], keys, values, past))
+                start += n
+                continue
             window = cfg.sliding_window if cfg.sliding_window and end > cfg.sliding_window else None
             mask, causal = None, False
             if past == 0 and window is None:
@@ -116,13 +135,30 @@ class Attention(nn.Module):
             start += n
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
+    def _rows_alone(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int) -> list[torch.Tensor]:
+        """Each query row attends to its own prefix in its own call: the shape a decode step uses,
+        so a position's output has the same bits in a decode, a verify or a prefill. The math runs
+        in fp32 (elementwise casts keep the invariance): more exact, and on CPUs a one-row fp32
+        attention call measured ~5x faster than a bf16 one (37 vs 200 us at 200 positions)."""
+        cfg, out = self.cfg, []
+        q32, k32, v32 = q.float(), keys.float(), values.float()
+        for i in range(q.shape[0]):
+            end = past + i + 1
+            begin = max(0, end - cfg.sliding_window) if cfg.sliding_window else 0
+            o = F.scaled_dot_product_attention(
+                q32[i : i + 1].transpose(0, 1)[None], k32[:, begin:end][None], v32[:, begin:end][None],
+                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+            )
+            out.append(o[0].transpose(0, 1).reshape(1, cfg.num_heads * cfg.head_dim).to(q.dtype))
+        return out
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -152,14 +188,33 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """Decoder plus output head. ``forward`` advances every cache by its new tokens."""
 
+    batch_invariant = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_head_size or cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.draft_head_size or cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         head_ids = torch.zeros(cfg.draft_head_size, dtype=torch.long) if cfg.draft_head_size else None
         self.register_buffer("head_token_ids", head_ids)  # None (not saved) for an ordinary model
+
+    def make_batch_invariant(self) -> dict:
+        """Switch to batch-invariant numerics (``invariant``): a position's logits get the same
+        bits whatever it is batched with. Returns what the kernel probe decided."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        padded = {}  # weight shape -> whether its calls need padding to full chunks
+        for m in linears:
+            shape = tuple(m.weight.shape)
+            if shape not in padded:
+                padded[shape] = not invariant.rows_independent(m.weight)
+            m.row_chunks, m.pad_rows = True, padded[shape]
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.batch_invariant = True
+        self.batch_invariant = True
+        self.invariance = {"row_chunk": invariant.ROW_CHUNK, "padded_shapes": sorted(s for s, p in padded.items() if p)}
+        return self.invariance
 
     def token_ids(self, head_rows: torch.Tensor) -> torch.Tensor:
         """Map output-head rows to token ids (identity unless the head covers a subset)."""

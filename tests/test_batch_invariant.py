@@ -1,0 +1,88 @@
+"""Batch-invariant numerics: a position's logits have the same bits in a decode step, a verify
+block, a ragged batch and a prefill, in bf16 and fp32; and they still equal HF's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from nebula_flow.models import invariant, load_model
+from tests.test_models import FAMILIES
+
+WIDE_MLP = "llama-wide-mlp"  # 1536-wide MLP: bf16 CPU kernels round its down projection by call size
+
+
+@pytest.fixture(scope="module", params=["llama2", "qwen3", "mistral-sliding", WIDE_MLP])
+def checkpoint(request, tmp_path_factory):  # noqa: ANN001, ANN201
+    torch.manual_seed(0)
+    make = FAMILIES["llama2"] if request.param == WIDE_MLP else FAMILIES[request.param]
+    cfg = make()
+    if request.param == WIDE_MLP:
+        cfg.intermediate_size = 1536
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_logits_have_the_same_bits_however_a_position_is_batched(checkpoint, dtype: str) -> None:  # noqa: ANN001
+    _, path = checkpoint
+    model = load_model(path, dtype=dtype, batch_invariant=True)
+    assert model.batch_invariant
+    prompt, extra, other = _ids(11, 1), _ids(5, 2), _ids(7, 3)
+
+    cache = model.new_cache()  # plain decoding: one token per step
+    model([cache], [prompt], [1])
+    decoded = torch.cat([model([cache], [[t]], [1])[0] for t in extra])
+
+    cache = model.new_cache()  # a verify block of five rows
+    model([cache], [prompt], [1])
+    verified = model([cache], [extra], [5])[0]
+
+    a, b = model.new_cache(), model.new_cache()  # ragged batch beside another sequence
+    model([a, b], [prompt, other], [1, 1])
+    batched = model([b, a], [extra[:3], extra], [3, 5])[1]
+
+    prefilled = model([model.new_cache()], [prompt + extra], [5])[0]  # one prefill
+    for name, got in (("verify", verified), ("ragged batch", batched), ("prefill", prefilled)):
+        assert torch.equal(got, decoded), f"{name} logits differ from decode logits in {dtype}"
+
+
+def test_batch_invariant_logits_still_match_hf(checkpoint) -> None:  # noqa: ANN001
+    hf, path = checkpoint
+    model = load_model(path, batch_invariant=True)
+    ids = _ids(19, 4)
+    cache = model.new_cache()
+    got = torch.cat([model([cache], [ids[:12]], [12])[0], model([cache], [ids[12:]], [7])[0]])
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_setting_is_on_for_reduced_precision_on_cpu(checkpoint) -> None:  # noqa: ANN001
+    _, path = checkpoint
+    assert load_model(path, dtype="bfloat16").batch_invariant
+    assert not load_model(path).batch_invariant  # fp32: the fast batched path
+    assert not load_model(path, dtype="bfloat16", batch_invariant=False).batch_invariant
+
+
+def test_padded_chunks_give_each_row_the_full_chunk_kernel() -> None:
+    w = torch.randn(24, 40)
+    x = torch.randn(13, 40)
+    for pad in (False, True):
+        got = invariant.chunked_linear(x, w, None, pad)
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    # With padding, rows of a short call take their bits from a full-size call.
+    full = F.linear(torch.cat([x[:3], x.new_zeros(invariant.ROW_CHUNK - 3, 40)]), w)[:3]
+    assert torch.equal(invariant.chunked_linear(x[:3], w, None, True), full)
