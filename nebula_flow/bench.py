@@ -8,9 +8,15 @@ against the first mode measured in the same run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nebula_flow.client import AsyncClient, Client, Completion, RequestError
@@ -138,37 +144,29 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def raw_transport_gbps(transport: str, nbytes: int, repeats: int = 20) -> float:
-    """Median bandwidth of bare pulls of ``nbytes`` between two endpoints on this machine."""
-    import numpy as np
-    import torch
+    """Median bandwidth of back-to-back bare pulls of ``nbytes`` on this machine (kv/probe.py)."""
+    from nebula_flow.kv.probe import RawPair
 
-    from nebula_flow.kv.transport import ZmqTransport, make_transport
-
-    server = make_transport(transport)
-    client = server if server.scheme in ("ucx", "shm") else ZmqTransport()
-    rows = torch.randn(max(1, nbytes // 4096), 1024)
-    tokens = np.zeros(len(rows), dtype=np.int32)
-    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: (tokens[s:e], rows[s:e]))
-    if server.scheme == "shm":  # a shared-memory holder serves from a file, not a thread
-        from nebula_flow.kv.cache import KVCache
-        from nebula_flow.kv.shm import kv_path
-
-        held = KVCache(1, 1, 512, capacity=len(rows))  # 4 kB rows, like ``rows``
-        held.buf[:] = rows.view(held.buf.shape)
-        held.tokens = tokens.tolist()
-        held.share(kv_path(server.folder, "target", 1))
-    dest = torch.empty_like(rows)
-    times = []
+    pair = RawPair(transport, nbytes)
     try:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            client.pull(endpoint, 1, "target", 0, len(rows), dest)
-            times.append(time.perf_counter() - t0)
+        return pair.gbps(nbytes, repeats)
     finally:
-        server.close()
-        if client is not server:
-            client.close()
-    return rows.numel() * 4 / statistics.median(times) / 1e9
+        pair.close()
+
+
+PROBE_PACE_MS = 20.0  # about one exchange per batch of a worker, as the system pulls
+
+
+@contextlib.contextmanager
+def paced_probe(transport: str, out: Path):  # noqa: ANN201
+    """Run paced raw pulls in a separate process for the duration of the block (kv/probe.py)."""
+    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.kv.probe", "--transport", transport,
+                             "--pace-ms", str(PROBE_PACE_MS), "--out", str(out)])
+    try:
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def _kv_totals(address: str) -> dict[str, float]:
@@ -183,6 +181,8 @@ def _kv_totals(address: str) -> dict[str, float]:
 def bench_kv(cfg: DeployConfig, wl: Workload, transport: str, log=print) -> dict[str, Any]:  # noqa: ANN001
     """Pooled run with forced migration (every round moves KV), with and without overlap."""
     out: dict[str, Any] = {"transport": transport}
+    tmp = Path(tempfile.mkdtemp(prefix="nebula-flow-bench-kv-"))
+    probe_loaded, probe_idle = tmp / "loaded.json", tmp / "idle.json"
     for overlap in (True, False):
         cfg.mode, cfg.kv_transport = "pooled", transport
         cfg.broker.migrate = True
@@ -191,7 +191,10 @@ def bench_kv(cfg: DeployConfig, wl: Workload, transport: str, log=print) -> dict
             with Client(dep.address) as c:
                 c.generate(wl.prompts[0], max_new_tokens=8)
             before = _kv_totals(dep.address)
-            res = run_once(dep.address, wl)
+            # The raw transport under the same load, as the system uses it: paced pulls in a
+            # separate process while this run goes on.
+            with paced_probe(transport, probe_loaded) if overlap else contextlib.nullcontext():
+                res = run_once(dep.address, wl)
             after = _kv_totals(dep.address)
         d = {k: after[k] - before[k] for k in after}
         key = "overlap" if overlap else "no_overlap"
@@ -209,4 +212,14 @@ def bench_kv(cfg: DeployConfig, wl: Workload, transport: str, log=print) -> dict
     out["raw_gbps_same_size"] = raw_transport_gbps(transport, size)
     out["raw_gbps_4mib"] = raw_transport_gbps(transport, 4 << 20)
     out["bandwidth_ratio"] = out["overlap"]["system_gbps"] / out["raw_gbps_same_size"]
+    # Paced raw pulls: on the idle machine now, and (recorded above) while the system ran.
+    with paced_probe(transport, probe_idle):
+        time.sleep(8)
+    from nebula_flow.kv.probe import paced_gbps
+
+    for key, path in (("idle", probe_idle), ("loaded", probe_loaded)):
+        samples = {int(k): v for k, v in json.loads(path.read_text()).items()}
+        out[f"raw_paced_{key}_gbps"] = paced_gbps(samples, size)
+        out[f"bandwidth_ratio_paced_{key}"] = out["overlap"]["system_gbps"] / out[f"raw_paced_{key}_gbps"]
+    out["raw_pace_ms"] = PROBE_PACE_MS
     return out

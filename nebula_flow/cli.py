@@ -464,6 +464,10 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
                f"{res['overlap']['mean_pull_bytes'] / 1e3:.0f} kB); raw {res['transport']} at that size "
                f"{res['raw_gbps_same_size']:.2f} GB/s -> ratio {res['bandwidth_ratio']:.2f}; raw at 4 MiB "
                f"{res['raw_gbps_4mib']:.2f} GB/s")
+    click.echo(f"paced raw  one pull per {res['raw_pace_ms']:.0f} ms, at {res['overlap']['mean_pull_bytes'] / 1e3:.0f} kB: "
+               f"idle machine {res['raw_paced_idle_gbps']:.2f} GB/s -> ratio {res['bandwidth_ratio_paced_idle']:.2f}; "
+               f"during the run (same load) {res['raw_paced_loaded_gbps']:.2f} GB/s -> ratio "
+               f"{res['bandwidth_ratio_paced_loaded']:.2f}")
 
 
 @main.command("train-draft")

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from nebula_flow.client import AsyncClient, Client
 from nebula_flow.deploy import Deployment
@@ -135,3 +136,35 @@ def test_shared_memory_folders_of_dead_workers_are_removed(tmp_path) -> None:  #
         (folder / "target-1.kv").write_bytes(b"x")
     assert remove_orphans(tmp_path) == [gone]
     assert not gone.exists() and alive.exists()
+
+
+@pytest.mark.parametrize("transport", ["zmq", "shm"])
+def test_paced_raw_probe_measures_real_pulls(tmp_path, transport: str) -> None:  # noqa: ANN001
+    """The probe bench-kv runs beside the system: real endpoints, paced pulls, JSON samples."""
+    import json
+    import subprocess
+    import sys
+
+    from nebula_flow.kv.probe import RawPair, paced_gbps
+
+    out = tmp_path / "probe.json"
+    subprocess.run([sys.executable, "-m", "nebula_flow.kv.probe", "--transport", transport, "--sizes", "8192,65536",
+                    "--pace-ms", "5", "--duration-s", "1", "--out", str(out)], check=True, timeout=60)
+    samples = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    assert set(samples) == {8192, 65536} and all(len(v) >= 5 and min(v) > 0 for v in samples.values())
+    mid = paced_gbps(samples, 32768)
+    assert min(paced_gbps(samples, 8192), paced_gbps(samples, 65536)) * 0.5 < mid
+    pair = RawPair(transport, 65536)
+    try:
+        assert pair.gbps(65536, repeats=5) > 0
+        assert torch.equal(pair.dest[:16], pair.rows[:16])  # the bytes really arrived
+    finally:
+        pair.close()
+
+
+def test_paced_bandwidth_interpolates_time_linearly_in_size() -> None:
+    from nebula_flow.kv.probe import paced_gbps
+
+    samples = {1000: [1e-3, 1e-3, 5.0], 3000: [2e-3, 2e-3]}  # medians: 1 ms and 2 ms
+    assert paced_gbps(samples, 2000) == pytest.approx(2000 / 1.5e-3 / 1e9)
+    assert paced_gbps(samples, 500) == pytest.approx(500 / 1e-3 / 1e9)  # below the range: nearest time
