@@ -165,6 +165,6 @@ def test_paced_raw_probe_measures_real_pulls(tmp_path, transport: str) -> None: 
 def test_paced_bandwidth_interpolates_time_linearly_in_size() -> None:
     from nebula_flow.kv.probe import paced_gbps
 
-    samples = {1000: [1e-3, 1e-3, 5.0], 3000: [2e-3, 2e-3]}  # medians: 1 ms and 2 ms
+    samples = {1000: [0.5e-3, 1.5e-3], 3000: [2e-3, 2e-3]}  # means: 1 ms and 2 ms
     assert paced_gbps(samples, 2000) == pytest.approx(2000 / 1.5e-3 / 1e9)
     assert paced_gbps(samples, 500) == pytest.approx(500 / 1e-3 / 1e9)  # below the range: nearest time

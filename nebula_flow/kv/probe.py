@@ -65,9 +65,10 @@ class RawPair:
 
 
 def paced_gbps(samples: dict[int, list[float]], nbytes: float) -> float:
-    """Bandwidth at ``nbytes`` from paced samples {size: [seconds]}: median time per size,
+    """Bandwidth at ``nbytes`` from paced samples {size: [seconds]}: mean time per size (the
+    statistic of the in-system figure, total bytes over total pull time, slow pulls included),
     linear in size between the two nearest sizes (time = fixed cost + bytes / rate)."""
-    points = sorted((size, statistics.median(ts)) for size, ts in samples.items() if ts)
+    points = sorted((size, statistics.fmean(ts)) for size, ts in samples.items() if ts)
     if not points:
         raise ValueError("no paced samples")
     lo = max([p for p in points if p[0] <= nbytes], default=points[0])
