@@ -504,6 +504,30 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
                            "parameters": report["parameters"]}, indent=2))
 
 
+@main.command("eval-draft")
+@click.option("--target", required=True, type=click.Path(exists=True, file_okay=False), help="Target checkpoint directory.")
+@click.option("--draft", required=True, type=click.Path(exists=True, file_okay=False), help="Draft checkpoint directory.")
+@click.option("--target-dtype", default=None, help="The target's dtype as deployed (float32, bfloat16; default fp32 "
+              "on CPU). bf16 runs batch-invariant, as workers run it.")
+@click.option("--ks", default="2,4,6", show_default=True, help="Speculation lengths to measure.")
+@click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt.")
+def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_new_tokens: int) -> None:
+    """Greedy committed tokens per round of a draft/target pair at each k, on the built-in code
+    prompts (not from the training corpus), checking the output equals the target alone."""
+    from nebula_flow.distill import EVAL_PROMPTS, evaluate_pair
+    from nebula_flow.models.compat import IncompatiblePair, check_pair
+    from nebula_flow.models.config import ModelConfigError
+
+    try:
+        check_pair(draft, target)
+    except (IncompatiblePair, ModelConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{len(EVAL_PROMPTS)} prompts x {max_new_tokens} tokens, target {target_dtype or 'default dtype'}",
+               err=True)
+    res = evaluate_pair(target, draft, max_new_tokens, tuple(int(k) for k in ks.split(",")), target_dtype)
+    click.echo(json.dumps(res, indent=2))
+
+
 @main.command()
 @click.argument("folder", type=click.Path())
 def keys(folder: str) -> None:

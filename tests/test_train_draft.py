@@ -56,3 +56,20 @@ def test_pair_check_rejects_a_foreign_tokenizer(tiny_pair, tmp_path) -> None:  #
     (shifted / "tokenizer.json").write_text(json.dumps(raw))
     with pytest.raises(IncompatiblePair, match="tokenizers differ"):
         check_pair(shifted, tiny_pair / "target")
+
+
+def test_eval_draft_command_reports_each_k_in_bf16(tiny_pair) -> None:  # noqa: ANN001
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+
+    res = CliRunner().invoke(main, ["eval-draft", "--target", str(tiny_pair / "target"), "--draft",
+                                    str(tiny_pair / "draft"), "--target-dtype", "bfloat16", "--ks", "1,3",
+                                    "--max-new-tokens", "10"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout[res.stdout.index("{"):])
+    assert set(report) == {"k=1", "k=3"}
+    assert all(r["lossless"] is True and 1.0 <= r["tokens_per_round"] <= 4.0 for r in report.values())
+    bad = CliRunner().invoke(main, ["eval-draft", "--target", str(tiny_pair / "target"), "--draft",
+                                    str(tiny_pair / "target" / "..")])
+    assert bad.exit_code != 0 and "Error" in bad.output
