@@ -14,7 +14,7 @@ import secrets
 import signal
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -30,6 +30,7 @@ from nebula_flow.protocol import Message, ProtocolError
 from nebula_flow.request import DRAFT, ROUND, Request
 from nebula_flow.scheduler import MODES, POLICY_KNOBS, Scheduler
 from nebula_flow.security import SecurityError, is_loopback, keys_dir, make_server, start_authenticator
+from nebula_flow.speclen import DEFAULT_COSTS
 from nebula_flow.tokenizer import TextCodec, eos_token_ids
 
 log = logging.getLogger("nebula_flow.broker")
@@ -56,6 +57,8 @@ class BrokerOptions:
     locality: bool = True  # prefer giving a worker tasks whose KV it holds (never waits for it); off = affinity-free
     migrate: bool = False  # testing/measurement: never give a request the same worker twice in a row
     merge_batches: bool = True  # no small batch for a busy worker beside a bigger running one (Scheduler.dispatch)
+    adaptive_k: bool = False  # each round's k in 0..k from the request's acceptance (speclen.py); off: always k
+    spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))  # draft step, verify row, round
     policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
 
     @property

@@ -83,7 +83,13 @@ def main() -> None:
 @click.option("--client-port", default=5555, show_default=True, help="Port for clients.")
 @click.option("--worker-port", default=5556, show_default=True, help="Port for workers.")
 @click.option("--model", type=click.Path(), help="Target checkpoint directory: tokenizer, context length, EOS.")
-@click.option("--k", default=4, show_default=True, help="Draft tokens proposed per round.")
+@click.option("--k", default=4, show_default=True, help="Draft tokens proposed per round (the most, with --adaptive-k).")
+@click.option("--adaptive-k/--fixed-k", default=False, show_default=True,
+              help="Choose each round's k in 0..K from the request's recent acceptance, for the most tokens per "
+              "cost (nebula_flow/speclen.py).")
+@click.option("--spec-costs", default=None, metavar="DRAFT,ROW,ROUND",
+              help="Costs --adaptive-k weighs, in target decode steps: a draft step, a verify row, a round's "
+              "fixed cost [default: 0.054,0.054,1.1, measured for the bundled pair on a 2-core CPU].")
 @click.option("--proposal-top-k", default=16, show_default=True,
               help="Entries of the draft distribution q sent with each sampled draft token.")
 @click.option("--max-pending", default=1024, show_default=True, help="Admission limit; beyond it clients get BUSY.")
@@ -101,17 +107,25 @@ def main() -> None:
 @click.option("--policy-log", type=click.Path(), help="At exit, write every scheduling event and decision here "
               "(JSONL), for `nebula-flow simulate --check-policy-log`.")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
-           proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
+           adaptive_k: bool, spec_costs: str | None, proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
            locality: bool, migrate: bool, merge_batches: bool, metrics_port: int | None, keys: str | None,
            policy_log: str | None) -> None:
     """Run the broker: the request pool, the draft and target topics, the two sockets."""
     from broker.server import BrokerOptions, serve_broker
+    from nebula_flow.speclen import DEFAULT_COSTS
 
-    sys.exit(serve_broker(BrokerOptions(mode, host, client_port, worker_port, model, k, proposal_top_k,
-                                        max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
-                                        locality=locality, migrate=migrate, merge_batches=merge_batches,
-                                        metrics_port=metrics_port, keys=keys,
-                                        policy_log=policy_log)))
+    try:
+        costs = [float(c) for c in spec_costs.split(",")] if spec_costs else list(DEFAULT_COSTS)
+    except ValueError:
+        raise click.BadParameter("three numbers: DRAFT,ROW,ROUND", param_hint="--spec-costs") from None
+    try:
+        sys.exit(serve_broker(BrokerOptions(mode, host, client_port, worker_port, model, k, proposal_top_k,
+                                            max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
+                                            locality=locality, migrate=migrate, merge_batches=merge_batches,
+                                            adaptive_k=adaptive_k, spec_costs=costs, metrics_port=metrics_port,
+                                            keys=keys, policy_log=policy_log)))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()

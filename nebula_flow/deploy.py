@@ -142,6 +142,7 @@ class Deployment:
             "--heartbeat-s", str(b.heartbeat_s), "--liveness-s", str(b.liveness_s),
             "--locality" if b.locality else "--no-locality", *(["--migrate"] if b.migrate else []),
             "--merge-batches" if b.merge_batches else "--no-merge-batches",
+            "--adaptive-k" if b.adaptive_k else "--fixed-k", "--spec-costs", ",".join(map(str, b.spec_costs)),
             *(["--metrics-port", str(b.metrics_port)] if b.metrics_port is not None else []),
             *(["--policy-log", str(b.policy_log)] if b.policy_log else [])])
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from nebula_flow.params import SamplingParams
+from nebula_flow.speclen import Acceptance
 
 # The phase of a request says which topic its next task sits on.
 DRAFT, VERIFY, ROUND, DONE = "draft", "verify", "round", "done"
@@ -35,6 +36,8 @@ class Request:
     tokens_per_round: list[int] = field(default_factory=list)
     proposed: int = 0
     accepted: int = 0
+    acceptance: Acceptance = field(default_factory=Acceptance)  # decayed, for adaptive k (speclen)
+    ks: list[int] = field(default_factory=list)  # the k of each round
     text: str = ""
     finish_reason: str | None = None
     t_submit: float = 0.0
@@ -71,6 +74,7 @@ class Request:
             "tokens_per_round": self.tokens_per_round,
             "mean_tokens_per_round": (len(self.output) / rounds) if rounds else 0.0,
             "proposed": self.proposed,
+            "k_per_round": self.ks,
             "accepted": self.accepted,
             "prompt_tokens": len(self.prompt),
             "output_tokens": len(self.output),

@@ -23,7 +23,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from nebula_flow import speclen
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
 
 MODES: dict[str, tuple[str, ...]] = {
@@ -33,7 +35,7 @@ MODES: dict[str, tuple[str, ...]] = {
     "autoregressive": ("target",),
 }
 PHASE_ROLE = {DRAFT: "draft", VERIFY: "target", ROUND: "colocated"}
-POLICY_KNOBS = ("locality", "migrate", "merge_batches")  # Scheduler keyword arguments; BrokerOptions fields
+POLICY_KNOBS = ("locality", "migrate", "merge_batches", "adaptive_k", "spec_costs")  # Scheduler keyword arguments; BrokerOptions fields
 
 
 class Topic:
@@ -121,17 +123,23 @@ class Scheduler:
     """Request pool + topics + workers for one mode; decides who runs what next."""
 
     def __init__(self, mode: str, k: int, locality: bool = False, migrate: bool = False,
-                 merge_batches: bool = True) -> None:
+                 merge_batches: bool = True, adaptive_k: bool = False,
+                 spec_costs: tuple[float, float, float] | list[float] = speclen.DEFAULT_COSTS) -> None:
         """``locality``: prefer tasks whose KV the pulling worker holds (it never waits for a
         particular worker). ``migrate``: never give a request the worker that ran its previous
         task of that role while another exists (forces KV movement, for tests and benchmarks).
-        ``merge_batches``: see ``dispatch``."""
+        ``merge_batches``: see ``dispatch``. ``adaptive_k``: choose each round's k in 0..k from
+        the request's acceptance (``speclen``), with ``spec_costs`` (draft step, verify row,
+        round) in target decode steps."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if k < 0:
             raise ValueError("k must be >= 0")
         self.mode, self.k = mode, k
         self.locality, self.migrate, self.merge_batches = locality, migrate, merge_batches
+        if len(spec_costs) != 3 or min(spec_costs) < 0 or spec_costs[2] <= 0:
+            raise ValueError("spec_costs must be [draft_step, verify_row, round] >= 0 (round > 0)")
+        self.adaptive_k, self.spec_costs = adaptive_k, [float(c) for c in spec_costs]
         self.requests: dict[int, Request] = {}
         self.topics: dict[str, Topic] = {role: Topic() for role in ("draft", "target", "colocated")}
         self.workers: dict[int, WorkerState] = {}
@@ -184,7 +192,9 @@ class Scheduler:
         """Queue the next round of ``req``: a draft, a draft-less verify, or a whole round."""
         req.round += 1
         req.draft, req.q = [], {}
-        req.k = 0 if self.mode == "autoregressive" else max(0, min(self.k, req.remaining - 1))
+        k = speclen.choose_k(req.acceptance, self.k, tuple(self.spec_costs)) if self.adaptive_k else self.k
+        req.k = 0 if self.mode == "autoregressive" else max(0, min(k, req.remaining - 1))
+        req.ks.append(req.k)
         if self.mode == "colocated":
             req.phase = ROUND
         else:
@@ -201,6 +211,7 @@ class Scheduler:
     def verify_done(self, req: Request, worker_id: int, accepted: int) -> None:
         """Record a verify (or whole round); the caller then commits and calls start_round/finish."""
         req.accepted += accepted
+        req.acceptance.update(req.k, accepted)
         valid = len(req.prompt) + len(req.output) + accepted
         role = "colocated" if req.phase == ROUND else "target"
         req.holders[role] = (worker_id, valid)
@@ -333,7 +344,7 @@ class Scheduler:
                 load[r.slot] += 1
         req.slot = min(slots, key=lambda s: (load[s], s))
 
-    def knobs(self) -> dict[str, bool]:
+    def knobs(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in POLICY_KNOBS}
 
     def depth(self) -> dict[str, int]:

@@ -101,3 +101,14 @@ def test_bf16_target_speculative_output_equals_its_own_greedy_output(tiny_pair) 
     for i, (spec, alone) in enumerate(zip(outs["pooled"], outs["autoregressive"])):
         assert spec.token_ids == alone.token_ids, f"request {i} differs"
     assert sum(len(o.token_ids) for o in outs["pooled"]) / sum(o.rounds for o in outs["pooled"]) > 1.3
+
+
+def test_adaptive_k_changes_k_per_round_and_stays_lossless(tiny_pair, reference) -> None:  # noqa: ANN001
+    cfg = deploy_config(tiny_pair, "pooled", 2, 2, k=6, max_batch=4)
+    cfg.broker.adaptive_k = True
+    with Deployment(cfg) as dep:
+        outs = asyncio.run(_run_all(dep.address, greedy_requests()))
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert out.token_ids == ref, f"request {i} differs with adaptive k"
+    ks = [k for o in outs for k in o.stats["k_per_round"]]
+    assert len(set(ks)) > 2 and max(ks) <= 6, ks  # k really moved, within the limit

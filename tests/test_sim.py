@@ -21,6 +21,7 @@ from nebula_flow.sim.costs import Link, ProfileCost, RooflineCost
 from nebula_flow.sim.engine import Simulator, simulate, sweep
 from nebula_flow.sim.hardware import HARDWARE, MODELS, resolve_model
 from nebula_flow.sim.scenario import HostCosts, Pool, Scenario, Workload, load_scenario
+from nebula_flow.speclen import DEFAULT_COSTS
 from tests.conftest import deploy_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -182,7 +183,8 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
     with Deployment(cfg) as dep:
         asyncio.run(load(dep.address))
     records = policy_log.load(log_path)
-    assert records[0] == ["policy", "pooled", 4, {"locality": True, "migrate": False, "merge_batches": True}]
+    assert records[0] == ["policy", "pooled", 4, {"locality": True, "migrate": False, "merge_batches": True,
+                                                  "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS)}]
     sc = small_scenario(k=4, locality=True)
     report = policy_log.replay(records, Simulator(sc, "pooled").policy)
     assert report.decisions >= 10 and report.identical, report.mismatches[:3]

@@ -63,6 +63,7 @@ from nebula_flow.scheduler import MODES, POLICY_KNOBS
 from nebula_flow.sim.acceptance import Acceptance
 from nebula_flow.sim.costs import CostModel, Link, ProfileCost, RooflineCost
 from nebula_flow.sim.hardware import GB, resolve_hardware, resolve_model
+from nebula_flow.speclen import DEFAULT_COSTS
 from nebula_flow.traces import Shaping, load_trace, shape
 
 
@@ -140,6 +141,8 @@ class Scenario:
     locality: bool = True
     migrate: bool = False
     merge_batches: bool = True
+    adaptive_k: bool = False
+    spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))
     seed: int = 0
     host: HostCosts = field(default_factory=HostCosts)
     sweep_draft_workers: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
@@ -147,7 +150,7 @@ class Scenario:
     source: str = "<built>"
 
     @property
-    def knobs(self) -> dict[str, bool]:
+    def knobs(self) -> dict[str, Any]:
         """The policy's keyword arguments (``scheduler.POLICY_KNOBS``)."""
         return {name: getattr(self, name) for name in POLICY_KNOBS}
 
