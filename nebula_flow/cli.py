@@ -458,11 +458,12 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
     with and without overlap, and in-system bandwidth against the raw transport."""
     from nebula_flow.bench import DEFAULT_PROMPTS, Workload, bench_kv
 
-    if transport == "auto":
+    cfg = _apply_overrides(_load(config), "pooled", draft_workers, target_workers, None)
+    if transport == "auto":  # what a deployment's auto picks: UCX for CUDA workers if installed, else ZeroMQ
         import importlib.util
 
-        transport = "ucx" if importlib.util.find_spec("ucxx") else "zmq"
-    cfg = _apply_overrides(_load(config), "pooled", draft_workers, target_workers, None)
+        cuda = cfg.target.device.startswith("cuda") or cfg.draft.device.startswith("cuda")
+        transport = "ucx" if cuda and importlib.util.find_spec("ucxx") else "zmq"
     prepare_models(cfg)
     wl = Workload([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n_requests)], max_new_tokens, concurrency)
     res = bench_kv(cfg, wl, transport, log=lambda m: click.echo(m, err=True))

@@ -168,3 +168,30 @@ def test_paced_bandwidth_interpolates_time_linearly_in_size() -> None:
     samples = {1000: [0.5e-3, 1.5e-3], 3000: [2e-3, 2e-3]}  # means: 1 ms and 2 ms
     assert paced_gbps(samples, 2000) == pytest.approx(2000 / 1.5e-3 / 1e9)
     assert paced_gbps(samples, 500) == pytest.approx(500 / 1e-3 / 1e9)  # below the range: nearest time
+
+
+def test_a_full_shared_memory_folder_keeps_kv_private_instead_of_crashing(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    import errno
+    import os
+
+    from nebula_flow.kv.cache import KVCache
+    from nebula_flow.kv.shm import kv_path
+
+    path = kv_path(tmp_path, "target", 7)
+    cache = KVCache(2, 1, 4, capacity=4)
+    cache.share(path)
+    cache.buf[:2] = 1.0
+    cache.tokens = [5, 6]
+    assert cache.shared is not None and path.exists()
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    cache.reserve(100)  # growing needs a bigger file: there is no room
+    assert cache.shared is None and not path.exists()  # peers cannot read a stale file; they recompute
+    assert cache.buf.shape[0] >= 100 and torch.equal(cache.buf[:2], torch.ones_like(cache.buf[:2]))
+    assert not list(tmp_path.iterdir())  # no temporary file left behind
+    fresh = KVCache(2, 1, 4, capacity=4)
+    fresh.share(kv_path(tmp_path, "target", 8))
+    assert fresh.shared is None and fresh.shared_path is None

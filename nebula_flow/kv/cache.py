@@ -16,8 +16,12 @@ rest: KV at position i depends only on tokens 0..i.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
+
+log = logging.getLogger("nebula_flow.kv")
 
 
 class KVCache:
@@ -53,8 +57,7 @@ class KVCache:
             return
         while cap < total:
             cap *= 2
-        if self.shared_path is not None:
-            self._share_rows(cap)
+        if self.shared_path is not None and self._share_rows(cap):
             return
         grown = torch.empty((cap, *self.row_shape), dtype=self.buf.dtype, device=self.buf.device)
         grown[: self.length] = self.buf[: self.length]
@@ -67,14 +70,23 @@ class KVCache:
         self.shared_path = path
         self._share_rows(self.buf.shape[0])
 
-    def _share_rows(self, capacity: int) -> None:
-        from nebula_flow.kv.shm import SharedRows
+    def _share_rows(self, capacity: int) -> bool:
+        """Move this cache into a shared file of ``capacity`` rows. If the shared-memory folder is
+        full, stop sharing instead (peers then recompute this request) and return False."""
+        from nebula_flow.kv.shm import SharedMemoryFull, SharedRows
 
-        rows = SharedRows(self.shared_path, capacity, self.row_shape, self.buf.dtype)
+        try:
+            rows = SharedRows(self.shared_path, capacity, self.row_shape, self.buf.dtype)
+        except SharedMemoryFull as exc:
+            log.warning("%s; keeping this request's KV private", exc)
+            self.shared_path.unlink(missing_ok=True)  # a stale, shorter file must not be read
+            self.shared_path = self.shared = None
+            return False
         rows.rows[: self.length] = self.buf[: self.length]
         rows.publish(self.tokens)
         rows.install()
         self.buf, self.shared = rows.rows, rows
+        return True
 
     def publish(self) -> None:
         """Let peers see the positions held now (shared caches only)."""

@@ -21,6 +21,7 @@ mapped it keeps a valid view).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -43,6 +44,10 @@ def kv_path(folder: Path, role: str, rid: int) -> Path:
     return folder / f"{role}-{rid}.kv"
 
 
+class SharedMemoryFull(OSError):
+    """The shared-memory folder cannot hold another cache (e.g. a container's small /dev/shm)."""
+
+
 class SharedRows:
     """A file-backed buffer for one cache: rows, token ids and a header, all mapped."""
 
@@ -51,12 +56,18 @@ class SharedRows:
         total = HEADER_BYTES + _tokens_bytes(capacity) + capacity * row_bytes
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        full = False
         try:  # allocate the pages now, in one call, not one fault at a time while rows arrive
             os.posix_fallocate(fd, 0, total)
-        except OSError:
-            os.ftruncate(fd, total)
+        except OSError as exc:
+            full = exc.errno == errno.ENOSPC  # a full tmpfs: a sparse mapping would SIGBUS on write
+            if not full:
+                os.ftruncate(fd, total)  # a file system without fallocate
         finally:
             os.close(fd)
+        if full:
+            tmp.unlink(missing_ok=True)
+            raise SharedMemoryFull(f"no room for {total} bytes of KV in {path.parent}")
         mem = torch.from_file(str(tmp), shared=True, size=total, dtype=torch.uint8)
         self.header = mem[:HEADER_BYTES].view(torch.int64)
         self.tokens = mem[HEADER_BYTES:HEADER_BYTES + capacity * 4].view(torch.int32)
