@@ -141,13 +141,15 @@ class Attention(nn.Module):
         in fp32 (elementwise casts keep the invariance): more exact, and on CPUs a one-row fp32
         attention call measured ~5x faster than a bf16 one (37 vs 200 us at 200 positions)."""
         cfg, out = self.cfg, []
-        q32, k32, v32 = q.float(), keys.float(), values.float()
+        window = cfg.sliding_window
+        lo = max(0, past + 1 - window) if window else 0  # the first key any of these rows sees
+        q32, k32, v32 = q.float(), keys[:, lo:].float(), values[:, lo:].float()
         for i in range(q.shape[0]):
             end = past + i + 1
-            begin = max(0, end - cfg.sliding_window) if cfg.sliding_window else 0
+            begin = max(0, end - window) if window else 0
             o = F.scaled_dot_product_attention(
-                q32[i : i + 1].transpose(0, 1)[None], k32[:, begin:end][None], v32[:, begin:end][None],
-                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+                q32[i : i + 1].transpose(0, 1)[None], k32[:, begin - lo:end - lo][None],
+                v32[:, begin - lo:end - lo][None], enable_gqa=cfg.num_heads != cfg.num_kv_heads,
             )
             out.append(o[0].transpose(0, 1).reshape(1, cfg.num_heads * cfg.head_dim).to(q.dtype))
         return out
