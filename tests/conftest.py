@@ -47,6 +47,13 @@ def deploy_config(pair: Path, mode: str, draft_workers: int = 1, target_workers:
     return cfg
 
 
+def workers_lost(state: dict) -> int:
+    """Workers the broker dropped as gone: silent past liveness ("dead"), or refusing a send first
+    ("unreachable": ZeroMQ already knew the connection was closed)."""
+    counters = state["counters"]
+    return counters.get("workers_dead", 0) + counters.get("workers_unreachable", 0)
+
+
 # Many processes share 2 cores in CI: keep torch in each to one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)

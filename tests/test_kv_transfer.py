@@ -14,7 +14,7 @@ from nebula_flow.deploy import Deployment
 from nebula_flow.kv.store import KVStore
 from nebula_flow.kv.transport import ZmqTransport, make_transport
 from nebula_flow.models import load_model
-from tests.conftest import deploy_config, hf_greedy
+from tests.conftest import deploy_config, hf_greedy, workers_lost
 
 TRANSPORTS = ["zmq", "shm", pytest.param("ucx", marks=pytest.mark.skipif(
     __import__("importlib").util.find_spec("ucxx") is None, reason="ucxx not installed"))]
@@ -114,11 +114,11 @@ def test_holder_killed_between_rounds_recomputes_and_output_is_unchanged(tiny_pa
             final = rest[-1]
             # The request may finish before the broker's liveness check (2 s) declares both dead.
             deadline = time.monotonic() + 15
-            while (state := c.status())["counters"].get("workers_dead", 0) < 2 and time.monotonic() < deadline:
+            while workers_lost(state := c.status()) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
     assert final.token_ids == ref and first.token_ids == ref[: len(first.token_ids)]
     survivors = [w for w in state["workers"] if w["kv"]]
-    assert state["counters"].get("workers_dead", 0) == 2
+    assert workers_lost(state) == 2
     assert sum(w["kv"]["computed"] for w in survivors) > 0  # the lost KV was rebuilt from tokens
 
 
