@@ -161,8 +161,10 @@ PROBE_PACE_MS = 20.0  # about one exchange per batch of a worker, as the system 
 def paced_probe(transport: str, out: Path):  # noqa: ANN201
     """Run paced raw pulls in a separate process for the duration of the block (kv/probe.py)."""
     proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.kv.probe", "--transport", transport,
-                             "--pace-ms", str(PROBE_PACE_MS), "--out", str(out)])
+                             "--pace-ms", str(PROBE_PACE_MS), "--out", str(out)], stdout=subprocess.PIPE, text=True)
     try:
+        if proc.stdout.readline().strip() != "ready":  # started (imports take seconds) before we time
+            raise RuntimeError(f"the raw {transport} probe failed to start (exit code {proc.wait()})")
         yield
     finally:
         proc.terminate()
@@ -180,8 +182,12 @@ def _kv_totals(address: str) -> dict[str, float]:
 
 def bench_kv(cfg: DeployConfig, wl: Workload, transport: str, log=print) -> dict[str, Any]:  # noqa: ANN001
     """Pooled run with forced migration (every round moves KV), with and without overlap."""
+    with tempfile.TemporaryDirectory(prefix="nebula-flow-bench-kv-") as tmp:
+        return _bench_kv(cfg, wl, transport, Path(tmp), log)
+
+
+def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log) -> dict[str, Any]:  # noqa: ANN001
     out: dict[str, Any] = {"transport": transport}
-    tmp = Path(tempfile.mkdtemp(prefix="nebula-flow-bench-kv-"))
     probe_loaded, probe_idle = tmp / "loaded.json", tmp / "idle.json"
     for overlap in (True, False):
         cfg.mode, cfg.kv_transport = "pooled", transport

@@ -195,3 +195,23 @@ def test_a_full_shared_memory_folder_keeps_kv_private_instead_of_crashing(tmp_pa
     fresh = KVCache(2, 1, 4, capacity=4)
     fresh.share(kv_path(tmp_path, "target", 8))
     assert fresh.shared is None and fresh.shared_path is None
+
+
+def test_bench_kv_reports_stall_and_every_bandwidth_ratio(tiny_pair, monkeypatch) -> None:  # noqa: ANN001
+    """The benchmark end to end on a short run (the paced probe must be up before it is timed)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+
+    monkeypatch.setenv("NEBULA_FLOW_CACHE", str(tiny_pair.parent))
+    cfg = tiny_pair.parent / "bench-kv.toml"
+    cfg.write_text(f'[draft]\nmodel = "{tiny_pair / "draft"}"\n[target]\nmodel = "{tiny_pair / "target"}"\n')
+    res = CliRunner().invoke(main, ["bench-kv", "--config", str(cfg), "--transport", "shm", "--requests", "4",
+                                    "--max-new-tokens", "12", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["overlap"]["pulls"] > 0 and 0 <= out["overlap"]["stall_fraction"] < 1
+    for key in ("bandwidth_ratio", "bandwidth_ratio_paced_idle", "bandwidth_ratio_paced_loaded"):
+        assert out[key] > 0, key

@@ -98,10 +98,10 @@ class Worker:
 
     def _load(self, model: str, profile: str | None, role: str):  # noqa: ANN202
         if self.opts.device != "emulated":
-            model = load_model(model, self.opts.device, self.opts.dtype, self.opts.batch_invariant)
-            if model.batch_invariant:
-                log.info("%s: batch-invariant numerics (%s)", role, model.invariance)
-            return model
+            loaded = load_model(model, self.opts.device, self.opts.dtype, self.opts.batch_invariant)
+            if loaded.batch_invariant:
+                log.info("%s: batch-invariant numerics (%s)", role, loaded.invariance)
+            return loaded
         from nebula_flow.emulated import EmulatedModel, load_profile
 
         if not profile:

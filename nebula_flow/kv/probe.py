@@ -87,6 +87,7 @@ def run_paced(transport: str, sizes: list[int], pace_s: float, duration_s: float
         stop = True
 
     signal.signal(signal.SIGTERM, on_term)
+    print("ready", flush=True)  # for whoever started us: a SIGTERM from now on still writes results
     samples: dict[int, list[float]] = {s: [] for s in sizes}
     end = time.monotonic() + duration_s if duration_s else float("inf")
     try:
