@@ -59,6 +59,7 @@ class BrokerOptions:
     merge_batches: bool = True  # no small batch for a busy worker beside a bigger running one (Scheduler.dispatch)
     adaptive_k: bool = False  # each round's k in 0..k from the request's acceptance (speclen.py); off: always k
     spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))  # draft step, verify row, round
+    first_alternatives: int = 0  # greedy: the draft also proposes this many runner-ups to its first token (token tree)
     policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
 
     @property
@@ -110,6 +111,7 @@ class Broker:
         self.tokens_per_round_hist: Counter[int] = Counter()
         self.batch_sizes: dict[str, Counter[int]] = {}
         self.metrics = None
+        self.client_outbox: list[tuple[bytes, Message]] = []  # see _send
 
     # -- sockets ---------------------------------------------------------------------------
     def bind(self) -> None:
@@ -131,6 +133,15 @@ class Broker:
         self.peers.bind(self.opts.worker_address)
 
     def _send(self, sock: zmq.Socket, identity: bytes, msg: Message) -> bool:
+        if sock is self.clients:
+            # Clients hear of a round after the next round's tasks are out (``step`` flushes this
+            # once it has dispatched): on a loaded host a client woken by its tokens competes with
+            # the worker that has to start the next round (measured ~0.5 ms of a round's latency).
+            self.client_outbox.append((identity, msg))
+            return True
+        return self._send_now(sock, identity, msg)
+
+    def _send_now(self, sock: zmq.Socket, identity: bytes, msg: Message) -> bool:
         try:
             sock.send_multipart([identity, *protocol.encode(msg)], flags=zmq.NOBLOCK, copy=False)
             return True
@@ -344,16 +355,26 @@ class Broker:
             if not req.params.greedy:
                 idx, prob = protocol.split_q(msg, raw)
                 q = {"q_idx": [a.copy() for a in idx], "q_prob": [p.copy() for p in prob]}
+            alt = self._alternatives(req, raw, draft)
             self.scheduler.draft_done(req, wid, draft, q)
+            req.alt = alt
             return
         committed = _int_list(raw.get("committed"), "committed")
         proposed = len(req.draft) if raw["kind"] != ROUND else raw.get("proposed") or 0
         if not 1 <= len(committed) <= proposed + 1 or proposed > req.k:
             raise ProtocolError("malformed", f"{len(committed)} committed tokens for {proposed} drafts")
+        alt = req.alt
         if raw["kind"] == ROUND:
             req.proposed += proposed
-        self._count_acceptance(proposed, len(committed) - 1)
-        self.scheduler.verify_done(req, wid, len(committed) - 1)
+            alt = self._alternatives(req, raw, None)
+        via_alt = committed[0] in alt
+        if via_alt and len(committed) != 2:
+            raise ProtocolError("malformed", "a round won by an alternative commits it and one more token")
+        self.counters["alternatives_proposed"] += len(alt)
+        self.counters["alternatives_accepted"] += via_alt
+        req.alt_accepted += via_alt
+        self._count_acceptance(proposed, 0 if via_alt else len(committed) - 1, len(committed))
+        self.scheduler.verify_done(req, wid, len(committed) - 1, via_alt)
         kept = req.commit(committed, self.eos_ids)
         self.counters["rounds"] += 1
         self.counters["tokens_out"] += len(kept)
@@ -363,14 +384,29 @@ class Broker:
         else:
             self.scheduler.start_round(req)
 
-    def _count_acceptance(self, proposed: int, accepted: int) -> None:
+    def _alternatives(self, req: Request, raw: dict, draft: list[int] | None) -> list[int]:
+        """The alternatives to the first draft token a draft / round result brings, checked."""
+        alt = _int_list(raw.get("alt") or [], "alt")
+        wanted = self._alternatives_wanted(req)
+        if len(alt) > wanted or len(set(alt)) != len(alt) or (alt and draft is not None and draft[0] in alt):
+            raise ProtocolError("malformed", f"{len(alt)} alternatives (asked for {wanted}) must be distinct "
+                                             "and differ from the first draft token")
+        return alt
+
+    def _alternatives_wanted(self, req: Request) -> int:
+        """Alternatives to ask the draft for: a two-level token tree, for greedy requests only
+        (the sampled verifier's rejection sampling is defined for a chain)."""
+        return self.opts.first_alternatives if req.params.greedy and req.k > 0 else 0
+
+    def _count_acceptance(self, proposed: int, accepted: int, committed: int) -> None:
+        """``accepted``: chain drafts accepted; ``committed``: tokens the round committed."""
         while len(self.proposed_by_position) < proposed:
             self.proposed_by_position.append(0)
             self.accepted_by_position.append(0)
         for i in range(proposed):
             self.proposed_by_position[i] += 1
             self.accepted_by_position[i] += i < accepted
-        self.tokens_per_round_hist[accepted + 1] += 1
+        self.tokens_per_round_hist[committed] += 1
 
     def _send_tasks(self, wid: int, batch: list[Request]) -> None:
         role = self.workers[wid].role
@@ -386,8 +422,12 @@ class Broker:
             task = {"rid": req.rid, "kind": req.phase, "round": req.round, "attempt": req.attempt,
                     "tokens": msg.add_array(req.tokens), "k": req.k, "params": req.params.to_wire(),
                     "seed": req.seed, "holder": holder}
+            if req.phase in (DRAFT, ROUND) and self._alternatives_wanted(req):
+                task["alts"] = self._alternatives_wanted(req)
             if req.draft:
                 task["draft"] = req.draft
+                if req.alt:
+                    task["alt"] = req.alt
                 protocol.attach_q(msg, task, req.q.get("q_idx"), req.q.get("q_prob"))
             msg.header["tasks"].append(task)
         if not self._send(self.peers, self.workers[wid].identity, msg):
@@ -411,7 +451,8 @@ class Broker:
         }
 
     def step(self, now: float) -> None:
-        """Housekeeping after events: dispatch, FREE broadcasts, heartbeats, liveness."""
+        """Housekeeping after events: dispatch, FREE broadcasts, heartbeats, liveness; then what
+        the clients are owed."""
         for wid, batch in self.scheduler.dispatch():
             self._send_tasks(wid, batch)
         if self.frees:
@@ -428,6 +469,12 @@ class Broker:
                     self._drop_worker(wid, "dead")
                 else:
                     self._send(self.peers, info.identity, Message("HEARTBEAT"))
+        self._flush_clients()
+
+    def _flush_clients(self) -> None:
+        outbox, self.client_outbox = self.client_outbox, []
+        for identity, msg in outbox:
+            self._send_now(self.clients, identity, msg)
 
     def run(self) -> int:
         self.bind()
@@ -467,6 +514,7 @@ class Broker:
                 if not self.scheduler.requests or now - self.draining_since > self.opts.drain_s:
                     for rid in list(self.scheduler.requests):
                         self._finish(rid, "error", ("shutting_down", "the broker shut down before this request finished"))
+                    self._flush_clients()
                     break
         self.clients.close()
         self.peers.close()

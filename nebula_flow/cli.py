@@ -90,6 +90,10 @@ def main() -> None:
 @click.option("--spec-costs", default=None, metavar="DRAFT,ROW,ROUND",
               help="Costs --adaptive-k weighs, in target decode steps: a draft step, a verify row, a round's "
               "fixed cost [default: 0.054,0.054,1.1, measured for the bundled pair on a 2-core CPU].")
+@click.option("--first-alternatives", default=0, show_default=True, type=click.IntRange(0, 8),
+              help="Greedy requests: the draft also proposes this many runner-ups to its first token, verified "
+              "in the same forward as siblings in a token tree (one more verify row each); a runner-up the target "
+              "picks is kept with the target's next token.")
 @click.option("--proposal-top-k", default=16, show_default=True,
               help="Entries of the draft distribution q sent with each sampled draft token.")
 @click.option("--max-pending", default=1024, show_default=True, help="Admission limit; beyond it clients get BUSY.")
@@ -107,7 +111,7 @@ def main() -> None:
 @click.option("--policy-log", type=click.Path(), help="At exit, write every scheduling event and decision here "
               "(JSONL), for `nebula-flow simulate --check-policy-log`.")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
-           adaptive_k: bool, spec_costs: str | None, proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
+           adaptive_k: bool, spec_costs: str | None, first_alternatives: int, proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
            locality: bool, migrate: bool, merge_batches: bool, metrics_port: int | None, keys: str | None,
            policy_log: str | None) -> None:
     """Run the broker: the request pool, the draft and target topics, the two sockets."""
@@ -122,7 +126,8 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
         sys.exit(serve_broker(BrokerOptions(mode, host, client_port, worker_port, model, k, proposal_top_k,
                                             max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
                                             locality=locality, migrate=migrate, merge_batches=merge_batches,
-                                            adaptive_k=adaptive_k, spec_costs=costs, metrics_port=metrics_port,
+                                            adaptive_k=adaptive_k, spec_costs=costs,
+                                            first_alternatives=first_alternatives, metrics_port=metrics_port,
                                             keys=keys, policy_log=policy_log)))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
@@ -526,7 +531,11 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
               "on CPU). bf16 runs batch-invariant, as workers run it.")
 @click.option("--ks", default="2,4,6", show_default=True, help="Speculation lengths to measure.")
 @click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt.")
-def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_new_tokens: int) -> None:
+@click.option("--alternatives", default=0, show_default=True, type=click.IntRange(0, 8),
+              help="Runner-ups to the first draft token verified beside the chain (a token tree; the broker's "
+              "--first-alternatives).")
+def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_new_tokens: int,
+               alternatives: int) -> None:
     """Greedy committed tokens per round of a draft/target pair at each k, on the built-in code
     prompts (not from the training corpus), checking the output equals the target alone."""
     from nebula_flow.distill import EVAL_PROMPTS, evaluate_pair
@@ -539,7 +548,8 @@ def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_n
         raise click.ClickException(str(exc)) from None
     click.echo(f"{len(EVAL_PROMPTS)} prompts x {max_new_tokens} tokens, target {target_dtype or 'default dtype'}",
                err=True)
-    res = evaluate_pair(target, draft, max_new_tokens, tuple(int(k) for k in ks.split(",")), target_dtype)
+    res = evaluate_pair(target, draft, max_new_tokens, tuple(int(k) for k in ks.split(",")), target_dtype,
+                        alternatives)
     click.echo(json.dumps(res, indent=2))
 
 

@@ -371,10 +371,11 @@ def save_draft(model: CausalLM, raw: dict, out: Path, target: str) -> None:
 
 
 def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[int, ...] = (2, 4, 6),
-                  target_dtype: str | None = None) -> dict:
+                  target_dtype: str | None = None, alternatives: int = 0) -> dict:
     """Mean committed tokens per round (greedy) at each k on ``EVAL_PROMPTS``, using the
     real runner code; also checks the output equals the target's own greedy output (the target
-    runs in ``target_dtype``, batch-invariant in reduced precision, as a deployment runs it)."""
+    runs in ``target_dtype``, batch-invariant in reduced precision, as a deployment runs it).
+    ``alternatives``: runner-ups to the first draft token verified beside the chain (token tree)."""
     from transformers import AutoTokenizer
 
     from nebula_flow.params import SamplingParams
@@ -392,9 +393,10 @@ def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[i
             toks = list(prompt)
             while len(toks) - len(prompt) < max_new_tokens:
                 kk = min(k, max_new_tokens - (len(toks) - len(prompt)) - 1)
-                task = Task(rid, "draft", rounds, 1, np.asarray(toks), kk, params, 0)
+                task = Task(rid, "draft", rounds, 1, np.asarray(toks), kk, params, 0, alts=alternatives)
                 if kk > 0:
-                    task.draft = d_run.draft([task])[0].tokens
+                    proposal = d_run.draft([task])[0]
+                    task.draft, task.alt = proposal.tokens, proposal.alt
                 toks += t_run.verify([task])[0]
                 rounds += 1
             outs.append(toks[len(prompt):][:max_new_tokens])

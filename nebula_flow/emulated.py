@@ -103,15 +103,22 @@ class EmulatedModel:
         row[nxt] = 10.0
         return row
 
-    def __call__(self, caches: list[KVCache], new_tokens: list[list[int]], logit_rows: list[int]) -> list[torch.Tensor]:
+    def __call__(
+        self, caches: list[KVCache], new_tokens: list[list[int]], logit_rows: list[int],
+        branches: list[tuple[int, int] | None] | None = None,
+    ) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         tokens = sum(len(t) for t in new_tokens)
         context = sum(c.length for c in caches) + tokens
         out = []
-        for cache, seq, want in zip(caches, new_tokens, logit_rows):
+        for cache, seq, want, branch in zip(caches, new_tokens, logit_rows, branches or [None] * len(caches)):
             cache.reserve(cache.length + len(seq))  # real-size KV rows, so transfers move real bytes
             full = cache.tokens + list(seq)
-            rows = [self._logit_row(full[: len(full) - want + i + 1]) for i in range(want)]
+            contexts = [full[: len(full) - want + i + 1] for i in range(want)]
+            if branch is not None:  # an alternative's context: its sibling's prefix, then itself
+                sibling, first = cache.length + branch[0], len(full) - branch[1]
+                contexts = [c if len(c) <= first else full[:sibling] + c[-1:] for c in contexts]
+            rows = [self._logit_row(c) for c in contexts]
             out.append(torch.stack(rows) if rows else torch.empty(0, min(STAND_IN_VOCAB, self.cfg.vocab_size)))
             cache.tokens.extend(seq)
         predicted = predict_seconds(self.latency, len(caches), tokens, context)

@@ -16,7 +16,7 @@ Records are JSON arrays, one per line (JSONL)::
     ["pull", worker, credits, idle, now]
     ["admit", rid, prompt_len, max_new_tokens]
     ["draft_done", rid, worker, n_draft]
-    ["verify_done", rid, worker, accepted]
+    ["verify_done", rid, worker, accepted, via_alt]
     ["start_round", rid, output_len]
     ["finish", rid]
     ["dispatch", [[worker, [[rid, attempt], ...]], ...]]
@@ -80,9 +80,9 @@ class RecordingScheduler(Scheduler):
         self.records.append(["draft_done", req.rid, worker_id, len(draft)])
         super().draft_done(req, worker_id, draft, q)
 
-    def verify_done(self, req: Request, worker_id: int, accepted: int) -> None:
-        self.records.append(["verify_done", req.rid, worker_id, accepted])
-        super().verify_done(req, worker_id, accepted)
+    def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False) -> None:
+        self.records.append(["verify_done", req.rid, worker_id, accepted, via_alt])
+        super().verify_done(req, worker_id, accepted, via_alt)
 
     def finish(self, rid: int) -> Request | None:
         self.records.append(["finish", rid])
@@ -154,7 +154,7 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
         elif kind == "draft_done":
             policy.draft_done(reqs[args[0]], args[1], [PLACEHOLDER] * args[2], {})
         elif kind == "verify_done":
-            policy.verify_done(reqs[args[0]], args[1], args[2])
+            policy.verify_done(reqs[args[0]], args[1], *args[2:4])  # via_alt: absent in older logs
         elif kind == "start_round":
             req = reqs[args[0]]
             req.output = [PLACEHOLDER] * args[1]

@@ -81,13 +81,17 @@ SCHEMA: dict[str, dict[str, Any]] = {
 
 # A task names one request's round half. ``tokens`` are the request's committed tokens
 # (prompt + output) as an int32 tensor; ``holder`` is the KV holder for the task's role.
+# Greedy requests may draft a two-level token tree: ``alts`` (draft / round tasks) asks for that
+# many alternatives to the first draft token; ``alt`` (verify tasks) carries them to the verifier.
 TASK_FIELDS = {"rid": int, "kind": str, "round": int, "attempt": int, "tokens": dict, "k": int,
                "params": dict, "seed": int, "holder": dict, "?draft": list, "?q_idx": dict,
-               "?q_prob": dict, "?q_len": list}
-# A result: ``draft`` tokens (+ proposal q) for a draft task, ``committed`` for verify/round.
+               "?q_prob": dict, "?q_len": list, "?alts": int, "?alt": list}
+# A result: ``draft`` tokens (+ proposal q) for a draft task, ``committed`` for verify/round
+# (``proposed``: the drafts a round task made); ``alt``: the alternatives a draft or round task made.
 RESULT_FIELDS = {"rid": int, "kind": str, "round": int, "attempt": int, "?draft": list,
-                 "?q_idx": dict, "?q_prob": dict, "?q_len": list, "?committed": list,
+                 "?q_idx": dict, "?q_prob": dict, "?q_len": list, "?alt": list, "?committed": list,
                  "?proposed": int, "?error": str}
+MAX_ALTERNATIVES = 8
 TASK_KINDS = ("draft", "verify", "round")
 
 

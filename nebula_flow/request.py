@@ -32,10 +32,12 @@ class Request:
     slot: int | None = None  # the pair / colocated worker a request is bound to, if any
     draft: list[int] = field(default_factory=list)
     q: dict[str, Any] = field(default_factory=dict)  # q_idx, q_prob, q_len of the draft
+    alt: list[int] = field(default_factory=list)  # alternatives to draft[0] (greedy token tree)
     holders: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (worker, valid)
     tokens_per_round: list[int] = field(default_factory=list)
     proposed: int = 0
     accepted: int = 0
+    alt_accepted: int = 0  # rounds an alternative to the first draft token won
     acceptance: Acceptance = field(default_factory=Acceptance)  # decayed, for adaptive k (speclen)
     ks: list[int] = field(default_factory=list)  # the k of each round
     text: str = ""
@@ -76,6 +78,7 @@ class Request:
             "proposed": self.proposed,
             "k_per_round": self.ks,
             "accepted": self.accepted,
+            "alternatives_accepted": self.alt_accepted,
             "prompt_tokens": len(self.prompt),
             "output_tokens": len(self.output),
             "seed": self.seed,

@@ -191,7 +191,7 @@ class Scheduler:
     def start_round(self, req: Request) -> None:
         """Queue the next round of ``req``: a draft, a draft-less verify, or a whole round."""
         req.round += 1
-        req.draft, req.q = [], {}
+        req.draft, req.q, req.alt = [], {}, []
         k = speclen.choose_k(req.acceptance, self.k, tuple(self.spec_costs)) if self.adaptive_k else self.k
         req.k = 0 if self.mode == "autoregressive" else max(0, min(k, req.remaining - 1))
         req.ks.append(req.k)
@@ -208,16 +208,20 @@ class Scheduler:
         self.workers[worker_id].inflight.discard(req.rid)
         self._enqueue(req)
 
-    def verify_done(self, req: Request, worker_id: int, accepted: int) -> None:
-        """Record a verify (or whole round); the caller then commits and calls start_round/finish."""
+    def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False) -> None:
+        """Record a verify (or whole round); the caller then commits and calls start_round/finish.
+
+        ``via_alt``: the accepted token was an alternative to the first draft token (a token
+        tree), not the chain: the chain's acceptance was 0, and the draft's KV ends before it."""
         req.accepted += accepted
-        req.acceptance.update(req.k, accepted)
-        valid = len(req.prompt) + len(req.output) + accepted
+        chain = 0 if via_alt else accepted
+        req.acceptance.update(req.k, chain)
+        base = len(req.prompt) + len(req.output)
         role = "colocated" if req.phase == ROUND else "target"
-        req.holders[role] = (worker_id, valid)
+        req.holders[role] = (worker_id, base + accepted)
         if "draft" in req.holders:
             holder, draft_valid = req.holders["draft"]
-            req.holders["draft"] = (holder, min(draft_valid, valid))
+            req.holders["draft"] = (holder, min(draft_valid, base + chain))
         self.workers[worker_id].inflight.discard(req.rid)
 
     def finish(self, rid: int) -> Request | None:

@@ -94,11 +94,17 @@ def propose(
 def verify(
     logits: torch.Tensor, draft: list[int], q_idx: list[np.ndarray] | None,
     q_prob: list[np.ndarray] | None, params: SamplingParams, seed: int, position: int,
+    alt: list[int] = (),
 ) -> list[int]:
     """Decide the tokens a round commits: accepted drafts plus one correction/bonus token.
 
     ``logits`` holds len(draft)+1 target rows: row i scores the token at ``position + i``
     (row 0 follows the last committed token). Returns between 1 and len(draft)+1 tokens.
+
+    Greedy only: ``alt`` are alternatives to ``draft[0]`` (a two-level token tree), scored by
+    len(alt) more rows, row len(draft)+1+j after ``alt[j]``. When the target's token at
+    ``position`` is ``alt[j]``, the round commits it and the target's token after it: still
+    exactly the target's greedy output.
     """
     vocab = logits.shape[-1]
     if params.greedy:
@@ -108,8 +114,13 @@ def verify(
             if x != best[i]:
                 break
             out.append(x)
+        if not out and best[0] in alt:
+            j = list(alt).index(best[0])
+            return [best[0], best[len(draft) + 1 + j]]
         out.append(best[len(out)])
         return out
+    if alt:
+        raise ValueError("alternatives are for greedy requests only")
     p = target_probs(logits, params).numpy()
     out = []
     for i, x in enumerate(draft):

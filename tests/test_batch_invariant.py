@@ -86,3 +86,44 @@ def test_padded_chunks_give_each_row_the_full_chunk_kernel() -> None:
     # With padding, rows of a short call take their bits from a full-size call.
     full = F.linear(torch.cat([x[:3], x.new_zeros(invariant.ROW_CHUNK - 3, 40)]), w)[:3]
     assert torch.equal(invariant.chunked_linear(x[:3], w, None, True), full)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_token_tree_alternatives_score_like_decoding_them(checkpoint, dtype: str) -> None:  # noqa: ANN001
+    """A verify with alternatives to its first draft token (a two-level token tree): each
+    alternative's row has the bits of decoding that token in its place, the chain rows are
+    unchanged by them, and adopting one leaves the cache as if it had been decoded."""
+    _, path = checkpoint
+    model = load_model(path, dtype=dtype, batch_invariant=True)
+    prompt, last, chain, alts = _ids(11, 5), 7, [11, 12, 13], [21, 22]
+
+    def decoded(tokens: list[int]) -> torch.Tensor:
+        cache = model.new_cache()
+        model([cache], [prompt], [1])
+        return torch.cat([model([cache], [[t]], [1])[0] for t in tokens])
+
+    cache = model.new_cache(capacity=8)  # grown inside the forward, as a worker's caches are
+    model([cache], [prompt], [1])
+    rows = model([cache], [[last, *chain, *alts]], [6], [(1, 2)])[0]
+    assert torch.equal(rows[:4], decoded([last, *chain]))
+    for j, a in enumerate(alts):
+        assert torch.equal(rows[4 + j], decoded([last, a])[1]), f"alternative {j}"
+    position = len(prompt) + 1
+    cache.adopt(position + len(chain) + 1, position)  # keep alts[1]
+    assert cache.tokens[-2:] == [last, alts[1]]
+    assert torch.equal(model([cache], [[5]], [1])[0][0], decoded([last, alts[1], 5])[2])
+
+
+def test_token_tree_with_the_batched_kernels_stays_close_to_decoding(checkpoint) -> None:  # noqa: ANN001
+    """The fast (not batch-invariant) path masks the same tree; sliding windows included."""
+    _, path = checkpoint
+    model = load_model(path)
+    assert not model.batch_invariant
+    prompt = _ids(40, 6)  # longer than the test families' sliding window
+    cache = model.new_cache()
+    model([cache], [prompt], [1])
+    rows = model([cache], [[7, 11, 12, 21, 22]], [5], [(1, 2)])[0]
+    for j, a in enumerate((21, 22)):
+        ref = model.new_cache()
+        model([ref], [prompt + [7]], [1])
+        torch.testing.assert_close(rows[3 + j], model([ref], [[a]], [1])[0][0], rtol=1e-4, atol=1e-4)

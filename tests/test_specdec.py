@@ -58,6 +58,20 @@ def test_greedy_verify_accepts_the_matching_prefix_and_corrects() -> None:
     assert specdec.verify(logits[:1], [], None, None, greedy, 0, 0) == [3]  # no draft: plain decode
 
 
+def test_greedy_verify_with_alternatives_to_the_first_draft_token() -> None:
+    """Rows 0..3 score the chain, rows 4 and 5 follow alternatives 8 and 3 to its first token."""
+    logits = torch.full((6, 10), -1.0)
+    for row, best in enumerate([3, 5, 7, 9, 1, 4]):
+        logits[row, best] = 1.0
+    greedy = SamplingParams()
+    assert specdec.verify(logits, [3, 5, 6], None, None, greedy, 0, 0, [8, 2]) == [3, 5, 7]  # the chain wins
+    assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [8, 3]) == [3, 4]  # alt 3, then row 5
+    assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [3, 8]) == [3, 1]  # alt 3, then row 4
+    assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [8, 2]) == [3]  # no candidate: correction
+    with pytest.raises(ValueError, match="greedy"):
+        specdec.verify(logits, [6], [np.array([6])], [np.array([1.0])], SamplingParams(temperature=1.0), 0, 0, [3])
+
+
 def test_rejection_sampling_with_truncated_proposal_follows_the_target() -> None:
     """One draft position, q cut to its top 3 of 6 tokens: the committed token follows p."""
     g = torch.Generator().manual_seed(0)

@@ -33,6 +33,8 @@ class Task:
     q_idx: list[np.ndarray] | None = None
     q_prob: list[np.ndarray] | None = None
     holder: dict = field(default_factory=dict)  # {worker, valid, endpoint}: who has this role's KV
+    alts: int = 0  # draft / round tasks: alternatives to the first draft token wanted (greedy only)
+    alt: list[int] = field(default_factory=list)  # verify tasks: those alternatives (a two-level token tree)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Draft:
     tokens: list[int]
     q_idx: list[np.ndarray] | None
     q_prob: list[np.ndarray] | None
+    alt: list[int] = field(default_factory=list)  # the draft's next choices for the first token
 
 
 class ModelRunner:
@@ -52,9 +55,9 @@ class ModelRunner:
         self.busy_s = 0.0
         self.forwards = 0
 
-    def _forward(self, caches, new_tokens, rows):  # noqa: ANN001, ANN202 - internal
+    def _forward(self, caches, new_tokens, rows, branches=None):  # noqa: ANN001, ANN202 - internal
         t0 = time.perf_counter()
-        out = self.model(caches, new_tokens, rows)
+        out = self.model(caches, new_tokens, rows, branches)
         self.busy_s += time.perf_counter() - t0
         self.forwards += 1
         return out
@@ -75,6 +78,9 @@ class ModelRunner:
                     tok = int(self.model.head_token_ids[tok])
                     if q_idx is not None:
                         q_idx = self.model.token_ids(torch.from_numpy(q_idx)).to(torch.int32).numpy()
+                if step == 0 and t.alts and t.params.greedy:
+                    ranked = self.model.token_ids(torch.topk(row[0], min(t.alts + 1, row.shape[-1])).indices).tolist()
+                    drafts[i].alt = [x for x in ranked if x != tok][: t.alts]
                 drafts[i].tokens.append(tok)
                 if q_idx is not None:
                     drafts[i].q_idx.append(q_idx)
@@ -87,15 +93,20 @@ class ModelRunner:
         return drafts
 
     def verify(self, tasks: list[Task]) -> list[list[int]]:
-        """Score each task's drafts in one forward; returns the committed tokens per task."""
+        """Score each task's drafts (and alternatives) in one forward; returns the committed
+        tokens per task."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
-        new = [t.tokens[c.length:].tolist() + t.draft for t, c in zip(tasks, caches)]
-        logits = self._forward(caches, new, [len(t.draft) + 1 for t in tasks])
+        new = [t.tokens[c.length:].tolist() + t.draft + t.alt for t, c in zip(tasks, caches)]
+        branches = [(len(t.tokens) - c.length, len(t.alt)) if t.alt else None for t, c in zip(tasks, caches)]
+        logits = self._forward(caches, new, [len(t.draft) + 1 + len(t.alt) for t in tasks], branches)
         out = []
         for t, c, rows in zip(tasks, caches, logits):
-            committed = specdec.verify(rows, t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens))
-            # Keep the KV of the accepted drafts; the rejected suffix is rolled back.
-            c.truncate(len(t.tokens) + len(committed) - 1)
+            committed = specdec.verify(rows, t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens), t.alt)
+            position = len(t.tokens)
+            if t.alt and committed[0] in t.alt:  # an alternative won: its KV moves to its position
+                c.adopt(position + len(t.draft) + t.alt.index(committed[0]), position)
+            else:  # keep the KV of the accepted drafts; the rejected suffix is rolled back
+                c.truncate(position + len(committed) - 1)
             out.append(committed)
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})

@@ -135,20 +135,23 @@ class Worker:
         store = self._store_for(role)
         return store.snapshot(rid, start, end) if store is not None else None
 
-    def _prefetch(self, tasks: list[Task]) -> None:
-        """Pull the batch's missing KV from its holders (prefetch thread, overlapping compute)."""
-        role = self.opts.role
-        store = self._store_for(role)
-        if store is None or self.transport is None:
-            return
+    def _pulls(self, tasks: list[Task]) -> dict[str, list[tuple[int, np.ndarray, int]]]:
+        """The KV this batch needs from peers: holder endpoint -> [(rid, tokens, valid length)]."""
+        if self._store_for(self.opts.role) is None or self.transport is None:
+            return {}
         by_holder: dict[str, list[tuple[int, np.ndarray, int]]] = {}
         for t in tasks:
             h = t.holder
             if h.get("endpoint") and h.get("worker") != self.worker_id and h.get("valid", 0) > 0:
                 by_holder.setdefault(str(h["endpoint"]), []).append((t.rid, t.tokens, int(h["valid"])))
-        for endpoint, wanted in by_holder.items():  # one exchange per holder for the whole batch
+        return by_holder
+
+    def _prefetch(self, tasks: list[Task]) -> None:
+        """Pull the batch's missing KV from its holders (prefetch thread, overlapping compute)."""
+        store = self._store_for(self.opts.role)
+        for endpoint, wanted in self._pulls(tasks).items():  # one exchange per holder for the whole batch
             try:
-                store.fetch_many(role, wanted, endpoint, self.transport)
+                store.fetch_many(self.opts.role, wanted, endpoint, self.transport)
             except Exception:  # never let a transfer problem cost the batch: recompute instead
                 log.exception("KV pull from %s failed", endpoint)
                 store.stats.pull_failures += len(wanted)
@@ -207,6 +210,16 @@ class Worker:
             task.q_idx, task.q_prob = protocol.split_q(msg, raw)
         elif task.draft and not params.greedy:
             raise ProtocolError("malformed", "a sampled draft needs its proposal q")
+        task.alts, task.alt = raw.get("alts") or 0, list(raw.get("alt") or [])
+        if task.alts or task.alt:
+            if not params.greedy:
+                raise ProtocolError("malformed", "alternatives (a token tree) are for greedy requests only")
+            if not 0 <= task.alts <= protocol.MAX_ALTERNATIVES or len(task.alt) > protocol.MAX_ALTERNATIVES:
+                raise ProtocolError("malformed", f"at most {protocol.MAX_ALTERNATIVES} alternatives")
+            if task.alt and (not task.draft or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                         for t in task.alt)
+                             or len(set(task.alt) | {task.draft[0]}) != len(task.alt) + 1):
+                raise ProtocolError("malformed", "alt must be distinct token ids other than draft[0], with a draft")
         return task
 
     # -- compute (runs on the compute thread) -----------------------------------------------
@@ -231,6 +244,8 @@ class Worker:
                 if kind == "draft" and self.draft:
                     for h, d in zip(heads, self.draft.draft(group)):
                         h["draft"] = d.tokens
+                        if d.alt:
+                            h["alt"] = d.alt
                         protocol.attach_q(msg, h, d.q_idx, d.q_prob)
                 elif kind == "verify" and self.target and self.opts.role != "draft":
                     for h, committed in zip(heads, self.target.verify(group)):
@@ -241,9 +256,11 @@ class Worker:
                     for t in group:
                         if t.k > 0:
                             d = next(it)
-                            t.draft, t.q_idx, t.q_prob = d.tokens, d.q_idx, d.q_prob
+                            t.draft, t.q_idx, t.q_prob, t.alt = d.tokens, d.q_idx, d.q_prob, d.alt
                     for h, t, committed in zip(heads, group, self.target.verify(group)):
                         h["committed"], h["proposed"] = committed, len(t.draft)
+                        if t.alt:
+                            h["alt"] = t.alt
                 else:
                     raise ProtocolError("wrong_role", f"a {self.opts.role} worker cannot run {kind} tasks")
             except Exception as exc:  # fail these requests clearly rather than leave them hanging
@@ -350,7 +367,9 @@ class Worker:
                         # (two answers can cross a re-sent PULL: extend the waiting batch; the
                         # prefetch thread runs in order, so the last future covers both)
                         pending = (pending or []) + batch
-                        if self.opts.kv_overlap:
+                        # (a batch whose KV is all here skips the prefetch thread: a thread handoff
+                        # per batch is ~0.1 ms on the critical path of a single stream)
+                        if self.opts.kv_overlap and self._pulls(batch):
                             prefetch = self.prefetcher.submit(self._prefetch, batch)
                 elif msg.kind == "FREE":
                     frees.extend(int(r) for r in msg.header["rids"] if isinstance(r, int))

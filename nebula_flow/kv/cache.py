@@ -96,6 +96,14 @@ class KVCache:
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
 
+    def adopt(self, slot: int, position: int) -> None:
+        """Make the token computed at ``slot`` (a token tree's accepted alternative, stored after
+        the chain) the one at ``position``, and drop everything after it."""
+        with torch.inference_mode():  # a buffer grown inside a forward is an inference tensor
+            self.buf[position] = self.buf[slot]
+        self.tokens[position] = self.tokens[slot]
+        del self.tokens[position + 1:]
+
     def common_prefix(self, tokens: np.ndarray) -> int:
         """How many leading positions of ``tokens`` this cache already holds."""
         n = min(len(tokens), self.length)

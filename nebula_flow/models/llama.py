@@ -71,11 +71,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _attention_mask(past: int, n: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """Boolean [n, past+n] mask: query i sees keys j <= past+i (and within the window)."""
-    q_pos = torch.arange(past, past + n, device=device)[:, None]
-    k_pos = torch.arange(past + n, device=device)[None, :]
-    allowed = k_pos <= q_pos
+def _attention_mask(past: int, n: int, window: int | None, device: torch.device,
+                    branch: tuple[int, int] | None = None) -> torch.Tensor:
+    """Boolean [n, past+n] mask over cache slots: query i sees keys j <= past+i (and within the
+    window). With a ``branch`` (see ``CausalLM.forward``) the last rows are siblings of row
+    ``branch[0]``: no other row sees them, and each sees what that row sees before it, and itself."""
+    q_slot = torch.arange(past, past + n, device=device)[:, None]
+    k_slot = torch.arange(past + n, device=device)[None, :]
+    allowed = k_slot <= q_slot
+    q_pos, k_pos = q_slot, k_slot
+    if branch is not None:
+        row, count = branch
+        first = past + n - count
+        alt_q, alt_k = q_slot >= first, k_slot >= first
+        allowed &= ~alt_k | (k_slot == q_slot)
+        allowed &= ~alt_q | (k_slot < past + row) | (k_slot == q_slot)
+        q_pos = torch.where(alt_q, past + row, q_slot)
+        k_pos = torch.where(alt_k, past + row, k_slot)
     if window is not None:
         allowed &= q_pos - k_pos < window
     return allowed
@@ -98,7 +110,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        caches: list[KVCache], lengths: list[int],
+        caches: list[KVCache], lengths: list[int], branches: list[tuple[int, int] | None],
     ) -> torch.Tensor:
         cfg, hd = self.cfg, self.cfg.head_dim
         T = x.shape[0]
@@ -111,22 +123,22 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         outs, start = [], 0
-        for cache, n in zip(caches, lengths):
+        for cache, n, branch in zip(caches, lengths, branches):
             past = cache.length
             end = past + n
             cache.buf[past:end, self.layer, 0] = k[start : start + n]
             cache.buf[past:end, self.layer, 1] = v[start : start + n]
             keys, values = cache.layer_kv(self.layer, end)
             if self.batch_invariant:
-                outs.extend(self._rows_alone(q[start : start + n], keys, values, past))
+                outs.extend(self._rows_alone(q[start : start + n], keys, values, past, branch))
                 start += n
                 continue
             window = cfg.sliding_window if cfg.sliding_window and end > cfg.sliding_window else None
             mask, causal = None, False
-            if past == 0 and window is None:
+            if past == 0 and window is None and branch is None:
                 causal = n > 1
             elif n > 1 or window is not None:
-                mask = _attention_mask(past, n, window, x.device)
+                mask = _attention_mask(past, n, window, x.device, branch)
             out = F.scaled_dot_product_attention(
                 q[start : start + n].transpose(0, 1)[None], keys[None], values[None],
                 attn_mask=mask, is_causal=causal, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
@@ -135,21 +147,33 @@ class Attention(nn.Module):
             start += n
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
-    def _rows_alone(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int) -> list[torch.Tensor]:
+    def _rows_alone(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, branch: tuple[int, int] | None,
+    ) -> list[torch.Tensor]:
         """Each query row attends to its own prefix in its own call: the shape a decode step uses,
         so a position's output has the same bits in a decode, a verify or a prefill. The math runs
         in fp32 (elementwise casts keep the invariance): more exact, and on CPUs a one-row fp32
-        attention call measured ~5x faster than a bf16 one (37 vs 200 us at 200 positions)."""
+        attention call measured ~5x faster than a bf16 one (37 vs 200 us at 200 positions).
+        A branch row (sibling of row ``branch[0]``) sees that row's prefix and its own key: the
+        same keys, in the same order, as decoding its token there."""
         cfg, out = self.cfg, []
+        n = q.shape[0]
+        first_alt = n - branch[1] if branch else n
         window = cfg.sliding_window
         lo = max(0, past + 1 - window) if window else 0  # the first key any of these rows sees
         q32, k32, v32 = q.float(), keys[:, lo:].float(), values[:, lo:].float()
-        for i in range(q.shape[0]):
-            end = past + i + 1
-            begin = max(0, end - window) if window else 0
+        for i in range(n):
+            pos = past + (branch[0] if i >= first_alt else i)
+            begin = max(0, pos + 1 - window) if window else 0
+            if i < first_alt:
+                ks, vs = k32[:, begin - lo:pos + 1 - lo], v32[:, begin - lo:pos + 1 - lo]
+            else:  # the prefix before its sibling, then its own key (stored after the chain)
+                own = past + i - lo
+                ks = torch.cat((k32[:, begin - lo:pos - lo], k32[:, own:own + 1]), dim=1)
+                vs = torch.cat((v32[:, begin - lo:pos - lo], v32[:, own:own + 1]), dim=1)
             o = F.scaled_dot_product_attention(
-                q32[i : i + 1].transpose(0, 1)[None], k32[:, begin - lo:end - lo][None],
-                v32[:, begin - lo:end - lo][None], enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+                q32[i : i + 1].transpose(0, 1)[None], ks[None], vs[None],
+                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
             )
             out.append(o[0].transpose(0, 1).reshape(1, cfg.num_heads * cfg.head_dim).to(q.dtype))
         return out
@@ -174,8 +198,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, caches, lengths):  # noqa: ANN001, ANN201 - internal
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, caches, lengths)
+    def forward(self, x, cos, sin, caches, lengths, branches):  # noqa: ANN001, ANN201 - internal
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, caches, lengths, branches)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -228,28 +252,41 @@ class CausalLM(nn.Module):
                        dtype=p.dtype, device=p.device, capacity=capacity)
 
     @torch.inference_mode()
-    def forward(self, caches: list[KVCache], new_tokens: list[list[int]], logit_rows: list[int]) -> list[torch.Tensor]:
+    def forward(
+        self, caches: list[KVCache], new_tokens: list[list[int]], logit_rows: list[int],
+        branches: list[tuple[int, int] | None] | None = None,
+    ) -> list[torch.Tensor]:
         """Run one ragged step.
 
         ``new_tokens[i]`` are appended to ``caches[i]``; the result holds, for sequence i,
         fp32 logits of its last ``logit_rows[i]`` new positions (0 = none). Only those rows go
         through the output head, which dominates the cost for large vocabularies. Logit column j
         scores token ``token_ids(j)``.
+
+        ``branches[i] = (row, count)`` makes a two-level token tree: the last ``count`` new tokens
+        of sequence i are alternatives to its new token ``row``, at that token's position, each
+        seeing the tokens before it and itself (nothing else sees them). Their KV is stored after
+        the others; the caller keeps at most one of them (``KVCache.adopt``).
         """
         device = self.lm_head.weight.device
         lengths = [len(t) for t in new_tokens]
+        branches = branches or [None] * len(caches)
         for cache, n in zip(caches, lengths):
             cache.reserve(cache.length + n)
         ids = torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.long, device=device)
-        positions = torch.cat([
-            torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, lengths)
-        ]).float()
+        spans = []
+        for c, n, branch in zip(caches, lengths, branches):
+            span = torch.arange(c.length, c.length + n, device=device)
+            if branch is not None:
+                span[n - branch[1]:] = c.length + branch[0]
+            spans.append(span)
+        positions = torch.cat(spans).float()
         freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(ids)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, caches, lengths)
+            x = layer(x, cos, sin, caches, lengths, branches)
         for cache, seq in zip(caches, new_tokens):
             cache.tokens.extend(seq)
         rows, start = [], 0
