@@ -52,6 +52,7 @@ def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profile
     cfg.draft.device = cfg.target.device = "emulated"
     cfg.draft.profile, cfg.target.profile = profiles
     cfg.kv_transport = "zmq"
+    cfg.broker.first_alternatives = 2  # token-tree rows go through the emulated model too
     prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
     with Deployment(cfg) as dep, Client(dep.address) as c:
         outs = [c.generate(token_ids=p, max_new_tokens=30, ignore_eos=True) for p in prompts]

@@ -78,9 +78,11 @@ class ModelRunner:
                     tok = int(self.model.head_token_ids[tok])
                     if q_idx is not None:
                         q_idx = self.model.token_ids(torch.from_numpy(q_idx)).to(torch.int32).numpy()
-                if step == 0 and t.alts and t.params.greedy:
-                    ranked = self.model.token_ids(torch.topk(row[0], min(t.alts + 1, row.shape[-1])).indices).tolist()
-                    drafts[i].alt = [x for x in ranked if x != tok][: t.alts]
+                if step == 0 and t.alts and t.params.greedy:  # runner-ups to the first token (token tree)
+                    ranked = torch.topk(row[0], min(t.alts + 1, row.shape[-1])).indices
+                    if self.model.head_token_ids is not None:
+                        ranked = self.model.token_ids(ranked)
+                    drafts[i].alt = [x for x in ranked.tolist() if x != tok][: t.alts]
                 drafts[i].tokens.append(tok)
                 if q_idx is not None:
                     drafts[i].q_idx.append(q_idx)
