@@ -28,7 +28,8 @@ Client <-> broker (client socket, DEALER -> ROUTER):
 Worker <-> broker (worker socket, DEALER -> ROUTER):
   REGISTER worker -> broker  role, name, capacity (max batch), model facts (vocab, context).
   WELCOME  broker -> worker  worker_id, slot (pair/colocated index), mode, speculation settings.
-  PULL     worker -> broker  credits (tasks it can take) and idle (nothing computing now).
+  PULL     worker -> broker  credits (tasks it can take; 0 withdraws a waiting PULL) and idle
+                             (nothing computing now).
   TASKS    broker -> worker  tasks: a batch of draft / verify / round tasks (see ``TASK_FIELDS``).
   RESULT   worker -> broker  results of finished tasks and the forward time they took.
   FREE     broker -> worker  rids whose KV can be dropped (finished or cancelled).

@@ -180,7 +180,8 @@ class Scheduler:
 
     def pull(self, worker_id: int, credits: int, idle: bool, now: float) -> None:
         w = self.workers[worker_id]
-        w.pull_credits, w.pull_idle, w.pull_since = max(1, credits), idle, now
+        # credits 0 withdraws a waiting PULL: a worker about to leave takes no more tasks
+        w.pull_credits, w.pull_idle, w.pull_since = max(0, credits), idle, now
 
     # -- requests --------------------------------------------------------------------------
     def admit(self, req: Request) -> None:

@@ -43,6 +43,33 @@ def test_a_waiting_pull_is_served_when_tasks_arrive_and_idle_workers_come_first(
     assert wid == 2
 
 
+def test_a_pull_with_no_credits_withdraws_the_waiting_one() -> None:
+    s = Scheduler("pooled", k=4)
+    s.register(1, "draft", 2)
+    s.register(2, "draft", 2)
+    s.pull(1, 2, idle=True, now=0.0)
+    s.pull(1, 0, idle=True, now=1.0)  # worker 1 is leaving
+    s.pull(2, 2, idle=False, now=2.0)
+    s.admit(req(0))
+    assert [(wid, [r.rid for r in batch]) for wid, batch in s.dispatch()] == [(2, [0])]
+
+
+def test_token_tree_win_counts_for_the_target_not_the_draft_chain() -> None:
+    s = Scheduler("pooled", k=4, adaptive_k=True)
+    s.register(1, "draft", 4)
+    s.register(2, "target", 4)
+    r = req(0)
+    s.admit(r)
+    s.pull(1, 1, True, now=0.0)
+    s.dispatch()
+    s.draft_done(r, 1, [5] * r.k, {})
+    prior = r.acceptance.accepted
+    s.verify_done(r, 2, accepted=1, via_alt=True)  # an alternative to the first draft token won
+    assert r.holders["target"] == (2, 4) and r.holders["draft"] == (1, 3)
+    assert r.acceptance.accepted == pytest.approx(prior * 0.7)  # the chain itself was rejected at once
+    assert r.accepted == 1
+
+
 def test_paired_binds_requests_to_pairs() -> None:
     s = Scheduler("paired", k=2)
     for wid, role in [(1, "draft"), (2, "draft"), (3, "target"), (4, "target")]:

@@ -310,6 +310,11 @@ class Worker:
         while True:
             if orphaned():  # the deployment that started us is gone: do not linger
                 self.stopping = True
+            if self.stopping and pull_out is not None and self.registered:
+                # Leaving: withdraw the PULL parked at the broker, so no new task is sent here
+                # only to be re-queued when the BYE arrives.
+                self._send(Message("PULL", {"credits": 0, "idle": computing is None}))
+                pull_out = None
             if self.stopping and computing is None:
                 if self.registered:
                     self._send(Message("BYE"))
