@@ -59,6 +59,23 @@ def test_logits_have_the_same_bits_however_a_position_is_batched(checkpoint, dty
         assert torch.equal(got, decoded), f"{name} logits differ from decode logits in {dtype}"
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_long_prefills_and_blocks_keep_the_bits_of_decoding(checkpoint, dtype: str) -> None:  # noqa: ANN001
+    """Calls of more than ``ROW_CHUNK`` and more than ``MAX_CHUNK`` rows (a prefill, a wide
+    verify) give the positions the bits plain decoding gives them."""
+    _, path = checkpoint
+    model = load_model(path, dtype=dtype, batch_invariant=True)
+    ids = _ids(140, 7)
+    cache = model.new_cache()
+    model([cache], [ids[:135]], [1])
+    decoded = torch.cat([model([cache], [[t]], [1])[0] for t in ids[135:]])
+    prefilled = model([model.new_cache()], [ids], [5])[0]  # 140 rows: 3 calls of up to 64
+    cache = model.new_cache()
+    model([cache], [ids[:123]], [1])
+    block = model([cache], [ids[123:]], [5])[0]  # a 17-row block
+    assert torch.equal(prefilled, decoded) and torch.equal(block, decoded)
+
+
 def test_batch_invariant_logits_still_match_hf(checkpoint) -> None:  # noqa: ANN001
     hf, path = checkpoint
     model = load_model(path, batch_invariant=True)
@@ -80,12 +97,23 @@ def test_auto_setting_is_on_for_reduced_precision_on_cpu(checkpoint) -> None:  #
 def test_padded_chunks_give_each_row_the_full_chunk_kernel() -> None:
     w = torch.randn(24, 40)
     x = torch.randn(13, 40)
-    for pad in (False, True):
-        got = invariant.chunked_linear(x, w, None, pad)
+    for plan in (invariant.RowPlan(8), invariant.RowPlan(8, 8), invariant.RowPlan(64, 8)):
+        got = invariant.chunked_linear(x, w, None, plan)
         torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
     # With padding, rows of a short call take their bits from a full-size call.
     full = F.linear(torch.cat([x[:3], x.new_zeros(invariant.ROW_CHUNK - 3, 40)]), w)[:3]
-    assert torch.equal(invariant.chunked_linear(x[:3], w, None, True), full)
+    assert torch.equal(invariant.chunked_linear(x[:3], w, None, invariant.RowPlan(8, 8)), full)
+
+
+def test_the_probe_finds_where_call_size_changes_a_rows_bits() -> None:
+    """bf16 with 1536 inputs per row rounds differently in 1-row and 8-row calls on this kind of
+    CPU; the plan pads such calls. Whatever the plan, its call sizes give a row the same bits."""
+    w = (torch.randn(96, 1536, generator=torch.Generator().manual_seed(1)) * 0.05).to(torch.bfloat16)
+    plan = invariant.row_plan(w)
+    x = (3 * torch.randn(70, 1536, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
+    whole = invariant.chunked_linear(x, w, None, plan)
+    for n in (1, 3, 8, 13, 64):
+        assert torch.equal(invariant.chunked_linear(x[:n], w, None, plan), whole[:n]), f"{n} rows in {plan}"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -10,10 +10,12 @@ speculative output left the target's own greedy output on most prompts).
 
 Batch-invariant mode removes the shape dependence where it comes from:
 
-* Linear layers run on row chunks of at most ``ROW_CHUNK`` rows. :func:`rows_independent` probes,
-  once per weight shape, whether the kernels give a row the same bits for every chunk size up to
-  that; where they do not, chunks are zero-padded to exactly ``ROW_CHUNK`` rows, so every row goes
-  through the same kernel with the same shape.
+* Linear layers run on row chunks. :func:`row_plan` probes, once per weight shape, which call sizes
+  give a row the same bits: every size up to ``ROW_CHUNK`` (8) for most CPU bf16 kernels, often
+  up to ``MAX_CHUNK`` (64) too, so a prefill or a big batch makes few calls; where small calls
+  round differently, calls are zero-padded to a multiple of ``ROW_CHUNK`` rows (measured: a 1536-wide
+  bf16 input rounds one way for 1-7 rows and another for 8, 16, ..., 64), so every row goes
+  through a kernel that gives it the same bits.
 * Attention runs one query row at a time against exactly its own prefix (the decode shape), never
   as a masked block (see ``llama.Attention``).
 
@@ -22,42 +24,71 @@ Elementwise and per-row operations (norms, rotary embedding, activations) do not
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-ROW_CHUNK = 8  # rows per linear call; bf16 CPU kernels keep each row's bits up to this size
+ROW_CHUNK = 8  # call sizes up to this keep each row's bits on bf16 CPU kernels (or, padded, its multiples)
+MAX_CHUNK = 64  # the largest call a probe may allow
+LARGE = 1 << 20  # elements: larger weights (output heads) are only probed up to ROW_CHUNK (cost)
 
 
-def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad: bool) -> torch.Tensor:
-    """``F.linear`` over row chunks of ``ROW_CHUNK`` (zero-padded to that size when ``pad``)."""
+@dataclass(frozen=True)
+class RowPlan:
+    """How a batch-invariant linear runs: calls of at most ``chunk`` rows, each zero-padded up to
+    a multiple of ``multiple`` rows (1: no padding)."""
+
+    chunk: int
+    multiple: int = 1
+
+
+def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: RowPlan) -> torch.Tensor:
+    """``F.linear`` in the call sizes ``plan`` allows."""
     rows = x.shape[0]
-    if rows <= ROW_CHUNK and not pad:
+    if rows <= plan.chunk and rows % plan.multiple == 0:
         return F.linear(x, weight, bias)
     outs = []
-    for start in range(0, rows, ROW_CHUNK):
-        part = x[start:start + ROW_CHUNK]
+    for start in range(0, rows, plan.chunk):
+        part = x[start:start + plan.chunk]
         n = part.shape[0]
-        if pad and n < ROW_CHUNK:
-            part = torch.cat([part, part.new_zeros(ROW_CHUNK - n, part.shape[1])])
+        padded = -(-n // plan.multiple) * plan.multiple
+        if padded > n:
+            part = torch.cat([part, part.new_zeros(padded - n, part.shape[1])])
         outs.append(F.linear(part, weight, bias)[:n])
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
+def row_plan(weight: torch.Tensor) -> RowPlan:
+    """The fastest plan whose call sizes all give a row the same bits, probed on this weight.
+    Large weights are probed up to ``ROW_CHUNK`` only: they see few rows (an output head scores
+    the last position of a prefill, k+1 of a verify) and a wider probe would cost seconds."""
+    small = weight.numel() <= LARGE
+    if rows_independent(weight, range(1, ROW_CHUNK + 1), ROW_CHUNK):
+        if small and rows_independent(weight, range(1, MAX_CHUNK + 1), MAX_CHUNK, trials=8):
+            return RowPlan(MAX_CHUNK)
+        return RowPlan(ROW_CHUNK)
+    if small and rows_independent(weight, range(ROW_CHUNK, MAX_CHUNK + 1, ROW_CHUNK), MAX_CHUNK, trials=8):
+        return RowPlan(MAX_CHUNK, ROW_CHUNK)
+    return RowPlan(ROW_CHUNK, ROW_CHUNK)
+
+
 @torch.inference_mode()
-def rows_independent(weight: torch.Tensor, trials: int | None = None) -> bool:
-    """True when a row's product with ``weight`` has the same bits for every call size from 1 to
-    ``ROW_CHUNK`` rows. Checked on random inputs in the weight's dtype and device, ``trials``
-    times (default: 64 for small weights, 16 for large): the kernels' shape-dependent rounding
-    shows only on some inputs (measured: bf16 with
-    1536 inputs per row differs between 1-row and 8-row calls on about 80 % of random inputs,
-    between 3-row and 8-row calls on about 10 %)."""
+def rows_independent(weight: torch.Tensor, sizes: range, total: int, trials: int | None = None) -> bool:
+    """True when, for every call size in ``sizes``, a row's product with ``weight`` has the bits
+    it has in one call of ``total`` rows (calls of ``total`` rows cut into calls of each size; the
+    last may be shorter, so ``sizes`` must allow it). Checked on random inputs in the weight's
+    dtype and device, ``trials`` times (default: 64 for small weights, 16 for large): the kernels'
+    shape-dependent rounding shows only on some inputs (measured: bf16 with 1536 inputs per row
+    differs between 1-row and 8-row calls on about 80 % of random inputs, between 3-row and 8-row
+    calls on about 10 %)."""
     if trials is None:  # cheap for small weights, so look harder there
         trials = 64 if weight.numel() < (1 << 20) else 16
     gen = torch.Generator().manual_seed(0)
     for _ in range(trials):
-        x = (3 * torch.randn(ROW_CHUNK, weight.shape[1], generator=gen)).to(dtype=weight.dtype, device=weight.device)
+        x = (3 * torch.randn(total, weight.shape[1], generator=gen)).to(dtype=weight.dtype, device=weight.device)
         whole = F.linear(x, weight)
-        for m in range(1, ROW_CHUNK):
-            if not torch.equal(torch.cat([F.linear(x[s:s + m], weight) for s in range(0, ROW_CHUNK, m)]), whole):
+        for m in sizes:
+            if m != total and not torch.equal(torch.cat([F.linear(x[s:s + m], weight) for s in range(0, total, m)]), whole):
                 return False
     return True

@@ -20,15 +20,14 @@ from nebula_flow.models.config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that runs on fixed row chunks in batch-invariant mode (see ``invariant``)."""
+    """``nn.Linear`` that runs in probed call sizes in batch-invariant mode (see ``invariant``)."""
 
-    row_chunks = False
-    pad_rows = False
+    row_plan: invariant.RowPlan | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.row_chunks:
+        if self.row_plan is None:
             return super().forward(x)
-        return invariant.chunked_linear(x, self.weight, self.bias, self.pad_rows)
+        return invariant.chunked_linear(x, self.weight, self.bias, self.row_plan)
 
 
 class RMSNorm(nn.Module):
@@ -228,18 +227,18 @@ class CausalLM(nn.Module):
     def make_batch_invariant(self) -> dict:
         """Switch to batch-invariant numerics (``invariant``): a position's logits get the same
         bits whatever it is batched with. Returns what the kernel probe decided."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        padded = {}  # weight shape -> whether its calls need padding to full chunks
-        for m in linears:
-            shape = tuple(m.weight.shape)
-            if shape not in padded:
-                padded[shape] = not invariant.rows_independent(m.weight)
-            m.row_chunks, m.pad_rows = True, padded[shape]
+        plans: dict[tuple[int, ...], invariant.RowPlan] = {}  # weight shape -> its probed call sizes
         for m in self.modules():
-            if isinstance(m, Attention):
+            if isinstance(m, Linear):
+                shape = tuple(m.weight.shape)
+                if shape not in plans:
+                    plans[shape] = invariant.row_plan(m.weight)
+                m.row_plan = plans[shape]
+            elif isinstance(m, Attention):
                 m.batch_invariant = True
         self.batch_invariant = True
-        self.invariance = {"row_chunk": invariant.ROW_CHUNK, "padded_shapes": sorted(s for s, p in padded.items() if p)}
+        self.invariance = {"linears": {"x".join(map(str, s)): f"<= {p.chunk} rows" + (
+            f", padded to a multiple of {p.multiple}" if p.multiple > 1 else "") for s, p in sorted(plans.items())}}
         return self.invariance
 
     def token_ids(self, head_rows: torch.Tensor) -> torch.Tensor:
