@@ -59,11 +59,15 @@ def test_logits_have_the_same_bits_however_a_position_is_batched(checkpoint, dty
         assert torch.equal(got, decoded), f"{name} logits differ from decode logits in {dtype}"
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["probe-all-sizes", "probe-as-for-large-weights"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_long_prefills_and_blocks_keep_the_bits_of_decoding(checkpoint, dtype: str) -> None:  # noqa: ANN001
+def test_long_prefills_and_blocks_keep_the_bits_of_decoding(checkpoint, dtype: str, large: bool,  # noqa: ANN001
+                                                            monkeypatch) -> None:  # noqa: ANN001
     """Calls of more than ``ROW_CHUNK`` and more than ``MAX_CHUNK`` rows (a prefill, a wide
-    verify) give the positions the bits plain decoding gives them."""
+    verify) give the positions the bits plain decoding gives them, with either probe."""
     _, path = checkpoint
+    if large:  # every weight gets the output heads' cheaper probe (and padded plans)
+        monkeypatch.setattr(invariant, "LARGE", 0)
     model = load_model(path, dtype=dtype, batch_invariant=True)
     ids = _ids(140, 7)
     cache = model.new_cache()
@@ -72,7 +76,7 @@ def test_long_prefills_and_blocks_keep_the_bits_of_decoding(checkpoint, dtype: s
     prefilled = model([model.new_cache()], [ids], [5])[0]  # 140 rows: 3 calls of up to 64
     cache = model.new_cache()
     model([cache], [ids[:123]], [1])
-    block = model([cache], [ids[123:]], [5])[0]  # a 17-row block
+    block = model([cache], [ids[123:]], [17])[0][-5:]  # a 17-row block, all rows through the head
     assert torch.equal(prefilled, decoded) and torch.equal(block, decoded)
 
 
@@ -97,12 +101,16 @@ def test_auto_setting_is_on_for_reduced_precision_on_cpu(checkpoint) -> None:  #
 def test_padded_chunks_give_each_row_the_full_chunk_kernel() -> None:
     w = torch.randn(24, 40)
     x = torch.randn(13, 40)
-    for plan in (invariant.RowPlan(8), invariant.RowPlan(8, 8), invariant.RowPlan(64, 8)):
+    for plan in (invariant.RowPlan(8, 8), invariant.RowPlan(8, 0, 8), invariant.RowPlan(64, 0, 8),
+                 invariant.RowPlan(64, 8, 8)):
         got = invariant.chunked_linear(x, w, None, plan)
         torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
     # With padding, rows of a short call take their bits from a full-size call.
     full = F.linear(torch.cat([x[:3], x.new_zeros(invariant.ROW_CHUNK - 3, 40)]), w)[:3]
-    assert torch.equal(invariant.chunked_linear(x[:3], w, None, invariant.RowPlan(8, 8)), full)
+    assert torch.equal(invariant.chunked_linear(x[:3], w, None, invariant.RowPlan(8, 0, 8)), full)
+    # Above ``exact`` rows, calls are padded to a multiple: 13 rows run as one 16-row call.
+    full = F.linear(torch.cat([x, x.new_zeros(3, 40)]), w)[:13]
+    assert torch.equal(invariant.chunked_linear(x, w, None, invariant.RowPlan(64, 8, 8)), full)
 
 
 def test_the_probe_finds_where_call_size_changes_a_rows_bits() -> None:

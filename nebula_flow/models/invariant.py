@@ -31,28 +31,29 @@ import torch.nn.functional as F
 
 ROW_CHUNK = 8  # call sizes up to this keep each row's bits on bf16 CPU kernels (or, padded, its multiples)
 MAX_CHUNK = 64  # the largest call a probe may allow
-LARGE = 1 << 20  # elements: larger weights (output heads) are only probed up to ROW_CHUNK (cost)
+LARGE = 1 << 20  # elements: larger weights (output heads) get a cheaper probe
 
 
 @dataclass(frozen=True)
 class RowPlan:
-    """How a batch-invariant linear runs: calls of at most ``chunk`` rows, each zero-padded up to
-    a multiple of ``multiple`` rows (1: no padding)."""
+    """How a batch-invariant linear runs: calls of at most ``chunk`` rows; a call of more than
+    ``exact`` rows is zero-padded up to a multiple of ``multiple`` rows."""
 
     chunk: int
+    exact: int
     multiple: int = 1
 
 
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: RowPlan) -> torch.Tensor:
     """``F.linear`` in the call sizes ``plan`` allows."""
     rows = x.shape[0]
-    if rows <= plan.chunk and rows % plan.multiple == 0:
+    if rows <= plan.chunk and (rows <= plan.exact or rows % plan.multiple == 0):
         return F.linear(x, weight, bias)
     outs = []
     for start in range(0, rows, plan.chunk):
         part = x[start:start + plan.chunk]
         n = part.shape[0]
-        padded = -(-n // plan.multiple) * plan.multiple
+        padded = n if n <= plan.exact else -(-n // plan.multiple) * plan.multiple
         if padded > n:
             part = torch.cat([part, part.new_zeros(padded - n, part.shape[1])])
         outs.append(F.linear(part, weight, bias)[:n])
@@ -61,16 +62,19 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def row_plan(weight: torch.Tensor) -> RowPlan:
     """The fastest plan whose call sizes all give a row the same bits, probed on this weight.
-    Large weights are probed up to ``ROW_CHUNK`` only: they see few rows (an output head scores
-    the last position of a prefill, k+1 of a verify) and a wider probe would cost seconds."""
+    Every size up to 64 is probed for small weights; large ones (output heads: a probe call costs
+    milliseconds) only sizes up to ``ROW_CHUNK`` and the multiples of ``ROW_CHUNK``."""
     small = weight.numel() <= LARGE
+    multiples = range(ROW_CHUNK, MAX_CHUNK + 1, ROW_CHUNK)
     if rows_independent(weight, range(1, ROW_CHUNK + 1), ROW_CHUNK):
         if small and rows_independent(weight, range(1, MAX_CHUNK + 1), MAX_CHUNK, trials=8):
-            return RowPlan(MAX_CHUNK)
-        return RowPlan(ROW_CHUNK)
-    if small and rows_independent(weight, range(ROW_CHUNK, MAX_CHUNK + 1, ROW_CHUNK), MAX_CHUNK, trials=8):
-        return RowPlan(MAX_CHUNK, ROW_CHUNK)
-    return RowPlan(ROW_CHUNK, ROW_CHUNK)
+            return RowPlan(MAX_CHUNK, MAX_CHUNK)
+        if rows_independent(weight, multiples, MAX_CHUNK, trials=8 if small else 2):
+            return RowPlan(MAX_CHUNK, ROW_CHUNK, ROW_CHUNK)
+        return RowPlan(ROW_CHUNK, ROW_CHUNK)
+    if rows_independent(weight, multiples, MAX_CHUNK, trials=8 if small else 2):
+        return RowPlan(MAX_CHUNK, 0, ROW_CHUNK)
+    return RowPlan(ROW_CHUNK, 0, ROW_CHUNK)
 
 
 @torch.inference_mode()

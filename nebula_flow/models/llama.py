@@ -238,7 +238,8 @@ class CausalLM(nn.Module):
                 m.batch_invariant = True
         self.batch_invariant = True
         self.invariance = {"linears": {"x".join(map(str, s)): f"<= {p.chunk} rows" + (
-            f", padded to a multiple of {p.multiple}" if p.multiple > 1 else "") for s, p in sorted(plans.items())}}
+            f", above {p.exact} padded to a multiple of {p.multiple}" if p.multiple > 1 else "")
+            for s, p in sorted(plans.items())}}
         return self.invariance
 
     def token_ids(self, head_rows: torch.Tensor) -> torch.Tensor:
