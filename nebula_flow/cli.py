@@ -94,6 +94,9 @@ def main() -> None:
               help="Greedy requests: the draft also proposes this many runner-ups to its first token, verified "
               "in the same forward as siblings in a token tree (one more verify row each); a runner-up the target "
               "picks is kept with the target's next token.")
+@click.option("--disable-by-batch-size", default=0, show_default=True, type=click.IntRange(0),
+              help="While more requests than this are in the pool, rounds start without drafts (plain decoding): "
+              "a target batching many requests gains little from speculation. 0: always speculate.")
 @click.option("--proposal-top-k", default=16, show_default=True,
               help="Entries of the draft distribution q sent with each sampled draft token.")
 @click.option("--max-pending", default=1024, show_default=True, help="Admission limit; beyond it clients get BUSY.")
@@ -111,7 +114,8 @@ def main() -> None:
 @click.option("--policy-log", type=click.Path(), help="At exit, write every scheduling event and decision here "
               "(JSONL), for `nebula-flow simulate --check-policy-log`.")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
-           adaptive_k: bool, spec_costs: str | None, first_alternatives: int, proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
+           adaptive_k: bool, spec_costs: str | None, first_alternatives: int, disable_by_batch_size: int,
+           proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
            locality: bool, migrate: bool, merge_batches: bool, metrics_port: int | None, keys: str | None,
            policy_log: str | None) -> None:
     """Run the broker: the request pool, the draft and target topics, the two sockets."""
@@ -127,7 +131,8 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
                                             max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
                                             locality=locality, migrate=migrate, merge_batches=merge_batches,
                                             adaptive_k=adaptive_k, spec_costs=costs,
-                                            first_alternatives=first_alternatives, metrics_port=metrics_port,
+                                            first_alternatives=first_alternatives,
+                                            disable_by_batch_size=disable_by_batch_size, metrics_port=metrics_port,
                                             keys=keys, policy_log=policy_log)))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None

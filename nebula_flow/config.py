@@ -90,6 +90,8 @@ class DeployConfig:
             raise ConfigError("[broker] k must be >= 0")
         if not 0 <= self.broker.first_alternatives <= 8:
             raise ConfigError("[broker] first_alternatives must be in 0..8")
+        if self.broker.disable_by_batch_size < 0:
+            raise ConfigError("[broker] disable_by_batch_size must be >= 0")
         if self.kv_transport not in ("auto", "ucx", "zmq", "shm", "none"):
             raise ConfigError(f"kv_transport must be auto, ucx, zmq, shm or none, got {self.kv_transport!r}")
 

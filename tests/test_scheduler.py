@@ -70,6 +70,21 @@ def test_token_tree_win_counts_for_the_target_not_the_draft_chain() -> None:
     assert r.accepted == 1
 
 
+def test_rounds_start_without_drafts_while_the_pool_is_bigger_than_the_limit() -> None:
+    s = Scheduler("pooled", k=4, disable_by_batch_size=2)
+    reqs = [req(rid) for rid in range(3)]
+    s.admit(reqs[0])
+    s.admit(reqs[1])
+    assert [r.k for r in reqs[:2]] == [4, 4]
+    s.admit(reqs[2])  # a third request: over the limit
+    assert reqs[2].k == 0 and reqs[2].phase == VERIFY
+    s.finish(0)
+    s.start_round(reqs[1])  # two left: speculation again
+    assert reqs[1].k == 4 and reqs[1].phase == DRAFT
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        Scheduler("pooled", k=4, disable_by_batch_size=-1)
+
+
 def test_paired_binds_requests_to_pairs() -> None:
     s = Scheduler("paired", k=2)
     for wid, role in [(1, "draft"), (2, "draft"), (3, "target"), (4, "target")]:

@@ -184,7 +184,8 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
         asyncio.run(load(dep.address))
     records = policy_log.load(log_path)
     assert records[0] == ["policy", "pooled", 4, {"locality": True, "migrate": False, "merge_batches": True,
-                                                  "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS)}]
+                                                  "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS),
+                                                  "disable_by_batch_size": 0}]
     sc = small_scenario(k=4, locality=True)
     report = policy_log.replay(records, Simulator(sc, "pooled").policy)
     assert report.decisions >= 10 and report.identical, report.mismatches[:3]
