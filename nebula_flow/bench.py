@@ -192,6 +192,7 @@ def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log) -
     for overlap in (True, False):
         cfg.mode, cfg.kv_transport = "pooled", transport
         cfg.broker.migrate = True
+        cfg.broker.disable_by_batch_size = 0  # speculate at every load: both roles' KV moves
         cfg.broker.client_port = cfg.broker.worker_port = 0
         with Deployment(cfg, extra_worker_args=[] if overlap else ["--no-kv-overlap"]) as dep:
             with Client(dep.address) as c:
