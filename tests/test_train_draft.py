@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -34,6 +35,10 @@ def test_train_draft_runs_end_to_end_and_evaluates(tiny_pair, tmp_path, monkeypa
     # The teacher pass is cached: a second run reuses it (its folder already says done).
     teacher = list((tmp_path / "cache" / "teacher").iterdir())
     assert len(teacher) == 1 and (teacher[0] / "done").read_text() == str(12_000 // 64)
+    # Training goes on from a saved draft (its weights read by HF names, unfused).
+    more = dataclasses.replace(cfg, out=str(tmp_path / "draft2"), steps=4, init_from=str(out))
+    again = train_draft(more)
+    assert again["parameters"] == report["parameters"] and (tmp_path / "draft2" / "model.safetensors").exists()
 
 
 def test_pair_check_rejects_a_foreign_tokenizer(tiny_pair, tmp_path) -> None:  # noqa: ANN001
