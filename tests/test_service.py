@@ -186,10 +186,42 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
         router.send_multipart([ident, *protocol.encode(good)])
         _, result = recv_kind("RESULT")
         assert result.header["results"][0]["rid"] == 7 and len(result.header["results"][0]["committed"]) == 1
+        # Token-tree alternatives: refused for a sampled request, without a draft, or repeating
+        # the first draft token; accepted on a greedy verify with a draft.
+        sampled = {"max_new_tokens": 4, "temperature": 1.0}
+        for rid, extra in ((8, {"alts": 2, "params": sampled}), (9, {"alt": [4]}), (10, {"draft": [5], "alt": [5]})):
+            bad = Message("TASKS", {"tasks": []})
+            bad.header["tasks"].append(dict(task, rid=rid, tokens=bad.add_array(np.array([1, 2, 3], np.int32)), **extra))
+            router.send_multipart([ident, *protocol.encode(bad)])
+            _, failed = recv_kind("RESULT")
+            assert failed.header["results"][0]["rid"] == rid and "alt" in failed.header["results"][0]["error"]
+        tree = Message("TASKS", {"tasks": []})
+        tree.header["tasks"].append(dict(task, rid=11, k=2, draft=[5, 6], alt=[9, 10],
+                                         tokens=tree.add_array(np.array([1, 2, 3], np.int32))))
+        router.send_multipart([ident, *protocol.encode(tree)])
+        _, result = recv_kind("RESULT")
+        assert result.header["results"][0]["rid"] == 11 and 1 <= len(result.header["results"][0]["committed"]) <= 3
     finally:
         proc.terminate()
         proc.wait(10)
         router.close()
+
+
+def test_the_broker_checks_the_alternatives_a_draft_brings() -> None:
+    from broker.server import Broker, BrokerOptions
+    from nebula_flow.params import SamplingParams
+    from nebula_flow.request import Request
+
+    broker = Broker(BrokerOptions(first_alternatives=2))
+    greedy = Request(1, "a", [1, 2], SamplingParams(), seed=1, k=3)
+    assert broker._alternatives(greedy, {"alt": [4, 5]}, [3, 6, 7]) == [4, 5]
+    assert broker._alternatives(greedy, {}, [3, 6, 7]) == []
+    for bad in ([4, 4], [3], [4, 5, 6], ["x"]):  # repeated, the first draft token, too many, not ids
+        with pytest.raises(protocol.ProtocolError):
+            broker._alternatives(greedy, {"alt": bad}, [3, 6, 7])
+    sampled = Request(2, "b", [1, 2], SamplingParams(temperature=1.0), seed=1, k=3)
+    with pytest.raises(protocol.ProtocolError):  # never asked for: sampled requests draft a chain
+        broker._alternatives(sampled, {"alt": [4]}, [3, 6, 7])
 
 
 def test_cli_generate_json_and_status(live) -> None:  # noqa: ANN001
