@@ -146,10 +146,10 @@ class Worker:
                 by_holder.setdefault(str(h["endpoint"]), []).append((t.rid, t.tokens, int(h["valid"])))
         return by_holder
 
-    def _prefetch(self, tasks: list[Task]) -> None:
-        """Pull the batch's missing KV from its holders (prefetch thread, overlapping compute)."""
+    def _prefetch(self, pulls: dict[str, list[tuple[int, np.ndarray, int]]]) -> None:
+        """Pull a batch's missing KV (``_pulls``) from its holders (prefetch thread, overlapping compute)."""
         store = self._store_for(self.opts.role)
-        for endpoint, wanted in self._pulls(tasks).items():  # one exchange per holder for the whole batch
+        for endpoint, wanted in pulls.items():  # one exchange per holder for the whole batch
             try:
                 store.fetch_many(self.opts.role, wanted, endpoint, self.transport)
             except Exception:  # never let a transfer problem cost the batch: recompute instead
@@ -216,9 +216,8 @@ class Worker:
                 raise ProtocolError("malformed", "alternatives (a token tree) are for greedy requests only")
             if not 0 <= task.alts <= protocol.MAX_ALTERNATIVES or len(task.alt) > protocol.MAX_ALTERNATIVES:
                 raise ProtocolError("malformed", f"at most {protocol.MAX_ALTERNATIVES} alternatives")
-            if task.alt and (not task.draft or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                         for t in task.alt)
-                             or len(set(task.alt) | {task.draft[0]}) != len(task.alt) + 1):
+            ids = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in task.alt)
+            if task.alt and (not task.draft or not ids or len(set(task.alt) | {task.draft[0]}) != len(task.alt) + 1):
                 raise ProtocolError("malformed", "alt must be distinct token ids other than draft[0], with a draft")
         return task
 
@@ -228,7 +227,7 @@ class Worker:
         if prefetch is not None:  # the batch's KV pulls started when it arrived; wait for the rest
             prefetch.result()
         elif not self.opts.kv_overlap:
-            self._prefetch(tasks)  # no overlap: compute waits for every pull
+            self._prefetch(self._pulls(tasks))  # no overlap: compute waits for every pull
         self.stall_s += time.perf_counter() - t0
         for r in self.runners:
             r.store.free(frees)
@@ -374,8 +373,9 @@ class Worker:
                         pending = (pending or []) + batch
                         # (a batch whose KV is all here skips the prefetch thread: a thread handoff
                         # per batch is ~0.1 ms on the critical path of a single stream)
-                        if self.opts.kv_overlap and self._pulls(batch):
-                            prefetch = self.prefetcher.submit(self._prefetch, batch)
+                        pulls = self._pulls(batch) if self.opts.kv_overlap else {}
+                        if pulls:
+                            prefetch = self.prefetcher.submit(self._prefetch, pulls)
                 elif msg.kind == "FREE":
                     frees.extend(int(r) for r in msg.header["rids"] if isinstance(r, int))
                 elif msg.kind == "ERROR":

@@ -87,7 +87,7 @@ def rows_independent(weight: torch.Tensor, sizes: range, total: int, trials: int
     differs between 1-row and 8-row calls on about 80 % of random inputs, between 3-row and 8-row
     calls on about 10 %)."""
     if trials is None:  # cheap for small weights, so look harder there
-        trials = 64 if weight.numel() < (1 << 20) else 16
+        trials = 64 if weight.numel() <= LARGE else 16
     gen = torch.Generator().manual_seed(0)
     for _ in range(trials):
         x = (3 * torch.randn(total, weight.shape[1], generator=gen)).to(dtype=weight.dtype, device=weight.device)

@@ -193,13 +193,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused = False  # gate and up come from one ``gate_up_proj`` (``CausalLM.fuse_projections``)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    fused = False  # gate and up come from one ``gate_up_proj`` (``CausalLM.fuse_projections``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
