@@ -423,8 +423,9 @@ class Broker:
             task = {"rid": req.rid, "kind": req.phase, "round": req.round, "attempt": req.attempt,
                     "tokens": msg.add_array(req.tokens), "k": req.k, "params": req.params.to_wire(),
                     "seed": req.seed, "holder": holder}
-            if req.phase in (DRAFT, ROUND) and self._alternatives_wanted(req):
-                task["alts"] = self._alternatives_wanted(req)
+            alts = self._alternatives_wanted(req) if req.phase in (DRAFT, ROUND) else 0
+            if alts:
+                task["alts"] = alts
             if req.draft:
                 task["draft"] = req.draft
                 if req.alt:
