@@ -305,8 +305,9 @@ class Broker:
         if not 1 <= h["capacity"] <= 4096:
             raise ProtocolError("invalid_params", "capacity must be in 1..4096")
         endpoint = h.get("kv_endpoint")
-        if endpoint is not None and (len(endpoint) > 256 or not endpoint.startswith(("tcp://", "ucx://", "shm://"))):
-            raise ProtocolError("malformed", "kv_endpoint must be a tcp://, ucx:// or shm:// address")
+        if endpoint is not None and (len(endpoint) > 512 or not all(
+                part.startswith(("tcp://", "ucx://", "shm://")) for part in endpoint.split(";"))):
+            raise ProtocolError("malformed", "kv_endpoint must be tcp://, ucx:// or shm:// addresses joined by ';'")
         wid = self.next_worker
         try:
             slot = self.scheduler.register(wid, h["role"], h["capacity"])

@@ -155,9 +155,11 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
               help="Give a token's logits the same bits whatever it is batched with, so speculative output "
               "equals plain decoding exactly in reduced precision (costs a little speed). Default: on for "
               "bfloat16/float16 on CPU, off otherwise.")
-@click.option("--kv-transport", type=click.Choice(["auto", "ucx", "zmq", "shm", "none"]), default="auto", show_default=True,
-              help="How KV moves between workers: auto = UCX on CUDA (if ucxx is installed), ZeroMQ on CPU; "
-              "shm = peers on this host map the holder's KV files (CPU, one host).")
+@click.option("--kv-transport", type=click.Choice(["auto", "ucx", "zmq", "shm", "shm+zmq", "none"]), default="auto",
+              show_default=True,
+              help="How KV moves between workers: auto = UCX on CUDA (if ucxx is installed, else ZeroMQ), shm+zmq "
+              "on CPU; shm = peers on this host read the holder's KV files (CPU, one host); shm+zmq = shm with "
+              "same-host peers, ZeroMQ with the others. With --keys: ZeroMQ (CURVE) only.")
 @click.option("--kv-host", default="127.0.0.1", show_default=True, help="Interface the KV server binds and advertises.")
 @click.option("--kv-overlap/--no-kv-overlap", default=True, show_default=True,
               help="Pull a batch's KV while the previous batch computes (off: at the start of its compute).")
@@ -454,8 +456,8 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
 
 @main.command("bench-kv")
 @click.option("--config", type=click.Path(), help="Deployment TOML (default: the bundled one).")
-@click.option("--transport", type=click.Choice(["auto", "ucx", "zmq", "shm"]), default="auto", show_default=True,
-              help="KV transport to measure (shm: same-host shared memory, CPU workers).")
+@click.option("--transport", type=click.Choice(["auto", "ucx", "zmq", "shm", "shm+zmq"]), default="auto",
+              show_default=True, help="KV transport to measure (auto: what the workers' auto picks).")
 @click.option("--draft-workers", default=2, show_default=True)
 @click.option("--target-workers", default=2, show_default=True)
 @click.option("--concurrency", default=4, show_default=True)
@@ -469,11 +471,9 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
     from nebula_flow.bench import DEFAULT_PROMPTS, Workload, bench_kv
 
     cfg = _apply_overrides(_load(config), "pooled", draft_workers, target_workers, None)
-    if transport == "auto":  # what a deployment's auto picks: UCX for CUDA workers if installed, else ZeroMQ
-        import importlib.util
+    from nebula_flow.kv.transport import resolve_transport
 
-        cuda = cfg.target.device.startswith("cuda") or cfg.draft.device.startswith("cuda")
-        transport = "ucx" if cuda and importlib.util.find_spec("ucxx") else "zmq"
+    transport = resolve_transport(transport, cfg.target.device)  # what the workers' auto picks
     prepare_models(cfg)
     wl = Workload([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n_requests)], max_new_tokens, concurrency)
     res = bench_kv(cfg, wl, transport, log=lambda m: click.echo(m, err=True))

@@ -65,7 +65,7 @@ class DeployConfig:
     broker: BrokerOptions = field(default_factory=BrokerOptions)
     draft: PoolConfig = field(default_factory=PoolConfig)
     target: PoolConfig = field(default_factory=PoolConfig)
-    kv_transport: str = "auto"  # auto (UCX for CUDA workers if installed, else ZeroMQ) | ucx | zmq | shm | none
+    kv_transport: str = "auto"  # auto | ucx | zmq | shm | shm+zmq | none (kv.transport.resolve_transport)
     source: str = "<defaults>"
 
     def validate(self) -> None:
@@ -92,8 +92,10 @@ class DeployConfig:
             raise ConfigError("[broker] first_alternatives must be in 0..8")
         if self.broker.disable_by_batch_size < 0:
             raise ConfigError("[broker] disable_by_batch_size must be >= 0")
-        if self.kv_transport not in ("auto", "ucx", "zmq", "shm", "none"):
-            raise ConfigError(f"kv_transport must be auto, ucx, zmq, shm or none, got {self.kv_transport!r}")
+        from nebula_flow.kv.transport import TRANSPORTS
+
+        if self.kv_transport not in TRANSPORTS:
+            raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
 
     def worker_plan(self) -> list[tuple[str, PoolConfig]]:
         """(role, pool) per worker process. Colocated and autoregressive use M+N workers, so

@@ -16,7 +16,7 @@ from nebula_flow.kv.transport import ZmqTransport, make_transport
 from nebula_flow.models import load_model
 from tests.conftest import deploy_config, hf_greedy, workers_lost
 
-TRANSPORTS = ["zmq", "shm", pytest.param("ucx", marks=pytest.mark.skipif(
+TRANSPORTS = ["zmq", "shm", "shm+zmq", pytest.param("ucx", marks=pytest.mark.skipif(
     __import__("importlib").util.find_spec("ucxx") is None, reason="ucxx not installed"))]
 
 
@@ -26,10 +26,10 @@ def test_incremental_pull_moves_only_missing_positions(tiny_pair, transport: str
     holder, puller = KVStore(model), KVStore(model)
     tokens = np.arange(1, 61, dtype=np.int64)
     server = make_transport(transport)
-    client = server if transport in ("ucx", "shm") else ZmqTransport()  # UCX is one context per process
+    client = ZmqTransport() if transport == "zmq" else server  # UCX is one context per process
     endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: holder.snapshot(rid, s, e))
-    if transport == "shm":  # a shared-memory holder keeps its caches in files the puller maps
-        holder.share_into(server.folder, "target")
+    if server.share_folder is not None:  # a shared-memory holder keeps its caches in files the puller maps
+        holder.share_into(server.share_folder, "target")
     holder.prepare(7, tokens)
     model([holder.caches[7]], [tokens[:-1].tolist()], [1])  # the holder computed positions 0..58
     holder.publish([7])
@@ -84,7 +84,10 @@ def test_forced_migration_pulls_kv_and_stays_lossless(tiny_pair, transport: str)
     for role in ("draft", "target"):
         kv = [w["kv"] for w in workers if w["role"] == role]
         pulled = sum(k["pulled"] for k in kv)
-        assert all(k["transport"] == {"ucx": "ucx", "shm": "shm"}.get(transport, "tcp") for k in kv)
+        assert all(k["transport"] == {"ucx": "ucx", "shm": "shm", "shm+zmq": "shm+tcp"}.get(transport, "tcp") for k in kv)
+        if transport == "shm+zmq":  # every worker shares this host: all pulls read files, none asks the network
+            assert sum(k["routes"]["local"] for k in kv) == sum(k["pulls"] for k in kv)
+            assert sum(k["routes"]["remote"] for k in kv) == 0
         assert sum(k["pulls"] for k in kv) > 10 and sum(k["pull_failures"] for k in kv) == 0
         # After its first round a request never recomputes: every later prefix arrives by pull.
         computed = sum(k["computed"] for k in kv)
@@ -122,6 +125,60 @@ def test_holder_killed_between_rounds_recomputes_and_output_is_unchanged(tiny_pa
     assert sum(w["kv"]["computed"] for w in survivors) > 0  # the lost KV was rebuilt from tokens
 
 
+def test_local_first_reads_same_host_files_and_asks_the_network_for_the_rest(tiny_pair) -> None:  # noqa: ANN001
+    """shm+zmq: a same-host holder's file is read; a request whose file is missing (kept private,
+    evicted), or a holder on another host, is asked over ZeroMQ; single-transport peers interoperate."""
+    from nebula_flow.kv.shm import ShmTransport
+    from nebula_flow.kv.transport import LocalFirstTransport
+
+    model = load_model(tiny_pair / "target")
+    holder, puller = KVStore(model), KVStore(model)
+    server = make_transport("shm+zmq")
+    client = LocalFirstTransport(ShmTransport(), ZmqTransport())
+    plain_zmq, plain_shm = ZmqTransport(), ShmTransport()
+    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: holder.snapshot(rid, s, e))
+    holder.share_into(server.share_folder, "target")
+    tokens = np.arange(1, 41, dtype=np.int64)
+    try:
+        shm_part, tcp_part = endpoint.split(";")
+        assert shm_part.startswith("shm://") and tcp_part.startswith("tcp://")
+        for rid in (1, 2, 3, 4, 5):
+            model([holder.prepare(rid, tokens)], [tokens[:-1].tolist()], [1])
+        holder.publish([1, 2, 3, 4, 5])
+        holder.caches[2].shared_path.unlink()  # rid 2's KV is private to the holder now
+        puller.fetch_many("target", [(1, tokens, 39), (2, tokens, 39)], endpoint, client)
+        assert client.routes == {"local": 1, "remote": 1} and puller.stats.pulls == 2
+        # The holder on "another host": its folder is not visible here, so the network serves it.
+        puller.fetch(3, "target", tokens, 39, f"shm:///nonexistent/{shm_part[-8:]};{tcp_part}", client)
+        assert client.routes == {"local": 1, "remote": 2}
+        # Peers running one transport pick their part of the endpoint.
+        puller.fetch(4, "target", tokens, 39, endpoint, plain_zmq)
+        puller.fetch(5, "target", tokens, 39, endpoint, plain_shm)
+        assert puller.stats.pulls == 5 and puller.stats.pull_failures == 0
+        for rid in (1, 2, 3, 4, 5):
+            assert torch.equal(puller.caches[rid].buf[:39], holder.caches[rid].buf[:39])
+        # A shm-only endpoint with no file to read: nothing to ask over the network, recompute follows.
+        puller.fetch(9, "target", tokens, 39, shm_part, client)
+        assert puller.stats.pull_failures == 1 and client.routes == {"local": 1, "remote": 2}
+    finally:
+        for t in (server, client, plain_zmq, plain_shm):
+            t.close()
+
+
+def test_auto_transport_choice() -> None:
+    from nebula_flow.kv.transport import resolve_transport
+
+    assert resolve_transport("auto", "cpu") == "shm+zmq"
+    assert resolve_transport("auto", "cpu", keys=True) == "zmq"  # CURVE: only ZeroMQ authenticates peers
+    assert resolve_transport("shm", "cpu", keys=True) == "zmq" and resolve_transport("none", keys=True) == "none"
+    has_ucx = __import__("importlib").util.find_spec("ucxx") is not None
+    assert resolve_transport("auto", "cuda:0") == ("ucx" if has_ucx else "zmq")
+    with pytest.raises(ValueError, match="unknown KV transport"):
+        resolve_transport("rdma")
+    with pytest.raises(ValueError, match="for CPU workers"):
+        make_transport("shm+zmq", device="cuda")
+
+
 def test_shared_memory_folders_of_dead_workers_are_removed(tmp_path) -> None:  # noqa: ANN001
     import subprocess
     import sys
@@ -138,7 +195,7 @@ def test_shared_memory_folders_of_dead_workers_are_removed(tmp_path) -> None:  #
     assert not gone.exists() and alive.exists()
 
 
-@pytest.mark.parametrize("transport", ["zmq", "shm"])
+@pytest.mark.parametrize("transport", ["zmq", "shm", "shm+zmq"])
 def test_paced_raw_probe_measures_real_pulls(tmp_path, transport: str) -> None:  # noqa: ANN001
     """The probe bench-kv runs beside the system: real endpoints, paced pulls, JSON samples."""
     import json

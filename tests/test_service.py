@@ -137,6 +137,8 @@ def test_malformed_worker_messages_are_answered_and_counted(live) -> None:  # no
     bad = [[b"RESULT", orjson.dumps({"v": 1, "results": [], "busy_s": 0})],  # not registered
            [b"REGISTER", orjson.dumps({"v": 1, "role": "wizard", "name": "x", "capacity": 1, "model": {}})],
            [b"REGISTER", orjson.dumps({"v": 1, "role": "draft", "name": "x", "capacity": 0, "model": {}})],
+           [b"REGISTER", orjson.dumps({"v": 1, "role": "draft", "name": "x", "capacity": 1, "model": {},
+                                       "kv_endpoint": "shm:///dev/shm/x;http://127.0.0.1:1"})],
            [b"garbage"], [b"PULL", b"\xff\xfe"]]
     for frames in bad:
         sock.send_multipart(frames)

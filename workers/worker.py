@@ -51,7 +51,7 @@ class WorkerOptions:
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0  # broker silence after which the worker reconnects (with backoff)
     max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted
-    kv_transport: str = "auto"  # auto (UCX for CUDA workers if installed, else ZeroMQ) | ucx | zmq | shm | none
+    kv_transport: str = "auto"  # see kv.transport.resolve_transport
     kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
     kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
     keys: str | None = None  # CURVE key folder (or NEBULA_FLOW_KEYS): authenticate to the broker and peers
@@ -84,13 +84,13 @@ class Worker:
         self.keys = keys_dir(opts.keys)
         if self.keys is None and not is_loopback(opts.kv_host):
             raise ValueError(f"a KV server on {opts.kv_host} (off loopback) requires CURVE keys (--keys DIR)")
-        kv_transport = "zmq" if self.keys and opts.kv_transport != "none" else opts.kv_transport  # UCX has no CURVE
-        self.transport = make_transport(kv_transport, self.keys, opts.device) if opts.role != "colocated" else None
+        # (with CURVE keys, only ZeroMQ: UCX and shared folders have no authentication)
+        self.transport = make_transport(opts.kv_transport, self.keys, opts.device) if opts.role != "colocated" else None
         self.kv_endpoint = self.transport.serve(opts.kv_host, self._lookup) if self.transport else None
-        if self.transport is not None and self.transport.scheme == "shm":  # peers read our files directly
+        if self.transport is not None and self.transport.share_folder is not None:  # same-host peers read our files
             for role, runner in (("draft", self.draft), ("target", self.target)):
                 if runner is not None:
-                    runner.store.share_into(self.transport.folder, role)
+                    runner.store.share_into(self.transport.share_folder, role)
         self.wake_r, self.wake_w = os.pipe()
         self.stopping = False
         self.exit_code = 0
@@ -165,6 +165,8 @@ class Worker:
         merged["overlap_s"] = max(0.0, merged.get("pull_s", 0.0) - merged["stall_s"])
         merged["transport"] = self.transport.scheme if self.transport else "none"
         merged["server_errors"] = getattr(self.transport, "errors", 0)
+        if hasattr(self.transport, "routes"):  # shm+zmq: items read from same-host files / asked over the network
+            merged["routes"] = dict(self.transport.routes)
         merged["held_requests"] = sum(len(r.store.caches) for r in self.runners)
         return merged
 

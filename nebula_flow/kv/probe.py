@@ -30,18 +30,19 @@ class RawPair:
         from nebula_flow.kv.transport import ZmqTransport, make_transport
 
         self.server = make_transport(transport)
-        self.client = self.server if self.server.scheme in ("ucx", "shm") else ZmqTransport()
+        # (a ZeroMQ server thread answers a separate client; UCX is one context per process)
+        self.client = ZmqTransport() if self.server.scheme == "tcp" else self.server
         self.rows = torch.randn(max(1, max_bytes // ROW_BYTES), ROW_BYTES // 4)
         tokens = np.zeros(len(self.rows), dtype=np.int32)
         self.endpoint = self.server.serve("127.0.0.1", lambda rid, role, s, e: (tokens[s:e], self.rows[s:e]))
-        if self.server.scheme == "shm":  # a shared-memory holder serves from a file, not a thread
+        if self.server.share_folder is not None:  # a shared-memory holder serves from a file, not a thread
             from nebula_flow.kv.cache import KVCache
             from nebula_flow.kv.shm import kv_path
 
             held = KVCache(1, 1, ROW_BYTES // 8, capacity=len(self.rows))  # 4 kB rows, like ``rows``
             held.buf[:] = self.rows.view(held.buf.shape)
             held.tokens = tokens.tolist()
-            held.share(kv_path(self.server.folder, "target", 1))
+            held.share(kv_path(self.server.share_folder, "target", 1))
         self.dest = torch.empty_like(self.rows)
 
     def pull(self, nbytes: int) -> float:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nebula_flow.kv.transport import KVTransport, Lookup, PullItem, host_view
+from nebula_flow.kv.transport import KVTransport, Lookup, PullItem, endpoint_part, host_view
 
 MAGIC = 0x4E46_4B56_0001  # "NFKV" v1
 HEADER_BYTES = 64
@@ -144,18 +144,19 @@ class ShmTransport(KVTransport):
     def __init__(self) -> None:
         root = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
         remove_orphans(root)
-        self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
-        self.folder.chmod(0o700)
+        self.share_folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
+        self.share_folder.chmod(0o700)
 
     def serve(self, host: str, lookup: Lookup) -> str:
-        """Nothing runs: the worker's stores write their KV into ``self.folder``."""
-        return f"shm://{self.folder}"
+        """Nothing runs: the worker's stores write their KV into ``self.share_folder``."""
+        return f"shm://{self.share_folder}"
 
     def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
-        if not endpoint.startswith("shm://"):
+        endpoint = endpoint_part(endpoint, "shm://")
+        if endpoint is None:
             return [None] * len(items)
         folder = Path(endpoint[len("shm://"):])
         return [read_rows(kv_path(folder, role, rid), start, end, dest) for rid, role, start, end, dest in items]
 
     def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.rmtree(self.share_folder, ignore_errors=True)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import ucxx  # an ImportError here makes make_transport fall back to ZeroMQ
 
-from nebula_flow.kv.transport import PULL_TIMEOUT_S, KVTransport, Lookup, PullItem, host_view, log
+from nebula_flow.kv.transport import PULL_TIMEOUT_S, KVTransport, Lookup, PullItem, endpoint_part, host_view, log
 
 ROLE_CODES = {"draft": 0, "target": 1, "colocated": 2}
 ROLE_NAMES = {v: k for k, v in ROLE_CODES.items()}
@@ -124,6 +124,10 @@ class UcxTransport(KVTransport):
 
     def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
         """The exchanges run back to back on the event loop: one hand-off for the whole batch."""
+        endpoint = endpoint_part(endpoint, "ucx://")
+        if endpoint is None:  # a peer that speaks no UCX
+            return [None] * len(items)
+
         async def run_all() -> list[np.ndarray | None]:
             return [await self._pull(endpoint, *item) for item in items]
 
