@@ -271,7 +271,7 @@ def train_draft(cfg: DistillConfig) -> dict:
     raw["draft_head_size"] = len(head) if cfg.head_vocab else None
     gen = generated_corpus(cfg, seqs) if cfg.generate_seqs else None
     if cfg.init_from:  # fine-tune: keep the existing draft's shape and head
-        base = load_model(cfg.init_from, fuse=False)  # its state dict, by HF names
+        base = load_model(cfg.init_from, inference=False)  # its state dict, by HF names
         raw = json.loads((Path(cfg.init_from) / "config.json").read_text())
         model = CausalLM(ModelConfig.from_dict(raw))
         model.load_state_dict(base.state_dict())

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from nebula_flow.models import invariant, load_model
+from nebula_flow.models import invariant, load_model, packed
 from tests.test_models import FAMILIES
 
 WIDE_MLP = "llama-wide-mlp"  # 1536-wide MLP: bf16 CPU kernels round its down projection by call size
@@ -101,27 +101,34 @@ def test_auto_setting_is_on_for_reduced_precision_on_cpu(checkpoint) -> None:  #
 def test_padded_chunks_give_each_row_the_full_chunk_kernel() -> None:
     w = torch.randn(24, 40)
     x = torch.randn(13, 40)
+    def product(v: torch.Tensor) -> torch.Tensor:
+        return F.linear(v, w)
+
     for plan in (invariant.RowPlan(8, 8), invariant.RowPlan(8, 0, 8), invariant.RowPlan(64, 0, 8),
                  invariant.RowPlan(64, 8, 8)):
-        got = invariant.chunked_linear(x, w, None, plan)
+        got = invariant.chunked_linear(x, product, plan)
         torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
     # With padding, rows of a short call take their bits from a full-size call.
     full = F.linear(torch.cat([x[:3], x.new_zeros(invariant.ROW_CHUNK - 3, 40)]), w)[:3]
-    assert torch.equal(invariant.chunked_linear(x[:3], w, None, invariant.RowPlan(8, 0, 8)), full)
+    assert torch.equal(invariant.chunked_linear(x[:3], product, invariant.RowPlan(8, 0, 8)), full)
     # Above ``exact`` rows, calls are padded to a multiple: 13 rows run as one 16-row call.
     full = F.linear(torch.cat([x, x.new_zeros(3, 40)]), w)[:13]
-    assert torch.equal(invariant.chunked_linear(x, w, None, invariant.RowPlan(64, 8, 8)), full)
+    assert torch.equal(invariant.chunked_linear(x, product, invariant.RowPlan(64, 8, 8)), full)
 
 
 def test_the_probe_finds_where_call_size_changes_a_rows_bits() -> None:
     """bf16 with 1536 inputs per row rounds differently in 1-row and 8-row calls on this kind of
     CPU; the plan pads such calls. Whatever the plan, its call sizes give a row the same bits."""
     w = (torch.randn(96, 1536, generator=torch.Generator().manual_seed(1)) * 0.05).to(torch.bfloat16)
-    plan = invariant.row_plan(w)
     x = (3 * torch.randn(70, 1536, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
-    whole = invariant.chunked_linear(x, w, None, plan)
-    for n in (1, 3, 8, 13, 64):
-        assert torch.equal(invariant.chunked_linear(x[:n], w, None, plan), whole[:n]), f"{n} rows in {plan}"
+    products = {"F.linear": lambda v: F.linear(v, w)}
+    if (pw := packed.pack(w)) is not None:  # and the packed kernel workers run where it exists
+        products["packed"] = lambda v: packed.linear(v, pw, None)
+    for name, product in products.items():
+        plan = invariant.row_plan(w, product)
+        whole = invariant.chunked_linear(x, product, plan)
+        for n in (1, 3, 8, 13, 64):
+            assert torch.equal(invariant.chunked_linear(x[:n], product, plan), whole[:n]), f"{name}: {n} rows in {plan}"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

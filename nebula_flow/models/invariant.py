@@ -24,10 +24,13 @@ Elementwise and per-row operations (norms, rotary embedding, activations) do not
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+Product = Callable[[torch.Tensor], torch.Tensor]  # rows -> the layer's output rows, one kernel call
 
 ROW_CHUNK = 8  # call sizes up to this keep each row's bits on bf16 CPU kernels (or, padded, its multiples)
 MAX_CHUNK = 64  # the largest call a probe may allow
@@ -44,11 +47,11 @@ class RowPlan:
     multiple: int = 1
 
 
-def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: RowPlan) -> torch.Tensor:
-    """``F.linear`` in the call sizes ``plan`` allows."""
+def chunked_linear(x: torch.Tensor, product: Product, plan: RowPlan) -> torch.Tensor:
+    """A linear layer's ``product`` in the call sizes ``plan`` allows."""
     rows = x.shape[0]
     if rows <= plan.chunk and (rows <= plan.exact or rows % plan.multiple == 0):
-        return F.linear(x, weight, bias)
+        return product(x)
     outs = []
     for start in range(0, rows, plan.chunk):
         part = x[start:start + plan.chunk]
@@ -56,43 +59,52 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         padded = n if n <= plan.exact else -(-n // plan.multiple) * plan.multiple
         if padded > n:
             part = torch.cat([part, part.new_zeros(padded - n, part.shape[1])])
-        outs.append(F.linear(part, weight, bias)[:n])
+        outs.append(product(part)[:n])
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def row_plan(weight: torch.Tensor) -> RowPlan:
-    """The fastest plan whose call sizes all give a row the same bits, probed on this weight.
-    Every size up to 64 is probed for small weights; large ones (output heads: a probe call costs
-    milliseconds) only sizes up to ``ROW_CHUNK`` and the multiples of ``ROW_CHUNK``."""
+def row_plan(weight: torch.Tensor, product: Product | None = None) -> RowPlan:
+    """The fastest plan whose call sizes all give a row the same bits, probed on this weight with
+    the kernel the layer runs (``product``; default ``F.linear``). Every size up to 64 is probed
+    for small weights; large ones (output heads: a probe call costs milliseconds) only sizes up
+    to ``ROW_CHUNK`` and the multiples of ``ROW_CHUNK``."""
+    product = product or (lambda x: F.linear(x, weight))
     small = weight.numel() <= LARGE
     multiples = range(ROW_CHUNK, MAX_CHUNK + 1, ROW_CHUNK)
-    if rows_independent(weight, range(1, ROW_CHUNK + 1), ROW_CHUNK):
-        if small and rows_independent(weight, range(1, MAX_CHUNK + 1), MAX_CHUNK, trials=8):
+
+    def independent(sizes: range, total: int, trials: int | None = None) -> bool:
+        return rows_independent(weight, sizes, total, trials, product)
+
+    if independent(range(1, ROW_CHUNK + 1), ROW_CHUNK):
+        if small and independent(range(1, MAX_CHUNK + 1), MAX_CHUNK, trials=8):
             return RowPlan(MAX_CHUNK, MAX_CHUNK)
-        if rows_independent(weight, multiples, MAX_CHUNK, trials=8 if small else 2):
+        if independent(multiples, MAX_CHUNK, trials=8 if small else 2):
             return RowPlan(MAX_CHUNK, ROW_CHUNK, ROW_CHUNK)
         return RowPlan(ROW_CHUNK, ROW_CHUNK)
-    if rows_independent(weight, multiples, MAX_CHUNK, trials=8 if small else 2):
+    if independent(multiples, MAX_CHUNK, trials=8 if small else 2):
         return RowPlan(MAX_CHUNK, 0, ROW_CHUNK)
     return RowPlan(ROW_CHUNK, 0, ROW_CHUNK)
 
 
 @torch.inference_mode()
-def rows_independent(weight: torch.Tensor, sizes: range, total: int, trials: int | None = None) -> bool:
+def rows_independent(weight: torch.Tensor, sizes: range, total: int, trials: int | None = None,
+                     product: Product | None = None) -> bool:
     """True when, for every call size in ``sizes``, a row's product with ``weight`` has the bits
     it has in one call of ``total`` rows (calls of ``total`` rows cut into calls of each size; the
     last may be shorter, so ``sizes`` must allow it). Checked on random inputs in the weight's
     dtype and device, ``trials`` times (default: 64 for small weights, 16 for large): the kernels'
     shape-dependent rounding shows only on some inputs (measured: bf16 with 1536 inputs per row
     differs between 1-row and 8-row calls on about 80 % of random inputs, between 3-row and 8-row
-    calls on about 10 %)."""
+    calls on about 10 %). ``product`` is the kernel under test (default ``F.linear`` on ``weight``;
+    only the weight's shape, dtype and device are read otherwise)."""
+    product = product or (lambda x: F.linear(x, weight))
     if trials is None:  # cheap for small weights, so look harder there
         trials = 64 if weight.numel() <= LARGE else 16
     gen = torch.Generator().manual_seed(0)
     for _ in range(trials):
         x = (3 * torch.randn(total, weight.shape[1], generator=gen)).to(dtype=weight.dtype, device=weight.device)
-        whole = F.linear(x, weight)
+        whole = product(x)
         for m in sizes:
-            if m != total and not torch.equal(torch.cat([F.linear(x[s:s + m], weight) for s in range(0, total, m)]), whole):
+            if m != total and not torch.equal(torch.cat([product(x[s:s + m]) for s in range(0, total, m)]), whole):
                 return False
     return True

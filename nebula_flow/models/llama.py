@@ -15,19 +15,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from nebula_flow.kv.cache import KVCache
-from nebula_flow.models import invariant
+from nebula_flow.models import invariant, packed
 from nebula_flow.models.config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that runs in probed call sizes in batch-invariant mode (see ``invariant``)."""
+    """``nn.Linear`` that may run on a packed weight (``packed``) and, in batch-invariant mode,
+    in probed call sizes (see ``invariant``)."""
 
     row_plan: invariant.RowPlan | None = None
+    packed: torch.Tensor | None = None  # the weight in the CPU kernel's layout (CausalLM.pack_weights)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for the rows of ``x``, in one kernel call."""
+        if self.packed is not None:
+            return packed.linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_plan is None:
-            return super().forward(x)
-        return invariant.chunked_linear(x, self.weight, self.bias, self.row_plan)
+            return self.product(x)
+        return invariant.chunked_linear(x, self.product, self.row_plan)
 
 
 def fused_linear(parts: list[Linear]) -> Linear:
@@ -256,20 +264,34 @@ class CausalLM(nn.Module):
             del mlp.gate_proj, mlp.up_proj
             a.fused = mlp.fused = True
 
+    def pack_weights(self) -> int:
+        """For inference on a CPU: every linear layer runs on a weight packed once into the
+        kernel's layout (``models.packed``; bf16 only). The plain copy is released (a head tied to
+        the embedding keeps the embedding's). Returns how many layers were packed."""
+        count = 0
+        for m in self.modules():
+            if isinstance(m, Linear) and m.packed is None:
+                m.packed = packed.pack(m.weight)
+                if m.packed is not None:
+                    count += 1
+                    # keep shape, dtype and device for the probes and for callers; drop the bytes
+                    m.weight = nn.Parameter(m.weight.detach().new_zeros(1).expand(m.weight.shape), requires_grad=False)
+        return count
+
     def make_batch_invariant(self) -> dict:
         """Switch to batch-invariant numerics (``invariant``): a position's logits get the same
         bits whatever it is batched with. Returns what the kernel probe decided."""
-        plans: dict[tuple[int, ...], invariant.RowPlan] = {}  # weight shape -> its probed call sizes
+        plans: dict[tuple, invariant.RowPlan] = {}  # (weight shape, packed) -> its probed call sizes
         for m in self.modules():
             if isinstance(m, Linear):
-                shape = tuple(m.weight.shape)
-                if shape not in plans:
-                    plans[shape] = invariant.row_plan(m.weight)
-                m.row_plan = plans[shape]
+                key = (*m.weight.shape, m.packed is not None)
+                if key not in plans:
+                    plans[key] = invariant.row_plan(m.weight, m.product)
+                m.row_plan = plans[key]
             elif isinstance(m, Attention):
                 m.batch_invariant = True
         self.batch_invariant = True
-        self.invariance = {"linears": {"x".join(map(str, s)): f"<= {p.chunk} rows" + (
+        self.invariance = {"linears": {"x".join(map(str, s[:2])) + (" packed" if s[2] else ""): f"<= {p.chunk} rows" + (
             f", above {p.exact} padded to a multiple of {p.multiple}" if p.multiple > 1 else "")
             for s, p in sorted(plans.items())}}
         return self.invariance

@@ -46,13 +46,14 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None,
-               batch_invariant: bool | None = None, fuse: bool = True) -> CausalLM:
+               batch_invariant: bool | None = None, inference: bool = True) -> CausalLM:
     """Build the model described by ``path/config.json`` and load its safetensors weights.
 
     ``batch_invariant`` (see ``models.invariant``): None = on for bf16/fp16 on a CPU, where
     it costs little and keeps speculative output bit-equal to plain decoding; off otherwise.
-    ``fuse``: fused projections for inference (``CausalLM.fuse_projections``); off for a model
-    to train or whose state dict is read by HF names."""
+    ``inference``: fused projections (``CausalLM.fuse_projections``) and weights packed for the
+    CPU kernel (``CausalLM.pack_weights``); off for a model to train or whose state dict is read
+    by HF names."""
     path = Path(path)
     if not path.is_dir():
         raise ModelConfigError(f"model directory not found: {path}")
@@ -77,8 +78,9 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype |
     model.load_state_dict(state, assign=True)
     # The rotary buffer was built on the meta device; rebuild it for real.
     model.inv_freq = rope_inv_freq(cfg).to(device)
-    if fuse:
+    if inference:
         model.fuse_projections()
+        model.pack_weights()
     if batch_invariant is None:
         batch_invariant = torch_dtype != torch.float32 and torch.device(device).type == "cpu"
     if batch_invariant:
