@@ -165,6 +165,23 @@ def test_local_first_reads_same_host_files_and_asks_the_network_for_the_rest(tin
             t.close()
 
 
+def test_a_shared_cache_grown_inside_a_forward_still_publishes(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """A cache that outgrows its file during a forward gets a new file made in inference mode;
+    publishing it afterwards (outside that mode) must work, and peers read the new file."""
+    from nebula_flow.kv.shm import kv_path, read_rows
+
+    model = load_model(tiny_pair / "target")
+    store = KVStore(model)
+    store.share_into(tmp_path, "target")
+    tokens = np.arange(1, 101, dtype=np.int64)
+    cache = store.prepare(3, tokens[:4])  # room for 64 positions
+    model([cache], [tokens.tolist()], [1])  # 100 positions: grows inside the forward
+    store.publish([3])
+    dest = torch.empty_like(cache.buf[:100])
+    assert read_rows(kv_path(tmp_path, "target", 3), 0, 100, dest).tolist() == tokens.tolist()
+    assert torch.equal(dest, cache.buf[:100])
+
+
 def test_auto_transport_choice() -> None:
     from nebula_flow.kv.transport import resolve_transport
 

@@ -82,8 +82,10 @@ class SharedRows:
 
     def publish(self, tokens: list[int]) -> None:
         n = min(len(tokens), self.tokens.shape[0])
-        self.tokens[:n] = torch.as_tensor(tokens[:n], dtype=torch.int32)
-        self.header[1] = n
+        # (a buffer grown inside a forward is an inference tensor: only written in that mode)
+        with torch.inference_mode():
+            self.tokens[:n] = torch.as_tensor(tokens[:n], dtype=torch.int32)
+            self.header[1] = n
 
 
 PREFIX = "nebula-flow-kv-"
