@@ -89,7 +89,7 @@ def main() -> None:
               "cost (nebula_flow/speclen.py).")
 @click.option("--spec-costs", default=None, metavar="DRAFT,ROW,ROUND",
               help="Costs --adaptive-k weighs, in target decode steps: a draft step, a verify row, a round's "
-              "fixed cost [default: 0.054,0.054,1.1, measured for the bundled pair on a 2-core CPU].")
+              "fixed cost [default: 0.073,0.03,1.1, measured for the bundled pair on a 2-core CPU].")
 @click.option("--first-alternatives", default=0, show_default=True, type=click.IntRange(0, 8),
               help="Greedy requests: the draft also proposes this many runner-ups to its first token, verified "
               "in the same forward as siblings in a token tree (one more verify row each); a runner-up the target "
