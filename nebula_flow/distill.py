@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import platform
+import sys
 import sysconfig
 import time
 from dataclasses import asdict, dataclass
@@ -80,7 +81,8 @@ class DistillConfig:
 
 
 def _log(msg: str) -> None:
-    print(f"[train-draft {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    """Progress, on stderr: the commands print their JSON report on stdout."""
+    print(f"[train-draft {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def corpus_files(paths: list[str] | None) -> list[Path]:

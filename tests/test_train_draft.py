@@ -72,7 +72,7 @@ def test_eval_draft_command_reports_each_k_in_bf16(tiny_pair) -> None:  # noqa: 
                                     str(tiny_pair / "draft"), "--target-dtype", "bfloat16", "--ks", "1,3",
                                     "--max-new-tokens", "10"])
     assert res.exit_code == 0, res.output
-    report = json.loads(res.stdout[res.stdout.index("{"):])
+    report = json.loads(res.stdout)  # progress goes to stderr: stdout is the JSON report alone
     assert set(report) == {"k=1", "k=3"}
     assert all(r["lossless"] is True and 1.0 <= r["tokens_per_round"] <= 4.0 for r in report.values())
     bad = CliRunner().invoke(main, ["eval-draft", "--target", str(tiny_pair / "target"), "--draft",
