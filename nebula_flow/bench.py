@@ -199,8 +199,9 @@ def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log) -
                 c.generate(wl.prompts[0], max_new_tokens=8)
             before = _kv_totals(dep.address)
             # The raw transport under the same load, as the system uses it: paced pulls in a
-            # separate process while this run goes on.
-            with paced_probe(transport, probe_loaded) if overlap else contextlib.nullcontext():
+            # separate process while this run goes on (in both runs, so that the probe's own load
+            # does not favour either in the tokens/s they report).
+            with paced_probe(transport, probe_loaded if overlap else tmp / "loaded-no-overlap.json"):
                 res = run_once(dep.address, wl)
             after = _kv_totals(dep.address)
         d = {k: after[k] - before[k] for k in after}
