@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from nebula_flow.models import invariant, load_model, packed
+from nebula_flow.models.llama import Linear
 from tests.test_models import FAMILIES
 
 WIDE_MLP = "llama-wide-mlp"  # 1536-wide MLP: bf16 CPU kernels round its down projection by call size
@@ -96,6 +97,25 @@ def test_auto_setting_is_on_for_reduced_precision_on_cpu(checkpoint) -> None:  #
     assert load_model(path, dtype="bfloat16").batch_invariant
     assert not load_model(path).batch_invariant  # fp32: the fast batched path
     assert not load_model(path, dtype="bfloat16", batch_invariant=False).batch_invariant
+
+
+def test_bf16_inference_models_run_on_packed_weights_with_the_same_logits(checkpoint) -> None:  # noqa: ANN001
+    """Packed weights (where this CPU's PyTorch has the kernel) change speed, not bits; a packed
+    model refuses to hand out its released weights."""
+    _, path = checkpoint
+    model = load_model(path, dtype="bfloat16")
+    plain = load_model(path, dtype="bfloat16", inference=False)
+    linears = sum(isinstance(m, Linear) for m in model.modules())
+    w = torch.randn(16, 8).to(torch.bfloat16)
+    assert model.packed_layers == (linears if packed.pack(w) is not None else 0) and plain.packed_layers == 0
+    ids = list(range(3, 20))
+    got = model([model.new_cache()], [ids], [len(ids)])[0]
+    ref = plain([plain.new_cache()], [ids], [len(ids)])[0]
+    assert torch.equal(got, ref)
+    if model.packed_layers:
+        with pytest.raises(RuntimeError, match="packed for inference"):
+            model.state_dict()
+    assert plain.state_dict()
 
 
 def test_padded_chunks_give_each_row_the_full_chunk_kernel() -> None:

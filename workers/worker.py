@@ -407,6 +407,7 @@ class Worker:
             if runner is not None and isinstance(runner.model, torch.nn.Module):
                 dtype = str(runner.model.lm_head.weight.dtype).removeprefix("torch.")
                 out[f"{role}_numerics"] = dtype + (" batch-invariant" if runner.model.batch_invariant else "")
+                out[f"{role}_packed_layers"] = runner.model.packed_layers  # models/packed.py
         emulated = [r.model for r in self.runners if hasattr(r.model, "overrun_s")]
         if emulated:
             out["emulated_predicted_s"] = sum(m.predicted_s for m in emulated)

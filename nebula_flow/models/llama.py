@@ -241,6 +241,7 @@ class CausalLM(nn.Module):
     """Decoder plus output head. ``forward`` advances every cache by its new tokens."""
 
     batch_invariant = False
+    packed_layers = 0  # linear layers running on packed weights (``pack_weights``)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -276,7 +277,14 @@ class CausalLM(nn.Module):
                     count += 1
                     # keep shape, dtype and device for the probes and for callers; drop the bytes
                     m.weight = nn.Parameter(m.weight.detach().new_zeros(1).expand(m.weight.shape), requires_grad=False)
+        self.packed_layers += count
         return count
+
+    def state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - nn.Module's signature
+        if self.packed_layers:  # its linear weights were released: refuse rather than return zeros
+            raise RuntimeError("this model's weights are packed for inference; load it with "
+                               "load_model(..., inference=False) to read or save its state dict")
+        return super().state_dict(*args, **kwargs)
 
     def make_batch_invariant(self) -> dict:
         """Switch to batch-invariant numerics (``invariant``): a position's logits get the same
