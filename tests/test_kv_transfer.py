@@ -196,6 +196,20 @@ def test_auto_transport_choice() -> None:
         make_transport("shm+zmq", device="cuda")
 
 
+def test_auto_falls_back_to_zeromq_when_ucx_is_installed_but_does_not_load(monkeypatch) -> None:  # noqa: ANN001
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "ucxx" else real(name, *a))
+    monkeypatch.setitem(sys.modules, "nebula_flow.kv.ucx", None)  # importing it raises ImportError
+    transport = make_transport("auto", device="cuda")
+    assert isinstance(transport, ZmqTransport)
+    transport.close()
+    with pytest.raises(ImportError):
+        make_transport("ucx", device="cuda")  # asked for by name: say so, do not switch
+
+
 def test_shared_memory_folders_of_dead_workers_are_removed(tmp_path) -> None:  # noqa: ANN001
     import subprocess
     import sys

@@ -280,6 +280,7 @@ def make_transport(name: str, keys: Path | None = None, device: str = "cpu") -> 
     On CPU, UCX is not the auto choice: measured here, in-system UCX pulls were slower than
     ZeroMQ and an idle UCX worker kept ~1/3 of a core busy progressing its event loop.
     """
+    asked = name
     name = resolve_transport(name, device, keys is not None)
     if name == "none":
         return None
@@ -290,7 +291,12 @@ def make_transport(name: str, keys: Path | None = None, device: str = "cpu") -> 
 
         return ShmTransport() if name == "shm" else LocalFirstTransport(ShmTransport(), ZmqTransport(keys))
     if name == "ucx":
-        from nebula_flow.kv.ucx import UcxTransport
+        try:
+            from nebula_flow.kv.ucx import UcxTransport
 
-        return UcxTransport()
+            return UcxTransport()
+        except ImportError:  # installed but not loadable (e.g. its CUDA libraries are missing)
+            if asked == "ucx":
+                raise
+            log.warning("ucxx is installed but does not load: KV moves over ZeroMQ")
     return ZmqTransport(keys)
