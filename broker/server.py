@@ -63,6 +63,15 @@ class BrokerOptions:
     disable_by_batch_size: int = 0  # rounds start without drafts while more requests than this are pooled (0: never)
     policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
 
+    def check(self) -> None:
+        """Refuse timing that declares healthy workers dead: a worker beats once per heartbeat_s,
+        so a liveness under two beats drops any worker whose beat is a little late."""
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.liveness_s < 2 * self.heartbeat_s:
+            raise ValueError(f"liveness_s ({self.liveness_s}) must be at least twice heartbeat_s "
+                             f"({self.heartbeat_s})")
+
     @property
     def client_address(self) -> str:
         return f"tcp://{self.host}:{self.client_port}"
@@ -87,6 +96,7 @@ class WorkerInfo:
 
 class Broker:
     def __init__(self, opts: BrokerOptions) -> None:
+        opts.check()
         self.opts = opts
         policy = RecordingScheduler if opts.policy_log else Scheduler
         self.scheduler = policy(opts.mode, opts.k, **{knob: getattr(opts, knob) for knob in POLICY_KNOBS})

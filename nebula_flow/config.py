@@ -82,10 +82,14 @@ class DeployConfig:
             # Colocated and autoregressive run M + N workers: one pool may be empty there.
             if pool.workers == 0 and self.mode in ("pooled", "paired"):
                 raise ConfigError(f"[{name}] workers must be >= 1 in {self.mode} mode")
-        if self.draft.workers + self.target.workers < 1:
-            raise ConfigError("no workers: give [draft] or [target] workers >= 1")
             if pool.device == "emulated" and not pool.profile:
                 raise ConfigError(f"[{name}] device = \"emulated\" needs a profile")
+        if self.draft.workers + self.target.workers < 1:
+            raise ConfigError("no workers: give [draft] or [target] workers >= 1")
+        try:
+            self.broker.check()
+        except ValueError as exc:
+            raise ConfigError(f"[broker] {exc}") from None
         if self.broker.k < 0:
             raise ConfigError("[broker] k must be >= 0")
         if not 0 <= self.broker.first_alternatives <= 8:

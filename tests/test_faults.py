@@ -33,6 +33,7 @@ def test_chaos_kill_a_draft_and_a_target_worker_during_a_replay(tiny_pair) -> No
     refs = _ref_outputs(tiny_pair, prompts, 24)
     cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=8)
     cfg.broker.liveness_s = 2.0
+    cfg.broker.heartbeat_s = 0.5  # four beats per liveness window: a beat late on a loaded machine is no death
     cfg.kv_transport = "zmq"
     with Deployment(cfg) as dep:
         async def run() -> list:
@@ -88,6 +89,7 @@ frames_st = st.one_of(
 def test_fuzz_ten_thousand_malformed_messages(tiny_pair) -> None:  # noqa: ANN001
     cfg = deploy_config(tiny_pair, "pooled", 1, 1)
     cfg.broker.liveness_s = 2.0
+    cfg.broker.heartbeat_s = 0.5  # four beats per liveness window: a beat late on a loaded machine is no death
     cfg.kv_transport = "zmq"
     with Deployment(cfg) as dep:
         with Client(dep.address) as c:

@@ -106,6 +106,7 @@ def test_holder_killed_between_rounds_recomputes_and_output_is_unchanged(tiny_pa
     cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=4)
     cfg.broker.migrate = True
     cfg.broker.liveness_s = 2.0
+    cfg.broker.heartbeat_s = 0.5  # four beats per liveness window: a beat late on a loaded machine is no death
     cfg.kv_transport = "zmq"
     with Deployment(cfg) as dep:
         with Client(dep.address) as c:

@@ -169,7 +169,9 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
                     return ident, msg
 
         ident, _ = recv_kind("REGISTER")
-        router.send_multipart([ident, *protocol.encode(Message("WELCOME", {"worker_id": 1, "slot": 0, "mode": "pooled", "settings": {}}))])
+        # The broker's interval (0.25 s here, 1 s the worker's own default) sets the worker's pace.
+        welcome = {"worker_id": 1, "slot": 0, "mode": "pooled", "settings": {"heartbeat_s": 0.25}}
+        router.send_multipart([ident, *protocol.encode(Message("WELCOME", welcome))])
         recv_kind("PULL")
         task = {"rid": 7, "kind": "verify", "round": 1, "attempt": 1, "k": 0, "params": {"max_new_tokens": 4},
                 "seed": 1, "holder": {"worker": 0, "valid": 0}}
@@ -203,6 +205,15 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
         router.send_multipart([ident, *protocol.encode(tree)])
         _, result = recv_kind("RESULT")
         assert result.header["results"][0]["rid"] == 11 and 1 <= len(result.header["results"][0]["committed"]) <= 3
+        # Idle now (its PULL unanswered), the worker beats at the broker's pace, never a whole
+        # extra interval late: 2 s of silence from it hold about 8 beats.
+        recv_kind("HEARTBEAT")
+        beats = [time.monotonic()]
+        while beats[-1] - beats[0] < 2.0:
+            recv_kind("HEARTBEAT")
+            beats.append(time.monotonic())
+        gaps = np.diff(beats)
+        assert 0.2 < float(np.median(gaps)) < 0.35 and gaps.max() < 0.75, gaps
     finally:
         proc.terminate()
         proc.wait(10)
@@ -262,6 +273,16 @@ def test_serve_rejects_a_bad_config(tmp_path) -> None:  # noqa: ANN001
     cfg.write_text('mode = "warp"\n[target]\nmodel = "x"\n')
     res = CliRunner().invoke(main, ["serve", "--config", str(cfg)])
     assert res.exit_code != 0 and "mode must be one of" in res.output
+    # A liveness under two heartbeats would declare healthy workers dead; an emulated pool needs its profile.
+    pair = '[draft]\nmodel = "d"\n[target]\nmodel = "t"\n'
+    for text, message in (('[broker]\nheartbeat_s = 1.0\nliveness_s = 1.5\n' + pair, "at least twice heartbeat_s"),
+                          ('[broker]\nheartbeat_s = 0\n' + pair, "heartbeat_s must be > 0"),
+                          ('[draft]\nmodel = "d"\ndevice = "emulated"\n[target]\nmodel = "t"\n', "needs a profile")):
+        cfg.write_text(text)
+        res = CliRunner().invoke(main, ["serve", "--config", str(cfg)])
+        assert res.exit_code != 0 and message in res.output, res.output
+    res = CliRunner().invoke(main, ["broker", "--heartbeat-s", "1", "--liveness-s", "1"])
+    assert res.exit_code != 0 and "at least twice heartbeat_s" in res.output, res.output
 
 
 def test_replay_jsonl_and_azure_csv_write_records_summary_and_plots(live, tiny_pair, tmp_path) -> None:  # noqa: ANN001

@@ -66,6 +66,7 @@ class Worker:
         if opts.device != "emulated" and (opts.model is None or (opts.role == "colocated" and opts.draft_model is None)):
             raise ValueError("--model is required (and --draft-model for a colocated worker)")
         self.opts = opts
+        self.heartbeat_s = opts.heartbeat_s  # until the broker's WELCOME names its own interval
         self.name = opts.name or f"{opts.role}-{os.getpid()}"
         torch.set_num_threads(max(1, opts.threads))
         self.target = self.draft = None
@@ -329,14 +330,17 @@ class Worker:
                 if pending is None and (pull_out is None or (idle and pull_out == "busy")):
                     self._send(Message("PULL", {"credits": self.opts.capacity, "idle": idle}))
                     pull_out = "idle" if idle else "busy"
-            if time.monotonic() - self.last_sent > self.opts.heartbeat_s:
+            if time.monotonic() - self.last_sent >= self.heartbeat_s:
                 self._send(Message("HEARTBEAT"))
             if time.monotonic() - self.last_heard > self.opts.liveness_s * (backoff if not self.registered else 1):
                 # The broker is gone (or never answered): reconnect, waiting longer each time.
                 log.warning("no word from the broker for %.0f s: reconnecting", time.monotonic() - self.last_heard)
                 self._connect(poller)
                 pull_out, backoff = None, min(backoff * 2, 16.0)
-            events = dict(poller.poll(timeout=int(self.opts.heartbeat_s * 1000)))
+            # Wake when the next heartbeat is due, not a whole interval after the last look:
+            # sleeping a full interval let two beats lie up to twice the interval apart.
+            due = self.last_sent + self.heartbeat_s - time.monotonic()
+            events = dict(poller.poll(timeout=max(1, int(due * 1000) + 1)))
             if self.wake_r in events:
                 os.read(self.wake_r, 64)
             if computing is not None and computing.done():
@@ -360,8 +364,11 @@ class Worker:
                     self.worker_id = msg.header["worker_id"]
                     log.info("%s registered as worker %d (slot %d, mode %s)", self.name,
                              msg.header["worker_id"], msg.header["slot"], msg.header["mode"])
+                    settings = msg.header["settings"]
                     for r in self.runners:
-                        r.proposal_top_k = int(msg.header["settings"].get("proposal_top_k", r.proposal_top_k))
+                        r.proposal_top_k = int(settings.get("proposal_top_k", r.proposal_top_k))
+                    # The broker judges liveness against its own interval: beat at that pace.
+                    self.heartbeat_s = float(settings.get("heartbeat_s", self.heartbeat_s))
                 elif msg.kind == "TASKS":
                     pull_out = None
                     try:
