@@ -88,6 +88,8 @@ def test_forced_migration_pulls_kv_and_stays_lossless(tiny_pair, transport: str)
         if transport == "shm+zmq":  # every worker shares this host: all pulls read files, none asks the network
             assert sum(k["routes"]["local"] for k in kv) == sum(k["pulls"] for k in kv)
             assert sum(k["routes"]["remote"] for k in kv) == 0
+            # Same-host reads run at compute start, not on the prefetch thread: none overlaps compute.
+            assert sum(k["overlap_s"] for k in kv) == 0 and sum(k["stall_s"] for k in kv) >= sum(k["pull_s"] for k in kv)
         assert sum(k["pulls"] for k in kv) > 10 and sum(k["pull_failures"] for k in kv) == 0
         # After its first round a request never recomputes: every later prefix arrives by pull.
         computed = sum(k["computed"] for k in kv)
@@ -143,6 +145,11 @@ def test_local_first_reads_same_host_files_and_asks_the_network_for_the_rest(tin
     try:
         shm_part, tcp_part = endpoint.split(";")
         assert shm_part.startswith("shm://") and tcp_part.startswith("tcp://")
+        # Which pulls are copies from this host's memory (the worker runs those at compute start).
+        elsewhere = f"shm:///nonexistent/{shm_part[-8:]};{tcp_part}"
+        assert client.reads_locally(endpoint) and plain_shm.reads_locally(endpoint)
+        assert not client.reads_locally(elsewhere) and not client.reads_locally(tcp_part)
+        assert not plain_zmq.reads_locally(endpoint)
         for rid in (1, 2, 3, 4, 5):
             model([holder.prepare(rid, tokens)], [tokens[:-1].tolist()], [1])
         holder.publish([1, 2, 3, 4, 5])
@@ -150,7 +157,7 @@ def test_local_first_reads_same_host_files_and_asks_the_network_for_the_rest(tin
         puller.fetch_many("target", [(1, tokens, 39), (2, tokens, 39)], endpoint, client)
         assert client.routes == {"local": 1, "remote": 1} and puller.stats.pulls == 2
         # The holder on "another host": its folder is not visible here, so the network serves it.
-        puller.fetch(3, "target", tokens, 39, f"shm:///nonexistent/{shm_part[-8:]};{tcp_part}", client)
+        puller.fetch(3, "target", tokens, 39, elsewhere, client)
         assert client.routes == {"local": 1, "remote": 2}
         # Peers running one transport pick their part of the endpoint.
         puller.fetch(4, "target", tokens, 39, endpoint, plain_zmq)

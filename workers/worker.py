@@ -136,8 +136,9 @@ class Worker:
         store = self._store_for(role)
         return store.snapshot(rid, start, end) if store is not None else None
 
-    def _pulls(self, tasks: list[Task]) -> dict[str, list[tuple[int, np.ndarray, int]]]:
-        """The KV this batch needs from peers: holder endpoint -> [(rid, tokens, valid length)]."""
+    def _pulls(self, tasks: list[Task], local: bool | None = None) -> dict[str, list[tuple[int, np.ndarray, int]]]:
+        """The KV this batch needs from peers: holder endpoint -> [(rid, tokens, valid length)].
+        ``local``: only holders read from this host's memory (True), only the others (False), all (None)."""
         if self._store_for(self.opts.role) is None or self.transport is None:
             return {}
         by_holder: dict[str, list[tuple[int, np.ndarray, int]]] = {}
@@ -145,7 +146,9 @@ class Worker:
             h = t.holder
             if h.get("endpoint") and h.get("worker") != self.worker_id and h.get("valid", 0) > 0:
                 by_holder.setdefault(str(h["endpoint"]), []).append((t.rid, t.tokens, int(h["valid"])))
-        return by_holder
+        if local is None:
+            return by_holder
+        return {e: w for e, w in by_holder.items() if self.transport.reads_locally(e) == local}
 
     def _prefetch(self, pulls: dict[str, list[tuple[int, np.ndarray, int]]]) -> None:
         """Pull a batch's missing KV (``_pulls``) from its holders (prefetch thread, overlapping compute)."""
@@ -227,10 +230,12 @@ class Worker:
     # -- compute (runs on the compute thread) -----------------------------------------------
     def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None) -> tuple[Message, float]:
         t0 = time.perf_counter()
-        if prefetch is not None:  # the batch's KV pulls started when it arrived; wait for the rest
+        if prefetch is not None:  # the batch's network pulls started when it arrived; wait for the rest
             prefetch.result()
-        elif not self.opts.kv_overlap:
-            self._prefetch(self._pulls(tasks))  # no overlap: compute waits for every pull
+        # Same-host reads (shm) run here, not in the background: a ~0.4 ms copy gains nothing
+        # from overlap, while a second busy thread slowed the running batch ~10 % on two cores.
+        # Without overlap, compute waits for every pull.
+        self._prefetch(self._pulls(tasks, local=True if self.opts.kv_overlap else None))
         self.stall_s += time.perf_counter() - t0
         for r in self.runners:
             r.store.free(frees)
@@ -380,9 +385,9 @@ class Worker:
                         # (two answers can cross a re-sent PULL: extend the waiting batch; the
                         # prefetch thread runs in order, so the last future covers both)
                         pending = (pending or []) + batch
-                        # (a batch whose KV is all here skips the prefetch thread: a thread handoff
-                        # per batch is ~0.1 ms on the critical path of a single stream)
-                        pulls = self._pulls(batch) if self.opts.kv_overlap else {}
+                        # (a batch whose KV is all here or in this host's memory skips the prefetch
+                        # thread: a thread handoff per batch is ~0.1 ms on a single stream's critical path)
+                        pulls = self._pulls(batch, local=False) if self.opts.kv_overlap else {}
                         if pulls:
                             prefetch = self.prefetcher.submit(self._prefetch, pulls)
                 elif msg.kind == "FREE":

@@ -160,5 +160,10 @@ class ShmTransport(KVTransport):
         folder = Path(endpoint[len("shm://"):])
         return [read_rows(kv_path(folder, role, rid), start, end, dest) for rid, role, start, end, dest in items]
 
+    def reads_locally(self, endpoint: str) -> bool:
+        """The holder's folder is visible here (same host and mount namespace)."""
+        part = endpoint_part(endpoint, "shm://")
+        return part is not None and Path(part[len("shm://"):]).is_dir()
+
     def close(self) -> None:
         shutil.rmtree(self.share_folder, ignore_errors=True)

@@ -31,7 +31,7 @@ class KVStats:
     pulls: int = 0  # requests whose positions were received
     transfers: int = 0  # exchanges with holders (one per holder per batch)
     pull_failures: int = 0  # holder unreachable / evicted / mismatched: recomputed instead
-    pull_s: float = 0.0  # time spent in pulls (in the prefetch thread)
+    pull_s: float = 0.0  # time spent in pulls (prefetch thread; same-host reads at compute start)
     stall_s: float = 0.0  # time compute waited for pulls to finish
     served: int = 0  # pulls this worker answered for peers
     bytes_served: int = 0

@@ -76,6 +76,11 @@ class KVTransport(ABC):
         """One request's rows start..end into ``dest``; their tokens, or None."""
         return self.pull_many(endpoint, [(rid, role, start, end, dest)])[0]
 
+    def reads_locally(self, endpoint: str) -> bool:
+        """Whether a pull from ``endpoint`` is a copy from this host's memory (no peer, no
+        network): such a pull is as cheap at compute start as in the background."""
+        return False
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -204,10 +209,9 @@ class LocalFirstTransport(KVTransport):
         return f"{self.local.serve(host, lookup)};{self.remote.serve(host, lookup)}"
 
     def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
-        local = endpoint_part(endpoint, "shm://")
         got: list[np.ndarray | None] = [None] * len(items)
-        if local is not None and Path(local[len("shm://"):]).is_dir():  # the holder is on this host
-            got = self.local.pull_many(local, items)
+        if self.local.reads_locally(endpoint):  # the holder is on this host
+            got = self.local.pull_many(endpoint, items)
             self.routes["local"] += sum(g is not None for g in got)
         missing = [i for i, g in enumerate(got) if g is None]
         if missing and any(not part.startswith("shm://") for part in endpoint.split(";")):
@@ -215,6 +219,9 @@ class LocalFirstTransport(KVTransport):
                 got[i] = g
                 self.routes["remote"] += g is not None
         return got
+
+    def reads_locally(self, endpoint: str) -> bool:
+        return self.local.reads_locally(endpoint)
 
     def close(self) -> None:
         self.remote.close()
