@@ -180,42 +180,62 @@ def _kv_totals(address: str) -> dict[str, float]:
     return tot
 
 
-def bench_kv(cfg: DeployConfig, wl: Workload, transport: str, log=print) -> dict[str, Any]:  # noqa: ANN001
-    """Pooled run with forced migration (every round moves KV), with and without overlap."""
+def bench_kv(cfg: DeployConfig, wl: Workload, transport: str, log=print, repeats: int = 2) -> dict[str, Any]:  # noqa: ANN001
+    """Pooled run with forced migration (every round moves KV), with and without overlap:
+    ``repeats`` runs of each, in alternating order, reported as medians."""
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
     with tempfile.TemporaryDirectory(prefix="nebula-flow-bench-kv-") as tmp:
-        return _bench_kv(cfg, wl, transport, Path(tmp), log)
+        return _bench_kv(cfg, wl, transport, Path(tmp), log, repeats)
 
 
-def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log) -> dict[str, Any]:  # noqa: ANN001
-    out: dict[str, Any] = {"transport": transport}
-    probe_loaded, probe_idle = tmp / "loaded.json", tmp / "idle.json"
-    for overlap in (True, False):
-        cfg.mode, cfg.kv_transport = "pooled", transport
-        cfg.broker.migrate = True
-        cfg.broker.disable_by_batch_size = 0  # speculate at every load: both roles' KV moves
-        cfg.broker.client_port = cfg.broker.worker_port = 0
-        with Deployment(cfg, extra_worker_args=[] if overlap else ["--no-kv-overlap"]) as dep:
-            with Client(dep.address) as c:
-                c.generate(wl.prompts[0], max_new_tokens=8)
-            before = _kv_totals(dep.address)
-            # The raw transport under the same load, as the system uses it: paced pulls in a
-            # separate process while this run goes on (in both runs, so that the probe's own load
-            # does not favour either in the tokens/s they report).
-            with paced_probe(transport, probe_loaded if overlap else tmp / "loaded-no-overlap.json"):
-                res = run_once(dep.address, wl)
-            after = _kv_totals(dep.address)
-        d = {k: after[k] - before[k] for k in after}
-        key = "overlap" if overlap else "no_overlap"
-        out[key] = {"stall_fraction": d["stall_s"] / max(d["busy_s"], 1e-9), "stall_s": d["stall_s"],
-                    "compute_s": d["busy_s"], "pull_s": d["pull_s"], "pulls": d["pulls"], "transfers": d["transfers"],
-                    "pull_failures": d["pull_failures"], "bytes_pulled": d["bytes_pulled"],
-                    "positions_pulled": d["pulled"], "positions_recomputed": d["computed"],
-                    "system_gbps": d["bytes_pulled"] / max(d["pull_s"], 1e-9) / 1e9,
-                    # one exchange carries every request a batch needs from one holder
-                    "mean_pull_bytes": d["bytes_pulled"] / max(d["transfers"], 1), "tokens_per_s": res["tokens_per_s"]}
-        log(f"  {key}: stall {out[key]['stall_fraction'] * 100:.2f}% of compute, {d['pulls']:.0f} pulls in "
-            f"{d['transfers']:.0f} exchanges, "
-            f"{d['bytes_pulled'] / 1e6:.1f} MB, {res['tokens_per_s']:.1f} tokens/s")
+def _kv_run(cfg: DeployConfig, wl: Workload, overlap: bool, probe_out: Path, transport: str) -> dict[str, Any]:
+    """One deployment, one workload: the KV counters it moved and its tokens/s."""
+    with Deployment(cfg, extra_worker_args=[] if overlap else ["--no-kv-overlap"]) as dep:
+        with Client(dep.address) as c:
+            c.generate(wl.prompts[0], max_new_tokens=8)
+        before = _kv_totals(dep.address)
+        # The raw transport under the same load, as the system uses it: paced pulls in a
+        # separate process while this run goes on (in both modes, so that the probe's own load
+        # does not favour either in the tokens/s they report).
+        with paced_probe(transport, probe_out):
+            res = run_once(dep.address, wl)
+        after = _kv_totals(dep.address)
+    d = {k: after[k] - before[k] for k in after}
+    return {"stall_fraction": d["stall_s"] / max(d["busy_s"], 1e-9), "stall_s": d["stall_s"],
+            "compute_s": d["busy_s"], "pull_s": d["pull_s"], "pulls": d["pulls"], "transfers": d["transfers"],
+            "pull_failures": d["pull_failures"], "bytes_pulled": d["bytes_pulled"],
+            "positions_pulled": d["pulled"], "positions_recomputed": d["computed"],
+            "system_gbps": d["bytes_pulled"] / max(d["pull_s"], 1e-9) / 1e9,
+            # one exchange carries every request a batch needs from one holder
+            "mean_pull_bytes": d["bytes_pulled"] / max(d["transfers"], 1), "tokens_per_s": res["tokens_per_s"]}
+
+
+def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log, repeats: int) -> dict[str, Any]:  # noqa: ANN001
+    out: dict[str, Any] = {"transport": transport, "repeats": repeats}
+    cfg.mode, cfg.kv_transport = "pooled", transport
+    cfg.broker.migrate = True
+    cfg.broker.disable_by_batch_size = 0  # speculate at every load: both roles' KV moves
+    cfg.broker.client_port = cfg.broker.worker_port = 0
+    runs: dict[str, list[dict[str, Any]]] = {"overlap": [], "no_overlap": []}
+    loaded_probes, probe_idle = [], tmp / "idle.json"
+    for rep in range(repeats):
+        # Alternate which mode runs first (A B B A ...): on this machine a deployment's tokens/s
+        # depended on its place in the sequence by up to ~10 %, which a fixed order reads as a
+        # difference between the modes.
+        for overlap in (True, False) if rep % 2 == 0 else (False, True):
+            key = "overlap" if overlap else "no_overlap"
+            probe = tmp / f"loaded-{key}-{rep}.json"
+            run = _kv_run(cfg, wl, overlap, probe, transport)
+            runs[key].append(run)
+            if overlap:
+                loaded_probes.append(probe)
+            log(f"  {key} ({rep + 1}/{repeats}): stall {run['stall_fraction'] * 100:.2f}% of compute, "
+                f"{run['pulls']:.0f} pulls in {run['transfers']:.0f} exchanges, "
+                f"{run['bytes_pulled'] / 1e6:.1f} MB, {run['tokens_per_s']:.1f} tokens/s")
+    for key, rs in runs.items():
+        out[key] = {name: statistics.median(r[name] for r in rs) for name in rs[0]}
+        out[key]["runs"] = rs
     size = int(out["overlap"]["mean_pull_bytes"]) or 1 << 20
     out["raw_gbps_same_size"] = raw_transport_gbps(transport, size)
     out["raw_gbps_4mib"] = raw_transport_gbps(transport, 4 << 20)
@@ -225,8 +245,11 @@ def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log) -
         time.sleep(8)
     from nebula_flow.kv.probe import paced_gbps
 
-    for key, path in (("idle", probe_idle), ("loaded", probe_loaded)):
-        samples = {int(k): v for k, v in json.loads(path.read_text()).items()}
+    for key, paths in (("idle", [probe_idle]), ("loaded", loaded_probes)):
+        samples: dict[int, list[float]] = {}
+        for path in paths:
+            for k, v in json.loads(path.read_text()).items():
+                samples.setdefault(int(k), []).extend(v)
         out[f"raw_paced_{key}_gbps"] = paced_gbps(samples, size)
         out[f"bandwidth_ratio_paced_{key}"] = out["overlap"]["system_gbps"] / out[f"raw_paced_{key}_gbps"]
     out["raw_pace_ms"] = PROBE_PACE_MS

@@ -463,9 +463,11 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
 @click.option("--concurrency", default=4, show_default=True)
 @click.option("--requests", "n_requests", default=8, show_default=True)
 @click.option("--max-new-tokens", default=48, show_default=True)
+@click.option("--repeats", default=2, show_default=True, type=click.IntRange(1),
+              help="Runs of each mode, in alternating order (A B B A ...); medians are reported.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-                 as_json) -> None:  # noqa: ANN001
+                 repeats, as_json) -> None:  # noqa: ANN001
     """KV movement cost in a pooled run with forced migration: stall as a fraction of compute,
     with and without overlap, and in-system bandwidth against the raw transport."""
     from nebula_flow.bench import DEFAULT_PROMPTS, Workload, bench_kv
@@ -476,10 +478,11 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
     transport = resolve_transport(transport, cfg.target.device)  # what the workers' auto picks
     prepare_models(cfg)
     wl = Workload([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n_requests)], max_new_tokens, concurrency)
-    res = bench_kv(cfg, wl, transport, log=lambda m: click.echo(m, err=True))
+    res = bench_kv(cfg, wl, transport, log=lambda m: click.echo(m, err=True), repeats=repeats)
     if as_json:
         click.echo(json.dumps(res))
         return
+    click.echo(f"medians of {repeats} run(s) per mode, transport {res['transport']}")
     for key in ("overlap", "no_overlap"):
         r = res[key]
         click.echo(f"{key:<11} stall {r['stall_fraction'] * 100:6.2f}% of compute ({r['stall_s']:.3f} s / "

@@ -305,9 +305,15 @@ def test_bench_kv_reports_stall_and_every_bandwidth_ratio(tiny_pair, monkeypatch
     cfg = tiny_pair.parent / "bench-kv.toml"
     cfg.write_text(f'[draft]\nmodel = "{tiny_pair / "draft"}"\n[target]\nmodel = "{tiny_pair / "target"}"\n')
     res = CliRunner().invoke(main, ["bench-kv", "--config", str(cfg), "--transport", "shm", "--requests", "4",
-                                    "--max-new-tokens", "12", "--json"])
+                                    "--max-new-tokens", "12", "--repeats", "2", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["overlap"]["pulls"] > 0 and 0 <= out["overlap"]["stall_fraction"] < 1
+    # Two runs per mode, alternating order (A B B A); the report is their median.
+    order = [line.split()[0] for line in res.stderr.splitlines() if "(1/2)" in line or "(2/2)" in line]
+    assert order == ["overlap", "no_overlap", "no_overlap", "overlap"], res.stderr
+    for key in ("overlap", "no_overlap"):
+        rates = sorted(r["tokens_per_s"] for r in out[key]["runs"])
+        assert len(rates) == 2 and out[key]["tokens_per_s"] == (rates[0] + rates[1]) / 2
     for key in ("bandwidth_ratio", "bandwidth_ratio_paced_idle", "bandwidth_ratio_paced_loaded"):
         assert out[key] > 0, key
