@@ -175,7 +175,8 @@ def _kv_totals(address: str) -> dict[str, float]:
     with Client(address) as c:
         workers = c.status()["workers"]
     tot = {"busy_s": sum(w["busy_s"] for w in workers)}
-    for key in ("stall_s", "pull_s", "bytes_pulled", "pulls", "transfers", "pull_failures", "computed", "pulled"):
+    for key in ("stall_s", "pull_s", "pull_cpu_s", "bytes_pulled", "pulls", "transfers", "pull_failures", "computed",
+                "pulled"):
         tot[key] = sum((w["kv"] or {}).get(key, 0) for w in workers)
     return tot
 
@@ -204,6 +205,9 @@ def _kv_run(cfg: DeployConfig, wl: Workload, overlap: bool, probe_out: Path, tra
     d = {k: after[k] - before[k] for k in after}
     return {"stall_fraction": d["stall_s"] / max(d["busy_s"], 1e-9), "stall_s": d["stall_s"],
             "compute_s": d["busy_s"], "pull_s": d["pull_s"], "pulls": d["pulls"], "transfers": d["transfers"],
+            # the share of pull time the pulling thread was running; the rest it waited (for a
+            # core on a busy machine, for the holder, for the wire)
+            "pull_on_cpu": d["pull_cpu_s"] / max(d["pull_s"], 1e-9),
             "pull_failures": d["pull_failures"], "bytes_pulled": d["bytes_pulled"],
             "positions_pulled": d["pulled"], "positions_recomputed": d["computed"],
             "system_gbps": d["bytes_pulled"] / max(d["pull_s"], 1e-9) / 1e9,

@@ -489,7 +489,8 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
                    f"{r['compute_s']:.2f} s), {r['pulls']:.0f} pulls, {r['bytes_pulled'] / 1e6:.1f} MB, "
                    f"{r['positions_recomputed']:.0f} positions recomputed, {r['tokens_per_s']:.1f} tokens/s")
     click.echo(f"bandwidth  in-system {res['overlap']['system_gbps']:.2f} GB/s (mean pull "
-               f"{res['overlap']['mean_pull_bytes'] / 1e3:.0f} kB); raw {res['transport']} at that size "
+               f"{res['overlap']['mean_pull_bytes'] / 1e3:.0f} kB, on a core {res['overlap']['pull_on_cpu'] * 100:.0f}% "
+               f"of its time); raw {res['transport']} at that size "
                f"{res['raw_gbps_same_size']:.2f} GB/s -> ratio {res['bandwidth_ratio']:.2f}; raw at 4 MiB "
                f"{res['raw_gbps_4mib']:.2f} GB/s")
     click.echo(f"paced raw  one pull per {res['raw_pace_ms']:.0f} ms, at {res['overlap']['mean_pull_bytes'] / 1e3:.0f} kB: "

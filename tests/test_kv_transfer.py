@@ -309,6 +309,7 @@ def test_bench_kv_reports_stall_and_every_bandwidth_ratio(tiny_pair, monkeypatch
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["overlap"]["pulls"] > 0 and 0 <= out["overlap"]["stall_fraction"] < 1
+    assert 0 < out["overlap"]["pull_on_cpu"] <= 1.1  # thread CPU time within the pulls' wall time
     # Two runs per mode, alternating order (A B B A); the report is their median.
     order = [line.split()[0] for line in res.stderr.splitlines() if "(1/2)" in line or "(2/2)" in line]
     assert order == ["overlap", "no_overlap", "no_overlap", "overlap"], res.stderr

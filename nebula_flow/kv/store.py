@@ -32,6 +32,7 @@ class KVStats:
     transfers: int = 0  # exchanges with holders (one per holder per batch)
     pull_failures: int = 0  # holder unreachable / evicted / mismatched: recomputed instead
     pull_s: float = 0.0  # time spent in pulls (prefetch thread; same-host reads at compute start)
+    pull_cpu_s: float = 0.0  # CPU time of the pulling thread in them (the rest: waiting for a core, a peer, the wire)
     stall_s: float = 0.0  # time compute waited for pulls to finish
     served: int = 0  # pulls this worker answered for peers
     bytes_served: int = 0
@@ -122,10 +123,11 @@ class KVStore:
                 plan.append((rid, tokens, have, valid, cache))
         if not plan:
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         got = transport.pull_many(endpoint, [(rid, role, have, valid, cache.buf[have:valid])
                                              for rid, _, have, valid, cache in plan])
         self.stats.pull_s += time.perf_counter() - t0
+        self.stats.pull_cpu_s += time.thread_time() - c0
         self.stats.transfers += 1
         for (_, tokens, have, valid, cache), received in zip(plan, got):
             if received is None or not np.array_equal(received, tokens[have:valid]):
