@@ -76,3 +76,14 @@ def test_bench_json_on_emulated_devices(tiny_pair, profiles, tmp_path) -> None: 
     for m in modes.values():
         assert m["round_rate"] > 0 and m["tokens_per_s"] > 0 and 0 < m["utilization"] <= 1.0
     assert modes["autoregressive"]["tokens_per_round"] == 1.0
+
+
+def test_bench_table_columns_stay_apart_for_any_baseline_name() -> None:
+    from nebula_flow.bench import table
+
+    run = {"ttft_s": {"p50": 0.05}, "latency_s": {"p50": 1.0, "p90": 1.1}, "tokens_per_s": 30.0, "round_rate": 30.0,
+           "tokens_per_round": 1.0, "utilization": 0.5, "kv_bytes": 0}
+    header, base, pooled = table({"autoregressive": run, "pooled": dict(run, tokens_per_s=45.0)}).splitlines()
+    assert "KV MB  rounds/s vs autoregressive  tokens/s vs autoregressive" in header
+    assert len(header) == len(base) == len(pooled)  # ratios sit under their headings
+    assert pooled.split()[-2:] == ["1.00x", "1.50x"]
