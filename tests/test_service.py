@@ -329,10 +329,16 @@ def _scrape(port: int) -> dict[str, float]:
 def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
     with Client(live.address) as c:
         port = c.status()["metrics_port"]
-        time.sleep(0.7)
+        # The broker renders its snapshot at most every 0.5 s, checked on each loop pass (at
+        # least every 0.5 s): a scrape may be up to ~1 s old.
+        time.sleep(1.1)
         before = _scrape(port)
         out = c.generate("def metrics():", max_new_tokens=12)
-        time.sleep(0.7)  # the snapshot refreshes every 0.5 s
+        deadline = time.monotonic() + 10
+        while (after := _scrape(port))["nebula_rounds_total"] - before["nebula_rounds_total"] < out.rounds:
+            assert time.monotonic() < deadline, "the metrics snapshot never caught up"
+            time.sleep(0.2)
+        time.sleep(1.1)  # and nothing more arrives after it
         after = _scrape(port)
     assert after["nebula_rounds_total"] - before["nebula_rounds_total"] == out.rounds
     assert after["nebula_output_tokens_total"] - before["nebula_output_tokens_total"] == 12
