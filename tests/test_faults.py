@@ -232,7 +232,9 @@ def test_cancel_frees_kv_on_every_worker(tiny_pair) -> None:  # noqa: ANN001
         stream = c.stream(token_ids=[3, 4, 5], max_new_tokens=500, ignore_eos=True)
         next(stream)
         stream.close()  # cancel
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10  # the broker has dropped it (and sent FREE) before the next request
+        while c.status()["counters"].get("requests_cancelled", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
         c.generate(token_ids=[6, 7], max_new_tokens=6, ignore_eos=True)  # a batch applies the FREE
         workers = c.status()["workers"]
     assert all(w["kv"]["held_requests"] == 1 for w in workers)  # only the second request's KV is left
