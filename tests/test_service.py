@@ -213,7 +213,7 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
             recv_kind("HEARTBEAT")
             beats.append(time.monotonic())
         gaps = np.diff(beats)
-        assert 0.2 < float(np.median(gaps)) < 0.35 and gaps.max() < 0.75, gaps
+        assert 0.2 < float(np.median(gaps)) < 0.35 and gaps.max() < 1.0, gaps
     finally:
         proc.terminate()
         proc.wait(10)
