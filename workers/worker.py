@@ -337,7 +337,9 @@ class Worker:
                     pull_out = "idle" if idle else "busy"
             if time.monotonic() - self.last_sent >= self.heartbeat_s:
                 self._send(Message("HEARTBEAT"))
-            if time.monotonic() - self.last_heard > self.opts.liveness_s * (backoff if not self.registered else 1):
+            # (never under three of the broker's beats: a broker set to beat slowly is not gone)
+            liveness = max(self.opts.liveness_s, 3 * self.heartbeat_s)
+            if time.monotonic() - self.last_heard > liveness * (backoff if not self.registered else 1):
                 # The broker is gone (or never answered): reconnect, waiting longer each time.
                 log.warning("no word from the broker for %.0f s: reconnecting", time.monotonic() - self.last_heard)
                 self._connect(poller)
