@@ -146,6 +146,12 @@ class UcxTransport(KVTransport):
                 await _abort(ep)
             if self.listener is not None:
                 self.listener.close()
+            # End what still runs on this loop (ucxx's progress task among them), so the loop
+            # stops with nothing pending: no "Task was destroyed but it is pending" at exit.
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
         try:
             self._call(shutdown(), 5)
