@@ -151,7 +151,8 @@ class Worker:
         return {e: w for e, w in by_holder.items() if self.transport.reads_locally(e) == local}
 
     def _prefetch(self, pulls: dict[str, list[tuple[int, np.ndarray, int]]]) -> None:
-        """Pull a batch's missing KV (``_pulls``) from its holders (prefetch thread, overlapping compute)."""
+        """Pull a batch's missing KV (``_pulls``) from its holders: network pulls on the prefetch
+        thread (overlapping compute), same-host reads and no-overlap pulls at compute start."""
         store = self._store_for(self.opts.role)
         for endpoint, wanted in pulls.items():  # one exchange per holder for the whole batch
             try:
@@ -232,9 +233,9 @@ class Worker:
         t0 = time.perf_counter()
         if prefetch is not None:  # the batch's network pulls started when it arrived; wait for the rest
             prefetch.result()
-        # Same-host reads (shm) run here, not in the background: a ~0.4 ms copy gains nothing
-        # from overlap, while a second busy thread slowed the running batch ~10 % on two cores.
-        # Without overlap, compute waits for every pull.
+        # Same-host reads (shm) run here, not in the background: a copy of well under a
+        # millisecond gains nothing from overlap and would cost a thread handoff and a second
+        # busy thread beside the running batch. Without overlap, compute waits for every pull.
         self._prefetch(self._pulls(tasks, local=True if self.opts.kv_overlap else None))
         self.stall_s += time.perf_counter() - t0
         for r in self.runners:
