@@ -68,7 +68,6 @@ def row_plan(weight: torch.Tensor, product: Product | None = None) -> RowPlan:
     the kernel the layer runs (``product``; default ``F.linear``). Every size up to 64 is probed
     for small weights; large ones (output heads: a probe call costs milliseconds) only sizes up
     to ``ROW_CHUNK`` and the multiples of ``ROW_CHUNK``."""
-    product = product or (lambda x: F.linear(x, weight))
     small = weight.numel() <= LARGE
     multiples = range(ROW_CHUNK, MAX_CHUNK + 1, ROW_CHUNK)
 
