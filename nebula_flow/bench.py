@@ -28,6 +28,13 @@ DEFAULT_PROMPTS = [
     "for i in range(10):\n", "def read_config(path):\n    with open(path) as f:", "# sort a list of numbers\n",
     "The quick brown fox", "Once upon a time, there was",
 ]
+# Requests an instruct model gets as chat messages (``--chat``).
+DEFAULT_CHAT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.", "Write a Python function that lists the files in a folder.",
+    "Implement a stack class in Python.", "Write Python code that prints the numbers from 1 to 10.",
+    "Write a Python function that reads a config file.", "Write a Python function that sorts a list of numbers.",
+    "Write a Python class for a bank account.", "Write a Python function that counts the vowels in a string.",
+]
 
 
 @dataclass
@@ -37,6 +44,7 @@ class Workload:
     concurrency: int = 1
     temperature: float = 0.0
     ignore_eos: bool = True  # fixed-length outputs keep modes comparable
+    chat: bool = False  # send each prompt as a user message in the model's chat format
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -58,7 +66,7 @@ async def _closed_loop(address: str, wl: Workload) -> list[Completion]:
             while queue:
                 i, prompt = queue.pop(0)
                 outs.append(await client.generate(prompt, max_new_tokens=wl.max_new_tokens, temperature=wl.temperature,
-                                                  seed=i, ignore_eos=wl.ignore_eos))
+                                                  seed=i, ignore_eos=wl.ignore_eos, chat=wl.chat))
         await asyncio.gather(*(user() for _ in range(max(1, wl.concurrency))))
     return outs
 

@@ -372,18 +372,20 @@ def status(address: str, as_json: bool) -> None:
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--repeats", default=3, show_default=True, help="Repeats per mode; figures are medians.")
+@click.option("--chat", is_flag=True, help="Send code requests in the model's chat format (how an instruct model "
+              "is used) instead of raw code and prose prompts.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-          temperature, repeats, as_json) -> None:  # noqa: ANN001
+          temperature, repeats, chat, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
-    from nebula_flow.bench import DEFAULT_PROMPTS, Workload, bench_mode, table
+    from nebula_flow.bench import DEFAULT_CHAT_PROMPTS, DEFAULT_PROMPTS, Workload, bench_mode, table
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
     bad = [m for m in names if m not in MODES]
     if bad or not names:
         raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)}")
-    prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n_requests)]
-    wl = Workload(prompts, max_new_tokens, concurrency, temperature)
+    pool = DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
+    wl = Workload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature, chat=chat)
     results = {}
     for mode in names:
         cfg = _apply_overrides(_load(config), mode, draft_workers, target_workers, None)
@@ -519,6 +521,9 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
 @click.option("--generate-seqs", default=0, show_default=True,
               help="Also distil on this many sequences the target writes itself (its own style).")
 @click.option("--generate-len", default=192, show_default=True, help="Tokens per generated sequence.")
+@click.option("--generate-chat", default=0, show_default=True,
+              help="Also distil on the target's answers to this many code requests sent in its chat format "
+              "(made from the corpus's documented functions): how an instruct model is used.")
 @click.option("--init-from", type=click.Path(exists=True, file_okay=False), help="Fine-tune this draft instead of "
               "starting from scratch.")
 @click.option("--seed", default=0, show_default=True,
@@ -543,11 +548,13 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
 @click.option("--alternatives", default=0, show_default=True, type=click.IntRange(0, 8),
               help="Runner-ups to the first draft token verified beside the chain (a token tree; the broker's "
               "--first-alternatives).")
+@click.option("--chat", is_flag=True, help="Send the built-in code requests in the target's chat format (how an "
+              "instruct model is used) instead of raw code prompts; an answer ends at the end-of-turn token.")
 def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_new_tokens: int,
-               alternatives: int) -> None:
+               alternatives: int, chat: bool) -> None:
     """Greedy committed tokens per round of a draft/target pair at each k, on the built-in code
     prompts (not from the training corpus), checking the output equals the target alone."""
-    from nebula_flow.distill import EVAL_PROMPTS, evaluate_pair
+    from nebula_flow.distill import EVAL_CHAT_PROMPTS, EVAL_PROMPTS, evaluate_pair
     from nebula_flow.models.compat import IncompatiblePair, check_pair
     from nebula_flow.models.config import ModelConfigError
 
@@ -555,10 +562,10 @@ def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_n
         check_pair(draft, target)
     except (IncompatiblePair, ModelConfigError) as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"{len(EVAL_PROMPTS)} prompts x {max_new_tokens} tokens, target {target_dtype or 'default dtype'}",
-               err=True)
+    click.echo(f"{len(EVAL_CHAT_PROMPTS if chat else EVAL_PROMPTS)} {'chat' if chat else 'code'} prompts x "
+               f"{max_new_tokens} tokens, target {target_dtype or 'default dtype'}", err=True)
     res = evaluate_pair(target, draft, max_new_tokens, tuple(int(k) for k in ks.split(",")), target_dtype,
-                        alternatives)
+                        alternatives, chat)
     click.echo(json.dumps(res, indent=2))
 
 

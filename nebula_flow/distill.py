@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import math
@@ -37,6 +38,7 @@ from nebula_flow.config import cache_dir
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.models.loader import load_model
+from nebula_flow.tokenizer import TextCodec, eos_token_ids
 
 EVAL_PROMPTS = [
     "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n",
@@ -52,6 +54,27 @@ EVAL_PROMPTS = [
     "with open('data.csv') as f:\n    reader = csv.reader(f)\n",
     "def retry(times=3):\n    def decorator(func):\n",
 ]
+
+# The same tasks asked the way an instruct model is used: as a user message in its chat format.
+EVAL_CHAT_PROMPTS = [
+    "Write a Python function that merges two sorted lists.",
+    "Write a Python function that loads settings from a JSON file.",
+    "Implement an LRU cache class in Python.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python script that counts the words in a file.",
+    "Write a binary search function in Python.",
+    "Write an async Python function that fetches a list of URLs.",
+    "Write a Python function that parses command-line arguments with argparse.",
+    "Write a Python Matrix class with matrix multiplication.",
+    "Write a Python function that flattens a nested list.",
+    "Write Python code that reads a CSV file and prints each row.",
+    "Write a Python retry decorator.",
+]
+
+
+def eval_prompts(codec: TextCodec, chat: bool) -> list[list[int]]:
+    """Token ids of the evaluation prompts: raw code, or code requests in the chat format."""
+    return [codec.encode(p, chat=True) for p in EVAL_CHAT_PROMPTS] if chat else [codec.encode(p) for p in EVAL_PROMPTS]
 
 
 @dataclass
@@ -77,6 +100,7 @@ class DistillConfig:
     eval_tokens: int = 48
     generate_seqs: int = 0  # sequences the target writes itself (from corpus snippets), distilled too
     generate_len: int = 192  # tokens per generated sequence, the 32-token prompt included
+    generate_chat: int = 0  # answers the target writes to code requests in its chat format, distilled too
     init_from: str | None = None  # fine-tune an existing draft instead of starting from PCA
 
 
@@ -145,50 +169,113 @@ def teacher_cache(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, np.
     return idx, lp
 
 
-def generated_corpus(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sequences the target writes from 32-token corpus snippets (half greedy, half sampled at
-    temperature 0.8), with the teacher's top-K recorded as it generates: the draft learns the
-    target's own style (an instruct model often answers code with prose), which a corpus lacks."""
-    n, L, K, prompt_len = cfg.generate_seqs, cfg.generate_len, cfg.teacher_top_k, 32
-    key = hashlib.sha256(seqs.tobytes() + f"{Path(cfg.target).resolve()}|gen|{n}|{L}|{K}|{cfg.seed}".encode()).hexdigest()[:16]
-    folder = cache_dir() / "teacher" / key
-    if (folder / "done").exists():
-        return tuple(np.load(folder / f"{name}.npy") for name in ("ids", "idx", "logp"))
-    folder.mkdir(parents=True, exist_ok=True)
+def _generate(cfg: DistillConfig, prompts: list[list[int]], stop: set[int]) -> tuple[np.ndarray, ...]:
+    """The target continues each prompt to ``generate_len`` tokens (even rows greedy, odd rows
+    sampled at temperature 0.8), recording its top-K at every position as it goes. A row that
+    emits a ``stop`` token ends there: the rest repeats that token, teacher included (a draft is
+    never asked past the end)."""
+    n, L, K = len(prompts), cfg.generate_len, cfg.teacher_top_k
     teacher = load_model(cfg.target, dtype=cfg.teacher_dtype, batch_invariant=False)  # whole sequences: no need
-    rng = np.random.default_rng(cfg.seed + 1)
     ids = np.zeros((n, L), np.int32)
     idx = np.zeros((n, L, K), np.int32)
     logp = np.zeros((n, L, K), np.float16)
-    batch, t0 = 32, time.monotonic()
+    batch, t0, made = 32, time.monotonic(), 0
     for start in range(0, n, batch):
-        rows = range(start, min(n, start + batch))
-        for r in rows:
-            src = seqs[rng.integers(len(seqs))]
-            ids[r, :prompt_len] = src[(o := rng.integers(0, len(src) - prompt_len)): o + prompt_len]
-        caches = [teacher.new_cache(L + 8) for _ in rows]
-        logits = teacher(caches, [ids[r, :prompt_len].tolist() for r in rows], [prompt_len] * len(rows))
-        for pos in range(prompt_len, L + 1):
-            nxt = []
-            for r, lg in zip(rows, logits):
+        rows = list(range(start, min(n, start + batch)))
+        caches = {r: teacher.new_cache(L + 8) for r in rows}
+        feed = {r: list(prompts[r][:L]) for r in rows}
+        length = dict.fromkeys(rows, 0)
+        while feed:
+            active = list(feed)
+            logits = teacher([caches[r] for r in active], [feed[r] for r in active], [len(feed[r]) for r in active])
+            fed, feed = feed, {}
+            for r, lg in zip(active, logits):
                 lps = torch.log_softmax(lg.float(), -1)
                 top = torch.topk(lps, K, dim=-1)
-                first = pos - prompt_len == 0
-                span = slice(0, prompt_len) if first else slice(pos - 1, pos)
-                idx[r, span], logp[r, span] = top.indices.numpy(), top.values.numpy()
-                if pos < L:
-                    last = lps[-1]
-                    tok = int(last.argmax()) if r % 2 == 0 else int(torch.multinomial((last / 0.8).softmax(-1), 1))
-                    ids[r, pos] = tok
-                    nxt.append([tok])
-            if pos < L:
-                logits = teacher(caches, nxt, [1] * len(nxt))
-        _log(f"generated {min(n, start + batch)}/{n} sequences "
-             f"({(min(n, start + batch)) * (L - prompt_len) / (time.monotonic() - t0):.0f} tokens/s)")
-    for name, arr in (("ids", ids), ("idx", idx), ("logp", logp)):
+                s, e = length[r], length[r] + len(fed[r])
+                ids[r, s:e], idx[r, s:e], logp[r, s:e] = fed[r], top.indices.numpy(), top.values.numpy()
+                length[r] = e
+                if e == L:
+                    continue
+                last = lps[-1]
+                tok = int(last.argmax()) if r % 2 == 0 else int(torch.multinomial((last / 0.8).softmax(-1), 1))
+                made += 1
+                if tok in stop:
+                    ids[r, e:], idx[r, e:, 0], logp[r, e:, 0], logp[r, e:, 1:] = tok, tok, 0.0, -np.inf
+                else:
+                    feed[r] = [tok]
+        _log(f"generated {rows[-1] + 1}/{n} sequences ({made / (time.monotonic() - t0):.0f} tokens/s)")
+    return ids, idx, logp
+
+
+def _cached_generation(cfg: DistillConfig, key: bytes, make) -> tuple[np.ndarray, ...]:  # noqa: ANN001
+    folder = cache_dir() / "teacher" / hashlib.sha256(key).hexdigest()[:16]
+    if (folder / "done").exists():
+        return tuple(np.load(folder / f"{name}.npy") for name in ("ids", "idx", "logp"))
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = make()
+    for name, arr in zip(("ids", "idx", "logp"), arrays):
         np.save(folder / f"{name}.npy", arr)
     (folder / "done").write_text("ok")
-    return ids, idx, logp
+    return arrays
+
+
+def generated_corpus(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sequences the target writes from 32-token corpus snippets, with the teacher's top-K
+    recorded as it generates: the draft learns the target's own style, which a corpus lacks."""
+    n, prompt_len = cfg.generate_seqs, 32
+    key = seqs.tobytes() + f"{Path(cfg.target).resolve()}|gen|{n}|{cfg.generate_len}|{cfg.teacher_top_k}|{cfg.seed}".encode()
+
+    def make() -> tuple[np.ndarray, ...]:
+        rng = np.random.default_rng(cfg.seed + 1)
+        prompts = []
+        for _ in range(n):
+            src = seqs[rng.integers(len(seqs))]
+            o = rng.integers(0, len(src) - prompt_len)
+            prompts.append(src[o:o + prompt_len].tolist())
+        return _generate(cfg, prompts, stop=set())
+
+    return _cached_generation(cfg, key, make)
+
+
+def code_requests(files: list[Path], n: int, seed: int) -> list[str]:
+    """User requests for code, made from the corpus's documented public functions and classes
+    (name, arguments, first docstring line), in a few phrasings."""
+    phrasings = ["Write a Python {kind} `{sig}`: {doc}", "Implement `{sig}` in Python. {doc}",
+                 "{doc} Write it as a Python {kind} named `{name}`.", "Show me a Python {kind} `{sig}`. {doc}"]
+    rng = np.random.default_rng(seed + 2)
+    found: list[str] = []
+    for f in files:
+        try:
+            tree = ast.parse(f.read_text(errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+                continue
+            doc = (ast.get_docstring(node) or "").strip().split("\n")[0].strip()
+            if len(doc) < 16:
+                continue
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            args = "" if kind == "class" else ", ".join(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
+            sig = node.name if kind == "class" else f"{node.name}({args})"
+            found.append(phrasings[len(found) % len(phrasings)].format(kind=kind, sig=sig, name=node.name, doc=doc))
+        if len(found) >= 4 * n:
+            break
+    if not found:
+        raise ValueError("no documented functions in the corpus to make code requests from")
+    rng.shuffle(found)
+    return [found[i % len(found)] for i in range(n)]
+
+
+def chat_corpus(cfg: DistillConfig, codec: TextCodec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The target's answers to ``generate_chat`` code requests sent in its chat format, ending at
+    its end-of-turn token: an instruct model is used this way, and answers unlike its corpus."""
+    requests = code_requests(corpus_files(cfg.corpus), cfg.generate_chat, cfg.seed)
+    prompts = [codec.encode(r, chat=True) for r in requests]
+    stop = set(eos_token_ids(cfg.target, codec))
+    key = json.dumps(prompts).encode() + f"{Path(cfg.target).resolve()}|chat|{cfg.generate_len}|{cfg.teacher_top_k}|{cfg.seed}".encode()
+    return _cached_generation(cfg, key, lambda: _generate(cfg, prompts, stop))
 
 
 def draft_config(cfg: DistillConfig, target: ModelConfig, target_raw: dict) -> dict:
@@ -256,12 +343,11 @@ def _loss(student: Student, ids: torch.Tensor, t_idx: torch.Tensor, t_lp: torch.
 
 
 def train_draft(cfg: DistillConfig) -> dict:
-    from transformers import AutoTokenizer
-
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(cfg.target)
+    codec = TextCodec(cfg.target)
+    tok = codec.tok
     seqs, corpus_info = tokenize_corpus(cfg, tok)
     _log(f"corpus: {corpus_info['files_used']} files, {corpus_info['tokens']} tokens")
     t_idx, t_lp = teacher_cache(cfg, seqs)
@@ -271,7 +357,13 @@ def train_draft(cfg: DistillConfig) -> dict:
                        [tok.eos_token_id, *tcfg.eos_token_ids])
     raw = draft_config(cfg, tcfg, target_raw)
     raw["draft_head_size"] = len(head) if cfg.head_vocab else None
-    gen = generated_corpus(cfg, seqs) if cfg.generate_seqs else None
+    # Batches cycle through the sources: the corpus, the target's continuations, its chat answers.
+    n_hold = max(2, len(seqs) // 50)  # the last sequences: held out
+    sources = [(seqs, t_idx, t_lp, np.arange(len(seqs) - n_hold))]
+    for arrays in (generated_corpus(cfg, seqs) if cfg.generate_seqs else None,
+                   chat_corpus(cfg, codec) if cfg.generate_chat else None):
+        if arrays is not None:
+            sources.append((*arrays, np.arange(len(arrays[0]))))
     if cfg.init_from:  # fine-tune: keep the existing draft's shape and head
         base = load_model(cfg.init_from, inference=False)  # its state dict, by HF names
         raw = json.loads((Path(cfg.init_from) / "config.json").read_text())
@@ -288,8 +380,6 @@ def train_draft(cfg: DistillConfig) -> dict:
     student = Student(model)
     remap = torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
     remap[torch.from_numpy(head)] = torch.arange(len(head))
-    n_hold = max(2, len(seqs) // 50)
-    train_ids = np.arange(len(seqs) - n_hold)
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     step = 0
@@ -307,14 +397,10 @@ def train_draft(cfg: DistillConfig) -> dict:
         lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        if gen is not None and step % 2 == 1:  # alternate corpus batches with the target's own text
-            b = np.sort(rng.choice(len(gen[0]), min(cfg.batch_size, len(gen[0])), replace=False))
-            loss = _loss(student, torch.from_numpy(gen[0][b]).long(), torch.from_numpy(gen[1][b]),
-                         torch.from_numpy(gen[2][b]), remap)
-        else:
-            b = np.sort(rng.choice(train_ids, cfg.batch_size, replace=False))
-            loss = _loss(student, torch.from_numpy(seqs[b]).long(), torch.from_numpy(t_idx[b]),
-                         torch.from_numpy(t_lp[b]), remap)
+        ids, s_idx, s_lp, pick = sources[step % len(sources)]
+        b = np.sort(rng.choice(pick, min(cfg.batch_size, len(pick)), replace=False))
+        loss = _loss(student, torch.from_numpy(ids[b]).long(), torch.from_numpy(s_idx[b]), torch.from_numpy(s_lp[b]),
+                     remap)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -335,6 +421,9 @@ def train_draft(cfg: DistillConfig) -> dict:
     report = {"held_out_loss": held, "corpus": corpus_info, "config": asdict(cfg),
               "parameters": sum(p.numel() for p in model.parameters())}
     report["acceptance"] = evaluate_pair(cfg.target, str(out), cfg.eval_tokens, target_dtype=cfg.teacher_dtype)
+    if getattr(tok, "chat_template", None):
+        report["acceptance_chat"] = evaluate_pair(cfg.target, str(out), cfg.eval_tokens,
+                                                  target_dtype=cfg.teacher_dtype, chat=True)
     (out / "training.json").write_text(json.dumps(report, indent=2))
     ckpt.unlink(missing_ok=True)
     return report
@@ -373,20 +462,20 @@ def save_draft(model: CausalLM, raw: dict, out: Path, target: str) -> None:
 
 
 def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[int, ...] = (2, 4, 6),
-                  target_dtype: str | None = None, alternatives: int = 0) -> dict:
-    """Mean committed tokens per round (greedy) at each k on ``EVAL_PROMPTS``, using the
+                  target_dtype: str | None = None, alternatives: int = 0, chat: bool = False) -> dict:
+    """Mean committed tokens per round (greedy) at each k on ``EVAL_PROMPTS`` (``chat``: on
+    ``EVAL_CHAT_PROMPTS`` in the target's chat format), using the
     real runner code; also checks the output equals the target's own greedy output (the target
     runs in ``target_dtype``, batch-invariant in reduced precision, as a deployment runs it).
     ``alternatives``: runner-ups to the first draft token verified beside the chain (token tree)."""
-    from transformers import AutoTokenizer
-
     from nebula_flow.params import SamplingParams
     from workers.runner import ModelRunner, Task
 
-    tok = AutoTokenizer.from_pretrained(target)
+    codec = TextCodec(target)
     t_run, d_run = ModelRunner(load_model(target, dtype=target_dtype)), ModelRunner(load_model(draft))
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    prompts = [tok(p)["input_ids"] for p in EVAL_PROMPTS]
+    prompts = eval_prompts(codec, chat)
+    stop = set(eos_token_ids(target, codec)) if chat else set()  # a chat answer ends at its end of turn
     result = {}
     reference = None
     for k in (0, *ks):  # k = 0 is the target alone: the reference every k must reproduce
@@ -399,8 +488,12 @@ def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[i
                 if kk > 0:
                     proposal = d_run.draft([task])[0]
                     task.draft, task.alt = proposal.tokens, proposal.alt
-                toks += t_run.verify([task])[0]
+                new = t_run.verify([task])[0]
                 rounds += 1
+                ends = [i for i, t in enumerate(new) if t in stop]
+                toks += new[:ends[0] + 1] if ends else new
+                if ends:
+                    break
             outs.append(toks[len(prompt):][:max_new_tokens])
             for r in (t_run, d_run):
                 r.store.free([rid])

@@ -87,3 +87,19 @@ def test_bench_table_columns_stay_apart_for_any_baseline_name() -> None:
     assert "KV MB  rounds/s vs autoregressive  tokens/s vs autoregressive" in header
     assert len(header) == len(base) == len(pooled)  # ratios sit under their headings
     assert pooled.split()[-2:] == ["1.00x", "1.50x"]
+
+
+def test_bench_chat_workload_sends_requests_in_the_chat_format(tiny_pair) -> None:  # noqa: ANN001
+    import asyncio
+
+    from nebula_flow.bench import DEFAULT_CHAT_PROMPTS, Workload, _closed_loop
+    from nebula_flow.tokenizer import TextCodec
+    from tests.conftest import hf_greedy
+
+    wl = Workload(DEFAULT_CHAT_PROMPTS[:2], max_new_tokens=6, chat=True)
+    with Deployment(deploy_config(tiny_pair, "colocated")) as dep:
+        outs = asyncio.run(_closed_loop(dep.address, wl))  # one user: answers come in prompt order
+    codec = TextCodec(tiny_pair / "target")
+    for prompt, out in zip(wl.prompts, outs):
+        ref = hf_greedy(tiny_pair / "target", codec.encode(prompt, chat=True), 6)
+        assert out.token_ids[:len(ref)] == ref

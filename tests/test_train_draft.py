@@ -6,12 +6,14 @@ import dataclasses
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from nebula_flow.distill import DistillConfig, train_draft
 from nebula_flow.models import load_model
 from nebula_flow.models.compat import IncompatiblePair, check_pair
 from nebula_flow.tiny import build_tiny_pair
+from tests.conftest import hf_greedy
 
 
 def test_train_draft_runs_end_to_end_and_evaluates(tiny_pair, tmp_path, monkeypatch) -> None:  # noqa: ANN001
@@ -19,22 +21,25 @@ def test_train_draft_runs_end_to_end_and_evaluates(tiny_pair, tmp_path, monkeypa
     out = tmp_path / "draft"
     cfg = DistillConfig(target=str(tiny_pair / "target"), out=str(out), max_tokens=12_000, seq_len=64, steps=40,
                         batch_size=8, head_vocab=200, hidden_size=32, heads=2, kv_heads=1, intermediate_size=64,
-                        layers=1, eval_tokens=12, teacher_dtype="float32", checkpoint_every=20)
+                        layers=1, eval_tokens=12, teacher_dtype="float32", checkpoint_every=20, generate_chat=8,
+                        generate_len=32)
     report = train_draft(cfg)
     assert report["held_out_loss"] > 0 and report["corpus"]["tokens"] > 0
     assert set(report["acceptance"]) == {"k=2", "k=4", "k=6"}
     for res in report["acceptance"].values():
         assert res["lossless"] is True  # the reduced-head draft never changes the output
         assert 1.0 <= res["tokens_per_round"] <= 7.0
+    assert set(report["acceptance_chat"]) == {"k=2", "k=4", "k=6"}  # the tiny tokenizer has a chat template
+    assert all(res["lossless"] is True for res in report["acceptance_chat"].values())
     saved = json.loads((out / "training.json").read_text())
     assert saved["acceptance"] == report["acceptance"]
     assert not (out / "checkpoint.pt").exists()
     draft = load_model(out)
     assert draft.head_token_ids is not None and len(draft.head_token_ids) == 200
     check_pair(out, tiny_pair / "target")
-    # The teacher pass is cached: a second run reuses it (its folder already says done).
-    teacher = list((tmp_path / "cache" / "teacher").iterdir())
-    assert len(teacher) == 1 and (teacher[0] / "done").read_text() == str(12_000 // 64)
+    # The teacher pass and the chat answers are cached: a second run reuses them (their folders say done).
+    teacher = sorted((f / "done").read_text() for f in (tmp_path / "cache" / "teacher").iterdir())
+    assert teacher == sorted([str(12_000 // 64), "ok"])
     # Training goes on from a saved draft (its weights read by HF names, unfused).
     more = dataclasses.replace(cfg, out=str(tmp_path / "draft2"), steps=4, init_from=str(out))
     again = train_draft(more)
@@ -75,6 +80,44 @@ def test_eval_draft_command_reports_each_k_in_bf16(tiny_pair) -> None:  # noqa: 
     report = json.loads(res.stdout)  # progress goes to stderr: stdout is the JSON report alone
     assert set(report) == {"k=1", "k=3"}
     assert all(r["lossless"] is True and 1.0 <= r["tokens_per_round"] <= 4.0 for r in report.values())
+    chat = CliRunner().invoke(main, ["eval-draft", "--target", str(tiny_pair / "target"), "--draft",
+                                     str(tiny_pair / "draft"), "--ks", "2", "--max-new-tokens", "10", "--chat"])
+    assert chat.exit_code == 0, chat.output
+    assert "chat prompts" in chat.stderr and json.loads(chat.stdout)["k=2"]["lossless"] is True
     bad = CliRunner().invoke(main, ["eval-draft", "--target", str(tiny_pair / "target"), "--draft",
                                     str(tiny_pair / "target" / "..")])
     assert bad.exit_code != 0 and "Error" in bad.output
+
+
+def test_target_generation_records_its_own_greedy_text_and_ends_rows_at_a_stop_token(tiny_pair, tmp_path,
+                                                                                     monkeypatch) -> None:  # noqa: ANN001
+    from nebula_flow.distill import _generate, chat_corpus, code_requests, corpus_files
+    from nebula_flow.tokenizer import TextCodec
+
+    monkeypatch.setenv("NEBULA_FLOW_CACHE", str(tmp_path / "cache"))
+    target = tiny_pair / "target"
+    cfg = DistillConfig(target=str(target), out=str(tmp_path / "d"), generate_len=24, teacher_dtype="float32",
+                        teacher_top_k=4)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]  # ragged: each row continues its own prompt
+    ids, idx, logp = _generate(cfg, prompts, stop=set())
+    assert ids[0, :5].tolist() == prompts[0] and ids[1, :3].tolist() == prompts[1]
+    reference = hf_greedy(target, prompts[0], 24 - 5)  # row 0 is greedy (odd rows sample)
+    assert ids[0, 5:5 + len(reference)].tolist() == reference
+    assert (idx[0, 4:4 + len(reference), 0] == reference).all()  # the teacher's top-1 is what it wrote
+    assert (logp[0, :, 0] >= logp[0, :, 1]).all()
+    # A stop token ends a row: it repeats to the end, and the teacher there is certain of it.
+    ids, idx, logp = _generate(cfg, prompts, stop=set(range(100_000)))
+    first = int(ids[0, 5])
+    assert (ids[0, 5:] == first).all() and (idx[0, 5:, 0] == first).all()
+    assert (logp[0, 5:, 0] == 0).all() and np.isneginf(logp[0, 5:, 1:]).all()
+    # Chat requests come from the corpus's documented functions, the same for a seed.
+    files = corpus_files(None)[:40]
+    requests = code_requests(files, 6, seed=0)
+    assert len(requests) == 6 and requests == code_requests(files, 6, seed=0)
+    assert all("`" in r for r in requests)
+    chat = dataclasses.replace(cfg, generate_chat=3)
+    ids, idx, logp = chat_corpus(chat, TextCodec(target))
+    codec = TextCodec(target)
+    first_prompt = codec.encode(code_requests(corpus_files(None), 3, seed=0)[0], chat=True)
+    assert ids.shape == (3, 24) and ids[0, :len(first_prompt)].tolist() == first_prompt[:24]
+    assert (chat_corpus(chat, codec)[0] == ids).all()  # cached: read back, not generated again
