@@ -208,7 +208,8 @@ def _generate(cfg: DistillConfig, prompts: list[list[int]], stop: set[int]) -> t
     return ids, idx, logp
 
 
-def _cached_generation(cfg: DistillConfig, key: bytes, make) -> tuple[np.ndarray, ...]:  # noqa: ANN001
+def _cached_generation(key: bytes, make) -> tuple[np.ndarray, ...]:  # noqa: ANN001
+    """``make()``'s (ids, idx, logp), generated once per ``key`` and kept in the cache folder."""
     folder = cache_dir() / "teacher" / hashlib.sha256(key).hexdigest()[:16]
     if (folder / "done").exists():
         return tuple(np.load(folder / f"{name}.npy") for name in ("ids", "idx", "logp"))
@@ -235,7 +236,7 @@ def generated_corpus(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, 
             prompts.append(src[o:o + prompt_len].tolist())
         return _generate(cfg, prompts, stop=set())
 
-    return _cached_generation(cfg, key, make)
+    return _cached_generation(key, make)
 
 
 def code_requests(files: list[Path], n: int, seed: int) -> list[str]:
@@ -275,7 +276,7 @@ def chat_corpus(cfg: DistillConfig, codec: TextCodec) -> tuple[np.ndarray, np.nd
     prompts = [codec.encode(r, chat=True) for r in requests]
     stop = set(eos_token_ids(cfg.target, codec))
     key = json.dumps(prompts).encode() + f"{Path(cfg.target).resolve()}|chat|{cfg.generate_len}|{cfg.teacher_top_k}|{cfg.seed}".encode()
-    return _cached_generation(cfg, key, lambda: _generate(cfg, prompts, stop))
+    return _cached_generation(key, lambda: _generate(cfg, prompts, stop))
 
 
 def draft_config(cfg: DistillConfig, target: ModelConfig, target_raw: dict) -> dict:
