@@ -175,19 +175,36 @@ def test_local_first_reads_same_host_files_and_asks_the_network_for_the_rest(tin
 
 def test_a_shared_cache_grown_inside_a_forward_still_publishes(tiny_pair, tmp_path) -> None:  # noqa: ANN001
     """A cache that outgrows its file during a forward gets a new file made in inference mode;
-    publishing it afterwards (outside that mode) must work, and peers read the new file."""
-    from nebula_flow.kv.shm import kv_path, read_rows
+    publishing it afterwards (outside that mode) must work, and a peer that kept the old file
+    mapped reads the new one; once the request is freed, the peer reads nothing and lets go."""
+    from nebula_flow.kv.shm import PeerFiles, kv_path
 
     model = load_model(tiny_pair / "target")
     store = KVStore(model)
     store.share_into(tmp_path, "target")
     tokens = np.arange(1, 101, dtype=np.int64)
+    path = str(kv_path(tmp_path, "target", 3))
+    peer = PeerFiles()
     cache = store.prepare(3, tokens[:4])  # room for 64 positions
-    model([cache], [tokens.tolist()], [1])  # 100 positions: grows inside the forward
+    model([cache], [tokens[:10].tolist()], [1])
     store.publish([3])
-    dest = torch.empty_like(cache.buf[:100])
-    assert read_rows(kv_path(tmp_path, "target", 3), 0, 100, dest).tolist() == tokens.tolist()
+    dest = torch.empty((100, *cache.row_shape), dtype=cache.buf.dtype)
+    assert peer.read(path, 0, 10, dest[:10]).tolist() == tokens[:10].tolist()
+    first_file = peer.maps[path]
+    model([cache], [tokens[10:].tolist()], [1])  # 100 positions: grows inside the forward
+    store.publish([3])
+    assert first_file.head[4] == 1  # the old file says it no longer follows the cache
+    assert peer.read(path, 0, 100, dest).tolist() == tokens.tolist()
     assert torch.equal(dest, cache.buf[:100])
+    assert peer.maps[path] is not first_file and len(peer.maps) == 1 and peer.mapped_bytes == peer.maps[path].nbytes
+    # A peer's rolled-back and recomputed positions are read afresh from the same mapping.
+    cache.truncate(50)
+    model([cache], [[7] * 50], [1])
+    store.publish([3])
+    assert peer.read(path, 40, 100, dest[40:]).tolist() == tokens[40:50].tolist() + [7] * 50
+    assert torch.equal(dest[40:], cache.buf[40:100])
+    store.free([3])
+    assert peer.read(path, 0, 10, dest[:10]) is None and not peer.maps and peer.mapped_bytes == 0
 
 
 def test_auto_transport_choice() -> None:

@@ -79,12 +79,16 @@ class KVCache:
             rows = SharedRows(self.shared_path, capacity, self.row_shape, self.buf.dtype)
         except SharedMemoryFull as exc:
             log.warning("%s; keeping this request's KV private", exc)
-            self.shared_path.unlink(missing_ok=True)  # a stale, shorter file must not be read
+            if self.shared is not None:
+                self.shared.retire()  # a stale, shorter file must not be read, mapped or not
+            self.shared_path.unlink(missing_ok=True)
             self.shared_path = self.shared = None
             return False
         rows.rows[: self.length] = self.buf[: self.length]
         rows.publish(self.tokens)
         rows.install()
+        if self.shared is not None:
+            self.shared.retire()  # readers that kept the old file mapped move to the new one
         self.buf, self.shared = rows.rows, rows
         return True
 

@@ -71,6 +71,8 @@ class KVStore:
                 cache.publish()
 
     def _unshare(self, cache: KVCache) -> None:
+        if cache.shared is not None:
+            cache.shared.retire()  # peers that kept the file mapped let go of it (and its memory)
         if cache.shared_path is not None:
             cache.shared_path.unlink(missing_ok=True)
 
