@@ -37,6 +37,25 @@ DEFAULT_CHAT_PROMPTS = [
 ]
 
 
+def with_context(prompts: list[str], context_tokens: int, model: str | Path) -> list[str]:
+    """Each prompt after about ``context_tokens`` tokens of code to read first (a different
+    stretch of the stdlib's sources per prompt, cut in tokens and decoded back to text): code
+    completion with a file open, where the prompt's KV is most of the bytes that move."""
+    if context_tokens <= 0:
+        return list(prompts)
+    from nebula_flow.distill import corpus_files
+    from nebula_flow.tokenizer import TextCodec
+
+    codec = TextCodec(model)
+    ids: list[int] = []
+    for f in corpus_files(None):
+        # (a file's first 16k characters: fewer tokens than any model's context, so no warning)
+        ids += codec.tok(f.read_text(errors="ignore")[:16_000], add_special_tokens=False)["input_ids"]
+        if len(ids) >= context_tokens * len(prompts):
+            break
+    return [f"{codec.decode(ids[i * context_tokens:(i + 1) * context_tokens])}\n{p}" for i, p in enumerate(prompts)]
+
+
 @dataclass
 class Workload:
     prompts: list[str]
@@ -152,13 +171,14 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def raw_transport_gbps(transport: str, nbytes: int, repeats: int = 20) -> float:
-    """Median bandwidth of back-to-back bare pulls of ``nbytes`` on this machine (kv/probe.py)."""
-    from nebula_flow.kv.probe import RawPair
+def raw_transport_gbps(transport: str, nbytes: int, repeats: int = 20, spread: bool = False) -> float:
+    """Median bandwidth of back-to-back bare pulls of ``nbytes`` on this machine (kv/probe.py);
+    ``spread``: each pull other rows of a buffer larger than the CPU's caches."""
+    from nebula_flow.kv.probe import SPREAD_BYTES, RawPair
 
-    pair = RawPair(transport, nbytes)
+    pair = RawPair(transport, max(nbytes, SPREAD_BYTES) if spread else nbytes)
     try:
-        return pair.gbps(nbytes, repeats)
+        return pair.gbps(nbytes, repeats, spread)
     finally:
         pair.close()
 
@@ -253,6 +273,10 @@ def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log, r
     out["raw_gbps_same_size"] = raw_transport_gbps(transport, size)
     out["raw_gbps_4mib"] = raw_transport_gbps(transport, 4 << 20)
     out["bandwidth_ratio"] = out["overlap"]["system_gbps"] / out["raw_gbps_same_size"]
+    # The same, each pull's data from memory rather than the cache (as every real pull's is)
+    out["raw_spread_gbps_same_size"] = raw_transport_gbps(transport, size, spread=True)
+    out["raw_spread_gbps_4mib"] = raw_transport_gbps(transport, 4 << 20, spread=True)
+    out["bandwidth_ratio_spread"] = out["overlap"]["system_gbps"] / out["raw_spread_gbps_same_size"]
     # Paced raw pulls: on the idle machine now, and (recorded above) while the system ran.
     with paced_probe(transport, probe_idle):
         time.sleep(8)
@@ -267,3 +291,25 @@ def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log, r
         out[f"bandwidth_ratio_paced_{key}"] = out["overlap"]["system_gbps"] / out[f"raw_paced_{key}_gbps"]
     out["raw_pace_ms"] = PROBE_PACE_MS
     return out
+
+
+def kv_report(res: dict[str, Any]) -> str:
+    """``bench_kv``'s result as the text ``bench-kv`` prints."""
+    lines = [f"medians of {res['repeats']} run(s) per mode, transport {res['transport']}"]
+    for key in ("overlap", "no_overlap"):
+        r = res[key]
+        lines.append(f"{key:<11} stall {r['stall_fraction'] * 100:6.2f}% of compute ({r['stall_s']:.3f} s / "
+                     f"{r['compute_s']:.2f} s), {r['pulls']:.0f} pulls, {r['bytes_pulled'] / 1e6:.1f} MB, "
+                     f"{r['positions_recomputed']:.0f} positions recomputed, {r['tokens_per_s']:.1f} tokens/s")
+    o, size = res["overlap"], res["overlap"]["mean_pull_bytes"]
+    lines.append(f"bandwidth  in-system {o['system_gbps']:.2f} GB/s: {o['pull_s'] / max(o['transfers'], 1) * 1e6:.0f} us "
+                 f"per exchange of {size / 1e3:.0f} kB on average (the pulling thread on a core "
+                 f"{o['pull_on_cpu'] * 100:.0f}% of that time)")
+    lines.append(f"raw {res['transport']}, back to back, at that size: data in cache {res['raw_gbps_same_size']:.2f} GB/s "
+                 f"-> ratio {res['bandwidth_ratio']:.2f}; data from memory {res['raw_spread_gbps_same_size']:.2f} GB/s "
+                 f"-> ratio {res['bandwidth_ratio_spread']:.2f} (at 4 MiB: {res['raw_gbps_4mib']:.2f} and "
+                 f"{res['raw_spread_gbps_4mib']:.2f} GB/s)")
+    lines.append(f"raw {res['transport']}, one pull per {res['raw_pace_ms']:.0f} ms, at that size: idle machine "
+                 f"{res['raw_paced_idle_gbps']:.2f} GB/s -> ratio {res['bandwidth_ratio_paced_idle']:.2f}; during the "
+                 f"run (same load) {res['raw_paced_loaded_gbps']:.2f} GB/s -> ratio {res['bandwidth_ratio_paced_loaded']:.2f}")
+    return "\n".join(lines)

@@ -465,40 +465,28 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
 @click.option("--concurrency", default=4, show_default=True)
 @click.option("--requests", "n_requests", default=8, show_default=True)
 @click.option("--max-new-tokens", default=48, show_default=True)
+@click.option("--context-tokens", default=0, show_default=True, type=click.IntRange(0),
+              help="Put about this many tokens of code (stdlib sources) before each prompt: long prompts, "
+                   "whose KV moves in large pulls (code completion with a file open).")
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(1),
               help="Runs of each mode, in alternating order (A B B A ...); medians are reported.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-                 repeats, as_json) -> None:  # noqa: ANN001
+                 context_tokens, repeats, as_json) -> None:  # noqa: ANN001
     """KV movement cost in a pooled run with forced migration: stall as a fraction of compute,
     with and without overlap, and in-system bandwidth against the raw transport."""
-    from nebula_flow.bench import DEFAULT_PROMPTS, Workload, bench_kv
+    from nebula_flow.bench import DEFAULT_PROMPTS, Workload, bench_kv, kv_report, with_context
 
     cfg = _apply_overrides(_load(config), "pooled", draft_workers, target_workers, None)
     from nebula_flow.kv.transport import resolve_transport
 
     transport = resolve_transport(transport, cfg.target.device)  # what the workers' auto picks
     prepare_models(cfg)
-    wl = Workload([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n_requests)], max_new_tokens, concurrency)
+    prompts = with_context([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n_requests)], context_tokens,
+                           cfg.target.model)
+    wl = Workload(prompts, max_new_tokens, concurrency)
     res = bench_kv(cfg, wl, transport, log=lambda m: click.echo(m, err=True), repeats=repeats)
-    if as_json:
-        click.echo(json.dumps(res))
-        return
-    click.echo(f"medians of {repeats} run(s) per mode, transport {res['transport']}")
-    for key in ("overlap", "no_overlap"):
-        r = res[key]
-        click.echo(f"{key:<11} stall {r['stall_fraction'] * 100:6.2f}% of compute ({r['stall_s']:.3f} s / "
-                   f"{r['compute_s']:.2f} s), {r['pulls']:.0f} pulls, {r['bytes_pulled'] / 1e6:.1f} MB, "
-                   f"{r['positions_recomputed']:.0f} positions recomputed, {r['tokens_per_s']:.1f} tokens/s")
-    click.echo(f"bandwidth  in-system {res['overlap']['system_gbps']:.2f} GB/s (mean pull "
-               f"{res['overlap']['mean_pull_bytes'] / 1e3:.0f} kB, on a core {res['overlap']['pull_on_cpu'] * 100:.0f}% "
-               f"of its time); raw {res['transport']} at that size "
-               f"{res['raw_gbps_same_size']:.2f} GB/s -> ratio {res['bandwidth_ratio']:.2f}; raw at 4 MiB "
-               f"{res['raw_gbps_4mib']:.2f} GB/s")
-    click.echo(f"paced raw  one pull per {res['raw_pace_ms']:.0f} ms, at {res['overlap']['mean_pull_bytes'] / 1e3:.0f} kB: "
-               f"idle machine {res['raw_paced_idle_gbps']:.2f} GB/s -> ratio {res['bandwidth_ratio_paced_idle']:.2f}; "
-               f"during the run (same load) {res['raw_paced_loaded_gbps']:.2f} GB/s -> ratio "
-               f"{res['bandwidth_ratio_paced_loaded']:.2f}")
+    click.echo(json.dumps(res) if as_json else kv_report(res))
 
 
 @main.command("train-draft")

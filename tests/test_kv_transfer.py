@@ -267,10 +267,13 @@ def test_paced_raw_probe_measures_real_pulls(tmp_path, transport: str) -> None: 
     assert set(samples) == {8192, 65536} and all(len(v) >= 5 and min(v) > 0 for v in samples.values())
     mid = paced_gbps(samples, 32768)
     assert min(paced_gbps(samples, 8192), paced_gbps(samples, 65536)) * 0.5 < mid
-    pair = RawPair(transport, 65536)
+    pair = RawPair(transport, 4 * 65536)
     try:
         assert pair.gbps(65536, repeats=5) > 0
         assert torch.equal(pair.dest[:16], pair.rows[:16])  # the bytes really arrived
+        assert not torch.equal(pair.dest[16:], pair.rows[16:])
+        # Spread: each pull the next 16 rows, through the whole buffer.
+        assert pair.gbps(65536, repeats=4, spread=True) > 0 and torch.equal(pair.dest, pair.rows)
     finally:
         pair.close()
 
@@ -316,6 +319,7 @@ def test_bench_kv_reports_stall_and_every_bandwidth_ratio(tiny_pair, monkeypatch
 
     from click.testing import CliRunner
 
+    from nebula_flow.bench import kv_report
     from nebula_flow.cli import main
 
     monkeypatch.setenv("NEBULA_FLOW_CACHE", str(tiny_pair.parent))
@@ -333,5 +337,22 @@ def test_bench_kv_reports_stall_and_every_bandwidth_ratio(tiny_pair, monkeypatch
     for key in ("overlap", "no_overlap"):
         rates = sorted(r["tokens_per_s"] for r in out[key]["runs"])
         assert len(rates) == 2 and out[key]["tokens_per_s"] == (rates[0] + rates[1]) / 2
-    for key in ("bandwidth_ratio", "bandwidth_ratio_paced_idle", "bandwidth_ratio_paced_loaded"):
+    for key in ("bandwidth_ratio", "bandwidth_ratio_spread", "bandwidth_ratio_paced_idle", "bandwidth_ratio_paced_loaded"):
         assert out[key] > 0, key
+    text = kv_report(out)  # what bench-kv prints without --json
+    assert f"in-system {out['overlap']['system_gbps']:.2f} GB/s" in text
+    assert f"data from memory {out['raw_spread_gbps_same_size']:.2f} GB/s" in text and "during the run" in text
+
+
+def test_long_context_prompts_put_a_different_stretch_of_code_before_each_prompt(tiny_pair) -> None:  # noqa: ANN001
+    """bench-kv --context-tokens: long prompts, so a migrated request's first pull is large."""
+    from nebula_flow.bench import with_context
+    from nebula_flow.tokenizer import TextCodec
+
+    codec = TextCodec(tiny_pair / "target")
+    prompts = with_context(["def f(x):", "class A:"], 200, tiny_pair / "target")
+    assert prompts[0].endswith("\ndef f(x):") and prompts[1].endswith("\nclass A:")
+    sizes = [len(codec.encode(p)) for p in prompts]
+    assert all(180 <= n <= 240 for n in sizes), sizes  # about 200 tokens of context (cut, decoded, re-encoded)
+    assert prompts[0][:200] != prompts[1][:200]
+    assert with_context(["x"], 0, tiny_pair / "target") == ["x"]

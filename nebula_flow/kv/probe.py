@@ -23,6 +23,9 @@ import torch
 ROW_BYTES = 4096
 
 
+SPREAD_BYTES = 128 << 20  # more than any last-level cache here (32 MiB): pulls spread over it come from memory
+
+
 class RawPair:
     """A serving and a pulling endpoint of ``transport`` in this process, holding ``max_bytes``."""
 
@@ -45,19 +48,26 @@ class RawPair:
             held.share(kv_path(self.server.share_folder, "target", 1))
         self.dest = torch.empty_like(self.rows)
 
-    def pull(self, nbytes: int) -> float:
-        """Seconds for one pull of ``nbytes`` (rounded to whole 4 kB rows)."""
-        n = max(1, min(len(self.rows), nbytes // ROW_BYTES))
+    def pull(self, nbytes: int, start: int = 0) -> float:
+        """Seconds for one pull of ``nbytes`` (rounded to whole 4 kB rows) from row ``start`` on."""
+        n = max(1, min(len(self.rows) - start, nbytes // ROW_BYTES))
         t0 = time.perf_counter()
-        got = self.client.pull(self.endpoint, 1, "target", 0, n, self.dest[:n])
+        got = self.client.pull(self.endpoint, 1, "target", start, start + n, self.dest[start:start + n])
         if got is None:
             raise RuntimeError("raw pull failed")
         return time.perf_counter() - t0
 
-    def gbps(self, nbytes: int, repeats: int = 20) -> float:
-        """Median bandwidth of back-to-back pulls of ``nbytes``."""
-        n = max(1, nbytes // ROW_BYTES) * ROW_BYTES
-        return n / statistics.median(self.pull(n) for _ in range(repeats)) / 1e9
+    def gbps(self, nbytes: int, repeats: int = 20, spread: bool = False) -> float:
+        """Median bandwidth of back-to-back pulls of ``nbytes``: the same rows each time (their
+        data stays in the CPU's caches), or, with ``spread``, each pull the next rows of the whole
+        buffer (make it SPREAD_BYTES or more: the data then comes from memory, as in a real pull
+        of rows another process wrote a batch ago)."""
+        n = max(1, nbytes // ROW_BYTES)
+        slots = max(1, len(self.rows) // n) if spread else 1
+        for i in range(slots if spread else 0):  # first map every page (as the system's buffers are) ...
+            self.pull(n * ROW_BYTES, i * n)
+        # ... then time pulls whose rows were last touched a whole buffer ago, out of every cache
+        return n * ROW_BYTES / statistics.median(self.pull(n * ROW_BYTES, (i % slots) * n) for i in range(repeats)) / 1e9
 
     def close(self) -> None:
         self.server.close()
