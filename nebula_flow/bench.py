@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,7 @@ def raw_transport_gbps(transport: str, nbytes: int, repeats: int = 20, spread: b
 
 
 PROBE_PACE_MS = 20.0  # about one exchange per batch of a worker, as the system pulls
+PROBE_START_S = 120.0
 
 
 @contextlib.contextmanager
@@ -191,9 +193,15 @@ def paced_probe(transport: str, out: Path):  # noqa: ANN201
     """Run paced raw pulls in a separate process for the duration of the block (kv/probe.py)."""
     proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.kv.probe", "--transport", transport,
                              "--pace-ms", str(PROBE_PACE_MS), "--out", str(out)], stdout=subprocess.PIPE, text=True)
+    give_up = threading.Timer(PROBE_START_S, proc.kill)  # a probe that never says ready must not hang us
+    give_up.start()
     try:
-        if proc.stdout.readline().strip() != "ready":  # started (imports take seconds) before we time
-            raise RuntimeError(f"the raw {transport} probe failed to start (exit code {proc.wait()})")
+        # Started (imports take seconds) before we time. A library may print to stdout first
+        # (UCX prints its warnings there), so read up to the line that says so.
+        ready = any(line.strip() == "ready" for line in proc.stdout)
+        give_up.cancel()
+        if not ready:
+            raise RuntimeError(f"the raw {transport} probe failed to start (exit code {proc.wait(timeout=30)})")
         yield
     finally:
         proc.terminate()

@@ -251,7 +251,7 @@ def test_shared_memory_folders_of_dead_workers_are_removed(tmp_path) -> None:  #
     assert not gone.exists() and alive.exists()
 
 
-@pytest.mark.parametrize("transport", ["zmq", "shm", "shm+zmq"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_paced_raw_probe_measures_real_pulls(tmp_path, transport: str) -> None:  # noqa: ANN001
     """The probe bench-kv runs beside the system: real endpoints, paced pulls, JSON samples."""
     import json
@@ -277,6 +277,25 @@ def test_paced_raw_probe_measures_real_pulls(tmp_path, transport: str) -> None: 
         assert pair.gbps(65536, repeats=4, spread=True) > 0 and torch.equal(pair.dest, pair.rows)
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", pytest.param("ucx", marks=TRANSPORTS[-1].marks)])
+def test_bench_starts_the_probe_and_stops_it(tmp_path, transport: str, monkeypatch) -> None:  # noqa: ANN001
+    """bench-kv's probe beside a run: started (past any library chatter) before the block, stopped
+    after it with its samples written. (UCX once printed a warning before "ready" and hung this.)"""
+    import json
+
+    from nebula_flow.bench import paced_probe
+
+    monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "y")  # UCX: its warning on stdout comes first
+
+    out = tmp_path / "probe.json"
+    t0 = time.monotonic()
+    with paced_probe(transport, out):
+        time.sleep(1.0)
+    assert time.monotonic() - t0 < 60
+    samples = json.loads(out.read_text())
+    assert sum(len(v) for v in samples.values()) >= 10  # ~one pull per 20 ms
 
 
 def test_paced_bandwidth_interpolates_time_linearly_in_size() -> None:

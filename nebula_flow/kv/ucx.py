@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 
 import numpy as np
 import torch
-import ucxx  # an ImportError here makes make_transport fall back to ZeroMQ
+
+# ucxx sets UCX_MEMTYPE_CACHE for older UCX releases; newer ones warn, on stdout, that it is unused
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+import ucxx  # noqa: E402 - an ImportError here makes make_transport fall back to ZeroMQ
 
 from nebula_flow.kv.transport import PULL_TIMEOUT_S, KVTransport, Lookup, PullItem, endpoint_part, host_view, log
 
