@@ -1,10 +1,17 @@
 """UCX transport through ucxx: KV rows land directly in the puller's cache rows.
 
 ucxx is asyncio-based, so one daemon thread runs an event loop for both the listener (serving
-this worker's KV) and the endpoints (pulling from peers; one cached endpoint per peer). The
-progress mode is ``blocking``: measured on a CPU machine it gives the same ~60 us round trip as
-``polling`` without spinning a core that the model needs, while the default ``thread`` mode
-gave ~2 ms round trips.
+this worker's KV) and the endpoints (pulling from peers; one cached endpoint per peer).
+
+Progress mode: ``thread`` with Python futures. UCX is progressed by ucxx's own thread, which
+sleeps in epoll while nothing happens, and a finished request wakes its asyncio future. The
+other modes spin (measured here with ucxx 0.52): in ``polling`` and ``blocking`` a pending
+request is awaited by yielding to the event loop again and again, and a KV server always has
+a receive pending, so an idle worker took a whole core, and with it the GIL its compute
+thread needs (``blocking`` also stops arming its event fd after the first event). Measured
+between two processes on the 2-core CPU machine: ~1.3-1.7 ms per small exchange against
+~0.4-0.7 ms in ``blocking``, at 2 % of a core idle instead of 100 %. Pulls overlap compute,
+so the latency is hidden; a stolen core is not.
 
 Messages on an endpoint (fixed-size int64 headers, same fields as KV_PULL / KV_DATA):
   request  [seq, rid, role, start, end]
@@ -41,16 +48,36 @@ def _device_buffer(t: torch.Tensor):  # noqa: ANN202
     return cupy.asarray(t.view(torch.uint16) if t.dtype == torch.bfloat16 else t)
 
 
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _ucx_loop() -> asyncio.AbstractEventLoop:
+    """The process's one UCX event loop, on a daemon thread, started with the first transport.
+    UCX is one context per process, bound to the loop it started on: a second loop (a second
+    transport after the first was closed, as in a benchmark's repeated raw pulls) crashed."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="kv-ucx", daemon=True).start()
+
+            async def init() -> None:
+                ucxx.init(progress_mode="thread", enable_python_future=True)
+
+            asyncio.run_coroutine_threadsafe(init(), loop).result()
+            _loop = loop
+        return _loop
+
+
 class UcxTransport(KVTransport):
     scheme = "ucx"
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="kv-ucx", daemon=True)
-        self.thread.start()
-        self._call(self._init())
+        self.loop = _ucx_loop()
         self.endpoints: dict[str, object] = {}
         self.locks: dict[str, asyncio.Lock] = {}
+        self.handlers: set[asyncio.Task] = set()
         self.seq = itertools.count(1)
         self.listener = None
         self.served = 0
@@ -59,17 +86,16 @@ class UcxTransport(KVTransport):
     def _call(self, coro, timeout: float | None = None):  # noqa: ANN001, ANN202
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    async def _init(self) -> None:
-        try:
-            ucxx.init(progress_mode="blocking")
-        except RuntimeError:  # UCX is per process: a second transport shares the first's context
-            pass
-
     # -- serving ---------------------------------------------------------------------------
     def serve(self, host: str, lookup: Lookup) -> str:
         async def start() -> int:
             async def on_connect(ep) -> None:  # noqa: ANN001 - must be a coroutine function for ucxx
-                await self._handle(ep, lookup)
+                task = asyncio.current_task()
+                self.handlers.add(task)
+                try:
+                    await self._handle(ep, lookup)
+                finally:
+                    self.handlers.discard(task)
 
             self.listener = ucxx.create_listener(on_connect, 0)
             return self.listener.port
@@ -145,23 +171,25 @@ class UcxTransport(KVTransport):
             return [None] * len(items)
 
     def close(self) -> None:
+        """Close this transport's endpoints, listener and server tasks. The process's UCX loop
+        stays (the next transport uses it); it is a daemon thread, gone at exit."""
         async def shutdown() -> None:
             for ep in list(self.endpoints.values()):
                 await _abort(ep)
+            self.endpoints.clear()
             if self.listener is not None:
                 self.listener.close()
-            # End what still runs on this loop (ucxx's progress task among them), so the loop
-            # stops with nothing pending: no "Task was destroyed but it is pending" at exit.
-            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in others:
+            # End our server tasks, so that none is left pending: no "Task was destroyed but it
+            # is pending" at exit.
+            handlers = list(self.handlers)
+            for task in handlers:
                 task.cancel()
-            await asyncio.gather(*others, return_exceptions=True)
+            await asyncio.gather(*handlers, return_exceptions=True)
 
         try:
             self._call(shutdown(), 5)
         except Exception:
             pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 async def _abort(ep) -> None:  # noqa: ANN001
