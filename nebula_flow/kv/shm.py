@@ -44,9 +44,6 @@ MAGIC = 0x4E46_4B56_0002  # "NFKV" v2 (v2 added the state word)
 HEADER_BYTES = 64
 LENGTH, CAPACITY, ROW_BYTES, STATE = 1, 2, 3, 4  # header words after MAGIC
 RETIRED = 1  # STATE: the cache moved to a bigger file, or was freed; this file no longer follows it
-# Map a holder's own file with its pages in place: one call at allocation, not one page fault
-# per 4 kB while compute or a pull writes rows (~1.7 us each here).
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _tokens_bytes(capacity: int) -> int:
@@ -87,7 +84,9 @@ class SharedRows:
             raise SharedMemoryFull(f"no room for {total} bytes of KV in {path.parent}")
         fd = os.open(tmp, os.O_RDWR)
         try:
-            mem = torch.frombuffer(mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _POPULATE), dtype=torch.uint8)
+            # (no MAP_POPULATE: measured here it cost more per page than faulting the pages in
+            # as rows are written, and it also maps the capacity never used)
+            mem = torch.frombuffer(mmap.mmap(fd, total, flags=mmap.MAP_SHARED), dtype=torch.uint8)
         finally:
             os.close(fd)  # (the mapping keeps the file)
         self.header = mem[:HEADER_BYTES].view(torch.int64)
