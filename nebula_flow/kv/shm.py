@@ -194,8 +194,8 @@ class PeerFiles:
             return None
         try:
             m = _Mapped(mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
-        except (OSError, ValueError):
-            return None  # empty, truncated or foreign
+        except (OSError, ValueError, TypeError, IndexError):
+            return None  # empty, shorter than a header, truncated or foreign
         finally:
             os.close(fd)
         self.maps[path] = m

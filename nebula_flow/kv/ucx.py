@@ -63,7 +63,10 @@ def _ucx_loop() -> asyncio.AbstractEventLoop:
             threading.Thread(target=loop.run_forever, name="kv-ucx", daemon=True).start()
 
             async def init() -> None:
-                ucxx.init(progress_mode="thread", enable_python_future=True)
+                try:
+                    ucxx.init(progress_mode="thread", enable_python_future=True)
+                except RuntimeError:  # already initiated in this process (by another library): use that
+                    pass
 
             asyncio.run_coroutine_threadsafe(init(), loop).result()
             _loop = loop
