@@ -79,10 +79,7 @@ class KVCache:
             rows = SharedRows(self.shared_path, capacity, self.row_shape, self.buf.dtype)
         except SharedMemoryFull as exc:
             log.warning("%s; keeping this request's KV private", exc)
-            if self.shared is not None:
-                self.shared.retire()  # a stale, shorter file must not be read, mapped or not
-            self.shared_path.unlink(missing_ok=True)
-            self.shared_path = self.shared = None
+            self.unshare()  # a stale, shorter file must not be read, mapped or not
             return False
         rows.rows[: self.length] = self.buf[: self.length]
         rows.publish(self.tokens)
@@ -91,6 +88,15 @@ class KVCache:
             self.shared.retire()  # readers that kept the old file mapped move to the new one
         self.buf, self.shared = rows.rows, rows
         return True
+
+    def unshare(self) -> None:
+        """Stop sharing this cache: peers that kept its file mapped let go of it (and its
+        memory), and the path goes. The rows stay readable here."""
+        if self.shared is not None:
+            self.shared.retire()
+        if self.shared_path is not None:
+            self.shared_path.unlink(missing_ok=True)
+        self.shared_path = self.shared = None
 
     def publish(self) -> None:
         """Let peers see the positions held now (shared caches only)."""

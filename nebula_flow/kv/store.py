@@ -70,12 +70,6 @@ class KVStore:
             if cache is not None:
                 cache.publish()
 
-    def _unshare(self, cache: KVCache) -> None:
-        if cache.shared is not None:
-            cache.shared.retire()  # peers that kept the file mapped let go of it (and its memory)
-        if cache.shared_path is not None:
-            cache.shared_path.unlink(missing_ok=True)
-
     def _get(self, rid: int, length_hint: int) -> KVCache:
         with self.lock:
             cache = self.caches.pop(rid, None)
@@ -161,7 +155,7 @@ class KVStore:
             for rid in rids:
                 cache = self.caches.pop(rid, None)
                 if cache is not None:
-                    self._unshare(cache)
+                    cache.unshare()
                 self.pinned.discard(rid)
 
     def evict(self, protect: set[int]) -> None:
@@ -173,6 +167,6 @@ class KVStore:
                     return
                 if rid not in protect and rid not in self.pinned:
                     cache = self.caches.pop(rid)
-                    self._unshare(cache)
+                    cache.unshare()
                     held -= cache.allocated_bytes
                     self.stats.evicted += 1
