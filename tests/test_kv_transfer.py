@@ -189,22 +189,106 @@ def test_a_shared_cache_grown_inside_a_forward_still_publishes(tiny_pair, tmp_pa
     model([cache], [tokens[:10].tolist()], [1])
     store.publish([3])
     dest = torch.empty((100, *cache.row_shape), dtype=cache.buf.dtype)
-    assert peer.read(path, 0, 10, dest[:10]).tolist() == tokens[:10].tolist()
-    first_file = peer.maps[path]
+    assert peer.read(path, 3, 0, 10, dest[:10]).tolist() == tokens[:10].tolist()
+    first_file = peer.maps[peer.names[path][0]]
     model([cache], [tokens[10:].tolist()], [1])  # 100 positions: grows inside the forward
     store.publish([3])
     assert first_file.head[4] == 1  # the old file says it no longer follows the cache
-    assert peer.read(path, 0, 100, dest).tolist() == tokens.tolist()
+    assert peer.read(path, 3, 0, 100, dest).tolist() == tokens.tolist()
     assert torch.equal(dest, cache.buf[:100])
-    assert peer.maps[path] is not first_file and len(peer.maps) == 1 and peer.mapped_bytes == peer.maps[path].nbytes
+    assert peer.maps[peer.names[path][0]] is not first_file and len(peer.maps) == 1
+    assert peer.mapped_bytes == peer.maps[peer.names[path][0]].nbytes
     # A peer's rolled-back and recomputed positions are read afresh from the same mapping.
     cache.truncate(50)
     model([cache], [[7] * 50], [1])
     store.publish([3])
-    assert peer.read(path, 40, 100, dest[40:]).tolist() == tokens[40:50].tolist() + [7] * 50
+    assert peer.read(path, 3, 40, 100, dest[40:]).tolist() == tokens[40:50].tolist() + [7] * 50
     assert torch.equal(dest[40:], cache.buf[40:100])
-    store.free([3])
-    assert peer.read(path, 0, 10, dest[:10]) is None and not peer.maps and peer.mapped_bytes == 0
+    store.free([3])  # its file goes to the pool: read as missing, under any name
+    assert peer.read(path, 3, 0, 10, dest[:10]) is None and not peer.names
+    store.pool.clear()  # deleted for good: the peer lets go of the mapping, and its memory
+    assert peer.read(path, 3, 0, 10, dest[:10]) is None
+    peer._sweep()
+    assert not peer.maps and peer.mapped_bytes == 0
+
+
+def test_a_finished_requests_file_is_recycled_and_never_read_as_another_request(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """A freed cache's file is kept by its holder and given to the next request that fits; a
+    peer reads the new request through the mapping it already has, and never reads the old
+    request's name (or the new one mid-copy) as the other request's KV."""
+    from nebula_flow.kv.shm import PeerFiles, kv_path
+
+    model = load_model(tiny_pair / "target")
+    store = KVStore(model)
+    store.share_into(tmp_path, "target")
+    peer = PeerFiles()
+    old, new = np.arange(1, 41, dtype=np.int64), np.arange(100, 140, dtype=np.int64)
+    old_path, new_path = str(kv_path(tmp_path, "target", 1)), str(kv_path(tmp_path, "target", 2))
+    cache = store.prepare(1, old)
+    model([cache], [old.tolist()], [1])
+    store.publish([1])
+    dest = torch.empty((40, *cache.row_shape), dtype=cache.buf.dtype)
+    assert peer.read(old_path, 1, 0, 40, dest).tolist() == old.tolist()
+    first = peer.names[old_path][0]
+    store.free([1])
+    assert cache.buf.shape[0] == 0 and not cache.tokens  # the freed cache holds nothing any more
+    assert [p.name for p in tmp_path.iterdir()] == ["target-pool-0.kv"]
+
+    recycled = store.prepare(2, new)  # same size: it gets the pooled file
+    assert store.stats.files_recycled == 1 and store.pool.entries == []
+    assert peer.read(new_path, 2, 0, 1, dest[:1]) is None  # installed, but nothing published yet
+    model([recycled], [new.tolist()], [1])
+    store.publish([2])
+    assert peer.read(old_path, 1, 0, 40, dest) is None  # the old name is gone ...
+    assert peer.read(new_path, 1, 0, 40, dest) is None  # ... and the file is not request 1's
+    assert peer.read(new_path, 2, 0, 40, dest).tolist() == new.tolist()
+    assert torch.equal(dest, recycled.buf[:40])
+    assert peer.names[new_path][0] == first and len(peer.maps) == 1  # the same mapping, pages in
+
+    # A copy that races with the file's recycling reads as missing, not as the next request.
+    from nebula_flow.kv import shm
+
+    real_memmove = shm.ctypes.memmove
+
+    def recycle_midway(*args):  # noqa: ANN002, ANN202
+        store.free([2])
+        store.prepare(3, new)
+        return real_memmove(*args)
+
+    shm.ctypes.memmove = recycle_midway
+    try:
+        assert peer.read(new_path, 2, 0, 40, dest) is None
+    finally:
+        shm.ctypes.memmove = real_memmove
+
+
+def test_the_pool_is_bounded_and_waits_before_reusing_a_file_a_network_peer_was_sent(tmp_path) -> None:  # noqa: ANN001
+    """Pooled files stay within the pool's bytes (oldest deleted first); a file whose rows were
+    just sent over the network is not reused until that send can no longer be accepted."""
+    import time
+
+    from nebula_flow.kv.cache import KVCache
+    from nebula_flow.kv.shm import POOL_QUARANTINE_S, FilePool, kv_path
+
+    def shared(rid: int, capacity: int, pool: FilePool) -> KVCache:
+        cache = KVCache(2, 1, 4, capacity=capacity)
+        cache.share(kv_path(tmp_path, "target", rid), rid, pool)
+        return cache
+
+    one = shared(0, 64, None).shared.nbytes
+    pool = FilePool(tmp_path, "target", max_bytes=2 * one)
+    caches = [shared(rid, 64, pool) for rid in (1, 2, 3)]
+    caches[2].served_at = time.monotonic()  # rows of request 3 were just sent to a network peer
+    for c in caches:
+        c.release()
+    assert pool.bytes == 2 * one and len(pool.entries) == 2  # request 1's file was deleted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target-0.kv", "target-pool-1.kv", "target-pool-2.kv"]
+    assert shared(4, 300, pool).shared.capacity == 300  # nothing that size pooled: a new file
+    small = shared(5, 16, pool)  # fits in 64 rows; request 3's file is still in quarantine
+    assert small.shared.capacity == 64 and small.shared.staged == small.shared_path and pool.reused == 1
+    assert shared(6, 16, pool).shared.capacity == 16  # only the quarantined file is left
+    pool.entries[0] = (time.monotonic() - 1, pool.entries[0][1])  # as if POOL_QUARANTINE_S had passed
+    assert POOL_QUARANTINE_S > 2 and shared(7, 64, pool).shared.capacity == 64 and not pool.entries
 
 
 def test_auto_transport_choice() -> None:
@@ -315,7 +399,7 @@ def test_a_full_shared_memory_folder_keeps_kv_private_instead_of_crashing(tmp_pa
 
     path = kv_path(tmp_path, "target", 7)
     cache = KVCache(2, 1, 4, capacity=4)
-    cache.share(path)
+    cache.share(path, 7)
     cache.buf[:2] = 1.0
     cache.tokens = [5, 6]
     assert cache.shared is not None and path.exists()
@@ -329,7 +413,7 @@ def test_a_full_shared_memory_folder_keeps_kv_private_instead_of_crashing(tmp_pa
     assert cache.buf.shape[0] >= 100 and torch.equal(cache.buf[:2], torch.ones_like(cache.buf[:2]))
     assert not list(tmp_path.iterdir())  # no temporary file left behind
     fresh = KVCache(2, 1, 4, capacity=4)
-    fresh.share(kv_path(tmp_path, "target", 8))
+    fresh.share(kv_path(tmp_path, "target", 8), 8)
     assert fresh.shared is None and fresh.shared_path is None
 
 

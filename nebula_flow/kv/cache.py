@@ -36,6 +36,9 @@ class KVCache:
         self.tokens: list[int] = []
         self.shared = None  # kv/shm.py SharedRows when peers on this host read this cache directly
         self.shared_path = None
+        self.owner = 0  # the request id its shared file names
+        self.pool = None  # kv/shm.py FilePool its shared file comes from and goes back to
+        self.served_at = float("-inf")  # when a network peer was last sent rows from it (monotonic)
 
     @property
     def length(self) -> int:
@@ -63,21 +66,27 @@ class KVCache:
         grown[: self.length] = self.buf[: self.length]
         self.buf = grown
 
-    def share(self, path) -> None:  # noqa: ANN001 - a pathlib.Path
-        """Keep this cache in a file at ``path`` that peers on this host map (kv/shm.py)."""
+    def share(self, path, owner: int, pool=None) -> None:  # noqa: ANN001 - a pathlib.Path, a kv/shm.py FilePool
+        """Keep this cache (of request ``owner``) in a file at ``path`` that peers on this host
+        map (kv/shm.py), a file from ``pool`` when it has one that fits."""
         if self.buf.device.type != "cpu":
             raise ValueError("shared-memory KV is for CPU workers")
-        self.shared_path = path
+        self.shared_path, self.owner, self.pool = path, owner, pool
         self._share_rows(self.buf.shape[0])
 
     def _share_rows(self, capacity: int) -> bool:
-        """Move this cache into a shared file of ``capacity`` rows. If the shared-memory folder is
-        full, stop sharing instead (peers then recompute this request) and return False."""
+        """Move this cache into a shared file of ``capacity`` rows or more. If the shared-memory
+        folder is full, stop sharing instead (peers then recompute this request) and return False."""
         from nebula_flow.kv.shm import SharedMemoryFull, SharedRows
 
+        rows = self.pool.take(self.shared_path, self.owner, capacity) if self.pool is not None else None
         try:
-            rows = SharedRows(self.shared_path, capacity, self.row_shape, self.buf.dtype)
+            if rows is None:
+                rows = SharedRows(self.shared_path, capacity, self.row_shape, self.buf.dtype, self.owner)
         except SharedMemoryFull as exc:
+            if self.pool is not None and self.pool.entries:
+                self.pool.clear()  # finished requests' files give their memory back first
+                return self._share_rows(capacity)
             log.warning("%s; keeping this request's KV private", exc)
             self.unshare()  # a stale, shorter file must not be read, mapped or not
             return False
@@ -97,6 +106,17 @@ class KVCache:
         if self.shared_path is not None:
             self.shared_path.unlink(missing_ok=True)
         self.shared_path = self.shared = None
+
+    def release(self) -> None:
+        """This worker is done with the request: its shared file goes back to the pool (or is
+        deleted). The cache is empty afterwards; its rows may soon hold another request's KV."""
+        if self.shared is not None and self.pool is not None:
+            self.pool.put(self.shared, self.served_at)
+            self.shared_path = self.shared = None
+            self.buf = self.buf[:0]
+            self.tokens = []
+        else:
+            self.unshare()
 
     def publish(self) -> None:
         """Let peers see the positions held now (shared caches only)."""

@@ -45,7 +45,7 @@ class RawPair:
             held = KVCache(1, 1, ROW_BYTES // 8, capacity=len(self.rows))  # 4 kB rows, like ``rows``
             held.buf[:] = self.rows.view(held.buf.shape)
             held.tokens = tokens.tolist()
-            held.share(kv_path(self.server.share_folder, "target", 1))
+            held.share(kv_path(self.server.share_folder, "target", 1), 1)
         self.dest = torch.empty_like(self.rows)
 
     def pull(self, nbytes: int, start: int = 0) -> float:

@@ -37,6 +37,7 @@ class KVStats:
     served: int = 0  # pulls this worker answered for peers
     bytes_served: int = 0
     evicted: int = 0
+    files_recycled: int = 0  # caches that got a finished request's shared file (pages already in)
 
     def to_wire(self) -> dict:
         d = asdict(self)
@@ -55,10 +56,14 @@ class KVStore:
         self.stats = KVStats()
         self.share_folder: Path | None = None  # kv/shm.py: caches live in files peers map
         self.role = ""
+        self.pool = None  # kv/shm.py FilePool: finished requests' files, for the next ones
 
     def share_into(self, folder: Path, role: str) -> None:
         """Keep every cache of this store in ``folder`` for same-host peers (``kv_transport = "shm"``)."""
+        from nebula_flow.kv.shm import FilePool
+
         self.share_folder, self.role = Path(folder), role
+        self.pool = FilePool(self.share_folder, role, max_bytes=self.max_bytes // 8)
 
     def publish(self, rids: list[int]) -> None:
         """After a batch: peers reading shared caches see what these requests hold now."""
@@ -80,7 +85,8 @@ class KVStore:
                 if self.share_folder is not None:
                     from nebula_flow.kv.shm import kv_path
 
-                    cache.share(kv_path(self.share_folder, self.role, rid))
+                    cache.share(kv_path(self.share_folder, self.role, rid), rid, self.pool)
+                    self.stats.files_recycled = self.pool.reused
             self.caches[rid] = cache
             return cache
 
@@ -142,6 +148,7 @@ class KVStore:
             cache = self.caches.get(rid)
         if cache is None or cache.length < end:
             return None
+        cache.served_at = time.monotonic()  # (its rows are sent from its memory: see FilePool)
         self.stats.served += 1
         self.stats.bytes_served += (end - start) * cache.row_bytes
         return np.asarray(cache.tokens[start:end], dtype=np.int32), cache.export(start, end)
@@ -155,7 +162,7 @@ class KVStore:
             for rid in rids:
                 cache = self.caches.pop(rid, None)
                 if cache is not None:
-                    cache.unshare()
+                    cache.release()
                 self.pinned.discard(rid)
 
     def evict(self, protect: set[int]) -> None:
@@ -167,6 +174,6 @@ class KVStore:
                     return
                 if rid not in protect and rid not in self.pinned:
                     cache = self.caches.pop(rid)
-                    cache.unshare()
                     held -= cache.allocated_bytes
+                    cache.release()
                     self.stats.evicted += 1
