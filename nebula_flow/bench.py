@@ -211,10 +211,14 @@ def paced_probe(transport: str, out: Path):  # noqa: ANN201
 def _kv_totals(address: str) -> dict[str, float]:
     with Client(address) as c:
         workers = c.status()["workers"]
-    tot = {"busy_s": sum(w["busy_s"] for w in workers)}
+    tot: dict[str, Any] = {"busy_s": sum(w["busy_s"] for w in workers)}
     for key in ("stall_s", "pull_s", "pull_cpu_s", "bytes_pulled", "pulls", "transfers", "pull_failures", "computed",
-                "pulled"):
+                "pulled", "files_recycled"):
         tot[key] = sum((w["kv"] or {}).get(key, 0) for w in workers)
+    tot["by_size"] = {}
+    for w in workers:
+        for size, counts in ((w["kv"] or {}).get("by_size") or {}).items():
+            tot["by_size"][size] = [a + b for a, b in zip(tot["by_size"].get(size, [0, 0, 0.0]), counts)]
     return tot
 
 
@@ -239,8 +243,11 @@ def _kv_run(cfg: DeployConfig, wl: Workload, overlap: bool, probe_out: Path, tra
         with paced_probe(transport, probe_out):
             res = run_once(dep.address, wl)
         after = _kv_totals(dep.address)
-    d = {k: after[k] - before[k] for k in after}
-    return {"stall_fraction": d["stall_s"] / max(d["busy_s"], 1e-9), "stall_s": d["stall_s"],
+    d = {k: after[k] - before[k] for k in after if k != "by_size"}
+    by_size = {size: [a - b for a, b in zip(counts, before["by_size"].get(size, [0, 0, 0.0]))]
+               for size, counts in after["by_size"].items()}
+    return {"by_size": {size: c for size, c in by_size.items() if c[0] > 0}, "files_recycled": d["files_recycled"],
+            "stall_fraction": d["stall_s"] / max(d["busy_s"], 1e-9), "stall_s": d["stall_s"],
             "compute_s": d["busy_s"], "pull_s": d["pull_s"], "pulls": d["pulls"], "transfers": d["transfers"],
             # the share of pull time the pulling thread was running; the rest it waited (for a
             # core on a busy machine, for the holder, for the wire)
@@ -275,8 +282,9 @@ def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log, r
                 f"{run['pulls']:.0f} pulls in {run['transfers']:.0f} exchanges, "
                 f"{run['bytes_pulled'] / 1e6:.1f} MB, {run['tokens_per_s']:.1f} tokens/s")
     for key, rs in runs.items():
-        out[key] = {name: statistics.median(r[name] for r in rs) for name in rs[0]}
+        out[key] = {name: statistics.median(r[name] for r in rs) for name in rs[0] if name != "by_size"}
         out[key]["runs"] = rs
+    out["by_size"] = _by_size_against_raw(runs["overlap"], transport)
     size = int(out["overlap"]["mean_pull_bytes"]) or 1 << 20
     out["raw_gbps_same_size"] = raw_transport_gbps(transport, size)
     out["raw_gbps_4mib"] = raw_transport_gbps(transport, 4 << 20)
@@ -301,6 +309,37 @@ def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log, r
     return out
 
 
+def _by_size_against_raw(runs: list[dict[str, Any]], transport: str) -> dict[str, Any]:
+    """The in-system bandwidth of each size class of exchanges against back-to-back raw pulls
+    (data from memory) at that class's mean size, and over all exchanges the time raw pulls of
+    the same sizes would take against the time the system took ("size-matched" ratio). Each
+    figure is the median over ``runs``."""
+    classes: dict[str, dict[str, Any]] = {}
+    raw: dict[str, float] = {}
+    matched = []
+    for run in runs:
+        raw_s = sys_s = 0.0
+        for size, (n, nbytes, took) in run["by_size"].items():
+            if size not in raw:  # (every run's mix is measured against the first run's mean size)
+                raw[size] = raw_transport_gbps(transport, int(nbytes / n), spread=True)
+            c = classes.setdefault(size, {"exchanges": [], "mean_bytes": [], "system_gbps": []})
+            c["exchanges"].append(n)
+            c["mean_bytes"].append(nbytes / n)
+            c["system_gbps"].append(nbytes / max(took, 1e-9) / 1e9)
+            raw_s += nbytes / (raw[size] * 1e9)
+            sys_s += took
+        matched.append(raw_s / max(sys_s, 1e-9))
+    from nebula_flow.kv.store import PULL_SIZE_CLASSES
+
+    out: dict[str, Any] = {"classes": {}, "size_matched_ratio": statistics.median(matched) if matched else 0.0}
+    for size in sorted(classes, key=list(PULL_SIZE_CLASSES).index):
+        c = {k: statistics.median(v) for k, v in classes[size].items()}
+        c["raw_gbps"] = raw[size]
+        c["ratio"] = c["system_gbps"] / raw[size]
+        out["classes"][size] = c
+    return out
+
+
 def kv_report(res: dict[str, Any]) -> str:
     """``bench_kv``'s result as the text ``bench-kv`` prints."""
     lines = [f"medians of {res['repeats']} run(s) per mode, transport {res['transport']}"]
@@ -317,6 +356,13 @@ def kv_report(res: dict[str, Any]) -> str:
                  f"-> ratio {res['bandwidth_ratio']:.2f}; data from memory {res['raw_spread_gbps_same_size']:.2f} GB/s "
                  f"-> ratio {res['bandwidth_ratio_spread']:.2f} (at 4 MiB: {res['raw_gbps_4mib']:.2f} and "
                  f"{res['raw_spread_gbps_4mib']:.2f} GB/s)")
+    lines.append(f"by exchange size (overlap runs; raw: back to back, data from memory, at the class's mean size; "
+                 f"{o['files_recycled']:.0f} caches got a pooled file):")
+    for size, c in res["by_size"]["classes"].items():
+        lines.append(f"  {size:<9}{c['exchanges']:6.0f} exchanges of {c['mean_bytes'] / 1e3:8.0f} kB: in-system "
+                     f"{c['system_gbps']:6.2f} GB/s, raw {c['raw_gbps']:6.2f} GB/s -> ratio {c['ratio']:.2f}")
+    lines.append(f"  all sizes: raw pulls of the same sizes would take {res['by_size']['size_matched_ratio']:.2f} of the "
+                 f"time the system's took (size-matched ratio)")
     lines.append(f"raw {res['transport']}, one pull per {res['raw_pace_ms']:.0f} ms, at that size: idle machine "
                  f"{res['raw_paced_idle_gbps']:.2f} GB/s -> ratio {res['bandwidth_ratio_paced_idle']:.2f}; during the "
                  f"run (same load) {res['raw_paced_loaded_gbps']:.2f} GB/s -> ratio {res['bandwidth_ratio_paced_loaded']:.2f}")

@@ -443,8 +443,15 @@ def test_bench_kv_reports_stall_and_every_bandwidth_ratio(tiny_pair, monkeypatch
         assert len(rates) == 2 and out[key]["tokens_per_s"] == (rates[0] + rates[1]) / 2
     for key in ("bandwidth_ratio", "bandwidth_ratio_spread", "bandwidth_ratio_paced_idle", "bandwidth_ratio_paced_loaded"):
         assert out[key] > 0, key
+    for run in out["overlap"]["runs"]:  # every exchange is in one size class, with what it asked for
+        assert sum(c[0] for c in run["by_size"].values()) == run["transfers"]
+        assert sum(c[1] for c in run["by_size"].values()) >= run["bytes_pulled"] > 0
+    classes = out["by_size"]["classes"]
+    assert classes and all(c["ratio"] == pytest.approx(c["system_gbps"] / c["raw_gbps"]) for c in classes.values())
+    assert out["by_size"]["size_matched_ratio"] > 0
     text = kv_report(out)  # what bench-kv prints without --json
     assert f"in-system {out['overlap']['system_gbps']:.2f} GB/s" in text
+    assert f"would take {out['by_size']['size_matched_ratio']:.2f} of the time" in text
     assert f"data from memory {out['raw_spread_gbps_same_size']:.2f} GB/s" in text and "during the run" in text
 
 

@@ -165,7 +165,12 @@ class Worker:
         merged: dict[str, Any] = {}
         for r in self.runners:
             for k, v in r.store.stats.to_wire().items():
-                merged[k] = merged.get(k, 0) + v
+                if k == "by_size":
+                    classes = merged.setdefault(k, {})
+                    for size, counts in v.items():
+                        classes[size] = [a + b for a, b in zip(classes.get(size, [0, 0, 0.0]), counts)]
+                else:
+                    merged[k] = merged.get(k, 0) + v
         merged["stall_s"] = merged.get("stall_s", 0.0) + self.stall_s
         merged["overlap_s"] = max(0.0, merged.get("pull_s", 0.0) - merged["stall_s"])
         merged["transport"] = self.transport.scheme if self.transport else "none"
@@ -230,6 +235,10 @@ class Worker:
 
     # -- compute (runs on the compute thread) -----------------------------------------------
     def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None) -> tuple[Message, float]:
+        # Finished requests first: their shared files go back to the pool before this batch's
+        # new caches are made (a pooled file's pages are already in; a new one faults them in).
+        for r in self.runners:
+            r.store.free(frees)
         t0 = time.perf_counter()
         if prefetch is not None:  # the batch's network pulls started when it arrived; wait for the rest
             prefetch.result()
@@ -238,8 +247,6 @@ class Worker:
         # busy thread beside the running batch. Without overlap, compute waits for every pull.
         self._prefetch(self._pulls(tasks, local=True if self.opts.kv_overlap else None))
         self.stall_s += time.perf_counter() - t0
-        for r in self.runners:
-            r.store.free(frees)
         busy0 = sum(r.busy_s for r in self.runners)
         msg = Message("RESULT", {"results": [], "busy_s": 0.0})
         by_kind: dict[str, list[Task]] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,15 @@ import torch
 
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.models.llama import CausalLM
+
+# Exchanges are counted by size class (upper bounds, bytes): a bandwidth is only comparable
+# with the raw transport's at the same size, and one exchange of a long prompt's whole KV moves
+# as many bytes as hundreds of a round's few new positions.
+PULL_SIZE_CLASSES = {"<64kB": 64 << 10, "64kB-1MB": 1 << 20, "1-16MB": 16 << 20, ">=16MB": 1 << 62}
+
+
+def size_class(nbytes: int) -> str:
+    return next(name for name, bound in PULL_SIZE_CLASSES.items() if nbytes < bound)
 
 
 @dataclass
@@ -38,6 +47,8 @@ class KVStats:
     bytes_served: int = 0
     evicted: int = 0
     files_recycled: int = 0  # caches that got a finished request's shared file (pages already in)
+    # size class -> [exchanges, bytes, seconds] (see PULL_SIZE_CLASSES)
+    by_size: dict[str, list[float]] = field(default_factory=dict)
 
     def to_wire(self) -> dict:
         d = asdict(self)
@@ -130,9 +141,15 @@ class KVStore:
         t0, c0 = time.perf_counter(), time.thread_time()
         got = transport.pull_many(endpoint, [(rid, role, have, valid, cache.buf[have:valid])
                                              for rid, _, have, valid, cache in plan])
-        self.stats.pull_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.stats.pull_s += took
         self.stats.pull_cpu_s += time.thread_time() - c0
         self.stats.transfers += 1
+        nbytes = sum((valid - have) * cache.row_bytes for _, _, have, valid, cache in plan)
+        counts = self.stats.by_size.setdefault(size_class(nbytes), [0, 0, 0.0])
+        counts[0] += 1
+        counts[1] += nbytes  # (asked for: an item that failed is counted, its time was spent)
+        counts[2] += took
         for (_, tokens, have, valid, cache), received in zip(plan, got):
             if received is None or not np.array_equal(received, tokens[have:valid]):
                 self.stats.pull_failures += 1
