@@ -262,6 +262,48 @@ def test_a_finished_requests_file_is_recycled_and_never_read_as_another_request(
         shm.ctypes.memmove = real_memmove
 
 
+def test_room_for_a_large_same_host_read_is_made_ahead_and_kept_until_its_batch(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """``make_room`` (the prefetch thread, while the previous batch computes) makes the cache a
+    pull will fill, with its pages in; eviction leaves it alone; the pull at compute start then
+    only copies into it."""
+    import resource
+
+    from nebula_flow.kv.shm import ShmTransport
+
+    model = load_model(tiny_pair / "target")
+    holder, puller = KVStore(model), KVStore(model, max_bytes=0)  # a budget that evicts all it may
+    server, client = ShmTransport(), ShmTransport()
+    try:
+        holder.share_into(server.share_folder, "target")
+        puller.share_into(client.share_folder, "target")
+        tokens = np.arange(1, 2001, dtype=np.int64) % 500
+        cache = holder.prepare(5, tokens)
+        model([cache], [tokens[:-1].tolist()], [1])
+        holder.publish([5])
+        endpoint = server.serve("127.0.0.1", None)
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        puller.make_room([(5, tokens, 1999)])
+        made = puller.caches[5]
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
+        assert faulted >= 1999 * made.row_bytes // 4096 * 0.9, faulted  # its pages are in, one call
+        assert made.length == 0 and made.buf.shape[0] >= 1999 and 5 in puller.pinned
+        puller.evict(protect=set())
+        assert puller.caches.get(5) is made  # pinned: its batch has not run yet
+        puller.make_room([(5, tokens, 1999)])  # held already: left as it is
+        assert puller.caches[5] is made
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        puller.fetch_many("target", [(5, tokens, 1999)], endpoint, client)
+        assert puller.caches[5] is made and made.length == 1999 and torch.equal(made.buf[:1999], cache.buf[:1999])
+        # the copy wrote into pages already in (the reads of the holder's file still fault theirs)
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0 < faulted * 0.6
+        puller.unpin([5])
+        puller.evict(protect=set())
+        assert 5 not in puller.caches
+    finally:
+        server.close()
+        client.close()
+
+
 def test_the_pool_is_bounded_and_waits_before_reusing_a_file_a_network_peer_was_sent(tmp_path) -> None:  # noqa: ANN001
     """Pooled files stay within the pool's bytes (oldest deleted first); a file whose rows were
     just sent over the network is not reused until that send can no longer be accepted."""

@@ -66,27 +66,32 @@ class KVCache:
         grown[: self.length] = self.buf[: self.length]
         self.buf = grown
 
-    def share(self, path, owner: int, pool=None) -> None:  # noqa: ANN001 - a pathlib.Path, a kv/shm.py FilePool
+    def share(self, path, owner: int, pool=None, least: int | None = None) -> None:  # noqa: ANN001 - a pathlib.Path, a kv/shm.py FilePool
         """Keep this cache (of request ``owner``) in a file at ``path`` that peers on this host
-        map (kv/shm.py), a file from ``pool`` when it has one that fits."""
+        map (kv/shm.py): a file from ``pool`` with room for ``least`` positions or more when it
+        has one (a new file gets this cache's capacity)."""
         if self.buf.device.type != "cpu":
             raise ValueError("shared-memory KV is for CPU workers")
         self.shared_path, self.owner, self.pool = path, owner, pool
-        self._share_rows(self.buf.shape[0])
+        self._share_rows(self.buf.shape[0], least)
 
-    def _share_rows(self, capacity: int) -> bool:
-        """Move this cache into a shared file of ``capacity`` rows or more. If the shared-memory
-        folder is full, stop sharing instead (peers then recompute this request) and return False."""
+    def _share_rows(self, capacity: int, least: int | None = None) -> bool:
+        """Move this cache into a shared file of ``capacity`` rows (a pooled one of ``least`` to
+        twice ``capacity``). If the shared-memory folder is full, stop sharing instead (peers then
+        recompute this request) and return False."""
         from nebula_flow.kv.shm import SharedMemoryFull, SharedRows
 
-        rows = self.pool.take(self.shared_path, self.owner, capacity) if self.pool is not None else None
+        rows = None
+        if self.pool is not None:
+            least = max(least or capacity, self.length)
+            rows = self.pool.take(self.shared_path, self.owner, least, max(2 * capacity, capacity + 256))
         try:
             if rows is None:
                 rows = SharedRows(self.shared_path, capacity, self.row_shape, self.buf.dtype, self.owner)
         except SharedMemoryFull as exc:
             if self.pool is not None and self.pool.entries:
                 self.pool.clear()  # finished requests' files give their memory back first
-                return self._share_rows(capacity)
+                return self._share_rows(capacity, least)
             log.warning("%s; keeping this request's KV private", exc)
             self.unshare()  # a stale, shorter file must not be read, mapped or not
             return False
@@ -117,6 +122,14 @@ class KVCache:
             self.tokens = []
         else:
             self.unshare()
+
+    def prefault(self, positions: int) -> None:
+        """Have the pages of the first ``positions`` rows in before rows are copied into them
+        (shared caches: a new file's pages otherwise fault in one at a time, during the copy)."""
+        if self.shared is not None:
+            from nebula_flow.kv.shm import populate
+
+            populate(self.buf.data_ptr(), min(positions, self.buf.shape[0]) * self.row_bytes)
 
     def publish(self) -> None:
         """Let peers see the positions held now (shared caches only)."""

@@ -71,6 +71,18 @@ def kv_path(folder: Path, role: str, rid: int) -> Path:
     return Path(folder) / kv_file_name(role, rid)
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+MADV_POPULATE_WRITE = 23  # Linux 5.14+ (older kernels refuse it: then pages fault in as rows are written)
+PAGE = mmap.PAGESIZE
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Fault in the pages of ``nbytes`` at ``address`` for writing, in one system call (the
+    GIL is released meanwhile). Whether the kernel did."""
+    start = address - address % PAGE
+    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + nbytes - start), MADV_POPULATE_WRITE) == 0
+
+
 class SharedMemoryFull(OSError):
     """The shared-memory folder cannot hold another cache (e.g. a container's small /dev/shm)."""
 
@@ -172,12 +184,12 @@ class FilePool:
         while self.bytes > self.max_bytes and self.entries:
             self._drop(0)
 
-    def take(self, path: Path, owner: int, capacity: int) -> SharedRows | None:
-        """A pooled file for ``owner`` with room for ``capacity`` positions (and not much more:
-        the smallest that fits, at most twice that), set up to be installed at ``path``."""
+    def take(self, path: Path, owner: int, least: int, most: int) -> SharedRows | None:
+        """The smallest pooled file for ``owner`` with room for ``least..most`` positions, set up
+        to be installed at ``path``."""
         now, best = time.monotonic(), None
         for i, (usable, rows) in enumerate(self.entries):
-            if usable <= now and capacity <= rows.capacity <= max(2 * capacity, capacity + 256) and (
+            if usable <= now and least <= rows.capacity <= most and (
                     best is None or rows.capacity < self.entries[best][1].capacity):
                 best = i
         if best is None:
