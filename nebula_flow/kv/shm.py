@@ -294,8 +294,8 @@ class PeerFiles:
             raise ValueError("shared-memory KV is read into CPU memory only")
         ctypes.memmove(dest.data_ptr(), m.rows_address + start * m.row_bytes, nbytes)
         tokens = m.tokens[start:end].copy()
-        if head[STATE] != LIVE or head[OWNER] != owner:
-            return None  # recycled for another request while we copied: what we read is not it
+        if head[STATE] != LIVE or head[OWNER] != owner or head[LENGTH] < end:
+            return None  # freed or recycled while we copied: what we read may not be these rows
         return tokens
 
     def _open(self, path: str, owner: int) -> _Mapped | None:
