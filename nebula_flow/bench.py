@@ -186,13 +186,16 @@ def raw_transport_gbps(transport: str, nbytes: int, repeats: int = 20, spread: b
 
 PROBE_PACE_MS = 20.0  # about one exchange per batch of a worker, as the system pulls
 PROBE_START_S = 120.0
+# Up to a long prompt's whole KV (the larger size classes of bench-kv's exchanges)
+PROBE_SIZES = "16384,65536,262144,1048576,4194304,16777216"
 
 
 @contextlib.contextmanager
 def paced_probe(transport: str, out: Path):  # noqa: ANN201
     """Run paced raw pulls in a separate process for the duration of the block (kv/probe.py)."""
     proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.kv.probe", "--transport", transport,
-                             "--pace-ms", str(PROBE_PACE_MS), "--out", str(out)], stdout=subprocess.PIPE, text=True)
+                             "--pace-ms", str(PROBE_PACE_MS), "--sizes", PROBE_SIZES, "--out", str(out)],
+                            stdout=subprocess.PIPE, text=True)
     give_up = threading.Timer(PROBE_START_S, proc.kill)  # a probe that never says ready must not hang us
     give_up.start()
     try:
@@ -284,7 +287,6 @@ def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log, r
     for key, rs in runs.items():
         out[key] = {name: statistics.median(r[name] for r in rs) for name in rs[0] if name != "by_size"}
         out[key]["runs"] = rs
-    out["by_size"] = _by_size_against_raw(runs["overlap"], transport)
     size = int(out["overlap"]["mean_pull_bytes"]) or 1 << 20
     out["raw_gbps_same_size"] = raw_transport_gbps(transport, size)
     out["raw_gbps_4mib"] = raw_transport_gbps(transport, 4 << 20)
@@ -305,37 +307,44 @@ def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log, r
                 samples.setdefault(int(k), []).extend(v)
         out[f"raw_paced_{key}_gbps"] = paced_gbps(samples, size)
         out[f"bandwidth_ratio_paced_{key}"] = out["overlap"]["system_gbps"] / out[f"raw_paced_{key}_gbps"]
+    out["by_size"] = _by_size_against_raw(runs["overlap"], transport, samples)  # (paced: the loaded samples)
     out["raw_pace_ms"] = PROBE_PACE_MS
     return out
 
 
-def _by_size_against_raw(runs: list[dict[str, Any]], transport: str) -> dict[str, Any]:
-    """The in-system bandwidth of each size class of exchanges against back-to-back raw pulls
-    (data from memory) at that class's mean size, and over all exchanges the time raw pulls of
-    the same sizes would take against the time the system took ("size-matched" ratio). Each
-    figure is the median over ``runs``."""
-    classes: dict[str, dict[str, Any]] = {}
+def _by_size_against_raw(runs: list[dict[str, Any]], transport: str, paced: dict[int, list[float]]) -> dict[str, Any]:
+    """The in-system bandwidth of each size class of exchanges against raw pulls at that class's
+    mean size: back to back with the data from memory, and paced like the system's during the
+    run (``paced`` samples). Over all exchanges, the time raw pulls of the same sizes would take
+    against the time the system took (the "size-matched" ratio). Medians over ``runs``."""
+    from nebula_flow.kv.probe import paced_gbps
+    from nebula_flow.kv.store import PULL_SIZE_CLASSES
+
+    classes: dict[str, dict[str, list[float]]] = {}
     raw: dict[str, float] = {}
-    matched = []
+    matched: dict[str, list[float]] = {"b2b": [], "paced": []}
     for run in runs:
-        raw_s = sys_s = 0.0
+        raw_s = paced_s = sys_s = 0.0
         for size, (n, nbytes, took) in run["by_size"].items():
-            if size not in raw:  # (every run's mix is measured against the first run's mean size)
+            if size not in raw:  # (measured once, at the first run's mean size of the class)
                 raw[size] = raw_transport_gbps(transport, int(nbytes / n), spread=True)
-            c = classes.setdefault(size, {"exchanges": [], "mean_bytes": [], "system_gbps": []})
+            c = classes.setdefault(size, {"exchanges": [], "mean_bytes": [], "system_gbps": [], "paced_gbps": []})
             c["exchanges"].append(n)
             c["mean_bytes"].append(nbytes / n)
             c["system_gbps"].append(nbytes / max(took, 1e-9) / 1e9)
+            c["paced_gbps"].append(paced_gbps(paced, nbytes / n))
             raw_s += nbytes / (raw[size] * 1e9)
+            paced_s += nbytes / (c["paced_gbps"][-1] * 1e9)
             sys_s += took
-        matched.append(raw_s / max(sys_s, 1e-9))
-    from nebula_flow.kv.store import PULL_SIZE_CLASSES
-
-    out: dict[str, Any] = {"classes": {}, "size_matched_ratio": statistics.median(matched) if matched else 0.0}
+        matched["b2b"].append(raw_s / max(sys_s, 1e-9))
+        matched["paced"].append(paced_s / max(sys_s, 1e-9))
+    out: dict[str, Any] = {"classes": {}, **{f"size_matched_ratio_{k}": statistics.median(v) if v else 0.0
+                                              for k, v in matched.items()}}
     for size in sorted(classes, key=list(PULL_SIZE_CLASSES).index):
         c = {k: statistics.median(v) for k, v in classes[size].items()}
         c["raw_gbps"] = raw[size]
         c["ratio"] = c["system_gbps"] / raw[size]
+        c["ratio_paced"] = c["system_gbps"] / c["paced_gbps"]
         out["classes"][size] = c
     return out
 
@@ -356,13 +365,15 @@ def kv_report(res: dict[str, Any]) -> str:
                  f"-> ratio {res['bandwidth_ratio']:.2f}; data from memory {res['raw_spread_gbps_same_size']:.2f} GB/s "
                  f"-> ratio {res['bandwidth_ratio_spread']:.2f} (at 4 MiB: {res['raw_gbps_4mib']:.2f} and "
                  f"{res['raw_spread_gbps_4mib']:.2f} GB/s)")
-    lines.append(f"by exchange size (overlap runs; raw: back to back, data from memory, at the class's mean size; "
-                 f"{o['files_recycled']:.0f} caches got a pooled file):")
-    for size, c in res["by_size"]["classes"].items():
-        lines.append(f"  {size:<9}{c['exchanges']:6.0f} exchanges of {c['mean_bytes'] / 1e3:8.0f} kB: in-system "
-                     f"{c['system_gbps']:6.2f} GB/s, raw {c['raw_gbps']:6.2f} GB/s -> ratio {c['ratio']:.2f}")
-    lines.append(f"  all sizes: raw pulls of the same sizes would take {res['by_size']['size_matched_ratio']:.2f} of the "
-                 f"time the system's took (size-matched ratio)")
+    by = res["by_size"]
+    lines.append(f"by exchange size (overlap runs; raw at the class's mean size: back to back with the data from "
+                 f"memory, and paced during the run; {o['files_recycled']:.0f} caches got a pooled file):")
+    for size, c in by["classes"].items():
+        lines.append(f"  {size:<9}{c['exchanges']:5.0f} exchanges of {c['mean_bytes'] / 1e3:7.0f} kB: in-system "
+                     f"{c['system_gbps']:6.2f} GB/s; raw b2b {c['raw_gbps']:6.2f} GB/s -> ratio {c['ratio']:.2f}; "
+                     f"raw paced {c['paced_gbps']:6.2f} GB/s -> ratio {c['ratio_paced']:.2f}")
+    lines.append(f"  all sizes: raw pulls of the same sizes would take {by['size_matched_ratio_b2b']:.2f} (b2b) and "
+                 f"{by['size_matched_ratio_paced']:.2f} (paced) of the time the system's took (size-matched ratios)")
     lines.append(f"raw {res['transport']}, one pull per {res['raw_pace_ms']:.0f} ms, at that size: idle machine "
                  f"{res['raw_paced_idle_gbps']:.2f} GB/s -> ratio {res['bandwidth_ratio_paced_idle']:.2f}; during the "
                  f"run (same load) {res['raw_paced_loaded_gbps']:.2f} GB/s -> ratio {res['bandwidth_ratio_paced_loaded']:.2f}")

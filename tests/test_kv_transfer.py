@@ -430,6 +430,7 @@ def test_paced_bandwidth_interpolates_time_linearly_in_size() -> None:
     samples = {1000: [0.5e-3, 1.5e-3], 3000: [2e-3, 2e-3]}  # means: 1 ms and 2 ms
     assert paced_gbps(samples, 2000) == pytest.approx(2000 / 1.5e-3 / 1e9)
     assert paced_gbps(samples, 500) == pytest.approx(500 / 1e-3 / 1e9)  # below the range: nearest time
+    assert paced_gbps(samples, 9000) == pytest.approx(3000 / 2e-3 / 1e9)  # above it: the largest size's rate
 
 
 def test_a_full_shared_memory_folder_keeps_kv_private_instead_of_crashing(tmp_path, monkeypatch) -> None:  # noqa: ANN001
@@ -490,10 +491,11 @@ def test_bench_kv_reports_stall_and_every_bandwidth_ratio(tiny_pair, monkeypatch
         assert sum(c[1] for c in run["by_size"].values()) >= run["bytes_pulled"] > 0
     classes = out["by_size"]["classes"]
     assert classes and all(c["ratio"] == pytest.approx(c["system_gbps"] / c["raw_gbps"]) for c in classes.values())
-    assert out["by_size"]["size_matched_ratio"] > 0
+    assert all(c["ratio_paced"] == pytest.approx(c["system_gbps"] / c["paced_gbps"]) for c in classes.values())
+    assert out["by_size"]["size_matched_ratio_b2b"] > 0 and out["by_size"]["size_matched_ratio_paced"] > 0
     text = kv_report(out)  # what bench-kv prints without --json
     assert f"in-system {out['overlap']['system_gbps']:.2f} GB/s" in text
-    assert f"would take {out['by_size']['size_matched_ratio']:.2f} of the time" in text
+    assert f"would take {out['by_size']['size_matched_ratio_b2b']:.2f} (b2b)" in text
     assert f"data from memory {out['raw_spread_gbps_same_size']:.2f} GB/s" in text and "during the run" in text
 
 

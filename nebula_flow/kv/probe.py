@@ -78,10 +78,13 @@ class RawPair:
 def paced_gbps(samples: dict[int, list[float]], nbytes: float) -> float:
     """Bandwidth at ``nbytes`` from paced samples {size: [seconds]}: mean time per size (the
     statistic of the in-system figure, total bytes over total pull time, slow pulls included),
-    linear in size between the two nearest sizes (time = fixed cost + bytes / rate)."""
+    linear in size between the two nearest sizes (time = fixed cost + bytes / rate). Below the
+    smallest size, that size's time (the fixed cost); above the largest, that size's bandwidth."""
     points = sorted((size, statistics.fmean(ts)) for size, ts in samples.items() if ts)
     if not points:
         raise ValueError("no paced samples")
+    if nbytes > points[-1][0]:
+        return points[-1][0] / max(points[-1][1], 1e-9) / 1e9
     lo = max([p for p in points if p[0] <= nbytes], default=points[0])
     hi = min([p for p in points if p[0] >= nbytes], default=points[-1])
     t = lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (nbytes - lo[0]) / (hi[0] - lo[0])
