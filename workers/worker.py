@@ -154,25 +154,29 @@ class Worker:
             return by_holder
         return {e: w for e, w in by_holder.items() if self.transport.reads_locally(e) == local}
 
-    def _room_to_make(self, tasks: list[Task]) -> list[tuple[int, np.ndarray, int]]:
-        """This batch's same-host reads into caches not held here, when they are large enough
-        (``ROOM_BYTES``) for making those caches, pages and all, to be worth a thread handoff."""
+    def _room_to_make(self, tasks: list[Task]) -> dict[str, list[tuple[int, np.ndarray, int]]]:
+        """This batch's same-host reads into caches not held here (by holder, as ``_pulls``),
+        when they are large enough (``ROOM_BYTES``) to be worth a thread handoff."""
         store = self._store_for(self.opts.role)
         if store is None or store.share_folder is None:
-            return []
-        wanted = [w for ws in self._pulls(tasks, local=True).values() for w in ws if w[0] not in store.caches]
-        if sum(min(valid, len(tokens) - 1) for _, tokens, valid in wanted) * store.row_bytes < ROOM_BYTES:
-            return []
-        return wanted
+            return {}
+        room = {e: new for e, ws in self._pulls(tasks, local=True).items()
+                if (new := [w for w in ws if w[0] not in store.caches])}
+        positions = sum(min(valid, len(tokens) - 1) for ws in room.values() for _, tokens, valid in ws)
+        return room if positions * store.row_bytes >= ROOM_BYTES else {}
 
     def _prefetch(self, pulls: dict[str, list[tuple[int, np.ndarray, int]]],
-                  room: list[tuple[int, np.ndarray, int]] | None = None) -> None:
+                  room: dict[str, list[tuple[int, np.ndarray, int]]] | None = None) -> None:
         """Pull a batch's missing KV (``_pulls``) from its holders: network pulls on the prefetch
         thread (overlapping compute), same-host reads and no-overlap pulls at compute start.
-        ``room``: caches to make first (``_room_to_make``; on the prefetch thread)."""
+        ``room`` (``_room_to_make``; on the prefetch thread, first): for large same-host reads,
+        make the caches they fill and have the pages on both sides in, so that at compute start
+        they are only copies."""
         store = self._store_for(self.opts.role)
-        if room:
-            store.make_room(room)
+        for endpoint, wanted in (room or {}).items():
+            store.make_room(wanted)
+            self.transport.prepare_reads(endpoint, [(rid, self.opts.role, 0, min(valid, len(tokens) - 1))
+                                                    for rid, tokens, valid in wanted])
         for endpoint, wanted in pulls.items():  # one exchange per holder for the whole batch
             try:
                 store.fetch_many(self.opts.role, wanted, endpoint, self.transport)
@@ -417,7 +421,7 @@ class Worker:
                         # (a batch whose KV is all here or in this host's memory skips the prefetch
                         # thread: a thread handoff per batch is ~0.1 ms on a single stream's critical path)
                         pulls = self._pulls(batch, local=False) if self.opts.kv_overlap else {}
-                        room = self._room_to_make(batch) if self.opts.kv_overlap else []
+                        room = self._room_to_make(batch) if self.opts.kv_overlap else {}
                         if pulls or room:
                             prefetch = self.prefetcher.submit(self._prefetch, pulls, room)
                 elif msg.kind == "FREE":

@@ -41,6 +41,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -72,15 +73,17 @@ def kv_path(folder: Path, role: str, rid: int) -> Path:
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
-MADV_POPULATE_WRITE = 23  # Linux 5.14+ (older kernels refuse it: then pages fault in as rows are written)
+# Linux 5.14+ (older kernels refuse them: then pages fault in one at a time as rows are copied)
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
 PAGE = mmap.PAGESIZE
 
 
-def populate(address: int, nbytes: int) -> bool:
-    """Fault in the pages of ``nbytes`` at ``address`` for writing, in one system call (the
-    GIL is released meanwhile). Whether the kernel did."""
+def populate(address: int, nbytes: int, write: bool = True) -> bool:
+    """Fault in the pages of ``nbytes`` at ``address`` (for writing, or reading), in one system
+    call (the GIL is released meanwhile). Whether the kernel did."""
     start = address - address % PAGE
-    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + nbytes - start), MADV_POPULATE_WRITE) == 0
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + nbytes - start), advice) == 0
 
 
 class SharedMemoryFull(OSError):
@@ -265,8 +268,26 @@ class PeerFiles:
         self.names: dict[str, tuple[tuple[int, int], int]] = {}  # path -> (file, owner read there)
         self.mapped_bytes = 0
         self.reads = 0
+        # The compute thread reads; the prefetch thread maps ahead (``prefault``).
+        self.lock = threading.Lock()
+
+    def prefault(self, path: str, owner: int, start: int, end: int) -> None:
+        """Map request ``owner``'s file at ``path`` now and fault in the pages of its rows
+        ``start..end``, so that reading them later is only a copy (a new mapping of a 24 MB
+        file otherwise faults ~1.3 ms of pages in during the read)."""
+        with self.lock:
+            known = self.names.get(path)
+            m = self.maps.get(known[0]) if known is not None else None
+            if m is None or m.head[STATE] != LIVE or m.head[OWNER] != owner:
+                m = self._open(path, owner)
+        if m is not None and 0 <= start < end <= m.capacity:
+            populate(m.rows_address + start * m.row_bytes, (end - start) * m.row_bytes, write=False)
 
     def read(self, path: str, owner: int, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
+        with self.lock:
+            return self._read(path, owner, start, end, dest)
+
+    def _read(self, path: str, owner: int, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
         """Copy rows ``start..end`` of request ``owner``'s file at ``path`` into ``dest``; their
         tokens, or None.
 
@@ -341,9 +362,10 @@ class PeerFiles:
                 del self.names[path]
 
     def close(self) -> None:
-        self.maps.clear()
-        self.names.clear()
-        self.mapped_bytes = 0
+        with self.lock:
+            self.maps.clear()
+            self.names.clear()
+            self.mapped_bytes = 0
 
 
 class ShmTransport(KVTransport):
@@ -370,6 +392,12 @@ class ShmTransport(KVTransport):
         folder = endpoint[len("shm://"):]
         return [self.files.read(os.path.join(folder, kv_file_name(role, rid)), rid, start, end, dest)
                 for rid, role, start, end, dest in items]
+
+    def prepare_reads(self, endpoint: str, items: list[tuple[int, str, int, int]]) -> None:
+        part = endpoint_part(endpoint, "shm://")
+        if part is not None:
+            for rid, role, start, end in items:
+                self.files.prefault(os.path.join(part[len("shm://"):], kv_file_name(role, rid)), rid, start, end)
 
     def reads_locally(self, endpoint: str) -> bool:
         """The holder's folder is visible here (same host and mount namespace). Remembered per

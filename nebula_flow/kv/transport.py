@@ -81,6 +81,11 @@ class KVTransport(ABC):
         network): such a pull is as cheap at compute start as in the background."""
         return False
 
+    def prepare_reads(self, endpoint: str, items: list[tuple[int, str, int, int]]) -> None:
+        """Get ready to read (rid, role, start, end) from ``endpoint`` soon (``reads_locally``
+        holders: map the files, fault the pages in). Nothing to do for a network transport."""
+        return None
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -222,6 +227,10 @@ class LocalFirstTransport(KVTransport):
 
     def reads_locally(self, endpoint: str) -> bool:
         return self.local.reads_locally(endpoint)
+
+    def prepare_reads(self, endpoint: str, items: list[tuple[int, str, int, int]]) -> None:
+        if self.local.reads_locally(endpoint):
+            self.local.prepare_reads(endpoint, items)
 
     def close(self) -> None:
         self.remote.close()
