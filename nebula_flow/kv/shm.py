@@ -27,6 +27,9 @@ Readers keep their mappings between pulls (``PeerFiles``), by file rather than b
 pool file that comes back under a new request's name is read through the mapping the reader
 already has (2.4 ms for the same 24 MB), and a small pull is one copy with no system call (on
 this VM a system call made between two batches costs ~100 us: the CPU is cold after compute).
+For a large read into a cache not held yet, the worker's prefetch thread makes the cache and
+maps the holder's file while the previous batch computes, both with their pages faulted in
+(``populate``), so the read at compute start is only the copy.
 Every read checks that the file is LIVE and its ``owner`` is the request asked for, before
 and after the copy, so a file recycled meanwhile reads as missing, never as another
 request's KV.
@@ -162,7 +165,8 @@ class FilePool:
     A file a network peer was served from in the last ``POOL_QUARANTINE_S`` is not reused yet:
     the ZeroMQ and UCX servers send rows straight from the cache's memory, and a send still
     under way after that long goes to a puller that has already given up (``PULL_TIMEOUT_S``).
-    At most ``max_bytes`` are kept; the oldest files go first.
+    At most ``max_bytes`` are kept; the oldest files go first. Thread-safe: the compute and
+    prefetch threads both make caches (and grow them).
     """
 
     def __init__(self, folder: Path, role: str, max_bytes: int) -> None:
@@ -171,6 +175,7 @@ class FilePool:
         self.bytes = 0
         self.seq = itertools.count()
         self.reused = 0
+        self.lock = threading.Lock()
 
     def put(self, rows: SharedRows, served_at: float) -> None:
         """Take back the file of a request this worker no longer holds."""
@@ -182,32 +187,35 @@ class FilePool:
             rows.retire()  # its name is gone (the folder was removed): nothing to keep
             return
         rows.staged = rows.path = name
-        self.entries.append((served_at + POOL_QUARANTINE_S, rows))
-        self.bytes += rows.nbytes
-        while self.bytes > self.max_bytes and self.entries:
-            self._drop(0)
+        with self.lock:
+            self.entries.append((served_at + POOL_QUARANTINE_S, rows))
+            self.bytes += rows.nbytes
+            while self.bytes > self.max_bytes and self.entries:
+                self._drop(0)
 
     def take(self, path: Path, owner: int, least: int, most: int) -> SharedRows | None:
         """The smallest pooled file for ``owner`` with room for ``least..most`` positions, set up
         to be installed at ``path``."""
         now, best = time.monotonic(), None
-        for i, (usable, rows) in enumerate(self.entries):
-            if usable <= now and least <= rows.capacity <= most and (
-                    best is None or rows.capacity < self.entries[best][1].capacity):
-                best = i
-        if best is None:
-            return None
-        rows = self.entries.pop(best)[1]
-        self.bytes -= rows.nbytes
+        with self.lock:
+            for i, (usable, rows) in enumerate(self.entries):
+                if usable <= now and least <= rows.capacity <= most and (
+                        best is None or rows.capacity < self.entries[best][1].capacity):
+                    best = i
+            if best is None:
+                return None
+            rows = self.entries.pop(best)[1]
+            self.bytes -= rows.nbytes
+            self.reused += 1
         rows.set_state(LIVE, owner)  # (still under its pool name: no reader looks there)
         rows.path = path
-        self.reused += 1
         return rows
 
     def clear(self) -> None:
         """Give every pooled file's memory back (the shared-memory folder is full)."""
-        while self.entries:
-            self._drop(0)
+        with self.lock:
+            while self.entries:
+                self._drop(0)
 
     def _drop(self, i: int) -> None:
         _, rows = self.entries.pop(i)
