@@ -33,6 +33,7 @@ class KVCache:
     ) -> None:
         self.row_shape = (num_layers, 2, num_kv_heads, head_dim)
         self.buf = torch.empty((capacity, *self.row_shape), dtype=dtype, device=device)
+        self._row_bytes = self.buf.element_size() * int(np.prod(self.row_shape))
         self.tokens: list[int] = []
         self.shared = None  # kv/shm.py SharedRows when peers on this host read this cache directly
         self.shared_path = None
@@ -47,7 +48,7 @@ class KVCache:
     @property
     def row_bytes(self) -> int:
         """Bytes of one position (all layers, K and V)."""
-        return self.buf.element_size() * self.buf[0].numel()
+        return self._row_bytes
 
     @property
     def allocated_bytes(self) -> int:
@@ -152,6 +153,8 @@ class KVCache:
         n = min(len(tokens), self.length)
         if n == 0:
             return 0
+        if self.tokens[:n] == tokens[:n].tolist():  # the usual case; a list compare is cheapest between batches
+            return n
         held = np.asarray(self.tokens[:n], dtype=np.int64)
         diff = np.nonzero(held != tokens[:n])[0]
         return int(diff[0]) if len(diff) else n

@@ -386,41 +386,42 @@ class ShmTransport(KVTransport):
         remove_orphans(root)
         self.share_folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
         self.share_folder.chmod(0o700)
-        self._visible: dict[str, bool] = {}  # shm:// endpoint part -> its folder is visible here
+        # endpoint -> the folder it names, with a trailing "/", or "" when there is none or it
+        # is not visible here (same host and mount namespace). Remembered: between batches a
+        # path lookup costs ~85 us here, and parsing the endpoint tens of us; a worker asks
+        # several times per batch. (A folder that vanishes later just fails its reads: the
+        # caller then asks the network or recomputes, as for any missing file.)
+        self._folders: dict[str, str] = {}
         self.files = PeerFiles()
 
     def serve(self, host: str, lookup: Lookup) -> str:
         """Nothing runs: the worker's stores write their KV into ``self.share_folder``."""
         return f"shm://{self.share_folder}"
 
+    def _folder(self, endpoint: str) -> str:
+        folder = self._folders.get(endpoint)
+        if folder is None:
+            if len(self._folders) >= 1024:  # workers come and go over a long run: stay bounded
+                self._folders.clear()
+            part = endpoint_part(endpoint, "shm://")
+            folder = part[len("shm://"):] if part is not None else ""
+            folder = self._folders[endpoint] = os.path.join(folder, "") if folder and os.path.isdir(folder) else ""
+        return folder
+
     def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
-        endpoint = endpoint_part(endpoint, "shm://")
-        if endpoint is None:
+        folder = self._folder(endpoint)
+        if not folder:
             return [None] * len(items)
-        folder = endpoint[len("shm://"):]
-        return [self.files.read(os.path.join(folder, kv_file_name(role, rid)), rid, start, end, dest)
-                for rid, role, start, end, dest in items]
+        return [self.files.read(folder + kv_file_name(role, rid), rid, start, end, dest) for rid, role, start, end, dest in items]
 
     def prepare_reads(self, endpoint: str, items: list[tuple[int, str, int, int]]) -> None:
-        part = endpoint_part(endpoint, "shm://")
-        if part is not None:
-            for rid, role, start, end in items:
-                self.files.prefault(os.path.join(part[len("shm://"):], kv_file_name(role, rid)), rid, start, end)
+        folder = self._folder(endpoint)
+        for rid, role, start, end in items if folder else ():
+            self.files.prefault(folder + kv_file_name(role, rid), rid, start, end)
 
     def reads_locally(self, endpoint: str) -> bool:
-        """The holder's folder is visible here (same host and mount namespace). Remembered per
-        folder: a path lookup costs ~85 us here after other work, and a worker asks several
-        times per batch. (A folder that vanishes later just fails its reads: the caller then
-        asks the network or recomputes, as for any missing file.)"""
-        part = endpoint_part(endpoint, "shm://")
-        if part is None:
-            return False
-        seen = self._visible.get(part)
-        if seen is None:
-            if len(self._visible) >= 1024:  # workers come and go over a long run: stay bounded
-                self._visible.clear()
-            seen = self._visible[part] = Path(part[len("shm://"):]).is_dir()
-        return seen
+        """The holder's folder is visible here (same host and mount namespace)."""
+        return bool(self._folder(endpoint))
 
     def close(self) -> None:
         self.files.close()
