@@ -174,9 +174,12 @@ class Worker:
         they are only copies."""
         store = self._store_for(self.opts.role)
         for endpoint, wanted in (room or {}).items():
-            store.make_room(wanted)
-            self.transport.prepare_reads(endpoint, [(rid, self.opts.role, 0, min(valid, len(tokens) - 1))
-                                                    for rid, tokens, valid in wanted])
+            try:
+                store.make_room(wanted)
+                self.transport.prepare_reads(endpoint, [(rid, self.opts.role, 0, min(valid, len(tokens) - 1))
+                                                        for rid, tokens, valid in wanted])
+            except Exception:  # only a head start: the pull at compute start does what is left
+                log.exception("preparing KV reads from %s failed", endpoint)
         for endpoint, wanted in pulls.items():  # one exchange per holder for the whole batch
             try:
                 store.fetch_many(self.opts.role, wanted, endpoint, self.transport)
