@@ -307,6 +307,27 @@ def test_room_for_a_large_same_host_read_is_made_ahead_and_kept_until_its_batch(
         client.close()
 
 
+def test_a_file_made_inside_a_forward_is_reused_outside_one(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """A cache that grew inside a forward got its file there; recycled for the next request,
+    that file is written outside inference mode (copies, pulls, growth) and inside (forwards)."""
+    model = load_model(tiny_pair / "target")
+    store = KVStore(model)
+    store.share_into(tmp_path, "target")
+    tokens = np.arange(1, 101, dtype=np.int64)
+    cache = store.prepare(3, tokens[:4])  # room for 64 positions
+    model([cache], [tokens.tolist()], [1])  # 100: a new file made inside the forward
+    store.publish([3])
+    store.free([3])
+    nxt = store.prepare(4, tokens[:80])  # fits the pooled 128 rows
+    assert store.stats.files_recycled == 1 and not nxt.buf.is_inference()
+    nxt.reserve(300)  # grows outside inference mode: a copy into a new file
+    nxt.buf[:1] = 0.0
+    got = model([nxt], [tokens[:79].tolist()], [1])[0]
+    store.publish([4])
+    fresh = model.new_cache()
+    assert torch.equal(got, model([fresh], [tokens[:79].tolist()], [1])[0])
+
+
 def test_the_pool_is_bounded_and_waits_before_reusing_a_file_a_network_peer_was_sent(tmp_path) -> None:  # noqa: ANN001
     """Pooled files stay within the pool's bytes (oldest deleted first); a file whose rows were
     just sent over the network is not reused until that send can no longer be accepted."""

@@ -114,17 +114,20 @@ class SharedRows:
             tmp.unlink(missing_ok=True)
             raise SharedMemoryFull(f"no room for {total} bytes of KV in {path.parent}")
         fd = os.open(tmp, os.O_RDWR)
-        try:
-            # (no MAP_POPULATE: measured here it cost more per page than faulting the pages in
-            # as rows are written, and it also maps the capacity never used)
-            mem = torch.frombuffer(mmap.mmap(fd, total, flags=mmap.MAP_SHARED), dtype=torch.uint8)
-        finally:
-            os.close(fd)  # (the mapping keeps the file)
-        self.header = mem[:HEADER_BYTES].view(torch.int64)
-        self.tokens = mem[HEADER_BYTES:HEADER_BYTES + capacity * 4].view(torch.int32)
-        start = HEADER_BYTES + _tokens_bytes(capacity)
-        self.rows = mem[start:].view(dtype).view(capacity, *row_shape)
-        self.header[:6] = torch.tensor([MAGIC, 0, capacity, row_bytes, LIVE, owner])
+        # Never inference tensors, even when a cache grows inside a forward: the file outlives
+        # its request (FilePool), and the next one writes to it outside inference mode too.
+        with torch.inference_mode(False):
+            try:
+                # (no MAP_POPULATE: measured here it cost more per page than faulting the pages
+                # in as rows are written, and it also maps the capacity never used)
+                mem = torch.frombuffer(mmap.mmap(fd, total, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+            finally:
+                os.close(fd)  # (the mapping keeps the file)
+            self.header = mem[:HEADER_BYTES].view(torch.int64)
+            self.tokens = mem[HEADER_BYTES:HEADER_BYTES + capacity * 4].view(torch.int32)
+            start = HEADER_BYTES + _tokens_bytes(capacity)
+            self.rows = mem[start:].view(dtype).view(capacity, *row_shape)
+            self.header[:6] = torch.tensor([MAGIC, 0, capacity, row_bytes, LIVE, owner])
         self.nbytes = total
         self.staged, self.path = tmp, path  # where the file is now, where peers look for it
 
@@ -138,18 +141,15 @@ class SharedRows:
         self.staged = self.path
 
     def set_state(self, state: int, owner: int | None = None) -> None:
-        with torch.inference_mode():
-            if owner is not None:
-                self.header[OWNER] = owner
-                self.header[LENGTH] = 0
-            self.header[STATE] = state
+        if owner is not None:
+            self.header[OWNER] = owner
+            self.header[LENGTH] = 0
+        self.header[STATE] = state
 
     def publish(self, tokens: list[int]) -> None:
         n = min(len(tokens), self.tokens.shape[0])
-        # (a buffer grown inside a forward is an inference tensor: only written in that mode)
-        with torch.inference_mode():
-            self.tokens[:n] = torch.as_tensor(tokens[:n], dtype=torch.int32)
-            self.header[LENGTH] = n
+        self.tokens[:n] = torch.as_tensor(tokens[:n], dtype=torch.int32)
+        self.header[LENGTH] = n
 
     def retire(self) -> None:
         """Tell readers that kept this file mapped that it no longer follows the cache."""
