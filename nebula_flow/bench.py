@@ -23,6 +23,7 @@ from typing import Any
 from nebula_flow.client import AsyncClient, Client, Completion, RequestError
 from nebula_flow.config import DeployConfig
 from nebula_flow.deploy import Deployment
+from nebula_flow.kv.store import PULL_SIZE_CLASSES, add_by_size
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):", "import os\n\ndef list_files(path):", "class Stack:\n    def __init__(self):",
@@ -220,8 +221,7 @@ def _kv_totals(address: str) -> dict[str, float]:
         tot[key] = sum((w["kv"] or {}).get(key, 0) for w in workers)
     tot["by_size"] = {}
     for w in workers:
-        for size, counts in ((w["kv"] or {}).get("by_size") or {}).items():
-            tot["by_size"][size] = [a + b for a, b in zip(tot["by_size"].get(size, [0, 0, 0.0]), counts)]
+        add_by_size(tot["by_size"], (w["kv"] or {}).get("by_size") or {})
     return tot
 
 
@@ -247,8 +247,7 @@ def _kv_run(cfg: DeployConfig, wl: Workload, overlap: bool, probe_out: Path, tra
             res = run_once(dep.address, wl)
         after = _kv_totals(dep.address)
     d = {k: after[k] - before[k] for k in after if k != "by_size"}
-    by_size = {size: [a - b for a, b in zip(counts, before["by_size"].get(size, [0, 0, 0.0]))]
-               for size, counts in after["by_size"].items()}
+    by_size = add_by_size(dict(after["by_size"]), before["by_size"], sign=-1)
     return {"by_size": {size: c for size, c in by_size.items() if c[0] > 0}, "files_recycled": d["files_recycled"],
             "stall_fraction": d["stall_s"] / max(d["busy_s"], 1e-9), "stall_s": d["stall_s"],
             "compute_s": d["busy_s"], "pull_s": d["pull_s"], "pulls": d["pulls"], "transfers": d["transfers"],
@@ -318,7 +317,6 @@ def _by_size_against_raw(runs: list[dict[str, Any]], transport: str, paced: dict
     run (``paced`` samples). Over all exchanges, the time raw pulls of the same sizes would take
     against the time the system took (the "size-matched" ratio). Medians over ``runs``."""
     from nebula_flow.kv.probe import paced_gbps
-    from nebula_flow.kv.store import PULL_SIZE_CLASSES
 
     classes: dict[str, dict[str, list[float]]] = {}
     raw: dict[str, float] = {}

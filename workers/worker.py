@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from nebula_flow import protocol
+from nebula_flow.kv.store import add_by_size
 from nebula_flow.kv.transport import make_transport
 from nebula_flow.models.loader import load_model
 from nebula_flow.params import InvalidParams, SamplingParams
@@ -192,9 +193,7 @@ class Worker:
         for r in self.runners:
             for k, v in r.store.stats.to_wire().items():
                 if k == "by_size":
-                    classes = merged.setdefault(k, {})
-                    for size, counts in v.items():
-                        classes[size] = [a + b for a, b in zip(classes.get(size, [0, 0, 0.0]), counts)]
+                    add_by_size(merged.setdefault(k, {}), v)
                 else:
                     merged[k] = merged.get(k, 0) + v
         merged["stall_s"] = merged.get("stall_s", 0.0) + self.stall_s

@@ -31,6 +31,13 @@ def size_class(nbytes: int) -> str:
     return next(name for name, bound in PULL_SIZE_CLASSES.items() if nbytes < bound)
 
 
+def add_by_size(total: dict[str, list[float]], other: dict[str, list[float]], sign: int = 1) -> dict[str, list[float]]:
+    """Add (``sign`` -1: subtract) ``KVStats.by_size`` counters ``other`` into ``total``."""
+    for size, counts in other.items():
+        total[size] = [a + sign * b for a, b in zip(total.get(size, [0, 0, 0.0]), counts)]
+    return total
+
+
 @dataclass
 class KVStats:
     reused: int = 0  # positions a task found already held here
