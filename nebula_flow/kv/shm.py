@@ -284,10 +284,7 @@ class PeerFiles:
         ``start..end``, so that reading them later is only a copy (a new mapping of a 24 MB
         file otherwise faults ~1.3 ms of pages in during the read)."""
         with self.lock:
-            known = self.names.get(path)
-            m = self.maps.get(known[0]) if known is not None else None
-            if m is None or m.head[STATE] != LIVE or m.head[OWNER] != owner:
-                m = self._open(path, owner)
+            m = self._mapping(path, owner, 0)
         if m is not None and 0 <= start < end <= m.capacity:
             populate(m.rows_address + start * m.row_bytes, (end - start) * m.row_bytes, write=False)
 
@@ -305,16 +302,9 @@ class PeerFiles:
         self.reads += 1
         if self.reads % 64 == 0:
             self._sweep()
-        known = self.names.get(path)
-        m = self.maps.get(known[0]) if known is not None else None
-        if m is None or m.head[STATE] != LIVE or m.head[OWNER] != owner or m.head[LENGTH] < end:
-            if m is not None and m.head[STATE] == RETIRED:
-                self._drop(known[0])  # (a deleted file: let go of its memory now)
-            m = self._open(path, owner)
-            if m is None:
-                return None  # not on this host, freed, evicted, or not this request's
-        else:
-            self.maps.move_to_end(known[0])
+        m = self._mapping(path, owner, end)
+        if m is None:
+            return None  # not on this host, freed, evicted, or not this request's
         head = m.head
         nbytes = (end - start) * m.row_bytes
         if head[LENGTH] < end or end > m.capacity or dest.nbytes != nbytes or not dest.is_contiguous():
@@ -326,6 +316,18 @@ class PeerFiles:
         if head[STATE] != LIVE or head[OWNER] != owner or head[LENGTH] < end:
             return None  # freed or recycled while we copied: what we read may not be these rows
         return tokens
+
+    def _mapping(self, path: str, owner: int, end: int) -> _Mapped | None:
+        """The mapping of request ``owner``'s file at ``path``: the one remembered for that name
+        while it is LIVE for ``owner`` and holds ``end`` positions, else looked up again."""
+        known = self.names.get(path)
+        m = self.maps.get(known[0]) if known is not None else None
+        if m is None or m.head[STATE] != LIVE or m.head[OWNER] != owner or m.head[LENGTH] < end:
+            if m is not None and m.head[STATE] == RETIRED:
+                self._drop(known[0])  # (a deleted file: let go of its memory now)
+            return self._open(path, owner)
+        self.maps.move_to_end(known[0])
+        return m
 
     def _open(self, path: str, owner: int) -> _Mapped | None:
         """The file now at ``path``, mapped (a mapping kept from earlier reads is used again), if
