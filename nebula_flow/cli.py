@@ -166,11 +166,14 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
 @click.option("--profile", type=click.Path(), help="Latency profile for --device emulated.")
 @click.option("--draft-profile", type=click.Path(), help="The draft's latency profile (colocated + emulated).")
 @click.option("--max-kv-gb", default=4.0, show_default=True, help="KV memory budget per model (LRU eviction).")
+@click.option("--kv-pool-gb", type=float, help="Memory per model for finished requests' shared KV files, kept "
+              "(pages in) for later requests, beyond --max-kv-gb; 0: none kept. Same-host (shm) KV only. "
+              "[default: --max-kv-gb / 8]")
 @click.option("--keys", type=click.Path(), help="CURVE key folder (or NEBULA_FLOW_KEYS).")
 def worker(role: str, model: str, draft_model: str | None, broker_addr: str, name: str,
            max_batch: int, threads: int, device: str, dtype: str | None, batch_invariant: bool | None,
            kv_transport: str, kv_host: str, kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
-           keys: str | None) -> None:
+           kv_pool_gb: float | None, keys: str | None) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
     from workers.worker import WorkerOptions, serve_worker
@@ -180,7 +183,7 @@ def worker(role: str, model: str, draft_model: str | None, broker_addr: str, nam
                                             threads, device, dtype, batch_invariant, kv_transport=kv_transport,
                                             kv_host=kv_host,
                                             kv_overlap=kv_overlap, profile=profile, draft_profile=draft_profile,
-                                            max_kv_gb=max_kv_gb, keys=keys)))
+                                            max_kv_gb=max_kv_gb, kv_pool_gb=kv_pool_gb, keys=keys)))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 

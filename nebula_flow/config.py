@@ -57,6 +57,7 @@ class PoolConfig:
     batch_invariant: bool | None = None  # bit-equal logits however a token is batched; None: on for bf16/fp16 CPU
     profile: str | None = None  # latency profile for device = "emulated"
     max_kv_gb: float = 4.0  # KV memory budget per worker model
+    kv_pool_gb: float | None = None  # finished requests' shared KV files kept for reuse (None: max_kv_gb / 8)
 
 
 @dataclass
@@ -82,6 +83,8 @@ class DeployConfig:
             # Colocated and autoregressive run M + N workers: one pool may be empty there.
             if pool.workers == 0 and self.mode in ("pooled", "paired"):
                 raise ConfigError(f"[{name}] workers must be >= 1 in {self.mode} mode")
+            if pool.max_kv_gb <= 0 or (pool.kv_pool_gb is not None and pool.kv_pool_gb < 0):
+                raise ConfigError(f"[{name}] max_kv_gb must be > 0 and kv_pool_gb >= 0")
             if pool.device == "emulated" and not pool.profile:
                 raise ConfigError(f"[{name}] device = \"emulated\" needs a profile")
         if self.draft.workers + self.target.workers < 1:

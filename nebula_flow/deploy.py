@@ -102,6 +102,8 @@ class Deployment:
             if pool.profile:
                 args += ["--profile", pool.profile]
             args += ["--max-kv-gb", str(pool.max_kv_gb)]
+            if pool.kv_pool_gb is not None:
+                args += ["--kv-pool-gb", str(pool.kv_pool_gb)]
             if role == "colocated":
                 args += ["--draft-model", str(self.cfg.draft.model)]
                 if self.cfg.draft.profile:

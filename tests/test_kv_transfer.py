@@ -328,6 +328,22 @@ def test_a_file_made_inside_a_forward_is_reused_outside_one(tiny_pair, tmp_path)
     assert torch.equal(got, model([fresh], [tokens[:79].tolist()], [1])[0])
 
 
+def test_the_pool_size_is_a_setting_and_zero_keeps_no_file(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    model = load_model(tiny_pair / "target")
+    tokens = np.arange(1, 41, dtype=np.int64)
+    for pool_bytes, recycled in ((None, 1), (0, 0), (1 << 30, 1)):
+        folder = tmp_path / str(pool_bytes)
+        folder.mkdir()
+        store = KVStore(model, max_bytes=64 << 20)
+        store.share_into(folder, "target", pool_bytes)
+        assert store.pool.max_bytes == (8 << 20 if pool_bytes is None else pool_bytes)
+        store.prepare(1, tokens)
+        store.free([1])
+        store.prepare(2, tokens)
+        assert store.stats.files_recycled == recycled
+        assert sorted(p.name for p in folder.iterdir()) == ["target-2.kv"]  # (with 0: request 1's file deleted)
+
+
 def test_the_pool_is_bounded_and_waits_before_reusing_a_file_a_network_peer_was_sent(tmp_path) -> None:  # noqa: ANN001
     """Pooled files stay within the pool's bytes (oldest deleted first); a file whose rows were
     just sent over the network is not reused until that send can no longer be accepted."""

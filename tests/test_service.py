@@ -277,12 +277,16 @@ def test_serve_rejects_a_bad_config(tmp_path) -> None:  # noqa: ANN001
     pair = '[draft]\nmodel = "d"\n[target]\nmodel = "t"\n'
     for text, message in (('[broker]\nheartbeat_s = 1.0\nliveness_s = 1.5\n' + pair, "at least twice heartbeat_s"),
                           ('[broker]\nheartbeat_s = 0\n' + pair, "heartbeat_s must be > 0"),
-                          ('[draft]\nmodel = "d"\ndevice = "emulated"\n[target]\nmodel = "t"\n', "needs a profile")):
+                          ('[draft]\nmodel = "d"\ndevice = "emulated"\n[target]\nmodel = "t"\n', "needs a profile"),
+                          ('[draft]\nmodel = "d"\n[target]\nmodel = "t"\nkv_pool_gb = -1\n', "kv_pool_gb >= 0"),
+                          ('[draft]\nmodel = "d"\nmax_kv_gb = 0\n[target]\nmodel = "t"\n', "max_kv_gb must be > 0")):
         cfg.write_text(text)
         res = CliRunner().invoke(main, ["serve", "--config", str(cfg)])
         assert res.exit_code != 0 and message in res.output, res.output
     res = CliRunner().invoke(main, ["broker", "--heartbeat-s", "1", "--liveness-s", "1"])
     assert res.exit_code != 0 and "at least twice heartbeat_s" in res.output, res.output
+    res = CliRunner().invoke(main, ["worker", "--role", "target", "--model", str(tmp_path), "--kv-pool-gb", "-0.5"])
+    assert res.exit_code != 0 and "--kv-pool-gb >= 0" in res.output, res.output
 
 
 def test_replay_jsonl_and_azure_csv_write_records_summary_and_plots(live, tiny_pair, tmp_path) -> None:  # noqa: ANN001

@@ -56,6 +56,7 @@ class WorkerOptions:
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0  # broker silence after which the worker reconnects (with backoff)
     max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted
+    kv_pool_gb: float | None = None  # finished requests' shared KV files kept for reuse (None: max_kv_gb / 8)
     kv_transport: str = "auto"  # see kv.transport.resolve_transport
     kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
     kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
@@ -68,6 +69,8 @@ class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
         if opts.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
+        if opts.max_kv_gb <= 0 or (opts.kv_pool_gb is not None and opts.kv_pool_gb < 0):
+            raise ValueError("--max-kv-gb must be > 0 and --kv-pool-gb >= 0")
         if opts.device != "emulated" and (opts.model is None or (opts.role == "colocated" and opts.draft_model is None)):
             raise ValueError("--model is required (and --draft-model for a colocated worker)")
         self.opts = opts
@@ -96,7 +99,8 @@ class Worker:
         if self.transport is not None and self.transport.share_folder is not None:  # same-host peers read our files
             for role, runner in (("draft", self.draft), ("target", self.target)):
                 if runner is not None:
-                    runner.store.share_into(self.transport.share_folder, role)
+                    runner.store.share_into(self.transport.share_folder, role, None if opts.kv_pool_gb is None
+                                            else int(opts.kv_pool_gb * (1 << 30)))
         self.wake_r, self.wake_w = os.pipe()
         self.stopping = False
         self.exit_code = 0

@@ -77,12 +77,14 @@ class KVStore:
         self.role = ""
         self.pool = None  # kv/shm.py FilePool: finished requests' files, for the next ones
 
-    def share_into(self, folder: Path, role: str) -> None:
-        """Keep every cache of this store in ``folder`` for same-host peers (``kv_transport = "shm"``)."""
+    def share_into(self, folder: Path, role: str, pool_bytes: int | None = None) -> None:
+        """Keep every cache of this store in ``folder`` for same-host peers (``kv_transport = "shm"``).
+        Up to ``pool_bytes`` (default: an eighth of the budget; 0: none) of finished requests'
+        files are kept for later requests (``FilePool``), beyond the caches' budget."""
         from nebula_flow.kv.shm import FilePool
 
         self.share_folder, self.role = Path(folder), role
-        self.pool = FilePool(self.share_folder, role, max_bytes=self.max_bytes // 8)
+        self.pool = FilePool(self.share_folder, role, max_bytes=self.max_bytes // 8 if pool_bytes is None else pool_bytes)
 
     def publish(self, rids: list[int]) -> None:
         """After a batch: peers reading shared caches see what these requests hold now."""
