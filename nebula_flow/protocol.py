@@ -47,6 +47,7 @@ as fixed-size int64 headers, see ``nebula_flow/kv/ucx.py``):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16,
           "bfloat16": np.uint16, "uint8": np.uint8}
+ITEMSIZE = {name: np.dtype(t).itemsize for name, t in DTYPES.items()}
 
 # Header field specs: name -> accepted type(s). A leading "?" marks an optional field.
 _NUM = (int, float)
@@ -133,12 +135,12 @@ class Message:
         ):
             raise ProtocolError("malformed", f"bad tensor dtype/shape {dtype!r} {shape!r}")
         buf = self.frames[idx]
-        buf = buf.buffer if hasattr(buf, "buffer") else buf
-        itemsize = np.dtype(DTYPES[dtype]).itemsize
-        if memoryview(buf).nbytes != int(np.prod(shape, dtype=np.int64)) * itemsize:
-            raise ProtocolError("bad_frame", f"frame {idx} has {memoryview(buf).nbytes} bytes, "
-                                             f"expected {shape} x {dtype}")
-        return np.frombuffer(buf, dtype=DTYPES[dtype]).reshape(shape)
+        view = memoryview(buf.buffer if hasattr(buf, "buffer") else buf)
+        # (plain Python arithmetic: a KV pull decodes these between batches, where every numpy
+        # call costs tens of microseconds)
+        if view.nbytes != math.prod(shape) * ITEMSIZE[dtype]:
+            raise ProtocolError("bad_frame", f"frame {idx} has {view.nbytes} bytes, expected {shape} x {dtype}")
+        return np.frombuffer(view, dtype=DTYPES[dtype]).reshape(shape)
 
     def int_list(self, desc: Any, name: str) -> list[int]:
         arr = self.array(desc)

@@ -373,6 +373,27 @@ def test_the_pool_is_bounded_and_waits_before_reusing_a_file_a_network_peer_was_
     assert POOL_QUARANTINE_S > 2 and shared(7, 64, pool).shared.capacity == 64 and not pool.entries
 
 
+def test_received_rows_land_byte_exact_and_a_reply_in_another_dtype_or_shape_is_refused() -> None:
+    from nebula_flow import protocol
+    from nebula_flow.kv.transport import _receive, host_view
+    from nebula_flow.protocol import Message
+
+    def reply(rows: torch.Tensor) -> tuple[Message, dict]:
+        msg = Message("KV_DATA", {"seq": 1, "items": []})
+        item = {"tokens": msg.add_array(np.arange(len(rows), dtype=np.int32)), "rows": msg.add_array(host_view(rows))}
+        msg.header["items"].append(item)
+        decoded = protocol.decode([bytes(memoryview(f).cast("B")) for f in protocol.encode(msg)])
+        return decoded, decoded.header["items"][0]
+
+    rows = torch.randn(3, 2, 8).to(torch.bfloat16)
+    for dest in (torch.zeros(3, 2, 8, dtype=torch.bfloat16), torch.zeros(2, 8, 3, dtype=torch.bfloat16).permute(2, 0, 1)):
+        assert _receive(*reply(rows), 3, dest).tolist() == [0, 1, 2] and torch.equal(dest, rows)  # (contiguous or not)
+    dest = torch.zeros(3, 2, 8, dtype=torch.bfloat16)
+    assert _receive(*reply(rows.to(torch.float16)), 3, dest) is None  # same width, another format
+    assert _receive(*reply(rows[:, :1]), 3, torch.zeros(3, 1, 4, dtype=torch.bfloat16)) is None  # shape
+    assert _receive(*reply(rows), 2, dest) is None and not dest.any()  # not the positions asked
+
+
 def test_auto_transport_choice() -> None:
     from nebula_flow.kv.transport import resolve_transport
 

@@ -23,6 +23,7 @@ recomputes it).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import threading
@@ -42,6 +43,11 @@ Lookup = Callable[[int, str, int, int], "tuple[np.ndarray, torch.Tensor] | None"
 PullItem = tuple[int, str, int, int, torch.Tensor]  # rid, role, start, end, dest rows
 MAX_PULL_ITEMS = 4096
 PULL_TIMEOUT_S = 2.0  # a holder slower than this is treated as gone: recomputing is cheaper
+
+
+# The numpy dtype a tensor's rows travel as (``host_view``): a reply in any other is refused.
+WIRE_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+               torch.bfloat16: np.dtype(np.uint16)}
 
 
 def host_view(t: torch.Tensor) -> np.ndarray:
@@ -260,11 +266,12 @@ def _receive(reply: Message, got: object, n: int, dest: torch.Tensor) -> np.ndar
         rows = reply.array(got["rows"])
     except (ProtocolError, KeyError, TypeError):
         return None
-    target = host_view(dest) if dest.device.type == "cpu" else None
-    if len(tokens) != n or rows.shape != tuple(dest.shape) or (target is not None and rows.dtype != target.dtype):
+    if len(tokens) != n or rows.shape != tuple(dest.shape) or rows.dtype != WIRE_DTYPES.get(dest.dtype):
         return None
-    if target is not None:
-        np.copyto(target, rows)
+    if dest.device.type == "cpu" and dest.is_contiguous():  # (one memmove: see shm.PeerFiles.read)
+        ctypes.memmove(dest.data_ptr(), rows.ctypes.data, rows.nbytes)
+    elif dest.device.type == "cpu":
+        np.copyto(host_view(dest), rows)
     else:
         dest.copy_(torch.from_numpy(rows.copy()).view(dest.dtype).to(dest.device))
     return tokens.copy()
