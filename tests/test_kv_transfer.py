@@ -58,6 +58,43 @@ def test_incremental_pull_moves_only_missing_positions(tiny_pair, transport: str
             client.close()
 
 
+@pytest.mark.parametrize("transport", ["zmq", pytest.param("ucx", marks=TRANSPORTS[-1].marks)])
+def test_one_exchange_brings_several_requests_and_a_missing_one_reads_as_missing(transport: str) -> None:
+    """A batch's pulls from one holder are one exchange (UCX: every request and receive posted at
+    once); a request the holder lacks reads as missing without upsetting the others or the next
+    exchange on the same endpoint."""
+    server = make_transport(transport)
+    client = ZmqTransport() if transport == "zmq" else server  # UCX is one context per process
+    rows, tokens = torch.randn(64, 2, 16), np.arange(100, 164, dtype=np.int32)
+    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: None if rid == 2 else (tokens[s:e], rows[s:e]))
+    try:
+        for _ in range(3):
+            dest = torch.zeros(64, 2, 16)
+            got = client.pull_many(endpoint, [(1, "target", 0, 8, dest[:8]), (2, "target", 8, 16, dest[8:16]),
+                                              (3, "target", 16, 40, dest[16:40]), (4, "target", 40, 41, dest[40:41])])
+            assert [None if g is None else g.tolist() for g in got] == [
+                list(range(100, 108)), None, list(range(116, 140)), [140]]
+            assert torch.equal(dest[:8], rows[:8]) and torch.equal(dest[16:41], rows[16:41])
+        if transport == "ucx":  # a malformed request is counted and ends only its own connection
+            import ucxx
+
+            async def malformed() -> None:
+                host, port = endpoint.removeprefix("ucx://").rsplit(":", 1)
+                ep = await ucxx.create_endpoint(host, int(port))
+                await ep.send(np.array([9, 1, 1, 5, 2], dtype=np.int64))  # end before start
+
+            server._call(malformed(), 10)
+            deadline = time.monotonic() + 10
+            while server.errors == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert server.errors == 1
+            assert client.pull_many(endpoint, [(1, "target", 0, 8, dest[:8])])[0].tolist() == list(range(100, 108))
+    finally:
+        server.close()
+        if client is not server:
+            client.close()
+
+
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(10):", "return {", "The quick"]
 
 

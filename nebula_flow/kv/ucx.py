@@ -13,10 +13,15 @@ between two processes on the 2-core CPU machine: ~1.3-1.7 ms per small exchange 
 ~0.4-0.7 ms in ``blocking``, at 2 % of a core idle instead of 100 %. Pulls overlap compute,
 so the latency is hidden; a stolen core is not.
 
-Messages on an endpoint (fixed-size int64 headers, same fields as KV_PULL / KV_DATA):
+Messages on an endpoint (int64 arrays whose sizes both sides know; same fields as KV_PULL /
+KV_DATA):
   request  [seq, rid, role, start, end]
-  reply    [seq, status (1 = data, 0 = missing), rows, row bytes total, 0, 0]
-           then, when status is 1, the int32 tokens and the rows themselves.
+  reply    [seq, status (1 = data, 0 = missing), positions, row bytes total, 0, 0, *tokens]
+           (always 6 + end - start long; tag 2 seq), then the rows (tag 2 seq + 1; when
+           missing, 8 zero bytes instead: the puller's receive for them is already posted).
+A batch's requests to one holder all go out at once, and the receives for every reply are posted
+at once too (the tags keep them apart): one round trip for the batch, not two waits per request
+(each UCX wait is a thread wake-up here, ~0.3 ms on a busy machine).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from nebula_flow.kv.transport import PULL_TIMEOUT_S, KVTransport, Lookup, PullIt
 
 ROLE_CODES = {"draft": 0, "target": 1, "colocated": 2}
 ROLE_NAMES = {v: k for k, v in ROLE_CODES.items()}
+HEAD = 6  # reply words before the tokens
+MAX_POSITIONS = 1 << 24  # a request for more is malformed (its reply alone would be 128 MiB)
+NO_ROWS = np.zeros(1, dtype=np.int64)  # the rows message of a "missing" reply
 
 
 def _device_buffer(t: torch.Tensor):  # noqa: ANN202
@@ -107,29 +115,36 @@ class UcxTransport(KVTransport):
         return f"ucx://{host}:{port}"
 
     async def _handle(self, ep, lookup: Lookup) -> None:  # noqa: ANN001
-        req = np.empty(5, dtype=np.int64)
+        sending: set[asyncio.Future] = set()  # (referenced until sent: their buffers travel)
         while True:
+            req = np.empty(5, dtype=np.int64)
             try:
                 await ep.recv(req)
             except Exception:  # the peer closed its endpoint
                 return
             seq, rid, role, start, end = (int(x) for x in req)
-            found = None
-            if 0 <= start < end and role in ROLE_NAMES:
-                found = lookup(rid, ROLE_NAMES[role], start, end)
-            try:
-                if found is None:
-                    await ep.send(np.array([seq, 0, 0, 0, 0, 0], dtype=np.int64))
-                    continue
-                tokens, rows = found
-                buf = _device_buffer(rows.contiguous())
-                await ep.send(np.array([seq, 1, len(tokens), rows.numel() * rows.element_size(), 0, 0], dtype=np.int64))
-                await ep.send(np.ascontiguousarray(tokens, dtype=np.int32))
-                await ep.send(buf)
-                self.served += 1
-            except Exception:
-                self.errors += 1
+            if not (0 <= start < end and end - start <= MAX_POSITIONS and role in ROLE_NAMES):
+                self.errors += 1  # (no reply of a size the peer expects can be made: drop it)
                 return
+            found = lookup(rid, ROLE_NAMES[role], start, end)
+            head = np.zeros(HEAD + end - start, dtype=np.int64)
+            head[0] = seq
+            rows = NO_ROWS
+            if found is not None:
+                tokens, kv = found
+                head[1:4] = 1, len(tokens), kv.numel() * kv.element_size()
+                head[HEAD:] = tokens
+                rows = _device_buffer(kv.contiguous())
+                self.served += 1
+            # Not waited for: the batch's next request (they come together) is taken at once.
+            reply = asyncio.gather(ep.send(head, tag=2 * seq), ep.send(rows, tag=2 * seq + 1))
+            sending.add(reply)
+            reply.add_done_callback(lambda f: self._sent(f, sending))
+
+    def _sent(self, reply: asyncio.Future, sending: set[asyncio.Future]) -> None:
+        sending.discard(reply)
+        if not reply.cancelled() and reply.exception() is not None:  # (the peer went away mid-reply)
+            self.errors += 1
 
     # -- pulling ---------------------------------------------------------------------------
     async def _endpoint(self, endpoint: str):  # noqa: ANN202
@@ -139,33 +154,40 @@ class UcxTransport(KVTransport):
             self.locks[endpoint] = asyncio.Lock()
         return self.endpoints[endpoint]
 
-    async def _pull(self, endpoint: str, rid: int, role: str, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
+    async def _pull_all(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
         ep = await self._endpoint(endpoint)
-        async with self.locks[endpoint]:  # one exchange at a time per endpoint keeps messages in order
-            seq = next(self.seq)
-            await ep.send(np.array([seq, rid, ROLE_CODES[role], start, end], dtype=np.int64))
-            reply = np.empty(6, dtype=np.int64)
-            await ep.recv(reply)
-            if reply[0] != seq or reply[1] != 1:
-                return None
-            if reply[2] != end - start or reply[3] != dest.numel() * dest.element_size():
+        async with self.locks[endpoint]:  # one batch at a time per endpoint keeps messages in order
+            seqs = [next(self.seq) for _ in items]
+            heads = [np.empty(HEAD + end - start, dtype=np.int64) for _, _, start, end, _ in items]
+            # Every request and every receive at once: the holder answers while we receive.
+            sending = asyncio.gather(*(ep.send(np.array([seq, rid, ROLE_CODES[role], start, end], dtype=np.int64))
+                                       for seq, (rid, role, start, end, _) in zip(seqs, items)))
+            receiving = asyncio.gather(*(r for seq, head, (*_, dest) in zip(seqs, heads, items)
+                                         for r in (ep.recv(head, tag=2 * seq), ep.recv(_device_buffer(dest), tag=2 * seq + 1))))
+            try:
+                await receiving
+                await sending
+            finally:  # (both done by now, unless one failed: then the endpoint is dropped)
+                sending.cancel()
+                receiving.cancel()
+        got: list[np.ndarray | None] = []
+        for seq, head, (_, _, start, end, dest) in zip(seqs, heads, items):
+            if head[0] != seq or head[1] != 1:
+                got.append(None)  # (missing: ``dest`` holds 8 zero bytes, beyond what the cache holds)
+            elif head[2] != end - start or head[3] != dest.numel() * dest.element_size():
                 raise ValueError("KV shape mismatch between peers (different model or dtype?)")
-            tokens = np.empty(end - start, dtype=np.int32)
-            await ep.recv(tokens)
-            await ep.recv(_device_buffer(dest))
-            return tokens
+            else:
+                got.append(head[HEAD:].astype(np.int32))
+        return got
 
     def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
-        """The exchanges run back to back on the event loop: one hand-off for the whole batch."""
+        """One hand-off to the event loop and one round trip for the whole batch."""
         endpoint = endpoint_part(endpoint, "ucx://")
         if endpoint is None:  # a peer that speaks no UCX
             return [None] * len(items)
 
-        async def run_all() -> list[np.ndarray | None]:
-            return [await self._pull(endpoint, *item) for item in items]
-
         try:
-            return self._call(asyncio.wait_for(run_all(), PULL_TIMEOUT_S), PULL_TIMEOUT_S + 1)
+            return self._call(asyncio.wait_for(self._pull_all(endpoint, items), PULL_TIMEOUT_S), PULL_TIMEOUT_S + 1)
         except Exception as exc:  # peer gone, timeout, mismatch: the caller recomputes
             log.warning("UCX pull from %s failed: %r", endpoint, exc)
             ep = self.endpoints.pop(endpoint, None)
