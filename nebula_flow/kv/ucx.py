@@ -89,6 +89,7 @@ class UcxTransport(KVTransport):
         self.endpoints: dict[str, object] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.handlers: set[asyncio.Task] = set()
+        self.replies: set[asyncio.Future] = set()  # replies being sent (their buffers travel until done)
         self.seq = itertools.count(1)
         self.listener = None
         self.served = 0
@@ -115,7 +116,6 @@ class UcxTransport(KVTransport):
         return f"ucx://{host}:{port}"
 
     async def _handle(self, ep, lookup: Lookup) -> None:  # noqa: ANN001
-        sending: set[asyncio.Future] = set()  # (referenced until sent: their buffers travel)
         while True:
             req = np.empty(5, dtype=np.int64)
             try:
@@ -138,11 +138,11 @@ class UcxTransport(KVTransport):
                 self.served += 1
             # Not waited for: the batch's next request (they come together) is taken at once.
             reply = asyncio.gather(ep.send(head, tag=2 * seq), ep.send(rows, tag=2 * seq + 1))
-            sending.add(reply)
-            reply.add_done_callback(lambda f: self._sent(f, sending))
+            self.replies.add(reply)
+            reply.add_done_callback(self._sent)
 
-    def _sent(self, reply: asyncio.Future, sending: set[asyncio.Future]) -> None:
-        sending.discard(reply)
+    def _sent(self, reply: asyncio.Future) -> None:
+        self.replies.discard(reply)
         if not reply.cancelled() and reply.exception() is not None:  # (the peer went away mid-reply)
             self.errors += 1
 
@@ -206,10 +206,10 @@ class UcxTransport(KVTransport):
                 self.listener.close()
             # End our server tasks, so that none is left pending: no "Task was destroyed but it
             # is pending" at exit.
-            handlers = list(self.handlers)
-            for task in handlers:
+            pending = [*self.handlers, *self.replies]
+            for task in pending:
                 task.cancel()
-            await asyncio.gather(*handlers, return_exceptions=True)
+            await asyncio.gather(*pending, return_exceptions=True)
 
         try:
             self._call(shutdown(), 5)
