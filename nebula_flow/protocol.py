@@ -37,7 +37,7 @@ Worker <-> broker (worker socket, DEALER -> ROUTER):
   BYE      worker -> broker  the worker leaves; its in-flight tasks go back to their topic.
 
 Worker <-> worker (KV server, ZeroMQ transport; the UCX transport carries the same fields
-as fixed-size int64 headers, see ``nebula_flow/kv/ucx.py``):
+as int64 arrays of sizes both sides know, see ``nebula_flow/kv/ucx.py``):
   KV_PULL    puller -> holder  seq, items: [[rid, role, start, end], ...]: "send me these KV positions"
                                (every request of a batch this holder has, in one exchange).
   KV_DATA    holder -> puller  seq, items: per asked item {tokens (int32 tensor), rows (tensor
