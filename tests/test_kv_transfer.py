@@ -75,19 +75,26 @@ def test_one_exchange_brings_several_requests_and_a_missing_one_reads_as_missing
             assert [None if g is None else g.tolist() for g in got] == [
                 list(range(100, 108)), None, list(range(116, 140)), [140]]
             assert torch.equal(dest[:8], rows[:8]) and torch.equal(dest[16:41], rows[16:41])
+        dest = torch.zeros(64, 2, 16)  # more requests than a UCX batch's first message holds
+        got = client.pull_many(endpoint, [(rid, "target", 2 * rid, 2 * rid + 2, dest[2 * rid:2 * rid + 2]) for rid in range(3, 30)])
+        assert [g.tolist() for g in got] == [[100 + 2 * rid, 101 + 2 * rid] for rid in range(3, 30)]
+        assert torch.equal(dest[6:60], rows[6:60])
         if transport == "ucx":  # a malformed request is counted and ends only its own connection
             import ucxx
 
-            async def malformed() -> None:
+            async def malformed(*messages: list[int]) -> None:
                 host, port = endpoint.removeprefix("ucx://").rsplit(":", 1)
                 ep = await ucxx.create_endpoint(host, int(port))
-                await ep.send(np.array([9, 1, 1, 5, 2], dtype=np.int64))  # end before start
+                for m in messages:
+                    await ep.send(np.array(m, dtype=np.int64))
 
-            server._call(malformed(), 10)
+            server._call(malformed([9, 1], [1, 1, 5, 2]), 10)  # end before start
+            server._call(malformed([9, 1, 1, 1, 5, 2]), 10)  # not a batch header
+            server._call(malformed([9, 0]), 10)  # an empty batch
             deadline = time.monotonic() + 10
-            while server.errors == 0 and time.monotonic() < deadline:
+            while server.errors < 3 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert server.errors == 1
+            assert server.errors == 3
             assert client.pull_many(endpoint, [(1, "target", 0, 8, dest[:8])])[0].tolist() == list(range(100, 108))
     finally:
         server.close()
