@@ -89,7 +89,7 @@ def test_one_exchange_brings_several_requests_and_a_missing_one_reads_as_missing
                     await ep.send(np.array(m, dtype=np.int64))
 
             server._call(malformed([9, 1], [1, 1, 5, 2]), 10)  # end before start
-            server._call(malformed([9, 1, 1, 1, 5, 2]), 10)  # not a batch header
+            server._call(malformed(list(range(100))), 10)  # longer than any batch's first message
             server._call(malformed([9, 0]), 10)  # an empty batch
             deadline = time.monotonic() + 10
             while server.errors < 3 and time.monotonic() < deadline:

@@ -138,7 +138,7 @@ class UcxTransport(KVTransport):
                     raise ValueError(f"{n} requests in a batch")
                 requests = batch[2:].reshape(FIRST_ITEMS, 4)[:n]
                 if n > FIRST_ITEMS:
-                    rest = np.empty((n - FIRST_ITEMS, 4), dtype=np.int64)
+                    rest = np.zeros((n - FIRST_ITEMS, 4), dtype=np.int64)
                     await ep.recv(rest)
                     requests = np.concatenate([requests, rest])
             except (ValueError, UCXMessageTruncatedError, UCXMsgTruncated):
