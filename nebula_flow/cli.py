@@ -150,7 +150,8 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
 @click.option("--threads", default=1, show_default=True, help="torch threads for this worker.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda, cuda:N, or emulated (forward passes take the time --profile predicts).")
-@click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA).")
+@click.option("--dtype", default=None, help="float32, bfloat16, float16, or auto: bf16 on CUDA and on CPUs that compute "
+              "bf16 natively (AMX-BF16, AVX512-BF16, Arm BF16), fp32 on other CPUs (default: fp32 on CPU, bf16 on CUDA).")
 @click.option("--batch-invariant/--no-batch-invariant", default=None,
               help="Give a token's logits the same bits whatever it is batched with, so speculative output "
               "equals plain decoding exactly in reduced precision (costs a little speed). Default: on for "
@@ -532,8 +533,8 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
 @main.command("eval-draft")
 @click.option("--target", required=True, type=click.Path(exists=True, file_okay=False), help="Target checkpoint directory.")
 @click.option("--draft", required=True, type=click.Path(exists=True, file_okay=False), help="Draft checkpoint directory.")
-@click.option("--target-dtype", default=None, help="The target's dtype as deployed (float32, bfloat16; default fp32 "
-              "on CPU). bf16 runs batch-invariant, as workers run it.")
+@click.option("--target-dtype", default=None, help="The target's dtype as deployed (float32, bfloat16, or auto as "
+              "workers pick it; default fp32 on CPU). bf16 runs batch-invariant, as workers run it.")
 @click.option("--ks", default="2,4,6", show_default=True, help="Speculation lengths to measure.")
 @click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt.")
 @click.option("--alternatives", default=0, show_default=True, type=click.IntRange(0, 8),

@@ -53,7 +53,7 @@ class PoolConfig:
     max_batch: int = 8
     threads: int | None = None  # default: the machine's cores shared among all workers
     device: str = "cpu"  # cpu | cuda | cuda:N | emulated
-    dtype: str | None = None
+    dtype: str | None = None  # float32 | bfloat16 | float16 | auto (models.loader.auto_dtype); None: fp32 on CPU, bf16 on CUDA
     batch_invariant: bool | None = None  # bit-equal logits however a token is batched; None: on for bf16/fp16 CPU
     profile: str | None = None  # latency profile for device = "emulated"
     max_kv_gb: float = 4.0  # KV memory budget per worker model
@@ -77,6 +77,8 @@ class DeployConfig:
             raise ConfigError(f"{self.source}: [target] model is required")
         if self.mode != "autoregressive" and self.draft.model is None:
             raise ConfigError(f"{self.source}: [draft] model is required in {self.mode} mode")
+        from nebula_flow.models.loader import DTYPE_CHOICES
+
         for name, pool in (("draft", self.draft), ("target", self.target)):
             if pool.workers < 0 or pool.max_batch < 1:
                 raise ConfigError(f"[{name}] workers must be >= 0 and max_batch >= 1")
@@ -85,6 +87,8 @@ class DeployConfig:
                 raise ConfigError(f"[{name}] workers must be >= 1 in {self.mode} mode")
             if pool.max_kv_gb <= 0 or (pool.kv_pool_gb is not None and pool.kv_pool_gb < 0):
                 raise ConfigError(f"[{name}] max_kv_gb must be > 0 and kv_pool_gb >= 0")
+            if pool.dtype not in (None, *DTYPE_CHOICES):
+                raise ConfigError(f"[{name}] dtype must be one of {', '.join(DTYPE_CHOICES)}, got {pool.dtype!r}")
             if pool.device == "emulated" and not pool.profile:
                 raise ConfigError(f"[{name}] device = \"emulated\" needs a profile")
         if self.draft.workers + self.target.workers < 1:

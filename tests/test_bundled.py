@@ -56,20 +56,25 @@ def test_bundled_pair_pooled_greedy_equals_hf(target: Path) -> None:
     assert out.text == tok.decode(ref, skip_special_tokens=True)
 
 
-def test_default_config_bf16_speculation_equals_the_bf16_target_alone(target: Path) -> None:
-    """configs/default.toml runs the pair in bf16; speculative output must still be the bf16
-    target's own greedy output (without batch-invariant numerics it was not, on most prompts)."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_default_config_speculation_equals_the_target_alone_in_either_dtype(target: Path, dtype: str) -> None:
+    """configs/default.toml runs the pair in bf16 or fp32 (``dtype = "auto"``: whichever this CPU
+    runs faster); in both, speculative output must be that target's own greedy output (in bf16,
+    without batch-invariant numerics, it was not on most prompts)."""
     from nebula_flow.config import load_config
 
     prompts = ["def merge_sorted(a, b):\n", "class LRUCache:\n    def __init__(self, capacity):\n"]
     outs = {}
     for mode in ("autoregressive", "pooled"):
         cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "default.toml")
-        assert cfg.target.dtype == "bfloat16"
+        assert cfg.target.dtype == cfg.draft.dtype == "auto"
+        cfg.target.dtype = cfg.draft.dtype = dtype  # (both, whatever this CPU is)
         cfg.mode, cfg.target.model = mode, str(target)
         cfg.broker.client_port = cfg.broker.worker_port = 0
         with Deployment(cfg) as dep, Client(dep.address) as c:
             outs[mode] = [c.generate(p, max_new_tokens=40, ignore_eos=True) for p in prompts]
+            numerics = {w["device"].get("target_numerics") for w in c.status()["workers"] if w["role"] == "target"}
+        assert numerics == {dtype + (" batch-invariant" if dtype == "bfloat16" else "")}
     for spec, alone in zip(outs["pooled"], outs["autoregressive"]):
         assert spec.token_ids == alone.token_ids
     assert sum(len(o.token_ids) for o in outs["pooled"]) / sum(o.rounds for o in outs["pooled"]) > 1.3

@@ -82,3 +82,35 @@ def test_unknown_family_and_missing_dir_are_clear_errors(tmp_path) -> None:  # n
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ModelConfigError, match="unsupported model_type 'gpt2'"):
         load_model(tmp_path)
+
+
+X86_AVX512 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\nbugs\t\t: spectre_v1\n"
+X86_AMX = "flags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile\n"
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+ARM_V8 = "Features\t: fp asimd evtstrm aes crc32\n"
+
+
+def test_auto_dtype_is_bf16_only_where_the_hardware_computes_it(monkeypatch) -> None:  # noqa: ANN001
+    from nebula_flow.models import loader
+
+    assert [loader.cpu_has_native_bf16(text) for text in (X86_AVX512, X86_AMX, ARM_BF16, ARM_V8, "")] == [
+        False, True, True, False, False]
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda native=native: native)
+        assert loader.resolve_dtype("auto", "cpu") == want
+        assert loader.resolve_dtype(None, "cpu") == torch.float32  # unset: fp32 on every CPU
+    assert loader.resolve_dtype("float16", "cpu") == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'bf16'; choose one of auto, float32"):
+        loader.resolve_dtype("bf16", "cpu")
+
+
+def test_a_deployment_with_an_unknown_dtype_is_refused_before_any_worker_starts() -> None:
+    from nebula_flow.config import ConfigError, DeployConfig
+
+    cfg = DeployConfig()
+    cfg.target.model = cfg.draft.model = "/models/x"
+    cfg.target.dtype = "auto"
+    cfg.validate()
+    cfg.draft.dtype = "fp32"
+    with pytest.raises(ConfigError, match=r"\[draft\] dtype must be one of auto, float32, bfloat16, float16, got 'fp32'"):
+        cfg.validate()
