@@ -30,7 +30,7 @@ from nebula_flow.protocol import Message, ProtocolError
 from nebula_flow.request import DRAFT, ROUND, Request
 from nebula_flow.scheduler import MODES, POLICY_KNOBS, Scheduler
 from nebula_flow.security import SecurityError, is_loopback, keys_dir, make_server, start_authenticator
-from nebula_flow.speclen import DEFAULT_COSTS
+from nebula_flow.speclen import DEFAULT_COSTS, FIT_ROWS
 from nebula_flow.tokenizer import TextCodec, eos_token_ids
 
 log = logging.getLogger("nebula_flow.broker")
@@ -59,6 +59,7 @@ class BrokerOptions:
     merge_batches: bool = True  # no small batch for a busy worker beside a bigger running one (Scheduler.dispatch)
     adaptive_k: bool = False  # each round's k in 0..k from the request's acceptance (speclen.py); off: always k
     spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))  # draft step, verify row, round
+    measure_costs: bool = True  # adaptive_k: weigh draft steps and verify blocks by the workers' measured forward times
     first_alternatives: int = 0  # greedy: the draft also proposes this many runner-ups to its first token (token tree)
     disable_by_batch_size: int = 0  # rounds start without drafts while more requests than this are pooled (0: never)
     policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
@@ -294,6 +295,7 @@ class Broker:
                     self.workers[wid].kv = msg.header["kv"]
                 if isinstance(msg.header.get("device"), dict):
                     self.workers[wid].device = msg.header["device"]
+                    self._observe_costs(wid, msg.header["device"].get("step_costs"))
                 for raw in msg.header["results"]:
                     try:
                         self._result(wid, msg, raw, now)
@@ -396,19 +398,31 @@ class Broker:
         else:
             self.scheduler.start_round(req)
 
+    def _observe_costs(self, wid: int, raw: object) -> None:
+        """Feed a worker's measured forward times (its RESULT's ``device.step_costs``) to the policy;
+        a malformed entry is counted and left out (the results it came with still count)."""
+        if raw is None:
+            return
+        roles = {"colocated": ("draft", "target")}.get(self.workers[wid].role, (self.workers[wid].role,))
+        try:
+            if not isinstance(raw, dict):
+                raise ValueError
+            for role, seconds in raw.items():
+                if role not in roles or not isinstance(seconds, list) or not 0 < len(seconds) <= FIT_ROWS \
+                        or not all(t is None or _seconds(t) for t in seconds):
+                    raise ValueError
+                self.scheduler.observe_costs(wid, role, [None if t is None else float(t) for t in seconds])
+        except (ValueError, TypeError):
+            self.errors["malformed"] += 1
+
     def _alternatives(self, req: Request, raw: dict, draft: list[int] | None) -> list[int]:
-        """The alternatives to the first draft token a draft / round result brings, checked."""
+        """The alternatives to the first draft token a draft / round result brings, checked
+        against the ones the policy asked for (``req.alts``: a two-level token tree)."""
         alt = _int_list(raw.get("alt") or [], "alt")
-        wanted = self._alternatives_wanted(req)
-        if len(alt) > wanted or len(set(alt)) != len(alt) or (alt and draft is not None and draft[0] in alt):
-            raise ProtocolError("malformed", f"{len(alt)} alternatives (asked for {wanted}) must be distinct "
+        if len(alt) > req.alts or len(set(alt)) != len(alt) or (alt and draft is not None and draft[0] in alt):
+            raise ProtocolError("malformed", f"{len(alt)} alternatives (asked for {req.alts}) must be distinct "
                                              "and differ from the first draft token")
         return alt
-
-    def _alternatives_wanted(self, req: Request) -> int:
-        """Alternatives to ask the draft for: a two-level token tree, for greedy requests only
-        (the sampled verifier's rejection sampling is defined for a chain)."""
-        return self.opts.first_alternatives if req.params.greedy and req.k > 0 else 0
 
     def _count_acceptance(self, proposed: int, accepted: int, committed: int) -> None:
         """``accepted``: chain drafts accepted; ``committed``: tokens the round committed."""
@@ -434,9 +448,8 @@ class Broker:
             task = {"rid": req.rid, "kind": req.phase, "round": req.round, "attempt": req.attempt,
                     "tokens": msg.add_array(req.tokens), "k": req.k, "params": req.params.to_wire(),
                     "seed": req.seed, "holder": holder}
-            alts = self._alternatives_wanted(req) if req.phase in (DRAFT, ROUND) else 0
-            if alts:
-                task["alts"] = alts
+            if req.alts and req.phase in (DRAFT, ROUND):
+                task["alts"] = req.alts
             if req.draft:
                 task["draft"] = req.draft
                 if req.alt:
@@ -457,6 +470,8 @@ class Broker:
                          "device": w.device}
                         for wid, w in self.workers.items()],
             "counters": dict(self.counters), "errors": dict(self.errors),
+            # what adaptive k weighs now: draft step, verify row, round, in target decode steps
+            "spec_costs": list(self.scheduler.costs), "verify_costs": list(self.scheduler.verify_costs),
             "proposed_by_position": self.proposed_by_position, "accepted_by_position": self.accepted_by_position,
             "tokens_per_round_hist": {str(k): v for k, v in self.tokens_per_round_hist.items()},
             "batch_sizes": {r: {str(k): v for k, v in h.items()} for r, h in self.batch_sizes.items()},
@@ -545,6 +560,11 @@ def apply_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
     """Cut ``text`` before the earliest stop string; says whether one was found."""
     cuts = [at for at in (text.find(s) for s in stops) if at >= 0]
     return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def _seconds(value: Any, least: float = 1e-9) -> bool:
+    """A finite duration of at least ``least`` seconds, under an hour (a bool is no number here)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and least <= value < 3600.0
 
 
 def _int_list(value: Any, name: str) -> list[int]:

@@ -89,11 +89,16 @@ def main() -> None:
               "cost (nebula_flow/speclen.py).")
 @click.option("--spec-costs", default=None, metavar="DRAFT,ROW,ROUND",
               help="Costs --adaptive-k weighs, in target decode steps: a draft step, a verify row, a round's "
-              "fixed cost [default: 0.073,0.03,1.1, measured for the bundled pair on a 2-core CPU].")
+              "fixed cost; with --measure-costs the first two are only where it starts [default: 0.073,0.03,1.1, "
+              "measured for the bundled pair on a 2-core CPU with AMX, in bf16].")
+@click.option("--measure-costs/--fixed-costs", default=True, show_default=True,
+              help="With --adaptive-k: take the draft step and verify row costs from the forward times the workers "
+              "measure (they differ by device and dtype far more than by model); status shows the costs in use.")
 @click.option("--first-alternatives", default=0, show_default=True, type=click.IntRange(0, 8),
               help="Greedy requests: the draft also proposes this many runner-ups to its first token, verified "
               "in the same forward as siblings in a token tree (one more verify row each); a runner-up the target "
-              "picks is kept with the target's next token.")
+              "picks is kept with the target's next token. With --adaptive-k, only in rounds where that pays for "
+              "the rows, by the costs and how often a runner-up has won for the request.")
 @click.option("--disable-by-batch-size", default=0, show_default=True, type=click.IntRange(0),
               help="While more requests than this are in the pool, rounds start without drafts (plain decoding): "
               "a target batching many requests gains little from speculation. 0: always speculate.")
@@ -114,7 +119,8 @@ def main() -> None:
 @click.option("--policy-log", type=click.Path(), help="At exit, write every scheduling event and decision here "
               "(JSONL), for `nebula-flow simulate --check-policy-log`.")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
-           adaptive_k: bool, spec_costs: str | None, first_alternatives: int, disable_by_batch_size: int,
+           adaptive_k: bool, spec_costs: str | None, measure_costs: bool, first_alternatives: int,
+           disable_by_batch_size: int,
            proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
            locality: bool, migrate: bool, merge_batches: bool, metrics_port: int | None, keys: str | None,
            policy_log: str | None) -> None:
@@ -130,7 +136,7 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
         sys.exit(serve_broker(BrokerOptions(mode, host, client_port, worker_port, model, k, proposal_top_k,
                                             max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
                                             locality=locality, migrate=migrate, merge_batches=merge_batches,
-                                            adaptive_k=adaptive_k, spec_costs=costs,
+                                            adaptive_k=adaptive_k, spec_costs=costs, measure_costs=measure_costs,
                                             first_alternatives=first_alternatives,
                                             disable_by_batch_size=disable_by_batch_size, metrics_port=metrics_port,
                                             keys=keys, policy_log=policy_log)))
@@ -360,6 +366,11 @@ def status(address: str, as_json: bool) -> None:
     for w in state["workers"]:
         click.echo(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} "
                    f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s")
+    if "draft" in state["roles"] or "colocated" in state["roles"]:
+        draft, row, fixed = state["spec_costs"]
+        blocks = " ".join("-" if v is None else f"{v:.2f}" for v in state["verify_costs"]) or "not measured yet"
+        click.echo(f"speculation costs in target decode steps: draft step {draft:.3f}, verify row {row:.3f}, "
+                   f"round {fixed:.2f}; verify blocks by rows: {blocks}")
     click.echo(f"counters {state['counters']}")
     if state["errors"]:
         click.echo(f"errors {state['errors']}")

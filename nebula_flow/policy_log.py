@@ -17,6 +17,7 @@ Records are JSON arrays, one per line (JSONL)::
     ["admit", rid, prompt_len, max_new_tokens]
     ["draft_done", rid, worker, n_draft]
     ["verify_done", rid, worker, accepted, via_alt]
+    ["step_costs", worker, role, [seconds by new rows]]
     ["start_round", rid, output_len]
     ["finish", rid]
     ["dispatch", [[worker, [[rid, attempt], ...]], ...]]
@@ -83,6 +84,10 @@ class RecordingScheduler(Scheduler):
     def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False) -> None:
         self.records.append(["verify_done", req.rid, worker_id, accepted, via_alt])
         super().verify_done(req, worker_id, accepted, via_alt)
+
+    def observe_costs(self, worker_id: int, role: str, seconds: list[float | None]) -> None:
+        self.records.append(["step_costs", worker_id, role, list(seconds)])
+        super().observe_costs(worker_id, role, seconds)
 
     def finish(self, rid: int) -> Request | None:
         self.records.append(["finish", rid])
@@ -159,6 +164,8 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
             req = reqs[args[0]]
             req.output = [PLACEHOLDER] * args[1]
             policy.start_round(req)
+        elif kind == "step_costs":
+            policy.observe_costs(*args)
         elif kind == "finish":
             policy.finish(args[0])
         elif kind == "dispatch":

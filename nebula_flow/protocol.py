@@ -31,7 +31,11 @@ Worker <-> broker (worker socket, DEALER -> ROUTER):
   PULL     worker -> broker  credits (tasks it can take; 0 withdraws a waiting PULL) and idle
                              (nothing computing now).
   TASKS    broker -> worker  tasks: a batch of draft / verify / round tasks (see ``TASK_FIELDS``).
-  RESULT   worker -> broker  results of finished tasks and the forward time they took.
+  RESULT   worker -> broker  results of finished tasks and the forward time they took; kv (KV
+                             movement counters) and device (forwards, numerics, and step_costs:
+                             per role, forward seconds for one sequence by new rows [1, 2, ...],
+                             null where not seen, which adaptive k weighs; malformed ones are
+                             counted and left out).
   FREE     broker -> worker  rids whose KV can be dropped (finished or cancelled).
   HEARTBEAT either way       liveness when nothing else is said.
   BYE      worker -> broker  the worker leaves; its in-flight tasks go back to their topic.

@@ -29,6 +29,7 @@ class Request:
     round: int = 0
     attempt: int = 0
     k: int = 0  # draft tokens asked for in the current round
+    alts: int = 0  # runner-ups to the first draft token asked for in the current round (token tree)
     slot: int | None = None  # the pair / colocated worker a request is bound to, if any
     draft: list[int] = field(default_factory=list)
     q: dict[str, Any] = field(default_factory=dict)  # q_idx, q_prob, q_len of the draft

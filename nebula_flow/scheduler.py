@@ -35,7 +35,8 @@ MODES: dict[str, tuple[str, ...]] = {
     "autoregressive": ("target",),
 }
 PHASE_ROLE = {DRAFT: "draft", VERIFY: "target", ROUND: "colocated"}
-POLICY_KNOBS = ("locality", "migrate", "merge_batches", "adaptive_k", "spec_costs", "disable_by_batch_size")  # Scheduler keyword arguments; BrokerOptions fields
+POLICY_KNOBS = ("locality", "migrate", "merge_batches", "adaptive_k", "spec_costs", "measure_costs",
+                "first_alternatives", "disable_by_batch_size")  # Scheduler keyword arguments; BrokerOptions fields
 
 
 class Topic:
@@ -125,13 +126,18 @@ class Scheduler:
     def __init__(self, mode: str, k: int, locality: bool = False, migrate: bool = False,
                  merge_batches: bool = True, adaptive_k: bool = False,
                  spec_costs: tuple[float, float, float] | list[float] = speclen.DEFAULT_COSTS,
-                 disable_by_batch_size: int = 0) -> None:
+                 measure_costs: bool = False, first_alternatives: int = 0, disable_by_batch_size: int = 0) -> None:
         """``locality``: prefer tasks whose KV the pulling worker holds (it never waits for a
         particular worker). ``migrate``: never give a request the worker that ran its previous
         task of that role while another exists (forces KV movement, for tests and benchmarks).
         ``merge_batches``: see ``dispatch``. ``adaptive_k``: choose each round's k in 0..k from
         the request's acceptance (``speclen``), with ``spec_costs`` (draft step, verify row,
-        round) in target decode steps. ``disable_by_batch_size``: while more requests than this
+        round) in target decode steps; ``measure_costs``: the draft step and the verify blocks
+        follow the forward times workers report (``observe_costs``), ``spec_costs`` only starts them.
+        ``first_alternatives``: greedy rounds with drafts verify this many runner-ups to the
+        first draft token beside the chain (a token tree); with ``adaptive_k``, only in rounds
+        where they pay for their verify rows (``speclen.choose_round``).
+        ``disable_by_batch_size``: while more requests than this
         are in the pool, rounds start without drafts (0: always speculate). A target batching
         many requests verifies extra rows at nearly a decode row's cost while the draft phase
         leaves it idle, so under load speculation can cost throughput (measured on the bundled
@@ -145,6 +151,14 @@ class Scheduler:
         if len(spec_costs) != 3 or min(spec_costs) < 0 or spec_costs[2] <= 0:
             raise ValueError("spec_costs must be [draft_step, verify_row, round] >= 0 (round > 0)")
         self.adaptive_k, self.spec_costs = adaptive_k, [float(c) for c in spec_costs]
+        self.measure_costs = measure_costs
+        # what choose_round weighs now (measured, with measure_costs): the three costs, and verify
+        # forwards by rows in decode steps
+        self.costs, self.verify_costs = tuple(self.spec_costs), ()
+        self.step_costs: dict[tuple[int, str], list[float | None]] = {}  # (worker, role) -> seconds by rows
+        if not 0 <= first_alternatives <= 8:
+            raise ValueError("first_alternatives must be in 0..8")
+        self.first_alternatives = first_alternatives
         if disable_by_batch_size < 0:
             raise ValueError("disable_by_batch_size must be >= 0")
         self.disable_by_batch_size = disable_by_batch_size
@@ -184,7 +198,35 @@ class Scheduler:
                     del req.holders[role]
         for topic in self.topics.values():
             topic.forget_holder(worker_id)
+        if any(key[0] == worker_id for key in self.step_costs):
+            self.step_costs = {key: v for key, v in self.step_costs.items() if key[0] != worker_id}
+            self._update_costs()
         return requeued
+
+    def observe_costs(self, worker_id: int, role: str, seconds: list[float | None]) -> None:
+        """A worker's forward times for its ``role``'s model by new rows (``speclen.StepCosts.table``:
+        seconds for 1, 2, ... rows of one sequence; None where not seen). Used with ``measure_costs``."""
+        if worker_id in self.workers and role in ("draft", "target") and any(t is not None for t in seconds):
+            self.step_costs[(worker_id, role)] = list(seconds)
+            self._update_costs()
+
+    def _update_costs(self) -> None:
+        """The costs ``choose_round`` uses: per row count, the median worker's of each role (a
+        request may run on any)."""
+        if not self.measure_costs:
+            return
+
+        def median(role: str) -> list[float | None] | None:
+            tables = [t for (_, r), t in self.step_costs.items() if r == role]
+            if not tables:
+                return None
+            out = []
+            for i in range(max(map(len, tables))):
+                seen = sorted(t[i] for t in tables if i < len(t) and t[i] is not None)
+                out.append(seen[len(seen) // 2] if seen else None)
+            return out
+
+        self.costs, self.verify_costs = speclen.measured_costs(median("draft"), median("target"), self.spec_costs)
 
     def pull(self, worker_id: int, credits: int, idle: bool, now: float) -> None:
         w = self.workers[worker_id]
@@ -201,10 +243,16 @@ class Scheduler:
         """Queue the next round of ``req``: a draft, a draft-less verify, or a whole round."""
         req.round += 1
         req.draft, req.q, req.alt = [], {}, []
-        k = speclen.choose_k(req.acceptance, self.k, tuple(self.spec_costs)) if self.adaptive_k else self.k
+        # (runner-ups only for greedy requests: rejection sampling is defined for a chain)
+        max_alts = self.first_alternatives if req.params.greedy else 0
+        if self.adaptive_k:
+            k, alts = speclen.choose_round(req.acceptance, self.k, self.costs, max_alts, self.verify_costs)
+        else:
+            k, alts = self.k, max_alts
         if self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size:
             k = 0  # under load: plain decoding rounds (see __init__)
         req.k = 0 if self.mode == "autoregressive" else max(0, min(k, req.remaining - 1))
+        req.alts = alts if req.k > 0 else 0
         req.ks.append(req.k)
         if self.mode == "colocated":
             req.phase = ROUND
@@ -227,6 +275,7 @@ class Scheduler:
         req.accepted += accepted
         chain = 0 if via_alt else accepted
         req.acceptance.update(req.k, chain)
+        req.acceptance.update_alternatives(req.alts, chain, via_alt)
         base = len(req.prompt) + len(req.output)
         role = "colocated" if req.phase == ROUND else "target"
         req.holders[role] = (worker_id, base + accepted)

@@ -1,10 +1,12 @@
-"""Adaptive speculation length: each round's k from the request's recent acceptance. Pure.
+"""Adaptive speculation length: each round's k (and token-tree width) from the request's recent
+acceptance and the measured cost of each. Pure.
 
 A round proposing k tokens commits 1 + (accepted drafts) tokens. If each draft token is accepted
 with probability a (given the ones before it were), a round commits on average
 ``1 + a + a^2 + ... + a^k`` tokens, and costs, in target decode steps,
 ``round + k * (draft_step + verify_row)``: the fixed cost of a verify round (its forward and the
-messages), plus per draft token one draft forward and one more verify row. The policy picks the
+messages), plus per draft token one draft forward and one more verify row (or, measured, the
+verify block of k + 1 rows itself in place of ``1 + k * verify_row``). The policy picks the
 k in 0..k_max with the most tokens per cost; k = 0 is plain decoding (no draft task at all).
 
 The acceptance a of a request is estimated from its own rounds: a round that accepted m of k
@@ -13,10 +15,19 @@ formula). Counts decay by ``DECAY`` per round, so a request moving from boilerpl
 text (or back) changes k within a few rounds; a prior of one acceptance and one rejection
 starts every request at a = 0.5, and rounds without drafts relax the counts back toward it.
 
-Default costs (``DEFAULT_COSTS``) are the bundled pair's, measured on a 2-core CPU in bf16 with
-packed weights: a draft step 2.3 ms and a verify row ~0.95 ms against a 31.7 ms decode step,
-~4 ms of messages per round. (Before packing: 2.6, 2.6 and 48.5 ms; the choices of k were the
-same.) On a GPU a verify row is nearly free and a draft step is cheaper: set ``spec_costs``.
+Default costs (``DEFAULT_COSTS``) are the bundled pair's, measured on a 2-core CPU with AMX in
+bf16 with packed weights: a draft step 2.3 ms and a verify row ~0.95 ms against a 31.7 ms decode
+step, ~4 ms of messages per round. They are only where a deployment starts: the costs depend on
+the hardware more than on the models. The same pair in fp32 on a CPU without native bf16: a draft
+step 1.8 ms against a 47 ms decode step, and a verify block of 1-3 rows 48-55 ms but of 4 rows
+82 ms (CPU kernels cost in steps of rows, not per row). So workers time their own forwards by
+rows (``StepCosts``) and the policy weighs a round with those times (``measured_costs``): the
+draft step, and the verify block of each size, in decode steps.
+
+A token tree (``alts`` runner-ups to the first draft token verified beside the chain) pays off
+only when the first draft token is rejected (probability ``1 - a``) and a runner-up is the
+target's token (the request's ``alt_rate``, counted like its acceptance); it costs ``alts``
+verify rows. ``choose_round`` weighs that against the chain alone.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ DECAY = 0.7  # weight of a round's evidence one round later
 RELAX = 0.9  # per round without drafts, the counts move this slowly back toward the prior
 PRIOR = (1.0, 1.0)  # (acceptances, rejections) every request starts with
 DEFAULT_COSTS = (0.073, 0.03, 1.1)  # draft step, verify row, round: in target decode steps
+FIT_ROWS = 16  # forwards of more new rows (prefills) do not inform a round's costs
+FIT_WEIGHT = 0.2  # the newest forward's weight in its row count's moving mean
 
 
 @dataclass
@@ -35,10 +48,25 @@ class Acceptance:
 
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
+    # rounds whose first draft token was rejected while runner-ups were verified: one won / none did
+    alt_won: float = PRIOR[0]
+    alt_lost: float = PRIOR[1]
 
     @property
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
+
+    @property
+    def alt_rate(self) -> float:
+        """How often a runner-up was the target's token when the first draft token was not."""
+        return self.alt_won / (self.alt_won + self.alt_lost)
+
+    def update_alternatives(self, alts: int, chain_accepted: int, via_alt: bool) -> None:
+        """Record a verified round that had ``alts`` runner-ups to its first draft token: evidence
+        only when that token was rejected (``chain_accepted`` 0)."""
+        if alts > 0 and chain_accepted == 0:
+            self.alt_won = self.alt_won * DECAY + via_alt
+            self.alt_lost = self.alt_lost * DECAY + (not via_alt)
 
     def update(self, proposed: int, accepted: int) -> None:
         """Record a verified round that proposed ``proposed`` drafts and accepted ``accepted``.
@@ -59,7 +87,82 @@ def expected_tokens(rate: float, k: int) -> float:
 
 def choose_k(acc: Acceptance, k_max: int, costs: tuple[float, float, float] = DEFAULT_COSTS) -> int:
     """The k in 0..k_max with the most expected tokens per unit of cost."""
+    return choose_round(acc, k_max, costs)[0]
+
+
+def choose_round(acc: Acceptance, k_max: int, costs: tuple[float, float, float] = DEFAULT_COSTS,
+                 max_alts: int = 0, verify: tuple[float | None, ...] = ()) -> tuple[int, int]:
+    """(k, alts): the k in 0..k_max, and 0 or ``max_alts`` runner-ups to the first draft token
+    (a token tree; only with k > 0), with the most expected tokens per unit of cost. Ties go to
+    the smaller k, then to no runner-ups.
+
+    ``verify[r - 1]``: a verify forward of r rows in decode steps, where measured (``StepCosts``);
+    CPU kernels cost in steps, not per row (measured in fp32: 48 ms for 1-3 rows, 82 ms for 4-6),
+    so a row that crosses a step costs far more than the mean. Elsewhere ``1 + (r - 1) * verify_row``."""
     draft_step, verify_row, round_cost = costs
-    rate = acc.rate
-    return max(range(k_max + 1),
-               key=lambda k: (expected_tokens(rate, k) / (round_cost + k * (draft_step + verify_row)), -k))
+    rate, alt_gain = acc.rate, (1 - acc.rate) * acc.alt_rate
+
+    def verify_cost(rows: int) -> float:
+        known = verify[rows - 1] if rows <= len(verify) else None
+        return known if known is not None else 1 + (rows - 1) * verify_row
+
+    def value(choice: tuple[int, int]) -> tuple[float, int, int]:
+        k, alts = choice
+        tokens = expected_tokens(rate, k) + (alt_gain if alts else 0.0)
+        return tokens / (round_cost - 1 + verify_cost(1 + k + alts) + k * draft_step), -k, -alts
+
+    choices = [(k, alts) for k in range(k_max + 1) for alts in sorted({0, max_alts if k > 0 else 0})]
+    return max(choices, key=value)
+
+
+class StepCosts:
+    """A model's forward time for one sequence by its number of new rows: a decode or draft step
+    (1 row), a verify block (k + 1 rows and any runner-ups). Each row count keeps a moving mean
+    (``FIT_WEIGHT`` for the newest forward), so it follows a machine that speeds up or slows
+    down; forwards of many rows (prefills, ``FIT_ROWS``) are left out."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if not 1 <= rows <= FIT_ROWS or seconds <= 0:
+            return
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + FIT_WEIGHT * (seconds - old)
+
+    def table(self) -> list[float | None]:
+        """Seconds by rows (index rows - 1) up to the most rows seen; None where not seen."""
+        return [self.seconds.get(r) for r in range(1, max(self.seconds, default=0) + 1)]
+
+
+def measured_costs(draft: list[float | None] | None, target: list[float | None] | None,
+                   base: tuple[float, float, float] | list[float] = DEFAULT_COSTS,
+                   ) -> tuple[tuple[float, float, float], tuple[float | None, ...]]:
+    """``choose_round``'s costs from measured forward times (``StepCosts.table`` of a draft and of
+    a target; None: none yet): the draft step in target decode steps, and the target's verify
+    forwards by rows in decode steps. The verify row beyond them is the mean step over the rows
+    measured; what is not measured, and the round's fixed cost (its messages), stay ``base``'s."""
+    draft_step, verify_row, round_cost = base
+    decode = _one_row(target)
+    if decode is None:
+        return (float(draft_step), float(verify_row), float(round_cost)), ()
+    if _one_row(draft) is not None:
+        draft_step = _one_row(draft) / decode
+    verify = tuple(None if t is None else t / decode for t in target)
+    rows = max(r for r, v in enumerate(verify, 1) if v is not None)
+    if rows > 1:
+        verify_row = max(0.0, (verify[rows - 1] - 1) / (rows - 1))
+    return (float(draft_step), float(verify_row), float(round_cost)), verify
+
+
+def _one_row(seconds: list[float | None] | None) -> float | None:
+    """A forward of one row, from a ``StepCosts.table``: as measured, else from the two fewest row
+    counts measured (a target whose rounds all had drafts never ran one row), else the fewest's."""
+    seen = [(r, t) for r, t in enumerate(seconds or [], 1) if t is not None and t > 0]
+    if not seen:
+        return None
+    (r1, t1), *rest = seen
+    if r1 == 1 or not rest:
+        return t1
+    r2, t2 = rest[0]
+    return max(t1 / 2, t1 - (t2 - t1) / (r2 - r1) * (r1 - 1))

@@ -226,7 +226,7 @@ def test_the_broker_checks_the_alternatives_a_draft_brings() -> None:
     from nebula_flow.request import Request
 
     broker = Broker(BrokerOptions(first_alternatives=2))
-    greedy = Request(1, "a", [1, 2], SamplingParams(), seed=1, k=3)
+    greedy = Request(1, "a", [1, 2], SamplingParams(), seed=1, k=3, alts=2)  # (what the policy asked for)
     assert broker._alternatives(greedy, {"alt": [4, 5]}, [3, 6, 7]) == [4, 5]
     assert broker._alternatives(greedy, {}, [3, 6, 7]) == []
     for bad in ([4, 4], [3], [4, 5, 6], ["x"]):  # repeated, the first draft token, too many, not ids
@@ -235,6 +235,35 @@ def test_the_broker_checks_the_alternatives_a_draft_brings() -> None:
     sampled = Request(2, "b", [1, 2], SamplingParams(temperature=1.0), seed=1, k=3)
     with pytest.raises(protocol.ProtocolError):  # never asked for: sampled requests draft a chain
         broker._alternatives(sampled, {"alt": [4]}, [3, 6, 7])
+
+
+def test_the_broker_takes_workers_forward_times_and_counts_malformed_ones() -> None:
+    from broker.server import Broker, BrokerOptions
+
+    broker = Broker(BrokerOptions(adaptive_k=True, client_port=free_port(), worker_port=free_port()))
+    broker.bind()  # (real sockets; nobody is at the other end, so its replies go nowhere)
+    for ident, role in ((b"d", "draft"), (b"t", "target")):
+        broker.on_worker(ident, protocol.encode(Message("REGISTER", {"role": role, "name": role, "capacity": 4,
+                                                                     "model": {}})), 0.0)
+    draft, target = broker.by_identity[b"d"], broker.by_identity[b"t"]
+
+    def result(wid: int, step_costs: object) -> None:
+        ident = {draft: b"d", target: b"t"}[wid]
+        broker.on_worker(ident, protocol.encode(Message("RESULT", {"results": [], "busy_s": 0.5,
+                                                                   "device": {"step_costs": step_costs}})), 1.0)
+
+    for wid, bad in ((target, [0.05]), (target, {"target": "fast"}), (target, {"target": []}),
+                     (target, {"target": [0.05, -1.0]}), (target, {"target": [True]}), (target, {"target": [1e9]}),
+                     (target, {"target": [0.05] * 17}), (draft, {"target": [0.05]})):  # (a draft's own model only)
+        result(wid, bad)
+    assert broker.errors["malformed"] == 8 and broker.scheduler.costs == (0.073, 0.03, 1.1)
+    assert broker.workers[target].busy_s == 3.5 and broker.workers[draft].busy_s == 0.5  # the results still counted
+    result(target, {"target": [None, 0.05, 0.052]})
+    result(draft, {"draft": [0.0025]})
+    costs = broker.state(2.0)["spec_costs"]
+    assert costs[0] == pytest.approx(0.0025 / 0.048) and broker.state(2.0)["verify_costs"][1] == pytest.approx(0.05 / 0.048)
+    broker.clients.close()
+    broker.peers.close()
 
 
 def test_cli_generate_json_and_status(live) -> None:  # noqa: ANN001
@@ -246,6 +275,9 @@ def test_cli_generate_json_and_status(live) -> None:  # noqa: ANN001
     assert len(out["token_ids"]) == 8 and out["rounds"] == len(out["tokens_per_round"])
     res = runner.invoke(main, ["status", "--broker", live.address])
     assert res.exit_code == 0 and "draft" in res.output and "target" in res.output
+    # the workers' forward times came back with their results: the costs adaptive k would weigh
+    assert "speculation costs in target decode steps: draft step" in res.output
+    assert "verify blocks by rows: not measured yet" not in res.output
     res = runner.invoke(main, ["generate", "--broker", live.address, "--temperature", "-1", "x"])
     assert res.exit_code != 0 and "temperature" in res.output
 

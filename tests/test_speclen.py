@@ -7,7 +7,7 @@ import pytest
 from nebula_flow.params import SamplingParams
 from nebula_flow.request import DRAFT, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
-from nebula_flow.speclen import Acceptance, choose_k, expected_tokens
+from nebula_flow.speclen import Acceptance, StepCosts, choose_k, choose_round, expected_tokens, measured_costs
 
 
 def test_expected_tokens_is_the_geometric_sum() -> None:
@@ -71,3 +71,85 @@ def test_bad_costs_are_refused() -> None:
         Scheduler("pooled", k=4, adaptive_k=True, spec_costs=[0.1, 0.1])
     with pytest.raises(ValueError, match="spec_costs"):
         Scheduler("pooled", k=4, adaptive_k=True, spec_costs=[0.1, 0.1, 0.0])
+
+
+def test_step_costs_keep_a_moving_mean_per_row_count() -> None:
+    costs = StepCosts()
+    assert costs.table() == []
+    for rows, ms in ((1, 48), (2, 52), (3, 55), (4, 82), (6, 90)) * 3:
+        costs.observe(rows, ms / 1000)
+    costs.observe(120, 5.0)  # a prefill: not a round's cost
+    assert costs.table() == pytest.approx([0.048, 0.052, 0.055, 0.082, None, 0.090])
+    for _ in range(30):  # the machine got twice as slow: recent forwards win
+        costs.observe(1, 0.096)
+    assert costs.table()[0] == pytest.approx(0.096, rel=1e-3)
+
+
+def test_measured_costs_are_in_target_decode_steps_and_keep_what_is_not_measured() -> None:
+    base = (0.073, 0.03, 1.1)
+    costs, verify = measured_costs([0.0018], [0.048, 0.052, None, 0.082], base)
+    assert costs == pytest.approx((0.0375, (0.082 / 0.048 - 1) / 3, 1.1))
+    assert verify[0] == 1.0 and verify[2] is None and verify[3] == pytest.approx(0.082 / 0.048)
+    assert measured_costs(None, [0.048], base) == ((0.073, 0.03, 1.1), (1.0,))  # one row count: no slope
+    assert measured_costs([0.002], None, base) == (base, ())
+    # every round had drafts, so the target never ran one row: it is read off its 3- and 4-row blocks
+    costs, verify = measured_costs([0.0018], [None, None, 0.055, 0.057], base)
+    assert costs[0] == pytest.approx(0.0018 / 0.051) and verify[0] is None and verify[2] == pytest.approx(0.055 / 0.051)
+
+
+def test_a_token_tree_is_chosen_only_where_its_rows_pay() -> None:
+    acc = Acceptance(1, 1)  # a = 0.5, and a runner-up wins half the rounds whose first draft fails
+    amx_bf16 = (0.073, 0.03, 1.1)  # the bundled pair with AMX (speclen docstring)
+    k, alts = choose_round(acc, 6, amx_bf16, 1)
+    assert k > 0 and alts == 1  # a verify row costs 3 % of a decode step: worth a 25 % chance of a token
+    # fp32 without native bf16, measured: 48, 52, 55 ms for 1-3 rows, then a step to 82 ms at 4
+    costs, verify = measured_costs([0.0018], [0.048, 0.052, 0.055, 0.082, 0.086, 0.090, 0.105, 0.110])
+    k, alts = choose_round(acc, 6, costs, 1, verify)
+    assert 1 + k + alts == 3  # a block of 3 rows costs 1.15 decode steps, of 4 rows 1.71: never 4
+    assert choose_round(Acceptance(9, 1), 6, costs, 1, verify) == (5, 0)  # a = 0.9: 6 rows pay (1.88 steps)
+    assert choose_round(acc, 6, costs, 0, verify) == (2, 0)
+    for _ in range(10):  # runner-ups that never win stop being verified, even where rows are cheap
+        acc.update_alternatives(1, 0, via_alt=False)
+    assert acc.alt_rate < 0.1 and choose_round(acc, 6, amx_bf16, 1)[1] == 0
+    before = acc.alt_rate
+    acc.update_alternatives(1, 2, via_alt=False)  # the first draft token was accepted: no evidence
+    acc.update_alternatives(0, 0, via_alt=False)  # no runner-ups verified: no evidence
+    assert acc.alt_rate == before
+
+
+def test_the_policy_takes_measured_costs_and_token_tree_choices() -> None:
+    s = Scheduler("pooled", k=6, adaptive_k=True, measure_costs=True, first_alternatives=1)
+    s.register(1, "draft", 4)
+    s.register(2, "target", 4)
+    greedy, sampled = (Request(i, str(i), [1, 2], SamplingParams(max_new_tokens=500, temperature=t), seed=i)
+                       for i, t in ((0, 0.0), (1, 0.8)))
+    s.admit(greedy)
+    s.admit(sampled)
+    assert s.costs == (0.073, 0.03, 1.1) and greedy.alts == 1 and sampled.alts == 0  # (no tree when sampling)
+    fp32 = [0.048, 0.052, 0.055, 0.082, 0.086, 0.090, 0.105, 0.110]
+    s.observe_costs(2, "target", fp32)
+    s.observe_costs(1, "draft", [0.0018, 0.0025])
+    s.observe_costs(99, "target", [1.0])  # not a worker (any more): ignored
+    assert s.costs[0] == pytest.approx(0.0375) and s.verify_costs[3] == pytest.approx(0.082 / 0.048)
+    _round(s, greedy, 1)
+    assert (greedy.k, greedy.alts) == choose_round(greedy.acceptance, 6, s.costs, 1, s.verify_costs)
+    assert 1 + greedy.k + greedy.alts == 3 and greedy.ks == [2, greedy.k]
+    s.register(3, "target", 4)
+    s.observe_costs(3, "target", [0.030, 0.031, 0.032, 0.033])  # a faster one, and a slower one: the median
+    s.observe_costs(4, "target", [0.060])
+    s.register(4, "target", 4)
+    s.observe_costs(4, "target", [0.060])
+    assert s.verify_costs[0] == 1.0 and s.costs[0] == pytest.approx(0.0018 / 0.048)
+    s.unregister(1)  # its measurement goes with it
+    assert s.costs[0] == 0.073
+    fixed = Scheduler("pooled", k=6, adaptive_k=True, first_alternatives=1)
+    fixed.register(2, "target", 4)
+    fixed.observe_costs(2, "target", fp32)
+    assert (fixed.costs, fixed.verify_costs) == ((0.073, 0.03, 1.1), ())  # measure_costs off: configured costs hold
+    plain = Scheduler("pooled", k=3, first_alternatives=2)  # no adaptive k: the tree every greedy round
+    plain.register(1, "draft", 4)
+    r = Request(5, "5", [1, 2], SamplingParams(max_new_tokens=50), seed=0)
+    plain.admit(r)
+    assert (r.k, r.alts) == (3, 2)
+    with pytest.raises(ValueError, match="first_alternatives"):
+        Scheduler("pooled", k=3, first_alternatives=9)

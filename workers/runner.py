@@ -15,6 +15,7 @@ from nebula_flow import specdec
 from nebula_flow.kv.store import KVStore
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
+from nebula_flow.speclen import StepCosts
 
 
 @dataclass
@@ -46,7 +47,9 @@ class Draft:
 
 
 class ModelRunner:
-    """One model plus its KV store. ``busy_s`` accumulates time spent in forward passes."""
+    """One model plus its KV store. ``busy_s`` accumulates time spent in forward passes;
+    ``step_costs`` times its forwards of one sequence by their new rows (what a round's draft
+    steps and verify block cost on this device, for the policy's adaptive k)."""
 
     def __init__(self, model: CausalLM, *, proposal_top_k: int = 16, max_kv_bytes: int = 4 << 30) -> None:
         self.model = model
@@ -54,12 +57,16 @@ class ModelRunner:
         self.proposal_top_k = proposal_top_k
         self.busy_s = 0.0
         self.forwards = 0
+        self.step_costs = StepCosts()
 
     def _forward(self, caches, new_tokens, rows, branches=None):  # noqa: ANN001, ANN202 - internal
         t0 = time.perf_counter()
         out = self.model(caches, new_tokens, rows, branches)
-        self.busy_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.busy_s += took
         self.forwards += 1
+        if len(caches) == 1:  # (a batch's time depends on its mix; speculation runs single-stream)
+            self.step_costs.observe(len(new_tokens[0]), took)
         return out
 
     def draft(self, tasks: list[Task]) -> list[Draft]:

@@ -457,6 +457,12 @@ class Worker:
         """Forward passes run and each model's numerics; on emulated devices also how far the host
         fell behind the profile."""
         out: dict[str, Any] = {"forwards": sum(r.forwards for r in self.runners)}
+        # each model's forward seconds for one sequence by new rows (1, 2, ...; null: not seen): the
+        # policy's adaptive k weighs a round's draft steps and verify block with them
+        tables = {role: r.step_costs.table() for role, r in (("draft", self.draft), ("target", self.target))
+                  if r is not None}
+        if any(tables.values()):
+            out["step_costs"] = {role: t for role, t in tables.items() if t}
         for role, runner in (("draft", self.draft), ("target", self.target)):
             if runner is not None and isinstance(runner.model, torch.nn.Module):
                 dtype = str(runner.model.lm_head.weight.dtype).removeprefix("torch.")

@@ -143,6 +143,8 @@ class Scenario:
     merge_batches: bool = True
     adaptive_k: bool = False
     spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))
+    measure_costs: bool = False  # (simulated workers report no forward times: spec_costs hold)
+    first_alternatives: int = 0  # (the simulator does not model token trees' extra rows and wins)
     disable_by_batch_size: int = 0
     seed: int = 0
     host: HostCosts = field(default_factory=HostCosts)
