@@ -118,6 +118,34 @@ def test_bf16_inference_models_run_on_packed_weights_with_the_same_logits(checkp
     assert plain.state_dict()
 
 
+def test_fp32_layers_switch_to_the_packed_kernel_from_the_rows_where_it_is_faster(checkpoint, monkeypatch) -> None:  # noqa: ANN001
+    """An fp32 layer keeps its plain weight (fewer rows run on it: MKL is fastest there) and runs
+    the packed one from ``packed_from_rows`` on, with values within fp32 rounding either way."""
+    _, path = checkpoint
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(3))
+    pw = packed.pack(w)
+    if pw is None:
+        pytest.skip("this PyTorch build or CPU has no packed fp32 kernel")
+    assert packed.first_faster_rows(w.to(torch.bfloat16), pw) == 1  # bf16: always (no timing)
+    assert packed.first_faster_rows(w, pw) in (*packed.PROBE_ROWS, None)  # fp32: timed here
+    layer = Linear(64, 96, bias=False)
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    layer.packed, layer.packed_from_rows = pw, 4
+    calls, real = [], packed.linear
+    monkeypatch.setattr(packed, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))  # (a spy)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-4, atol=1e-5)
+    monkeypatch.undo()
+    assert calls == [4, 9]  # 1 and 3 rows ran on the plain weight
+    model = load_model(path)  # fp32 inference: whatever this CPU's timings packed
+    plain = load_model(path, inference=False)
+    ids = list(range(3, 20))
+    torch.testing.assert_close(model([model.new_cache()], [ids], [len(ids)])[0],
+                               plain([plain.new_cache()], [ids], [len(ids)])[0], rtol=1e-4, atol=1e-4)
+    assert not model.weights_released and model.state_dict()  # the plain copies stay in fp32
+
+
 def test_padded_chunks_give_each_row_the_full_chunk_kernel() -> None:
     w = torch.randn(24, 40)
     x = torch.randn(13, 40)

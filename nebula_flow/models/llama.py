@@ -25,10 +25,11 @@ class Linear(nn.Linear):
 
     row_plan: invariant.RowPlan | None = None
     packed: torch.Tensor | None = None  # the weight in the CPU kernel's layout (CausalLM.pack_weights)
+    packed_from_rows = 1  # calls of fewer rows use the plain weight (fp32: faster there; see models.packed)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for the rows of ``x``, in one kernel call."""
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] >= self.packed_from_rows:
             return packed.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -242,6 +243,8 @@ class CausalLM(nn.Module):
 
     batch_invariant = False
     packed_layers = 0  # linear layers running on packed weights (``pack_weights``)
+    weights_released = False  # the plain copies of packed weights were dropped (bf16)
+    packed_from_rows: dict[str, int] = {}  # weight shape -> the fewest rows run on its packed copy
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -266,22 +269,30 @@ class CausalLM(nn.Module):
             a.fused = mlp.fused = True
 
     def pack_weights(self) -> int:
-        """For inference on a CPU: every linear layer runs on a weight packed once into the
-        kernel's layout (``models.packed``; bf16 only). The plain copy is released (a head tied to
-        the embedding keeps the embedding's). Returns how many layers were packed."""
-        count = 0
+        """For inference on a CPU: linear layers run on a weight packed once into the kernel's
+        layout (``models.packed``): in bf16 always, and the plain copy is released (a head tied to
+        the embedding keeps the embedding's); in fp32 from the fewest rows where the packed kernel
+        is faster (timed once per weight shape), beside the plain copy. Returns how many layers
+        were packed."""
+        count, from_rows = 0, {}
         for m in self.modules():
-            if isinstance(m, Linear) and m.packed is None:
-                m.packed = packed.pack(m.weight)
-                if m.packed is not None:
-                    count += 1
-                    # keep shape, dtype and device for the probes and for callers; drop the bytes
+            if isinstance(m, Linear) and m.packed is None and (weight := packed.pack(m.weight)) is not None:
+                key = (*m.weight.shape, m.weight.dtype)
+                if key not in from_rows:
+                    from_rows[key] = packed.first_faster_rows(m.weight, weight)
+                if from_rows[key] is None:
+                    continue
+                m.packed, m.packed_from_rows = weight, from_rows[key]
+                count += 1
+                if m.packed_from_rows == 1:  # keep shape, dtype and device for the probes and callers; drop the bytes
                     m.weight = nn.Parameter(m.weight.detach().new_zeros(1).expand(m.weight.shape), requires_grad=False)
+                    self.weights_released = True
         self.packed_layers += count
+        self.packed_from_rows = {"x".join(map(str, k[:2])): v for k, v in from_rows.items() if v is not None}
         return count
 
     def state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - nn.Module's signature
-        if self.packed_layers:  # its linear weights were released: refuse rather than return zeros
+        if self.weights_released:  # its linear weights were released: refuse rather than return zeros
             raise RuntimeError("this model's weights are packed for inference; load it with "
                                "load_model(..., inference=False) to read or save its state dict")
         return super().state_dict(*args, **kwargs)

@@ -8,28 +8,64 @@ at 64 rows the gain shrinks to ~10 %. The packed kernel gave the same bits as ``
 every shape and row count tried, and the batch-invariance probe (``invariant.row_plan``) runs on
 the kernel the layer really uses, so invariance holds either way.
 
-Only where it pays and exists: bf16 weights on a CPU with PyTorch's oneDNN build. fp32 (MKL) gave
-no gain; fp16 needs CPU features many machines lack. Anything else keeps ``F.linear``.
+In fp32 a plain ``F.linear`` (MKL) is the fastest for one to three rows, but from four rows on it
+takes twice as long (on an AVX-512 CPU here: the 576 -> 3072 projection 0.25 ms for 1-3 rows,
+0.49 ms for 4, 0.73 ms for 8; the output head 5.9, 8.0, 13.6, 22.1 ms for 1, 3, 4, 8 rows), while
+the packed oneDNN kernel stays nearly flat (0.30 ms at 4 rows, 0.40 at 8; the head 8.1 and 9.2 ms):
+a verify block ran at the cost of a decode step and a half. So an fp32 layer keeps its plain
+weight and uses the packed one from the fewest rows where it is faster (timed at load for each
+weight shape, ``first_faster_rows``); a shape where it never is keeps only ``F.linear``. fp16
+needs CPU features many machines lack. Anything else keeps ``F.linear``.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 import torch.nn.functional as F
 
+PROBE_ROWS = (1, 2, 3, 4, 6, 8, 16)  # a decode step to a long verify block
+PROBE_REPEATS = 3
+FASTER = 0.9  # the packed kernel must take under this share of the plain one's time
+
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` in the oneDNN layout, or None where packing does not apply or is unavailable."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """``weight`` in the oneDNN layout (bf16 or fp32), or None where packing does not apply or is
+    unavailable. A bf16 packed kernel must give the plain one's bits; an fp32 one its values within
+    fp32 rounding (it accumulates in another order, as MKL itself does between 3 and 4 rows)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) \
+            or not torch.backends.mkldnn.is_available():
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        if not torch.equal(linear(probe, packed, None), F.linear(probe, weight)):
-            return None  # a kernel that rounds differently from the unpacked one: not worth the doubt
-        return packed
-    except (RuntimeError, AttributeError):  # a build or CPU without the packed bf16 path
+        got, plain = linear(probe, packed, None), F.linear(probe, weight)
+        same = torch.equal(got, plain) if weight.dtype == torch.bfloat16 else torch.allclose(got, plain, 1e-4, 1e-5)
+        return packed if same else None  # (a kernel that rounds otherwise: not worth the doubt)
+    except (RuntimeError, AttributeError):  # a build or CPU without the packed path
         return None
+
+
+def first_faster_rows(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
+    """The fewest rows from which ``packed`` is the faster kernel for ``weight`` at every probed
+    size up to ``PROBE_ROWS[-1]``, or None if it never is. bf16: 1 (the plain kernel reorders its
+    weight on every call); fp32: timed, the two kernels alternating, medians of ``PROBE_REPEATS``."""
+    if weight.dtype == torch.bfloat16:
+        return 1
+    kernels = (lambda x: F.linear(x, weight), lambda x: linear(x, packed, None))
+    ratios = {}
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(PROBE_REPEATS + 1):  # (the first round warms both up)
+            for kernel, took in zip(kernels, times):
+                t0 = time.perf_counter()
+                kernel(x)
+                took.append(time.perf_counter() - t0)
+        ratios[rows] = statistics.median(times[1][1:]) / statistics.median(times[0][1:])
+    return next((r for r in PROBE_ROWS if all(ratios[m] < FASTER for m in PROBE_ROWS if m >= r)), None)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
