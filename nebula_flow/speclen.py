@@ -19,8 +19,8 @@ Default costs (``DEFAULT_COSTS``) are the bundled pair's, measured on a 2-core C
 bf16 with packed weights: a draft step 2.3 ms and a verify row ~0.95 ms against a 31.7 ms decode
 step, ~4 ms of messages per round. They are only where a deployment starts: the costs depend on
 the hardware more than on the models. The same pair in fp32 on a CPU without native bf16: a draft
-step 1.8 ms against a 47 ms decode step, and a verify block of 1-3 rows 48-55 ms but of 4 rows
-82 ms (CPU kernels cost in steps of rows, not per row). So workers time their own forwards by
+step 1.8 ms against a 47 ms decode step, and (on MKL's plain kernels) a verify block of 1-3 rows
+48-55 ms but of 4 rows 82 ms: CPU kernels cost in steps of rows, not per row. So workers time their own forwards by
 rows (``StepCosts``) and the policy weighs a round with those times (``measured_costs``): the
 draft step, and the verify block of each size, in decode steps.
 
@@ -97,7 +97,7 @@ def choose_round(acc: Acceptance, k_max: int, costs: tuple[float, float, float] 
     the smaller k, then to no runner-ups.
 
     ``verify[r - 1]``: a verify forward of r rows in decode steps, where measured (``StepCosts``);
-    CPU kernels cost in steps, not per row (measured in fp32: 48 ms for 1-3 rows, 82 ms for 4-6),
+    CPU kernels cost in steps, not per row (measured in fp32, MKL: 48 ms for 1-3 rows, 82 ms for 4-6),
     so a row that crosses a step costs far more than the mean. Elsewhere ``1 + (r - 1) * verify_row``."""
     draft_step, verify_row, round_cost = costs
     rate, alt_gain = acc.rate, (1 - acc.rate) * acc.alt_rate
