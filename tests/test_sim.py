@@ -204,6 +204,16 @@ def test_the_paper_scenario_loads() -> None:
     assert sc.draft.cost.name == "qwen3-0.6b@rtx4090" and sc.target.cost.name == "qwen3-8b@rtx4090"
 
 
+def test_a_scenarios_policy_knobs_reach_the_simulated_policy(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "s.toml"
+    path.write_text(PAPER.read_text().replace("[policy]", "[policy]\nadaptive_k = true\ndisable_by_batch_size = 2\n"
+                                              "spec_costs = [0.05, 0.01, 1.2]\nfirst_alternatives = 1", 1))
+    sc = load_scenario(path)
+    knobs = Simulator(sc, "pooled").policy.knobs()
+    assert (knobs["adaptive_k"], knobs["disable_by_batch_size"], knobs["spec_costs"]) == (True, 2, [0.05, 0.01, 1.2])
+    assert knobs["first_alternatives"] == 0  # (not modelled: see Scenario)
+
+
 def test_bad_scenarios_get_clear_errors(tmp_path) -> None:  # noqa: ANN001
     cases = {
         "bogus = 1\n[draft]\nprofile='x'\n[target]\nprofile='x'\n": "unknown keys",

@@ -143,8 +143,10 @@ class Scenario:
     merge_batches: bool = True
     adaptive_k: bool = False
     spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))
-    measure_costs: bool = False  # (simulated workers report no forward times: spec_costs hold)
-    first_alternatives: int = 0  # (the simulator does not model token trees' extra rows and wins)
+    # Accepted in [policy] (a deployment's knobs come with it) but not simulated: simulated workers
+    # report no forward times, so spec_costs hold; token trees' extra rows and wins are not modelled.
+    measure_costs: bool = False
+    first_alternatives: int = 0
     disable_by_batch_size: int = 0
     seed: int = 0
     host: HostCosts = field(default_factory=HostCosts)
@@ -255,6 +257,9 @@ def load_scenario(path: str | Path) -> Scenario:
         link=_link(raw.get("kv", {}), target, f"{path} [kv]"), workload=workload, modes=list(modes),
         k=int(policy.get("k", 4)), locality=bool(policy.get("locality", True)),
         migrate=bool(policy.get("migrate", False)), merge_batches=bool(policy.get("merge_batches", True)),
+        adaptive_k=bool(policy.get("adaptive_k", False)),
+        spec_costs=[float(c) for c in policy.get("spec_costs", DEFAULT_COSTS)],
+        disable_by_batch_size=int(policy.get("disable_by_batch_size", 0)),
         seed=seed, host=host,
         sweep_draft_workers=[int(n) for n in sweep.get("draft_workers", [1, 2, 4, 8, 16, 32, 64])],
         sweep_scale_workload=bool(sweep.get("scale_workload", True)), source=str(path))
