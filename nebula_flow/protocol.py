@@ -34,8 +34,8 @@ Worker <-> broker (worker socket, DEALER -> ROUTER):
   RESULT   worker -> broker  results of finished tasks and the forward time they took; kv (KV
                              movement counters) and device (forwards, numerics, and step_costs:
                              per role, forward seconds for one sequence by new rows [1, 2, ...],
-                             null where not seen, which adaptive k weighs; malformed ones are
-                             counted and left out).
+                             null where not seen, at most once a second, which adaptive k
+                             weighs; malformed ones are counted and left out).
   FREE     broker -> worker  rids whose KV can be dropped (finished or cancelled).
   HEARTBEAT either way       liveness when nothing else is said.
   BYE      worker -> broker  the worker leaves; its in-flight tasks go back to their topic.

@@ -36,6 +36,7 @@ from workers.runner import ModelRunner, Task
 # made on the prefetch thread while the previous batch computes: a new shared file's pages fault
 # in at ~1.2 us each here (24 MB: ~7 ms), against ~0.1 ms for the thread handoff.
 ROOM_BYTES = 1 << 20
+COSTS_EVERY_S = 1.0  # forward-time tables go to the broker at most this often
 log = logging.getLogger("nebula_flow.worker")
 ROLES = ("draft", "target", "colocated")
 REFUSALS = ("malformed", "wrong_role", "invalid_params")  # REGISTER errors that retrying cannot fix
@@ -105,6 +106,7 @@ class Worker:
         self.stopping = False
         self.exit_code = 0
         self.errors = 0
+        self.costs_sent_at = float("-inf")  # when forward times last went with a RESULT (_device_stats)
 
     def _load(self, model: str, profile: str | None, role: str):  # noqa: ANN202
         if self.opts.device != "emulated":
@@ -458,11 +460,13 @@ class Worker:
         fell behind the profile."""
         out: dict[str, Any] = {"forwards": sum(r.forwards for r in self.runners)}
         # each model's forward seconds for one sequence by new rows (1, 2, ...; null: not seen): the
-        # policy's adaptive k weighs a round's draft steps and verify block with them
+        # policy's adaptive k weighs a round's draft steps and verify block with them. At most once
+        # per COSTS_EVERY_S: they move slowly, and the broker takes a median over workers per update.
         tables = {role: r.step_costs.table() for role, r in (("draft", self.draft), ("target", self.target))
                   if r is not None}
-        if any(tables.values()):
+        if any(tables.values()) and time.monotonic() - self.costs_sent_at >= COSTS_EVERY_S:
             out["step_costs"] = {role: t for role, t in tables.items() if t}
+            self.costs_sent_at = time.monotonic()
         for role, runner in (("draft", self.draft), ("target", self.target)):
             if runner is not None and isinstance(runner.model, torch.nn.Module):
                 dtype = str(runner.model.lm_head.weight.dtype).removeprefix("torch.")
