@@ -92,8 +92,8 @@ def main() -> None:
               "fixed cost; with --measure-costs the first two are only where it starts [default: 0.073,0.03,1.1, "
               "measured for the bundled pair on a 2-core CPU with AMX, in bf16].")
 @click.option("--measure-costs/--fixed-costs", default=True, show_default=True,
-              help="With --adaptive-k: take the draft step and verify row costs from the forward times the workers "
-              "measure (they differ by device and dtype far more than by model); status shows the costs in use.")
+              help="With --adaptive-k: weigh draft steps and verify blocks by the forward times the workers measure "
+              "(they differ by device and dtype far more than by model); status shows the costs in use.")
 @click.option("--first-alternatives", default=0, show_default=True, type=click.IntRange(0, 8),
               help="Greedy requests: the draft also proposes this many runner-ups to its first token, verified "
               "in the same forward as siblings in a token tree (one more verify row each); a runner-up the target "

@@ -146,8 +146,8 @@ def measured_costs(draft: list[float | None] | None, target: list[float | None] 
     decode = _one_row(target)
     if decode is None:
         return (float(draft_step), float(verify_row), float(round_cost)), ()
-    if _one_row(draft) is not None:
-        draft_step = _one_row(draft) / decode
+    if (step := _one_row(draft)) is not None:
+        draft_step = step / decode
     verify = tuple(None if t is None else t / decode for t in target)
     rows = max(r for r, v in enumerate(verify, 1) if v is not None)
     if rows > 1:

@@ -462,16 +462,19 @@ class Worker:
         # each model's forward seconds for one sequence by new rows (1, 2, ...; null: not seen): the
         # policy's adaptive k weighs a round's draft steps and verify block with them. At most once
         # per COSTS_EVERY_S: they move slowly, and the broker takes a median over workers per update.
-        tables = {role: r.step_costs.table() for role, r in (("draft", self.draft), ("target", self.target))
-                  if r is not None}
-        if any(tables.values()) and time.monotonic() - self.costs_sent_at >= COSTS_EVERY_S:
-            out["step_costs"] = {role: t for role, t in tables.items() if t}
-            self.costs_sent_at = time.monotonic()
+        if time.monotonic() - self.costs_sent_at >= COSTS_EVERY_S:
+            tables = {role: t for role, r in (("draft", self.draft), ("target", self.target))
+                      if r is not None and (t := r.step_costs.table())}
+            if tables:
+                out["step_costs"] = tables
+                self.costs_sent_at = time.monotonic()
         for role, runner in (("draft", self.draft), ("target", self.target)):
             if runner is not None and isinstance(runner.model, torch.nn.Module):
                 dtype = str(runner.model.lm_head.weight.dtype).removeprefix("torch.")
                 out[f"{role}_numerics"] = dtype + (" batch-invariant" if runner.model.batch_invariant else "")
                 out[f"{role}_packed_layers"] = runner.model.packed_layers  # models/packed.py
+                if runner.model.packed_from_rows:  # weight shape -> fewest rows on the packed kernel
+                    out[f"{role}_packed_from_rows"] = runner.model.packed_from_rows
         emulated = [r.model for r in self.runners if hasattr(r.model, "overrun_s")]
         if emulated:
             out["emulated_predicted_s"] = sum(m.predicted_s for m in emulated)
