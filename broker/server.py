@@ -89,6 +89,7 @@ class WorkerInfo:
     name: str
     last_seen: float
     kv_endpoint: str | None = None
+    drafter: str | None = None  # draft workers: the drafter they run (scheduler: routing)
     busy_s: float = 0.0
     tasks: int = 0
     kv: dict[str, Any] | None = None  # the worker's latest KV counters
@@ -121,6 +122,7 @@ class Broker:
         self.proposed_by_position: list[int] = []
         self.accepted_by_position: list[int] = []
         self.tokens_per_round_hist: Counter[int] = Counter()
+        self.drafter_counts: dict[str, Counter[str]] = {}  # drafter -> rounds, proposed, accepted
         self.batch_sizes: dict[str, Counter[int]] = {}
         self.metrics = None
         self.client_outbox: list[tuple[bytes, Message]] = []  # see _send
@@ -320,13 +322,17 @@ class Broker:
         if endpoint is not None and (len(endpoint) > 512 or not all(
                 part.startswith(("tcp://", "ucx://", "shm://")) for part in endpoint.split(";"))):
             raise ProtocolError("malformed", "kv_endpoint must be tcp://, ucx:// or shm:// addresses joined by ';'")
+        drafter = h.get("drafter")
+        if drafter is not None and not protocol.DRAFTER_NAME.fullmatch(drafter):
+            raise ProtocolError("malformed", "drafter must be 1-64 letters, digits or . _ - :")
         wid = self.next_worker
         try:
-            slot = self.scheduler.register(wid, h["role"], h["capacity"])
+            slot = self.scheduler.register(wid, h["role"], h["capacity"], drafter)
         except ValueError as exc:
             raise ProtocolError("wrong_role", str(exc)) from None
         self.next_worker += 1
-        self.workers[wid] = WorkerInfo(identity, h["role"], h["name"][:64], now, endpoint)
+        self.workers[wid] = WorkerInfo(identity, h["role"], h["name"][:64], now, endpoint,
+                                       self.scheduler.workers[wid].drafter)
         self.by_identity[identity] = wid
         log.info("worker %d (%s, %s) joined in slot %d", wid, h["name"][:64], h["role"], slot)
         self._send(self.peers, identity, Message("WELCOME", {
@@ -363,8 +369,8 @@ class Broker:
     def _apply_result(self, wid: int, msg: Message, req: Request, raw: dict, now: float) -> None:
         if raw["kind"] == DRAFT:
             draft = _int_list(raw.get("draft"), "draft")
-            if len(draft) != req.k:
-                raise ProtocolError("malformed", f"draft has {len(draft)} tokens, asked for {req.k}")
+            if len(draft) > req.k:  # (fewer: a drafter with nothing worth proposing, e.g. n-gram without a match)
+                raise ProtocolError("malformed", f"draft has {len(draft)} tokens, asked for at most {req.k}")
             q = {}
             if not req.params.greedy:
                 idx, prob = protocol.split_q(msg, raw)
@@ -388,6 +394,11 @@ class Broker:
         self.counters["alternatives_accepted"] += via_alt
         req.alt_accepted += via_alt
         self._count_acceptance(proposed, 0 if via_alt else len(committed) - 1, len(committed))
+        if req.drafter is not None and raw["kind"] != ROUND:
+            by = self.drafter_counts.setdefault(req.drafter, Counter())
+            by["rounds"] += 1
+            by["proposed"] += proposed
+            by["accepted"] += 0 if via_alt else len(committed) - 1
         self.scheduler.verify_done(req, wid, len(committed) - 1, via_alt)
         kept = req.commit(committed, self.eos_ids)
         self.counters["rounds"] += 1
@@ -419,6 +430,8 @@ class Broker:
         """The alternatives to the first draft token a draft / round result brings, checked
         against the ones the policy asked for (``req.alts``: a two-level token tree)."""
         alt = _int_list(raw.get("alt") or [], "alt")
+        if alt and draft == []:
+            raise ProtocolError("malformed", "alternatives to the first draft token need a draft")
         if len(alt) > req.alts or len(set(alt)) != len(alt) or (alt and draft is not None and draft[0] in alt):
             raise ProtocolError("malformed", f"{len(alt)} alternatives (asked for {req.alts}) must be distinct "
                                              "and differ from the first draft token")
@@ -439,8 +452,7 @@ class Broker:
         self.batch_sizes.setdefault(role, Counter())[len(batch)] += 1
         msg = Message("TASKS", {"tasks": []})
         for req in batch:
-            role = {"draft": "draft", "verify": "target", "round": "colocated"}[req.phase]
-            holder_id, valid = req.holders.get(role, (0, 0))
+            holder_id, valid = req.holders.get(self.scheduler.holder_key(req), (0, 0))
             holder = {"worker": holder_id, "valid": valid}
             info = self.workers.get(holder_id)
             if info is not None and info.kv_endpoint:
@@ -465,18 +477,38 @@ class Broker:
             "mode": self.opts.mode, "uptime_s": now - self.started, "pool": len(self.scheduler.requests),
             "max_model_len": self.max_model_len,
             "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
-            "workers": [{"id": wid, "role": w.role, "name": w.name, "busy_s": w.busy_s, "tasks": w.tasks,
+            "workers": [{"id": wid, "role": w.role, "name": w.name, "drafter": w.drafter, "busy_s": w.busy_s, "tasks": w.tasks,
                          "slot": self.scheduler.workers[wid].slot, "kv_endpoint": w.kv_endpoint, "kv": w.kv,
                          "device": w.device}
                         for wid, w in self.workers.items()],
             "counters": dict(self.counters), "errors": dict(self.errors),
             # what adaptive k weighs now: draft step, verify row, round, in target decode steps
             "spec_costs": list(self.scheduler.costs), "verify_costs": list(self.scheduler.verify_costs),
+            "drafters": self._drafters_state(),
             "proposed_by_position": self.proposed_by_position, "accepted_by_position": self.accepted_by_position,
             "tokens_per_round_hist": {str(k): v for k, v in self.tokens_per_round_hist.items()},
             "batch_sizes": {r: {str(k): v for k, v in h.items()} for r, h in self.batch_sizes.items()},
             "metrics_port": self.metrics.port if self.metrics else None,
         }
+
+    def _drafters_state(self) -> dict[str, dict[str, Any]]:
+        """Per drafter: its live workers, rounds drafted, drafts proposed and accepted; with several,
+        the pool's recent acceptance of it (greedy, sampled) and the costs routing weighs (draft
+        step, verify row, round)."""
+        s = self.scheduler
+        out = {}
+        for name in sorted(set(s.drafters) | set(self.drafter_counts)):
+            counts = self.drafter_counts.get(name, Counter())
+            entry: dict[str, Any] = {"workers": s.drafters.get(name, 0), "rounds": counts["rounds"],
+                                     "proposed": counts["proposed"], "accepted": counts["accepted"]}
+            rates = {kind: acc.rate for kind, greedy in (("greedy", True), ("sampled", False))
+                     if (acc := s.drafter_acceptance.get((name, greedy))) is not None}
+            if rates:
+                entry["acceptance"] = rates
+            if name in s.drafter_costs:
+                entry["spec_costs"] = list(s.drafter_costs[name][0])
+            out[name] = entry
+        return out
 
     def step(self, now: float) -> None:
         """Housekeeping after events: dispatch, FREE broadcasts, heartbeats, liveness; then what

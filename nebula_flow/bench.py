@@ -131,7 +131,9 @@ def run_once(address: str, wl: Workload) -> dict[str, Any]:
             "ttft_s": percentiles([o.ttft_s for o in outs]), "latency_s": percentiles([o.latency_s for o in outs])}
 
 
-def bench_mode(cfg: DeployConfig, mode: str, wl: Workload, repeats: int, log=print) -> dict[str, Any]:  # noqa: ANN001
+def bench_mode(cfg: DeployConfig, mode: str, wl: Workload, repeats: int, log=print, label: str | None = None) -> dict[str, Any]:  # noqa: ANN001
+    """Run ``wl`` ``repeats`` times on a fresh deployment of ``cfg`` in ``mode``; medians.
+    ``label``: the name progress lines use (default: the mode)."""
     cfg.mode = mode
     cfg.broker.client_port = cfg.broker.worker_port = 0
     with Deployment(cfg) as dep:
@@ -143,7 +145,7 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: Workload, repeats: int, log=pri
         runs = []
         for r in range(repeats):
             res = run_once(dep.address, wl)
-            log(f"  {mode} repeat {r + 1}/{repeats}: {res['tokens_per_s']:.1f} tokens/s, "
+            log(f"  {label or mode} repeat {r + 1}/{repeats}: {res['tokens_per_s']:.1f} tokens/s, "
                 f"{res['round_rate']:.1f} rounds/s, {res['tokens_per_round']:.2f} tokens/round")
             runs.append(res)
 

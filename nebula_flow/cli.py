@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from nebula_flow.config import ConfigError, DeployConfig, cache_dir, load_config
+from nebula_flow.config import ConfigError, DeployConfig, PoolConfig, cache_dir, load_config
 from nebula_flow.scheduler import MODES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,9 +30,11 @@ def prepare_models(cfg: DeployConfig) -> None:
     from nebula_flow.bundled import prepare_target, target_dir
     from nebula_flow.models.compat import IncompatiblePair, check_pair
     from nebula_flow.models.config import ModelConfigError
+    from nebula_flow.routing import NGRAM_SPEC
 
     tiny = cache_dir() / "tiny-pair"
-    for pool in (cfg.draft, cfg.target):
+    drafts = [p for p in (cfg.draft, *cfg.drafters) if p.model and not NGRAM_SPEC.fullmatch(p.model)]
+    for pool in (*drafts, cfg.target):
         if not pool.model:
             continue
         if Path(pool.model).is_relative_to(tiny) and not (tiny / "READY").exists():
@@ -42,17 +44,20 @@ def prepare_models(cfg: DeployConfig) -> None:
             build_tiny_pair(tiny)
         if Path(pool.model) == target_dir():
             prepare_target(log=lambda m: click.echo(m, err=True))
-    if cfg.mode != "autoregressive":
+    for pool in drafts if cfg.mode != "autoregressive" else ():
         try:
-            check_pair(cfg.draft.model, cfg.target.model)
+            check_pair(pool.model, cfg.target.model)
         except (IncompatiblePair, ModelConfigError) as exc:
-            raise click.ClickException(f"draft {cfg.draft.model} cannot serve target {cfg.target.model}: {exc}") from None
+            raise click.ClickException(f"draft {pool.model} cannot serve target {cfg.target.model}: {exc}") from None
 
 
 def _apply_overrides(cfg: DeployConfig, mode: str | None, draft_workers: int | None,
-                     target_workers: int | None, port: int | None) -> DeployConfig:
+                     target_workers: int | None, port: int | None, add_drafters: tuple[str, ...] = ()) -> DeployConfig:
     if mode:
         cfg.mode = mode
+    for spec in add_drafters:  # one more draft pool (one worker) per spec: several drafters, routed
+        cfg.drafters.append(PoolConfig(model=spec, workers=1, max_batch=cfg.draft.max_batch, dtype=cfg.draft.dtype,
+                                       device=cfg.draft.device))
     if draft_workers:
         cfg.draft.workers = draft_workers
     if target_workers:
@@ -147,8 +152,15 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
 @main.command()
 @click.option("--role", type=click.Choice(["draft", "target", "colocated"]), required=True,
               help="Which topic to serve; colocated workers hold both models.")
-@click.option("--model", required=True, type=click.Path(), help="Checkpoint directory (the draft's for role draft).")
-@click.option("--draft-model", type=click.Path(), help="Draft checkpoint (colocated workers only).")
+@click.option("--model", required=True, type=click.Path(),
+              help="Checkpoint directory (the draft's for role draft). A draft may also be ngram, ngram:MAX or "
+              "ngram:MIN-MAX: prompt lookup, no model (proposes what followed the context's last n tokens before; "
+              "default n 2..4).")
+@click.option("--draft-model", type=click.Path(), help="Draft checkpoint (colocated workers only; ngram as for --model).")
+@click.option("--drafter", default=None, metavar="NAME",
+              help="Draft workers: the drafter name the broker routes rounds by (several drafters: each round goes "
+              "to the one that pays best for its request). Workers of one drafter must run the same model. "
+              "[default: the model folder's name; ngram for the n-gram drafter]")
 @click.option("--broker", "broker_addr", default="tcp://127.0.0.1:5556", show_default=True,
               help="The broker's worker address.")
 @click.option("--name", default="", help="Name shown in status and logs.")
@@ -177,20 +189,26 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
               "(pages in) for later requests, beyond --max-kv-gb; 0: none kept. Same-host (shm) KV only. "
               "[default: --max-kv-gb / 8]")
 @click.option("--keys", type=click.Path(), help="CURVE key folder (or NEBULA_FLOW_KEYS).")
-def worker(role: str, model: str, draft_model: str | None, broker_addr: str, name: str,
+def worker(role: str, model: str, draft_model: str | None, drafter: str | None, broker_addr: str, name: str,
            max_batch: int, threads: int, device: str, dtype: str | None, batch_invariant: bool | None,
            kv_transport: str, kv_host: str, kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
            kv_pool_gb: float | None, keys: str | None) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
+    from nebula_flow.protocol import DRAFTER_NAME
     from workers.worker import WorkerOptions, serve_worker
+
+    if drafter is not None and (role != "draft" or not DRAFTER_NAME.fullmatch(drafter)):
+        raise click.BadParameter("a draft worker's name for its drafter: 1-64 letters, digits or . _ - :",
+                                 param_hint="--drafter")
 
     try:
         sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch,
                                             threads, device, dtype, batch_invariant, kv_transport=kv_transport,
                                             kv_host=kv_host,
                                             kv_overlap=kv_overlap, profile=profile, draft_profile=draft_profile,
-                                            max_kv_gb=max_kv_gb, kv_pool_gb=kv_pool_gb, keys=keys)))
+                                            max_kv_gb=max_kv_gb, kv_pool_gb=kv_pool_gb, keys=keys,
+                                            drafter=drafter)))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -229,6 +247,9 @@ _deploy_options = [
     click.option("--target-workers", type=int, help="Override the number of target workers (N)."),
     click.option("--port", type=int, help="Client port (workers use port+1); 0 picks free ports."),
     click.option("--log-dir", type=click.Path(), help="Where child process logs go (default: a temp folder)."),
+    click.option("--add-drafter", "add_drafters", multiple=True, metavar="MODEL",
+                 help="Pooled mode: one more draft worker with this drafter (ngram, ngram:MAX, ngram:MIN-MAX, or a "
+                 "draft checkpoint); each round goes to the drafter that pays best for its request. Repeatable."),
 ]
 
 
@@ -238,10 +259,10 @@ def deploy_options(f):  # noqa: ANN001, ANN201 - click decorator
     return f
 
 
-def _start(config, mode, draft_workers, target_workers, port, log_dir):  # noqa: ANN001, ANN202
+def _start(config, mode, draft_workers, target_workers, port, log_dir, add_drafters=()):  # noqa: ANN001, ANN202
     from nebula_flow.deploy import Deployment, DeploymentError
 
-    cfg = _apply_overrides(_load(config), mode, draft_workers, target_workers, port)
+    cfg = _apply_overrides(_load(config), mode, draft_workers, target_workers, port, add_drafters)
     prepare_models(cfg)
     dep = Deployment(cfg, log_dir)
     plan = cfg.worker_plan()
@@ -259,11 +280,11 @@ def _start(config, mode, draft_workers, target_workers, port, log_dir):  # noqa:
 
 @main.command()
 @deploy_options
-def serve(config, mode, draft_workers, target_workers, port, log_dir) -> None:  # noqa: ANN001
+def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters) -> None:  # noqa: ANN001
     """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM."""
     import signal
 
-    dep = _start(config, mode, draft_workers, target_workers, port, log_dir)
+    dep = _start(config, mode, draft_workers, target_workers, port, log_dir, add_drafters)
     click.echo(dep.address)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -333,10 +354,10 @@ def generate(prompt: str, address: str, as_json: bool, **params) -> None:  # noq
 @click.argument("prompts", nargs=-1)
 @deploy_options
 @gen_options
-def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, **params) -> None:  # noqa: ANN001, ANN003
+def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add_drafters, **params) -> None:  # noqa: ANN001, ANN003
     """One-shot demo: start the deployment, generate from PROMPTS (a default set if none), stop."""
     prompts = prompts or ("def fibonacci(n):", "import os\n\ndef list_files(path):", "The quick brown fox")
-    dep = _start(config, mode, draft_workers, target_workers, 0 if port is None else port, log_dir)
+    dep = _start(config, mode, draft_workers, target_workers, 0 if port is None else port, log_dir, add_drafters)
     try:
         for prompt in prompts:
             click.echo(f"\n>>> {prompt}")
@@ -364,8 +385,14 @@ def status(address: str, as_json: bool) -> None:
     click.echo(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool, "
                f"topics {state['topics']}")
     for w in state["workers"]:
+        drafter = f" drafter {w['drafter']}" if w.get("drafter") and len(state.get("drafters", {})) > 1 else ""
         click.echo(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} "
-                   f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s")
+                   f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}")
+    if len(state.get("drafters", {})) > 1:  # several drafters: how routing shares the rounds out
+        for name, d in state["drafters"].items():
+            rates = ", ".join(f"{kind} {rate:.2f}" for kind, rate in d.get("acceptance", {}).items())
+            click.echo(f"  drafter {name:<16} workers {d['workers']:<3} rounds {d['rounds']:<7} "
+                       f"drafts accepted {d['accepted']}/{d['proposed']}" + (f"; recent acceptance {rates}" if rates else ""))
     if "draft" in state["roles"] or "colocated" in state["roles"]:
         draft, row, fixed = state["spec_costs"]
         blocks = " ".join("-" if v is None else f"{v:.2f}" for v in state["verify_costs"]) or "not measured yet"
@@ -379,7 +406,8 @@ def status(address: str, as_json: bool) -> None:
 @main.command()
 @click.option("--config", type=click.Path(), help="Deployment TOML (default: the bundled one).")
 @click.option("--modes", default="pooled,paired,colocated,autoregressive", show_default=True,
-              help="Comma-separated modes, measured in turn; ratios are against the first.")
+              help="Comma-separated modes, measured in turn; ratios are against the first. pooled+MODEL is pooled "
+              "with one more drafter (as --add-drafter MODEL, e.g. pooled+ngram), to measure routing side by side.")
 @click.option("--draft-workers", type=int, help="Override M.")
 @click.option("--target-workers", type=int, help="Override N.")
 @click.option("--concurrency", default=1, show_default=True, help="Concurrent requests (1 = single stream).")
@@ -396,18 +424,19 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     from nebula_flow.bench import DEFAULT_CHAT_PROMPTS, DEFAULT_PROMPTS, Workload, bench_mode, table
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    bad = [m for m in names if m not in MODES]
+    bad = [m for m in names if m.split("+")[0] not in MODES or ("+" in m and not m.startswith("pooled+"))]
     if bad or not names:
-        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)} (or pooled+MODEL)")
     pool = DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
     wl = Workload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature, chat=chat)
     results = {}
-    for mode in names:
-        cfg = _apply_overrides(_load(config), mode, draft_workers, target_workers, None)
+    for name in names:
+        mode, *added = name.split("+")
+        cfg = _apply_overrides(_load(config), mode, draft_workers, target_workers, None, tuple(added))
         prepare_models(cfg)
-        click.echo(f"[bench] {mode}: {n_requests} requests x {max_new_tokens} tokens, concurrency {concurrency}, "
+        click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, concurrency {concurrency}, "
                    f"{repeats} repeats", err=True)
-        results[mode] = bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True))
+        results[name] = bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True), label=name)
     if as_json:
         click.echo(json.dumps({"modes": results}))
     else:

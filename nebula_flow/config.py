@@ -11,6 +11,9 @@
     model = "cache:tiny-pair/target"
     workers = 1
     max_batch = 8
+    [[drafters]]                 # pooled mode: more draft pools (other drafters), as many as wanted;
+    model = "ngram"              # each round is routed to the drafter that pays best for its request
+    workers = 1                  # (nebula_flow/routing.py). ngram: prompt lookup, no model.
 
 Model paths: ``cache:NAME`` lives in the nebula-flow cache folder ($NEBULA_FLOW_CACHE, default
 ~/.cache/nebula-flow); a relative path is relative to the repository holding ``configs/``
@@ -58,6 +61,7 @@ class PoolConfig:
     profile: str | None = None  # latency profile for device = "emulated"
     max_kv_gb: float = 4.0  # KV memory budget per worker model
     kv_pool_gb: float | None = None  # finished requests' shared KV files kept for reuse (None: max_kv_gb / 8)
+    drafter: str | None = None  # draft pools: the drafter name (routing.drafter_name: default from the model)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class DeployConfig:
     broker: BrokerOptions = field(default_factory=BrokerOptions)
     draft: PoolConfig = field(default_factory=PoolConfig)
     target: PoolConfig = field(default_factory=PoolConfig)
+    drafters: list[PoolConfig] = field(default_factory=list)  # more draft pools: several drafters (pooled)
     kv_transport: str = "auto"  # auto | ucx | zmq | shm | shm+zmq | none (kv.transport.resolve_transport)
     source: str = "<defaults>"
 
@@ -79,7 +84,11 @@ class DeployConfig:
             raise ConfigError(f"{self.source}: [draft] model is required in {self.mode} mode")
         from nebula_flow.models.loader import DTYPE_CHOICES
 
-        for name, pool in (("draft", self.draft), ("target", self.target)):
+        if self.drafters and self.mode != "pooled":
+            raise ConfigError(f"{self.source}: [[drafters]] (several drafters) need mode = \"pooled\"")
+        self._check_drafters()
+        for name, pool in (("draft", self.draft), ("target", self.target),
+                           *((f"drafters {i + 1}", p) for i, p in enumerate(self.drafters))):
             if pool.workers < 0 or pool.max_batch < 1:
                 raise ConfigError(f"[{name}] workers must be >= 0 and max_batch >= 1")
             # Colocated and autoregressive run M + N workers: one pool may be empty there.
@@ -108,15 +117,40 @@ class DeployConfig:
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
 
+    def _check_drafters(self) -> None:
+        """Every draft pool has a model and a drafter name of its own (the workers of one drafter
+        share KV: two models under one name would mix theirs)."""
+        from nebula_flow.protocol import DRAFTER_NAME
+        from nebula_flow.routing import drafter_name, parse_ngram
+
+        seen: dict[str, str | None] = {}
+        for i, pool in enumerate([self.draft, *self.drafters]):
+            where = "[draft]" if i == 0 else f"[[drafters]] {i}"
+            if i > 0 and pool.model is None:
+                raise ConfigError(f"{self.source}: {where} needs a model (a checkpoint, or ngram)")
+            if pool.drafter is not None and not DRAFTER_NAME.fullmatch(pool.drafter):
+                raise ConfigError(f"{where} drafter must be 1-64 letters, digits or . _ - :, got {pool.drafter!r}")
+            try:
+                parse_ngram(pool.model or "")
+            except ValueError as exc:
+                raise ConfigError(f"{where} {exc}") from None
+            name = drafter_name(pool.drafter, pool.model)
+            if name in seen and seen[name] != pool.model:
+                raise ConfigError(f"{where}: drafter {name!r} is already another pool's; give it its own drafter = \"...\"")
+            seen[name] = pool.model
+
     def worker_plan(self) -> list[tuple[str, PoolConfig]]:
         """(role, pool) per worker process. Colocated and autoregressive use M+N workers, so
-        every mode runs on the same devices."""
+        every mode runs on the same devices (an n-gram drafter's workers use none: not counted)."""
         total = self.draft.workers + self.target.workers
         if self.mode == "colocated":
             return [("colocated", self.target)] * total
         if self.mode == "autoregressive":
             return [("target", self.target)] * total
-        return [("draft", self.draft)] * self.draft.workers + [("target", self.target)] * self.target.workers
+        plan = [("draft", self.draft)] * self.draft.workers
+        for pool in self.drafters:
+            plan += [("draft", pool)] * pool.workers
+        return plan + [("target", self.target)] * self.target.workers
 
 
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
@@ -144,7 +178,7 @@ def load_config(path: str | Path | None) -> DeployConfig:
     path = Path(path)
     raw = read_toml(path)
     base = path.resolve().parent.parent
-    unknown = set(raw) - {"mode", "kv_transport", "broker", "draft", "target"}
+    unknown = set(raw) - {"mode", "kv_transport", "broker", "draft", "target", "drafters"}
     if unknown:
         raise ConfigError(f"{path}: unknown sections {sorted(unknown)}")
     cfg = DeployConfig(
@@ -155,8 +189,14 @@ def load_config(path: str | Path | None) -> DeployConfig:
         target=_build(PoolConfig, raw.get("target", {}), f"{path} [target]"),
         source=str(path),
     )
-    for pool in (cfg.draft, cfg.target):
-        if pool.model:
+    extra = raw.get("drafters", [])
+    if not isinstance(extra, list) or not all(isinstance(t, dict) for t in extra):
+        raise ConfigError(f"{path}: drafters must be an array of tables ([[drafters]])")
+    cfg.drafters = [_build(PoolConfig, t, f"{path} [[drafters]] {i + 1}") for i, t in enumerate(extra)]
+    from nebula_flow.routing import NGRAM_SPEC
+
+    for pool in (cfg.draft, cfg.target, *cfg.drafters):
+        if pool.model and not NGRAM_SPEC.fullmatch(pool.model):
             pool.model = resolve_model(pool.model, base)
         if pool.profile:
             pool.profile = resolve_model(pool.profile, base)

@@ -95,6 +95,8 @@ class Deployment:
                     "--max-batch", str(pool.max_batch), "--threads", str(threads),
                     "--device", device_for(pool.device, i), "--name", f"{role}-{i}", "--kv-transport", self.cfg.kv_transport,
                     *self.extra_worker_args]
+            if pool.drafter and role == "draft":
+                args += ["--drafter", pool.drafter]
             if pool.dtype:
                 args += ["--dtype", pool.dtype]
             if pool.batch_invariant is not None:

@@ -11,10 +11,10 @@ new policy have decided the same on yesterday's traffic?").
 Records are JSON arrays, one per line (JSONL)::
 
     ["policy", mode, k, {knob: value}]   (scheduler.POLICY_KNOBS)
-    ["register", worker, role, capacity, slot]
+    ["register", worker, role, capacity, slot, drafter]
     ["unregister", worker, [requeued rids]]
     ["pull", worker, credits, idle, now]
-    ["admit", rid, prompt_len, max_new_tokens]
+    ["admit", rid, prompt_len, max_new_tokens, greedy, seeded]
     ["draft_done", rid, worker, n_draft]
     ["verify_done", rid, worker, accepted, via_alt]
     ["step_costs", worker, role, [seconds by new rows]]
@@ -50,9 +50,9 @@ class RecordingScheduler(Scheduler):
         self.records: list[list[Any]] = [["policy", mode, k, self.knobs()]]
         self._admitting = False
 
-    def register(self, worker_id: int, role: str, capacity: int) -> int:
-        slot = super().register(worker_id, role, capacity)
-        self.records.append(["register", worker_id, role, capacity, slot])
+    def register(self, worker_id: int, role: str, capacity: int, drafter: str | None = None) -> int:
+        slot = super().register(worker_id, role, capacity, drafter)
+        self.records.append(["register", worker_id, role, capacity, slot, self.workers[worker_id].drafter])
         return slot
 
     def unregister(self, worker_id: int) -> list[int]:
@@ -65,7 +65,8 @@ class RecordingScheduler(Scheduler):
         self.records.append(["pull", worker_id, credits, idle, now])
 
     def admit(self, req: Request) -> None:
-        self.records.append(["admit", req.rid, len(req.prompt), req.params.max_new_tokens])
+        self.records.append(["admit", req.rid, len(req.prompt), req.params.max_new_tokens, req.params.greedy,
+                             req.params.seed is not None])
         self._admitting = True  # admit starts the first round itself: not a separate event
         try:
             super().admit(req)
@@ -143,7 +144,7 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
             continue
         events += 1
         if kind == "register":
-            slot = policy.register(args[0], args[1], args[2])
+            slot = policy.register(args[0], args[1], args[2], *args[4:5])  # drafter: absent in older logs
             if slot != args[3]:
                 mismatches.append({"record": i, "event": rec, "got_slot": slot})
         elif kind == "unregister":
@@ -153,9 +154,10 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
         elif kind == "pull":
             policy.pull(args[0], args[1], args[2], args[3])
         elif kind == "admit":
-            rid, prompt_len, max_new = args
-            policy.admit(Request(rid, str(rid), [PLACEHOLDER] * prompt_len,
-                                 SamplingParams(max_new_tokens=max_new), seed=0))
+            rid, prompt_len, max_new, greedy, seeded = (*args, True, False)[:5]  # (older logs lack the last two)
+            # (the policy plans greedy, sampled and seeded requests apart: token trees, costs, routing)
+            policy.admit(Request(rid, str(rid), [PLACEHOLDER] * prompt_len, SamplingParams(
+                max_new_tokens=max_new, temperature=0.0 if greedy else 1.0, seed=0 if seeded else None), seed=0))
         elif kind == "draft_done":
             policy.draft_done(reqs[args[0]], args[1], [PLACEHOLDER] * args[2], {})
         elif kind == "verify_done":

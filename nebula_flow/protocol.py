@@ -26,7 +26,9 @@ Client <-> broker (client socket, DEALER -> ROUTER):
   ERROR    either way        code, message, and req_id when it concerns one request.
 
 Worker <-> broker (worker socket, DEALER -> ROUTER):
-  REGISTER worker -> broker  role, name, capacity (max batch), model facts (vocab, context).
+  REGISTER worker -> broker  role, name, capacity (max batch), model facts (vocab, context);
+                             draft workers: drafter (the kind of draft model; rounds are routed
+                             among drafters, see nebula_flow/routing.py).
   WELCOME  broker -> worker  worker_id, slot (pair/colocated index), mode, speculation settings.
   PULL     worker -> broker  credits (tasks it can take; 0 withdraws a waiting PULL) and idle
                              (nothing computing now).
@@ -52,6 +54,7 @@ as int64 arrays of sizes both sides know, see ``nebula_flow/kv/ucx.py``):
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +62,8 @@ import numpy as np
 import orjson
 
 VERSION = 1
+DRAFTER_CHARS = "A-Za-z0-9._:-"  # what a REGISTER's drafter name may hold (1-64 of them)
+DRAFTER_NAME = re.compile(f"[{DRAFTER_CHARS}]{{1,64}}")
 MAX_HEADER_BYTES = 1 << 20
 DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16,
           "bfloat16": np.uint16, "uint8": np.uint8}
@@ -74,7 +79,7 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "DONE": {"req_id": str, "token_ids": list, "text": str, "finish_reason": str, "stats": dict},
     "STATE": {"state": dict},
     "ERROR": {"code": str, "message": str, "?req_id": str},
-    "REGISTER": {"role": str, "name": str, "capacity": int, "model": dict, "?kv_endpoint": str},
+    "REGISTER": {"role": str, "name": str, "capacity": int, "model": dict, "?kv_endpoint": str, "?drafter": str},
     "WELCOME": {"worker_id": int, "slot": int, "mode": str, "settings": dict},
     "PULL": {"credits": int, "idle": bool},
     "TASKS": {"tasks": list},
@@ -224,6 +229,8 @@ def split_q(msg: Message, raw: dict) -> tuple[list[np.ndarray], list[np.ndarray]
         raise ProtocolError("malformed", "proposal q does not match the draft")
     if not np.all(np.isfinite(prob)) or np.any(prob < 0) or np.any(idx < 0):
         raise ProtocolError("malformed", "proposal q has invalid entries")
+    if not lens:  # an empty draft (a drafter that had nothing to propose)
+        return [], []
     cuts = np.cumsum(lens)[:-1]
     idxs, probs = np.split(idx, cuts), np.split(prob, cuts)
     if any(p.sum() <= 0 for p in probs):

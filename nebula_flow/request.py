@@ -39,7 +39,11 @@ class Request:
     proposed: int = 0
     accepted: int = 0
     alt_accepted: int = 0  # rounds an alternative to the first draft token won
-    acceptance: Acceptance = field(default_factory=Acceptance)  # decayed, for adaptive k (speclen)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # decayed, for adaptive k (speclen): the drafter's in use
+    drafter: str | None = None  # the drafter this round's draft is routed to (then: the one that drafted it)
+    by_drafter: dict[str, Acceptance] = field(default_factory=dict)  # each drafter's acceptance for this request
+    drafter_used: dict[str, int] = field(default_factory=dict)  # drafter -> the last round it drafted
+    drafter_rounds: dict[str, int] = field(default_factory=dict)  # drafter -> rounds it drafted
     ks: list[int] = field(default_factory=list)  # the k of each round
     text: str = ""
     finish_reason: str | None = None
@@ -80,6 +84,7 @@ class Request:
             "k_per_round": self.ks,
             "accepted": self.accepted,
             "alternatives_accepted": self.alt_accepted,
+            "drafter_rounds": self.drafter_rounds,
             "prompt_tokens": len(self.prompt),
             "output_tokens": len(self.output),
             "seed": self.seed,

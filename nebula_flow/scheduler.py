@@ -16,6 +16,11 @@ Modes (the same code, one switch):
 
 Worker-triggered batching: a worker's ``PULL`` waits here until tasks it may take exist;
 idle workers are served before workers that are prefetching behind a running batch.
+
+Several drafters (pooled mode): each draft worker registers with a drafter name; each round's
+draft goes to the drafter ``routing.choose_drafter`` picks for the request, and is taken by any
+worker of that drafter (by any draft worker when none is left). Each drafter's KV is its own:
+a request's draft holder is kept per drafter (``holder_key``).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from nebula_flow import speclen
+from nebula_flow import routing, speclen
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
+from nebula_flow.speclen import Acceptance
 
 MODES: dict[str, tuple[str, ...]] = {
     "pooled": ("draft", "target"),
@@ -35,6 +41,7 @@ MODES: dict[str, tuple[str, ...]] = {
     "autoregressive": ("target",),
 }
 PHASE_ROLE = {DRAFT: "draft", VERIFY: "target", ROUND: "colocated"}
+DEFAULT_DRAFTER = "draft"  # a draft worker that names no drafter
 POLICY_KNOBS = ("locality", "migrate", "merge_batches", "adaptive_k", "spec_costs", "measure_costs",
                 "first_alternatives", "disable_by_batch_size")  # Scheduler keyword arguments; BrokerOptions fields
 
@@ -118,6 +125,17 @@ class WorkerState:
     pull_credits: int = 0  # > 0 while a PULL waits
     pull_idle: bool = False
     pull_since: float = 0.0
+    drafter: str | None = None  # draft workers: which drafter (kind of draft model) it runs
+
+
+def reproducible(req: Request) -> bool:
+    """A sampled request with the client's own seed: its output must not depend on placement."""
+    return not req.params.greedy and req.params.seed is not None
+
+
+def holder_key(role: str, drafter: str | None = None) -> str:
+    """The key of ``Request.holders`` for a role's KV: per drafter for drafts (drafters' KV differ)."""
+    return f"draft/{drafter}" if role == "draft" and drafter not in (None, DEFAULT_DRAFTER) else role
 
 
 class Scheduler:
@@ -156,6 +174,12 @@ class Scheduler:
         # forwards by rows in decode steps
         self.costs, self.verify_costs = tuple(self.spec_costs), ()
         self.step_costs: dict[tuple[int, str], list[float | None]] = {}  # (worker, role) -> seconds by rows
+        # several drafters: each one's (costs, verify costs) as ``costs``/``verify_costs``, and the
+        # pool's recent acceptance of each, for greedy and for sampled requests (acceptance differs
+        # widely between them): where requests start a drafter they have not tried (``routing``)
+        self.drafter_costs: dict[str, tuple[tuple[float, float, float], tuple[float | None, ...]]] = {}
+        self.drafter_acceptance: dict[tuple[str, bool], Acceptance] = {}  # (drafter, greedy) ->
+        self.drafters: dict[str, int] = {}  # drafter -> live draft workers
         if not 0 <= first_alternatives <= 8:
             raise ValueError("first_alternatives must be in 0..8")
         self.first_alternatives = first_alternatives
@@ -167,15 +191,19 @@ class Scheduler:
         self.workers: dict[int, WorkerState] = {}
 
     # -- workers ---------------------------------------------------------------------------
-    def register(self, worker_id: int, role: str, capacity: int) -> int:
-        """Add a worker; returns its slot (its pair index, or colocated index)."""
+    def register(self, worker_id: int, role: str, capacity: int, drafter: str | None = None) -> int:
+        """Add a worker; returns its slot (its pair index, or colocated index). ``drafter``: a
+        draft worker's drafter (``DEFAULT_DRAFTER`` when None)."""
         if role not in MODES[self.mode]:
             raise ValueError(f"mode {self.mode} has no {role!r} workers (roles: {', '.join(MODES[self.mode])})")
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         used = {w.slot for w in self.workers.values() if w.role == role}
         slot = next(i for i in range(len(used) + 1) if i not in used)
-        self.workers[worker_id] = WorkerState(worker_id, role, slot, capacity)
+        drafter = (drafter or DEFAULT_DRAFTER) if role == "draft" else None
+        self.workers[worker_id] = WorkerState(worker_id, role, slot, capacity, drafter=drafter)
+        if drafter is not None:
+            self.drafters[drafter] = self.drafters.get(drafter, 0) + 1
         for req in self.requests.values():
             if req.slot is None:
                 self._bind(req)
@@ -186,6 +214,11 @@ class Scheduler:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
+        if w.drafter is not None:
+            self.drafters[w.drafter] -= 1
+            if not self.drafters[w.drafter]:
+                del self.drafters[w.drafter]
+                self.drafter_costs.pop(w.drafter, None)
         requeued = []
         for rid in sorted(w.inflight):
             req = self.requests.get(rid)
@@ -216,8 +249,9 @@ class Scheduler:
         if not self.measure_costs:
             return
 
-        def median(role: str) -> list[float | None] | None:
-            tables = [t for (_, r), t in self.step_costs.items() if r == role]
+        def median(role: str, drafter: str | None = None) -> list[float | None] | None:
+            tables = [t for (wid, r), t in self.step_costs.items() if r == role
+                      and (drafter is None or self.workers[wid].drafter == drafter)]
             if not tables:
                 return None
             out = []
@@ -226,7 +260,11 @@ class Scheduler:
                 out.append(seen[len(seen) // 2] if seen else None)
             return out
 
-        self.costs, self.verify_costs = speclen.measured_costs(median("draft"), median("target"), self.spec_costs)
+        target = median("target")
+        self.costs, self.verify_costs = speclen.measured_costs(median("draft"), target, self.spec_costs)
+        if len(self.drafters) > 1:  # (a colocated worker's draft has no drafter: it is never routed)
+            self.drafter_costs = {d: speclen.measured_costs(median("draft", d), target, self.spec_costs)
+                                  for d in self.drafters}
 
     def pull(self, worker_id: int, credits: int, idle: bool, now: float) -> None:
         w = self.workers[worker_id]
@@ -245,14 +283,18 @@ class Scheduler:
         req.draft, req.q, req.alt = [], {}, []
         # (runner-ups only for greedy requests: rejection sampling is defined for a chain)
         max_alts = self.first_alternatives if req.params.greedy else 0
+        speculate = self.mode != "autoregressive" and req.remaining > 1 and not (
+            self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size)  # (see __init__)
+        req.drafter = self._route(req, max_alts) if speculate and self.mode == "pooled" and self.drafters else None
+        costs, verify = self._costs_for(req, req.drafter)
         if self.adaptive_k:
-            k, alts = speclen.choose_round(req.acceptance, self.k, self.costs, max_alts, self.verify_costs)
+            k, alts = speclen.choose_round(req.acceptance, self.k, costs, max_alts, verify)
         else:
             k, alts = self.k, max_alts
-        if self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size:
-            k = 0  # under load: plain decoding rounds (see __init__)
-        req.k = 0 if self.mode == "autoregressive" else max(0, min(k, req.remaining - 1))
+        req.k = max(0, min(k, req.remaining - 1)) if speculate else 0
         req.alts = alts if req.k > 0 else 0
+        if req.k == 0:
+            req.drafter = None  # no draft this round
         req.ks.append(req.k)
         if self.mode == "colocated":
             req.phase = ROUND
@@ -260,10 +302,49 @@ class Scheduler:
             req.phase = DRAFT if req.k > 0 else VERIFY
         self._enqueue(req)
 
+    def _costs_for(self, req: Request, drafter: str | None) -> tuple[tuple[float, float, float], tuple[float | None, ...]]:
+        """The costs ``req``'s round is planned with: measured ones (of ``drafter``'s workers where
+        several drafters run), except for a seeded sampled request, whose k and drafter decide
+        which sample it draws: it is planned from its own history and ``spec_costs`` alone, so the
+        same seed gives the same output whatever the placement and the machine's timing."""
+        if reproducible(req):
+            return tuple(self.spec_costs), ()
+        return self.drafter_costs.get(drafter, (self.costs, self.verify_costs)) if drafter else (self.costs, self.verify_costs)
+
+    def _route(self, req: Request, max_alts: int) -> str:
+        """This round's drafter for ``req`` (``routing``); makes ``req.acceptance`` that drafter's."""
+        names = list(self.drafters)
+        if len(names) == 1:
+            drafter = names[0]
+        else:
+            for d in names:  # a request starts a drafter it has not tried from the pool's experience
+                if d not in req.by_drafter:  # (not a seeded sample: it must not depend on other requests)
+                    pool = None if reproducible(req) else self.drafter_acceptance.get((d, req.params.greedy))
+                    req.by_drafter[d] = req.acceptance if not req.by_drafter else routing.starting_acceptance(pool)
+
+            def worth(d: str) -> float:
+                costs, verify = self._costs_for(req, d)
+                if self.adaptive_k:
+                    return speclen.best_round(req.by_drafter[d], self.k, costs, max_alts, verify)[0]
+                return speclen.round_worth(req.by_drafter[d], self.k, max_alts, costs, verify)
+
+            drafter = routing.choose_drafter(names, req.round, req.drafter_used, worth)
+        req.acceptance = req.by_drafter.setdefault(drafter, req.acceptance)
+        return drafter
+
     def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict) -> None:
+        """A draft arrived (it may hold fewer than ``req.k`` tokens: a drafter that has nothing
+        worth proposing, such as an n-gram drafter without a match)."""
         req.draft, req.q, req.phase = draft, q, VERIFY
         req.proposed += len(draft)
-        req.holders["draft"] = (worker_id, len(req.prompt) + len(req.output) + max(0, len(draft) - 1))
+        drafter = self.workers[worker_id].drafter
+        if drafter is not None and drafter != req.drafter:  # (no worker of the routed drafter was left)
+            req.acceptance = req.by_drafter.setdefault(drafter, routing.starting_acceptance(None))
+        req.drafter = drafter
+        if drafter is not None:
+            req.drafter_used[drafter] = req.round
+            req.drafter_rounds[drafter] = req.drafter_rounds.get(drafter, 0) + 1
+        req.holders[holder_key("draft", drafter)] = (worker_id, len(req.prompt) + len(req.output) + max(0, len(draft) - 1))
         self.workers[worker_id].inflight.discard(req.rid)
         self._enqueue(req)
 
@@ -274,14 +355,17 @@ class Scheduler:
         tree), not the chain: the chain's acceptance was 0, and the draft's KV ends before it."""
         req.accepted += accepted
         chain = 0 if via_alt else accepted
-        req.acceptance.update(req.k, chain)
+        req.acceptance.update(req.k, chain)  # (a draft shorter than k counts as rejected where it stopped)
         req.acceptance.update_alternatives(req.alts, chain, via_alt)
+        if req.drafter is not None and len(self.drafters) > 1:
+            self.drafter_acceptance.setdefault((req.drafter, req.params.greedy), Acceptance()).update(req.k, chain)
         base = len(req.prompt) + len(req.output)
         role = "colocated" if req.phase == ROUND else "target"
         req.holders[role] = (worker_id, base + accepted)
-        if "draft" in req.holders:
-            holder, draft_valid = req.holders["draft"]
-            req.holders["draft"] = (holder, min(draft_valid, base + chain))
+        draft_key = holder_key("draft", req.drafter)
+        if draft_key in req.holders:
+            holder, draft_valid = req.holders[draft_key]
+            req.holders[draft_key] = (holder, min(draft_valid, base + chain))
         self.workers[worker_id].inflight.discard(req.rid)
 
     def finish(self, rid: int) -> Request | None:
@@ -384,12 +468,18 @@ class Scheduler:
     def _enqueue(self, req: Request) -> None:
         self.topics[PHASE_ROLE[req.phase]].append(req.rid, self._holder(req))
 
+    def holder_key(self, req: Request) -> str:
+        """The ``holders`` key of the KV ``req``'s queued task needs."""
+        return holder_key(PHASE_ROLE[req.phase], req.drafter if req.phase == DRAFT else None)
+
     def _holder(self, req: Request) -> int | None:
-        return req.holders.get(PHASE_ROLE[req.phase], (None, 0))[0]
+        return req.holders.get(self.holder_key(req), (None, 0))[0]
 
     def _eligible(self, req: Request, w: WorkerState) -> bool:
         if self.mode in ("paired", "colocated"):
             return req.slot == w.slot
+        if req.phase == DRAFT and req.drafter is not None and w.drafter != req.drafter and req.drafter in self.drafters:
+            return False  # routed to another drafter, which has workers
         if self.migrate and self._holder(req) == w.worker_id:
             return not any(o.role == w.role and o.worker_id != w.worker_id for o in self.workers.values())
         return True

@@ -99,20 +99,28 @@ def choose_round(acc: Acceptance, k_max: int, costs: tuple[float, float, float] 
     ``verify[r - 1]``: a verify forward of r rows in decode steps, where measured (``StepCosts``);
     CPU kernels cost in steps, not per row (measured in fp32, MKL: 48 ms for 1-3 rows, 82 ms for 4-6),
     so a row that crosses a step costs far more than the mean. Elsewhere ``1 + (r - 1) * verify_row``."""
-    draft_step, verify_row, round_cost = costs
-    rate, alt_gain = acc.rate, (1 - acc.rate) * acc.alt_rate
+    return best_round(acc, k_max, costs, max_alts, verify)[1:]
 
-    def verify_cost(rows: int) -> float:
-        known = verify[rows - 1] if rows <= len(verify) else None
-        return known if known is not None else 1 + (rows - 1) * verify_row
 
-    def value(choice: tuple[int, int]) -> tuple[float, int, int]:
-        k, alts = choice
-        tokens = expected_tokens(rate, k) + (alt_gain if alts else 0.0)
-        return tokens / (round_cost - 1 + verify_cost(1 + k + alts) + k * draft_step), -k, -alts
-
+def best_round(acc: Acceptance, k_max: int, costs: tuple[float, float, float] = DEFAULT_COSTS,
+               max_alts: int = 0, verify: tuple[float | None, ...] = ()) -> tuple[float, int, int]:
+    """``choose_round``'s choice with its worth: (expected tokens per decode step, k, alts). The
+    worth is what routing among drafters compares (``nebula_flow.routing``)."""
     choices = [(k, alts) for k in range(k_max + 1) for alts in sorted({0, max_alts if k > 0 else 0})]
-    return max(choices, key=value)
+    worth, k, alts = max((round_worth(acc, k, alts, costs, verify), -k, -alts) for k, alts in choices)
+    return worth, -k, -alts
+
+
+def round_worth(acc: Acceptance, k: int, alts: int, costs: tuple[float, float, float] = DEFAULT_COSTS,
+                verify: tuple[float | None, ...] = ()) -> float:
+    """Expected tokens per decode step of a round of k drafts and ``alts`` runner-ups (see
+    ``choose_round`` for ``verify``)."""
+    draft_step, verify_row, round_cost = costs
+    rows = 1 + k + alts
+    known = verify[rows - 1] if rows <= len(verify) else None
+    verify_cost = known if known is not None else 1 + (rows - 1) * verify_row
+    tokens = expected_tokens(acc.rate, k) + ((1 - acc.rate) * acc.alt_rate if alts else 0.0)
+    return tokens / (round_cost - 1 + verify_cost + k * draft_step)
 
 
 class StepCosts:

@@ -29,7 +29,9 @@ from nebula_flow.models.loader import load_model
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.process import orphaned
 from nebula_flow.protocol import Message, ProtocolError
+from nebula_flow.routing import drafter_name, parse_ngram
 from nebula_flow.security import is_loopback, keys_dir, make_client
+from workers.ngram import NgramRunner
 from workers.runner import ModelRunner, Task
 
 # A batch whose same-host reads go into new caches of this many bytes or more gets those caches
@@ -64,6 +66,7 @@ class WorkerOptions:
     keys: str | None = None  # CURVE key folder (or NEBULA_FLOW_KEYS): authenticate to the broker and peers
     profile: str | None = None  # latency profile when device == "emulated"
     draft_profile: str | None = None  # colocated + emulated: the draft's profile
+    drafter: str | None = None  # draft workers: the drafter name routing knows them by (default: from the model)
 
 
 class Worker:
@@ -80,13 +83,14 @@ class Worker:
         torch.set_num_threads(max(1, opts.threads))
         self.target = self.draft = None
         if opts.role == "draft":
-            self.draft = ModelRunner(self._load(opts.model, opts.profile, "draft"), max_kv_bytes=int(opts.max_kv_gb * (1 << 30)))
+            self.draft = self._draft_runner(opts.model, opts.profile)
         else:
             self.target = ModelRunner(self._load(opts.model, opts.profile, "target"), max_kv_bytes=int(opts.max_kv_gb * (1 << 30)))
         if opts.role == "colocated":
-            self.draft = ModelRunner(self._load(opts.draft_model, opts.draft_profile, "draft"),
-                                     max_kv_bytes=int(opts.max_kv_gb * (1 << 30)))
+            self.draft = self._draft_runner(opts.draft_model, opts.draft_profile)
+        self.drafter = drafter_name(opts.drafter, opts.model) if opts.role == "draft" else None
         self.runners = [r for r in (self.draft, self.target) if r is not None]
+        self.stores = [r.store for r in self.runners if r.store is not None]  # (an n-gram drafter holds no KV)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self.worker_id = 0
@@ -95,11 +99,12 @@ class Worker:
         if self.keys is None and not is_loopback(opts.kv_host):
             raise ValueError(f"a KV server on {opts.kv_host} (off loopback) requires CURVE keys (--keys DIR)")
         # (with CURVE keys, only ZeroMQ: UCX and shared folders have no authentication)
-        self.transport = make_transport(opts.kv_transport, self.keys, opts.device) if opts.role != "colocated" else None
+        self.transport = make_transport(opts.kv_transport, self.keys, opts.device) \
+            if opts.role != "colocated" and self._store_for(opts.role) is not None else None
         self.kv_endpoint = self.transport.serve(opts.kv_host, self._lookup) if self.transport else None
         if self.transport is not None and self.transport.share_folder is not None:  # same-host peers read our files
             for role, runner in (("draft", self.draft), ("target", self.target)):
-                if runner is not None:
+                if runner is not None and runner.store is not None:
                     runner.store.share_into(self.transport.share_folder, role, None if opts.kv_pool_gb is None
                                             else int(opts.kv_pool_gb * (1 << 30)))
         self.wake_r, self.wake_w = os.pipe()
@@ -107,6 +112,12 @@ class Worker:
         self.exit_code = 0
         self.errors = 0
         self.costs_sent_at = float("-inf")  # when forward times last went with a RESULT (_device_stats)
+
+    def _draft_runner(self, model: str, profile: str | None):  # noqa: ANN202
+        ngram = parse_ngram(model) if self.opts.device != "emulated" else None
+        if ngram is not None:
+            return NgramRunner(*ngram)
+        return ModelRunner(self._load(model, profile, "draft"), max_kv_bytes=int(self.opts.max_kv_gb * (1 << 30)))
 
     def _load(self, model: str, profile: str | None, role: str):  # noqa: ANN202
         if self.opts.device != "emulated":
@@ -123,10 +134,16 @@ class Worker:
         return EmulatedModel(load_profile(profile), role)
 
     # -- protocol --------------------------------------------------------------------------
+    def _vocab_size(self) -> int | None:
+        runner = self.target or self.draft
+        return runner.model.cfg.vocab_size if runner.model is not None else None  # (n-gram: any ids)
+
     def _model_facts(self) -> dict[str, Any]:
-        cfg = (self.target or self.draft).model.cfg
-        return {"vocab_size": cfg.vocab_size, "max_model_len": cfg.max_position_embeddings,
-                "path": str(self.opts.model), "device": self.opts.device}
+        facts: dict[str, Any] = {"path": str(self.opts.model), "device": self.opts.device}
+        runner = self.target or self.draft
+        if runner.model is not None:
+            facts.update(vocab_size=runner.model.cfg.vocab_size, max_model_len=runner.model.cfg.max_position_embeddings)
+        return facts
 
     def _send(self, msg: Message) -> None:
         self.sock.send_multipart(protocol.encode(msg), copy=False)
@@ -137,6 +154,8 @@ class Worker:
                                    "capacity": self.opts.capacity, "model": self._model_facts()})
         if self.kv_endpoint:
             msg.header["kv_endpoint"] = self.kv_endpoint
+        if self.drafter:
+            msg.header["drafter"] = self.drafter
         self._send(msg)
         self.registered = False
 
@@ -198,8 +217,8 @@ class Worker:
 
     def _kv_stats(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
-        for r in self.runners:
-            for k, v in r.store.stats.to_wire().items():
+        for store in self.stores:
+            for k, v in store.stats.to_wire().items():
                 if k == "by_size":
                     add_by_size(merged.setdefault(k, {}), v)
                 else:
@@ -210,7 +229,7 @@ class Worker:
         merged["server_errors"] = getattr(self.transport, "errors", 0)
         if hasattr(self.transport, "routes"):  # shm+zmq: items read from same-host files / asked over the network
             merged["routes"] = dict(self.transport.routes)
-        merged["held_requests"] = sum(len(r.store.caches) for r in self.runners)
+        merged["held_requests"] = sum(len(store.caches) for store in self.stores)
         return merged
 
     def _decode_tasks(self, msg: Message) -> list[Task]:
@@ -244,7 +263,7 @@ class Worker:
         task = Task(raw["rid"], raw["kind"], raw["round"], raw["attempt"],
                     np.asarray(msg.int_list(raw["tokens"], "tokens"), dtype=np.int64),
                     raw["k"], params, raw["seed"], list(raw.get("draft") or []), holder=raw["holder"])
-        vocab = (self.target or self.draft).model.cfg.vocab_size
+        vocab = self._vocab_size() or (1 << 31) - 1
         if len(task.tokens) == 0 or task.tokens.min() < 0 or task.tokens.max() >= vocab:
             raise ProtocolError("malformed", f"task tokens must be a non-empty list of ids below {vocab}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in task.draft):
@@ -270,8 +289,8 @@ class Worker:
     def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None) -> tuple[Message, float]:
         # Finished requests first: their shared files go back to the pool before this batch's
         # new caches are made (a pooled file's pages are already in; a new one faults them in).
-        for r in self.runners:
-            r.store.free(frees)
+        for store in self.stores:
+            store.free(frees)
         t0 = time.perf_counter()
         if prefetch is not None:  # the batch's network pulls started when it arrived; wait for the rest
             prefetch.result()
@@ -316,8 +335,8 @@ class Worker:
                 for h in heads:
                     h["error"] = f"{type(exc).__name__}: {exc}"
             results.extend(heads)
-        for r in self.runners:
-            r.store.unpin([t.rid for t in tasks])
+        for store in self.stores:
+            store.unpin([t.rid for t in tasks])
         busy = sum(r.busy_s for r in self.runners) - busy0
         msg.header["busy_s"] = busy
         msg.header["kv"] = self._kv_stats()

@@ -31,7 +31,7 @@ from nebula_flow.bench import percentiles
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.params import SamplingParams
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
-from nebula_flow.scheduler import PHASE_ROLE, Scheduler
+from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim.costs import CostModel
 from nebula_flow.sim.scenario import Pool, Scenario, Workload
 
@@ -136,7 +136,7 @@ class Simulator:
         self.broker_busy_s += self.broker_free - self.now
         for wid, batch in dispatched:
             tasks = [Task(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
-                          r.holders.get(PHASE_ROLE[r.phase])) for r in batch]
+                          r.holders.get(self.policy.holder_key(r))) for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
 
     def run(self) -> dict[str, Any]:

@@ -1,0 +1,80 @@
+"""Routing among several drafters: each round's draft goes to the drafter expected to commit the
+most tokens per unit of cost for this request (CoSine's routing of requests to specialised
+drafters, decided per round from what the request has shown). Pure.
+
+A drafter is a kind of draft model: every draft worker registers with one (its ``--drafter``
+name, by default its model's folder name), and the draft workers of one drafter share its KV.
+Drafters differ in what they are good at (a general small model, one trained on code, a
+prompt-lookup n-gram drafter that costs almost nothing but only helps where the output repeats
+the context) and in what a draft step costs.
+
+Per drafter, a request keeps its own acceptance (``speclen.Acceptance``); a drafter's worth for
+it is ``speclen.best_round``'s expected tokens per decode step with that acceptance and that
+drafter's measured costs. Before a request has tried a drafter it starts from the pool's recent
+experience of that drafter (``pool``, when given: greedy requests) or from the prior. Every
+``EXPLORE_EVERY``-th round it tries the drafter it has gone longest without, so a drafter that
+did badly for it earlier (or joined later) gets looked at again, at a bounded cost.
+
+Drafters are named by their workers (``drafter_name``); ``ngram`` specs name the model-free
+prompt-lookup drafter (``workers/ngram.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from nebula_flow.protocol import DRAFTER_CHARS
+from nebula_flow.speclen import Acceptance
+
+EXPLORE_EVERY = 8  # one round in this many goes to the drafter a request has gone longest without
+NGRAM_SPEC = re.compile(r"ngram(?::(?:(\d+)-)?(\d+))?")
+DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4  # (a single repeated token is a weak hint in prose)
+
+
+def parse_ngram(spec: str) -> tuple[int, int] | None:
+    """(min_n, max_n) for a ``--model`` of ``ngram``, ``ngram:MAX`` or ``ngram:MIN-MAX``; None
+    when ``spec`` names something else (a checkpoint)."""
+    m = NGRAM_SPEC.fullmatch(spec)
+    if m is None:
+        return None
+    max_n = int(m.group(2)) if m.group(2) else DEFAULT_MAX_N
+    min_n = int(m.group(1)) if m.group(1) else min(DEFAULT_MIN_N, max_n)
+    if not 1 <= min_n <= max_n <= 16:
+        raise ValueError(f"{spec}: n-gram sizes must satisfy 1 <= MIN <= MAX <= 16")
+    return min_n, max_n
+
+
+def drafter_name(name: str | None, model: str | None) -> str:
+    """A draft worker's drafter: ``name`` if given, else ``ngram`` for the n-gram drafter, else the
+    model folder's name (workers that load the same checkpoint share a drafter, and its KV)."""
+    if name:
+        return name
+    if model and parse_ngram(model) is not None:
+        return "ngram"
+    return re.sub(f"[^{DRAFTER_CHARS}]", "_", Path(model.rstrip("/")).name)[:64] or "draft" if model else "draft"
+
+
+
+def starting_acceptance(pool: Acceptance | None) -> Acceptance:
+    """What a request knows of a drafter it has not tried: the pool's recent experience of it,
+    or the prior."""
+    return replace(pool) if pool is not None else Acceptance()
+
+
+def choose_drafter(drafters: list[str], round_no: int, last_used: dict[str, int],
+                   worth: Callable[[str], float]) -> str:
+    """The drafter for a request's round ``round_no`` (1, 2, ...): on every ``EXPLORE_EVERY``-th
+    round the one it has gone longest without (never used first), else the one of most ``worth``.
+    Ties go to the name that sorts first, so the choice is a function of the request's history."""
+    if not drafters:
+        raise ValueError("no drafters to choose from")
+    names = sorted(drafters)
+    if len(names) == 1:
+        return names[0]
+    if round_no % EXPLORE_EVERY == 0:
+        return min(names, key=lambda d: last_used.get(d, -1))
+    values = {d: worth(d) for d in names}
+    return max(names, key=lambda d: values[d])  # (max keeps the first of equals: sorted order)
