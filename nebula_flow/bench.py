@@ -38,6 +38,28 @@ DEFAULT_CHAT_PROMPTS = [
     "Write a Python class for a bank account.", "Write a Python function that counts the vowels in a string.",
 ]
 
+# Chat requests to change a given function (``--edit``): the answer repeats most of the prompt's
+# code, which a prompt-lookup drafter (``--add-drafter ngram``) proposes for almost nothing.
+_EDIT_CODE = [
+    "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
+    "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n    result.extend(b[j:])\n"
+    "    return result\n",
+    "def word_counts(path):\n    counts = {}\n    with open(path) as f:\n        for line in f:\n"
+    "            for word in line.split():\n                word = word.lower()\n"
+    "                counts[word] = counts.get(word, 0) + 1\n    return counts\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def is_empty(self):\n        return len(self.items) == 0\n",
+    "def binary_search(items, target):\n    low, high = 0, len(items) - 1\n    while low <= high:\n"
+    "        mid = (low + high) // 2\n        if items[mid] == target:\n            return mid\n"
+    "        if items[mid] < target:\n            low = mid + 1\n        else:\n            high = mid - 1\n"
+    "    return -1\n",
+]
+_EDITS = ["Add type hints to this Python code. Reply with the whole code only.",
+          "Add a docstring to this Python code. Reply with the whole code only."]
+DEFAULT_EDIT_PROMPTS = [f"{edit}\n\n```python\n{code}```" for edit in _EDITS for code in _EDIT_CODE]
+
 
 def with_context(prompts: list[str], context_tokens: int, model: str | Path) -> list[str]:
     """Each prompt after about ``context_tokens`` tokens of code to read first (a different

@@ -306,6 +306,9 @@ def _print_completion(out, as_json: bool) -> None:  # noqa: ANN001
     click.echo(f"\n[{len(out.token_ids)} tokens, {out.rounds} rounds, {out.mean_tokens_per_round:.2f} tokens/round, "
                f"TTFT {out.ttft_s * 1000:.0f} ms, latency {out.latency_s:.2f} s, "
                f"{len(out.token_ids) / max(out.latency_s, 1e-9):.1f} tokens/s, finish: {out.finish_reason}]", err=True)
+    drafters = out.stats.get("drafter_rounds") or {}
+    if len(drafters) > 1:  # several drafters: which drafted how many of its rounds
+        click.echo("[rounds by drafter: " + ", ".join(f"{d} {n}" for d, n in sorted(drafters.items())) + "]", err=True)
 
 
 def _generate(address: str, prompt: str, as_json: bool, **params) -> None:  # noqa: ANN003
@@ -417,18 +420,28 @@ def status(address: str, as_json: bool) -> None:
 @click.option("--repeats", default=3, show_default=True, help="Repeats per mode; figures are medians.")
 @click.option("--chat", is_flag=True, help="Send code requests in the model's chat format (how an instruct model "
               "is used) instead of raw code and prose prompts.")
+@click.option("--edit", is_flag=True, help="Send chat requests to change a given function (add type hints, a "
+              "docstring): answers that repeat their prompt's code, where an n-gram drafter pays (pooled+ngram).")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-          temperature, repeats, chat, as_json) -> None:  # noqa: ANN001
+          temperature, repeats, chat, edit, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
-    from nebula_flow.bench import DEFAULT_CHAT_PROMPTS, DEFAULT_PROMPTS, Workload, bench_mode, table
+    from nebula_flow.bench import (
+        DEFAULT_CHAT_PROMPTS,
+        DEFAULT_EDIT_PROMPTS,
+        DEFAULT_PROMPTS,
+        Workload,
+        bench_mode,
+        table,
+    )
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
     bad = [m for m in names if m.split("+")[0] not in MODES or ("+" in m and not m.startswith("pooled+"))]
     if bad or not names:
         raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)} (or pooled+MODEL)")
-    pool = DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
-    wl = Workload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature, chat=chat)
+    pool = DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
+    wl = Workload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature,
+                  chat=chat or edit)
     results = {}
     for name in names:
         mode, *added = name.split("+")

@@ -12,6 +12,7 @@
     workers = 1
     max_batch = 8
     [[drafters]]                 # pooled mode: more draft pools (other drafters), as many as wanted;
+                                 # the other modes (the baselines) run [draft] alone
     model = "ngram"              # each round is routed to the drafter that pays best for its request
     workers = 1                  # (nebula_flow/routing.py). ngram: prompt lookup, no model.
 
@@ -70,7 +71,7 @@ class DeployConfig:
     broker: BrokerOptions = field(default_factory=BrokerOptions)
     draft: PoolConfig = field(default_factory=PoolConfig)
     target: PoolConfig = field(default_factory=PoolConfig)
-    drafters: list[PoolConfig] = field(default_factory=list)  # more draft pools: several drafters (pooled)
+    drafters: list[PoolConfig] = field(default_factory=list)  # more draft pools: several drafters (pooled mode only)
     kv_transport: str = "auto"  # auto | ucx | zmq | shm | shm+zmq | none (kv.transport.resolve_transport)
     source: str = "<defaults>"
 
@@ -84,8 +85,6 @@ class DeployConfig:
             raise ConfigError(f"{self.source}: [draft] model is required in {self.mode} mode")
         from nebula_flow.models.loader import DTYPE_CHOICES
 
-        if self.drafters and self.mode != "pooled":
-            raise ConfigError(f"{self.source}: [[drafters]] (several drafters) need mode = \"pooled\"")
         self._check_drafters()
         for name, pool in (("draft", self.draft), ("target", self.target),
                            *((f"drafters {i + 1}", p) for i, p in enumerate(self.drafters))):
@@ -141,14 +140,15 @@ class DeployConfig:
 
     def worker_plan(self) -> list[tuple[str, PoolConfig]]:
         """(role, pool) per worker process. Colocated and autoregressive use M+N workers, so
-        every mode runs on the same devices (an n-gram drafter's workers use none: not counted)."""
+        every mode runs on the same devices. ``drafters`` pools run in pooled mode only (routing is
+        pooled mode's); the baselines use the [draft] pool alone."""
         total = self.draft.workers + self.target.workers
         if self.mode == "colocated":
             return [("colocated", self.target)] * total
         if self.mode == "autoregressive":
             return [("target", self.target)] * total
         plan = [("draft", self.draft)] * self.draft.workers
-        for pool in self.drafters:
+        for pool in self.drafters if self.mode == "pooled" else ():
             plan += [("draft", pool)] * pool.workers
         return plan + [("target", self.target)] * self.target.workers
 

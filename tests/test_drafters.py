@@ -204,8 +204,9 @@ def test_config_takes_more_draft_pools_and_refuses_what_cannot_work(tmp_path) ->
         with pytest.raises(ConfigError, match=why):
             load_config(path).validate()
     path.write_text(base.replace("pooled", "paired") + '[[drafters]]\nmodel = "ngram"\n')
-    with pytest.raises(ConfigError, match="pooled"):
-        load_config(path).validate()
+    paired = load_config(path)
+    paired.validate()  # the baselines run the [draft] pool alone: routing is pooled mode's
+    assert [(r, p.model) for r, p in paired.worker_plan()] == [("draft", "/m/d"), ("target", "/m/t")]
 
 
 def test_the_broker_refuses_a_malformed_drafter_name() -> None:
@@ -243,12 +244,16 @@ def _three_drafters(tiny_pair, draft_workers: int, target_workers: int):  # noqa
 
 
 @pytest.mark.slow
-def test_three_drafters_end_to_end_greedy_lossless_and_seeded_samples_placement_independent(tiny_pair) -> None:  # noqa: ANN001
+def test_three_drafters_end_to_end_greedy_lossless_and_seeded_samples_placement_independent(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    from nebula_flow import policy_log
+
     greedy = [{"prompt": p, "max_new_tokens": 24 + 3 * i} for i, p in enumerate(PROMPTS)]
     sampled = [{"prompt": p, "max_new_tokens": 24, "temperature": 0.8, "seed": 300 + i} for i, p in enumerate(PROMPTS)]
     runs = {}
     for key in ((1, 1), (2, 2)):
-        with Deployment(_three_drafters(tiny_pair, *key)) as dep:
+        cfg = _three_drafters(tiny_pair, *key)
+        cfg.broker.policy_log = str(tmp_path / f"policy-{key[0]}.jsonl")
+        with Deployment(cfg) as dep:
             outs = asyncio.run(_generate_all(dep.address, greedy + sampled))
             with Client(dep.address) as client:
                 state = client.status()
@@ -269,6 +274,24 @@ def test_three_drafters_end_to_end_greedy_lossless_and_seeded_samples_placement_
         assert acceptance["oracle"] > 0.9 and acceptance["oracle"] > acceptance["draft"], acceptance
         assert not state["errors"]
         assert sum(sum(o.stats["drafter_rounds"].values()) for o in outs) == sum(d["rounds"] for d in drafters.values())
+    for key in ((1, 1), (2, 2)):  # the routing decisions replay from the broker's policy log
+        records = policy_log.load(tmp_path / f"policy-{key[0]}.jsonl")
+        report = policy_log.replay(records, policy_log.policy_of(records))
+        assert report.decisions > 20 and report.identical, report.mismatches[:3]
     (one, _), (two, _) = runs[(1, 1)], runs[(2, 2)]
     assert [o.token_ids for o in one[len(greedy):]] == [o.token_ids for o in two[len(greedy):]]
     assert len({tuple(o.token_ids) for o in one[len(greedy):]}) > 1
+
+
+def test_cli_refuses_drafters_it_cannot_route() -> None:
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+
+    runner = CliRunner()
+    res = runner.invoke(main, ["bench", "--modes", "paired+ngram"])
+    assert res.exit_code != 0 and "pooled+MODEL" in res.output
+    res = runner.invoke(main, ["worker", "--role", "draft", "--model", "ngram", "--drafter", "a b"])
+    assert res.exit_code != 0 and "--drafter" in res.output
+    res = runner.invoke(main, ["worker", "--role", "target", "--model", "x", "--drafter", "a"])
+    assert res.exit_code != 0 and "--drafter" in res.output
