@@ -159,7 +159,8 @@ class Scheduler:
         are in the pool, rounds start without drafts (0: always speculate). A target batching
         many requests verifies extra rows at nearly a decode row's cost while the draft phase
         leaves it idle, so under load speculation can cost throughput (measured on the bundled
-        CPU pair at 4 concurrent requests: pooled 45 tokens/s, autoregressive 64)."""
+        CPU pair at 4 concurrent requests: pooled 45 tokens/s, autoregressive 64). Not for seeded
+        sampled requests: their k decides which sample they draw, and it must not depend on the load."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if k < 0:
@@ -284,7 +285,8 @@ class Scheduler:
         # (runner-ups only for greedy requests: rejection sampling is defined for a chain)
         max_alts = self.first_alternatives if req.params.greedy else 0
         speculate = self.mode != "autoregressive" and req.remaining > 1 and not (
-            self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size)  # (see __init__)
+            self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size
+            and not reproducible(req))  # (see __init__)
         req.drafter = self._route(req, max_alts) if speculate and self.mode == "pooled" and self.drafters else None
         costs, verify = self._costs_for(req, req.drafter)
         if self.adaptive_k:

@@ -24,16 +24,22 @@ from workers.runner import Task
 
 
 def test_ngram_lookup_prefers_the_longest_match_with_a_whole_continuation() -> None:
-    t = np.array([1, 2, 3, 4, 1, 2, 3, 4, 1, 2])
-    assert lookup(t, 4, 2, 4) == [3, 4, 1, 2]  # last 2 tokens seen at 4 (and 0): what followed
+    def draft(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+        return lookup(np.array(tokens), k, min_n, max_n)[0]
+
+    assert draft([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 4, 2, 4) == [3, 4, 1, 2]  # last 2 tokens seen before: what followed
     # the longest n wins: [9, 1, 2] occurs once (followed by 7), [1, 2] also before 3
-    assert lookup(np.array([1, 2, 3, 9, 1, 2, 7, 9, 1, 2]), 2, 1, 3) == [7, 9]
+    assert draft([1, 2, 3, 9, 1, 2, 7, 9, 1, 2], 2, 1, 3) == [7, 9]
     # the latest occurrence whose continuation is whole; else the earliest (the most after it)
-    assert lookup(np.array([5, 6, 8, 5, 6, 8, 5, 6]), 3, 2, 2) == [8, 5, 6]
-    assert lookup(np.array([5, 6, 5, 6]), 4, 2, 2) == [5, 6]
-    assert lookup(np.array([1, 2, 3, 4]), 4, 2, 4) == []  # nothing repeats
-    assert lookup(np.array([7, 1, 7]), 3, 2, 4) == [] and lookup(np.array([7, 1, 7]), 3, 1, 4) == [1, 7]
-    assert lookup(np.array([5]), 4, 1, 4) == []
+    assert draft([5, 6, 8, 5, 6, 8, 5, 6], 3, 2, 2) == [8, 5, 6]
+    assert draft([5, 6, 5, 6], 4, 2, 2) == [5, 6]
+    assert draft([1, 2, 3, 4], 4, 2, 4) == []  # nothing repeats
+    assert draft([7, 1, 7], 3, 2, 4) == [] and draft([7, 1, 7], 3, 1, 4) == [1, 7]
+    assert draft([5], 4, 1, 4) == []
+    # runner-ups to the first token: what followed the other occurrences, the latest first, distinct
+    tokens = np.array([1, 2, 8, 1, 2, 9, 1, 2, 8, 1, 2, 3, 4, 5, 1, 2])
+    assert lookup(tokens, 3, 2, 2, alts=2) == ([3, 4, 5], [8, 9])
+    assert lookup(tokens, 3, 2, 2, alts=1) == ([3, 4, 5], [8]) and lookup(tokens, 3, 2, 2) == ([3, 4, 5], [])
 
 
 def test_ngram_specs_and_drafter_names() -> None:
@@ -57,10 +63,13 @@ def test_the_ngram_runner_drafts_exact_points() -> None:
     sampled = Task(2, "draft", 1, 1, tokens, 3, SamplingParams(temperature=1.0), 0)
     fresh = Task(3, "draft", 1, 1, np.array([1, 2, 3]), 3, SamplingParams(temperature=1.0), 0)
     g, s, f = runner.draft([greedy, sampled, fresh])
-    assert g.tokens == [5, 6, 3] and g.q_idx is None
+    assert g.tokens == [5, 6, 3] and g.q_idx is None and g.alt == []
     assert s.tokens == [5, 6, 3] and [q.tolist() for q in s.q_idx] == [[5], [6], [3]]
     assert all(p.tolist() == [1.0] for p in s.q_prob)  # one-hot: the target accepts with p(x)
     assert f.tokens == [] and f.q_idx == []  # no match: an empty draft (a plain decoding round)
+    tree = Task(4, "draft", 1, 1, np.array([3, 4, 5, 6, 3, 4, 9, 3, 4]), 2, SamplingParams(), 0, alts=1)
+    [t] = runner.draft([tree])
+    assert t.tokens == [9, 3] and t.alt == [5]  # (a greedy round's runner-up: what followed [3, 4] before that)
     head = {"rid": 3, "kind": "draft", "round": 1, "attempt": 1, "draft": f.tokens}
     msg = Message("RESULT", {"results": [head], "busy_s": 0.0})
     protocol.attach_q(msg, head, f.q_idx, f.q_prob)  # (an empty draft's empty q travels and is taken)

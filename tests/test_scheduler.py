@@ -81,6 +81,11 @@ def test_rounds_start_without_drafts_while_the_pool_is_bigger_than_the_limit() -
     s.finish(0)
     s.start_round(reqs[1])  # two left: speculation again
     assert reqs[1].k == 4 and reqs[1].phase == DRAFT
+    seeded = Request(9, "9", [1, 2, 3], SamplingParams(max_new_tokens=16, temperature=1.0, seed=3), seed=3)
+    unseeded = Request(10, "10", [1, 2, 3], SamplingParams(max_new_tokens=16, temperature=1.0), seed=3)
+    s.admit(seeded)
+    s.admit(unseeded)  # over the limit again: a seeded sample still speculates (its k picks its sample)
+    assert seeded.k == 4 and unseeded.k == 0
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         Scheduler("pooled", k=4, disable_by_batch_size=-1)
 

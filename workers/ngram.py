@@ -22,10 +22,11 @@ from nebula_flow.speclen import StepCosts
 from workers.runner import Draft, Task
 
 
-def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed an earlier occurrence of the last n tokens (the longest n that
-    occurs): the latest occurrence with k tokens after it, else the earliest (the most after it),
-    or [] when none occurs."""
+def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int, alts: int = 0) -> tuple[list[int], list[int]]:
+    """(draft, alternatives): up to k tokens that followed an earlier occurrence of the last n
+    tokens (the longest n that occurs; the latest occurrence with k tokens after it, else the
+    earliest, which has the most), and up to ``alts`` other tokens that followed other occurrences
+    (the latest first): runner-ups to the draft's first token. ([], []) when none occurs."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         # windows starting at 0 .. length-1-n: every earlier place the last n tokens could be
@@ -33,8 +34,10 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
         if len(hits):
             full = hits[hits + n + k <= length]
             start = int(full[-1] if len(full) else hits[0]) + n
-            return tokens[start:start + k].tolist()
-    return []
+            draft = tokens[start:start + k].tolist()
+            others = dict.fromkeys(int(t) for t in tokens[hits[::-1] + n] if t != draft[0]) if alts else {}
+            return draft, list(others)[:alts]
+    return [], []
 
 
 class NgramRunner:
@@ -54,13 +57,14 @@ class NgramRunner:
         out = []
         for t in tasks:
             t0 = time.perf_counter()
-            tokens = lookup(np.asarray(t.tokens), t.k, self.min_n, self.max_n) if t.k > 0 else []
+            tokens, alt = lookup(np.asarray(t.tokens), t.k, self.min_n, self.max_n,
+                                 t.alts if t.params.greedy else 0) if t.k > 0 else ([], [])
             took = time.perf_counter() - t0
             self.busy_s += took
             self.forwards += 1
             self.step_costs.observe(1, took / max(1, len(tokens)))
             if t.params.greedy:
-                out.append(Draft(tokens, None, None))
+                out.append(Draft(tokens, None, None, alt))
             else:
                 out.append(Draft(tokens, [np.array([x], dtype=np.int32) for x in tokens],
                                  [np.ones(1, dtype=np.float32) for _ in tokens]))
