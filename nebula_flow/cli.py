@@ -410,7 +410,9 @@ def status(address: str, as_json: bool) -> None:
 @click.option("--config", type=click.Path(), help="Deployment TOML (default: the bundled one).")
 @click.option("--modes", default="pooled,paired,colocated,autoregressive", show_default=True,
               help="Comma-separated modes, measured in turn; ratios are against the first. pooled+MODEL is pooled "
-              "with one more drafter (as --add-drafter MODEL, e.g. pooled+ngram), to measure routing side by side.")
+              "with one more drafter (as --add-drafter MODEL, e.g. pooled+ngram), pooled-NAME pooled without the "
+              "config's [[drafters]] pool of that drafter name (e.g. pooled-ngram on the bundled config): routing "
+              "measured side by side.")
 @click.option("--draft-workers", type=int, help="Override M.")
 @click.option("--target-workers", type=int, help="Override N.")
 @click.option("--concurrency", default=1, show_default=True, help="Concurrent requests (1 = single stream).")
@@ -436,16 +438,24 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     )
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    bad = [m for m in names if m.split("+")[0] not in MODES or ("+" in m and not m.startswith("pooled+"))]
+    bad = [m for m in names if m not in MODES and not m.startswith(("pooled+", "pooled-"))]
     if bad or not names:
-        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)} (or pooled+MODEL)")
+        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)} (or pooled+MODEL, pooled-NAME)")
     pool = DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
     wl = Workload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature,
                   chat=chat or edit)
     results = {}
     for name in names:
-        mode, *added = name.split("+")
-        cfg = _apply_overrides(_load(config), mode, draft_workers, target_workers, None, tuple(added))
+        mode, change, spec = name.partition("+") if "+" in name else name.partition("-")
+        cfg = _load(config)
+        if change == "-":
+            from nebula_flow.routing import drafter_name
+
+            kept = [p for p in cfg.drafters if drafter_name(p.drafter, p.model) != spec]
+            if len(kept) == len(cfg.drafters):
+                raise click.ClickException(f"{name}: the config has no [[drafters]] pool named {spec!r}")
+            cfg.drafters = kept
+        cfg = _apply_overrides(cfg, mode, draft_workers, target_workers, None, (spec,) if change == "+" else ())
         prepare_models(cfg)
         click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, concurrency {concurrency}, "
                    f"{repeats} repeats", err=True)

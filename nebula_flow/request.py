@@ -43,6 +43,7 @@ class Request:
     drafter: str | None = None  # the drafter this round's draft is routed to (then: the one that drafted it)
     by_drafter: dict[str, Acceptance] = field(default_factory=dict)  # each drafter's acceptance for this request
     drafter_used: dict[str, int] = field(default_factory=dict)  # drafter -> the last round it drafted
+    explore_gaps: dict[str, int] = field(default_factory=dict)  # drafter -> rounds unused before trying it again
     drafter_rounds: dict[str, int] = field(default_factory=dict)  # drafter -> rounds it drafted
     ks: list[int] = field(default_factory=list)  # the k of each round
     text: str = ""

@@ -11,9 +11,11 @@ the context) and in what a draft step costs.
 Per drafter, a request keeps its own acceptance (``speclen.Acceptance``); a drafter's worth for
 it is ``speclen.best_round``'s expected tokens per decode step with that acceptance and that
 drafter's measured costs. Before a request has tried a drafter it starts from the pool's recent
-experience of that drafter (``pool``, when given: greedy requests) or from the prior. Every
-``EXPLORE_EVERY``-th round it tries the drafter it has gone longest without, so a drafter that
-did badly for it earlier (or joined later) gets looked at again, at a bounded cost.
+experience of that drafter (unseeded requests) or from the prior. A drafter the request has gone
+``EXPLORE_AFTER`` rounds without is tried again (an exploration round), so one that did badly for
+it earlier, or joined later, gets another look; each exploration of a drafter that then loses
+doubles the rounds until its next one, so a drafter that never pays for a request costs it a
+handful of rounds, not one in every few.
 
 Drafters are named by their workers (``drafter_name``); ``ngram`` specs name the model-free
 prompt-lookup drafter (``workers/ngram.py``).
@@ -29,7 +31,7 @@ from pathlib import Path
 from nebula_flow.protocol import DRAFTER_CHARS
 from nebula_flow.speclen import Acceptance
 
-EXPLORE_EVERY = 8  # one round in this many goes to the drafter a request has gone longest without
+EXPLORE_AFTER = 8  # rounds without a drafter before a request tries it again (doubling each time it loses)
 NGRAM_SPEC = re.compile(r"ngram(?::(?:(\d+)-)?(\d+))?")
 DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4  # (a single repeated token is a weak hint in prose)
 
@@ -64,17 +66,25 @@ def starting_acceptance(pool: Acceptance | None) -> Acceptance:
     return replace(pool) if pool is not None else Acceptance()
 
 
-def choose_drafter(drafters: list[str], round_no: int, last_used: dict[str, int],
-                   worth: Callable[[str], float]) -> str:
-    """The drafter for a request's round ``round_no`` (1, 2, ...): on every ``EXPLORE_EVERY``-th
-    round the one it has gone longest without (never used first), else the one of most ``worth``.
-    Ties go to the name that sorts first, so the choice is a function of the request's history."""
+def choose_drafter(drafters: list[str], round_no: int, last_used: dict[str, int], gaps: dict[str, int],
+                   worth: Callable[[str], float]) -> tuple[str, bool]:
+    """(drafter, explore) for a request's round ``round_no`` (1, 2, ...): the one of most ``worth``, unless
+    another has gone unused (``last_used``: drafter -> round; never: round 0) for its gap (``gaps``,
+    default ``EXPLORE_AFTER``): then the one unused longest, whose gap doubles. The best's gap goes
+    back to ``EXPLORE_AFTER``. Ties go to the name that sorts first, so the choice is a function of
+    the request's history. Updates ``gaps``. ``explore``: the round is a look at a drafter that is
+    not the best by its estimate (it should draft at least one token, or it shows nothing)."""
     if not drafters:
         raise ValueError("no drafters to choose from")
     names = sorted(drafters)
     if len(names) == 1:
-        return names[0]
-    if round_no % EXPLORE_EVERY == 0:
-        return min(names, key=lambda d: last_used.get(d, -1))
+        return names[0], False
     values = {d: worth(d) for d in names}
-    return max(names, key=lambda d: values[d])  # (max keeps the first of equals: sorted order)
+    best = max(names, key=lambda d: values[d])  # (max keeps the first of equals: sorted order)
+    gaps[best] = EXPLORE_AFTER
+    due = [d for d in names if d != best and round_no - last_used.get(d, 0) >= gaps.get(d, EXPLORE_AFTER)]
+    if not due:
+        return best, False
+    explore = min(due, key=lambda d: last_used.get(d, 0))
+    gaps[explore] = 2 * gaps.get(explore, EXPLORE_AFTER)
+    return explore, True

@@ -287,10 +287,12 @@ class Scheduler:
         speculate = self.mode != "autoregressive" and req.remaining > 1 and not (
             self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size
             and not reproducible(req))  # (see __init__)
-        req.drafter = self._route(req, max_alts) if speculate and self.mode == "pooled" and self.drafters else None
+        req.drafter, explore = self._route(req, max_alts) if speculate and self.mode == "pooled" and self.drafters \
+            else (None, False)
         costs, verify = self._costs_for(req, req.drafter)
         if self.adaptive_k:
             k, alts = speclen.choose_round(req.acceptance, self.k, costs, max_alts, verify)
+            k = max(k, 1) if explore else k  # (a look at a drafter that drafts nothing shows nothing)
         else:
             k, alts = self.k, max_alts
         req.k = max(0, min(k, req.remaining - 1)) if speculate else 0
@@ -313,16 +315,16 @@ class Scheduler:
             return tuple(self.spec_costs), ()
         return self.drafter_costs.get(drafter, (self.costs, self.verify_costs)) if drafter else (self.costs, self.verify_costs)
 
-    def _route(self, req: Request, max_alts: int) -> str:
-        """This round's drafter for ``req`` (``routing``); makes ``req.acceptance`` that drafter's."""
+    def _route(self, req: Request, max_alts: int) -> tuple[str, bool]:
+        """This round's drafter for ``req`` and whether it is an exploration (``routing``); makes
+        ``req.acceptance`` that drafter's."""
         names = list(self.drafters)
-        if len(names) == 1:
-            drafter = names[0]
-        else:
+        drafter, explore = names[0], False
+        if len(names) > 1:
             for d in names:  # a request starts a drafter it has not tried from the pool's experience
                 if d not in req.by_drafter:  # (not a seeded sample: it must not depend on other requests)
                     pool = None if reproducible(req) else self.drafter_acceptance.get((d, req.params.greedy))
-                    req.by_drafter[d] = req.acceptance if not req.by_drafter else routing.starting_acceptance(pool)
+                    req.by_drafter[d] = routing.starting_acceptance(pool)
 
             def worth(d: str) -> float:
                 costs, verify = self._costs_for(req, d)
@@ -330,9 +332,9 @@ class Scheduler:
                     return speclen.best_round(req.by_drafter[d], self.k, costs, max_alts, verify)[0]
                 return speclen.round_worth(req.by_drafter[d], self.k, max_alts, costs, verify)
 
-            drafter = routing.choose_drafter(names, req.round, req.drafter_used, worth)
+            drafter, explore = routing.choose_drafter(names, req.round, req.drafter_used, req.explore_gaps, worth)
         req.acceptance = req.by_drafter.setdefault(drafter, req.acceptance)
-        return drafter
+        return drafter, explore
 
     def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict) -> None:
         """A draft arrived (it may hold fewer than ``req.k`` tokens: a drafter that has nothing

@@ -77,15 +77,20 @@ def test_the_ngram_runner_drafts_exact_points() -> None:
     assert protocol.split_q(got, got.header["results"][0]) == ([], [])
 
 
-def test_choose_drafter_explores_on_schedule_and_otherwise_takes_the_best() -> None:
+def test_choose_drafter_takes_the_best_and_looks_again_at_the_others_ever_less_often() -> None:
     worth = {"a": 1.0, "b": 2.0, "c": 2.0}.__getitem__
-    assert routing.choose_drafter(["c", "a", "b"], 3, {}, worth) == "b"  # best; ties: the first name
-    assert routing.choose_drafter(["a"], 8, {}, worth) == "a"
-    explore = routing.EXPLORE_EVERY
-    assert routing.choose_drafter(["a", "b", "c"], explore, {"a": 5, "b": 7, "c": 6}, worth) == "a"
-    assert routing.choose_drafter(["a", "b", "c"], 2 * explore, {"a": 9, "b": 7}, worth) == "c"  # never used
+    after = routing.EXPLORE_AFTER
+    assert routing.choose_drafter(["c", "a", "b"], 3, {}, {}, worth) == ("b", False)  # best; ties: the first name
+    assert routing.choose_drafter(["a"], after, {}, {}, worth) == ("a", False)
+    gaps: dict[str, int] = {}
+    # "a" (never used: round 0) is due at round EXPLORE_AFTER; "c" was used at 5, not due yet
+    assert routing.choose_drafter(["a", "b", "c"], after, {"b": after - 1, "c": 5}, gaps, worth) == ("a", True)
+    assert gaps == {"b": after, "a": 2 * after}  # it lost: twice the wait before the next look
+    used = {"a": after, "b": 2 * after, "c": 2 * after}
+    assert routing.choose_drafter(["a", "b", "c"], 3 * after - 1, used, gaps, worth) == ("b", False)  # not due yet
+    assert routing.choose_drafter(["a", "b", "c"], 3 * after, used, gaps, worth) == ("a", True) and gaps["a"] == 4 * after
     with pytest.raises(ValueError):
-        routing.choose_drafter([], 1, {}, worth)
+        routing.choose_drafter([], 1, {}, {}, worth)
 
 
 def _two_drafters(**knobs: object) -> Scheduler:
@@ -300,6 +305,8 @@ def test_cli_refuses_drafters_it_cannot_route() -> None:
     runner = CliRunner()
     res = runner.invoke(main, ["bench", "--modes", "paired+ngram"])
     assert res.exit_code != 0 and "pooled+MODEL" in res.output
+    res = runner.invoke(main, ["bench", "--modes", "pooled-nosuch"])
+    assert res.exit_code != 0 and "no [[drafters]] pool named 'nosuch'" in res.output
     res = runner.invoke(main, ["worker", "--role", "draft", "--model", "ngram", "--drafter", "a b"])
     assert res.exit_code != 0 and "--drafter" in res.output
     res = runner.invoke(main, ["worker", "--role", "target", "--model", "x", "--drafter", "a"])
