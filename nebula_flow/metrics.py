@@ -43,6 +43,11 @@ def render(state: dict[str, Any]) -> str:
     family("nebula_batch_size_total", "counter", "Task batches sent to workers, by role and size.",
            [(v, {"role": role, "size": size}) for role, hist in state.get("batch_sizes", {}).items()
             for size, v in sorted(hist.items(), key=lambda x: int(x[0]))])
+    drafters = state.get("drafters", {})
+    family("nebula_drafter_rounds_total", "counter", "Rounds each drafter drafted (routing among drafters).",
+           [(d["rounds"], {"drafter": name}) for name, d in drafters.items()])
+    family("nebula_drafter_tokens_total", "counter", "Draft tokens each drafter proposed and had accepted.",
+           [(d[kind], {"drafter": name, "kind": kind}) for name, d in drafters.items() for kind in ("proposed", "accepted")])
     family("nebula_topic_depth", "gauge", "Tasks waiting per topic.",
            [(v, {"topic": t}) for t, v in state["topics"].items()])
     family("nebula_pool_requests", "gauge", "Requests in the pool.", [(state["pool"], None)])

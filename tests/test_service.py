@@ -384,6 +384,8 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
     assert len(busy) == 2 and all(after[k] > 0 for k in busy)
     assert after['nebula_workers{role="draft"}'] == 1 and 'nebula_topic_depth{topic="draft"}' in after
     assert any(k.startswith("nebula_batch_size_total") for k in after)
+    key = 'nebula_drafter_rounds_total{drafter="draft"}'  # (the tiny pair's one drafter: its folder's name)
+    assert 0 < after[key] - before.get(key, 0) <= out.rounds
 
 
 def test_resubmitting_a_request_id_is_idempotent(live) -> None:  # noqa: ANN001
