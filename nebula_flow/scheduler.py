@@ -482,11 +482,17 @@ class Scheduler:
     def _eligible(self, req: Request, w: WorkerState) -> bool:
         if self.mode in ("paired", "colocated"):
             return req.slot == w.slot
-        if req.phase == DRAFT and req.drafter is not None and w.drafter != req.drafter and req.drafter in self.drafters:
-            return False  # routed to another drafter, which has workers
+        if not self._routed_to(req, w):
+            return False
         if self.migrate and self._holder(req) == w.worker_id:
-            return not any(o.role == w.role and o.worker_id != w.worker_id for o in self.workers.values())
+            return not any(o.role == w.role and o.worker_id != w.worker_id and self._routed_to(req, o)
+                           for o in self.workers.values())
         return True
+
+    def _routed_to(self, req: Request, w: WorkerState) -> bool:
+        """Whether routing lets ``w`` take ``req``'s task: a draft routed to a drafter goes to that
+        drafter's workers while it has any."""
+        return req.phase != DRAFT or req.drafter is None or w.drafter == req.drafter or req.drafter not in self.drafters
 
     def _bind(self, req: Request) -> None:
         """Paired/colocated: bind a request to the least-loaded slot that exists now."""

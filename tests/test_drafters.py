@@ -170,6 +170,29 @@ def test_a_draft_task_waits_for_its_drafter_but_never_for_a_departed_one() -> No
     assert req.drafter == "good" and req.holders["draft/good"] == (1, 3 + 3)
 
 
+def test_forced_migration_never_strands_a_drafter_with_one_worker() -> None:
+    s = Scheduler("pooled", k=4, migrate=True)
+    s.register(1, "draft", 4, "lookup")
+    s.register(2, "draft", 4, "model")
+    s.register(3, "draft", 4, "model")
+    s.register(4, "target", 4)
+    s.register(5, "target", 4)
+    req = Request(1, "1", [1, 2, 3], SamplingParams(max_new_tokens=50), seed=1)
+    s.admit(req)
+    for _ in range(3):  # "lookup" (the first name; equal worth) holds its draft KV, yet drafts again
+        assert req.drafter == "lookup"
+        s.pull(1, 4, True, 0.0)
+        [(wid, [r])] = s.dispatch()
+        assert wid == 1 and r is req
+        s.draft_done(req, 1, [7] * req.k, {})
+        s.pull(4, 4, True, 0.0)
+        s.pull(5, 4, True, 0.0)
+        [(target, [r])] = s.dispatch()
+        s.verify_done(req, target, req.k)
+        req.output += [7] * (req.k + 1)
+        s.start_round(req)
+
+
 def test_each_drafter_keeps_its_own_kv_holder() -> None:
     s = _two_drafters()
     req = Request(1, "1", [1, 2, 3], SamplingParams(max_new_tokens=50), seed=1)
