@@ -334,3 +334,37 @@ def test_cli_refuses_drafters_it_cannot_route() -> None:
     assert res.exit_code != 0 and "--drafter" in res.output
     res = runner.invoke(main, ["worker", "--role", "target", "--model", "x", "--drafter", "a"])
     assert res.exit_code != 0 and "--drafter" in res.output
+
+
+@pytest.mark.slow
+def test_a_drafter_that_dies_mid_run_loses_no_request_and_changes_no_output(tiny_pair) -> None:  # noqa: ANN001
+    """Rounds routed to a drafter whose only worker is killed go to the drafters left."""
+    import time
+
+    from tests.conftest import workers_lost
+
+    prompts = [[5 + i, 40 + 3 * i, 7, 5 + i, 40 + 3 * i] for i in range(12)]  # (repeats: the n-gram drafter has work)
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1, max_batch=4)
+    cfg.drafters = [PoolConfig("ngram", 1, 4, threads=1)]
+    cfg.broker.liveness_s, cfg.broker.heartbeat_s = 2.0, 0.5
+    with Deployment(cfg) as dep:
+        async def run() -> list:
+            async with AsyncClient(dep.address, timeout_s=120) as client:
+                async def one(i: int):  # noqa: ANN202
+                    await asyncio.sleep(i * 0.05)
+                    return await client.generate(token_ids=prompts[i], max_new_tokens=32)
+
+                async def killer() -> None:
+                    await asyncio.sleep(0.3)
+                    dep.kill("draft-1")  # the n-gram drafter's only worker
+
+                return (await asyncio.gather(*(one(i) for i in range(12)), killer()))[:12]
+
+        outs = asyncio.run(run())
+        deadline = time.monotonic() + 3 * cfg.broker.liveness_s
+        with Client(dep.address) as c:
+            while workers_lost(state := c.status()) < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair / "target", p, 32) for p in prompts]
+    assert workers_lost(state) == 1 and state["drafters"]["ngram"]["workers"] == 0
+    assert state["drafters"]["draft"]["rounds"] > 0
