@@ -263,9 +263,9 @@ class Scheduler:
 
         target = median("target")
         self.costs, self.verify_costs = speclen.measured_costs(median("draft"), target, self.spec_costs)
-        if len(self.drafters) > 1:  # (a colocated worker's draft has no drafter: it is never routed)
-            self.drafter_costs = {d: speclen.measured_costs(median("draft", d), target, self.spec_costs)
-                                  for d in self.drafters}
+        # (one drafter left: ``costs`` are its own; a colocated worker's draft has no drafter, never routed)
+        self.drafter_costs = {d: speclen.measured_costs(median("draft", d), target, self.spec_costs)
+                              for d in self.drafters} if len(self.drafters) > 1 else {}
 
     def pull(self, worker_id: int, credits: int, idle: bool, now: float) -> None:
         w = self.workers[worker_id]

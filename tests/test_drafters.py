@@ -154,6 +154,8 @@ def test_a_drafter_that_is_always_right_but_costs_a_target_step_loses_to_a_cheap
     # "good" is always right; "bad" only on its first two draft tokens
     used = [_run_round(s, req, {"good": ALL, "bad": 2}) for _ in range(32)]
     assert used[-16:].count("bad") >= 12, used
+    s.unregister(1)  # one drafter left: its costs are the pool's again
+    assert s.drafter_costs == {} and s.costs[0] == pytest.approx(0.05)
 
 
 def test_a_draft_task_waits_for_its_drafter_but_never_for_a_departed_one() -> None:
