@@ -89,7 +89,6 @@ class WorkerInfo:
     name: str
     last_seen: float
     kv_endpoint: str | None = None
-    drafter: str | None = None  # draft workers: the drafter they run (scheduler: routing)
     busy_s: float = 0.0
     tasks: int = 0
     kv: dict[str, Any] | None = None  # the worker's latest KV counters
@@ -331,8 +330,7 @@ class Broker:
         except ValueError as exc:
             raise ProtocolError("wrong_role", str(exc)) from None
         self.next_worker += 1
-        self.workers[wid] = WorkerInfo(identity, h["role"], h["name"][:64], now, endpoint,
-                                       self.scheduler.workers[wid].drafter)
+        self.workers[wid] = WorkerInfo(identity, h["role"], h["name"][:64], now, endpoint)
         self.by_identity[identity] = wid
         log.info("worker %d (%s, %s) joined in slot %d", wid, h["name"][:64], h["role"], slot)
         self._send(self.peers, identity, Message("WELCOME", {
@@ -477,7 +475,8 @@ class Broker:
             "mode": self.opts.mode, "uptime_s": now - self.started, "pool": len(self.scheduler.requests),
             "max_model_len": self.max_model_len,
             "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
-            "workers": [{"id": wid, "role": w.role, "name": w.name, "drafter": w.drafter, "busy_s": w.busy_s, "tasks": w.tasks,
+            "workers": [{"id": wid, "role": w.role, "name": w.name, "drafter": self.scheduler.workers[wid].drafter,
+                         "busy_s": w.busy_s, "tasks": w.tasks,
                          "slot": self.scheduler.workers[wid].slot, "kv_endpoint": w.kv_endpoint, "kv": w.kv,
                          "device": w.device}
                         for wid, w in self.workers.items()],

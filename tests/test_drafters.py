@@ -255,7 +255,7 @@ def test_the_broker_refuses_a_malformed_drafter_name() -> None:
         for ident, name in ((b"a", "a b"), (b"b", ""), (b"c", "x" * 65), (b"d", "ngram")):
             broker.on_worker(ident, protocol.encode(Message("REGISTER", {
                 "role": "draft", "name": "d", "capacity": 4, "model": {}, "drafter": name})), 0.0)
-        assert [w.drafter for w in broker.workers.values()] == ["ngram"]
+        assert [w["drafter"] for w in broker.state(0.0)["workers"]] == ["ngram"]
         assert broker.state(0.0)["drafters"] == {"ngram": {"workers": 1, "rounds": 0, "proposed": 0, "accepted": 0}}
     finally:
         broker.clients.close()
