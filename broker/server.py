@@ -323,7 +323,7 @@ class Broker:
             raise ProtocolError("malformed", "kv_endpoint must be tcp://, ucx:// or shm:// addresses joined by ';'")
         drafter = h.get("drafter")
         if drafter is not None and not protocol.DRAFTER_NAME.fullmatch(drafter):
-            raise ProtocolError("malformed", "drafter must be 1-64 letters, digits or . _ - :")
+            raise ProtocolError("malformed", f"drafter must be {protocol.DRAFTER_RULE}")
         wid = self.next_worker
         try:
             slot = self.scheduler.register(wid, h["role"], h["capacity"], drafter)

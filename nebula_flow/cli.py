@@ -30,10 +30,10 @@ def prepare_models(cfg: DeployConfig) -> None:
     from nebula_flow.bundled import prepare_target, target_dir
     from nebula_flow.models.compat import IncompatiblePair, check_pair
     from nebula_flow.models.config import ModelConfigError
-    from nebula_flow.routing import NGRAM_SPEC
+    from nebula_flow.routing import is_ngram
 
     tiny = cache_dir() / "tiny-pair"
-    drafts = [p for p in (cfg.draft, *cfg.drafters) if p.model and not NGRAM_SPEC.fullmatch(p.model)]
+    drafts = [p for p in (cfg.draft, *cfg.drafters) if p.model and not is_ngram(p.model)]
     for pool in (*drafts, cfg.target):
         if not pool.model:
             continue
@@ -195,11 +195,11 @@ def worker(role: str, model: str, draft_model: str | None, drafter: str | None, 
            kv_pool_gb: float | None, keys: str | None) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
-    from nebula_flow.protocol import DRAFTER_NAME
+    from nebula_flow.protocol import DRAFTER_NAME, DRAFTER_RULE
     from workers.worker import WorkerOptions, serve_worker
 
     if drafter is not None and (role != "draft" or not DRAFTER_NAME.fullmatch(drafter)):
-        raise click.BadParameter("a draft worker's name for its drafter: 1-64 letters, digits or . _ - :",
+        raise click.BadParameter(f"a draft worker's name for its drafter: {DRAFTER_RULE}",
                                  param_hint="--drafter")
 
     try:

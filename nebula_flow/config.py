@@ -119,7 +119,7 @@ class DeployConfig:
     def _check_drafters(self) -> None:
         """Every draft pool has a model and a drafter name of its own (the workers of one drafter
         share KV: two models under one name would mix theirs)."""
-        from nebula_flow.protocol import DRAFTER_NAME
+        from nebula_flow.protocol import DRAFTER_NAME, DRAFTER_RULE
         from nebula_flow.routing import drafter_name, parse_ngram
 
         seen: dict[str, str | None] = {}
@@ -128,7 +128,7 @@ class DeployConfig:
             if i > 0 and pool.model is None:
                 raise ConfigError(f"{self.source}: {where} needs a model (a checkpoint, or ngram)")
             if pool.drafter is not None and not DRAFTER_NAME.fullmatch(pool.drafter):
-                raise ConfigError(f"{where} drafter must be 1-64 letters, digits or . _ - :, got {pool.drafter!r}")
+                raise ConfigError(f"{where} drafter must be {DRAFTER_RULE}, got {pool.drafter!r}")
             try:
                 parse_ngram(pool.model or "")
             except ValueError as exc:
@@ -193,10 +193,10 @@ def load_config(path: str | Path | None) -> DeployConfig:
     if not isinstance(extra, list) or not all(isinstance(t, dict) for t in extra):
         raise ConfigError(f"{path}: drafters must be an array of tables ([[drafters]])")
     cfg.drafters = [_build(PoolConfig, t, f"{path} [[drafters]] {i + 1}") for i, t in enumerate(extra)]
-    from nebula_flow.routing import NGRAM_SPEC
+    from nebula_flow.routing import is_ngram
 
     for pool in (cfg.draft, cfg.target, *cfg.drafters):
-        if pool.model and not NGRAM_SPEC.fullmatch(pool.model):
+        if pool.model and not is_ngram(pool.model):
             pool.model = resolve_model(pool.model, base)
         if pool.profile:
             pool.profile = resolve_model(pool.profile, base)

@@ -64,6 +64,7 @@ import orjson
 VERSION = 1
 DRAFTER_CHARS = "A-Za-z0-9._:-"  # what a REGISTER's drafter name may hold (1-64 of them)
 DRAFTER_NAME = re.compile(f"[{DRAFTER_CHARS}]{{1,64}}")
+DRAFTER_RULE = "1-64 letters, digits or . _ - :"  # (what DRAFTER_NAME takes, for error messages)
 MAX_HEADER_BYTES = 1 << 20
 DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16,
           "bfloat16": np.uint16, "uint8": np.uint8}

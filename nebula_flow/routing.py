@@ -36,6 +36,11 @@ NGRAM_SPEC = re.compile(r"ngram(?::(?:(\d+)-)?(\d+))?")
 DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4  # (a single repeated token is a weak hint in prose)
 
 
+def is_ngram(spec: str) -> bool:
+    """Whether a model spec names the n-gram drafter (not a checkpoint to load or resolve)."""
+    return NGRAM_SPEC.fullmatch(spec) is not None
+
+
 def parse_ngram(spec: str) -> tuple[int, int] | None:
     """(min_n, max_n) for a ``--model`` of ``ngram``, ``ngram:MAX`` or ``ngram:MIN-MAX``; None
     when ``spec`` names something else (a checkpoint)."""
@@ -54,7 +59,7 @@ def drafter_name(name: str | None, model: str | None) -> str:
     model folder's name (workers that load the same checkpoint share a drafter, and its KV)."""
     if name:
         return name
-    if model and parse_ngram(model) is not None:
+    if model and is_ngram(model):
         return "ngram"
     return re.sub(f"[^{DRAFTER_CHARS}]", "_", Path(model.rstrip("/")).name)[:64] or "draft" if model else "draft"
 

@@ -287,11 +287,13 @@ class Scheduler:
         speculate = self.mode != "autoregressive" and req.remaining > 1 and not (
             self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size
             and not reproducible(req))  # (see __init__)
-        req.drafter, explore = self._route(req, max_alts) if speculate and self.mode == "pooled" and self.drafters \
-            else (None, False)
-        costs, verify = self._costs_for(req, req.drafter)
+        req.drafter, explore, plan = self._route(req, max_alts) if speculate and self.mode == "pooled" and self.drafters \
+            else (None, False, None)
         if self.adaptive_k:
-            k, alts = speclen.choose_round(req.acceptance, self.k, costs, max_alts, verify)
+            if plan is None:
+                costs, verify = self._costs_for(req, req.drafter)
+                plan = speclen.choose_round(req.acceptance, self.k, costs, max_alts, verify)
+            k, alts = plan
             k = max(k, 1) if explore else k  # (a look at a drafter that drafts nothing shows nothing)
         else:
             k, alts = self.k, max_alts
@@ -315,11 +317,12 @@ class Scheduler:
             return tuple(self.spec_costs), ()
         return self.drafter_costs.get(drafter, (self.costs, self.verify_costs)) if drafter else (self.costs, self.verify_costs)
 
-    def _route(self, req: Request, max_alts: int) -> tuple[str, bool]:
-        """This round's drafter for ``req`` and whether it is an exploration (``routing``); makes
-        ``req.acceptance`` that drafter's."""
+    def _route(self, req: Request, max_alts: int) -> tuple[str, bool, tuple[int, int] | None]:
+        """This round's drafter for ``req``, whether it is an exploration (``routing``), and with
+        ``adaptive_k`` and several drafters the (k, alts) its worth was weighed at (else None);
+        makes ``req.acceptance`` that drafter's."""
         names = list(self.drafters)
-        drafter, explore = names[0], False
+        drafter, explore, plans = names[0], False, {}
         if len(names) > 1:
             for d in names:  # a request starts a drafter it has not tried from the pool's experience
                 if d not in req.by_drafter:  # (not a seeded sample: it must not depend on other requests)
@@ -329,12 +332,14 @@ class Scheduler:
             def worth(d: str) -> float:
                 costs, verify = self._costs_for(req, d)
                 if self.adaptive_k:
-                    return speclen.best_round(req.by_drafter[d], self.k, costs, max_alts, verify)[0]
+                    worth, k, alts = speclen.best_round(req.by_drafter[d], self.k, costs, max_alts, verify)
+                    plans[d] = (k, alts)
+                    return worth
                 return speclen.round_worth(req.by_drafter[d], self.k, max_alts, costs, verify)
 
             drafter, explore = routing.choose_drafter(names, req.round, req.drafter_used, req.explore_gaps, worth)
         req.acceptance = req.by_drafter.setdefault(drafter, req.acceptance)
-        return drafter, explore
+        return drafter, explore, plans.get(drafter)
 
     def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict) -> None:
         """A draft arrived (it may hold fewer than ``req.k`` tokens: a drafter that has nothing
