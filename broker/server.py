@@ -32,6 +32,7 @@ from nebula_flow.scheduler import MODES, POLICY_KNOBS, Scheduler
 from nebula_flow.security import SecurityError, is_loopback, keys_dir, make_server, start_authenticator
 from nebula_flow.speclen import DEFAULT_COSTS, FIT_ROWS
 from nebula_flow.tokenizer import TextCodec, eos_token_ids
+from nebula_flow.tree import TokenTree, fused_gain
 
 log = logging.getLogger("nebula_flow.broker")
 MAX_REQ_ID = 128
@@ -61,6 +62,7 @@ class BrokerOptions:
     spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))  # draft step, verify row, round
     measure_costs: bool = True  # adaptive_k: weigh draft steps and verify blocks by the workers' measured forward times
     first_alternatives: int = 0  # greedy: the draft also proposes this many runner-ups to its first token (token tree)
+    fuse_ngram: int = 0  # greedy: a prompt-lookup chain of up to this many tokens is verified beside each draft
     disable_by_batch_size: int = 0  # rounds start without drafts while more requests than this are pooled (0: never)
     policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
 
@@ -365,39 +367,46 @@ class Broker:
             self._finish(req.rid, "error", ("worker_error", f"bad result from worker {wid}: {exc.message}"))
 
     def _apply_result(self, wid: int, msg: Message, req: Request, raw: dict, now: float) -> None:
-        if raw["kind"] == DRAFT:
-            draft = _int_list(raw.get("draft"), "draft")
+        if raw["kind"] in (DRAFT, ROUND):
+            draft = _int_list(raw.get("draft") or [], "draft")
             if len(draft) > req.k:  # (fewer: a drafter with nothing worth proposing, e.g. n-gram without a match)
                 raise ProtocolError("malformed", f"draft has {len(draft)} tokens, asked for at most {req.k}")
+            alt, chains = self._alternatives(req, raw, draft), self._fused_chains(req, raw, draft)
+        if raw["kind"] == DRAFT:
             q = {}
             if not req.params.greedy:
                 idx, prob = protocol.split_q(msg, raw)
                 q = {"q_idx": [a.copy() for a in idx], "q_prob": [p.copy() for p in prob]}
-            alt = self._alternatives(req, raw, draft)
             self.scheduler.draft_done(req, wid, draft, q)
-            req.alt = alt
+            req.alt, req.chains = alt, chains
             return
+        if raw["kind"] == ROUND:  # (drafted and verified in one task: its draft comes with the result)
+            req.proposed += len(draft)
+        else:
+            draft, alt, chains = req.draft, req.alt, req.chains
         committed = _int_list(raw.get("committed"), "committed")
-        proposed = len(req.draft) if raw["kind"] != ROUND else raw.get("proposed") or 0
-        if not 1 <= len(committed) <= proposed + 1 or proposed > req.k:
-            raise ProtocolError("malformed", f"{len(committed)} committed tokens for {proposed} drafts")
-        alt = req.alt
-        if raw["kind"] == ROUND:
-            req.proposed += proposed
-            alt = self._alternatives(req, raw, None)
-        via_alt = committed[0] in alt
-        if via_alt and len(committed) != 2:
-            raise ProtocolError("malformed", "a round won by an alternative commits it and one more token")
+        tree = TokenTree([draft, *([a] for a in alt), *chains])
+        if not committed or len(tree.path(committed[:-1])) != len(committed) - 1:
+            raise ProtocolError("malformed", f"{len(committed)} committed tokens are not a path of the round's "
+                                             f"drafts and one more token")
+        accepted = len(committed) - 1
+        chain = next((i for i, (a, b) in enumerate(zip(draft, committed[:-1])) if a != b), min(len(draft), accepted))
+        via_alt = chain == 0 and accepted > 0 and committed[0] in alt
+        fused = fused_gain(accepted, chain, via_alt)
         self.counters["alternatives_proposed"] += len(alt)
         self.counters["alternatives_accepted"] += via_alt
         req.alt_accepted += via_alt
-        self._count_acceptance(proposed, 0 if via_alt else len(committed) - 1, len(committed))
+        self.counters["fused_chains"] += len(chains)
+        self.counters["fused_rounds_won"] += fused > 0
+        self.counters["fused_tokens_accepted"] += fused
+        req.fused_accepted += fused
+        self._count_acceptance(len(draft), chain, len(committed))
         if req.drafter is not None and raw["kind"] != ROUND:
             by = self.drafter_counts.setdefault(req.drafter, Counter())
             by["rounds"] += 1
-            by["proposed"] += proposed
-            by["accepted"] += 0 if via_alt else len(committed) - 1
-        self.scheduler.verify_done(req, wid, len(committed) - 1, via_alt)
+            by["proposed"] += len(draft)
+            by["accepted"] += chain
+        self.scheduler.verify_done(req, wid, accepted, via_alt, chain, fused if chains else None)
         kept = req.commit(committed, self.eos_ids)
         self.counters["rounds"] += 1
         self.counters["tokens_out"] += len(kept)
@@ -424,16 +433,28 @@ class Broker:
         except (ValueError, TypeError):
             self.errors["malformed"] += 1
 
-    def _alternatives(self, req: Request, raw: dict, draft: list[int] | None) -> list[int]:
+    def _alternatives(self, req: Request, raw: dict, draft: list[int]) -> list[int]:
         """The alternatives to the first draft token a draft / round result brings, checked
         against the ones the policy asked for (``req.alts``: a two-level token tree)."""
         alt = _int_list(raw.get("alt") or [], "alt")
-        if alt and draft == []:
+        if alt and not draft:
             raise ProtocolError("malformed", "alternatives to the first draft token need a draft")
-        if len(alt) > req.alts or len(set(alt)) != len(alt) or (alt and draft is not None and draft[0] in alt):
+        if len(alt) > req.alts or len(set(alt)) != len(alt) or (alt and draft[0] in alt):
             raise ProtocolError("malformed", f"{len(alt)} alternatives (asked for {req.alts}) must be distinct "
                                              "and differ from the first draft token")
         return alt
+
+    def _fused_chains(self, req: Request, raw: dict, draft: list[int]) -> list[list[int]]:
+        """The chains a draft / round result fused beside its draft, checked against what the
+        policy asked for (``req.fuse``: at most one chain of that many tokens)."""
+        chains = raw.get("chains") or []
+        if not isinstance(chains, list) or len(chains) > (1 if req.fuse else 0) or (chains and not draft):
+            raise ProtocolError("malformed", f"{len(chains) if isinstance(chains, list) else 'bad'} fused chains "
+                                             f"(asked for {1 if req.fuse else 0}), and only beside a draft")
+        for c in chains:
+            if not 0 < len(_int_list(c, "chains")) <= req.fuse:
+                raise ProtocolError("malformed", f"a fused chain of {len(c)} tokens (asked for 1..{req.fuse})")
+        return chains
 
     def _count_acceptance(self, proposed: int, accepted: int, committed: int) -> None:
         """``accepted``: chain drafts accepted; ``committed``: tokens the round committed."""
@@ -460,10 +481,14 @@ class Broker:
                     "seed": req.seed, "holder": holder}
             if req.alts and req.phase in (DRAFT, ROUND):
                 task["alts"] = req.alts
+            if req.fuse and req.phase in (DRAFT, ROUND):
+                task["fuse"] = req.fuse
             if req.draft:
                 task["draft"] = req.draft
                 if req.alt:
                     task["alt"] = req.alt
+                if req.chains:
+                    task["chains"] = req.chains
                 protocol.attach_q(msg, task, req.q.get("q_idx"), req.q.get("q_prob"))
             msg.header["tasks"].append(task)
         if not self._send(self.peers, self.workers[wid].identity, msg):

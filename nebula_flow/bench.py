@@ -186,11 +186,12 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     base_name = next(iter(results))
     base = results[base_name]
     w = max(20, len("tokens/s vs " + base_name) + 2)  # ratio columns fit the baseline's name
-    rows = [f"{'mode':<15}{'tokens/s':>10}{'rounds/s':>10}{'tok/round':>10}{'util':>7}"
+    m = max(15, *(len(name) + 2 for name in results))  # the mode column fits every mode's name
+    rows = [f"{'mode':<{m}}{'tokens/s':>10}{'rounds/s':>10}{'tok/round':>10}{'util':>7}"
             f"{'TTFT p50':>10}{'lat p50':>9}{'lat p90':>9}{'KV MB':>8}{'rounds/s vs ' + base_name:>{w}}"
             f"{'tokens/s vs ' + base_name:>{w}}"]
     for mode, r in results.items():
-        rows.append(f"{mode:<15}{r['tokens_per_s']:>10.1f}{r['round_rate']:>10.1f}{r['tokens_per_round']:>10.2f}"
+        rows.append(f"{mode:<{m}}{r['tokens_per_s']:>10.1f}{r['round_rate']:>10.1f}{r['tokens_per_round']:>10.2f}"
                     f"{r['utilization']:>7.2f}{r['ttft_s']['p50'] * 1000:>8.0f}ms{r['latency_s']['p50']:>8.2f}s"
                     f"{r['latency_s']['p90']:>8.2f}s{r['kv_bytes'] / 1e6:>8.1f}"
                     f"{r['round_rate'] / base['round_rate']:>{w - 1}.2f}x{r['tokens_per_s'] / base['tokens_per_s']:>{w - 1}.2f}x")

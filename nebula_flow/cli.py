@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import click
 
 from nebula_flow.config import ConfigError, DeployConfig, PoolConfig, cache_dir, load_config
-from nebula_flow.scheduler import MODES
+from nebula_flow.scheduler import MODES, POLICY_KNOBS
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "configs" / "default.toml"
@@ -71,6 +72,21 @@ def _apply_overrides(cfg: DeployConfig, mode: str | None, draft_workers: int | N
     return cfg
 
 
+def _set_knob(cfg: DeployConfig, setting: str, where: str) -> None:
+    """Set a [broker] policy knob from ``KNOB=VALUE`` (a bench mode's @ suffix); validated with the config."""
+    knob, eq, value = setting.partition("=")
+    if knob not in POLICY_KNOBS or not eq:
+        raise click.ClickException(f"{where}: @{setting} must be KNOB=VALUE with KNOB one of {', '.join(POLICY_KNOBS)}")
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise click.ClickException(f"{where}: @{setting}: {value!r} is not a TOML value (true, 3, [1.0, 2.0, 1.0])") from None
+    current = getattr(cfg.broker, knob)
+    if type(parsed) is not type(current) and not (isinstance(current, list) and isinstance(parsed, list)):
+        raise click.ClickException(f"{where}: @{setting}: {knob} takes a {type(current).__name__}")
+    setattr(cfg.broker, knob, parsed)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 def main() -> None:
     """nebula-flow: speculative decoding as a dataflow pipeline on a ZeroMQ bus.
@@ -104,6 +120,11 @@ def main() -> None:
               "in the same forward as siblings in a token tree (one more verify row each); a runner-up the target "
               "picks is kept with the target's next token. With --adaptive-k, only in rounds where that pays for "
               "the rows, by the costs and how often a runner-up has won for the request.")
+@click.option("--fuse-ngram", default=0, show_default=True, type=click.IntRange(0, 16), metavar="N",
+              help="Greedy requests: beside each model draft, also verify the prompt-lookup chain of up to N "
+              "tokens (what followed the context's last 2-4 tokens before; the draft worker looks it up), fused "
+              "with the draft into one token tree; the round keeps the path the target agrees with longest. It "
+              "costs verify rows only in rounds with a match the draft does not already have. 0: off.")
 @click.option("--disable-by-batch-size", default=0, show_default=True, type=click.IntRange(0),
               help="While more requests than this are in the pool, rounds start without drafts (plain decoding): "
               "a target batching many requests gains little from speculation. 0: always speculate.")
@@ -125,7 +146,7 @@ def main() -> None:
               "(JSONL), for `nebula-flow simulate --check-policy-log`.")
 def broker(mode: str, host: str, client_port: int, worker_port: int, model: str | None, k: int,
            adaptive_k: bool, spec_costs: str | None, measure_costs: bool, first_alternatives: int,
-           disable_by_batch_size: int,
+           fuse_ngram: int, disable_by_batch_size: int,
            proposal_top_k: int, max_pending: int, heartbeat_s: float, liveness_s: float,
            locality: bool, migrate: bool, merge_batches: bool, metrics_port: int | None, keys: str | None,
            policy_log: str | None) -> None:
@@ -142,7 +163,7 @@ def broker(mode: str, host: str, client_port: int, worker_port: int, model: str 
                                             max_pending, heartbeat_s=heartbeat_s, liveness_s=liveness_s,
                                             locality=locality, migrate=migrate, merge_batches=merge_batches,
                                             adaptive_k=adaptive_k, spec_costs=costs, measure_costs=measure_costs,
-                                            first_alternatives=first_alternatives,
+                                            first_alternatives=first_alternatives, fuse_ngram=fuse_ngram,
                                             disable_by_batch_size=disable_by_batch_size, metrics_port=metrics_port,
                                             keys=keys, policy_log=policy_log)))
     except ValueError as exc:
@@ -309,6 +330,8 @@ def _print_completion(out, as_json: bool) -> None:  # noqa: ANN001
     drafters = out.stats.get("drafter_rounds") or {}
     if len(drafters) > 1:  # several drafters: which drafted how many of its rounds
         click.echo("[rounds by drafter: " + ", ".join(f"{d} {n}" for d, n in sorted(drafters.items())) + "]", err=True)
+    if out.stats.get("fused_accepted"):  # token trees: what fused prompt-lookup chains added beyond the drafts
+        click.echo(f"[fused chains added {out.stats['fused_accepted']} tokens]", err=True)
 
 
 def _generate(address: str, prompt: str, as_json: bool, **params) -> None:  # noqa: ANN003
@@ -412,7 +435,8 @@ def status(address: str, as_json: bool) -> None:
               help="Comma-separated modes, measured in turn; ratios are against the first. pooled+MODEL is pooled "
               "with one more drafter (as --add-drafter MODEL, e.g. pooled+ngram), pooled-NAME pooled without the "
               "config's [[drafters]] pool of that drafter name (e.g. pooled-ngram on the bundled config): routing "
-              "measured side by side.")
+              "measured side by side. A mode may end in @KNOB=VALUE (repeatable) to set a [broker] policy knob for "
+              "it alone, e.g. pooled@fuse_ngram=0,pooled@fuse_ngram=8.")
 @click.option("--draft-workers", type=int, help="Override M.")
 @click.option("--target-workers", type=int, help="Override N.")
 @click.option("--concurrency", default=1, show_default=True, help="Concurrent requests (1 = single stream).")
@@ -438,16 +462,20 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     )
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    bad = [m for m in names if m not in MODES and not m.startswith(("pooled+", "pooled-"))]
+    bad = [m for m in names if (base := m.split("@")[0]) not in MODES and not base.startswith(("pooled+", "pooled-"))]
     if bad or not names:
-        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)} (or pooled+MODEL, pooled-NAME)")
+        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)} (or pooled+MODEL, "
+                                   "pooled-NAME; then @KNOB=VALUE)")
     pool = DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
     wl = Workload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature,
                   chat=chat or edit)
     results = {}
     for name in names:
-        mode, change, spec = name.partition("+") if "+" in name else name.partition("-")
+        base, *settings = name.split("@")
+        mode, change, spec = base.partition("+") if "+" in base else base.partition("-")
         cfg = _load(config)
+        for setting in settings:
+            _set_knob(cfg, setting, name)
         if change == "-":
             from nebula_flow.routing import drafter_name
 
@@ -603,10 +631,13 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
 @click.option("--alternatives", default=0, show_default=True, type=click.IntRange(0, 8),
               help="Runner-ups to the first draft token verified beside the chain (a token tree; the broker's "
               "--first-alternatives).")
+@click.option("--fuse-ngram", default=0, show_default=True, type=click.IntRange(0, 16),
+              help="Also verify a prompt-lookup chain of up to this many tokens beside each draft (the broker's "
+              "--fuse-ngram).")
 @click.option("--chat", is_flag=True, help="Send the built-in code requests in the target's chat format (how an "
               "instruct model is used) instead of raw code prompts; an answer ends at the end-of-turn token.")
 def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_new_tokens: int,
-               alternatives: int, chat: bool) -> None:
+               alternatives: int, fuse_ngram: int, chat: bool) -> None:
     """Greedy committed tokens per round of a draft/target pair at each k, on the built-in code
     prompts (not from the training corpus), checking the output equals the target alone."""
     from nebula_flow.distill import EVAL_CHAT_PROMPTS, EVAL_PROMPTS, evaluate_pair
@@ -620,7 +651,7 @@ def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_n
     click.echo(f"{len(EVAL_CHAT_PROMPTS if chat else EVAL_PROMPTS)} {'chat' if chat else 'code'} prompts x "
                f"{max_new_tokens} tokens, target {target_dtype or 'default dtype'}", err=True)
     res = evaluate_pair(target, draft, max_new_tokens, tuple(int(k) for k in ks.split(",")), target_dtype,
-                        alternatives, chat)
+                        alternatives, chat, fuse_ngram)
     click.echo(json.dumps(res, indent=2))
 
 

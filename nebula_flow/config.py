@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.server import BrokerOptions
-from nebula_flow.scheduler import MODES
+from nebula_flow.scheduler import MAX_FUSED, MODES
 
 
 class ConfigError(ValueError):
@@ -109,6 +109,8 @@ class DeployConfig:
             raise ConfigError("[broker] k must be >= 0")
         if not 0 <= self.broker.first_alternatives <= 8:
             raise ConfigError("[broker] first_alternatives must be in 0..8")
+        if not 0 <= self.broker.fuse_ngram <= MAX_FUSED:
+            raise ConfigError(f"[broker] fuse_ngram must be in 0..{MAX_FUSED}")
         if self.broker.disable_by_batch_size < 0:
             raise ConfigError("[broker] disable_by_batch_size must be >= 0")
         from nebula_flow.kv.transport import TRANSPORTS

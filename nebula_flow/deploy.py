@@ -148,7 +148,8 @@ class Deployment:
             "--merge-batches" if b.merge_batches else "--no-merge-batches",
             "--adaptive-k" if b.adaptive_k else "--fixed-k", "--spec-costs", ",".join(map(str, b.spec_costs)),
             "--measure-costs" if b.measure_costs else "--fixed-costs",
-            "--first-alternatives", str(b.first_alternatives), "--disable-by-batch-size", str(b.disable_by_batch_size),
+            "--first-alternatives", str(b.first_alternatives), "--fuse-ngram", str(b.fuse_ngram),
+            "--disable-by-batch-size", str(b.disable_by_batch_size),
             *(["--metrics-port", str(b.metrics_port)] if b.metrics_port is not None else []),
             *(["--policy-log", str(b.policy_log)] if b.policy_log else [])])
 

@@ -463,12 +463,14 @@ def save_draft(model: CausalLM, raw: dict, out: Path, target: str) -> None:
 
 
 def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[int, ...] = (2, 4, 6),
-                  target_dtype: str | None = None, alternatives: int = 0, chat: bool = False) -> dict:
+                  target_dtype: str | None = None, alternatives: int = 0, chat: bool = False,
+                  fuse_ngram: int = 0) -> dict:
     """Mean committed tokens per round (greedy) at each k on ``EVAL_PROMPTS`` (``chat``: on
     ``EVAL_CHAT_PROMPTS`` in the target's chat format), using the
     real runner code; also checks the output equals the target's own greedy output (the target
     runs in ``target_dtype``, batch-invariant in reduced precision, as a deployment runs it).
-    ``alternatives``: runner-ups to the first draft token verified beside the chain (token tree)."""
+    ``alternatives``: runner-ups to the first draft token verified beside the chain (token tree);
+    ``fuse_ngram``: a prompt-lookup chain of up to that many tokens verified beside it too."""
     from nebula_flow.params import SamplingParams
     from workers.runner import ModelRunner, Task
 
@@ -484,11 +486,13 @@ def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[i
         for rid, prompt in enumerate(prompts):
             toks = list(prompt)
             while len(toks) - len(prompt) < max_new_tokens:
-                kk = min(k, max_new_tokens - (len(toks) - len(prompt)) - 1)
-                task = Task(rid, "draft", rounds, 1, np.asarray(toks), kk, params, 0, alts=alternatives)
+                left = max_new_tokens - (len(toks) - len(prompt))
+                kk = min(k, left - 1)
+                task = Task(rid, "draft", rounds, 1, np.asarray(toks), kk, params, 0, alts=alternatives,
+                            fuse=min(fuse_ngram, left - 1) if kk > 0 else 0)
                 if kk > 0:
                     proposal = d_run.draft([task])[0]
-                    task.draft, task.alt = proposal.tokens, proposal.alt
+                    task.draft, task.alt, task.chains = proposal.tokens, proposal.alt, proposal.chains
                 new = t_run.verify([task])[0]
                 rounds += 1
                 ends = [i for i, t in enumerate(new) if t in stop]

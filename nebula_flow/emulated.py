@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from nebula_flow.kv.cache import KVCache
+from nebula_flow.models.llama import TreeRows
 from nebula_flow.specdec import _splitmix64
 
 STAND_IN_VOCAB = 1000  # the stand-in emits ids below min(this, vocab): real-looking but cheap
@@ -105,19 +106,20 @@ class EmulatedModel:
 
     def __call__(
         self, caches: list[KVCache], new_tokens: list[list[int]], logit_rows: list[int],
-        branches: list[tuple[int, int] | None] | None = None,
+        parents: list[list[int] | None] | None = None,
     ) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         tokens = sum(len(t) for t in new_tokens)
         context = sum(c.length for c in caches) + tokens
         out = []
-        for cache, seq, want, branch in zip(caches, new_tokens, logit_rows, branches or [None] * len(caches)):
+        for cache, seq, want, tree_parents in zip(caches, new_tokens, logit_rows, parents or [None] * len(caches)):
             cache.reserve(cache.length + len(seq))  # real-size KV rows, so transfers move real bytes
-            full = cache.tokens + list(seq)
-            contexts = [full[: len(full) - want + i + 1] for i in range(want)]
-            if branch is not None:  # an alternative's context: its sibling's prefix, then itself
-                sibling, first = cache.length + branch[0], len(full) - branch[1]
-                contexts = [c if len(c) <= first else full[:sibling] + c[-1:] for c in contexts]
+            tree = TreeRows.of(tree_parents)
+            if tree is None:
+                full = cache.tokens + list(seq)
+                contexts = [full[: len(full) - want + i + 1] for i in range(want)]
+            else:  # a token tree's row: the cached tokens, then its own path
+                contexts = [cache.tokens + [seq[r] for r in tree.sees[i]] for i in range(len(seq) - want, len(seq))]
             rows = [self._logit_row(c) for c in contexts]
             out.append(torch.stack(rows) if rows else torch.empty(0, min(STAND_IN_VOCAB, self.cfg.vocab_size)))
             cache.tokens.extend(seq)

@@ -16,7 +16,7 @@ Records are JSON arrays, one per line (JSONL)::
     ["pull", worker, credits, idle, now]
     ["admit", rid, prompt_len, max_new_tokens, greedy, seeded]
     ["draft_done", rid, worker, n_draft]
-    ["verify_done", rid, worker, accepted, via_alt]
+    ["verify_done", rid, worker, accepted, via_alt, chain, fused]
     ["step_costs", worker, role, [seconds by new rows]]
     ["start_round", rid, output_len]
     ["finish", rid]
@@ -82,9 +82,10 @@ class RecordingScheduler(Scheduler):
         self.records.append(["draft_done", req.rid, worker_id, len(draft)])
         super().draft_done(req, worker_id, draft, q)
 
-    def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False) -> None:
-        self.records.append(["verify_done", req.rid, worker_id, accepted, via_alt])
-        super().verify_done(req, worker_id, accepted, via_alt)
+    def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False,
+                    chain: int | None = None, fused: int | None = None) -> None:
+        self.records.append(["verify_done", req.rid, worker_id, accepted, via_alt, chain, fused])
+        super().verify_done(req, worker_id, accepted, via_alt, chain, fused)
 
     def observe_costs(self, worker_id: int, role: str, seconds: list[float | None]) -> None:
         self.records.append(["step_costs", worker_id, role, list(seconds)])
@@ -161,7 +162,7 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
         elif kind == "draft_done":
             policy.draft_done(reqs[args[0]], args[1], [PLACEHOLDER] * args[2], {})
         elif kind == "verify_done":
-            policy.verify_done(reqs[args[0]], args[1], *args[2:4])  # via_alt: absent in older logs
+            policy.verify_done(reqs[args[0]], args[1], *args[2:6])  # via_alt, chain, fused: absent in older logs
         elif kind == "start_round":
             req = reqs[args[0]]
             req.output = [PLACEHOLDER] * args[1]

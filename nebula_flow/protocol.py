@@ -96,15 +96,21 @@ SCHEMA: dict[str, dict[str, Any]] = {
 # (prompt + output) as an int32 tensor; ``holder`` is the KV holder for the task's role.
 # Greedy requests may draft a two-level token tree: ``alts`` (draft / round tasks) asks for that
 # many alternatives to the first draft token; ``alt`` (verify tasks) carries them to the verifier.
+# They may also fuse other drafters' chains into the tree: ``fuse`` (draft / round tasks) asks for
+# a prompt-lookup chain of up to that many tokens beside the model's draft (``lookup``);
+# ``chains`` (verify tasks) carries the fused chains, each starting where the draft starts.
 TASK_FIELDS = {"rid": int, "kind": str, "round": int, "attempt": int, "tokens": dict, "k": int,
                "params": dict, "seed": int, "holder": dict, "?draft": list, "?q_idx": dict,
-               "?q_prob": dict, "?q_len": list, "?alts": int, "?alt": list}
+               "?q_prob": dict, "?q_len": list, "?alts": int, "?alt": list, "?fuse": int, "?chains": list}
 # A result: ``draft`` tokens (+ proposal q) for a draft task, ``committed`` for verify/round
-# (``proposed``: the drafts a round task made); ``alt``: the alternatives a draft or round task made.
+# (a round task's ``draft``: the drafts it verified); ``alt`` and ``chains``: the alternatives and
+# fused chains a draft or round task made.
 RESULT_FIELDS = {"rid": int, "kind": str, "round": int, "attempt": int, "?draft": list,
-                 "?q_idx": dict, "?q_prob": dict, "?q_len": list, "?alt": list, "?committed": list,
-                 "?proposed": int, "?error": str}
+                 "?q_idx": dict, "?q_prob": dict, "?q_len": list, "?alt": list, "?chains": list,
+                 "?committed": list, "?error": str}
 MAX_ALTERNATIVES = 8
+MAX_FUSED_CHAINS = 4  # fused chains in one round's token tree
+MAX_DRAFT = 64  # tokens in a draft, and in a fused chain
 TASK_KINDS = ("draft", "verify", "round")
 
 

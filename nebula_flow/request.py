@@ -34,11 +34,14 @@ class Request:
     draft: list[int] = field(default_factory=list)
     q: dict[str, Any] = field(default_factory=dict)  # q_idx, q_prob, q_len of the draft
     alt: list[int] = field(default_factory=list)  # alternatives to draft[0] (greedy token tree)
+    fuse: int = 0  # the longest prompt-lookup chain to fuse beside this round's draft (greedy token tree)
+    chains: list[list[int]] = field(default_factory=list)  # the chains fused beside the draft
     holders: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (worker, valid)
     tokens_per_round: list[int] = field(default_factory=list)
     proposed: int = 0
     accepted: int = 0
     alt_accepted: int = 0  # rounds an alternative to the first draft token won
+    fused_accepted: int = 0  # tokens accepted from fused chains beyond what the draft had
     acceptance: Acceptance = field(default_factory=Acceptance)  # decayed, for adaptive k (speclen): the drafter's in use
     drafter: str | None = None  # the drafter this round's draft is routed to (then: the one that drafted it)
     by_drafter: dict[str, Acceptance] = field(default_factory=dict)  # each drafter's acceptance for this request
@@ -85,6 +88,7 @@ class Request:
             "k_per_round": self.ks,
             "accepted": self.accepted,
             "alternatives_accepted": self.alt_accepted,
+            "fused_accepted": self.fused_accepted,
             "drafter_rounds": self.drafter_rounds,
             "prompt_tokens": len(self.prompt),
             "output_tokens": len(self.output),

@@ -41,9 +41,10 @@ MODES: dict[str, tuple[str, ...]] = {
     "autoregressive": ("target",),
 }
 PHASE_ROLE = {DRAFT: "draft", VERIFY: "target", ROUND: "colocated"}
+MAX_FUSED = 16  # the longest fused chain (``fuse_ngram``)
 DEFAULT_DRAFTER = "draft"  # a draft worker that names no drafter
 POLICY_KNOBS = ("locality", "migrate", "merge_batches", "adaptive_k", "spec_costs", "measure_costs",
-                "first_alternatives", "disable_by_batch_size")  # Scheduler keyword arguments; BrokerOptions fields
+                "first_alternatives", "fuse_ngram", "disable_by_batch_size")  # Scheduler keyword arguments; BrokerOptions fields
 
 
 class Topic:
@@ -144,7 +145,8 @@ class Scheduler:
     def __init__(self, mode: str, k: int, locality: bool = False, migrate: bool = False,
                  merge_batches: bool = True, adaptive_k: bool = False,
                  spec_costs: tuple[float, float, float] | list[float] = speclen.DEFAULT_COSTS,
-                 measure_costs: bool = False, first_alternatives: int = 0, disable_by_batch_size: int = 0) -> None:
+                 measure_costs: bool = False, first_alternatives: int = 0, fuse_ngram: int = 0,
+                 disable_by_batch_size: int = 0) -> None:
         """``locality``: prefer tasks whose KV the pulling worker holds (it never waits for a
         particular worker). ``migrate``: never give a request the worker that ran its previous
         task of that role while another exists (forces KV movement, for tests and benchmarks).
@@ -155,6 +157,10 @@ class Scheduler:
         ``first_alternatives``: greedy rounds with drafts verify this many runner-ups to the
         first draft token beside the chain (a token tree); with ``adaptive_k``, only in rounds
         where they pay for their verify rows (``speclen.choose_round``).
+        ``fuse_ngram``: greedy rounds with drafts also verify a prompt-lookup chain of up to this
+        many tokens (``lookup``), fused with the draft into one token tree: the round keeps
+        whichever path the target agrees with longest. The draft worker looks it up; a round
+        without a match, or whose match the draft already has, verifies the draft alone.
         ``disable_by_batch_size``: while more requests than this
         are in the pool, rounds start without drafts (0: always speculate). A target batching
         many requests verifies extra rows at nearly a decode row's cost while the draft phase
@@ -184,6 +190,9 @@ class Scheduler:
         if not 0 <= first_alternatives <= 8:
             raise ValueError("first_alternatives must be in 0..8")
         self.first_alternatives = first_alternatives
+        if not 0 <= fuse_ngram <= MAX_FUSED:
+            raise ValueError(f"fuse_ngram must be in 0..{MAX_FUSED}")
+        self.fuse_ngram = fuse_ngram
         if disable_by_batch_size < 0:
             raise ValueError("disable_by_batch_size must be >= 0")
         self.disable_by_batch_size = disable_by_batch_size
@@ -281,7 +290,7 @@ class Scheduler:
     def start_round(self, req: Request) -> None:
         """Queue the next round of ``req``: a draft, a draft-less verify, or a whole round."""
         req.round += 1
-        req.draft, req.q, req.alt = [], {}, []
+        req.draft, req.q, req.alt, req.chains = [], {}, [], []
         # (runner-ups only for greedy requests: rejection sampling is defined for a chain)
         max_alts = self.first_alternatives if req.params.greedy else 0
         speculate = self.mode != "autoregressive" and req.remaining > 1 and not (
@@ -299,6 +308,12 @@ class Scheduler:
             k, alts = self.k, max_alts
         req.k = max(0, min(k, req.remaining - 1)) if speculate else 0
         req.alts = alts if req.k > 0 else 0
+        # (a tree: greedy only; a chain no longer than the tokens left, as the draft; with adaptive
+        # k only where it pays for its rows)
+        req.fuse = min(self.fuse_ngram, req.remaining - 1) if req.k > 0 and req.params.greedy else 0
+        if req.fuse and self.adaptive_k and not speclen.fuse_pays(req.acceptance, req.k, req.alts, req.fuse,
+                                                                  *self._costs_for(req, req.drafter)):
+            req.fuse = 0
         if req.k == 0:
             req.drafter = None  # no draft this round
         req.ks.append(req.k)
@@ -357,15 +372,23 @@ class Scheduler:
         self.workers[worker_id].inflight.discard(req.rid)
         self._enqueue(req)
 
-    def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False) -> None:
+    def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False,
+                    chain: int | None = None, fused: int | None = None) -> None:
         """Record a verify (or whole round); the caller then commits and calls start_round/finish.
 
         ``via_alt``: the accepted token was an alternative to the first draft token (a token
-        tree), not the chain: the chain's acceptance was 0, and the draft's KV ends before it."""
+        tree), not the chain: the chain's acceptance was 0, and the draft's KV ends before it.
+        ``chain``: the draft tokens accepted, where a fused chain won more than the draft had (the
+        draft's acceptance and its KV count only those); by default ``accepted`` (0 via_alt).
+        ``fused``: the tokens a fused chain won beyond the draft (``tree.fused_gain``), None when
+        the round verified none."""
         req.accepted += accepted
-        chain = 0 if via_alt else accepted
+        if chain is None:
+            chain = 0 if via_alt else accepted
         req.acceptance.update(req.k, chain)  # (a draft shorter than k counts as rejected where it stopped)
         req.acceptance.update_alternatives(req.alts, chain, via_alt)
+        if self.fuse_ngram and req.params.greedy and req.k > 0 and (fused is not None or not req.fuse):
+            req.acceptance.update_fused(fused)  # (asked for but no match: no evidence either way)
         if req.drafter is not None and len(self.drafters) > 1:
             self.drafter_acceptance.setdefault((req.drafter, req.params.greedy), Acceptance()).update(req.k, chain)
         base = len(req.prompt) + len(req.output)

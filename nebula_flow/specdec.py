@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nebula_flow.params import SamplingParams
+from nebula_flow.tree import TokenTree
 
 STREAM_DRAFT = 1  # the draft's choice of a proposal token
 STREAM_ACCEPT = 2  # the accept/reject test of a proposal token
@@ -94,33 +95,31 @@ def propose(
 def verify(
     logits: torch.Tensor, draft: list[int], q_idx: list[np.ndarray] | None,
     q_prob: list[np.ndarray] | None, params: SamplingParams, seed: int, position: int,
-    alt: list[int] = (),
+    alt: list[int] = (), chains: list[list[int]] = (),
 ) -> list[int]:
     """Decide the tokens a round commits: accepted drafts plus one correction/bonus token.
 
     ``logits`` holds len(draft)+1 target rows: row i scores the token at ``position + i``
     (row 0 follows the last committed token). Returns between 1 and len(draft)+1 tokens.
 
-    Greedy only: ``alt`` are alternatives to ``draft[0]`` (a two-level token tree), scored by
-    len(alt) more rows, row len(draft)+1+j after ``alt[j]``. When the target's token at
-    ``position`` is ``alt[j]``, the round commits it and the target's token after it: still
-    exactly the target's greedy output.
+    Greedy only, a token tree (``TokenTree``): ``alt`` are alternatives to ``draft[0]`` and
+    ``chains`` further draft chains (another drafter's, fused into the round). Then ``logits``
+    holds 1 + len(tree) rows, row 1+i after tree node i (``TokenTree([draft, *[[a] for a in alt],
+    *chains])``). The round walks the tree along the target's own choices and commits the path it
+    finds plus the target's token after it: still exactly the target's greedy output.
     """
     vocab = logits.shape[-1]
     if params.greedy:
+        tree = TokenTree([draft, *([a] for a in alt), *chains])
         best = torch.argmax(logits, dim=-1).tolist()
-        out = []
-        for i, x in enumerate(draft):
-            if x != best[i]:
-                break
-            out.append(x)
-        if not out and best[0] in alt:
-            j = list(alt).index(best[0])
-            return [best[0], best[len(draft) + 1 + j]]
-        out.append(best[len(out)])
+        out, node = [], -1
+        while (child := tree.child(node, best[node + 1])) is not None:
+            out.append(tree.tokens[child])
+            node = child
+        out.append(best[node + 1])
         return out
-    if alt:
-        raise ValueError("alternatives are for greedy requests only")
+    if alt or chains:
+        raise ValueError("token trees (alternatives, fused chains) are for greedy requests only")
     p = target_probs(logits, params).numpy()
     out = []
     for i, x in enumerate(draft):

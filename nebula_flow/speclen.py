@@ -28,6 +28,12 @@ A token tree (``alts`` runner-ups to the first draft token verified beside the c
 only when the first draft token is rejected (probability ``1 - a``) and a runner-up is the
 target's token (the request's ``alt_rate``, counted like its acceptance); it costs ``alts``
 verify rows. ``choose_round`` weighs that against the chain alone.
+
+A fused prompt-lookup chain (``fuse_pays``) is verified only in rounds where the context has a
+match, and adds the tokens it wins beyond the draft (the request's ``fused_gain``: decayed mean
+tokens won per round that verified one) at the cost of its rows. It pays when that gain per cost
+beats the round's own tokens per cost. Its prior is hopeful (``FUSED_PRIOR``), so every request
+tries it, and rounds without it relax back toward the prior, so a request looks again later.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 DECAY = 0.7  # weight of a round's evidence one round later
 RELAX = 0.9  # per round without drafts, the counts move this slowly back toward the prior
 PRIOR = (1.0, 1.0)  # (acceptances, rejections) every request starts with
+FUSED_PRIOR = (2.0, 1.0)  # (tokens won, rounds) of a fused chain every request starts with
 DEFAULT_COSTS = (0.073, 0.03, 1.1)  # draft step, verify row, round: in target decode steps
 FIT_ROWS = 16  # forwards of more new rows (prefills) do not inform a round's costs
 FIT_WEIGHT = 0.2  # the newest forward's weight in its row count's moving mean
@@ -51,6 +58,9 @@ class Acceptance:
     # rounds whose first draft token was rejected while runner-ups were verified: one won / none did
     alt_won: float = PRIOR[0]
     alt_lost: float = PRIOR[1]
+    # rounds that verified a fused prompt-lookup chain: the tokens it won beyond the draft, rounds
+    fused_won: float = FUSED_PRIOR[0]
+    fused_rounds: float = FUSED_PRIOR[1]
 
     @property
     def rate(self) -> float:
@@ -60,6 +70,21 @@ class Acceptance:
     def alt_rate(self) -> float:
         """How often a runner-up was the target's token when the first draft token was not."""
         return self.alt_won / (self.alt_won + self.alt_lost)
+
+    @property
+    def fused_gain(self) -> float:
+        """Mean tokens a fused chain won beyond the draft, in rounds that verified one."""
+        return self.fused_won / self.fused_rounds
+
+    def update_fused(self, won: int | None) -> None:
+        """Record a round's fused chain: ``won`` tokens beyond the draft, or None when the round
+        verified none (then the counts relax toward the prior, as ``update``'s do)."""
+        if won is None:
+            self.fused_won = self.fused_won * RELAX + FUSED_PRIOR[0] * (1 - RELAX)
+            self.fused_rounds = self.fused_rounds * RELAX + FUSED_PRIOR[1] * (1 - RELAX)
+            return
+        self.fused_won = self.fused_won * DECAY + won
+        self.fused_rounds = self.fused_rounds * DECAY + 1
 
     def update_alternatives(self, alts: int, chain_accepted: int, via_alt: bool) -> None:
         """Record a verified round that had ``alts`` runner-ups to its first draft token: evidence
@@ -112,15 +137,23 @@ def best_round(acc: Acceptance, k_max: int, costs: tuple[float, float, float] = 
 
 
 def round_worth(acc: Acceptance, k: int, alts: int, costs: tuple[float, float, float] = DEFAULT_COSTS,
-                verify: tuple[float | None, ...] = ()) -> float:
-    """Expected tokens per decode step of a round of k drafts and ``alts`` runner-ups (see
-    ``choose_round`` for ``verify``)."""
+                verify: tuple[float | None, ...] = (), fused: int = 0) -> float:
+    """Expected tokens per decode step of a round of k drafts, ``alts`` runner-ups and a fused
+    chain of ``fused`` tokens (see ``choose_round`` for ``verify``)."""
     draft_step, verify_row, round_cost = costs
-    rows = 1 + k + alts
+    rows = 1 + k + alts + fused
     known = verify[rows - 1] if rows <= len(verify) else None
     verify_cost = known if known is not None else 1 + (rows - 1) * verify_row
     tokens = expected_tokens(acc.rate, k) + ((1 - acc.rate) * acc.alt_rate if alts else 0.0)
+    tokens += acc.fused_gain if fused else 0.0
     return tokens / (round_cost - 1 + verify_cost + k * draft_step)
+
+
+def fuse_pays(acc: Acceptance, k: int, alts: int, fused: int, costs: tuple[float, float, float] = DEFAULT_COSTS,
+              verify: tuple[float | None, ...] = ()) -> bool:
+    """Whether a round of k drafts and ``alts`` runner-ups gets more tokens per cost with a fused
+    chain of ``fused`` tokens beside it than without (in the rounds that find one)."""
+    return k > 0 and fused > 0 and round_worth(acc, k, alts, costs, verify, fused) > round_worth(acc, k, alts, costs, verify)
 
 
 class StepCosts:

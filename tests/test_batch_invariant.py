@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from nebula_flow.models import invariant, load_model, packed
 from nebula_flow.models.llama import Linear
+from nebula_flow.tree import TokenTree
 from tests.test_models import FAMILIES
 
 WIDE_MLP = "llama-wide-mlp"  # 1536-wide MLP: bf16 CPU kernels round its down projection by call size
@@ -195,14 +196,41 @@ def test_token_tree_alternatives_score_like_decoding_them(checkpoint, dtype: str
 
     cache = model.new_cache(capacity=8)  # grown inside the forward, as a worker's caches are
     model([cache], [prompt], [1])
-    rows = model([cache], [[last, *chain, *alts]], [6], [(1, 2)])[0]
+    rows = model([cache], [[last, *chain, *alts]], [6], [[-1, 0, 1, 2, 0, 0]])[0]
     assert torch.equal(rows[:4], decoded([last, *chain]))
     for j, a in enumerate(alts):
         assert torch.equal(rows[4 + j], decoded([last, a])[1]), f"alternative {j}"
     position = len(prompt) + 1
-    cache.adopt(position + len(chain) + 1, position)  # keep alts[1]
+    cache.adopt([position + len(chain) + 1], position)  # keep alts[1]
     assert cache.tokens[-2:] == [last, alts[1]]
     assert torch.equal(model([cache], [[5]], [1])[0][0], decoded([last, alts[1], 5])[2])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_fused_chain_forking_mid_chain_scores_like_decoding_its_path(checkpoint, dtype: str) -> None:  # noqa: ANN001
+    """A deeper token tree (a second drafter's chain that shares the first two draft tokens, then
+    differs): each of its rows has the bits of decoding its own path, and adopting that path (KV
+    moved from after the first chain into place) leaves the cache as if it had been decoded."""
+    _, path = checkpoint
+    model = load_model(path, dtype=dtype, batch_invariant=True)
+    prompt, last, chain, fused = _ids(11, 5), 7, [11, 12, 13, 14], [11, 12, 31, 32]
+    tree = TokenTree([chain, fused])
+    assert tree.tokens == [11, 12, 13, 14, 31, 32] and tree.parents == [-1, 0, 1, 2, 1, 4]
+
+    def decoded(tokens: list[int]) -> torch.Tensor:
+        cache = model.new_cache()
+        model([cache], [prompt], [1])
+        return torch.cat([model([cache], [[t]], [1])[0] for t in tokens])
+
+    cache = model.new_cache(capacity=8)
+    model([cache], [prompt], [1])
+    rows = model([cache], [[last, *tree.tokens]], [7], [[-1, *(1 + p for p in tree.parents)]])[0]
+    assert torch.equal(rows[:5], decoded([last, *chain]))
+    assert torch.equal(rows[[0, 1, 2, 5, 6]], decoded([last, *fused]))
+    position = len(prompt) + 1
+    cache.adopt([position + n for n in tree.path(fused[:3])], position)  # keep 11, 12, 31
+    assert cache.tokens[-4:] == [last, 11, 12, 31]
+    assert torch.equal(model([cache], [[5]], [1])[0][0], decoded([last, 11, 12, 31, 5])[4])
 
 
 def test_token_tree_with_the_batched_kernels_stays_close_to_decoding(checkpoint) -> None:  # noqa: ANN001
@@ -213,8 +241,14 @@ def test_token_tree_with_the_batched_kernels_stays_close_to_decoding(checkpoint)
     prompt = _ids(40, 6)  # longer than the test families' sliding window
     cache = model.new_cache()
     model([cache], [prompt], [1])
-    rows = model([cache], [[7, 11, 12, 21, 22]], [5], [(1, 2)])[0]
+    rows = model([cache], [[7, 11, 12, 21, 22]], [5], [[-1, 0, 1, 0, 0]])[0]
     for j, a in enumerate((21, 22)):
         ref = model.new_cache()
         model([ref], [prompt + [7]], [1])
         torch.testing.assert_close(rows[3 + j], model([ref], [[a]], [1])[0][0], rtol=1e-4, atol=1e-4)
+    cache.adopt([len(prompt) + 3], len(prompt) + 1)  # keep 21
+    # a deeper fork: 31, 32 follow 11, 12 of the chain 11, 12, 13
+    rows = model([cache], [[11, 12, 13, 31, 32]], [5], [[-1, 0, 1, 1, 3]])[0]
+    ref = model.new_cache()
+    model([ref], [prompt + [7, 21, 11, 12]], [1])
+    torch.testing.assert_close(rows[3:], model([ref], [[31, 32]], [2])[0], rtol=1e-4, atol=1e-4)

@@ -14,12 +14,13 @@ from nebula_flow import protocol, routing
 from nebula_flow.client import AsyncClient, Client
 from nebula_flow.config import ConfigError, PoolConfig, load_config
 from nebula_flow.deploy import Deployment, free_port
+from nebula_flow.lookup import lookup
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Message
 from nebula_flow.request import DRAFT, Request
 from nebula_flow.scheduler import Scheduler
 from tests.conftest import deploy_config, hf_greedy
-from workers.ngram import NgramRunner, lookup
+from workers.ngram import NgramRunner
 from workers.runner import Task
 
 

@@ -205,6 +205,25 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
         router.send_multipart([ident, *protocol.encode(tree)])
         _, result = recv_kind("RESULT")
         assert result.header["results"][0]["rid"] == 11 and 1 <= len(result.header["results"][0]["committed"]) <= 3
+        # Fused chains: refused for a sampled request, without a draft, empty, too many or out of
+        # the vocabulary; a greedy verify with one commits a path of its tree.
+        for rid, extra in ((12, {"fuse": 2, "params": sampled}), (13, {"chains": [[4]]}),
+                           (14, {"draft": [5], "chains": [[]]}), (15, {"draft": [5], "chains": [[4]] * 5}),
+                           (16, {"draft": [5], "chains": [[1 << 20]]}), (17, {"fuse": 99})):
+            bad = Message("TASKS", {"tasks": []})
+            bad.header["tasks"].append(dict(task, rid=rid, tokens=bad.add_array(np.array([1, 2, 3], np.int32)), **extra))
+            router.send_multipart([ident, *protocol.encode(bad)])
+            _, failed = recv_kind("RESULT")
+            error = failed.header["results"][0].get("error", "")
+            assert failed.header["results"][0]["rid"] == rid and ("chains" in error or "fuse" in error), error
+        fused = Message("TASKS", {"tasks": []})
+        fused.header["tasks"].append(dict(task, rid=18, k=2, draft=[5, 6], chains=[[5, 9, 9, 9]],
+                                          tokens=fused.add_array(np.array([1, 2, 3], np.int32))))
+        router.send_multipart([ident, *protocol.encode(fused)])
+        _, result = recv_kind("RESULT")
+        committed = result.header["results"][0]["committed"]
+        assert result.header["results"][0]["rid"] == 18 and 1 <= len(committed) <= 5
+        assert committed[:-1] in ([5, 6][:len(committed) - 1], [5, 9, 9, 9][:len(committed) - 1])
         # Idle now (its PULL unanswered), the worker beats at the broker's pace, never a whole
         # extra interval late: 2 s of silence from it hold about 8 beats.
         recv_kind("HEARTBEAT")
@@ -386,6 +405,7 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
     assert any(k.startswith("nebula_batch_size_total") for k in after)
     key = 'nebula_drafter_rounds_total{drafter="draft"}'  # (the tiny pair's one drafter: its folder's name)
     assert 0 < after[key] - before.get(key, 0) <= out.rounds
+    assert {'nebula_token_tree_total{kind="fused_chains"}', 'nebula_token_tree_total{kind="alternatives_accepted"}'} <= set(after)
 
 
 def test_resubmitting_a_request_id_is_idempotent(live) -> None:  # noqa: ANN001

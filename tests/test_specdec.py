@@ -11,6 +11,7 @@ from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
 from nebula_flow.tiny import _config, _init_target
+from nebula_flow.tree import TokenTree
 from workers.runner import ModelRunner, Task
 
 
@@ -72,6 +73,30 @@ def test_greedy_verify_with_alternatives_to_the_first_draft_token() -> None:
         specdec.verify(logits, [6], [np.array([6])], [np.array([1.0])], SamplingParams(temperature=1.0), 0, 0, [3])
 
 
+def test_a_token_tree_merges_chains_that_share_a_prefix() -> None:
+    tree = TokenTree([[3, 5, 6], [8], [3, 5, 7, 1], [3, 5, 6, 2], [9, 9]])
+    assert tree.tokens == [3, 5, 6, 8, 7, 1, 2, 9, 9]
+    assert tree.parents == [-1, 0, 1, -1, 1, 4, 2, -1, 7]
+    assert tree.path([3, 5, 7, 1, 4]) == [0, 1, 4, 5] and tree.path([4]) == []
+    assert TokenTree([[3, 5, 6], [3, 5]]).is_chain() and not tree.is_chain()
+
+
+def test_greedy_verify_walks_a_fused_chain_as_far_as_the_target_agrees() -> None:
+    """Draft [3, 5, 6] and a fused chain [3, 5, 7, 1] share 3, 5: tree rows follow the root, then
+    nodes 3, 5, 6, 7, 1 (the fused chain's own nodes come after the draft's)."""
+    logits = torch.full((6, 10), -1.0)
+    for row, best in enumerate([3, 5, 7, 0, 1, 4]):  # after root, 3, 5, 6, 7, 1
+        logits[row, best] = 1.0
+    greedy = SamplingParams()
+    # the target picks 7 after 3, 5: the fused chain carries the round past the draft, and one more
+    assert specdec.verify(logits, [3, 5, 6], None, None, greedy, 0, 0, (), [[3, 5, 7, 1]]) == [3, 5, 7, 1, 4]
+    logits[2] = -1.0
+    logits[2, 6] = 1.0  # now the target picks 6: the draft wins
+    assert specdec.verify(logits, [3, 5, 6], None, None, greedy, 0, 0, (), [[3, 5, 7, 1]]) == [3, 5, 6, 0]
+    with pytest.raises(ValueError, match="greedy"):
+        specdec.verify(logits, [3], [np.array([3])], [np.array([1.0])], SamplingParams(temperature=1.0), 0, 0, (), [[4]])
+
+
 def test_rejection_sampling_with_truncated_proposal_follows_the_target() -> None:
     """One draft position, q cut to its top 3 of 6 tokens: the committed token follows p."""
     g = torch.Generator().manual_seed(0)
@@ -131,3 +156,31 @@ def test_speculative_sampling_with_real_models_follows_the_target(params: Sampli
         counts[toks[0], toks[1]] += 1
     df = int((exact > 0).sum()) - 1
     assert chi_square(counts.flatten(), exact.flatten() / exact.sum()) < chi2_critical(df)
+
+
+def test_rounds_with_a_fused_ngram_chain_give_the_targets_greedy_output() -> None:
+    """A draft and a target runner run whole greedy rounds with runner-ups and a fused n-gram
+    chain (an 8-token vocabulary repeats itself, so the chain often matches): the output is the
+    target's own greedy output, and some rounds commit more than the draft had (the fused chain
+    won, its KV moved into place for the next rounds)."""
+    target, draft = _tiny_vocab_model(1, 2), _tiny_vocab_model(2, 1)
+    t_run, d_run = ModelRunner(target), ModelRunner(draft)
+    greedy = SamplingParams(max_new_tokens=60)
+    for rid, prompt in enumerate(([1, 2, 3, 1, 2], [5, 5, 6, 7, 0, 5])):
+        with torch.no_grad():
+            cache, ref = target.new_cache(), list(prompt)
+            logits = target([cache], [ref], [1])[0]
+            for _ in range(60):
+                ref.append(int(torch.argmax(logits[0])))
+                logits = target([cache], [[ref[-1]]], [1])[0]
+        out, fused_won = list(prompt), 0
+        while len(out) < len(prompt) + 60:
+            task = Task(rid, "draft", 1, 1, np.array(out, dtype=np.int64), 3, greedy, 0, alts=1, fuse=8)
+            [d] = d_run.draft([task])
+            task.draft, task.alt, task.chains = d.tokens, d.alt, d.chains
+            [committed] = t_run.verify([task])
+            chain = next((i for i, (a, b) in enumerate(zip(d.tokens, committed)) if a != b), len(d.tokens))
+            fused_won += len(committed) - 1 > chain and committed[0] not in d.alt
+            out.extend(committed)
+        assert out[:len(ref)] == ref[:len(out)]
+        assert fused_won > 0

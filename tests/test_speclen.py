@@ -7,7 +7,15 @@ import pytest
 from nebula_flow.params import SamplingParams
 from nebula_flow.request import DRAFT, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
-from nebula_flow.speclen import Acceptance, StepCosts, choose_k, choose_round, expected_tokens, measured_costs
+from nebula_flow.speclen import (
+    Acceptance,
+    StepCosts,
+    choose_k,
+    choose_round,
+    expected_tokens,
+    fuse_pays,
+    measured_costs,
+)
 
 
 def test_expected_tokens_is_the_geometric_sum() -> None:
@@ -115,6 +123,26 @@ def test_a_token_tree_is_chosen_only_where_its_rows_pay() -> None:
     acc.update_alternatives(1, 2, via_alt=False)  # the first draft token was accepted: no evidence
     acc.update_alternatives(0, 0, via_alt=False)  # no runner-ups verified: no evidence
     assert acc.alt_rate == before
+
+
+def test_a_fused_chain_is_verified_only_where_what_it_wins_pays_for_its_rows() -> None:
+    acc = Acceptance(1, 1)
+    amx_bf16 = (0.073, 0.03, 1.1)
+    assert acc.fused_gain == pytest.approx(2.0)  # hopeful at first: every request tries it
+    assert fuse_pays(acc, 3, 0, 8, amx_bf16)  # 8 rows at 3 % of a decode step each
+    costs, verify = measured_costs([0.0018], [0.048, 0.052, 0.055, 0.082, 0.086, 0.090, 0.105, 0.110,
+                                              0.140, 0.150, 0.160, 0.170])
+    for _ in range(6):  # chains that never win beyond the draft
+        acc.update_fused(0)
+    assert acc.fused_gain < 0.3 and not fuse_pays(acc, 3, 0, 8, costs, verify)
+    low = acc.fused_gain
+    for _ in range(10):  # rounds without one relax toward the prior: the request looks again later
+        acc.update_fused(None)
+    assert acc.fused_gain > low + 0.5
+    for _ in range(6):  # chains that win a lot (code edits) pay even for costly rows
+        acc.update_fused(5)
+    assert fuse_pays(acc, 3, 0, 8, costs, verify)
+    assert not fuse_pays(acc, 0, 0, 8, costs, verify) and not fuse_pays(acc, 3, 0, 0, costs, verify)
 
 
 def test_the_policy_takes_measured_costs_and_token_tree_choices() -> None:

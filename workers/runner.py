@@ -13,9 +13,12 @@ import torch
 
 from nebula_flow import specdec
 from nebula_flow.kv.store import KVStore
+from nebula_flow.lookup import lookup
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
+from nebula_flow.routing import DEFAULT_MAX_N, DEFAULT_MIN_N
 from nebula_flow.speclen import StepCosts
+from nebula_flow.tree import TokenTree
 
 
 @dataclass
@@ -36,6 +39,12 @@ class Task:
     holder: dict = field(default_factory=dict)  # {worker, valid, endpoint}: who has this role's KV
     alts: int = 0  # draft / round tasks: alternatives to the first draft token wanted (greedy only)
     alt: list[int] = field(default_factory=list)  # verify tasks: those alternatives (a two-level token tree)
+    fuse: int = 0  # draft / round tasks: fuse an n-gram chain of up to this many tokens (greedy only)
+    chains: list[list[int]] = field(default_factory=list)  # verify tasks: the fused chains (token tree)
+
+    def tree(self) -> TokenTree:
+        """The token tree this verify scores: the draft, the alternatives and the fused chains."""
+        return TokenTree([self.draft, *([a] for a in self.alt), *self.chains])
 
 
 @dataclass
@@ -44,6 +53,7 @@ class Draft:
     q_idx: list[np.ndarray] | None
     q_prob: list[np.ndarray] | None
     alt: list[int] = field(default_factory=list)  # the draft's next choices for the first token
+    chains: list[list[int]] = field(default_factory=list)  # other drafters' chains fused in (token tree)
 
 
 class ModelRunner:
@@ -59,9 +69,9 @@ class ModelRunner:
         self.forwards = 0
         self.step_costs = StepCosts()
 
-    def _forward(self, caches, new_tokens, rows, branches=None):  # noqa: ANN001, ANN202 - internal
+    def _forward(self, caches, new_tokens, rows, parents=None):  # noqa: ANN001, ANN202 - internal
         t0 = time.perf_counter()
-        out = self.model(caches, new_tokens, rows, branches)
+        out = self.model(caches, new_tokens, rows, parents)
         took = time.perf_counter() - t0
         self.busy_s += took
         self.forwards += 1
@@ -97,26 +107,39 @@ class ModelRunner:
                 new[i] = [tok]
             step += 1
             active = [i for i in active if tasks[i].k > step]
+        for t, d in zip(tasks, drafts):
+            if t.fuse and t.params.greedy and (chain := fused_ngram(t.tokens, t.fuse, d.tokens)):
+                d.chains = [chain]
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
         return drafts
 
     def verify(self, tasks: list[Task]) -> list[list[int]]:
-        """Score each task's drafts (and alternatives) in one forward; returns the committed
-        tokens per task."""
+        """Score each task's drafts (a chain, or a token tree: alternatives, fused chains) in one
+        forward; returns the committed tokens per task."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
-        new = [t.tokens[c.length:].tolist() + t.draft + t.alt for t, c in zip(tasks, caches)]
-        branches = [(len(t.tokens) - c.length, len(t.alt)) if t.alt else None for t, c in zip(tasks, caches)]
-        logits = self._forward(caches, new, [len(t.draft) + 1 + len(t.alt) for t in tasks], branches)
+        trees = [t.tree() for t in tasks]
+        new = [t.tokens[c.length:].tolist() + tree.tokens for t, c, tree in zip(tasks, caches, trees)]
+        # a tree's rows follow the uncommitted tail; node p's parent row is the tail's length plus p
+        # (the root, -1, is the last committed token's row)
+        parents = [None if tree.is_chain() else [*range(-1, len(n) - len(tree) - 1),
+                                                 *(len(n) - len(tree) + p for p in tree.parents)]
+                   for tree, n in zip(trees, new)]
+        logits = self._forward(caches, new, [1 + len(tree) for tree in trees], parents)
         out = []
-        for t, c, rows in zip(tasks, caches, logits):
-            committed = specdec.verify(rows, t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens), t.alt)
+        for t, c, rows, tree in zip(tasks, caches, logits, trees):
+            committed = specdec.verify(rows, t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens), t.alt, t.chains)
             position = len(t.tokens)
-            if t.alt and committed[0] in t.alt:  # an alternative won: its KV moves to its position
-                c.adopt(position + len(t.draft) + t.alt.index(committed[0]), position)
-            else:  # keep the KV of the accepted drafts; the rejected suffix is rolled back
-                c.truncate(position + len(committed) - 1)
+            # keep the KV of the accepted path (moved into place when it is not the first chain's)
+            c.adopt([position + node for node in tree.path(committed[:-1])], position)
             out.append(committed)
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
         return out
+
+
+def fused_ngram(tokens: np.ndarray, k: int, draft: list[int]) -> list[int]:
+    """An n-gram chain of up to k tokens to verify beside ``draft`` (a greedy round's token tree),
+    or [] when the context has no match or the match adds nothing (it is a prefix of the draft)."""
+    chain, _ = lookup(np.asarray(tokens), k, DEFAULT_MIN_N, DEFAULT_MAX_N)
+    return [] if chain == draft[:len(chain)] else chain

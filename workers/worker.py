@@ -268,8 +268,8 @@ class Worker:
             raise ProtocolError("malformed", f"task tokens must be a non-empty list of ids below {vocab}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in task.draft):
             raise ProtocolError("malformed", "draft must be a list of token ids")
-        if not 0 <= task.k <= 64 or len(task.draft) > 64:
-            raise ProtocolError("malformed", "k and draft length must be in 0..64")
+        if not 0 <= task.k <= protocol.MAX_DRAFT or len(task.draft) > protocol.MAX_DRAFT:
+            raise ProtocolError("malformed", f"k and draft length must be in 0..{protocol.MAX_DRAFT}")
         if raw.get("q_len") is not None:
             task.q_idx, task.q_prob = protocol.split_q(msg, raw)
         elif task.draft and not params.greedy:
@@ -283,6 +283,18 @@ class Worker:
             ids = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in task.alt)
             if task.alt and (not task.draft or not ids or len(set(task.alt) | {task.draft[0]}) != len(task.alt) + 1):
                 raise ProtocolError("malformed", "alt must be distinct token ids other than draft[0], with a draft")
+        task.fuse, task.chains = raw.get("fuse") or 0, raw.get("chains") or []
+        if task.fuse or task.chains:
+            if not params.greedy:
+                raise ProtocolError("malformed", "fused chains (a token tree) are for greedy requests only")
+            if not isinstance(task.fuse, int) or not 0 <= task.fuse <= protocol.MAX_DRAFT:
+                raise ProtocolError("malformed", f"fuse must be in 0..{protocol.MAX_DRAFT}")
+            if not task.draft and task.chains or len(task.chains) > protocol.MAX_FUSED_CHAINS or not all(
+                    isinstance(c, list) and 0 < len(c) <= protocol.MAX_DRAFT
+                    and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in c)
+                    for c in task.chains):
+                raise ProtocolError("malformed", f"chains must be at most {protocol.MAX_FUSED_CHAINS} lists of "
+                                                 f"1..{protocol.MAX_DRAFT} token ids, with a draft")
         return task
 
     # -- compute (runs on the compute thread) -----------------------------------------------
@@ -313,6 +325,8 @@ class Worker:
                         h["draft"] = d.tokens
                         if d.alt:
                             h["alt"] = d.alt
+                        if d.chains:
+                            h["chains"] = d.chains
                         protocol.attach_q(msg, h, d.q_idx, d.q_prob)
                 elif kind == "verify" and self.target and self.opts.role != "draft":
                     for h, committed in zip(heads, self.target.verify(group)):
@@ -323,11 +337,13 @@ class Worker:
                     for t in group:
                         if t.k > 0:
                             d = next(it)
-                            t.draft, t.q_idx, t.q_prob, t.alt = d.tokens, d.q_idx, d.q_prob, d.alt
+                            t.draft, t.q_idx, t.q_prob, t.alt, t.chains = d.tokens, d.q_idx, d.q_prob, d.alt, d.chains
                     for h, t, committed in zip(heads, group, self.target.verify(group)):
-                        h["committed"], h["proposed"] = committed, len(t.draft)
+                        h["committed"], h["draft"] = committed, t.draft
                         if t.alt:
                             h["alt"] = t.alt
+                        if t.chains:
+                            h["chains"] = t.chains
                 else:
                     raise ProtocolError("wrong_role", f"a {self.opts.role} worker cannot run {kind} tasks")
             except Exception as exc:  # fail these requests clearly rather than leave them hanging

@@ -140,13 +140,16 @@ class KVCache:
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
 
-    def adopt(self, slot: int, position: int) -> None:
-        """Make the token computed at ``slot`` (a token tree's accepted alternative, stored after
-        the chain) the one at ``position``, and drop everything after it."""
+    def adopt(self, slots: list[int], position: int) -> None:
+        """Keep one path of a token tree (``CausalLM.forward``'s ``parents``): the tokens computed
+        at ``slots`` (increasing, each at or after its place) become positions ``position``,
+        ``position + 1``, ...; everything after them is dropped."""
         with torch.inference_mode():  # a buffer grown inside a forward is an inference tensor
-            self.buf[position] = self.buf[slot]
-        self.tokens[position] = self.tokens[slot]
-        del self.tokens[position + 1:]
+            for j, slot in enumerate(slots):
+                if slot != position + j:
+                    self.buf[position + j] = self.buf[slot]
+                    self.tokens[position + j] = self.tokens[slot]
+        del self.tokens[position + len(slots):]
 
     def common_prefix(self, tokens: np.ndarray) -> int:
         """How many leading positions of ``tokens`` this cache already holds."""

@@ -90,23 +90,45 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class TreeRows:
+    """The new rows of one sequence when they form a token tree (``CausalLM.forward``'s
+    ``parents``): row i's parent among the new rows (-1: the last cached position), its depth
+    (its position is the cache length plus its depth) and the rows it sees, itself included, in
+    order of depth (a chain's row i sees rows 0..i)."""
+
+    def __init__(self, parents: list[int]) -> None:
+        self.depth: list[int] = []
+        self.sees: list[list[int]] = []
+        for i, p in enumerate(parents):
+            if not -1 <= p < i:
+                raise ValueError(f"row {i}'s parent {p} must be an earlier row or -1")
+            self.depth.append(0 if p < 0 else self.depth[p] + 1)
+            self.sees.append((self.sees[p] if p >= 0 else []) + [i])
+
+    @staticmethod
+    def of(parents: list[int] | None) -> TreeRows | None:
+        """None (a plain chain: the fast paths) unless ``parents`` branch."""
+        if parents is None or all(p == i - 1 for i, p in enumerate(parents)):
+            return None
+        return TreeRows(parents)
+
+
 def _attention_mask(past: int, n: int, window: int | None, device: torch.device,
-                    branch: tuple[int, int] | None = None) -> torch.Tensor:
+                    tree: TreeRows | None = None) -> torch.Tensor:
     """Boolean [n, past+n] mask over cache slots: query i sees keys j <= past+i (and within the
-    window). With a ``branch`` (see ``CausalLM.forward``) the last rows are siblings of row
-    ``branch[0]``: no other row sees them, and each sees what that row sees before it, and itself."""
+    window). With a ``tree`` a new row sees the cached slots and the new rows of its own path
+    (``TreeRows.sees``), and positions count by depth."""
     q_slot = torch.arange(past, past + n, device=device)[:, None]
     k_slot = torch.arange(past + n, device=device)[None, :]
-    allowed = k_slot <= q_slot
-    q_pos, k_pos = q_slot, k_slot
-    if branch is not None:
-        row, count = branch
-        first = past + n - count
-        alt_q, alt_k = q_slot >= first, k_slot >= first
-        allowed &= ~alt_k | (k_slot == q_slot)
-        allowed &= ~alt_q | (k_slot < past + row) | (k_slot == q_slot)
-        q_pos = torch.where(alt_q, past + row, q_slot)
-        k_pos = torch.where(alt_k, past + row, k_slot)
+    if tree is None:
+        allowed, q_pos, k_pos = k_slot <= q_slot, q_slot, k_slot
+    else:
+        sees = torch.zeros(n, n, dtype=torch.bool)
+        for i, rows in enumerate(tree.sees):
+            sees[i, rows] = True
+        allowed = torch.cat((torch.ones(n, past, dtype=torch.bool), sees), dim=1).to(device)
+        depth = torch.tensor(tree.depth, device=device) + past
+        q_pos, k_pos = depth[:, None], torch.cat((torch.arange(past, device=device), depth))[None, :]
     if window is not None:
         allowed &= q_pos - k_pos < window
     return allowed
@@ -130,7 +152,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        caches: list[KVCache], lengths: list[int], branches: list[tuple[int, int] | None],
+        caches: list[KVCache], lengths: list[int], trees: list[TreeRows | None],
     ) -> torch.Tensor:
         cfg, hd = self.cfg, self.cfg.head_dim
         T = x.shape[0]
@@ -145,22 +167,22 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         outs, start = [], 0
-        for cache, n, branch in zip(caches, lengths, branches):
+        for cache, n, tree in zip(caches, lengths, trees):
             past = cache.length
             end = past + n
             cache.buf[past:end, self.layer, 0] = k[start : start + n]
             cache.buf[past:end, self.layer, 1] = v[start : start + n]
             keys, values = cache.layer_kv(self.layer, end)
             if self.batch_invariant:
-                outs.extend(self._rows_alone(q[start : start + n], keys, values, past, branch))
+                outs.extend(self._rows_alone(q[start : start + n], keys, values, past, tree))
                 start += n
                 continue
             window = cfg.sliding_window if cfg.sliding_window and end > cfg.sliding_window else None
             mask, causal = None, False
-            if past == 0 and window is None and branch is None:
+            if past == 0 and window is None and tree is None:
                 causal = n > 1
             elif n > 1 or window is not None:
-                mask = _attention_mask(past, n, window, x.device, branch)
+                mask = _attention_mask(past, n, window, x.device, tree)
             out = F.scaled_dot_product_attention(
                 q[start : start + n].transpose(0, 1)[None], keys[None], values[None],
                 attn_mask=mask, is_causal=causal, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
@@ -170,29 +192,28 @@ class Attention(nn.Module):
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
     def _rows_alone(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, branch: tuple[int, int] | None,
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, tree: TreeRows | None,
     ) -> list[torch.Tensor]:
         """Each query row attends to its own prefix in its own call: the shape a decode step uses,
         so a position's output has the same bits in a decode, a verify or a prefill. The math runs
         in fp32 (elementwise casts keep the invariance): more exact, and on CPUs a one-row fp32
         attention call measured ~5x faster than a bf16 one (37 vs 200 us at 200 positions).
-        A branch row (sibling of row ``branch[0]``) sees that row's prefix and its own key: the
-        same keys, in the same order, as decoding its token there."""
+        A row of a token ``tree`` off the first chain sees the cached prefix and its own path's
+        rows: the same keys, in the same order, as decoding its path's tokens there."""
         cfg, out = self.cfg, []
         n = q.shape[0]
-        first_alt = n - branch[1] if branch else n
         window = cfg.sliding_window
         lo = max(0, past + 1 - window) if window else 0  # the first key any of these rows sees
         q32, k32, v32 = q.float(), keys[:, lo:].float(), values[:, lo:].float()
         for i in range(n):
-            pos = past + (branch[0] if i >= first_alt else i)
+            pos = past + (tree.depth[i] if tree else i)
             begin = max(0, pos + 1 - window) if window else 0
-            if i < first_alt:
+            if tree is None or tree.sees[i] == list(range(i + 1)):  # a chain row: one slice of slots
                 ks, vs = k32[:, begin - lo:pos + 1 - lo], v32[:, begin - lo:pos + 1 - lo]
-            else:  # the prefix before its sibling, then its own key (stored after the chain)
-                own = past + i - lo
-                ks = torch.cat((k32[:, begin - lo:pos - lo], k32[:, own:own + 1]), dim=1)
-                vs = torch.cat((v32[:, begin - lo:pos - lo], v32[:, own:own + 1]), dim=1)
+            else:  # the prefix, then its path's rows (stored wherever the tree put them)
+                slots = [*range(begin, past), *(past + r for r in tree.sees[i] if past + tree.depth[r] >= begin)]
+                idx = torch.tensor(slots, device=q.device) - lo
+                ks, vs = k32.index_select(1, idx), v32.index_select(1, idx)
             o = F.scaled_dot_product_attention(
                 q32[i : i + 1].transpose(0, 1)[None], ks[None], vs[None],
                 enable_gqa=cfg.num_heads != cfg.num_kv_heads,
@@ -225,8 +246,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, caches, lengths, branches):  # noqa: ANN001, ANN201 - internal
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, caches, lengths, branches)
+    def forward(self, x, cos, sin, caches, lengths, trees):  # noqa: ANN001, ANN201 - internal
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, caches, lengths, trees)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -327,7 +348,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(
         self, caches: list[KVCache], new_tokens: list[list[int]], logit_rows: list[int],
-        branches: list[tuple[int, int] | None] | None = None,
+        parents: list[list[int] | None] | None = None,
     ) -> list[torch.Tensor]:
         """Run one ragged step.
 
@@ -336,30 +357,28 @@ class CausalLM(nn.Module):
         through the output head, which dominates the cost for large vocabularies. Logit column j
         scores token ``token_ids(j)``.
 
-        ``branches[i] = (row, count)`` makes a two-level token tree: the last ``count`` new tokens
-        of sequence i are alternatives to its new token ``row``, at that token's position, each
-        seeing the tokens before it and itself (nothing else sees them). Their KV is stored after
-        the others; the caller keeps at most one of them (``KVCache.adopt``).
+        ``parents[i]`` (None: a chain) makes sequence i's new tokens a token tree: new token j
+        follows new token ``parents[i][j]`` (-1: the last cached one), sits at that one's position
+        plus one and sees only its own path (``TreeRows``). Every token's KV is stored in the
+        order given; the caller keeps one path of it (``KVCache.adopt``).
         """
         device = self.lm_head.weight.device
         lengths = [len(t) for t in new_tokens]
-        branches = branches or [None] * len(caches)
+        trees = [TreeRows.of(p) for p in parents] if parents else [None] * len(caches)
         for cache, n in zip(caches, lengths):
             cache.reserve(cache.length + n)
         ids = torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.long, device=device)
         spans = []
-        for c, n, branch in zip(caches, lengths, branches):
-            span = torch.arange(c.length, c.length + n, device=device)
-            if branch is not None:
-                span[n - branch[1]:] = c.length + branch[0]
-            spans.append(span)
+        for c, n, tree in zip(caches, lengths, trees):
+            spans.append(torch.arange(c.length, c.length + n, device=device) if tree is None
+                         else torch.tensor(tree.depth, device=device) + c.length)
         positions = torch.cat(spans).float()
         freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(ids)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, caches, lengths, branches)
+            x = layer(x, cos, sin, caches, lengths, trees)
         for cache, seq in zip(caches, new_tokens):
             cache.tokens.extend(seq)
         rows, start = [], 0

@@ -147,6 +147,7 @@ class Scenario:
     # report no forward times, so spec_costs hold; token trees' extra rows and wins are not modelled.
     measure_costs: bool = False
     first_alternatives: int = 0
+    fuse_ngram: int = 0
     disable_by_batch_size: int = 0
     seed: int = 0
     host: HostCosts = field(default_factory=HostCosts)

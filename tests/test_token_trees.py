@@ -1,0 +1,141 @@
+"""Fusion of drafts into one token tree: a prompt-lookup chain verified beside each model draft
+(``fuse_ngram``), checked by the policy, the broker and the worker, and end to end with real
+processes (greedy output equal to HF transformers, KV of a won chain moved and pulled)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from broker.server import Broker, BrokerOptions
+from nebula_flow import protocol
+from nebula_flow.client import AsyncClient, Client
+from nebula_flow.deploy import Deployment
+from nebula_flow.params import SamplingParams
+from nebula_flow.protocol import Message, ProtocolError
+from nebula_flow.request import DRAFT, VERIFY, Request
+from nebula_flow.scheduler import Scheduler
+from nebula_flow.speclen import Acceptance
+from tests.conftest import deploy_config, hf_greedy
+from workers.runner import fused_ngram
+
+
+def test_the_fused_chain_is_the_lookup_unless_the_draft_already_has_it() -> None:
+    tokens = np.array([4, 5, 6, 7, 9, 4, 5])
+    assert fused_ngram(tokens, 3, [1, 2]) == [6, 7, 9]
+    assert fused_ngram(tokens, 3, [6, 7, 9, 1]) == []  # a prefix of the draft adds no row
+    assert fused_ngram(tokens, 3, [6]) == [6, 7, 9]  # it goes on past the draft: worth verifying
+    assert fused_ngram(np.array([1, 2, 3]), 3, [1]) == []  # no match
+
+
+def test_the_policy_fuses_greedy_rounds_with_drafts_and_counts_the_draft_by_its_own_tokens() -> None:
+    s = Scheduler("pooled", k=3, fuse_ngram=5)
+    s.register(1, "draft", 4)
+    s.register(2, "target", 4)
+    greedy = Request(1, "a", [1, 2, 3], SamplingParams(max_new_tokens=20), seed=1)
+    sampled = Request(2, "b", [1, 2, 3], SamplingParams(max_new_tokens=20, temperature=1.0), seed=2)
+    last = Request(3, "c", [1, 2, 3], SamplingParams(max_new_tokens=1), seed=3)  # one token left: no draft
+    for r in (greedy, sampled, last):
+        s.admit(r)
+    assert (greedy.fuse, sampled.fuse, last.fuse) == (5, 0, 0)
+    s.pull(1, 4, True, 0.0)
+    [(_, batch)] = s.dispatch()
+    assert {r.rid for r in batch} == {1, 2}
+    s.draft_done(greedy, 1, [7, 8, 9], {})
+    greedy.chains = [[7, 6, 5, 4, 3]]
+    assert greedy.phase == VERIFY and s.holder_key(greedy) == "target"
+    s.pull(2, 4, True, 0.0)
+    s.dispatch()
+    # the fused chain won 4 tokens; the draft had 1 of them: its KV is good for one, and its
+    # acceptance is 1 of 3
+    s.verify_done(greedy, 2, accepted=4, chain=1)
+    assert greedy.holders["draft"] == (1, 3 + 1) and greedy.holders["target"] == (2, 3 + 4)
+    expected = Acceptance()
+    expected.update(3, 1)
+    assert vars(greedy.acceptance) == pytest.approx(vars(expected)) and greedy.accepted == 4
+    greedy.output += [7, 6, 5, 4, 1]
+    s.start_round(greedy)
+    assert greedy.chains == [] and greedy.phase == DRAFT and greedy.fuse == 5
+    with pytest.raises(ValueError, match="fuse_ngram"):
+        Scheduler("pooled", k=3, fuse_ngram=17)
+
+
+def _broker_with_round(draft: list[int], chains: list[list[int]]) -> tuple[Broker, Request]:
+    broker = Broker(BrokerOptions(k=4, fuse_ngram=4))
+    req = Request(1, "a", [1, 2, 3], SamplingParams(max_new_tokens=20), seed=1, k=4, fuse=4)
+    req.draft, req.chains, req.phase = draft, chains, VERIFY
+    return broker, req
+
+
+def test_the_broker_checks_fused_chains_and_that_a_round_commits_a_path_of_its_tree() -> None:
+    broker, req = _broker_with_round([3, 4], [])
+    assert broker._fused_chains(req, {"chains": [[3, 9, 9, 9]]}, [3, 4]) == [[3, 9, 9, 9]]
+    assert broker._fused_chains(req, {}, [3, 4]) == []
+    for bad in ([[3, 9, 9, 9, 9]], [[]], [[3], [4]], [["x"]], [3, 4], "x"):  # too long, empty, two, not ids
+        with pytest.raises(ProtocolError):
+            broker._fused_chains(req, {"chains": bad}, [3, 4])
+    with pytest.raises(ProtocolError):  # only beside a draft
+        broker._fused_chains(req, {"chains": [[3]]}, [])
+    req.fuse = 0
+    with pytest.raises(ProtocolError):  # never asked for
+        broker._fused_chains(req, {"chains": [[3]]}, [3, 4])
+    broker, req = _broker_with_round([3, 4], [[3, 9, 8]])
+    for committed in ([9, 1], [3, 4, 8, 1], [3, 9, 4, 1], []):  # not a path of the tree, then one more token
+        with pytest.raises(ProtocolError, match="not a path"):
+            broker._apply_result(1, Message("RESULT"), req, {"kind": "verify", "committed": committed}, 0.0)
+
+
+# Prompts that repeat themselves, so the tiny target's greedy continuation often follows one of
+# their earlier n-grams (and some that do not).
+PROMPTS = [[5 + i, 40 + 3 * i, 7, 5 + i, 40 + 3 * i, 7, 5 + i] for i in range(6)] + [[3, 9, 27, 81], [100, 4, 100]]
+
+
+async def _generate_all(address: str, n: int) -> list:
+    async with AsyncClient(address, timeout_s=120) as client:
+        return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=n) for p in PROMPTS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pooled", "colocated"])
+def test_fused_ngram_chains_end_to_end_are_lossless_and_win_rounds(tiny_pair, mode: str, tmp_path) -> None:  # noqa: ANN001
+    """Real processes. Pooled runs 2 + 2 workers with forced migration: a round the fused chain
+    won moves that chain's KV into place, and the next round's worker pulls it. The policy log
+    replays with the same decisions."""
+    from nebula_flow import policy_log
+
+    cfg = deploy_config(tiny_pair, mode, *((2, 2) if mode == "pooled" else (1, 1)), k=3, max_batch=4)
+    cfg.broker.fuse_ngram, cfg.broker.first_alternatives = 6, 1
+    cfg.broker.migrate = mode == "pooled"
+    cfg.broker.policy_log = str(tmp_path / "policy.jsonl")
+    with Deployment(cfg) as dep:
+        outs = asyncio.run(_generate_all(dep.address, 40))
+        with Client(dep.address) as c:
+            state = c.status()
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair / "target", p, 40) for p in PROMPTS]
+    counters = state["counters"]
+    assert not state["errors"] and counters["fused_chains"] > 0
+    assert counters["fused_rounds_won"] > 0 and counters["fused_tokens_accepted"] >= counters["fused_rounds_won"]
+    assert sum(o.stats["fused_accepted"] for o in outs) == counters["fused_tokens_accepted"]
+    if mode == "pooled":
+        target_kv = [w["kv"] for w in state["workers"] if w["role"] == "target"]
+        assert sum(k["pulls"] for k in target_kv) > 10 and sum(k["pull_failures"] for k in target_kv) == 0
+    records = policy_log.load(tmp_path / "policy.jsonl")
+    report = policy_log.replay(records, policy_log.policy_of(records))
+    assert report.decisions > 20 and report.identical, report.mismatches[:3]
+
+
+def test_fusion_is_a_config_knob_with_limits(tmp_path) -> None:  # noqa: ANN001
+    from nebula_flow.config import ConfigError, load_config
+
+    path = tmp_path / "c.toml"
+    base = 'mode = "pooled"\n[draft]\nmodel = "/m/d"\n[target]\nmodel = "/m/t"\n[broker]\n'
+    path.write_text(base + "fuse_ngram = 8\n")
+    cfg = load_config(path)
+    cfg.validate()
+    assert cfg.broker.fuse_ngram == 8
+    path.write_text(base + "fuse_ngram = 17\n")
+    with pytest.raises(ConfigError, match="fuse_ngram"):
+        load_config(path).validate()
+    assert protocol.TASK_FIELDS["?fuse"] is int and protocol.RESULT_FIELDS["?chains"] is list
