@@ -144,7 +144,8 @@ class Scenario:
     adaptive_k: bool = False
     spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))
     # Accepted in [policy] (a deployment's knobs come with it) but not simulated: simulated workers
-    # report no forward times, so spec_costs hold; token trees' extra rows and wins are not modelled.
+    # report no forward times, so spec_costs hold; token trees' extra rows and wins (runner-ups,
+    # fused chains) are not modelled.
     measure_costs: bool = False
     first_alternatives: int = 0
     fuse_ngram: int = 0
