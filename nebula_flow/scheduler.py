@@ -160,7 +160,9 @@ class Scheduler:
         ``fuse_ngram``: greedy rounds with drafts also verify a prompt-lookup chain of up to this
         many tokens (``lookup``), fused with the draft into one token tree: the round keeps
         whichever path the target agrees with longest. The draft worker looks it up; a round
-        without a match, or whose match the draft already has, verifies the draft alone.
+        without a match, or whose match the draft already has, verifies the draft alone. With
+        ``adaptive_k``, only in rounds where the request's gain from it pays for its verify rows
+        (``speclen.fuse_pays``).
         ``disable_by_batch_size``: while more requests than this
         are in the pool, rounds start without drafts (0: always speculate). A target batching
         many requests verifies extra rows at nearly a decode row's cost while the draft phase

@@ -186,7 +186,7 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
     assert records[0] == ["policy", "pooled", 4, {"locality": True, "migrate": False, "merge_batches": True,
                                                   "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS),
                                                   "measure_costs": True, "first_alternatives": 0,
-                                                  "disable_by_batch_size": 0}]
+                                                  "fuse_ngram": 0, "disable_by_batch_size": 0}]
     # the workers' forward times are events too (the policy weighs them with adaptive k)
     assert {r[2] for r in records if r[0] == "step_costs"} == {"draft", "target"}
     sc = small_scenario(k=4, locality=True)
@@ -207,11 +207,11 @@ def test_the_paper_scenario_loads() -> None:
 def test_a_scenarios_policy_knobs_reach_the_simulated_policy(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "s.toml"
     path.write_text(PAPER.read_text().replace("[policy]", "[policy]\nadaptive_k = true\ndisable_by_batch_size = 2\n"
-                                              "spec_costs = [0.05, 0.01, 1.2]\nfirst_alternatives = 1", 1))
+                                              "spec_costs = [0.05, 0.01, 1.2]\nfirst_alternatives = 1\nfuse_ngram = 4", 1))
     sc = load_scenario(path)
     knobs = Simulator(sc, "pooled").policy.knobs()
     assert (knobs["adaptive_k"], knobs["disable_by_batch_size"], knobs["spec_costs"]) == (True, 2, [0.05, 0.01, 1.2])
-    assert knobs["first_alternatives"] == 0  # (not modelled: see Scenario)
+    assert knobs["first_alternatives"] == knobs["fuse_ngram"] == 0  # (not modelled: see Scenario)
 
 
 def test_bad_scenarios_get_clear_errors(tmp_path) -> None:  # noqa: ANN001

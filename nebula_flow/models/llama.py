@@ -104,6 +104,33 @@ class TreeRows:
                 raise ValueError(f"row {i}'s parent {p} must be an earlier row or -1")
             self.depth.append(0 if p < 0 else self.depth[p] + 1)
             self.sees.append((self.sees[p] if p >= 0 else []) + [i])
+        self._masks: dict[tuple, torch.Tensor] = {}  # every layer of one forward uses the same masks
+        self._slots: dict[tuple, torch.Tensor] = {}  # and the same key slots per row
+
+    def key_slots(self, row: int, past: int, begin: int, device: torch.device) -> torch.Tensor:
+        """The cache slots row ``row`` attends to, in order: the cached ones from ``begin``, then
+        its path's rows (within the window that ``begin`` starts), built once."""
+        key = (row, past, begin, device)
+        if key not in self._slots:
+            path = (past + r for r in self.sees[row] if past + self.depth[r] >= begin)
+            self._slots[key] = torch.tensor([*range(begin, past), *path], device=device)
+        return self._slots[key]
+
+    def mask(self, past: int, window: int | None, device: torch.device) -> torch.Tensor:
+        """``_attention_mask`` for these rows after ``past`` cached positions, built once."""
+        key = (past, window, device)
+        if key not in self._masks:
+            n = len(self.depth)
+            sees = torch.zeros(n, n, dtype=torch.bool)
+            for i, rows in enumerate(self.sees):
+                sees[i, rows] = True
+            allowed = torch.cat((torch.ones(n, past, dtype=torch.bool), sees), dim=1).to(device)
+            if window is not None:
+                depth = torch.tensor(self.depth, device=device) + past
+                k_pos = torch.cat((torch.arange(past, device=device), depth))
+                allowed &= depth[:, None] - k_pos[None, :] < window
+            self._masks[key] = allowed
+        return self._masks[key]
 
     @staticmethod
     def of(parents: list[int] | None) -> TreeRows | None:
@@ -118,19 +145,13 @@ def _attention_mask(past: int, n: int, window: int | None, device: torch.device,
     """Boolean [n, past+n] mask over cache slots: query i sees keys j <= past+i (and within the
     window). With a ``tree`` a new row sees the cached slots and the new rows of its own path
     (``TreeRows.sees``), and positions count by depth."""
+    if tree is not None:
+        return tree.mask(past, window, device)
     q_slot = torch.arange(past, past + n, device=device)[:, None]
     k_slot = torch.arange(past + n, device=device)[None, :]
-    if tree is None:
-        allowed, q_pos, k_pos = k_slot <= q_slot, q_slot, k_slot
-    else:
-        sees = torch.zeros(n, n, dtype=torch.bool)
-        for i, rows in enumerate(tree.sees):
-            sees[i, rows] = True
-        allowed = torch.cat((torch.ones(n, past, dtype=torch.bool), sees), dim=1).to(device)
-        depth = torch.tensor(tree.depth, device=device) + past
-        q_pos, k_pos = depth[:, None], torch.cat((torch.arange(past, device=device), depth))[None, :]
+    allowed = k_slot <= q_slot
     if window is not None:
-        allowed &= q_pos - k_pos < window
+        allowed &= q_slot - k_slot < window
     return allowed
 
 
@@ -211,8 +232,7 @@ class Attention(nn.Module):
             if tree is None or tree.sees[i] == list(range(i + 1)):  # a chain row: one slice of slots
                 ks, vs = k32[:, begin - lo:pos + 1 - lo], v32[:, begin - lo:pos + 1 - lo]
             else:  # the prefix, then its path's rows (stored wherever the tree put them)
-                slots = [*range(begin, past), *(past + r for r in tree.sees[i] if past + tree.depth[r] >= begin)]
-                idx = torch.tensor(slots, device=q.device) - lo
+                idx = tree.key_slots(i, past, begin, q.device) - lo
                 ks, vs = k32.index_select(1, idx), v32.index_select(1, idx)
             o = F.scaled_dot_product_attention(
                 q32[i : i + 1].transpose(0, 1)[None], ks[None], vs[None],
