@@ -121,7 +121,7 @@ def main() -> None:
               "picks is kept with the target's next token. With --adaptive-k, only in rounds where that pays for "
               "the rows, by the costs and how often a runner-up has won for the request.")
 @click.option("--fuse-ngram", default=0, show_default=True, type=click.IntRange(0, 16), metavar="N",
-              help="Greedy requests: beside each model draft, also verify the prompt-lookup chain of up to N "
+              help="Beside each model draft, also verify the prompt-lookup chain of up to N "
               "tokens (what followed the context's last 2-4 tokens before; the draft worker looks it up), fused "
               "with the draft into one token tree; the round keeps the path the target agrees with longest. It "
               "costs verify rows only in rounds with a match the draft does not already have. 0: off.")

@@ -27,6 +27,7 @@ from nebula_flow.tree import TokenTree
 STREAM_DRAFT = 1  # the draft's choice of a proposal token
 STREAM_ACCEPT = 2  # the accept/reject test of a proposal token
 STREAM_RESAMPLE = 3  # sampling a correction or bonus token from the target
+STREAM_FUSED = 8  # the accept test of a fused chain's token: STREAM_FUSED + its place among its node's candidates
 
 _MASK64 = (1 << 64) - 1
 
@@ -102,15 +103,15 @@ def verify(
     ``logits`` holds len(draft)+1 target rows: row i scores the token at ``position + i``
     (row 0 follows the last committed token). Returns between 1 and len(draft)+1 tokens.
 
-    Greedy only, a token tree (``TokenTree``): ``alt`` are alternatives to ``draft[0]`` and
-    ``chains`` further draft chains (another drafter's, fused into the round). Then ``logits``
-    holds 1 + len(tree) rows, row 1+i after tree node i (``TokenTree([draft, *[[a] for a in alt],
-    *chains])``). The round walks the tree along the target's own choices and commits the path it
-    finds plus the target's token after it: still exactly the target's greedy output.
+    A token tree (``TokenTree([draft, *[[a] for a in alt], *chains])``): ``alt`` are alternatives
+    to ``draft[0]`` (greedy only) and ``chains`` further draft chains (a prompt lookup's, fused into
+    the round). Then ``logits`` holds 1 + len(tree) rows, row 1+i after tree node i, and the round
+    walks the tree. Greedy: along the target's own choices, committing the path it finds plus the
+    target's token after it, still exactly the target's greedy output. Sampling: see
+    ``_sample_tree``; the output still follows the target's distribution exactly.
     """
-    vocab = logits.shape[-1]
+    tree = TokenTree([draft, *([a] for a in alt), *chains])
     if params.greedy:
-        tree = TokenTree([draft, *([a] for a in alt), *chains])
         best = torch.argmax(logits, dim=-1).tolist()
         out, node = [], -1
         while (child := tree.child(node, best[node + 1])) is not None:
@@ -118,24 +119,52 @@ def verify(
             node = child
         out.append(best[node + 1])
         return out
-    if alt or chains:
-        raise ValueError("token trees (alternatives, fused chains) are for greedy requests only")
-    p = target_probs(logits, params).numpy()
-    out = []
-    for i, x in enumerate(draft):
-        q = np.zeros(vocab, dtype=np.float64)
-        idx = np.asarray(q_idx[i], dtype=np.int64)
-        inside = idx < vocab  # a draft with a padded vocabulary may propose ids the target lacks
-        q[idx[inside]] = normalize_proposal(q_prob[i])[inside]
-        px = p[i, x] if x < vocab else 0.0
-        if uniform(seed, position + i, STREAM_ACCEPT) * q[x if x < vocab else 0] < px:
-            out.append(x)
-            continue
-        residual = np.maximum(p[i] - q, 0.0)
-        if residual.sum() <= 0:  # p == q up to rounding: any sample from p is exact
-            residual = p[i]
-        out.append(sample_index(residual, uniform(seed, position + i, STREAM_RESAMPLE)))
-        return out
-    k = len(draft)
-    out.append(sample_index(p[k], uniform(seed, position + k, STREAM_RESAMPLE)))
-    return out
+    if alt:
+        raise ValueError("alternatives to the first draft token are for greedy requests only")
+    return _sample_tree(target_probs(logits, params).numpy(), tree, len(draft), q_idx, q_prob, seed, position)
+
+
+def _sample_tree(p: np.ndarray, tree: TokenTree, drafted: int, q_idx: list[np.ndarray] | None,
+                 q_prob: list[np.ndarray] | None, seed: int, position: int) -> list[int]:
+    """Speculative sampling over a token tree whose first ``drafted`` nodes are the draft (each
+    sampled from its proposal q) and whose other nodes are fixed tokens chosen without looking
+    at the target (a prompt lookup's: their q is a point).
+
+    At each node the candidates are its children, the draft's first: each is accepted with
+    probability min(1, r(x)/q(x)), where r starts as the target's distribution p and each
+    rejection leaves r = norm(max(0, r - q)) (recursive rejection sampling, as SpecInfer's
+    multi-step speculative sampling). An accepted candidate moves the walk to its node; when all
+    are rejected, the round commits a sample from the last r. Each step keeps the output
+    distributed exactly as p: the draft's step is the usual one, and a fixed candidate y gives y
+    with probability r(y) and otherwise a sample from r without y. With the draft alone this is
+    the usual rejection sampler, number for number."""
+    vocab = p.shape[-1]
+    out, node = [], -1
+    while True:
+        depth = len(out)
+        residual = p[node + 1]
+        for j, child in enumerate(c for c in range(node + 1, len(tree)) if tree.parents[c] == node):
+            x = tree.tokens[child]
+            if child < drafted:  # the draft's own token (a node on the draft path has it first)
+                q = np.zeros(vocab, dtype=np.float64)
+                idx = np.asarray(q_idx[depth], dtype=np.int64)
+                inside = idx < vocab  # a draft with a padded vocabulary may propose ids the target lacks
+                q[idx[inside]] = normalize_proposal(q_prob[depth])[inside]
+                stream = STREAM_ACCEPT
+            else:
+                q = np.zeros(vocab, dtype=np.float64)
+                if x < vocab:
+                    q[x] = 1.0
+                stream = STREAM_FUSED + j
+            rx = residual[x] if x < vocab else 0.0
+            if uniform(seed, position + depth, stream) * q[x if x < vocab else 0] < rx:
+                out.append(x)
+                node = child
+                break
+            rest = np.maximum(residual - q, 0.0)
+            if rest.sum() <= 0:  # r == q up to rounding: any sample from r is exact
+                rest = residual
+            residual = rest / rest.sum()
+        else:  # every candidate rejected (or a leaf: the bonus token)
+            out.append(sample_index(residual, uniform(seed, position + depth, STREAM_RESAMPLE)))
+            return out

@@ -205,9 +205,9 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
         router.send_multipart([ident, *protocol.encode(tree)])
         _, result = recv_kind("RESULT")
         assert result.header["results"][0]["rid"] == 11 and 1 <= len(result.header["results"][0]["committed"]) <= 3
-        # Fused chains: refused for a sampled request, without a draft, empty, too many or out of
-        # the vocabulary; a greedy verify with one commits a path of its tree.
-        for rid, extra in ((12, {"fuse": 2, "params": sampled}), (13, {"chains": [[4]]}),
+        # Fused chains: refused without a draft, empty, too many or out of the vocabulary; a
+        # greedy verify with one commits a path of its tree.
+        for rid, extra in ((13, {"chains": [[4]]}),
                            (14, {"draft": [5], "chains": [[]]}), (15, {"draft": [5], "chains": [[4]] * 5}),
                            (16, {"draft": [5], "chains": [[1 << 20]]}), (17, {"fuse": 99})):
             bad = Message("TASKS", {"tasks": []})

@@ -39,7 +39,7 @@ class Task:
     holder: dict = field(default_factory=dict)  # {worker, valid, endpoint}: who has this role's KV
     alts: int = 0  # draft / round tasks: alternatives to the first draft token wanted (greedy only)
     alt: list[int] = field(default_factory=list)  # verify tasks: those alternatives (a two-level token tree)
-    fuse: int = 0  # draft / round tasks: fuse an n-gram chain of up to this many tokens (greedy only)
+    fuse: int = 0  # draft / round tasks: fuse an n-gram chain of up to this many tokens
     chains: list[list[int]] = field(default_factory=list)  # verify tasks: the fused chains (token tree)
 
     def tree(self) -> TokenTree:
@@ -108,7 +108,7 @@ class ModelRunner:
             step += 1
             active = [i for i in active if tasks[i].k > step]
         for t, d in zip(tasks, drafts):
-            if t.fuse and t.params.greedy and (chain := fused_ngram(t.tokens, t.fuse, d.tokens)):
+            if t.fuse and (chain := fused_ngram(t.tokens, t.fuse, d.tokens)):
                 d.chains = [chain]
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
@@ -139,7 +139,7 @@ class ModelRunner:
 
 
 def fused_ngram(tokens: np.ndarray, k: int, draft: list[int]) -> list[int]:
-    """An n-gram chain of up to k tokens to verify beside ``draft`` (a greedy round's token tree),
+    """An n-gram chain of up to k tokens to verify beside ``draft`` (a round's token tree),
     or [] when the context has no match or the match adds nothing (it is a prefix of the draft)."""
     chain, _ = lookup(np.asarray(tokens), k, DEFAULT_MIN_N, DEFAULT_MAX_N)
     return [] if chain == draft[:len(chain)] else chain

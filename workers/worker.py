@@ -285,8 +285,6 @@ class Worker:
                 raise ProtocolError("malformed", "alt must be distinct token ids other than draft[0], with a draft")
         task.fuse, task.chains = raw.get("fuse") or 0, raw.get("chains") or []
         if task.fuse or task.chains:
-            if not params.greedy:
-                raise ProtocolError("malformed", "fused chains (a token tree) are for greedy requests only")
             if not isinstance(task.fuse, int) or not 0 <= task.fuse <= protocol.MAX_DRAFT:
                 raise ProtocolError("malformed", f"fuse must be in 0..{protocol.MAX_DRAFT}")
             if not task.draft and task.chains or len(task.chains) > protocol.MAX_FUSED_CHAINS or not all(
