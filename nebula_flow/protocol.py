@@ -96,8 +96,8 @@ SCHEMA: dict[str, dict[str, Any]] = {
 # (prompt + output) as an int32 tensor; ``holder`` is the KV holder for the task's role.
 # Greedy requests may draft a two-level token tree: ``alts`` (draft / round tasks) asks for that
 # many alternatives to the first draft token; ``alt`` (verify tasks) carries them to the verifier.
-# They may also fuse other drafters' chains into the tree: ``fuse`` (draft / round tasks) asks for
-# a prompt-lookup chain of up to that many tokens beside the model's draft (``lookup``);
+# Any request may also fuse other drafters' chains into the tree: ``fuse`` (draft / round tasks)
+# asks for a prompt-lookup chain of up to that many tokens beside the model's draft (``lookup``);
 # ``chains`` (verify tasks) carries the fused chains, each starting where the draft starts.
 TASK_FIELDS = {"rid": int, "kind": str, "round": int, "attempt": int, "tokens": dict, "k": int,
                "params": dict, "seed": int, "holder": dict, "?draft": list, "?q_idx": dict,
