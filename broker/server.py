@@ -27,7 +27,7 @@ from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.policy_log import RecordingScheduler
 from nebula_flow.process import orphaned
 from nebula_flow.protocol import Message, ProtocolError
-from nebula_flow.request import DRAFT, ROUND, Request
+from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
 from nebula_flow.scheduler import MODES, POLICY_KNOBS, Scheduler
 from nebula_flow.security import SecurityError, is_loopback, keys_dir, make_server, start_authenticator
 from nebula_flow.speclen import DEFAULT_COSTS, FIT_ROWS
@@ -371,7 +371,7 @@ class Broker:
             draft = _int_list(raw.get("draft") or [], "draft")
             if len(draft) > req.k:  # (fewer: a drafter with nothing worth proposing, e.g. n-gram without a match)
                 raise ProtocolError("malformed", f"draft has {len(draft)} tokens, asked for at most {req.k}")
-            alt, chains = self._alternatives(req, raw, draft), self._fused_chains(req, raw, draft)
+            alt, chains = self._alternatives(req, raw, draft), self._fused_chains(req, raw)
         if raw["kind"] == DRAFT:
             q = {}
             if not req.params.greedy:
@@ -384,6 +384,8 @@ class Broker:
             req.proposed += len(draft)
         else:
             draft, alt, chains = req.draft, req.alt, req.chains
+            if not draft:  # a round without a draft: the target looked the chain up itself
+                chains = self._fused_chains(req, raw)
         committed = _int_list(raw.get("committed"), "committed")
         tree = TokenTree([draft, *([a] for a in alt), *chains])
         if not committed or len(tree.path(committed[:-1])) != len(committed) - 1:
@@ -444,13 +446,14 @@ class Broker:
                                              "and differ from the first draft token")
         return alt
 
-    def _fused_chains(self, req: Request, raw: dict, draft: list[int]) -> list[list[int]]:
-        """The chains a draft / round result fused beside its draft, checked against what the
-        policy asked for (``req.fuse``: at most one chain of that many tokens)."""
+    def _fused_chains(self, req: Request, raw: dict) -> list[list[int]]:
+        """The chains a result fused beside its draft (or, without one, looked up for its verify),
+        checked against what the policy asked for (``req.fuse``: at most one chain of that many
+        tokens)."""
         chains = raw.get("chains") or []
-        if not isinstance(chains, list) or len(chains) > (1 if req.fuse else 0) or (chains and not draft):
+        if not isinstance(chains, list) or len(chains) > (1 if req.fuse else 0):
             raise ProtocolError("malformed", f"{len(chains) if isinstance(chains, list) else 'bad'} fused chains "
-                                             f"(asked for {1 if req.fuse else 0}), and only beside a draft")
+                                             f"(asked for {1 if req.fuse else 0})")
         for c in chains:
             if not 0 < len(_int_list(c, "chains")) <= req.fuse:
                 raise ProtocolError("malformed", f"a fused chain of {len(c)} tokens (asked for 1..{req.fuse})")
@@ -481,7 +484,7 @@ class Broker:
                     "seed": req.seed, "holder": holder}
             if req.alts and req.phase in (DRAFT, ROUND):
                 task["alts"] = req.alts
-            if req.fuse and req.phase in (DRAFT, ROUND):
+            if req.fuse and (req.phase != VERIFY or not req.draft):  # (without a draft the target looks it up)
                 task["fuse"] = req.fuse
             if req.draft:
                 task["draft"] = req.draft

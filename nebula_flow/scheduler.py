@@ -157,11 +157,13 @@ class Scheduler:
         ``first_alternatives``: greedy rounds with drafts verify this many runner-ups to the
         first draft token beside the chain (a token tree); with ``adaptive_k``, only in rounds
         where they pay for their verify rows (``speclen.choose_round``).
-        ``fuse_ngram``: rounds with drafts also verify a prompt-lookup chain of up to this many
-        tokens (``lookup``), fused with the draft into one token tree: a greedy round keeps the
-        path the target agrees with longest, a sampled one samples its way down the tree
-        (``specdec._sample_tree``). The draft worker looks it up; a round
-        without a match, or whose match the draft already has, verifies the draft alone. With
+        ``fuse_ngram``: rounds also verify a prompt-lookup chain of up to this many tokens
+        (``lookup``), fused with the draft into one token tree: a greedy round keeps the path the
+        target agrees with longest, a sampled one samples its way down the tree
+        (``specdec._sample_tree``). The draft worker looks it up, or the target worker in a round
+        without a draft (so rounds that ``disable_by_batch_size`` or adaptive k leave without
+        drafts still get it, at no draft phase's cost; not in autoregressive mode, the baseline).
+        A round without a match, or whose match the draft already has, verifies the draft alone. With
         ``adaptive_k``, only in rounds where the request's gain from it pays for its verify rows
         (``speclen.fuse_pays``).
         ``disable_by_batch_size``: while more requests than this
@@ -313,7 +315,7 @@ class Scheduler:
         req.alts = alts if req.k > 0 else 0
         # (a chain no longer than the tokens left, as the draft; with adaptive k only where it pays
         # for its rows, planned for a seeded sample from its own history, as its k)
-        req.fuse = min(self.fuse_ngram, req.remaining - 1) if req.k > 0 else 0
+        req.fuse = min(self.fuse_ngram, req.remaining - 1) if self.mode != "autoregressive" else 0
         if req.fuse and self.adaptive_k and not speclen.fuse_pays(req.acceptance, req.k, req.alts, req.fuse,
                                                                   *self._costs_for(req, req.drafter)):
             req.fuse = 0
@@ -390,7 +392,7 @@ class Scheduler:
             chain = 0 if via_alt else accepted
         req.acceptance.update(req.k, chain)  # (a draft shorter than k counts as rejected where it stopped)
         req.acceptance.update_alternatives(req.alts, chain, via_alt)
-        if self.fuse_ngram and req.k > 0 and (fused is not None or not req.fuse):
+        if self.fuse_ngram and self.mode != "autoregressive" and (fused is not None or not req.fuse):
             req.acceptance.update_fused(fused)  # (asked for but no match: no evidence either way)
         if req.drafter is not None and len(self.drafters) > 1:
             self.drafter_acceptance.setdefault((req.drafter, req.params.greedy), Acceptance()).update(req.k, chain)

@@ -151,9 +151,10 @@ def round_worth(acc: Acceptance, k: int, alts: int, costs: tuple[float, float, f
 
 def fuse_pays(acc: Acceptance, k: int, alts: int, fused: int, costs: tuple[float, float, float] = DEFAULT_COSTS,
               verify: tuple[float | None, ...] = ()) -> bool:
-    """Whether a round of k drafts and ``alts`` runner-ups gets more tokens per cost with a fused
-    chain of ``fused`` tokens beside it than without (in the rounds that find one)."""
-    return k > 0 and fused > 0 and round_worth(acc, k, alts, costs, verify, fused) > round_worth(acc, k, alts, costs, verify)
+    """Whether a round of k drafts (0: none, the chain alone) and ``alts`` runner-ups gets more
+    tokens per cost with a fused chain of ``fused`` tokens beside it than without (in the rounds
+    that find one)."""
+    return fused > 0 and round_worth(acc, k, alts, costs, verify, fused) > round_worth(acc, k, alts, costs, verify)
 
 
 class StepCosts:

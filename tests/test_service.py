@@ -205,10 +205,9 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
         router.send_multipart([ident, *protocol.encode(tree)])
         _, result = recv_kind("RESULT")
         assert result.header["results"][0]["rid"] == 11 and 1 <= len(result.header["results"][0]["committed"]) <= 3
-        # Fused chains: refused without a draft, empty, too many or out of the vocabulary; a
-        # greedy verify with one commits a path of its tree.
-        for rid, extra in ((13, {"chains": [[4]]}),
-                           (14, {"draft": [5], "chains": [[]]}), (15, {"draft": [5], "chains": [[4]] * 5}),
+        # Fused chains: refused empty, too many or out of the vocabulary; a greedy verify with one
+        # commits a path of its tree, and one without a draft looks a chain up itself.
+        for rid, extra in ((14, {"draft": [5], "chains": [[]]}), (15, {"draft": [5], "chains": [[4]] * 5}),
                            (16, {"draft": [5], "chains": [[1 << 20]]}), (17, {"fuse": 99})):
             bad = Message("TASKS", {"tasks": []})
             bad.header["tasks"].append(dict(task, rid=rid, tokens=bad.add_array(np.array([1, 2, 3], np.int32)), **extra))
@@ -224,6 +223,14 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
         committed = result.header["results"][0]["committed"]
         assert result.header["results"][0]["rid"] == 18 and 1 <= len(committed) <= 5
         assert committed[:-1] in ([5, 6][:len(committed) - 1], [5, 9, 9, 9][:len(committed) - 1])
+        lookup = Message("TASKS", {"tasks": []})  # no draft: the worker looks up 2, 3 -> 4, 5, 6 itself
+        lookup.header["tasks"].append(dict(task, rid=19, fuse=3,
+                                           tokens=lookup.add_array(np.array([2, 3, 4, 5, 6, 2, 3], np.int32))))
+        router.send_multipart([ident, *protocol.encode(lookup)])
+        _, result = recv_kind("RESULT")
+        assert result.header["results"][0]["rid"] == 19 and result.header["results"][0]["chains"] == [[4, 5, 6]]
+        committed = result.header["results"][0]["committed"]
+        assert 1 <= len(committed) <= 4 and committed[:-1] == [4, 5, 6][:len(committed) - 1]
         # Idle now (its PULL unanswered), the worker beats at the broker's pace, never a whole
         # extra interval late: 2 s of silence from it hold about 8 beats.
         recv_kind("HEARTBEAT")

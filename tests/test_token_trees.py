@@ -60,6 +60,16 @@ def test_the_policy_fuses_rounds_with_drafts_and_counts_the_draft_by_its_own_tok
     assert greedy.chains == [] and greedy.phase == DRAFT and greedy.fuse == 5
     with pytest.raises(ValueError, match="fuse_ngram"):
         Scheduler("pooled", k=3, fuse_ngram=17)
+    # rounds left without drafts (here by load) still fuse: the target looks the chain up; the
+    # baseline does not
+    loaded = Scheduler("pooled", k=3, fuse_ngram=5, disable_by_batch_size=1)
+    reqs = [Request(i, str(i), [1, 2, 3], SamplingParams(max_new_tokens=20), seed=i) for i in range(2)]
+    for r in reqs:
+        loaded.admit(r)
+    assert reqs[1].k == 0 and reqs[1].phase == VERIFY and reqs[1].fuse == 5
+    plain = Scheduler("autoregressive", k=3, fuse_ngram=5)
+    plain.admit(r := Request(9, "z", [1, 2, 3], SamplingParams(max_new_tokens=20), seed=9))
+    assert r.fuse == 0
 
 
 def _broker_with_round(draft: list[int], chains: list[list[int]]) -> tuple[Broker, Request]:
@@ -71,20 +81,26 @@ def _broker_with_round(draft: list[int], chains: list[list[int]]) -> tuple[Broke
 
 def test_the_broker_checks_fused_chains_and_that_a_round_commits_a_path_of_its_tree() -> None:
     broker, req = _broker_with_round([3, 4], [])
-    assert broker._fused_chains(req, {"chains": [[3, 9, 9, 9]]}, [3, 4]) == [[3, 9, 9, 9]]
-    assert broker._fused_chains(req, {}, [3, 4]) == []
+    assert broker._fused_chains(req, {"chains": [[3, 9, 9, 9]]}) == [[3, 9, 9, 9]]
+    assert broker._fused_chains(req, {}) == []
     for bad in ([[3, 9, 9, 9, 9]], [[]], [[3], [4]], [["x"]], [3, 4], "x"):  # too long, empty, two, not ids
         with pytest.raises(ProtocolError):
-            broker._fused_chains(req, {"chains": bad}, [3, 4])
-    with pytest.raises(ProtocolError):  # only beside a draft
-        broker._fused_chains(req, {"chains": [[3]]}, [])
+            broker._fused_chains(req, {"chains": bad})
     req.fuse = 0
     with pytest.raises(ProtocolError):  # never asked for
-        broker._fused_chains(req, {"chains": [[3]]}, [3, 4])
+        broker._fused_chains(req, {"chains": [[3]]})
     broker, req = _broker_with_round([3, 4], [[3, 9, 8]])
     for committed in ([9, 1], [3, 4, 8, 1], [3, 9, 4, 1], []):  # not a path of the tree, then one more token
         with pytest.raises(ProtocolError, match="not a path"):
             broker._apply_result(1, Message("RESULT"), req, {"kind": "verify", "committed": committed}, 0.0)
+    # a round without a draft: the chain the target looked up comes with its result
+    broker, req = _broker_with_round([], [])
+    with pytest.raises(ProtocolError, match="not a path"):
+        broker._apply_result(1, Message("RESULT"), req, {"kind": "verify", "committed": [5, 6, 1],
+                                                         "chains": [[5, 7]]}, 0.0)
+    with pytest.raises(ProtocolError, match="fused chain"):
+        broker._apply_result(1, Message("RESULT"), req, {"kind": "verify", "committed": [5, 1],
+                                                         "chains": [[5, 7, 7, 7, 7]]}, 0.0)
 
 
 # Prompts that repeat themselves, so the tiny target's greedy continuation often follows one of
@@ -98,16 +114,19 @@ async def _generate_all(address: str, n: int) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["pooled", "colocated"])
+@pytest.mark.parametrize("mode", ["pooled", "colocated", "loaded"])
 def test_fused_ngram_chains_end_to_end_are_lossless_and_win_rounds(tiny_pair, mode: str, tmp_path) -> None:  # noqa: ANN001
     """Real processes. Pooled runs 2 + 2 workers with forced migration: a round the fused chain
-    won moves that chain's KV into place, and the next round's worker pulls it. The policy log
-    replays with the same decisions."""
+    won moves that chain's KV into place, and the next round's worker pulls it. "loaded": pooled
+    with rounds left without drafts under load (``disable_by_batch_size``), where the target
+    looks the chain up itself. The policy log replays with the same decisions."""
     from nebula_flow import policy_log
 
-    cfg = deploy_config(tiny_pair, mode, *((2, 2) if mode == "pooled" else (1, 1)), k=3, max_batch=4)
+    cfg = deploy_config(tiny_pair, "pooled" if mode == "loaded" else mode, *((2, 2) if mode == "pooled" else (1, 1)),
+                        k=3, max_batch=4)
     cfg.broker.fuse_ngram, cfg.broker.first_alternatives = 6, 1
     cfg.broker.migrate = mode == "pooled"
+    cfg.broker.disable_by_batch_size = 1 if mode == "loaded" else 0
     cfg.broker.policy_log = str(tmp_path / "policy.jsonl")
     with Deployment(cfg) as dep:
         outs = asyncio.run(_generate_all(dep.address, 40))
@@ -121,6 +140,8 @@ def test_fused_ngram_chains_end_to_end_are_lossless_and_win_rounds(tiny_pair, mo
     if mode == "pooled":
         target_kv = [w["kv"] for w in state["workers"] if w["role"] == "target"]
         assert sum(k["pulls"] for k in target_kv) > 10 and sum(k["pull_failures"] for k in target_kv) == 0
+    if mode == "loaded":  # most rounds had no draft, and their chains still won
+        assert sum(k == 0 for o in outs for k in o.stats["k_per_round"]) > sum(o.rounds for o in outs) / 2
     records = policy_log.load(tmp_path / "policy.jsonl")
     report = policy_log.replay(records, policy_log.policy_of(records))
     assert report.decisions > 20 and report.identical, report.mismatches[:3]

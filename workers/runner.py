@@ -39,7 +39,7 @@ class Task:
     holder: dict = field(default_factory=dict)  # {worker, valid, endpoint}: who has this role's KV
     alts: int = 0  # draft / round tasks: alternatives to the first draft token wanted (greedy only)
     alt: list[int] = field(default_factory=list)  # verify tasks: those alternatives (a two-level token tree)
-    fuse: int = 0  # draft / round tasks: fuse an n-gram chain of up to this many tokens
+    fuse: int = 0  # fuse an n-gram chain of up to this many tokens (looked up by the draft; without one, here)
     chains: list[list[int]] = field(default_factory=list)  # verify tasks: the fused chains (token tree)
 
     def tree(self) -> TokenTree:
@@ -118,6 +118,9 @@ class ModelRunner:
         """Score each task's drafts (a chain, or a token tree: alternatives, fused chains) in one
         forward; returns the committed tokens per task."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
+        for t in tasks:  # a round without a draft: the chain is looked up here
+            if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse, [])):
+                t.chains = [chain]
         trees = [t.tree() for t in tasks]
         new = [t.tokens[c.length:].tolist() + tree.tokens for t, c, tree in zip(tasks, caches, trees)]
         # a tree's rows follow the uncommitted tail; node p's parent row is the tail's length plus p

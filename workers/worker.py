@@ -287,12 +287,12 @@ class Worker:
         if task.fuse or task.chains:
             if not isinstance(task.fuse, int) or not 0 <= task.fuse <= protocol.MAX_DRAFT:
                 raise ProtocolError("malformed", f"fuse must be in 0..{protocol.MAX_DRAFT}")
-            if not task.draft and task.chains or len(task.chains) > protocol.MAX_FUSED_CHAINS or not all(
+            if len(task.chains) > protocol.MAX_FUSED_CHAINS or not all(
                     isinstance(c, list) and 0 < len(c) <= protocol.MAX_DRAFT
                     and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in c)
                     for c in task.chains):
                 raise ProtocolError("malformed", f"chains must be at most {protocol.MAX_FUSED_CHAINS} lists of "
-                                                 f"1..{protocol.MAX_DRAFT} token ids, with a draft")
+                                                 f"1..{protocol.MAX_DRAFT} token ids")
         return task
 
     # -- compute (runs on the compute thread) -----------------------------------------------
@@ -327,8 +327,10 @@ class Worker:
                             h["chains"] = d.chains
                         protocol.attach_q(msg, h, d.q_idx, d.q_prob)
                 elif kind == "verify" and self.target and self.opts.role != "draft":
-                    for h, committed in zip(heads, self.target.verify(group)):
+                    for h, t, committed in zip(heads, group, self.target.verify(group)):
                         h["committed"] = committed
+                        if t.chains and not t.draft:  # a chain the target looked up itself
+                            h["chains"] = t.chains
                 elif kind == "round" and self.opts.role == "colocated":
                     drafts = self.draft.draft([t for t in group if t.k > 0])
                     it = iter(drafts)
