@@ -164,8 +164,8 @@ class Scheduler:
         without a draft (so rounds that ``disable_by_batch_size`` or adaptive k leave without
         drafts still get it, at no draft phase's cost; not in autoregressive mode, the baseline).
         A round without a match, or whose match the draft already has, verifies the draft alone. With
-        ``adaptive_k``, only in rounds where the request's gain from it pays for its verify rows
-        (``speclen.fuse_pays``).
+        ``adaptive_k``, only in rounds where the request's gain from it pays for its verify rows,
+        and only as long as pays (``speclen.choose_fuse``).
         ``disable_by_batch_size``: while more requests than this
         are in the pool, rounds start without drafts (0: always speculate). A target batching
         many requests verifies extra rows at nearly a decode row's cost while the draft phase
@@ -298,9 +298,9 @@ class Scheduler:
         req.draft, req.q, req.alt, req.chains = [], {}, [], []
         # (runner-ups only for greedy requests: rejection sampling is defined for a chain)
         max_alts = self.first_alternatives if req.params.greedy else 0
-        speculate = self.mode != "autoregressive" and req.remaining > 1 and not (
-            self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size
-            and not reproducible(req))  # (see __init__)
+        loaded = bool(self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size
+                      and not reproducible(req))  # (see __init__)
+        speculate = self.mode != "autoregressive" and req.remaining > 1 and not loaded
         req.drafter, explore, plan = self._route(req, max_alts) if speculate and self.mode == "pooled" and self.drafters \
             else (None, False, None)
         if self.adaptive_k:
@@ -316,9 +316,9 @@ class Scheduler:
         # (a chain no longer than the tokens left, as the draft; with adaptive k only where it pays
         # for its rows, planned for a seeded sample from its own history, as its k)
         req.fuse = min(self.fuse_ngram, req.remaining - 1) if self.mode != "autoregressive" else 0
-        if req.fuse and self.adaptive_k and not speclen.fuse_pays(req.acceptance, req.k, req.alts, req.fuse,
-                                                                  *self._costs_for(req, req.drafter)):
-            req.fuse = 0
+        if req.fuse and self.adaptive_k:
+            req.fuse = speclen.choose_fuse(req.acceptance, req.k, req.alts, req.fuse, *self._costs_for(req, req.drafter),
+                                           batch=self._verify_batch() if loaded else 1)
         if req.k == 0:
             req.drafter = None  # no draft this round
         req.ks.append(req.k)
@@ -327,6 +327,11 @@ class Scheduler:
         else:
             req.phase = DRAFT if req.k > 0 else VERIFY
         self._enqueue(req)
+
+    def _verify_batch(self) -> int:
+        """About how many requests share a target's verify forward: the pool over the targets."""
+        targets = sum(1 for w in self.workers.values() if w.role in ("target", "colocated")) or 1
+        return -(-len(self.requests) // targets)
 
     def _costs_for(self, req: Request, drafter: str | None) -> tuple[tuple[float, float, float], tuple[float | None, ...]]:
         """The costs ``req``'s round is planned with: measured ones (of ``drafter``'s workers where

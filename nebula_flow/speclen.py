@@ -140,21 +140,49 @@ def round_worth(acc: Acceptance, k: int, alts: int, costs: tuple[float, float, f
                 verify: tuple[float | None, ...] = (), fused: int = 0) -> float:
     """Expected tokens per decode step of a round of k drafts, ``alts`` runner-ups and a fused
     chain of ``fused`` tokens (see ``choose_round`` for ``verify``)."""
-    draft_step, verify_row, round_cost = costs
-    rows = 1 + k + alts + fused
-    known = verify[rows - 1] if rows <= len(verify) else None
-    verify_cost = known if known is not None else 1 + (rows - 1) * verify_row
+    draft_step, _, round_cost = costs
     tokens = expected_tokens(acc.rate, k) + ((1 - acc.rate) * acc.alt_rate if alts else 0.0)
-    tokens += acc.fused_gain if fused else 0.0
-    return tokens / (round_cost - 1 + verify_cost + k * draft_step)
+    tokens += min(acc.fused_gain, fused) if fused else 0.0  # (a chain wins at most its length)
+    return tokens / (round_cost - 1 + verify_cost(1 + k + alts + fused, costs, verify) + k * draft_step)
+
+
+def verify_cost(rows: int, costs: tuple[float, float, float] = DEFAULT_COSTS, verify: tuple[float | None, ...] = ()) -> float:
+    """A verify forward of ``rows`` rows in decode steps: measured where known, else ``1 + (rows - 1) *
+    verify_row``."""
+    known = verify[rows - 1] if rows <= len(verify) else None
+    return known if known is not None else 1 + (rows - 1) * costs[1]
 
 
 def fuse_pays(acc: Acceptance, k: int, alts: int, fused: int, costs: tuple[float, float, float] = DEFAULT_COSTS,
-              verify: tuple[float | None, ...] = ()) -> bool:
+              verify: tuple[float | None, ...] = (), batch: int = 1) -> bool:
     """Whether a round of k drafts (0: none, the chain alone) and ``alts`` runner-ups gets more
     tokens per cost with a fused chain of ``fused`` tokens beside it than without (in the rounds
-    that find one)."""
-    return fused > 0 and round_worth(acc, k, alts, costs, verify, fused) > round_worth(acc, k, alts, costs, verify)
+    that find one).
+
+    ``batch`` > 1: a round without drafts whose verify the target batches with ``batch`` one-row
+    rounds in all (under load, ``disable_by_batch_size``). The chain's rows then make the whole
+    batch's forward longer, and pay only if the batch commits more tokens per cost with them:
+    (batch + gain) / cost(batch + fused rows) against batch / cost(batch rows), the forward's cost
+    taken by its rows from the same table (on a CPU, rows cost alike however they are split)."""
+    if fused <= 0:
+        return False
+    if batch > 1 and k == 0:
+        gain = min(acc.fused_gain, fused)
+        return (batch + gain) / verify_cost(batch + fused, costs, verify) > batch / verify_cost(batch, costs, verify)
+    return round_worth(acc, k, alts, costs, verify, fused) > round_worth(acc, k, alts, costs, verify)
+
+
+def choose_fuse(acc: Acceptance, k: int, alts: int, max_fused: int, costs: tuple[float, float, float] = DEFAULT_COSTS,
+                verify: tuple[float | None, ...] = (), batch: int = 1) -> int:
+    """The longest fused chain that pays (``fuse_pays``) among ``max_fused`` and its halvings, or
+    0. A shorter chain costs fewer rows and wins at most its length: under load, where long
+    chains rarely pay for the batch, a request still tries (and profits from) short ones."""
+    f = max_fused
+    while f > 0:
+        if fuse_pays(acc, k, alts, f, costs, verify, batch):
+            return f
+        f //= 2
+    return 0
 
 
 class StepCosts:

@@ -10,6 +10,7 @@ from nebula_flow.scheduler import Scheduler
 from nebula_flow.speclen import (
     Acceptance,
     StepCosts,
+    choose_fuse,
     choose_k,
     choose_round,
     expected_tokens,
@@ -143,6 +144,14 @@ def test_a_fused_chain_is_verified_only_where_what_it_wins_pays_for_its_rows() -
         acc.update_fused(5)
     assert fuse_pays(acc, 3, 0, 8, costs, verify)
     assert fuse_pays(acc, 0, 0, 8, costs, verify)  # a round without a draft: the chain alone
+    # under load the chain's rows lengthen a verify batched with 3 other requests' rows: it must win
+    # more (here: (4 + gain) / cost(12 rows) > 4 / cost(4 rows), gain > 4.3)
+    three, six = Acceptance(fused_won=3.0, fused_rounds=1.0), Acceptance(fused_won=6.0, fused_rounds=1.0)
+    assert fuse_pays(three, 0, 0, 8, costs, verify) and not fuse_pays(three, 0, 0, 8, costs, verify, batch=4)
+    assert fuse_pays(six, 0, 0, 8, costs, verify, batch=4)
+    # the longest chain that pays: under load a request still tries short ones (they cost fewer rows)
+    assert choose_fuse(three, 0, 0, 8, costs, verify, batch=4) == 4 and choose_fuse(six, 0, 0, 8, costs, verify, batch=4) == 8
+    assert choose_fuse(three, 0, 0, 8, costs, verify) == 8 and choose_fuse(acc, 3, 0, 0, costs, verify) == 0
     assert not fuse_pays(acc, 3, 0, 0, costs, verify)
 
 
