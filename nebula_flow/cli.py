@@ -122,9 +122,11 @@ def main() -> None:
               "the rows, by the costs and how often a runner-up has won for the request.")
 @click.option("--fuse-ngram", default=0, show_default=True, type=click.IntRange(0, 16), metavar="N",
               help="Beside each model draft, also verify the prompt-lookup chain of up to N "
-              "tokens (what followed the context's last 2-4 tokens before; the draft worker looks it up), fused "
-              "with the draft into one token tree; the round keeps the path the target agrees with longest. It "
-              "costs verify rows only in rounds with a match the draft does not already have. 0: off.")
+              "tokens (what followed the context's last 2-4 tokens before; the draft worker looks it up, or the "
+              "target in a round without a draft), fused with the draft into one token tree: a greedy round keeps "
+              "the path the target agrees with longest, a sampled one samples down the tree (exact). It costs "
+              "verify rows only in rounds with a match the draft does not already have; with --adaptive-k only "
+              "where it pays for them. Not in autoregressive mode. 0: off.")
 @click.option("--disable-by-batch-size", default=0, show_default=True, type=click.IntRange(0),
               help="While more requests than this are in the pool, rounds start without drafts (plain decoding): "
               "a target batching many requests gains little from speculation. 0: always speculate.")

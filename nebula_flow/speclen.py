@@ -32,8 +32,11 @@ verify rows. ``choose_round`` weighs that against the chain alone.
 A fused prompt-lookup chain (``fuse_pays``) is verified only in rounds where the context has a
 match, and adds the tokens it wins beyond the draft (the request's ``fused_gain``: decayed mean
 tokens won per round that verified one) at the cost of its rows. It pays when that gain per cost
-beats the round's own tokens per cost. Its prior is hopeful (``FUSED_PRIOR``), so every request
-tries it, and rounds without it relax back toward the prior, so a request looks again later.
+beats the round's own tokens per cost; under load, when the chain's rows lengthen a verify
+batched with other requests' rows, it must pay for the whole batch. ``choose_fuse`` takes the
+longest chain that pays among the most and its halvings. Its prior is hopeful (``FUSED_PRIOR``),
+so every request tries it, and rounds without it relax back toward the prior, so a request
+looks again later.
 """
 
 from __future__ import annotations
