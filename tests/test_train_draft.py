@@ -84,6 +84,11 @@ def test_eval_draft_command_reports_each_k_in_bf16(tiny_pair) -> None:  # noqa: 
                                      str(tiny_pair / "draft"), "--ks", "2", "--max-new-tokens", "10", "--chat"])
     assert chat.exit_code == 0, chat.output
     assert "chat prompts" in chat.stderr and json.loads(chat.stdout)["k=2"]["lossless"] is True
+    fused = CliRunner().invoke(main, ["eval-draft", "--target", str(tiny_pair / "target"), "--draft",
+                                      str(tiny_pair / "draft"), "--ks", "2", "--max-new-tokens", "10",
+                                      "--alternatives", "1", "--fuse-ngram", "6"])
+    assert fused.exit_code == 0, fused.output
+    assert json.loads(fused.stdout)["k=2"]["lossless"] is True
     bad = CliRunner().invoke(main, ["eval-draft", "--target", str(tiny_pair / "target"), "--draft",
                                     str(tiny_pair / "target" / "..")])
     assert bad.exit_code != 0 and "Error" in bad.output
