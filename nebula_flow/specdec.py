@@ -145,14 +145,13 @@ def _sample_tree(p: np.ndarray, tree: TokenTree, drafted: int, q_idx: list[np.nd
         residual = p[node + 1]
         for j, child in enumerate(c for c in range(node + 1, len(tree)) if tree.parents[c] == node):
             x = tree.tokens[child]
+            q = np.zeros(vocab, dtype=np.float64)
             if child < drafted:  # the draft's own token (a node on the draft path has it first)
-                q = np.zeros(vocab, dtype=np.float64)
                 idx = np.asarray(q_idx[depth], dtype=np.int64)
                 inside = idx < vocab  # a draft with a padded vocabulary may propose ids the target lacks
                 q[idx[inside]] = normalize_proposal(q_prob[depth])[inside]
                 stream = STREAM_ACCEPT
-            else:
-                q = np.zeros(vocab, dtype=np.float64)
+            else:  # a fixed token: its q is a point
                 if x < vocab:
                     q[x] = 1.0
                 stream = STREAM_FUSED + j
