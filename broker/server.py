@@ -61,7 +61,7 @@ class BrokerOptions:
     adaptive_k: bool = False  # each round's k in 0..k from the request's acceptance (speclen.py); off: always k
     spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))  # draft step, verify row, round
     measure_costs: bool = True  # adaptive_k: weigh draft steps and verify blocks by the workers' measured forward times
-    first_alternatives: int = 0  # greedy: the draft also proposes this many runner-ups to its first token (token tree)
+    first_alternatives: int = 0  # the draft also proposes this many runner-ups to its first token (token tree)
     fuse_ngram: int = 0  # a prompt-lookup chain of up to this many tokens is verified beside each draft
     disable_by_batch_size: int = 0  # rounds start without drafts while more requests than this are pooled (0: never)
     policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py

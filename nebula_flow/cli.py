@@ -116,9 +116,10 @@ def main() -> None:
               help="With --adaptive-k: weigh draft steps and verify blocks by the forward times the workers measure "
               "(they differ by device and dtype far more than by model); status shows the costs in use.")
 @click.option("--first-alternatives", default=0, show_default=True, type=click.IntRange(0, 8),
-              help="Greedy requests: the draft also proposes this many runner-ups to its first token, verified "
+              help="The draft also proposes this many runner-ups to its first token, verified "
               "in the same forward as siblings in a token tree (one more verify row each); a runner-up the target "
-              "picks is kept with the target's next token. With --adaptive-k, only in rounds where that pays for "
+              "picks is kept with the target's next token (sampled requests: its most likely tokens besides the one "
+              "it drew, each accepted with its probability under what the rejected ones leave: exact). With --adaptive-k, only in rounds where that pays for "
               "the rows, by the costs and how often a runner-up has won for the request.")
 @click.option("--fuse-ngram", default=0, show_default=True, type=click.IntRange(0, 16), metavar="N",
               help="Beside each model draft, also verify the prompt-lookup chain of up to N "

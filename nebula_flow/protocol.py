@@ -94,7 +94,7 @@ SCHEMA: dict[str, dict[str, Any]] = {
 
 # A task names one request's round half. ``tokens`` are the request's committed tokens
 # (prompt + output) as an int32 tensor; ``holder`` is the KV holder for the task's role.
-# Greedy requests may draft a two-level token tree: ``alts`` (draft / round tasks) asks for that
+# A request may draft a two-level token tree: ``alts`` (draft / round tasks) asks for that
 # many alternatives to the first draft token; ``alt`` (verify tasks) carries them to the verifier.
 # Any request may also fuse other drafters' chains into the tree: ``fuse`` (draft / round tasks)
 # asks for a prompt-lookup chain of up to that many tokens beside the model's draft (``lookup``);

@@ -154,9 +154,10 @@ class Scheduler:
         the request's acceptance (``speclen``), with ``spec_costs`` (draft step, verify row,
         round) in target decode steps; ``measure_costs``: the draft step and the verify blocks
         follow the forward times workers report (``observe_costs``), ``spec_costs`` only starts them.
-        ``first_alternatives``: greedy rounds with drafts verify this many runner-ups to the
-        first draft token beside the chain (a token tree); with ``adaptive_k``, only in rounds
-        where they pay for their verify rows (``speclen.choose_round``).
+        ``first_alternatives``: rounds with drafts verify this many runner-ups to the first draft
+        token beside the chain (a token tree; for a sampled request, the draft's most likely tokens
+        other than the one it drew, tested as fixed candidates: ``specdec._sample_tree``); with
+        ``adaptive_k``, only in rounds where they pay for their verify rows (``speclen.choose_round``).
         ``fuse_ngram``: rounds also verify a prompt-lookup chain of up to this many tokens
         (``lookup``), fused with the draft into one token tree: a greedy round keeps the path the
         target agrees with longest, a sampled one samples its way down the tree
@@ -296,8 +297,7 @@ class Scheduler:
         """Queue the next round of ``req``: a draft, a draft-less verify, or a whole round."""
         req.round += 1
         req.draft, req.q, req.alt, req.chains = [], {}, [], []
-        # (runner-ups only for greedy requests: rejection sampling is defined for a chain)
-        max_alts = self.first_alternatives if req.params.greedy else 0
+        max_alts = self.first_alternatives
         loaded = bool(self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size
                       and not reproducible(req))  # (see __init__)
         speculate = self.mode != "autoregressive" and req.remaining > 1 and not loaded

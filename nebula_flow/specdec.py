@@ -104,7 +104,7 @@ def verify(
     (row 0 follows the last committed token). Returns between 1 and len(draft)+1 tokens.
 
     A token tree (``TokenTree([draft, *[[a] for a in alt], *chains])``): ``alt`` are alternatives
-    to ``draft[0]`` (greedy only) and ``chains`` further draft chains (a prompt lookup's, fused into
+    to ``draft[0]`` (the draft's runner-ups to it) and ``chains`` further draft chains (a prompt lookup's, fused into
     the round). Then ``logits`` holds 1 + len(tree) rows, row 1+i after tree node i, and the round
     walks the tree. Greedy: along the target's own choices, committing the path it finds plus the
     target's token after it, still exactly the target's greedy output. Sampling: see
@@ -119,8 +119,6 @@ def verify(
             node = child
         out.append(best[node + 1])
         return out
-    if alt:
-        raise ValueError("alternatives to the first draft token are for greedy requests only")
     return _sample_tree(target_probs(logits, params).numpy(), tree, len(draft), q_idx, q_prob, seed, position)
 
 
@@ -128,7 +126,8 @@ def _sample_tree(p: np.ndarray, tree: TokenTree, drafted: int, q_idx: list[np.nd
                  q_prob: list[np.ndarray] | None, seed: int, position: int) -> list[int]:
     """Speculative sampling over a token tree whose first ``drafted`` nodes are the draft (each
     sampled from its proposal q) and whose other nodes are fixed tokens chosen without looking
-    at the target (a prompt lookup's: their q is a point).
+    at the target (a prompt lookup's, or the draft's runner-ups to the token it drew: their q is
+    a point).
 
     At each node the candidates are its children, the draft's first: each is accepted with
     probability min(1, r(x)/q(x)), where r starts as the target's distribution p and each
@@ -137,7 +136,9 @@ def _sample_tree(p: np.ndarray, tree: TokenTree, drafted: int, q_idx: list[np.nd
     are rejected, the round commits a sample from the last r. Each step keeps the output
     distributed exactly as p: the draft's step is the usual one, and a fixed candidate y gives y
     with probability r(y) and otherwise a sample from r without y. With the draft alone this is
-    the usual rejection sampler, number for number."""
+    the usual rejection sampler, number for number. A fixed candidate may depend on the draft's
+    drawn tokens (a runner-up to the first): whatever they were, the step after their rejection
+    gives exactly the residual, which is all the draft's step needs."""
     vocab = p.shape[-1]
     out, node = [], -1
     while True:

@@ -115,9 +115,10 @@ def test_adaptive_k_changes_k_per_round_and_stays_lossless(tiny_pair, reference)
 
 
 @pytest.mark.parametrize("mode", ["pooled", "colocated"])
-def test_token_tree_alternatives_stay_lossless_and_win_rounds(tiny_pair, runs, reference, mode: str) -> None:  # noqa: ANN001
-    """With runner-ups to the first draft token verified beside the chain (greedy requests), the
-    output is still HF's greedy output, and some rounds are won by a runner-up."""
+def test_token_tree_alternatives_stay_lossless_and_win_rounds(tiny_pair, reference, mode: str) -> None:  # noqa: ANN001
+    """With runner-ups to the first draft token verified beside the chain, greedy output is still
+    HF's greedy output, and some rounds are won by a runner-up. Sampled requests verify theirs
+    too (their seeded placement independence: ``test_token_trees``)."""
     cfg = deploy_config(tiny_pair, mode, 2, 2, max_batch=4)
     cfg.broker.first_alternatives = 3
     long = {"token_ids": [9, 8, 7], "max_new_tokens": 90}  # outgrows a cache's first buffer
@@ -131,9 +132,8 @@ def test_token_tree_alternatives_stay_lossless_and_win_rounds(tiny_pair, runs, r
     assert longest.token_ids == hf_greedy(tiny_pair / "target", long["token_ids"], long["max_new_tokens"])
     counters["alternatives_proposed"] -= 3 * sum(k > 0 for k in longest.stats["k_per_round"])
     counters["alternatives_accepted"] -= longest.stats["alternatives_accepted"]
-    rounds = sum(o.rounds for o in outs[:16])
-    assert counters["alternatives_proposed"] == 3 * sum(k > 0 for o in outs[:16] for k in o.stats["k_per_round"])
+    rounds = sum(o.rounds for o in outs)
+    assert counters["alternatives_proposed"] == 3 * sum(k > 0 for o in outs for k in o.stats["k_per_round"])
     assert 0 < counters["alternatives_accepted"] < rounds
     assert sum(o.stats["alternatives_accepted"] for o in outs) == counters["alternatives_accepted"]
-    assert all(o.stats["alternatives_accepted"] == 0 for o in outs[16:])  # sampled requests draft a chain
-    assert [o.token_ids for o in outs[16:]] == [o.token_ids for o in runs("pooled", 2, 2)[1][:2]]
+    assert all(any(k > 0 for k in o.stats["k_per_round"]) for o in outs[16:])  # (so they proposed runner-ups)

@@ -190,10 +190,10 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
         router.send_multipart([ident, *protocol.encode(good)])
         _, result = recv_kind("RESULT")
         assert result.header["results"][0]["rid"] == 7 and len(result.header["results"][0]["committed"]) == 1
-        # Token-tree alternatives: refused for a sampled request, without a draft, or repeating
-        # the first draft token; accepted on a greedy verify with a draft.
-        sampled = {"max_new_tokens": 4, "temperature": 1.0}
-        for rid, extra in ((8, {"alts": 2, "params": sampled}), (9, {"alt": [4]}), (10, {"draft": [5], "alt": [5]})):
+        # Token-tree alternatives: refused beyond the limit, without a draft, or repeating the first
+        # draft token; accepted on a greedy verify with a draft.
+        for rid, extra in ((8, {"alts": protocol.MAX_ALTERNATIVES + 1}), (9, {"alt": [4]}),
+                           (10, {"draft": [5], "alt": [5]})):
             bad = Message("TASKS", {"tasks": []})
             bad.header["tasks"].append(dict(task, rid=rid, tokens=bad.add_array(np.array([1, 2, 3], np.int32)), **extra))
             router.send_multipart([ident, *protocol.encode(bad)])
@@ -258,9 +258,10 @@ def test_the_broker_checks_the_alternatives_a_draft_brings() -> None:
     for bad in ([4, 4], [3], [4, 5, 6], ["x"]):  # repeated, the first draft token, too many, not ids
         with pytest.raises(protocol.ProtocolError):
             broker._alternatives(greedy, {"alt": bad}, [3, 6, 7])
-    sampled = Request(2, "b", [1, 2], SamplingParams(temperature=1.0), seed=1, k=3)
-    with pytest.raises(protocol.ProtocolError):  # never asked for: sampled requests draft a chain
-        broker._alternatives(sampled, {"alt": [4]}, [3, 6, 7])
+    sampled = Request(2, "b", [1, 2], SamplingParams(temperature=1.0), seed=1, k=3, alts=1)
+    assert broker._alternatives(sampled, {"alt": [4]}, [3, 6, 7]) == [4]  # (runner-ups to the token drawn)
+    with pytest.raises(protocol.ProtocolError):  # more than the policy asked for
+        broker._alternatives(sampled, {"alt": [4, 5]}, [3, 6, 7])
 
 
 def test_the_broker_takes_workers_forward_times_and_counts_malformed_ones() -> None:

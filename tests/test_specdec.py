@@ -120,18 +120,23 @@ def _tiny_vocab_model(seed: int, layers: int) -> CausalLM:
     return model.eval()
 
 
-@pytest.mark.parametrize(("params", "fuse"), [
-    (SamplingParams(temperature=0.8, max_new_tokens=2), 0),
-    (SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_new_tokens=2), 0),
-    (SamplingParams(temperature=0.8, max_new_tokens=2), 4),
-    (SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_new_tokens=2), 4)])
-def test_speculative_sampling_with_real_models_follows_the_target(params: SamplingParams, fuse: int) -> None:
+@pytest.mark.parametrize(("params", "fuse", "alts"), [
+    (SamplingParams(temperature=0.8, max_new_tokens=2), 0, 0),
+    (SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_new_tokens=2), 0, 0),
+    (SamplingParams(temperature=0.8, max_new_tokens=2), 4, 0),
+    (SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_new_tokens=2), 4, 0),
+    (SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_new_tokens=2), 0, 2),
+    (SamplingParams(temperature=0.8, max_new_tokens=2), 4, 2)])
+def test_speculative_sampling_with_real_models_follows_the_target(params: SamplingParams, fuse: int,
+                                                                  alts: int) -> None:
     """A tiny-vocabulary pair (independent random draft): the first two committed tokens of
     many seeded requests follow the target's exact two-token distribution (chi-square). With
     ``fuse``, a prompt-lookup chain is verified beside each draft (a token tree sampled by
-    recursive rejection), and some rounds commit tokens only the chain had."""
+    recursive rejection), and some rounds commit tokens only the chain had. With ``alts``, the
+    draft's runner-ups to the token it drew are verified beside it, and some rounds commit one."""
     target, draft = _tiny_vocab_model(1, 2), _tiny_vocab_model(2, 1)
-    prompt = np.array([1, 2, 3] if not fuse else [1, 2, 3, 1, 2], dtype=np.int64)  # (a repeat: a chain)
+    # (a repeat: a chain to look up; there the target also often picks the draft's second runner-up)
+    prompt = np.array([1, 2, 3] if not (fuse or alts) else [1, 2, 3, 1, 2], dtype=np.int64)
     with torch.no_grad():
         cache = target.new_cache()
         first = specdec.target_probs(target([cache], [prompt.tolist()], [1])[0], params)[0]
@@ -143,20 +148,24 @@ def test_speculative_sampling_with_real_models_follows_the_target(params: Sampli
     t_run, d_run = ModelRunner(target, proposal_top_k=4), ModelRunner(draft, proposal_top_k=4)
     n = 6000
     outputs: dict[int, list[int]] = {rid: [] for rid in range(n)}
-    by_chain = 0  # rounds whose committed path went through the chain's own nodes
+    by_chain = by_alt = 0  # rounds whose committed path went through the chain's own nodes, a runner-up
     for _ in range(2):  # at most two rounds are needed for two tokens
         tasks = [Task(rid, "draft", 1, 1, np.concatenate([prompt, outputs[rid]]).astype(np.int64), 3, params, rid,
-                      fuse=fuse) for rid in range(n) if len(outputs[rid]) < 2]
+                      fuse=fuse, alts=alts) for rid in range(n) if len(outputs[rid]) < 2]
         if not tasks:
             break
         for start in range(0, len(tasks), 500):
             batch = tasks[start:start + 500]
             for t, d in zip(batch, d_run.draft(batch)):
-                t.draft, t.q_idx, t.q_prob, t.chains = d.tokens, d.q_idx, d.q_prob, d.chains
+                t.draft, t.q_idx, t.q_prob, t.chains, t.alt = d.tokens, d.q_idx, d.q_prob, d.chains, d.alt
+                assert len(t.alt) == alts and t.draft[0] not in t.alt
             for t, committed in zip(batch, t_run.verify(batch)):
                 outputs[t.rid].extend(committed)
-                by_chain += any(node >= len(t.draft) for node in t.tree().path(committed[:-1]))
+                path = t.tree().path(committed[:-1])
+                by_alt += len(path) > 0 and committed[0] in t.alt
+                by_chain += any(node >= len(t.draft) for node in path) and committed[0] not in t.alt
     assert (by_chain > 100) == bool(fuse), by_chain
+    assert (by_alt > 100) == bool(alts), by_alt
     counts = np.zeros((8, 8))
     for toks in outputs.values():
         counts[toks[0], toks[1]] += 1

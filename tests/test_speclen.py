@@ -163,7 +163,7 @@ def test_the_policy_takes_measured_costs_and_token_tree_choices() -> None:
                        for i, t in ((0, 0.0), (1, 0.8)))
     s.admit(greedy)
     s.admit(sampled)
-    assert s.costs == (0.073, 0.03, 1.1) and greedy.alts == 1 and sampled.alts == 0  # (no tree when sampling)
+    assert s.costs == (0.073, 0.03, 1.1) and greedy.alts == 1 and sampled.alts == 1  # (sampled: runner-ups to its draw)
     fp32 = [0.048, 0.052, 0.055, 0.082, 0.086, 0.090, 0.105, 0.110]
     s.observe_costs(2, "target", fp32)
     s.observe_costs(1, "draft", [0.0018, 0.0025])

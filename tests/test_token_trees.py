@@ -165,14 +165,14 @@ def test_fusion_is_a_config_knob_with_limits(tmp_path) -> None:  # noqa: ANN001
 @pytest.mark.slow
 def test_seeded_samples_with_fused_chains_are_placement_independent(tiny_pair) -> None:  # noqa: ANN001
     """Sampled requests (at a low temperature: the tiny target is nearly flat) sample their way
-    down the tree (recursive rejection sampling). A seeded request's output is the same on 1 + 1
-    workers and on 2 + 2 with forced migration, and some of their rounds commit tokens only the
-    fused chain had."""
+    down the tree (recursive rejection sampling), with the draft's runner-ups to the token it drew
+    beside it. A seeded request's output is the same on 1 + 1 workers and on 2 + 2 with forced
+    migration, and some of their rounds commit tokens only the fused chain, or a runner-up, had."""
     reqs = [{"token_ids": p, "max_new_tokens": 32, "temperature": 0.1, "seed": 500 + i} for i, p in enumerate(PROMPTS)]
     runs = []
     for workers in ((1, 1), (2, 2)):
         cfg = deploy_config(tiny_pair, "pooled", *workers, k=3, max_batch=4)
-        cfg.broker.fuse_ngram, cfg.broker.migrate = 6, True
+        cfg.broker.fuse_ngram, cfg.broker.first_alternatives, cfg.broker.migrate = 6, 2, True
         with Deployment(cfg) as dep:
             async def run() -> list:
                 async with AsyncClient(dep.address, timeout_s=120) as client:
@@ -182,7 +182,9 @@ def test_seeded_samples_with_fused_chains_are_placement_independent(tiny_pair) -
             with Client(dep.address) as c:
                 state = c.status()
         assert not state["errors"] and state["counters"]["fused_chains"] > 0
-        runs.append(([o.token_ids for o in outs], sum(o.stats["fused_accepted"] for o in outs)))
-    (one, fused_one), (two, fused_two) = runs
+        runs.append(([o.token_ids for o in outs], sum(o.stats["fused_accepted"] for o in outs),
+                     sum(o.stats["alternatives_accepted"] for o in outs)))
+    (one, fused_one, alts_one), (two, fused_two, alts_two) = runs
     assert one == two and len({tuple(t) for t in one}) > 1
     assert fused_one == fused_two > 0
+    assert alts_one == alts_two > 0

@@ -39,8 +39,7 @@ class NgramRunner:
         out = []
         for t in tasks:
             t0 = time.perf_counter()
-            tokens, alt = lookup(np.asarray(t.tokens), t.k, self.min_n, self.max_n,
-                                 t.alts if t.params.greedy else 0) if t.k > 0 else ([], [])
+            tokens, alt = lookup(np.asarray(t.tokens), t.k, self.min_n, self.max_n, t.alts) if t.k > 0 else ([], [])
             took = time.perf_counter() - t0
             self.busy_s += took
             self.forwards += 1
@@ -49,5 +48,5 @@ class NgramRunner:
                 out.append(Draft(tokens, None, None, alt))
             else:
                 out.append(Draft(tokens, [np.array([x], dtype=np.int32) for x in tokens],
-                                 [np.ones(1, dtype=np.float32) for _ in tokens]))
+                                 [np.ones(1, dtype=np.float32) for _ in tokens], alt))
         return out

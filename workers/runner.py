@@ -37,7 +37,7 @@ class Task:
     q_idx: list[np.ndarray] | None = None
     q_prob: list[np.ndarray] | None = None
     holder: dict = field(default_factory=dict)  # {worker, valid, endpoint}: who has this role's KV
-    alts: int = 0  # draft / round tasks: alternatives to the first draft token wanted (greedy only)
+    alts: int = 0  # draft / round tasks: alternatives to the first draft token wanted
     alt: list[int] = field(default_factory=list)  # verify tasks: those alternatives (a two-level token tree)
     fuse: int = 0  # fuse an n-gram chain of up to this many tokens (looked up by the draft; without one, here)
     chains: list[list[int]] = field(default_factory=list)  # verify tasks: the fused chains (token tree)
@@ -95,7 +95,7 @@ class ModelRunner:
                     tok = int(self.model.head_token_ids[tok])
                     if q_idx is not None:
                         q_idx = self.model.token_ids(torch.from_numpy(q_idx)).to(torch.int32).numpy()
-                if step == 0 and t.alts and t.params.greedy:  # runner-ups to the first token (token tree)
+                if step == 0 and t.alts:  # runner-ups to the first token (token tree): to the token drawn, if sampled
                     ranked = torch.topk(row[0], min(t.alts + 1, row.shape[-1])).indices
                     if self.model.head_token_ids is not None:
                         ranked = self.model.token_ids(ranked)

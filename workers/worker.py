@@ -276,8 +276,6 @@ class Worker:
             raise ProtocolError("malformed", "a sampled draft needs its proposal q")
         task.alts, task.alt = raw.get("alts") or 0, list(raw.get("alt") or [])
         if task.alts or task.alt:
-            if not params.greedy:
-                raise ProtocolError("malformed", "alternatives (a token tree) are for greedy requests only")
             if not 0 <= task.alts <= protocol.MAX_ALTERNATIVES or len(task.alt) > protocol.MAX_ALTERNATIVES:
                 raise ProtocolError("malformed", f"at most {protocol.MAX_ALTERNATIVES} alternatives")
             ids = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in task.alt)
