@@ -469,6 +469,8 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     if bad or not names:
         raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)} (or pooled+MODEL, "
                                    "pooled-NAME; then @KNOB=VALUE)")
+    if twice := sorted({m for m in names if names.count(m) > 1}):  # (results are keyed by mode)
+        raise click.ClickException(f"modes given more than once: {', '.join(twice)}; a mode's runs are --repeats")
     pool = DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
     wl = Workload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature,
                   chat=chat or edit)

@@ -333,6 +333,8 @@ def test_cli_refuses_drafters_it_cannot_route() -> None:
     assert res.exit_code != 0 and "pooled+MODEL" in res.output
     res = runner.invoke(main, ["bench", "--modes", "pooled-nosuch"])
     assert res.exit_code != 0 and "no [[drafters]] pool named 'nosuch'" in res.output
+    res = runner.invoke(main, ["bench", "--modes", "pooled,autoregressive,pooled"])  # (one result per name)
+    assert res.exit_code != 0 and "more than once: pooled" in res.output
     res = runner.invoke(main, ["worker", "--role", "draft", "--model", "ngram", "--drafter", "a b"])
     assert res.exit_code != 0 and "--drafter" in res.output
     res = runner.invoke(main, ["worker", "--role", "target", "--model", "x", "--drafter", "a"])
