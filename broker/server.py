@@ -396,8 +396,10 @@ class Broker:
         via_alt = chain == 0 and accepted > 0 and committed[0] in alt
         fused = fused_gain(accepted, chain, via_alt)
         self.counters["alternatives_proposed"] += len(alt)
+        self.counters["alternatives_contested"] += bool(alt) and chain == 0  # (where a runner-up could win)
         self.counters["alternatives_accepted"] += via_alt
         req.alt_accepted += via_alt
+        self.counters["fused_asked"] += req.fuse > 0
         self.counters["fused_chains"] += len(chains)
         self.counters["fused_rounds_won"] += fused > 0
         self.counters["fused_tokens_accepted"] += fused

@@ -718,7 +718,8 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
         raise click.ClickException(str(exc)) from None
     if seed is not None:
         acc = sc.acceptance
-        sc = replace(sc, seed=seed, acceptance=Acceptance(acc.rates, dict(acc.histogram) if acc.histogram else None, seed))
+        sc = replace(sc, seed=seed, acceptance=Acceptance(acc.rates, dict(acc.histogram) if acc.histogram else None, seed,
+                                                         **acc.tree()))
     names = [m.strip() for m in modes.split(",")] if modes else sc.modes
     bad = [m for m in names if m not in MODES]
     if bad:

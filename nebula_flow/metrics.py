@@ -43,10 +43,11 @@ def render(state: dict[str, Any]) -> str:
     family("nebula_batch_size_total", "counter", "Task batches sent to workers, by role and size.",
            [(v, {"role": role, "size": size}) for role, hist in state.get("batch_sizes", {}).items()
             for size, v in sorted(hist.items(), key=lambda x: int(x[0]))])
-    tree_counts = ("alternatives_proposed", "alternatives_accepted", "fused_chains", "fused_rounds_won",
-                   "fused_tokens_accepted")
-    family("nebula_token_tree_total", "counter", "Token trees: runner-ups to the first draft token proposed and "
-           "won; fused prompt-lookup chains verified, rounds they won, and tokens they added beyond the draft.",
+    tree_counts = ("alternatives_proposed", "alternatives_contested", "alternatives_accepted", "fused_asked",
+                   "fused_chains", "fused_rounds_won", "fused_tokens_accepted")
+    family("nebula_token_tree_total", "counter", "Token trees: runner-ups to the first draft token proposed, "
+           "in rounds whose first draft token was rejected, and won; rounds that asked for a fused prompt-lookup "
+           "chain, chains verified, rounds they won, and tokens they added beyond the draft.",
            [(c.get(kind, 0), {"kind": kind}) for kind in tree_counts])
     drafters = state.get("drafters", {})
     family("nebula_drafter_rounds_total", "counter", "Rounds each drafter drafted (routing among drafters).",

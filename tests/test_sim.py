@@ -94,6 +94,45 @@ def test_acceptance_draws_follow_the_rates_and_are_reproducible() -> None:
     assert {hist.accepted(r, 0, 1) for r in range(200)} == {0, 1}  # never more than k
 
 
+def test_token_tree_draws_follow_their_rates_and_are_reproducible() -> None:
+    acc = Acceptance(rates=[0.5], alternative_rate=0.4, fused_match=0.5, fused_win=0.6, fused_gain=3.0)
+    draws = [acc.tree_round(rid, 1, 4, 1, 12) for rid in range(8000)]
+    assert draws == [acc.tree_round(rid, 1, 4, 1, 12) for rid in range(8000)]
+    assert [d[2] for d in draws] == [acc.accepted(rid, 1, 4) for rid in range(8000)]  # the draft's own: as before
+    found = [d for d in draws if d[3] is not None]
+    won = [d for d in found if d[3] > 0]
+    assert len(found) / len(draws) == pytest.approx(0.5, abs=0.03)
+    assert len(won) / len(found) == pytest.approx(0.6, abs=0.03)
+    assert sum(d[3] for d in won) / len(won) == pytest.approx(3.0, rel=0.06)  # (a chain of 12 leaves room)
+    assert all(a == c + f and not via for a, via, c, f in won)
+    contested = [d for d in draws if d[2] == 0 and not (d[3] or 0)]  # first draft token rejected, no chain won
+    assert sum(d[1] for d in contested) / len(contested) == pytest.approx(0.4, abs=0.04)
+    assert all(a == 1 for a, via, _, _ in draws if via)
+    plain = Acceptance(rates=[0.5])  # no trees asked for or none modelled: the draft's draw alone
+    assert [plain.tree_round(r, 1, 4, 1, 12)[:3] for r in range(500)] == [(plain.accepted(r, 1, 4), False,
+                                                                          plain.accepted(r, 1, 4)) for r in range(500)]
+    assert all(acc.tree_round(r, 1, 4, 0, 0)[1:] == (False, acc.accepted(r, 1, 4), None) for r in range(500))
+    # a chain no longer than what the draft already won leaves nothing to win
+    assert all(f == 0 for _, _, c, f in (acc.tree_round(r, 1, 4, 0, 2) for r in range(500)) if f is not None and c >= 2)
+    with pytest.raises(ValueError, match="fused_gain"):
+        Acceptance(rates=[0.5], fused_gain=0.5)
+
+
+def test_token_tree_parameters_from_a_live_brokers_status(tmp_path) -> None:  # noqa: ANN001
+    status = {"proposed_by_position": [100, 60], "accepted_by_position": [60, 30],
+              "counters": {"alternatives_contested": 40, "alternatives_accepted": 10, "fused_asked": 100,
+                           "fused_chains": 25, "fused_rounds_won": 20, "fused_tokens_accepted": 90}}
+    path = tmp_path / "status.json"
+    path.write_text(json.dumps(status))
+    acc = Acceptance.from_status(path)
+    assert acc.rates == pytest.approx([0.6, 0.5 / 0.6]) and acc.tree() == {"alternative_rate": 0.25, "fused_match": 0.25,
+                                                                            "fused_win": 0.8, "fused_gain": 4.5}
+    mixed = Acceptance.from_config({"status": str(path), "fused_win": 0.1}, 0)  # the scenario's own entries win
+    assert mixed.rates == acc.rates and mixed.fused_win == 0.1 and mixed.fused_gain == 4.5
+    with pytest.raises(ValueError, match="unknown keys"):
+        Acceptance.from_config({"rate": 0.7, "alt_rate": 0.2}, 0)
+
+
 # -- the engine -----------------------------------------------------------------------------
 def test_a_saturated_target_pool_runs_at_the_cost_models_rate() -> None:
     """Autoregressive, 1 worker, 10 ms per forward whatever the batch, 64 requests at once:
@@ -121,6 +160,33 @@ def test_same_seed_same_result_other_seed_other_result() -> None:
     assert a == b
     c = simulate(small_scenario(seed=1, acceptance=Acceptance(rates=[0.7], seed=1)), "pooled")
     assert c["round_rate"] != a["round_rate"]
+
+
+def test_token_trees_cost_their_rows_and_win_what_the_model_says() -> None:
+    """Runner-ups and fused chains: the simulated target scores their rows (here each new row
+    costs 1 ms beside a 10 ms forward) and rounds commit what the acceptance model gives them."""
+    row_cost = ProfileCost({"name": "rows", "model": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8,
+                                                      "vocab_size": 100},
+                            "latency": {"base_s": 0.01, "per_seq_s": 0.0, "per_token_s": 0.001}})
+    wl = Workload(requests=8, output_tokens=120, prompt_tokens=(8, 8), concurrency=1)
+
+    def run(rates: list[float], **tree) -> dict:  # noqa: ANN003
+        knobs = {k: tree.pop(k) for k in ("first_alternatives", "fuse_ngram") if k in tree}
+        return simulate(small_scenario(target=Pool(1, 8, row_cost), workload=wl, draft=Pool(1, 8, flat_profile(0.001)),
+                                       acceptance=Acceptance(rates=rates, **tree), **knobs), "pooled")
+
+    plain = run([0.7])
+    alts = run([0.7], first_alternatives=1, alternative_rate=0.5)
+    # a runner-up wins half the rounds whose first draft token was rejected (30 %): +0.15 tokens
+    assert alts["tokens_per_round"] - plain["tokens_per_round"] == pytest.approx(0.15, abs=0.04)
+    idle_alts = run([0.7], first_alternatives=1)  # runner-ups that never win: one more row a round, for nothing
+    assert idle_alts["tokens_per_round"] == plain["tokens_per_round"] and idle_alts["round_rate"] < plain["round_rate"]
+    chains = run([0.7], fuse_ngram=8, fused_match=1.0, fused_win=0.5, fused_gain=3.0)
+    assert chains["tokens_per_round"] > plain["tokens_per_round"] + 0.5
+    lost = run([0.7], fuse_ngram=8, fused_match=1.0)  # chains found every round, never winning: 8 rows for nothing
+    assert lost["tokens_per_round"] == plain["tokens_per_round"]
+    assert lost["round_rate"] < 0.8 * plain["round_rate"]
+    assert run([0.7], fuse_ngram=8)["round_rate"] == plain["round_rate"]  # no chain found: no rows
 
 
 def test_forced_migration_moves_kv_and_a_free_link_costs_nothing() -> None:
@@ -211,7 +277,7 @@ def test_a_scenarios_policy_knobs_reach_the_simulated_policy(tmp_path) -> None: 
     sc = load_scenario(path)
     knobs = Simulator(sc, "pooled").policy.knobs()
     assert (knobs["adaptive_k"], knobs["disable_by_batch_size"], knobs["spec_costs"]) == (True, 2, [0.05, 0.01, 1.2])
-    assert knobs["first_alternatives"] == knobs["fuse_ngram"] == 0  # (not modelled: see Scenario)
+    assert (knobs["first_alternatives"], knobs["fuse_ngram"]) == (1, 4)  # (token trees are modelled)
 
 
 def test_bad_scenarios_get_clear_errors(tmp_path) -> None:  # noqa: ANN001

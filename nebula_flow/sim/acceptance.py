@@ -5,6 +5,17 @@ Either per-position conditional acceptance rates (``rates[i]`` = P(draft i accep
 tokens per round from a real run (``nebula-flow status --json`` → ``tokens_per_round_hist``; its
 ``accepted_by_position``/``proposed_by_position`` give the rates). Every draw is a pure function
 of (seed, request, round), so a scenario's result does not depend on event order.
+
+Token trees (the policy's ``first_alternatives`` and ``fuse_ngram``), optional:
+
+* ``alternative_rate``: P(a runner-up to the first draft token wins | that token was rejected),
+  as ``speclen.Acceptance`` learns it per request;
+* ``fused_match``: P(a round that asks for a fused prompt-lookup chain finds one);
+  ``fused_win``: P(the chain wins tokens beyond the draft | found); ``fused_gain``: the mean
+  tokens it wins then (geometric, at least 1, at most what the chain's length leaves).
+
+A live broker's status gives all four (``from_status``: its ``alternatives_*`` and ``fused_*``
+counters).
 """
 
 from __future__ import annotations
@@ -16,11 +27,18 @@ from typing import Any
 from nebula_flow.specdec import uniform
 
 STREAM_SIM = 7  # keeps simulator draws apart from the decoding streams in ``specdec``
+STREAM_SIM_TREE = 9  # the token-tree draws (runner-ups, fused chains), apart from the draft's
+TREE_KEYS = ("alternative_rate", "fused_match", "fused_win", "fused_gain")
 
 
 class Acceptance:
     def __init__(self, rates: list[float] | None = None, histogram: dict[int, float] | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, alternative_rate: float = 0.0, fused_match: float = 0.0,
+                 fused_win: float = 0.0, fused_gain: float = 1.0) -> None:
+        if not all(0.0 <= x <= 1.0 for x in (alternative_rate, fused_match, fused_win)) or fused_gain < 1.0:
+            raise ValueError("alternative_rate, fused_match and fused_win must be in [0, 1], fused_gain >= 1")
+        self.alternative_rate, self.fused_match, self.fused_win = alternative_rate, fused_match, fused_win
+        self.fused_gain = fused_gain
         if (rates is None) == (histogram is None):
             raise ValueError("give acceptance rates or a histogram, not both")
         if rates is not None and (not rates or any(not 0.0 <= r <= 1.0 for r in rates)):
@@ -41,18 +59,38 @@ class Acceptance:
         rates = [a / p if p else 0.0 for p, a in zip(prop, acc)]
         # accepted_by_position[i] counts rounds that accepted i+1 drafts: make it conditional.
         cond = [rates[0]] + [rates[i] / rates[i - 1] if rates[i - 1] else 0.0 for i in range(1, len(rates))]
-        return cls(rates=[min(1.0, r) for r in cond], seed=seed)
+        c = raw.get("counters") or {}
+
+        def ratio(num: str, den: str, default: float) -> float:
+            return c.get(num, 0) / c[den] if c.get(den) else default
+
+        return cls(rates=[min(1.0, r) for r in cond], seed=seed,
+                   alternative_rate=min(1.0, ratio("alternatives_accepted", "alternatives_contested", 0.0)),
+                   fused_match=min(1.0, ratio("fused_chains", "fused_asked", 0.0)),
+                   fused_win=min(1.0, ratio("fused_rounds_won", "fused_chains", 0.0)),
+                   fused_gain=max(1.0, ratio("fused_tokens_accepted", "fused_rounds_won", 1.0)))
 
     @classmethod
     def from_config(cls, raw: dict[str, Any], seed: int, base: Path | None = None) -> Acceptance:
+        unknown = set(raw) - {"status", "histogram", "per_position", "rate", *TREE_KEYS}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}")
+        tree = {key: float(raw[key]) for key in TREE_KEYS if key in raw}
         if "status" in raw:
             p = Path(raw["status"])
-            return cls.from_status(base / p if base and not p.is_absolute() else p, seed)
+            measured = cls.from_status(base / p if base and not p.is_absolute() else p, seed)
+            if not tree:
+                return measured
+            return cls(rates=measured.rates, seed=seed, **{**measured.tree(), **tree})  # (the scenario's win)
         if "histogram" in raw:
-            return cls(histogram={int(n): float(c) for n, c in raw["histogram"].items()}, seed=seed)
+            return cls(histogram={int(n): float(c) for n, c in raw["histogram"].items()}, seed=seed, **tree)
         if "per_position" in raw:
-            return cls(rates=[float(r) for r in raw["per_position"]], seed=seed)
-        return cls(rates=[float(raw.get("rate", 0.7))], seed=seed)
+            return cls(rates=[float(r) for r in raw["per_position"]], seed=seed, **tree)
+        return cls(rates=[float(raw.get("rate", 0.7))], seed=seed, **tree)
+
+    def tree(self) -> dict[str, float]:
+        """The token-tree parameters (``TREE_KEYS``)."""
+        return {key: getattr(self, key) for key in TREE_KEYS}
 
     def accepted(self, rid: int, round_: int, k: int) -> int:
         """Draft tokens accepted out of ``k`` in round ``round_`` of request ``rid``."""
@@ -71,6 +109,28 @@ class Acceptance:
         while n < k and uniform(key, round_ * 64 + n, STREAM_SIM) < self.rates[min(n, len(self.rates) - 1)]:
             n += 1
         return n
+
+    def tree_round(self, rid: int, round_: int, k: int, alts: int, fuse: int) -> tuple[int, bool, int, int | None]:
+        """A verified round with ``alts`` runner-ups and a fused chain of up to ``fuse`` tokens
+        asked for: (accepted, via_alt, the draft's own accepted tokens, the chain's gain beyond the
+        draft or None where no chain was found), as the broker reports a round to the policy."""
+        chain = self.accepted(rid, round_, k)
+        key = (self.seed * 1_000_003 + rid) & ((1 << 62) - 1)
+
+        def u(i: int) -> float:
+            return uniform(key, round_ * 64 + i, STREAM_SIM_TREE)
+
+        fused = None
+        if fuse > 0 and u(0) < self.fused_match:
+            fused, room = 0, fuse - chain  # (the chain starts where the draft does)
+            if room > 0 and u(1) < self.fused_win:
+                fused = 1
+                while fused < room and u(1 + fused) < 1 - 1 / self.fused_gain:
+                    fused += 1
+        if fused:
+            return chain + fused, False, chain, fused
+        via_alt = alts > 0 and k > 0 and chain == 0 and u(63) < self.alternative_rate
+        return chain + via_alt, via_alt, chain, fused
 
     def expected_tokens_per_round(self, k: int) -> float:
         """Mean committed tokens per round at depth ``k`` (accepted drafts + the bonus token)."""

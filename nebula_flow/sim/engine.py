@@ -13,7 +13,10 @@ Only the outside world is simulated:
   them (a draft task: one forward per draft position; a verify: one forward; a colocated
   round: both, on one device);
 * each worker keeps per-request KV lengths; only missing positions are pulled or computed;
-* acceptance draws come from the scenario's acceptance model;
+* acceptance draws come from the scenario's acceptance model, token trees too: a verify scores
+  its runner-ups' and fused chain's rows beside the draft's (a chain found only as often as the
+  model says; a chain sharing the draft's prefix is counted in full), and a round reports the
+  policy what the broker does (``Acceptance.tree_round``);
 * messages take ``message_latency_us``; the broker is one thread that can cost
   ``broker_service_us`` per message and ``broker_task_us`` per task it takes back or sends out,
   so a saturated broker queues messages as the live one does.
@@ -36,6 +39,7 @@ from nebula_flow.sim.costs import CostModel
 from nebula_flow.sim.scenario import Pool, Scenario, Workload
 
 PLACEHOLDER = 0  # simulated requests carry token counts, not token ids
+Outcome = tuple[int, bool, int, int | None]  # a verified round: accepted, via_alt, draft's own, fused gain
 
 
 @dataclass
@@ -49,6 +53,8 @@ class Task:
     length: int  # committed tokens (prompt + output): the KV the task must cover
     k: int
     holder: tuple[int, int] | None  # (worker, valid) of the KV for this task's role
+    alts: int = 0  # runner-ups to the first draft token asked for (token tree)
+    fuse: int = 0  # the longest fused chain asked for
 
 
 @dataclass
@@ -136,7 +142,7 @@ class Simulator:
         self.broker_busy_s += self.broker_free - self.now
         for wid, batch in dispatched:
             tasks = [Task(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
-                          r.holders.get(self.policy.holder_key(r))) for r in batch]
+                          r.holders.get(self.policy.holder_key(r)), r.alts, r.fuse) for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
 
     def run(self) -> dict[str, Any]:
@@ -174,8 +180,8 @@ class Simulator:
         self.to_broker(self.policy.admit, req)
 
     # -- broker handlers (the live broker's order of policy calls) ----------------------------
-    def _results(self, wid: int, results: list[tuple[Task, int]]) -> None:
-        for task, accepted in results:
+    def _results(self, wid: int, results: list[tuple[Task, Outcome | None]]) -> None:
+        for task, outcome in results:
             req = self.policy.accepts_result(wid, task.req.rid, task.attempt, task.kind)
             if req is None:
                 self.stale += 1
@@ -183,17 +189,19 @@ class Simulator:
             if task.kind == DRAFT:
                 self.policy.draft_done(req, wid, [PLACEHOLDER] * task.k, {})
                 continue
-            self.policy.verify_done(req, wid, accepted)
+            accepted, via_alt, chain, fused = outcome
+            self.policy.verify_done(req, wid, accepted, via_alt, chain, fused)
             kept = req.commit([PLACEHOLDER] * (accepted + 1), ())
             self.rounds += 1
             self.tokens += len(kept)
             if req.t_first is None:
                 req.t_first = self.now
-            valid = task.length + accepted  # what every copy of this request's KV is still good for
+            # what every copy of this request's KV is still good for (a draft's: its own tokens)
+            valid = {"target": task.length + accepted, "draft": task.length + chain}
             for w in self.workers.values():
-                for cache in w.caches.values():
-                    if req.rid in cache and cache[req.rid] > valid:
-                        cache[req.rid] = valid
+                for role, cache in w.caches.items():
+                    if req.rid in cache and cache[req.rid] > valid[role]:
+                        cache[req.rid] = valid[role]
             if req.finish_reason:
                 self.policy.finish(req.rid)
                 self.done.append(req)
@@ -248,10 +256,10 @@ class Simulator:
         if drafts:
             compute += self._draft_time(w, drafts)
         verifies = [t for t in batch if t.kind in (VERIFY, ROUND)]
-        accepted = {id(t): self.sc.acceptance.accepted(t.req.rid, t.round, t.k) for t in verifies}
+        outcomes = {id(t): self.sc.acceptance.tree_round(t.req.rid, t.round, t.k, t.alts, t.fuse) for t in verifies}
         if verifies:
-            compute += self._verify_time(w, verifies, accepted)
-        results = [(t, accepted.get(id(t), 0)) for t in batch]
+            compute += self._verify_time(w, verifies, outcomes)
+        results = [(t, outcomes.get(id(t))) for t in batch]
         overhead = (self.sc.host.batch_overhead_us + self.sc.host.task_overhead_us * len(batch)) * 1e-6
         w.busy_s += compute
         w.tasks += len(batch)
@@ -280,19 +288,23 @@ class Simulator:
                 cache[t.req.rid] = h  # the last draft token is proposed, never fed
         return total
 
-    def _verify_time(self, w: SimWorker, tasks: list[Task], accepted: dict[int, int]) -> float:
+    def _verify_time(self, w: SimWorker, tasks: list[Task], outcomes: dict[int, Outcome]) -> float:
         cost, cache = w.costs["target"], w.caches["target"]
         have = [cache.get(t.req.rid, 0) for t in tasks]
-        tokens = sum(t.length - h + t.k for t, h in zip(tasks, have))
+
+        def tree_rows(t: Task) -> int:  # the draft, its runner-ups, the fused chain where one was found
+            return t.k + (t.alts if t.k > 0 else 0) + (t.fuse if outcomes[id(t)][3] is not None else 0)
+
+        tokens = sum(t.length - h + tree_rows(t) for t, h in zip(tasks, have))
         context = sum(have) + tokens
         for t in tasks:
-            cache[t.req.rid] = t.length + accepted[id(t)]  # rejected drafts rolled back
+            cache[t.req.rid] = t.length + outcomes[id(t)][0]  # rejected drafts rolled back
         return self._forward_s(cost, len(tasks), tokens, context)
 
     def _forward_s(self, cost: CostModel, batch: int, tokens: int, context: int) -> float:
         return cost.forward_s(batch, tokens, context) + self.sc.host.forward_overhead_us * 1e-6
 
-    def _finish_batch(self, w: SimWorker, results: list[tuple[Task, int]]) -> None:
+    def _finish_batch(self, w: SimWorker, results: list[tuple[Task, Outcome | None]]) -> None:
         w.computing = None
         self.to_broker(self._results, w.wid, results)
         self._worker_step(w)

@@ -30,6 +30,8 @@
 
     [acceptance]        # rate = 0.75 | per_position = [..] | histogram = {"1" = .., "2" = ..}
     rate = 0.75         # | status = "status.json" (a live broker's `nebula-flow status --json`)
+    # token trees (policy first_alternatives, fuse_ngram; see sim/acceptance.py), from status too:
+    # alternative_rate = 0.3, fused_match = 0.2, fused_win = 0.5, fused_gain = 4.0
 
     [kv]                # movement = "link" (the target hardware's interconnect) | "free"
     movement = "link"   # bandwidth_gbps / latency_us override the hardware's link
@@ -143,12 +145,12 @@ class Scenario:
     merge_batches: bool = True
     adaptive_k: bool = False
     spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))
-    # Accepted in [policy] (a deployment's knobs come with it) but not simulated: simulated workers
-    # report no forward times, so spec_costs hold; token trees' extra rows and wins (runner-ups,
-    # fused chains) are not modelled.
-    measure_costs: bool = False
+    # token trees: their rows cost what the target's cost model says; their wins follow [acceptance]
     first_alternatives: int = 0
     fuse_ngram: int = 0
+    # Accepted in [policy] (a deployment's knobs come with it) but not simulated: simulated workers
+    # report no forward times, so spec_costs hold.
+    measure_costs: bool = False
     disable_by_batch_size: int = 0
     seed: int = 0
     host: HostCosts = field(default_factory=HostCosts)
@@ -262,6 +264,7 @@ def load_scenario(path: str | Path) -> Scenario:
         adaptive_k=bool(policy.get("adaptive_k", False)),
         spec_costs=[float(c) for c in policy.get("spec_costs", DEFAULT_COSTS)],
         disable_by_batch_size=int(policy.get("disable_by_batch_size", 0)),
+        first_alternatives=int(policy.get("first_alternatives", 0)), fuse_ngram=int(policy.get("fuse_ngram", 0)),
         seed=seed, host=host,
         sweep_draft_workers=[int(n) for n in sweep.get("draft_workers", [1, 2, 4, 8, 16, 32, 64])],
         sweep_scale_workload=bool(sweep.get("scale_workload", True)), source=str(path))
