@@ -641,10 +641,16 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
               "--fuse-ngram).")
 @click.option("--chat", is_flag=True, help="Send the built-in code requests in the target's chat format (how an "
               "instruct model is used) instead of raw code prompts; an answer ends at the end-of-turn token.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0, 100),
+              help="Sample at this temperature instead of decoding greedily (rejection sampling: tokens per round "
+              "only, there is no output to compare).")
+@click.option("--seeds", default=3, show_default=True, type=click.IntRange(1, 1000),
+              help="With --temperature: samples of each prompt (each request draws from its own seed).")
 def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_new_tokens: int,
-               alternatives: int, fuse_ngram: int, chat: bool) -> None:
-    """Greedy committed tokens per round of a draft/target pair at each k, on the built-in code
-    prompts (not from the training corpus), checking the output equals the target alone."""
+               alternatives: int, fuse_ngram: int, chat: bool, temperature: float, seeds: int) -> None:
+    """Committed tokens per round of a draft/target pair at each k, on the built-in code prompts
+    (not from the training corpus). Greedy by default, checking the output equals the target
+    alone; --temperature samples."""
     from nebula_flow.distill import EVAL_CHAT_PROMPTS, EVAL_PROMPTS, evaluate_pair
     from nebula_flow.models.compat import IncompatiblePair, check_pair
     from nebula_flow.models.config import ModelConfigError
@@ -654,9 +660,10 @@ def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_n
     except (IncompatiblePair, ModelConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{len(EVAL_CHAT_PROMPTS if chat else EVAL_PROMPTS)} {'chat' if chat else 'code'} prompts x "
-               f"{max_new_tokens} tokens, target {target_dtype or 'default dtype'}", err=True)
+               f"{max_new_tokens} tokens, target {target_dtype or 'default dtype'}"
+               + (f", sampled at temperature {temperature}, {seeds} seeds" if temperature else ""), err=True)
     res = evaluate_pair(target, draft, max_new_tokens, tuple(int(k) for k in ks.split(",")), target_dtype,
-                        alternatives, chat, fuse_ngram)
+                        alternatives, chat, fuse_ngram, temperature, seeds)
     click.echo(json.dumps(res, indent=2))
 
 

@@ -464,35 +464,41 @@ def save_draft(model: CausalLM, raw: dict, out: Path, target: str) -> None:
 
 def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[int, ...] = (2, 4, 6),
                   target_dtype: str | None = None, alternatives: int = 0, chat: bool = False,
-                  fuse_ngram: int = 0) -> dict:
+                  fuse_ngram: int = 0, temperature: float = 0.0, seeds: int = 1) -> dict:
     """Mean committed tokens per round (greedy) at each k on ``EVAL_PROMPTS`` (``chat``: on
     ``EVAL_CHAT_PROMPTS`` in the target's chat format), using the
     real runner code; also checks the output equals the target's own greedy output (the target
     runs in ``target_dtype``, batch-invariant in reduced precision, as a deployment runs it).
     ``alternatives``: runner-ups to the first draft token verified beside the chain (token tree);
-    ``fuse_ngram``: a prompt-lookup chain of up to that many tokens verified beside it too."""
+    ``fuse_ngram``: a prompt-lookup chain of up to that many tokens verified beside it too.
+    ``temperature`` > 0: sampled requests, ``seeds`` of each prompt (rejection sampling keeps the
+    target's distribution, not its tokens, so there is no output to compare; ``lossless`` is None)."""
     from nebula_flow.params import SamplingParams
     from workers.runner import ModelRunner, Task
 
     codec = TextCodec(target)
     t_run, d_run = ModelRunner(load_model(target, dtype=target_dtype)), ModelRunner(load_model(draft))
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    prompts = eval_prompts(codec, chat)
+    sampled = temperature > 0
+    if seeds < 1 or temperature < 0:
+        raise ValueError("seeds must be >= 1 and temperature >= 0")
+    prompts = eval_prompts(codec, chat) * (seeds if sampled else 1)  # (request i draws from its own seed, i)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, temperature=temperature)
     stop = set(eos_token_ids(target, codec)) if chat else set()  # a chat answer ends at its end of turn
     result = {}
     reference = None
-    for k in (0, *ks):  # k = 0 is the target alone: the reference every k must reproduce
+    for k in (*(() if sampled else (0,)), *ks):  # k = 0 is the target alone: the reference every k must reproduce
         outs, rounds = [], 0
         for rid, prompt in enumerate(prompts):
             toks = list(prompt)
             while len(toks) - len(prompt) < max_new_tokens:
                 left = max_new_tokens - (len(toks) - len(prompt))
                 kk = min(k, left - 1)
-                task = Task(rid, "draft", rounds, 1, np.asarray(toks), kk, params, 0, alts=alternatives,
+                task = Task(rid, "draft", rounds, 1, np.asarray(toks), kk, params, rid, alts=alternatives,
                             fuse=min(fuse_ngram, left - 1) if kk > 0 else 0)
                 if kk > 0:
                     proposal = d_run.draft([task])[0]
                     task.draft, task.alt, task.chains = proposal.tokens, proposal.alt, proposal.chains
+                    task.q_idx, task.q_prob = proposal.q_idx, proposal.q_prob
                 new = t_run.verify([task])[0]
                 rounds += 1
                 ends = [i for i, t in enumerate(new) if t in stop]
@@ -505,7 +511,9 @@ def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[i
         if k == 0:
             reference = outs
             continue
-        result[f"k={k}"] = {"tokens_per_round": sum(map(len, outs)) / rounds, "lossless": outs == reference}
-        _log(f"eval k={k}: {result[f'k={k}']['tokens_per_round']:.2f} committed tokens per round, "
-             f"output {'equals' if outs == reference else 'DIFFERS FROM'} the target's greedy output")
+        same = None if sampled else outs == reference
+        result[f"k={k}"] = {"tokens_per_round": sum(map(len, outs)) / rounds, "lossless": same}
+        _log(f"eval k={k}: {result[f'k={k}']['tokens_per_round']:.2f} committed tokens per round, " +
+             (f"sampled at temperature {temperature} ({seeds} seeds of each prompt)" if sampled else
+              f"output {'equals' if same else 'DIFFERS FROM'} the target's greedy output"))
     return result

@@ -69,8 +69,14 @@ def test_greedy_verify_with_alternatives_to_the_first_draft_token() -> None:
     assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [8, 3]) == [3, 4]  # alt 3, then row 5
     assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [3, 8]) == [3, 1]  # alt 3, then row 4
     assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [8, 2]) == [3]  # no candidate: correction
-    with pytest.raises(ValueError, match="greedy"):
-        specdec.verify(logits, [6], [np.array([6])], [np.array([1.0])], SamplingParams(temperature=1.0), 0, 0, [3])
+    # Sampled: the target all but certain of 3 then 4, the draft sure of 6 (q a point): 6 is rejected,
+    # the runner-up 3 accepted under the residual, and the bonus token follows it (row 2).
+    peaked = torch.full((3, 10), -30.0)
+    peaked[0, 3] = peaked[2, 4] = 30.0
+    sampled = SamplingParams(temperature=1.0)
+    for seed in range(20):
+        assert specdec.verify(peaked, [6], [np.array([6])], [np.array([1.0])], sampled, seed, 0, [3]) == [3, 4]
+        assert specdec.verify(peaked, [6], [np.array([6])], [np.array([1.0])], sampled, seed, 0) == [3]  # (no tree)
 
 
 def test_a_token_tree_merges_chains_that_share_a_prefix() -> None:

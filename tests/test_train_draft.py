@@ -89,6 +89,13 @@ def test_eval_draft_command_reports_each_k_in_bf16(tiny_pair) -> None:  # noqa: 
                                       "--alternatives", "1", "--fuse-ngram", "6"])
     assert fused.exit_code == 0, fused.output
     assert json.loads(fused.stdout)["k=2"]["lossless"] is True
+    sampled = CliRunner().invoke(main, ["eval-draft", "--target", str(tiny_pair / "target"), "--draft",
+                                        str(tiny_pair / "draft"), "--ks", "2", "--max-new-tokens", "10",
+                                        "--alternatives", "1", "--temperature", "0.8", "--seeds", "2"])
+    assert sampled.exit_code == 0, sampled.output
+    assert "sampled at temperature 0.8, 2 seeds" in sampled.stderr
+    report = json.loads(sampled.stdout)["k=2"]
+    assert report["lossless"] is None and 1.0 <= report["tokens_per_round"] <= 3.0  # (nothing to compare)
     bad = CliRunner().invoke(main, ["eval-draft", "--target", str(tiny_pair / "target"), "--draft",
                                     str(tiny_pair / "target" / "..")])
     assert bad.exit_code != 0 and "Error" in bad.output
