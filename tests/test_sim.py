@@ -20,7 +20,7 @@ from nebula_flow.sim.acceptance import Acceptance
 from nebula_flow.sim.costs import Link, ProfileCost, RooflineCost
 from nebula_flow.sim.engine import Simulator, simulate, sweep
 from nebula_flow.sim.hardware import HARDWARE, MODELS, resolve_model
-from nebula_flow.sim.scenario import HostCosts, Pool, Scenario, Workload, load_scenario
+from nebula_flow.sim.scenario import Drafter, HostCosts, Pool, Scenario, Workload, load_scenario
 from nebula_flow.speclen import DEFAULT_COSTS
 from tests.conftest import deploy_config
 
@@ -189,6 +189,34 @@ def test_token_trees_cost_their_rows_and_win_what_the_model_says() -> None:
     assert run([0.7], fuse_ngram=8)["round_rate"] == plain["round_rate"]  # no chain found: no rows
 
 
+def test_several_drafters_are_routed_by_the_live_policy_and_drafted_from_their_own_acceptance() -> None:
+    """[draft] agrees 30 % of the time, a second drafter "good" 90 %, at the same cost: routing
+    (adaptive k, the live policy) gives most rounds to "good", and tokens per round follow it."""
+    wl = Workload(requests=16, output_tokens=96, prompt_tokens=(8, 8), concurrency=4)
+    alone = small_scenario(workload=wl, adaptive_k=True, acceptance=Acceptance(rates=[0.3]))
+    both = small_scenario(workload=wl, adaptive_k=True, acceptance=Acceptance(rates=[0.3]),
+                          drafters=[Drafter("good", Pool(1, 16, flat_profile(0.001)), Acceptance(rates=[0.9]))])
+    a, b = simulate(alone, "pooled"), simulate(both, "pooled")
+    assert set(a["rounds_by_drafter"]) == {"draft"}
+    assert b["rounds_by_drafter"]["good"] > 4 * b["rounds_by_drafter"].get("draft", 0) > 0  # (it explores)
+    assert b["tokens_per_round"] > a["tokens_per_round"] + 1.0
+    assert simulate(both, "paired")["rounds_by_drafter"].keys() == {"draft"}  # (baselines: [draft] alone)
+    log = Simulator(both, "pooled", policy=policy_log.RecordingScheduler)
+    log.run()
+    assert {r[5] for r in log.policy.records if r[0] == "register" and r[2] == "draft"} == {"draft", "good"}
+
+
+def test_simulated_workers_report_forward_times_for_measured_costs() -> None:
+    """As live workers do: the policy weighs the cost models' forward times (a draft step of
+    1 ms against a 10 ms decode step), not ``spec_costs``, with measure_costs."""
+    sim = Simulator(small_scenario(measure_costs=True, adaptive_k=True), "pooled")
+    sim.run()
+    assert sim.policy.costs[0] == pytest.approx(0.1) and sim.policy.verify_costs[0] == 1.0
+    fixed = Simulator(small_scenario(adaptive_k=True), "pooled")
+    fixed.run()
+    assert fixed.policy.costs == tuple(DEFAULT_COSTS)
+
+
 def test_forced_migration_moves_kv_and_a_free_link_costs_nothing() -> None:
     moved = simulate(small_scenario(migrate=True, locality=False), "pooled")
     kept = simulate(small_scenario(), "pooled")
@@ -278,6 +306,24 @@ def test_a_scenarios_policy_knobs_reach_the_simulated_policy(tmp_path) -> None: 
     knobs = Simulator(sc, "pooled").policy.knobs()
     assert (knobs["adaptive_k"], knobs["disable_by_batch_size"], knobs["spec_costs"]) == (True, 2, [0.05, 0.01, 1.2])
     assert (knobs["first_alternatives"], knobs["fuse_ngram"]) == (1, 4)  # (token trees are modelled)
+
+
+def test_a_scenario_with_several_drafters_loads_and_bad_drafters_get_clear_errors(tmp_path) -> None:  # noqa: ANN001
+    base = PAPER.read_text()
+    path = tmp_path / "d.toml"
+    path.write_text(base + '\n[[drafters]]\nname = "ngram"\nmodel = "qwen3-0.6b"\nhardware = "rtx4090"\n'
+                    'workers = 1\nacceptance = { rate = 0.2, fused_match = 0.5 }\n')
+    sc = load_scenario(path)
+    [d] = sc.drafters
+    assert (d.name, d.pool.workers, d.acceptance.rates, d.acceptance.fused_match) == ("ngram", 1, [0.2], 0.5)
+    path.write_text(base + '\n[[drafters]]\nname = "fast"\nmodel = "qwen3-0.6b"\nhardware = "rtx4090"\n')
+    assert load_scenario(path).drafters[0].acceptance.rates == [0.75]  # (default: [acceptance]'s)
+    for extra, message in (('name = "draft"', "name must be"), ('name = "a b"', "name must be"),
+                           ('name = "x"\nbogus = 1', "unknown keys"), ('name = "x"', "give a cost model"),
+                           ('name = "x"\nprofile = "p"\nacceptance = { rat = 1 }', "acceptance")):
+        path.write_text(base + "\n[[drafters]]\n" + extra + "\n")
+        with pytest.raises(ConfigError, match=message):
+            load_scenario(path)
 
 
 def test_bad_scenarios_get_clear_errors(tmp_path) -> None:  # noqa: ANN001

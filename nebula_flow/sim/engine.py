@@ -11,7 +11,11 @@ Only the outside world is simulated:
   with the running batch), and a batch starts when compute is free and its KV has arrived;
 * forward passes cost what the pool's cost model says, counted the way the model runner runs
   them (a draft task: one forward per draft position; a verify: one forward; a colocated
-  round: both, on one device);
+  round: both, on one device); with its first result a worker reports its forward times by
+  rows (``observe_costs``: one sequence at the workload's mean context), as live workers do;
+* several drafters (pooled mode, ``[[drafters]]``): their workers register with the drafter's
+  name, the policy routes each round, and a verify draws from the acceptance model of the
+  drafter that drafted it;
 * each worker keeps per-request KV lengths; only missing positions are pulled or computed;
 * acceptance draws come from the scenario's acceptance model, token trees too: a verify scores
   its runner-ups' and fused chain's rows beside the draft's (a chain found only as often as the
@@ -36,7 +40,8 @@ from nebula_flow.params import SamplingParams
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim.costs import CostModel
-from nebula_flow.sim.scenario import Pool, Scenario, Workload
+from nebula_flow.sim.scenario import Scenario, Workload
+from nebula_flow.speclen import FIT_ROWS
 
 PLACEHOLDER = 0  # simulated requests carry token counts, not token ids
 Outcome = tuple[int, bool, int, int | None]  # a verified round: accepted, via_alt, draft's own, fused gain
@@ -55,6 +60,7 @@ class Task:
     holder: tuple[int, int] | None  # (worker, valid) of the KV for this task's role
     alts: int = 0  # runner-ups to the first draft token asked for (token tree)
     fuse: int = 0  # the longest fused chain asked for
+    drafter: str | None = None  # verify tasks: the drafter whose draft it verifies
 
 
 @dataclass
@@ -63,6 +69,8 @@ class SimWorker:
     role: str
     capacity: int
     costs: dict[str, CostModel]  # model role ("draft"/"target") -> cost model on this device
+    drafter: str | None = None  # draft workers of a ``[[drafters]]`` pool: its name
+    reported: bool = False  # forward times sent to the broker (with the first result)
     computing: list[Task] | None = None
     pending: list[Task] | None = None
     pull_out: str | None = None  # None, "busy" or "idle": as in the live worker loop
@@ -103,7 +111,12 @@ class Simulator:
             if role == "colocated":
                 costs["draft"] = sc.draft.cost
             self.workers[i] = SimWorker(i, role, pool.max_batch, costs)
-        self.pools: dict[str, Pool] = {"draft": sc.draft, "target": sc.target}
+        for d in sc.drafters if mode == "pooled" else ():  # (the baselines run [draft] alone, as live)
+            for _ in range(d.pool.workers):
+                wid = len(self.workers) + 1
+                self.workers[wid] = SimWorker(wid, "draft", d.pool.max_batch, {"draft": d.pool.cost}, d.name)
+        self.acceptance = {d.name: d.acceptance for d in sc.drafters}  # by drafter; else the scenario's
+        self.rounds_by_drafter: dict[str, int] = {}
         self.reqs = self.workload.arrivals(sc.seed)
         self.closed = all(t is None for t, _, _ in self.reqs)  # closed loop: a finish lets the next one in
         self.next_req = 0
@@ -142,12 +155,12 @@ class Simulator:
         self.broker_busy_s += self.broker_free - self.now
         for wid, batch in dispatched:
             tasks = [Task(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
-                          r.holders.get(self.policy.holder_key(r)), r.alts, r.fuse) for r in batch]
+                          r.holders.get(self.policy.holder_key(r)), r.alts, r.fuse, r.drafter) for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
 
     def run(self) -> dict[str, Any]:
         for w in self.workers.values():
-            self.policy.register(w.wid, w.role, w.capacity)
+            self.policy.register(w.wid, w.role, w.capacity, w.drafter)
         for w in self.workers.values():
             self._worker_step(w)
         n_now = len(self.reqs) if self.workload.concurrency is None else min(self.workload.concurrency, len(self.reqs))
@@ -181,6 +194,11 @@ class Simulator:
 
     # -- broker handlers (the live broker's order of policy calls) ----------------------------
     def _results(self, wid: int, results: list[tuple[Task, Outcome | None]]) -> None:
+        w = self.workers[wid]
+        if not w.reported:  # (a live worker's RESULT carries its forward times; the broker takes them first)
+            w.reported = True
+            for role, cost in w.costs.items():
+                self.policy.observe_costs(wid, role, self._step_table(cost))
         for task, outcome in results:
             req = self.policy.accepts_result(wid, task.req.rid, task.attempt, task.kind)
             if req is None:
@@ -190,6 +208,8 @@ class Simulator:
                 self.policy.draft_done(req, wid, [PLACEHOLDER] * task.k, {})
                 continue
             accepted, via_alt, chain, fused = outcome
+            if task.drafter is not None and task.k > 0:
+                self.rounds_by_drafter[task.drafter] = self.rounds_by_drafter.get(task.drafter, 0) + 1
             self.policy.verify_done(req, wid, accepted, via_alt, chain, fused)
             kept = req.commit([PLACEHOLDER] * (accepted + 1), ())
             self.rounds += 1
@@ -236,7 +256,7 @@ class Simulator:
             have = w.caches[model_role].get(t.req.rid, 0)
             theirs = min(t.holder[1], holder.caches[model_role].get(t.req.rid, 0)) if holder else 0
             if theirs > have:
-                nbytes = (theirs - have) * self.pools[model_role].cost.kv_bytes_per_token
+                nbytes = (theirs - have) * w.costs[model_role].kv_bytes_per_token
                 transfer += self.sc.link.transfer_s(nbytes)
                 w.kv_bytes += nbytes
                 w.pulls += 1
@@ -256,7 +276,9 @@ class Simulator:
         if drafts:
             compute += self._draft_time(w, drafts)
         verifies = [t for t in batch if t.kind in (VERIFY, ROUND)]
-        outcomes = {id(t): self.sc.acceptance.tree_round(t.req.rid, t.round, t.k, t.alts, t.fuse) for t in verifies}
+        outcomes = {id(t): self.acceptance.get(t.drafter, self.sc.acceptance).tree_round(t.req.rid, t.round, t.k,
+                                                                                         t.alts, t.fuse)
+                    for t in verifies}
         if verifies:
             compute += self._verify_time(w, verifies, outcomes)
         results = [(t, outcomes.get(id(t))) for t in batch]
@@ -301,6 +323,13 @@ class Simulator:
             cache[t.req.rid] = t.length + outcomes[id(t)][0]  # rejected drafts rolled back
         return self._forward_s(cost, len(tasks), tokens, context)
 
+    def _step_table(self, cost: CostModel) -> list[float]:
+        """What a live worker's ``StepCosts.table`` would show: one sequence's forward by new rows
+        (1..``FIT_ROWS``), here at the workload's mean context."""
+        lo, hi = self.workload.prompt_tokens
+        context = (lo + hi) // 2 + self.workload.output_tokens // 2
+        return [self._forward_s(cost, 1, rows, context + rows) for rows in range(1, FIT_ROWS + 1)]
+
     def _forward_s(self, cost: CostModel, batch: int, tokens: int, context: int) -> float:
         return cost.forward_s(batch, tokens, context) + self.sc.host.forward_overhead_us * 1e-6
 
@@ -328,6 +357,7 @@ class Simulator:
             "workers": [{"id": w.wid, "role": w.role, "utilization": util[w.wid], "tasks": w.tasks,
                          "batches": w.batches, "mean_batch": w.tasks / max(w.batches, 1)}
                         for w in self.workers.values()],
+            "rounds_by_drafter": dict(sorted(self.rounds_by_drafter.items())),
             "kv_bytes": sum(w.kv_bytes for w in self.workers.values()),
             "kv_pulls": sum(w.pulls for w in self.workers.values()),
             "kv_recomputed_positions": sum(w.recomputed for w in self.workers.values()),

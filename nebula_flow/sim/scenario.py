@@ -28,6 +28,12 @@
     [target]
     ...
 
+    [[drafters]]        # pooled mode: more draft pools, routed among per request (routing.py)
+    name = "ngram"              #   its drafter name (not "draft": that is [draft]'s)
+    profile = "..."             #   a cost model, workers and max_batch, as any pool
+    workers = 1
+    acceptance = { rate = 0.3 } #   its own acceptance model (default: [acceptance]'s)
+
     [acceptance]        # rate = 0.75 | per_position = [..] | histogram = {"1" = .., "2" = ..}
     rate = 0.75         # | status = "status.json" (a live broker's `nebula-flow status --json`)
     # token trees (policy first_alternatives, fuse_ngram; see sim/acceptance.py), from status too:
@@ -61,7 +67,8 @@ from typing import Any
 
 from nebula_flow.config import ConfigError, load_config, read_toml
 from nebula_flow.emulated import load_profile
-from nebula_flow.scheduler import MODES, POLICY_KNOBS
+from nebula_flow.protocol import DRAFTER_NAME, DRAFTER_RULE
+from nebula_flow.scheduler import DEFAULT_DRAFTER, MODES, POLICY_KNOBS
 from nebula_flow.sim.acceptance import Acceptance
 from nebula_flow.sim.costs import CostModel, Link, ProfileCost, RooflineCost
 from nebula_flow.sim.hardware import GB, resolve_hardware, resolve_model
@@ -131,6 +138,15 @@ class Workload:
 
 
 @dataclass
+class Drafter:
+    """A further draft pool (``[[drafters]]``): its drafter name, pool and acceptance model."""
+
+    name: str
+    pool: Pool
+    acceptance: Acceptance
+
+
+@dataclass
 class Scenario:
     name: str
     draft: Pool
@@ -138,6 +154,7 @@ class Scenario:
     acceptance: Acceptance
     link: Link
     workload: Workload = field(default_factory=Workload)
+    drafters: list[Drafter] = field(default_factory=list)  # pooled mode only, as in a deployment
     modes: list[str] = field(default_factory=lambda: list(MODES))
     k: int = 4
     locality: bool = True
@@ -145,12 +162,11 @@ class Scenario:
     merge_batches: bool = True
     adaptive_k: bool = False
     spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))
+    # simulated workers report their forward times by rows from their cost model, as live ones do
+    measure_costs: bool = False
     # token trees: their rows cost what the target's cost model says; their wins follow [acceptance]
     first_alternatives: int = 0
     fuse_ngram: int = 0
-    # Accepted in [policy] (a deployment's knobs come with it) but not simulated: simulated workers
-    # report no forward times, so spec_costs hold.
-    measure_costs: bool = False
     disable_by_batch_size: int = 0
     seed: int = 0
     host: HostCosts = field(default_factory=HostCosts)
@@ -213,7 +229,7 @@ def load_scenario(path: str | Path) -> Scenario:
     path = Path(path)
     raw = read_toml(path, "scenario")
     known = {"name", "description", "modes", "seed", "deploy", "policy", "workload", "draft", "target",
-             "acceptance", "kv", "host", "sweep"}
+             "drafters", "acceptance", "kv", "host", "sweep"}
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
@@ -240,6 +256,7 @@ def load_scenario(path: str | Path) -> Scenario:
         acceptance = Acceptance.from_config(raw.get("acceptance", {}), seed, base)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{path} [acceptance]: {exc}") from None
+    drafters = _drafters(raw.get("drafters", []), acceptance, seed, base, path)
     wl_raw = dict(raw.get("workload", {}))
     if "trace" in wl_raw:
         wl_raw["trace"] = _path(wl_raw["trace"], base)
@@ -257,17 +274,38 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ConfigError(f"{path} [workload]: requests, output_tokens >= 1 and 1 <= prompt_tokens lo <= hi")
     sweep = raw.get("sweep", {})
     return Scenario(
-        name=raw.get("name", path.stem), draft=draft, target=target, acceptance=acceptance,
+        name=raw.get("name", path.stem), draft=draft, target=target, acceptance=acceptance, drafters=drafters,
         link=_link(raw.get("kv", {}), target, f"{path} [kv]"), workload=workload, modes=list(modes),
         k=int(policy.get("k", 4)), locality=bool(policy.get("locality", True)),
         migrate=bool(policy.get("migrate", False)), merge_batches=bool(policy.get("merge_batches", True)),
-        adaptive_k=bool(policy.get("adaptive_k", False)),
+        adaptive_k=bool(policy.get("adaptive_k", False)), measure_costs=bool(policy.get("measure_costs", False)),
         spec_costs=[float(c) for c in policy.get("spec_costs", DEFAULT_COSTS)],
         disable_by_batch_size=int(policy.get("disable_by_batch_size", 0)),
         first_alternatives=int(policy.get("first_alternatives", 0)), fuse_ngram=int(policy.get("fuse_ngram", 0)),
         seed=seed, host=host,
         sweep_draft_workers=[int(n) for n in sweep.get("draft_workers", [1, 2, 4, 8, 16, 32, 64])],
         sweep_scale_workload=bool(sweep.get("scale_workload", True)), source=str(path))
+
+
+def _drafters(raw: Any, acceptance: Acceptance, seed: int, base: Path, path: Path) -> list[Drafter]:  # noqa: ANN401
+    """The ``[[drafters]]`` pools: each a pool (``_pool``'s keys), a name and its own acceptance."""
+    if not isinstance(raw, list):
+        raise ConfigError(f"{path}: drafters must be [[drafters]] tables")
+    out: list[Drafter] = []
+    for i, entry in enumerate(raw, 1):
+        where = f"{path} [[drafters]] {i}"
+        entry = dict(entry)
+        name, acc = entry.pop("name", None), entry.pop("acceptance", None)
+        if not isinstance(name, str) or not DRAFTER_NAME.fullmatch(name) or name == DEFAULT_DRAFTER \
+                or name in {d.name for d in out}:
+            raise ConfigError(f"{where}: name must be a drafter name of its own ({DRAFTER_RULE}; not "
+                              f"{DEFAULT_DRAFTER!r}, which is [draft]'s)")
+        try:
+            own = Acceptance.from_config(acc, seed, base) if acc is not None else acceptance
+        except (ValueError, OSError, AttributeError) as exc:
+            raise ConfigError(f"{where} acceptance: {exc}") from None
+        out.append(Drafter(name, _pool(entry, where, base), own))
+    return out
 
 
 def _link(raw: dict[str, Any], target: Pool, where: str) -> Link:
@@ -289,6 +327,8 @@ def describe(sc: Scenario) -> dict[str, Any]:
     return {"name": sc.name, "source": sc.source, "k": sc.k, "policy": sc.knobs, "seed": sc.seed,
             "draft": {"workers": sc.draft.workers, "max_batch": sc.draft.max_batch, "cost": sc.draft.cost.name},
             "target": {"workers": sc.target.workers, "max_batch": sc.target.max_batch, "cost": sc.target.cost.name},
+            "drafters": {d.name: {"workers": d.pool.workers, "max_batch": d.pool.max_batch, "cost": d.pool.cost.name}
+                         for d in sc.drafters},
             "kv_link": "free" if sc.link.bandwidth == float("inf") else
             {"gbps": sc.link.bandwidth / GB, "latency_us": sc.link.latency_s * 1e6},
             "expected_tokens_per_round": sc.acceptance.expected_tokens_per_round(sc.k),
