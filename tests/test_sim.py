@@ -324,6 +324,9 @@ def test_a_scenario_with_several_drafters_loads_and_bad_drafters_get_clear_error
         path.write_text(base + "\n[[drafters]]\n" + extra + "\n")
         with pytest.raises(ConfigError, match=message):
             load_scenario(path)
+    path.write_text("drafters = [1]\n" + base)
+    with pytest.raises(ConfigError, match=r"\[\[drafters\]\] tables"):
+        load_scenario(path)
 
 
 def test_bad_scenarios_get_clear_errors(tmp_path) -> None:  # noqa: ANN001

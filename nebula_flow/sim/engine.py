@@ -194,10 +194,10 @@ class Simulator:
 
     # -- broker handlers (the live broker's order of policy calls) ----------------------------
     def _results(self, wid: int, results: list[tuple[Task, Outcome | None]]) -> None:
-        w = self.workers[wid]
-        if not w.reported:  # (a live worker's RESULT carries its forward times; the broker takes them first)
-            w.reported = True
-            for role, cost in w.costs.items():
+        sender = self.workers[wid]
+        if not sender.reported:  # (a live worker's RESULT carries its forward times; the broker takes them first)
+            sender.reported = True
+            for role, cost in sender.costs.items():
                 self.policy.observe_costs(wid, role, self._step_table(cost))
         for task, outcome in results:
             req = self.policy.accepts_result(wid, task.req.rid, task.attempt, task.kind)

@@ -289,7 +289,7 @@ def load_scenario(path: str | Path) -> Scenario:
 
 def _drafters(raw: Any, acceptance: Acceptance, seed: int, base: Path, path: Path) -> list[Drafter]:  # noqa: ANN401
     """The ``[[drafters]]`` pools: each a pool (``_pool``'s keys), a name and its own acceptance."""
-    if not isinstance(raw, list):
+    if not isinstance(raw, list) or not all(isinstance(entry, dict) for entry in raw):
         raise ConfigError(f"{path}: drafters must be [[drafters]] tables")
     out: list[Drafter] = []
     for i, entry in enumerate(raw, 1):
