@@ -10,8 +10,10 @@ the context) and in what a draft step costs.
 
 Per drafter, a request keeps its own acceptance (``speclen.Acceptance``); a drafter's worth for
 it is ``speclen.best_round``'s expected tokens per decode step with that acceptance and that
-drafter's measured costs. Before a request has tried a drafter it starts from the pool's recent
-experience of that drafter (unseeded requests) or from the prior. A drafter the request has gone
+drafter's measured costs. Before a request has tried a drafter it starts from the pool's
+experience of that drafter (unseeded requests; ``POOL_DECAY``) or from the prior, and its own
+counts are always weighed with the pool's rate (``shrunk``), so one unlucky round does not
+condemn a good drafter until its next look. A drafter the request has gone
 ``EXPLORE_AFTER`` rounds without is tried again (an exploration round), so one that did badly for
 it earlier, or joined later, gets another look; each exploration of a drafter that then loses
 doubles the rounds until its next one, so a drafter that never pays for a request costs it a
@@ -29,8 +31,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from nebula_flow.protocol import DRAFTER_CHARS
-from nebula_flow.speclen import Acceptance
+from nebula_flow.speclen import PRIOR, Acceptance
 
+POOL_DECAY = 0.98  # per round, the pool's experience of a drafter (all requests' rounds: ~50 remembered)
+POOL_WEIGHT = 4.0  # the pool's rate counts as this many rounds beside a request's own (``shrunk``)
 EXPLORE_AFTER = 8  # rounds without a drafter before a request tries it again (doubling each time it loses)
 NGRAM_SPEC = re.compile(r"ngram(?::(?:(\d+)-)?(\d+))?")
 DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4  # (a single repeated token is a weak hint in prose)
@@ -67,8 +71,22 @@ def drafter_name(name: str | None, model: str | None) -> str:
 
 def starting_acceptance(pool: Acceptance | None) -> Acceptance:
     """What a request knows of a drafter it has not tried: the pool's recent experience of it,
-    or the prior."""
-    return replace(pool) if pool is not None else Acceptance()
+    or the prior. The pool's rate comes with the prior's weight, not the pool's many rounds, so
+    the request's own rounds take over at once."""
+    if pool is None:
+        return Acceptance()
+    weight = sum(PRIOR)
+    return Acceptance(accepted=pool.rate * weight, rejected=(1 - pool.rate) * weight)
+
+
+def shrunk(own: Acceptance, pool: Acceptance | None, weight: float = POOL_WEIGHT) -> Acceptance:
+    """A request's acceptance of a drafter as routing weighs it: its own decayed counts plus the
+    pool's rate as ``weight`` pseudo-rounds. One unlucky round (no draft token of k accepted,
+    a quarter of rounds at 75 % acceptance) then does not make the better drafter look worse than
+    a cheap weak one for the rounds until its next look."""
+    if pool is None:
+        return own
+    return replace(own, accepted=own.accepted + pool.rate * weight, rejected=own.rejected + (1 - pool.rate) * weight)
 
 
 def choose_drafter(drafters: list[str], round_no: int, last_used: dict[str, int], gaps: dict[str, int],

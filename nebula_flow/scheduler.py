@@ -356,11 +356,13 @@ class Scheduler:
 
             def worth(d: str) -> float:
                 costs, verify = self._costs_for(req, d)
+                pool = None if reproducible(req) else self.drafter_acceptance.get((d, req.params.greedy))
+                acc = routing.shrunk(req.by_drafter[d], pool)
                 if self.adaptive_k:
-                    worth, k, alts = speclen.best_round(req.by_drafter[d], self.k, costs, max_alts, verify)
+                    worth, k, alts = speclen.best_round(acc, self.k, costs, max_alts, verify)
                     plans[d] = (k, alts)
                     return worth
-                return speclen.round_worth(req.by_drafter[d], self.k, max_alts, costs, verify)
+                return speclen.round_worth(acc, self.k, max_alts, costs, verify)
 
             drafter, explore = routing.choose_drafter(names, req.round, req.drafter_used, req.explore_gaps, worth)
         req.acceptance = req.by_drafter.setdefault(drafter, req.acceptance)
@@ -400,7 +402,8 @@ class Scheduler:
         if self.fuse_ngram and self.mode != "autoregressive" and (fused is not None or not req.fuse):
             req.acceptance.update_fused(fused)  # (asked for but no match: no evidence either way)
         if req.drafter is not None and len(self.drafters) > 1:
-            self.drafter_acceptance.setdefault((req.drafter, req.params.greedy), Acceptance()).update(req.k, chain)
+            self.drafter_acceptance.setdefault((req.drafter, req.params.greedy), Acceptance()).update(req.k, chain,
+                                                                                                   routing.POOL_DECAY)
         base = len(req.prompt) + len(req.output)
         role = "colocated" if req.phase == ROUND else "target"
         req.holders[role] = (worker_id, base + accepted)

@@ -96,16 +96,17 @@ class Acceptance:
             self.alt_won = self.alt_won * DECAY + via_alt
             self.alt_lost = self.alt_lost * DECAY + (not via_alt)
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def update(self, proposed: int, accepted: int, decay: float = DECAY) -> None:
         """Record a verified round that proposed ``proposed`` drafts and accepted ``accepted``.
         A round without drafts shows nothing: the counts relax toward the prior instead, so a
-        request that dropped to k = 0 probes with drafts again a few rounds later."""
+        request that dropped to k = 0 probes with drafts again a few rounds later. ``decay``: a
+        pool's experience of a drafter (``routing``) remembers many more rounds than a request's."""
         if proposed <= 0:
             self.accepted = self.accepted * RELAX + PRIOR[0] * (1 - RELAX)
             self.rejected = self.rejected * RELAX + PRIOR[1] * (1 - RELAX)
             return
-        self.accepted = self.accepted * DECAY + accepted
-        self.rejected = self.rejected * DECAY + (1.0 if accepted < proposed else 0.0)
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (1.0 if accepted < proposed else 0.0)
 
 
 def expected_tokens(rate: float, k: int) -> float:

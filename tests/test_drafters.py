@@ -159,6 +159,31 @@ def test_a_drafter_that_is_always_right_but_costs_a_target_step_loses_to_a_cheap
     assert s.drafter_costs == {} and s.costs[0] == pytest.approx(0.05)
 
 
+def test_one_unlucky_round_does_not_send_a_request_to_a_cheap_weak_drafter() -> None:
+    """The pool has seen "good" (dearer) accept most drafts and "bad" (cheap) few. A new request's
+    first round with "good" accepts nothing, as a quarter of rounds do at 75 % acceptance: it stays
+    with "good", weighed with the pool's rate (``routing.shrunk``), where its own counts alone
+    would hand the next rounds to "bad" until its next look."""
+    s = _two_drafters(adaptive_k=True, measure_costs=True)
+    s.observe_costs(3, "target", [0.010, 0.010, 0.011, 0.011, 0.012])
+    s.observe_costs(1, "draft", [0.0015])  # "good"
+    s.observe_costs(2, "draft", [0.00005])  # "bad": nearly free (a prompt lookup)
+    for rid in range(1, 4):  # earlier requests: "good" is right on 3 drafts in 3 rounds of 4, "bad" on 1 in every other round
+        req = Request(rid, str(rid), [1, 2, 3], SamplingParams(max_new_tokens=1000), seed=rid)
+        s.admit(req)
+        for i in range(30):
+            _run_round(s, req, {"good": 3 if i % 4 else 0, "bad": 1 if i % 2 == 0 else 0})
+        s.finish(rid)
+    new = Request(9, "9", [1, 2, 3], SamplingParams(max_new_tokens=1000), seed=9)
+    s.admit(new)
+    assert new.drafter == "good"
+    assert _run_round(s, new, {"good": 0, "bad": 1}) == "good"  # (unlucky)
+    assert new.by_drafter["good"].rate < routing.shrunk(new.by_drafter["good"], s.drafter_acceptance[("good", True)]).rate
+    assert [_run_round(s, new, {"good": 3, "bad": 1}) for _ in range(4)] == ["good"] * 4
+    unshrunk = routing.shrunk(new.by_drafter["good"], None)
+    assert unshrunk == new.by_drafter["good"]  # (no pool, or a seeded sample: its own counts alone)
+
+
 def test_a_draft_task_waits_for_its_drafter_but_never_for_a_departed_one() -> None:
     s = _two_drafters()
     req = Request(1, "1", [1, 2, 3], SamplingParams(max_new_tokens=50), seed=1)

@@ -206,6 +206,16 @@ def test_several_drafters_are_routed_by_the_live_policy_and_drafted_from_their_o
     assert {r[5] for r in log.policy.records if r[0] == "register" and r[2] == "draft"} == {"draft", "good"}
 
 
+def test_the_drafters_scenario_gives_the_weak_cheap_drafter_few_rounds() -> None:
+    """configs/sim/paper-2d2t-drafters.toml: a prompt-lookup drafter (35 %, nearly free) beside
+    Qwen3-0.6B (75 %), token trees on. Every request finds the same acceptance there, so the
+    weak drafter should get little beyond its looks (22 % of rounds before ``routing.shrunk``)."""
+    res = simulate(load_scenario(REPO / "configs" / "sim" / "paper-2d2t-drafters.toml"), "pooled")
+    by = res["rounds_by_drafter"]
+    assert set(by) == {"draft", "ngram"} and by["ngram"] < 0.15 * sum(by.values()), by
+    assert res["tokens_per_round"] > 3.05  # (a chain alone at k = 4: 3.05; the trees win more)
+
+
 def test_simulated_workers_report_forward_times_for_measured_costs() -> None:
     """As live workers do: the policy weighs the cost models' forward times (a draft step of
     1 ms against a 10 ms decode step), not ``spec_costs``, with measure_costs."""
