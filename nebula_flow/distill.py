@@ -465,7 +465,7 @@ def save_draft(model: CausalLM, raw: dict, out: Path, target: str) -> None:
 def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[int, ...] = (2, 4, 6),
                   target_dtype: str | None = None, alternatives: int = 0, chat: bool = False,
                   fuse_ngram: int = 0, temperature: float = 0.0, seeds: int = 1) -> dict:
-    """Mean committed tokens per round (greedy) at each k on ``EVAL_PROMPTS`` (``chat``: on
+    """Mean committed tokens per round (greedy, or sampled) at each k on ``EVAL_PROMPTS`` (``chat``: on
     ``EVAL_CHAT_PROMPTS`` in the target's chat format), using the
     real runner code; also checks the output equals the target's own greedy output (the target
     runs in ``target_dtype``, batch-invariant in reduced precision, as a deployment runs it).
