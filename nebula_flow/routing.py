@@ -73,10 +73,7 @@ def starting_acceptance(pool: Acceptance | None) -> Acceptance:
     """What a request knows of a drafter it has not tried: the pool's recent experience of it,
     or the prior. The pool's rate comes with the prior's weight, not the pool's many rounds, so
     the request's own rounds take over at once."""
-    if pool is None:
-        return Acceptance()
-    weight = sum(PRIOR)
-    return Acceptance(accepted=pool.rate * weight, rejected=(1 - pool.rate) * weight)
+    return shrunk(Acceptance(accepted=0.0, rejected=0.0), pool, sum(PRIOR)) if pool is not None else Acceptance()
 
 
 def shrunk(own: Acceptance, pool: Acceptance | None, weight: float = POOL_WEIGHT) -> Acceptance:

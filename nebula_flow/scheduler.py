@@ -349,15 +349,16 @@ class Scheduler:
         names = list(self.drafters)
         drafter, explore, plans = names[0], False, {}
         if len(names) > 1:
-            for d in names:  # a request starts a drafter it has not tried from the pool's experience
-                if d not in req.by_drafter:  # (not a seeded sample: it must not depend on other requests)
-                    pool = None if reproducible(req) else self.drafter_acceptance.get((d, req.params.greedy))
-                    req.by_drafter[d] = routing.starting_acceptance(pool)
+            # the pool's experience of each drafter (not for a seeded sample: it must not depend on
+            # other requests): where a request starts one it has not tried, and what its own weighs with
+            pools = {d: None if reproducible(req) else self.drafter_acceptance.get((d, req.params.greedy)) for d in names}
+            for d in names:
+                if d not in req.by_drafter:
+                    req.by_drafter[d] = routing.starting_acceptance(pools[d])
 
             def worth(d: str) -> float:
                 costs, verify = self._costs_for(req, d)
-                pool = None if reproducible(req) else self.drafter_acceptance.get((d, req.params.greedy))
-                acc = routing.shrunk(req.by_drafter[d], pool)
+                acc = routing.shrunk(req.by_drafter[d], pools[d])
                 if self.adaptive_k:
                     worth, k, alts = speclen.best_round(acc, self.k, costs, max_alts, verify)
                     plans[d] = (k, alts)
