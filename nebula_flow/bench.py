@@ -24,6 +24,7 @@ from nebula_flow.client import AsyncClient, Client, Completion, RequestError
 from nebula_flow.config import DeployConfig
 from nebula_flow.deploy import Deployment
 from nebula_flow.kv.store import PULL_SIZE_CLASSES, add_by_size
+from nebula_flow.stats import percentiles
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):", "import os\n\ndef list_files(path):", "class Stack:\n    def __init__(self):",
@@ -67,21 +68,21 @@ def with_context(prompts: list[str], context_tokens: int, model: str | Path) -> 
     completion with a file open, where the prompt's KV is most of the bytes that move."""
     if context_tokens <= 0:
         return list(prompts)
-    from nebula_flow.distill import corpus_files
+    from nebula_flow.corpus import corpus_files
     from nebula_flow.tokenizer import TextCodec
 
     codec = TextCodec(model)
     ids: list[int] = []
     for f in corpus_files(None):
         # (a file's first 16k characters: fewer tokens than any model's context, so no warning)
-        ids += codec.tok(f.read_text(errors="ignore")[:16_000], add_special_tokens=False)["input_ids"]
+        ids += codec.encode(f.read_text(errors="ignore")[:16_000], special=False)
         if len(ids) >= context_tokens * len(prompts):
             break
     return [f"{codec.decode(ids[i * context_tokens:(i + 1) * context_tokens])}\n{p}" for i, p in enumerate(prompts)]
 
 
 @dataclass
-class Workload:
+class BenchWorkload:
     prompts: list[str]
     max_new_tokens: int = 64
     concurrency: int = 1
@@ -90,18 +91,7 @@ class Workload:
     chat: bool = False  # send each prompt as a user message in the model's chat format
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
-    s = sorted(values)
-
-    def pick(q: float) -> float:
-        return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
-
-
-async def _closed_loop(address: str, wl: Workload) -> list[Completion]:
+async def _closed_loop(address: str, wl: BenchWorkload) -> list[Completion]:
     queue = list(enumerate(wl.prompts))
     outs: list[Completion] = []
     async with AsyncClient(address, timeout_s=600) as client:
@@ -122,7 +112,7 @@ def _kv_bytes(state: dict[str, Any]) -> float:
     return sum((w["kv"] or {}).get("bytes_pulled", 0) for w in state["workers"])
 
 
-def run_once(address: str, wl: Workload) -> dict[str, Any]:
+def run_once(address: str, wl: BenchWorkload) -> dict[str, Any]:
     with Client(address) as c:
         s0 = c.status()
         busy0, kv0 = _busy(s0), _kv_bytes(s0)
@@ -153,7 +143,7 @@ def run_once(address: str, wl: Workload) -> dict[str, Any]:
             "ttft_s": percentiles([o.ttft_s for o in outs]), "latency_s": percentiles([o.latency_s for o in outs])}
 
 
-def bench_mode(cfg: DeployConfig, mode: str, wl: Workload, repeats: int, log=print, label: str | None = None) -> dict[str, Any]:  # noqa: ANN001
+def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, log=print, label: str | None = None) -> dict[str, Any]:  # noqa: ANN001
     """Run ``wl`` ``repeats`` times on a fresh deployment of ``cfg`` in ``mode``; medians.
     ``label``: the name progress lines use (default: the mode)."""
     cfg.mode = mode
@@ -250,7 +240,7 @@ def _kv_totals(address: str) -> dict[str, float]:
     return tot
 
 
-def bench_kv(cfg: DeployConfig, wl: Workload, transport: str, log=print, repeats: int = 2) -> dict[str, Any]:  # noqa: ANN001
+def bench_kv(cfg: DeployConfig, wl: BenchWorkload, transport: str, log=print, repeats: int = 2) -> dict[str, Any]:  # noqa: ANN001
     """Pooled run with forced migration (every round moves KV), with and without overlap:
     ``repeats`` runs of each, in alternating order, reported as medians."""
     if repeats < 1:
@@ -259,9 +249,9 @@ def bench_kv(cfg: DeployConfig, wl: Workload, transport: str, log=print, repeats
         return _bench_kv(cfg, wl, transport, Path(tmp), log, repeats)
 
 
-def _kv_run(cfg: DeployConfig, wl: Workload, overlap: bool, probe_out: Path, transport: str) -> dict[str, Any]:
+def _kv_run(cfg: DeployConfig, wl: BenchWorkload, overlap: bool, probe_out: Path, transport: str) -> dict[str, Any]:
     """One deployment, one workload: the KV counters it moved and its tokens/s."""
-    with Deployment(cfg, extra_worker_args=[] if overlap else ["--no-kv-overlap"]) as dep:
+    with Deployment(cfg, worker_changes={"kv_overlap": overlap}) as dep:
         with Client(dep.address) as c:
             c.generate(wl.prompts[0], max_new_tokens=8)
         before = _kv_totals(dep.address)
@@ -286,11 +276,11 @@ def _kv_run(cfg: DeployConfig, wl: Workload, overlap: bool, probe_out: Path, tra
             "mean_pull_bytes": d["bytes_pulled"] / max(d["transfers"], 1), "tokens_per_s": res["tokens_per_s"]}
 
 
-def _bench_kv(cfg: DeployConfig, wl: Workload, transport: str, tmp: Path, log, repeats: int) -> dict[str, Any]:  # noqa: ANN001
+def _bench_kv(cfg: DeployConfig, wl: BenchWorkload, transport: str, tmp: Path, log, repeats: int) -> dict[str, Any]:  # noqa: ANN001
     out: dict[str, Any] = {"transport": transport, "repeats": repeats}
     cfg.mode, cfg.kv_transport = "pooled", transport
-    cfg.broker.migrate = True
-    cfg.broker.disable_by_batch_size = 0  # speculate at every load: both roles' KV moves
+    # speculate at every load: both roles' KV moves
+    cfg.broker.policy = cfg.broker.policy.replace(migrate=True, disable_by_batch_size=0)
     cfg.broker.client_port = cfg.broker.worker_port = 0
     runs: dict[str, list[dict[str, Any]]] = {"overlap": [], "no_overlap": []}
     loaded_probes, probe_idle = [], tmp / "idle.json"

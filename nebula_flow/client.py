@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from nebula_flow import protocol
 from nebula_flow.params import SamplingParams
-from nebula_flow.protocol import Message, ProtocolError
+from nebula_flow.protocol import Cancel, Done, Error, Msg, ProtocolError, State, Status, Submit, Tokens
 
 
 class NebulaError(Exception):
@@ -81,24 +81,20 @@ class Completion:
                 "ttft_s": self.ttft_s, "latency_s": self.latency_s, "stats": self.stats}
 
 
-def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, **params: Any) -> Message:
+def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, **params: Any) -> Submit:
     """The SUBMIT message for one request (parameters validated before they leave)."""
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt and token_ids")
     sp = SamplingParams(stop=tuple([params.pop("stop")] if isinstance(params.get("stop"), str)
                                     else params.pop("stop", None) or ()), **params)
     sp.validate()
-    msg = Message("SUBMIT", {"req_id": req_id, "params": sp.to_wire(), "chat": chat})
-    if prompt is not None:
-        msg.header["prompt"] = prompt
-    else:
-        msg.header["prompt_tokens"] = msg.add_array(np.asarray(token_ids, dtype=np.int32))
-    return msg
+    return Submit(req_id, sp.to_wire(), prompt,
+                  None if token_ids is None else np.asarray(token_ids, dtype=np.int32), chat)
 
 
-def _raise_error(header: dict[str, Any]) -> None:
-    cls = Busy if header["code"] == "busy" else RequestError
-    raise cls(header["code"], header["message"])
+def _raise_error(err: Error) -> None:
+    cls = Busy if err.code == "busy" else RequestError
+    raise cls(err.code, err.message)
 
 
 class _Collector:
@@ -116,11 +112,11 @@ class _Collector:
         self.seen_tokens = 0
         self.seen_text = 0
 
-    def chunk(self, h: dict[str, Any]) -> Chunk | None:
-        offset = h.get("offset", self.seen_tokens)
+    def chunk(self, msg: Tokens) -> Chunk | None:
+        offset = msg.offset
         skip = self.seen_tokens - offset
-        tokens = h["token_ids"][max(0, skip):]
-        text = h["text"]
+        tokens = msg.token_ids[max(0, skip):]
+        text = msg.text
         if skip > 0:
             if not tokens:
                 return None  # all of it was seen already
@@ -134,10 +130,10 @@ class _Collector:
         self.times.append(t)
         return Chunk(tokens, text, t)
 
-    def done(self, h: dict[str, Any]) -> Completion:
+    def done(self, msg: Done) -> Completion:
         latency = time.monotonic() - self.t0
-        st = h["stats"]
-        return Completion(h["text"], h["token_ids"], h["finish_reason"], st.get("rounds", 0),
+        st = msg.stats
+        return Completion(msg.text, msg.token_ids, msg.finish_reason, st.get("rounds", 0),
                           st.get("tokens_per_round", []), self.ttft if self.ttft is not None else latency,
                           latency, self.times, st)
 
@@ -179,14 +175,14 @@ class Client:
     def close(self) -> None:
         self.sock.close()
 
-    def _send(self, msg: Message, block: bool = True) -> None:
+    def _send(self, msg: Msg, block: bool = True) -> None:
         try:
             self.sock.send_multipart(protocol.encode(msg), copy=False, flags=0 if block else zmq.NOBLOCK)
         except zmq.Again:
             if block:
                 raise RequestTimeout(f"cannot reach {self.address} (not running, or keys refused)") from None
 
-    def _recv(self, timeout_s: float | None = None) -> Message:
+    def _recv(self, timeout_s: float | None = None) -> Msg:
         if not self.sock.poll(int((timeout_s or self.timeout_s) * 1000)):
             raise RequestTimeout(f"no answer from {self.address} within {timeout_s or self.timeout_s:.0f} s")
         return protocol.decode(self.sock.recv_multipart(copy=False))
@@ -209,22 +205,22 @@ class Client:
                     attempts += 1  # same req_id: the broker re-attaches or replays, never duplicates
                     self._send(submit)
                     continue
-                if msg.header.get("req_id") not in (req_id, None):
+                if getattr(msg, "req_id", None) not in (req_id, None):
                     continue  # a late message of an earlier, abandoned request
-                if msg.kind == "TOKENS":
-                    chunk = col.chunk(msg.header)
+                if isinstance(msg, Tokens):
+                    chunk = col.chunk(msg)
                     if chunk is not None:
                         yield chunk
-                elif msg.kind == "DONE":
+                elif isinstance(msg, Done):
                     finished = True
-                    yield col.done(msg.header)
+                    yield col.done(msg)
                     return
-                elif msg.kind == "ERROR":
+                elif isinstance(msg, Error):
                     finished = True
-                    _raise_error(msg.header)
+                    _raise_error(msg)
         finally:
             if not finished:  # abandoned (or timed out): the broker should stop working on it
-                self._send(Message("CANCEL", {"req_id": req_id}), block=False)
+                self._send(Cancel(req_id), block=False)
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Run one request to the end; see ``SamplingParams`` for the keyword arguments."""
@@ -234,11 +230,11 @@ class Client:
         raise NebulaError("the stream ended without a result")
 
     def status(self) -> dict[str, Any]:
-        self._send(Message("STATUS"))
+        self._send(Status())
         while True:
             msg = self._recv(min(self.timeout_s, 10.0))
-            if msg.kind == "STATE":
-                return msg.header["state"]
+            if isinstance(msg, State):
+                return msg.state
 
 
 class AsyncClient:
@@ -251,7 +247,7 @@ class AsyncClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         _secure(self.sock, keys)
         self.sock.connect(address)
-        self.queues: dict[str, asyncio.Queue[Message]] = {}
+        self.queues: dict[str, asyncio.Queue[Msg]] = {}
         self.reader: asyncio.Task | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -272,17 +268,17 @@ class AsyncClient:
                 msg = protocol.decode(frames)
             except ProtocolError:
                 continue
-            key = msg.header.get("req_id") or ("__status__" if msg.kind == "STATE" else None)
+            key = getattr(msg, "req_id", None) or ("__status__" if isinstance(msg, State) else None)
             if key in self.queues:
                 self.queues[key].put_nowait(msg)
 
-    async def _send(self, msg: Message) -> None:
+    async def _send(self, msg: Msg) -> None:
         try:
             await asyncio.wait_for(self.sock.send_multipart(protocol.encode(msg), copy=False), self.timeout_s)
         except TimeoutError:
             raise RequestTimeout(f"cannot reach {self.address} (not running, or keys refused)") from None
 
-    async def _next(self, queue: asyncio.Queue[Message]) -> Message:
+    async def _next(self, queue: asyncio.Queue[Msg]) -> Msg:
         try:
             return await asyncio.wait_for(queue.get(), self.timeout_s)
         except TimeoutError:
@@ -293,7 +289,7 @@ class AsyncClient:
         if self.reader is None:
             self.reader = asyncio.ensure_future(self._read())
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
-        queue: asyncio.Queue[Message] = asyncio.Queue()
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues[req_id] = queue
         msg = build_submit(req_id, prompt, token_ids, chat, **params)
         await self._send(msg)
@@ -302,22 +298,22 @@ class AsyncClient:
         try:
             while True:
                 reply = await self._next(queue)
-                if reply.kind == "TOKENS":
-                    chunk = col.chunk(reply.header)
+                if isinstance(reply, Tokens):
+                    chunk = col.chunk(reply)
                     if chunk is not None:
                         yield chunk
-                elif reply.kind == "DONE":
+                elif isinstance(reply, Done):
                     finished = True
-                    yield col.done(reply.header)
+                    yield col.done(reply)
                     return
-                elif reply.kind == "ERROR":
+                elif isinstance(reply, Error):
                     finished = True
-                    _raise_error(reply.header)
+                    _raise_error(reply)
         finally:
             self.queues.pop(req_id, None)
             if not finished:
                 try:
-                    await self.sock.send_multipart(protocol.encode(Message("CANCEL", {"req_id": req_id})),
+                    await self.sock.send_multipart(protocol.encode(Cancel(req_id)),
                                                    flags=zmq.NOBLOCK)
                 except zmq.Again:
                     pass
@@ -331,10 +327,10 @@ class AsyncClient:
     async def status(self) -> dict[str, Any]:
         if self.reader is None:
             self.reader = asyncio.ensure_future(self._read())
-        queue: asyncio.Queue[Message] = asyncio.Queue()
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues["__status__"] = queue
         try:
-            await self._send(Message("STATUS"))
-            return (await self._next(queue)).header["state"]
+            await self._send(Status())
+            return (await self._next(queue)).state
         finally:
             self.queues.pop("__status__", None)

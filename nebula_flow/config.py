@@ -1,8 +1,11 @@
 """Deployment configuration: a TOML file naming the mode, the broker settings and both pools.
 
     mode = "pooled"              # pooled | paired | colocated | autoregressive
-    [broker]                     # any BrokerOptions field: k, proposal_top_k, ports, ...
+    [policy]                     # the scheduling policy's knobs (nebula_flow/policy.py)
     k = 4
+    adaptive_k = true
+    [broker]                     # any other BrokerOptions field: ports, proposal_top_k, limits, ...
+    client_port = 5555
     [draft]
     model = "cache:tiny-pair/draft"
     workers = 1
@@ -29,8 +32,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from broker.server import BrokerOptions
-from nebula_flow.scheduler import MAX_FUSED, MODES
+from nebula_flow.options import BrokerOptions
+from nebula_flow.policy import PolicyConfig, PolicyError, knob_names
+from nebula_flow.scheduler import MODES
 
 
 class ConfigError(ValueError):
@@ -41,7 +45,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NEBULA_FLOW_CACHE", Path.home() / ".cache" / "nebula-flow"))
 
 
-def resolve_model(spec: str, base: Path | None = None) -> str:
+def resolve_model_path(spec: str, base: Path | None = None) -> str:
+    """A config's model path: ``cache:NAME``, relative to ``base``, or as given."""
     if spec.startswith("cache:"):
         return str(cache_dir() / spec[len("cache:"):])
     p = Path(spec).expanduser()
@@ -68,7 +73,7 @@ class PoolConfig:
 @dataclass
 class DeployConfig:
     mode: str = "pooled"
-    broker: BrokerOptions = field(default_factory=BrokerOptions)
+    broker: BrokerOptions = field(default_factory=BrokerOptions)  # its ``policy`` is the [policy] table
     draft: PoolConfig = field(default_factory=PoolConfig)
     target: PoolConfig = field(default_factory=PoolConfig)
     drafters: list[PoolConfig] = field(default_factory=list)  # more draft pools: several drafters (pooled mode only)
@@ -105,14 +110,6 @@ class DeployConfig:
             self.broker.check()
         except ValueError as exc:
             raise ConfigError(f"[broker] {exc}") from None
-        if self.broker.k < 0:
-            raise ConfigError("[broker] k must be >= 0")
-        if not 0 <= self.broker.first_alternatives <= 8:
-            raise ConfigError("[broker] first_alternatives must be in 0..8")
-        if not 0 <= self.broker.fuse_ngram <= MAX_FUSED:
-            raise ConfigError(f"[broker] fuse_ngram must be in 0..{MAX_FUSED}")
-        if self.broker.disable_by_batch_size < 0:
-            raise ConfigError("[broker] disable_by_batch_size must be >= 0")
         from nebula_flow.kv.transport import TRANSPORTS
 
         if self.kv_transport not in TRANSPORTS:
@@ -121,8 +118,9 @@ class DeployConfig:
     def _check_drafters(self) -> None:
         """Every draft pool has a model and a drafter name of its own (the workers of one drafter
         share KV: two models under one name would mix theirs)."""
+        from nebula_flow.lookup import parse_ngram
         from nebula_flow.protocol import DRAFTER_NAME, DRAFTER_RULE
-        from nebula_flow.routing import drafter_name, parse_ngram
+        from nebula_flow.routing import drafter_name
 
         seen: dict[str, str | None] = {}
         for i, pool in enumerate([self.draft, *self.drafters]):
@@ -180,13 +178,20 @@ def load_config(path: str | Path | None) -> DeployConfig:
     path = Path(path)
     raw = read_toml(path)
     base = path.resolve().parent.parent
-    unknown = set(raw) - {"mode", "kv_transport", "broker", "draft", "target", "drafters"}
+    unknown = set(raw) - {"mode", "kv_transport", "policy", "broker", "draft", "target", "drafters"}
     if unknown:
         raise ConfigError(f"{path}: unknown sections {sorted(unknown)}")
+    broker = dict(raw.get("broker", {}))
+    if moved := sorted(set(broker) & set(knob_names())):
+        raise ConfigError(f"{path} [broker]: {', '.join(moved)} are policy knobs: put them under [policy]")
+    try:
+        broker["policy"] = PolicyConfig.from_table(raw.get("policy", {}), f"{path} [policy]")
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
     cfg = DeployConfig(
         mode=raw.get("mode", "pooled"),
         kv_transport=raw.get("kv_transport", "auto"),
-        broker=_build(BrokerOptions, raw.get("broker", {}), f"{path} [broker]"),
+        broker=_build(BrokerOptions, broker, f"{path} [broker]"),
         draft=_build(PoolConfig, raw.get("draft", {}), f"{path} [draft]"),
         target=_build(PoolConfig, raw.get("target", {}), f"{path} [target]"),
         source=str(path),
@@ -195,11 +200,11 @@ def load_config(path: str | Path | None) -> DeployConfig:
     if not isinstance(extra, list) or not all(isinstance(t, dict) for t in extra):
         raise ConfigError(f"{path}: drafters must be an array of tables ([[drafters]])")
     cfg.drafters = [_build(PoolConfig, t, f"{path} [[drafters]] {i + 1}") for i, t in enumerate(extra)]
-    from nebula_flow.routing import is_ngram
+    from nebula_flow.lookup import is_ngram
 
     for pool in (cfg.draft, cfg.target, *cfg.drafters):
         if pool.model and not is_ngram(pool.model):
-            pool.model = resolve_model(pool.model, base)
+            pool.model = resolve_model_path(pool.model, base)
         if pool.profile:
-            pool.profile = resolve_model(pool.profile, base)
+            pool.profile = resolve_model_path(pool.profile, base)
     return cfg

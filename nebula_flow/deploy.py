@@ -13,10 +13,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from nebula_flow.client import Client, NebulaError
-from nebula_flow.config import DeployConfig
+from nebula_flow.config import DeployConfig, PoolConfig
+from nebula_flow.options import WorkerOptions, write_options
 from nebula_flow.process import PARENT_ENV
 
 # glibc's default allocator returns and re-faults large buffers on every forward pass; these
@@ -55,13 +58,15 @@ class DeploymentError(RuntimeError):
 class Deployment:
     """One broker plus the workers ``cfg.worker_plan()`` asks for."""
 
-    def __init__(self, cfg: DeployConfig, log_dir: str | Path | None = None, extra_worker_args: list[str] | None = None) -> None:
+    def __init__(self, cfg: DeployConfig, log_dir: str | Path | None = None,
+                 worker_changes: dict[str, Any] | None = None) -> None:
+        """``worker_changes``: ``WorkerOptions`` fields every worker runs with (e.g. ``kv_overlap``)."""
         cfg.validate()
         self.cfg = cfg
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="nebula-flow-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.extra_worker_args = extra_worker_args or []
+        self.worker_changes = worker_changes or {}
         b = cfg.broker
         self.auto_ports = b.client_port == 0 or b.worker_port == 0
         if b.client_port == 0:
@@ -86,33 +91,27 @@ class Deployment:
 
     def start(self, timeout_s: float = 600.0) -> str:
         self._start_broker(timeout_s)
-        b = self.cfg.broker
         plan = self.cfg.worker_plan()
         shared = max(1, usable_cores() // len(plan))
         for i, (role, pool) in enumerate(plan):
-            threads = pool.threads or shared
-            args = ["worker", "--role", role, "--broker", b.worker_address, "--model", str(pool.model),
-                    "--max-batch", str(pool.max_batch), "--threads", str(threads),
-                    "--device", device_for(pool.device, i), "--name", f"{role}-{i}", "--kv-transport", self.cfg.kv_transport,
-                    *self.extra_worker_args]
-            if pool.drafter and role == "draft":
-                args += ["--drafter", pool.drafter]
-            if pool.dtype:
-                args += ["--dtype", pool.dtype]
-            if pool.batch_invariant is not None:
-                args += ["--batch-invariant" if pool.batch_invariant else "--no-batch-invariant"]
-            if pool.profile:
-                args += ["--profile", pool.profile]
-            args += ["--max-kv-gb", str(pool.max_kv_gb)]
-            if pool.kv_pool_gb is not None:
-                args += ["--kv-pool-gb", str(pool.kv_pool_gb)]
-            if role == "colocated":
-                args += ["--draft-model", str(self.cfg.draft.model)]
-                if self.cfg.draft.profile:
-                    args += ["--draft-profile", self.cfg.draft.profile]
-            self._spawn(f"{role}-{i}", args, threads)
+            name = f"{role}-{i}"
+            opts = self.worker_options(role, pool, i, name, pool.threads or shared)
+            self._spawn(name, ["worker", "--options", str(write_options(opts, self.log_dir / f"{name}.json"))],
+                        opts.threads)
         self.wait_ready(len(plan), timeout_s)
         return self.address
+
+    def worker_options(self, role: str, pool: PoolConfig, index: int, name: str, threads: int) -> WorkerOptions:
+        """What worker ``index`` of the plan runs with (written beside its log)."""
+        colocated = role == "colocated"
+        return replace(WorkerOptions(
+            role=role, broker=self.cfg.broker.worker_address, model=str(pool.model), name=name,
+            capacity=pool.max_batch, threads=threads, device=device_for(pool.device, index), dtype=pool.dtype,
+            batch_invariant=pool.batch_invariant, max_kv_gb=pool.max_kv_gb, kv_pool_gb=pool.kv_pool_gb,
+            kv_transport=self.cfg.kv_transport, profile=pool.profile,
+            draft_model=str(self.cfg.draft.model) if colocated else None,
+            draft_profile=self.cfg.draft.profile if colocated else None,
+            drafter=pool.drafter if role == "draft" else None), **self.worker_changes)
 
     def _start_broker(self, timeout_s: float, attempts: int = 5) -> None:
         """Start the broker and wait until it answers. A port picked free by ``free_port`` can
@@ -138,20 +137,7 @@ class Deployment:
             b.client_port, b.worker_port = free_port(), free_port()
 
     def _spawn_broker(self) -> None:
-        b = self.cfg.broker
-        self._spawn("broker", [
-            "broker", "--mode", self.cfg.mode, "--host", b.host, "--client-port", str(b.client_port),
-            "--worker-port", str(b.worker_port), "--model", str(b.model), "--k", str(b.k),
-            "--proposal-top-k", str(b.proposal_top_k), "--max-pending", str(b.max_pending),
-            "--heartbeat-s", str(b.heartbeat_s), "--liveness-s", str(b.liveness_s),
-            "--locality" if b.locality else "--no-locality", *(["--migrate"] if b.migrate else []),
-            "--merge-batches" if b.merge_batches else "--no-merge-batches",
-            "--adaptive-k" if b.adaptive_k else "--fixed-k", "--spec-costs", ",".join(map(str, b.spec_costs)),
-            "--measure-costs" if b.measure_costs else "--fixed-costs",
-            "--first-alternatives", str(b.first_alternatives), "--fuse-ngram", str(b.fuse_ngram),
-            "--disable-by-batch-size", str(b.disable_by_batch_size),
-            *(["--metrics-port", str(b.metrics_port)] if b.metrics_port is not None else []),
-            *(["--policy-log", str(b.policy_log)] if b.policy_log else [])])
+        self._spawn("broker", ["broker", "--options", str(write_options(self.cfg.broker, self.log_dir / "broker.json"))])
 
     def wait_ready(self, n_workers: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

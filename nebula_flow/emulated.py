@@ -31,7 +31,7 @@ import torch
 
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.models.llama import TreeRows
-from nebula_flow.specdec import _splitmix64
+from nebula_flow.specdec import splitmix64
 
 STAND_IN_VOCAB = 1000  # the stand-in emits ids below min(this, vocab): real-looking but cheap
 
@@ -69,7 +69,7 @@ class _Cfg:
 
 def stand_in_next(prev: int, prev2: int, position: int, vocab: int) -> int:
     """The emulated target's next token: a pure function of the last two tokens and position."""
-    return _splitmix64((prev * 1_000_003 + prev2) ^ (position << 20)) % min(STAND_IN_VOCAB, vocab)
+    return splitmix64((prev * 1_000_003 + prev2) ^ (position << 20)) % min(STAND_IN_VOCAB, vocab)
 
 
 class EmulatedModel:
@@ -96,7 +96,7 @@ class EmulatedModel:
         pos = len(context)
         vocab = min(STAND_IN_VOCAB, self.cfg.vocab_size)
         nxt = stand_in_next(context[-1], context[-2] if pos > 1 else 0, pos, vocab)
-        if self.role == "draft" and (_splitmix64(pos * 7919 + context[-1]) % 10_000) / 10_000 >= self.acceptance:
+        if self.role == "draft" and (splitmix64(pos * 7919 + context[-1]) % 10_000) / 10_000 >= self.acceptance:
             nxt = (nxt + 1) % vocab  # this position disagrees with the target
         # Rows cover only the stand-in's ids: a full-vocabulary row (150k floats) per position
         # would cost more host time than the emulated GPU's forward takes.
@@ -138,7 +138,7 @@ def measure_profile(model_dir: str, batches: list[int], tokens: list[int], conte
     """Time the real model over a grid and fit the linear latency model (least squares, >= 0)."""
     import numpy as np
 
-    from nebula_flow.models import load_model
+    from nebula_flow.models.loader import load_model
 
     torch.set_num_threads(threads)
     model = load_model(model_dir)

@@ -1,8 +1,11 @@
 """Prompt lookup: what followed an earlier occurrence of a context's last n tokens. The n-gram
-drafter (``workers/ngram.py``) proposes it alone; a model drafter fuses it into its own rounds
-as a second chain of the round's token tree (``--fuse-ngram``)."""
+drafter (``workers/ngram.py``, a ``--model`` of ``ngram[:MAX or :MIN-MAX]``) proposes it alone;
+a model drafter fuses it into its own rounds as a second chain of the round's token tree
+(``fuse_ngram``)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -24,3 +27,25 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int, alts: int = 0) ->
             others = dict.fromkeys(int(t) for t in tokens[hits[::-1] + n] if t != draft[0]) if alts else {}
             return draft, list(others)[:alts]
     return [], []
+
+
+NGRAM_SPEC = re.compile(r"ngram(?::(?:(\d+)-)?(\d+))?")
+DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4  # (a single repeated token is a weak hint in prose)
+
+
+def is_ngram(spec: str) -> bool:
+    """Whether a model spec names the n-gram drafter (not a checkpoint to load or resolve)."""
+    return NGRAM_SPEC.fullmatch(spec) is not None
+
+
+def parse_ngram(spec: str) -> tuple[int, int] | None:
+    """(min_n, max_n) for a ``--model`` of ``ngram``, ``ngram:MAX`` or ``ngram:MIN-MAX``; None
+    when ``spec`` names something else (a checkpoint)."""
+    m = NGRAM_SPEC.fullmatch(spec)
+    if m is None:
+        return None
+    max_n = int(m.group(2)) if m.group(2) else DEFAULT_MAX_N
+    min_n = int(m.group(1)) if m.group(1) else min(DEFAULT_MIN_N, max_n)
+    if not 1 <= min_n <= max_n <= 16:
+        raise ValueError(f"{spec}: n-gram sizes must satisfy 1 <= MIN <= MAX <= 16")
+    return min_n, max_n

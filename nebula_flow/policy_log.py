@@ -10,27 +10,30 @@ new policy have decided the same on yesterday's traffic?").
 
 Records are JSON arrays, one per line (JSONL)::
 
-    ["policy", mode, k, {knob: value}]   (scheduler.POLICY_KNOBS)
+    ["policy", mode, {knob: value}]      (policy.PolicyConfig.to_table)
     ["register", worker, role, capacity, slot, drafter]
     ["unregister", worker, [requeued rids]]
     ["pull", worker, credits, idle, now]
     ["admit", rid, prompt_len, max_new_tokens, greedy, seeded]
     ["draft_done", rid, worker, n_draft]
-    ["verify_done", rid, worker, accepted, via_alt, chain, fused]
+    ["end_round", rid, worker, committed, via_alt, chain, fused, ended]
+                                         (committed: tokens the verify committed; ended: the request
+                                         finished there, by EOS, length or a stop string)
     ["step_costs", worker, role, [seconds by new rows]]
-    ["start_round", rid, output_len]
-    ["finish", rid]
+    ["finish", rid]                      (a cancelled or failed request)
     ["dispatch", [[worker, [[rid, attempt], ...]], ...]]
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nebula_flow.params import SamplingParams
+from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import Request
 from nebula_flow.scheduler import Scheduler
 
@@ -45,10 +48,10 @@ def decisions(batches: list[tuple[int, list[Request]]]) -> list[list[Any]]:
 class RecordingScheduler(Scheduler):
     """``Scheduler`` that also appends its inputs and decisions to ``self.records``."""
 
-    def __init__(self, mode: str, k: int, **knobs: bool) -> None:
-        super().__init__(mode, k, **knobs)
-        self.records: list[list[Any]] = [["policy", mode, k, self.knobs()]]
-        self._admitting = False
+    def __init__(self, mode: str, policy: PolicyConfig | None = None) -> None:
+        super().__init__(mode, policy)
+        self.records: list[list[Any]] = [["policy", mode, self.policy.to_table()]]
+        self._quiet = False  # inside admit or end_round: their inner steps are not events of their own
 
     def register(self, worker_id: int, role: str, capacity: int, drafter: str | None = None) -> int:
         slot = super().register(worker_id, role, capacity, drafter)
@@ -67,32 +70,35 @@ class RecordingScheduler(Scheduler):
     def admit(self, req: Request) -> None:
         self.records.append(["admit", req.rid, len(req.prompt), req.params.max_new_tokens, req.params.greedy,
                              req.params.seed is not None])
-        self._admitting = True  # admit starts the first round itself: not a separate event
+        self._quiet = True  # admit starts the first round itself
         try:
             super().admit(req)
         finally:
-            self._admitting = False
+            self._quiet = False
 
-    def start_round(self, req: Request) -> None:
-        if not self._admitting:
-            self.records.append(["start_round", req.rid, len(req.output)])
-        super().start_round(req)
+    def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
+                  chain: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
+                  stop_text: Callable[[Request], bool] | None = None) -> list[int]:
+        self._quiet = True
+        try:
+            kept = super().end_round(req, worker_id, committed, via_alt, chain, fused, eos_ids, stop_text)
+        finally:
+            self._quiet = False
+        self.records.append(["end_round", req.rid, worker_id, len(committed), via_alt, chain, fused,
+                             req.finish_reason is not None])
+        return kept
 
     def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict) -> None:
         self.records.append(["draft_done", req.rid, worker_id, len(draft)])
         super().draft_done(req, worker_id, draft, q)
-
-    def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False,
-                    chain: int | None = None, fused: int | None = None) -> None:
-        self.records.append(["verify_done", req.rid, worker_id, accepted, via_alt, chain, fused])
-        super().verify_done(req, worker_id, accepted, via_alt, chain, fused)
 
     def observe_costs(self, worker_id: int, role: str, seconds: list[float | None]) -> None:
         self.records.append(["step_costs", worker_id, role, list(seconds)])
         super().observe_costs(worker_id, role, seconds)
 
     def finish(self, rid: int) -> Request | None:
-        self.records.append(["finish", rid])
+        if not self._quiet:
+            self.records.append(["finish", rid])
         return super().finish(rid)
 
     def dispatch(self) -> list[tuple[int, list[Request]]]:
@@ -109,8 +115,8 @@ class RecordingScheduler(Scheduler):
 
 def policy_of(records: list[list[Any]]) -> Scheduler:
     """A fresh policy configured as the one that wrote ``records``."""
-    _, mode, k, knobs = records[0]
-    return Scheduler(mode, k, **knobs)
+    _, mode, table = records[0]
+    return Scheduler(mode, PolicyConfig.from_table(table, "policy log"))
 
 
 def load(path: str | Path) -> list[list[Any]]:
@@ -161,12 +167,11 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
                 max_new_tokens=max_new, temperature=0.0 if greedy else 1.0, seed=0 if seeded else None), seed=0))
         elif kind == "draft_done":
             policy.draft_done(reqs[args[0]], args[1], [PLACEHOLDER] * args[2], {})
-        elif kind == "verify_done":
-            policy.verify_done(reqs[args[0]], args[1], *args[2:6])  # via_alt, chain, fused: absent in older logs
-        elif kind == "start_round":
-            req = reqs[args[0]]
-            req.output = [PLACEHOLDER] * args[1]
-            policy.start_round(req)
+        elif kind == "end_round":
+            rid, wid, committed, via_alt, chain, fused, ended = args
+            # (placeholders hold no EOS and no text: a request the broker ended ends here by "stop")
+            policy.end_round(reqs[rid], wid, [PLACEHOLDER] * committed, via_alt, chain, fused,
+                             stop_text=lambda _r, hit=ended: hit)
         elif kind == "step_costs":
             policy.observe_costs(*args)
         elif kind == "finish":

@@ -1,246 +1,441 @@
-"""The wire schema: every message that crosses a ZeroMQ socket, and its validation.
+"""The wire schema: every message that crosses a ZeroMQ socket, as a typed class.
 
 A message is a multipart ZeroMQ message::
 
     [kind, header, *tensor frames]
 
-``kind`` is an ASCII name from ``SCHEMA``; ``header`` is an orjson object that always carries
-``"v": VERSION``; tensors (token ids, proposal distributions, KV rows) travel as extra frames
-sent and received without copies, described in the header by ``{"f": frame index, "dtype",
-"shape"}``. ``decode`` checks the version, the kind, every required header field's type and
-every tensor descriptor against its frame, and raises ``ProtocolError`` (with a stable
-``code``) on anything else; receivers answer that with an ``ERROR`` where there is a sender
-to answer, count it, and carry on.
+``kind`` is the class's ``KIND``; ``header`` is an orjson object of the class's fields that
+always carries ``"v": VERSION``; tensors (token ids, proposal distributions, KV rows) travel as
+extra frames sent and received without copies, described in the header by ``{"f": frame index,
+"dtype", "shape"}``. ``decode`` turns frames into an instance of the kind's class, checking every
+field against the class's annotations (and its ``check``) on the way: decoding is the
+validation. Anything else raises ``ProtocolError`` (with a stable ``code``); receivers answer that
+with an ``Error`` where there is a sender to answer, count it, and carry on. ``encode`` is the
+inverse. Unknown header fields are ignored (a newer peer may send more).
 
-Client <-> broker (client socket, DEALER -> ROUTER):
-  SUBMIT   client -> broker  req_id, params, and prompt (text) or prompt_tokens (int32 tensor);
-                             chat (bool) applies the tokenizer's chat template to a text prompt.
-                             Idempotent: the req_id is the client's (random, unique); resending a
-                             running request re-attaches to it, a finished one replays its DONE.
-  CANCEL   client -> broker  req_id.
-  STATUS   client -> broker  ask for the broker's counters and workers.
-  TOKENS   broker -> client  req_id, token_ids and text committed by one verify (a stream chunk);
-                             offset = tokens committed before this chunk (a retry may resend).
-  DONE     broker -> client  req_id, all token_ids, text, finish_reason, stats.
-  STATE    broker -> client  reply to STATUS: a JSON object of counters.
-  ERROR    either way        code, message, and req_id when it concerns one request.
-
-Worker <-> broker (worker socket, DEALER -> ROUTER):
-  REGISTER worker -> broker  role, name, capacity (max batch), model facts (vocab, context);
-                             draft workers: drafter (the kind of draft model; rounds are routed
-                             among drafters, see nebula_flow/routing.py).
-  WELCOME  broker -> worker  worker_id, slot (pair/colocated index), mode, speculation settings.
-  PULL     worker -> broker  credits (tasks it can take; 0 withdraws a waiting PULL) and idle
-                             (nothing computing now).
-  TASKS    broker -> worker  tasks: a batch of draft / verify / round tasks (see ``TASK_FIELDS``).
-  RESULT   worker -> broker  results of finished tasks and the forward time they took; kv (KV
-                             movement counters) and device (forwards, numerics, and step_costs:
-                             per role, forward seconds for one sequence by new rows [1, 2, ...],
-                             null where not seen, at most once a second, which adaptive k
-                             weighs; malformed ones are counted and left out).
-  FREE     broker -> worker  rids whose KV can be dropped (finished or cancelled).
-  HEARTBEAT either way       liveness when nothing else is said.
-  BYE      worker -> broker  the worker leaves; its in-flight tasks go back to their topic.
-
-Worker <-> worker (KV server, ZeroMQ transport; the UCX transport carries the same fields
-as int64 arrays of sizes both sides know, see ``nebula_flow/kv/ucx.py``):
-  KV_PULL    puller -> holder  seq, items: [[rid, role, start, end], ...]: "send me these KV positions"
-                               (every request of a batch this holder has, in one exchange).
-  KV_DATA    holder -> puller  seq, items: per asked item {tokens (int32 tensor), rows (tensor
-                               [n, layers, 2, heads, dim])}, or null when the holder no longer has
-                               them (evicted, freed, shorter).
+Client <-> broker (client socket, DEALER -> ROUTER): ``Submit``, ``Cancel``, ``Status`` from the
+client; ``Tokens`` (a stream chunk), ``Done``, ``State`` from the broker; ``Error`` either way.
+Worker <-> broker (worker socket, DEALER -> ROUTER): ``Register``, ``Pull``, ``Result`` (of
+``TaskResult`` items), ``Bye`` from a worker; ``Welcome``, ``Tasks`` (of ``TaskSpec`` items),
+``Free`` from the broker; ``Heartbeat`` and ``Error``
+either way. Worker <-> worker (KV server, ZeroMQ transport): ``KvPull`` and ``KvData`` (the UCX
+transport carries the same fields as int64 arrays of sizes both sides know, see
+``nebula_flow/kv/ucx.py``). Each class's docstring says what it means.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import orjson
+
+from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of this module's API
+    ProtocolError,
+    Rejected,
+    Tensor,
+    TokenIds,
+    array,
+    decode_fields,
+    malformed,
+    plain,
+    token_ids,
+)
 
 VERSION = 1
 DRAFTER_CHARS = "A-Za-z0-9._:-"  # what a REGISTER's drafter name may hold (1-64 of them)
 DRAFTER_NAME = re.compile(f"[{DRAFTER_CHARS}]{{1,64}}")
 DRAFTER_RULE = "1-64 letters, digits or . _ - :"  # (what DRAFTER_NAME takes, for error messages)
 MAX_HEADER_BYTES = 1 << 20
-DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16,
-          "bfloat16": np.uint16, "uint8": np.uint8}
-ITEMSIZE = {name: np.dtype(t).itemsize for name, t in DTYPES.items()}
-
-# Header field specs: name -> accepted type(s). A leading "?" marks an optional field.
-_NUM = (int, float)
-SCHEMA: dict[str, dict[str, Any]] = {
-    "SUBMIT": {"req_id": str, "params": dict, "?prompt": str, "?prompt_tokens": dict, "?chat": bool},
-    "CANCEL": {"req_id": str},
-    "STATUS": {},
-    "TOKENS": {"req_id": str, "token_ids": list, "text": str, "?offset": int},
-    "DONE": {"req_id": str, "token_ids": list, "text": str, "finish_reason": str, "stats": dict},
-    "STATE": {"state": dict},
-    "ERROR": {"code": str, "message": str, "?req_id": str},
-    "REGISTER": {"role": str, "name": str, "capacity": int, "model": dict, "?kv_endpoint": str, "?drafter": str},
-    "WELCOME": {"worker_id": int, "slot": int, "mode": str, "settings": dict},
-    "PULL": {"credits": int, "idle": bool},
-    "TASKS": {"tasks": list},
-    "RESULT": {"results": list, "busy_s": _NUM, "?kv": dict},
-    "FREE": {"rids": list},
-    "HEARTBEAT": {},
-    "BYE": {},
-    "KV_PULL": {"seq": int, "items": list},
-    "KV_DATA": {"seq": int, "items": list},
-}
-
-# A task names one request's round half. ``tokens`` are the request's committed tokens
-# (prompt + output) as an int32 tensor; ``holder`` is the KV holder for the task's role.
-# A request may draft a two-level token tree: ``alts`` (draft / round tasks) asks for that
-# many alternatives to the first draft token; ``alt`` (verify tasks) carries them to the verifier.
-# Any request may also fuse other drafters' chains into the tree: ``fuse`` (draft / round tasks)
-# asks for a prompt-lookup chain of up to that many tokens beside the model's draft (``lookup``);
-# ``chains`` (verify tasks) carries the fused chains, each starting where the draft starts.
-TASK_FIELDS = {"rid": int, "kind": str, "round": int, "attempt": int, "tokens": dict, "k": int,
-               "params": dict, "seed": int, "holder": dict, "?draft": list, "?q_idx": dict,
-               "?q_prob": dict, "?q_len": list, "?alts": int, "?alt": list, "?fuse": int, "?chains": list}
-# A result: ``draft`` tokens (+ proposal q) for a draft task, ``committed`` for verify/round
-# (a round task's ``draft``: the drafts it verified); ``alt`` and ``chains``: the alternatives and
-# fused chains a draft or round task made.
-RESULT_FIELDS = {"rid": int, "kind": str, "round": int, "attempt": int, "?draft": list,
-                 "?q_idx": dict, "?q_prob": dict, "?q_len": list, "?alt": list, "?chains": list,
-                 "?committed": list, "?error": str}
-MAX_ALTERNATIVES = 8
+MAX_REQ_ID = 128  # characters of a client's request id
+MAX_CAPACITY = 4096  # tasks a worker may take in one batch
+MAX_ALTERNATIVES = 8  # runner-ups to the first draft token
 MAX_FUSED_CHAINS = 4  # fused chains in one round's token tree
 MAX_DRAFT = 64  # tokens in a draft, and in a fused chain
+MAX_PULL_ITEMS = 4096  # requests in one KV exchange
 TASK_KINDS = ("draft", "verify", "round")
+KV_SCHEMES = ("tcp://", "ucx://", "shm://")
+# -- the messages ------------------------------------------------------------------------------
+class Msg:
+    """A message kind; subclasses are dataclasses whose fields are the header's."""
 
+    KIND: ClassVar[str] = ""
 
-class ProtocolError(Exception):
-    """A message that does not follow this schema. ``code`` is stable and machine-readable."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
+    def check(self) -> None:
+        """Rules beyond each field's type; raise ``ProtocolError``."""
 
 
 @dataclass
-class Message:
-    """One decoded (or to-be-encoded) message: kind, header and tensor frames."""
+class Submit(Msg):
+    """Client -> broker: a request. Exactly one of ``prompt`` (text; ``chat`` applies the
+    tokenizer's chat template) and ``prompt_tokens``. Idempotent: ``req_id`` is the client's
+    (random, unique); resending a running request re-attaches to it, a finished one replays its
+    ``Done``."""
 
+    KIND: ClassVar[str] = "SUBMIT"
+    req_id: str
+    params: dict
+    prompt: str | None = None
+    prompt_tokens: Tensor | None = None
+    chat: bool = False
+
+    def check(self) -> None:
+        check_req_id(self.req_id)
+        if (self.prompt is None) == (self.prompt_tokens is None):
+            raise malformed("give exactly one of prompt and prompt_tokens")
+        if self.prompt_tokens is not None and (self.prompt_tokens.ndim != 1 or self.prompt_tokens.dtype.kind != "i"):
+            raise malformed("prompt_tokens must be a 1-d integer tensor")
+
+
+@dataclass
+class Cancel(Msg):
+    """Client -> broker: end a request (its KV is freed)."""
+
+    KIND: ClassVar[str] = "CANCEL"
+    req_id: str
+
+
+@dataclass
+class Status(Msg):
+    """Client -> broker: ask for the broker's state (answered with ``State``)."""
+
+    KIND: ClassVar[str] = "STATUS"
+
+
+@dataclass
+class Tokens(Msg):
+    """Broker -> client: the tokens and text one verify committed (a stream chunk); ``offset`` =
+    tokens committed before this chunk (a re-attached client gets everything again from 0)."""
+
+    KIND: ClassVar[str] = "TOKENS"
+    req_id: str
+    token_ids: TokenIds
+    text: str
+    offset: int = 0
+
+
+@dataclass
+class Done(Msg):
+    """Broker -> client: a finished request: all its tokens, text, finish reason and stats."""
+
+    KIND: ClassVar[str] = "DONE"
+    req_id: str
+    token_ids: TokenIds
+    text: str
+    finish_reason: str
+    stats: dict
+
+
+@dataclass
+class State(Msg):
+    """Broker -> client: the answer to ``Status``, a JSON object of workers and counters."""
+
+    KIND: ClassVar[str] = "STATE"
+    state: dict
+
+
+@dataclass
+class Error(Msg):
+    """Either way: ``code`` (stable), ``message``, and ``req_id`` when it concerns one request."""
+
+    KIND: ClassVar[str] = "ERROR"
+    code: str
+    message: str
+    req_id: str | None = None
+
+
+@dataclass
+class Register(Msg):
+    """Worker -> broker: a worker joins: its role, name, batch capacity, model facts and KV
+    endpoint; a draft worker's drafter (the kind of draft model rounds are routed by)."""
+
+    KIND: ClassVar[str] = "REGISTER"
+    role: str
+    name: str
+    capacity: int
+    model: dict
+    kv_endpoint: str | None = None
+    drafter: str | None = None
+
+    def check(self) -> None:
+        if not 1 <= self.capacity <= MAX_CAPACITY:
+            raise ProtocolError("invalid_params", f"capacity must be in 1..{MAX_CAPACITY}")
+        if self.kv_endpoint is not None and (len(self.kv_endpoint) > 512 or not all(
+                part.startswith(KV_SCHEMES) for part in self.kv_endpoint.split(";"))):
+            raise malformed("kv_endpoint must be tcp://, ucx:// or shm:// addresses joined by ';'")
+        if self.drafter is not None and not DRAFTER_NAME.fullmatch(self.drafter):
+            raise malformed(f"drafter must be {DRAFTER_RULE}")
+
+
+@dataclass
+class Welcome(Msg):
+    """Broker -> worker: registered: its id, slot (pair/colocated index), the mode, and settings
+    (``proposal_top_k``, ``heartbeat_s``)."""
+
+    KIND: ClassVar[str] = "WELCOME"
+    worker_id: int
+    slot: int
+    mode: str
+    settings: dict
+
+
+@dataclass
+class Pull(Msg):
+    """Worker -> broker: room for ``credits`` tasks (0 withdraws a waiting pull); ``idle``:
+    nothing is computing now."""
+
+    KIND: ClassVar[str] = "PULL"
+    credits: int
+    idle: bool
+
+
+@dataclass
+class Holder:
+    """Who holds a task's KV for its role: worker id, valid positions, KV endpoint."""
+
+    worker: int = 0
+    valid: int = 0
+    endpoint: str | None = None
+
+
+class Proposes:
+    """A draft's proposal q for a sampled request, as fields of a task or result: per draft
+    position, the token ids and probabilities it drew from (``q_len`` entries each), flat in two
+    tensors. ``q_len`` is absent for a greedy draft. (Its users declare ``draft``, ``q_idx``,
+    ``q_prob`` and ``q_len`` as fields.)"""
+
+    def check_proposal(self) -> None:
+        if self.q_len is None:
+            return
+        idx, prob, lens = self.q_idx, self.q_prob, self.q_len
+        if (idx is None or prob is None or not all(n > 0 for n in lens) or idx.ndim != 1 or idx.shape != prob.shape
+                or sum(lens) != len(idx) or idx.dtype != np.int32 or prob.dtype != np.float32
+                or len(lens) != len(self.draft)):
+            raise malformed("proposal q does not match the draft")
+        if not np.all(np.isfinite(prob)) or np.any(prob < 0) or np.any(idx < 0):
+            raise malformed("proposal q has invalid entries")
+        if lens and any(p.sum() <= 0 for p in self.proposal()[1]):
+            raise malformed("proposal q has a position with no probability mass")
+
+    def proposal(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """One (ids, probabilities) pair per draft position (views of the frames); empty lists for a
+        greedy draft."""
+        if not self.q_len:
+            return [], []
+        cuts = np.cumsum(self.q_len)[:-1]
+        return np.split(self.q_idx, cuts), np.split(self.q_prob, cuts)
+
+    def propose(self, idx: list[np.ndarray] | None, prob: list[np.ndarray] | None) -> None:
+        """Set the proposal from per-position arrays (None: a greedy draft, no proposal)."""
+        if idx is None:
+            self.q_idx = self.q_prob = self.q_len = None
+            return
+        self.q_len = [len(a) for a in idx]
+        self.q_idx = np.concatenate(idx).astype(np.int32) if idx else np.zeros(0, np.int32)
+        self.q_prob = np.concatenate(prob).astype(np.float32) if prob else np.zeros(0, np.float32)
+
+
+@dataclass
+class TaskSpec(Proposes):
+    """One request's round half. ``tokens``: its committed tokens (prompt + output), int32;
+    ``holder``: who has the KV for the task's role; ``k``: draft tokens wanted. A token tree:
+    ``alts`` (draft/round tasks) asks for that many runner-ups to the first draft token, ``alt``
+    (verify tasks) carries them; ``fuse`` (draft/round tasks) asks for a prompt-lookup chain of up
+    to that many tokens beside the draft, ``chains`` (verify tasks) carries the fused chains.
+    ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal."""
+
+    rid: int
     kind: str
-    header: dict[str, Any] = field(default_factory=dict)
-    frames: list[Any] = field(default_factory=list)
+    round: int
+    attempt: int
+    tokens: Tensor
+    k: int
+    params: dict
+    seed: int
+    holder: Holder
+    draft: TokenIds = field(default_factory=list)
+    q_idx: Tensor | None = None
+    q_prob: Tensor | None = None
+    q_len: list[int] | None = None
+    alts: int = 0
+    alt: TokenIds = field(default_factory=list)
+    fuse: int = 0
+    chains: list[TokenIds] = field(default_factory=list)
 
-    def add_array(self, arr: np.ndarray) -> dict[str, Any]:
-        """Attach ``arr`` as a frame; returns the descriptor to put in the header."""
-        arr = np.ascontiguousarray(arr)
-        name = next((k for k, v in DTYPES.items() if np.dtype(v) == arr.dtype), None)
-        if name is None:
-            raise ValueError(f"dtype {arr.dtype} cannot travel on the wire")
-        self.frames.append(arr)
-        return {"f": len(self.frames) - 1, "dtype": name, "shape": list(arr.shape)}
+    def check(self) -> None:
+        if self.kind not in TASK_KINDS:
+            raise malformed(f"unknown task kind {self.kind!r}")
+        if self.tokens.ndim != 1 or self.tokens.dtype.kind != "i" or len(self.tokens) == 0 or self.tokens.min() < 0:
+            raise malformed("task tokens must be a non-empty 1-d tensor of token ids")
+        if not 0 <= self.k <= MAX_DRAFT or len(self.draft) > MAX_DRAFT:
+            raise malformed(f"k and draft length must be in 0..{MAX_DRAFT}")
+        self.check_proposal()
+        if not 0 <= self.alts <= MAX_ALTERNATIVES or len(self.alt) > MAX_ALTERNATIVES:
+            raise malformed(f"at most {MAX_ALTERNATIVES} alternatives")
+        if self.alt and (not self.draft or len(set(self.alt) | {self.draft[0]}) != len(self.alt) + 1):
+            raise malformed("alt must be distinct token ids other than draft[0], with a draft")
+        if not 0 <= self.fuse <= MAX_DRAFT:
+            raise malformed(f"fuse must be in 0..{MAX_DRAFT}")
+        if len(self.chains) > MAX_FUSED_CHAINS or not all(0 < len(c) <= MAX_DRAFT for c in self.chains):
+            raise malformed(f"chains must be at most {MAX_FUSED_CHAINS} lists of 1..{MAX_DRAFT} token ids")
 
-    def array(self, desc: Any) -> np.ndarray:
-        """The tensor a descriptor names, as a read-only view of its frame (no copy)."""
-        if not isinstance(desc, dict) or set(desc) != {"f", "dtype", "shape"}:
-            raise ProtocolError("malformed", f"bad tensor descriptor {desc!r}")
-        idx, dtype, shape = desc["f"], desc["dtype"], desc["shape"]
-        if not isinstance(idx, int) or not 0 <= idx < len(self.frames):
-            raise ProtocolError("bad_frame", f"tensor frame {idx!r} is missing")
-        if dtype not in DTYPES or not isinstance(shape, list) or len(shape) > 8 or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
-        ):
-            raise ProtocolError("malformed", f"bad tensor dtype/shape {dtype!r} {shape!r}")
-        buf = self.frames[idx]
-        view = memoryview(buf.buffer if hasattr(buf, "buffer") else buf)
-        # (plain Python arithmetic: a KV pull decodes these between batches, where every numpy
-        # call costs tens of microseconds)
-        if view.nbytes != math.prod(shape) * ITEMSIZE[dtype]:
-            raise ProtocolError("bad_frame", f"frame {idx} has {view.nbytes} bytes, expected {shape} x {dtype}")
-        return np.frombuffer(view, dtype=DTYPES[dtype]).reshape(shape)
-
-    def int_list(self, desc: Any, name: str) -> list[int]:
-        arr = self.array(desc)
-        if arr.ndim != 1 or arr.dtype.kind != "i":
-            raise ProtocolError("malformed", f"{name} must be a 1-d integer tensor")
-        return arr.tolist()
-
-
-def encode(msg: Message) -> list[Any]:
-    header = dict(msg.header, v=VERSION)
-    return [msg.kind.encode(), orjson.dumps(header), *msg.frames]
+    def token_ids(self) -> list[TokenIds]:
+        """Every token list the task carries (to check against a vocabulary)."""
+        return [self.draft, self.alt, *self.chains]
 
 
-def decode(frames: list[Any]) -> Message:
+@dataclass
+class Tasks(Msg):
+    """Broker -> worker: a batch of draft / verify / round tasks. A task that fails to decode is
+    a ``Rejected`` in its place (the worker fails that request alone)."""
+
+    KIND: ClassVar[str] = "TASKS"
+    tasks: list[TaskSpec] = field(default_factory=list, metadata={"isolate": True})
+
+
+@dataclass
+class TaskResult(Proposes):
+    """A finished task: ``draft`` (+ its proposal ``q_*``) for a draft task; ``committed`` for a verify or round
+    task (a round task's ``draft``: the draft it verified); ``alt`` and ``chains``: the
+    runner-ups and fused chains a draft or round task made (or a verify looked up itself);
+    ``error``: the task failed, and why."""
+
+    rid: int
+    kind: str
+    round: int
+    attempt: int
+    draft: TokenIds = field(default_factory=list)
+    q_idx: Tensor | None = None
+    q_prob: Tensor | None = None
+    q_len: list[int] | None = None
+    alt: TokenIds = field(default_factory=list)
+    chains: list[TokenIds] = field(default_factory=list)
+    committed: TokenIds | None = None
+    error: str | None = None
+
+    def check(self) -> None:
+        self.check_proposal()
+
+
+@dataclass
+class Result(Msg):
+    """Worker -> broker: finished tasks and the forward time they took (``busy_s``); ``kv``: KV
+    movement counters; ``device``: forwards, numerics, and ``step_costs`` (per role, forward
+    seconds for one sequence by new rows [1, 2, ...], null where not seen, at most once a second,
+    which adaptive k weighs; malformed ones are counted and left out)."""
+
+    KIND: ClassVar[str] = "RESULT"
+    results: list[TaskResult] = field(default_factory=list, metadata={"isolate": True})
+    busy_s: float = 0.0
+    kv: dict | None = None
+    device: dict | None = None
+
+
+@dataclass
+class Free(Msg):
+    """Broker -> worker: requests whose KV can be dropped (finished or cancelled)."""
+
+    KIND: ClassVar[str] = "FREE"
+    rids: list[int]
+
+
+@dataclass
+class Heartbeat(Msg):
+    """Either way: liveness when nothing else is said."""
+
+    KIND: ClassVar[str] = "HEARTBEAT"
+
+
+@dataclass
+class Bye(Msg):
+    """Worker -> broker: the worker leaves; its in-flight tasks go back to their topic."""
+
+    KIND: ClassVar[str] = "BYE"
+
+
+@dataclass
+class KvPull(Msg):
+    """Puller -> holder: "send me these KV positions": ``items`` of [rid, role, start, end], every
+    request of a batch this holder has, in one exchange."""
+
+    KIND: ClassVar[str] = "KV_PULL"
+    seq: int
+    items: list[list]
+
+    def check(self) -> None:
+        if not 0 < len(self.items) <= MAX_PULL_ITEMS or not all(
+                len(it) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in (it[0], it[2], it[3]))
+                and isinstance(it[1], str) and 0 <= it[2] < it[3] for it in self.items):
+            raise malformed(f"items must be 1..{MAX_PULL_ITEMS} of [rid, role, start, end] with 0 <= start < end")
+
+
+@dataclass
+class KvRows:
+    """The KV one pull item asked for: its tokens (int32) and rows ([n, layers, 2, heads, dim])."""
+
+    tokens: Tensor
+    rows: Tensor
+
+
+@dataclass
+class KvData(Msg):
+    """Holder -> puller: per asked item its ``KvRows``, or null when the holder no longer has them
+    (evicted, freed, shorter)."""
+
+    KIND: ClassVar[str] = "KV_DATA"
+    seq: int
+    items: list[KvRows | None] = field(default_factory=list)
+
+
+KINDS: dict[str, type[Msg]] = {cls.KIND: cls for cls in (
+    Submit, Cancel, Status, Tokens, Done, State, Error, Register, Welcome, Pull, Tasks, Result, Free,
+    Heartbeat, Bye, KvPull, KvData)}
+
+
+# -- decoding: the annotations are the schema ---------------------------------------------------
+def decode(frames: list[Any]) -> Msg:
     """Parse and validate a multipart message (ROUTER identity frames already removed)."""
     if len(frames) < 2:
-        raise ProtocolError("malformed", f"expected at least 2 frames, got {len(frames)}")
+        raise malformed(f"expected at least 2 frames, got {len(frames)}")
     raw_kind, raw_header = (bytes(f.buffer if hasattr(f, "buffer") else f) for f in frames[:2])
     kind = raw_kind.decode("ascii", "replace")
-    if kind not in SCHEMA:
+    cls = KINDS.get(kind)
+    if cls is None:
         raise ProtocolError("unknown_kind", f"unknown message kind {kind[:32]!r}")
     if len(raw_header) > MAX_HEADER_BYTES:
         raise ProtocolError("too_large", f"header of {len(raw_header)} bytes")
     try:
         header = orjson.loads(raw_header)
     except orjson.JSONDecodeError as exc:
-        raise ProtocolError("malformed", f"header is not JSON: {exc}") from None
+        raise malformed(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict):
-        raise ProtocolError("malformed", "header must be a JSON object")
+        raise malformed("header must be a JSON object")
     if header.get("v") != VERSION:
         raise ProtocolError("bad_version", f"protocol version {header.get('v')!r}, expected {VERSION}")
-    check_fields(header, SCHEMA[kind], kind)
-    return Message(kind, header, list(frames[2:]))
+    return decode_fields(cls, header, kind, frames[2:])
 
 
-def check_fields(obj: Any, spec: dict[str, Any], what: str) -> None:
-    """Raise ``ProtocolError`` unless ``obj`` has every required field of ``spec`` typed right."""
-    if not isinstance(obj, dict):
-        raise ProtocolError("malformed", f"{what} must be an object")
-    for name, typ in spec.items():
-        optional = name.startswith("?")
-        key = name.lstrip("?")
-        if key not in obj or (optional and obj[key] is None):
-            if optional:
-                continue
-            raise ProtocolError("malformed", f"{what} lacks field {key!r}")
-        value = obj[key]
-        if isinstance(value, bool) and typ is not bool:
-            raise ProtocolError("malformed", f"{what}.{key} must be {typ}, not a boolean")
-        if not isinstance(value, typ):
-            raise ProtocolError("malformed", f"{what}.{key} has the wrong type {type(value).__name__}")
+def check_req_id(req_id: str) -> None:
+    if not 0 < len(req_id) <= MAX_REQ_ID:
+        raise malformed(f"req_id must have 1..{MAX_REQ_ID} characters")
 
 
-def error(code: str, message: str, req_id: str | None = None) -> Message:
-    header = {"code": code, "message": message}
-    if req_id is not None:
-        header["req_id"] = req_id
-    return Message("ERROR", header)
+# -- encoding ------------------------------------------------------------------------------------
+def encode(msg: Msg) -> list[Any]:
+    """The frames of ``msg``: kind, header, then each tensor field's array (not copied)."""
+    frames: list[Any] = []
+    header = plain(msg, frames)
+    header["v"] = VERSION
+    return [msg.KIND.encode(), orjson.dumps(header), *frames]
 
 
-def attach_q(msg: Message, head: dict, q_idx: list | None, q_prob: list | None) -> None:
-    """Put a draft's proposal q on ``msg``: flat idx/prob tensors plus ``q_len`` per position."""
-    if q_idx is None:
-        return
-    head["q_len"] = [len(a) for a in q_idx]
-    head["q_idx"] = msg.add_array(np.concatenate(q_idx).astype(np.int32) if q_idx else np.zeros(0, np.int32))
-    head["q_prob"] = msg.add_array(np.concatenate(q_prob).astype(np.float32) if q_prob else np.zeros(0, np.float32))
-
-
-def split_q(msg: Message, raw: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Inverse of ``attach_q``: one (idx, prob) pair per draft position, validated."""
-    lens = raw["q_len"]
-    idx, prob = msg.array(raw.get("q_idx")), msg.array(raw.get("q_prob"))
-    if (not all(isinstance(n, int) and n > 0 for n in lens) or idx.ndim != 1 or idx.shape != prob.shape
-            or sum(lens) != len(idx) or idx.dtype != np.int32 or prob.dtype != np.float32
-            or len(lens) != len(raw.get("draft") or [])):
-        raise ProtocolError("malformed", "proposal q does not match the draft")
-    if not np.all(np.isfinite(prob)) or np.any(prob < 0) or np.any(idx < 0):
-        raise ProtocolError("malformed", "proposal q has invalid entries")
-    if not lens:  # an empty draft (a drafter that had nothing to propose)
-        return [], []
-    cuts = np.cumsum(lens)[:-1]
-    idxs, probs = np.split(idx, cuts), np.split(prob, cuts)
-    if any(p.sum() <= 0 for p in probs):
-        raise ProtocolError("malformed", "proposal q has a position with no probability mass")
-    return idxs, probs
-
+def req_id_of(frames: list[Any]) -> str | None:
+    """Best effort: the req_id of a rejected message, so the client can match the error."""
+    try:
+        header = orjson.loads(bytes(frames[1].buffer if hasattr(frames[1], "buffer") else frames[1]))
+        rid = header.get("req_id")
+        return rid if isinstance(rid, str) and len(rid) <= MAX_REQ_ID else None
+    except Exception:
+        return None

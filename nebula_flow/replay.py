@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nebula_flow.bench import percentiles
 from nebula_flow.client import AsyncClient, Completion, NebulaError
+from nebula_flow.stats import percentiles
 from nebula_flow.traces import PromptSource, TraceRequest
 
 

@@ -30,34 +30,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from nebula_flow.lookup import is_ngram
 from nebula_flow.protocol import DRAFTER_CHARS
 from nebula_flow.speclen import PRIOR, Acceptance
 
 POOL_DECAY = 0.98  # per round, the pool's experience of a drafter (all requests' rounds: ~50 remembered)
 POOL_WEIGHT = 4.0  # the pool's rate counts as this many rounds beside a request's own (``shrunk``)
 EXPLORE_AFTER = 8  # rounds without a drafter before a request tries it again (doubling each time it loses)
-NGRAM_SPEC = re.compile(r"ngram(?::(?:(\d+)-)?(\d+))?")
-DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4  # (a single repeated token is a weak hint in prose)
-
-
-def is_ngram(spec: str) -> bool:
-    """Whether a model spec names the n-gram drafter (not a checkpoint to load or resolve)."""
-    return NGRAM_SPEC.fullmatch(spec) is not None
-
-
-def parse_ngram(spec: str) -> tuple[int, int] | None:
-    """(min_n, max_n) for a ``--model`` of ``ngram``, ``ngram:MAX`` or ``ngram:MIN-MAX``; None
-    when ``spec`` names something else (a checkpoint)."""
-    m = NGRAM_SPEC.fullmatch(spec)
-    if m is None:
-        return None
-    max_n = int(m.group(2)) if m.group(2) else DEFAULT_MAX_N
-    min_n = int(m.group(1)) if m.group(1) else min(DEFAULT_MIN_N, max_n)
-    if not 1 <= min_n <= max_n <= 16:
-        raise ValueError(f"{spec}: n-gram sizes must satisfy 1 <= MIN <= MAX <= 16")
-    return min_n, max_n
-
-
 def drafter_name(name: str | None, model: str | None) -> str:
     """A draft worker's drafter: ``name`` if given, else ``ngram`` for the n-gram drafter, else the
     model folder's name (workers that load the same checkpoint share a drafter, and its KV)."""

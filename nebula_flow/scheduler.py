@@ -25,14 +25,14 @@ a request's draft holder is kept per drafter (``holder_key``).
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from nebula_flow import routing, speclen
+from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.speclen import Acceptance
+from nebula_flow.topic import Topic
 
 MODES: dict[str, tuple[str, ...]] = {
     "pooled": ("draft", "target"),
@@ -41,79 +41,7 @@ MODES: dict[str, tuple[str, ...]] = {
     "autoregressive": ("target",),
 }
 PHASE_ROLE = {DRAFT: "draft", VERIFY: "target", ROUND: "colocated"}
-MAX_FUSED = 16  # the longest fused chain (``fuse_ngram``)
 DEFAULT_DRAFTER = "draft"  # a draft worker that names no drafter
-POLICY_KNOBS = ("locality", "migrate", "merge_batches", "adaptive_k", "spec_costs", "measure_costs",
-                "first_alternatives", "fuse_ngram", "disable_by_batch_size")  # Scheduler keyword arguments; BrokerOptions fields
-
-
-class Topic:
-    """A FIFO of queued request ids, indexed by the worker that holds each one's KV.
-
-    Removal is O(1) and a worker finds the tasks it holds without scanning the whole queue,
-    so dispatch stays cheap with thousands of queued requests and many workers. The holder is
-    recorded when a task is queued (holders only change while a request is in flight).
-    """
-
-    def __init__(self, rids: Iterable[int] = ()) -> None:
-        self._seq: dict[int, int] = {}  # rid -> queue position key, in queue order
-        self._holder: dict[int, int | None] = {}
-        self._by_holder: dict[int | None, dict[int, int]] = {}
-        self._front = self._back = 0
-        for rid in rids:
-            self.append(rid)
-
-    def append(self, rid: int, holder: int | None = None) -> None:
-        self._back += 1
-        self._add(rid, holder, self._back)
-
-    def appendleft(self, rid: int, holder: int | None = None) -> None:
-        """Put ``rid`` first (a re-queued task); rare, so rebuilding the order is fine."""
-        self._front -= 1
-        self._seq = {rid: self._front, **self._seq}
-        self._holder[rid] = holder
-        self._by_holder[holder] = {rid: self._front, **self._by_holder.get(holder, {})}
-
-    def _add(self, rid: int, holder: int | None, seq: int) -> None:
-        self._seq[rid] = seq
-        self._holder[rid] = holder
-        self._by_holder.setdefault(holder, {})[rid] = seq
-
-    def remove(self, rid: int) -> None:
-        del self._seq[rid]
-        holder = self._holder.pop(rid)
-        group = self._by_holder[holder]
-        del group[rid]
-        if not group:
-            del self._by_holder[holder]
-
-    def forget_holder(self, holder: int) -> None:
-        """A holder left: its queued tasks count as held by no one, in queue order."""
-        group = self._by_holder.pop(holder, None)
-        if group:
-            for rid in group:
-                self._holder[rid] = None
-            merged = {**self._by_holder.get(None, {}), **group}
-            self._by_holder[None] = dict(sorted(merged.items(), key=lambda kv: kv[1]))
-
-    def held_by(self, holders: Iterable[int | None]) -> Iterator[int]:
-        """Queued tasks held by any of ``holders``, in queue order."""
-        groups = [self._by_holder[h].items() for h in holders if h in self._by_holder]
-        if len(groups) == 1:
-            return (rid for rid, _ in groups[0])
-        return (rid for rid, _ in heapq.merge(*groups, key=lambda kv: kv[1]))
-
-    def holders(self) -> list[int | None]:
-        return list(self._by_holder)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._seq)
-
-    def __len__(self) -> int:
-        return len(self._seq)
-
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._seq
 
 
 @dataclass
@@ -142,50 +70,26 @@ def holder_key(role: str, drafter: str | None = None) -> str:
 class Scheduler:
     """Request pool + topics + workers for one mode; decides who runs what next."""
 
-    def __init__(self, mode: str, k: int, locality: bool = False, migrate: bool = False,
-                 merge_batches: bool = True, adaptive_k: bool = False,
-                 spec_costs: tuple[float, float, float] | list[float] = speclen.DEFAULT_COSTS,
-                 measure_costs: bool = False, first_alternatives: int = 0, fuse_ngram: int = 0,
-                 disable_by_batch_size: int = 0) -> None:
-        """``locality``: prefer tasks whose KV the pulling worker holds (it never waits for a
-        particular worker). ``migrate``: never give a request the worker that ran its previous
-        task of that role while another exists (forces KV movement, for tests and benchmarks).
-        ``merge_batches``: see ``dispatch``. ``adaptive_k``: choose each round's k in 0..k from
-        the request's acceptance (``speclen``), with ``spec_costs`` (draft step, verify row,
-        round) in target decode steps; ``measure_costs``: the draft step and the verify blocks
-        follow the forward times workers report (``observe_costs``), ``spec_costs`` only starts them.
-        ``first_alternatives``: rounds with drafts verify this many runner-ups to the first draft
-        token beside the chain (a token tree; for a sampled request, the draft's most likely tokens
-        other than the one it drew, tested as fixed candidates: ``specdec._sample_tree``); with
-        ``adaptive_k``, only in rounds where they pay for their verify rows (``speclen.choose_round``).
-        ``fuse_ngram``: rounds also verify a prompt-lookup chain of up to this many tokens
-        (``lookup``), fused with the draft into one token tree: a greedy round keeps the path the
-        target agrees with longest, a sampled one samples its way down the tree
-        (``specdec._sample_tree``). The draft worker looks it up, or the target worker in a round
-        without a draft (so rounds that ``disable_by_batch_size`` or adaptive k leave without
-        drafts still get it, at no draft phase's cost; not in autoregressive mode, the baseline).
-        A round without a match, or whose match the draft already has, verifies the draft alone. With
-        ``adaptive_k``, only in rounds where the request's gain from it pays for its verify rows,
-        and only as long as pays (``speclen.choose_fuse``).
-        ``disable_by_batch_size``: while more requests than this
-        are in the pool, rounds start without drafts (0: always speculate). A target batching
-        many requests verifies extra rows at nearly a decode row's cost while the draft phase
-        leaves it idle, so under load speculation can cost throughput (measured on the bundled
-        CPU pair at 4 concurrent requests: pooled 45 tokens/s, autoregressive 64). Not for seeded
-        sampled requests: their k decides which sample they draw, and it must not depend on the load."""
+    def __init__(self, mode: str, policy: PolicyConfig | None = None) -> None:
+        """``policy``: every knob, its default and its meaning (``nebula_flow.policy``). Notes on how
+        the scheduler uses them:
+
+        ``locality`` never makes a task wait for a particular worker. ``measure_costs``: the draft
+        step and the verify blocks follow the forward times workers report (``observe_costs``);
+        ``spec_costs`` only starts them. ``first_alternatives`` and ``fuse_ngram`` build a token
+        tree per round; with ``adaptive_k`` only where its rows pay (``speclen.choose_round``,
+        ``speclen.choose_fuse``). A fused chain is looked up by the draft worker, or by the target
+        worker in a round without a draft, so rounds that ``disable_by_batch_size`` or adaptive k
+        leave without drafts still get it (not in autoregressive mode, the baseline).
+        ``disable_by_batch_size`` leaves seeded sampled requests speculating: their k decides which
+        sample they draw, and it must not depend on the load."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        if k < 0:
-            raise ValueError("k must be >= 0")
-        self.mode, self.k = mode, k
-        self.locality, self.migrate, self.merge_batches = locality, migrate, merge_batches
-        if len(spec_costs) != 3 or min(spec_costs) < 0 or spec_costs[2] <= 0:
-            raise ValueError("spec_costs must be [draft_step, verify_row, round] >= 0 (round > 0)")
-        self.adaptive_k, self.spec_costs = adaptive_k, [float(c) for c in spec_costs]
-        self.measure_costs = measure_costs
+        self.mode = mode
+        self.policy = policy = policy or PolicyConfig()
         # what choose_round weighs now (measured, with measure_costs): the three costs, and verify
         # forwards by rows in decode steps
-        self.costs, self.verify_costs = tuple(self.spec_costs), ()
+        self.costs, self.verify_costs = policy.spec_costs, ()
         self.step_costs: dict[tuple[int, str], list[float | None]] = {}  # (worker, role) -> seconds by rows
         # several drafters: each one's (costs, verify costs) as ``costs``/``verify_costs``, and the
         # pool's recent acceptance of each, for greedy and for sampled requests (acceptance differs
@@ -193,15 +97,6 @@ class Scheduler:
         self.drafter_costs: dict[str, tuple[tuple[float, float, float], tuple[float | None, ...]]] = {}
         self.drafter_acceptance: dict[tuple[str, bool], Acceptance] = {}  # (drafter, greedy) ->
         self.drafters: dict[str, int] = {}  # drafter -> live draft workers
-        if not 0 <= first_alternatives <= 8:
-            raise ValueError("first_alternatives must be in 0..8")
-        self.first_alternatives = first_alternatives
-        if not 0 <= fuse_ngram <= MAX_FUSED:
-            raise ValueError(f"fuse_ngram must be in 0..{MAX_FUSED}")
-        self.fuse_ngram = fuse_ngram
-        if disable_by_batch_size < 0:
-            raise ValueError("disable_by_batch_size must be >= 0")
-        self.disable_by_batch_size = disable_by_batch_size
         self.requests: dict[int, Request] = {}
         self.topics: dict[str, Topic] = {role: Topic() for role in ("draft", "target", "colocated")}
         self.workers: dict[int, WorkerState] = {}
@@ -262,7 +157,7 @@ class Scheduler:
     def _update_costs(self) -> None:
         """The costs ``choose_round`` uses: per row count, the median worker's of each role (a
         request may run on any)."""
-        if not self.measure_costs:
+        if not self.policy.measure_costs:
             return
 
         def median(role: str, drafter: str | None = None) -> list[float | None] | None:
@@ -277,9 +172,9 @@ class Scheduler:
             return out
 
         target = median("target")
-        self.costs, self.verify_costs = speclen.measured_costs(median("draft"), target, self.spec_costs)
+        self.costs, self.verify_costs = speclen.measured_costs(median("draft"), target, self.policy.spec_costs)
         # (one drafter left: ``costs`` are its own; a colocated worker's draft has no drafter, never routed)
-        self.drafter_costs = {d: speclen.measured_costs(median("draft", d), target, self.spec_costs)
+        self.drafter_costs = {d: speclen.measured_costs(median("draft", d), target, self.policy.spec_costs)
                               for d in self.drafters} if len(self.drafters) > 1 else {}
 
     def pull(self, worker_id: int, credits: int, idle: bool, now: float) -> None:
@@ -297,26 +192,26 @@ class Scheduler:
         """Queue the next round of ``req``: a draft, a draft-less verify, or a whole round."""
         req.round += 1
         req.draft, req.q, req.alt, req.chains = [], {}, [], []
-        max_alts = self.first_alternatives
-        loaded = bool(self.disable_by_batch_size and len(self.requests) > self.disable_by_batch_size
+        max_alts = self.policy.first_alternatives
+        loaded = bool(self.policy.disable_by_batch_size and len(self.requests) > self.policy.disable_by_batch_size
                       and not reproducible(req))  # (see __init__)
         speculate = self.mode != "autoregressive" and req.remaining > 1 and not loaded
         req.drafter, explore, plan = self._route(req, max_alts) if speculate and self.mode == "pooled" and self.drafters \
             else (None, False, None)
-        if self.adaptive_k:
+        if self.policy.adaptive_k:
             if plan is None:
                 costs, verify = self._costs_for(req, req.drafter)
-                plan = speclen.choose_round(req.acceptance, self.k, costs, max_alts, verify)
+                plan = speclen.choose_round(req.acceptance, self.policy.k, costs, max_alts, verify)
             k, alts = plan
             k = max(k, 1) if explore else k  # (a look at a drafter that drafts nothing shows nothing)
         else:
-            k, alts = self.k, max_alts
+            k, alts = self.policy.k, max_alts
         req.k = max(0, min(k, req.remaining - 1)) if speculate else 0
         req.alts = alts if req.k > 0 else 0
         # (a chain no longer than the tokens left, as the draft; with adaptive k only where it pays
         # for its rows, planned for a seeded sample from its own history, as its k)
-        req.fuse = min(self.fuse_ngram, req.remaining - 1) if self.mode != "autoregressive" else 0
-        if req.fuse and self.adaptive_k:
+        req.fuse = min(self.policy.fuse_ngram, req.remaining - 1) if self.mode != "autoregressive" else 0
+        if req.fuse and self.policy.adaptive_k:
             req.fuse = speclen.choose_fuse(req.acceptance, req.k, req.alts, req.fuse, *self._costs_for(req, req.drafter),
                                            batch=self._verify_batch() if loaded else 1)
         if req.k == 0:
@@ -339,7 +234,7 @@ class Scheduler:
         which sample it draws: it is planned from its own history and ``spec_costs`` alone, so the
         same seed gives the same output whatever the placement and the machine's timing."""
         if reproducible(req):
-            return tuple(self.spec_costs), ()
+            return tuple(self.policy.spec_costs), ()
         return self.drafter_costs.get(drafter, (self.costs, self.verify_costs)) if drafter else (self.costs, self.verify_costs)
 
     def _route(self, req: Request, max_alts: int) -> tuple[str, bool, tuple[int, int] | None]:
@@ -359,11 +254,11 @@ class Scheduler:
             def worth(d: str) -> float:
                 costs, verify = self._costs_for(req, d)
                 acc = routing.shrunk(req.by_drafter[d], pools[d])
-                if self.adaptive_k:
-                    worth, k, alts = speclen.best_round(acc, self.k, costs, max_alts, verify)
+                if self.policy.adaptive_k:
+                    worth, k, alts = speclen.best_round(acc, self.policy.k, costs, max_alts, verify)
                     plans[d] = (k, alts)
                     return worth
-                return speclen.round_worth(acc, self.k, max_alts, costs, verify)
+                return speclen.round_worth(acc, self.policy.k, max_alts, costs, verify)
 
             drafter, explore = routing.choose_drafter(names, req.round, req.drafter_used, req.explore_gaps, worth)
         req.acceptance = req.by_drafter.setdefault(drafter, req.acceptance)
@@ -387,7 +282,7 @@ class Scheduler:
 
     def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False,
                     chain: int | None = None, fused: int | None = None) -> None:
-        """Record a verify (or whole round); the caller then commits and calls start_round/finish.
+        """Record a verify's (or whole round's) outcome in the policy's state (``end_round`` calls it).
 
         ``via_alt``: the accepted token was an alternative to the first draft token (a token
         tree), not the chain: the chain's acceptance was 0, and the draft's KV ends before it.
@@ -400,7 +295,7 @@ class Scheduler:
             chain = 0 if via_alt else accepted
         req.acceptance.update(req.k, chain)  # (a draft shorter than k counts as rejected where it stopped)
         req.acceptance.update_alternatives(req.alts, chain, via_alt)
-        if self.fuse_ngram and self.mode != "autoregressive" and (fused is not None or not req.fuse):
+        if self.policy.fuse_ngram and self.mode != "autoregressive" and (fused is not None or not req.fuse):
             req.acceptance.update_fused(fused)  # (asked for but no match: no evidence either way)
         if req.drafter is not None and len(self.drafters) > 1:
             self.drafter_acceptance.setdefault((req.drafter, req.params.greedy), Acceptance()).update(req.k, chain,
@@ -413,6 +308,26 @@ class Scheduler:
             holder, draft_valid = req.holders[draft_key]
             req.holders[draft_key] = (holder, min(draft_valid, base + chain))
         self.workers[worker_id].inflight.discard(req.rid)
+
+    def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
+                  chain: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
+                  stop_text: Callable[[Request], bool] | None = None) -> list[int]:
+        """The end of a verify (or whole round), the one place a round ends: record the outcome
+        (``verify_done``), commit the tokens (cut at EOS and ``max_new_tokens``), decide whether
+        the request is done (EOS, length, or ``stop_text``: the caller's check of the decoded text
+        against stop strings, None where there is no text), then finish it or queue its next round.
+
+        ``committed``: the accepted draft tokens and the target's next token. Returns the tokens
+        kept; ``req.finish_reason`` is set when the request ended (it has then left the pool)."""
+        self.verify_done(req, worker_id, len(committed) - 1, via_alt, chain, fused)
+        kept = req.commit(committed, eos_ids)
+        if stop_text is not None and stop_text(req):
+            req.finish_reason = "stop"
+        if req.finish_reason:
+            self.finish(req.rid)
+        else:
+            self.start_round(req)
+        return kept
 
     def finish(self, rid: int) -> Request | None:
         """Remove a request (done or cancelled) from the pool and from any topic."""
@@ -454,7 +369,7 @@ class Scheduler:
                          key=lambda w: (not w.pull_idle, w.pull_since, w.worker_id))
         picks: dict[int, list[int]] = {}
         taken: set[int] = set()
-        for first_pass in ((True, False) if self.locality else (False,)):
+        for first_pass in ((True, False) if self.policy.locality else (False,)):
             for w in waiting:
                 room = w.pull_credits - len(picks.get(w.worker_id, []))
                 if room > 0:
@@ -466,7 +381,7 @@ class Scheduler:
             rids = picks.get(w.worker_id)
             if not rids:
                 continue
-            if self.merge_batches and not w.pull_idle and len(rids) < w.pull_credits and len(rids) <= len(w.inflight):
+            if self.policy.merge_batches and not w.pull_idle and len(rids) < w.pull_credits and len(rids) <= len(w.inflight):
                 continue
             w.pull_credits = 0
             out.append((w.worker_id, self._commit(w, rids)))
@@ -475,7 +390,7 @@ class Scheduler:
     def _choose(self, w: WorkerState, room: int, held_only: bool, taken: set[int]) -> list[int]:
         """Up to ``room`` queued tasks for ``w`` in queue order (not yet removed from the topic)."""
         topic = self.topics[w.role]
-        busy_local = self.locality and not w.pull_idle and not held_only
+        busy_local = self.policy.locality and not w.pull_idle and not held_only
         if held_only:
             candidates: Iterable[int] = topic.held_by([w.worker_id])
         elif busy_local:  # a prefetching worker: its own tasks, unheld ones, and those of departed holders
@@ -514,19 +429,19 @@ class Scheduler:
     def _enqueue(self, req: Request) -> None:
         self.topics[PHASE_ROLE[req.phase]].append(req.rid, self._holder(req))
 
-    def holder_key(self, req: Request) -> str:
+    def task_holder_key(self, req: Request) -> str:
         """The ``holders`` key of the KV ``req``'s queued task needs."""
         return holder_key(PHASE_ROLE[req.phase], req.drafter if req.phase == DRAFT else None)
 
     def _holder(self, req: Request) -> int | None:
-        return req.holders.get(self.holder_key(req), (None, 0))[0]
+        return req.holders.get(self.task_holder_key(req), (None, 0))[0]
 
     def _eligible(self, req: Request, w: WorkerState) -> bool:
         if self.mode in ("paired", "colocated"):
             return req.slot == w.slot
         if not self._routed_to(req, w):
             return False
-        if self.migrate and self._holder(req) == w.worker_id:
+        if self.policy.migrate and self._holder(req) == w.worker_id:
             return not any(o.role == w.role and o.worker_id != w.worker_id and self._routed_to(req, o)
                            for o in self.workers.values())
         return True
@@ -549,9 +464,6 @@ class Scheduler:
             if r.slot in load:
                 load[r.slot] += 1
         req.slot = min(slots, key=lambda s: (load[s], s))
-
-    def knobs(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in POLICY_KNOBS}
 
     def depth(self) -> dict[str, int]:
         return {role: len(q) for role, q in self.topics.items() if role in MODES[self.mode]}

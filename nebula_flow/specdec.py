@@ -32,7 +32,7 @@ STREAM_FUSED = 8  # the accept test of a fused chain's token: STREAM_FUSED + its
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -41,7 +41,7 @@ def _splitmix64(x: int) -> int:
 
 def uniform(seed: int, position: int, stream: int) -> float:
     """A uniform number in [0, 1) determined by (seed, position, stream) alone."""
-    h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ stream)
+    h = splitmix64(splitmix64(splitmix64(seed & _MASK64) ^ position) ^ stream)
     return (h >> 11) * (1.0 / (1 << 53))
 
 

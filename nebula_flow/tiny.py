@@ -52,7 +52,7 @@ def build_tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(out))
 
 
-def _config(vocab: int, layers: int, eos_id: int) -> dict:
+def tiny_config(vocab: int, layers: int, eos_id: int) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
             "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
@@ -60,7 +60,7 @@ def _config(vocab: int, layers: int, eos_id: int) -> dict:
             "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": "float32"}
 
 
-def _init_target(model: CausalLM, gen: torch.Generator) -> None:
+def init_target(model: CausalLM, gen: torch.Generator) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             continue
@@ -96,11 +96,11 @@ def build_tiny_pair(out: str | Path, vocab_size: int = 512, target_layers: int =
     eos_id = AutoTokenizer.from_pretrained(str(tok_dir)).convert_tokens_to_ids(EOS)
     vocab = max(vocab_size, eos_id + 1)
     gen = torch.Generator().manual_seed(seed)
-    t_cfg = _config(vocab, target_layers, eos_id)
+    t_cfg = tiny_config(vocab, target_layers, eos_id)
     target = CausalLM(ModelConfig.from_dict(t_cfg))
-    _init_target(target, gen)
+    init_target(target, gen)
     _save(target, t_cfg, out / "target", tok_dir)
-    d_cfg = _config(vocab, 1, eos_id)
+    d_cfg = tiny_config(vocab, 1, eos_id)
     draft = CausalLM(ModelConfig.from_dict(d_cfg))
     state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
     draft.load_state_dict(state)

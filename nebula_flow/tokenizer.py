@@ -1,34 +1,111 @@
-"""Text <-> token ids, exactly as the model's HuggingFace tokenizer does it by default."""
+"""Text <-> token ids, exactly as the checkpoint's HuggingFace fast tokenizer does it by default,
+without transformers: the broker tokenizes, and transformers would load torch into it (the one
+process that must stay light). ``tests/test_tokenizer.py`` checks the equality against
+transformers' ``AutoTokenizer`` on the project's models.
+
+What it reproduces: ``tokenizer.json`` (the `tokenizers` library: normalizer, pre-tokenizer,
+model, post-processor, decoder); the post-processor transformers rebuilds when
+``tokenizer_config.json`` says ``add_bos_token`` / ``add_eos_token``; decoding with special tokens
+skipped; and the chat template (``chat_template.jinja`` or the config's ``chat_template``) rendered
+in a sandbox as transformers renders it, for one user message with the generation prompt.
+"""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, processors
 
 
 class TextCodec:
-    """Wraps the checkpoint's tokenizer. ``encode`` adds the same special tokens HF adds."""
+    """A checkpoint folder's tokenizer. ``encode`` adds the special tokens HF adds by default."""
 
     def __init__(self, path: str | Path) -> None:
-        from transformers import AutoTokenizer  # heavy import: only where text is handled
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"{folder} has no tokenizer.json (a fast tokenizer is needed)")
+        self.tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.special = {name: _content(cfg.get(name)) for name in
+                        ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
+        if "add_bos_token" in cfg or "add_eos_token" in cfg or self.tok.post_processor is None:
+            self._bos_eos_processor(bool(cfg.get("add_bos_token")), bool(cfg.get("add_eos_token")))
+        template = folder / "chat_template.jinja"
+        self.chat_template: str | None = template.read_text() if template.is_file() else cfg.get("chat_template")
+        if isinstance(self.chat_template, list):  # (named templates: the default one)
+            self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"), None)
+        self._template = None
 
-        self.tok = AutoTokenizer.from_pretrained(str(path))
+    def _bos_eos_processor(self, add_bos: bool, add_eos: bool) -> None:
+        """The post-processor transformers builds when the config names add_bos/eos_token."""
+        bos, eos = self.special["bos_token"], self.special["eos_token"]
+        add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+        single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
+        pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
+        special = [(t, self.tok.token_to_id(t)) for t, add in ((bos, add_bos), (eos, add_eos)) if add]
+        self.tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
-    def encode(self, text: str, chat: bool = False) -> list[int]:
+    def encode(self, text: str, chat: bool = False, special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``chat``: as one user message in the chat template, with the
+        generation prompt; ``special``: with the special tokens the tokenizer adds (not in chat)."""
         if chat:
-            if not getattr(self.tok, "chat_template", None):
-                raise ValueError("this tokenizer has no chat template; send the prompt without chat")
-            ids = self.tok.apply_chat_template([{"role": "user", "content": text}],
-                                               add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return list(self.tok(text)["input_ids"])
+            return self.tok.encode(self.render_chat(text), add_special_tokens=False).ids
+        return self.tok.encode(text, add_special_tokens=special).ids
+
+    def render_chat(self, text: str) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; send the prompt without chat")
+        import jinja2
+
+        try:
+            if self._template is None:
+                self._template = _compile(self.chat_template)
+            return self._template.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True,
+                                         **{k: v for k, v in self.special.items() if v is not None})
+        except jinja2.TemplateError as exc:  # (a template's raise_exception, or a template that is broken)
+            raise ValueError(f"the chat template refused this prompt: {exc}") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     @property
     def vocab_size(self) -> int:
-        return len(self.tok)
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.special["eos_token"]
+        return self.tok.token_to_id(eos) if eos is not None else None
+
+
+def _content(token: Any) -> str | None:  # noqa: ANN401
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken object."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _compile(template: str) -> Any:  # noqa: ANN401
+    """A chat template in a sandbox, with the environment HF templates expect (trimmed blocks,
+    loop controls, a tojson that does not escape HTML, raise_exception, strftime_now)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,  # noqa: ANN401
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
 
 
 def eos_token_ids(path: str | Path, codec: TextCodec | None = None) -> tuple[int, ...]:
@@ -39,6 +116,6 @@ def eos_token_ids(path: str | Path, codec: TextCodec | None = None) -> tuple[int
             eos = json.loads(f.read_text()).get("eos_token_id")
             if eos is not None:
                 return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    if codec is not None and codec.tok.eos_token_id is not None:
-        return (int(codec.tok.eos_token_id),)
+    if codec is not None and codec.eos_token_id is not None:
+        return (codec.eos_token_id,)
     return ()

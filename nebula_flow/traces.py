@@ -127,16 +127,15 @@ class PromptSource:
     """Cuts prompts of a given token length from a corpus, deterministically."""
 
     def __init__(self, tokenizer_dir: str, seed: int = 0, corpus_tokens: int = 200_000) -> None:
-        from transformers import AutoTokenizer
+        from nebula_flow.corpus import corpus_files
+        from nebula_flow.tokenizer import TextCodec
 
-        from nebula_flow.distill import corpus_files
-
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        codec = TextCodec(tokenizer_dir)
         files = corpus_files(None)
         random.Random(seed).shuffle(files)
         ids: list[int] = []
         for f in files:
-            ids.extend(tok(f.read_text(errors="replace"))["input_ids"])
+            ids.extend(codec.encode(f.read_text(errors="replace")))
             if len(ids) >= corpus_tokens:
                 break
         self.ids, self.rng = ids, random.Random(seed)

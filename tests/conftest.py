@@ -43,7 +43,7 @@ def deploy_config(pair: Path, mode: str, draft_workers: int = 1, target_workers:
     cfg = DeployConfig(mode=mode, draft=PoolConfig(str(pair / "draft"), draft_workers, max_batch, threads=1),
                        target=PoolConfig(str(pair / "target"), target_workers, max_batch, threads=1))
     cfg.broker.client_port = cfg.broker.worker_port = 0  # free ports
-    cfg.broker.k = k
+    cfg.broker.policy = cfg.broker.policy.replace(k=k)
     return cfg
 
 

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from nebula_flow.models import invariant, load_model, packed
+from nebula_flow.models import invariant, packed
 from nebula_flow.models.llama import Linear
+from nebula_flow.models.loader import load_model
 from nebula_flow.tree import TokenTree
 from tests.test_models import FAMILIES
 

@@ -11,8 +11,8 @@ import torch
 from nebula_flow.bundled import prepare_target
 from nebula_flow.client import Client
 from nebula_flow.deploy import Deployment
-from nebula_flow.models import load_model
 from nebula_flow.models.compat import check_pair
+from nebula_flow.models.loader import load_model
 from tests.conftest import deploy_config, hf_greedy
 
 pytestmark = pytest.mark.slow

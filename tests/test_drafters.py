@@ -9,19 +9,20 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from broker.server import Broker, BrokerOptions
 from nebula_flow import protocol, routing
 from nebula_flow.client import AsyncClient, Client
 from nebula_flow.config import ConfigError, PoolConfig, load_config
 from nebula_flow.deploy import Deployment, free_port
-from nebula_flow.lookup import lookup
+from nebula_flow.lookup import lookup, parse_ngram
 from nebula_flow.params import SamplingParams
-from nebula_flow.protocol import Message
+from nebula_flow.policy import PolicyConfig
+from nebula_flow.protocol import Register, Result, TaskResult
 from nebula_flow.request import DRAFT, Request
 from nebula_flow.scheduler import Scheduler
+from nebula_flow_broker.server import Broker, BrokerOptions
+from nebula_flow_workers.ngram import NgramRunner
+from nebula_flow_workers.runner import Task
 from tests.conftest import deploy_config, hf_greedy
-from workers.ngram import NgramRunner
-from workers.runner import Task
 
 
 def test_ngram_lookup_prefers_the_longest_match_with_a_whole_continuation() -> None:
@@ -44,12 +45,12 @@ def test_ngram_lookup_prefers_the_longest_match_with_a_whole_continuation() -> N
 
 
 def test_ngram_specs_and_drafter_names() -> None:
-    assert routing.parse_ngram("ngram") == (2, 4) and routing.parse_ngram("ngram:3") == (2, 3)
-    assert routing.parse_ngram("ngram:1-6") == (1, 6) and routing.parse_ngram("ngram:1") == (1, 1)
-    assert routing.parse_ngram("models/smollm2-draft") is None and routing.parse_ngram("ngrams") is None
+    assert parse_ngram("ngram") == (2, 4) and parse_ngram("ngram:3") == (2, 3)
+    assert parse_ngram("ngram:1-6") == (1, 6) and parse_ngram("ngram:1") == (1, 1)
+    assert parse_ngram("models/smollm2-draft") is None and parse_ngram("ngrams") is None
     for bad in ("ngram:0", "ngram:5-3", "ngram:17"):
         with pytest.raises(ValueError):
-            routing.parse_ngram(bad)
+            parse_ngram(bad)
     assert routing.drafter_name("code", "models/x") == "code"
     assert routing.drafter_name(None, "ngram:3") == "ngram"
     assert routing.drafter_name(None, "/m/smollm2-draft/") == "smollm2-draft"
@@ -71,11 +72,10 @@ def test_the_ngram_runner_drafts_exact_points() -> None:
     tree = Task(4, "draft", 1, 1, np.array([3, 4, 5, 6, 3, 4, 9, 3, 4]), 2, SamplingParams(), 0, alts=1)
     [t] = runner.draft([tree])
     assert t.tokens == [9, 3] and t.alt == [5]  # (a greedy round's runner-up: what followed [3, 4] before that)
-    head = {"rid": 3, "kind": "draft", "round": 1, "attempt": 1, "draft": f.tokens}
-    msg = Message("RESULT", {"results": [head], "busy_s": 0.0})
-    protocol.attach_q(msg, head, f.q_idx, f.q_prob)  # (an empty draft's empty q travels and is taken)
-    got = protocol.decode(protocol.encode(msg))
-    assert protocol.split_q(got, got.header["results"][0]) == ([], [])
+    out = TaskResult(3, "draft", 1, 1, draft=f.tokens)
+    out.propose(f.q_idx, f.q_prob)  # (an empty draft's empty q travels and is taken)
+    [got] = protocol.decode(protocol.encode(Result([out]))).results
+    assert got.q_len == [] and got.proposal() == ([], [])
 
 
 def test_choose_drafter_takes_the_best_and_looks_again_at_the_others_ever_less_often() -> None:
@@ -95,7 +95,7 @@ def test_choose_drafter_takes_the_best_and_looks_again_at_the_others_ever_less_o
 
 
 def _two_drafters(**knobs: object) -> Scheduler:
-    s = Scheduler("pooled", k=4, **knobs)
+    s = Scheduler("pooled", PolicyConfig(k=4, **knobs))
     s.register(1, "draft", 4, "good")
     s.register(2, "draft", 4, "bad")
     s.register(3, "target", 4)
@@ -199,7 +199,7 @@ def test_a_draft_task_waits_for_its_drafter_but_never_for_a_departed_one() -> No
 
 
 def test_forced_migration_never_strands_a_drafter_with_one_worker() -> None:
-    s = Scheduler("pooled", k=4, migrate=True)
+    s = Scheduler("pooled", PolicyConfig(k=4, migrate=True))
     s.register(1, "draft", 4, "lookup")
     s.register(2, "draft", 4, "model")
     s.register(3, "draft", 4, "model")
@@ -279,8 +279,7 @@ def test_the_broker_refuses_a_malformed_drafter_name() -> None:
     broker.bind()  # (real sockets; nobody is at the other end, so its replies go nowhere)
     try:
         for ident, name in ((b"a", "a b"), (b"b", ""), (b"c", "x" * 65), (b"d", "ngram")):
-            broker.on_worker(ident, protocol.encode(Message("REGISTER", {
-                "role": "draft", "name": "d", "capacity": 4, "model": {}, "drafter": name})), 0.0)
+            broker.on_worker(ident, protocol.encode(Register("draft", "d", 4, {}, drafter=name)), 0.0)
         assert [w["drafter"] for w in broker.state(0.0)["workers"]] == ["ngram"]
         assert broker.state(0.0)["drafters"] == {"ngram": {"workers": 1, "rounds": 0, "proposed": 0, "accepted": 0}}
     finally:
@@ -302,7 +301,7 @@ def _three_drafters(tiny_pair, draft_workers: int, target_workers: int):  # noqa
     drafter. Fixed costs: measured, the tiny target as a draft costs what it saves (a draft step is
     a target step), and routing rightly leaves it (see the unit test on costs)."""
     cfg = deploy_config(tiny_pair, "pooled", draft_workers, target_workers, max_batch=4)
-    cfg.broker.adaptive_k, cfg.broker.measure_costs = True, False
+    cfg.broker.policy = cfg.broker.policy.replace(adaptive_k=True, measure_costs=False)
     cfg.drafters = [PoolConfig(str(tiny_pair / "target"), 1, 4, threads=1, drafter="oracle"),
                     PoolConfig("ngram", 1, 4, threads=1)]
     return cfg

@@ -105,7 +105,7 @@ def test_bf16_target_speculative_output_equals_its_own_greedy_output(tiny_pair) 
 
 def test_adaptive_k_changes_k_per_round_and_stays_lossless(tiny_pair, reference) -> None:  # noqa: ANN001
     cfg = deploy_config(tiny_pair, "pooled", 2, 2, k=6, max_batch=4)
-    cfg.broker.adaptive_k = True
+    cfg.broker.policy = cfg.broker.policy.replace(adaptive_k=True)
     with Deployment(cfg) as dep:
         outs = asyncio.run(_run_all(dep.address, greedy_requests()))
     for i, (out, ref) in enumerate(zip(outs, reference)):
@@ -120,7 +120,7 @@ def test_token_tree_alternatives_stay_lossless_and_win_rounds(tiny_pair, referen
     HF's greedy output, and some rounds are won by a runner-up. Sampled requests verify theirs
     too (their seeded placement independence: ``test_token_trees``)."""
     cfg = deploy_config(tiny_pair, mode, 2, 2, max_batch=4)
-    cfg.broker.first_alternatives = 3
+    cfg.broker.policy = cfg.broker.policy.replace(first_alternatives=3)
     long = {"token_ids": [9, 8, 7], "max_new_tokens": 90}  # outgrows a cache's first buffer
     with Deployment(cfg) as dep:
         outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests()[:2] + [long]))

@@ -52,7 +52,7 @@ def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profile
     cfg.draft.device = cfg.target.device = "emulated"
     cfg.draft.profile, cfg.target.profile = profiles
     cfg.kv_transport = "zmq"
-    cfg.broker.first_alternatives = 2  # token-tree rows go through the emulated model too
+    cfg.broker.policy = cfg.broker.policy.replace(first_alternatives=2)  # token-tree rows go through the emulated model too
     prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
     with Deployment(cfg) as dep, Client(dep.address) as c:
         outs = [c.generate(token_ids=p, max_new_tokens=30, ignore_eos=True) for p in prompts]
@@ -92,11 +92,11 @@ def test_bench_table_columns_stay_apart_for_any_baseline_name() -> None:
 def test_bench_chat_workload_sends_requests_in_the_chat_format(tiny_pair) -> None:  # noqa: ANN001
     import asyncio
 
-    from nebula_flow.bench import DEFAULT_CHAT_PROMPTS, Workload, _closed_loop
+    from nebula_flow.bench import DEFAULT_CHAT_PROMPTS, BenchWorkload, _closed_loop
     from nebula_flow.tokenizer import TextCodec
     from tests.conftest import hf_greedy
 
-    wl = Workload(DEFAULT_CHAT_PROMPTS[:2], max_new_tokens=6, chat=True)
+    wl = BenchWorkload(DEFAULT_CHAT_PROMPTS[:2], max_new_tokens=6, chat=True)
     with Deployment(deploy_config(tiny_pair, "colocated")) as dep:
         outs = asyncio.run(_closed_loop(dep.address, wl))  # one user: answers come in prompt order
     codec = TextCodec(tiny_pair / "target")

@@ -72,7 +72,7 @@ def test_chaos_kill_a_draft_and_a_target_worker_during_a_replay(tiny_pair) -> No
         state["counters"].get("requests_stop", 0) == 64
 
 
-FUZZ_KINDS = list(protocol.SCHEMA) + ["", "SUBMITX", "\x00"]
+FUZZ_KINDS = list(protocol.KINDS) + ["", "SUBMITX", "\x00"]
 json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False),
                                      st.text(max_size=12)), lambda inner: st.lists(inner, max_size=3) |
                            st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
@@ -109,7 +109,7 @@ def test_fuzz_ten_thousand_malformed_messages(tiny_pair) -> None:  # noqa: ANN00
             for name, sock in socks.items():
                 while sock.poll(timeout_ms):
                     try:
-                        if protocol.decode(sock.recv_multipart()).kind == "ERROR":
+                        if isinstance(protocol.decode(sock.recv_multipart()), protocol.Error):
                             errors[name] += 1
                     except protocol.ProtocolError:
                         pass

@@ -11,7 +11,7 @@ import torch
 
 from nebula_flow.kv.store import KVStore
 from nebula_flow.kv.transport import ZmqTransport
-from nebula_flow.models import load_model
+from nebula_flow.models.loader import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -13,7 +13,7 @@ from nebula_flow.client import AsyncClient, Client
 from nebula_flow.deploy import Deployment
 from nebula_flow.kv.store import KVStore
 from nebula_flow.kv.transport import ZmqTransport, make_transport
-from nebula_flow.models import load_model
+from nebula_flow.models.loader import load_model
 from tests.conftest import deploy_config, hf_greedy, workers_lost
 
 TRANSPORTS = ["zmq", "shm", "shm+zmq", pytest.param("ucx", marks=pytest.mark.skipif(
@@ -118,7 +118,7 @@ def test_forced_migration_pulls_kv_and_stays_lossless(tiny_pair, transport: str)
     tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
     refs = [hf_greedy(tiny_pair / "target", tok(p)["input_ids"], 40) for p in PROMPTS]
     cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=4)
-    cfg.broker.migrate = True
+    cfg.broker.policy = cfg.broker.policy.replace(migrate=True)
     cfg.kv_transport = transport
     with Deployment(cfg) as dep:
         outs = asyncio.run(_gen_all(dep.address, PROMPTS, 40))
@@ -150,7 +150,7 @@ def test_holder_killed_between_rounds_recomputes_and_output_is_unchanged(tiny_pa
     prompt = "while True:\n    line = f.readline()"
     ref = hf_greedy(tiny_pair / "target", tok(prompt)["input_ids"], 120)
     cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=4)
-    cfg.broker.migrate = True
+    cfg.broker.policy = cfg.broker.policy.replace(migrate=True)
     cfg.broker.liveness_s = 2.0
     cfg.broker.heartbeat_s = 0.5  # four beats per liveness window: a beat late on a loaded machine is no death
     cfg.kv_transport = "zmq"
@@ -420,22 +420,19 @@ def test_the_pool_is_bounded_and_waits_before_reusing_a_file_a_network_peer_was_
 def test_received_rows_land_byte_exact_and_a_reply_in_another_dtype_or_shape_is_refused() -> None:
     from nebula_flow import protocol
     from nebula_flow.kv.transport import _receive, host_view
-    from nebula_flow.protocol import Message
+    from nebula_flow.protocol import KvData, KvRows
 
-    def reply(rows: torch.Tensor) -> tuple[Message, dict]:
-        msg = Message("KV_DATA", {"seq": 1, "items": []})
-        item = {"tokens": msg.add_array(np.arange(len(rows), dtype=np.int32)), "rows": msg.add_array(host_view(rows))}
-        msg.header["items"].append(item)
-        decoded = protocol.decode([bytes(memoryview(f).cast("B")) for f in protocol.encode(msg)])
-        return decoded, decoded.header["items"][0]
+    def reply(rows: torch.Tensor) -> KvRows:
+        msg = KvData(1, [KvRows(np.arange(len(rows), dtype=np.int32), host_view(rows))])
+        return protocol.decode([bytes(memoryview(f).cast("B")) for f in protocol.encode(msg)]).items[0]
 
     rows = torch.randn(3, 2, 8).to(torch.bfloat16)
     for dest in (torch.zeros(3, 2, 8, dtype=torch.bfloat16), torch.zeros(2, 8, 3, dtype=torch.bfloat16).permute(2, 0, 1)):
-        assert _receive(*reply(rows), 3, dest).tolist() == [0, 1, 2] and torch.equal(dest, rows)  # (contiguous or not)
+        assert _receive(reply(rows), 3, dest).tolist() == [0, 1, 2] and torch.equal(dest, rows)  # (contiguous or not)
     dest = torch.zeros(3, 2, 8, dtype=torch.bfloat16)
-    assert _receive(*reply(rows.to(torch.float16)), 3, dest) is None  # same width, another format
-    assert _receive(*reply(rows[:, :1]), 3, torch.zeros(3, 1, 4, dtype=torch.bfloat16)) is None  # shape
-    assert _receive(*reply(rows), 2, dest) is None and not dest.any()  # not the positions asked
+    assert _receive(reply(rows.to(torch.float16)), 3, dest) is None  # same width, another format
+    assert _receive(reply(rows[:, :1]), 3, torch.zeros(3, 1, 4, dtype=torch.bfloat16)) is None  # shape
+    assert _receive(reply(rows), 2, dest) is None and not dest.any()  # not the positions asked
 
 
 def test_auto_transport_choice() -> None:

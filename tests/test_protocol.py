@@ -9,33 +9,61 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nebula_flow import protocol
-from nebula_flow.protocol import Message, ProtocolError
+from nebula_flow.protocol import (
+    Holder,
+    KvData,
+    KvRows,
+    ProtocolError,
+    Register,
+    Rejected,
+    Result,
+    Submit,
+    TaskResult,
+    Tasks,
+    TaskSpec,
+)
 
 
-def roundtrip(msg: Message) -> Message:
-    return protocol.decode([bytes(memoryview(f)) if not isinstance(f, bytes) else f for f in protocol.encode(msg)])
+def roundtrip(msg: protocol.Msg) -> protocol.Msg:
+    return protocol.decode([bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f
+                            for f in protocol.encode(msg)])
 
 
 def test_roundtrip_with_tensor_frames() -> None:
-    msg = Message("SUBMIT", {"req_id": "a", "params": {"max_new_tokens": 3}})
-    msg.header["prompt_tokens"] = msg.add_array(np.arange(5, dtype=np.int32))
-    out = roundtrip(msg)
-    assert out.kind == "SUBMIT" and out.header["req_id"] == "a"
-    assert out.int_list(out.header["prompt_tokens"], "prompt_tokens") == [0, 1, 2, 3, 4]
+    out = roundtrip(Submit("a", {"max_new_tokens": 3}, prompt_tokens=np.arange(5, dtype=np.int32)))
+    assert isinstance(out, Submit) and out.req_id == "a" and out.prompt is None
+    assert out.prompt_tokens.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_fields_at_their_defaults_stay_off_the_wire_and_come_back() -> None:
+    task = TaskSpec(1, "verify", 2, 3, np.arange(4, dtype=np.int32), 2, {}, 9, Holder(5, 4, "tcp://h:1"), draft=[3, 4])
+    frames = protocol.encode(Tasks([task]))
+    header = orjson.loads(frames[1])
+    assert set(header["tasks"][0]) == {"rid", "kind", "round", "attempt", "tokens", "k", "params", "seed", "holder",
+                                       "draft"}
+    [back] = roundtrip(Tasks([task])).tasks
+    assert (back.rid, back.draft, back.alt, back.chains, back.fuse, back.q_len) == (1, [3, 4], [], [], 0, None)
+    assert back.holder == Holder(5, 4, "tcp://h:1") and back.tokens.tolist() == [0, 1, 2, 3]
 
 
 def test_proposal_q_roundtrip_and_validation() -> None:
-    msg = Message("RESULT", {"results": [], "busy_s": 0.0})
-    head = {"draft": [3, 4]}
-    idx = [np.array([3, 1], np.int32), np.array([4], np.int32)]
-    prob = [np.array([0.7, 0.3], np.float32), np.array([1.0], np.float32)]
-    protocol.attach_q(msg, head, idx, prob)
-    out = roundtrip(Message("RESULT", {"results": [head], "busy_s": 0.0}, msg.frames))
-    got_idx, got_prob = protocol.split_q(out, out.header["results"][0])
-    assert [a.tolist() for a in got_idx] == [[3, 1], [4]]
-    head["q_len"] = [1, 1]  # lengths that do not add up to the frames
-    with pytest.raises(ProtocolError, match="does not match"):
-        protocol.split_q(msg, head)
+    out = TaskResult(1, "draft", 1, 1, draft=[3, 4])
+    out.propose([np.array([3, 1], np.int32), np.array([4], np.int32)],
+                [np.array([0.7, 0.3], np.float32), np.array([1.0], np.float32)])
+    [got] = roundtrip(Result([out])).results
+    idx, prob = got.proposal()
+    assert [a.tolist() for a in idx] == [[3, 1], [4]] and prob[0].tolist() == pytest.approx([0.7, 0.3])
+    out.q_len = [1, 1]  # lengths that do not add up to the frames: that item is refused
+    [bad] = roundtrip(Result([out])).results
+    assert isinstance(bad, Rejected) and "does not match" in bad.error.message and bad.head["rid"] == 1
+
+
+def test_a_bad_task_in_a_batch_is_refused_alone() -> None:
+    good = TaskSpec(1, "verify", 1, 1, np.arange(3, dtype=np.int32), 0, {}, 1, Holder())
+    bad = TaskSpec(2, "verify", 1, 1, np.arange(3, dtype=np.int32), 0, {}, 1, Holder(), alt=[4])  # (no draft)
+    got = roundtrip(Tasks([good, bad, good])).tasks
+    assert [type(t).__name__ for t in got] == ["TaskSpec", "Rejected", "TaskSpec"]
+    assert got[1].head == {"rid": 2, "kind": "verify", "round": 1, "attempt": 1} and "alt" in got[1].error.message
 
 
 @pytest.mark.parametrize("frames, code", [
@@ -47,6 +75,13 @@ def test_proposal_q_roundtrip_and_validation() -> None:
     ([b"CANCEL", b'{"v": 1}'], "malformed"),
     ([b"CANCEL", b'{"v": 1, "req_id": 5}'], "malformed"),
     ([b"PULL", b'{"v": 1, "credits": true, "idle": true}'], "malformed"),
+    ([b"SUBMIT", b'{"v": 1, "req_id": "a", "params": {}}'], "malformed"),  # neither prompt nor tokens
+    ([b"SUBMIT", b'{"v": 1, "req_id": "", "params": {}, "prompt": "x"}'], "malformed"),
+    ([b"REGISTER", b'{"v": 1, "role": "draft", "name": "x", "capacity": 0, "model": {}}'], "invalid_params"),
+    ([b"REGISTER", b'{"v": 1, "role": "draft", "name": "x", "capacity": 1, "model": {}, "drafter": "a b"}'],
+     "malformed"),
+    ([b"KV_PULL", b'{"v": 1, "seq": 1, "items": [[1, "target", 3, 2]]}'], "malformed"),
+    ([b"RESULT", b'{"v": 1, "results": [], "busy_s": "slow"}'], "malformed"),
 ])
 def test_malformed_messages_raise_typed_errors(frames: list[bytes], code: str) -> None:
     with pytest.raises(ProtocolError) as err:
@@ -55,21 +90,33 @@ def test_malformed_messages_raise_typed_errors(frames: list[bytes], code: str) -
 
 
 def test_tensor_descriptor_mismatches_are_rejected() -> None:
-    msg = protocol.decode([b"TASKS", orjson.dumps({"v": 1, "tasks": []}), b"\x00" * 12])
-    assert msg.array({"f": 0, "dtype": "int32", "shape": [3]}).tolist() == [0, 0, 0]
+    frames = [b"\x00" * 12]
+    assert protocol.array({"f": 0, "dtype": "int32", "shape": [3]}, frames).tolist() == [0, 0, 0]
     for desc, code in [({"f": 0, "dtype": "int32", "shape": [4]}, "bad_frame"),  # truncated frame
                        ({"f": 1, "dtype": "int32", "shape": [1]}, "bad_frame"),  # missing frame
                        ({"f": 0, "dtype": "object", "shape": [1]}, "malformed"),
                        ({"f": 0, "dtype": "int32", "shape": [-3]}, "malformed"),
                        ({"f": 0}, "malformed")]:
         with pytest.raises(ProtocolError) as err:
-            msg.array(desc)
+            protocol.array(desc, frames)
         assert err.value.code == code
+
+
+def test_kv_data_carries_missing_items_as_null() -> None:
+    got = roundtrip(KvData(3, [None, KvRows(np.arange(2, dtype=np.int32), np.ones((2, 4), np.float32))]))
+    assert got.seq == 3 and got.items[0] is None and got.items[1].rows.shape == (2, 4)
+
+
+def test_every_kind_has_a_documented_class_and_round_trips_at_its_defaults() -> None:
+    for kind, cls in protocol.KINDS.items():
+        assert cls.__doc__ and cls.KIND == kind
+    assert roundtrip(Register("draft", "w", 4, {"vocab_size": 9}, drafter="ngram")) == \
+        Register("draft", "w", 4, {"vocab_size": 9}, None, "ngram")
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.binary(max_size=64), max_size=5),
-       st.sampled_from(list(protocol.SCHEMA)),
+       st.sampled_from(list(protocol.KINDS)),
        st.dictionaries(st.text(max_size=8), st.one_of(st.none(), st.integers(-2**63, 2**63 - 1), st.text(max_size=8),
                                                       st.booleans(), st.lists(st.integers(-2**63, 2**63 - 1), max_size=3)), max_size=5))
 def test_decode_never_fails_with_anything_but_protocol_error(extra: list[bytes], kind: str, header: dict) -> None:
@@ -78,4 +125,4 @@ def test_decode_never_fails_with_anything_but_protocol_error(extra: list[bytes],
             msg = protocol.decode(frames)
         except ProtocolError:
             continue
-        assert msg.kind in protocol.SCHEMA
+        assert msg.KIND in protocol.KINDS

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nebula_flow.params import SamplingParams
+from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.scheduler import Scheduler, Topic
 
@@ -14,7 +15,7 @@ def req(rid: int, max_new: int = 16) -> Request:
 
 
 def test_pooled_any_worker_takes_any_task_and_rounds_flow() -> None:
-    s = Scheduler("pooled", k=4)
+    s = Scheduler("pooled", PolicyConfig(k=4))
     s.register(1, "draft", 4)
     s.register(2, "target", 4)
     for rid in range(3):
@@ -32,7 +33,7 @@ def test_pooled_any_worker_takes_any_task_and_rounds_flow() -> None:
 
 
 def test_a_waiting_pull_is_served_when_tasks_arrive_and_idle_workers_come_first() -> None:
-    s = Scheduler("pooled", k=4)
+    s = Scheduler("pooled", PolicyConfig(k=4))
     s.register(1, "draft", 1)
     s.register(2, "draft", 1)
     s.pull(1, 1, idle=False, now=0.0)  # worker 1 is prefetching behind a running batch
@@ -44,7 +45,7 @@ def test_a_waiting_pull_is_served_when_tasks_arrive_and_idle_workers_come_first(
 
 
 def test_a_pull_with_no_credits_withdraws_the_waiting_one() -> None:
-    s = Scheduler("pooled", k=4)
+    s = Scheduler("pooled", PolicyConfig(k=4))
     s.register(1, "draft", 2)
     s.register(2, "draft", 2)
     s.pull(1, 2, idle=True, now=0.0)
@@ -55,7 +56,7 @@ def test_a_pull_with_no_credits_withdraws_the_waiting_one() -> None:
 
 
 def test_token_tree_win_counts_for_the_target_not_the_draft_chain() -> None:
-    s = Scheduler("pooled", k=4, adaptive_k=True)
+    s = Scheduler("pooled", PolicyConfig(k=4, adaptive_k=True))
     s.register(1, "draft", 4)
     s.register(2, "target", 4)
     r = req(0)
@@ -71,7 +72,7 @@ def test_token_tree_win_counts_for_the_target_not_the_draft_chain() -> None:
 
 
 def test_rounds_start_without_drafts_while_the_pool_is_bigger_than_the_limit() -> None:
-    s = Scheduler("pooled", k=4, disable_by_batch_size=2)
+    s = Scheduler("pooled", PolicyConfig(k=4, disable_by_batch_size=2))
     reqs = [req(rid) for rid in range(3)]
     s.admit(reqs[0])
     s.admit(reqs[1])
@@ -87,11 +88,11 @@ def test_rounds_start_without_drafts_while_the_pool_is_bigger_than_the_limit() -
     s.admit(unseeded)  # over the limit again: a seeded sample still speculates (its k picks its sample)
     assert seeded.k == 4 and unseeded.k == 0
     with pytest.raises(ValueError, match="disable_by_batch_size"):
-        Scheduler("pooled", k=4, disable_by_batch_size=-1)
+        Scheduler("pooled", PolicyConfig(k=4, disable_by_batch_size=-1))
 
 
 def test_paired_binds_requests_to_pairs() -> None:
-    s = Scheduler("paired", k=2)
+    s = Scheduler("paired", PolicyConfig(k=2))
     for wid, role in [(1, "draft"), (2, "draft"), (3, "target"), (4, "target")]:
         s.register(wid, role, 8)
     for rid in range(4):
@@ -110,11 +111,11 @@ def test_paired_binds_requests_to_pairs() -> None:
 
 
 def test_colocated_runs_whole_rounds_and_autoregressive_has_no_draft() -> None:
-    s = Scheduler("colocated", k=3)
+    s = Scheduler("colocated", PolicyConfig(k=3))
     s.register(1, "colocated", 4)
     s.admit(req(0))
     assert s.requests[0].phase == ROUND and s.requests[0].k == 3
-    a = Scheduler("autoregressive", k=3)
+    a = Scheduler("autoregressive", PolicyConfig(k=3))
     a.register(1, "target", 4)
     a.admit(req(0))
     assert a.requests[0].phase == VERIFY and a.requests[0].k == 0
@@ -123,7 +124,7 @@ def test_colocated_runs_whole_rounds_and_autoregressive_has_no_draft() -> None:
 
 
 def test_k_shrinks_near_max_new_tokens() -> None:
-    s = Scheduler("pooled", k=4)
+    s = Scheduler("pooled", PolicyConfig(k=4))
     r = req(0, max_new=3)
     s.admit(r)
     assert r.k == 2  # the verify's correction/bonus token is the third
@@ -135,7 +136,7 @@ def test_k_shrinks_near_max_new_tokens() -> None:
 
 
 def test_dead_worker_tasks_are_requeued_and_late_results_are_stale() -> None:
-    s = Scheduler("pooled", k=4)
+    s = Scheduler("pooled", PolicyConfig(k=4))
     s.register(1, "draft", 4)
     s.register(2, "draft", 4)
     s.admit(req(0))
@@ -152,7 +153,7 @@ def test_dead_worker_tasks_are_requeued_and_late_results_are_stale() -> None:
 
 
 def test_finish_removes_a_request_from_its_topic() -> None:
-    s = Scheduler("pooled", k=4)
+    s = Scheduler("pooled", PolicyConfig(k=4))
     s.admit(req(0))
     s.admit(req(1))
     done = s.finish(0)
@@ -161,7 +162,7 @@ def test_finish_removes_a_request_from_its_topic() -> None:
 
 
 def test_locality_gives_holders_their_tasks_first_but_never_holds_tasks_back() -> None:
-    s = Scheduler("pooled", k=4, locality=True)
+    s = Scheduler("pooled", PolicyConfig(k=4, locality=True))
     s.register(1, "draft", 8)
     s.register(2, "draft", 8)
     reqs = [req(rid) for rid in range(4)]
@@ -182,7 +183,7 @@ def test_locality_gives_holders_their_tasks_first_but_never_holds_tasks_back() -
 
 
 def test_forced_migration_avoids_the_previous_worker_when_another_exists() -> None:
-    s = Scheduler("pooled", k=4, migrate=True)
+    s = Scheduler("pooled", PolicyConfig(k=4, migrate=True))
     s.register(1, "draft", 8)
     r = req(0)
     s.admit(r)
@@ -198,7 +199,7 @@ def test_forced_migration_avoids_the_previous_worker_when_another_exists() -> No
 
 
 def test_a_busy_worker_does_not_take_tasks_another_live_worker_holds() -> None:
-    s = Scheduler("pooled", k=4, locality=True)
+    s = Scheduler("pooled", PolicyConfig(k=4, locality=True))
     s.register(1, "draft", 8)
     s.register(2, "draft", 8)
     held, fresh = req(0), req(1)
@@ -214,7 +215,7 @@ def test_a_busy_worker_does_not_take_tasks_another_live_worker_holds() -> None:
 def test_a_busy_worker_gets_no_small_batch_beside_a_bigger_running_one() -> None:
     """Splitting a worker's requests into a big and a small group that alternate costs a whole
     forward per group; the small group waits and merges with the big one when it returns."""
-    s = Scheduler("colocated", k=4)
+    s = Scheduler("colocated", PolicyConfig(k=4))
     s.register(1, "colocated", 8)
     reqs = [req(rid) for rid in range(6)]
     for r in reqs[:4]:
@@ -237,7 +238,7 @@ def test_a_busy_worker_gets_no_small_batch_beside_a_bigger_running_one() -> None
         s.admit(req(10 + r.rid))
     s.pull(1, 4, idle=False, now=3.0)
     assert [len(b) for _, b in s.dispatch()] == [4]
-    assert Scheduler("colocated", k=4, merge_batches=False).merge_batches is False
+    assert Scheduler("colocated", PolicyConfig(k=4, merge_batches=False)).policy.merge_batches is False
 
 
 def test_topic_keeps_queue_order_across_holders_and_requeues() -> None:

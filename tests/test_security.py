@@ -12,7 +12,7 @@ import zmq
 from nebula_flow import protocol
 from nebula_flow.client import Client, RequestTimeout
 from nebula_flow.deploy import Deployment
-from nebula_flow.protocol import Message
+from nebula_flow.protocol import KvPull, Register
 from nebula_flow.security import generate_keys, is_loopback
 from tests.conftest import deploy_config
 
@@ -47,15 +47,14 @@ def test_only_authorised_keys_connect(tiny_pair, tmp_path, monkeypatch) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)  # a worker without keys cannot register
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(dep.cfg.broker.worker_address)
-        sock.send_multipart(protocol.encode(Message("REGISTER", {"role": "draft", "name": "intruder", "capacity": 1,
-                                                                 "model": {}})))
+        sock.send_multipart(protocol.encode(Register("draft", "intruder", 1, {})))
         assert not sock.poll(1500)
         sock.close()
         kv = next(w["kv_endpoint"] for w in state["workers"] if w["role"] == "target")
         kv_sock = zmq.Context.instance().socket(zmq.DEALER)  # nor read a worker's KV
         kv_sock.setsockopt(zmq.LINGER, 0)
         kv_sock.connect(kv)
-        kv_sock.send_multipart(protocol.encode(Message("KV_PULL", {"seq": 1, "items": [[1, "target", 0, 1]]})))
+        kv_sock.send_multipart(protocol.encode(KvPull(1, [[1, "target", 0, 1]])))
         assert not kv_sock.poll(1500)
         kv_sock.close()
         with Client(dep.address, keys=str(keys)) as c:

@@ -19,7 +19,23 @@ from nebula_flow import protocol
 from nebula_flow.cli import main
 from nebula_flow.client import Chunk, Client, Completion, RequestError, RequestTimeout
 from nebula_flow.deploy import Deployment, free_port
-from nebula_flow.protocol import Message
+from nebula_flow.policy import PolicyConfig
+from nebula_flow.protocol import (
+    Done,
+    Error,
+    Heartbeat,
+    Holder,
+    Pull,
+    Register,
+    Rejected,
+    Result,
+    Submit,
+    TaskResult,
+    Tasks,
+    TaskSpec,
+    Tokens,
+    Welcome,
+)
 from tests.conftest import deploy_config
 
 pytestmark = pytest.mark.slow
@@ -125,7 +141,7 @@ def test_malformed_client_messages_are_answered_and_counted(live) -> None:  # no
         for frames in GARBAGE:
             sock.send_multipart(frames)
             reply = protocol.decode(sock.recv_multipart())
-            assert reply.kind == "ERROR" and reply.header["code"]
+            assert isinstance(reply, Error) and reply.code
         after = c.status()["errors"]
         assert sum(after.values()) - before >= len(GARBAGE)
         assert c.generate("still serving", max_new_tokens=5).token_ids
@@ -143,7 +159,7 @@ def test_malformed_worker_messages_are_answered_and_counted(live) -> None:  # no
     for frames in bad:
         sock.send_multipart(frames)
         reply = protocol.decode(sock.recv_multipart())
-        assert reply.kind == "ERROR"
+        assert isinstance(reply, Error)
     sock.close()
     with Client(live.address) as c:
         errors = c.status()["errors"]
@@ -161,82 +177,74 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
                              "--model", str(tiny_pair / "target"), "--broker", f"tcp://127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        def recv_kind(kind: str) -> tuple[bytes, Message]:
+        def recv_kind(kind: type) -> tuple[bytes, protocol.Msg]:
             while True:
                 ident, *frames = router.recv_multipart()
                 msg = protocol.decode(frames)
-                if msg.kind == kind:
+                if isinstance(msg, kind):
                     return ident, msg
 
-        ident, _ = recv_kind("REGISTER")
+        def send(*tasks: TaskSpec) -> None:
+            router.send_multipart([ident, *protocol.encode(Tasks(list(tasks)))])
+
+        def task(rid: int = 7, tokens: tuple[int, ...] = (1, 2, 3), **extra: object) -> TaskSpec:
+            return TaskSpec(rid, "verify", 1, 1, np.array(tokens, np.int32), extra.pop("k", 0), {"max_new_tokens": 4},
+                            1, Holder(0, 0), **extra)
+
+        def result() -> TaskResult:
+            _, msg = recv_kind(Result)
+            return msg.results[0]
+
+        ident, _ = recv_kind(Register)
         # The broker's interval (0.25 s here, 1 s the worker's own default) sets the worker's pace.
-        welcome = {"worker_id": 1, "slot": 0, "mode": "pooled", "settings": {"heartbeat_s": 0.25}}
-        router.send_multipart([ident, *protocol.encode(Message("WELCOME", welcome))])
-        recv_kind("PULL")
-        task = {"rid": 7, "kind": "verify", "round": 1, "attempt": 1, "k": 0, "params": {"max_new_tokens": 4},
+        router.send_multipart([ident, *protocol.encode(Welcome(1, 0, "pooled", {"heartbeat_s": 0.25}))])
+        recv_kind(Pull)
+        head = {"rid": 7, "kind": "verify", "round": 1, "attempt": 1, "k": 0, "params": {"max_new_tokens": 4},
                 "seed": 1, "holder": {"worker": 0, "valid": 0}}
         garbage = [[b"junk"], [b"TASKS", b"{"], [b"TASKS", orjson.dumps({"v": 1, "tasks": [{"rid": 1}]})],
-                   [b"TASKS", orjson.dumps({"v": 1, "tasks": [dict(task, tokens={"f": 0, "dtype": "int32", "shape": [50]})]}), b"short"]]
+                   [b"TASKS", orjson.dumps({"v": 1, "tasks": [dict(head, tokens={"f": 0, "dtype": "int32", "shape": [50]})]}), b"short"]]
         for frames in garbage:
             router.send_multipart([ident, *frames])
         errors = 0
         while errors < 3:  # three are answered with ERROR, the last with an error result for rid 7
-            _, msg = recv_kind("ERROR")
+            recv_kind(Error)
             errors += 1
-        _, failed = recv_kind("RESULT")
-        assert failed.header["results"][0]["rid"] == 7 and "error" in failed.header["results"][0]
-        good = Message("TASKS", {"tasks": []})
-        good.header["tasks"].append(dict(task, tokens=good.add_array(np.array([1, 2, 3], np.int32))))
-        router.send_multipart([ident, *protocol.encode(good)])
-        _, result = recv_kind("RESULT")
-        assert result.header["results"][0]["rid"] == 7 and len(result.header["results"][0]["committed"]) == 1
+        failed = result()
+        assert failed.rid == 7 and failed.error
+        send(task())
+        done = result()
+        assert done.rid == 7 and done.error is None and len(done.committed) == 1
         # Token-tree alternatives: refused beyond the limit, without a draft, or repeating the first
         # draft token; accepted on a greedy verify with a draft.
         for rid, extra in ((8, {"alts": protocol.MAX_ALTERNATIVES + 1}), (9, {"alt": [4]}),
                            (10, {"draft": [5], "alt": [5]})):
-            bad = Message("TASKS", {"tasks": []})
-            bad.header["tasks"].append(dict(task, rid=rid, tokens=bad.add_array(np.array([1, 2, 3], np.int32)), **extra))
-            router.send_multipart([ident, *protocol.encode(bad)])
-            _, failed = recv_kind("RESULT")
-            assert failed.header["results"][0]["rid"] == rid and "alt" in failed.header["results"][0]["error"]
-        tree = Message("TASKS", {"tasks": []})
-        tree.header["tasks"].append(dict(task, rid=11, k=2, draft=[5, 6], alt=[9, 10],
-                                         tokens=tree.add_array(np.array([1, 2, 3], np.int32))))
-        router.send_multipart([ident, *protocol.encode(tree)])
-        _, result = recv_kind("RESULT")
-        assert result.header["results"][0]["rid"] == 11 and 1 <= len(result.header["results"][0]["committed"]) <= 3
+            send(task(rid, **extra))
+            failed = result()
+            assert failed.rid == rid and "alt" in failed.error
+        send(task(11, k=2, draft=[5, 6], alt=[9, 10]))
+        done = result()
+        assert done.rid == 11 and 1 <= len(done.committed) <= 3
         # Fused chains: refused empty, too many or out of the vocabulary; a greedy verify with one
         # commits a path of its tree, and one without a draft looks a chain up itself.
         for rid, extra in ((14, {"draft": [5], "chains": [[]]}), (15, {"draft": [5], "chains": [[4]] * 5}),
                            (16, {"draft": [5], "chains": [[1 << 20]]}), (17, {"fuse": 99})):
-            bad = Message("TASKS", {"tasks": []})
-            bad.header["tasks"].append(dict(task, rid=rid, tokens=bad.add_array(np.array([1, 2, 3], np.int32)), **extra))
-            router.send_multipart([ident, *protocol.encode(bad)])
-            _, failed = recv_kind("RESULT")
-            error = failed.header["results"][0].get("error", "")
-            assert failed.header["results"][0]["rid"] == rid and ("chains" in error or "fuse" in error), error
-        fused = Message("TASKS", {"tasks": []})
-        fused.header["tasks"].append(dict(task, rid=18, k=2, draft=[5, 6], chains=[[5, 9, 9, 9]],
-                                          tokens=fused.add_array(np.array([1, 2, 3], np.int32))))
-        router.send_multipart([ident, *protocol.encode(fused)])
-        _, result = recv_kind("RESULT")
-        committed = result.header["results"][0]["committed"]
-        assert result.header["results"][0]["rid"] == 18 and 1 <= len(committed) <= 5
-        assert committed[:-1] in ([5, 6][:len(committed) - 1], [5, 9, 9, 9][:len(committed) - 1])
-        lookup = Message("TASKS", {"tasks": []})  # no draft: the worker looks up 2, 3 -> 4, 5, 6 itself
-        lookup.header["tasks"].append(dict(task, rid=19, fuse=3,
-                                           tokens=lookup.add_array(np.array([2, 3, 4, 5, 6, 2, 3], np.int32))))
-        router.send_multipart([ident, *protocol.encode(lookup)])
-        _, result = recv_kind("RESULT")
-        assert result.header["results"][0]["rid"] == 19 and result.header["results"][0]["chains"] == [[4, 5, 6]]
-        committed = result.header["results"][0]["committed"]
-        assert 1 <= len(committed) <= 4 and committed[:-1] == [4, 5, 6][:len(committed) - 1]
+            send(task(rid, **extra))
+            failed = result()
+            assert failed.rid == rid and ("chains" in failed.error or "fuse" in failed.error), failed.error
+        send(task(18, k=2, draft=[5, 6], chains=[[5, 9, 9, 9]]))
+        done = result()
+        assert done.rid == 18 and 1 <= len(done.committed) <= 5
+        assert done.committed[:-1] in ([5, 6][:len(done.committed) - 1], [5, 9, 9, 9][:len(done.committed) - 1])
+        send(task(19, (2, 3, 4, 5, 6, 2, 3), fuse=3))  # no draft: the worker looks up 2, 3 -> 4, 5, 6 itself
+        done = result()
+        assert done.rid == 19 and done.chains == [[4, 5, 6]]
+        assert 1 <= len(done.committed) <= 4 and done.committed[:-1] == [4, 5, 6][:len(done.committed) - 1]
         # Idle now (its PULL unanswered), the worker beats at the broker's pace, never a whole
         # extra interval late: 2 s of silence from it hold about 8 beats.
-        recv_kind("HEARTBEAT")
+        recv_kind(Heartbeat)
         beats = [time.monotonic()]
         while beats[-1] - beats[0] < 2.0:
-            recv_kind("HEARTBEAT")
+            recv_kind(Heartbeat)
             beats.append(time.monotonic())
         gaps = np.diff(beats)
         assert 0.2 < float(np.median(gaps)) < 0.35 and gaps.max() < 1.0, gaps
@@ -247,37 +255,37 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
 
 
 def test_the_broker_checks_the_alternatives_a_draft_brings() -> None:
-    from broker.server import Broker, BrokerOptions
     from nebula_flow.params import SamplingParams
     from nebula_flow.request import Request
+    from nebula_flow_broker.results import alternatives
 
-    broker = Broker(BrokerOptions(first_alternatives=2))
     greedy = Request(1, "a", [1, 2], SamplingParams(), seed=1, k=3, alts=2)  # (what the policy asked for)
-    assert broker._alternatives(greedy, {"alt": [4, 5]}, [3, 6, 7]) == [4, 5]
-    assert broker._alternatives(greedy, {}, [3, 6, 7]) == []
-    for bad in ([4, 4], [3], [4, 5, 6], ["x"]):  # repeated, the first draft token, too many, not ids
+    assert alternatives(greedy, [4, 5], [3, 6, 7]) == [4, 5]
+    assert alternatives(greedy, [], [3, 6, 7]) == []
+    for bad in ([4, 4], [3], [4, 5, 6]):  # repeated, the first draft token, too many
         with pytest.raises(protocol.ProtocolError):
-            broker._alternatives(greedy, {"alt": bad}, [3, 6, 7])
+            alternatives(greedy, bad, [3, 6, 7])
+    # not token ids: refused when the result is decoded (that item alone: the rest of a RESULT counts)
+    [item] = protocol.decode(protocol.encode(Result([TaskResult(1, "draft", 1, 1, draft=[3], alt=["x"])]))).results
+    assert isinstance(item, Rejected) and item.error.code == "malformed" and item.head["rid"] == 1
     sampled = Request(2, "b", [1, 2], SamplingParams(temperature=1.0), seed=1, k=3, alts=1)
-    assert broker._alternatives(sampled, {"alt": [4]}, [3, 6, 7]) == [4]  # (runner-ups to the token drawn)
+    assert alternatives(sampled, [4], [3, 6, 7]) == [4]  # (runner-ups to the token drawn)
     with pytest.raises(protocol.ProtocolError):  # more than the policy asked for
-        broker._alternatives(sampled, {"alt": [4, 5]}, [3, 6, 7])
+        alternatives(sampled, [4, 5], [3, 6, 7])
 
 
 def test_the_broker_takes_workers_forward_times_and_counts_malformed_ones() -> None:
-    from broker.server import Broker, BrokerOptions
+    from nebula_flow_broker.server import Broker, BrokerOptions
 
-    broker = Broker(BrokerOptions(adaptive_k=True, client_port=free_port(), worker_port=free_port()))
+    broker = Broker(BrokerOptions(policy=PolicyConfig(adaptive_k=True), client_port=free_port(), worker_port=free_port()))
     broker.bind()  # (real sockets; nobody is at the other end, so its replies go nowhere)
     for ident, role in ((b"d", "draft"), (b"t", "target")):
-        broker.on_worker(ident, protocol.encode(Message("REGISTER", {"role": role, "name": role, "capacity": 4,
-                                                                     "model": {}})), 0.0)
+        broker.on_worker(ident, protocol.encode(Register(role, role, 4, {})), 0.0)
     draft, target = broker.by_identity[b"d"], broker.by_identity[b"t"]
 
     def result(wid: int, step_costs: object) -> None:
         ident = {draft: b"d", target: b"t"}[wid]
-        broker.on_worker(ident, protocol.encode(Message("RESULT", {"results": [], "busy_s": 0.5,
-                                                                   "device": {"step_costs": step_costs}})), 1.0)
+        broker.on_worker(ident, protocol.encode(Result([], 0.5, device={"step_costs": step_costs})), 1.0)
 
     for wid, bad in ((target, [0.05]), (target, {"target": "fast"}), (target, {"target": []}),
                      (target, {"target": [0.05, -1.0]}), (target, {"target": [True]}), (target, {"target": [1e9]}),
@@ -418,26 +426,25 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
 
 def test_resubmitting_a_request_id_is_idempotent(live) -> None:  # noqa: ANN001
     sock = raw_socket(live.address)
-    submit = Message("SUBMIT", {"req_id": "fixed-id-1", "params": {"max_new_tokens": 40, "ignore_eos": True},
-                                "prompt": "def retry():"})
+    submit = Submit("fixed-id-1", {"max_new_tokens": 40, "ignore_eos": True}, prompt="def retry():")
     sock.send_multipart(protocol.encode(submit))
     first = protocol.decode(sock.recv_multipart())
-    assert first.kind == "TOKENS"
+    assert isinstance(first, Tokens)
     other = raw_socket(live.address)  # the client "reconnects" with a new socket and retries
     other.send_multipart(protocol.encode(submit))
     seen, done = [], None
     while done is None:
         msg = protocol.decode(other.recv_multipart())
-        if msg.kind == "DONE":
+        if isinstance(msg, Done):
             done = msg
         else:
-            assert msg.kind == "TOKENS"
-            seen.append(msg.header)
-    assert seen[0]["offset"] == 0 and len(seen[0]["token_ids"]) >= len(first.header["token_ids"])
-    assert len(done.header["token_ids"]) == 40
+            assert isinstance(msg, Tokens)
+            seen.append(msg)
+    assert seen[0].offset == 0 and len(seen[0].token_ids) >= len(first.token_ids)
+    assert len(done.token_ids) == 40
     other.send_multipart(protocol.encode(submit))  # a retry after the end replays the result
     replay = protocol.decode(other.recv_multipart())
-    assert replay.kind == "DONE" and replay.header["token_ids"] == done.header["token_ids"]
+    assert isinstance(replay, Done) and replay.token_ids == done.token_ids
     with Client(live.address) as c:
         counters = c.status()["counters"]
     assert counters["requests_reattached"] >= 1 and counters["requests_replayed"] >= 1

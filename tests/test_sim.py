@@ -9,19 +9,20 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from broker.server import Broker, BrokerOptions
 from nebula_flow import policy_log
 from nebula_flow.cli import main
 from nebula_flow.client import AsyncClient
 from nebula_flow.config import ConfigError
 from nebula_flow.deploy import Deployment
+from nebula_flow.policy import PolicyConfig, knob_names
 from nebula_flow.scheduler import Scheduler
-from nebula_flow.sim.acceptance import Acceptance
+from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.costs import Link, ProfileCost, RooflineCost
 from nebula_flow.sim.engine import Simulator, simulate, sweep
 from nebula_flow.sim.hardware import HARDWARE, MODELS, resolve_model
 from nebula_flow.sim.scenario import Drafter, HostCosts, Pool, Scenario, Workload, load_scenario
 from nebula_flow.speclen import DEFAULT_COSTS
+from nebula_flow_broker.server import Broker, BrokerOptions
 from tests.conftest import deploy_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,9 +35,11 @@ def flat_profile(base_s: float, per_seq_s: float = 0.0) -> ProfileCost:
 
 
 def small_scenario(**kw) -> Scenario:  # noqa: ANN003
+    """A small scenario; policy knobs among ``kw`` go to its policy (costs fixed unless asked)."""
+    knobs = {"measure_costs": False, **{n: kw.pop(n) for n in knob_names() if n in kw}}
     base = dict(name="small", draft=Pool(2, 16, flat_profile(0.001)), target=Pool(2, 8, flat_profile(0.01)),
-                acceptance=Acceptance(rates=[0.7]), link=Link(10e9, 10e-6),
-                workload=Workload(requests=48, output_tokens=24, prompt_tokens=(8, 24)), k=4)
+                acceptance=AcceptanceModel(rates=[0.7]), link=Link(10e9, 10e-6),
+                workload=Workload(requests=48, output_tokens=24, prompt_tokens=(8, 24)), policy=PolicyConfig(**knobs))
     base.update(kw)
     return Scenario(**base)
 
@@ -83,19 +86,19 @@ def test_profile_grid_is_interpolated_and_extended_by_the_fit() -> None:
 
 
 def test_acceptance_draws_follow_the_rates_and_are_reproducible() -> None:
-    acc = Acceptance(rates=[0.8, 0.5])
+    acc = AcceptanceModel(rates=[0.8, 0.5])
     draws = [acc.accepted(rid, 1, 4) for rid in range(4000)]
     assert draws == [acc.accepted(rid, 1, 4) for rid in range(4000)]
     mean_tokens = sum(d + 1 for d in draws) / len(draws)
     assert mean_tokens == pytest.approx(acc.expected_tokens_per_round(4), rel=0.03)
     assert acc.expected_tokens_per_round(4) == pytest.approx(1 + 0.8 + 0.4 + 0.2 + 0.1)
-    hist = Acceptance(histogram={1: 1, 3: 3})
+    hist = AcceptanceModel(histogram={1: 1, 3: 3})
     assert {hist.accepted(r, 0, 4) for r in range(200)} == {0, 2}
     assert {hist.accepted(r, 0, 1) for r in range(200)} == {0, 1}  # never more than k
 
 
 def test_token_tree_draws_follow_their_rates_and_are_reproducible() -> None:
-    acc = Acceptance(rates=[0.5], alternative_rate=0.4, fused_match=0.5, fused_win=0.6, fused_gain=3.0)
+    acc = AcceptanceModel(rates=[0.5], alternative_rate=0.4, fused_match=0.5, fused_win=0.6, fused_gain=3.0)
     draws = [acc.tree_round(rid, 1, 4, 1, 12) for rid in range(8000)]
     assert draws == [acc.tree_round(rid, 1, 4, 1, 12) for rid in range(8000)]
     assert [d[2] for d in draws] == [acc.accepted(rid, 1, 4) for rid in range(8000)]  # the draft's own: as before
@@ -108,14 +111,14 @@ def test_token_tree_draws_follow_their_rates_and_are_reproducible() -> None:
     contested = [d for d in draws if d[2] == 0 and not (d[3] or 0)]  # first draft token rejected, no chain won
     assert sum(d[1] for d in contested) / len(contested) == pytest.approx(0.4, abs=0.04)
     assert all(a == 1 for a, via, _, _ in draws if via)
-    plain = Acceptance(rates=[0.5])  # no trees asked for or none modelled: the draft's draw alone
+    plain = AcceptanceModel(rates=[0.5])  # no trees asked for or none modelled: the draft's draw alone
     assert [plain.tree_round(r, 1, 4, 1, 12)[:3] for r in range(500)] == [(plain.accepted(r, 1, 4), False,
                                                                           plain.accepted(r, 1, 4)) for r in range(500)]
     assert all(acc.tree_round(r, 1, 4, 0, 0)[1:] == (False, acc.accepted(r, 1, 4), None) for r in range(500))
     # a chain no longer than what the draft already won leaves nothing to win
     assert all(f == 0 for _, _, c, f in (acc.tree_round(r, 1, 4, 0, 2) for r in range(500)) if f is not None and c >= 2)
     with pytest.raises(ValueError, match="fused_gain"):
-        Acceptance(rates=[0.5], fused_gain=0.5)
+        AcceptanceModel(rates=[0.5], fused_gain=0.5)
 
 
 def test_token_tree_parameters_from_a_live_brokers_status(tmp_path) -> None:  # noqa: ANN001
@@ -124,13 +127,13 @@ def test_token_tree_parameters_from_a_live_brokers_status(tmp_path) -> None:  # 
                            "fused_chains": 25, "fused_rounds_won": 20, "fused_tokens_accepted": 90}}
     path = tmp_path / "status.json"
     path.write_text(json.dumps(status))
-    acc = Acceptance.from_status(path)
+    acc = AcceptanceModel.from_status(path)
     assert acc.rates == pytest.approx([0.6, 0.5 / 0.6]) and acc.tree() == {"alternative_rate": 0.25, "fused_match": 0.25,
                                                                             "fused_win": 0.8, "fused_gain": 4.5}
-    mixed = Acceptance.from_config({"status": str(path), "fused_win": 0.1}, 0)  # the scenario's own entries win
+    mixed = AcceptanceModel.from_config({"status": str(path), "fused_win": 0.1}, 0)  # the scenario's own entries win
     assert mixed.rates == acc.rates and mixed.fused_win == 0.1 and mixed.fused_gain == 4.5
     with pytest.raises(ValueError, match="unknown keys"):
-        Acceptance.from_config({"rate": 0.7, "alt_rate": 0.2}, 0)
+        AcceptanceModel.from_config({"rate": 0.7, "alt_rate": 0.2}, 0)
 
 
 # -- the engine -----------------------------------------------------------------------------
@@ -158,7 +161,7 @@ def test_tokens_per_round_follow_the_acceptance_model() -> None:
 def test_same_seed_same_result_other_seed_other_result() -> None:
     a, b = simulate(small_scenario(), "pooled"), simulate(small_scenario(), "pooled")
     assert a == b
-    c = simulate(small_scenario(seed=1, acceptance=Acceptance(rates=[0.7], seed=1)), "pooled")
+    c = simulate(small_scenario(seed=1, acceptance=AcceptanceModel(rates=[0.7], seed=1)), "pooled")
     assert c["round_rate"] != a["round_rate"]
 
 
@@ -173,7 +176,7 @@ def test_token_trees_cost_their_rows_and_win_what_the_model_says() -> None:
     def run(rates: list[float], **tree) -> dict:  # noqa: ANN003
         knobs = {k: tree.pop(k) for k in ("first_alternatives", "fuse_ngram") if k in tree}
         return simulate(small_scenario(target=Pool(1, 8, row_cost), workload=wl, draft=Pool(1, 8, flat_profile(0.001)),
-                                       acceptance=Acceptance(rates=rates, **tree), **knobs), "pooled")
+                                       acceptance=AcceptanceModel(rates=rates, **tree), **knobs), "pooled")
 
     plain = run([0.7])
     alts = run([0.7], first_alternatives=1, alternative_rate=0.5)
@@ -193,9 +196,9 @@ def test_several_drafters_are_routed_by_the_live_policy_and_drafted_from_their_o
     """[draft] agrees 30 % of the time, a second drafter "good" 90 %, at the same cost: routing
     (adaptive k, the live policy) gives most rounds to "good", and tokens per round follow it."""
     wl = Workload(requests=16, output_tokens=96, prompt_tokens=(8, 8), concurrency=4)
-    alone = small_scenario(workload=wl, adaptive_k=True, acceptance=Acceptance(rates=[0.3]))
-    both = small_scenario(workload=wl, adaptive_k=True, acceptance=Acceptance(rates=[0.3]),
-                          drafters=[Drafter("good", Pool(1, 16, flat_profile(0.001)), Acceptance(rates=[0.9]))])
+    alone = small_scenario(workload=wl, adaptive_k=True, acceptance=AcceptanceModel(rates=[0.3]))
+    both = small_scenario(workload=wl, adaptive_k=True, acceptance=AcceptanceModel(rates=[0.3]),
+                          drafters=[Drafter("good", Pool(1, 16, flat_profile(0.001)), AcceptanceModel(rates=[0.9]))])
     a, b = simulate(alone, "pooled"), simulate(both, "pooled")
     assert set(a["rounds_by_drafter"]) == {"draft"}
     assert b["rounds_by_drafter"]["good"] > 4 * b["rounds_by_drafter"].get("draft", 0) > 0  # (it explores)
@@ -266,11 +269,11 @@ def test_simulated_events_replayed_into_the_brokers_policy_give_identical_decisi
     sim = Simulator(sc, "pooled", policy=policy_log.RecordingScheduler)
     sim.run()
     records = sim.policy.records
-    broker = Broker(BrokerOptions(mode="pooled", k=sc.k, **sc.knobs))
+    broker = Broker(BrokerOptions(mode="pooled", policy=sc.policy))
     report = policy_log.replay(records, broker.scheduler)
     assert report.decisions > 20 and report.identical, report.mismatches[:3]
     # The check can fail: a policy with a different knob decides differently on the same events.
-    other = policy_log.replay(records, Scheduler("pooled", sc.k, locality=not sc.locality))
+    other = policy_log.replay(records, Scheduler("pooled", sc.policy.replace(locality=not sc.policy.locality)))
     assert not other.identical
 
 
@@ -287,13 +290,13 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
     with Deployment(cfg) as dep:
         asyncio.run(load(dep.address))
     records = policy_log.load(log_path)
-    assert records[0] == ["policy", "pooled", 4, {"locality": True, "migrate": False, "merge_batches": True,
-                                                  "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS),
-                                                  "measure_costs": True, "first_alternatives": 0,
-                                                  "fuse_ngram": 0, "disable_by_batch_size": 0}]
+    assert records[0] == ["policy", "pooled", {"k": 4, "locality": True, "migrate": False, "merge_batches": True,
+                                               "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS),
+                                               "measure_costs": True, "first_alternatives": 0,
+                                               "fuse_ngram": 0, "disable_by_batch_size": 0}]
     # the workers' forward times are events too (the policy weighs them with adaptive k)
     assert {r[2] for r in records if r[0] == "step_costs"} == {"draft", "target"}
-    sc = small_scenario(k=4, locality=True)
+    sc = small_scenario(k=4, locality=True, measure_costs=True)
     report = policy_log.replay(records, Simulator(sc, "pooled").policy)
     assert report.decisions >= 10 and report.identical, report.mismatches[:3]
     result = CliRunner().invoke(main, ["simulate", "--check-policy-log", str(log_path)])
@@ -303,7 +306,7 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
 # -- scenarios and the command line ---------------------------------------------------------
 def test_the_paper_scenario_loads() -> None:
     sc = load_scenario(PAPER)
-    assert (sc.draft.workers, sc.target.workers, sc.draft.max_batch, sc.target.max_batch, sc.k) == (2, 2, 64, 16, 4)
+    assert (sc.draft.workers, sc.target.workers, sc.draft.max_batch, sc.target.max_batch, sc.policy.k) == (2, 2, 64, 16, 4)
     assert sc.workload.requests == 512 and sc.workload.output_tokens == 128 and sc.workload.prompt_tokens == (96, 144)
     assert sc.draft.cost.name == "qwen3-0.6b@rtx4090" and sc.target.cost.name == "qwen3-8b@rtx4090"
 
@@ -313,9 +316,9 @@ def test_a_scenarios_policy_knobs_reach_the_simulated_policy(tmp_path) -> None: 
     path.write_text(PAPER.read_text().replace("[policy]", "[policy]\nadaptive_k = true\ndisable_by_batch_size = 2\n"
                                               "spec_costs = [0.05, 0.01, 1.2]\nfirst_alternatives = 1\nfuse_ngram = 4", 1))
     sc = load_scenario(path)
-    knobs = Simulator(sc, "pooled").policy.knobs()
-    assert (knobs["adaptive_k"], knobs["disable_by_batch_size"], knobs["spec_costs"]) == (True, 2, [0.05, 0.01, 1.2])
-    assert (knobs["first_alternatives"], knobs["fuse_ngram"]) == (1, 4)  # (token trees are modelled)
+    knobs = Simulator(sc, "pooled").policy.policy
+    assert (knobs.adaptive_k, knobs.disable_by_batch_size, knobs.spec_costs) == (True, 2, (0.05, 0.01, 1.2))
+    assert (knobs.first_alternatives, knobs.fuse_ngram) == (1, 4)  # (token trees are modelled)
 
 
 def test_a_scenario_with_several_drafters_loads_and_bad_drafters_get_clear_errors(tmp_path) -> None:  # noqa: ANN001

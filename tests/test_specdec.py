@@ -10,9 +10,9 @@ from nebula_flow import specdec
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
-from nebula_flow.tiny import _config, _init_target
+from nebula_flow.tiny import init_target, tiny_config
 from nebula_flow.tree import TokenTree
-from workers.runner import ModelRunner, Task
+from nebula_flow_workers.runner import ModelRunner, Task
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:
@@ -121,8 +121,8 @@ def test_rejection_sampling_with_truncated_proposal_follows_the_target() -> None
 
 
 def _tiny_vocab_model(seed: int, layers: int) -> CausalLM:
-    model = CausalLM(ModelConfig.from_dict(dict(_config(8, layers, 0), max_position_embeddings=64)))
-    _init_target(model, torch.Generator().manual_seed(seed))
+    model = CausalLM(ModelConfig.from_dict(dict(tiny_config(8, layers, 0), max_position_embeddings=64)))
+    init_target(model, torch.Generator().manual_seed(seed))
     return model.eval()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nebula_flow.params import SamplingParams
+from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DRAFT, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.speclen import (
@@ -55,7 +56,7 @@ def _round(s: Scheduler, r: Request, accepted: int) -> None:
 
 
 def test_the_policy_adapts_each_requests_k_and_keeps_probing() -> None:
-    s = Scheduler("pooled", k=6, adaptive_k=True)
+    s = Scheduler("pooled", PolicyConfig(k=6, adaptive_k=True))
     s.register(1, "draft", 4)
     s.register(2, "target", 4)
     easy, hard = (Request(i, str(i), [1, 2], SamplingParams(max_new_tokens=500), seed=i) for i in range(2))
@@ -72,14 +73,14 @@ def test_the_policy_adapts_each_requests_k_and_keeps_probing() -> None:
         seen.add(hard.k)
     assert seen & {1, 2}, "a request at k = 0 never tried drafting again"
     assert easy.stats()["k_per_round"][0] == 2 and easy.stats()["k_per_round"][-1] == 6
-    assert Scheduler("pooled", k=6).knobs()["adaptive_k"] is False
+    assert Scheduler("pooled", PolicyConfig(k=6)).policy.adaptive_k is False
 
 
 def test_bad_costs_are_refused() -> None:
     with pytest.raises(ValueError, match="spec_costs"):
-        Scheduler("pooled", k=4, adaptive_k=True, spec_costs=[0.1, 0.1])
+        Scheduler("pooled", PolicyConfig(k=4, adaptive_k=True, spec_costs=[0.1, 0.1]))
     with pytest.raises(ValueError, match="spec_costs"):
-        Scheduler("pooled", k=4, adaptive_k=True, spec_costs=[0.1, 0.1, 0.0])
+        Scheduler("pooled", PolicyConfig(k=4, adaptive_k=True, spec_costs=[0.1, 0.1, 0.0]))
 
 
 def test_step_costs_keep_a_moving_mean_per_row_count() -> None:
@@ -156,7 +157,7 @@ def test_a_fused_chain_is_verified_only_where_what_it_wins_pays_for_its_rows() -
 
 
 def test_the_policy_takes_measured_costs_and_token_tree_choices() -> None:
-    s = Scheduler("pooled", k=6, adaptive_k=True, measure_costs=True, first_alternatives=1)
+    s = Scheduler("pooled", PolicyConfig(k=6, adaptive_k=True, measure_costs=True, first_alternatives=1))
     s.register(1, "draft", 4)
     s.register(2, "target", 4)
     greedy, sampled = (Request(i, str(i), [1, 2], SamplingParams(max_new_tokens=500, temperature=t), seed=i)
@@ -180,14 +181,14 @@ def test_the_policy_takes_measured_costs_and_token_tree_choices() -> None:
     assert s.verify_costs[0] == 1.0 and s.costs[0] == pytest.approx(0.0018 / 0.048)
     s.unregister(1)  # its measurement goes with it
     assert s.costs[0] == 0.073
-    fixed = Scheduler("pooled", k=6, adaptive_k=True, first_alternatives=1)
+    fixed = Scheduler("pooled", PolicyConfig(k=6, adaptive_k=True, first_alternatives=1, measure_costs=False))
     fixed.register(2, "target", 4)
     fixed.observe_costs(2, "target", fp32)
     assert (fixed.costs, fixed.verify_costs) == ((0.073, 0.03, 1.1), ())  # measure_costs off: configured costs hold
-    plain = Scheduler("pooled", k=3, first_alternatives=2)  # no adaptive k: the tree every greedy round
+    plain = Scheduler("pooled", PolicyConfig(k=3, first_alternatives=2))  # no adaptive k: the tree every greedy round
     plain.register(1, "draft", 4)
     r = Request(5, "5", [1, 2], SamplingParams(max_new_tokens=50), seed=0)
     plain.admit(r)
     assert (r.k, r.alts) == (3, 2)
     with pytest.raises(ValueError, match="first_alternatives"):
-        Scheduler("pooled", k=3, first_alternatives=9)
+        Scheduler("pooled", PolicyConfig(k=3, first_alternatives=9))

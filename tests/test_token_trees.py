@@ -9,17 +9,18 @@ import asyncio
 import numpy as np
 import pytest
 
-from broker.server import Broker, BrokerOptions
 from nebula_flow import protocol
 from nebula_flow.client import AsyncClient, Client
 from nebula_flow.deploy import Deployment
 from nebula_flow.params import SamplingParams
-from nebula_flow.protocol import Message, ProtocolError
+from nebula_flow.policy import PolicyConfig
+from nebula_flow.protocol import ProtocolError, Rejected, Result, TaskResult, TaskSpec
 from nebula_flow.request import DRAFT, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.speclen import Acceptance
+from nebula_flow_broker import results
+from nebula_flow_workers.runner import fused_ngram
 from tests.conftest import deploy_config, hf_greedy
-from workers.runner import fused_ngram
 
 
 def test_the_fused_chain_is_the_lookup_unless_the_draft_already_has_it() -> None:
@@ -31,7 +32,7 @@ def test_the_fused_chain_is_the_lookup_unless_the_draft_already_has_it() -> None
 
 
 def test_the_policy_fuses_rounds_with_drafts_and_counts_the_draft_by_its_own_tokens() -> None:
-    s = Scheduler("pooled", k=3, fuse_ngram=5)
+    s = Scheduler("pooled", PolicyConfig(k=3, fuse_ngram=5))
     s.register(1, "draft", 4)
     s.register(2, "target", 4)
     greedy = Request(1, "a", [1, 2, 3], SamplingParams(max_new_tokens=20), seed=1)
@@ -45,7 +46,7 @@ def test_the_policy_fuses_rounds_with_drafts_and_counts_the_draft_by_its_own_tok
     assert {r.rid for r in batch} == {1, 2}
     s.draft_done(greedy, 1, [7, 8, 9], {})
     greedy.chains = [[7, 6, 5, 4, 3]]
-    assert greedy.phase == VERIFY and s.holder_key(greedy) == "target"
+    assert greedy.phase == VERIFY and s.task_holder_key(greedy) == "target"
     s.pull(2, 4, True, 0.0)
     s.dispatch()
     # the fused chain won 4 tokens; the draft had 1 of them: its KV is good for one, and its
@@ -59,48 +60,50 @@ def test_the_policy_fuses_rounds_with_drafts_and_counts_the_draft_by_its_own_tok
     s.start_round(greedy)
     assert greedy.chains == [] and greedy.phase == DRAFT and greedy.fuse == 5
     with pytest.raises(ValueError, match="fuse_ngram"):
-        Scheduler("pooled", k=3, fuse_ngram=17)
+        Scheduler("pooled", PolicyConfig(k=3, fuse_ngram=17))
     # rounds left without drafts (here by load) still fuse: the target looks the chain up; the
     # baseline does not
-    loaded = Scheduler("pooled", k=3, fuse_ngram=5, disable_by_batch_size=1)
+    loaded = Scheduler("pooled", PolicyConfig(k=3, fuse_ngram=5, disable_by_batch_size=1))
     reqs = [Request(i, str(i), [1, 2, 3], SamplingParams(max_new_tokens=20), seed=i) for i in range(2)]
     for r in reqs:
         loaded.admit(r)
     assert reqs[1].k == 0 and reqs[1].phase == VERIFY and reqs[1].fuse == 5
-    plain = Scheduler("autoregressive", k=3, fuse_ngram=5)
+    plain = Scheduler("autoregressive", PolicyConfig(k=3, fuse_ngram=5))
     plain.admit(r := Request(9, "z", [1, 2, 3], SamplingParams(max_new_tokens=20), seed=9))
     assert r.fuse == 0
 
 
-def _broker_with_round(draft: list[int], chains: list[list[int]]) -> tuple[Broker, Request]:
-    broker = Broker(BrokerOptions(k=4, fuse_ngram=4))
+def _round(draft: list[int], chains: list[list[int]]) -> Request:
     req = Request(1, "a", [1, 2, 3], SamplingParams(max_new_tokens=20), seed=1, k=4, fuse=4)
     req.draft, req.chains, req.phase = draft, chains, VERIFY
-    return broker, req
+    return req
 
 
 def test_the_broker_checks_fused_chains_and_that_a_round_commits_a_path_of_its_tree() -> None:
-    broker, req = _broker_with_round([3, 4], [])
-    assert broker._fused_chains(req, {"chains": [[3, 9, 9, 9]]}) == [[3, 9, 9, 9]]
-    assert broker._fused_chains(req, {}) == []
-    for bad in ([[3, 9, 9, 9, 9]], [[]], [[3], [4]], [["x"]], [3, 4], "x"):  # too long, empty, two, not ids
+    req = _round([3, 4], [])
+    assert results.fused_chains(req, [[3, 9, 9, 9]]) == [[3, 9, 9, 9]]
+    assert results.fused_chains(req, []) == []
+    for bad in ([[3, 9, 9, 9, 9]], [[]], [[3], [4]]):  # too long, empty, two
         with pytest.raises(ProtocolError):
-            broker._fused_chains(req, {"chains": bad})
+            results.fused_chains(req, bad)
     req.fuse = 0
     with pytest.raises(ProtocolError):  # never asked for
-        broker._fused_chains(req, {"chains": [[3]]})
-    broker, req = _broker_with_round([3, 4], [[3, 9, 8]])
+        results.fused_chains(req, [[3]])
+    req = _round([3, 4], [[3, 9, 8]])
     for committed in ([9, 1], [3, 4, 8, 1], [3, 9, 4, 1], []):  # not a path of the tree, then one more token
         with pytest.raises(ProtocolError, match="not a path"):
-            broker._apply_result(1, Message("RESULT"), req, {"kind": "verify", "committed": committed}, 0.0)
+            results.verified(req, TaskResult(1, "verify", 1, 1, committed=committed))
+    v = results.verified(req, TaskResult(1, "verify", 1, 1, committed=[3, 9, 8, 1]))  # the chain's path won
+    assert (v.chain, v.via_alt, v.fused) == (1, False, 2)
     # a round without a draft: the chain the target looked up comes with its result
-    broker, req = _broker_with_round([], [])
+    req = _round([], [])
     with pytest.raises(ProtocolError, match="not a path"):
-        broker._apply_result(1, Message("RESULT"), req, {"kind": "verify", "committed": [5, 6, 1],
-                                                         "chains": [[5, 7]]}, 0.0)
+        results.verified(req, TaskResult(1, "verify", 1, 1, committed=[5, 6, 1], chains=[[5, 7]]))
     with pytest.raises(ProtocolError, match="fused chain"):
-        broker._apply_result(1, Message("RESULT"), req, {"kind": "verify", "committed": [5, 1],
-                                                         "chains": [[5, 7, 7, 7, 7]]}, 0.0)
+        results.verified(req, TaskResult(1, "verify", 1, 1, committed=[5, 1], chains=[[5, 7, 7, 7, 7]]))
+    # chains that are not token ids never reach these checks: decoding refuses them
+    [item] = protocol.decode(protocol.encode(Result([TaskResult(1, "verify", 1, 1, committed=[5], chains=[["x"]])]))).results
+    assert isinstance(item, Rejected)
 
 
 # Prompts that repeat themselves, so the tiny target's greedy continuation often follows one of
@@ -124,9 +127,9 @@ def test_fused_ngram_chains_end_to_end_are_lossless_and_win_rounds(tiny_pair, mo
 
     cfg = deploy_config(tiny_pair, "pooled" if mode == "loaded" else mode, *((2, 2) if mode == "pooled" else (1, 1)),
                         k=3, max_batch=4)
-    cfg.broker.fuse_ngram, cfg.broker.first_alternatives = 6, 1
-    cfg.broker.migrate = mode == "pooled"
-    cfg.broker.disable_by_batch_size = 1 if mode == "loaded" else 0
+    cfg.broker.policy = cfg.broker.policy.replace(fuse_ngram=6, first_alternatives=1)
+    cfg.broker.policy = cfg.broker.policy.replace(migrate=mode == "pooled")
+    cfg.broker.policy = cfg.broker.policy.replace(disable_by_batch_size=1 if mode == "loaded" else 0)
     cfg.broker.policy_log = str(tmp_path / "policy.jsonl")
     with Deployment(cfg) as dep:
         outs = asyncio.run(_generate_all(dep.address, 40))
@@ -151,15 +154,15 @@ def test_fusion_is_a_config_knob_with_limits(tmp_path) -> None:  # noqa: ANN001
     from nebula_flow.config import ConfigError, load_config
 
     path = tmp_path / "c.toml"
-    base = 'mode = "pooled"\n[draft]\nmodel = "/m/d"\n[target]\nmodel = "/m/t"\n[broker]\n'
+    base = 'mode = "pooled"\n[draft]\nmodel = "/m/d"\n[target]\nmodel = "/m/t"\n[policy]\n'
     path.write_text(base + "fuse_ngram = 8\n")
     cfg = load_config(path)
     cfg.validate()
-    assert cfg.broker.fuse_ngram == 8
+    assert cfg.broker.policy.fuse_ngram == 8
     path.write_text(base + "fuse_ngram = 17\n")
     with pytest.raises(ConfigError, match="fuse_ngram"):
         load_config(path).validate()
-    assert protocol.TASK_FIELDS["?fuse"] is int and protocol.RESULT_FIELDS["?chains"] is list
+    assert TaskSpec.__dataclass_fields__["fuse"].default == 0 and TaskResult.__dataclass_fields__["chains"]
 
 
 @pytest.mark.slow
@@ -172,7 +175,7 @@ def test_seeded_samples_with_fused_chains_are_placement_independent(tiny_pair) -
     runs = []
     for workers in ((1, 1), (2, 2)):
         cfg = deploy_config(tiny_pair, "pooled", *workers, k=3, max_batch=4)
-        cfg.broker.fuse_ngram, cfg.broker.first_alternatives, cfg.broker.migrate = 6, 2, True
+        cfg.broker.policy = cfg.broker.policy.replace(fuse_ngram=6, first_alternatives=2, migrate=True)
         with Deployment(cfg) as dep:
             async def run() -> list:
                 async with AsyncClient(dep.address, timeout_s=120) as client:

@@ -9,10 +9,10 @@ import shutil
 import numpy as np
 import pytest
 
-from nebula_flow.distill import DistillConfig, train_draft
-from nebula_flow.models import load_model
 from nebula_flow.models.compat import IncompatiblePair, check_pair
+from nebula_flow.models.loader import load_model
 from nebula_flow.tiny import build_tiny_pair
+from nebula_flow_workers.distill import DistillConfig, train_draft
 from tests.conftest import hf_greedy
 
 
@@ -103,8 +103,9 @@ def test_eval_draft_command_reports_each_k_in_bf16(tiny_pair) -> None:  # noqa: 
 
 def test_target_generation_records_its_own_greedy_text_and_ends_rows_at_a_stop_token(tiny_pair, tmp_path,
                                                                                      monkeypatch) -> None:  # noqa: ANN001
-    from nebula_flow.distill import _generate, chat_corpus, code_requests, corpus_files
+    from nebula_flow.corpus import corpus_files
     from nebula_flow.tokenizer import TextCodec
+    from nebula_flow_workers.distill import _generate, chat_corpus, code_requests
 
     monkeypatch.setenv("NEBULA_FLOW_CACHE", str(tmp_path / "cache"))
     target = tiny_pair / "target"

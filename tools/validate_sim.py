@@ -22,7 +22,7 @@ import click
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from nebula_flow.bench import DEFAULT_PROMPTS, Workload, bench_mode, run_once  # noqa: E402
+from nebula_flow.bench import DEFAULT_PROMPTS, BenchWorkload, bench_mode, run_once  # noqa: E402
 from nebula_flow.client import Client  # noqa: E402
 from nebula_flow.config import load_config, read_toml  # noqa: E402
 from nebula_flow.deploy import Deployment  # noqa: E402
@@ -30,13 +30,13 @@ from nebula_flow.sim.engine import simulate  # noqa: E402
 from nebula_flow.sim.scenario import load_scenario  # noqa: E402
 
 
-def measure_hop_s(deploy: str, wl: Workload, repeats: int = 3) -> float:
+def measure_hop_s(deploy: str, wl: BenchWorkload, repeats: int = 3) -> float:
     """Half the idle gap per batch of a lone colocated worker: one broker <-> worker hop."""
     cfg = load_config(deploy)
     cfg.mode, cfg.draft.workers, cfg.target.workers = "colocated", 0, 1
     cfg.broker.client_port = cfg.broker.worker_port = 0
     per_worker = max(1, cfg.target.max_batch)
-    lone = Workload(wl.prompts[:per_worker], wl.max_new_tokens, per_worker)
+    lone = BenchWorkload(wl.prompts[:per_worker], wl.max_new_tokens, per_worker)
     gaps = []
     with Deployment(cfg) as dep, Client(dep.address) as c:
         run_once(dep.address, lone)  # warm-up
@@ -60,7 +60,7 @@ def main(scenario: str, modes: str, repeats: int, as_json: bool) -> None:
     raw = read_toml(scenario, "scenario")
     deploy = str((Path(scenario).resolve().parent / raw["deploy"]).resolve())
     w = sc.workload
-    wl = Workload([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(w.requests)], w.output_tokens,
+    wl = BenchWorkload([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(w.requests)], w.output_tokens,
                   w.concurrency or w.requests)
     names = [m.strip() for m in modes.split(",") if m.strip()]
 

@@ -16,10 +16,9 @@ import time
 
 import numpy as np
 
-from nebula_flow.lookup import lookup
-from nebula_flow.routing import DEFAULT_MAX_N, DEFAULT_MIN_N
+from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup
 from nebula_flow.speclen import StepCosts
-from workers.runner import Draft, Task
+from nebula_flow_workers.runner import Draft, Task
 
 
 class NgramRunner:

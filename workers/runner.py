@@ -13,17 +13,17 @@ import torch
 
 from nebula_flow import specdec
 from nebula_flow.kv.store import KVStore
-from nebula_flow.lookup import lookup
+from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
-from nebula_flow.routing import DEFAULT_MAX_N, DEFAULT_MIN_N
+from nebula_flow.protocol import Holder
 from nebula_flow.speclen import StepCosts
 from nebula_flow.tree import TokenTree
 
 
 @dataclass
 class Task:
-    """A decoded task (see ``protocol.TASK_FIELDS``)."""
+    """A task ready to run: a ``protocol.TaskSpec`` checked against this worker's model."""
 
     rid: int
     kind: str
@@ -36,7 +36,7 @@ class Task:
     draft: list[int] = field(default_factory=list)
     q_idx: list[np.ndarray] | None = None
     q_prob: list[np.ndarray] | None = None
-    holder: dict = field(default_factory=dict)  # {worker, valid, endpoint}: who has this role's KV
+    holder: Holder | None = None  # who has this role's KV (None: nobody; a local evaluation)
     alts: int = 0  # draft / round tasks: alternatives to the first draft token wanted
     alt: list[int] = field(default_factory=list)  # verify tasks: those alternatives (a two-level token tree)
     fuse: int = 0  # fuse an n-gram chain of up to this many tokens (looked up by the draft; without one, here)

@@ -15,58 +15,43 @@ import signal
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
 from nebula_flow import protocol
-from nebula_flow.kv.store import add_by_size
 from nebula_flow.kv.transport import make_transport
+from nebula_flow.lookup import parse_ngram
 from nebula_flow.models.loader import load_model
-from nebula_flow.params import InvalidParams, SamplingParams
+from nebula_flow.options import WorkerOptions
 from nebula_flow.process import orphaned
-from nebula_flow.protocol import Message, ProtocolError
-from nebula_flow.routing import drafter_name, parse_ngram
+from nebula_flow.protocol import (
+    Bye,
+    Error,
+    Free,
+    Heartbeat,
+    Msg,
+    ProtocolError,
+    Pull,
+    Register,
+    Rejected,
+    Result,
+    TaskResult,
+    Tasks,
+    Welcome,
+)
+from nebula_flow.routing import drafter_name
 from nebula_flow.security import is_loopback, keys_dir, make_client
-from workers.ngram import NgramRunner
-from workers.runner import ModelRunner, Task
+from nebula_flow_workers.kv_prep import KVPrep
+from nebula_flow_workers.ngram import NgramRunner
+from nebula_flow_workers.runner import ModelRunner, Task
+from nebula_flow_workers.tasks import failed, runnable
 
-# A batch whose same-host reads go into new caches of this many bytes or more gets those caches
-# made on the prefetch thread while the previous batch computes: a new shared file's pages fault
-# in at ~1.2 us each here (24 MB: ~7 ms), against ~0.1 ms for the thread handoff.
-ROOM_BYTES = 1 << 20
 COSTS_EVERY_S = 1.0  # forward-time tables go to the broker at most this often
 log = logging.getLogger("nebula_flow.worker")
 ROLES = ("draft", "target", "colocated")
 REFUSALS = ("malformed", "wrong_role", "invalid_params")  # REGISTER errors that retrying cannot fix
-
-
-@dataclass
-class WorkerOptions:
-    role: str
-    broker: str
-    model: str | None = None  # draft model for role draft, target model otherwise
-    draft_model: str | None = None  # colocated only
-    name: str = ""
-    capacity: int = 8
-    threads: int = 1
-    device: str = "cpu"
-    dtype: str | None = None
-    batch_invariant: bool | None = None  # see models.invariant; None: on for bf16/fp16 on CPU
-    heartbeat_s: float = 1.0
-    liveness_s: float = 10.0  # broker silence after which the worker reconnects (with backoff)
-    max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted
-    kv_pool_gb: float | None = None  # finished requests' shared KV files kept for reuse (None: max_kv_gb / 8)
-    kv_transport: str = "auto"  # see kv.transport.resolve_transport
-    kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
-    kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
-    keys: str | None = None  # CURVE key folder (or NEBULA_FLOW_KEYS): authenticate to the broker and peers
-    profile: str | None = None  # latency profile when device == "emulated"
-    draft_profile: str | None = None  # colocated + emulated: the draft's profile
-    drafter: str | None = None  # draft workers: the drafter name routing knows them by (default: from the model)
 
 
 class Worker:
@@ -93,15 +78,16 @@ class Worker:
         self.stores = [r.store for r in self.runners if r.store is not None]  # (an n-gram drafter holds no KV)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
-        self.worker_id = 0
         self.stall_s = 0.0
         self.keys = keys_dir(opts.keys)
         if self.keys is None and not is_loopback(opts.kv_host):
             raise ValueError(f"a KV server on {opts.kv_host} (off loopback) requires CURVE keys (--keys DIR)")
         # (with CURVE keys, only ZeroMQ: UCX and shared folders have no authentication)
-        self.transport = make_transport(opts.kv_transport, self.keys, opts.device) \
-            if opts.role != "colocated" and self._store_for(opts.role) is not None else None
-        self.kv_endpoint = self.transport.serve(opts.kv_host, self._lookup) if self.transport else None
+        own = {"draft": self.draft, "target": self.target}.get(opts.role)
+        store = own.store if own is not None else None  # (None: colocated, or an n-gram drafter)
+        self.transport = make_transport(opts.kv_transport, self.keys, opts.device) if store is not None else None
+        self.kv = KVPrep(opts.role, store, self.stores, self.transport)
+        self.kv_endpoint = self.transport.serve(opts.kv_host, self.kv.lookup) if self.transport else None
         if self.transport is not None and self.transport.share_folder is not None:  # same-host peers read our files
             for role, runner in (("draft", self.draft), ("target", self.target)):
                 if runner is not None and runner.store is not None:
@@ -145,156 +131,39 @@ class Worker:
             facts.update(vocab_size=runner.model.cfg.vocab_size, max_model_len=runner.model.cfg.max_position_embeddings)
         return facts
 
-    def _send(self, msg: Message) -> None:
+    def _send(self, msg: Msg) -> None:
         self.sock.send_multipart(protocol.encode(msg), copy=False)
         self.last_sent = time.monotonic()
 
     def _register(self) -> None:
-        msg = Message("REGISTER", {"role": self.opts.role, "name": self.name,
-                                   "capacity": self.opts.capacity, "model": self._model_facts()})
-        if self.kv_endpoint:
-            msg.header["kv_endpoint"] = self.kv_endpoint
-        if self.drafter:
-            msg.header["drafter"] = self.drafter
+        msg = Register(self.opts.role, self.name, self.opts.capacity, self._model_facts(), self.kv_endpoint,
+                       self.drafter)
         self._send(msg)
         self.registered = False
 
-    # -- KV movement ---------------------------------------------------------------------
-    def _store_for(self, role: str):  # noqa: ANN202
-        runner = {"draft": self.draft, "target": self.target}.get(role)
-        return runner.store if runner is not None and role == self.opts.role else None
-
-    def _lookup(self, rid: int, role: str, start: int, end: int):  # noqa: ANN202 - KV server thread
-        store = self._store_for(role)
-        return store.snapshot(rid, start, end) if store is not None else None
-
-    def _pulls(self, tasks: list[Task], local: bool | None = None) -> dict[str, list[tuple[int, np.ndarray, int]]]:
-        """The KV this batch needs from peers: holder endpoint -> [(rid, tokens, valid length)].
-        ``local``: only holders read from this host's memory (True), only the others (False), all (None)."""
-        if self._store_for(self.opts.role) is None or self.transport is None:
-            return {}
-        by_holder: dict[str, list[tuple[int, np.ndarray, int]]] = {}
-        for t in tasks:
-            h = t.holder
-            if h.get("endpoint") and h.get("worker") != self.worker_id and h.get("valid", 0) > 0:
-                by_holder.setdefault(str(h["endpoint"]), []).append((t.rid, t.tokens, int(h["valid"])))
-        if local is None:
-            return by_holder
-        return {e: w for e, w in by_holder.items() if self.transport.reads_locally(e) == local}
-
-    def _room_to_make(self, tasks: list[Task]) -> dict[str, list[tuple[int, np.ndarray, int]]]:
-        """This batch's same-host reads into caches not held here (by holder, as ``_pulls``),
-        when they are large enough (``ROOM_BYTES``) to be worth a thread handoff."""
-        store = self._store_for(self.opts.role)
-        if store is None or store.share_folder is None:
-            return {}
-        room = {e: new for e, ws in self._pulls(tasks, local=True).items()
-                if (new := [w for w in ws if w[0] not in store.caches])}
-        positions = sum(min(valid, len(tokens) - 1) for ws in room.values() for _, tokens, valid in ws)
-        return room if positions * store.row_bytes >= ROOM_BYTES else {}
-
-    def _prefetch(self, pulls: dict[str, list[tuple[int, np.ndarray, int]]],
-                  room: dict[str, list[tuple[int, np.ndarray, int]]] | None = None) -> None:
-        """Pull a batch's missing KV (``_pulls``) from its holders: network pulls on the prefetch
-        thread (overlapping compute), same-host reads and no-overlap pulls at compute start.
-        ``room`` (``_room_to_make``; on the prefetch thread, first): for large same-host reads,
-        make the caches they fill and have the pages on both sides in, so that at compute start
-        they are only copies."""
-        store = self._store_for(self.opts.role)
-        for endpoint, wanted in (room or {}).items():
+    def _runnable(self, msg: Tasks) -> list[Task]:
+        """A TASKS batch's runnable tasks. A task that is malformed or that this worker cannot run
+        is answered with an error result for its request (so the broker ends that request instead
+        of waiting); the good ones still run."""
+        tasks, failures = [], []
+        for item in msg.tasks:
             try:
-                store.make_room(wanted)
-                self.transport.prepare_reads(endpoint, [(rid, self.opts.role, 0, min(valid, len(tokens) - 1))
-                                                        for rid, tokens, valid in wanted])
-            except Exception:  # only a head start: the pull at compute start does what is left
-                log.exception("preparing KV reads from %s failed", endpoint)
-        for endpoint, wanted in pulls.items():  # one exchange per holder for the whole batch
-            try:
-                store.fetch_many(self.opts.role, wanted, endpoint, self.transport)
-            except Exception:  # never let a transfer problem cost the batch: recompute instead
-                log.exception("KV pull from %s failed", endpoint)
-                store.stats.pull_failures += len(wanted)
-
-    def _kv_stats(self) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for store in self.stores:
-            for k, v in store.stats.to_wire().items():
-                if k == "by_size":
-                    add_by_size(merged.setdefault(k, {}), v)
-                else:
-                    merged[k] = merged.get(k, 0) + v
-        merged["stall_s"] = merged.get("stall_s", 0.0) + self.stall_s
-        merged["overlap_s"] = max(0.0, merged.get("pull_s", 0.0) - merged["stall_s"])
-        merged["transport"] = self.transport.scheme if self.transport else "none"
-        merged["server_errors"] = getattr(self.transport, "errors", 0)
-        if hasattr(self.transport, "routes"):  # shm+zmq: items read from same-host files / asked over the network
-            merged["routes"] = dict(self.transport.routes)
-        merged["held_requests"] = sum(len(store.caches) for store in self.stores)
-        return merged
-
-    def _decode_tasks(self, msg: Message) -> list[Task]:
-        """Decode a TASKS batch. A bad task is answered with an error result for its request
-        (so the broker ends that request instead of waiting); the good ones still run."""
-        tasks, failed = [], Message("RESULT", {"results": [], "busy_s": 0.0})
-        for raw in msg.header["tasks"]:
-            try:
-                tasks.append(self._decode_task(msg, raw))
+                if isinstance(item, Rejected):
+                    raise item.error
+                tasks.append(runnable(item, self._vocab_size()))
             except ProtocolError as exc:
-                head = {k: raw.get(k) for k in ("rid", "kind", "round", "attempt")} if isinstance(raw, dict) else {}
-                try:
-                    protocol.check_fields(head, {"rid": int, "kind": str, "round": int, "attempt": int}, "task")
-                except ProtocolError:
+                result = failed(item, exc)
+                if result is None:  # (it names no task: the broker hears of it as an error)
                     self._complain(exc)
                     continue
                 self.errors += 1
-                failed.header["results"].append(dict(head, error=f"{exc.code}: {exc.message}"))
-        if failed.header["results"]:
-            self._send(failed)
+                failures.append(result)
+        if failures:
+            self._send(Result(failures))
         return tasks
 
-    def _decode_task(self, msg: Message, raw: Any) -> Task:
-        protocol.check_fields(raw, protocol.TASK_FIELDS, "task")
-        if raw["kind"] not in protocol.TASK_KINDS:
-            raise ProtocolError("malformed", f"unknown task kind {raw['kind']!r}")
-        try:
-            params = SamplingParams.from_wire(raw["params"])
-        except (InvalidParams, TypeError) as exc:
-            raise ProtocolError("invalid_params", str(exc)) from None
-        task = Task(raw["rid"], raw["kind"], raw["round"], raw["attempt"],
-                    np.asarray(msg.int_list(raw["tokens"], "tokens"), dtype=np.int64),
-                    raw["k"], params, raw["seed"], list(raw.get("draft") or []), holder=raw["holder"])
-        vocab = self._vocab_size() or (1 << 31) - 1
-        if len(task.tokens) == 0 or task.tokens.min() < 0 or task.tokens.max() >= vocab:
-            raise ProtocolError("malformed", f"task tokens must be a non-empty list of ids below {vocab}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in task.draft):
-            raise ProtocolError("malformed", "draft must be a list of token ids")
-        if not 0 <= task.k <= protocol.MAX_DRAFT or len(task.draft) > protocol.MAX_DRAFT:
-            raise ProtocolError("malformed", f"k and draft length must be in 0..{protocol.MAX_DRAFT}")
-        if raw.get("q_len") is not None:
-            task.q_idx, task.q_prob = protocol.split_q(msg, raw)
-        elif task.draft and not params.greedy:
-            raise ProtocolError("malformed", "a sampled draft needs its proposal q")
-        task.alts, task.alt = raw.get("alts") or 0, list(raw.get("alt") or [])
-        if task.alts or task.alt:
-            if not 0 <= task.alts <= protocol.MAX_ALTERNATIVES or len(task.alt) > protocol.MAX_ALTERNATIVES:
-                raise ProtocolError("malformed", f"at most {protocol.MAX_ALTERNATIVES} alternatives")
-            ids = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in task.alt)
-            if task.alt and (not task.draft or not ids or len(set(task.alt) | {task.draft[0]}) != len(task.alt) + 1):
-                raise ProtocolError("malformed", "alt must be distinct token ids other than draft[0], with a draft")
-        task.fuse, task.chains = raw.get("fuse") or 0, raw.get("chains") or []
-        if task.fuse or task.chains:
-            if not isinstance(task.fuse, int) or not 0 <= task.fuse <= protocol.MAX_DRAFT:
-                raise ProtocolError("malformed", f"fuse must be in 0..{protocol.MAX_DRAFT}")
-            if len(task.chains) > protocol.MAX_FUSED_CHAINS or not all(
-                    isinstance(c, list) and 0 < len(c) <= protocol.MAX_DRAFT
-                    and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in c)
-                    for c in task.chains):
-                raise ProtocolError("malformed", f"chains must be at most {protocol.MAX_FUSED_CHAINS} lists of "
-                                                 f"1..{protocol.MAX_DRAFT} token ids")
-        return task
-
     # -- compute (runs on the compute thread) -----------------------------------------------
-    def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None) -> tuple[Message, float]:
+    def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None) -> tuple[Result, float]:
         # Finished requests first: their shared files go back to the pool before this batch's
         # new caches are made (a pooled file's pages are already in; a new one faults them in).
         for store in self.stores:
@@ -305,30 +174,25 @@ class Worker:
         # Same-host reads (shm) run here, not in the background: a copy of well under a
         # millisecond gains nothing from overlap and would cost a thread handoff and a second
         # busy thread beside the running batch. Without overlap, compute waits for every pull.
-        self._prefetch(self._pulls(tasks, local=True if self.opts.kv_overlap else None))
+        self.kv.prefetch(self.kv.pulls(tasks, local=True if self.opts.kv_overlap else None))
         self.stall_s += time.perf_counter() - t0
         busy0 = sum(r.busy_s for r in self.runners)
-        msg = Message("RESULT", {"results": [], "busy_s": 0.0})
+        results: list[TaskResult] = []
         by_kind: dict[str, list[Task]] = {}
         for t in tasks:
             by_kind.setdefault(t.kind, []).append(t)
-        results = msg.header["results"]
         for kind, group in by_kind.items():
-            heads = [{"rid": t.rid, "kind": t.kind, "round": t.round, "attempt": t.attempt} for t in group]
+            outs = [TaskResult(t.rid, t.kind, t.round, t.attempt) for t in group]
             try:
                 if kind == "draft" and self.draft:
-                    for h, d in zip(heads, self.draft.draft(group)):
-                        h["draft"] = d.tokens
-                        if d.alt:
-                            h["alt"] = d.alt
-                        if d.chains:
-                            h["chains"] = d.chains
-                        protocol.attach_q(msg, h, d.q_idx, d.q_prob)
+                    for out, d in zip(outs, self.draft.draft(group)):
+                        out.draft, out.alt, out.chains = d.tokens, d.alt, d.chains
+                        out.propose(d.q_idx, d.q_prob)
                 elif kind == "verify" and self.target and self.opts.role != "draft":
-                    for h, t, committed in zip(heads, group, self.target.verify(group)):
-                        h["committed"] = committed
+                    for out, t, committed in zip(outs, group, self.target.verify(group)):
+                        out.committed = committed
                         if t.chains and not t.draft:  # a chain the target looked up itself
-                            h["chains"] = t.chains
+                            out.chains = t.chains
                 elif kind == "round" and self.opts.role == "colocated":
                     drafts = self.draft.draft([t for t in group if t.k > 0])
                     it = iter(drafts)
@@ -336,26 +200,19 @@ class Worker:
                         if t.k > 0:
                             d = next(it)
                             t.draft, t.q_idx, t.q_prob, t.alt, t.chains = d.tokens, d.q_idx, d.q_prob, d.alt, d.chains
-                    for h, t, committed in zip(heads, group, self.target.verify(group)):
-                        h["committed"], h["draft"] = committed, t.draft
-                        if t.alt:
-                            h["alt"] = t.alt
-                        if t.chains:
-                            h["chains"] = t.chains
+                    for out, t, committed in zip(outs, group, self.target.verify(group)):
+                        out.committed, out.draft, out.alt, out.chains = committed, t.draft, t.alt, t.chains
                 else:
                     raise ProtocolError("wrong_role", f"a {self.opts.role} worker cannot run {kind} tasks")
             except Exception as exc:  # fail these requests clearly rather than leave them hanging
                 log.exception("%s batch failed", kind)
-                for h in heads:
-                    h["error"] = f"{type(exc).__name__}: {exc}"
-            results.extend(heads)
+                outs = [TaskResult(t.rid, t.kind, t.round, t.attempt, error=f"{type(exc).__name__}: {exc}")
+                        for t in group]
+            results.extend(outs)
         for store in self.stores:
             store.unpin([t.rid for t in tasks])
         busy = sum(r.busy_s for r in self.runners) - busy0
-        msg.header["busy_s"] = busy
-        msg.header["kv"] = self._kv_stats()
-        msg.header["device"] = self._device_stats()
-        return msg, busy
+        return Result(results, busy, self.kv.stats(self.stall_s), self._device_stats()), busy
 
     # -- the loop --------------------------------------------------------------------------
     def _connect(self, poller: zmq.Poller) -> None:
@@ -394,11 +251,11 @@ class Worker:
             if self.stopping and pull_out is not None and self.registered:
                 # Leaving: withdraw the PULL parked at the broker, so no new task is sent here
                 # only to be re-queued when the BYE arrives.
-                self._send(Message("PULL", {"credits": 0, "idle": computing is None}))
+                self._send(Pull(0, computing is None))
                 pull_out = None
             if self.stopping and computing is None:
                 if self.registered:
-                    self._send(Message("BYE"))
+                    self._send(Bye())
                 break
             if self.registered and not self.stopping:
                 if computing is None and pending:
@@ -407,10 +264,10 @@ class Worker:
                     pending, frees, prefetch = None, [], None
                 idle = computing is None
                 if pending is None and (pull_out is None or (idle and pull_out == "busy")):
-                    self._send(Message("PULL", {"credits": self.opts.capacity, "idle": idle}))
+                    self._send(Pull(self.opts.capacity, idle))
                     pull_out = "idle" if idle else "busy"
             if time.monotonic() - self.last_sent >= self.heartbeat_s:
-                self._send(Message("HEARTBEAT"))
+                self._send(Heartbeat())
             # (never under three of the broker's beats: a broker set to beat slowly is not gone)
             liveness = max(self.opts.liveness_s, 3 * self.heartbeat_s)
             if time.monotonic() - self.last_heard > liveness * (backoff if not self.registered else 1):
@@ -440,47 +297,43 @@ class Worker:
                 except ProtocolError as exc:
                     self._complain(exc)
                     continue
-                if msg.kind == "WELCOME":
+                if isinstance(msg, Welcome):
                     self.registered, pull_out, backoff = True, None, 1.0
-                    self.worker_id = msg.header["worker_id"]
+                    self.kv.worker_id = msg.worker_id
                     log.info("%s registered as worker %d (slot %d, mode %s)", self.name,
-                             msg.header["worker_id"], msg.header["slot"], msg.header["mode"])
-                    settings = msg.header["settings"]
+                             msg.worker_id, msg.slot, msg.mode)
+                    settings = msg.settings
                     for r in self.runners:
                         r.proposal_top_k = int(settings.get("proposal_top_k", r.proposal_top_k))
                     # The broker judges liveness against its own interval: beat at that pace.
                     self.heartbeat_s = float(settings.get("heartbeat_s", self.heartbeat_s))
-                elif msg.kind == "TASKS":
+                elif isinstance(msg, Tasks):
                     pull_out = None
-                    try:
-                        batch = self._decode_tasks(msg)
-                    except ProtocolError as exc:
-                        self._complain(exc)
-                        batch = []
+                    batch = self._runnable(msg)
                     if batch:  # start this batch's KV pulls now, while the current batch computes
                         # (two answers can cross a re-sent PULL: extend the waiting batch; the
                         # prefetch thread runs in order, so the last future covers both)
                         pending = (pending or []) + batch
                         # (a batch whose KV is all here or in this host's memory skips the prefetch
                         # thread: a thread handoff per batch is ~0.1 ms on a single stream's critical path)
-                        pulls = self._pulls(batch, local=False) if self.opts.kv_overlap else {}
-                        room = self._room_to_make(batch) if self.opts.kv_overlap else {}
+                        pulls = self.kv.pulls(batch, local=False) if self.opts.kv_overlap else {}
+                        room = self.kv.room_to_make(batch) if self.opts.kv_overlap else {}
                         if pulls or room:
-                            prefetch = self.prefetcher.submit(self._prefetch, pulls, room)
-                elif msg.kind == "FREE":
-                    frees.extend(int(r) for r in msg.header["rids"] if isinstance(r, int))
-                elif msg.kind == "ERROR":
-                    if msg.header["code"] == "unknown_worker":  # the broker restarted: join again
+                            prefetch = self.prefetcher.submit(self.kv.prefetch, pulls, room)
+                elif isinstance(msg, Free):
+                    frees.extend(r for r in msg.rids if isinstance(r, int))
+                elif isinstance(msg, Error):
+                    if msg.code == "unknown_worker":  # the broker restarted: join again
                         pull_out = None
                         self._register()
-                    elif not self.registered and msg.header["code"] in REFUSALS:
+                    elif not self.registered and msg.code in REFUSALS:
                         # The broker refused this worker (wrong role for its mode, bad endpoint, ...):
                         # retrying cannot help, and exiting lets a deployment report it at once.
-                        log.error("the broker refused to register this worker: %s", msg.header["message"])
+                        log.error("the broker refused to register this worker: %s", msg.message)
                         self.exit_code = 2
                         self.stopping = True
                     else:
-                        log.warning("broker error: %s", msg.header["message"])
+                        log.warning("broker error: %s", msg.message)
         self.executor.shutdown(wait=True)
         self.prefetcher.shutdown(wait=True)
         if self.transport is not None:
@@ -518,7 +371,7 @@ class Worker:
         """Count a malformed message and tell the broker, which counts it too."""
         self.errors += 1
         log.warning("rejected a message from the broker: %s", exc)
-        self._send(protocol.error(exc.code, exc.message))
+        self._send(Error(exc.code, exc.message))
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stopping = True

@@ -36,12 +36,11 @@ import torch
 import zmq
 
 from nebula_flow import protocol
-from nebula_flow.protocol import Message, ProtocolError
+from nebula_flow.protocol import Error, KvData, KvPull, KvRows, ProtocolError
 
 log = logging.getLogger("nebula_flow.kv")
 Lookup = Callable[[int, str, int, int], "tuple[np.ndarray, torch.Tensor] | None"]
 PullItem = tuple[int, str, int, int, torch.Tensor]  # rid, role, start, end, dest rows
-MAX_PULL_ITEMS = 4096
 PULL_TIMEOUT_S = 2.0  # a holder slower than this is treated as gone: recomputing is cheaper
 
 
@@ -130,22 +129,20 @@ class ZmqTransport(KVTransport):
             ident, *frames = sock.recv_multipart(copy=False)
             try:
                 req = protocol.decode(frames)
-                if req.kind != "KV_PULL":
-                    raise ProtocolError("unexpected_kind", f"{req.kind} is not a KV request")
-                items = _pull_items(req.header["items"])
-                reply = Message("KV_DATA", {"seq": req.header["seq"], "items": []})
-                for rid, role, start, end in items:
+                if not isinstance(req, KvPull):
+                    raise ProtocolError("unexpected_kind", f"{req.KIND} is not a KV request")
+                reply = KvData(req.seq)
+                for rid, role, start, end in req.items:
                     found = lookup(rid, role, start, end)
                     if found is None:
-                        reply.header["items"].append(None)
+                        reply.items.append(None)
                         continue
                     tokens, rows = found
-                    reply.header["items"].append({"tokens": reply.add_array(np.asarray(tokens, dtype=np.int32)),
-                                                  "rows": reply.add_array(host_view(rows))})
+                    reply.items.append(KvRows(np.asarray(tokens, dtype=np.int32), host_view(rows)))
                     self.served += 1
             except ProtocolError as exc:
                 self.errors += 1
-                reply = protocol.error(exc.code, exc.message)
+                reply = Error(exc.code, exc.message)
             try:
                 sock.send_multipart([ident, *protocol.encode(reply)], copy=False, flags=zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -171,20 +168,21 @@ class ZmqTransport(KVTransport):
             return [None] * len(items)
         sock = self._peer(endpoint)
         seq = next(self.seq)
-        sock.send_multipart(protocol.encode(Message("KV_PULL", {
-            "seq": seq, "items": [[rid, role, start, end] for rid, role, start, end, _ in items]})))
+        sock.send_multipart(protocol.encode(KvPull(seq, [[rid, role, start, end] for rid, role, start, end, _ in items])))
         while True:
             if not sock.poll(int(PULL_TIMEOUT_S * 1000)):
                 # The peer is gone or stuck: drop the socket so a late reply cannot confuse us.
                 self.peers.pop(endpoint).close()
                 return [None] * len(items)
-            reply = protocol.decode(sock.recv_multipart(copy=False))
-            if reply.header.get("seq") == seq:
+            try:
+                reply = protocol.decode(sock.recv_multipart(copy=False))
+            except ProtocolError:
+                continue
+            if getattr(reply, "seq", None) == seq:
                 break  # (anything else is a late answer to an earlier, abandoned pull)
-        got = reply.header.get("items") if reply.kind == "KV_DATA" else None
-        if not isinstance(got, list) or len(got) != len(items):
+        if not isinstance(reply, KvData) or len(reply.items) != len(items):
             return [None] * len(items)
-        return [_receive(reply, g, end - start, dest) for (_, _, start, end, dest), g in zip(items, got)]
+        return [_receive(g, end - start, dest) for (_, _, start, end, dest), g in zip(items, reply.items)]
 
     def close(self) -> None:
         self._stop.set()
@@ -243,29 +241,11 @@ class LocalFirstTransport(KVTransport):
         self.local.close()
 
 
-def _pull_items(raw: object) -> list[tuple[int, str, int, int]]:
-    """Validate the ``items`` of a KV_PULL."""
-    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_PULL_ITEMS:
-        raise ProtocolError("malformed", f"items must be a list of 1..{MAX_PULL_ITEMS} [rid, role, start, end]")
-    items = []
-    for it in raw:
-        if (not isinstance(it, list) or len(it) != 4 or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                                for x in (it[0], it[2], it[3]))
-                or not isinstance(it[1], str) or not 0 <= it[2] < it[3]):
-            raise ProtocolError("malformed", "each item is [rid, role, start, end] with 0 <= start < end")
-        items.append((it[0], it[1], it[2], it[3]))
-    return items
-
-
-def _receive(reply: Message, got: object, n: int, dest: torch.Tensor) -> np.ndarray | None:
+def _receive(got: KvRows | None, n: int, dest: torch.Tensor) -> np.ndarray | None:
     """Copy one KV_DATA item into ``dest``; its tokens, or None if missing or not what was asked."""
     if got is None:
         return None
-    try:
-        tokens = reply.array(got["tokens"])
-        rows = reply.array(got["rows"])
-    except (ProtocolError, KeyError, TypeError):
-        return None
+    tokens, rows = got.tokens, got.rows
     if len(tokens) != n or rows.shape != tuple(dest.shape) or rows.dtype != WIRE_DTYPES.get(dest.dtype):
         return None
     if dest.device.type == "cpu" and dest.is_contiguous():  # (one memmove: see shm.PeerFiles.read)

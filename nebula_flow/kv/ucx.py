@@ -42,7 +42,6 @@ import ucxx  # noqa: E402 - an ImportError here makes make_transport fall back t
 from ucxx.exceptions import UCXMessageTruncatedError, UCXMsgTruncated  # noqa: E402
 
 from nebula_flow.kv.transport import (
-    MAX_PULL_ITEMS,
     PULL_TIMEOUT_S,
     KVTransport,
     Lookup,
@@ -51,6 +50,7 @@ from nebula_flow.kv.transport import (
     host_view,
     log,
 )
+from nebula_flow.protocol import MAX_PULL_ITEMS  # noqa: E402
 
 ROLE_CODES = {"draft": 0, "target": 1, "colocated": 2}
 ROLE_NAMES = {v: k for k, v in ROLE_CODES.items()}

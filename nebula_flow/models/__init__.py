@@ -1,7 +1,3 @@
-"""Llama-family model runtime: config, module, checkpoint loader."""
-
-from nebula_flow.models.config import ModelConfig, ModelConfigError
-from nebula_flow.models.llama import CausalLM
-from nebula_flow.models.loader import load_model
-
-__all__ = ["CausalLM", "ModelConfig", "ModelConfigError", "load_model"]
+"""Llama-family model runtime: ``config`` (facts from config.json, no torch), ``llama`` (the
+module), ``loader`` (checkpoints). Import the submodule you need: importing this package loads
+nothing, so the broker can read model facts without loading torch."""

@@ -9,7 +9,7 @@ of (seed, request, round), so a scenario's result does not depend on event order
 Token trees (the policy's ``first_alternatives`` and ``fuse_ngram``), optional:
 
 * ``alternative_rate``: P(a runner-up to the first draft token wins | that token was rejected),
-  as ``speclen.Acceptance`` learns it per request;
+  as ``speclen.AcceptanceModel`` learns it per request;
 * ``fused_match``: P(a round that asks for a fused prompt-lookup chain finds one);
   ``fused_win``: P(the chain wins tokens beyond the draft | found); ``fused_gain``: the mean
   tokens it wins then (geometric, at least 1, at most what the chain's length leaves).
@@ -31,7 +31,7 @@ STREAM_SIM_TREE = 9  # the token-tree draws (runner-ups, fused chains), apart fr
 TREE_KEYS = ("alternative_rate", "fused_match", "fused_win", "fused_gain")
 
 
-class Acceptance:
+class AcceptanceModel:
     def __init__(self, rates: list[float] | None = None, histogram: dict[int, float] | None = None,
                  seed: int = 0, alternative_rate: float = 0.0, fused_match: float = 0.0,
                  fused_win: float = 0.0, fused_gain: float = 1.0) -> None:
@@ -50,7 +50,7 @@ class Acceptance:
         self.histogram = sorted(histogram.items()) if histogram else None
 
     @classmethod
-    def from_status(cls, path: str | Path, seed: int = 0) -> Acceptance:
+    def from_status(cls, path: str | Path, seed: int = 0) -> AcceptanceModel:
         """Per-position rates measured by a live broker (``nebula-flow status --json > file``)."""
         raw = json.loads(Path(path).read_text())
         prop, acc = raw.get("proposed_by_position") or [], raw.get("accepted_by_position") or []
@@ -71,7 +71,7 @@ class Acceptance:
                    fused_gain=max(1.0, ratio("fused_tokens_accepted", "fused_rounds_won", 1.0)))
 
     @classmethod
-    def from_config(cls, raw: dict[str, Any], seed: int, base: Path | None = None) -> Acceptance:
+    def from_config(cls, raw: dict[str, Any], seed: int, base: Path | None = None) -> AcceptanceModel:
         unknown = set(raw) - {"status", "histogram", "per_position", "rate", *TREE_KEYS}
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)}")

@@ -1,8 +1,7 @@
 """The discrete-event simulator: a virtual clock, an event heap, the live scheduling policy.
 
 The broker side is the live code: the same ``Scheduler`` object is fed the same events in the
-same order as ``broker.server.Broker`` feeds it (admit, pull, draft_done, verify_done, commit
-with ``Request.commit``, start_round or finish) and its ``dispatch`` decides every batch.
+same order as the live broker feeds it (admit, pull, draft_done, end_round) and its ``dispatch`` decides every batch.
 Only the outside world is simulated:
 
 * workers behave like ``workers/worker.py``: a PULL for ``max_batch`` tasks goes out whenever no
@@ -20,7 +19,7 @@ Only the outside world is simulated:
 * acceptance draws come from the scenario's acceptance model, token trees too: a verify scores
   its runner-ups' and fused chain's rows beside the draft's (a chain found only as often as the
   model says; a chain sharing the draft's prefix is counted in full), and a round reports the
-  policy what the broker does (``Acceptance.tree_round``);
+  policy what the broker does (``AcceptanceModel.tree_round``);
 * messages take ``message_latency_us``; the broker is one thread that can cost
   ``broker_service_us`` per message and ``broker_task_us`` per task it takes back or sends out,
   so a saturated broker queues messages as the live one does.
@@ -34,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nebula_flow.bench import percentiles
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.params import SamplingParams
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
@@ -42,13 +40,14 @@ from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim.costs import CostModel
 from nebula_flow.sim.scenario import Scenario, Workload
 from nebula_flow.speclen import FIT_ROWS
+from nebula_flow.stats import percentiles
 
 PLACEHOLDER = 0  # simulated requests carry token counts, not token ids
 Outcome = tuple[int, bool, int, int | None]  # a verified round: accepted, via_alt, draft's own, fused gain
 
 
 @dataclass
-class Task:
+class SimTask:
     """What a TASKS message tells a worker about one request (a snapshot at dispatch)."""
 
     req: Request
@@ -71,8 +70,8 @@ class SimWorker:
     costs: dict[str, CostModel]  # model role ("draft"/"target") -> cost model on this device
     drafter: str | None = None  # draft workers of a ``[[drafters]]`` pool: its name
     reported: bool = False  # forward times sent to the broker (with the first result)
-    computing: list[Task] | None = None
-    pending: list[Task] | None = None
+    computing: list[SimTask] | None = None
+    pending: list[SimTask] | None = None
     pull_out: str | None = None  # None, "busy" or "idle": as in the live worker loop
     prefetch_free: float = 0.0
     kv_ready: float = 0.0
@@ -91,7 +90,7 @@ class Simulator:
                  workload: Workload | None = None, policy: type[Scheduler] = Scheduler) -> None:
         self.sc, self.mode = sc, mode
         self.workload = workload or sc.workload
-        self.policy = policy(mode, sc.k, **sc.knobs)
+        self.policy = policy(mode, sc.policy)
         self.lat = sc.host.message_latency_us * 1e-6
         self.heap: list[tuple[float, int, Callable, tuple]] = []
         self.seq = 0
@@ -154,8 +153,8 @@ class Simulator:
         self.broker_free = self.now + (host.broker_service_us * len(inbox) + host.broker_task_us * tasks) * 1e-6
         self.broker_busy_s += self.broker_free - self.now
         for wid, batch in dispatched:
-            tasks = [Task(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
-                          r.holders.get(self.policy.holder_key(r)), r.alts, r.fuse, r.drafter) for r in batch]
+            tasks = [SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
+                          r.holders.get(self.policy.task_holder_key(r)), r.alts, r.fuse, r.drafter) for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
 
     def run(self) -> dict[str, Any]:
@@ -193,7 +192,7 @@ class Simulator:
         self.to_broker(self.policy.admit, req)
 
     # -- broker handlers (the live broker's order of policy calls) ----------------------------
-    def _results(self, wid: int, results: list[tuple[Task, Outcome | None]]) -> None:
+    def _results(self, wid: int, results: list[tuple[SimTask, Outcome | None]]) -> None:
         sender = self.workers[wid]
         if not sender.reported:  # (a live worker's RESULT carries its forward times; the broker takes them first)
             sender.reported = True
@@ -210,8 +209,7 @@ class Simulator:
             accepted, via_alt, chain, fused = outcome
             if task.drafter is not None and task.k > 0:
                 self.rounds_by_drafter[task.drafter] = self.rounds_by_drafter.get(task.drafter, 0) + 1
-            self.policy.verify_done(req, wid, accepted, via_alt, chain, fused)
-            kept = req.commit([PLACEHOLDER] * (accepted + 1), ())
+            kept = self.policy.end_round(req, wid, [PLACEHOLDER] * (accepted + 1), via_alt, chain, fused)
             self.rounds += 1
             self.tokens += len(kept)
             if req.t_first is None:
@@ -222,8 +220,7 @@ class Simulator:
                 for role, cache in w.caches.items():
                     if req.rid in cache and cache[req.rid] > valid[role]:
                         cache[req.rid] = valid[role]
-            if req.finish_reason:
-                self.policy.finish(req.rid)
+            if req.finish_reason:  # (end_round took it out of the pool)
                 self.done.append(req)
                 self.t_done[req.rid] = self.now
                 for w in self.workers.values():  # FREE
@@ -231,8 +228,6 @@ class Simulator:
                         cache.pop(req.rid, None)
                 if self.closed:
                     self.at(self.now + 2 * self.lat, self._client_submit)  # DONE reaches the client, which sends the next
-            else:
-                self.policy.start_round(req)
 
     # -- workers -------------------------------------------------------------------------------
     def _worker_step(self, w: SimWorker) -> None:
@@ -244,7 +239,7 @@ class Simulator:
             w.pull_out = "idle" if idle else "busy"
             self.to_broker(self.policy.pull, w.wid, w.capacity, idle, self.now)
 
-    def _tasks_arrive(self, w: SimWorker, tasks: list[Task]) -> None:
+    def _tasks_arrive(self, w: SimWorker, tasks: list[SimTask]) -> None:
         w.pull_out = None
         w.pending = (w.pending or []) + tasks
         transfer = 0.0
@@ -289,7 +284,7 @@ class Simulator:
         w.computing = batch
         self.at(begin + compute + overhead, self._finish_batch, w, results)
 
-    def _draft_time(self, w: SimWorker, tasks: list[Task]) -> float:
+    def _draft_time(self, w: SimWorker, tasks: list[SimTask]) -> float:
         cost, cache = w.costs["draft"], w.caches["draft"]
         total = 0.0
         have = [cache.get(t.req.rid, 0) for t in tasks]
@@ -310,11 +305,11 @@ class Simulator:
                 cache[t.req.rid] = h  # the last draft token is proposed, never fed
         return total
 
-    def _verify_time(self, w: SimWorker, tasks: list[Task], outcomes: dict[int, Outcome]) -> float:
+    def _verify_time(self, w: SimWorker, tasks: list[SimTask], outcomes: dict[int, Outcome]) -> float:
         cost, cache = w.costs["target"], w.caches["target"]
         have = [cache.get(t.req.rid, 0) for t in tasks]
 
-        def tree_rows(t: Task) -> int:  # the draft, its runner-ups, the fused chain where one was found
+        def tree_rows(t: SimTask) -> int:  # the draft, its runner-ups, the fused chain where one was found
             return t.k + (t.alts if t.k > 0 else 0) + (t.fuse if outcomes[id(t)][3] is not None else 0)
 
         tokens = sum(t.length - h + tree_rows(t) for t, h in zip(tasks, have))
@@ -333,7 +328,7 @@ class Simulator:
     def _forward_s(self, cost: CostModel, batch: int, tokens: int, context: int) -> float:
         return cost.forward_s(batch, tokens, context) + self.sc.host.forward_overhead_us * 1e-6
 
-    def _finish_batch(self, w: SimWorker, results: list[tuple[Task, Outcome | None]]) -> None:
+    def _finish_batch(self, w: SimWorker, results: list[tuple[SimTask, Outcome | None]]) -> None:
         w.computing = None
         self.to_broker(self._results, w.wid, results)
         self._worker_step(w)

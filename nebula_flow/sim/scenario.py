@@ -5,7 +5,7 @@
     seed = 0
     # deploy = "../emulated-2d2t.toml"   # take mode knobs, pools and profiles from a deployment
 
-    [policy]            # the broker's policy knobs (BrokerOptions): k, locality, migrate, merge_batches
+    [policy]            # the live policy's knobs (nebula_flow/policy.py): k, locality, adaptive_k, ...
     k = 4
 
     [workload]
@@ -67,12 +67,12 @@ from typing import Any
 
 from nebula_flow.config import ConfigError, load_config, read_toml
 from nebula_flow.emulated import load_profile
+from nebula_flow.policy import PolicyConfig, PolicyError
 from nebula_flow.protocol import DRAFTER_NAME, DRAFTER_RULE
-from nebula_flow.scheduler import DEFAULT_DRAFTER, MODES, POLICY_KNOBS
-from nebula_flow.sim.acceptance import Acceptance
+from nebula_flow.scheduler import DEFAULT_DRAFTER, MODES
+from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.costs import CostModel, Link, ProfileCost, RooflineCost
 from nebula_flow.sim.hardware import GB, resolve_hardware, resolve_model
-from nebula_flow.speclen import DEFAULT_COSTS
 from nebula_flow.traces import Shaping, load_trace, shape
 
 
@@ -143,7 +143,7 @@ class Drafter:
 
     name: str
     pool: Pool
-    acceptance: Acceptance
+    acceptance: AcceptanceModel
 
 
 @dataclass
@@ -151,33 +151,20 @@ class Scenario:
     name: str
     draft: Pool
     target: Pool
-    acceptance: Acceptance
+    acceptance: AcceptanceModel
     link: Link
     workload: Workload = field(default_factory=Workload)
     drafters: list[Drafter] = field(default_factory=list)  # pooled mode only, as in a deployment
     modes: list[str] = field(default_factory=lambda: list(MODES))
-    k: int = 4
-    locality: bool = True
-    migrate: bool = False
-    merge_batches: bool = True
-    adaptive_k: bool = False
-    spec_costs: list[float] = field(default_factory=lambda: list(DEFAULT_COSTS))
-    # simulated workers report their forward times by rows from their cost model, as live ones do
-    measure_costs: bool = False
-    # token trees: their rows cost what the target's cost model says; their wins follow [acceptance]
-    first_alternatives: int = 0
-    fuse_ngram: int = 0
-    disable_by_batch_size: int = 0
+    # the live policy's knobs. Simulated workers report their forward times by rows from their cost
+    # model, as live ones do (measure_costs); token-tree rows cost what the target's cost model says,
+    # and their wins follow [acceptance]
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     seed: int = 0
     host: HostCosts = field(default_factory=HostCosts)
     sweep_draft_workers: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     sweep_scale_workload: bool = True
     source: str = "<built>"
-
-    @property
-    def knobs(self) -> dict[str, Any]:
-        """The policy's keyword arguments (``scheduler.POLICY_KNOBS``)."""
-        return {name: getattr(self, name) for name in POLICY_KNOBS}
 
 
 def _path(spec: str, base: Path) -> str:
@@ -215,7 +202,7 @@ def _pool(raw: dict[str, Any], where: str, base: Path) -> Pool:
 def _from_deploy(path: str) -> dict[str, Any]:
     """Pools and policy knobs of a deployment config (its devices must be emulated: profiles)."""
     cfg = load_config(path)
-    out: dict[str, Any] = {"policy": {"k": cfg.broker.k, **{n: getattr(cfg.broker, n) for n in POLICY_KNOBS}}}
+    out: dict[str, Any] = {"policy": cfg.policy.to_table()}
     for name, pool in (("draft", cfg.draft), ("target", cfg.target)):
         if not pool.profile:
             raise ConfigError(f"{path} [{name}]: simulating a deployment needs a latency profile "
@@ -238,10 +225,10 @@ def load_scenario(path: str | Path) -> Scenario:
         dep = _from_deploy(_path(raw["deploy"], base))
         for key in ("draft", "target", "policy"):
             raw[key] = {**dep[key], **raw.get(key, {})}
-    policy = raw.get("policy", {})
-    unknown = set(policy) - {"k", *POLICY_KNOBS}
-    if unknown:
-        raise ConfigError(f"{path} [policy]: unknown keys {sorted(unknown)} (known: k, {', '.join(POLICY_KNOBS)})")
+    try:
+        policy = PolicyConfig.from_table(raw.get("policy", {}), f"{path} [policy]")
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
     modes = raw.get("modes", list(MODES))
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -253,7 +240,7 @@ def load_scenario(path: str | Path) -> Scenario:
     target = _pool(raw["target"], f"{path} [target]", base)
     seed = int(raw.get("seed", 0))
     try:
-        acceptance = Acceptance.from_config(raw.get("acceptance", {}), seed, base)
+        acceptance = AcceptanceModel.from_config(raw.get("acceptance", {}), seed, base)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{path} [acceptance]: {exc}") from None
     drafters = _drafters(raw.get("drafters", []), acceptance, seed, base, path)
@@ -276,18 +263,13 @@ def load_scenario(path: str | Path) -> Scenario:
     return Scenario(
         name=raw.get("name", path.stem), draft=draft, target=target, acceptance=acceptance, drafters=drafters,
         link=_link(raw.get("kv", {}), target, f"{path} [kv]"), workload=workload, modes=list(modes),
-        k=int(policy.get("k", 4)), locality=bool(policy.get("locality", True)),
-        migrate=bool(policy.get("migrate", False)), merge_batches=bool(policy.get("merge_batches", True)),
-        adaptive_k=bool(policy.get("adaptive_k", False)), measure_costs=bool(policy.get("measure_costs", False)),
-        spec_costs=[float(c) for c in policy.get("spec_costs", DEFAULT_COSTS)],
-        disable_by_batch_size=int(policy.get("disable_by_batch_size", 0)),
-        first_alternatives=int(policy.get("first_alternatives", 0)), fuse_ngram=int(policy.get("fuse_ngram", 0)),
+        policy=policy,
         seed=seed, host=host,
         sweep_draft_workers=[int(n) for n in sweep.get("draft_workers", [1, 2, 4, 8, 16, 32, 64])],
         sweep_scale_workload=bool(sweep.get("scale_workload", True)), source=str(path))
 
 
-def _drafters(raw: Any, acceptance: Acceptance, seed: int, base: Path, path: Path) -> list[Drafter]:  # noqa: ANN401
+def _drafters(raw: Any, acceptance: AcceptanceModel, seed: int, base: Path, path: Path) -> list[Drafter]:  # noqa: ANN401
     """The ``[[drafters]]`` pools: each a pool (``_pool``'s keys), a name and its own acceptance."""
     if not isinstance(raw, list) or not all(isinstance(entry, dict) for entry in raw):
         raise ConfigError(f"{path}: drafters must be [[drafters]] tables")
@@ -301,7 +283,7 @@ def _drafters(raw: Any, acceptance: Acceptance, seed: int, base: Path, path: Pat
             raise ConfigError(f"{where}: name must be a drafter name of its own ({DRAFTER_RULE}; not "
                               f"{DEFAULT_DRAFTER!r}, which is [draft]'s)")
         try:
-            own = Acceptance.from_config(acc, seed, base) if acc is not None else acceptance
+            own = AcceptanceModel.from_config(acc, seed, base) if acc is not None else acceptance
         except (ValueError, OSError, AttributeError) as exc:
             raise ConfigError(f"{where} acceptance: {exc}") from None
         out.append(Drafter(name, _pool(entry, where, base), own))
@@ -324,12 +306,12 @@ def _link(raw: dict[str, Any], target: Pool, where: str) -> Link:
 
 def describe(sc: Scenario) -> dict[str, Any]:
     """What a result was computed from, for reports."""
-    return {"name": sc.name, "source": sc.source, "k": sc.k, "policy": sc.knobs, "seed": sc.seed,
+    return {"name": sc.name, "source": sc.source, "k": sc.policy.k, "policy": sc.policy.to_table(), "seed": sc.seed,
             "draft": {"workers": sc.draft.workers, "max_batch": sc.draft.max_batch, "cost": sc.draft.cost.name},
             "target": {"workers": sc.target.workers, "max_batch": sc.target.max_batch, "cost": sc.target.cost.name},
             "drafters": {d.name: {"workers": d.pool.workers, "max_batch": d.pool.max_batch, "cost": d.pool.cost.name}
                          for d in sc.drafters},
             "kv_link": "free" if sc.link.bandwidth == float("inf") else
             {"gbps": sc.link.bandwidth / GB, "latency_us": sc.link.latency_s * 1e6},
-            "expected_tokens_per_round": sc.acceptance.expected_tokens_per_round(sc.k),
+            "expected_tokens_per_round": sc.acceptance.expected_tokens_per_round(sc.policy.k),
             "workload": json.loads(json.dumps({f.name: getattr(sc.workload, f.name) for f in fields(sc.workload)}))}

@@ -22,8 +22,6 @@ import hashlib
 import json
 import math
 import platform
-import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,46 +33,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from nebula_flow.config import cache_dir
+from nebula_flow.corpus import corpus_files, stdlib_root
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.models.loader import load_model
 from nebula_flow.tokenizer import TextCodec, eos_token_ids
-
-EVAL_PROMPTS = [
-    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n",
-    "import json\n\ndef load_settings(path):\n",
-    "class LRUCache:\n    def __init__(self, capacity):\n",
-    "def is_palindrome(s: str) -> bool:\n",
-    "# Count the words in a file\nfrom collections import Counter\n\n",
-    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
-    "async def fetch_all(urls):\n",
-    "def parse_args():\n    parser = argparse.ArgumentParser(",
-    "class Matrix:\n    def __mul__(self, other):\n",
-    "def flatten(nested):\n    result = []\n",
-    "with open('data.csv') as f:\n    reader = csv.reader(f)\n",
-    "def retry(times=3):\n    def decorator(func):\n",
-]
-
-# The same tasks asked the way an instruct model is used: as a user message in its chat format.
-EVAL_CHAT_PROMPTS = [
-    "Write a Python function that merges two sorted lists.",
-    "Write a Python function that loads settings from a JSON file.",
-    "Implement an LRU cache class in Python.",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Write a Python script that counts the words in a file.",
-    "Write a binary search function in Python.",
-    "Write an async Python function that fetches a list of URLs.",
-    "Write a Python function that parses command-line arguments with argparse.",
-    "Write a Python Matrix class with matrix multiplication.",
-    "Write a Python function that flattens a nested list.",
-    "Write Python code that reads a CSV file and prints each row.",
-    "Write a Python retry decorator.",
-]
-
-
-def eval_prompts(codec: TextCodec, chat: bool) -> list[list[int]]:
-    """Token ids of the evaluation prompts: raw code, or code requests in the chat format."""
-    return [codec.encode(p, chat=True) for p in EVAL_CHAT_PROMPTS] if chat else [codec.encode(p) for p in EVAL_PROMPTS]
+from nebula_flow_workers.evaluate import evaluate_pair, log
 
 
 @dataclass
@@ -104,20 +68,10 @@ class DistillConfig:
     init_from: str | None = None  # fine-tune an existing draft instead of starting from PCA
 
 
-def _log(msg: str) -> None:
-    """Progress, on stderr: the commands print their JSON report on stdout."""
-    print(f"[train-draft {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def corpus_files(paths: list[str] | None) -> list[Path]:
-    roots = [Path(p) for p in paths] if paths else [Path(sysconfig.get_paths()["stdlib"])]
-    files: list[Path] = []
-    for root in roots:
-        files.extend(sorted(root.rglob("*.py")) if root.is_dir() else [root])
-    return [f for f in files if "test" not in f.parts and f.is_file()]
 
-
-def tokenize_corpus(cfg: DistillConfig, tok) -> tuple[np.ndarray, dict]:  # noqa: ANN001
+def tokenize_corpus(cfg: DistillConfig, codec: TextCodec) -> tuple[np.ndarray, dict]:
     """Token sequences [n, seq_len] from the corpus, files shuffled with the seed."""
     files = corpus_files(cfg.corpus)
     rng = np.random.default_rng(cfg.seed)
@@ -127,13 +81,13 @@ def tokenize_corpus(cfg: DistillConfig, tok) -> tuple[np.ndarray, dict]:  # noqa
     for f in files:
         if len(ids) >= cfg.max_tokens:
             break
-        ids.extend(tok(f.read_text(errors="replace"))["input_ids"] + [tok.eos_token_id])
+        ids.extend(codec.encode(f.read_text(errors="replace")) + [codec.eos_token_id])
         used += 1
     n = min(len(ids), cfg.max_tokens) // cfg.seq_len
     if n < 8:
         raise ValueError(f"corpus too small: {len(ids)} tokens")
     info = {"files_available": len(files), "files_used": used, "tokens": n * cfg.seq_len,
-            "python": platform.python_version(), "roots": cfg.corpus or [sysconfig.get_paths()["stdlib"]]}
+            "python": platform.python_version(), "roots": cfg.corpus or [str(stdlib_root())]}
     return np.asarray(ids[: n * cfg.seq_len], dtype=np.int32).reshape(n, cfg.seq_len), info
 
 
@@ -151,7 +105,7 @@ def teacher_cache(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, np.
     if done >= n:
         return idx, lp
     teacher = load_model(cfg.target, dtype=cfg.teacher_dtype, batch_invariant=False)  # whole sequences: no need
-    _log(f"teacher pass over {n} x {L} tokens ({cfg.teacher_dtype}), cached in {folder}; resuming at {done}")
+    log(f"teacher pass over {n} x {L} tokens ({cfg.teacher_dtype}), cached in {folder}; resuming at {done}")
     t0, batch = time.monotonic(), 4
     for start in range(done, n, batch):
         rows = seqs[start:start + batch]
@@ -162,7 +116,7 @@ def teacher_cache(cfg: DistillConfig, seqs: np.ndarray) -> tuple[np.ndarray, np.
         done_file.write_text(str(start + len(rows)))
         if (start // batch) % 10 == 0:
             rate = (start + len(rows) - done) * L / (time.monotonic() - t0)
-            _log(f"teacher {start + len(rows)}/{n} sequences, {rate:.0f} tokens/s, "
+            log(f"teacher {start + len(rows)}/{n} sequences, {rate:.0f} tokens/s, "
                  f"ETA {(n - start - len(rows)) * L / max(rate, 1e-9) / 60:.1f} min")
     idx.flush()
     lp.flush()
@@ -204,7 +158,7 @@ def _generate(cfg: DistillConfig, prompts: list[list[int]], stop: set[int]) -> t
                     ids[r, e:], idx[r, e:, 0], logp[r, e:, 0], logp[r, e:, 1:] = tok, tok, 0.0, -np.inf
                 else:
                     feed[r] = [tok]
-        _log(f"generated {rows[-1] + 1}/{n} sequences ({made / (time.monotonic() - t0):.0f} tokens/s)")
+        log(f"generated {rows[-1] + 1}/{n} sequences ({made / (time.monotonic() - t0):.0f} tokens/s)")
     return ids, idx, logp
 
 
@@ -348,14 +302,13 @@ def train_draft(cfg: DistillConfig) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     codec = TextCodec(cfg.target)
-    tok = codec.tok
-    seqs, corpus_info = tokenize_corpus(cfg, tok)
-    _log(f"corpus: {corpus_info['files_used']} files, {corpus_info['tokens']} tokens")
+    seqs, corpus_info = tokenize_corpus(cfg, codec)
+    log(f"corpus: {corpus_info['files_used']} files, {corpus_info['tokens']} tokens")
     t_idx, t_lp = teacher_cache(cfg, seqs)
     target_raw = json.loads((Path(cfg.target) / "config.json").read_text())
     tcfg = ModelConfig.from_dict(target_raw)
     head = _head_vocab(seqs, t_idx, cfg.head_vocab or tcfg.vocab_size, tcfg.vocab_size,
-                       [tok.eos_token_id, *tcfg.eos_token_ids])
+                       [codec.eos_token_id, *tcfg.eos_token_ids])
     raw = draft_config(cfg, tcfg, target_raw)
     raw["draft_head_size"] = len(head) if cfg.head_vocab else None
     # Batches cycle through the sources: the corpus, the target's continuations, its chat answers.
@@ -372,7 +325,7 @@ def train_draft(cfg: DistillConfig) -> dict:
         model.load_state_dict(base.state_dict())
         if model.head_token_ids is not None:
             head = model.head_token_ids.numpy()
-        _log(f"fine-tuning {cfg.init_from}")
+        log(f"fine-tuning {cfg.init_from}")
     else:
         model = CausalLM(ModelConfig.from_dict(raw))
         if model.head_token_ids is not None:
@@ -390,7 +343,7 @@ def train_draft(cfg: DistillConfig) -> dict:
         student.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
-        _log(f"resumed at step {step}")
+        log(f"resumed at step {step}")
     rng = np.random.default_rng(cfg.seed + step)
     t0, seen = time.monotonic(), 0
     student.train()
@@ -409,7 +362,7 @@ def train_draft(cfg: DistillConfig) -> dict:
         step += 1
         seen += cfg.batch_size * cfg.seq_len
         if step % 25 == 0 or step == cfg.steps:
-            _log(f"step {step}/{cfg.steps} loss {loss.item():.3f} lr {lr:.2e} "
+            log(f"step {step}/{cfg.steps} loss {loss.item():.3f} lr {lr:.2e} "
                  f"{seen / (time.monotonic() - t0):.0f} tokens/s")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             torch.save({"model": student.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
@@ -422,7 +375,7 @@ def train_draft(cfg: DistillConfig) -> dict:
     report = {"held_out_loss": held, "corpus": corpus_info, "config": asdict(cfg),
               "parameters": sum(p.numel() for p in model.parameters())}
     report["acceptance"] = evaluate_pair(cfg.target, str(out), cfg.eval_tokens, target_dtype=cfg.teacher_dtype)
-    if getattr(tok, "chat_template", None):
+    if codec.chat_template:
         report["acceptance_chat"] = evaluate_pair(cfg.target, str(out), cfg.eval_tokens,
                                                   target_dtype=cfg.teacher_dtype, chat=True)
     (out / "training.json").write_text(json.dumps(report, indent=2))
@@ -460,60 +413,3 @@ def save_draft(model: CausalLM, raw: dict, out: Path, target: str) -> None:
                  "chat_template.jinja"):
         if (tgt / name).exists():
             (out / name).write_bytes((tgt / name).read_bytes())
-
-
-def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[int, ...] = (2, 4, 6),
-                  target_dtype: str | None = None, alternatives: int = 0, chat: bool = False,
-                  fuse_ngram: int = 0, temperature: float = 0.0, seeds: int = 1) -> dict:
-    """Mean committed tokens per round (greedy, or sampled) at each k on ``EVAL_PROMPTS`` (``chat``: on
-    ``EVAL_CHAT_PROMPTS`` in the target's chat format), using the
-    real runner code; also checks the output equals the target's own greedy output (the target
-    runs in ``target_dtype``, batch-invariant in reduced precision, as a deployment runs it).
-    ``alternatives``: runner-ups to the first draft token verified beside the chain (token tree);
-    ``fuse_ngram``: a prompt-lookup chain of up to that many tokens verified beside it too.
-    ``temperature`` > 0: sampled requests, ``seeds`` of each prompt (rejection sampling keeps the
-    target's distribution, not its tokens, so there is no output to compare; ``lossless`` is None)."""
-    from nebula_flow.params import SamplingParams
-    from workers.runner import ModelRunner, Task
-
-    codec = TextCodec(target)
-    t_run, d_run = ModelRunner(load_model(target, dtype=target_dtype)), ModelRunner(load_model(draft))
-    sampled = temperature > 0
-    if seeds < 1 or temperature < 0:
-        raise ValueError("seeds must be >= 1 and temperature >= 0")
-    prompts = eval_prompts(codec, chat) * (seeds if sampled else 1)  # (request i draws from its own seed, i)
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, temperature=temperature)
-    stop = set(eos_token_ids(target, codec)) if chat else set()  # a chat answer ends at its end of turn
-    result = {}
-    reference = None
-    for k in (*(() if sampled else (0,)), *ks):  # k = 0 is the target alone: the reference every k must reproduce
-        outs, rounds = [], 0
-        for rid, prompt in enumerate(prompts):
-            toks = list(prompt)
-            while len(toks) - len(prompt) < max_new_tokens:
-                left = max_new_tokens - (len(toks) - len(prompt))
-                kk = min(k, left - 1)
-                task = Task(rid, "draft", rounds, 1, np.asarray(toks), kk, params, rid, alts=alternatives,
-                            fuse=min(fuse_ngram, left - 1) if kk > 0 else 0)
-                if kk > 0:
-                    proposal = d_run.draft([task])[0]
-                    task.draft, task.alt, task.chains = proposal.tokens, proposal.alt, proposal.chains
-                    task.q_idx, task.q_prob = proposal.q_idx, proposal.q_prob
-                new = t_run.verify([task])[0]
-                rounds += 1
-                ends = [i for i, t in enumerate(new) if t in stop]
-                toks += new[:ends[0] + 1] if ends else new
-                if ends:
-                    break
-            outs.append(toks[len(prompt):][:max_new_tokens])
-            for r in (t_run, d_run):
-                r.store.free([rid])
-        if k == 0:
-            reference = outs
-            continue
-        same = None if sampled else outs == reference
-        result[f"k={k}"] = {"tokens_per_round": sum(map(len, outs)) / rounds, "lossless": same}
-        _log(f"eval k={k}: {result[f'k={k}']['tokens_per_round']:.2f} committed tokens per round, " +
-             (f"sampled at temperature {temperature} ({seeds} seeds of each prompt)" if sampled else
-              f"output {'equals' if same else 'DIFFERS FROM'} the target's greedy output"))
-    return result

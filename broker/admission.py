@@ -1,0 +1,72 @@
+"""Admission: a SUBMIT becomes a ``Request`` (validated, tokenized) or a clear refusal; and the
+request's text as it grows, with stop strings applied.
+
+The broker's dispatch thread does this work today; it owns the target's tokenizer (no torch).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from nebula_flow.models.config import ModelConfig
+from nebula_flow.params import InvalidParams, SamplingParams
+from nebula_flow.protocol import ProtocolError, Submit
+from nebula_flow.request import Request
+from nebula_flow.tokenizer import TextCodec, eos_token_ids
+
+
+class Admission:
+    """What the broker knows of the target model: tokenizer, EOS ids, context, vocabulary."""
+
+    def __init__(self, model: str | None, max_new_tokens_limit: int) -> None:
+        self.codec = TextCodec(model) if model else None
+        self.eos_ids = eos_token_ids(model, self.codec) if model else ()
+        facts = ModelConfig.from_dir(model) if model else None
+        self.max_model_len = facts.max_position_embeddings if facts else 1 << 30
+        self.vocab_size = facts.vocab_size if facts else None
+        self.max_new_tokens_limit = max_new_tokens_limit
+
+    def request(self, rid: int, msg: Submit, owner: bytes, now: float) -> Request:
+        """The request a SUBMIT asks for, or ``ProtocolError`` saying what is wrong with it."""
+        try:
+            params = SamplingParams.from_wire(msg.params)
+            params.validate(self.max_new_tokens_limit)
+        except (InvalidParams, TypeError) as exc:
+            raise ProtocolError("invalid_params", str(exc)) from None
+        if msg.prompt is not None:
+            if self.codec is None:
+                raise ProtocolError("no_tokenizer", "this broker has no tokenizer; send prompt_tokens")
+            try:
+                prompt = self.codec.encode(msg.prompt, chat=msg.chat)
+            except ValueError as exc:
+                raise ProtocolError("invalid_prompt", str(exc)) from None
+        else:
+            prompt = msg.prompt_tokens.tolist()
+            if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in prompt):
+                raise ProtocolError("invalid_prompt", f"token ids must be in [0, {self.vocab_size})")
+        if not prompt:
+            raise ProtocolError("invalid_prompt", "the prompt is empty")
+        if len(prompt) + params.max_new_tokens > self.max_model_len:
+            raise ProtocolError("too_long", f"prompt ({len(prompt)} tokens) + max_new_tokens "
+                                            f"({params.max_new_tokens}) exceeds the context ({self.max_model_len})")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        return Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now)
+
+    def stop_text(self, req: Request) -> bool:
+        """Decode ``req``'s output into ``req.text``, cut before its first stop string; says
+        whether one was found. A partial UTF-8 character at the end is held back."""
+        if self.codec is None:
+            return False
+        full, hit = apply_stop(self.codec.decode(req.output), req.params.stop)
+        if hit or not full.endswith("\ufffd"):
+            req.text = full
+        return hit
+
+    def final_text(self, req: Request) -> str:
+        return apply_stop(self.codec.decode(req.output), req.params.stop)[0] if self.codec else ""
+
+
+def apply_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """Cut ``text`` before the earliest stop string; says whether one was found."""
+    cuts = [at for at in (text.find(s) for s in stops) if at >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)

@@ -1,0 +1,63 @@
+"""`nebula-flow broker`: run the broker process (a plugin command; see nebula_flow/cli)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from nebula_flow.cli.common import policy_options
+from nebula_flow.options import BrokerOptions, read_options
+from nebula_flow.policy import PolicyConfig
+from nebula_flow.scheduler import MODES
+
+_D = BrokerOptions()
+
+
+@click.command()
+@click.option("--options", "options_file", type=click.Path(exists=True, dir_okay=False),
+              help="Take every setting from this JSON file (what `serve` writes for its broker); no other option "
+              "may be given with it.")
+@click.option("--mode", type=click.Choice(list(MODES)), default=None,
+              help=f"Scheduling mode: pooled (M-for-N), paired, colocated or autoregressive. [default: {_D.mode}]")
+@click.option("--host", default=None, help=f"Interface to bind. [default: {_D.host}]")
+@click.option("--client-port", type=int, default=None, help=f"Port for clients. [default: {_D.client_port}]")
+@click.option("--worker-port", type=int, default=None, help=f"Port for workers. [default: {_D.worker_port}]")
+@click.option("--model", type=click.Path(), help="Target checkpoint directory: tokenizer, context length, EOS.")
+@click.option("--proposal-top-k", type=int, default=None,
+              help=f"Entries of the draft distribution q sent with each sampled draft token. [default: {_D.proposal_top_k}]")
+@click.option("--max-pending", type=int, default=None,
+              help=f"Admission limit; beyond it clients get BUSY. [default: {_D.max_pending}]")
+@click.option("--heartbeat-s", type=float, default=None, help=f"Heartbeat interval. [default: {_D.heartbeat_s}]")
+@click.option("--liveness-s", type=float, default=None,
+              help=f"Silence after which a worker is declared dead. [default: {_D.liveness_s}]")
+@click.option("--metrics-port", type=int, help="Serve Prometheus text at http://HOST:PORT/metrics (0: a free port).")
+@click.option("--keys", type=click.Path(), help="CURVE key folder (`nebula-flow keys`); required off loopback. "
+              "Also read from NEBULA_FLOW_KEYS.")
+@click.option("--policy-log", type=click.Path(), help="At exit, write every scheduling event and decision here "
+              "(JSONL), for `nebula-flow simulate --check-policy-log`.")
+@click.option("--print-options", is_flag=True, help="Print the settings this broker would run with (JSON, the "
+              "format of --options) and exit.")
+@policy_options
+def broker(options_file: str | None, print_options: bool, policy: PolicyConfig, **given: object) -> None:
+    """Run the broker: the request pool, the draft and target topics, the two sockets."""
+    from nebula_flow_broker.server import serve_broker
+
+    given = {name: value for name, value in given.items() if value is not None}
+    if options_file:
+        if given or policy != PolicyConfig():
+            raise click.UsageError("--options takes every setting from its file: give no other option")
+        try:
+            opts = read_options(BrokerOptions, options_file)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+    else:
+        opts = BrokerOptions(policy=policy, **given)
+    if print_options:
+        click.echo(json.dumps(opts.to_json(), indent=2))
+        return
+    try:
+        sys.exit(serve_broker(opts))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None

@@ -1,0 +1,104 @@
+"""A worker's result for one task, checked against what the policy asked for.
+
+A draft result must hold at most ``k`` tokens, its runner-ups and fused chains as asked; a
+verify result must commit a path of the round's token tree plus one token. Anything else is a
+``ProtocolError`` (the broker ends that request with a clear error, never a hang).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nebula_flow.protocol import ProtocolError, TaskResult
+from nebula_flow.request import ROUND, Request
+from nebula_flow.speclen import FIT_ROWS
+from nebula_flow.tree import TokenTree, fused_gain
+
+
+@dataclass
+class Verified:
+    """What a verify (or whole round) committed, and what each part of its tree won."""
+
+    committed: list[int]
+    draft: list[int]
+    alt: list[int]
+    chains: list[list[int]]
+    chain: int  # draft tokens accepted
+    via_alt: bool  # a runner-up to the first draft token won
+    fused: int  # tokens a fused chain won beyond the draft
+
+
+def drafted(req: Request, out: TaskResult) -> tuple[list[int], list[int], list[list[int]]]:
+    """A draft or round result's draft, runner-ups and fused chains, as the policy asked for."""
+    draft = out.draft
+    if len(draft) > req.k:  # (fewer: a drafter with nothing worth proposing, e.g. n-gram without a match)
+        raise ProtocolError("malformed", f"draft has {len(draft)} tokens, asked for at most {req.k}")
+    return draft, alternatives(req, out.alt, draft), fused_chains(req, out.chains)
+
+
+def proposal(out: TaskResult) -> dict[str, Any]:
+    """A sampled draft's proposal q, copied out of the message's frames (it outlives them)."""
+    if out.q_len is None:
+        raise ProtocolError("malformed", "a sampled draft needs its proposal q")
+    idx, prob = out.proposal()
+    return {"q_idx": [a.copy() for a in idx], "q_prob": [p.copy() for p in prob]}
+
+
+def verified(req: Request, out: TaskResult) -> Verified:
+    """Check a verify or round result's committed tokens against the round's token tree."""
+    if out.kind == ROUND:  # (drafted and verified in one task: its draft comes with the result)
+        draft, alt, chains = drafted(req, out)
+    else:
+        draft, alt, chains = req.draft, req.alt, req.chains
+        if not draft:  # a round without a draft: the target looked the chain up itself
+            chains = fused_chains(req, out.chains)
+    committed = out.committed or []
+    tree = TokenTree([draft, *([a] for a in alt), *chains])
+    if not committed or len(tree.path(committed[:-1])) != len(committed) - 1:
+        raise ProtocolError("malformed", f"{len(committed)} committed tokens are not a path of the round's "
+                                         f"drafts and one more token")
+    accepted = len(committed) - 1
+    chain = next((i for i, (a, b) in enumerate(zip(draft, committed[:-1])) if a != b), min(len(draft), accepted))
+    via_alt = chain == 0 and accepted > 0 and committed[0] in alt
+    return Verified(committed, draft, alt, chains, chain, via_alt, fused_gain(accepted, chain, via_alt))
+
+
+def alternatives(req: Request, alt: list[int], draft: list[int]) -> list[int]:
+    """The runner-ups to the first draft token a result brings, checked against the ones the
+    policy asked for (``req.alts``: a two-level token tree)."""
+    if alt and not draft:
+        raise ProtocolError("malformed", "alternatives to the first draft token need a draft")
+    if len(alt) > req.alts or len(set(alt)) != len(alt) or (alt and draft[0] in alt):
+        raise ProtocolError("malformed", f"{len(alt)} alternatives (asked for {req.alts}) must be distinct "
+                                         "and differ from the first draft token")
+    return alt
+
+
+def fused_chains(req: Request, chains: list[list[int]]) -> list[list[int]]:
+    """The chains a result fused beside its draft (or, without one, looked up for its verify),
+    checked against what the policy asked for (``req.fuse``: at most one chain of that many)."""
+    if len(chains) > (1 if req.fuse else 0):
+        raise ProtocolError("malformed", f"{len(chains)} fused chains (asked for {1 if req.fuse else 0})")
+    for c in chains:
+        if not 0 < len(c) <= req.fuse:
+            raise ProtocolError("malformed", f"a fused chain of {len(c)} tokens (asked for 1..{req.fuse})")
+    return chains
+
+
+def step_costs(raw: object, roles: tuple[str, ...]) -> dict[str, list[float | None]]:
+    """A RESULT's ``device.step_costs`` (per role, forward seconds by new rows), or ValueError."""
+    if not isinstance(raw, dict):
+        raise ValueError("step_costs must be an object")
+    out = {}
+    for role, seconds in raw.items():
+        if role not in roles or not isinstance(seconds, list) or not 0 < len(seconds) <= FIT_ROWS \
+                or not all(t is None or _seconds(t) for t in seconds):
+            raise ValueError(f"bad step_costs for {role!r}")
+        out[role] = [None if t is None else float(t) for t in seconds]
+    return out
+
+
+def _seconds(value: Any, least: float = 1e-9) -> bool:  # noqa: ANN401
+    """A finite duration of at least ``least`` seconds, under an hour (a bool is no number here)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and least <= value < 3600.0

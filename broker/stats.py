@@ -1,0 +1,91 @@
+"""The broker's counters and the state ``nebula-flow status`` shows (and /metrics renders)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from nebula_flow.scheduler import Scheduler
+from nebula_flow_broker.results import Verified
+
+
+@dataclass
+class WorkerInfo:
+    identity: bytes
+    role: str
+    name: str
+    last_seen: float
+    kv_endpoint: str | None = None
+    busy_s: float = 0.0
+    tasks: int = 0
+    kv: dict[str, Any] | None = None  # the worker's latest KV counters
+    device: dict[str, Any] | None = None  # forwards run; emulated devices: predicted vs overrun seconds
+
+
+@dataclass
+class BrokerStats:
+    counters: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    tokens_per_round_hist: Counter[int] = field(default_factory=Counter)
+    drafter_counts: dict[str, Counter[str]] = field(default_factory=dict)  # drafter -> rounds, proposed, accepted
+    batch_sizes: dict[str, Counter[int]] = field(default_factory=dict)
+
+    def count_round(self, v: Verified, fuse_asked: bool, drafter: str | None) -> None:
+        """Count what one verified round's token tree proposed and won."""
+        c = self.counters
+        c["alternatives_proposed"] += len(v.alt)
+        c["alternatives_contested"] += bool(v.alt) and v.chain == 0  # (where a runner-up could win)
+        c["alternatives_accepted"] += v.via_alt
+        c["fused_asked"] += fuse_asked
+        c["fused_chains"] += len(v.chains)
+        c["fused_rounds_won"] += v.fused > 0
+        c["fused_tokens_accepted"] += v.fused
+        while len(self.proposed_by_position) < len(v.draft):
+            self.proposed_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(len(v.draft)):
+            self.proposed_by_position[i] += 1
+            self.accepted_by_position[i] += i < v.chain
+        self.tokens_per_round_hist[len(v.committed)] += 1
+        if drafter is not None:
+            by = self.drafter_counts.setdefault(drafter, Counter())
+            by["rounds"] += 1
+            by["proposed"] += len(v.draft)
+            by["accepted"] += v.chain
+
+    def state(self, scheduler: Scheduler, workers: dict[int, WorkerInfo]) -> dict[str, Any]:
+        """The parts of the status state that these counters and the policy hold."""
+        return {
+            "workers": [{"id": wid, "role": w.role, "name": w.name, "drafter": scheduler.workers[wid].drafter,
+                         "busy_s": w.busy_s, "tasks": w.tasks, "slot": scheduler.workers[wid].slot,
+                         "kv_endpoint": w.kv_endpoint, "kv": w.kv, "device": w.device}
+                        for wid, w in workers.items()],
+            "counters": dict(self.counters), "errors": dict(self.errors),
+            # what adaptive k weighs now: draft step, verify row, round, in target decode steps
+            "spec_costs": list(scheduler.costs), "verify_costs": list(scheduler.verify_costs),
+            "drafters": self._drafters_state(scheduler),
+            "proposed_by_position": self.proposed_by_position, "accepted_by_position": self.accepted_by_position,
+            "tokens_per_round_hist": {str(k): v for k, v in self.tokens_per_round_hist.items()},
+            "batch_sizes": {r: {str(k): v for k, v in h.items()} for r, h in self.batch_sizes.items()},
+        }
+
+    def _drafters_state(self, s: Scheduler) -> dict[str, dict[str, Any]]:
+        """Per drafter: its live workers, rounds drafted, drafts proposed and accepted; with several,
+        the pool's recent acceptance of it (greedy, sampled) and the costs routing weighs (draft
+        step, verify row, round)."""
+        out = {}
+        for name in sorted(set(s.drafters) | set(self.drafter_counts)):
+            counts = self.drafter_counts.get(name, Counter())
+            entry: dict[str, Any] = {"workers": s.drafters.get(name, 0), "rounds": counts["rounds"],
+                                     "proposed": counts["proposed"], "accepted": counts["accepted"]}
+            rates = {kind: acc.rate for kind, greedy in (("greedy", True), ("sampled", False))
+                     if (acc := s.drafter_acceptance.get((name, greedy))) is not None}
+            if rates:
+                entry["acceptance"] = rates
+            if name in s.drafter_costs:
+                entry["spec_costs"] = list(s.drafter_costs[name][0])
+            out[name] = entry
+        return out

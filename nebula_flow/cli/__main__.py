@@ -1,0 +1,3 @@
+from nebula_flow.cli import main
+
+main()

@@ -1,0 +1,216 @@
+"""What the command-line modules share: loading a deployment config, applying overrides and
+policy settings, starting a deployment, and the option sets several commands take."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from nebula_flow.config import ConfigError, DeployConfig, PoolConfig, cache_dir, load_config
+from nebula_flow.policy import PolicyConfig, PolicyError, knob_help, knob_names
+from nebula_flow.scheduler import MODES
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO / "configs" / "default.toml"
+DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+
+
+def load_deploy(config: str | None) -> DeployConfig:
+    try:
+        return load_config(config or DEFAULT_CONFIG)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def prepare_models(cfg: DeployConfig) -> None:
+    """Build project-made models the config names but the cache lacks (the bundled target,
+    the tiny pair), then check that the draft can serve the target."""
+    from nebula_flow.bundled import prepare_target, target_dir
+    from nebula_flow.lookup import is_ngram
+    from nebula_flow.models.compat import IncompatiblePair, check_pair
+    from nebula_flow.models.config import ModelConfigError
+
+    tiny = cache_dir() / "tiny-pair"
+    drafts = [p for p in (cfg.draft, *cfg.drafters) if p.model and not is_ngram(p.model)]
+    for pool in (*drafts, cfg.target):
+        if not pool.model:
+            continue
+        if Path(pool.model).is_relative_to(tiny) and not (tiny / "READY").exists():
+            from nebula_flow.tiny import build_tiny_pair
+
+            click.echo(f"building the tiny model pair in {tiny} ...", err=True)
+            build_tiny_pair(tiny)
+        if Path(pool.model) == target_dir():
+            prepare_target(log=lambda m: click.echo(m, err=True))
+    for pool in drafts if cfg.mode != "autoregressive" else ():
+        try:
+            check_pair(pool.model, cfg.target.model)
+        except (IncompatiblePair, ModelConfigError) as exc:
+            raise click.ClickException(f"draft {pool.model} cannot serve target {cfg.target.model}: {exc}") from None
+
+
+def apply_overrides(cfg: DeployConfig, mode: str | None, draft_workers: int | None,
+                    target_workers: int | None, port: int | None, add_drafters: tuple[str, ...] = (),
+                    settings: tuple[str, ...] = ()) -> DeployConfig:
+    """The command line's changes to a deployment config (``settings``: ``KNOB=VALUE`` policy knobs)."""
+    if mode:
+        cfg.mode = mode
+    for spec in add_drafters:  # one more draft pool (one worker) per spec: several drafters, routed
+        cfg.drafters.append(PoolConfig(model=spec, workers=1, max_batch=cfg.draft.max_batch, dtype=cfg.draft.dtype,
+                                       device=cfg.draft.device))
+    if draft_workers:
+        cfg.draft.workers = draft_workers
+    if target_workers:
+        cfg.target.workers = target_workers
+    if port is not None:
+        cfg.broker.client_port, cfg.broker.worker_port = port, (port + 1 if port else 0)
+    cfg.broker.policy = with_settings(cfg.broker.policy, settings)
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    return cfg
+
+
+def with_settings(policy: PolicyConfig, settings: tuple[str, ...] | list[str], where: str = "--set") -> PolicyConfig:
+    """``policy`` with each ``KNOB=VALUE`` applied (``--set``, a bench mode's ``@KNOB=VALUE``)."""
+    for setting in settings:
+        try:
+            policy = policy.with_setting(setting)
+        except PolicyError as exc:
+            raise click.BadParameter(str(exc), param_hint=where) from None
+    return policy
+
+
+def set_option(f: Callable) -> Callable:
+    return click.option("--set", "settings", multiple=True, metavar="KNOB=VALUE",
+                        help="Set a scheduling-policy knob (repeatable), e.g. --set fuse_ngram=0; the knobs, "
+                        "their meaning and defaults: `nebula-flow broker --help`.")(f)
+
+
+def policy_options(f: Callable) -> Callable:
+    """One ``--KNOB`` option per ``PolicyConfig`` field (help and default from the field), plus
+    ``--set``; the command gets ``policy`` (a ``PolicyConfig``) in their place."""
+    defaults = PolicyConfig()
+
+    @functools.wraps(f)
+    def build(**kw: Any) -> Any:  # noqa: ANN401
+        given = {n: v for n in knob_names() if (v := kw.pop(n)) is not None}
+        if "spec_costs" in given:
+            try:
+                given["spec_costs"] = tuple(float(c) for c in given["spec_costs"].split(","))
+            except ValueError:
+                raise click.BadParameter("three numbers: DRAFT,ROW,ROUND", param_hint="--spec-costs") from None
+        try:
+            policy = PolicyConfig(**given)
+        except PolicyError as exc:
+            raise click.UsageError(str(exc)) from None
+        return f(policy=with_settings(policy, kw.pop("settings")), **kw)
+
+    for fd in reversed(dataclasses.fields(PolicyConfig)):
+        flag, value = fd.name.replace("_", "-"), getattr(defaults, fd.name)
+        text = knob_help(fd.name)
+        if isinstance(value, bool):
+            decl = click.option(f"--{flag}/--no-{flag}", fd.name, default=None, help=f"{text} [default: {value}]")
+        elif isinstance(value, tuple):
+            decl = click.option(f"--{flag}", fd.name, default=None, metavar="A,B,C",
+                                help=f"{text} [default: {','.join(map(str, value))}]")
+        else:
+            decl = click.option(f"--{flag}", fd.name, type=int, default=None, help=f"{text} [default: {value}]")
+        build = decl(build)
+    return set_option(build)
+
+
+DEPLOY_OPTIONS = [
+    click.option("--config", type=click.Path(), help=f"Deployment TOML (default {DEFAULT_CONFIG.relative_to(REPO)})."),
+    click.option("--mode", type=click.Choice(list(MODES)), help="Override the config's mode."),
+    click.option("--draft-workers", type=int, help="Override the number of draft workers (M)."),
+    click.option("--target-workers", type=int, help="Override the number of target workers (N)."),
+    click.option("--port", type=int, help="Client port (workers use port+1); 0 picks free ports."),
+    click.option("--log-dir", type=click.Path(), help="Where child process logs go (default: a temp folder)."),
+    click.option("--add-drafter", "add_drafters", multiple=True, metavar="MODEL",
+                 help="Pooled mode: one more draft worker with this drafter (ngram, ngram:MAX, ngram:MIN-MAX, or a "
+                 "draft checkpoint); each round goes to the drafter that pays best for its request. Repeatable."),
+]
+
+
+def deploy_options(f: Callable) -> Callable:
+    for opt in reversed(DEPLOY_OPTIONS):
+        f = opt(f)
+    return set_option(f)
+
+
+def start_deployment(config: str | None, mode: str | None, draft_workers: int | None, target_workers: int | None,
+                     port: int | None, log_dir: str | None, add_drafters: tuple[str, ...] = (),
+                     settings: tuple[str, ...] = ()):  # noqa: ANN201
+    """Start the deployment ``deploy_options`` describe, printing progress; returns it running."""
+    from nebula_flow.deploy import Deployment, DeploymentError
+
+    cfg = apply_overrides(load_deploy(config), mode, draft_workers, target_workers, port, add_drafters, settings)
+    prepare_models(cfg)
+    dep = Deployment(cfg, log_dir)
+    plan = cfg.worker_plan()
+    click.echo(f"starting {cfg.mode}: broker + {len(plan)} workers "
+               f"({', '.join(sorted({r for r, _ in plan}))}); logs in {dep.log_dir}", err=True)
+    t0 = time.monotonic()
+    try:
+        dep.start()
+    except DeploymentError as exc:
+        dep.stop()
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"ready in {time.monotonic() - t0:.1f} s", err=True)
+    return dep
+
+
+def print_completion(out, as_json: bool) -> None:  # noqa: ANN001
+    if as_json:
+        click.echo(json.dumps(out.to_json()))
+        return
+    click.echo(f"\n[{len(out.token_ids)} tokens, {out.rounds} rounds, {out.mean_tokens_per_round:.2f} tokens/round, "
+               f"TTFT {out.ttft_s * 1000:.0f} ms, latency {out.latency_s:.2f} s, "
+               f"{len(out.token_ids) / max(out.latency_s, 1e-9):.1f} tokens/s, finish: {out.finish_reason}]", err=True)
+    drafters = out.stats.get("drafter_rounds") or {}
+    if len(drafters) > 1:  # several drafters: which drafted how many of its rounds
+        click.echo("[rounds by drafter: " + ", ".join(f"{d} {n}" for d, n in sorted(drafters.items())) + "]", err=True)
+    if out.stats.get("fused_accepted"):  # token trees: what fused prompt-lookup chains added beyond the drafts
+        click.echo(f"[fused chains added {out.stats['fused_accepted']} tokens]", err=True)
+
+
+def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  # noqa: ANN003
+    from nebula_flow.client import Client, Completion, NebulaError
+
+    try:
+        with Client(address, timeout_s=params.pop("timeout_s")) as client:
+            for item in client.stream(prompt, **params):
+                if isinstance(item, Completion):
+                    print_completion(item, as_json)
+                elif not as_json:
+                    click.echo(item.text, nl=False)
+    except (NebulaError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+GEN_OPTIONS = [
+    click.option("--max-new-tokens", default=64, show_default=True),
+    click.option("--temperature", default=0.0, show_default=True, help="0 = greedy."),
+    click.option("--top-k", default=0, show_default=True, help="0 = off."),
+    click.option("--top-p", default=1.0, show_default=True),
+    click.option("--seed", type=int, help="Fixes the output for sampled generation."),
+    click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template."),
+    click.option("--timeout-s", default=300.0, show_default=True),
+]
+
+
+def gen_options(f: Callable) -> Callable:
+    for opt in reversed(GEN_OPTIONS):
+        f = opt(f)
+    return f
+

@@ -1,0 +1,179 @@
+"""Measurement commands: `bench` (modes side by side), `bench-kv` (KV movement), `replay` (a trace)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from nebula_flow.cli.common import (
+    DEFAULT_BROKER,
+    apply_overrides,
+    load_deploy,
+    prepare_models,
+    with_settings,
+)
+from nebula_flow.scheduler import MODES
+
+
+@click.command()
+@click.option("--config", type=click.Path(), help="Deployment TOML (default: the bundled one).")
+@click.option("--modes", default="pooled,paired,colocated,autoregressive", show_default=True,
+              help="Comma-separated modes, measured in turn; ratios are against the first. pooled+MODEL is pooled "
+              "with one more drafter (as --add-drafter MODEL, e.g. pooled+ngram), pooled-NAME pooled without the "
+              "config's [[drafters]] pool of that drafter name (e.g. pooled-ngram on the bundled config): routing "
+              "measured side by side. A mode may end in @KNOB=VALUE (repeatable) to set a [broker] policy knob for "
+              "it alone, e.g. pooled@fuse_ngram=0,pooled@fuse_ngram=8.")
+@click.option("--draft-workers", type=int, help="Override M.")
+@click.option("--target-workers", type=int, help="Override N.")
+@click.option("--concurrency", default=1, show_default=True, help="Concurrent requests (1 = single stream).")
+@click.option("--requests", "n_requests", default=8, show_default=True, help="Requests per repeat.")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True)
+@click.option("--repeats", default=3, show_default=True, help="Repeats per mode; figures are medians.")
+@click.option("--chat", is_flag=True, help="Send code requests in the model's chat format (how an instruct model "
+              "is used) instead of raw code and prose prompts.")
+@click.option("--edit", is_flag=True, help="Send chat requests to change a given function (add type hints, a "
+              "docstring): answers that repeat their prompt's code, where an n-gram drafter pays (pooled+ngram).")
+@click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
+def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
+          temperature, repeats, chat, edit, as_json) -> None:  # noqa: ANN001
+    """Benchmark the modes side by side on one config and workload (medians over repeats)."""
+    from nebula_flow.bench import (
+        DEFAULT_CHAT_PROMPTS,
+        DEFAULT_EDIT_PROMPTS,
+        DEFAULT_PROMPTS,
+        BenchWorkload,
+        bench_mode,
+        table,
+    )
+
+    names = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in names if (base := m.split("@")[0]) not in MODES and not base.startswith(("pooled+", "pooled-"))]
+    if bad or not names:
+        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)} (or pooled+MODEL, "
+                                   "pooled-NAME; then @KNOB=VALUE)")
+    if twice := sorted({m for m in names if names.count(m) > 1}):  # (results are keyed by mode)
+        raise click.ClickException(f"modes given more than once: {', '.join(twice)}; a mode's runs are --repeats")
+    pool = DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
+    wl = BenchWorkload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature,
+                  chat=chat or edit)
+    results = {}
+    for name in names:
+        base, *settings = name.split("@")
+        mode, change, spec = base.partition("+") if "+" in base else base.partition("-")
+        cfg = load_deploy(config)
+        cfg.broker.policy = with_settings(cfg.broker.policy, settings, name)
+        if change == "-":
+            from nebula_flow.routing import drafter_name
+
+            kept = [p for p in cfg.drafters if drafter_name(p.drafter, p.model) != spec]
+            if len(kept) == len(cfg.drafters):
+                raise click.ClickException(f"{name}: the config has no [[drafters]] pool named {spec!r}")
+            cfg.drafters = kept
+        cfg = apply_overrides(cfg, mode, draft_workers, target_workers, None, (spec,) if change == "+" else ())
+        prepare_models(cfg)
+        click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, concurrency {concurrency}, "
+                   f"{repeats} repeats", err=True)
+        results[name] = bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True), label=name)
+    if as_json:
+        click.echo(json.dumps({"modes": results}))
+    else:
+        click.echo(table(results))
+
+
+
+@click.command()
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@click.option("--tokenizer", type=click.Path(), help="Tokenizer folder for traces without text (default: the "
+              "target of --config or of the bundled config).")
+@click.option("--config", type=click.Path(), help="Deployment TOML whose target tokenizer to use.")
+@click.option("--time-scale", default=1.0, show_default=True, help="Divide arrival times by this (2 = twice as fast).")
+@click.option("--limit", type=int, help="Replay only the first N requests (after --start/--end).")
+@click.option("--start", "start_s", default=0.0, help="Window start, seconds from the trace's first request.")
+@click.option("--end", "end_s", type=float, help="Window end, seconds from the trace's first request.")
+@click.option("--poisson", type=float, help="Replace arrivals with a Poisson process of this many requests/s.")
+@click.option("--concurrency", type=int, help="At most this many requests in flight.")
+@click.option("--max-prompt-tokens", type=int, help="Clip longer prompts (the report counts them).")
+@click.option("--max-new-tokens", type=int, help="Clip longer outputs (the report counts them).")
+@click.option("--out", type=click.Path(), default="runs/replay", show_default=True,
+              help="Folder for requests.jsonl, summary.json and PNG plots.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option("--seed", default=0, show_default=True, help="Seed for prompt cutting and Poisson arrivals.")
+def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s, poisson, concurrency,
+           max_prompt_tokens, max_new_tokens, out, as_json, seed) -> None:  # noqa: ANN001
+    """Replay TRACE (JSONL or Azure CSV) against a broker, open loop, at its arrival times."""
+    import asyncio
+
+    from nebula_flow.client import Client, NebulaError
+    from nebula_flow.replay import replay as run_replay
+    from nebula_flow.replay import summarize, write_outputs
+    from nebula_flow.traces import PromptSource, Shaping, TraceError, load_trace, shape
+
+    try:
+        with Client(address, timeout_s=5) as c:
+            context = c.status().get("max_model_len", 1 << 30)
+        reqs, report = shape(load_trace(trace), Shaping(time_scale, limit, start_s, end_s, poisson,
+                                                        max_prompt_tokens, max_new_tokens, seed), context)
+    except (TraceError, NebulaError) as exc:
+        raise click.ClickException(str(exc)) from None
+    prompts = None
+    if any(r.prompt_len is not None for r in reqs):
+        tok_dir = tokenizer or load_deploy(config).target.model
+        prompts = PromptSource(tok_dir, seed)
+    click.echo(f"replaying {len(reqs)} requests over {reqs[-1].arrival_s if reqs else 0:.1f} s "
+               f"(time scale {time_scale}); clipped prompts {report['clipped_prompts']}, "
+               f"clipped outputs {report['clipped_outputs']}", err=True)
+    records, wall = asyncio.run(run_replay(address, reqs, prompts, concurrency, progress=not as_json))
+    summary = summarize(records, wall, report)
+    paths = write_outputs(Path(out), records, summary)
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    click.echo(f"{summary['completed']}/{summary['requests']} completed, {summary['errors']} errors in {wall:.1f} s")
+    click.echo(f"throughput {summary['tokens_per_s']:.1f} tokens/s, {summary['requests_per_s']:.2f} requests/s, "
+               f"{summary['round_rate']:.1f} rounds/s, {summary['tokens_per_round']:.2f} tokens/round")
+    for key in ("ttft_s", "inter_chunk_s", "latency_s"):
+        p = summary[key]
+        click.echo(f"{key:<14} p50 {p['p50']:.3f}  p90 {p['p90']:.3f}  p99 {p['p99']:.3f}")
+    click.echo(f"wrote {out}/requests.jsonl, summary.json, " + ", ".join(p.name for p in paths))
+
+
+
+@click.command("bench-kv")
+@click.option("--config", type=click.Path(), help="Deployment TOML (default: the bundled one).")
+@click.option("--transport", type=click.Choice(["auto", "ucx", "zmq", "shm", "shm+zmq"]), default="auto",
+              show_default=True, help="KV transport to measure (auto: what the workers' auto picks).")
+@click.option("--draft-workers", default=2, show_default=True)
+@click.option("--target-workers", default=2, show_default=True)
+@click.option("--concurrency", default=4, show_default=True)
+@click.option("--requests", "n_requests", default=8, show_default=True)
+@click.option("--max-new-tokens", default=48, show_default=True)
+@click.option("--context-tokens", default=0, show_default=True, type=click.IntRange(0),
+              help="Put about this many tokens of code (stdlib sources) before each prompt: long prompts, "
+                   "whose KV moves in large pulls (code completion with a file open).")
+@click.option("--repeats", default=2, show_default=True, type=click.IntRange(1),
+              help="Runs of each mode, in alternating order (A B B A ...); medians are reported.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
+                 context_tokens, repeats, as_json) -> None:  # noqa: ANN001
+    """KV movement cost in a pooled run with forced migration: stall as a fraction of compute,
+    with and without overlap, and in-system bandwidth against the raw transport."""
+    from nebula_flow.bench import DEFAULT_PROMPTS, BenchWorkload, bench_kv, kv_report, with_context
+
+    cfg = apply_overrides(load_deploy(config), "pooled", draft_workers, target_workers, None)
+    from nebula_flow.kv.transport import resolve_transport
+
+    transport = resolve_transport(transport, cfg.target.device)  # what the workers' auto picks
+    prepare_models(cfg)
+    prompts = with_context([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n_requests)], context_tokens,
+                           cfg.target.model)
+    wl = BenchWorkload(prompts, max_new_tokens, concurrency)
+    res = bench_kv(cfg, wl, transport, log=lambda m: click.echo(m, err=True), repeats=repeats)
+    click.echo(json.dumps(res) if as_json else kv_report(res))
+
+
+
+COMMANDS = [bench, bench_kv_cmd, replay]

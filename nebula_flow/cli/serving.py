@@ -1,0 +1,107 @@
+"""Serving commands: start a deployment (`serve`, `run`), talk to one (`generate`, `status`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from nebula_flow.cli.common import (
+    DEFAULT_BROKER,
+    deploy_options,
+    gen_options,
+    generate_from,
+    start_deployment,
+)
+
+
+@click.command()
+@deploy_options
+def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings) -> None:  # noqa: ANN001
+    """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM."""
+    import signal
+
+    dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings)
+    click.echo(dep.address)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(0.5)
+            dep.check_alive()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        click.echo("stopping ...", err=True)
+        dep.stop()
+
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@gen_options
+def generate(prompt: str, address: str, as_json: bool, **params) -> None:  # noqa: ANN003
+    """Generate from PROMPT: stream the text, then print rounds, tokens/round, TTFT, latency."""
+    generate_from(address, prompt, as_json, stop=tuple(params.pop("stop")), **params)
+
+
+@click.command()
+@click.argument("prompts", nargs=-1)
+@deploy_options
+@gen_options
+def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
+        **params) -> None:  # noqa: ANN003
+    """One-shot demo: start the deployment, generate from PROMPTS (a default set if none), stop."""
+    prompts = prompts or ("def fibonacci(n):", "import os\n\ndef list_files(path):", "The quick brown fox")
+    dep = start_deployment(config, mode, draft_workers, target_workers, 0 if port is None else port, log_dir,
+                           add_drafters, settings)
+    try:
+        for prompt in prompts:
+            click.echo(f"\n>>> {prompt}")
+            generate_from(dep.address, prompt, False, stop=tuple(params["stop"]),
+                      **{k: v for k, v in params.items() if k != "stop"})
+    finally:
+        dep.stop()
+
+
+@click.command()
+@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw state as JSON.")
+def status(address: str, as_json: bool) -> None:
+    """Show the broker's workers, topics and counters."""
+    from nebula_flow.client import Client, NebulaError
+
+    try:
+        with Client(address, timeout_s=5) as client:
+            state = client.status()
+    except NebulaError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(state, indent=2))
+        return
+    click.echo(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool, "
+               f"topics {state['topics']}")
+    for w in state["workers"]:
+        drafter = f" drafter {w['drafter']}" if w.get("drafter") and len(state.get("drafters", {})) > 1 else ""
+        click.echo(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} "
+                   f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}")
+    if len(state.get("drafters", {})) > 1:  # several drafters: how routing shares the rounds out
+        for name, d in state["drafters"].items():
+            rates = ", ".join(f"{kind} {rate:.2f}" for kind, rate in d.get("acceptance", {}).items())
+            click.echo(f"  drafter {name:<16} workers {d['workers']:<3} rounds {d['rounds']:<7} "
+                       f"drafts accepted {d['accepted']}/{d['proposed']}" + (f"; recent acceptance {rates}" if rates else ""))
+    if "draft" in state["roles"] or "colocated" in state["roles"]:
+        draft, row, fixed = state["spec_costs"]
+        blocks = " ".join("-" if v is None else f"{v:.2f}" for v in state["verify_costs"]) or "not measured yet"
+        click.echo(f"speculation costs in target decode steps: draft step {draft:.3f}, verify row {row:.3f}, "
+                   f"round {fixed:.2f}; verify blocks by rows: {blocks}")
+    click.echo(f"counters {state['counters']}")
+    if state["errors"]:
+        click.echo(f"errors {state['errors']}")
+
+
+
+COMMANDS = [serve, run, generate, status]

@@ -1,0 +1,115 @@
+"""`simulate`: the live scheduling policy on a virtual clock (nebula_flow/sim/)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from nebula_flow.config import ConfigError
+from nebula_flow.scheduler import MODES
+
+
+@click.command()
+@click.argument("scenario", type=click.Path(), required=False)
+@click.option("--modes", help="Comma-separated modes (default: the scenario's); ratios are against the first.")
+@click.option("--draft-workers", type=int, help="Override the draft pool size.")
+@click.option("--target-workers", type=int, help="Override the target pool size.")
+@click.option("--sweep", is_flag=True, help="Also scale both pools together (draft:target ratio kept) and "
+              "report capacity against worker count.")
+@click.option("--sweep-workers", help="Draft pool sizes for --sweep, e.g. 1,2,4,8 (default: the scenario's [sweep]).")
+@click.option("--sweep-targets", help="Target pool sizes: with it --sweep runs every draft x target pair (a grid) "
+              "instead of keeping the scenario's draft:target ratio.")
+@click.option("--gpus", "devices", type=int, help="Also plan N devices: pooled with every draft/target split, "
+              "paired N/2 + N/2, colocated and autoregressive on all N, ranked by tokens/s.")
+@click.option("--seed", type=int, help="Override the scenario's seed (acceptance draws, prompt lengths, arrivals).")
+@click.option("--out", type=click.Path(), help="Write result.json and PNG plots (modes, scaling) into this folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {...}, \"sweep\": [...]} as JSON.")
+@click.option("--check-policy-log", type=click.Path(exists=True, dir_okay=False),
+              help="Instead of simulating: replay a broker's --policy-log into the simulator's policy and "
+              "say whether every decision is identical.")
+def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, devices, seed,
+             out, as_json, check_policy_log) -> None:  # noqa: ANN001
+    """Simulate a deployment: the live scheduling policy on a virtual clock, with profiled or
+    roofline device costs. SCENARIO is a TOML file (see configs/sim/)."""
+    from dataclasses import replace
+
+    if check_policy_log:
+        from nebula_flow import policy_log
+
+        records = policy_log.load(check_policy_log)
+        report = policy_log.replay(records, policy_log.policy_of(records))
+        click.echo(f"{report.events} events, {report.decisions} dispatch decisions: "
+                   + ("all identical" if report.identical else f"{len(report.mismatches)} differ"))
+        for m in report.mismatches[:5]:
+            click.echo(f"  {m}")
+        sys.exit(0 if report.identical else 1)
+    if not scenario:
+        raise click.UsageError("give a SCENARIO file (e.g. configs/sim/paper-2d2t.toml)")
+    from nebula_flow.bench import table
+    from nebula_flow.sim import engine, report
+    from nebula_flow.sim.acceptance import AcceptanceModel
+    from nebula_flow.sim.scenario import describe, load_scenario
+
+    try:
+        sc = load_scenario(scenario)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if seed is not None:
+        acc = sc.acceptance
+        sc = replace(sc, seed=seed, acceptance=AcceptanceModel(acc.rates, dict(acc.histogram) if acc.histogram else None, seed,
+                                                         **acc.tree()))
+    names = [m.strip() for m in modes.split(",")] if modes else sc.modes
+    bad = [m for m in names if m not in MODES]
+    if bad:
+        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+    def log(m):
+        return (click.echo(m, err=True))
+    result: dict = {"scenario": describe(sc), "modes": {}}
+    for mode in names:
+        t0 = time.monotonic()
+        try:
+            result["modes"][mode] = engine.simulate(sc, mode, draft_workers, target_workers)
+        except (ValueError, RuntimeError) as exc:
+            raise click.ClickException(f"{mode}: {exc}") from None
+        r = result["modes"][mode]
+        log(f"[simulate] {mode}: {r['round_rate']:,.1f} rounds/s, {r['tokens_per_s']:,.1f} tokens/s "
+            f"({r['requests']} requests, {time.monotonic() - t0:.1f} s of simulation)")
+    base = names[0]
+    result["ratios"] = {m: r["round_rate"] / result["modes"][base]["round_rate"] for m, r in result["modes"].items()}
+    if sweep:
+        try:
+            sizes = [int(x) for x in sweep_workers.split(",")] if sweep_workers else None
+            targets = [int(x) for x in sweep_targets.split(",")] if sweep_targets else None
+        except ValueError:
+            raise click.BadParameter("pool sizes are comma-separated integers, e.g. 1,2,4") from None
+        if any(n < 1 for n in (sizes or []) + (targets or [])):
+            raise click.BadParameter("pool sizes must be >= 1")
+        log(f"[simulate] sweep ({names[0]}):")
+        result["sweep"] = engine.sweep(sc, names[0], sizes, log=log, targets=targets)
+    if devices is not None:
+        if devices < 2:
+            raise click.BadParameter("--gpus needs at least 2 devices")
+        log(f"[simulate] plan for {devices} devices:")
+        result["plan"] = engine.plan(sc, devices, log=log)
+    if out:
+        folder = Path(out)
+        paths = report.plot(folder, result["modes"], result.get("sweep"), sc.name)
+        (folder / "result.json").write_text(json.dumps(result, indent=2))
+        log(f"[simulate] wrote {folder / 'result.json'} and {', '.join(p.name for p in paths)}")
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(table(result["modes"]))
+    if sweep:
+        click.echo(report.sweep_table(result["sweep"]))
+    if devices is not None:
+        click.echo(report.plan_table(result["plan"]))
+
+
+
+
+COMMANDS = [simulate]

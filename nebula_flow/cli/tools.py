@@ -1,0 +1,64 @@
+"""Model and key tools: `profile` (latency for emulated devices), `tiny-pair`, `keys`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from nebula_flow.config import cache_dir
+
+
+@click.command()
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Checkpoint directory.")
+@click.option("--out", type=click.Path(), help="Profile JSON to write (default: print it).")
+@click.option("--batches", default="1,2,4,8", show_default=True)
+@click.option("--tokens", default="1,5", show_default=True, help="New tokens per sequence (1 = decode, k+1 = verify).")
+@click.option("--contexts", default="64,256", show_default=True, help="Context lengths.")
+@click.option("--threads", default=1, show_default=True)
+@click.option("--acceptance", type=float, help="Record a per-position acceptance rate (for draft profiles).")
+def profile(model, out, batches, tokens, contexts, threads, acceptance) -> None:  # noqa: ANN001
+    """Measure MODEL's forward latency over a grid and write a profile for --device emulated."""
+    from nebula_flow.emulated import measure_profile
+
+    def ints(s: str) -> list[int]:
+        return [int(x) for x in s.split(",") if x.strip()]
+
+    prof = measure_profile(model, ints(batches), ints(tokens), ints(contexts), threads,
+                           log=lambda m: click.echo(m, err=True))
+    if acceptance is not None:
+        prof["acceptance"] = acceptance
+    text = json.dumps(prof, indent=2)
+    if out:
+        Path(out).write_text(text)
+        click.echo(f"wrote {out}: {prof['latency']}", err=True)
+    else:
+        click.echo(text)
+
+
+
+@click.command()
+@click.argument("folder", type=click.Path())
+def keys(folder: str) -> None:
+    """Create CURVE keypairs for the broker, workers and clients in FOLDER (with authorized/)."""
+    from nebula_flow.security import generate_keys
+
+    path = generate_keys(folder)
+    click.echo(f"wrote broker, worker and client keypairs to {path}; pass --keys {path} "
+               "(or set NEBULA_FLOW_KEYS) on every broker, worker and client")
+
+
+
+@click.command("tiny-pair")
+@click.argument("out", type=click.Path(), default=None, required=False)
+def tiny_pair(out: str | None) -> None:
+    """Build the project's tiny draft/target pair (random weights) into OUT (default: the cache)."""
+    from nebula_flow.tiny import build_tiny_pair
+
+    path = build_tiny_pair(out or cache_dir() / "tiny-pair")
+    click.echo(f"wrote {path}/target and {path}/draft")
+
+
+
+COMMANDS = [profile, keys, tiny_pair]

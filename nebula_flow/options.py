@@ -1,0 +1,114 @@
+"""The settings of each process: the broker's and a worker's, as plain, JSON-safe data.
+
+A deployment (``nebula_flow.deploy``) writes each child's options to a JSON file in its log
+folder and starts the child with ``--options FILE``, so what a process ran with is on disk
+beside its log, and no setting is spelled twice as a command-line flag.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from nebula_flow.policy import PolicyConfig
+
+
+@dataclass
+class BrokerOptions:
+    mode: str = "pooled"
+    host: str = "127.0.0.1"
+    client_port: int = 5555
+    worker_port: int = 5556
+    model: str | None = None  # the target checkpoint: tokenizer, context length, EOS ids
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    proposal_top_k: int = 16  # entries of the draft distribution q sent with each sampled draft token
+    max_pending: int = 1024  # admission limit; beyond it clients get BUSY
+    max_inflight_per_client: int = 256
+    max_new_tokens_limit: int = 4096
+    heartbeat_s: float = 1.0
+    liveness_s: float = 10.0  # silence after which a worker is declared dead
+    drain_s: float = 30.0  # on SIGTERM: how long in-flight requests may finish
+    metrics_port: int | None = None  # HTTP port for Prometheus /metrics (None: off, 0: any free port)
+    keys: str | None = None  # CURVE key folder (see nebula_flow/security.py); required off loopback
+    policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
+
+    def check(self) -> None:
+        """Refuse timing that declares healthy workers dead: a worker beats once per heartbeat_s,
+        so a liveness under two beats drops any worker whose beat is a little late."""
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.liveness_s < 2 * self.heartbeat_s:
+            raise ValueError(f"liveness_s ({self.liveness_s}) must be at least twice heartbeat_s "
+                             f"({self.heartbeat_s})")
+
+    @property
+    def client_address(self) -> str:
+        return f"tcp://{self.host}:{self.client_port}"
+
+    @property
+    def worker_address(self) -> str:
+        return f"tcp://{self.host}:{self.worker_port}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(asdict(self), policy=self.policy.to_table())
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> BrokerOptions:
+        return cls(**dict(_known(cls, raw), policy=PolicyConfig.from_table(raw.get("policy", {}))))
+
+
+@dataclass
+class WorkerOptions:
+    role: str
+    broker: str
+    model: str | None = None  # draft model for role draft, target model otherwise
+    draft_model: str | None = None  # colocated only
+    name: str = ""
+    capacity: int = 8
+    threads: int = 1
+    device: str = "cpu"
+    dtype: str | None = None
+    batch_invariant: bool | None = None  # see models.invariant; None: on for bf16/fp16 on CPU
+    heartbeat_s: float = 1.0
+    liveness_s: float = 10.0  # broker silence after which the worker reconnects (with backoff)
+    max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted
+    kv_pool_gb: float | None = None  # finished requests' shared KV files kept for reuse (None: max_kv_gb / 8)
+    kv_transport: str = "auto"  # see kv.transport.resolve_transport
+    kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
+    kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
+    keys: str | None = None  # CURVE key folder (or NEBULA_FLOW_KEYS): authenticate to the broker and peers
+    profile: str | None = None  # latency profile when device == "emulated"
+    draft_profile: str | None = None  # colocated + emulated: the draft's profile
+    drafter: str | None = None  # draft workers: the drafter name routing knows them by (default: from the model)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> WorkerOptions:
+        return cls(**_known(cls, raw))
+
+
+def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw``'s fields of ``cls`` other than ``policy``; an unknown one is refused by name."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cls.__name__} options must be a JSON object")
+    names = {f.name for f in fields(cls)}
+    unknown = set(raw) - names
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}")
+    return {k: v for k, v in raw.items() if k != "policy"}
+
+
+def write_options(opts: BrokerOptions | WorkerOptions, path: Path) -> Path:
+    path.write_text(json.dumps(opts.to_json(), indent=2))
+    return path
+
+
+def read_options(cls: type[BrokerOptions] | type[WorkerOptions], path: str | Path) -> BrokerOptions | WorkerOptions:
+    try:
+        return cls.from_json(json.loads(Path(path).read_text()))
+    except (OSError, json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"cannot read {cls.__name__} from {path}: {exc}") from None

@@ -1,0 +1,121 @@
+"""The scheduling policy's settings: one frozen, self-validating type, and the one place each
+knob's default, range and help text are written down.
+
+Everything that exposes a knob takes a ``PolicyConfig``: the ``Scheduler``, the broker's
+options, a deployment's ``[policy]`` table, a simulation scenario's ``[policy]`` table, the
+policy log, and the command line (``cli_options`` derives ``--KNOB`` options from the fields
+below; ``--set KNOB=VALUE`` and a bench mode's ``@KNOB=VALUE`` go through ``with_setting``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from nebula_flow.protocol import MAX_ALTERNATIVES
+from nebula_flow.speclen import DEFAULT_COSTS
+
+MAX_FUSED = 16  # the longest fused prompt-lookup chain
+
+
+class PolicyError(ValueError):
+    """A policy setting out of range or of the wrong type; the message names the knob."""
+
+
+def _knob(default: Any, help: str, **limits: Any) -> Any:  # noqa: ANN401, A002
+    """A field with its help text and limits (``lo``, ``hi``) kept beside its default."""
+    return field(default=default, metadata={"help": help, **limits})
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """How the scheduler plans rounds and builds batches (see ``scheduler.Scheduler``)."""
+
+    k: int = _knob(4, "Draft tokens proposed per round (the most, with adaptive_k).", lo=0, hi=64)
+    locality: bool = _knob(True, "Prefer giving a worker the tasks whose KV it already holds (never waiting for it); "
+                           "off: NebulaSD's affinity-free batch reconstruction.")
+    migrate: bool = _knob(False, "Never give a request the worker that ran its previous task of that role while "
+                          "another exists: forces KV movement (tests, benchmarks).")
+    merge_batches: bool = _knob(True, "Give a busy worker no small batch beside a bigger running one (two half batches "
+                                "would alternate for ever); the tasks join the returning ones instead.")
+    adaptive_k: bool = _knob(False, "Choose each round's k in 0..k from the request's decayed acceptance, for the most "
+                             "expected tokens per cost (nebula_flow/speclen.py).")
+    spec_costs: tuple[float, float, float] = _knob(
+        DEFAULT_COSTS, "What adaptive_k weighs, in target decode steps: a draft step, a verify row, a round's fixed "
+        "cost (with measure_costs, only where it starts; a seeded sampled request always plans with these).")
+    measure_costs: bool = _knob(True, "With adaptive_k: weigh draft steps and verify blocks by the forward times the "
+                                "workers measure and report.")
+    first_alternatives: int = _knob(0, "The draft also proposes this many runner-ups to its first token, verified in "
+                                    "the same forward as siblings in a token tree (exact for sampled requests too).",
+                                    lo=0, hi=MAX_ALTERNATIVES)
+    fuse_ngram: int = _knob(0, "Beside each model draft, also verify the prompt-lookup chain of up to this many "
+                            "tokens, fused into one token tree (not in autoregressive mode). 0: off.",
+                            lo=0, hi=MAX_FUSED)
+    disable_by_batch_size: int = _knob(0, "While more requests than this are in the pool, rounds start without "
+                                       "drafts (not a seeded sampled request's). 0: always speculate.", lo=0)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool):
+                if not isinstance(value, bool):
+                    raise PolicyError(f"{f.name} must be true or false, got {value!r}")
+            elif f.type in ("int", int):
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise PolicyError(f"{f.name} must be a whole number, got {value!r}")
+                lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
+                if (lo is not None and value < lo) or (hi is not None and value > hi):
+                    raise PolicyError(f"{f.name} must be in {lo}..{'' if hi is None else hi}, got {value}")
+        costs = self.spec_costs
+        if not isinstance(costs, tuple | list) or len(costs) != 3 or not all(
+                isinstance(c, int | float) and not isinstance(c, bool) and math.isfinite(c) for c in costs):
+            raise PolicyError(f"spec_costs must be three numbers [draft_step, verify_row, round], got {costs!r}")
+        if min(costs) < 0 or costs[2] <= 0:
+            raise PolicyError(f"spec_costs must be >= 0 with round > 0, got {list(costs)}")
+        object.__setattr__(self, "spec_costs", tuple(float(c) for c in costs))
+
+    # -- building one ----------------------------------------------------------------------
+    @classmethod
+    def from_table(cls, raw: Mapping[str, Any], where: str = "[policy]") -> PolicyConfig:
+        """From a TOML table (a deployment's or a scenario's ``[policy]``); unknown keys refused."""
+        if not isinstance(raw, Mapping):
+            raise PolicyError(f"{where} must be a table of knobs")
+        unknown = set(raw) - set(knob_names())
+        if unknown:
+            raise PolicyError(f"{where}: unknown knobs {sorted(unknown)} (known: {', '.join(knob_names())})")
+        try:
+            return cls(**raw)
+        except PolicyError as exc:
+            raise PolicyError(f"{where}: {exc}") from None
+
+    def replace(self, **changes: Any) -> PolicyConfig:
+        """A copy with ``changes`` (validated like any other)."""
+        return dataclasses.replace(self, **changes)
+
+    def with_setting(self, setting: str) -> PolicyConfig:
+        """A copy with ``KNOB=VALUE`` applied; VALUE is TOML (``true``, ``3``, ``[0.1, 0.03, 1.1]``)."""
+        knob, eq, value = setting.partition("=")
+        knob = knob.strip().replace("-", "_")
+        if knob not in knob_names() or not eq:
+            raise PolicyError(f"{setting!r} must be KNOB=VALUE with KNOB one of {', '.join(knob_names())}")
+        try:
+            parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise PolicyError(f"{setting!r}: {value!r} is not a TOML value (true, 3, [0.1, 0.03, 1.1])") from None
+        return self.replace(**{knob: parsed})
+
+    def to_table(self) -> dict[str, Any]:
+        """Plain data (JSON and TOML safe), the inverse of ``from_table``."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+
+def knob_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(PolicyConfig))
+
+
+def knob_help(name: str) -> str:
+    return next(f.metadata["help"] for f in fields(PolicyConfig) if f.name == name)

@@ -1,0 +1,38 @@
+"""A TASKS batch made runnable: each ``TaskSpec`` (already checked against the wire schema by
+decoding) checked against this worker's model and turned into the runner's ``Task``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nebula_flow.params import InvalidParams, SamplingParams
+from nebula_flow.protocol import ProtocolError, Rejected, TaskResult, TaskSpec, malformed
+from nebula_flow_workers.runner import Task
+
+
+def runnable(spec: TaskSpec, vocab_size: int | None) -> Task:
+    """The runner's task for ``spec``, or ``ProtocolError``. ``vocab_size``: the ids a task may hold
+    (None: any, an n-gram drafter)."""
+    try:
+        params = SamplingParams.from_wire(spec.params)
+    except (InvalidParams, TypeError) as exc:
+        raise ProtocolError("invalid_params", str(exc)) from None
+    if vocab_size is not None:
+        if spec.tokens.max() >= vocab_size:
+            raise malformed(f"task tokens must be ids below {vocab_size}")
+        for name, ids in (("draft", spec.draft), ("alt", spec.alt), *(("chains", c) for c in spec.chains)):
+            if ids and max(ids) >= vocab_size:
+                raise malformed(f"{name} must be token ids below {vocab_size}")
+    if spec.draft and not params.greedy and spec.q_len is None:
+        raise malformed("a sampled draft needs its proposal q")
+    q_idx, q_prob = spec.proposal() if spec.q_len is not None else (None, None)
+    return Task(spec.rid, spec.kind, spec.round, spec.attempt, np.asarray(spec.tokens, dtype=np.int64), spec.k,
+                params, spec.seed, list(spec.draft), q_idx, q_prob, holder=spec.holder, alts=spec.alts,
+                alt=list(spec.alt), fuse=spec.fuse, chains=[list(c) for c in spec.chains])
+
+
+def failed(item: TaskSpec | Rejected, error: ProtocolError) -> TaskResult | None:
+    """The error result that fails a task this worker cannot run (None: it names no task)."""
+    head = {"rid": item.rid, "kind": item.kind, "round": item.round, "attempt": item.attempt} \
+        if isinstance(item, TaskSpec) else item.head
+    return TaskResult(**head, error=f"{error.code}: {error.message}") if head else None
