@@ -22,9 +22,9 @@ class Verified:
 
     committed: list[int]
     draft: list[int]
-    alt: list[int]
+    runner_ups: list[int]
     chains: list[list[int]]
-    chain: int  # draft tokens accepted
+    draft_accepted: int  # draft tokens accepted
     via_alt: bool  # a runner-up to the first draft token won
     fused: int  # tokens a fused chain won beyond the draft
 
@@ -34,7 +34,7 @@ def drafted(req: Request, out: TaskResult) -> tuple[list[int], list[int], list[l
     draft = out.draft
     if len(draft) > req.k:  # (fewer: a drafter with nothing worth proposing, e.g. n-gram without a match)
         raise ProtocolError("malformed", f"draft has {len(draft)} tokens, asked for at most {req.k}")
-    return draft, alternatives(req, out.alt, draft), fused_chains(req, out.chains)
+    return draft, alternatives(req, out.runner_ups, draft), fused_chains(req, out.chains)
 
 
 def proposal(out: TaskResult) -> dict[str, Any]:
@@ -48,31 +48,31 @@ def proposal(out: TaskResult) -> dict[str, Any]:
 def verified(req: Request, out: TaskResult) -> Verified:
     """Check a verify or round result's committed tokens against the round's token tree."""
     if out.kind == ROUND:  # (drafted and verified in one task: its draft comes with the result)
-        draft, alt, chains = drafted(req, out)
+        draft, runner_ups, chains = drafted(req, out)
     else:
-        draft, alt, chains = req.draft, req.alt, req.chains
+        draft, runner_ups, chains = req.draft, req.runner_ups, req.chains
         if not draft:  # a round without a draft: the target looked the chain up itself
             chains = fused_chains(req, out.chains)
     committed = out.committed or []
-    tree = TokenTree([draft, *([a] for a in alt), *chains])
+    tree = TokenTree([draft, *([a] for a in runner_ups), *chains])
     if not committed or len(tree.path(committed[:-1])) != len(committed) - 1:
         raise ProtocolError("malformed", f"{len(committed)} committed tokens are not a path of the round's "
                                          f"drafts and one more token")
     accepted = len(committed) - 1
-    chain = next((i for i, (a, b) in enumerate(zip(draft, committed[:-1])) if a != b), min(len(draft), accepted))
-    via_alt = chain == 0 and accepted > 0 and committed[0] in alt
-    return Verified(committed, draft, alt, chains, chain, via_alt, fused_gain(accepted, chain, via_alt))
+    taken = next((i for i, (a, b) in enumerate(zip(draft, committed[:-1])) if a != b), min(len(draft), accepted))
+    via_alt = taken == 0 and accepted > 0 and committed[0] in runner_ups
+    return Verified(committed, draft, runner_ups, chains, taken, via_alt, fused_gain(accepted, taken, via_alt))
 
 
-def alternatives(req: Request, alt: list[int], draft: list[int]) -> list[int]:
+def alternatives(req: Request, runner_ups: list[int], draft: list[int]) -> list[int]:
     """The runner-ups to the first draft token a result brings, checked against the ones the
     policy asked for (``req.alts``: a two-level token tree)."""
-    if alt and not draft:
+    if runner_ups and not draft:
         raise ProtocolError("malformed", "alternatives to the first draft token need a draft")
-    if len(alt) > req.alts or len(set(alt)) != len(alt) or (alt and draft[0] in alt):
-        raise ProtocolError("malformed", f"{len(alt)} alternatives (asked for {req.alts}) must be distinct "
+    if len(runner_ups) > req.alts or len(set(runner_ups)) != len(runner_ups) or (runner_ups and draft[0] in runner_ups):
+        raise ProtocolError("malformed", f"{len(runner_ups)} alternatives (asked for {req.alts}) must be distinct "
                                          "and differ from the first draft token")
-    return alt
+    return runner_ups
 
 
 def fused_chains(req: Request, chains: list[list[int]]) -> list[list[int]]:

@@ -237,12 +237,12 @@ class Broker:
             info.device = msg.device
             self._observe_costs(wid, msg.device.get("step_costs"))
         for item in msg.results:
-            try:
-                if isinstance(item, Rejected):
-                    raise item.error
-                self._result(wid, item, now)
-            except ProtocolError as exc:  # one bad entry must not strand the others
-                self._reject(self.peers, identity, exc.code, exc.message)
+            if isinstance(item, Rejected):  # one bad entry must not strand the others
+                self._reject(self.peers, identity, item.error.code, item.error.message)
+                if item.head is not None:  # its request ends with a clear error, never a hang
+                    self._fail_result(wid, item.head, item.error.message)
+                continue
+            self._result(wid, item, now)
 
     def _register(self, identity: bytes, msg: Register, now: float) -> None:
         if identity in self.by_identity:
@@ -284,13 +284,25 @@ class Broker:
             # A result we cannot use still ends its request with a clear error, never a hang.
             self.errors[exc.code] += 1
             self._finish(req.rid, "error", ("worker_error", f"bad result from worker {wid}: {exc.message}"))
+        except Exception as exc:  # a bug: that request ends with a clear error; the rest go on
+            log.exception("internal error applying a result")
+            self.errors["internal"] += 1
+            self._finish(req.rid, "error", ("internal", f"{type(exc).__name__}: {exc}"[:300]))
+
+    def _fail_result(self, wid: int, head: dict[str, Any], why: str) -> None:
+        """A result too malformed to decode: end the request it names (when it is this worker's
+        current task), as any result the broker cannot use."""
+        req = self.scheduler.accepts_result(wid, head["rid"], head["attempt"], head["kind"])
+        if req is not None:
+            self.workers[wid].tasks += 1
+            self._finish(req.rid, "error", ("worker_error", f"bad result from worker {wid}: {why}"))
 
     def _apply_result(self, wid: int, req: Request, item: TaskResult, now: float) -> None:
         if item.kind == DRAFT:
-            draft, alt, chains = results.drafted(req, item)
+            draft, runner_ups, chains = results.drafted(req, item)
             q = results.proposal(item) if not req.params.greedy else {}
             self.scheduler.draft_done(req, wid, draft, q)
-            req.alt, req.chains = alt, chains
+            req.runner_ups, req.chains = runner_ups, chains
             return
         v = results.verified(req, item)
         if item.kind == ROUND:
@@ -299,7 +311,7 @@ class Broker:
         req.fused_accepted += v.fused
         self.stats.count_round(v, req.fuse > 0, req.drafter if item.kind != ROUND else None)
         text_before = req.text
-        kept = self.scheduler.end_round(req, wid, v.committed, v.via_alt, v.chain, v.fused if v.chains else None,
+        kept = self.scheduler.end_round(req, wid, v.committed, v.via_alt, v.draft_accepted, v.fused if v.chains else None,
                                         self.admission.eos_ids, self.admission.stop_text)
         self.counters["rounds"] += 1
         self.counters["tokens_out"] += len(kept)
@@ -330,7 +342,7 @@ class Broker:
             info = self.workers.get(holder_id)
             task = TaskSpec(req.rid, req.phase, req.round, req.attempt, req.tokens, req.k, req.params.to_wire(),
                             req.seed, Holder(holder_id, valid, info.kv_endpoint if info is not None else None),
-                            draft=req.draft, alt=req.alt if req.draft else [], chains=req.chains if req.draft else [])
+                            draft=req.draft, runner_ups=req.runner_ups if req.draft else [], chains=req.chains if req.draft else [])
             if req.alts and req.phase in (DRAFT, ROUND):
                 task.alts = req.alts
             if req.fuse and (req.phase != VERIFY or not req.draft):  # (without a draft the target looks it up)

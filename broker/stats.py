@@ -36,8 +36,8 @@ class BrokerStats:
     def count_round(self, v: Verified, fuse_asked: bool, drafter: str | None) -> None:
         """Count what one verified round's token tree proposed and won."""
         c = self.counters
-        c["alternatives_proposed"] += len(v.alt)
-        c["alternatives_contested"] += bool(v.alt) and v.chain == 0  # (where a runner-up could win)
+        c["alternatives_proposed"] += len(v.runner_ups)
+        c["alternatives_contested"] += bool(v.runner_ups) and v.draft_accepted == 0  # (where a runner-up could win)
         c["alternatives_accepted"] += v.via_alt
         c["fused_asked"] += fuse_asked
         c["fused_chains"] += len(v.chains)
@@ -48,13 +48,13 @@ class BrokerStats:
             self.accepted_by_position.append(0)
         for i in range(len(v.draft)):
             self.proposed_by_position[i] += 1
-            self.accepted_by_position[i] += i < v.chain
+            self.accepted_by_position[i] += i < v.draft_accepted
         self.tokens_per_round_hist[len(v.committed)] += 1
         if drafter is not None:
             by = self.drafter_counts.setdefault(drafter, Counter())
             by["rounds"] += 1
             by["proposed"] += len(v.draft)
-            by["accepted"] += v.chain
+            by["accepted"] += v.draft_accepted
 
     def state(self, scheduler: Scheduler, workers: dict[int, WorkerInfo]) -> dict[str, Any]:
         """The parts of the status state that these counters and the policy hold."""

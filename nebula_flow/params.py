@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy in all but name, and numerically unsafe
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_SEED = 2**63 - 1
@@ -69,6 +70,8 @@ class SamplingParams:
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0 or t > 100:
             raise InvalidParams(f"temperature must be a finite number in [0, 100], got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:  # (logits / a subnormal temperature overflow to inf: NaN probabilities)
+            raise InvalidParams(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {t!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             raise InvalidParams(f"top_k must be an integer >= 0, got {self.top_k!r}")
         p = self.top_p

@@ -16,7 +16,7 @@ Records are JSON arrays, one per line (JSONL)::
     ["pull", worker, credits, idle, now]
     ["admit", rid, prompt_len, max_new_tokens, greedy, seeded]
     ["draft_done", rid, worker, n_draft]
-    ["end_round", rid, worker, committed, via_alt, chain, fused, ended]
+    ["end_round", rid, worker, committed, via_alt, draft_accepted, fused, ended]
                                          (committed: tokens the verify committed; ended: the request
                                          finished there, by EOS, length or a stop string)
     ["step_costs", worker, role, [seconds by new rows]]
@@ -77,14 +77,14 @@ class RecordingScheduler(Scheduler):
             self._quiet = False
 
     def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
-                  chain: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
+                  draft_accepted: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
                   stop_text: Callable[[Request], bool] | None = None) -> list[int]:
         self._quiet = True
         try:
-            kept = super().end_round(req, worker_id, committed, via_alt, chain, fused, eos_ids, stop_text)
+            kept = super().end_round(req, worker_id, committed, via_alt, draft_accepted, fused, eos_ids, stop_text)
         finally:
             self._quiet = False
-        self.records.append(["end_round", req.rid, worker_id, len(committed), via_alt, chain, fused,
+        self.records.append(["end_round", req.rid, worker_id, len(committed), via_alt, draft_accepted, fused,
                              req.finish_reason is not None])
         return kept
 
@@ -168,9 +168,9 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
         elif kind == "draft_done":
             policy.draft_done(reqs[args[0]], args[1], [PLACEHOLDER] * args[2], {})
         elif kind == "end_round":
-            rid, wid, committed, via_alt, chain, fused, ended = args
+            rid, wid, committed, via_alt, draft_accepted, fused, ended = args
             # (placeholders hold no EOS and no text: a request the broker ended ends here by "stop")
-            policy.end_round(reqs[rid], wid, [PLACEHOLDER] * committed, via_alt, chain, fused,
+            policy.end_round(reqs[rid], wid, [PLACEHOLDER] * committed, via_alt, draft_accepted, fused,
                              stop_text=lambda _r, hit=ended: hit)
         elif kind == "step_costs":
             policy.observe_costs(*args)

@@ -44,7 +44,7 @@ from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of thi
     token_ids,
 )
 
-VERSION = 1
+VERSION = 2  # 2: typed messages; a task's runner-ups travel as "runner_ups" (were "alt")
 DRAFTER_CHARS = "A-Za-z0-9._:-"  # what a REGISTER's drafter name may hold (1-64 of them)
 DRAFTER_NAME = re.compile(f"[{DRAFTER_CHARS}]{{1,64}}")
 DRAFTER_RULE = "1-64 letters, digits or . _ - :"  # (what DRAFTER_NAME takes, for error messages)
@@ -216,8 +216,14 @@ class Proposes:
             raise malformed("proposal q does not match the draft")
         if not np.all(np.isfinite(prob)) or np.any(prob < 0) or np.any(idx < 0):
             raise malformed("proposal q has invalid entries")
-        if lens and any(p.sum() <= 0 for p in self.proposal()[1]):
-            raise malformed("proposal q has a position with no probability mass")
+        for token, ids, probs in zip(self.draft, *self.proposal()):
+            if probs.sum() <= 0:
+                raise malformed("proposal q has a position with no probability mass")
+            # (a token outside its own proposal has q(x) = 0, which the verifier would always accept)
+            if not (probs[ids == token] > 0).any():
+                raise malformed("a draft token is outside its own proposal q")
+            if len(np.unique(ids)) != len(ids):
+                raise malformed("proposal q repeats a token id")
 
     def proposal(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """One (ids, probabilities) pair per draft position (views of the frames); empty lists for a
@@ -241,7 +247,7 @@ class Proposes:
 class TaskSpec(Proposes):
     """One request's round half. ``tokens``: its committed tokens (prompt + output), int32;
     ``holder``: who has the KV for the task's role; ``k``: draft tokens wanted. A token tree:
-    ``alts`` (draft/round tasks) asks for that many runner-ups to the first draft token, ``alt``
+    ``alts`` (draft/round tasks) asks for that many runner-ups to the first draft token, ``runner_ups``
     (verify tasks) carries them; ``fuse`` (draft/round tasks) asks for a prompt-lookup chain of up
     to that many tokens beside the draft, ``chains`` (verify tasks) carries the fused chains.
     ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal."""
@@ -260,7 +266,7 @@ class TaskSpec(Proposes):
     q_prob: Tensor | None = None
     q_len: list[int] | None = None
     alts: int = 0
-    alt: TokenIds = field(default_factory=list)
+    runner_ups: TokenIds = field(default_factory=list)
     fuse: int = 0
     chains: list[TokenIds] = field(default_factory=list)
 
@@ -272,10 +278,10 @@ class TaskSpec(Proposes):
         if not 0 <= self.k <= MAX_DRAFT or len(self.draft) > MAX_DRAFT:
             raise malformed(f"k and draft length must be in 0..{MAX_DRAFT}")
         self.check_proposal()
-        if not 0 <= self.alts <= MAX_ALTERNATIVES or len(self.alt) > MAX_ALTERNATIVES:
-            raise malformed(f"at most {MAX_ALTERNATIVES} alternatives")
-        if self.alt and (not self.draft or len(set(self.alt) | {self.draft[0]}) != len(self.alt) + 1):
-            raise malformed("alt must be distinct token ids other than draft[0], with a draft")
+        if not 0 <= self.alts <= MAX_ALTERNATIVES or len(self.runner_ups) > MAX_ALTERNATIVES:
+            raise malformed(f"alts and runner_ups: at most {MAX_ALTERNATIVES} runner-ups")
+        if self.runner_ups and (not self.draft or len(set(self.runner_ups) | {self.draft[0]}) != len(self.runner_ups) + 1):
+            raise malformed("runner_ups must be distinct token ids other than draft[0], with a draft")
         if not 0 <= self.fuse <= MAX_DRAFT:
             raise malformed(f"fuse must be in 0..{MAX_DRAFT}")
         if len(self.chains) > MAX_FUSED_CHAINS or not all(0 < len(c) <= MAX_DRAFT for c in self.chains):
@@ -283,7 +289,7 @@ class TaskSpec(Proposes):
 
     def token_ids(self) -> list[TokenIds]:
         """Every token list the task carries (to check against a vocabulary)."""
-        return [self.draft, self.alt, *self.chains]
+        return [self.draft, self.runner_ups, *self.chains]
 
 
 @dataclass
@@ -298,7 +304,7 @@ class Tasks(Msg):
 @dataclass
 class TaskResult(Proposes):
     """A finished task: ``draft`` (+ its proposal ``q_*``) for a draft task; ``committed`` for a verify or round
-    task (a round task's ``draft``: the draft it verified); ``alt`` and ``chains``: the
+    task (a round task's ``draft``: the draft it verified); ``runner_ups`` and ``chains``: the
     runner-ups and fused chains a draft or round task made (or a verify looked up itself);
     ``error``: the task failed, and why."""
 
@@ -310,7 +316,7 @@ class TaskResult(Proposes):
     q_idx: Tensor | None = None
     q_prob: Tensor | None = None
     q_len: list[int] | None = None
-    alt: TokenIds = field(default_factory=list)
+    runner_ups: TokenIds = field(default_factory=list)
     chains: list[TokenIds] = field(default_factory=list)
     committed: TokenIds | None = None
     error: str | None = None

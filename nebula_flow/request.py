@@ -33,7 +33,7 @@ class Request:
     slot: int | None = None  # the pair / colocated worker a request is bound to, if any
     draft: list[int] = field(default_factory=list)
     q: dict[str, Any] = field(default_factory=dict)  # q_idx, q_prob, q_len of the draft
-    alt: list[int] = field(default_factory=list)  # alternatives to draft[0] (a two-level token tree)
+    runner_ups: list[int] = field(default_factory=list)  # alternatives to draft[0] (a two-level token tree)
     fuse: int = 0  # the longest prompt-lookup chain to fuse beside this round's draft (a token tree)
     chains: list[list[int]] = field(default_factory=list)  # the chains fused beside the draft
     holders: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (worker, valid)

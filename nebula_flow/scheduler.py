@@ -161,15 +161,8 @@ class Scheduler:
             return
 
         def median(role: str, drafter: str | None = None) -> list[float | None] | None:
-            tables = [t for (wid, r), t in self.step_costs.items() if r == role
-                      and (drafter is None or self.workers[wid].drafter == drafter)]
-            if not tables:
-                return None
-            out = []
-            for i in range(max(map(len, tables))):
-                seen = sorted(t[i] for t in tables if i < len(t) and t[i] is not None)
-                out.append(seen[len(seen) // 2] if seen else None)
-            return out
+            return speclen.median_table([t for (wid, r), t in self.step_costs.items() if r == role
+                                         and (drafter is None or self.workers[wid].drafter == drafter)])
 
         target = median("target")
         self.costs, self.verify_costs = speclen.measured_costs(median("draft"), target, self.policy.spec_costs)
@@ -191,7 +184,7 @@ class Scheduler:
     def start_round(self, req: Request) -> None:
         """Queue the next round of ``req``: a draft, a draft-less verify, or a whole round."""
         req.round += 1
-        req.draft, req.q, req.alt, req.chains = [], {}, [], []
+        req.draft, req.q, req.runner_ups, req.chains = [], {}, [], []
         max_alts = self.policy.first_alternatives
         loaded = bool(self.policy.disable_by_batch_size and len(self.requests) > self.policy.disable_by_batch_size
                       and not reproducible(req))  # (see __init__)
@@ -281,24 +274,24 @@ class Scheduler:
         self._enqueue(req)
 
     def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False,
-                    chain: int | None = None, fused: int | None = None) -> None:
+                    draft_accepted: int | None = None, fused: int | None = None) -> None:
         """Record a verify's (or whole round's) outcome in the policy's state (``end_round`` calls it).
 
         ``via_alt``: the accepted token was an alternative to the first draft token (a token
-        tree), not the chain: the chain's acceptance was 0, and the draft's KV ends before it.
-        ``chain``: the draft tokens accepted, where a fused chain won more than the draft had (the
+        tree), not the draft: the draft's acceptance was 0, and the draft's KV ends before it.
+        ``draft_accepted``: the draft tokens accepted, where a fused chain won more than the draft had (the
         draft's acceptance and its KV count only those); by default ``accepted`` (0 via_alt).
         ``fused``: the tokens a fused chain won beyond the draft (``tree.fused_gain``), None when
         the round verified none."""
         req.accepted += accepted
-        if chain is None:
-            chain = 0 if via_alt else accepted
-        req.acceptance.update(req.k, chain)  # (a draft shorter than k counts as rejected where it stopped)
-        req.acceptance.update_alternatives(req.alts, chain, via_alt)
+        if draft_accepted is None:
+            draft_accepted = 0 if via_alt else accepted
+        req.acceptance.update(req.k, draft_accepted)  # (a draft shorter than k counts as rejected where it stopped)
+        req.acceptance.update_alternatives(req.alts, draft_accepted, via_alt)
         if self.policy.fuse_ngram and self.mode != "autoregressive" and (fused is not None or not req.fuse):
             req.acceptance.update_fused(fused)  # (asked for but no match: no evidence either way)
         if req.drafter is not None and len(self.drafters) > 1:
-            self.drafter_acceptance.setdefault((req.drafter, req.params.greedy), Acceptance()).update(req.k, chain,
+            self.drafter_acceptance.setdefault((req.drafter, req.params.greedy), Acceptance()).update(req.k, draft_accepted,
                                                                                                    routing.POOL_DECAY)
         base = len(req.prompt) + len(req.output)
         role = "colocated" if req.phase == ROUND else "target"
@@ -306,11 +299,11 @@ class Scheduler:
         draft_key = holder_key("draft", req.drafter)
         if draft_key in req.holders:
             holder, draft_valid = req.holders[draft_key]
-            req.holders[draft_key] = (holder, min(draft_valid, base + chain))
+            req.holders[draft_key] = (holder, min(draft_valid, base + draft_accepted))
         self.workers[worker_id].inflight.discard(req.rid)
 
     def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
-                  chain: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
+                  draft_accepted: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
                   stop_text: Callable[[Request], bool] | None = None) -> list[int]:
         """The end of a verify (or whole round), the one place a round ends: record the outcome
         (``verify_done``), commit the tokens (cut at EOS and ``max_new_tokens``), decide whether
@@ -319,7 +312,7 @@ class Scheduler:
 
         ``committed``: the accepted draft tokens and the target's next token. Returns the tokens
         kept; ``req.finish_reason`` is set when the request ended (it has then left the pool)."""
-        self.verify_done(req, worker_id, len(committed) - 1, via_alt, chain, fused)
+        self.verify_done(req, worker_id, len(committed) - 1, via_alt, draft_accepted, fused)
         kept = req.commit(committed, eos_ids)
         if stop_text is not None and stop_text(req):
             req.finish_reason = "stop"

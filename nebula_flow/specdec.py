@@ -96,21 +96,21 @@ def propose(
 def verify(
     logits: torch.Tensor, draft: list[int], q_idx: list[np.ndarray] | None,
     q_prob: list[np.ndarray] | None, params: SamplingParams, seed: int, position: int,
-    alt: list[int] = (), chains: list[list[int]] = (),
+    runner_ups: list[int] = (), chains: list[list[int]] = (),
 ) -> list[int]:
     """Decide the tokens a round commits: accepted drafts plus one correction/bonus token.
 
     ``logits`` holds len(draft)+1 target rows: row i scores the token at ``position + i``
     (row 0 follows the last committed token). Returns between 1 and len(draft)+1 tokens.
 
-    A token tree (``TokenTree([draft, *[[a] for a in alt], *chains])``): ``alt`` are alternatives
+    A token tree (``TokenTree([draft, *[[a] for a in runner_ups], *chains])``): ``runner_ups`` are alternatives
     to ``draft[0]`` (the draft's runner-ups to it) and ``chains`` further draft chains (a prompt lookup's, fused into
     the round). Then ``logits`` holds 1 + len(tree) rows, row 1+i after tree node i, and the round
     walks the tree. Greedy: along the target's own choices, committing the path it finds plus the
     target's token after it, still exactly the target's greedy output. Sampling: see
     ``_sample_tree``; the output still follows the target's distribution exactly.
     """
-    tree = TokenTree([draft, *([a] for a in alt), *chains])
+    tree = TokenTree([draft, *([a] for a in runner_ups), *chains])
     if params.greedy:
         best = torch.argmax(logits, dim=-1).tolist()
         out, node = [], -1

@@ -209,6 +209,18 @@ class StepCosts:
         return [self.seconds.get(r) for r in range(1, max(self.seconds, default=0) + 1)]
 
 
+def median_table(tables: list[list[float | None]]) -> list[float | None] | None:
+    """Per row count, the median of several workers' ``StepCosts.table`` (None where none saw it;
+    None for no tables): a request may run on any of them."""
+    if not tables:
+        return None
+    out = []
+    for i in range(max(map(len, tables))):
+        seen = sorted(t[i] for t in tables if i < len(t) and t[i] is not None)
+        out.append(seen[len(seen) // 2] if seen else None)
+    return out
+
+
 def measured_costs(draft: list[float | None] | None, target: list[float | None] | None,
                    base: tuple[float, float, float] | list[float] = DEFAULT_COSTS,
                    ) -> tuple[tuple[float, float, float], tuple[float | None, ...]]:

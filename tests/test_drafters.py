@@ -65,13 +65,13 @@ def test_the_ngram_runner_drafts_exact_points() -> None:
     sampled = Task(2, "draft", 1, 1, tokens, 3, SamplingParams(temperature=1.0), 0)
     fresh = Task(3, "draft", 1, 1, np.array([1, 2, 3]), 3, SamplingParams(temperature=1.0), 0)
     g, s, f = runner.draft([greedy, sampled, fresh])
-    assert g.tokens == [5, 6, 3] and g.q_idx is None and g.alt == []
+    assert g.tokens == [5, 6, 3] and g.q_idx is None and g.runner_ups == []
     assert s.tokens == [5, 6, 3] and [q.tolist() for q in s.q_idx] == [[5], [6], [3]]
     assert all(p.tolist() == [1.0] for p in s.q_prob)  # one-hot: the target accepts with p(x)
     assert f.tokens == [] and f.q_idx == []  # no match: an empty draft (a plain decoding round)
     tree = Task(4, "draft", 1, 1, np.array([3, 4, 5, 6, 3, 4, 9, 3, 4]), 2, SamplingParams(), 0, alts=1)
     [t] = runner.draft([tree])
-    assert t.tokens == [9, 3] and t.alt == [5]  # (a greedy round's runner-up: what followed [3, 4] before that)
+    assert t.tokens == [9, 3] and t.runner_ups == [5]  # (a greedy round's runner-up: what followed [3, 4] before that)
     out = TaskResult(3, "draft", 1, 1, draft=f.tokens)
     out.propose(f.q_idx, f.q_prob)  # (an empty draft's empty q travels and is taken)
     [got] = protocol.decode(protocol.encode(Result([out]))).results

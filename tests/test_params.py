@@ -19,6 +19,8 @@ def test_defaults_are_greedy_and_valid() -> None:
     ({"temperature": math.nan}, "temperature"),
     ({"temperature": -1}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 5e-324}, "at least"),  # subnormal: logits / t overflow, the probabilities turn NaN
+    ({"temperature": 1e-6}, "at least"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),

@@ -23,6 +23,8 @@ from nebula_flow.protocol import (
     TaskSpec,
 )
 
+V = b'{"v": %d' % protocol.VERSION  # a header's start, for raw headers below
+
 
 def roundtrip(msg: protocol.Msg) -> protocol.Msg:
     return protocol.decode([bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f
@@ -42,7 +44,7 @@ def test_fields_at_their_defaults_stay_off_the_wire_and_come_back() -> None:
     assert set(header["tasks"][0]) == {"rid", "kind", "round", "attempt", "tokens", "k", "params", "seed", "holder",
                                        "draft"}
     [back] = roundtrip(Tasks([task])).tasks
-    assert (back.rid, back.draft, back.alt, back.chains, back.fuse, back.q_len) == (1, [3, 4], [], [], 0, None)
+    assert (back.rid, back.draft, back.runner_ups, back.chains, back.fuse, back.q_len) == (1, [3, 4], [], [], 0, None)
     assert back.holder == Holder(5, 4, "tcp://h:1") and back.tokens.tolist() == [0, 1, 2, 3]
 
 
@@ -60,10 +62,10 @@ def test_proposal_q_roundtrip_and_validation() -> None:
 
 def test_a_bad_task_in_a_batch_is_refused_alone() -> None:
     good = TaskSpec(1, "verify", 1, 1, np.arange(3, dtype=np.int32), 0, {}, 1, Holder())
-    bad = TaskSpec(2, "verify", 1, 1, np.arange(3, dtype=np.int32), 0, {}, 1, Holder(), alt=[4])  # (no draft)
+    bad = TaskSpec(2, "verify", 1, 1, np.arange(3, dtype=np.int32), 0, {}, 1, Holder(), runner_ups=[4])  # (no draft)
     got = roundtrip(Tasks([good, bad, good])).tasks
     assert [type(t).__name__ for t in got] == ["TaskSpec", "Rejected", "TaskSpec"]
-    assert got[1].head == {"rid": 2, "kind": "verify", "round": 1, "attempt": 1} and "alt" in got[1].error.message
+    assert got[1].head == {"rid": 2, "kind": "verify", "round": 1, "attempt": 1} and "runner_ups" in got[1].error.message
 
 
 @pytest.mark.parametrize("frames, code", [
@@ -72,16 +74,16 @@ def test_a_bad_task_in_a_batch_is_refused_alone() -> None:
     ([b"STATUS", b"not json"], "malformed"),
     ([b"STATUS", b"[1]"], "malformed"),
     ([b"STATUS", b'{"v": 99}'], "bad_version"),
-    ([b"CANCEL", b'{"v": 1}'], "malformed"),
-    ([b"CANCEL", b'{"v": 1, "req_id": 5}'], "malformed"),
-    ([b"PULL", b'{"v": 1, "credits": true, "idle": true}'], "malformed"),
-    ([b"SUBMIT", b'{"v": 1, "req_id": "a", "params": {}}'], "malformed"),  # neither prompt nor tokens
-    ([b"SUBMIT", b'{"v": 1, "req_id": "", "params": {}, "prompt": "x"}'], "malformed"),
-    ([b"REGISTER", b'{"v": 1, "role": "draft", "name": "x", "capacity": 0, "model": {}}'], "invalid_params"),
-    ([b"REGISTER", b'{"v": 1, "role": "draft", "name": "x", "capacity": 1, "model": {}, "drafter": "a b"}'],
+    ([b"CANCEL", V + b'}'], "malformed"),
+    ([b"CANCEL", V + b', "req_id": 5}'], "malformed"),
+    ([b"PULL", V + b', "credits": true, "idle": true}'], "malformed"),
+    ([b"SUBMIT", V + b', "req_id": "a", "params": {}}'], "malformed"),  # neither prompt nor tokens
+    ([b"SUBMIT", V + b', "req_id": "", "params": {}, "prompt": "x"}'], "malformed"),
+    ([b"REGISTER", V + b', "role": "draft", "name": "x", "capacity": 0, "model": {}}'], "invalid_params"),
+    ([b"REGISTER", V + b', "role": "draft", "name": "x", "capacity": 1, "model": {}, "drafter": "a b"}'],
      "malformed"),
-    ([b"KV_PULL", b'{"v": 1, "seq": 1, "items": [[1, "target", 3, 2]]}'], "malformed"),
-    ([b"RESULT", b'{"v": 1, "results": [], "busy_s": "slow"}'], "malformed"),
+    ([b"KV_PULL", V + b', "seq": 1, "items": [[1, "target", 3, 2]]}'], "malformed"),
+    ([b"RESULT", V + b', "results": [], "busy_s": "slow"}'], "malformed"),
 ])
 def test_malformed_messages_raise_typed_errors(frames: list[bytes], code: str) -> None:
     with pytest.raises(ProtocolError) as err:
@@ -120,9 +122,30 @@ def test_every_kind_has_a_documented_class_and_round_trips_at_its_defaults() -> 
        st.dictionaries(st.text(max_size=8), st.one_of(st.none(), st.integers(-2**63, 2**63 - 1), st.text(max_size=8),
                                                       st.booleans(), st.lists(st.integers(-2**63, 2**63 - 1), max_size=3)), max_size=5))
 def test_decode_never_fails_with_anything_but_protocol_error(extra: list[bytes], kind: str, header: dict) -> None:
-    for frames in ([kind.encode(), orjson.dumps(dict(header, v=1)), *extra], extra):
+    for frames in ([kind.encode(), orjson.dumps(dict(header, v=protocol.VERSION)), *extra], extra):
         try:
             msg = protocol.decode(frames)
         except ProtocolError:
             continue
         assert msg.KIND in protocol.KINDS
+
+
+def test_a_draft_token_outside_its_proposal_or_a_repeated_id_is_refused() -> None:
+    """q(x) = 0 for a token outside the proposal would make the verifier accept it always: a forged
+    draft must never reach it. Refused for a draft result and for a verify task alike."""
+    def proposing(draft: list[int], idx: list[list[int]], prob: list[list[float]]) -> TaskResult:
+        out = TaskResult(1, "draft", 1, 1, draft=draft)
+        out.propose([np.array(i, np.int32) for i in idx], [np.array(p, np.float32) for p in prob])
+        return out
+
+    good = proposing([3, 4], [[3, 1], [4]], [[0.7, 0.3], [1.0]])
+    assert isinstance(roundtrip(Result([good])).results[0], TaskResult)
+    for bad, why in ((proposing([5, 4], [[3, 1], [4]], [[0.7, 0.3], [1.0]]), "outside"),  # 5 is not proposed
+                     (proposing([3, 4], [[3, 1], [4]], [[0.0, 1.0], [1.0]]), "outside"),  # proposed with q = 0
+                     (proposing([3, 4], [[3, 3], [4]], [[0.5, 0.5], [1.0]]), "repeats")):
+        [item] = roundtrip(Result([bad])).results
+        assert isinstance(item, Rejected) and why in item.error.message
+        task = TaskSpec(1, "verify", 1, 1, np.arange(3, dtype=np.int32), 2, {"temperature": 1.0}, 1, Holder(),
+                        draft=bad.draft, q_idx=bad.q_idx, q_prob=bad.q_prob, q_len=bad.q_len)
+        [item] = roundtrip(Tasks([task])).tasks
+        assert isinstance(item, Rejected) and why in item.error.message

@@ -98,6 +98,22 @@ def test_bad_requests_get_clear_errors(live, kwargs: dict, code: str) -> None:  
         assert c.generate("still fine", max_new_tokens=3).token_ids  # and the service goes on
 
 
+def test_a_subnormal_temperature_gets_a_clear_error_and_harms_no_other_request(live) -> None:  # noqa: ANN001
+    """5e-324 passed validation once and turned the target's distribution into NaN, failing the
+    whole batch; now the broker refuses it, whatever client sent it."""
+    sock = raw_socket(live.address)
+    with Client(live.address) as c:
+        stream = c.stream("def add(a, b):", max_new_tokens=12, ignore_eos=True)
+        first = next(stream)  # another request in flight
+        sock.send_multipart(protocol.encode(Submit("tiny-t", {"max_new_tokens": 4, "temperature": 5e-324},
+                                                   prompt="x")))
+        reply = protocol.decode(sock.recv_multipart())
+        assert isinstance(reply, Error) and reply.code == "invalid_params" and "at least" in reply.message
+        rest = list(stream)
+        assert isinstance(rest[-1], Completion) and len(first.token_ids) + sum(len(x.token_ids) for x in rest[:-1]) == 12
+    sock.close()
+
+
 def test_client_validates_parameters_before_sending(live) -> None:  # noqa: ANN001
     with Client(live.address) as c, pytest.raises(ValueError, match="temperature"):
         c.generate("x", temperature=float("nan"))
@@ -126,11 +142,11 @@ def test_cancel_frees_the_request(live) -> None:  # noqa: ANN001
 
 GARBAGE = [
     [b"x"], [b"SUBMIT", b"{"], [b"SUBMIT", b"[]"], [b"SUBMIT", orjson.dumps({"v": 2})],
-    [b"NOPE", orjson.dumps({"v": 1})], [b"SUBMIT", orjson.dumps({"v": 1, "req_id": "a", "params": {}})],
-    [b"SUBMIT", orjson.dumps({"v": 1, "req_id": "b", "params": {"max_new_tokens": -4}, "prompt": "x"})],
-    [b"SUBMIT", orjson.dumps({"v": 1, "req_id": "c", "params": {}, "prompt_tokens": {"f": 0, "dtype": "int32", "shape": [9]}}), b"abc"],
-    [b"CANCEL", orjson.dumps({"v": 1, "req_id": "never"})],
-    [b"PULL", orjson.dumps({"v": 1, "credits": 1, "idle": True})],
+    [b"NOPE", orjson.dumps({"v": protocol.VERSION})], [b"SUBMIT", orjson.dumps({"v": protocol.VERSION, "req_id": "a", "params": {}})],
+    [b"SUBMIT", orjson.dumps({"v": protocol.VERSION, "req_id": "b", "params": {"max_new_tokens": -4}, "prompt": "x"})],
+    [b"SUBMIT", orjson.dumps({"v": protocol.VERSION, "req_id": "c", "params": {}, "prompt_tokens": {"f": 0, "dtype": "int32", "shape": [9]}}), b"abc"],
+    [b"CANCEL", orjson.dumps({"v": protocol.VERSION, "req_id": "never"})],
+    [b"PULL", orjson.dumps({"v": protocol.VERSION, "credits": 1, "idle": True})],
 ]
 
 
@@ -150,10 +166,10 @@ def test_malformed_client_messages_are_answered_and_counted(live) -> None:  # no
 
 def test_malformed_worker_messages_are_answered_and_counted(live) -> None:  # noqa: ANN001
     sock = raw_socket(live.cfg.broker.worker_address)
-    bad = [[b"RESULT", orjson.dumps({"v": 1, "results": [], "busy_s": 0})],  # not registered
-           [b"REGISTER", orjson.dumps({"v": 1, "role": "wizard", "name": "x", "capacity": 1, "model": {}})],
-           [b"REGISTER", orjson.dumps({"v": 1, "role": "draft", "name": "x", "capacity": 0, "model": {}})],
-           [b"REGISTER", orjson.dumps({"v": 1, "role": "draft", "name": "x", "capacity": 1, "model": {},
+    bad = [[b"RESULT", orjson.dumps({"v": protocol.VERSION, "results": [], "busy_s": 0})],  # not registered
+           [b"REGISTER", orjson.dumps({"v": protocol.VERSION, "role": "wizard", "name": "x", "capacity": 1, "model": {}})],
+           [b"REGISTER", orjson.dumps({"v": protocol.VERSION, "role": "draft", "name": "x", "capacity": 0, "model": {}})],
+           [b"REGISTER", orjson.dumps({"v": protocol.VERSION, "role": "draft", "name": "x", "capacity": 1, "model": {},
                                        "kv_endpoint": "shm:///dev/shm/x;http://127.0.0.1:1"})],
            [b"garbage"], [b"PULL", b"\xff\xfe"]]
     for frames in bad:
@@ -201,8 +217,8 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
         recv_kind(Pull)
         head = {"rid": 7, "kind": "verify", "round": 1, "attempt": 1, "k": 0, "params": {"max_new_tokens": 4},
                 "seed": 1, "holder": {"worker": 0, "valid": 0}}
-        garbage = [[b"junk"], [b"TASKS", b"{"], [b"TASKS", orjson.dumps({"v": 1, "tasks": [{"rid": 1}]})],
-                   [b"TASKS", orjson.dumps({"v": 1, "tasks": [dict(head, tokens={"f": 0, "dtype": "int32", "shape": [50]})]}), b"short"]]
+        garbage = [[b"junk"], [b"TASKS", b"{"], [b"TASKS", orjson.dumps({"v": protocol.VERSION, "tasks": [{"rid": 1}]})],
+                   [b"TASKS", orjson.dumps({"v": protocol.VERSION, "tasks": [dict(head, tokens={"f": 0, "dtype": "int32", "shape": [50]})]}), b"short"]]
         for frames in garbage:
             router.send_multipart([ident, *frames])
         errors = 0
@@ -216,12 +232,12 @@ def test_a_real_worker_survives_malformed_messages(tiny_pair) -> None:  # noqa: 
         assert done.rid == 7 and done.error is None and len(done.committed) == 1
         # Token-tree alternatives: refused beyond the limit, without a draft, or repeating the first
         # draft token; accepted on a greedy verify with a draft.
-        for rid, extra in ((8, {"alts": protocol.MAX_ALTERNATIVES + 1}), (9, {"alt": [4]}),
-                           (10, {"draft": [5], "alt": [5]})):
+        for rid, extra in ((8, {"alts": protocol.MAX_ALTERNATIVES + 1}), (9, {"runner_ups": [4]}),
+                           (10, {"draft": [5], "runner_ups": [5]})):
             send(task(rid, **extra))
             failed = result()
-            assert failed.rid == rid and "alt" in failed.error
-        send(task(11, k=2, draft=[5, 6], alt=[9, 10]))
+            assert failed.rid == rid and "runner_ups" in failed.error
+        send(task(11, k=2, draft=[5, 6], runner_ups=[9, 10]))
         done = result()
         assert done.rid == 11 and 1 <= len(done.committed) <= 3
         # Fused chains: refused empty, too many or out of the vocabulary; a greedy verify with one
@@ -266,7 +282,7 @@ def test_the_broker_checks_the_alternatives_a_draft_brings() -> None:
         with pytest.raises(protocol.ProtocolError):
             alternatives(greedy, bad, [3, 6, 7])
     # not token ids: refused when the result is decoded (that item alone: the rest of a RESULT counts)
-    [item] = protocol.decode(protocol.encode(Result([TaskResult(1, "draft", 1, 1, draft=[3], alt=["x"])]))).results
+    [item] = protocol.decode(protocol.encode(Result([TaskResult(1, "draft", 1, 1, draft=[3], runner_ups=["x"])]))).results
     assert isinstance(item, Rejected) and item.error.code == "malformed" and item.head["rid"] == 1
     sampled = Request(2, "b", [1, 2], SamplingParams(temperature=1.0), seed=1, k=3, alts=1)
     assert alternatives(sampled, [4], [3, 6, 7]) == [4]  # (runner-ups to the token drawn)
@@ -450,3 +466,65 @@ def test_resubmitting_a_request_id_is_idempotent(live) -> None:  # noqa: ANN001
     assert counters["requests_reattached"] >= 1 and counters["requests_replayed"] >= 1
     sock.close()
     other.close()
+
+
+def test_a_bug_in_a_handler_costs_one_message_not_the_broker() -> None:
+    """An unexpected exception while handling a message is answered (code "internal") and counted;
+    the broker goes on serving (it once died on a chat template it could not render)."""
+    from nebula_flow_broker.server import Broker, BrokerOptions
+
+    broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port()))
+    broker.bind()
+    try:
+        def broken(*_args: object) -> None:
+            raise RuntimeError("a bug")
+
+        real, broker.admission.request = broker.admission.request, broken
+        broker.on_client(b"c", protocol.encode(Submit("r1", {"max_new_tokens": 2}, prompt_tokens=np.array([1, 2],
+                                                                                                         np.int32))), 0.0)
+        [(ident, reply)] = broker.client_outbox
+        assert ident == b"c" and isinstance(reply, Error) and reply.code == "internal" and reply.req_id == "r1"
+        assert broker.errors["internal"] == 1 and not broker.scheduler.requests
+        broker.admission.request = real  # the next request is admitted as usual
+        broker.on_client(b"c", protocol.encode(Submit("r2", {"max_new_tokens": 2}, prompt_tokens=np.array([1, 2],
+                                                                                                         np.int32))), 0.0)
+        assert [r.req_id for r in broker.scheduler.requests.values()] == ["r2"]
+        broker.on_worker(b"w", protocol.encode(Register("target", "w", 4, {})), 0.0)
+        broker.scheduler.register = broken  # (a worker message too)
+        broker.on_worker(b"v", protocol.encode(Register("target", "v", 4, {})), 0.0)
+        assert broker.errors["internal"] == 2 and len(broker.workers) == 1
+    finally:
+        broker.clients.close()
+        broker.peers.close()
+
+
+def test_a_forged_draft_ends_its_request_with_a_clear_error_and_is_counted() -> None:
+    """A draft worker that returns a token outside its own proposal: the result is refused (and
+    counted), the request ends with an error instead of hanging, and other requests go on."""
+    from nebula_flow_broker.server import Broker, BrokerOptions
+
+    broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port()))
+    broker.bind()
+    try:
+        broker.on_worker(b"d", protocol.encode(Register("draft", "d", 4, {})), 0.0)
+        broker.on_worker(b"t", protocol.encode(Register("target", "t", 4, {})), 0.0)
+        for req_id in ("forged", "honest"):
+            broker.on_client(b"c", protocol.encode(Submit(req_id, {"max_new_tokens": 8, "temperature": 1.0, "seed": 1},
+                                                          prompt_tokens=np.array([1, 2, 3], np.int32))), 0.0)
+        draft_id = broker.by_identity[b"d"]
+        broker.scheduler.pull(draft_id, 4, True, 0.0)
+        [(_, batch)] = broker.scheduler.dispatch()  # (what the broker would send the draft worker)
+        forged, honest = sorted(batch, key=lambda r: r.req_id != "forged")
+        outs = []
+        for req, token in ((forged, 9), (honest, 3)):
+            out = TaskResult(req.rid, req.phase, req.round, req.attempt, draft=[token])
+            out.propose([np.array([3], np.int32)], [np.array([1.0], np.float32)])  # (9 is not in its proposal)
+            outs.append(out)
+        broker.on_worker(b"d", protocol.encode(Result(outs)), 1.0)
+        assert broker.errors["malformed"] == 1
+        errors = [m for _, m in broker.client_outbox if isinstance(m, Error)]
+        assert [(e.req_id, e.code) for e in errors] == [("forged", "worker_error")] and "outside" in errors[0].message
+        assert [r.req_id for r in broker.scheduler.requests.values()] == ["honest"]  # (now waiting for its verify)
+    finally:
+        broker.clients.close()
+        broker.peers.close()

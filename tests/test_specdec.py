@@ -66,8 +66,8 @@ def test_greedy_verify_with_alternatives_to_the_first_draft_token() -> None:
         logits[row, best] = 1.0
     greedy = SamplingParams()
     assert specdec.verify(logits, [3, 5, 6], None, None, greedy, 0, 0, [8, 2]) == [3, 5, 7]  # the chain wins
-    assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [8, 3]) == [3, 4]  # alt 3, then row 5
-    assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [3, 8]) == [3, 1]  # alt 3, then row 4
+    assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [8, 3]) == [3, 4]  # runner_ups 3, then row 5
+    assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [3, 8]) == [3, 1]  # runner_ups 3, then row 4
     assert specdec.verify(logits, [6, 5, 7], None, None, greedy, 0, 0, [8, 2]) == [3]  # no candidate: correction
     # Sampled: the target all but certain of 3 then 4, the draft sure of 6 (q a point): 6 is rejected,
     # the runner-up 3 accepted under the residual, and the bonus token follows it (row 2).
@@ -163,13 +163,13 @@ def test_speculative_sampling_with_real_models_follows_the_target(params: Sampli
         for start in range(0, len(tasks), 500):
             batch = tasks[start:start + 500]
             for t, d in zip(batch, d_run.draft(batch)):
-                t.draft, t.q_idx, t.q_prob, t.chains, t.alt = d.tokens, d.q_idx, d.q_prob, d.chains, d.alt
-                assert len(t.alt) == alts and t.draft[0] not in t.alt
+                t.draft, t.q_idx, t.q_prob, t.chains, t.runner_ups = d.tokens, d.q_idx, d.q_prob, d.chains, d.runner_ups
+                assert len(t.runner_ups) == alts and t.draft[0] not in t.runner_ups
             for t, committed in zip(batch, t_run.verify(batch)):
                 outputs[t.rid].extend(committed)
                 path = t.tree().path(committed[:-1])
-                by_alt += len(path) > 0 and committed[0] in t.alt
-                by_chain += any(node >= len(t.draft) for node in path) and committed[0] not in t.alt
+                by_alt += len(path) > 0 and committed[0] in t.runner_ups
+                by_chain += any(node >= len(t.draft) for node in path) and committed[0] not in t.runner_ups
     assert (by_chain > 100) == bool(fuse), by_chain
     assert (by_alt > 100) == bool(alts), by_alt
     counts = np.zeros((8, 8))
@@ -198,10 +198,10 @@ def test_rounds_with_a_fused_ngram_chain_give_the_targets_greedy_output() -> Non
         while len(out) < len(prompt) + 60:
             task = Task(rid, "draft", 1, 1, np.array(out, dtype=np.int64), 3, greedy, 0, alts=1, fuse=8)
             [d] = d_run.draft([task])
-            task.draft, task.alt, task.chains = d.tokens, d.alt, d.chains
+            task.draft, task.runner_ups, task.chains = d.tokens, d.runner_ups, d.chains
             [committed] = t_run.verify([task])
             chain = next((i for i, (a, b) in enumerate(zip(d.tokens, committed)) if a != b), len(d.tokens))
-            fused_won += len(committed) - 1 > chain and committed[0] not in d.alt
+            fused_won += len(committed) - 1 > chain and committed[0] not in d.runner_ups
             out.extend(committed)
         assert out[:len(ref)] == ref[:len(out)]
         assert fused_won > 0

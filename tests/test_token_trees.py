@@ -51,7 +51,7 @@ def test_the_policy_fuses_rounds_with_drafts_and_counts_the_draft_by_its_own_tok
     s.dispatch()
     # the fused chain won 4 tokens; the draft had 1 of them: its KV is good for one, and its
     # acceptance is 1 of 3
-    s.verify_done(greedy, 2, accepted=4, chain=1)
+    s.verify_done(greedy, 2, accepted=4, draft_accepted=1)
     assert greedy.holders["draft"] == (1, 3 + 1) and greedy.holders["target"] == (2, 3 + 4)
     expected = Acceptance()
     expected.update(3, 1)
@@ -94,7 +94,7 @@ def test_the_broker_checks_fused_chains_and_that_a_round_commits_a_path_of_its_t
         with pytest.raises(ProtocolError, match="not a path"):
             results.verified(req, TaskResult(1, "verify", 1, 1, committed=committed))
     v = results.verified(req, TaskResult(1, "verify", 1, 1, committed=[3, 9, 8, 1]))  # the chain's path won
-    assert (v.chain, v.via_alt, v.fused) == (1, False, 2)
+    assert (v.draft_accepted, v.via_alt, v.fused) == (1, False, 2)
     # a round without a draft: the chain the target looked up comes with its result
     req = _round([], [])
     with pytest.raises(ProtocolError, match="not a path"):

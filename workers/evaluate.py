@@ -88,7 +88,7 @@ def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[i
                             fuse=min(fuse_ngram, left - 1) if kk > 0 else 0)
                 if kk > 0:
                     proposal = d_run.draft([task])[0]
-                    task.draft, task.alt, task.chains = proposal.tokens, proposal.alt, proposal.chains
+                    task.draft, task.runner_ups, task.chains = proposal.tokens, proposal.runner_ups, proposal.chains
                     task.q_idx, task.q_prob = proposal.q_idx, proposal.q_prob
                 new = t_run.verify([task])[0]
                 rounds += 1

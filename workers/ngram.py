@@ -38,14 +38,14 @@ class NgramRunner:
         out = []
         for t in tasks:
             t0 = time.perf_counter()
-            tokens, alt = lookup(np.asarray(t.tokens), t.k, self.min_n, self.max_n, t.alts) if t.k > 0 else ([], [])
+            tokens, runner_ups = lookup(np.asarray(t.tokens), t.k, self.min_n, self.max_n, t.alts) if t.k > 0 else ([], [])
             took = time.perf_counter() - t0
             self.busy_s += took
             self.forwards += 1
             self.step_costs.observe(1, took / max(1, len(tokens)))
             if t.params.greedy:
-                out.append(Draft(tokens, None, None, alt))
+                out.append(Draft(tokens, None, None, runner_ups))
             else:
                 out.append(Draft(tokens, [np.array([x], dtype=np.int32) for x in tokens],
-                                 [np.ones(1, dtype=np.float32) for _ in tokens], alt))
+                                 [np.ones(1, dtype=np.float32) for _ in tokens], runner_ups))
         return out

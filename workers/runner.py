@@ -38,13 +38,13 @@ class Task:
     q_prob: list[np.ndarray] | None = None
     holder: Holder | None = None  # who has this role's KV (None: nobody; a local evaluation)
     alts: int = 0  # draft / round tasks: alternatives to the first draft token wanted
-    alt: list[int] = field(default_factory=list)  # verify tasks: those alternatives (a two-level token tree)
+    runner_ups: list[int] = field(default_factory=list)  # verify tasks: those alternatives (a two-level token tree)
     fuse: int = 0  # fuse an n-gram chain of up to this many tokens (looked up by the draft; without one, here)
     chains: list[list[int]] = field(default_factory=list)  # verify tasks: the fused chains (token tree)
 
     def tree(self) -> TokenTree:
         """The token tree this verify scores: the draft, the alternatives and the fused chains."""
-        return TokenTree([self.draft, *([a] for a in self.alt), *self.chains])
+        return TokenTree([self.draft, *([a] for a in self.runner_ups), *self.chains])
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Draft:
     tokens: list[int]
     q_idx: list[np.ndarray] | None
     q_prob: list[np.ndarray] | None
-    alt: list[int] = field(default_factory=list)  # the draft's next choices for the first token
+    runner_ups: list[int] = field(default_factory=list)  # the draft's next choices for the first token
     chains: list[list[int]] = field(default_factory=list)  # other drafters' chains fused in (token tree)
 
 
@@ -99,7 +99,7 @@ class ModelRunner:
                     ranked = torch.topk(row[0], min(t.alts + 1, row.shape[-1])).indices
                     if self.model.head_token_ids is not None:
                         ranked = self.model.token_ids(ranked)
-                    drafts[i].alt = [x for x in ranked.tolist() if x != tok][: t.alts]
+                    drafts[i].runner_ups = [x for x in ranked.tolist() if x != tok][: t.alts]
                 drafts[i].tokens.append(tok)
                 if q_idx is not None:
                     drafts[i].q_idx.append(q_idx)
@@ -131,7 +131,7 @@ class ModelRunner:
         logits = self._forward(caches, new, [1 + len(tree) for tree in trees], parents)
         out = []
         for t, c, rows, tree in zip(tasks, caches, logits, trees):
-            committed = specdec.verify(rows, t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens), t.alt, t.chains)
+            committed = specdec.verify(rows, t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens), t.runner_ups, t.chains)
             position = len(t.tokens)
             # keep the KV of the accepted path (moved into place when it is not the first chain's)
             c.adopt([position + node for node in tree.path(committed[:-1])], position)

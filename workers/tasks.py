@@ -20,7 +20,7 @@ def runnable(spec: TaskSpec, vocab_size: int | None) -> Task:
     if vocab_size is not None:
         if spec.tokens.max() >= vocab_size:
             raise malformed(f"task tokens must be ids below {vocab_size}")
-        for name, ids in (("draft", spec.draft), ("alt", spec.alt), *(("chains", c) for c in spec.chains)):
+        for name, ids in (("draft", spec.draft), ("runner_ups", spec.runner_ups), *(("chains", c) for c in spec.chains)):
             if ids and max(ids) >= vocab_size:
                 raise malformed(f"{name} must be token ids below {vocab_size}")
     if spec.draft and not params.greedy and spec.q_len is None:
@@ -28,7 +28,7 @@ def runnable(spec: TaskSpec, vocab_size: int | None) -> Task:
     q_idx, q_prob = spec.proposal() if spec.q_len is not None else (None, None)
     return Task(spec.rid, spec.kind, spec.round, spec.attempt, np.asarray(spec.tokens, dtype=np.int64), spec.k,
                 params, spec.seed, list(spec.draft), q_idx, q_prob, holder=spec.holder, alts=spec.alts,
-                alt=list(spec.alt), fuse=spec.fuse, chains=[list(c) for c in spec.chains])
+                runner_ups=list(spec.runner_ups), fuse=spec.fuse, chains=[list(c) for c in spec.chains])
 
 
 def failed(item: TaskSpec | Rejected, error: ProtocolError) -> TaskResult | None:

@@ -186,7 +186,7 @@ class Worker:
             try:
                 if kind == "draft" and self.draft:
                     for out, d in zip(outs, self.draft.draft(group)):
-                        out.draft, out.alt, out.chains = d.tokens, d.alt, d.chains
+                        out.draft, out.runner_ups, out.chains = d.tokens, d.runner_ups, d.chains
                         out.propose(d.q_idx, d.q_prob)
                 elif kind == "verify" and self.target and self.opts.role != "draft":
                     for out, t, committed in zip(outs, group, self.target.verify(group)):
@@ -199,9 +199,9 @@ class Worker:
                     for t in group:
                         if t.k > 0:
                             d = next(it)
-                            t.draft, t.q_idx, t.q_prob, t.alt, t.chains = d.tokens, d.q_idx, d.q_prob, d.alt, d.chains
+                            t.draft, t.q_idx, t.q_prob, t.runner_ups, t.chains = d.tokens, d.q_idx, d.q_prob, d.runner_ups, d.chains
                     for out, t, committed in zip(outs, group, self.target.verify(group)):
-                        out.committed, out.draft, out.alt, out.chains = committed, t.draft, t.alt, t.chains
+                        out.committed, out.draft, out.runner_ups, out.chains = committed, t.draft, t.runner_ups, t.chains
                 else:
                     raise ProtocolError("wrong_role", f"a {self.opts.role} worker cannot run {kind} tasks")
             except Exception as exc:  # fail these requests clearly rather than leave them hanging

@@ -25,8 +25,7 @@ def default_dtype(device: str) -> torch.dtype:
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bf16 in hardware: AMX-BF16 or AVX512-BF16 on x86, BF16 on Arm
     (read from ``/proc/cpuinfo``; elsewhere, no). Without it oneDNN runs bf16 through fp32 with
-    conversions on every call: on an AVX-512 Xeon without either, the bundled target's decode
-    step took 126 ms in bf16 against 47 ms in fp32, where a CPU with AMX took 32 ms in bf16."""
+    conversions on every call, several times slower than plain fp32 (docs/benchmarks.md)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()

@@ -114,7 +114,7 @@ class AcceptanceModel:
         """A verified round with ``alts`` runner-ups and a fused chain of up to ``fuse`` tokens
         asked for: (accepted, via_alt, the draft's own accepted tokens, the chain's gain beyond the
         draft or None where no chain was found), as the broker reports a round to the policy."""
-        chain = self.accepted(rid, round_, k)
+        drafted = self.accepted(rid, round_, k)
         key = (self.seed * 1_000_003 + rid) & ((1 << 62) - 1)
 
         def u(i: int) -> float:
@@ -122,15 +122,15 @@ class AcceptanceModel:
 
         fused = None
         if fuse > 0 and u(0) < self.fused_match:
-            fused, room = 0, fuse - chain  # (the chain starts where the draft does)
+            fused, room = 0, fuse - drafted  # (the chain starts where the draft does)
             if room > 0 and u(1) < self.fused_win:
                 fused = 1
                 while fused < room and u(1 + fused) < 1 - 1 / self.fused_gain:
                     fused += 1
         if fused:
-            return chain + fused, False, chain, fused
-        via_alt = alts > 0 and k > 0 and chain == 0 and u(63) < self.alternative_rate
-        return chain + via_alt, via_alt, chain, fused
+            return drafted + fused, False, drafted, fused
+        via_alt = alts > 0 and k > 0 and drafted == 0 and u(63) < self.alternative_rate
+        return drafted + via_alt, via_alt, drafted, fused
 
     def expected_tokens_per_round(self, k: int) -> float:
         """Mean committed tokens per round at depth ``k`` (accepted drafts + the bonus token)."""

@@ -206,16 +206,16 @@ class Simulator:
             if task.kind == DRAFT:
                 self.policy.draft_done(req, wid, [PLACEHOLDER] * task.k, {})
                 continue
-            accepted, via_alt, chain, fused = outcome
+            accepted, via_alt, draft_accepted, fused = outcome
             if task.drafter is not None and task.k > 0:
                 self.rounds_by_drafter[task.drafter] = self.rounds_by_drafter.get(task.drafter, 0) + 1
-            kept = self.policy.end_round(req, wid, [PLACEHOLDER] * (accepted + 1), via_alt, chain, fused)
+            kept = self.policy.end_round(req, wid, [PLACEHOLDER] * (accepted + 1), via_alt, draft_accepted, fused)
             self.rounds += 1
             self.tokens += len(kept)
             if req.t_first is None:
                 req.t_first = self.now
             # what every copy of this request's KV is still good for (a draft's: its own tokens)
-            valid = {"target": task.length + accepted, "draft": task.length + chain}
+            valid = {"target": task.length + accepted, "draft": task.length + draft_accepted}
             for w in self.workers.values():
                 for role, cache in w.caches.items():
                     if req.rid in cache and cache[req.rid] > valid[role]:
