@@ -397,3 +397,20 @@ def test_a_drafter_that_dies_mid_run_loses_no_request_and_changes_no_output(tiny
     assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair / "target", p, 32) for p in prompts]
     assert workers_lost(state) == 1 and state["drafters"]["ngram"]["workers"] == 0
     assert state["drafters"]["draft"]["rounds"] > 0
+
+
+def test_zero_draft_workers_on_the_command_line_is_honoured(tmp_path) -> None:  # noqa: ANN001
+    """`--draft-workers 0 --target-workers 1` in autoregressive mode starts one target worker (0
+    was taken for "not given", and two started); pooled mode refuses it with a clear error."""
+    import click
+
+    from nebula_flow.cli.common import apply_overrides
+
+    path = tmp_path / "c.toml"
+    path.write_text('mode = "pooled"\n[draft]\nmodel = "/m/d"\n[target]\nmodel = "/m/t"\n')
+    cfg = apply_overrides(load_config(path), "autoregressive", 0, 1, None)
+    assert [role for role, _ in cfg.worker_plan()] == ["target"]
+    cfg = apply_overrides(load_config(path), "colocated", 0, 2, None)
+    assert [role for role, _ in cfg.worker_plan()] == ["colocated", "colocated"]
+    with pytest.raises(click.ClickException, match="workers must be >= 1"):
+        apply_overrides(load_config(path), "pooled", 0, 1, None)

@@ -65,9 +65,9 @@ def apply_overrides(cfg: DeployConfig, mode: str | None, draft_workers: int | No
     for spec in add_drafters:  # one more draft pool (one worker) per spec: several drafters, routed
         cfg.drafters.append(PoolConfig(model=spec, workers=1, max_batch=cfg.draft.max_batch, dtype=cfg.draft.dtype,
                                        device=cfg.draft.device))
-    if draft_workers:
+    if draft_workers is not None:  # (0 is an answer: no draft workers, for the target-only modes)
         cfg.draft.workers = draft_workers
-    if target_workers:
+    if target_workers is not None:
         cfg.target.workers = target_workers
     if port is not None:
         cfg.broker.client_port, cfg.broker.worker_port = port, (port + 1 if port else 0)
