@@ -146,8 +146,7 @@ class Broker:
 
     def _submit(self, identity: bytes, msg: Submit, now: float) -> None:
         req_id = msg.req_id
-        if self.draining_since is not None:
-            raise ProtocolError("shutting_down", "the broker is shutting down")
+        # (a retry re-attaches, or replays a result, even while draining: only new work is refused)
         if req_id in self.by_req_id:  # a retry: re-attach and resend what was committed so far
             req = self.scheduler.requests[self.by_req_id[req_id]]
             self.inflight_by_owner[req.owner] -= 1
@@ -160,6 +159,8 @@ class Broker:
             self.counters["requests_replayed"] += 1
             self._send(self.clients, identity, self.finished[req_id])
             return
+        if self.draining_since is not None:
+            raise ProtocolError("shutting_down", "the broker is shutting down")
         if self.inflight_by_owner[identity] >= self.opts.max_inflight_per_client:
             raise ProtocolError("busy", f"this client already has {self.opts.max_inflight_per_client} requests in flight")
         req = self.admission.request(self.next_rid, msg, identity, now)

@@ -528,3 +528,32 @@ def test_a_forged_draft_ends_its_request_with_a_clear_error_and_is_counted() -> 
     finally:
         broker.clients.close()
         broker.peers.close()
+
+
+def test_while_draining_a_retry_reattaches_and_a_finished_one_replays_but_new_work_is_refused() -> None:
+    """A client that reconnects while the broker drains (SIGTERM) must still get its running
+    request back; it was refused as shutting_down before the re-attach check."""
+    from nebula_flow_broker.server import Broker, BrokerOptions
+
+    broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port()))
+    broker.bind()
+    try:
+        def submit(ident: bytes, req_id: str) -> None:
+            broker.on_client(ident, protocol.encode(Submit(req_id, {"max_new_tokens": 4},
+                                                           prompt_tokens=np.array([1, 2], np.int32))), 0.0)
+
+        submit(b"c", "running")
+        submit(b"c", "done-soon")
+        broker._finish(broker.by_req_id["done-soon"], "length")  # (as if it had finished)
+        broker.client_outbox.clear()
+        broker.draining_since = 1.0  # SIGTERM: no new requests, in-flight ones finish
+        submit(b"c2", "running")  # the client reconnected (a new socket) and retries
+        submit(b"c2", "done-soon")
+        submit(b"c2", "new")
+        replies = [(ident, type(m).__name__, getattr(m, "code", None)) for ident, m in broker.client_outbox]
+        assert replies == [(b"c2", "Tokens", None), (b"c2", "Done", None), (b"c2", "Error", "shutting_down")]
+        assert broker.counters["requests_reattached"] == 1 and broker.counters["requests_replayed"] == 1
+        assert broker.scheduler.requests[broker.by_req_id["running"]].owner == b"c2"  # its stream goes there now
+    finally:
+        broker.clients.close()
+        broker.peers.close()
