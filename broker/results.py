@@ -38,11 +38,11 @@ def drafted(req: Request, out: TaskResult) -> tuple[list[int], list[int], list[l
 
 
 def proposal(out: TaskResult) -> dict[str, Any]:
-    """A sampled draft's proposal q, copied out of the message's frames (it outlives them)."""
+    """A sampled draft's proposal q, flat as it travels, copied out of the message's frames (it
+    outlives them); the verify task carries it on as is."""
     if out.q_len is None:
         raise ProtocolError("malformed", "a sampled draft needs its proposal q")
-    idx, prob = out.proposal()
-    return {"q_idx": [a.copy() for a in idx], "q_prob": [p.copy() for p in prob]}
+    return {"q_idx": out.q_idx.copy(), "q_prob": out.q_prob.copy(), "q_len": list(out.q_len)}
 
 
 def verified(req: Request, out: TaskResult) -> Verified:

@@ -348,8 +348,8 @@ class Broker:
                 task.alts = req.alts
             if req.fuse and (req.phase != VERIFY or not req.draft):  # (without a draft the target looks it up)
                 task.fuse = req.fuse
-            if req.draft:
-                task.propose(req.q.get("q_idx"), req.q.get("q_prob"))
+            if req.q:  # (a sampled draft's proposal, flat as it came: checked when it arrived)
+                task.q_idx, task.q_prob, task.q_len = req.q["q_idx"], req.q["q_prob"], req.q["q_len"]
             tasks.append(task)
         msg = Tasks(tasks)
         if not self._send(self.peers, self.workers[wid].identity, msg):

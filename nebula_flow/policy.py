@@ -3,8 +3,9 @@ knob's default, range and help text are written down.
 
 Everything that exposes a knob takes a ``PolicyConfig``: the ``Scheduler``, the broker's
 options, a deployment's ``[policy]`` table, a simulation scenario's ``[policy]`` table, the
-policy log, and the command line (``cli_options`` derives ``--KNOB`` options from the fields
-below; ``--set KNOB=VALUE`` and a bench mode's ``@KNOB=VALUE`` go through ``with_setting``).
+policy log, and the command line (``cli.common.policy_options`` derives ``--KNOB`` options from
+the fields below; ``--set KNOB=VALUE`` and a bench mode's ``@KNOB=VALUE`` go through
+``with_setting``).
 """
 
 from __future__ import annotations

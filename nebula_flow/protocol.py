@@ -41,7 +41,6 @@ from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of thi
     decode_fields,
     malformed,
     plain,
-    token_ids,
 )
 
 VERSION = 2  # 2: typed messages; a task's runner-ups travel as "runner_ups" (were "alt")
@@ -286,10 +285,6 @@ class TaskSpec(Proposes):
             raise malformed(f"fuse must be in 0..{MAX_DRAFT}")
         if len(self.chains) > MAX_FUSED_CHAINS or not all(0 < len(c) <= MAX_DRAFT for c in self.chains):
             raise malformed(f"chains must be at most {MAX_FUSED_CHAINS} lists of 1..{MAX_DRAFT} token ids")
-
-    def token_ids(self) -> list[TokenIds]:
-        """Every token list the task carries (to check against a vocabulary)."""
-        return [self.draft, self.runner_ups, *self.chains]
 
 
 @dataclass

@@ -227,7 +227,7 @@ class Scheduler:
         which sample it draws: it is planned from its own history and ``spec_costs`` alone, so the
         same seed gives the same output whatever the placement and the machine's timing."""
         if reproducible(req):
-            return tuple(self.policy.spec_costs), ()
+            return self.policy.spec_costs, ()
         return self.drafter_costs.get(drafter, (self.costs, self.verify_costs)) if drafter else (self.costs, self.verify_costs)
 
     def _route(self, req: Request, max_alts: int) -> tuple[str, bool, tuple[int, int] | None]:

@@ -24,6 +24,7 @@ DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16"
           "bfloat16": np.uint16, "uint8": np.uint8}
 ITEMSIZE = {name: np.dtype(t).itemsize for name, t in DTYPES.items()}
 
+MAX_TOKEN_ID = 1 << 31  # token ids travel as int32 tensors (a request's tokens, KV pulls)
 TokenIds = NewType("TokenIds", list)  # a list of token ids: whole numbers >= 0
 Tensor = NewType("Tensor", np.ndarray)  # a tensor frame; in Python a read-only array view of it
 
@@ -153,11 +154,13 @@ def _head(raw: Any) -> dict | None:  # noqa: ANN401
     return head if ok and isinstance(head["kind"], str) else None
 
 
-def token_ids(value: Any, name: str, vocab: int | None = None) -> list[int]:  # noqa: ANN401
-    """``value`` if it is a list of token ids (whole numbers in [0, vocab)), else ``ProtocolError``."""
+def token_ids(value: Any, name: str) -> list[int]:  # noqa: ANN401
+    """``value`` if it is a list of token ids (whole numbers in int32's range, where tokens travel
+    as tensors), else ``ProtocolError`` (the model's vocabulary is checked where it is known:
+    ``workers/tasks.py``)."""
     if not isinstance(value, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (vocab or 1 << 62) for t in value):
-        raise malformed(f"{name} must be a list of token ids" + (f" below {vocab}" if vocab else ""))
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in value):
+        raise malformed(f"{name} must be a list of token ids")
     return value
 
 

@@ -145,12 +145,12 @@ class Worker:
         """A TASKS batch's runnable tasks. A task that is malformed or that this worker cannot run
         is answered with an error result for its request (so the broker ends that request instead
         of waiting); the good ones still run."""
-        tasks, failures = [], []
+        tasks, failures, vocab = [], [], self._vocab_size()
         for item in msg.tasks:
             try:
                 if isinstance(item, Rejected):
                     raise item.error
-                tasks.append(runnable(item, self._vocab_size()))
+                tasks.append(runnable(item, vocab))
             except ProtocolError as exc:
                 result = failed(item, exc)
                 if result is None:  # (it names no task: the broker hears of it as an error)
