@@ -43,11 +43,13 @@ from nebula_flow.protocol import (
     TaskResult,
     Tasks,
     TaskSpec,
+    Timing,
     Tokens,
     Welcome,
     req_id_of,
 )
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
+from nebula_flow.round_times import RoundTimes
 from nebula_flow.scheduler import MODES, Scheduler
 from nebula_flow.security import SecurityError, is_loopback, keys_dir, make_server, start_authenticator
 from nebula_flow_broker import results
@@ -65,6 +67,7 @@ class Broker:
         self.scheduler = policy(opts.mode, opts.policy)
         self.admission = Admission(opts.model, opts.max_new_tokens_limit)
         self.stats = BrokerStats()
+        self.round_times = RoundTimes()
         self.counters, self.errors = self.stats.counters, self.stats.errors
         self.workers: dict[int, WorkerInfo] = {}
         self.by_identity: dict[bytes, int] = {}
@@ -171,6 +174,7 @@ class Broker:
         self.inflight_by_owner[identity] += 1
         self.counters["requests_submitted"] += 1
         self.scheduler.admit(req)
+        self.round_times.admitted(req.rid, time.perf_counter())
 
     def _finish(self, rid: int, reason: str, error: tuple[str, str] | None = None) -> None:
         """End a request the policy still holds (cancelled, failed, or the broker stopping)."""
@@ -182,6 +186,7 @@ class Broker:
     def _close(self, req: Request, error: tuple[str, str] | None = None) -> None:
         """A request has left the pool: tell its client, let workers drop its KV."""
         self.by_req_id.pop(req.req_id, None)
+        self.round_times.closed(req.rid)
         self.inflight_by_owner[req.owner] -= 1
         if self.inflight_by_owner[req.owner] <= 0:
             del self.inflight_by_owner[req.owner]
@@ -205,6 +210,7 @@ class Broker:
 
     # -- workers ---------------------------------------------------------------------------
     def on_worker(self, identity: bytes, frames: list[Any], now: float) -> None:
+        arrived = time.perf_counter()  # (round_times: the message's decoding is the broker's time)
         wid = self.by_identity.get(identity)
         try:
             msg = protocol.decode(frames)
@@ -217,7 +223,7 @@ class Broker:
             if isinstance(msg, Pull):
                 self.scheduler.pull(wid, min(msg.credits, protocol.MAX_CAPACITY), msg.idle, now)
             elif isinstance(msg, Result):
-                self._results(wid, identity, msg, now)
+                self._results(wid, identity, msg, now, arrived)
             elif isinstance(msg, Bye):
                 self._drop_worker(wid, "left")
             elif isinstance(msg, Error):  # a worker rejected something we sent it
@@ -229,7 +235,7 @@ class Broker:
         except Exception as exc:  # a bug must cost one message, never the broker
             self._internal(self.peers, identity, exc)
 
-    def _results(self, wid: int, identity: bytes, msg: Result, now: float) -> None:
+    def _results(self, wid: int, identity: bytes, msg: Result, now: float, arrived: float) -> None:
         info = self.workers[wid]
         info.busy_s += max(0.0, msg.busy_s)
         if msg.kv is not None:
@@ -243,7 +249,7 @@ class Broker:
                 if item.head is not None:  # its request ends with a clear error, never a hang
                     self._fail_result(wid, item.head, item.error.message)
                 continue
-            self._result(wid, item, now)
+            self._result(wid, item, now, arrived, msg.timing)
 
     def _register(self, identity: bytes, msg: Register, now: float) -> None:
         if identity in self.by_identity:
@@ -270,12 +276,13 @@ class Broker:
         self.counters["tasks_requeued"] += len(requeued)
         log.warning("worker %d (%s) %s; %d tasks re-queued", wid, info.name, why, len(requeued))
 
-    def _result(self, wid: int, item: TaskResult, now: float) -> None:
+    def _result(self, wid: int, item: TaskResult, now: float, arrived: float, timing: Timing | None) -> None:
         req = self.scheduler.accepts_result(wid, item.rid, item.attempt, item.kind)
         if req is None:
             self.counters["stale_results"] += 1
             return
         self.workers[wid].tasks += 1
+        self.round_times.returned(req.rid, arrived, timing)
         if item.error:
             self._finish(req.rid, "error", ("worker_error", item.error[:500]))
             return
@@ -304,6 +311,7 @@ class Broker:
             q = results.proposal(item) if not req.params.greedy else {}
             self.scheduler.draft_done(req, wid, draft, q)
             req.runner_ups, req.chains = runner_ups, chains
+            self.round_times.handled(req.rid, time.perf_counter())
             return
         v = results.verified(req, item)
         if item.kind == ROUND:
@@ -317,6 +325,7 @@ class Broker:
         self.counters["rounds"] += 1
         self.counters["tokens_out"] += len(kept)
         self._stream(req, kept, req.text[len(text_before):], now)
+        self.round_times.ended(req.rid, time.perf_counter(), len(kept))
         if req.finish_reason:  # (end_round took it out of the pool)
             self._close(req)
 
@@ -351,9 +360,12 @@ class Broker:
             if req.q:  # (a sampled draft's proposal, flat as it came: checked when it arrived)
                 task.q_idx, task.q_prob, task.q_len = req.q["q_idx"], req.q["q_prob"], req.q["q_len"]
             tasks.append(task)
-        msg = Tasks(tasks)
-        if not self._send(self.peers, self.workers[wid].identity, msg):
+        sent = time.perf_counter()  # (before the send: the worker may start before this process runs again)
+        if not self._send(self.peers, self.workers[wid].identity, Tasks(tasks)):
             self._drop_worker(wid, "unreachable")
+            return
+        for req in batch:
+            self.round_times.sent(req.rid, sent)
 
     # -- the loop --------------------------------------------------------------------------
     def state(self, now: float) -> dict[str, Any]:
@@ -361,7 +373,7 @@ class Broker:
             "mode": self.opts.mode, "uptime_s": now - self.started, "pool": len(self.scheduler.requests),
             "max_model_len": self.admission.max_model_len,
             "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
-            **self.stats.state(self.scheduler, self.workers),
+            **self.stats.state(self.scheduler, self.workers), "round_times": self.round_times.state(),
             "metrics_port": self.metrics.port if self.metrics else None,
         }
 

@@ -24,6 +24,7 @@ from nebula_flow.client import AsyncClient, Client, Completion, RequestError
 from nebula_flow.config import DeployConfig
 from nebula_flow.deploy import Deployment
 from nebula_flow.kv.store import PULL_SIZE_CLASSES, add_by_size
+from nebula_flow.round_times import PARTS, breakdown
 from nebula_flow.stats import percentiles
 
 DEFAULT_PROMPTS = [
@@ -140,7 +141,9 @@ def run_once(address: str, wl: BenchWorkload) -> dict[str, Any]:
             "kv_bytes": _kv_bytes(s1) - kv0, "forwards": forwards,
             # emulated devices: mean time a forward ran past its profile (the host falling behind)
             "emulated_overrun_per_forward_s": overrun / forwards if forwards else 0.0,
-            "ttft_s": percentiles([o.ttft_s for o in outs]), "latency_s": percentiles([o.latency_s for o in outs])}
+            "ttft_s": percentiles([o.ttft_s for o in outs]), "latency_s": percentiles([o.latency_s for o in outs]),
+            # where the rounds' time went (round_times): decode rounds, and first rounds (with the prefill)
+            "breakdown": breakdown(s0, s1), "first_breakdown": breakdown(s0, s1, "first")}
 
 
 def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, log=print, label: str | None = None) -> dict[str, Any]:  # noqa: ANN001
@@ -169,7 +172,98 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
             "kv_bytes": med("kv_bytes"), "emulated_overrun_per_forward_s": med("emulated_overrun_per_forward_s"),
             "ttft_s": {p: statistics.median(r["ttft_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
             "latency_s": {p: statistics.median(r["latency_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
-            "repeats": runs}
+            "breakdown": _median_breakdown([r["breakdown"] for r in runs]),
+            "first_breakdown": _median_breakdown([r["first_breakdown"] for r in runs]), "repeats": runs}
+
+
+def bench_peer(cfg: DeployConfig, peer: str, wl: BenchWorkload, repeats: int, log=print) -> dict[str, Any]:  # noqa: ANN001
+    """``wl`` run ``repeats`` times by HF transformers (``hf_peer``: ``hf`` or ``hf-assisted``) in a
+    process of its own, as a user would run it, on the config's target (and draft); medians, in the
+    shape ``bench_mode`` returns (no utilization, KV or breakdown: one process, no pipeline)."""
+    from nebula_flow.hf_peer import PEERS
+    from nebula_flow.lookup import is_ngram
+    from nebula_flow.tokenizer import TextCodec
+
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
+    if "emulated" in (cfg.target.device, cfg.draft.device):
+        raise ValueError(f"{peer} runs real checkpoints; this config's workers run on emulated devices")
+    if cfg.target.device != "cpu":
+        raise ValueError(f"{peer} is measured on the CPU; this config's target runs on {cfg.target.device}")
+    assisted = peer == "hf-assisted"
+    if assisted and (not cfg.draft.model or is_ngram(cfg.draft.model)):
+        raise ValueError("hf-assisted needs a draft model in the config's [draft] pool")
+    codec = TextCodec(cfg.target.model)
+    spec = {"target": str(cfg.target.model), "draft": str(cfg.draft.model) if assisted else None,
+            "dtype": cfg.target.dtype, "prompts": [codec.encode(p, chat=wl.chat) for p in wl.prompts],
+            "max_new_tokens": wl.max_new_tokens, "temperature": wl.temperature, "ignore_eos": wl.ignore_eos,
+            "repeats": repeats, "label": peer}
+    with tempfile.TemporaryDirectory(prefix="nebula-flow-hf-") as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.hf_peer", str(path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        lines = []
+        for line in proc.stderr:  # progress as it comes; the rest kept for an error
+            if line.startswith(f"  {peer} repeat"):
+                log(line.rstrip())
+            else:
+                lines.append(line)
+        out, code = proc.stdout.read(), proc.wait()
+    if code != 0:
+        raise RuntimeError(f"{peer} failed (exit code {code}):\n{''.join(lines[-20:])}")
+    res = json.loads(out.strip().splitlines()[-1])
+    runs = res["runs"]
+    for r in runs:
+        r["ttft_s"], r["latency_s"] = percentiles(r.pop("ttft")), percentiles(r.pop("latency"))
+    empty = {"rounds": 0, "per_round_s": {}, "share": {}, "per_token_s": 0.0}
+    return {**{k: statistics.median(r[k] for r in runs) for k in ("tokens_per_s", "round_rate", "tokens_per_round")},
+            "utilization": None, "kv_bytes": 0.0, "emulated_overrun_per_forward_s": 0.0,
+            "ttft_s": {p: statistics.median(r["ttft_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
+            "latency_s": {p: statistics.median(r["latency_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
+            "breakdown": empty, "first_breakdown": empty, "threads": res["threads"], "dtype": res["dtype"],
+            "transformers": res["transformers"], "repeats": runs}
+
+
+def _median_breakdown(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each part's per-round seconds: the median over repeats (shares from those medians)."""
+    runs = [r for r in runs if r["rounds"]]
+    if not runs:
+        return {"rounds": 0, "per_round_s": {}, "share": {}, "per_token_s": 0.0}
+    per = {p: statistics.median(r["per_round_s"].get(p, 0.0) for r in runs) for p in runs[0]["per_round_s"]}
+    total = per.get("total", 0.0)
+    return {"rounds": statistics.median(r["rounds"] for r in runs), "per_round_s": per,
+            "per_token_s": statistics.median(r["per_token_s"] for r in runs),
+            "share": {p: v / total for p, v in per.items() if p != "total"} if total > 0 else {}}
+
+
+FORWARDS = ("draft_forward", "verify_forward")
+NOT_OVERHEAD = (*FORWARDS, "queue")  # a round's forwards, and its tasks waiting for a worker
+
+
+def overhead_share(b: dict[str, Any]) -> float:
+    """The share of a round's time that is neither forward passes nor waiting for a worker."""
+    return 1.0 - sum(b["share"].get(p, 0.0) for p in NOT_OVERHEAD) if b["share"] else 0.0
+
+
+def breakdown_table(results: dict[str, dict[str, Any]]) -> str:
+    """Per mode, milliseconds per decode round by part (medians over repeats), the round's total,
+    its time per token, and the overhead's share (all but the forwards and the queue)."""
+    parts = [p for p in PARTS if any(r["breakdown"]["per_round_s"].get(p, 0.0) >= 5e-5 for r in results.values())]
+    m = max(15, *(len(name) + 2 for name in results))
+    head = f"{'ms per round':<{m}}" + "".join(f"{p:>{max(9, len(p) + 1)}}" for p in parts)
+    rows = [head + f"{'total':>9}{'per token':>10}{'overhead':>9}"]
+    for mode, r in results.items():
+        b = r["breakdown"]
+        if not b["rounds"]:
+            rows.append(f"{mode:<{m}}" + ("(one process: no pipeline to break down)" if r["utilization"] is None
+                                         else "(no decode rounds)"))
+            continue
+        per = b["per_round_s"]
+        cells = "".join(f"{per.get(p, 0.0) * 1000:>{max(9, len(p) + 1)}.2f}" for p in parts)
+        rows.append(f"{mode:<{m}}{cells}{per['total'] * 1000:>9.2f}{b['per_token_s'] * 1000:>10.2f}"
+                    f"{overhead_share(b) * 100:>8.1f}%")
+    return "\n".join(rows)
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -181,8 +275,9 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             f"{'TTFT p50':>10}{'lat p50':>9}{'lat p90':>9}{'KV MB':>8}{'rounds/s vs ' + base_name:>{w}}"
             f"{'tokens/s vs ' + base_name:>{w}}"]
     for mode, r in results.items():
+        util = "-" if r["utilization"] is None else f"{r['utilization']:.2f}"  # (HF's peers: one process)
         rows.append(f"{mode:<{m}}{r['tokens_per_s']:>10.1f}{r['round_rate']:>10.1f}{r['tokens_per_round']:>10.2f}"
-                    f"{r['utilization']:>7.2f}{r['ttft_s']['p50'] * 1000:>8.0f}ms{r['latency_s']['p50']:>8.2f}s"
+                    f"{util:>7}{r['ttft_s']['p50'] * 1000:>8.0f}ms{r['latency_s']['p50']:>8.2f}s"
                     f"{r['latency_s']['p90']:>8.2f}s{r['kv_bytes'] / 1e6:>8.1f}"
                     f"{r['round_rate'] / base['round_rate']:>{w - 1}.2f}x{r['tokens_per_s'] / base['tokens_per_s']:>{w - 1}.2f}x")
     return "\n".join(rows)

@@ -321,17 +321,40 @@ class TaskResult(Proposes):
 
 
 @dataclass
+class Timing:
+    """How a worker spent one batch, in seconds, from its TASKS' arrival (``span_s`` in all) to
+    its RESULT's departure: decoding the tasks, waiting behind the batch computing, waiting for
+    pulled KV, draft and verify forward passes, the compute thread's other work, and the finished
+    batch waiting to be sent. The broker's ``round_times`` adds them to each round the batch ran."""
+
+    span_s: float = 0.0
+    decode_s: float = 0.0
+    queue_s: float = 0.0
+    kv_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    python_s: float = 0.0
+    handoff_s: float = 0.0
+
+    def check(self) -> None:
+        if min(vars(self).values()) < 0:
+            raise malformed("timing parts must be >= 0")
+
+
+@dataclass
 class Result(Msg):
     """Worker -> broker: finished tasks and the forward time they took (``busy_s``); ``kv``: KV
     movement counters; ``device``: forwards, numerics, and ``step_costs`` (per role, forward
     seconds for one sequence by new rows [1, 2, ...], null where not seen, at most once a second,
-    which adaptive k weighs; malformed ones are counted and left out)."""
+    which adaptive k weighs; malformed ones are counted and left out); ``timing``: where the
+    batch's time went on the worker."""
 
     KIND: ClassVar[str] = "RESULT"
     results: list[TaskResult] = field(default_factory=list, metadata={"isolate": True})
     busy_s: float = 0.0
     kv: dict | None = None
     device: dict | None = None
+    timing: Timing | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from nebula_flow.protocol import (
     Result,
     TaskResult,
     Tasks,
+    Timing,
     Welcome,
 )
 from nebula_flow.routing import drafter_name
@@ -54,6 +56,16 @@ ROLES = ("draft", "target", "colocated")
 REFUSALS = ("malformed", "wrong_role", "invalid_params")  # REGISTER errors that retrying cannot fix
 
 
+@dataclass
+class BatchClock:
+    """When a pending batch's first tasks arrived, the time spent decoding them, and when it was
+    ready to compute (``protocol.Timing``'s starting marks)."""
+
+    arrived: float = 0.0
+    decode_s: float = 0.0
+    ready: float = 0.0
+
+
 class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
         if opts.role not in ROLES:
@@ -65,18 +77,13 @@ class Worker:
         self.opts = opts
         self.heartbeat_s = opts.heartbeat_s  # until the broker's WELCOME names its own interval
         self.name = opts.name or f"{opts.role}-{os.getpid()}"
-        torch.set_num_threads(max(1, opts.threads))
-        self.target = self.draft = None
-        if opts.role == "draft":
-            self.draft = self._draft_runner(opts.model, opts.profile)
-        else:
-            self.target = ModelRunner(self._load(opts.model, opts.profile, "target"), max_kv_bytes=int(opts.max_kv_gb * (1 << 30)))
-        if opts.role == "colocated":
-            self.draft = self._draft_runner(opts.draft_model, opts.draft_profile)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        # The models are loaded on the thread that runs them: loaded on another, the same forward
+        # took ~1.5x as long on this 2-core CPU (oneDNN's per-thread state; docs/benchmarks.md).
+        self.executor.submit(self._load_models).result()
         self.drafter = drafter_name(opts.drafter, opts.model) if opts.role == "draft" else None
         self.runners = [r for r in (self.draft, self.target) if r is not None]
         self.stores = [r.store for r in self.runners if r.store is not None]  # (an n-gram drafter holds no KV)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self.stall_s = 0.0
         self.keys = keys_dir(opts.keys)
@@ -98,6 +105,17 @@ class Worker:
         self.exit_code = 0
         self.errors = 0
         self.costs_sent_at = float("-inf")  # when forward times last went with a RESULT (_device_stats)
+
+    def _load_models(self) -> None:
+        opts = self.opts
+        torch.set_num_threads(max(1, opts.threads))
+        self.target = self.draft = None
+        if opts.role == "draft":
+            self.draft = self._draft_runner(opts.model, opts.profile)
+        else:
+            self.target = ModelRunner(self._load(opts.model, opts.profile, "target"), max_kv_bytes=int(opts.max_kv_gb * (1 << 30)))
+        if opts.role == "colocated":
+            self.draft = self._draft_runner(opts.draft_model, opts.draft_profile)
 
     def _draft_runner(self, model: str, profile: str | None):  # noqa: ANN202
         ngram = parse_ngram(model) if self.opts.device != "emulated" else None
@@ -163,7 +181,12 @@ class Worker:
         return tasks
 
     # -- compute (runs on the compute thread) -----------------------------------------------
-    def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None) -> tuple[Result, float]:
+    def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None,
+                 clock: BatchClock) -> tuple[Result, float, float]:
+        """Run one batch; returns its RESULT (whose ``timing`` the main thread completes when it
+        sends it), when the compute ended and when the batch arrived."""
+        started = time.perf_counter()
+        timing = Timing(decode_s=clock.decode_s, queue_s=max(0.0, started - clock.ready))
         # Finished requests first: their shared files go back to the pool before this batch's
         # new caches are made (a pooled file's pages are already in; a new one faults them in).
         for store in self.stores:
@@ -175,8 +198,10 @@ class Worker:
         # millisecond gains nothing from overlap and would cost a thread handoff and a second
         # busy thread beside the running batch. Without overlap, compute waits for every pull.
         self.kv.prefetch(self.kv.pulls(tasks, local=True if self.opts.kv_overlap else None))
-        self.stall_s += time.perf_counter() - t0
+        timing.kv_s = time.perf_counter() - t0
+        self.stall_s += timing.kv_s
         busy0 = sum(r.busy_s for r in self.runners)
+        draft0, verify0 = (r.busy_s if r is not None else 0.0 for r in (self.draft, self.target))
         results: list[TaskResult] = []
         by_kind: dict[str, list[Task]] = {}
         for t in tasks:
@@ -212,7 +237,11 @@ class Worker:
         for store in self.stores:
             store.unpin([t.rid for t in tasks])
         busy = sum(r.busy_s for r in self.runners) - busy0
-        return Result(results, busy, self.kv.stats(self.stall_s), self._device_stats()), busy
+        timing.draft_s = self.draft.busy_s - draft0 if self.draft is not None else 0.0
+        timing.verify_s = self.target.busy_s - verify0 if self.target is not None else 0.0
+        ended = time.perf_counter()
+        timing.python_s = max(0.0, ended - started - timing.kv_s - busy)
+        return Result(results, busy, self.kv.stats(self.stall_s), self._device_stats(), timing), ended, clock.arrived
 
     # -- the loop --------------------------------------------------------------------------
     def _connect(self, poller: zmq.Poller) -> None:
@@ -240,6 +269,7 @@ class Worker:
         computing: Future | None = None
         pending: list[Task] | None = None
         prefetch: Future | None = None
+        clock = BatchClock()  # the pending batch's
         # The PULL waiting at the broker: None, "busy" (sent while computing: prefetch) or "idle".
         # A worker that goes idle with a "busy" PULL parked says so again, so the broker's
         # locality rules (only idle workers take tasks held elsewhere) see it as idle.
@@ -259,9 +289,10 @@ class Worker:
                 break
             if self.registered and not self.stopping:
                 if computing is None and pending:
-                    computing = self.executor.submit(self._compute, pending, frees, prefetch)
+                    clock.ready = time.perf_counter()
+                    computing = self.executor.submit(self._compute, pending, frees, prefetch, clock)
                     computing.add_done_callback(lambda _f: os.write(self.wake_w, b"x"))
-                    pending, frees, prefetch = None, [], None
+                    pending, frees, prefetch, clock = None, [], None, BatchClock()
                 idle = computing is None
                 if pending is None and (pull_out is None or (idle and pull_out == "busy")):
                     self._send(Pull(self.opts.capacity, idle))
@@ -283,7 +314,9 @@ class Worker:
                 os.read(self.wake_r, 64)
             if computing is not None and computing.done():
                 try:
-                    result, _ = computing.result()
+                    result, ended, arrived = computing.result()
+                    now = time.perf_counter()
+                    result.timing.handoff_s, result.timing.span_s = now - ended, now - arrived
                     self._send(result)
                 except Exception:  # a bug in compute must not kill the worker silently
                     log.exception("batch failed")
@@ -291,6 +324,7 @@ class Worker:
                 computing = None
             if self.sock in events:
                 frames = self.sock.recv_multipart(copy=False)
+                arrived = time.perf_counter()
                 self.last_heard = time.monotonic()
                 try:
                     msg = protocol.decode(frames)
@@ -311,6 +345,9 @@ class Worker:
                     pull_out = None
                     batch = self._runnable(msg)
                     if batch:  # start this batch's KV pulls now, while the current batch computes
+                        if not pending:  # (its span starts when its first tasks arrived)
+                            clock.arrived = arrived
+                        clock.decode_s += time.perf_counter() - arrived
                         # (two answers can cross a re-sent PULL: extend the waiting batch; the
                         # prefetch thread runs in order, so the last future covers both)
                         pending = (pending or []) + batch

@@ -23,8 +23,11 @@ from nebula_flow.scheduler import MODES
               help="Comma-separated modes, measured in turn; ratios are against the first. pooled+MODEL is pooled "
               "with one more drafter (as --add-drafter MODEL, e.g. pooled+ngram), pooled-NAME pooled without the "
               "config's [[drafters]] pool of that drafter name (e.g. pooled-ngram on the bundled config): routing "
-              "measured side by side. A mode may end in @KNOB=VALUE (repeatable) to set a [broker] policy knob for "
-              "it alone, e.g. pooled@fuse_ngram=0,pooled@fuse_ngram=8.")
+              "measured side by side. A mode may end in @KNOB=VALUE (repeatable) to set a [policy] knob for "
+              "it alone, e.g. pooled@fuse_ngram=0,pooled@fuse_ngram=8. The peers a user would otherwise run: hf "
+              "(HF transformers' generate() of the target alone) and hf-assisted (its assisted generation with the "
+              "config's draft), each in a process of its own with torch's default threads, requests one after "
+              "another.")
 @click.option("--draft-workers", type=int, help="Override M.")
 @click.option("--target-workers", type=int, help="Override N.")
 @click.option("--concurrency", default=1, show_default=True, help="Concurrent requests (1 = single stream).")
@@ -36,9 +39,12 @@ from nebula_flow.scheduler import MODES
               "is used) instead of raw code and prose prompts.")
 @click.option("--edit", is_flag=True, help="Send chat requests to change a given function (add type hints, a "
               "docstring): answers that repeat their prompt's code, where an n-gram drafter pays (pooled+ngram).")
+@click.option("--breakdown", is_flag=True, help="Also print where a decode round's time goes, per mode: forward "
+              "passes, KV, worker Python, hops, broker, queue (ms per round, medians over repeats; see "
+              "docs/operations.md). --json always carries it.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-          temperature, repeats, chat, edit, as_json) -> None:  # noqa: ANN001
+          temperature, repeats, chat, edit, breakdown, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
         DEFAULT_CHAT_PROMPTS,
@@ -46,14 +52,18 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         DEFAULT_PROMPTS,
         BenchWorkload,
         bench_mode,
+        bench_peer,
+        breakdown_table,
         table,
     )
+    from nebula_flow.hf_peer import PEERS
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    bad = [m for m in names if (base := m.split("@")[0]) not in MODES and not base.startswith(("pooled+", "pooled-"))]
+    bad = [m for m in names if (base := m.split("@")[0]) not in MODES and m not in PEERS
+           and not base.startswith(("pooled+", "pooled-"))]
     if bad or not names:
-        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)} (or pooled+MODEL, "
-                                   "pooled-NAME; then @KNOB=VALUE)")
+        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join((*MODES, *PEERS))} (or "
+                                   "pooled+MODEL, pooled-NAME; then @KNOB=VALUE)")
     if twice := sorted({m for m in names if names.count(m) > 1}):  # (results are keyed by mode)
         raise click.ClickException(f"modes given more than once: {', '.join(twice)}; a mode's runs are --repeats")
     pool = DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
@@ -61,6 +71,16 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
                   chat=chat or edit)
     results = {}
     for name in names:
+        if name in PEERS:
+            cfg = load_deploy(config)
+            prepare_models(cfg)
+            click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, one after another, "
+                       f"{repeats} repeats", err=True)
+            try:
+                results[name] = bench_peer(cfg, name, wl, repeats, log=lambda m: click.echo(m, err=True))
+            except (ValueError, RuntimeError) as exc:
+                raise click.ClickException(str(exc)) from None
+            continue
         base, *settings = name.split("@")
         mode, change, spec = base.partition("+") if "+" in base else base.partition("-")
         cfg = load_deploy(config)
@@ -81,6 +101,8 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         click.echo(json.dumps({"modes": results}))
     else:
         click.echo(table(results))
+        if breakdown:
+            click.echo(breakdown_table(results))
 
 
 

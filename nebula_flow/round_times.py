@@ -1,0 +1,118 @@
+"""Where a request-round's time goes, as the broker sees it: ``status``'s ``round_times``.
+
+A round runs from the end of the request's previous round (its admission, for the first) to
+the end of its verify. Along that path the broker marks when each task is sent and when its
+result comes back and has been handled; the worker says how it spent the time between the
+task's arrival and its result's departure (``protocol.Result.timing``). The parts:
+
+- ``queue``: a task ready but not yet sent (waiting for a worker to pull, or for the broker's
+  loop to reach dispatch);
+- ``hop``: a task's trip to a worker and its result's trip back, encoding and sockets included
+  (the span the broker saw, less the worker's own span);
+- ``broker``: handling a result (decoding, checking, the policy's end of round, streaming);
+- ``worker_decode``, ``worker_queue`` (a batch behind the one computing), ``kv`` (waiting for
+  pulled KV), ``draft_forward``, ``verify_forward`` (the forward passes; emulated devices' sleep),
+  ``worker_python`` (the compute thread's other work: cache preparation, sampling, trees),
+  ``worker_handoff`` (a finished batch waiting for the worker's main thread to send it);
+- ``other``: what none of these covers.
+
+A request's first round carries its prompt's prefill and is summed apart (``first``).
+Times are sums over rounds; ``nebula-flow bench --breakdown`` divides them by the rounds run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from nebula_flow.protocol import Timing
+
+# The worker's parts (``protocol.Timing`` fields, less ``span_s``) as named in the breakdown.
+WORKER_PARTS = {"decode_s": "worker_decode", "queue_s": "worker_queue", "kv_s": "kv", "draft_s": "draft_forward",
+                "verify_s": "verify_forward", "python_s": "worker_python", "handoff_s": "worker_handoff"}
+PARTS = ("queue", "hop", "broker", *WORKER_PARTS.values(), "other")
+
+
+@dataclass
+class _Round:
+    started: float
+    last: float  # the latest mark on this round's path
+    sent: float = 0.0
+    parts: Counter[str] = field(default_factory=Counter)
+    first: bool = True
+
+
+class RoundTimes:
+    """Sums of each part of the rounds ended so far (``first``: rounds that carried a prefill)."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, _Round] = {}
+        self.sums = {"first": Counter(), "rounds": Counter()}
+        self.counts = Counter()
+        self.tokens = Counter()
+
+    def admitted(self, rid: int, t: float) -> None:
+        self.open[rid] = _Round(t, t)
+
+    def sent(self, rid: int, t: float) -> None:
+        r = self.open.get(rid)
+        if r is not None:
+            r.parts["queue"] += t - r.last
+            r.last = r.sent = t
+
+    def returned(self, rid: int, t: float, timing: Timing | None) -> None:
+        """A result for ``rid`` arrived at ``t``; ``timing``: the worker's account of its span."""
+        r = self.open.get(rid)
+        if r is None:
+            return
+        if timing is not None:
+            for key, part in WORKER_PARTS.items():
+                r.parts[part] += getattr(timing, key)
+        r.parts["hop"] += max(0.0, t - r.sent - (timing.span_s if timing is not None else 0.0))
+        r.last = t
+
+    def handled(self, rid: int, t: float) -> None:
+        r = self.open.get(rid)
+        if r is not None:
+            r.parts["broker"] += t - r.last
+            r.last = t
+
+    def ended(self, rid: int, t: float, tokens: int) -> None:
+        """The round's verify is handled (``tokens`` committed): add its parts to the sums and
+        start the next round."""
+        r = self.open.get(rid)
+        if r is None:
+            return
+        self.handled(rid, t)
+        key = "first" if r.first else "rounds"
+        r.parts["other"] += max(0.0, (t - r.started) - sum(r.parts.values()))
+        self.sums[key].update(r.parts)
+        self.sums[key]["total"] += t - r.started
+        self.counts[key] += 1
+        self.tokens[key] += tokens
+        self.open[rid] = _Round(t, t, first=False)
+
+    def closed(self, rid: int) -> None:
+        self.open.pop(rid, None)
+
+    def state(self) -> dict[str, Any]:
+        return {key: {"rounds": self.counts[key], "tokens": self.tokens[key],
+                      "seconds": {p: self.sums[key][p] for p in (*PARTS, "total")}}
+                for key in ("first", "rounds")}
+
+
+def breakdown(before: dict[str, Any], after: dict[str, Any], key: str = "rounds") -> dict[str, Any]:
+    """Per round, in seconds, between two ``status`` states' ``round_times``: each part's mean
+    and share of the round, and the rounds' time per token committed, over the rounds ended in
+    between."""
+    b, a = before.get("round_times", {}).get(key), after.get("round_times", {}).get(key)
+    if a is None:
+        return {"rounds": 0, "per_round_s": {}, "share": {}, "per_token_s": 0.0}
+    n = a["rounds"] - (b["rounds"] if b else 0)
+    tokens = a["tokens"] - (b["tokens"] if b else 0)
+    secs = {p: a["seconds"][p] - (b["seconds"][p] if b else 0.0) for p in a["seconds"]}
+    total = secs.get("total", 0.0)
+    return {"rounds": n, "per_round_s": {p: s / n for p, s in secs.items()} if n else {},
+            "share": {p: s / total for p, s in secs.items() if p != "total"} if total > 0 else {},
+            "per_token_s": total / tokens if tokens else 0.0}
