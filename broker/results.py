@@ -37,6 +37,15 @@ def drafted(req: Request, out: TaskResult) -> tuple[list[int], list[int], list[l
     return draft, alternatives(req, out.runner_ups, draft), fused_chains(req, out.chains)
 
 
+def prefilled(req: Request, out: TaskResult) -> int:
+    """The positions a prefilled (chunked) result says its worker holds: at most every committed
+    token but the last, whose logits the task still needs."""
+    if out.prefilled > len(req.prompt) + len(req.output) - 1:
+        raise ProtocolError("malformed", f"prefilled {out.prefilled} positions of a task with "
+                                         f"{len(req.prompt) + len(req.output)} tokens")
+    return out.prefilled
+
+
 def proposal(out: TaskResult) -> dict[str, Any]:
     """A sampled draft's proposal q, flat as it travels, copied out of the message's frames (it
     outlives them); the verify task carries it on as is."""

@@ -264,7 +264,8 @@ class Broker:
         self.by_identity[identity] = wid
         log.info("worker %d (%s, %s) joined in slot %d", wid, msg.name[:64], msg.role, slot)
         self._send(self.peers, identity, Welcome(wid, slot, self.opts.mode, {
-            "proposal_top_k": self.opts.proposal_top_k, "heartbeat_s": self.opts.heartbeat_s}))
+            "proposal_top_k": self.opts.proposal_top_k, "heartbeat_s": self.opts.heartbeat_s,
+            "max_forward_tokens": self.opts.policy.max_forward_tokens}))
 
     def _drop_worker(self, wid: int, why: str) -> None:
         info = self.workers.pop(wid, None)
@@ -306,6 +307,11 @@ class Broker:
             self._finish(req.rid, "error", ("worker_error", f"bad result from worker {wid}: {why}"))
 
     def _apply_result(self, wid: int, req: Request, item: TaskResult, now: float) -> None:
+        if item.prefilled is not None:  # a chunk of the prompt (chunked prefill): the task goes round again
+            self.scheduler.prefilled(req, wid, results.prefilled(req, item))
+            self.counters["prefill_chunks"] += 1
+            self.round_times.handled(req.rid, time.perf_counter())
+            return
         if item.kind == DRAFT:
             draft, runner_ups, chains = results.drafted(req, item)
             q = results.proposal(item) if not req.params.greedy else {}

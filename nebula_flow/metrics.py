@@ -71,6 +71,13 @@ def render(state: dict[str, Any]) -> str:
                [(w["kv"].get(key, 0), {"worker": w["name"], "role": w["role"]}) for w in state["workers"] if w.get("kv")])
     family("nebula_errors_total", "counter", "Rejected or failed messages by code.",
            [(v, {"code": k}) for k, v in state["errors"].items()])
+    rt = state.get("round_times", {})
+    family("nebula_round_seconds_total", "counter", "Request-round time by part (docs/operations.md); kind "
+           "first: rounds that carried their prompt's prefill, decode: the rest.",
+           [(v, {"kind": "decode" if kind == "rounds" else kind, "part": part})
+            for kind, entry in rt.items() for part, v in entry["seconds"].items()])
+    family("nebula_round_times_rounds_total", "counter", "Request-rounds ended, as round_seconds counts them.",
+           [(entry["rounds"], {"kind": "decode" if kind == "rounds" else kind}) for kind, entry in rt.items()])
     family("nebula_uptime_seconds", "gauge", "Seconds since the broker started.", [(state["uptime_s"], None)])
     return "\n".join(out) + "\n"
 

@@ -16,6 +16,7 @@ Records are JSON arrays, one per line (JSONL)::
     ["pull", worker, credits, idle, now]
     ["admit", rid, prompt_len, max_new_tokens, greedy, seeded]
     ["draft_done", rid, worker, n_draft]
+    ["prefilled", rid, worker, valid]    (a chunk of a prompt computed; the task queued again)
     ["end_round", rid, worker, committed, via_alt, draft_accepted, fused, ended]
                                          (committed: tokens the verify committed; ended: the request
                                          finished there, by EOS, length or a stop string)
@@ -92,6 +93,10 @@ class RecordingScheduler(Scheduler):
         self.records.append(["draft_done", req.rid, worker_id, len(draft)])
         super().draft_done(req, worker_id, draft, q)
 
+    def prefilled(self, req: Request, worker_id: int, valid: int) -> None:
+        self.records.append(["prefilled", req.rid, worker_id, valid])
+        super().prefilled(req, worker_id, valid)
+
     def observe_costs(self, worker_id: int, role: str, seconds: list[float | None]) -> None:
         self.records.append(["step_costs", worker_id, role, list(seconds)])
         super().observe_costs(worker_id, role, seconds)
@@ -167,6 +172,8 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
                 max_new_tokens=max_new, temperature=0.0 if greedy else 1.0, seed=0 if seeded else None), seed=0))
         elif kind == "draft_done":
             policy.draft_done(reqs[args[0]], args[1], [PLACEHOLDER] * args[2], {})
+        elif kind == "prefilled":
+            policy.prefilled(reqs[args[0]], args[1], args[2])
         elif kind == "end_round":
             rid, wid, committed, via_alt, draft_accepted, fused, ended = args
             # (placeholders hold no EOS and no text: a request the broker ended ends here by "stop")

@@ -301,7 +301,9 @@ class TaskResult(Proposes):
     """A finished task: ``draft`` (+ its proposal ``q_*``) for a draft task; ``committed`` for a verify or round
     task (a round task's ``draft``: the draft it verified); ``runner_ups`` and ``chains``: the
     runner-ups and fused chains a draft or round task made (or a verify looked up itself);
-    ``error``: the task failed, and why."""
+    ``prefilled``: instead, the worker computed only a chunk of the task's uncached prompt (the
+    policy's ``max_forward_tokens``) and now holds the KV of this many positions: the task comes
+    back for the rest; ``error``: the task failed, and why."""
 
     rid: int
     kind: str
@@ -314,10 +316,13 @@ class TaskResult(Proposes):
     runner_ups: TokenIds = field(default_factory=list)
     chains: list[TokenIds] = field(default_factory=list)
     committed: TokenIds | None = None
+    prefilled: int | None = None
     error: str | None = None
 
     def check(self) -> None:
         self.check_proposal()
+        if self.prefilled is not None and (self.prefilled < 0 or self.draft or self.committed is not None):
+            raise malformed("a prefilled result is a position count >= 0 and carries no tokens")
 
 
 @dataclass

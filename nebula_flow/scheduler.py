@@ -273,6 +273,14 @@ class Scheduler:
         self.workers[worker_id].inflight.discard(req.rid)
         self._enqueue(req)
 
+    def prefilled(self, req: Request, worker_id: int, valid: int) -> None:
+        """A worker computed a chunk of ``req``'s prompt (chunked prefill) and holds ``valid``
+        positions of the KV its task needs: the same task goes back on its topic for the rest
+        (to that worker, by locality, unless another is idle)."""
+        req.holders[self.task_holder_key(req)] = (worker_id, valid)
+        self.workers[worker_id].inflight.discard(req.rid)
+        self._enqueue(req)
+
     def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False,
                     draft_accepted: int | None = None, fused: int | None = None) -> None:
         """Record a verify's (or whole round's) outcome in the policy's state (``end_round`` calls it).

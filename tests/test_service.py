@@ -438,6 +438,12 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
     key = 'nebula_drafter_rounds_total{drafter="draft"}'  # (the tiny pair's one drafter: its folder's name)
     assert 0 < after[key] - before.get(key, 0) <= out.rounds
     assert {'nebula_token_tree_total{kind="fused_chains"}', 'nebula_token_tree_total{kind="alternatives_accepted"}'} <= set(after)
+    # where the rounds' time went: the decode rounds of this request (all but its first) and their parts
+    rounds = 'nebula_round_times_rounds_total{kind="decode"}'
+    assert after[rounds] - before.get(rounds, 0) == out.rounds - 1
+    verify = 'nebula_round_seconds_total{kind="decode",part="verify_forward"}'
+    total = 'nebula_round_seconds_total{kind="decode",part="total"}'
+    assert 0 < after[verify] - before.get(verify, 0) < after[total] - before.get(total, 0)
 
 
 def test_resubmitting_a_request_id_is_idempotent(live) -> None:  # noqa: ANN001

@@ -34,7 +34,8 @@ class NgramRunner:
         self.forwards = 0
         self.step_costs = StepCosts()  # (a "step": one request's lookup; the policy sees it as ~free)
 
-    def draft(self, tasks: list[Task]) -> list[Draft]:
+    def draft(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[Draft]:
+        """Look up each task's chain (no KV: no prefill to chunk, so ``ends`` changes nothing)."""
         out = []
         for t in tasks:
             t0 = time.perf_counter()

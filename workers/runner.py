@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from nebula_flow import specdec
+from nebula_flow.budget import plan_forward
 from nebula_flow.kv.store import KVStore
 from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup
 from nebula_flow.models.llama import CausalLM
@@ -41,6 +42,7 @@ class Task:
     runner_ups: list[int] = field(default_factory=list)  # verify tasks: those alternatives (a two-level token tree)
     fuse: int = 0  # fuse an n-gram chain of up to this many tokens (looked up by the draft; without one, here)
     chains: list[list[int]] = field(default_factory=list)  # verify tasks: the fused chains (token tree)
+    prefilled: int | None = None  # set by the runner: only a chunk of the prompt ran; the KV now held
 
     def tree(self) -> TokenTree:
         """The token tree this verify scores: the draft, the alternatives and the fused chains."""
@@ -59,7 +61,8 @@ class Draft:
 class ModelRunner:
     """One model plus its KV store. ``busy_s`` accumulates time spent in forward passes;
     ``step_costs`` times its forwards of one sequence by their new rows (what a round's draft
-    steps and verify block cost on this device, for the policy's adaptive k)."""
+    steps and verify block cost on this device, for the policy's adaptive k). ``max_forward_tokens``:
+    the policy's token budget of one forward (0: none); past it, prompts are prefilled in chunks."""
 
     def __init__(self, model: CausalLM, *, proposal_top_k: int = 16, max_kv_bytes: int = 4 << 30) -> None:
         self.model = model
@@ -68,6 +71,7 @@ class ModelRunner:
         self.busy_s = 0.0
         self.forwards = 0
         self.step_costs = StepCosts()
+        self.max_forward_tokens = 0
 
     def _forward(self, caches, new_tokens, rows, parents=None):  # noqa: ANN001, ANN202 - internal
         t0 = time.perf_counter()
@@ -75,19 +79,36 @@ class ModelRunner:
         took = time.perf_counter() - t0
         self.busy_s += took
         self.forwards += 1
-        if len(caches) == 1:  # (a batch's time depends on its mix; speculation runs single-stream)
+        if len(caches) == 1 and rows[0]:  # (a batch's time depends on its mix; speculation runs single-stream)
             self.step_costs.observe(len(new_tokens[0]), took)
         return out
 
-    def draft(self, tasks: list[Task]) -> list[Draft]:
-        """Propose ``task.k`` tokens per task, one forward per draft position for the batch."""
+    def chunk_ends(self, tasks: list[Task], extra_rows: list[int]) -> list[int | None]:
+        """Under the token budget, where each task's forward stops this time: None where it runs
+        whole, else the position its prompt's prefill reaches (``budget.plan_forward``).
+        ``extra_rows``: each task's rows beyond its uncached tokens (a verify's token tree)."""
+        if not self.max_forward_tokens:
+            return [None] * len(tasks)
+        held = [self.store.held(t.rid, t.tokens) for t in tasks]
+        tails = [len(t.tokens) - h for t, h in zip(tasks, held)]
+        plan = plan_forward([n + x for n, x in zip(tails, extra_rows)], [n - 1 for n in tails], self.max_forward_tokens)
+        return [None if chunk is None else h + chunk for chunk, h in zip(plan, held)]
+
+    def draft(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[Draft]:
+        """Propose ``task.k`` tokens per task, one forward per draft position for the batch. A task
+        with an end (``chunk_ends``; by default this runner's budget) only prefills up to it, in
+        the first forward, and proposes nothing (``task.prefilled``)."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
+        ends = self.chunk_ends(tasks, [0] * len(tasks)) if ends is None else ends
         drafts = [Draft([], None if t.params.greedy else [], None if t.params.greedy else []) for t in tasks]
-        new = [t.tokens[c.length:].tolist() for t, c in zip(tasks, caches)]
-        active = [i for i, t in enumerate(tasks) if t.k > 0]
+        new = [t.tokens[c.length:end].tolist() for t, c, end in zip(tasks, caches, ends)]
+        active = [i for i, t in enumerate(tasks) if t.k > 0 and ends[i] is None]
+        chunks = [i for i, end in enumerate(ends) if end is not None and new[i]]  # (in the first forward, no logits)
         step = 0
-        while active:
-            logits = self._forward([caches[i] for i in active], [new[i] for i in active], [1] * len(active))
+        while active or chunks:
+            ran = active + chunks
+            logits = self._forward([caches[i] for i in ran], [new[i] for i in ran], [1] * len(active) + [0] * len(chunks))
+            chunks = []
             for i, row in zip(active, logits):
                 t = tasks[i]
                 tok, q_idx, q_prob = specdec.propose(row[0], t.params, t.seed, len(t.tokens) + step, self.proposal_top_k)
@@ -107,30 +128,44 @@ class ModelRunner:
                 new[i] = [tok]
             step += 1
             active = [i for i in active if tasks[i].k > step]
-        for t, d in zip(tasks, drafts):
-            if t.fuse and (chain := fused_ngram(t.tokens, t.fuse, d.tokens)):
+        for t, d, c, end in zip(tasks, drafts, caches, ends):
+            if end is not None:
+                t.prefilled = c.length
+            elif t.fuse and (chain := fused_ngram(t.tokens, t.fuse, d.tokens)):
                 d.chains = [chain]
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
         return drafts
 
-    def verify(self, tasks: list[Task]) -> list[list[int]]:
+    def verify(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[list[int] | None]:
         """Score each task's drafts (a chain, or a token tree: alternatives, fused chains) in one
-        forward; returns the committed tokens per task."""
+        forward; returns the committed tokens per task. A task with an end (``chunk_ends``; by
+        default this runner's budget) only prefills up to it, in the same forward: None for it
+        (``task.prefilled``)."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
         for t in tasks:  # a round without a draft: the chain is looked up here
             if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse, [])):
                 t.chains = [chain]
         trees = [t.tree() for t in tasks]
-        new = [t.tokens[c.length:].tolist() + tree.tokens for t, c, tree in zip(tasks, caches, trees)]
+        ends = self.chunk_ends(tasks, [len(tree) for tree in trees]) if ends is None else ends
+        new = [t.tokens[c.length:].tolist() + tree.tokens if end is None else t.tokens[c.length:end].tolist()
+               for t, c, tree, end in zip(tasks, caches, trees, ends)]
         # a tree's rows follow the uncommitted tail; node p's parent row is the tail's length plus p
         # (the root, -1, is the last committed token's row)
-        parents = [None if tree.is_chain() else [*range(-1, len(n) - len(tree) - 1),
-                                                 *(len(n) - len(tree) + p for p in tree.parents)]
-                   for tree, n in zip(trees, new)]
-        logits = self._forward(caches, new, [1 + len(tree) for tree in trees], parents)
-        out = []
-        for t, c, rows, tree in zip(tasks, caches, logits, trees):
+        parents = [None if tree.is_chain() or end is not None else
+                   [*range(-1, len(n) - len(tree) - 1), *(len(n) - len(tree) + p for p in tree.parents)]
+                   for tree, n, end in zip(trees, new, ends)]
+        ran = [i for i, n in enumerate(new) if n]  # (a prompt whose chunk waits this time: not in the forward)
+        logits = dict(zip(ran, self._forward([caches[i] for i in ran], [new[i] for i in ran],
+                                             [0 if ends[i] is not None else 1 + len(trees[i]) for i in ran],
+                                             [parents[i] for i in ran]))) if ran else {}
+        out: list[list[int] | None] = []
+        for i, (t, c, tree) in enumerate(zip(tasks, caches, trees)):
+            if ends[i] is not None:
+                t.prefilled = c.length
+                out.append(None)
+                continue
+            rows = logits[i]
             committed = specdec.verify(rows, t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens), t.runner_ups, t.chains)
             position = len(t.tokens)
             # keep the KV of the accepted path (moved into place when it is not the first chain's)

@@ -210,22 +210,33 @@ class Worker:
             outs = [TaskResult(t.rid, t.kind, t.round, t.attempt) for t in group]
             try:
                 if kind == "draft" and self.draft:
-                    for out, d in zip(outs, self.draft.draft(group)):
+                    for out, t, d in zip(outs, group, self.draft.draft(group)):
+                        if t.prefilled is not None:  # (a chunk of its prompt: it comes back for the rest)
+                            out.prefilled = t.prefilled
+                            continue
                         out.draft, out.runner_ups, out.chains = d.tokens, d.runner_ups, d.chains
                         out.propose(d.q_idx, d.q_prob)
                 elif kind == "verify" and self.target and self.opts.role != "draft":
                     for out, t, committed in zip(outs, group, self.target.verify(group)):
+                        if committed is None:
+                            out.prefilled = t.prefilled
+                            continue
                         out.committed = committed
                         if t.chains and not t.draft:  # a chain the target looked up itself
                             out.chains = t.chains
                 elif kind == "round" and self.opts.role == "colocated":
-                    drafts = self.draft.draft([t for t in group if t.k > 0])
-                    it = iter(drafts)
-                    for t in group:
-                        if t.k > 0:
-                            d = next(it)
+                    # the target's budget decides which prompts only prefill a chunk, in both models
+                    ends = self.target.chunk_ends(group, [t.k + t.alts + t.fuse for t in group])
+                    drafting = [i for i, t in enumerate(group) if t.k > 0 or ends[i] is not None]
+                    drafts = self.draft.draft([group[i] for i in drafting], [ends[i] for i in drafting])
+                    for i, d in zip(drafting, drafts):
+                        if ends[i] is None:
+                            t = group[i]
                             t.draft, t.q_idx, t.q_prob, t.runner_ups, t.chains = d.tokens, d.q_idx, d.q_prob, d.runner_ups, d.chains
-                    for out, t, committed in zip(outs, group, self.target.verify(group)):
+                    for out, t, committed in zip(outs, group, self.target.verify(group, ends)):
+                        if committed is None:
+                            out.prefilled = t.prefilled
+                            continue
                         out.committed, out.draft, out.runner_ups, out.chains = committed, t.draft, t.runner_ups, t.chains
                 else:
                     raise ProtocolError("wrong_role", f"a {self.opts.role} worker cannot run {kind} tasks")
@@ -339,6 +350,7 @@ class Worker:
                     settings = msg.settings
                     for r in self.runners:
                         r.proposal_top_k = int(settings.get("proposal_top_k", r.proposal_top_k))
+                        r.max_forward_tokens = int(settings.get("max_forward_tokens", 0))
                     # The broker judges liveness against its own interval: beat at that pace.
                     self.heartbeat_s = float(settings.get("heartbeat_s", self.heartbeat_s))
                 elif isinstance(msg, Tasks):

@@ -98,6 +98,12 @@ def status(address: str, as_json: bool) -> None:
         blocks = " ".join("-" if v is None else f"{v:.2f}" for v in state["verify_costs"]) or "not measured yet"
         click.echo(f"speculation costs in target decode steps: draft step {draft:.3f}, verify row {row:.3f}, "
                    f"round {fixed:.2f}; verify blocks by rows: {blocks}")
+    rounds = state.get("round_times", {}).get("rounds", {})
+    if rounds.get("rounds"):  # where a decode round's time goes (docs/operations.md)
+        per = {p: v / rounds["rounds"] * 1000 for p, v in rounds["seconds"].items()}
+        parts = ", ".join(f"{p} {v:.2f}" for p, v in sorted(per.items(), key=lambda kv: -kv[1])
+                          if p != "total" and v >= 0.005)
+        click.echo(f"decode rounds: {rounds['rounds']}, {per['total']:.2f} ms each: {parts}")
     click.echo(f"counters {state['counters']}")
     if state["errors"]:
         click.echo(f"errors {state['errors']}")

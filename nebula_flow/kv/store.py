@@ -114,6 +114,12 @@ class KVStore:
             self.caches[rid] = cache
             return cache
 
+    def held(self, rid: int, tokens: np.ndarray) -> int:
+        """How many positions of ``tokens`` ``prepare`` would keep for ``rid`` (changing nothing)."""
+        with self.lock:
+            cache = self.caches.get(rid)
+        return min(cache.common_prefix(tokens), len(tokens) - 1) if cache is not None else 0
+
     def prepare(self, rid: int, tokens: np.ndarray) -> KVCache:
         """The cache for ``rid``, cut to the longest prefix of ``tokens`` it holds.
 

@@ -16,6 +16,9 @@ Only the outside world is simulated:
   name, the policy routes each round, and a verify draws from the acceptance model of the
   drafter that drafted it;
 * each worker keeps per-request KV lengths; only missing positions are pulled or computed;
+  with the policy's ``max_forward_tokens``, a forward computes at most that many new tokens and
+  long prompts are prefilled in chunks beside the other rows (``budget.plan_forward``, as the
+  live runner plans them), each chunk a result that sends the task round again;
 * acceptance draws come from the scenario's acceptance model, token trees too: a verify scores
   its runner-ups' and fused chain's rows beside the draft's (a chain found only as often as the
   model says; a chain sharing the draft's prefix is counted in full), and a round reports the
@@ -33,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nebula_flow.budget import plan_forward
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.params import SamplingParams
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
@@ -44,6 +48,13 @@ from nebula_flow.stats import percentiles
 
 PLACEHOLDER = 0  # simulated requests carry token counts, not token ids
 Outcome = tuple[int, bool, int, int | None]  # a verified round: accepted, via_alt, draft's own, fused gain
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A task's result when its forward computed only a chunk of its prompt: the KV now held."""
+
+    valid: int
 
 
 @dataclass
@@ -203,6 +214,9 @@ class Simulator:
             if req is None:
                 self.stale += 1
                 continue
+            if isinstance(outcome, Prefilled):
+                self.policy.prefilled(req, wid, outcome.valid)
+                continue
             if task.kind == DRAFT:
                 self.policy.draft_done(req, wid, [PLACEHOLDER] * task.k, {})
                 continue
@@ -267,16 +281,17 @@ class Simulator:
         begin = max(self.now, w.kv_ready)
         w.stall_s += begin - self.now
         compute = 0.0
-        drafts = [t for t in batch if t.kind in (DRAFT, ROUND)]
-        if drafts:
-            compute += self._draft_time(w, drafts)
         verifies = [t for t in batch if t.kind in (VERIFY, ROUND)]
         outcomes = {id(t): self.acceptance.get(t.drafter, self.sc.acceptance).tree_round(t.req.rid, t.round, t.k,
                                                                                          t.alts, t.fuse)
                     for t in verifies}
+        ends = self._chunk_ends(w, batch, outcomes)
+        drafts = [t for t in batch if t.kind in (DRAFT, ROUND)]
+        if drafts:
+            compute += self._draft_time(w, drafts, ends)
         if verifies:
-            compute += self._verify_time(w, verifies, outcomes)
-        results = [(t, outcomes.get(id(t))) for t in batch]
+            compute += self._verify_time(w, verifies, outcomes, ends)
+        results = [(t, Prefilled(ends[id(t)]) if id(t) in ends else outcomes.get(id(t))) for t in batch]
         overhead = (self.sc.host.batch_overhead_us + self.sc.host.task_overhead_us * len(batch)) * 1e-6
         w.busy_s += compute
         w.tasks += len(batch)
@@ -284,39 +299,61 @@ class Simulator:
         w.computing = batch
         self.at(begin + compute + overhead, self._finish_batch, w, results)
 
-    def _draft_time(self, w: SimWorker, tasks: list[SimTask]) -> float:
+    def _chunk_ends(self, w: SimWorker, batch: list[SimTask], outcomes: dict[int, Outcome]) -> dict[int, int]:
+        """The tasks of a batch that only prefill a chunk of their prompt this time, by ``id``: the
+        position it reaches (the live runner's ``chunk_ends``: the target's plan on a colocated worker)."""
+        budget = self.policy.policy.max_forward_tokens
+        if not budget:
+            return {}
+        cache = w.caches["draft" if w.role == "draft" else "target"]
+        have = [min(cache.get(t.req.rid, 0), t.length - 1) for t in batch]
+        extra = [0 if t.kind == DRAFT else self._tree_rows(t, outcomes[id(t)]) for t in batch]
+        plan = plan_forward([t.length - h + x for t, h, x in zip(batch, have, extra)],
+                            [t.length - h - 1 for t, h in zip(batch, have)], budget)
+        return {id(t): h + chunk for t, h, chunk in zip(batch, have, plan) if chunk is not None}
+
+    @staticmethod
+    def _tree_rows(t: SimTask, outcome: Outcome) -> int:
+        """A verify's rows beyond the tail: the draft, its runner-ups, the fused chain where one was found."""
+        return t.k + (t.alts if t.k > 0 else 0) + (t.fuse if outcome[3] is not None else 0)
+
+    def _draft_time(self, w: SimWorker, tasks: list[SimTask], ends: dict[int, int]) -> float:
         cost, cache = w.costs["draft"], w.caches["draft"]
         total = 0.0
         have = [cache.get(t.req.rid, 0) for t in tasks]
-        new = [t.length - h for t, h in zip(tasks, have)]
+        new = [t.length - h if id(t) not in ends else max(0, ends[id(t)] - h) for t, h in zip(tasks, have)]
         step = 0
-        active = [i for i, t in enumerate(tasks) if t.k > 0]
-        while active:  # one forward per draft position, as ModelRunner.draft runs them
-            tokens = sum(new[i] for i in active)
-            context = sum(have[i] for i in active) + tokens
-            total += self._forward_s(cost, len(active), tokens, context)
+        active = [i for i, t in enumerate(tasks) if t.k > 0 and id(t) not in ends]
+        chunks = [i for i, t in enumerate(tasks) if id(t) in ends and new[i] > 0]  # (in the first forward)
+        while active or chunks:  # one forward per draft position, as ModelRunner.draft runs them
+            ran = active + chunks
+            tokens = sum(new[i] for i in ran)
+            context = sum(have[i] for i in ran) + tokens
+            total += self._forward_s(cost, len(ran), tokens, context)
+            for i in chunks:
+                cache[tasks[i].req.rid] = have[i] + new[i]
+            chunks = []
             for i in active:
                 have[i] += new[i]
                 new[i] = 1
             step += 1
             active = [i for i in active if tasks[i].k > step]
         for t, h in zip(tasks, have):
-            if t.k > 0:
+            if t.k > 0 and id(t) not in ends:
                 cache[t.req.rid] = h  # the last draft token is proposed, never fed
         return total
 
-    def _verify_time(self, w: SimWorker, tasks: list[SimTask], outcomes: dict[int, Outcome]) -> float:
+    def _verify_time(self, w: SimWorker, tasks: list[SimTask], outcomes: dict[int, Outcome], ends: dict[int, int]) -> float:
         cost, cache = w.costs["target"], w.caches["target"]
         have = [cache.get(t.req.rid, 0) for t in tasks]
-
-        def tree_rows(t: SimTask) -> int:  # the draft, its runner-ups, the fused chain where one was found
-            return t.k + (t.alts if t.k > 0 else 0) + (t.fuse if outcomes[id(t)][3] is not None else 0)
-
-        tokens = sum(t.length - h + tree_rows(t) for t, h in zip(tasks, have))
+        new = [t.length - h + self._tree_rows(t, outcomes[id(t)]) if id(t) not in ends else max(0, ends[id(t)] - h)
+               for t, h in zip(tasks, have)]
+        tokens = sum(new)
         context = sum(have) + tokens
-        for t in tasks:
-            cache[t.req.rid] = t.length + outcomes[id(t)][0]  # rejected drafts rolled back
-        return self._forward_s(cost, len(tasks), tokens, context)
+        for t in tasks:  # (rejected drafts rolled back; a chunk: the prompt as far as it reached)
+            cache[t.req.rid] = ends[id(t)] if id(t) in ends else t.length + outcomes[id(t)][0]
+        ran = sum(1 for n in new if n)
+        return self._forward_s(cost, ran, tokens, context) if ran else 0.0
 
     def _step_table(self, cost: CostModel) -> list[float]:
         """What a live worker's ``StepCosts.table`` would show: one sequence's forward by new rows
