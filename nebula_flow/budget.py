@@ -3,11 +3,13 @@ simulator share it).
 
 A request's first task carries its whole prompt: without a bound, one forward computes every
 uncached token of every task in the batch, and a long prompt stalls the decode and verify rows
-beside it for as long as its prefill takes (seconds on a CPU). With a budget, the rows that
-finish a task go first (decode steps and verify blocks, smallest first) and a task with a long
-uncached prompt computes only a chunk of it this forward: it returns "prefilled up to here" and
-comes back for the next chunk, while the others' rounds go on (as vLLM's and SGLang's chunked
-prefill do).
+beside it for as long as its prefill takes (seconds on a CPU). With a budget on the uncached
+committed tokens a forward computes, the tasks that fit go first (decode steps first, smallest
+first) and a task with a long uncached prompt computes only a chunk of it this forward: it
+returns "prefilled up to here" and comes back for the next chunk, while the others' rounds go
+on (as vLLM's and SGLang's chunked prefill do). A task's draft or verify tree rows are not
+counted: they are bounded by the policy's k and trees, and splitting them off would only add a
+round trip.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ def plan_forward(needs: list[int], deferrable: list[int], budget: int) -> list[i
     """For each task of a forward: None where it runs whole, else how many of its uncached
     tokens this forward computes (0: none this time; it keeps its place).
 
-    ``needs[i]``: the new rows task i's forward would compute whole (its uncached tail plus its
-    draft or token tree); ``deferrable[i]``: how many of them may wait (the uncached committed
-    tokens but the last, whose logits the task needs). ``budget``: the most new rows one forward
-    computes (0: no bound). Tasks that fit run whole, smallest first; a task that does not fit
-    gets what is left of the budget for its prefill (the first such task at least ``MIN_CHUNK``);
-    a task whose rows cannot be deferred always runs whole."""
+    ``needs[i]``: task i's uncached committed tokens (its prompt's for a first task, 1 for a
+    decode step); ``deferrable[i]``: how many of them may wait (all but the last, whose logits
+    the task needs). ``budget``: the most of them one forward computes (0: no bound). Tasks that
+    fit run whole, smallest first; a task that does not fit gets what is left of the budget for
+    its prefill (the first such task at least ``MIN_CHUNK``); a task whose tokens cannot be
+    deferred always runs whole."""
     if budget <= 0 or sum(needs) <= budget:
         return [None] * len(needs)
     plan: list[int | None] = [None] * len(needs)

@@ -41,6 +41,18 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def default_threads(role: str, plan: list[tuple[str, Any]], cores: int | None = None) -> int:
+    """Torch threads for a worker of ``role`` in ``plan`` when its pool sets none: the workers that
+    run the target (target, colocated) share the cores; a draft worker gets its share of all
+    workers. Measured on a 2-core CPU (docs/benchmarks.md): pooled 1+1 with the target on both
+    cores and the draft on one beat one core each, single stream and at 16 concurrent requests;
+    both on two cores collapsed (the idle one's spinning OpenMP threads take the core the other
+    needs the moment it starts), and a passive OpenMP wait was slower still."""
+    cores = cores or usable_cores()
+    sharing = sum(1 for r, _ in plan if r != "draft") if role != "draft" else len(plan)
+    return max(1, cores // max(1, sharing))
+
+
 def device_for(device: str, index: int) -> str:
     """Spread workers over the visible GPUs: plain "cuda" becomes cuda:<index mod count>."""
     if device != "cuda":
@@ -92,10 +104,9 @@ class Deployment:
     def start(self, timeout_s: float = 600.0) -> str:
         self._start_broker(timeout_s)
         plan = self.cfg.worker_plan()
-        shared = max(1, usable_cores() // len(plan))
         for i, (role, pool) in enumerate(plan):
             name = f"{role}-{i}"
-            opts = self.worker_options(role, pool, i, name, pool.threads or shared)
+            opts = self.worker_options(role, pool, i, name, pool.threads or default_threads(role, plan))
             self._spawn(name, ["worker", "--options", str(write_options(opts, self.log_dir / f"{name}.json"))],
                         opts.threads)
         self.wait_ready(len(plan), timeout_s)

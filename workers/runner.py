@@ -83,15 +83,14 @@ class ModelRunner:
             self.step_costs.observe(len(new_tokens[0]), took)
         return out
 
-    def chunk_ends(self, tasks: list[Task], extra_rows: list[int]) -> list[int | None]:
+    def chunk_ends(self, tasks: list[Task]) -> list[int | None]:
         """Under the token budget, where each task's forward stops this time: None where it runs
-        whole, else the position its prompt's prefill reaches (``budget.plan_forward``).
-        ``extra_rows``: each task's rows beyond its uncached tokens (a verify's token tree)."""
+        whole, else the position its prompt's prefill reaches (``budget.plan_forward``)."""
         if not self.max_forward_tokens:
             return [None] * len(tasks)
         held = [self.store.held(t.rid, t.tokens) for t in tasks]
         tails = [len(t.tokens) - h for t, h in zip(tasks, held)]
-        plan = plan_forward([n + x for n, x in zip(tails, extra_rows)], [n - 1 for n in tails], self.max_forward_tokens)
+        plan = plan_forward(tails, [n - 1 for n in tails], self.max_forward_tokens)
         return [None if chunk is None else h + chunk for chunk, h in zip(plan, held)]
 
     def draft(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[Draft]:
@@ -99,7 +98,7 @@ class ModelRunner:
         with an end (``chunk_ends``; by default this runner's budget) only prefills up to it, in
         the first forward, and proposes nothing (``task.prefilled``)."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
-        ends = self.chunk_ends(tasks, [0] * len(tasks)) if ends is None else ends
+        ends = self.chunk_ends(tasks) if ends is None else ends
         drafts = [Draft([], None if t.params.greedy else [], None if t.params.greedy else []) for t in tasks]
         new = [t.tokens[c.length:end].tolist() for t, c, end in zip(tasks, caches, ends)]
         active = [i for i, t in enumerate(tasks) if t.k > 0 and ends[i] is None]
@@ -147,7 +146,7 @@ class ModelRunner:
             if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse, [])):
                 t.chains = [chain]
         trees = [t.tree() for t in tasks]
-        ends = self.chunk_ends(tasks, [len(tree) for tree in trees]) if ends is None else ends
+        ends = self.chunk_ends(tasks) if ends is None else ends
         new = [t.tokens[c.length:].tolist() + tree.tokens if end is None else t.tokens[c.length:end].tolist()
                for t, c, tree, end in zip(tasks, caches, trees, ends)]
         # a tree's rows follow the uncommitted tail; node p's parent row is the tail's length plus p

@@ -226,7 +226,7 @@ class Worker:
                             out.chains = t.chains
                 elif kind == "round" and self.opts.role == "colocated":
                     # the target's budget decides which prompts only prefill a chunk, in both models
-                    ends = self.target.chunk_ends(group, [t.k + t.alts + t.fuse for t in group])
+                    ends = self.target.chunk_ends(group)
                     drafting = [i for i, t in enumerate(group) if t.k > 0 or ends[i] is not None]
                     drafts = self.draft.draft([group[i] for i in drafting], [ends[i] for i in drafting])
                     for i, d in zip(drafting, drafts):

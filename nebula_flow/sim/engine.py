@@ -285,7 +285,7 @@ class Simulator:
         outcomes = {id(t): self.acceptance.get(t.drafter, self.sc.acceptance).tree_round(t.req.rid, t.round, t.k,
                                                                                          t.alts, t.fuse)
                     for t in verifies}
-        ends = self._chunk_ends(w, batch, outcomes)
+        ends = self._chunk_ends(w, batch)
         drafts = [t for t in batch if t.kind in (DRAFT, ROUND)]
         if drafts:
             compute += self._draft_time(w, drafts, ends)
@@ -299,7 +299,7 @@ class Simulator:
         w.computing = batch
         self.at(begin + compute + overhead, self._finish_batch, w, results)
 
-    def _chunk_ends(self, w: SimWorker, batch: list[SimTask], outcomes: dict[int, Outcome]) -> dict[int, int]:
+    def _chunk_ends(self, w: SimWorker, batch: list[SimTask]) -> dict[int, int]:
         """The tasks of a batch that only prefill a chunk of their prompt this time, by ``id``: the
         position it reaches (the live runner's ``chunk_ends``: the target's plan on a colocated worker)."""
         budget = self.policy.policy.max_forward_tokens
@@ -307,9 +307,8 @@ class Simulator:
             return {}
         cache = w.caches["draft" if w.role == "draft" else "target"]
         have = [min(cache.get(t.req.rid, 0), t.length - 1) for t in batch]
-        extra = [0 if t.kind == DRAFT else self._tree_rows(t, outcomes[id(t)]) for t in batch]
-        plan = plan_forward([t.length - h + x for t, h, x in zip(batch, have, extra)],
-                            [t.length - h - 1 for t, h in zip(batch, have)], budget)
+        plan = plan_forward([t.length - h for t, h in zip(batch, have)], [t.length - h - 1 for t, h in zip(batch, have)],
+                            budget)
         return {id(t): h + chunk for t, h, chunk in zip(batch, have, plan) if chunk is not None}
 
     @staticmethod
