@@ -82,6 +82,15 @@ def test_bench_breakdown_on_emulated_devices_accounts_for_the_forwards(tiny_pair
     assert pooled["draft_forward"] >= 4 * 0.0005  # k = 4 draft steps a round
     assert pooled["verify_forward"] >= 0.002 + 5 * 0.0002
     assert ar["draft_forward"] == 0
+    # batches that wait behind the one computing (8 at once, 2 workers, 2 a batch): the worker's queue, not "other"
+    busy = tmp_path / "busy.toml"
+    busy.write_text(cfg.read_text().replace('threads = 1\n[target]', 'threads = 1\n[target]\nmax_batch = 2'))
+    res = CliRunner().invoke(main, ["bench", "--config", str(busy), "--modes", "autoregressive", "--requests", "8",
+                                    "--concurrency", "8", "--max-new-tokens", "16", "--repeats", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    per = json.loads(res.output.strip().splitlines()[-1])["modes"]["autoregressive"]["breakdown"]["per_round_s"]
+    assert per["worker_queue"] > 0.5 * per["verify_forward"], per  # (two batches take turns)
+    assert per["other"] < 0.05 * per["total"], per
     text = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "autoregressive", "--requests", "1",
                                      "--max-new-tokens", "8", "--repeats", "1", "--breakdown"])
     assert text.exit_code == 0, text.output

@@ -58,12 +58,11 @@ REFUSALS = ("malformed", "wrong_role", "invalid_params")  # REGISTER errors that
 
 @dataclass
 class BatchClock:
-    """When a pending batch's first tasks arrived, the time spent decoding them, and when it was
-    ready to compute (``protocol.Timing``'s starting marks)."""
+    """When a pending batch's first tasks arrived and the time spent decoding them
+    (``protocol.Timing``'s starting marks)."""
 
     arrived: float = 0.0
     decode_s: float = 0.0
-    ready: float = 0.0
 
 
 class Worker:
@@ -186,7 +185,8 @@ class Worker:
         """Run one batch; returns its RESULT (whose ``timing`` the main thread completes when it
         sends it), when the compute ended and when the batch arrived."""
         started = time.perf_counter()
-        timing = Timing(decode_s=clock.decode_s, queue_s=max(0.0, started - clock.ready))
+        # (the batch waited from its decoding to now: behind the batch computing, then the handoff)
+        timing = Timing(decode_s=clock.decode_s, queue_s=max(0.0, started - clock.arrived - clock.decode_s))
         # Finished requests first: their shared files go back to the pool before this batch's
         # new caches are made (a pooled file's pages are already in; a new one faults them in).
         for store in self.stores:
@@ -300,7 +300,6 @@ class Worker:
                 break
             if self.registered and not self.stopping:
                 if computing is None and pending:
-                    clock.ready = time.perf_counter()
                     computing = self.executor.submit(self._compute, pending, frees, prefetch, clock)
                     computing.add_done_callback(lambda _f: os.write(self.wake_w, b"x"))
                     pending, frees, prefetch, clock = None, [], None, BatchClock()
