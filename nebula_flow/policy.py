@@ -58,9 +58,10 @@ class PolicyConfig:
                             lo=0, hi=MAX_FUSED)
     disable_by_batch_size: int = _knob(0, "While more requests than this are in the pool, rounds start without "
                                        "drafts (not a seeded sampled request's). 0: always speculate.", lo=0)
-    max_forward_tokens: int = _knob(0, "The most new tokens one forward pass computes: a longer uncached prompt is "
-                                    "prefilled in chunks beside the other requests' decode and verify rows "
-                                    "(chunked prefill, nebula_flow/budget.py). 0: no bound.", lo=0)
+    max_forward_tokens: int = _knob(0, "The most uncached prompt (committed) tokens one forward pass computes: a "
+                                    "longer prompt is prefilled in chunks beside the other requests' decode and "
+                                    "verify rows, which are not counted (chunked prefill, nebula_flow/budget.py). "
+                                    "0: no bound.", lo=0)
 
     def __post_init__(self) -> None:
         for f in fields(self):

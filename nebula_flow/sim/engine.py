@@ -16,8 +16,8 @@ Only the outside world is simulated:
   name, the policy routes each round, and a verify draws from the acceptance model of the
   drafter that drafted it;
 * each worker keeps per-request KV lengths; only missing positions are pulled or computed;
-  with the policy's ``max_forward_tokens``, a forward computes at most that many new tokens and
-  long prompts are prefilled in chunks beside the other rows (``budget.plan_forward``, as the
+  with the policy's ``max_forward_tokens``, a forward computes at most that many uncached prompt
+  tokens and long prompts are prefilled in chunks beside the other rows (``budget.plan_forward``, as the
   live runner plans them), each chunk a result that sends the task round again;
 * acceptance draws come from the scenario's acceptance model, token trees too: a verify scores
   its runner-ups' and fused chain's rows beside the draft's (a chain found only as often as the
