@@ -24,7 +24,7 @@ from nebula_flow.client import AsyncClient, Client, Completion, RequestError
 from nebula_flow.config import DeployConfig
 from nebula_flow.deploy import Deployment
 from nebula_flow.kv.store import PULL_SIZE_CLASSES, add_by_size
-from nebula_flow.round_times import PARTS, breakdown
+from nebula_flow.round_times import PARTS, breakdown, summary
 from nebula_flow.stats import percentiles
 
 DEFAULT_PROMPTS = [
@@ -167,11 +167,8 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
     def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
-    return {"tokens_per_s": med("tokens_per_s"), "round_rate": med("round_rate"),
-            "tokens_per_round": med("tokens_per_round"), "utilization": med("utilization"),
+    return {**_medians(runs), "utilization": med("utilization"),
             "kv_bytes": med("kv_bytes"), "emulated_overrun_per_forward_s": med("emulated_overrun_per_forward_s"),
-            "ttft_s": {p: statistics.median(r["ttft_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
-            "latency_s": {p: statistics.median(r["latency_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
             "breakdown": _median_breakdown([r["breakdown"] for r in runs]),
             "first_breakdown": _median_breakdown([r["first_breakdown"] for r in runs]), "repeats": runs}
 
@@ -216,25 +213,28 @@ def bench_peer(cfg: DeployConfig, peer: str, wl: BenchWorkload, repeats: int, lo
     runs = res["runs"]
     for r in runs:
         r["ttft_s"], r["latency_s"] = percentiles(r.pop("ttft")), percentiles(r.pop("latency"))
-    empty = {"rounds": 0, "per_round_s": {}, "share": {}, "per_token_s": 0.0}
-    return {**{k: statistics.median(r[k] for r in runs) for k in ("tokens_per_s", "round_rate", "tokens_per_round")},
-            "utilization": None, "kv_bytes": 0.0, "emulated_overrun_per_forward_s": 0.0,
-            "ttft_s": {p: statistics.median(r["ttft_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
-            "latency_s": {p: statistics.median(r["latency_s"][p] for r in runs) for p in ("p50", "p90", "p99")},
+    empty = summary(0, {}, 0.0)
+    return {**_medians(runs), "utilization": None, "kv_bytes": 0.0, "emulated_overrun_per_forward_s": 0.0,
             "breakdown": empty, "first_breakdown": empty, "threads": res["threads"], "dtype": res["dtype"],
             "transformers": res["transformers"], "repeats": runs}
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every side of a bench reports: throughput, and TTFT and latency percentiles, each
+    the median over repeats."""
+    return {**{k: statistics.median(r[k] for r in runs) for k in ("tokens_per_s", "round_rate", "tokens_per_round")},
+            **{k: {p: statistics.median(r[k][p] for r in runs) for p in ("p50", "p90", "p99")}
+               for k in ("ttft_s", "latency_s")}}
 
 
 def _median_breakdown(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each part's per-round seconds: the median over repeats (shares from those medians)."""
     runs = [r for r in runs if r["rounds"]]
     if not runs:
-        return {"rounds": 0, "per_round_s": {}, "share": {}, "per_token_s": 0.0}
+        return summary(0, {}, 0.0)
     per = {p: statistics.median(r["per_round_s"].get(p, 0.0) for r in runs) for p in runs[0]["per_round_s"]}
-    total = per.get("total", 0.0)
-    return {"rounds": statistics.median(r["rounds"] for r in runs), "per_round_s": per,
-            "per_token_s": statistics.median(r["per_token_s"] for r in runs),
-            "share": {p: v / total for p, v in per.items() if p != "total"} if total > 0 else {}}
+    return summary(statistics.median(r["rounds"] for r in runs), per,
+                   statistics.median(r["per_token_s"] for r in runs))
 
 
 FORWARDS = ("draft_forward", "verify_forward")

@@ -13,7 +13,6 @@ logit, so they never win: the same proposals our draft worker makes.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -117,10 +116,6 @@ def run(spec: dict[str, Any], log=print) -> dict[str, Any]:  # noqa: ANN001
             f"{forwards[0] / wall:.1f} target forwards/s, {tokens / max(forwards[0], 1):.2f} tokens/forward")
     return {"runs": runs, "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
             "transformers": __import__("transformers").__version__}
-
-
-def median_runs(runs: list[dict[str, Any]]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in runs) for k in ("tokens_per_s", "round_rate", "tokens_per_round")}
 
 
 def main() -> int:

@@ -102,17 +102,22 @@ class RoundTimes:
                 for key in ("first", "rounds")}
 
 
+def summary(rounds: float, per_round_s: dict[str, float], per_token_s: float) -> dict[str, Any]:
+    """A breakdown: rounds, each part's seconds per round (with ``total``), each part's share of
+    the round, and the rounds' time per token committed."""
+    total = per_round_s.get("total", 0.0)
+    return {"rounds": rounds, "per_round_s": per_round_s, "per_token_s": per_token_s,
+            "share": {p: v / total for p, v in per_round_s.items() if p != "total"} if total > 0 else {}}
+
+
 def breakdown(before: dict[str, Any], after: dict[str, Any], key: str = "rounds") -> dict[str, Any]:
     """Per round, in seconds, between two ``status`` states' ``round_times``: each part's mean
     and share of the round, and the rounds' time per token committed, over the rounds ended in
     between."""
     b, a = before.get("round_times", {}).get(key), after.get("round_times", {}).get(key)
-    if a is None:
-        return {"rounds": 0, "per_round_s": {}, "share": {}, "per_token_s": 0.0}
+    if a is None or a["rounds"] == (b["rounds"] if b else 0):
+        return summary(0, {}, 0.0)
     n = a["rounds"] - (b["rounds"] if b else 0)
     tokens = a["tokens"] - (b["tokens"] if b else 0)
     secs = {p: a["seconds"][p] - (b["seconds"][p] if b else 0.0) for p in a["seconds"]}
-    total = secs.get("total", 0.0)
-    return {"rounds": n, "per_round_s": {p: s / n for p, s in secs.items()} if n else {},
-            "share": {p: s / total for p, s in secs.items() if p != "total"} if total > 0 else {},
-            "per_token_s": total / tokens if tokens else 0.0}
+    return summary(n, {p: s / n for p, s in secs.items()}, secs["total"] / tokens if tokens else 0.0)

@@ -83,12 +83,13 @@ class ModelRunner:
             self.step_costs.observe(len(new_tokens[0]), took)
         return out
 
-    def chunk_ends(self, tasks: list[Task]) -> list[int | None]:
+    def chunk_ends(self, tasks: list[Task], held: list[int] | None = None) -> list[int | None]:
         """Under the token budget, where each task's forward stops this time: None where it runs
-        whole, else the position its prompt's prefill reaches (``budget.plan_forward``)."""
+        whole, else the position its prompt's prefill reaches (``budget.plan_forward``). ``held``:
+        the positions each task's cache keeps, where ``prepare`` has already cut them."""
         if not self.max_forward_tokens:
             return [None] * len(tasks)
-        held = [self.store.held(t.rid, t.tokens) for t in tasks]
+        held = held if held is not None else [self.store.held(t.rid, t.tokens) for t in tasks]
         tails = [len(t.tokens) - h for t, h in zip(tasks, held)]
         plan = plan_forward(tails, [n - 1 for n in tails], self.max_forward_tokens)
         return [None if chunk is None else h + chunk for chunk, h in zip(plan, held)]
@@ -98,7 +99,7 @@ class ModelRunner:
         with an end (``chunk_ends``; by default this runner's budget) only prefills up to it, in
         the first forward, and proposes nothing (``task.prefilled``)."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
-        ends = self.chunk_ends(tasks) if ends is None else ends
+        ends = self.chunk_ends(tasks, [c.length for c in caches]) if ends is None else ends
         drafts = [Draft([], None if t.params.greedy else [], None if t.params.greedy else []) for t in tasks]
         new = [t.tokens[c.length:end].tolist() for t, c, end in zip(tasks, caches, ends)]
         active = [i for i, t in enumerate(tasks) if t.k > 0 and ends[i] is None]
@@ -146,7 +147,7 @@ class ModelRunner:
             if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse, [])):
                 t.chains = [chain]
         trees = [t.tree() for t in tasks]
-        ends = self.chunk_ends(tasks) if ends is None else ends
+        ends = self.chunk_ends(tasks, [c.length for c in caches]) if ends is None else ends
         new = [t.tokens[c.length:].tolist() + tree.tokens if end is None else t.tokens[c.length:end].tolist()
                for t, c, tree, end in zip(tasks, caches, trees, ends)]
         # a tree's rows follow the uncommitted tail; node p's parent row is the tail's length plus p

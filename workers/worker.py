@@ -200,7 +200,6 @@ class Worker:
         self.kv.prefetch(self.kv.pulls(tasks, local=True if self.opts.kv_overlap else None))
         timing.kv_s = time.perf_counter() - t0
         self.stall_s += timing.kv_s
-        busy0 = sum(r.busy_s for r in self.runners)
         draft0, verify0 = (r.busy_s if r is not None else 0.0 for r in (self.draft, self.target))
         results: list[TaskResult] = []
         by_kind: dict[str, list[Task]] = {}
@@ -247,9 +246,9 @@ class Worker:
             results.extend(outs)
         for store in self.stores:
             store.unpin([t.rid for t in tasks])
-        busy = sum(r.busy_s for r in self.runners) - busy0
         timing.draft_s = self.draft.busy_s - draft0 if self.draft is not None else 0.0
         timing.verify_s = self.target.busy_s - verify0 if self.target is not None else 0.0
+        busy = timing.draft_s + timing.verify_s
         ended = time.perf_counter()
         timing.python_s = max(0.0, ended - started - timing.kv_s - busy)
         return Result(results, busy, self.kv.stats(self.stall_s), self._device_stats(), timing), ended, clock.arrived
