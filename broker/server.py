@@ -10,6 +10,7 @@ dropped (a worker's tasks are re-queued).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections import Counter, OrderedDict
@@ -22,7 +23,7 @@ from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.options import BrokerOptions
 from nebula_flow.policy_log import RecordingScheduler
-from nebula_flow.process import orphaned
+from nebula_flow.process import orphaned, restarts
 from nebula_flow.protocol import (
     Bye,
     Cancel,
@@ -206,7 +207,8 @@ class Broker:
         """Send what a verify committed (``delta``: the text it added, stop strings applied)."""
         if req.t_first is None:
             req.t_first = now
-        self._send(self.clients, req.owner, Tokens(req.req_id, kept, delta, len(req.output) - len(kept)))
+        self._send(self.clients, req.owner, Tokens(req.req_id, kept, delta, len(req.output) - len(kept),
+                                                   len(req.text) - len(delta)))
 
     # -- workers ---------------------------------------------------------------------------
     def on_worker(self, identity: bytes, frames: list[Any], now: float) -> None:
@@ -260,7 +262,8 @@ class Broker:
         except ValueError as exc:
             raise ProtocolError("wrong_role", str(exc)) from None
         self.next_worker += 1
-        self.workers[wid] = WorkerInfo(identity, msg.role, msg.name[:64], now, msg.kv_endpoint)
+        self.workers[wid] = WorkerInfo(identity, msg.role, msg.name[:64], now, msg.kv_endpoint, pid=msg.pid,
+                                       restarts=msg.restarts)
         self.by_identity[identity] = wid
         log.info("worker %d (%s, %s) joined in slot %d", wid, msg.name[:64], msg.role, slot)
         self._send(self.peers, identity, Welcome(wid, slot, self.opts.mode, {
@@ -376,11 +379,14 @@ class Broker:
     # -- the loop --------------------------------------------------------------------------
     def state(self, now: float) -> dict[str, Any]:
         return {
-            "mode": self.opts.mode, "uptime_s": now - self.started, "pool": len(self.scheduler.requests),
+            "mode": self.opts.mode, "pid": os.getpid(), "uptime_s": now - self.started,
+            "pool": len(self.scheduler.requests),
             "max_model_len": self.admission.max_model_len,
             "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
             **self.stats.state(self.scheduler, self.workers), "round_times": self.round_times.state(),
             "metrics_port": self.metrics.port if self.metrics else None,
+            # times the deployment started the broker, and the workers registered now, again after a death
+            "restarts": {"broker": restarts(), "workers": sum(w.restarts for w in self.workers.values())},
         }
 
     def step(self, now: float) -> None:
@@ -400,8 +406,10 @@ class Broker:
             for wid, info in list(self.workers.items()):
                 if now - info.last_seen > self.opts.liveness_s:
                     self._drop_worker(wid, "dead")
-                else:
-                    self._send(self.peers, info.identity, Heartbeat())
+                elif not self._send(self.peers, info.identity, Heartbeat()):
+                    # its connection is gone (a killed process): re-queue its tasks now, not after
+                    # liveness_s of silence
+                    self._drop_worker(wid, "unreachable")
         self._flush_clients()
 
     def _flush_clients(self) -> None:

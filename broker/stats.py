@@ -21,6 +21,8 @@ class WorkerInfo:
     tasks: int = 0
     kv: dict[str, Any] | None = None  # the worker's latest KV counters
     device: dict[str, Any] | None = None  # forwards run; emulated devices: predicted vs overrun seconds
+    pid: int | None = None
+    restarts: int = 0  # times its deployment started this worker again after a death
 
 
 @dataclass
@@ -61,7 +63,8 @@ class BrokerStats:
         return {
             "workers": [{"id": wid, "role": w.role, "name": w.name, "drafter": scheduler.workers[wid].drafter,
                          "busy_s": w.busy_s, "tasks": w.tasks, "slot": scheduler.workers[wid].slot,
-                         "kv_endpoint": w.kv_endpoint, "kv": w.kv, "device": w.device}
+                         "kv_endpoint": w.kv_endpoint, "kv": w.kv, "device": w.device, "pid": w.pid,
+                         "restarts": w.restarts}
                         for wid, w in workers.items()],
             "counters": dict(self.counters), "errors": dict(self.errors),
             # what adaptive k weighs now: draft step, verify row, round, in target decode steps

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from nebula_flow import protocol
 from nebula_flow.params import SamplingParams
@@ -100,9 +101,10 @@ def _raise_error(err: Error) -> None:
 class _Collector:
     """Turns TOKENS / DONE messages of one request into chunks and a ``Completion``.
 
-    Chunks carry the offset of their first token, so after a retry (which may resend tokens,
-    or, on a restarted broker, generate them again: seeded output is reproducible) only the
-    tokens not yet seen are passed on.
+    Chunks carry the offsets of their first token and character, so after a re-send (a retry
+    re-attaches and gets everything again; a restarted broker runs the request again, with the
+    same output, greedy or seeded, but maybe other round boundaries) only what was not seen yet is
+    passed on.
     """
 
     def __init__(self) -> None:
@@ -113,18 +115,12 @@ class _Collector:
         self.seen_text = 0
 
     def chunk(self, msg: Tokens) -> Chunk | None:
-        offset = msg.offset
-        skip = self.seen_tokens - offset
-        tokens = msg.token_ids[max(0, skip):]
-        text = msg.text
-        if skip > 0:
-            if not tokens:
-                return None  # all of it was seen already
-            # A re-attach resends everything from offset 0 with the full text so far; a
-            # regenerated round (restarted broker) has the same boundaries, so never splits.
-            text = text[self.seen_text:] if offset == 0 else ""
-        self.seen_tokens += len(tokens)
-        self.seen_text += len(text)
+        tokens = list(msg.token_ids[max(0, self.seen_tokens - msg.offset):])
+        text = msg.text[max(0, self.seen_text - msg.text_offset):]
+        if not tokens and not text:
+            return None  # all of it was seen already
+        self.seen_tokens = max(self.seen_tokens, msg.offset + len(msg.token_ids))
+        self.seen_text = max(self.seen_text, msg.text_offset + len(msg.text))
         t = time.monotonic() - self.t0
         self.ttft = t if self.ttft is None else self.ttft
         self.times.append(t)
@@ -138,33 +134,64 @@ class _Collector:
                           latency, self.times, st)
 
 
-def _secure(sock: zmq.Socket, keys: str | None) -> None:
-    """CURVE with the client key when a key folder is given (or NEBULA_FLOW_KEYS is set)."""
+def _socket(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER to the broker (CURVE with the client key when a key folder is given, or
+    NEBULA_FLOW_KEYS is set) and a monitor of its connection (see ``_Link``)."""
     from nebula_flow.security import keys_dir, make_client
 
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # ZMTP heartbeats: a broker that vanished without closing its connection (host down) still
+    # reads as a dropped connection within seconds
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
     folder = keys_dir(keys)
     if folder is not None:
         make_client(sock, folder, "client")
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(address)
+    return sock, monitor
 
 
-def _reproducible(params: dict[str, Any], retries: int) -> dict[str, Any]:
-    """A retried sampled request needs a seed to come out the same; pick one if none given."""
-    if retries and params.get("temperature", 0.0) and params.get("seed") is None:
+class _Link:
+    """Follows the connection to the broker from its monitor's events: ``event`` says True when
+    a connection that dropped is made again (a restarted broker, which knows nothing of this
+    client's requests): then the requests in flight are sent again at once (same ids: a broker
+    that still runs one re-attaches), not after a timeout."""
+
+    def __init__(self) -> None:
+        self.dropped = False
+
+    def event(self, frames: list[bytes]) -> bool:
+        kind = parse_monitor_message(frames)["event"]
+        if kind == zmq.EVENT_DISCONNECTED:
+            self.dropped = True
+            return False
+        back, self.dropped = self.dropped, False
+        return back
+
+
+def _reproducible(params: dict[str, Any]) -> dict[str, Any]:
+    """A sampled request needs a seed to come out the same when it is sent again (a retry, a
+    restarted broker); pick one if none is given (a random seed samples the same distribution)."""
+    if params.get("temperature", 0.0) and params.get("seed") is None:
         params = dict(params, seed=int.from_bytes(uuid.uuid4().bytes[:7], "big"))
     return params
 
 
 class Client:
     """Blocking client. ``timeout_s`` bounds the wait for each message from the broker; after
-    a timeout the request is resent ``retries`` times with the same id (idempotent)."""
+    a timeout the request is resent ``retries`` times with the same id (idempotent). A request
+    in flight when the connection to the broker drops is sent again as soon as it is back."""
 
     def __init__(self, address: str, timeout_s: float = 120.0, retries: int = 0, keys: str | None = None) -> None:
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock, self.monitor = _socket(zmq.Context.instance(), address, keys)
         self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # no broker to talk to: never block forever
-        _secure(self.sock, keys)
-        self.sock.connect(address)
+        self.link = _Link()
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
 
     def __enter__(self) -> Client:
         return self
@@ -173,6 +200,8 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close()
 
     def _send(self, msg: Msg, block: bool = True) -> None:
@@ -182,16 +211,24 @@ class Client:
             if block:
                 raise RequestTimeout(f"cannot reach {self.address} (not running, or keys refused)") from None
 
-    def _recv(self, timeout_s: float | None = None) -> Msg:
-        if not self.sock.poll(int((timeout_s or self.timeout_s) * 1000)):
-            raise RequestTimeout(f"no answer from {self.address} within {timeout_s or self.timeout_s:.0f} s")
-        return protocol.decode(self.sock.recv_multipart(copy=False))
+    def _recv(self, timeout_s: float | None = None) -> Msg | None:
+        """The next message from the broker; None when the connection to it was made again after
+        dropping (the caller sends what it has in flight again)."""
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            events = dict(self.poller.poll(int(left * 1000) + 1))
+            if self.monitor in events and self.link.event(self.monitor.recv_multipart()):
+                return None
+            if self.sock in events:
+                return protocol.decode(self.sock.recv_multipart(copy=False))
+        raise RequestTimeout(f"no answer from {self.address} within {timeout_s:.0f} s")
 
     def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
                **params: Any) -> Iterator[Chunk | Completion]:
         """Yield a ``Chunk`` per verify step, then the final ``Completion``."""
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
-        submit = build_submit(req_id, prompt, token_ids, chat, **_reproducible(params, self.retries))
+        submit = build_submit(req_id, prompt, token_ids, chat, **_reproducible(params))
         self._send(submit)
         col = _Collector()
         finished, attempts = False, 0
@@ -203,6 +240,9 @@ class Client:
                     if attempts >= self.retries:
                         raise
                     attempts += 1  # same req_id: the broker re-attaches or replays, never duplicates
+                    self._send(submit)
+                    continue
+                if msg is None:  # a new connection (a restarted broker): send it again
                     self._send(submit)
                     continue
                 if getattr(msg, "req_id", None) not in (req_id, None):
@@ -233,7 +273,9 @@ class Client:
         self._send(Status())
         while True:
             msg = self._recv(min(self.timeout_s, 10.0))
-            if isinstance(msg, State):
+            if msg is None:
+                self._send(Status())
+            elif isinstance(msg, State):
                 return msg.state
 
 
@@ -242,13 +284,12 @@ class AsyncClient:
 
     def __init__(self, address: str, timeout_s: float = 120.0, keys: str | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self.ctx = zmq.asyncio.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        _secure(self.sock, keys)
-        self.sock.connect(address)
+        self.sock, self.monitor = _socket(zmq.asyncio.Context.instance(), address, keys)
+        self.link = _Link()
         self.queues: dict[str, asyncio.Queue[Msg]] = {}
+        self.inflight: dict[str, Submit] = {}  # sent again when a dropped connection is back
         self.reader: asyncio.Task | None = None
+        self.watcher: asyncio.Task | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -257,9 +298,24 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
+        for task in (self.reader, self.watcher):
+            if task is not None:
+                task.cancel()
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close()
+
+    def _start(self) -> None:
+        if self.reader is None:
+            self.reader = asyncio.ensure_future(self._read())
+            self.watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Send every request in flight again when a dropped connection to the broker is back."""
+        while True:
+            if self.link.event(await self.monitor.recv_multipart()):
+                for msg in list(self.inflight.values()):
+                    await self.sock.send_multipart(protocol.encode(msg), copy=False)
 
     async def _read(self) -> None:
         while True:
@@ -286,12 +342,12 @@ class AsyncClient:
 
     async def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
                      **params: Any) -> AsyncIterator[Chunk | Completion]:
-        if self.reader is None:
-            self.reader = asyncio.ensure_future(self._read())
+        self._start()
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues[req_id] = queue
-        msg = build_submit(req_id, prompt, token_ids, chat, **params)
+        msg = build_submit(req_id, prompt, token_ids, chat, **_reproducible(params))
+        self.inflight[req_id] = msg
         await self._send(msg)
         col = _Collector()
         finished = False
@@ -311,6 +367,7 @@ class AsyncClient:
                     _raise_error(reply)
         finally:
             self.queues.pop(req_id, None)
+            self.inflight.pop(req_id, None)
             if not finished:
                 try:
                     await self.sock.send_multipart(protocol.encode(Cancel(req_id)),
@@ -325,8 +382,7 @@ class AsyncClient:
         raise NebulaError("the stream ended without a result")
 
     async def status(self) -> dict[str, Any]:
-        if self.reader is None:
-            self.reader = asyncio.ensure_future(self._read())
+        self._start()
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues["__status__"] = queue
         try:

@@ -20,7 +20,8 @@ from typing import Any
 from nebula_flow.client import Client, NebulaError
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.options import WorkerOptions, write_options
-from nebula_flow.process import PARENT_ENV
+from nebula_flow.process import PARENT_ENV, RESTARTS_ENV
+from nebula_flow.supervisor import ChildRecord, RestartPolicy, describe_exit, judge
 
 # glibc's default allocator returns and re-faults large buffers on every forward pass; these
 # settings keep them mapped (measured up to ~4x faster forwards on CPU).
@@ -71,13 +72,18 @@ class Deployment:
     """One broker plus the workers ``cfg.worker_plan()`` asks for."""
 
     def __init__(self, cfg: DeployConfig, log_dir: str | Path | None = None,
-                 worker_changes: dict[str, Any] | None = None) -> None:
-        """``worker_changes``: ``WorkerOptions`` fields every worker runs with (e.g. ``kv_overlap``)."""
+                 worker_changes: dict[str, Any] | None = None, restart_policy: RestartPolicy | None = None) -> None:
+        """``worker_changes``: ``WorkerOptions`` fields every worker runs with (e.g. ``kv_overlap``);
+        ``restart_policy``: how ``supervise`` restarts children that die."""
         cfg.validate()
         self.cfg = cfg
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="nebula-flow-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.commands: dict[str, tuple[list[str], int]] = {}  # each child's arguments and threads
+        self.restart_policy = restart_policy or RestartPolicy()
+        self.records: dict[str, ChildRecord] = {}  # each child's restarts
+        self.due: dict[str, float] = {}  # dead children waiting out their backoff: when to start them
         self.worker_changes = worker_changes or {}
         b = cfg.broker
         self.auto_ports = b.client_port == 0 or b.worker_port == 0
@@ -91,15 +97,22 @@ class Deployment:
     def address(self) -> str:
         return self.cfg.broker.client_address
 
-    def _spawn(self, name: str, args: list[str], threads: int = 1) -> None:
+    def _spawn(self, name: str, args: list[str], threads: int = 1, restarts: int = 0) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), **ALLOCATOR_ENV,
-                   **{PARENT_ENV: str(os.getpid())})  # children exit if we die without stopping them
+                   **{PARENT_ENV: str(os.getpid()),  # children exit if we die without stopping them
+                      RESTARTS_ENV: str(restarts)})
         if self.cfg.broker.keys:  # every party of the deployment authenticates with CURVE
             env["NEBULA_FLOW_KEYS"] = str(self.cfg.broker.keys)
-        log = open(self.log_dir / f"{name}.log", "wb")
+        log = open(self.log_dir / f"{name}.log", "ab" if restarts else "wb")  # (a restart keeps the death's log)
+        if restarts:
+            log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} restart {restarts} ---\n".encode())
+            log.flush()
         proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", *args], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.procs.append((name, proc))
+        log.close()  # (the child holds its own copy)
+        self.commands[name] = (args, threads)
+        self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
+        return proc
 
     def start(self, timeout_s: float = 600.0) -> str:
         self._start_broker(timeout_s)
@@ -167,6 +180,41 @@ class Deployment:
         for name, proc in self.procs:
             if proc.poll() is not None:
                 raise DeploymentError(f"{name} exited with code {proc.returncode}:\n{self.log_tail(name)}")
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart children that died, after a backoff (``restart_policy``); give up on one that
+        crash-loops or was refused for its configuration, while the rest keep serving. A restarted
+        worker registers again and the broker re-queues the dead one's tasks; a restarted broker
+        binds the same ports, its workers re-register and clients re-send their requests. Returns
+        one line per event; raises ``DeploymentError`` when the broker is given up."""
+        now = time.monotonic() if now is None else now
+        events = []
+        for name, proc in list(self.procs):
+            record = self.records.setdefault(name, ChildRecord())
+            if proc.poll() is None or record.given_up or name in self.due:
+                continue
+            verdict = judge(self.restart_policy, record, proc.returncode, now)
+            what = f"{name} {describe_exit(proc.returncode)}"
+            if verdict.delay_s is not None:
+                self.due[name] = now + verdict.delay_s
+                events.append(f"{what}; starting it again in {verdict.delay_s:.0f} s ({verdict.reason})")
+                continue
+            record.given_up = True
+            tail = self.log_tail(name, 10)
+            if name == "broker":
+                raise DeploymentError(f"{what}; giving up: {verdict.reason}; nothing serves without it. "
+                                      f"Logs in {self.log_dir}:\n{tail}")
+            events.append(f"{what}; giving up on it: {verdict.reason}. The rest keep serving. "
+                          f"Its log: {self.log_dir / (name + '.log')}\n{tail}")
+        for name, at in list(self.due.items()):
+            if now >= at:
+                del self.due[name]
+                record = self.records[name]
+                record.restarts.append(now)
+                args, threads = self.commands[name]
+                proc = self._spawn(name, args, threads, restarts=len(record.restarts))
+                events.append(f"{name} started again (pid {proc.pid}, restart {len(record.restarts)})")
+        return events
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"

@@ -63,6 +63,9 @@ def render(state: dict[str, Any]) -> str:
            [(w["busy_s"], {"worker": w["name"], "role": w["role"]}) for w in state["workers"]])
     family("nebula_worker_tasks_total", "counter", "Tasks each worker completed.",
            [(w["tasks"], {"worker": w["name"], "role": w["role"]}) for w in state["workers"]])
+    family("nebula_restarts", "gauge", "Times the deployment started a process again after it died.",
+           [(state["restarts"]["broker"], {"process": "broker"})] +
+           [(w["restarts"], {"process": w["name"]}) for w in state["workers"]])
     kv_keys = {"bytes_pulled": "nebula_kv_bytes_pulled_total", "pulls": "nebula_kv_pulls_total",
                "pull_failures": "nebula_kv_pull_failures_total", "stall_s": "nebula_kv_stall_seconds_total",
                "overlap_s": "nebula_kv_overlap_seconds_total", "computed": "nebula_kv_recomputed_positions_total"}

@@ -106,13 +106,16 @@ class Status(Msg):
 @dataclass
 class Tokens(Msg):
     """Broker -> client: the tokens and text one verify committed (a stream chunk); ``offset`` =
-    tokens committed before this chunk (a re-attached client gets everything again from 0)."""
+    tokens committed before this chunk, ``text_offset`` = characters of text sent before it (a
+    re-attached client gets everything again from 0; a request run again on a restarted broker
+    may cut its rounds elsewhere: the offsets let a client pass on only what it has not seen)."""
 
     KIND: ClassVar[str] = "TOKENS"
     req_id: str
     token_ids: TokenIds
     text: str
     offset: int = 0
+    text_offset: int = 0
 
 
 @dataclass
@@ -148,7 +151,8 @@ class Error(Msg):
 @dataclass
 class Register(Msg):
     """Worker -> broker: a worker joins: its role, name, batch capacity, model facts and KV
-    endpoint; a draft worker's drafter (the kind of draft model rounds are routed by)."""
+    endpoint; a draft worker's drafter (the kind of draft model rounds are routed by); its process
+    id and how many times its deployment restarted it (both shown by ``status``)."""
 
     KIND: ClassVar[str] = "REGISTER"
     role: str
@@ -157,10 +161,15 @@ class Register(Msg):
     model: dict
     kv_endpoint: str | None = None
     drafter: str | None = None
+    pid: int | None = None
+    restarts: int = 0
 
     def check(self) -> None:
         if not 1 <= self.capacity <= MAX_CAPACITY:
             raise ProtocolError("invalid_params", f"capacity must be in 1..{MAX_CAPACITY}")
+        if not (isinstance(self.restarts, int) and 0 <= self.restarts < 2**31) or not (
+                self.pid is None or isinstance(self.pid, int) and 0 < self.pid < 2**31):
+            raise malformed("pid and restarts must be small non-negative integers")
         if self.kv_endpoint is not None and (len(self.kv_endpoint) > 512 or not all(
                 part.startswith(KV_SCHEMES) for part in self.kv_endpoint.split(";"))):
             raise malformed("kv_endpoint must be tcp://, ucx:// or shm:// addresses joined by ';'")

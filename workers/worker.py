@@ -26,7 +26,7 @@ from nebula_flow.kv.transport import make_transport
 from nebula_flow.lookup import parse_ngram
 from nebula_flow.models.loader import load_model
 from nebula_flow.options import WorkerOptions
-from nebula_flow.process import orphaned
+from nebula_flow.process import orphaned, restarts
 from nebula_flow.protocol import (
     Bye,
     Error,
@@ -154,7 +154,7 @@ class Worker:
 
     def _register(self) -> None:
         msg = Register(self.opts.role, self.name, self.opts.capacity, self._model_facts(), self.kv_endpoint,
-                       self.drafter)
+                       self.drafter, os.getpid(), restarts())
         self._send(msg)
         self.registered = False
 

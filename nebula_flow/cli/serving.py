@@ -19,23 +19,36 @@ from nebula_flow.cli.common import (
 @click.command()
 @deploy_options
 def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings) -> None:  # noqa: ANN001
-    """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM."""
+    """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM.
+
+    serve supervises what it started: a worker or the broker that dies is started again after a
+    backoff (1 s, doubling, at most 30 s); one that dies 6 times within 5 minutes, or is refused
+    for its configuration, is given up while the rest keep serving (a broker given up stops the
+    deployment). Each event is printed here; `nebula-flow status` counts restarts.
+    """
     import signal
+
+    from nebula_flow.deploy import DeploymentError
 
     dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings)
     click.echo(dep.address)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    failed = None
     try:
         while not stop:
             time.sleep(0.5)
-            dep.check_alive()
+            for event in dep.supervise():
+                click.echo(f"{time.strftime('%H:%M:%S')} {event}", err=True)
     except KeyboardInterrupt:
         pass
+    except DeploymentError as exc:
+        failed = exc
     finally:
         click.echo("stopping ...", err=True)
         dep.stop()
-
+    if failed is not None:
+        raise click.ClickException(str(failed))
 
 
 @click.command()
@@ -86,8 +99,9 @@ def status(address: str, as_json: bool) -> None:
                f"topics {state['topics']}")
     for w in state["workers"]:
         drafter = f" drafter {w['drafter']}" if w.get("drafter") and len(state.get("drafters", {})) > 1 else ""
+        restarted = f" restarts {w['restarts']}" if w.get("restarts") else ""
         click.echo(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} "
-                   f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}")
+                   f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}{restarted}")
     if len(state.get("drafters", {})) > 1:  # several drafters: how routing shares the rounds out
         for name, d in state["drafters"].items():
             rates = ", ".join(f"{kind} {rate:.2f}" for kind, rate in d.get("acceptance", {}).items())
@@ -104,6 +118,9 @@ def status(address: str, as_json: bool) -> None:
         parts = ", ".join(f"{p} {v:.2f}" for p, v in sorted(per.items(), key=lambda kv: -kv[1])
                           if p != "total" and v >= 0.005)
         click.echo(f"decode rounds: {rounds['rounds']}, {per['total']:.2f} ms each: {parts}")
+    if any(state.get("restarts", {}).values()):
+        click.echo(f"restarts after a death: broker {state['restarts']['broker']}, "
+                   f"workers registered now {state['restarts']['workers']}")
     click.echo(f"counters {state['counters']}")
     if state["errors"]:
         click.echo(f"errors {state['errors']}")

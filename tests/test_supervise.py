@@ -1,0 +1,200 @@
+"""A deployment that heals itself: `serve` restarts a worker or the broker that died, gives up on
+one that crash-loops, and clients carry their requests across a broker's restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from nebula_flow.client import AsyncClient, Client, Completion
+from nebula_flow.deploy import Deployment, free_port
+from nebula_flow.supervisor import REFUSED_EXIT, ChildRecord, RestartPolicy, judge
+from tests.conftest import deploy_config, hf_greedy, workers_lost
+
+
+def test_restarts_back_off_and_a_crash_loop_is_given_up() -> None:
+    policy = RestartPolicy(max_restarts=3, window_s=100.0, backoff_s=1.0, max_backoff_s=3.0)
+    record = ChildRecord()
+    delays = []
+    for now in (0.0, 10.0, 20.0):
+        verdict = judge(policy, record, -9, now)
+        delays.append(verdict.delay_s)
+        record.restarts.append(now + verdict.delay_s)
+    assert delays == [1.0, 2.0, 3.0]  # doubling, capped
+    verdict = judge(policy, record, 1, 30.0)  # a fourth death within the window
+    assert verdict.delay_s is None and "crash loop" in verdict.reason
+    # restarts older than the window are forgiven: a child that then ran a while is tried again
+    assert judge(policy, record, -9, 200.0).delay_s == 1.0
+    refused = judge(policy, ChildRecord(), REFUSED_EXIT, 0.0)
+    assert refused.delay_s is None and "configuration" in refused.reason
+
+
+def _serve(tiny_pair: Path, tmp_path: Path, draft_workers: int, target_workers: int) -> tuple[subprocess.Popen, str]:
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'mode = "pooled"\n[broker]\nheartbeat_s = 0.5\nliveness_s = 3.0\n'
+                   f'[draft]\nmodel = "{tiny_pair / "draft"}"\nworkers = {draft_workers}\nthreads = 1\n'
+                   f'[target]\nmodel = "{tiny_pair / "target"}"\nworkers = {target_workers}\nthreads = 1\n')
+    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(cfg),
+                             "--port", str(free_port()), "--log-dir", str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "w"), text=True,
+                            env=dict(os.environ))
+    address = proc.stdout.readline().strip()
+    assert address.startswith("tcp://"), (tmp_path / "serve.err").read_text()
+    return proc, address
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wait_for(check, timeout_s: float, address: str):  # noqa: ANN001, ANN202
+    """Poll the broker's status until ``check(state)`` holds; the state, or None at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    with Client(address, timeout_s=5) as c:
+        while time.monotonic() < deadline:
+            try:
+                state = c.status()
+                if check(state):
+                    return state
+            except Exception:  # (the broker may be restarting)
+                pass
+            time.sleep(0.2)
+    return None
+
+
+def test_serve_restarts_killed_workers_and_every_request_completes(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """The operations issue's run: pooled 2 + 2, 16 concurrent greedy requests, kill -9 of a draft
+    worker and then of a target worker mid-run: all 16 complete as the target alone writes them,
+    and both workers are back in `status`, restarted, within 30 s."""
+    prompts = [[i + 3, 2 * i + 5, 7] for i in range(16)]
+    refs = [hf_greedy(tiny_pair / "target", p, 40) for p in prompts]
+    proc, address = _serve(tiny_pair, tmp_path, 2, 2)
+    try:
+        state = _wait_for(lambda s: len(s["workers"]) == 4, 60, address)
+        pids = {w["name"]: w["pid"] for w in state["workers"]}
+        killed_at: dict[str, float] = {}
+
+        async def run() -> list:
+            async with AsyncClient(address, timeout_s=120) as client:
+                tokens = 0
+
+                async def one(p: list[int]) -> Completion:
+                    nonlocal tokens
+                    async for item in client.stream(token_ids=p, max_new_tokens=40):
+                        if isinstance(item, Completion):
+                            return item
+                        tokens += len(item.token_ids)
+                    raise AssertionError("no completion")
+
+                async def killer() -> None:
+                    # the draft worker once the requests are under way, the target worker after
+                    # more tokens came out (each kill lands mid-run, whatever the machine's speed)
+                    for name, after in (("draft-1", 16), ("target-3", 64)):
+                        while tokens < after:
+                            await asyncio.sleep(0.005)
+                        os.kill(pids[name], signal.SIGKILL)
+                        killed_at[name] = time.monotonic()
+
+                results = await asyncio.gather(*(one(p) for p in prompts), killer())
+                return results[:-1]
+
+        outs = asyncio.run(run())
+        assert [o.token_ids for o in outs] == refs
+        back = _wait_for(lambda s: len(s["workers"]) == 4 and s["restarts"]["workers"] == 2, 30, address)
+        assert back is not None, (tmp_path / "serve.err").read_text()
+        assert time.monotonic() - killed_at["target-3"] < 30 + 5  # (+ the status poll's own time)
+        restarted = {w["name"]: w for w in back["workers"] if w["restarts"]}
+        assert set(restarted) == {"draft-1", "target-3"}
+        assert all(w["pid"] != pids[n] for n, w in restarted.items())
+        assert workers_lost(back) == 2
+    finally:
+        _stop(proc)
+    err = (tmp_path / "serve.err").read_text()
+    assert "draft-1 was killed by SIGKILL; starting it again" in err and "target-3 started again" in err, err
+
+
+def test_serve_restarts_a_killed_broker_and_clients_carry_their_requests(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """kill -9 of the broker mid-stream: serve starts it again on the same ports, the workers
+    register again, the client sends its in-flight request again on reconnecting and the stream
+    goes on where it was (the same tokens, none twice), and new requests succeed."""
+    prompt = [5, 9, 13]
+    ref = hf_greedy(tiny_pair / "target", prompt, 200)
+    proc, address = _serve(tiny_pair, tmp_path, 1, 1)
+    try:
+        state = _wait_for(lambda s: len(s["workers"]) == 2, 60, address)
+        broker_pid = state["pid"]
+        streamed, final = [], []
+        first_chunk = threading.Event()
+
+        def consume() -> None:
+            with Client(address, timeout_s=120) as c:
+                for item in c.stream(token_ids=prompt, max_new_tokens=200):
+                    if isinstance(item, Completion):
+                        final.append(item)
+                    else:
+                        streamed.extend(item.token_ids)
+                        first_chunk.set()
+
+        t = threading.Thread(target=consume)
+        t.start()
+        assert first_chunk.wait(60)
+        os.kill(broker_pid, signal.SIGKILL)
+        t.join(120)
+        assert not t.is_alive() and final, (tmp_path / "serve.err").read_text()
+        assert final[0].token_ids == ref and streamed == ref  # nothing lost, nothing twice
+        state = _wait_for(lambda s: len(s["workers"]) == 2, 60, address)
+        assert state is not None and state["pid"] != broker_pid and state["restarts"]["broker"] == 1
+        with Client(address, timeout_s=60) as c:
+            assert c.generate(token_ids=prompt, max_new_tokens=12).token_ids == ref[:12]
+    finally:
+        _stop(proc)
+    assert "broker was killed by SIGKILL; starting it again" in (tmp_path / "serve.err").read_text()
+
+
+def test_a_crash_looping_worker_is_given_up_while_the_rest_serve(tiny_pair) -> None:  # noqa: ANN001
+    cfg = deploy_config(tiny_pair, "pooled", 2, 1)
+    cfg.broker.heartbeat_s, cfg.broker.liveness_s = 0.5, 3.0
+    with Deployment(cfg, restart_policy=RestartPolicy(max_restarts=1, backoff_s=0.1)) as dep:
+        events: list[str] = []
+
+        def supervise_until(text: str) -> None:
+            deadline = time.monotonic() + 60
+            while not any(text in e for e in events) and time.monotonic() < deadline:
+                events.extend(dep.supervise())
+                time.sleep(0.05)
+            assert any(text in e for e in events), events
+
+        dep.kill("draft-0")
+        supervise_until("draft-0 started again")
+        assert _wait_for(lambda s: any(w["name"] == "draft-0" and w["restarts"] == 1 for w in s["workers"]),
+                         60, dep.address)
+        dep.kill("draft-0")
+        supervise_until("giving up on it")
+        assert [e for e in events if "giving up" in e][0].startswith("draft-0 was killed by SIGKILL")
+        # the rest keep serving
+        with Client(dep.address, timeout_s=60) as c:
+            assert len(c.generate(token_ids=[3, 4, 5], max_new_tokens=8, ignore_eos=True).token_ids) == 8
+        assert dep.supervise() == []  # given up: never started again
+        assert next(p for n, p in dep.procs if n == "draft-0").poll() is not None
+
+
+def test_a_killed_worker_is_dropped_before_its_silence_runs_out(tiny_pair) -> None:  # noqa: ANN001
+    """A killed worker's connection closes at once: the broker's next heartbeat to it fails and its
+    tasks are re-queued then, not after liveness_s of silence (set long here)."""
+    cfg = deploy_config(tiny_pair, "pooled", 2, 1)
+    cfg.broker.heartbeat_s, cfg.broker.liveness_s = 0.5, 600.0
+    with Deployment(cfg) as dep:
+        dep.kill("draft-0")
+        state = _wait_for(lambda s: workers_lost(s) == 1, 20, dep.address)
+        assert state is not None and state["counters"].get("workers_unreachable") == 1
