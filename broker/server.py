@@ -52,12 +52,29 @@ from nebula_flow.protocol import (
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
 from nebula_flow.round_times import RoundTimes
 from nebula_flow.scheduler import MODES, Scheduler
-from nebula_flow.security import SecurityError, is_loopback, keys_dir, make_server, start_authenticator
+from nebula_flow.security import (
+    SecurityError,
+    is_loopback,
+    keys_dir,
+    make_server,
+    server_key_of,
+    start_authenticator,
+    user_id,
+)
 from nebula_flow_broker import results
 from nebula_flow_broker.admission import Admission
 from nebula_flow_broker.stats import BrokerStats, WorkerInfo
 
 log = logging.getLogger("nebula_flow.broker")
+
+
+def owner_of(identity: bytes, frame: zmq.Frame, session: str | None) -> str:
+    """Who a client message comes from, for request ownership: its CURVE key where keys are on,
+    else the secret session its client library sends; a client that sends none is its connection."""
+    key = user_id(frame)
+    if key is not None:
+        return "key:" + key
+    return "session:" + session if session else "connection:" + identity.hex()
 
 
 class Broker:
@@ -75,7 +92,8 @@ class Broker:
         # Client-chosen request ids (random, unique) make SUBMIT idempotent: a retry of a running
         # request re-attaches to it, a retry of a finished one gets its result again.
         self.by_req_id: dict[str, int] = {}
-        self.finished: OrderedDict[str, Done] = OrderedDict()
+        self.finished: OrderedDict[str, tuple[str, Done]] = OrderedDict()  # req_id -> (owner, result)
+        self.owners: dict[str, str] = {}  # running req_id -> its owner (see ``owner_of``)
         self.inflight_by_owner: Counter[bytes] = Counter()
         self.next_rid = self.next_worker = 1
         self.frees: list[int] = []
@@ -90,16 +108,17 @@ class Broker:
         if folder is None and not is_loopback(self.opts.host):
             raise SecurityError(f"binding to {self.opts.host} (off loopback) requires CURVE keys: "
                                 "create them with `nebula-flow keys DIR` and pass --keys DIR")
-        self.auth = start_authenticator(folder) if folder else None
+        # (with keys: each socket accepts its own role's keys only, and revoked ones no longer)
+        self.auth, self.authorized = start_authenticator(folder) if folder else (None, None)
         ctx = zmq.Context.instance()
         self.clients = ctx.socket(zmq.ROUTER)
         self.peers = ctx.socket(zmq.ROUTER)
-        for sock in (self.clients, self.peers):
+        for sock, accepts in ((self.clients, "client"), (self.peers, "worker")):
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # learn about vanished peers instead of dropping silently
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
             if folder:
-                make_server(sock, folder, "broker")
+                make_server(sock, folder, "broker", "broker", accepts)
         self.clients.bind(self.opts.client_address)
         self.peers.bind(self.opts.worker_address)
 
@@ -129,11 +148,11 @@ class Broker:
         try:
             msg = protocol.decode(frames)
             if isinstance(msg, Submit):
-                self._submit(identity, msg, now)
+                self._submit(identity, msg, now, owner_of(identity, frames[0], msg.session))
             elif isinstance(msg, Cancel):
                 rid = self.by_req_id.get(msg.req_id)
-                if rid is None:
-                    raise ProtocolError("unknown_request", f"no active request {msg.req_id!r}")
+                if rid is None or self.owners.get(msg.req_id) != owner_of(identity, frames[0], msg.session):
+                    raise ProtocolError("unknown_request", f"no active request {msg.req_id!r} of this client")
                 self._finish(rid, "cancelled")
             elif isinstance(msg, Status):
                 self._send(self.clients, identity, State(self.state(now)))
@@ -148,8 +167,11 @@ class Broker:
         log.exception("internal error handling a message")
         self._reject(sock, identity, "internal", f"{type(exc).__name__}: {exc}"[:300], req_id)
 
-    def _submit(self, identity: bytes, msg: Submit, now: float) -> None:
+    def _submit(self, identity: bytes, msg: Submit, now: float, owner: str) -> None:
         req_id = msg.req_id
+        if self.owners.get(req_id, owner) != owner or self.finished.get(req_id, (owner,))[0] != owner:
+            self.counters["requests_not_owner"] += 1
+            raise ProtocolError("request_id_taken", f"request {req_id!r} belongs to another client")
         # (a retry re-attaches, or replays a result, even while draining: only new work is refused)
         if req_id in self.by_req_id:  # a retry: re-attach and resend what was committed so far
             req = self.scheduler.requests[self.by_req_id[req_id]]
@@ -161,7 +183,7 @@ class Broker:
             return
         if req_id in self.finished:
             self.counters["requests_replayed"] += 1
-            self._send(self.clients, identity, self.finished[req_id])
+            self._send(self.clients, identity, self.finished[req_id][1])
             return
         if self.draining_since is not None:
             raise ProtocolError("shutting_down", "the broker is shutting down")
@@ -172,6 +194,7 @@ class Broker:
             raise ProtocolError("busy", f"{self.opts.max_pending} requests pending; retry later")
         self.next_rid += 1
         self.by_req_id[req_id] = req.rid
+        self.owners[req_id] = owner
         self.inflight_by_owner[identity] += 1
         self.counters["requests_submitted"] += 1
         self.scheduler.admit(req)
@@ -187,6 +210,7 @@ class Broker:
     def _close(self, req: Request, error: tuple[str, str] | None = None) -> None:
         """A request has left the pool: tell its client, let workers drop its KV."""
         self.by_req_id.pop(req.req_id, None)
+        owner = self.owners.pop(req.req_id, "")
         self.round_times.closed(req.rid)
         self.inflight_by_owner[req.owner] -= 1
         if self.inflight_by_owner[req.owner] <= 0:
@@ -198,7 +222,7 @@ class Broker:
             return
         self.counters[f"requests_{req.finish_reason}"] += 1
         done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason, req.stats())
-        self.finished[req.req_id] = done
+        self.finished[req.req_id] = (owner, done)
         while len(self.finished) > 4096:  # bounded: old results age out
             self.finished.popitem(last=False)
         self._send(self.clients, req.owner, done)
@@ -217,7 +241,7 @@ class Broker:
         try:
             msg = protocol.decode(frames)
             if isinstance(msg, Register):
-                self._register(identity, msg, now)
+                self._register(identity, msg, now, user_id(frames[0]))
                 return
             if wid is None:
                 raise ProtocolError("unknown_worker", "register first")
@@ -253,7 +277,12 @@ class Broker:
                 continue
             self._result(wid, item, now, arrived, msg.timing)
 
-    def _register(self, identity: bytes, msg: Register, now: float) -> None:
+    def _register(self, identity: bytes, msg: Register, now: float, key: str | None) -> None:
+        if self.authorized is not None:  # (the handshake checked the key; it may have been revoked since)
+            if not self.authorized.allowed("workers", key):
+                raise ProtocolError("unauthorized", "this worker key is not authorized (revoked?)")
+            if msg.kv_endpoint and server_key_of(msg.kv_endpoint) != key:
+                raise ProtocolError("malformed", "a KV endpoint must name this worker's own key")
         if identity in self.by_identity:
             self._drop_worker(self.by_identity[identity], "re-registered")
         wid = self.next_worker
@@ -263,7 +292,7 @@ class Broker:
             raise ProtocolError("wrong_role", str(exc)) from None
         self.next_worker += 1
         self.workers[wid] = WorkerInfo(identity, msg.role, msg.name[:64], now, msg.kv_endpoint, pid=msg.pid,
-                                       restarts=msg.restarts)
+                                       restarts=msg.restarts, key=key)
         self.by_identity[identity] = wid
         log.info("worker %d (%s, %s) joined in slot %d", wid, msg.name[:64], msg.role, slot)
         self._send(self.peers, identity, Welcome(wid, slot, self.opts.mode, {
@@ -404,7 +433,10 @@ class Broker:
         if now - self._last_beat >= self.opts.heartbeat_s:
             self._last_beat = now
             for wid, info in list(self.workers.items()):
-                if now - info.last_seen > self.opts.liveness_s:
+                if self.authorized is not None and not self.authorized.allowed("workers", info.key):
+                    self._drop_worker(wid, "revoked")  # its tasks go to others; it is told to stop
+                    self._send(self.peers, info.identity, Error("revoked", "this worker's key was revoked"))
+                elif now - info.last_seen > self.opts.liveness_s:
                     self._drop_worker(wid, "dead")
                 elif not self._send(self.peers, info.identity, Heartbeat()):
                     # its connection is gone (a killed process): re-queue its tasks now, not after

@@ -23,6 +23,7 @@ class WorkerInfo:
     device: dict[str, Any] | None = None  # forwards run; emulated devices: predicted vs overrun seconds
     pid: int | None = None
     restarts: int = 0  # times its deployment started this worker again after a death
+    key: str | None = None  # the CURVE public key it registered with (None without keys)
 
 
 @dataclass

@@ -15,6 +15,7 @@ clock, from the moment the request is sent.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -82,7 +83,8 @@ class Completion:
                 "ttft_s": self.ttft_s, "latency_s": self.latency_s, "stats": self.stats}
 
 
-def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, **params: Any) -> Submit:
+def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, session: str | None = None,
+                 **params: Any) -> Submit:
     """The SUBMIT message for one request (parameters validated before they leave)."""
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt and token_ids")
@@ -90,7 +92,7 @@ def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, c
                                     else params.pop("stop", None) or ()), **params)
     sp.validate()
     return Submit(req_id, sp.to_wire(), prompt,
-                  None if token_ids is None else np.asarray(token_ids, dtype=np.int32), chat)
+                  None if token_ids is None else np.asarray(token_ids, dtype=np.int32), chat, session)
 
 
 def _raise_error(err: Error) -> None:
@@ -135,9 +137,10 @@ class _Collector:
 
 
 def _socket(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socket, zmq.Socket]:
-    """A DEALER to the broker (CURVE with the client key when a key folder is given, or
-    NEBULA_FLOW_KEYS is set) and a monitor of its connection (see ``_Link``)."""
-    from nebula_flow.security import keys_dir, make_client
+    """A DEALER to the broker (CURVE when a key folder is given, or NEBULA_FLOW_KEYS is set: the
+    client keypair named by NEBULA_FLOW_CLIENT_KEY, default "client") and a monitor of its
+    connection (see ``_Link``)."""
+    from nebula_flow.security import client_key_name, keys_dir, make_client
 
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -147,7 +150,7 @@ def _socket(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socke
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
     folder = keys_dir(keys)
     if folder is not None:
-        make_client(sock, folder, "client")
+        make_client(sock, folder, "client", client_key_name())
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(address)
     return sock, monitor
@@ -186,6 +189,7 @@ class Client:
 
     def __init__(self, address: str, timeout_s: float = 120.0, retries: int = 0, keys: str | None = None) -> None:
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
+        self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
         self.sock, self.monitor = _socket(zmq.Context.instance(), address, keys)
         self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # no broker to talk to: never block forever
         self.link = _Link()
@@ -228,7 +232,7 @@ class Client:
                **params: Any) -> Iterator[Chunk | Completion]:
         """Yield a ``Chunk`` per verify step, then the final ``Completion``."""
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
-        submit = build_submit(req_id, prompt, token_ids, chat, **_reproducible(params))
+        submit = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
         self._send(submit)
         col = _Collector()
         finished, attempts = False, 0
@@ -260,7 +264,7 @@ class Client:
                     _raise_error(msg)
         finally:
             if not finished:  # abandoned (or timed out): the broker should stop working on it
-                self._send(Cancel(req_id), block=False)
+                self._send(Cancel(req_id, self.session), block=False)
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Run one request to the end; see ``SamplingParams`` for the keyword arguments."""
@@ -284,6 +288,7 @@ class AsyncClient:
 
     def __init__(self, address: str, timeout_s: float = 120.0, keys: str | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
+        self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
         self.sock, self.monitor = _socket(zmq.asyncio.Context.instance(), address, keys)
         self.link = _Link()
         self.queues: dict[str, asyncio.Queue[Msg]] = {}
@@ -346,7 +351,7 @@ class AsyncClient:
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues[req_id] = queue
-        msg = build_submit(req_id, prompt, token_ids, chat, **_reproducible(params))
+        msg = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
         self.inflight[req_id] = msg
         await self._send(msg)
         col = _Collector()
@@ -370,7 +375,7 @@ class AsyncClient:
             self.inflight.pop(req_id, None)
             if not finished:
                 try:
-                    await self.sock.send_multipart(protocol.encode(Cancel(req_id)),
+                    await self.sock.send_multipart(protocol.encode(Cancel(req_id, self.session)),
                                                    flags=zmq.NOBLOCK)
                 except zmq.Again:
                     pass

@@ -21,6 +21,7 @@ from nebula_flow.client import Client, NebulaError
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.options import WorkerOptions, write_options
 from nebula_flow.process import PARENT_ENV, RESTARTS_ENV
+from nebula_flow.security import ensure_key
 from nebula_flow.supervisor import ChildRecord, RestartPolicy, describe_exit, judge
 
 # glibc's default allocator returns and re-faults large buffers on every forward pass; these
@@ -62,6 +63,11 @@ def device_for(device: str, index: int) -> str:
 
     count = torch.cuda.device_count()
     return f"cuda:{index % count}" if count > 1 else device
+
+
+def worker_name(role: str, index: int) -> str:
+    """Worker ``index`` of a plan: its log, its options file and, with keys, its keypair."""
+    return f"{role}-{index}"
 
 
 class DeploymentError(RuntimeError):
@@ -115,10 +121,13 @@ class Deployment:
         return proc
 
     def start(self, timeout_s: float = 600.0) -> str:
-        self._start_broker(timeout_s)
         plan = self.cfg.worker_plan()
+        if self.cfg.broker.keys:  # one key per worker, made on its first start (revocable alone)
+            for i, (role, _) in enumerate(plan):
+                ensure_key(Path(self.cfg.broker.keys), "worker", worker_name(role, i))
+        self._start_broker(timeout_s)
         for i, (role, pool) in enumerate(plan):
-            name = f"{role}-{i}"
+            name = worker_name(role, i)
             opts = self.worker_options(role, pool, i, name, pool.threads or default_threads(role, plan))
             self._spawn(name, ["worker", "--options", str(write_options(opts, self.log_dir / f"{name}.json"))],
                         opts.threads)

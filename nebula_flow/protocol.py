@@ -55,7 +55,7 @@ MAX_FUSED_CHAINS = 4  # fused chains in one round's token tree
 MAX_DRAFT = 64  # tokens in a draft, and in a fused chain
 MAX_PULL_ITEMS = 4096  # requests in one KV exchange
 TASK_KINDS = ("draft", "verify", "round")
-KV_SCHEMES = ("tcp://", "ucx://", "shm://")
+KV_SCHEMES = ("tcp://", "ucx://", "shm://", "curve:")  # (curve: the KV server's public key, security.py)
 # -- the messages ------------------------------------------------------------------------------
 class Msg:
     """A message kind; subclasses are dataclasses whose fields are the header's."""
@@ -71,7 +71,8 @@ class Submit(Msg):
     """Client -> broker: a request. Exactly one of ``prompt`` (text; ``chat`` applies the
     tokenizer's chat template) and ``prompt_tokens``. Idempotent: ``req_id`` is the client's
     (random, unique); resending a running request re-attaches to it, a finished one replays its
-    ``Done``."""
+    ``Done``. Only its owner may do either, or cancel it: the client's CURVE key where keys are
+    on, else the ``session`` it sends (a secret the client library draws per client)."""
 
     KIND: ClassVar[str] = "SUBMIT"
     req_id: str
@@ -79,9 +80,11 @@ class Submit(Msg):
     prompt: str | None = None
     prompt_tokens: Tensor | None = None
     chat: bool = False
+    session: str | None = None
 
     def check(self) -> None:
         check_req_id(self.req_id)
+        check_session(self.session)
         if (self.prompt is None) == (self.prompt_tokens is None):
             raise malformed("give exactly one of prompt and prompt_tokens")
         if self.prompt_tokens is not None and (self.prompt_tokens.ndim != 1 or self.prompt_tokens.dtype.kind != "i"):
@@ -90,10 +93,14 @@ class Submit(Msg):
 
 @dataclass
 class Cancel(Msg):
-    """Client -> broker: end a request (its KV is freed)."""
+    """Client -> broker: end a request (its KV is freed); by its owner only (see ``Submit``)."""
 
     KIND: ClassVar[str] = "CANCEL"
     req_id: str
+    session: str | None = None
+
+    def check(self) -> None:
+        check_session(self.session)
 
 
 @dataclass
@@ -453,6 +460,11 @@ def decode(frames: list[Any]) -> Msg:
     if header.get("v") != VERSION:
         raise ProtocolError("bad_version", f"protocol version {header.get('v')!r}, expected {VERSION}")
     return decode_fields(cls, header, kind, frames[2:])
+
+
+def check_session(session: str | None) -> None:
+    if session is not None and not (isinstance(session, str) and 16 <= len(session) <= 128):
+        raise malformed("session must be a string of 16 to 128 characters")
 
 
 def check_req_id(req_id: str) -> None:

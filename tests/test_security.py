@@ -8,12 +8,25 @@ import sys
 
 import pytest
 import zmq
+import zmq.auth
+from click.testing import CliRunner
 
 from nebula_flow import protocol
-from nebula_flow.client import Client, RequestTimeout
+from nebula_flow.cli import main
+from nebula_flow.client import Client, RequestError, RequestTimeout
 from nebula_flow.deploy import Deployment
+from nebula_flow.kv.transport import endpoint_part
 from nebula_flow.protocol import KvPull, Register
-from nebula_flow.security import generate_keys, is_loopback
+from nebula_flow.security import (
+    CLIENT_KEY_ENV,
+    add_key,
+    generate_keys,
+    is_loopback,
+    make_client,
+    public_key,
+    server_key_of,
+)
+from nebula_flow.supervisor import REFUSED_EXIT
 from tests.conftest import deploy_config
 
 
@@ -28,8 +41,25 @@ def test_broker_refuses_to_bind_off_loopback_without_keys(tiny_pair) -> None:  #
     assert res.returncode == 2 and "requires CURVE keys" in res.stderr
 
 
+def _curve_socket(address: str, keys, role: str, name: str, server_key: str | None = None) -> zmq.Socket:  # noqa: ANN001
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        make_client(sock, keys, role, name, server_key)
+    sock.connect(address)
+    return sock
+
+
+def _refused(sock: zmq.Socket, msg: protocol.Msg) -> bool:
+    """True when ``msg`` gets no answer (a refused CURVE handshake delivers nothing)."""
+    sock.send_multipart(protocol.encode(msg))
+    answered = sock.poll(1500)
+    sock.close()
+    return not answered
+
+
 @pytest.mark.slow
-def test_only_authorised_keys_connect(tiny_pair, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_each_socket_accepts_only_its_roles_keys(tiny_pair, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     keys = generate_keys(tmp_path / "keys")
     stranger = generate_keys(tmp_path / "stranger")  # valid keys, but not authorised by this broker
     shutil.copy(keys / "broker.key", stranger / "broker.key")  # it even knows the broker's public key
@@ -37,25 +67,84 @@ def test_only_authorised_keys_connect(tiny_pair, tmp_path, monkeypatch) -> None:
     cfg = deploy_config(tiny_pair, "pooled", 1, 1)
     cfg.broker.keys = str(keys)
     cfg.kv_transport = "zmq"
-    with Deployment(cfg) as dep:  # the workers joined with the worker key
+    with Deployment(cfg) as dep:  # each worker joined with a key of its own, made on its first start
+        assert sorted(p.name for p in (keys / "authorized" / "workers").iterdir()) == \
+            ["draft-0.key", "target-1.key", "worker.key"]
         with Client(dep.address, keys=str(keys)) as c:
-            assert len(c.generate(token_ids=[1, 2], max_new_tokens=5, ignore_eos=True).token_ids) == 5
+            first = c.generate(token_ids=[1, 2], max_new_tokens=5, ignore_eos=True, request_id="req-of-client")
+            assert len(first.token_ids) == 5
             state = c.status()
+        with Client(dep.address, keys=str(keys)) as c:  # the same key owns the request: it may replay it
+            assert c.generate(token_ids=[1, 2], max_new_tokens=5, request_id="req-of-client").token_ids == first.token_ids
+        add_key(keys, "client", "alice")
+        monkeypatch.setenv(CLIENT_KEY_ENV, "alice")  # another client's key may not
+        with Client(dep.address, keys=str(keys)) as c, pytest.raises(RequestError, match="request_id_taken"):
+            c.generate(token_ids=[1, 2], max_new_tokens=5, request_id="req-of-client")
+        monkeypatch.delenv(CLIENT_KEY_ENV)
         for folder in (None, str(stranger)):  # no CURVE at all, or an unknown key
             with Client(dep.address, timeout_s=1.5, keys=folder) as c, pytest.raises(RequestTimeout):
                 c.generate(token_ids=[1, 2], max_new_tokens=5)
-        sock = zmq.Context.instance().socket(zmq.DEALER)  # a worker without keys cannot register
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(dep.cfg.broker.worker_address)
-        sock.send_multipart(protocol.encode(Register("draft", "intruder", 1, {})))
-        assert not sock.poll(1500)
-        sock.close()
+        workers = dep.cfg.broker.worker_address
+        # a worker needs a worker key: none, or a client key, cannot register
+        assert _refused(_curve_socket(workers, None, "", ""), Register("draft", "intruder", 1, {}))
+        assert _refused(_curve_socket(workers, keys, "client", "client"), Register("draft", "intruder", 1, {}))
+        # a worker key cannot submit requests on the client socket
+        assert _refused(_curve_socket(dep.address, keys, "worker", "worker"), protocol.Status())
+        # a KV server reads to worker keys only, and names its key in its endpoint
         kv = next(w["kv_endpoint"] for w in state["workers"] if w["role"] == "target")
-        kv_sock = zmq.Context.instance().socket(zmq.DEALER)  # nor read a worker's KV
-        kv_sock.setsockopt(zmq.LINGER, 0)
-        kv_sock.connect(kv)
-        kv_sock.send_multipart(protocol.encode(KvPull(1, [[1, "target", 0, 1]])))
-        assert not kv_sock.poll(1500)
-        kv_sock.close()
+        server_key = server_key_of(kv)
+        assert server_key == public_key(keys, "worker", "target-1")
+        pull = KvPull(1, [[1, "target", 0, 1]])
+        assert _refused(_curve_socket(endpoint_part(kv, "tcp://"), keys, "client", "client", server_key), pull)
+        assert not _refused(_curve_socket(endpoint_part(kv, "tcp://"), keys, "worker", "worker", server_key), pull)
         with Client(dep.address, keys=str(keys)) as c:
             assert len(c.status()["workers"]) == 2
+
+
+@pytest.mark.slow
+def test_a_revoked_worker_key_is_dropped_and_refused(tiny_pair, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    keys = generate_keys(tmp_path / "keys")
+    monkeypatch.delenv("NEBULA_FLOW_KEYS", raising=False)
+    cfg = deploy_config(tiny_pair, "pooled", 2, 1)
+    cfg.broker.keys = str(keys)
+    cfg.kv_transport = "zmq"
+    with Deployment(cfg) as dep:
+        revoked_secret = (keys / "workers" / "draft-0.key_secret").read_bytes()
+        res = CliRunner().invoke(main, ["keys", str(keys), "revoke", "draft-0"])
+        assert res.exit_code == 0 and "revoked worker draft-0" in res.output, res.output
+        # the broker drops the registered worker (its tasks go to the others) and tells it to stop
+        draft0 = next(p for n, p in dep.procs if n == "draft-0")
+        assert draft0.wait(30) == REFUSED_EXIT
+        with Client(dep.address, keys=str(keys)) as c:
+            state = c.status()
+            assert state["counters"]["workers_revoked"] == 1
+            assert sorted(w["name"] for w in state["workers"]) == ["draft-1", "target-2"]
+            assert len(c.generate(token_ids=[1, 2], max_new_tokens=5, ignore_eos=True).token_ids) == 5
+        # and the key no longer connects at all
+        old = next((keys / "revoked").glob("*-worker-draft-0")) / "draft-0.key_secret"
+        assert old.read_bytes() == revoked_secret
+        public, secret = zmq.auth.load_certificate(str(old))
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.curve_serverkey = zmq.auth.load_certificate(str(keys / "broker.key"))[0]
+        sock.connect(dep.cfg.broker.worker_address)
+        assert _refused(sock, Register("draft", "draft-0", 1, {}))
+
+
+def test_keys_cli_adds_and_revokes_and_refuses_bad_names(tmp_path) -> None:  # noqa: ANN001
+    folder = tmp_path / "k"
+    runner = CliRunner()
+    assert runner.invoke(main, ["keys", str(folder)]).exit_code == 0
+    res = runner.invoke(main, ["keys", str(folder), "add-client", "alice"])
+    assert res.exit_code == 0 and (folder / "authorized" / "clients" / "alice.key").exists()
+    res = runner.invoke(main, ["keys", str(folder), "add-client", "alice"])
+    assert res.exit_code != 0 and "exists already" in res.output
+    res = runner.invoke(main, ["keys", str(folder), "add-worker", "../evil"])
+    assert res.exit_code != 0 and "must be" in res.output
+    res = runner.invoke(main, ["keys", str(folder), "revoke", "alice"])
+    assert res.exit_code == 0 and not (folder / "authorized" / "clients" / "alice.key").exists()
+    res = runner.invoke(main, ["keys", str(folder), "revoke", "alice"])
+    assert res.exit_code != 0 and "no authorized key" in res.output
+    res = runner.invoke(main, ["keys", str(tmp_path / "nowhere"), "add-worker", "w"])
+    assert res.exit_code != 0 and "not a key folder" in res.output

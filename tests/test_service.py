@@ -448,7 +448,9 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
 
 def test_resubmitting_a_request_id_is_idempotent(live) -> None:  # noqa: ANN001
     sock = raw_socket(live.address)
-    submit = Submit("fixed-id-1", {"max_new_tokens": 40, "ignore_eos": True}, prompt="def retry():")
+    # (the same session: what the client library sends, so the retry is the owner's)
+    submit = Submit("fixed-id-1", {"max_new_tokens": 40, "ignore_eos": True}, prompt="def retry():",
+                    session="s" * 32)
     sock.send_multipart(protocol.encode(submit))
     first = protocol.decode(sock.recv_multipart())
     assert isinstance(first, Tokens)
@@ -545,8 +547,9 @@ def test_while_draining_a_retry_reattaches_and_a_finished_one_replays_but_new_wo
     broker.bind()
     try:
         def submit(ident: bytes, req_id: str) -> None:
-            broker.on_client(ident, protocol.encode(Submit(req_id, {"max_new_tokens": 4},
-                                                           prompt_tokens=np.array([1, 2], np.int32))), 0.0)
+            broker.on_client(ident, protocol.encode(Submit(req_id, {"max_new_tokens": 4},  # (one client's session)
+                                                           prompt_tokens=np.array([1, 2], np.int32),
+                                                           session="c" * 32)), 0.0)
 
         submit(b"c", "running")
         submit(b"c", "done-soon")
@@ -563,3 +566,27 @@ def test_while_draining_a_retry_reattaches_and_a_finished_one_replays_but_new_wo
     finally:
         broker.clients.close()
         broker.peers.close()
+
+
+def test_only_the_owner_cancels_reattaches_or_replays_a_request(live) -> None:  # noqa: ANN001
+    """Without keys a request belongs to the session its client library drew: another client that
+    knows (or guesses) the id can neither cancel it, nor re-attach to it, nor read its result."""
+    with Client(live.address) as owner, Client(live.address) as other:
+        cancelled = owner.status()["counters"].get("requests_cancelled", 0)
+        stream = owner.stream(token_ids=[3, 4, 5], max_new_tokens=120, ignore_eos=True, request_id="guessable-1")
+        next(stream)
+        with pytest.raises(RequestError, match="request_id_taken"):  # re-attach
+            other.generate(token_ids=[3, 4, 5], max_new_tokens=120, request_id="guessable-1")
+        sock = raw_socket(live.address)  # cancel, from another session
+        sock.send_multipart(protocol.encode(protocol.Cancel("guessable-1", "x" * 32)))
+        err = protocol.decode(sock.recv_multipart())
+        assert isinstance(err, protocol.Error) and err.code == "unknown_request"
+        sock.close()
+        final = list(stream)[-1]  # the owner's request ran to its end
+        assert len(final.token_ids) == 120 and final.finish_reason == "length"
+        with pytest.raises(RequestError, match="request_id_taken"):  # replay
+            other.generate(token_ids=[3, 4, 5], max_new_tokens=120, request_id="guessable-1")
+        again = owner.generate(token_ids=[3, 4, 5], max_new_tokens=120, request_id="guessable-1")
+        assert again.token_ids == final.token_ids
+        counters = owner.status()["counters"]
+    assert counters["requests_not_owner"] == 2 and counters.get("requests_cancelled", 0) == cancelled

@@ -44,7 +44,7 @@ from nebula_flow.protocol import (
     Welcome,
 )
 from nebula_flow.routing import drafter_name
-from nebula_flow.security import is_loopback, keys_dir, make_client
+from nebula_flow.security import Identity, is_loopback, keys_dir, make_client
 from nebula_flow_workers.kv_prep import KVPrep
 from nebula_flow_workers.ngram import NgramRunner
 from nebula_flow_workers.runner import ModelRunner, Task
@@ -53,7 +53,7 @@ from nebula_flow_workers.tasks import failed, runnable
 COSTS_EVERY_S = 1.0  # forward-time tables go to the broker at most this often
 log = logging.getLogger("nebula_flow.worker")
 ROLES = ("draft", "target", "colocated")
-REFUSALS = ("malformed", "wrong_role", "invalid_params")  # REGISTER errors that retrying cannot fix
+REFUSALS = ("malformed", "wrong_role", "invalid_params", "unauthorized")  # REGISTER errors retrying cannot fix
 
 
 @dataclass
@@ -85,13 +85,15 @@ class Worker:
         self.stores = [r.store for r in self.runners if r.store is not None]  # (an n-gram drafter holds no KV)
         self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self.stall_s = 0.0
-        self.keys = keys_dir(opts.keys)
-        if self.keys is None and not is_loopback(opts.kv_host):
+        folder = keys_dir(opts.keys)
+        if folder is None and not is_loopback(opts.kv_host):
             raise ValueError(f"a KV server on {opts.kv_host} (off loopback) requires CURVE keys (--keys DIR)")
+        # this worker's own keypair (workers/NAME in the key folder): to the broker and as a KV server
+        self.identity = Identity(folder, "worker", self.name) if folder else None
         # (with CURVE keys, only ZeroMQ: UCX and shared folders have no authentication)
         own = {"draft": self.draft, "target": self.target}.get(opts.role)
         store = own.store if own is not None else None  # (None: colocated, or an n-gram drafter)
-        self.transport = make_transport(opts.kv_transport, self.keys, opts.device) if store is not None else None
+        self.transport = make_transport(opts.kv_transport, self.identity, opts.device) if store is not None else None
         self.kv = KVPrep(opts.role, store, self.stores, self.transport)
         self.kv_endpoint = self.transport.serve(opts.kv_host, self.kv.lookup) if self.transport else None
         if self.transport is not None and self.transport.share_folder is not None:  # same-host peers read our files
@@ -262,8 +264,8 @@ class Worker:
             old.close(linger=0)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
-        if self.keys:
-            make_client(self.sock, self.keys, "worker")
+        if self.identity:
+            make_client(self.sock, self.identity.folder, "worker", self.name)
         self.sock.connect(self.opts.broker)
         poller.register(self.sock, zmq.POLLIN)
         self.last_heard = time.monotonic()
@@ -370,7 +372,10 @@ class Worker:
                 elif isinstance(msg, Free):
                     frees.extend(r for r in msg.rids if isinstance(r, int))
                 elif isinstance(msg, Error):
-                    if msg.code == "unknown_worker":  # the broker restarted: join again
+                    if msg.code == "revoked":  # this worker's key was taken back: it must not serve
+                        log.error("the broker dropped this worker: %s", msg.message)
+                        self.exit_code, self.stopping = 2, True
+                    elif msg.code == "unknown_worker":  # the broker restarted: join again
                         pull_out = None
                         self._register()
                     elif not self.registered and msg.code in REFUSALS:

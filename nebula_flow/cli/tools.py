@@ -40,14 +40,35 @@ def profile(model, out, batches, tokens, contexts, threads, acceptance) -> None:
 
 @click.command()
 @click.argument("folder", type=click.Path())
-def keys(folder: str) -> None:
-    """Create CURVE keypairs for the broker, workers and clients in FOLDER (with authorized/)."""
-    from nebula_flow.security import generate_keys
+@click.argument("action", required=False, type=click.Choice(["add-worker", "add-client", "revoke"]))
+@click.argument("name", required=False)
+def keys(folder: str, action: str | None, name: str | None) -> None:
+    """CURVE keys: `keys DIR` creates a key folder (the broker's keypair, a worker key and a client
+    key "client"); `keys DIR add-worker NAME` / `add-client NAME` adds one keypair; `keys DIR
+    revoke NAME` takes one back (refused at its next connection; a registered worker is dropped
+    within a second). Each socket accepts only its role's keys. A deployment started with keys
+    makes one key per worker (workers/draft-0, ...). Clients pick theirs with
+    NEBULA_FLOW_CLIENT_KEY (default "client"). See docs/security.md."""
+    from nebula_flow.security import SecurityError, add_key, generate_keys, revoke
 
-    path = generate_keys(folder)
-    click.echo(f"wrote broker, worker and client keypairs to {path}; pass --keys {path} "
-               "(or set NEBULA_FLOW_KEYS) on every broker, worker and client")
-
+    try:
+        if action is None:
+            path = generate_keys(folder)
+            click.echo(f"wrote the broker's keypair, worker key 'worker' and client key 'client' to {path}; "
+                       f"pass --keys {path} (or set NEBULA_FLOW_KEYS) on the broker, workers and clients")
+            return
+        if not name:
+            raise click.UsageError(f"{action} needs a NAME")
+        if action == "revoke":
+            done = revoke(folder, name)
+            if not done:
+                raise click.ClickException(f"no authorized key named {name!r} in {folder}")
+            click.echo(f"revoked {', '.join(done)}")
+            return
+        secret = add_key(folder, action.removeprefix("add-"), name)
+        click.echo(f"wrote {secret} (give it, with {Path(folder) / 'broker.key'}, to that {action[4:]} only)")
+    except SecurityError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @click.command("tiny-pair")

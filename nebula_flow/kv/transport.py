@@ -37,6 +37,16 @@ import zmq
 
 from nebula_flow import protocol
 from nebula_flow.protocol import Error, KvData, KvPull, KvRows, ProtocolError
+from nebula_flow.security import (
+    Identity,
+    make_client,
+    make_server,
+    public_key,
+    server_key_of,
+    start_authenticator,
+    user_id,
+    with_server_key,
+)
 
 log = logging.getLogger("nebula_flow.kv")
 Lookup = Callable[[int, str, int, int], "tuple[np.ndarray, torch.Tensor] | None"]
@@ -98,10 +108,10 @@ class KVTransport(ABC):
 class ZmqTransport(KVTransport):
     scheme = "tcp"
 
-    def __init__(self, keys: Path | None = None) -> None:
+    def __init__(self, identity: Identity | None = None) -> None:
         self.ctx = zmq.Context.instance()
-        self.keys = keys  # CURVE: peers must hold an authorised worker key
-        self.auth = None
+        self.identity = identity  # CURVE: this worker's keys; peers must hold an authorized worker key
+        self.auth = self.authorized = None
         self.peers: dict[str, zmq.Socket] = {}
         self.seq = itertools.count(1)
         self.served = 0
@@ -112,15 +122,15 @@ class ZmqTransport(KVTransport):
     def serve(self, host: str, lookup: Lookup) -> str:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.keys:
-            from nebula_flow.security import make_server, start_authenticator
-
-            self.auth = start_authenticator(self.keys)
-            make_server(sock, self.keys, "worker")
+        me = self.identity
+        if me:
+            self.auth, self.authorized = start_authenticator(me.folder)
+            make_server(sock, me.folder, me.role, me.name, accepts="worker")
         port = sock.bind_to_random_port(f"tcp://{host}")
         self._thread = threading.Thread(target=self._serve_loop, args=(sock, lookup), name="kv-server", daemon=True)
         self._thread.start()
-        return f"tcp://{host}:{port}"
+        endpoint = f"tcp://{host}:{port}"
+        return with_server_key(endpoint, public_key(me.folder, me.role, me.name)) if me else endpoint
 
     def _serve_loop(self, sock: zmq.Socket, lookup: Lookup) -> None:
         while not self._stop.is_set():
@@ -128,6 +138,8 @@ class ZmqTransport(KVTransport):
                 continue
             ident, *frames = sock.recv_multipart(copy=False)
             try:
+                if self.authorized is not None and not self.authorized.allowed("workers", user_id(frames[0])):
+                    raise ProtocolError("unauthorized", "this key was revoked")  # (connected before it was)
                 req = protocol.decode(frames)
                 if not isinstance(req, KvPull):
                     raise ProtocolError("unexpected_kind", f"{req.KIND} is not a KV request")
@@ -149,24 +161,24 @@ class ZmqTransport(KVTransport):
                 self.errors += 1
         sock.close()
 
-    def _peer(self, endpoint: str) -> zmq.Socket:
+    def _peer(self, endpoint: str, server_key: str | None) -> zmq.Socket:
         sock = self.peers.get(endpoint)
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            if self.keys:
-                from nebula_flow.security import make_client
-
-                make_client(sock, self.keys, "worker", server="worker")
+            if self.identity:
+                me = self.identity
+                make_client(sock, me.folder, me.role, me.name, server_key=server_key)
             sock.connect(endpoint)
             self.peers[endpoint] = sock
         return sock
 
     def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
+        server_key = server_key_of(endpoint)
         endpoint = endpoint_part(endpoint, "tcp://")
-        if endpoint is None:
-            return [None] * len(items)
-        sock = self._peer(endpoint)
+        if endpoint is None or (self.identity is not None and server_key is None):
+            return [None] * len(items)  # (with keys, a holder that names no key cannot be verified)
+        sock = self._peer(endpoint, server_key)
         seq = next(self.seq)
         sock.send_multipart(protocol.encode(KvPull(seq, [[rid, role, start, end] for rid, role, start, end, _ in items])))
         while True:
@@ -277,7 +289,7 @@ def resolve_transport(name: str, device: str = "cpu", keys: bool = False) -> str
     return "shm+zmq"
 
 
-def make_transport(name: str, keys: Path | None = None, device: str = "cpu") -> KVTransport | None:
+def make_transport(name: str, identity: Identity | None = None, device: str = "cpu") -> KVTransport | None:
     """The transport ``resolve_transport(name)`` names; ``none`` disables KV moves.
 
     On CPU, UCX is not the auto choice: measured here (2 cores, bench-kv), a small UCX exchange
@@ -286,7 +298,7 @@ def make_transport(name: str, keys: Path | None = None, device: str = "cpu") -> 
     against ~8 % over ZeroMQ and ~1-2 % reading shared memory.
     """
     asked = name
-    name = resolve_transport(name, device, keys is not None)
+    name = resolve_transport(name, device, identity is not None)
     if name == "none":
         return None
     if name in ("shm", "shm+zmq"):
@@ -294,7 +306,7 @@ def make_transport(name: str, keys: Path | None = None, device: str = "cpu") -> 
             raise ValueError(f"the {name} KV transport is for CPU workers; use ucx or zmq on GPUs")
         from nebula_flow.kv.shm import ShmTransport
 
-        return ShmTransport() if name == "shm" else LocalFirstTransport(ShmTransport(), ZmqTransport(keys))
+        return ShmTransport() if name == "shm" else LocalFirstTransport(ShmTransport(), ZmqTransport(identity))
     if name == "ucx":
         try:
             from nebula_flow.kv.ucx import UcxTransport
@@ -304,4 +316,4 @@ def make_transport(name: str, keys: Path | None = None, device: str = "cpu") -> 
             if asked == "ucx":
                 raise
             log.warning("ucxx is installed but does not load: KV moves over ZeroMQ")
-    return ZmqTransport(keys)
+    return ZmqTransport(identity)
