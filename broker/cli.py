@@ -32,7 +32,12 @@ _D = BrokerOptions()
 @click.option("--heartbeat-s", type=float, default=None, help=f"Heartbeat interval. [default: {_D.heartbeat_s}]")
 @click.option("--liveness-s", type=float, default=None,
               help=f"Silence after which a worker is declared dead. [default: {_D.liveness_s}]")
-@click.option("--metrics-port", type=int, help="Serve Prometheus text at http://HOST:PORT/metrics (0: a free port).")
+@click.option("--metrics-port", type=int, help="Serve Prometheus text at http://METRICS_HOST:PORT/metrics (0: a free "
+              "port).")
+@click.option("--metrics-host", default=None, help=f"Interface the metrics server binds; off loopback only with "
+              f"--metrics-token-file. [default: {_D.metrics_host}]")
+@click.option("--metrics-token-file", type=click.Path(exists=True, dir_okay=False),
+              help="A file holding the token scrapers must send (Authorization: Bearer TOKEN).")
 @click.option("--keys", type=click.Path(), help="CURVE key folder (`nebula-flow keys`); required off loopback. "
               "Also read from NEBULA_FLOW_KEYS.")
 @click.option("--policy-log", type=click.Path(), help="At exit, write every scheduling event and decision here "

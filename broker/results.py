@@ -29,11 +29,19 @@ class Verified:
     fused: int  # tokens a fused chain won beyond the draft
 
 
-def drafted(req: Request, out: TaskResult) -> tuple[list[int], list[int], list[list[int]]]:
+def in_vocab(ids: list[int], vocab: int | None, what: str) -> None:
+    """Token ids a worker sent are ids of the target's vocabulary (``vocab``: None when unknown)."""
+    if vocab is not None and ids and not 0 <= min(ids) <= max(ids) < vocab:
+        raise ProtocolError("malformed", f"{what} holds token ids outside the vocabulary [0, {vocab})")
+
+
+def drafted(req: Request, out: TaskResult, vocab: int | None = None) -> tuple[list[int], list[int], list[list[int]]]:
     """A draft or round result's draft, runner-ups and fused chains, as the policy asked for."""
     draft = out.draft
     if len(draft) > req.k:  # (fewer: a drafter with nothing worth proposing, e.g. n-gram without a match)
         raise ProtocolError("malformed", f"draft has {len(draft)} tokens, asked for at most {req.k}")
+    for ids, what in ((draft, "the draft"), (out.runner_ups, "the runner-ups"), *((c, "a fused chain") for c in out.chains)):
+        in_vocab(ids, vocab, what)
     return draft, alternatives(req, out.runner_ups, draft), fused_chains(req, out.chains)
 
 
@@ -54,15 +62,19 @@ def proposal(out: TaskResult) -> dict[str, Any]:
     return {"q_idx": out.q_idx.copy(), "q_prob": out.q_prob.copy(), "q_len": list(out.q_len)}
 
 
-def verified(req: Request, out: TaskResult) -> Verified:
-    """Check a verify or round result's committed tokens against the round's token tree."""
+def verified(req: Request, out: TaskResult, vocab: int | None = None) -> Verified:
+    """Check a verify or round result's committed tokens against the round's token tree (and
+    the target's vocabulary: the last one is the target's own)."""
     if out.kind == ROUND:  # (drafted and verified in one task: its draft comes with the result)
-        draft, runner_ups, chains = drafted(req, out)
+        draft, runner_ups, chains = drafted(req, out, vocab)
     else:
         draft, runner_ups, chains = req.draft, req.runner_ups, req.chains
         if not draft:  # a round without a draft: the target looked the chain up itself
             chains = fused_chains(req, out.chains)
+            for chain in chains:
+                in_vocab(chain, vocab, "a fused chain")
     committed = out.committed or []
+    in_vocab(committed, vocab, "the committed tokens")
     tree = TokenTree([draft, *([a] for a in runner_ups), *chains])
     if not committed or len(tree.path(committed[:-1])) != len(committed) - 1:
         raise ProtocolError("malformed", f"{len(committed)} committed tokens are not a path of the round's "

@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from collections import Counter, OrderedDict
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -75,6 +76,18 @@ def owner_of(identity: bytes, frame: zmq.Frame, session: str | None) -> str:
     if key is not None:
         return "key:" + key
     return "session:" + session if session else "connection:" + identity.hex()
+
+
+def metrics_token(opts: BrokerOptions) -> str | None:
+    """The metrics server's token (read once, never logged); refuses metrics off loopback without one."""
+    if opts.metrics_token_file:
+        token = Path(opts.metrics_token_file).read_text().strip()
+        if len(token) < 16:
+            raise SecurityError(f"the metrics token in {opts.metrics_token_file} is too short (16 characters at least)")
+        return token
+    if not is_loopback(opts.metrics_host):
+        raise SecurityError(f"metrics on {opts.metrics_host} (off loopback) require a token: --metrics-token-file FILE")
+    return None
 
 
 class Broker:
@@ -345,13 +358,13 @@ class Broker:
             self.round_times.handled(req.rid, time.perf_counter())
             return
         if item.kind == DRAFT:
-            draft, runner_ups, chains = results.drafted(req, item)
+            draft, runner_ups, chains = results.drafted(req, item, self.admission.vocab_size)
             q = results.proposal(item) if not req.params.greedy else {}
             self.scheduler.draft_done(req, wid, draft, q)
             req.runner_ups, req.chains = runner_ups, chains
             self.round_times.handled(req.rid, time.perf_counter())
             return
-        v = results.verified(req, item)
+        v = results.verified(req, item, self.admission.vocab_size)
         if item.kind == ROUND:
             req.proposed += len(v.draft)
         req.alt_accepted += v.via_alt
@@ -450,11 +463,12 @@ class Broker:
             self._send_now(self.clients, identity, msg)
 
     def run(self) -> int:
+        token = metrics_token(self.opts) if self.opts.metrics_port is not None else None  # (refused before binding)
         self.bind()
         self._last_beat = self._last_render = time.monotonic()
         if self.opts.metrics_port is not None:
-            self.metrics = MetricsServer(self.opts.host, self.opts.metrics_port)
-            log.info("metrics at http://%s:%d/metrics", self.opts.host, self.metrics.port)
+            self.metrics = MetricsServer(self.opts.metrics_host, self.opts.metrics_port, token)
+            log.info("metrics at http://%s:%d/metrics", self.opts.metrics_host, self.metrics.port)
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         signal.signal(signal.SIGINT, lambda *_: stop.append(1))

@@ -6,6 +6,7 @@ latest string, so scraping never touches live broker state from another thread.
 
 from __future__ import annotations
 
+import hmac
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -86,14 +87,25 @@ def render(state: dict[str, Any]) -> str:
 
 
 class MetricsServer:
-    """Serves ``/metrics`` from the latest snapshot string on a background thread."""
+    """Serves ``/metrics`` from the latest snapshot string on a background thread; with a
+    ``token``, only to requests that send it (``Authorization: Bearer TOKEN``)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, token: str | None = None) -> None:
         self.snapshot = "# no data yet\n"
+        self.refused = 0
         server = self
+        expected = f"Bearer {token}".encode() if token else None
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if expected is not None and not hmac.compare_digest(
+                        self.headers.get("Authorization", "").encode(), expected):
+                    server.refused += 1
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", "Bearer")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served")
                     return

@@ -31,6 +31,8 @@ class BrokerOptions:
     liveness_s: float = 10.0  # silence after which a worker is declared dead
     drain_s: float = 30.0  # on SIGTERM: how long in-flight requests may finish
     metrics_port: int | None = None  # HTTP port for Prometheus /metrics (None: off, 0: any free port)
+    metrics_host: str = "127.0.0.1"  # off loopback only with metrics_token_file
+    metrics_token_file: str | None = None  # a file holding the token scrapers send (Authorization: Bearer ...)
     keys: str | None = None  # CURVE key folder (see nebula_flow/security.py); required off loopback
     policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import zmq
@@ -148,3 +150,92 @@ def test_keys_cli_adds_and_revokes_and_refuses_bad_names(tmp_path) -> None:  # n
     assert res.exit_code != 0 and "no authorized key" in res.output
     res = runner.invoke(main, ["keys", str(tmp_path / "nowhere"), "add-worker", "w"])
     assert res.exit_code != 0 and "not a key folder" in res.output
+
+
+def _listening_on(port: int) -> set[str]:
+    """The local addresses a TCP socket listens on at ``port`` (from /proc/net/tcp, tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+@pytest.mark.slow
+def test_metrics_stay_on_loopback_by_default_and_need_a_token_off_it(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    import urllib.error
+    import urllib.request
+
+    from nebula_flow.deploy import free_port
+
+    keys = generate_keys(tmp_path / "keys")
+    monkeypatch.delenv("NEBULA_FLOW_KEYS", raising=False)
+    base = [sys.executable, "-m", "nebula_flow.cli", "broker", "--client-port", str(free_port()),
+            "--worker-port", str(free_port())]
+    # off loopback without a token: refused before anything binds
+    res = subprocess.run([*base, "--metrics-port", "0", "--metrics-host", "0.0.0.0"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode != 0 and "require a token" in res.stderr
+    # a broker bound to every interface (with keys) still serves metrics on loopback only
+    port = free_port()
+    proc = subprocess.Popen([*base, "--host", "0.0.0.0", "--keys", str(keys), "--metrics-port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening_on(port) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _listening_on(port) == {"0100007F"}  # 127.0.0.1 only
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    # with a token: a scrape without it gets 401, with it the metrics
+    token = tmp_path / "token"
+    token.write_text("t0ken-" + "x" * 20 + "\n")
+    port = free_port()
+    proc = subprocess.Popen([*base, "--metrics-port", str(port), "--metrics-token-file", str(token)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening_on(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/metrics"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url, timeout=5)
+        assert err.value.code == 401
+        wrong = urllib.request.Request(url, headers={"Authorization": "Bearer nope"})
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(wrong, timeout=5)
+        right = urllib.request.Request(url, headers={"Authorization": "Bearer t0ken-" + "x" * 20})
+        assert urllib.request.urlopen(right, timeout=5).status == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.slow
+def test_serve_secure_local_puts_curve_on_loopback(tiny_pair, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from nebula_flow.deploy import free_port
+
+    monkeypatch.delenv("NEBULA_FLOW_KEYS", raising=False)
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'[draft]\nmodel = "{tiny_pair / "draft"}"\nthreads = 1\n[target]\nmodel = "{tiny_pair / "target"}"\n'
+                   'threads = 1\n')
+    env = {k: v for k, v in os.environ.items() if k != "NEBULA_FLOW_KEYS"}
+    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(cfg), "--port",
+                             str(free_port()), "--log-dir", str(tmp_path / "logs"), "--secure-local"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        address = proc.stdout.readline().strip()
+        keys = tmp_path / "logs" / "keys"
+        assert address.startswith("tcp://127.0.0.1:") and (keys / "broker.key_secret").exists()
+        assert oct(keys.stat().st_mode & 0o777) == "0o700"
+        with Client(address, timeout_s=1.5) as c, pytest.raises(RequestTimeout):  # a local user without the keys
+            c.status()
+        with Client(address, keys=str(keys)) as c:
+            assert len(c.generate(token_ids=[1, 2], max_new_tokens=5, ignore_eos=True).token_ids) == 5
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -414,19 +414,20 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
+    def caught_up(c: Client) -> dict[str, float]:
+        """A scrape once the snapshot (rendered at most every 0.5 s) shows the broker's round count now."""
+        rounds = c.status()["counters"].get("rounds", 0)
+        deadline = time.monotonic() + 10
+        while (samples := _scrape(port)).get("nebula_rounds_total", 0) != rounds:
+            assert time.monotonic() < deadline, "the metrics snapshot never caught up"
+            time.sleep(0.1)
+        return samples
+
     with Client(live.address) as c:
         port = c.status()["metrics_port"]
-        # The broker renders its snapshot at most every 0.5 s, checked on each loop pass (at
-        # least every 0.5 s): a scrape may be up to ~1 s old.
-        time.sleep(1.1)
-        before = _scrape(port)
+        before = caught_up(c)
         out = c.generate("def metrics():", max_new_tokens=12)
-        deadline = time.monotonic() + 10
-        while (after := _scrape(port))["nebula_rounds_total"] - before["nebula_rounds_total"] < out.rounds:
-            assert time.monotonic() < deadline, "the metrics snapshot never caught up"
-            time.sleep(0.2)
-        time.sleep(1.1)  # and nothing more arrives after it
-        after = _scrape(port)
+        after = caught_up(c)
     assert after["nebula_rounds_total"] - before["nebula_rounds_total"] == out.rounds
     assert after["nebula_output_tokens_total"] - before["nebula_output_tokens_total"] == 12
     assert after['nebula_requests_total{outcome="length"}'] >= before.get('nebula_requests_total{outcome="length"}', 0) + 1
@@ -533,6 +534,39 @@ def test_a_forged_draft_ends_its_request_with_a_clear_error_and_is_counted() -> 
         errors = [m for _, m in broker.client_outbox if isinstance(m, Error)]
         assert [(e.req_id, e.code) for e in errors] == [("forged", "worker_error")] and "outside" in errors[0].message
         assert [r.req_id for r in broker.scheduler.requests.values()] == ["honest"]  # (now waiting for its verify)
+    finally:
+        broker.clients.close()
+        broker.peers.close()
+
+
+def test_committed_ids_outside_the_vocabulary_are_refused_and_counted(tiny_pair) -> None:  # noqa: ANN001
+    """A target worker that commits an id the target's vocabulary lacks: refused, counted, and
+    only its request ends (with a clear error)."""
+    from nebula_flow_broker.server import Broker, BrokerOptions
+
+    broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port(), model=str(tiny_pair / "target")))
+    vocab = broker.admission.vocab_size
+    broker.bind()
+    try:
+        broker.on_worker(b"d", protocol.encode(Register("draft", "d", 4, {})), 0.0)
+        broker.on_worker(b"t", protocol.encode(Register("target", "t", 4, {})), 0.0)
+        for req_id in ("forged", "honest"):
+            broker.on_client(b"c", protocol.encode(Submit(req_id, {"max_new_tokens": 8},
+                                                          prompt_tokens=np.array([1, 2, 3], np.int32))), 0.0)
+        broker.scheduler.pull(broker.by_identity[b"d"], 4, True, 0.0)
+        [(_, batch)] = broker.scheduler.dispatch()
+        broker.on_worker(b"d", protocol.encode(Result([TaskResult(r.rid, r.phase, r.round, r.attempt, draft=[3])
+                                                       for r in batch])), 1.0)
+        broker.scheduler.pull(broker.by_identity[b"t"], 4, True, 1.0)
+        [(_, batch)] = broker.scheduler.dispatch()
+        outs = [TaskResult(r.rid, r.phase, r.round, r.attempt, committed=[3, vocab + 5 if r.req_id == "forged" else 4])
+                for r in batch]
+        broker.on_worker(b"t", protocol.encode(Result(outs)), 2.0)
+        assert broker.errors["malformed"] == 1
+        errors = [m for _, m in broker.client_outbox if isinstance(m, Error)]
+        assert [(e.req_id, e.code) for e in errors] == [("forged", "worker_error")] and "vocabulary" in errors[0].message
+        assert [r.req_id for r in broker.scheduler.requests.values()] == ["honest"]
+        assert broker.scheduler.requests[broker.by_req_id["honest"]].output == [3, 4]
     finally:
         broker.clients.close()
         broker.peers.close()

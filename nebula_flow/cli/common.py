@@ -149,13 +149,21 @@ def deploy_options(f: Callable) -> Callable:
 
 def start_deployment(config: str | None, mode: str | None, draft_workers: int | None, target_workers: int | None,
                      port: int | None, log_dir: str | None, add_drafters: tuple[str, ...] = (),
-                     settings: tuple[str, ...] = ()):  # noqa: ANN201
-    """Start the deployment ``deploy_options`` describe, printing progress; returns it running."""
+                     settings: tuple[str, ...] = (), secure_local: bool = False):  # noqa: ANN201
+    """Start the deployment ``deploy_options`` describe, printing progress; returns it running.
+    ``secure_local``: CURVE keys on loopback too (a private key folder in the log folder unless
+    the config names one), for hosts whose other users must not reach the deployment."""
     from nebula_flow.deploy import Deployment, DeploymentError
+    from nebula_flow.security import generate_keys
 
     cfg = apply_overrides(load_deploy(config), mode, draft_workers, target_workers, port, add_drafters, settings)
     prepare_models(cfg)
     dep = Deployment(cfg, log_dir)
+    if secure_local and not cfg.broker.keys:
+        cfg.broker.keys = str(generate_keys(dep.log_dir / "keys"))
+    if cfg.broker.keys:
+        click.echo(f"CURVE keys in {cfg.broker.keys}: clients need NEBULA_FLOW_KEYS={cfg.broker.keys} "
+                   "(and their key: `nebula-flow keys DIR add-client NAME`, NEBULA_FLOW_CLIENT_KEY=NAME)", err=True)
     plan = cfg.worker_plan()
     click.echo(f"starting {cfg.mode}: broker + {len(plan)} workers "
                f"({', '.join(sorted({r for r, _ in plan}))}); logs in {dep.log_dir}", err=True)

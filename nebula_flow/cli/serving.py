@@ -18,7 +18,11 @@ from nebula_flow.cli.common import (
 
 @click.command()
 @deploy_options
-def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings) -> None:  # noqa: ANN001
+@click.option("--secure-local", is_flag=True,
+              help="CURVE keys on loopback too (made in the log folder unless the config's [broker] keys names "
+              "a folder): without it every local user can reach the broker and the workers' KV (docs/security.md).")
+def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
+          secure_local) -> None:  # noqa: ANN001
     """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM.
 
     serve supervises what it started: a worker or the broker that dies is started again after a
@@ -30,7 +34,8 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
 
     from nebula_flow.deploy import DeploymentError
 
-    dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings)
+    dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,
+                           secure_local)
     click.echo(dep.address)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
