@@ -18,17 +18,59 @@ from nebula_flow.protocol import ProtocolError, Rejected, Result, TaskResult, Ta
 from nebula_flow.request import DRAFT, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.speclen import Acceptance
+from nebula_flow.tree import TokenTree
 from nebula_flow_broker import results
 from nebula_flow_workers.runner import fused_ngram
 from tests.conftest import deploy_config, hf_greedy
 
 
-def test_the_fused_chain_is_the_lookup_unless_the_draft_already_has_it() -> None:
+def test_the_fused_chain_is_the_lookup_and_a_prefix_of_the_draft_adds_no_row() -> None:
     tokens = np.array([4, 5, 6, 7, 9, 4, 5])
-    assert fused_ngram(tokens, 3, [1, 2]) == [6, 7, 9]
-    assert fused_ngram(tokens, 3, [6, 7, 9, 1]) == []  # a prefix of the draft adds no row
-    assert fused_ngram(tokens, 3, [6]) == [6, 7, 9]  # it goes on past the draft: worth verifying
-    assert fused_ngram(np.array([1, 2, 3]), 3, [1]) == []  # no match
+    assert fused_ngram(tokens, 3) == [6, 7, 9]
+    assert fused_ngram(np.array([1, 2, 3]), 3) == []  # no match
+    draft = [6, 7, 9, 1]
+    assert len(TokenTree([draft, fused_ngram(tokens, 3)])) == len(draft)  # (the tree shares its nodes)
+
+
+def test_the_next_round_is_planned_from_committed_tokens_alone() -> None:
+    """Sampling exactness: two rounds that commit the same tokens but whose drafts differ after
+    the rejected position (tokens the output never shows, drawn with uniforms that the same
+    positions use again next round) must leave the policy in the same state. A chain dropped
+    for being a prefix of the whole draft, rejected tokens included, made them differ."""
+    from nebula_flow.deploy import free_port
+    from nebula_flow_broker.server import Broker, BrokerOptions
+
+    context = [4, 5, 6, 7, 9, 4, 5]  # (a repeat: the lookup's chain is 6 7 9)
+    states = []
+    for rejected_tail in ([7, 9], [8, 8]):  # the first makes the chain a prefix of the draft
+        policy = PolicyConfig(k=3, fuse_ngram=3)  # (the acceptance state compared below is what adaptive k reads)
+        broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port(), policy=policy))
+        broker.bind()
+        try:
+            broker.on_worker(b"d", protocol.encode(protocol.Register("draft", "d", 4, {})), 0.0)
+            broker.on_worker(b"t", protocol.encode(protocol.Register("target", "t", 4, {})), 0.0)
+            broker.on_client(b"c", protocol.encode(protocol.Submit(
+                "r", {"max_new_tokens": 50, "temperature": 1.0, "seed": 3},
+                prompt_tokens=np.array(context, np.int32))), 0.0)
+            broker.scheduler.pull(broker.by_identity[b"d"], 4, True, 0.0)
+            [(_, [req])] = broker.scheduler.dispatch()
+            draft = [6, *rejected_tail]
+            assert req.k == len(draft) and req.fuse == 3
+            out = TaskResult(req.rid, req.phase, req.round, req.attempt, draft=draft,
+                             chains=[fused_ngram(np.array(context), req.fuse)])  # (what the draft worker sends)
+            out.propose([np.array([t, 1], np.int32) for t in draft], [np.array([0.5, 0.5], np.float32)] * len(draft))
+            broker.on_worker(b"d", protocol.encode(Result([out])), 1.0)
+            broker.scheduler.pull(broker.by_identity[b"t"], 4, True, 1.0)
+            [(_, [req])] = broker.scheduler.dispatch()
+            # the target accepts 6 and rejects the next draft token, committing its own 3
+            verify = TaskResult(req.rid, req.phase, req.round, req.attempt, committed=[6, 3])
+            broker.on_worker(b"t", protocol.encode(Result([verify])), 2.0)
+            assert not broker.errors, broker.errors
+            states.append((req.k, req.fuse, req.acceptance, req.output))
+        finally:
+            broker.clients.close()
+            broker.peers.close()
+    assert states[0] == states[1]
 
 
 def test_the_policy_fuses_rounds_with_drafts_and_counts_the_draft_by_its_own_tokens() -> None:

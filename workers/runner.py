@@ -131,7 +131,7 @@ class ModelRunner:
         for t, d, c, end in zip(tasks, drafts, caches, ends):
             if end is not None:
                 t.prefilled = c.length
-            elif t.fuse and (chain := fused_ngram(t.tokens, t.fuse, d.tokens)):
+            elif t.fuse and (chain := fused_ngram(t.tokens, t.fuse)):
                 d.chains = [chain]
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
@@ -144,7 +144,7 @@ class ModelRunner:
         (``task.prefilled``)."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
         for t in tasks:  # a round without a draft: the chain is looked up here
-            if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse, [])):
+            if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse)):
                 t.chains = [chain]
         trees = [t.tree() for t in tasks]
         ends = self.chunk_ends(tasks, [c.length for c in caches]) if ends is None else ends
@@ -176,8 +176,11 @@ class ModelRunner:
         return out
 
 
-def fused_ngram(tokens: np.ndarray, k: int, draft: list[int]) -> list[int]:
-    """An n-gram chain of up to k tokens to verify beside ``draft`` (a round's token tree),
-    or [] when the context has no match or the match adds nothing (it is a prefix of the draft)."""
-    chain, _ = lookup(np.asarray(tokens), k, DEFAULT_MIN_N, DEFAULT_MAX_N)
-    return [] if chain == draft[:len(chain)] else chain
+def fused_ngram(tokens: np.ndarray, k: int) -> list[int]:
+    """An n-gram chain of up to k tokens to verify beside a round's draft (a token tree), or []
+    when the context has no match. It depends on the committed tokens alone, never on the draft:
+    a chain dropped for being a prefix of the draft (rejected tokens included) made the policy's
+    next plan depend on draft draws the output never showed, and those draws come again at the
+    same positions next round, which biases sampling. (A chain that is a prefix of the draft adds
+    no row: the tree shares its nodes.)"""
+    return lookup(np.asarray(tokens), k, DEFAULT_MIN_N, DEFAULT_MAX_N)[0]
