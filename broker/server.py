@@ -422,6 +422,7 @@ class Broker:
     def state(self, now: float) -> dict[str, Any]:
         return {
             "mode": self.opts.mode, "pid": os.getpid(), "uptime_s": now - self.started,
+            "draining": self.draining_since is not None,  # (SIGTERM: in-flight requests finish, new ones are refused)
             "pool": len(self.scheduler.requests),
             "max_model_len": self.admission.max_model_len,
             "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),

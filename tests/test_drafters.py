@@ -377,14 +377,24 @@ def test_a_drafter_that_dies_mid_run_loses_no_request_and_changes_no_output(tiny
     cfg.drafters = [PoolConfig("ngram", 1, 4, threads=1)]
     cfg.broker.liveness_s, cfg.broker.heartbeat_s = 2.0, 0.5
     with Deployment(cfg) as dep:
+        at_kill: dict = {}
+        finished_after_kill = 0
+
         async def run() -> list:
+            nonlocal finished_after_kill
             async with AsyncClient(dep.address, timeout_s=120) as client:
                 async def one(i: int):  # noqa: ANN202
-                    await asyncio.sleep(i * 0.05)
-                    return await client.generate(token_ids=prompts[i], max_new_tokens=32)
+                    nonlocal finished_after_kill
+                    await asyncio.sleep(i * 0.05)  # (arrivals spread over 0.6 s)
+                    out = await client.generate(token_ids=prompts[i], max_new_tokens=32)
+                    finished_after_kill += bool(at_kill)
+                    return out
 
                 async def killer() -> None:
-                    await asyncio.sleep(0.3)
+                    # once the n-gram drafter has drafted rounds (so its death takes work away)
+                    while (await client.status())["drafters"]["ngram"]["rounds"] == 0:
+                        await asyncio.sleep(0.01)
+                    at_kill.update((await client.status())["drafters"])
                     dep.kill("draft-1")  # the n-gram drafter's only worker
 
                 return (await asyncio.gather(*(one(i) for i in range(12)), killer()))[:12]
@@ -396,7 +406,9 @@ def test_a_drafter_that_dies_mid_run_loses_no_request_and_changes_no_output(tiny
                 time.sleep(0.2)
     assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair / "target", p, 32) for p in prompts]
     assert workers_lost(state) == 1 and state["drafters"]["ngram"]["workers"] == 0
-    assert state["drafters"]["draft"]["rounds"] > 0
+    # requests were still running when it died, and their rounds went to the drafter left
+    assert finished_after_kill > 0 and at_kill["ngram"]["rounds"] > 0
+    assert state["drafters"]["draft"]["rounds"] > at_kill["draft"]["rounds"]
 
 
 def test_zero_draft_workers_on_the_command_line_is_honoured(tmp_path) -> None:  # noqa: ANN001

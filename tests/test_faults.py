@@ -252,7 +252,10 @@ def test_broker_sigterm_finishes_in_flight_requests_and_refuses_new_ones(tiny_pa
             stream = c.stream(token_ids=[3, 4, 5], max_new_tokens=200, ignore_eos=True)
             next(stream)
             broker.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            deadline = time.monotonic() + 10
+            while not late.status()["draining"]:  # the broker has taken the signal
+                assert time.monotonic() < deadline, "the broker never started draining"
+                time.sleep(0.02)
             with pytest.raises(RequestError) as err:
                 late.generate(token_ids=[1], max_new_tokens=4)
             assert err.value.code == "shutting_down"

@@ -158,8 +158,12 @@ def test_holder_killed_between_rounds_recomputes_and_output_is_unchanged(tiny_pa
         with Client(dep.address) as c:
             stream = c.stream(prompt, max_new_tokens=120)
             first = next(stream)
-            dep.kill("draft-0")  # SIGKILL: a holder vanishes mid-request
-            dep.kill("target-2")
+            before = {w["name"]: w["kv"] for w in c.status()["workers"]}
+            # the first round's workers hold the request's KV, one of each role: kill those
+            holders = sorted(n for n, kv in before.items() if kv and kv["held_requests"])
+            assert [h.split("-")[0] for h in holders] == ["draft", "target"], before
+            for name in holders:
+                dep.kill(name)  # SIGKILL: a holder vanishes mid-request
             rest = list(stream)
             final = rest[-1]
             # The request may finish before the broker's liveness check (2 s) declares both dead.
@@ -167,9 +171,12 @@ def test_holder_killed_between_rounds_recomputes_and_output_is_unchanged(tiny_pa
             while workers_lost(state := c.status()) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
     assert final.token_ids == ref and first.token_ids == ref[: len(first.token_ids)]
-    survivors = [w for w in state["workers"] if w["kv"]]
     assert workers_lost(state) == 2
-    assert sum(w["kv"]["computed"] for w in survivors) > 0  # the lost KV was rebuilt from tokens
+    # the lost KV was rebuilt from tokens by the survivors, after the kill: at least the prompt's
+    rebuilt = {w["name"]: w["kv"]["computed"] - ((before.get(w["name"]) or {}).get("computed", 0))
+               for w in state["workers"]}
+    prompt_len = len(tok(prompt)["input_ids"])
+    assert set(rebuilt) == set(before) - set(holders) and all(n >= prompt_len for n in rebuilt.values()), rebuilt
 
 
 def test_local_first_reads_same_host_files_and_asks_the_network_for_the_rest(tiny_pair) -> None:  # noqa: ANN001
