@@ -470,20 +470,39 @@ def test_auto_falls_back_to_zeromq_when_ucx_is_installed_but_does_not_load(monke
         make_transport("ucx", device="cuda")  # asked for by name: say so, do not switch
 
 
-def test_shared_memory_folders_of_dead_workers_are_removed(tmp_path) -> None:  # noqa: ANN001
+def test_shared_memory_folders_of_dead_workers_are_removed_whatever_their_pid_says(tmp_path) -> None:  # noqa: ANN001
+    """A folder is an orphan when no living worker holds its lock. Its name's pid is no guide
+    across PID namespaces that share /dev/shm: a living worker's pid may not exist here, and a
+    dead worker's pid may be another process's here."""
+    import os
     import subprocess
     import sys
 
-    from nebula_flow.kv.shm import PREFIX, remove_orphans
+    from nebula_flow.kv.shm import ALIVE, PREFIX, STALE_S, remove_orphans
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = tmp_path / f"{PREFIX}{int(dead.stdout)}-abc"
-    alive = tmp_path / f"{PREFIX}{__import__('os').getpid()}-def"
-    for folder in (gone, alive):
+    holder_code = ("import sys; from pathlib import Path; from nebula_flow.kv.shm import hold_alive; "
+                   "hold_alive(Path(sys.argv[1])); print('locked', flush=True); sys.stdin.read()")
+    # a living worker whose pid means nothing here (another namespace's): kept
+    alive = tmp_path / f"{PREFIX}999999999-abc"
+    # a dead worker whose pid is a living process here (this test's): removed
+    dead = tmp_path / f"{PREFIX}{os.getpid()}-def"
+    # one that died before taking its lock, long ago (removed), and one being made now (kept)
+    old_unlocked, new_unlocked = tmp_path / f"{PREFIX}1-old", tmp_path / f"{PREFIX}1-new"
+    for folder in (alive, dead, old_unlocked, new_unlocked):
         folder.mkdir()
         (folder / "target-1.kv").write_bytes(b"x")
-    assert remove_orphans(tmp_path) == [gone]
-    assert not gone.exists() and alive.exists()
+    os.utime(old_unlocked, (0, os.stat(old_unlocked).st_mtime - 2 * STALE_S))
+    (dead / ALIVE).touch()  # (its worker held the lock; the kernel dropped it when it died)
+    holder = subprocess.Popen([sys.executable, "-c", holder_code, str(alive)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert sorted(remove_orphans(tmp_path)) == sorted([dead, old_unlocked])
+        assert alive.exists() and new_unlocked.exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    assert remove_orphans(tmp_path) == [alive]  # its holder has exited now
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import itertools
 import mmap
 import os
@@ -227,18 +228,45 @@ class FilePool:
 PREFIX = "nebula-flow-kv-"
 
 
+ALIVE = ".alive"  # a worker holds an exclusive flock on this file in its folder while it lives
+STALE_S = 60.0  # a folder without the lock file this old was left by a worker that died making it
+
+
+def hold_alive(folder: Path) -> int:
+    """Lock ``folder`` as this process's for as long as the returned descriptor stays open (the
+    kernel drops the lock when the process dies, however it dies)."""
+    fd = os.open(folder / ALIVE, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
 def remove_orphans(root: Path) -> list[Path]:
-    """Delete KV folders of workers that died without cleaning up (their pid is gone)."""
+    """Delete KV folders of workers that died without cleaning up. A folder is an orphan when
+    nobody holds its lock: unlike a process id, a lock means the same in every PID namespace that
+    shares the folder (a pid from another namespace may be unknown here, or another process's)."""
     removed = []
     for folder in root.glob(f"{PREFIX}*"):
         try:
-            pid = int(folder.name[len(PREFIX):].split("-", 1)[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-        except (ValueError, PermissionError, OSError):
-            continue  # not ours to judge
+            fd = os.open(folder / ALIVE, os.O_RDWR)
+        except FileNotFoundError:  # dying before taking its lock, or being made right now
+            try:
+                stale = time.time() - folder.stat().st_mtime > STALE_S
+            except OSError:
+                continue
+            if stale:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+            continue
+        except OSError:
+            continue  # not ours to judge (another user's)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its worker lives
+        finally:
+            os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
     return removed
 
 
@@ -388,6 +416,7 @@ class ShmTransport(KVTransport):
         remove_orphans(root)
         self.share_folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
         self.share_folder.chmod(0o700)
+        self.alive = hold_alive(self.share_folder)
         # endpoint -> the folder it names, with a trailing "/", or "" when there is none or it
         # is not visible here (same host and mount namespace). Remembered: between batches a
         # path lookup costs ~85 us here, and parsing the endpoint tens of us; a worker asks
@@ -428,3 +457,4 @@ class ShmTransport(KVTransport):
     def close(self) -> None:
         self.files.close()
         shutil.rmtree(self.share_folder, ignore_errors=True)
+        os.close(self.alive)
