@@ -54,6 +54,7 @@ from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
 from nebula_flow.round_times import RoundTimes
 from nebula_flow.scheduler import MODES, Scheduler
 from nebula_flow.security import (
+    Identity,
     SecurityError,
     is_loopback,
     keys_dir,
@@ -126,12 +127,13 @@ class Broker:
         ctx = zmq.Context.instance()
         self.clients = ctx.socket(zmq.ROUTER)
         self.peers = ctx.socket(zmq.ROUTER)
+        me = Identity.load(folder, "broker", "broker") if folder else None
         for sock, accepts in ((self.clients, "client"), (self.peers, "worker")):
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # learn about vanished peers instead of dropping silently
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
-            if folder:
-                make_server(sock, folder, "broker", "broker", accepts)
+            if me:
+                make_server(sock, me, accepts)
         self.clients.bind(self.opts.client_address)
         self.peers.bind(self.opts.worker_address)
 

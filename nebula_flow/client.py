@@ -140,7 +140,7 @@ def _socket(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socke
     """A DEALER to the broker (CURVE when a key folder is given, or NEBULA_FLOW_KEYS is set: the
     client keypair named by NEBULA_FLOW_CLIENT_KEY, default "client") and a monitor of its
     connection (see ``_Link``)."""
-    from nebula_flow.security import client_key_name, keys_dir, make_client
+    from nebula_flow.security import Identity, client_key_name, keys_dir, make_client
 
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -150,7 +150,7 @@ def _socket(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socke
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
     folder = keys_dir(keys)
     if folder is not None:
-        make_client(sock, folder, "client", client_key_name())
+        make_client(sock, Identity.load(folder, "client", client_key_name()))
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(address)
     return sock, monitor

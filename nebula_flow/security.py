@@ -26,7 +26,7 @@ import re
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -116,15 +116,6 @@ def revoke(folder: str | Path, name: str, role: str | None = None) -> list[str]:
     return done
 
 
-@dataclass(frozen=True)
-class Identity:
-    """Whose keys a process holds: the key folder, its role and its key's name."""
-
-    folder: Path
-    role: str
-    name: str
-
-
 def _load(folder: Path, role: str, name: str) -> tuple[bytes, bytes]:
     secret = folder / "broker.key_secret" if role == "broker" else folder / ROLES[role] / f"{name}.key_secret"
     if not secret.is_file():
@@ -133,8 +124,23 @@ def _load(folder: Path, role: str, name: str) -> tuple[bytes, bytes]:
     return zmq.auth.load_certificate(str(secret))
 
 
-def public_key(folder: Path, role: str, name: str) -> str:
-    return _load(folder, role, name)[0].decode()
+@dataclass(frozen=True)
+class Identity:
+    """A process's keys, read once: its role's keypair ``name`` from the key folder, and the
+    broker's public key. (The secret key never shows in a repr, so never in a log.)"""
+
+    folder: Path
+    role: str
+    name: str
+    public: bytes
+    secret: bytes = field(repr=False)
+    broker_public: bytes = field(repr=False)
+
+    @classmethod
+    def load(cls, folder: Path, role: str, name: str) -> Identity:
+        public, secret = _load(folder, role, name)
+        broker_public = zmq.auth.load_certificate(str(folder / "broker.key"))[0]
+        return cls(folder, role, name, public, secret, broker_public)
 
 
 class AuthorizedKeys:
@@ -180,19 +186,17 @@ def start_authenticator(folder: Path) -> tuple[ThreadAuthenticator, AuthorizedKe
     return auth, keys
 
 
-def make_server(sock: zmq.Socket, folder: Path, role: str, name: str, accepts: str) -> None:
-    """CURVE server with ``role``'s keypair ``name``, accepting the keys of role ``accepts``."""
-    public, secret = _load(folder, role, name)
+def make_server(sock: zmq.Socket, me: Identity, accepts: str) -> None:
+    """CURVE server with ``me``'s keys, accepting the keys of role ``accepts``."""
     sock.zap_domain = ROLES[accepts].encode()
-    sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
+    sock.curve_publickey, sock.curve_secretkey, sock.curve_server = me.public, me.secret, True
 
 
-def make_client(sock: zmq.Socket, folder: Path, role: str, name: str, server_key: str | None = None) -> None:
-    """CURVE client with ``role``'s keypair ``name``, talking to the broker (or to the server
-    whose public key is ``server_key``)."""
-    public, secret = _load(folder, role, name)
-    server = server_key.encode() if server_key else zmq.auth.load_certificate(str(folder / "broker.key"))[0]
-    sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server
+def make_client(sock: zmq.Socket, me: Identity, server_key: str | None = None) -> None:
+    """CURVE client with ``me``'s keys, talking to the broker (or to the server whose public
+    key is ``server_key``)."""
+    sock.curve_publickey, sock.curve_secretkey = me.public, me.secret
+    sock.curve_serverkey = server_key.encode() if server_key else me.broker_public
 
 
 def client_key_name() -> str:

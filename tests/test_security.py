@@ -21,11 +21,11 @@ from nebula_flow.kv.transport import endpoint_part
 from nebula_flow.protocol import KvPull, Register
 from nebula_flow.security import (
     CLIENT_KEY_ENV,
+    Identity,
     add_key,
     generate_keys,
     is_loopback,
     make_client,
-    public_key,
     server_key_of,
 )
 from nebula_flow.supervisor import REFUSED_EXIT
@@ -47,7 +47,7 @@ def _curve_socket(address: str, keys, role: str, name: str, server_key: str | No
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
-        make_client(sock, keys, role, name, server_key)
+        make_client(sock, Identity.load(keys, role, name), server_key)
     sock.connect(address)
     return sock
 
@@ -95,7 +95,7 @@ def test_each_socket_accepts_only_its_roles_keys(tiny_pair, tmp_path, monkeypatc
         # a KV server reads to worker keys only, and names its key in its endpoint
         kv = next(w["kv_endpoint"] for w in state["workers"] if w["role"] == "target")
         server_key = server_key_of(kv)
-        assert server_key == public_key(keys, "worker", "target-1")
+        assert server_key == Identity.load(keys, "worker", "target-1").public.decode()
         pull = KvPull(1, [[1, "target", 0, 1]])
         assert _refused(_curve_socket(endpoint_part(kv, "tcp://"), keys, "client", "client", server_key), pull)
         assert not _refused(_curve_socket(endpoint_part(kv, "tcp://"), keys, "worker", "worker", server_key), pull)

@@ -89,7 +89,7 @@ class Worker:
         if folder is None and not is_loopback(opts.kv_host):
             raise ValueError(f"a KV server on {opts.kv_host} (off loopback) requires CURVE keys (--keys DIR)")
         # this worker's own keypair (workers/NAME in the key folder): to the broker and as a KV server
-        self.identity = Identity(folder, "worker", self.name) if folder else None
+        self.identity = Identity.load(folder, "worker", self.name) if folder else None
         # (with CURVE keys, only ZeroMQ: UCX and shared folders have no authentication)
         own = {"draft": self.draft, "target": self.target}.get(opts.role)
         store = own.store if own is not None else None  # (None: colocated, or an n-gram drafter)
@@ -265,7 +265,7 @@ class Worker:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
         if self.identity:
-            make_client(self.sock, self.identity.folder, "worker", self.name)
+            make_client(self.sock, self.identity)
         self.sock.connect(self.opts.broker)
         poller.register(self.sock, zmq.POLLIN)
         self.last_heard = time.monotonic()

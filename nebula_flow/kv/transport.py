@@ -41,7 +41,6 @@ from nebula_flow.security import (
     Identity,
     make_client,
     make_server,
-    public_key,
     server_key_of,
     start_authenticator,
     user_id,
@@ -125,12 +124,12 @@ class ZmqTransport(KVTransport):
         me = self.identity
         if me:
             self.auth, self.authorized = start_authenticator(me.folder)
-            make_server(sock, me.folder, me.role, me.name, accepts="worker")
+            make_server(sock, me, accepts="worker")
         port = sock.bind_to_random_port(f"tcp://{host}")
         self._thread = threading.Thread(target=self._serve_loop, args=(sock, lookup), name="kv-server", daemon=True)
         self._thread.start()
         endpoint = f"tcp://{host}:{port}"
-        return with_server_key(endpoint, public_key(me.folder, me.role, me.name)) if me else endpoint
+        return with_server_key(endpoint, me.public.decode()) if me else endpoint
 
     def _serve_loop(self, sock: zmq.Socket, lookup: Lookup) -> None:
         while not self._stop.is_set():
@@ -168,7 +167,7 @@ class ZmqTransport(KVTransport):
             sock.setsockopt(zmq.LINGER, 0)
             if self.identity:
                 me = self.identity
-                make_client(sock, me.folder, me.role, me.name, server_key=server_key)
+                make_client(sock, me, server_key=server_key)
             sock.connect(endpoint)
             self.peers[endpoint] = sock
         return sock
