@@ -14,7 +14,6 @@ import os
 import signal
 import time
 from collections import Counter, OrderedDict
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -53,42 +52,13 @@ from nebula_flow.protocol import (
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
 from nebula_flow.round_times import RoundTimes
 from nebula_flow.scheduler import MODES, Scheduler
-from nebula_flow.security import (
-    Identity,
-    SecurityError,
-    is_loopback,
-    keys_dir,
-    make_server,
-    server_key_of,
-    start_authenticator,
-    user_id,
-)
+from nebula_flow.security import SecurityError, user_id
 from nebula_flow_broker import results
+from nebula_flow_broker.access import Access, metrics_token, owner_of
 from nebula_flow_broker.admission import Admission
 from nebula_flow_broker.stats import BrokerStats, WorkerInfo
 
 log = logging.getLogger("nebula_flow.broker")
-
-
-def owner_of(identity: bytes, frame: zmq.Frame, session: str | None) -> str:
-    """Who a client message comes from, for request ownership: its CURVE key where keys are on,
-    else the secret session its client library sends; a client that sends none is its connection."""
-    key = user_id(frame)
-    if key is not None:
-        return "key:" + key
-    return "session:" + session if session else "connection:" + identity.hex()
-
-
-def metrics_token(opts: BrokerOptions) -> str | None:
-    """The metrics server's token (read once, never logged); refuses metrics off loopback without one."""
-    if opts.metrics_token_file:
-        token = Path(opts.metrics_token_file).read_text().strip()
-        if len(token) < 16:
-            raise SecurityError(f"the metrics token in {opts.metrics_token_file} is too short (16 characters at least)")
-        return token
-    if not is_loopback(opts.metrics_host):
-        raise SecurityError(f"metrics on {opts.metrics_host} (off loopback) require a token: --metrics-token-file FILE")
-    return None
 
 
 class Broker:
@@ -118,22 +88,15 @@ class Broker:
 
     # -- sockets ---------------------------------------------------------------------------
     def bind(self) -> None:
-        folder = keys_dir(self.opts.keys)
-        if folder is None and not is_loopback(self.opts.host):
-            raise SecurityError(f"binding to {self.opts.host} (off loopback) requires CURVE keys: "
-                                "create them with `nebula-flow keys DIR` and pass --keys DIR")
-        # (with keys: each socket accepts its own role's keys only, and revoked ones no longer)
-        self.auth, self.authorized = start_authenticator(folder) if folder else (None, None)
+        self.access = Access(self.opts)
         ctx = zmq.Context.instance()
         self.clients = ctx.socket(zmq.ROUTER)
         self.peers = ctx.socket(zmq.ROUTER)
-        me = Identity.load(folder, "broker", "broker") if folder else None
         for sock, accepts in ((self.clients, "client"), (self.peers, "worker")):
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # learn about vanished peers instead of dropping silently
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
-            if me:
-                make_server(sock, me, accepts)
+            self.access.secure(sock, accepts)
         self.clients.bind(self.opts.client_address)
         self.peers.bind(self.opts.worker_address)
 
@@ -293,11 +256,7 @@ class Broker:
             self._result(wid, item, now, arrived, msg.timing)
 
     def _register(self, identity: bytes, msg: Register, now: float, key: str | None) -> None:
-        if self.authorized is not None:  # (the handshake checked the key; it may have been revoked since)
-            if not self.authorized.allowed("workers", key):
-                raise ProtocolError("unauthorized", "this worker key is not authorized (revoked?)")
-            if msg.kv_endpoint and server_key_of(msg.kv_endpoint) != key:
-                raise ProtocolError("malformed", "a KV endpoint must name this worker's own key")
+        self.access.check_worker(msg, key)
         if identity in self.by_identity:
             self._drop_worker(self.by_identity[identity], "re-registered")
         wid = self.next_worker
@@ -449,7 +408,7 @@ class Broker:
         if now - self._last_beat >= self.opts.heartbeat_s:
             self._last_beat = now
             for wid, info in list(self.workers.items()):
-                if self.authorized is not None and not self.authorized.allowed("workers", info.key):
+                if self.access.revoked(info.key):
                     self._drop_worker(wid, "revoked")  # its tasks go to others; it is told to stop
                     self._send(self.peers, info.identity, Error("revoked", "this worker's key was revoked"))
                 elif now - info.last_seen > self.opts.liveness_s:
@@ -513,8 +472,7 @@ class Broker:
             log.info("policy log: %d records in %s", len(self.scheduler.records), self.opts.policy_log)
         if self.metrics is not None:
             self.metrics.close()
-        if self.auth is not None:
-            self.auth.stop()
+        self.access.close()
         return 0
 
 
