@@ -198,3 +198,26 @@ def test_a_killed_worker_is_dropped_before_its_silence_runs_out(tiny_pair) -> No
         dep.kill("draft-0")
         state = _wait_for(lambda s: workers_lost(s) == 1, 20, dep.address)
         assert state is not None and state["counters"].get("workers_unreachable") == 1
+
+
+def test_chaos_drill_reports_completions_recovery_and_equality(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """`nebula-flow chaos`: what an operator runs to see the healing: every request completes,
+    the killed processes serve again, and the output equals the target alone's."""
+    import json
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'mode = "pooled"\n[broker]\nheartbeat_s = 0.5\nliveness_s = 3.0\n'
+                   f'[draft]\nmodel = "{tiny_pair / "draft"}"\nworkers = 2\nthreads = 1\n'
+                   f'[target]\nmodel = "{tiny_pair / "target"}"\nthreads = 1\n')
+    res = subprocess.run([sys.executable, "-m", "nebula_flow.cli", "chaos", "--config", str(cfg), "--requests", "6",
+                          "--max-new-tokens", "24", "--kill", "draft-1", "--kill", "broker@0.2", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["completed"] == 6 and report["equal_to_target_alone"] == 6 and not report["failures"]
+    assert [k["name"] for k in report["kills"]] == ["draft-1", "broker"]
+    assert all(k["recovered_s"] is not None for k in report["kills"])
+    assert report["restarts"]["broker"] == 1
+    res = subprocess.run([sys.executable, "-m", "nebula_flow.cli", "chaos", "--config", str(cfg), "--kill", "draft-9"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and "no process ['draft-9']" in res.stderr

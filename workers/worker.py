@@ -158,7 +158,7 @@ class Worker:
         msg = Register(self.opts.role, self.name, self.opts.capacity, self._model_facts(), self.kv_endpoint,
                        self.drafter, os.getpid(), restarts())
         self._send(msg)
-        self.registered = False
+        self.registered, self.register_sent = False, time.monotonic()
 
     def _runnable(self, msg: Tasks) -> list[Task]:
         """A TASKS batch's runnable tasks. A task that is malformed or that this worker cannot run
@@ -376,8 +376,12 @@ class Worker:
                         log.error("the broker dropped this worker: %s", msg.message)
                         self.exit_code, self.stopping = 2, True
                     elif msg.code == "unknown_worker":  # the broker restarted: join again
-                        pull_out = None
-                        self._register()
+                        # (once: every message sent before the WELCOME is answered so, and each
+                        # REGISTER after the first would replace the last, re-queueing its tasks;
+                        # again if no WELCOME came: that REGISTER went to a broker that died)
+                        if self.registered or time.monotonic() - self.register_sent > 2 * self.heartbeat_s:
+                            pull_out = None
+                            self._register()
                     elif not self.registered and msg.code in REFUSALS:
                         # The broker refused this worker (wrong role for its mode, bad endpoint, ...):
                         # retrying cannot help, and exiting lets a deployment report it at once.

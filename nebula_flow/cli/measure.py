@@ -1,4 +1,5 @@
-"""Measurement commands: `bench` (modes side by side), `bench-kv` (KV movement), `replay` (a trace)."""
+"""Measurement commands: `bench` (modes side by side), `bench-kv` (KV movement), `replay` (a trace),
+`chaos` (a fault drill)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import click
 from nebula_flow.cli.common import (
     DEFAULT_BROKER,
     apply_overrides,
+    deploy_options,
     load_deploy,
     prepare_models,
+    start_deployment,
     with_settings,
 )
 from nebula_flow.scheduler import MODES
@@ -198,4 +201,64 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
 
 
 
-COMMANDS = [bench, bench_kv_cmd, replay]
+@click.command()
+@deploy_options
+@click.option("--requests", "n_requests", default=16, show_default=True, help="Concurrent greedy requests.")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--kill", "kills", multiple=True, metavar="NAME[@SECONDS]",
+              help="SIGKILL this process (broker, draft-0, target-3, ...; `status` and the log folder name them) "
+              "SECONDS after the first streamed token (default 0). Repeatable. Default: the last draft worker at "
+              "0 s and the last target worker at 3 s.")
+@click.option("--chat", is_flag=True, help="Send the prompts in the model's chat format.")
+@click.option("--no-reference", is_flag=True, help="Skip the reference run (the same prompts on the target "
+              "alone, autoregressive mode) that the output is compared with.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def chaos(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings, n_requests,  # noqa: ANN001
+          max_new_tokens, kills, chat, no_reference, as_json) -> None:  # noqa: ANN001
+    """Fault drill: a supervised deployment (as `serve` runs it) under load, processes killed on a
+    schedule; prints what completed, how soon each killed process served again, and whether the
+    output equals the target alone's."""
+    from nebula_flow.bench import DEFAULT_CHAT_PROMPTS, DEFAULT_PROMPTS
+    from nebula_flow.chaos import Kill, drill
+    from nebula_flow.deploy import Deployment, worker_name
+
+    pool = DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
+    prompts = [pool[i % len(pool)] for i in range(n_requests)]
+    plan = apply_overrides(load_deploy(config), mode, draft_workers, target_workers, port, add_drafters).worker_plan()
+    names = ["broker", *(worker_name(role, i) for i, (role, _) in enumerate(plan))]
+    try:
+        schedule = [Kill.parse(k) for k in kills] or [
+            Kill(n, at) for n, at in ((max((n for n in names if n.startswith(r)), default=None), at)
+                                      for r, at in (("draft", 0.0), ("target", 3.0))) if n]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kill") from None
+    if unknown := [k.name for k in schedule if k.name not in names]:
+        raise click.BadParameter(f"no process {unknown}; this deployment has {', '.join(names)}", param_hint="--kill")
+    dep = start_deployment(config, mode, draft_workers, target_workers, 0 if port is None else port, log_dir,
+                           add_drafters, settings)
+    try:
+        report = drill(dep, prompts, max_new_tokens, schedule, chat, log=lambda m: click.echo(m, err=True))
+    finally:
+        dep.stop()
+    if not no_reference:
+        cfg = apply_overrides(load_deploy(config), "autoregressive", 0, 1, 0)
+        click.echo("[chaos] reference: the same prompts on the target alone (autoregressive)", err=True)
+        with Deployment(cfg) as ref_dep:
+            ref = drill(ref_dep, prompts, max_new_tokens, [], chat, log=lambda m: click.echo(m, err=True))
+        report["equal_to_target_alone"] = sum(a == b for a, b in zip(report["token_ids"], ref["token_ids"]))
+    report.pop("token_ids")
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    click.echo(f"completed {report['completed']} of {report['requests']} in {report['wall_s']:.1f} s"
+               + (f"; equal to the target alone: {report['equal_to_target_alone']} of {report['requests']}"
+                  if "equal_to_target_alone" in report else ""))
+    for k in report["kills"]:
+        back = "not back" if k["recovered_s"] is None else f"serving again {k['recovered_s']:.1f} s later"
+        click.echo(f"  killed {k['name']} at {k['at_s']:.1f} s: {back}")
+    click.echo(f"restarts {report['restarts']}, counters {report['counters']}")
+    for failure in report["failures"]:
+        click.echo(f"  failed: {failure}")
+
+
+COMMANDS = [bench, bench_kv_cmd, replay, chaos]

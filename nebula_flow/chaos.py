@@ -1,0 +1,134 @@
+"""Fault drills: a supervised deployment under load, its processes killed (SIGKILL) on a
+schedule; what completed, how soon each killed process was serving again, and whether the output
+changed (``nebula-flow chaos``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nebula_flow.client import AsyncClient, Client, Completion, NebulaError
+from nebula_flow.deploy import Deployment
+
+
+@dataclass
+class Kill:
+    """SIGKILL one process of the deployment (``broker``, ``draft-0``, ...) ``at_s`` seconds
+    after the first streamed token."""
+
+    name: str
+    at_s: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str) -> Kill:
+        name, _, at = spec.partition("@")
+        try:
+            at_s = float(at) if at else 0.0
+        except ValueError:
+            raise ValueError(f"--kill {spec!r}: NAME or NAME@SECONDS") from None
+        if at_s < 0:
+            raise ValueError(f"--kill {spec!r}: seconds must be >= 0")
+        return cls(name, at_s)
+
+
+def _supervise(dep: Deployment, stop: threading.Event, log: Callable[[str], None]) -> None:
+    """What ``serve`` does: restart what dies, say so."""
+    while not stop.wait(0.2):
+        for event in dep.supervise():
+            log(f"{time.strftime('%H:%M:%S')} {event}")
+
+
+def _back(state: dict[str, Any], name: str, killed_pid: int, workers: int) -> bool:
+    """Whether a killed process serves again: a worker registered again from a new process; a new
+    broker with every worker registered to it."""
+    if name == "broker":
+        return state["pid"] != killed_pid and len(state["workers"]) >= workers
+    return any(w["name"] == name and w["pid"] != killed_pid for w in state["workers"])
+
+
+def _wait_back(client: Client, kill: dict[str, Any], workers: int, timeout_s: float) -> float | None:
+    """Seconds from ``kill`` until its process served again (None: not within ``timeout_s``)."""
+    killed_at = kill.pop("t")
+    while time.monotonic() < killed_at + timeout_s:
+        try:
+            if _back(client.status(), kill["name"], kill["pid"], workers):
+                return round(time.monotonic() - killed_at, 2)
+        except NebulaError:  # (the broker is starting again)
+            pass
+        time.sleep(0.1)
+    return None
+
+
+async def _load(address: str, prompts: list[str], max_new_tokens: int, chat: bool,
+                first_token: asyncio.Event) -> list[Completion | str]:
+    async with AsyncClient(address, timeout_s=300) as client:
+        async def one(prompt: str) -> Completion | str:
+            try:
+                async for item in client.stream(prompt, chat=chat, max_new_tokens=max_new_tokens):
+                    if isinstance(item, Completion):
+                        return item
+                    first_token.set()
+            except NebulaError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return "the stream ended without a result"
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def drill(dep: Deployment, prompts: list[str], max_new_tokens: int, kills: list[Kill], chat: bool = False,
+          log: Callable[[str], None] = print, recover_timeout_s: float = 120.0) -> dict[str, Any]:
+    """Send ``prompts`` at once (greedy), kill on schedule while they run, wait until every
+    killed process serves again. Returns outcomes, the kills with their recovery times, and the
+    broker's restarts and worker counters."""
+    workers = len(dep.cfg.worker_plan())
+    stop = threading.Event()
+    supervisor = threading.Thread(target=_supervise, args=(dep, stop, log), daemon=True)
+    supervisor.start()
+    done: list[dict[str, Any]] = []  # the kills made: name, seconds after the first token, pid, when
+    try:
+        async def run() -> tuple[list[Completion | str], float]:
+            first_token = asyncio.Event()
+
+            async def killer(load: asyncio.Task) -> None:
+                await asyncio.wait([asyncio.ensure_future(first_token.wait()), load],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                t0 = time.monotonic()  # (a load that failed before its first token: kill now)
+                for kill in sorted(kills, key=lambda k: k.at_s):
+                    await asyncio.sleep(max(0.0, t0 + kill.at_s - time.monotonic()))
+                    while (proc := dict(dep.procs)[kill.name]).poll() is not None:  # (killed before: the
+                        await asyncio.sleep(0.05)  # one the supervisor starts next, never a stale pid)
+                    pid = proc.pid
+                    os.kill(pid, signal.SIGKILL)
+                    done.append({"name": kill.name, "at_s": round(time.monotonic() - t0, 2), "pid": pid,
+                                 "t": time.monotonic()})
+                    log(f"{time.strftime('%H:%M:%S')} killed {kill.name} (pid {pid})")
+
+            t_start = time.monotonic()
+            load = asyncio.ensure_future(_load(dep.address, prompts, max_new_tokens, chat, first_token))
+            ended: list[float] = []
+            load.add_done_callback(lambda _: ended.append(time.monotonic()))
+            await killer(load)  # (kills may go on after the load is done)
+            outs = await load
+            return outs, ended[0] - t_start
+
+        outs, wall_s = asyncio.run(run())
+        with Client(dep.address, timeout_s=5) as c:
+            for k in done:
+                k["recovered_s"] = _wait_back(c, k, workers, recover_timeout_s)
+            state = c.status()
+    finally:
+        stop.set()
+        supervisor.join()
+    completions = [o for o in outs if isinstance(o, Completion)]
+    return {"requests": len(prompts), "completed": len(completions), "wall_s": round(wall_s, 2),
+            "failures": [o for o in outs if isinstance(o, str)],
+            "token_ids": [o.token_ids if isinstance(o, Completion) else None for o in outs], "kills": done,
+            "restarts": state["restarts"],
+            "counters": {k: v for k, v in state["counters"].items() if k.startswith("workers_")
+                         or k in ("tasks_requeued", "requests_reattached")}}
