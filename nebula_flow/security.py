@@ -119,6 +119,9 @@ def revoke(folder: str | Path, name: str, role: str | None = None) -> list[str]:
 def _load(folder: Path, role: str, name: str) -> tuple[bytes, bytes]:
     secret = folder / "broker.key_secret" if role == "broker" else folder / ROLES[role] / f"{name}.key_secret"
     if not secret.is_file():
+        if (folder / "worker.key_secret").exists():  # (one key for every worker, every socket open to all)
+            raise SecurityError(f"{folder} is a key folder of the old layout, whose keys take every role: make "
+                                "a new one with `nebula-flow keys NEW_DIR` (docs/security.md)")
         how = f"`nebula-flow keys {folder}`" if role == "broker" else f"`nebula-flow keys {folder} add-{role} {name}`"
         raise SecurityError(f"no {role} key {name!r}: {secret} not found (create it with {how})")
     return zmq.auth.load_certificate(str(secret))

@@ -7,6 +7,7 @@ so the rest keep serving; a child refused for its configuration is never retried
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 
 # A worker exits with this code when the broker refused to register it (wrong role for the mode,
@@ -59,8 +60,6 @@ def describe_exit(code: int | None) -> str:
     if code is None:
         return "is running"
     if code < 0:
-        import signal
-
         try:
             return f"was killed by {signal.Signals(-code).name}"
         except ValueError:

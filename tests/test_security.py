@@ -22,6 +22,7 @@ from nebula_flow.protocol import KvPull, Register
 from nebula_flow.security import (
     CLIENT_KEY_ENV,
     Identity,
+    SecurityError,
     add_key,
     generate_keys,
     is_loopback,
@@ -150,6 +151,12 @@ def test_keys_cli_adds_and_revokes_and_refuses_bad_names(tmp_path) -> None:  # n
     assert res.exit_code != 0 and "no authorized key" in res.output
     res = runner.invoke(main, ["keys", str(tmp_path / "nowhere"), "add-worker", "w"])
     assert res.exit_code != 0 and "not a key folder" in res.output
+    old = tmp_path / "old"  # the layout before roles: one worker key at the top, accepted everywhere
+    old.mkdir()
+    for party in ("broker", "worker", "client"):
+        zmq.auth.create_certificates(str(old), party)
+    with pytest.raises(SecurityError, match="old layout"):
+        Identity.load(old, "worker", "draft-0")
 
 
 def _listening_on(port: int) -> set[str]:
