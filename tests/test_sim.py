@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,33 @@ def test_acceptance_draws_follow_the_rates_and_are_reproducible() -> None:
     hist = AcceptanceModel(histogram={1: 1, 3: 3})
     assert {hist.accepted(r, 0, 4) for r in range(200)} == {0, 2}
     assert {hist.accepted(r, 0, 1) for r in range(200)} == {0, 1}  # never more than k
+
+
+def test_requests_differ_in_acceptance_around_the_configured_mean() -> None:
+    """``concentration``: each request draws its own rate (a Beta around the configured one), so
+    requests' acceptance spreads far beyond what rounds of one shared rate give; the mean stays."""
+    alike, apart = AcceptanceModel(rates=[0.6, 0.6]), AcceptanceModel(rates=[0.6, 0.6], concentration=2.0)
+    firsts = [apart.request_rates(rid)[0] for rid in range(3000)]
+    assert sum(firsts) / len(firsts) == pytest.approx(0.6, abs=0.02)
+    assert statistics.pstdev(firsts) == pytest.approx((0.6 * 0.4 / 3) ** 0.5, rel=0.1)  # Beta(1.2, 0.8)
+    assert all(r[1] == pytest.approx(r[0]) for r in map(apart.request_rates, range(50)))  # deeper rates scaled alike
+    assert firsts[:50] == [AcceptanceModel(rates=[0.6, 0.6], concentration=2.0).request_rates(rid)[0] for rid in range(50)]
+
+    def per_request(acc: AcceptanceModel) -> list[float]:  # each request's rounds that accepted their first draft
+        return [sum(acc.accepted(rid, r, 4) > 0 for r in range(40)) / 40 for rid in range(300)]
+
+    spread_alike, spread_apart = statistics.pstdev(per_request(alike)), statistics.pstdev(per_request(apart))
+    assert spread_apart > 3 * spread_alike
+    assert statistics.mean(per_request(apart)) == pytest.approx(0.6, abs=0.04)  # (the first position's mean)
+    for bad in ({"rate": 0.6, "concentration": -1}, {"rate": 1.0, "concentration": 2},
+                {"histogram": {"1": 1}, "concentration": 2}):
+        with pytest.raises(ValueError, match="concentration"):
+            AcceptanceModel.from_config(bad, 0)
+    # the live policy plans each request from its own acceptance: k differs between requests
+    sc = small_scenario(adaptive_k=True, acceptance=AcceptanceModel(rates=[0.6], concentration=1.0),
+                        workload=Workload(requests=48, output_tokens=64, prompt_tokens=(8, 8)))
+    res = simulate(sc, "pooled")
+    assert res["requests"] == 48 and res["tokens"] == 48 * 64
 
 
 def test_token_tree_draws_follow_their_rates_and_are_reproducible() -> None:

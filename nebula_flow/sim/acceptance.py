@@ -16,6 +16,11 @@ Token trees (the policy's ``first_alternatives`` and ``fuse_ngram``), optional:
 
 A live broker's status gives all four (``from_status``: its ``alternatives_*`` and ``fused_*``
 counters).
+
+Requests differ (``concentration``, optional, with rates): each request's first-position rate is
+drawn from a Beta whose mean is the configured one and whose a + b is ``concentration`` (small:
+requests far apart, as prose beside boilerplate code; 0: every request alike), its deeper rates
+scaled with it. The draw is a pure function of (seed, request), like every other.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from nebula_flow.specdec import uniform
 
@@ -34,7 +41,7 @@ TREE_KEYS = ("alternative_rate", "fused_match", "fused_win", "fused_gain")
 class AcceptanceModel:
     def __init__(self, rates: list[float] | None = None, histogram: dict[int, float] | None = None,
                  seed: int = 0, alternative_rate: float = 0.0, fused_match: float = 0.0,
-                 fused_win: float = 0.0, fused_gain: float = 1.0) -> None:
+                 fused_win: float = 0.0, fused_gain: float = 1.0, concentration: float = 0.0) -> None:
         if not all(0.0 <= x <= 1.0 for x in (alternative_rate, fused_match, fused_win)) or fused_gain < 1.0:
             raise ValueError("alternative_rate, fused_match and fused_win must be in [0, 1], fused_gain >= 1")
         self.alternative_rate, self.fused_match, self.fused_win = alternative_rate, fused_match, fused_win
@@ -48,6 +55,10 @@ class AcceptanceModel:
                 raise ValueError("a tokens-per-round histogram maps counts >= 1 to frequencies >= 0")
         self.rates, self.seed = rates, seed
         self.histogram = sorted(histogram.items()) if histogram else None
+        if concentration < 0 or (concentration and (rates is None or not 0 < rates[0] < 1)):
+            raise ValueError("concentration must be >= 0, and needs a first-position rate strictly between 0 and 1")
+        self.concentration = concentration
+        self._by_request: dict[int, list[float]] = {}
 
     @classmethod
     def from_status(cls, path: str | Path, seed: int = 0) -> AcceptanceModel:
@@ -72,16 +83,18 @@ class AcceptanceModel:
 
     @classmethod
     def from_config(cls, raw: dict[str, Any], seed: int, base: Path | None = None) -> AcceptanceModel:
-        unknown = set(raw) - {"status", "histogram", "per_position", "rate", *TREE_KEYS}
+        unknown = set(raw) - {"status", "histogram", "per_position", "rate", "concentration", *TREE_KEYS}
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)}")
         tree = {key: float(raw[key]) for key in TREE_KEYS if key in raw}
+        if "concentration" in raw:
+            tree["concentration"] = float(raw["concentration"])
         if "status" in raw:
             p = Path(raw["status"])
             measured = cls.from_status(base / p if base and not p.is_absolute() else p, seed)
             if not tree:
                 return measured
-            return cls(rates=measured.rates, seed=seed, **{**measured.tree(), **tree})  # (the scenario's win)
+            return cls(rates=measured.rates, seed=seed, **{**measured.tree(), **tree})  # (the scenario's wins)
         if "histogram" in raw:
             return cls(histogram={int(n): float(c) for n, c in raw["histogram"].items()}, seed=seed, **tree)
         if "per_position" in raw:
@@ -105,10 +118,25 @@ class AcceptanceModel:
                 if u < acc:
                     return min(n - 1, k)
             return min(self.histogram[-1][0] - 1, k)
+        rates = self.request_rates(rid)
         n = 0
-        while n < k and uniform(key, round_ * 64 + n, STREAM_SIM) < self.rates[min(n, len(self.rates) - 1)]:
+        while n < k and uniform(key, round_ * 64 + n, STREAM_SIM) < rates[min(n, len(rates) - 1)]:
             n += 1
         return n
+
+    def request_rates(self, rid: int) -> list[float]:
+        """Request ``rid``'s per-position rates: the configured ones, or with ``concentration``
+        its own draw around them."""
+        if not self.concentration:
+            return self.rates
+        rates = self._by_request.get(rid)
+        if rates is None:
+            mean = self.rates[0]
+            rng = np.random.Generator(np.random.PCG64([self.seed & ((1 << 63) - 1), rid, STREAM_SIM]))
+            first = float(rng.beta(mean * self.concentration, (1 - mean) * self.concentration))
+            rates = [first] + [min(1.0, r * first / mean) for r in self.rates[1:]]
+            self._by_request[rid] = rates
+        return rates
 
     def tree_round(self, rid: int, round_: int, k: int, alts: int, fuse: int) -> tuple[int, bool, int, int | None]:
         """A verified round with ``alts`` runner-ups and a fused chain of up to ``fuse`` tokens

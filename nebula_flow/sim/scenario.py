@@ -36,6 +36,7 @@
 
     [acceptance]        # rate = 0.75 | per_position = [..] | histogram = {"1" = .., "2" = ..}
     rate = 0.75         # | status = "status.json" (a live broker's `nebula-flow status --json`)
+    # concentration = 4 # requests differ: each one's rate from a Beta around the mean (0: alike)
     # token trees (policy first_alternatives, fuse_ngram; see sim/acceptance.py), from status too:
     # alternative_rate = 0.3, fused_match = 0.2, fused_win = 0.5, fused_gain = 4.0
 
