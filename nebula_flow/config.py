@@ -35,6 +35,7 @@ from typing import Any
 from nebula_flow.options import BrokerOptions
 from nebula_flow.policy import PolicyConfig, PolicyError, knob_names
 from nebula_flow.scheduler import MODES
+from nebula_flow.supervisor import RestartPolicy
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,7 @@ class DeployConfig:
     target: PoolConfig = field(default_factory=PoolConfig)
     drafters: list[PoolConfig] = field(default_factory=list)  # more draft pools: several drafters (pooled mode only)
     kv_transport: str = "auto"  # auto | ucx | zmq | shm | shm+zmq | none (kv.transport.resolve_transport)
+    supervise: RestartPolicy = field(default_factory=RestartPolicy)  # how `serve` restarts what dies
     source: str = "<defaults>"
 
     def validate(self) -> None:
@@ -114,6 +116,10 @@ class DeployConfig:
 
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
+        try:
+            self.supervise.check()
+        except ValueError as exc:
+            raise ConfigError(f"[supervise] {exc}") from None
 
     def _check_drafters(self) -> None:
         """Every draft pool has a model and a drafter name of its own (the workers of one drafter
@@ -178,7 +184,7 @@ def load_config(path: str | Path | None) -> DeployConfig:
     path = Path(path)
     raw = read_toml(path)
     base = path.resolve().parent.parent
-    unknown = set(raw) - {"mode", "kv_transport", "policy", "broker", "draft", "target", "drafters"}
+    unknown = set(raw) - {"mode", "kv_transport", "policy", "broker", "draft", "target", "drafters", "supervise"}
     if unknown:
         raise ConfigError(f"{path}: unknown sections {sorted(unknown)}")
     broker = dict(raw.get("broker", {}))
@@ -194,6 +200,7 @@ def load_config(path: str | Path | None) -> DeployConfig:
         broker=_build(BrokerOptions, broker, f"{path} [broker]"),
         draft=_build(PoolConfig, raw.get("draft", {}), f"{path} [draft]"),
         target=_build(PoolConfig, raw.get("target", {}), f"{path} [target]"),
+        supervise=_build(RestartPolicy, raw.get("supervise", {}), f"{path} [supervise]"),
         source=str(path),
     )
     extra = raw.get("drafters", [])

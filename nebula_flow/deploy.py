@@ -22,7 +22,7 @@ from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.options import WorkerOptions, write_options
 from nebula_flow.process import PARENT_ENV, RESTARTS_ENV
 from nebula_flow.security import ensure_key
-from nebula_flow.supervisor import ChildRecord, RestartPolicy, describe_exit, judge
+from nebula_flow.supervisor import ChildRecord, describe_exit, judge
 
 # glibc's default allocator returns and re-faults large buffers on every forward pass; these
 # settings keep them mapped (measured up to ~4x faster forwards on CPU).
@@ -78,16 +78,14 @@ class Deployment:
     """One broker plus the workers ``cfg.worker_plan()`` asks for."""
 
     def __init__(self, cfg: DeployConfig, log_dir: str | Path | None = None,
-                 worker_changes: dict[str, Any] | None = None, restart_policy: RestartPolicy | None = None) -> None:
-        """``worker_changes``: ``WorkerOptions`` fields every worker runs with (e.g. ``kv_overlap``);
-        ``restart_policy``: how ``supervise`` restarts children that die."""
+                 worker_changes: dict[str, Any] | None = None) -> None:
+        """``worker_changes``: ``WorkerOptions`` fields every worker runs with (e.g. ``kv_overlap``)."""
         cfg.validate()
         self.cfg = cfg
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="nebula-flow-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.commands: dict[str, tuple[list[str], int]] = {}  # each child's arguments and threads
-        self.restart_policy = restart_policy or RestartPolicy()
         self.records: dict[str, ChildRecord] = {}  # each child's restarts
         self.due: dict[str, float] = {}  # dead children waiting out their backoff: when to start them
         self.worker_changes = worker_changes or {}
@@ -191,7 +189,7 @@ class Deployment:
                 raise DeploymentError(f"{name} exited with code {proc.returncode}:\n{self.log_tail(name)}")
 
     def supervise(self, now: float | None = None) -> list[str]:
-        """Restart children that died, after a backoff (``restart_policy``); give up on one that
+        """Restart children that died, after a backoff (the config's ``[supervise]``); give up on one that
         crash-loops or was refused for its configuration, while the rest keep serving. A restarted
         worker registers again and the broker re-queues the dead one's tasks; a restarted broker
         binds the same ports, its workers re-register and clients re-send their requests. Returns
@@ -202,7 +200,7 @@ class Deployment:
             record = self.records.setdefault(name, ChildRecord())
             if proc.poll() is None or record.given_up or name in self.due:
                 continue
-            verdict = judge(self.restart_policy, record, proc.returncode, now)
+            verdict = judge(self.cfg.supervise, record, proc.returncode, now)
             what = f"{name} {describe_exit(proc.returncode)}"
             if verdict.delay_s is not None:
                 self.due[name] = now + verdict.delay_s

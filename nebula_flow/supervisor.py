@@ -22,6 +22,11 @@ class RestartPolicy:
     backoff_s: float = 1.0  # delay before the first restart; doubles with each recent one
     max_backoff_s: float = 30.0
 
+    def check(self) -> None:
+        if self.max_restarts < 0 or self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError("max_restarts must be >= 0 (0: never restart), window_s > 0, and "
+                             "0 <= backoff_s <= max_backoff_s")
+
     def delay(self, recent: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
 

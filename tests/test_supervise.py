@@ -12,7 +12,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from nebula_flow.client import AsyncClient, Client, Completion
+from nebula_flow.config import ConfigError, load_config
 from nebula_flow.deploy import Deployment, free_port
 from nebula_flow.supervisor import REFUSED_EXIT, ChildRecord, RestartPolicy, judge
 from tests.conftest import deploy_config, hf_greedy, workers_lost
@@ -33,6 +36,21 @@ def test_restarts_back_off_and_a_crash_loop_is_given_up() -> None:
     assert judge(policy, record, -9, 200.0).delay_s == 1.0
     refused = judge(policy, ChildRecord(), REFUSED_EXIT, 0.0)
     assert refused.delay_s is None and "configuration" in refused.reason
+    assert judge(RestartPolicy(max_restarts=0), ChildRecord(), -9, 0.0).delay_s is None  # (0: never restart)
+
+
+def test_the_restart_policy_comes_from_the_config(tmp_path) -> None:  # noqa: ANN001
+    pair = '[draft]\nmodel = "d"\n[target]\nmodel = "t"\n'
+    path = tmp_path / "c.toml"
+    path.write_text(pair + "[supervise]\nmax_restarts = 2\nbackoff_s = 0.5\n")
+    cfg = load_config(path)
+    cfg.validate()
+    assert cfg.supervise == RestartPolicy(max_restarts=2, backoff_s=0.5)
+    for bad, message in (("max_restarts = -1", "max_restarts must be >= 0"), ("backoff_s = 60", "backoff_s <= max_backoff_s"),
+                         ("restarts = 3", "unknown keys")):
+        path.write_text(pair + f"[supervise]\n{bad}\n")
+        with pytest.raises(ConfigError, match=message):
+            load_config(path).validate()
 
 
 def _serve(tiny_pair: Path, tmp_path: Path, draft_workers: int, target_workers: int) -> tuple[subprocess.Popen, str]:
@@ -165,7 +183,8 @@ def test_serve_restarts_a_killed_broker_and_clients_carry_their_requests(tiny_pa
 def test_a_crash_looping_worker_is_given_up_while_the_rest_serve(tiny_pair) -> None:  # noqa: ANN001
     cfg = deploy_config(tiny_pair, "pooled", 2, 1)
     cfg.broker.heartbeat_s, cfg.broker.liveness_s = 0.5, 3.0
-    with Deployment(cfg, restart_policy=RestartPolicy(max_restarts=1, backoff_s=0.1)) as dep:
+    cfg.supervise = RestartPolicy(max_restarts=1, backoff_s=0.1)  # ([supervise] in a config file)
+    with Deployment(cfg) as dep:
         events: list[str] = []
 
         def supervise_until(text: str) -> None:

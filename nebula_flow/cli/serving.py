@@ -28,7 +28,8 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     serve supervises what it started: a worker or the broker that dies is started again after a
     backoff (1 s, doubling, at most 30 s); one that dies 6 times within 5 minutes, or is refused
     for its configuration, is given up while the rest keep serving (a broker given up stops the
-    deployment). Each event is printed here; `nebula-flow status` counts restarts.
+    deployment); the config's [supervise] table changes these numbers (max_restarts = 0: never
+    restart). Each event is printed here; `nebula-flow status` counts restarts.
     """
     import signal
 
