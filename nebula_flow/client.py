@@ -284,15 +284,17 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client: many concurrent requests over one socket, dispatched by req_id."""
+    """asyncio client: many concurrent requests over one socket, dispatched by req_id. As
+    ``Client``: after a timeout a request is resent ``retries`` times with the same id, and what is
+    in flight when the connection drops is sent again as soon as it is back."""
 
-    def __init__(self, address: str, timeout_s: float = 120.0, keys: str | None = None) -> None:
-        self.address, self.timeout_s = address, timeout_s
+    def __init__(self, address: str, timeout_s: float = 120.0, keys: str | None = None, retries: int = 0) -> None:
+        self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
         self.sock, self.monitor = _socket(zmq.asyncio.Context.instance(), address, keys)
         self.link = _Link()
         self.queues: dict[str, asyncio.Queue[Msg]] = {}
-        self.inflight: dict[str, Submit] = {}  # sent again when a dropped connection is back
+        self.inflight: dict[str, Msg] = {}  # sent again when a dropped connection is back
         self.reader: asyncio.Task | None = None
         self.watcher: asyncio.Task | None = None
 
@@ -355,10 +357,17 @@ class AsyncClient:
         self.inflight[req_id] = msg
         await self._send(msg)
         col = _Collector()
-        finished = False
+        finished, attempts = False, 0
         try:
             while True:
-                reply = await self._next(queue)
+                try:
+                    reply = await self._next(queue)
+                except RequestTimeout:
+                    if attempts >= self.retries:
+                        raise
+                    attempts += 1  # same req_id: the broker re-attaches or replays, never duplicates
+                    await self._send(msg)
+                    continue
                 if isinstance(reply, Tokens):
                     chunk = col.chunk(reply)
                     if chunk is not None:
@@ -390,8 +399,10 @@ class AsyncClient:
         self._start()
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues["__status__"] = queue
+        self.inflight["__status__"] = Status()  # (asked again on a new connection too)
         try:
             await self._send(Status())
             return (await self._next(queue)).state
         finally:
             self.queues.pop("__status__", None)
+            self.inflight.pop("__status__", None)

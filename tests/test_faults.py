@@ -200,9 +200,10 @@ def test_workers_rejoin_a_restarted_broker(tiny_pair) -> None:  # noqa: ANN001
     assert again.token_ids == first.token_ids
 
 
-def test_client_retries_after_a_timeout_without_duplicating(tiny_pair) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("kind", ["blocking", "asyncio"])
+def test_client_retries_after_a_timeout_without_duplicating(tiny_pair, kind: str) -> None:  # noqa: ANN001
     port = free_port()
-    client = Client(f"tcp://127.0.0.1:{port}", timeout_s=1.0, retries=30)
+    client = (Client if kind == "blocking" else AsyncClient)(f"tcp://127.0.0.1:{port}", timeout_s=1.0, retries=30)
     cfg = deploy_config(tiny_pair, "pooled", 1, 1)
     cfg.broker.client_port = port
     result: dict = {}
@@ -216,13 +217,20 @@ def test_client_retries_after_a_timeout_without_duplicating(tiny_pair) -> None: 
 
     t = threading.Thread(target=late_start)
     t.start()
+    async def ask_async():  # noqa: ANN202
+        async with client:
+            return await client.generate(token_ids=[7, 8, 9], max_new_tokens=12, temperature=0.8)
+
     try:
-        out = client.generate(token_ids=[7, 8, 9], max_new_tokens=12, temperature=0.8)
+        if kind == "blocking":
+            with client:
+                out = client.generate(token_ids=[7, 8, 9], max_new_tokens=12, temperature=0.8)
+        else:
+            out = asyncio.run(ask_async())
         chunks_ok = len(out.token_ids) == 12
     finally:
         t.join()
         result["dep"].stop()
-        client.close()
     assert chunks_ok and out.stats["seed"] is not None
 
 
