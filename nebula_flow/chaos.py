@@ -37,11 +37,11 @@ class Kill:
         return cls(name, at_s)
 
 
-def _supervise(dep: Deployment, stop: threading.Event, log: Callable[[str], None]) -> None:
-    """What ``serve`` does: restart what dies, say so."""
-    while not stop.wait(0.2):
-        for event in dep.supervise():
-            log(f"{time.strftime('%H:%M:%S')} {event}")
+def default_kills(names: list[str]) -> list[Kill]:
+    """The operations issue's drill on ``names`` (the deployment's processes, in plan order): the
+    last draft worker at the first token, the last target worker 3 s later."""
+    last = {role: [n for n in names if n.startswith(f"{role}-")][-1:] for role in ("draft", "target")}
+    return [Kill(n, at) for role, at in (("draft", 0.0), ("target", 3.0)) for n in last[role]]
 
 
 def _back(state: dict[str, Any], name: str, killed_pid: int, workers: int) -> bool:
@@ -88,7 +88,7 @@ def drill(dep: Deployment, prompts: list[str], max_new_tokens: int, kills: list[
     broker's restarts and worker counters."""
     workers = len(dep.cfg.worker_plan())
     stop = threading.Event()
-    supervisor = threading.Thread(target=_supervise, args=(dep, stop, log), daemon=True)
+    supervisor = threading.Thread(target=dep.watch, args=(stop, log), daemon=True)  # (as serve does)
     supervisor.start()
     done: list[dict[str, Any]] = []  # the kills made: name, seconds after the first token, pid, when
     try:

@@ -12,7 +12,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -222,6 +224,13 @@ class Deployment:
                 proc = self._spawn(name, args, threads, restarts=len(record.restarts))
                 events.append(f"{name} started again (pid {proc.pid}, restart {len(record.restarts)})")
         return events
+
+    def watch(self, stop: threading.Event, log: Callable[[str], None], every_s: float = 0.2) -> None:
+        """``supervise`` until ``stop`` is set, logging each event with its time (what ``serve``
+        runs); a broker given up raises ``DeploymentError``."""
+        while not stop.wait(every_s):
+            for event in self.supervise():
+                log(f"{time.strftime('%H:%M:%S')} {event}")
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"

@@ -68,9 +68,8 @@ def generate_keys(folder: str | Path) -> Path:
     os.chmod(folder, 0o700)
     if not (folder / "broker.key_secret").exists():
         zmq.auth.create_certificates(str(folder), "broker")
-    for role, name in (("worker", "worker"), ("client", "client")):
-        if not (folder / ROLES[role] / f"{name}.key_secret").exists():
-            add_key(folder, role, name)
+    for role in ("worker", "client"):
+        ensure_key(folder, role, role)
     return folder
 
 

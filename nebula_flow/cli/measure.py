@@ -219,7 +219,7 @@ def chaos(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     schedule; prints what completed, how soon each killed process served again, and whether the
     output equals the target alone's."""
     from nebula_flow.bench import DEFAULT_CHAT_PROMPTS, DEFAULT_PROMPTS
-    from nebula_flow.chaos import Kill, drill
+    from nebula_flow.chaos import Kill, default_kills, drill
     from nebula_flow.deploy import Deployment, worker_name
 
     pool = DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
@@ -227,9 +227,7 @@ def chaos(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     plan = apply_overrides(load_deploy(config), mode, draft_workers, target_workers, port, add_drafters).worker_plan()
     names = ["broker", *(worker_name(role, i) for i, (role, _) in enumerate(plan))]
     try:
-        schedule = [Kill.parse(k) for k in kills] or [
-            Kill(n, at) for n, at in ((max((n for n in names if n.startswith(r)), default=None), at)
-                                      for r, at in (("draft", 0.0), ("target", 3.0))) if n]
+        schedule = [Kill.parse(k) for k in kills] or default_kills(names)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--kill") from None
     if unknown := [k.name for k in schedule if k.name not in names]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import click
 
@@ -32,20 +31,18 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     restart). Each event is printed here; `nebula-flow status` counts restarts.
     """
     import signal
+    import threading
 
     from nebula_flow.deploy import DeploymentError
 
     dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,
                            secure_local)
     click.echo(dep.address)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     failed = None
     try:
-        while not stop:
-            time.sleep(0.5)
-            for event in dep.supervise():
-                click.echo(f"{time.strftime('%H:%M:%S')} {event}", err=True)
+        dep.watch(stop, lambda event: click.echo(event, err=True), every_s=0.5)
     except KeyboardInterrupt:
         pass
     except DeploymentError as exc:
