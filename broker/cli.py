@@ -20,7 +20,8 @@ _D = BrokerOptions()
               help="Take every setting from this JSON file (what `serve` writes for its broker); no other option "
               "may be given with it.")
 @click.option("--mode", type=click.Choice(list(MODES)), default=None,
-              help=f"Scheduling mode: pooled (M-for-N), paired, colocated or autoregressive. [default: {_D.mode}]")
+              help=f"Scheduling mode: pooled (M-for-N), paired, colocated, autoregressive, or elastic (workers of role any "
+              f"take a draft or a verify batch at each pull). [default: {_D.mode}]")
 @click.option("--host", default=None, help=f"Interface to bind. [default: {_D.host}]")
 @click.option("--client-port", type=int, default=None, help=f"Port for clients. [default: {_D.client_port}]")
 @click.option("--worker-port", type=int, default=None, help=f"Port for workers. [default: {_D.worker_port}]")

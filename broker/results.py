@@ -12,7 +12,6 @@ from typing import Any
 
 from nebula_flow.protocol import ProtocolError, TaskResult
 from nebula_flow.request import ROUND, Request
-from nebula_flow.speclen import FIT_ROWS
 from nebula_flow.tree import TokenTree, fused_gain
 
 
@@ -107,15 +106,16 @@ def fused_chains(req: Request, chains: list[list[int]]) -> list[list[int]]:
     return chains
 
 
-def step_costs(raw: object, roles: tuple[str, ...]) -> dict[str, list[float | None]]:
-    """A RESULT's ``device.step_costs`` (per role, forward seconds by new rows), or ValueError."""
+def cost_tables(raw: object, roles: tuple[str, ...], longest: int) -> dict[str, list[float | None]]:
+    """A RESULT's ``device.step_costs`` or ``device.batch_costs`` (per model role, forward seconds by
+    new rows or by rows bucket, at most ``longest`` entries), or ValueError."""
     if not isinstance(raw, dict):
-        raise ValueError("step_costs must be an object")
+        raise ValueError("cost tables must be an object")
     out = {}
     for role, seconds in raw.items():
-        if role not in roles or not isinstance(seconds, list) or not 0 < len(seconds) <= FIT_ROWS \
+        if role not in roles or not isinstance(seconds, list) or not 0 < len(seconds) <= longest \
                 or not all(t is None or _seconds(t) for t in seconds):
-            raise ValueError(f"bad step_costs for {role!r}")
+            raise ValueError(f"bad cost table for {role!r}")
         out[role] = [None if t is None else float(t) for t in seconds]
     return out
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from nebula_flow import protocol
+from nebula_flow import elastic, protocol
 from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.options import BrokerOptions
@@ -51,8 +51,9 @@ from nebula_flow.protocol import (
 )
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
 from nebula_flow.round_times import RoundTimes
-from nebula_flow.scheduler import MODES, Scheduler
+from nebula_flow.scheduler import MODEL_ROLES, MODES, Scheduler
 from nebula_flow.security import SecurityError, user_id
+from nebula_flow.speclen import FIT_ROWS
 from nebula_flow_broker import results
 from nebula_flow_broker.access import Access, metrics_token, owner_of
 from nebula_flow_broker.admission import Admission
@@ -246,7 +247,7 @@ class Broker:
             info.kv = msg.kv
         if msg.device is not None:
             info.device = msg.device
-            self._observe_costs(wid, msg.device.get("step_costs"))
+            self._observe_costs(wid, msg.device.get("step_costs"), msg.device.get("batch_costs"))
         for item in msg.results:
             if isinstance(item, Rejected):  # one bad entry must not strand the others
                 self._reject(self.peers, identity, item.error.code, item.error.message)
@@ -261,7 +262,7 @@ class Broker:
             self._drop_worker(self.by_identity[identity], "re-registered")
         wid = self.next_worker
         try:
-            slot = self.scheduler.register(wid, msg.role, msg.capacity, msg.drafter)
+            slot = self.scheduler.register(wid, msg.role, msg.capacity, msg.drafter, msg.draft_capacity)
         except ValueError as exc:
             raise ProtocolError("wrong_role", str(exc)) from None
         self.next_worker += 1
@@ -341,23 +342,26 @@ class Broker:
         if req.finish_reason:  # (end_round took it out of the pool)
             self._close(req)
 
-    def _observe_costs(self, wid: int, raw: object) -> None:
-        """Feed a worker's measured forward times (its RESULT's ``device.step_costs``) to the policy;
-        a malformed entry is counted and left out (the results it came with still count)."""
-        if raw is None:
-            return
-        roles = {"colocated": ("draft", "target")}.get(self.workers[wid].role, (self.workers[wid].role,))
-        try:
-            tables = results.step_costs(raw, roles)
-        except ValueError:
-            self.errors["malformed"] += 1
-            return
-        for role, seconds in tables.items():
-            self.scheduler.observe_costs(wid, role, seconds)
+    def _observe_costs(self, wid: int, steps: object, batches: object) -> None:
+        """Feed a worker's measured forward times (its RESULT's ``device.step_costs`` and
+        ``device.batch_costs``) to the policy; a malformed entry is counted and left out (the
+        results it came with still count)."""
+        roles = MODEL_ROLES.get(self.workers[wid].role, (self.workers[wid].role,))
+        for raw, longest, by_batch in ((steps, FIT_ROWS, False), (batches, len(elastic.BUCKETS), True)):
+            if raw is None:
+                continue
+            try:
+                tables = results.cost_tables(raw, roles, longest)
+            except ValueError:
+                self.errors["malformed"] += 1
+                continue
+            for role, seconds in tables.items():
+                self.scheduler.observe_costs(wid, role, seconds, by_batch)
 
     def _send_tasks(self, wid: int, batch: list[Request]) -> None:
-        role = self.workers[wid].role
-        self.stats.batch_sizes.setdefault(role, Counter())[len(batch)] += 1
+        stage = self.scheduler.workers[wid].stage  # (the topic: an elastic worker's changes batch by batch)
+        self.stats.batch_sizes.setdefault(stage, Counter())[len(batch)] += 1
+        self.workers[wid].batches[stage] += 1
         tasks = []
         for req in batch:
             holder_id, valid = req.holders.get(self.scheduler.task_holder_key(req), (0, 0))

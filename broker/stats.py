@@ -24,6 +24,7 @@ class WorkerInfo:
     pid: int | None = None
     restarts: int = 0  # times its deployment started this worker again after a death
     key: str | None = None  # the CURVE public key it registered with (None without keys)
+    batches: Counter[str] = field(default_factory=Counter)  # batches sent by stage (an elastic worker's: both)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class BrokerStats:
             "workers": [{"id": wid, "role": w.role, "name": w.name, "drafter": scheduler.workers[wid].drafter,
                          "busy_s": w.busy_s, "tasks": w.tasks, "slot": scheduler.workers[wid].slot,
                          "kv_endpoint": w.kv_endpoint, "kv": w.kv, "device": w.device, "pid": w.pid,
-                         "restarts": w.restarts}
+                         "restarts": w.restarts, "batches": dict(w.batches)}
                         for wid, w in workers.items()],
             "counters": dict(self.counters), "errors": dict(self.errors),
             # what adaptive k weighs now: draft step, verify row, round, in target decode steps

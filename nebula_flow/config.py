@@ -1,6 +1,6 @@
 """Deployment configuration: a TOML file naming the mode, the broker settings and both pools.
 
-    mode = "pooled"              # pooled | paired | colocated | autoregressive
+    mode = "pooled"              # pooled | paired | colocated | autoregressive | elastic
     [policy]                     # the scheduling policy's knobs (nebula_flow/policy.py)
     k = 4
     adaptive_k = true
@@ -69,6 +69,7 @@ class PoolConfig:
     max_kv_gb: float = 4.0  # KV memory budget per worker model
     kv_pool_gb: float | None = None  # finished requests' shared KV files kept for reuse (None: max_kv_gb / 8)
     drafter: str | None = None  # draft pools: the drafter name (routing.drafter_name: default from the model)
+    elastic: bool = True  # elastic mode: false keeps this pool's workers to their own stage (e.g. small draft devices)
 
 
 @dataclass
@@ -100,6 +101,8 @@ class DeployConfig:
             # Colocated and autoregressive run M + N workers: one pool may be empty there.
             if pool.workers == 0 and self.mode in ("pooled", "paired"):
                 raise ConfigError(f"[{name}] workers must be >= 1 in {self.mode} mode")
+            if not isinstance(pool.elastic, bool):
+                raise ConfigError(f"[{name}] elastic must be true or false, got {pool.elastic!r}")
             if pool.max_kv_gb <= 0 or (pool.kv_pool_gb is not None and pool.kv_pool_gb < 0):
                 raise ConfigError(f"[{name}] max_kv_gb must be > 0 and kv_pool_gb >= 0")
             if pool.dtype not in (None, *DTYPE_CHOICES):
@@ -149,6 +152,10 @@ class DeployConfig:
         every mode runs on the same devices. ``drafters`` pools run in pooled mode only (routing is
         pooled mode's); the baselines use the [draft] pool alone."""
         total = self.draft.workers + self.target.workers
+        if self.mode == "elastic":  # workers holding both models run on the [target] pool's settings, as colocated
+            fixed = [("draft", self.draft)] * self.draft.workers if not self.draft.elastic else []
+            fixed += [("target", self.target)] * self.target.workers if not self.target.elastic else []
+            return fixed + [("any", self.target)] * (total - len(fixed))
         if self.mode == "colocated":
             return [("colocated", self.target)] * total
         if self.mode == "autoregressive":

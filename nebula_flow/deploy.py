@@ -136,7 +136,7 @@ class Deployment:
 
     def worker_options(self, role: str, pool: PoolConfig, index: int, name: str, threads: int) -> WorkerOptions:
         """What worker ``index`` of the plan runs with (written beside its log)."""
-        colocated = role == "colocated"
+        colocated = role in ("colocated", "any")  # (both models)
         return replace(WorkerOptions(
             role=role, broker=self.cfg.broker.worker_address, model=str(pool.model), name=name,
             capacity=pool.max_batch, threads=threads, device=device_for(pool.device, index), dtype=pool.dtype,
@@ -144,6 +144,7 @@ class Deployment:
             kv_transport=self.cfg.kv_transport, profile=pool.profile,
             draft_model=str(self.cfg.draft.model) if colocated else None,
             draft_profile=self.cfg.draft.profile if colocated else None,
+            draft_capacity=self.cfg.draft.max_batch if role == "any" else None,
             drafter=pool.drafter if role == "draft" else None), **self.worker_changes)
 
     def _start_broker(self, timeout_s: float, attempts: int = 5) -> None:

@@ -66,9 +66,10 @@ class WorkerOptions:
     role: str
     broker: str
     model: str | None = None  # draft model for role draft, target model otherwise
-    draft_model: str | None = None  # colocated only
+    draft_model: str | None = None  # colocated and any (elastic) only
     name: str = ""
     capacity: int = 8
+    draft_capacity: int | None = None  # any (elastic): a draft batch's most tasks (default: capacity)
     threads: int = 1
     device: str = "cpu"
     dtype: str | None = None

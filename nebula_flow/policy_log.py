@@ -11,7 +11,7 @@ new policy have decided the same on yesterday's traffic?").
 Records are JSON arrays, one per line (JSONL)::
 
     ["policy", mode, {knob: value}]      (policy.PolicyConfig.to_table)
-    ["register", worker, role, capacity, slot, drafter]
+    ["register", worker, role, capacity, slot, drafter, draft_capacity]
     ["unregister", worker, [requeued rids]]
     ["pull", worker, credits, idle, now]
     ["admit", rid, prompt_len, max_new_tokens, greedy, seeded]
@@ -54,9 +54,11 @@ class RecordingScheduler(Scheduler):
         self.records: list[list[Any]] = [["policy", mode, self.policy.to_table()]]
         self._quiet = False  # inside admit or end_round: their inner steps are not events of their own
 
-    def register(self, worker_id: int, role: str, capacity: int, drafter: str | None = None) -> int:
-        slot = super().register(worker_id, role, capacity, drafter)
-        self.records.append(["register", worker_id, role, capacity, slot, self.workers[worker_id].drafter])
+    def register(self, worker_id: int, role: str, capacity: int, drafter: str | None = None,
+                 draft_capacity: int | None = None) -> int:
+        slot = super().register(worker_id, role, capacity, drafter, draft_capacity)
+        w = self.workers[worker_id]
+        self.records.append(["register", worker_id, role, capacity, slot, w.drafter, w.draft_capacity])
         return slot
 
     def unregister(self, worker_id: int) -> list[int]:
@@ -97,9 +99,9 @@ class RecordingScheduler(Scheduler):
         self.records.append(["prefilled", req.rid, worker_id, valid])
         super().prefilled(req, worker_id, valid)
 
-    def observe_costs(self, worker_id: int, role: str, seconds: list[float | None]) -> None:
-        self.records.append(["step_costs", worker_id, role, list(seconds)])
-        super().observe_costs(worker_id, role, seconds)
+    def observe_costs(self, worker_id: int, role: str, seconds: list[float | None], by_batch: bool = False) -> None:
+        self.records.append(["batch_costs" if by_batch else "step_costs", worker_id, role, list(seconds)])
+        super().observe_costs(worker_id, role, seconds, by_batch)
 
     def finish(self, rid: int) -> Request | None:
         if not self._quiet:
@@ -156,7 +158,7 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
             continue
         events += 1
         if kind == "register":
-            slot = policy.register(args[0], args[1], args[2], *args[4:5])  # drafter: absent in older logs
+            slot = policy.register(args[0], args[1], args[2], *args[4:6])  # drafter, draft capacity: absent in older logs
             if slot != args[3]:
                 mismatches.append({"record": i, "event": rec, "got_slot": slot})
         elif kind == "unregister":
@@ -181,6 +183,8 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
                              stop_text=lambda _r, hit=ended: hit)
         elif kind == "step_costs":
             policy.observe_costs(*args)
+        elif kind == "batch_costs":
+            policy.observe_costs(*args, by_batch=True)
         elif kind == "finish":
             policy.finish(args[0])
         elif kind == "dispatch":

@@ -159,7 +159,8 @@ class Error(Msg):
 class Register(Msg):
     """Worker -> broker: a worker joins: its role, name, batch capacity, model facts and KV
     endpoint; a draft worker's drafter (the kind of draft model rounds are routed by); its process
-    id and how many times its deployment restarted it (both shown by ``status``)."""
+    id and how many times its deployment restarted it (both shown by ``status``); an elastic
+    worker's (role ``any``) most tasks in a draft batch, where more than ``capacity``."""
 
     KIND: ClassVar[str] = "REGISTER"
     role: str
@@ -170,10 +171,12 @@ class Register(Msg):
     drafter: str | None = None
     pid: int | None = None
     restarts: int = 0
+    draft_capacity: int | None = None
 
     def check(self) -> None:
-        if not 1 <= self.capacity <= MAX_CAPACITY:
-            raise ProtocolError("invalid_params", f"capacity must be in 1..{MAX_CAPACITY}")
+        if not 1 <= self.capacity <= MAX_CAPACITY or not (self.draft_capacity is None or isinstance(
+                self.draft_capacity, int) and 1 <= self.draft_capacity <= MAX_CAPACITY):
+            raise ProtocolError("invalid_params", f"capacity and draft_capacity must be in 1..{MAX_CAPACITY}")
         if not (isinstance(self.restarts, int) and 0 <= self.restarts < 2**31) or not (
                 self.pid is None or isinstance(self.pid, int) and 0 < self.pid < 2**31):
             raise malformed("pid and restarts must be small non-negative integers")

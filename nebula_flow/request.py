@@ -60,6 +60,11 @@ class Request:
         return np.asarray(self.prompt + self.output, dtype=np.int32)
 
     @property
+    def reproducible(self) -> bool:
+        """A sampled request with the client's own seed: its output must not depend on placement."""
+        return not self.params.greedy and self.params.seed is not None
+
+    @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.output)
 

@@ -13,14 +13,15 @@ Modes (the same code, one switch):
 * ``colocated``: a worker holds both models; a request is bound to one worker, which runs
   whole rounds (``round`` tasks) for it.
 * ``autoregressive``: target only; every round is a verify with no draft (one token).
+* ``elastic``: pooled, where a worker holding both models (role ``any``) takes a draft or a verify
+  batch at each PULL (``elastic.choose_stage``); draft-only and target-only workers may join.
 
 Worker-triggered batching: a worker's ``PULL`` waits here until tasks it may take exist;
 idle workers are served before workers that are prefetching behind a running batch.
 
-Several drafters (pooled mode): each draft worker registers with a drafter name; each round's
-draft goes to the drafter ``routing.choose_drafter`` picks for the request, and is taken by any
-worker of that drafter (by any draft worker when none is left). Each drafter's KV is its own:
-a request's draft holder is kept per drafter (``holder_key``).
+Several drafters (pooled mode): each round's draft goes to the drafter ``routing.choose_drafter``
+picks for the request, taken by any worker of that drafter (by any draft worker when none is
+left). Each drafter's KV is its own: a request's draft holder is kept per drafter (``holder_key``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from nebula_flow import routing, speclen
+from nebula_flow import elastic, routing, speclen
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.speclen import Acceptance
@@ -39,8 +40,12 @@ MODES: dict[str, tuple[str, ...]] = {
     "paired": ("draft", "target"),
     "colocated": ("colocated",),
     "autoregressive": ("target",),
+    "elastic": ("any", "draft", "target"),
 }
 PHASE_ROLE = {DRAFT: "draft", VERIFY: "target", ROUND: "colocated"}
+# the topics a worker of each role takes tasks from, and the models it runs (whose costs it reports)
+ROLE_TOPICS = {"draft": ("draft",), "target": ("target",), "colocated": ("colocated",), "any": ("draft", "target")}
+MODEL_ROLES = {"draft": ("draft",), "target": ("target",), "colocated": ("draft", "target"), "any": ("draft", "target")}
 DEFAULT_DRAFTER = "draft"  # a draft worker that names no drafter
 
 
@@ -55,11 +60,8 @@ class WorkerState:
     pull_idle: bool = False
     pull_since: float = 0.0
     drafter: str | None = None  # draft workers: which drafter (kind of draft model) it runs
-
-
-def reproducible(req: Request) -> bool:
-    """A sampled request with the client's own seed: its output must not depend on placement."""
-    return not req.params.greedy and req.params.seed is not None
+    stage: str | None = None  # the topic its waiting PULL is served from (elastic workers: chosen per PULL)
+    draft_capacity: int | None = None  # elastic workers: the most tasks of a draft batch (else ``capacity``)
 
 
 def holder_key(role: str, drafter: str | None = None) -> str:
@@ -91,9 +93,9 @@ class Scheduler:
         # forwards by rows in decode steps
         self.costs, self.verify_costs = policy.spec_costs, ()
         self.step_costs: dict[tuple[int, str], list[float | None]] = {}  # (worker, role) -> seconds by rows
-        # several drafters: each one's (costs, verify costs) as ``costs``/``verify_costs``, and the
-        # pool's recent acceptance of each, for greedy and for sampled requests (acceptance differs
-        # widely between them): where requests start a drafter they have not tried (``routing``)
+        self.batch_costs: dict[tuple[int, str], list[float | None]] = {}  # the same by batch rows (``elastic``)
+        # several drafters: each one's (costs, verify costs), and the pool's recent acceptance of each for
+        # greedy and sampled requests (they differ widely): where requests start a drafter (``routing``)
         self.drafter_costs: dict[str, tuple[tuple[float, float, float], tuple[float | None, ...]]] = {}
         self.drafter_acceptance: dict[tuple[str, bool], Acceptance] = {}  # (drafter, greedy) ->
         self.drafters: dict[str, int] = {}  # drafter -> live draft workers
@@ -102,9 +104,11 @@ class Scheduler:
         self.workers: dict[int, WorkerState] = {}
 
     # -- workers ---------------------------------------------------------------------------
-    def register(self, worker_id: int, role: str, capacity: int, drafter: str | None = None) -> int:
-        """Add a worker; returns its slot (its pair index, or colocated index). ``drafter``: a
-        draft worker's drafter (``DEFAULT_DRAFTER`` when None)."""
+    def register(self, worker_id: int, role: str, capacity: int, drafter: str | None = None,
+                 draft_capacity: int | None = None) -> int:
+        """Add a worker; returns its slot (its pair index, or colocated index). ``drafter``: a draft
+        worker's drafter (``DEFAULT_DRAFTER`` when None); ``draft_capacity``: an elastic worker's draft
+        batches' most tasks (a small model drafts large batches for little more than small ones)."""
         if role not in MODES[self.mode]:
             raise ValueError(f"mode {self.mode} has no {role!r} workers (roles: {', '.join(MODES[self.mode])})")
         if capacity < 1:
@@ -112,7 +116,8 @@ class Scheduler:
         used = {w.slot for w in self.workers.values() if w.role == role}
         slot = next(i for i in range(len(used) + 1) if i not in used)
         drafter = (drafter or DEFAULT_DRAFTER) if role == "draft" else None
-        self.workers[worker_id] = WorkerState(worker_id, role, slot, capacity, drafter=drafter)
+        self.workers[worker_id] = WorkerState(worker_id, role, slot, capacity, drafter=drafter,
+                                              draft_capacity=draft_capacity if role == "any" else None)
         if drafter is not None:
             self.drafters[drafter] = self.drafters.get(drafter, 0) + 1
         for req in self.requests.values():
@@ -142,15 +147,21 @@ class Scheduler:
                     del req.holders[role]
         for topic in self.topics.values():
             topic.forget_holder(worker_id)
+        self.batch_costs = {key: v for key, v in self.batch_costs.items() if key[0] != worker_id}
         if any(key[0] == worker_id for key in self.step_costs):
             self.step_costs = {key: v for key, v in self.step_costs.items() if key[0] != worker_id}
             self._update_costs()
         return requeued
 
-    def observe_costs(self, worker_id: int, role: str, seconds: list[float | None]) -> None:
+    def observe_costs(self, worker_id: int, role: str, seconds: list[float | None], by_batch: bool = False) -> None:
         """A worker's forward times for its ``role``'s model by new rows (``speclen.StepCosts.table``:
-        seconds for 1, 2, ... rows of one sequence; None where not seen). Used with ``measure_costs``."""
+        seconds for 1, 2, ... rows of one sequence; None where not seen), used with ``measure_costs``;
+        ``by_batch``: by a forward's rows in all (``elastic.BatchCosts.table``), what an elastic worker
+        weighs a draft batch against a verify batch with."""
         if worker_id in self.workers and role in ("draft", "target") and any(t is not None for t in seconds):
+            if by_batch:
+                self.batch_costs[(worker_id, role)] = list(seconds)
+                return
             self.step_costs[(worker_id, role)] = list(seconds)
             self._update_costs()
 
@@ -186,8 +197,7 @@ class Scheduler:
         req.round += 1
         req.draft, req.q, req.runner_ups, req.chains = [], {}, [], []
         max_alts = self.policy.first_alternatives
-        loaded = bool(self.policy.disable_by_batch_size and len(self.requests) > self.policy.disable_by_batch_size
-                      and not reproducible(req))  # (see __init__)
+        loaded = 0 < self.policy.disable_by_batch_size < len(self.requests) and not req.reproducible  # (__init__)
         speculate = self.mode != "autoregressive" and req.remaining > 1 and not loaded
         req.drafter, explore, plan = self._route(req, max_alts) if speculate and self.mode == "pooled" and self.drafters \
             else (None, False, None)
@@ -218,7 +228,7 @@ class Scheduler:
 
     def _verify_batch(self) -> int:
         """About how many requests share a target's verify forward: the pool over the targets."""
-        targets = sum(1 for w in self.workers.values() if w.role in ("target", "colocated")) or 1
+        targets = sum(1 for w in self.workers.values() if w.role in ("target", "colocated", "any")) or 1
         return -(-len(self.requests) // targets)
 
     def _costs_for(self, req: Request, drafter: str | None) -> tuple[tuple[float, float, float], tuple[float | None, ...]]:
@@ -226,7 +236,7 @@ class Scheduler:
         several drafters run), except for a seeded sampled request, whose k and drafter decide
         which sample it draws: it is planned from its own history and ``spec_costs`` alone, so the
         same seed gives the same output whatever the placement and the machine's timing."""
-        if reproducible(req):
+        if req.reproducible:
             return self.policy.spec_costs, ()
         return self.drafter_costs.get(drafter, (self.costs, self.verify_costs)) if drafter else (self.costs, self.verify_costs)
 
@@ -239,7 +249,7 @@ class Scheduler:
         if len(names) > 1:
             # the pool's experience of each drafter (not for a seeded sample: it must not depend on
             # other requests): where a request starts one it has not tried, and what its own weighs with
-            pools = {d: None if reproducible(req) else self.drafter_acceptance.get((d, req.params.greedy)) for d in names}
+            pools = {d: None if req.reproducible else self.drafter_acceptance.get((d, req.params.greedy)) for d in names}
             for d in names:
                 if d not in req.by_drafter:
                     req.by_drafter[d] = routing.starting_acceptance(pools[d])
@@ -346,8 +356,7 @@ class Scheduler:
 
     def accepts_result(self, worker_id: int, rid: int, attempt: int, kind: str) -> Request | None:
         """The request a result belongs to, or None when the result is stale or foreign."""
-        req = self.requests.get(rid)
-        w = self.workers.get(worker_id)
+        req, w = self.requests.get(rid), self.workers.get(worker_id)
         if req is None or w is None or rid not in w.inflight or req.attempt != attempt or req.phase != kind:
             return None
         return req
@@ -369,11 +378,14 @@ class Scheduler:
         waiting = sorted((w for w in self.workers.values() if w.pull_credits > 0),
                          key=lambda w: (not w.pull_idle, w.pull_since, w.worker_id))
         picks: dict[int, list[int]] = {}
-        taken: set[int] = set()
+        taken: set[int] = set()  # (an elastic worker's stage below: chosen at its turn, from the tasks left to it)
+        for w in waiting:
+            w.stage = None if w.role == "any" else ROLE_TOPICS[w.role][0]
         for first_pass in ((True, False) if self.policy.locality else (False,)):
             for w in waiting:
-                room = w.pull_credits - len(picks.get(w.worker_id, []))
-                if room > 0:
+                w.stage = w.stage or self._stage(w, taken)
+                room = self._room(w, w.stage) - len(picks.get(w.worker_id, []))
+                if room > 0 and w.stage is not None:
                     got = self._choose(w, room, first_pass, taken)
                     picks.setdefault(w.worker_id, []).extend(got)
                     taken.update(got)
@@ -382,15 +394,30 @@ class Scheduler:
             rids = picks.get(w.worker_id)
             if not rids:
                 continue
-            if self.policy.merge_batches and not w.pull_idle and len(rids) < w.pull_credits and len(rids) <= len(w.inflight):
+            if self.policy.merge_batches and not w.pull_idle and len(w.inflight) >= len(rids) < self._room(w, w.stage):
                 continue
             w.pull_credits = 0
             out.append((w.worker_id, self._commit(w, rids)))
         return out
 
-    def _choose(self, w: WorkerState, room: int, held_only: bool, taken: set[int]) -> list[int]:
-        """Up to ``room`` queued tasks for ``w`` in queue order (not yet removed from the topic)."""
-        topic = self.topics[w.role]
+    def _room(self, w: WorkerState, stage: str | None) -> int:
+        return min(w.pull_credits, w.draft_capacity if stage == "draft" and w.draft_capacity else w.capacity)
+
+    def _stage(self, w: WorkerState, taken: set[int]) -> str | None:
+        """The topic an elastic worker's PULL is served from this time (``elastic.choose_stage``),
+        priced by its own batch costs (the median worker's until it has run both stages)."""
+        tables = [self.batch_costs.get((w.worker_id, role)) or speclen.median_table(
+            [t for (_, r), t in self.batch_costs.items() if r == role]) for role in ("draft", "target")]
+        rooms = self._room(w, "draft"), self._room(w, "target")
+        drafts, verifies = ([self.requests[rid] for rid in self._choose(w, room, False, taken, topic)]
+                            for room, topic in zip(rooms, ("draft", "target")))
+        return elastic.stage_of(drafts, verifies, rooms, lambda r: r.holders.get(self.task_holder_key(r), (None, 0))[1],
+                                *tables)
+
+    def _choose(self, w: WorkerState, room: int, held_only: bool, taken: set[int], stage: str | None = None) -> list[int]:
+        """Up to ``room`` queued tasks for ``w`` in queue order (not yet removed from the topic),
+        from ``stage``'s topic (by default the one its PULL is served from)."""
+        topic = self.topics[stage or w.stage]
         busy_local = self.policy.locality and not w.pull_idle and not held_only
         if held_only:
             candidates: Iterable[int] = topic.held_by([w.worker_id])
@@ -417,7 +444,7 @@ class Scheduler:
         return chosen
 
     def _commit(self, w: WorkerState, rids: list[int]) -> list[Request]:
-        topic = self.topics[w.role]
+        topic = self.topics[w.stage]
         batch = []
         for rid in rids:
             topic.remove(rid)
@@ -443,7 +470,8 @@ class Scheduler:
         if not self._routed_to(req, w):
             return False
         if self.policy.migrate and self._holder(req) == w.worker_id:
-            return not any(o.role == w.role and o.worker_id != w.worker_id and self._routed_to(req, o)
+            topic = PHASE_ROLE[req.phase]
+            return not any(topic in ROLE_TOPICS[o.role] and o.worker_id != w.worker_id and self._routed_to(req, o)
                            for o in self.workers.values())
         return True
 
@@ -467,4 +495,4 @@ class Scheduler:
         req.slot = min(slots, key=lambda s: (load[s], s))
 
     def depth(self) -> dict[str, int]:
-        return {role: len(q) for role, q in self.topics.items() if role in MODES[self.mode]}
+        return {role: len(q) for role, q in self.topics.items() if any(role in ROLE_TOPICS[r] for r in MODES[self.mode])}

@@ -1,6 +1,6 @@
 """End to end, real processes on loopback: a broker, workers, 16 concurrent requests.
 
-* Greedy output is token-for-token HF transformers' own greedy output, in all four modes.
+* Greedy output is token-for-token HF transformers' own greedy output, in every mode.
 * Seeded sampled output (temperature 0.8) is identical across modes and pool sizes.
 """
 
@@ -44,13 +44,23 @@ async def _run_all(address: str, reqs: list[dict]) -> list:
 def runs(tiny_pair):  # noqa: ANN001, ANN201
     """Run the greedy and sampled sets once per (mode, M, N); cached for the tests below."""
     cache: dict[tuple, tuple[list, list]] = {}
+    batches: dict[tuple, list[dict]] = {}  # each worker's batches by stage
 
-    def get(mode: str, m: int, n: int) -> tuple[list, list]:
-        if (mode, m, n) not in cache:
-            with Deployment(deploy_config(tiny_pair, mode, m, n, max_batch=4)) as dep:
+    def get(mode: str, m: int, n: int, fixed_drafts: bool = False) -> tuple[list, list]:
+        """``fixed_drafts``: elastic mode with the draft pool kept to drafting (mixed workers)."""
+        key = (mode, m, n, fixed_drafts)
+        if key not in cache:
+            cfg = deploy_config(tiny_pair, mode, m, n, max_batch=4)
+            cfg.draft.elastic = not fixed_drafts
+            with Deployment(cfg) as dep:
                 outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests()))
-            cache[(mode, m, n)] = (outs[:16], outs[16:])
-        return cache[(mode, m, n)]
+                with Client(dep.address) as client:
+                    batches[key] = [{"role": w["role"], **w["batches"]} for w in client.status()["workers"]]
+            cache[key] = (outs[:16], outs[16:])
+        return cache[key]
+
+    get.batches = batches
+    return get
 
     return get
 
@@ -65,7 +75,7 @@ def reference(tiny_pair) -> list[list[int]]:  # noqa: ANN001
     return refs
 
 
-@pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive"])
+@pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
 def test_greedy_output_equals_hf_transformers(runs, reference, mode: str) -> None:  # noqa: ANN001
     greedy, _ = runs(mode, 2, 2)
     for i, (out, ref) in enumerate(zip(greedy, reference)):
@@ -73,15 +83,24 @@ def test_greedy_output_equals_hf_transformers(runs, reference, mode: str) -> Non
     assert sum(o.rounds for o in greedy) > 0
     if mode == "autoregressive":
         assert all(o.rounds == len(o.token_ids) for o in greedy)
+    if mode == "elastic":  # workers of role any, each taking draft and verify batches as the broker chose
+        workers = runs.batches[("elastic", 2, 2, False)]
+        assert [w["role"] for w in workers] == ["any"] * 4
+        assert sum(w.get("draft", 0) for w in workers) > 0 and sum(w.get("target", 0) for w in workers) > 0
+        assert any(w.get("draft", 0) and w.get("target", 0) for w in workers)
     else:  # speculation commits more than one token per round on average
         assert sum(len(o.token_ids) for o in greedy) / sum(o.rounds for o in greedy) > 1.3
 
 
-def test_seeded_sampling_is_identical_across_modes_and_pool_sizes(runs) -> None:  # noqa: ANN001
+def test_seeded_sampling_is_identical_across_modes_and_pool_sizes(runs, reference) -> None:  # noqa: ANN001
     base = [o.token_ids for o in runs("pooled", 2, 2)[1]]
     assert len({tuple(t) for t in base}) > 1  # really sampled, distinct prompts
-    for key in [("pooled", 1, 1), ("pooled", 3, 1), ("paired", 2, 2), ("colocated", 2, 2)]:
+    for key in [("pooled", 1, 1), ("pooled", 3, 1), ("paired", 2, 2), ("colocated", 2, 2), ("elastic", 2, 2),
+                ("elastic", 1, 1, True)]:
         assert [o.token_ids for o in runs(*key)[1]] == base, f"seeded output changed in {key}"
+    # elastic beside a draft-only worker: the mixed deployment ran both kinds of worker
+    assert sorted(w["role"] for w in runs.batches[("elastic", 1, 1, True)]) == ["any", "draft"]
+    assert [o.token_ids for o in runs("elastic", 1, 1, True)[0]] == reference
     greedy = [o.token_ids for o in runs("pooled", 2, 2)[0][:8]]
     assert base != [g[:30] for g in greedy]  # temperature 0.8 is not greedy
 

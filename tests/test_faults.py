@@ -27,11 +27,15 @@ def _ref_outputs(tiny_pair, prompts: list[list[int]], n: int) -> list[list[int]]
     return [hf_greedy(tiny_pair / "target", p, n) for p in prompts]
 
 
-def test_chaos_kill_a_draft_and_a_target_worker_during_a_replay(tiny_pair) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("mode", ["pooled", "elastic"])
+def test_chaos_kill_a_draft_and_a_target_worker_during_a_replay(tiny_pair, mode: str) -> None:  # noqa: ANN001
+    """Two workers killed mid-run (elastic: two that hold both models): every request completes,
+    token for token the target's own greedy output."""
     rng = random.Random(7)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(2, 12))] for _ in range(64)]
     refs = _ref_outputs(tiny_pair, prompts, 24)
-    cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=8)
+    cfg = deploy_config(tiny_pair, mode, 2, 2, max_batch=8)
+    victims = ("draft-0", "target-3") if mode == "pooled" else ("any-0", "any-3")
     cfg.broker.liveness_s = 2.0
     cfg.broker.heartbeat_s = 0.5  # four beats per liveness window: a beat late on a loaded machine is no death
     cfg.kv_transport = "zmq"
@@ -48,7 +52,7 @@ def test_chaos_kill_a_draft_and_a_target_worker_during_a_replay(tiny_pair) -> No
                     return out
 
                 async def killer() -> None:
-                    kills = {rng.randrange(4, 20): "draft-0", rng.randrange(20, 40): "target-3"}
+                    kills = {rng.randrange(4, 20): victims[0], rng.randrange(20, 40): victims[1]}
                     while kills:
                         for at in [a for a in kills if done >= a]:
                             dep.kill(kills.pop(at))

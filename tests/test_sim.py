@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -431,7 +432,7 @@ def test_plan_tries_every_way_to_use_the_devices_best_first() -> None:
     rows = plan(small_scenario(link=Link.free()), 4)
     shapes = {(r["mode"], r["draft_workers"], r["target_workers"]) for r in rows}
     assert shapes == {("pooled", 1, 3), ("pooled", 2, 2), ("pooled", 3, 1), ("paired", 2, 2),
-                      ("colocated", 2, 2), ("autoregressive", 2, 2)}
+                      ("colocated", 2, 2), ("autoregressive", 2, 2), ("elastic", 2, 2)}
     rates = [r["tokens_per_s"] for r in rows]
     assert rates == sorted(rates, reverse=True)
     # 1 ms drafts and 10 ms verifies: the pool that gives most devices to the target wins among pooled.
@@ -439,3 +440,7 @@ def test_plan_tries_every_way_to_use_the_devices_best_first() -> None:
     assert pooled[1] > pooled[2] > pooled[3]
     with pytest.raises(ValueError):
         plan(small_scenario(), 1)
+    # a draft pool kept to drafting (small devices): elastic is tried with each split of them
+    fixed = replace(small_scenario(link=Link.free()), draft=Pool(2, 16, flat_profile(0.001), elastic=False))
+    elastic = {(r["draft_workers"], r["target_workers"]) for r in plan(fixed, 4) if r["mode"] == "elastic"}
+    assert elastic == {(1, 3), (2, 2), (3, 1)}

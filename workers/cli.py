@@ -14,13 +14,14 @@ from nebula_flow.options import WorkerOptions, read_options
 @click.command()
 @click.option("--options", "options_file", type=click.Path(exists=True, dir_okay=False),
               help="Take every setting from this JSON file (what `serve` writes for each worker).")
-@click.option("--role", type=click.Choice(["draft", "target", "colocated"]),
-              help="Which topic to serve; colocated workers hold both models.")
+@click.option("--role", type=click.Choice(["draft", "target", "colocated", "any"]),
+              help="Which topic to serve; colocated workers hold both models and run whole rounds; any (elastic "
+              "mode) holds both models and takes a draft or a verify batch at each pull, as the broker decides.")
 @click.option("--model", type=click.Path(),
               help="Checkpoint directory (the draft's for role draft). A draft may also be ngram, ngram:MAX or "
               "ngram:MIN-MAX: prompt lookup, no model (proposes what followed the context's last n tokens before; "
               "default n 2..4).")
-@click.option("--draft-model", type=click.Path(), help="Draft checkpoint (colocated workers only; ngram as for --model).")
+@click.option("--draft-model", type=click.Path(), help="Draft checkpoint (colocated and any workers only; ngram as for --model).")
 @click.option("--drafter", default=None, metavar="NAME",
               help="Draft workers: the drafter name the broker routes rounds by (several drafters: each round goes "
               "to the one that pays best for its request). Workers of one drafter must run the same model. "
@@ -29,6 +30,8 @@ from nebula_flow.options import WorkerOptions, read_options
               help="The broker's worker address.")
 @click.option("--name", default="", help="Name shown in status and logs.")
 @click.option("--max-batch", default=8, show_default=True, help="Tasks per batch (the credits of each PULL).")
+@click.option("--draft-max-batch", type=int, help="Role any: tasks per draft batch, where more than --max-batch (a small "
+              "draft model runs large batches for little more than small ones). [default: --max-batch]")
 @click.option("--threads", default=1, show_default=True, help="torch threads for this worker.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda, cuda:N, or emulated (forward passes take the time --profile predicts).")
@@ -47,14 +50,14 @@ from nebula_flow.options import WorkerOptions, read_options
 @click.option("--kv-overlap/--no-kv-overlap", default=True, show_default=True,
               help="Pull a batch's KV while the previous batch computes (off: at the start of its compute).")
 @click.option("--profile", type=click.Path(), help="Latency profile for --device emulated.")
-@click.option("--draft-profile", type=click.Path(), help="The draft's latency profile (colocated + emulated).")
+@click.option("--draft-profile", type=click.Path(), help="The draft's latency profile (colocated or any, + emulated).")
 @click.option("--max-kv-gb", default=4.0, show_default=True, help="KV memory budget per model (LRU eviction).")
 @click.option("--kv-pool-gb", type=float, help="Memory per model for finished requests' shared KV files, kept "
               "(pages in) for later requests, beyond --max-kv-gb; 0: none kept. Same-host (shm) KV only. "
               "[default: --max-kv-gb / 8]")
 @click.option("--keys", type=click.Path(), help="CURVE key folder (or NEBULA_FLOW_KEYS).")
 def worker(options_file: str | None, role: str | None, model: str | None, draft_model: str | None, drafter: str | None, broker_addr: str, name: str,
-           max_batch: int, threads: int, device: str, dtype: str | None, batch_invariant: bool | None,
+           max_batch: int, draft_max_batch: int | None, threads: int, device: str, dtype: str | None, batch_invariant: bool | None,
            kv_transport: str, kv_host: str, kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
            kv_pool_gb: float | None, keys: str | None) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
@@ -83,7 +86,7 @@ def worker(options_file: str | None, role: str | None, model: str | None, draft_
                                             kv_host=kv_host,
                                             kv_overlap=kv_overlap, profile=profile, draft_profile=draft_profile,
                                             max_kv_gb=max_kv_gb, kv_pool_gb=kv_pool_gb, keys=keys,
-                                            drafter=drafter)))
+                                            drafter=drafter, draft_capacity=draft_max_batch)))
     except (ModelConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -20,61 +20,67 @@ ROOM_BYTES = 1 << 20
 log = logging.getLogger("nebula_flow.worker")
 
 
-class KVPrep:
-    """This worker's KV for its role (``store``; None: a colocated worker or an n-gram drafter)
-    and the transport it moves KV over (None: no KV server)."""
+MODEL_OF_KIND = {"draft": "draft", "verify": "target"}  # the model (and KV) a task of each kind runs on
 
-    def __init__(self, role: str, store: KVStore | None, stores: list[KVStore], transport: KVTransport | None) -> None:
-        self.role, self.store, self.stores, self.transport = role, store, stores, transport
+Pulls = dict[tuple[str, str], list[tuple[int, np.ndarray, int]]]  # (holder endpoint, model role) -> wanted
+
+
+class KVPrep:
+    """This worker's KV that moves between workers (``served``: model role -> store; a draft or a
+    target worker has its one, an elastic worker both, a colocated worker and an n-gram drafter none),
+    every store it holds (``stores``), and the transport KV moves over (None: no KV server)."""
+
+    def __init__(self, served: dict[str, KVStore], stores: list[KVStore], transport: KVTransport | None) -> None:
+        self.served, self.stores, self.transport = served, stores, transport
         self.worker_id = 0  # this worker's id at the broker (a holder that is us needs no pull)
 
     def lookup(self, rid: int, role: str, start: int, end: int):  # noqa: ANN201 - KV server thread
-        """What a peer asks this worker's KV server for: positions ``start:end`` of ``rid``."""
-        return self.store.snapshot(rid, start, end) if self.store is not None and role == self.role else None
+        """What a peer asks this worker's KV server for: positions ``start:end`` of ``rid``'s ``role`` KV."""
+        store = self.served.get(role)
+        return store.snapshot(rid, start, end) if store is not None else None
 
-    def pulls(self, tasks: list[Task], local: bool | None = None) -> dict[str, list[tuple[int, np.ndarray, int]]]:
-        """The KV this batch needs from peers: holder endpoint -> [(rid, tokens, valid length)].
-        ``local``: only holders read from this host's memory (True), only the others (False), all (None)."""
-        if self.store is None or self.transport is None:
+    def pulls(self, tasks: list[Task], local: bool | None = None) -> Pulls:
+        """The KV this batch needs from peers: (holder endpoint, model role) -> [(rid, tokens, valid
+        length)]. ``local``: only holders read from this host's memory (True), only the others
+        (False), all (None)."""
+        if self.transport is None:
             return {}
-        by_holder: dict[str, list[tuple[int, np.ndarray, int]]] = {}
+        by_holder: Pulls = {}
         for t in tasks:
-            h = t.holder
-            if h is not None and h.endpoint and h.worker != self.worker_id and h.valid > 0:
-                by_holder.setdefault(h.endpoint, []).append((t.rid, t.tokens, h.valid))
+            h, role = t.holder, MODEL_OF_KIND.get(t.kind)
+            if role in self.served and h is not None and h.endpoint and h.worker != self.worker_id and h.valid > 0:
+                by_holder.setdefault((h.endpoint, role), []).append((t.rid, t.tokens, h.valid))
         if local is None:
             return by_holder
-        return {e: w for e, w in by_holder.items() if self.transport.reads_locally(e) == local}
+        return {key: w for key, w in by_holder.items() if self.transport.reads_locally(key[0]) == local}
 
-    def room_to_make(self, tasks: list[Task]) -> dict[str, list[tuple[int, np.ndarray, int]]]:
-        """This batch's same-host reads into caches not held here (by holder, as ``_pulls``),
-        when they are large enough (``ROOM_BYTES``) to be worth a thread handoff."""
-        store = self.store
-        if store is None or store.share_folder is None:
-            return {}
-        room = {e: new for e, ws in self.pulls(tasks, local=True).items()
-                if (new := [w for w in ws if w[0] not in store.caches])}
-        positions = sum(min(valid, len(tokens) - 1) for ws in room.values() for _, tokens, valid in ws)
-        return room if positions * store.row_bytes >= ROOM_BYTES else {}
+    def room_to_make(self, tasks: list[Task]) -> Pulls:
+        """This batch's same-host reads into caches not held here (keyed as ``pulls``), when they
+        are large enough (``ROOM_BYTES``) to be worth a thread handoff."""
+        room = {key: new for key, ws in self.pulls(tasks, local=True).items()
+                if self.served[key[1]].share_folder is not None
+                and (new := [w for w in ws if w[0] not in self.served[key[1]].caches])}
+        nbytes = sum(min(valid, len(tokens) - 1) * self.served[role].row_bytes
+                     for (_, role), ws in room.items() for _, tokens, valid in ws)
+        return room if nbytes >= ROOM_BYTES else {}
 
-    def prefetch(self, pulls: dict[str, list[tuple[int, np.ndarray, int]]],
-                  room: dict[str, list[tuple[int, np.ndarray, int]]] | None = None) -> None:
-        """Pull a batch's missing KV (``_pulls``) from its holders: network pulls on the prefetch
+    def prefetch(self, pulls: Pulls, room: Pulls | None = None) -> None:
+        """Pull a batch's missing KV (``pulls``) from its holders: network pulls on the prefetch
         thread (overlapping compute), same-host reads and no-overlap pulls at compute start.
-        ``room`` (``_room_to_make``; on the prefetch thread, first): for large same-host reads,
+        ``room`` (``room_to_make``; on the prefetch thread, first): for large same-host reads,
         make the caches they fill and have the pages on both sides in, so that at compute start
         they are only copies."""
-        store = self.store
-        for endpoint, wanted in (room or {}).items():
+        for (endpoint, role), wanted in (room or {}).items():
             try:
-                store.make_room(wanted)
-                self.transport.prepare_reads(endpoint, [(rid, self.role, 0, min(valid, len(tokens) - 1))
+                self.served[role].make_room(wanted)
+                self.transport.prepare_reads(endpoint, [(rid, role, 0, min(valid, len(tokens) - 1))
                                                         for rid, tokens, valid in wanted])
             except Exception:  # only a head start: the pull at compute start does what is left
                 log.exception("preparing KV reads from %s failed", endpoint)
-        for endpoint, wanted in pulls.items():  # one exchange per holder for the whole batch
+        for (endpoint, role), wanted in pulls.items():  # one exchange per holder and model for the whole batch
+            store = self.served[role]
             try:
-                store.fetch_many(self.role, wanted, endpoint, self.transport)
+                store.fetch_many(role, wanted, endpoint, self.transport)
             except Exception:  # never let a transfer problem cost the batch: recompute instead
                 log.exception("KV pull from %s failed", endpoint)
                 store.stats.pull_failures += len(wanted)

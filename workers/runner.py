@@ -13,6 +13,7 @@ import torch
 
 from nebula_flow import specdec
 from nebula_flow.budget import plan_forward
+from nebula_flow.elastic import BatchCosts
 from nebula_flow.kv.store import KVStore
 from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup
 from nebula_flow.models.llama import CausalLM
@@ -71,6 +72,7 @@ class ModelRunner:
         self.busy_s = 0.0
         self.forwards = 0
         self.step_costs = StepCosts()
+        self.batch_costs = BatchCosts()  # by the forward's rows in all: what an elastic worker's stages cost
         self.max_forward_tokens = 0
 
     def _forward(self, caches, new_tokens, rows, parents=None):  # noqa: ANN001, ANN202 - internal
@@ -81,6 +83,7 @@ class ModelRunner:
         self.forwards += 1
         if len(caches) == 1 and rows[0]:  # (a batch's time depends on its mix; speculation runs single-stream)
             self.step_costs.observe(len(new_tokens[0]), took)
+        self.batch_costs.observe(sum(map(len, new_tokens)), took)
         return out
 
     def chunk_ends(self, tasks: list[Task], held: list[int] | None = None) -> list[int | None]:

@@ -52,7 +52,8 @@ from nebula_flow_workers.tasks import failed, runnable
 
 COSTS_EVERY_S = 1.0  # forward-time tables go to the broker at most this often
 log = logging.getLogger("nebula_flow.worker")
-ROLES = ("draft", "target", "colocated")
+ROLES = ("draft", "target", "colocated", "any")  # any: both models, a draft or a verify batch at each pull (elastic)
+BOTH_MODELS = ("colocated", "any")
 REFUSALS = ("malformed", "wrong_role", "invalid_params", "unauthorized")  # REGISTER errors retrying cannot fix
 
 
@@ -71,9 +72,11 @@ class Worker:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
         if opts.max_kv_gb <= 0 or (opts.kv_pool_gb is not None and opts.kv_pool_gb < 0):
             raise ValueError("--max-kv-gb must be > 0 and --kv-pool-gb >= 0")
-        if opts.device != "emulated" and (opts.model is None or (opts.role == "colocated" and opts.draft_model is None)):
-            raise ValueError("--model is required (and --draft-model for a colocated worker)")
+        if opts.device != "emulated" and (opts.model is None or (opts.role in BOTH_MODELS and opts.draft_model is None)):
+            raise ValueError("--model is required (and --draft-model for a colocated or elastic worker)")
         self.opts = opts
+        # a PULL's credits: its batch's most tasks (an elastic worker's draft batches may hold more)
+        self.credits = max(opts.capacity, opts.draft_capacity or 0) if opts.role == "any" else opts.capacity
         self.heartbeat_s = opts.heartbeat_s  # until the broker's WELCOME names its own interval
         self.name = opts.name or f"{opts.role}-{os.getpid()}"
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
@@ -91,10 +94,11 @@ class Worker:
         # this worker's own keypair (workers/NAME in the key folder): to the broker and as a KV server
         self.identity = Identity.load(folder, "worker", self.name) if folder else None
         # (with CURVE keys, only ZeroMQ: UCX and shared folders have no authentication)
-        own = {"draft": self.draft, "target": self.target}.get(opts.role)
-        store = own.store if own is not None else None  # (None: colocated, or an n-gram drafter)
-        self.transport = make_transport(opts.kv_transport, self.identity, opts.device) if store is not None else None
-        self.kv = KVPrep(opts.role, store, self.stores, self.transport)
+        # the KV that moves between workers: a colocated worker's never does, an n-gram drafter holds none
+        served = {role: r.store for role, r in (("draft", self.draft), ("target", self.target))
+                  if r is not None and r.store is not None and opts.role in (role, "any")}
+        self.transport = make_transport(opts.kv_transport, self.identity, opts.device) if served else None
+        self.kv = KVPrep(served, self.stores, self.transport)
         self.kv_endpoint = self.transport.serve(opts.kv_host, self.kv.lookup) if self.transport else None
         if self.transport is not None and self.transport.share_folder is not None:  # same-host peers read our files
             for role, runner in (("draft", self.draft), ("target", self.target)):
@@ -115,7 +119,7 @@ class Worker:
             self.draft = self._draft_runner(opts.model, opts.profile)
         else:
             self.target = ModelRunner(self._load(opts.model, opts.profile, "target"), max_kv_bytes=int(opts.max_kv_gb * (1 << 30)))
-        if opts.role == "colocated":
+        if opts.role in BOTH_MODELS:
             self.draft = self._draft_runner(opts.draft_model, opts.draft_profile)
 
     def _draft_runner(self, model: str, profile: str | None):  # noqa: ANN202
@@ -135,7 +139,7 @@ class Worker:
         from nebula_flow.emulated import EmulatedModel, load_profile
 
         if not profile:
-            raise ValueError("--device emulated needs --profile (and --draft-profile for colocated workers)")
+            raise ValueError("--device emulated needs --profile (and --draft-profile for colocated and elastic workers)")
         return EmulatedModel(load_profile(profile), role)
 
     # -- protocol --------------------------------------------------------------------------
@@ -156,7 +160,7 @@ class Worker:
 
     def _register(self) -> None:
         msg = Register(self.opts.role, self.name, self.opts.capacity, self._model_facts(), self.kv_endpoint,
-                       self.drafter, os.getpid(), restarts())
+                       self.drafter, os.getpid(), restarts(), self.opts.draft_capacity if self.opts.role == "any" else None)
         self._send(msg)
         self.registered, self.register_sent = False, time.monotonic()
 
@@ -306,7 +310,7 @@ class Worker:
                     pending, frees, prefetch, clock = None, [], None, BatchClock()
                 idle = computing is None
                 if pending is None and (pull_out is None or (idle and pull_out == "busy")):
-                    self._send(Pull(self.opts.capacity, idle))
+                    self._send(Pull(self.credits, idle))
                     pull_out = "idle" if idle else "busy"
             if time.monotonic() - self.last_sent >= self.heartbeat_s:
                 self._send(Heartbeat())
@@ -405,11 +409,12 @@ class Worker:
         # policy's adaptive k weighs a round's draft steps and verify block with them. At most once
         # per COSTS_EVERY_S: they move slowly, and the broker takes a median over workers per update.
         if time.monotonic() - self.costs_sent_at >= COSTS_EVERY_S:
-            tables = {role: t for role, r in (("draft", self.draft), ("target", self.target))
-                      if r is not None and (t := r.step_costs.table())}
-            if tables:
-                out["step_costs"] = tables
-                self.costs_sent_at = time.monotonic()
+            for key in ("step_costs", "batch_costs"):  # (by a forward's rows in all: elastic workers weigh their stages)
+                tables = {role: t for role, r in (("draft", self.draft), ("target", self.target))
+                          if r is not None and hasattr(r, key) and (t := getattr(r, key).table())}
+                if tables:
+                    out[key] = tables
+                    self.costs_sent_at = time.monotonic()
         for role, runner in (("draft", self.draft), ("target", self.target)):
             if runner is not None and isinstance(runner.model, torch.nn.Module):
                 dtype = str(runner.model.lm_head.weight.dtype).removeprefix("torch.")

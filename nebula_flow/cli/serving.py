@@ -103,6 +103,8 @@ def status(address: str, as_json: bool) -> None:
     for w in state["workers"]:
         drafter = f" drafter {w['drafter']}" if w.get("drafter") and len(state.get("drafters", {})) > 1 else ""
         restarted = f" restarts {w['restarts']}" if w.get("restarts") else ""
+        if w["role"] == "any":  # an elastic worker: how its batches split between the stages
+            restarted += f" (batches: {w['batches'].get('draft', 0)} draft, {w['batches'].get('target', 0)} verify)"
         click.echo(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} "
                    f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}{restarted}")
     if len(state.get("drafters", {})) > 1:  # several drafters: how routing shares the rounds out

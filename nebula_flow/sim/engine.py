@@ -38,15 +38,17 @@ from typing import Any
 
 from nebula_flow.budget import plan_forward
 from nebula_flow.config import DeployConfig, PoolConfig
+from nebula_flow.elastic import BatchCosts
 from nebula_flow.params import SamplingParams
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim.costs import CostModel
-from nebula_flow.sim.scenario import Scenario, Workload
+from nebula_flow.sim.scenario import Scenario, Workload, cost_on
 from nebula_flow.speclen import FIT_ROWS
 from nebula_flow.stats import percentiles
 
 PLACEHOLDER = 0  # simulated requests carry token counts, not token ids
+COSTS_EVERY_S = 1.0  # as workers/worker.py: forward-time tables go to the broker at most this often
 Outcome = tuple[int, bool, int, int | None]  # a verified round: accepted, via_alt, draft's own, fused gain
 
 
@@ -80,7 +82,10 @@ class SimWorker:
     capacity: int
     costs: dict[str, CostModel]  # model role ("draft"/"target") -> cost model on this device
     drafter: str | None = None  # draft workers of a ``[[drafters]]`` pool: its name
+    draft_capacity: int | None = None  # elastic workers: a draft batch's most tasks (the draft pool's max_batch)
     reported: bool = False  # forward times sent to the broker (with the first result)
+    reported_at: float = float("-inf")  # batch forward times last sent (at most once a second, as live)
+    batch_costs: dict[str, BatchCosts] = field(default_factory=lambda: {"draft": BatchCosts(), "target": BatchCosts()})
     computing: list[SimTask] | None = None
     pending: list[SimTask] | None = None
     pull_out: str | None = None  # None, "busy" or "idle": as in the live worker loop
@@ -112,15 +117,17 @@ class Simulator:
         self.poll_scheduled = False
         # The worker processes a deployment of this mode starts: the live plan, not a copy of it.
         dep = DeployConfig(mode=mode, draft=PoolConfig(workers=draft_workers or sc.draft.workers,
-                                                       max_batch=sc.draft.max_batch),
+                                                       max_batch=sc.draft.max_batch, elastic=sc.draft.elastic),
                            target=PoolConfig(workers=target_workers or sc.target.workers,
-                                             max_batch=sc.target.max_batch))
+                                             max_batch=sc.target.max_batch, elastic=sc.target.elastic))
         self.workers: dict[int, SimWorker] = {}
+        beside_target = cost_on(sc.draft, sc.target)  # the draft on a worker that holds both (a target device)
         for i, (role, pool) in enumerate(dep.worker_plan(), 1):
             costs = {"draft": sc.draft.cost} if role == "draft" else {"target": sc.target.cost}
-            if role == "colocated":
-                costs["draft"] = sc.draft.cost
-            self.workers[i] = SimWorker(i, role, pool.max_batch, costs)
+            if role in ("colocated", "any"):
+                costs["draft"] = beside_target
+            self.workers[i] = SimWorker(i, role, pool.max_batch, costs,
+                                        draft_capacity=sc.draft.max_batch if role == "any" else None)
         for d in sc.drafters if mode == "pooled" else ():  # (the baselines run [draft] alone, as live)
             for _ in range(d.pool.workers):
                 wid = len(self.workers) + 1
@@ -170,7 +177,7 @@ class Simulator:
 
     def run(self) -> dict[str, Any]:
         for w in self.workers.values():
-            self.policy.register(w.wid, w.role, w.capacity, w.drafter)
+            self.policy.register(w.wid, w.role, w.capacity, w.drafter, w.draft_capacity)
         for w in self.workers.values():
             self._worker_step(w)
         n_now = len(self.reqs) if self.workload.concurrency is None else min(self.workload.concurrency, len(self.reqs))
@@ -209,6 +216,11 @@ class Simulator:
             sender.reported = True
             for role, cost in sender.costs.items():
                 self.policy.observe_costs(wid, role, self._step_table(cost))
+        if self.now - sender.reported_at >= COSTS_EVERY_S:  # (the forwards it ran, priced by batch rows)
+            sender.reported_at = self.now
+            for role, costs in sender.batch_costs.items():
+                if costs.seconds:
+                    self.policy.observe_costs(wid, role, costs.table(), by_batch=True)
         for task, outcome in results:
             req = self.policy.accepts_result(wid, task.req.rid, task.attempt, task.kind)
             if req is None:
@@ -251,7 +263,7 @@ class Simulator:
         idle = w.computing is None
         if w.pending is None and (w.pull_out is None or (idle and w.pull_out == "busy")):
             w.pull_out = "idle" if idle else "busy"
-            self.to_broker(self.policy.pull, w.wid, w.capacity, idle, self.now)
+            self.to_broker(self.policy.pull, w.wid, max(w.capacity, w.draft_capacity or 0), idle, self.now)
 
     def _tasks_arrive(self, w: SimWorker, tasks: list[SimTask]) -> None:
         w.pull_out = None
@@ -305,7 +317,7 @@ class Simulator:
         budget = self.policy.policy.max_forward_tokens
         if not budget:
             return {}
-        cache = w.caches["draft" if w.role == "draft" else "target"]
+        cache = w.caches["draft" if w.role == "draft" or batch[0].kind == DRAFT else "target"]
         have = [min(cache.get(t.req.rid, 0), t.length - 1) for t in batch]
         plan = plan_forward([t.length - h for t, h in zip(batch, have)], [t.length - h - 1 for t, h in zip(batch, have)],
                             budget)
@@ -328,7 +340,7 @@ class Simulator:
             ran = active + chunks
             tokens = sum(new[i] for i in ran)
             context = sum(have[i] for i in ran) + tokens
-            total += self._forward_s(cost, len(ran), tokens, context)
+            total += self._forward_s(cost, len(ran), tokens, context, w.batch_costs["draft"])
             for i in chunks:
                 cache[tasks[i].req.rid] = have[i] + new[i]
             chunks = []
@@ -352,7 +364,7 @@ class Simulator:
         for t in tasks:  # (rejected drafts rolled back; a chunk: the prompt as far as it reached)
             cache[t.req.rid] = ends[id(t)] if id(t) in ends else t.length + outcomes[id(t)][0]
         ran = sum(1 for n in new if n)
-        return self._forward_s(cost, ran, tokens, context) if ran else 0.0
+        return self._forward_s(cost, ran, tokens, context, w.batch_costs["target"]) if ran else 0.0
 
     def _step_table(self, cost: CostModel) -> list[float]:
         """What a live worker's ``StepCosts.table`` would show: one sequence's forward by new rows
@@ -361,8 +373,12 @@ class Simulator:
         context = (lo + hi) // 2 + self.workload.output_tokens // 2
         return [self._forward_s(cost, 1, rows, context + rows) for rows in range(1, FIT_ROWS + 1)]
 
-    def _forward_s(self, cost: CostModel, batch: int, tokens: int, context: int) -> float:
-        return cost.forward_s(batch, tokens, context) + self.sc.host.forward_overhead_us * 1e-6
+    def _forward_s(self, cost: CostModel, batch: int, tokens: int, context: int, seen: BatchCosts | None = None) -> float:
+        """One forward's seconds; ``seen``: the worker's batch costs, which count it (as a live runner's)."""
+        took = cost.forward_s(batch, tokens, context) + self.sc.host.forward_overhead_us * 1e-6
+        if seen is not None:
+            seen.observe(tokens, took)
+        return took
 
     def _finish_batch(self, w: SimWorker, results: list[tuple[SimTask, Outcome | None]]) -> None:
         w.computing = None
@@ -431,8 +447,8 @@ def sweep(sc: Scenario, mode: str = "pooled", sizes: list[int] | None = None,
 
 def plan(sc: Scenario, devices: int, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Every way to run the scenario's workload on ``devices`` devices, best tokens/s first:
-    pooled with each draft/target split, paired as equal pairs, colocated and autoregressive
-    on all of them (both models fit on each device: the scenario's pools say what each costs)."""
+    pooled with each draft/target split, paired as equal pairs, colocated, autoregressive and
+    elastic on all of them (both models fit on each device: the scenario's pools say what each costs)."""
     if devices < 2:
         raise ValueError("planning needs at least 2 devices")
     half = devices // 2
@@ -440,13 +456,20 @@ def plan(sc: Scenario, devices: int, log: Callable[[str], None] | None = None) -
     if devices % 2 == 0:
         options.append(("paired", half, half))
     options += [("colocated", half, devices - half), ("autoregressive", half, devices - half)]
+    # elastic: every device holds both models; with ``[draft] elastic = false``, each split of
+    # draft-only devices beside elastic ones
+    options += [("elastic", d, devices - d) for d in range(1, devices)] if not sc.draft.elastic \
+        else [("elastic", half, devices - half)]
     rows = []
     for mode, d, t in options:
         res = simulate(sc, mode, d, t)
-        shape = f"{d} draft + {t} target" if mode in ("pooled", "paired") else f"{devices} workers"
+        shape = f"{d} draft + {t} target" if mode in ("pooled", "paired") else \
+            f"{d} draft + {t} elastic" if mode == "elastic" and not sc.draft.elastic else f"{devices} workers"
         rows.append({"mode": mode, "draft_workers": d, "target_workers": t, "shape": shape,
                      "round_rate": res["round_rate"], "tokens_per_s": res["tokens_per_s"],
-                     "latency_p50_s": res["latency_s"]["p50"], "utilization_by_role": res["utilization_by_role"]})
+                     "latency_p50_s": res["latency_s"]["p50"], "latency_p99_s": res["latency_s"]["p99"],
+                     "utilization_by_role": res["utilization_by_role"]})
         if log:
-            log(f"  {mode:<15}{shape:<22}{res['tokens_per_s']:>10,.0f} tokens/s")
+            log(f"  {mode:<15}{shape:<22}{res['tokens_per_s']:>10,.0f} tokens/s  latency p50 {res['latency_s']['p50']:.2f} s, "
+                f"p99 {res['latency_s']['p99']:.2f} s")
     return sorted(rows, key=lambda r: -r["tokens_per_s"])

@@ -18,7 +18,8 @@
     # trace = "../../traces/azure_code.csv"   # replay formats; time_scale, limit, max_prompt_tokens,
     #                                         # max_new_tokens shape it as in `nebula-flow replay`
 
-    [draft]             # one pool: workers, max_batch and a cost model:
+    [draft]             # one pool: workers, max_batch, a cost model [, elastic = false: in elastic mode,
+                        # its workers keep to drafting (e.g. small devices); the rest hold both models]
     model = "qwen3-0.6b"        #   roofline: model (built-in name, checkpoint dir or config.json)
     hardware = "rtx4090"        #   + hardware (built-in) [+ hardware_overrides = {mbu = 0.7}]
     # profile = "configs/profiles/qwen3-0.6b-rtx4090.json"   # or a measured/emulated profile
@@ -83,6 +84,17 @@ class Pool:
     max_batch: int
     cost: CostModel
     hardware: str | None = None  # the roofline hardware, for the default KV link
+    elastic: bool = True  # elastic mode: false keeps this pool's workers to their own stage
+
+
+def cost_on(model_pool: Pool, device_pool: Pool) -> CostModel:
+    """``model_pool``'s model on ``device_pool``'s devices (a colocated or elastic worker, on a target
+    device, runs the draft there too): both rooflines, the model's spec on the other hardware; else
+    the model's own cost model (profiles are measured where they were measured)."""
+    a, b = model_pool.cost, device_pool.cost
+    if isinstance(a, RooflineCost) and isinstance(b, RooflineCost) and a.hw != b.hw:
+        return RooflineCost(a.model, b.hw)
+    return a
 
 
 @dataclass
@@ -180,21 +192,24 @@ def _path(spec: str, base: Path) -> str:
 
 
 def _pool(raw: dict[str, Any], where: str, base: Path) -> Pool:
-    known = {"model", "hardware", "hardware_overrides", "profile", "workers", "max_batch"}
+    known = {"model", "hardware", "hardware_overrides", "profile", "workers", "max_batch", "elastic"}
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
     workers, max_batch = int(raw.get("workers", 1)), int(raw.get("max_batch", 8))
     if workers < 1 or max_batch < 1:
         raise ConfigError(f"{where}: workers and max_batch must be >= 1")
+    elastic = raw.get("elastic", True)
+    if not isinstance(elastic, bool):
+        raise ConfigError(f"{where}: elastic must be true or false")
     try:
         if "profile" in raw:
-            return Pool(workers, max_batch, ProfileCost(load_profile(_path(raw["profile"], base))))
+            return Pool(workers, max_batch, ProfileCost(load_profile(_path(raw["profile"], base))), elastic=elastic)
         if "model" in raw and "hardware" in raw:
             model = raw["model"]
             model = _path(model, base) if ("/" in model or model.endswith(".json")) else model
             hw = resolve_hardware(raw["hardware"], raw.get("hardware_overrides"))
-            return Pool(workers, max_batch, RooflineCost(resolve_model(model), hw), hw.name)
+            return Pool(workers, max_batch, RooflineCost(resolve_model(model), hw), hw.name, elastic)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     raise ConfigError(f"{where}: give a cost model: profile = PATH, or model = NAME and hardware = NAME")
