@@ -10,7 +10,7 @@ import click
 from nebula_flow.cli.common import policy_options
 from nebula_flow.options import BrokerOptions, read_options
 from nebula_flow.policy import PolicyConfig
-from nebula_flow.scheduler import MODES
+from nebula_flow.roles import MODES
 
 _D = BrokerOptions()
 

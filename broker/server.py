@@ -50,8 +50,9 @@ from nebula_flow.protocol import (
     req_id_of,
 )
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
+from nebula_flow.roles import MODEL_ROLES, MODES
 from nebula_flow.round_times import RoundTimes
-from nebula_flow.scheduler import MODEL_ROLES, MODES, Scheduler
+from nebula_flow.scheduler import Scheduler
 from nebula_flow.security import SecurityError, user_id
 from nebula_flow.speclen import FIT_ROWS
 from nebula_flow_broker import results
@@ -369,6 +370,10 @@ class Broker:
             task = TaskSpec(req.rid, req.phase, req.round, req.attempt, req.tokens, req.k, req.params.to_wire(),
                             req.seed, Holder(holder_id, valid, info.kv_endpoint if info is not None else None),
                             draft=req.draft, runner_ups=req.runner_ups if req.draft else [], chains=req.chains if req.draft else [])
+            if req.phase == ROUND and "target" in req.holders:  # (an elastic round: its target KV's holder too)
+                holder_id, valid = req.holders["target"]
+                info = self.workers.get(holder_id)
+                task.target_holder = Holder(holder_id, valid, info.kv_endpoint if info is not None else None)
             if req.alts and req.phase in (DRAFT, ROUND):
                 task.alts = req.alts
             if req.fuse and (req.phase != VERIFY or not req.draft):  # (without a draft the target looks it up)

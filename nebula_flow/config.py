@@ -34,7 +34,7 @@ from typing import Any
 
 from nebula_flow.options import BrokerOptions
 from nebula_flow.policy import PolicyConfig, PolicyError, knob_names
-from nebula_flow.scheduler import MODES
+from nebula_flow.roles import MODES
 from nebula_flow.supervisor import RestartPolicy
 
 

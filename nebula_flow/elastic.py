@@ -1,14 +1,13 @@
-"""Elastic roles: which stage a worker that holds both models runs next (pure: no clock, no torch).
+"""Elastic roles: what a worker that holds both models runs next (pure: no clock, no torch).
 
 In ``elastic`` mode every worker that holds both models (role ``any``) pulls from both topics,
-and at each PULL the scheduler gives it either a draft batch or a verify batch. The choice is
-the one that moves the most tasks per second of this device's time, priced by the forward times
-the workers measured for the batches they ran (``BatchCosts``): each task needs both stages
-once a round, so the device time a round costs is least when every batch is as efficient as its
-queue allows. This makes drafting wait while its queue is short and verification has work, and
-run as one large batch merged across requests once enough drafts are due (a small model's
-forward costs little more for many rows than for one), and it sends every device to verify
-when verification is the bottleneck.
+and at each PULL the scheduler gives it a draft batch, a verify batch, or whole rounds
+(``choose_stage``). Below saturation it runs whole rounds, as a colocated worker does (no hop
+splits a round, so a request's latency is a colocated one's). Once the queues fill, the stages
+split: drafts wait until they fill one large batch merged across requests (a small model's
+forward costs little more for many rows than for one) while every device verifies, which is
+where the time goes when verification is the bottleneck. Where the choice is close, the forward
+times each worker measured for the batches it ran (``BatchCosts``) price it.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from nebula_flow.request import Request
 
 BUCKETS = tuple(1 << i for i in range(13))  # forwards priced by their new rows: 1, 2, 4, ... 4096
 WEIGHT = 0.2  # the newest forward's weight in its bucket's moving mean
+MERGE_GAIN = 0.75  # stages split where a merged draft batch costs a task at most this much of a round's
 
 
 def bucket(rows: int) -> int:
@@ -78,38 +78,52 @@ def draft_seconds(table: Sequence[float | None] | None, rows: Sequence[tuple[int
     return total
 
 
-def choose_stage(drafts: Sequence[tuple[int, int]], verifies: Sequence[int], rooms: tuple[int, int],
-                 draft_table: Sequence[float | None] | None, target_table: Sequence[float | None] | None) -> str | None:
-    """``"draft"`` or ``"target"``: the stage an elastic worker runs with the tasks it could take
-    from each topic (``drafts``: per task (first forward's rows, k), as ``draft_seconds``;
-    ``verifies``: per task its new rows, the KV it lacks plus its token tree), ``rooms``: the most
-    tasks of a draft batch and of a verify batch. None: neither has work.
+def choose_stage(drafts: Sequence[tuple[int, int]], verifies: Sequence[int], bare: int, rooms: tuple[int, int],
+                 draft_table: Sequence[float | None] | None, split_at: int = 0) -> str | None:
+    """What an elastic worker runs next with the tasks it could take from each topic: ``"draft"``
+    (a draft batch), ``"target"`` (a verify batch), ``"round"`` (draft-topic tasks as whole rounds,
+    drafted and verified in one batch on this worker, as a colocated worker runs them), or None
+    (nothing queued). ``drafts``: per task (first forward's rows, k), as ``draft_seconds``;
+    ``verifies``: per task its new rows (the KV it lacks plus its token tree); ``bare``: draft-less
+    verify tasks (a request's last round: a verify, or a round with nothing to draft); ``rooms``: the most
+    tasks of a draft batch and of a verify (or round) batch; ``draft_table``: this device's draft
+    forwards by rows (``BatchCosts.table``); ``split_at``: the policy's ``elastic_split`` (>0: split
+    once that many drafts are queued, whatever the costs).
 
-    A full draft batch first, then a full verify batch: every round needs one task of each, so the
-    device time a round costs is least when both run as full batches, and a draft batch grows for
-    free while verification has a full batch to run (a small model's forward costs about as much
-    for many rows as for one). With neither full (a light load), the stage whose batch does more
-    tasks per second of this device, priced by the measured ``BatchCosts`` tables; before any
-    forward is measured, the longer queue (verification on a tie)."""
-    if not drafts or not verifies:
-        return "draft" if drafts else "target" if verifies else None
-    if len(drafts) >= rooms[0] or len(verifies) >= rooms[1]:
-        return "draft" if len(drafts) >= rooms[0] else "target"
-    draft_s = draft_seconds(draft_table, drafts)
-    verify_s = estimate(target_table, sum(verifies))
-    if draft_s is None or verify_s is None:
-        return "draft" if len(drafts) > len(verifies) else "target"
-    # tasks per second: a draft batch of len(drafts) in draft_s against a verify batch in verify_s
-    return "draft" if len(drafts) * verify_s > len(verifies) * draft_s else "target"
+    Whole rounds unless the queue of drafts fills a draft batch larger than a round batch and the
+    measured costs say merging them pays (``merging_pays``: a small model on a GPU, whose forward
+    costs little more for many rows than for few): then the stages split, drafts run as one large
+    batch merged across requests and every device verifies the rest of the time, which is where
+    a saturated deployment's time goes. Queued verifications go first otherwise: they finish rounds
+    already started (split ones). A whole round has no hop
+    or queue inside it: a request's latency is a colocated worker's."""
+    if not drafts and not verifies and not bare:
+        return None
+    if split_at and len(drafts) >= split_at or not split_at and len(drafts) >= rooms[0] > rooms[1] \
+            and merging_pays(draft_table, drafts[: rooms[0]], rooms[1]):
+        return "draft"
+    return "target" if verifies else "round"
+
+
+def merging_pays(draft_table: Sequence[float | None] | None, drafts: Sequence[tuple[int, int]], round_batch: int) -> bool:
+    """Whether drafting ``drafts`` in one batch costs a task at most ``MERGE_GAIN`` of what it costs in
+    a round's batch of ``round_batch`` (unmeasured: assumed, the common case of a small draft model
+    on a GPU; a CPU's forward grows with its rows, and there rounds stay whole)."""
+    merged, alone = draft_seconds(draft_table, drafts), draft_seconds(draft_table, drafts[:round_batch])
+    if merged is None or alone is None:
+        return True
+    return merged / len(drafts) <= MERGE_GAIN * alone / min(round_batch, len(drafts))
 
 
 def stage_of(drafts: list[Request], verifies: list[Request], rooms: tuple[int, int], held: Callable[[Request], int],
-             draft_table: Sequence[float | None] | None, target_table: Sequence[float | None] | None) -> str | None:
-    """``choose_stage`` for the queued requests an elastic worker could take from each topic;
-    ``held``: the positions of a request's KV for its queued task some worker holds (pulled, not computed)."""
+             draft_table: Sequence[float | None] | None, split_at: int = 0) -> str | None:
+    """``choose_stage`` for the queued requests an elastic worker could take from each topic (a
+    verify without a draft counts as a round); ``held``:
+    the positions of a request's KV for its queued task some worker holds (pulled, not computed)."""
     def new_rows(r: Request) -> int:  # the committed positions its forward computes
         return max(1, len(r.prompt) + len(r.output) - held(r))
 
+    drafted = [r for r in verifies if r.draft]
     return choose_stage([(new_rows(r), r.k) for r in drafts],
-                        [new_rows(r) + len(r.draft) + len(r.runner_ups) + r.fuse for r in verifies], rooms,
-                        draft_table, target_table)
+                        [new_rows(r) + len(r.draft) + len(r.runner_ups) + r.fuse for r in drafted],
+                        len(verifies) - len(drafted), rooms, draft_table, split_at)

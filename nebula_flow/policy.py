@@ -58,6 +58,9 @@ class PolicyConfig:
                             lo=0, hi=MAX_FUSED)
     disable_by_batch_size: int = _knob(0, "While more requests than this are in the pool, rounds start without "
                                        "drafts (not a seeded sampled request's). 0: always speculate.", lo=0)
+    elastic_split: int = _knob(0, "Elastic mode: split rounds into a draft batch and verify batches once this many drafts "
+                               "are queued; 0: once they fill a draft batch larger than a round's and the measured "
+                               "draft costs say merging them pays (nebula_flow/elastic.py).", lo=0)
     max_forward_tokens: int = _knob(0, "The most uncached prompt (committed) tokens one forward pass computes: a "
                                     "longer prompt is prefilled in chunks beside the other requests' decode and "
                                     "verify rows, which are not counted (chunked prefill, nebula_flow/budget.py). "

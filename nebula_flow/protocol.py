@@ -268,7 +268,8 @@ class TaskSpec(Proposes):
     ``alts`` (draft/round tasks) asks for that many runner-ups to the first draft token, ``runner_ups``
     (verify tasks) carries them; ``fuse`` (draft/round tasks) asks for a prompt-lookup chain of up
     to that many tokens beside the draft, ``chains`` (verify tasks) carries the fused chains.
-    ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal."""
+    ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal.
+    ``target_holder``: an elastic worker's round task's target KV (``holder``: its draft KV)."""
 
     rid: int
     kind: str
@@ -287,6 +288,7 @@ class TaskSpec(Proposes):
     runner_ups: TokenIds = field(default_factory=list)
     fuse: int = 0
     chains: list[TokenIds] = field(default_factory=list)
+    target_holder: Holder | None = None
 
     def check(self) -> None:
         if self.kind not in TASK_KINDS:

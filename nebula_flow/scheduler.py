@@ -27,46 +27,21 @@ left). Each drafter's KV is its own: a request's draft holder is kept per drafte
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from nebula_flow import elastic, routing, speclen
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
+from nebula_flow.roles import (
+    DEFAULT_DRAFTER,
+    MODES,
+    PHASE_ROLE,
+    ROLE_TOPICS,
+    STAGE_TOPIC,
+    WorkerState,
+    holder_key,
+)
 from nebula_flow.speclen import Acceptance
 from nebula_flow.topic import Topic
-
-MODES: dict[str, tuple[str, ...]] = {
-    "pooled": ("draft", "target"),
-    "paired": ("draft", "target"),
-    "colocated": ("colocated",),
-    "autoregressive": ("target",),
-    "elastic": ("any", "draft", "target"),
-}
-PHASE_ROLE = {DRAFT: "draft", VERIFY: "target", ROUND: "colocated"}
-# the topics a worker of each role takes tasks from, and the models it runs (whose costs it reports)
-ROLE_TOPICS = {"draft": ("draft",), "target": ("target",), "colocated": ("colocated",), "any": ("draft", "target")}
-MODEL_ROLES = {"draft": ("draft",), "target": ("target",), "colocated": ("draft", "target"), "any": ("draft", "target")}
-DEFAULT_DRAFTER = "draft"  # a draft worker that names no drafter
-
-
-@dataclass
-class WorkerState:
-    worker_id: int
-    role: str
-    slot: int
-    capacity: int
-    inflight: set[int] = field(default_factory=set)
-    pull_credits: int = 0  # > 0 while a PULL waits
-    pull_idle: bool = False
-    pull_since: float = 0.0
-    drafter: str | None = None  # draft workers: which drafter (kind of draft model) it runs
-    stage: str | None = None  # the topic its waiting PULL is served from (elastic workers: chosen per PULL)
-    draft_capacity: int | None = None  # elastic workers: the most tasks of a draft batch (else ``capacity``)
-
-
-def holder_key(role: str, drafter: str | None = None) -> str:
-    """The key of ``Request.holders`` for a role's KV: per drafter for drafts (drafters' KV differ)."""
-    return f"draft/{drafter}" if role == "draft" and drafter not in (None, DEFAULT_DRAFTER) else role
 
 
 class Scheduler:
@@ -139,6 +114,7 @@ class Scheduler:
         for rid in sorted(w.inflight):
             req = self.requests.get(rid)
             if req is not None and req.phase != DONE:
+                self._unround(req)
                 self.topics[PHASE_ROLE[req.phase]].appendleft(rid, self._holder(req))
                 requeued.append(rid)
         for req in self.requests.values():
@@ -288,8 +264,17 @@ class Scheduler:
         positions of the KV its task needs: the same task goes back on its topic for the rest
         (to that worker, by locality, unless another is idle)."""
         req.holders[self.task_holder_key(req)] = (worker_id, valid)
+        if self._unround(req):  # (an elastic round prefilled both models)
+            req.holders["target"] = (worker_id, valid)
         self.workers[worker_id].inflight.discard(req.rid)
         self._enqueue(req)
+
+    def _unround(self, req: Request) -> bool:
+        """An elastic worker's whole round going back to a topic: the draft (or draft-less verify) it was."""
+        if req.phase == ROUND and self.mode == "elastic":
+            req.phase = DRAFT if req.k > 0 else VERIFY
+            return True
+        return False
 
     def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False,
                     draft_accepted: int | None = None, fused: int | None = None) -> None:
@@ -312,8 +297,10 @@ class Scheduler:
             self.drafter_acceptance.setdefault((req.drafter, req.params.greedy), Acceptance()).update(req.k, draft_accepted,
                                                                                                    routing.POOL_DECAY)
         base = len(req.prompt) + len(req.output)
-        role = "colocated" if req.phase == ROUND else "target"
+        role = "colocated" if req.phase == ROUND and self.mode == "colocated" else "target"
         req.holders[role] = (worker_id, base + accepted)
+        if req.phase == ROUND and self.mode == "elastic" and req.k > 0:  # it drafted here too (as draft_done)
+            req.holders["draft"] = (worker_id, base + max(0, req.k - 1))
         draft_key = holder_key("draft", req.drafter)
         if draft_key in req.holders:
             holder, draft_valid = req.holders[draft_key]
@@ -401,23 +388,31 @@ class Scheduler:
         return out
 
     def _room(self, w: WorkerState, stage: str | None) -> int:
-        return min(w.pull_credits, w.draft_capacity if stage == "draft" and w.draft_capacity else w.capacity)
+        return min(w.pull_credits, w.draft_capacity if stage == "draft" and w.draft_capacity else w.capacity)  # (round: verify's)
 
     def _stage(self, w: WorkerState, taken: set[int]) -> str | None:
-        """The topic an elastic worker's PULL is served from this time (``elastic.choose_stage``),
-        priced by its own batch costs (the median worker's until it has run both stages)."""
-        tables = [self.batch_costs.get((w.worker_id, role)) or speclen.median_table(
-            [t for (_, r), t in self.batch_costs.items() if r == role]) for role in ("draft", "target")]
+        """What an elastic worker's PULL is served this time (``elastic.choose_stage``), priced by its
+        own draft batch costs (the median worker's until it has drafted)."""
+        table = self.batch_costs.get((w.worker_id, "draft")) or speclen.median_table(
+            [t for (_, r), t in self.batch_costs.items() if r == "draft"])
         rooms = self._room(w, "draft"), self._room(w, "target")
         drafts, verifies = ([self.requests[rid] for rid in self._choose(w, room, False, taken, topic)]
-                            for room, topic in zip(rooms, ("draft", "target")))
+                            for room, topic in zip(rooms, ("draft", "target")))  # (verifies: and draft-less rounds)
         return elastic.stage_of(drafts, verifies, rooms, lambda r: r.holders.get(self.task_holder_key(r), (None, 0))[1],
-                                *tables)
+                                table, self.policy.elastic_split)
 
     def _choose(self, w: WorkerState, room: int, held_only: bool, taken: set[int], stage: str | None = None) -> list[int]:
         """Up to ``room`` queued tasks for ``w`` in queue order (not yet removed from the topic),
         from ``stage``'s topic (by default the one its PULL is served from)."""
-        topic = self.topics[stage or w.stage]
+        stage = stage or w.stage
+        chosen = self._choose_from(self.topics[STAGE_TOPIC[stage]], w, room, held_only, taken)
+        if stage == "round" and len(chosen) < room:  # (a request's last, draft-less round: a round too)
+            chosen += self._choose_from(self.topics["target"], w, room - len(chosen), held_only, taken, bare=True)
+        return chosen
+
+    def _choose_from(self, topic: Topic, w: WorkerState, room: int, held_only: bool, taken: set[int],
+                     bare: bool = False) -> list[int]:
+        """``_choose`` in one topic; ``bare``: only tasks without a draft."""
         busy_local = self.policy.locality and not w.pull_idle and not held_only
         if held_only:
             candidates: Iterable[int] = topic.held_by([w.worker_id])
@@ -431,7 +426,7 @@ class Scheduler:
             if rid in taken:
                 continue
             req = self.requests[rid]
-            if not self._eligible(req, w):
+            if not self._eligible(req, w) or (bare and req.draft):
                 continue
             holder = self._holder(req)  # checked again: the index is a hint, this is the rule
             if held_only and holder != w.worker_id:
@@ -444,12 +439,12 @@ class Scheduler:
         return chosen
 
     def _commit(self, w: WorkerState, rids: list[int]) -> list[Request]:
-        topic = self.topics[w.stage]
         batch = []
         for rid in rids:
-            topic.remove(rid)
-            req = self.requests[rid]
+            req = self.requests[rid]  # (from its stage's topic; a round's draft-less verify: the target's)
+            next(t for t in (self.topics[STAGE_TOPIC[w.stage]], self.topics["target"]) if rid in t).remove(rid)
             req.attempt += 1
+            req.phase = ROUND if w.stage == "round" else req.phase  # (an elastic worker runs it as a whole round)
             w.inflight.add(rid)
             batch.append(req)
         return batch
@@ -458,8 +453,10 @@ class Scheduler:
         self.topics[PHASE_ROLE[req.phase]].append(req.rid, self._holder(req))
 
     def task_holder_key(self, req: Request) -> str:
-        """The ``holders`` key of the KV ``req``'s queued task needs."""
-        return holder_key(PHASE_ROLE[req.phase], req.drafter if req.phase == DRAFT else None)
+        """The ``holders`` key of the KV ``req``'s queued task needs (an elastic round's: its draft KV's;
+        its target KV's is ``holders["target"]``)."""
+        role = "draft" if req.phase == ROUND and self.mode == "elastic" else PHASE_ROLE[req.phase]
+        return holder_key(role, req.drafter if req.phase == DRAFT else None)
 
     def _holder(self, req: Request) -> int | None:
         return req.holders.get(self.task_holder_key(req), (None, 0))[0]

@@ -46,12 +46,14 @@ def runs(tiny_pair):  # noqa: ANN001, ANN201
     cache: dict[tuple, tuple[list, list]] = {}
     batches: dict[tuple, list[dict]] = {}  # each worker's batches by stage
 
-    def get(mode: str, m: int, n: int, fixed_drafts: bool = False) -> tuple[list, list]:
-        """``fixed_drafts``: elastic mode with the draft pool kept to drafting (mixed workers)."""
-        key = (mode, m, n, fixed_drafts)
+    def get(mode: str, m: int, n: int, fixed_drafts: bool = False, split: bool = False) -> tuple[list, list]:
+        """Elastic mode: ``fixed_drafts``: the draft pool kept to drafting (mixed workers); ``split``:
+        every round's stages split (draft batches, then verify batches; ``elastic_split``)."""
+        key = (mode, m, n, fixed_drafts, split)
         if key not in cache:
             cfg = deploy_config(tiny_pair, mode, m, n, max_batch=4)
             cfg.draft.elastic = not fixed_drafts
+            cfg.broker.policy = cfg.broker.policy.replace(elastic_split=1 if split else 0)
             with Deployment(cfg) as dep:
                 outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests()))
                 with Client(dep.address) as client:
@@ -81,13 +83,11 @@ def test_greedy_output_equals_hf_transformers(runs, reference, mode: str) -> Non
     for i, (out, ref) in enumerate(zip(greedy, reference)):
         assert out.token_ids == ref, f"request {i} differs in {mode} mode"
     assert sum(o.rounds for o in greedy) > 0
+    if mode == "elastic":  # workers of role any, running whole rounds (a CPU's draft gains nothing from merging)
+        assert [w["role"] for w in runs.batches[("elastic", 2, 2, False, False)]] == ["any"] * 4
+        assert sum(w.get("round", 0) for w in runs.batches[("elastic", 2, 2, False, False)]) > 0
     if mode == "autoregressive":
         assert all(o.rounds == len(o.token_ids) for o in greedy)
-    if mode == "elastic":  # workers of role any, each taking draft and verify batches as the broker chose
-        workers = runs.batches[("elastic", 2, 2, False)]
-        assert [w["role"] for w in workers] == ["any"] * 4
-        assert sum(w.get("draft", 0) for w in workers) > 0 and sum(w.get("target", 0) for w in workers) > 0
-        assert any(w.get("draft", 0) and w.get("target", 0) for w in workers)
     else:  # speculation commits more than one token per round on average
         assert sum(len(o.token_ids) for o in greedy) / sum(o.rounds for o in greedy) > 1.3
 
@@ -96,10 +96,14 @@ def test_seeded_sampling_is_identical_across_modes_and_pool_sizes(runs, referenc
     base = [o.token_ids for o in runs("pooled", 2, 2)[1]]
     assert len({tuple(t) for t in base}) > 1  # really sampled, distinct prompts
     for key in [("pooled", 1, 1), ("pooled", 3, 1), ("paired", 2, 2), ("colocated", 2, 2), ("elastic", 2, 2),
-                ("elastic", 1, 1, True)]:
+                ("elastic", 2, 2, False, True), ("elastic", 1, 1, True)]:
         assert [o.token_ids for o in runs(*key)[1]] == base, f"seeded output changed in {key}"
+    # elastic with every round split: draft batches and verify batches, on every worker, greedy still HF's
+    split = runs.batches[("elastic", 2, 2, False, True)]
+    assert all(w.get("draft", 0) and w.get("target", 0) for w in split)  # (rounds: only draft-less last ones)
+    assert [o.token_ids for o in runs("elastic", 2, 2, False, True)[0]] == reference
     # elastic beside a draft-only worker: the mixed deployment ran both kinds of worker
-    assert sorted(w["role"] for w in runs.batches[("elastic", 1, 1, True)]) == ["any", "draft"]
+    assert sorted(w["role"] for w in runs.batches[("elastic", 1, 1, True, False)]) == ["any", "draft"]
     assert [o.token_ids for o in runs("elastic", 1, 1, True)[0]] == reference
     greedy = [o.token_ids for o in runs("pooled", 2, 2)[0][:8]]
     assert base != [g[:30] for g in greedy]  # temperature 0.8 is not greedy

@@ -8,7 +8,7 @@ import pytest
 from nebula_flow import elastic
 from nebula_flow.params import SamplingParams
 from nebula_flow.policy import PolicyConfig
-from nebula_flow.request import DRAFT, VERIFY, Request
+from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
 
 
@@ -37,50 +37,80 @@ def test_a_draft_batch_costs_a_forward_per_position_over_the_tasks_still_draftin
 
 
 # -- the choice --------------------------------------------------------------------------------
-FLAT_DRAFT = [0.001] * 8  # a small model: about the same time for 1..128 rows
-LINEAR_TARGET = [0.010 * (1 << i) for i in range(8)]  # a big model: time grows with rows
+FLAT_DRAFT = [0.001] * 8  # a small model on a GPU: about the same time for 1..128 rows
+LINEAR_DRAFT = [0.001 * (1 << i) for i in range(8)]  # a CPU: time grows with the rows
 
 
-def test_a_full_draft_batch_goes_first_then_a_full_verify_batch() -> None:
-    full_drafts, few_drafts = [(1, 4)] * 16, [(1, 4)] * 3
-    full_verifies, few_verifies = [5] * 8, [5] * 2
-    rooms = (16, 8)
-    assert elastic.choose_stage(full_drafts, full_verifies, rooms, FLAT_DRAFT, LINEAR_TARGET) == "draft"
-    assert elastic.choose_stage(few_drafts, full_verifies, rooms, FLAT_DRAFT, LINEAR_TARGET) == "target"
-    assert elastic.choose_stage([], few_verifies, rooms, None, None) == "target"
-    assert elastic.choose_stage(few_drafts, [], rooms, None, None) == "draft"
-    assert elastic.choose_stage([], [], rooms, None, None) is None
-
-
-def test_with_neither_batch_full_the_stage_that_does_more_tasks_per_second_runs() -> None:
+def test_below_saturation_whole_rounds_and_queued_verifications_first() -> None:
     rooms = (64, 16)
-    # 3 drafts: 4 forwards of 1 ms = 4 ms (0.75 tasks/ms); 2 verifies of 5 rows: ~0.1 s (0.02 tasks/ms)
-    assert elastic.choose_stage([(1, 4)] * 3, [5] * 2, rooms, FLAT_DRAFT, LINEAR_TARGET) == "draft"
-    # a slow draft model beside a fast target: verification first
-    assert elastic.choose_stage([(1, 4)] * 3, [5] * 2, rooms, [0.5] * 8, [0.001] * 8) == "target"
-    # nothing measured yet: the longer queue, verification on a tie
-    assert elastic.choose_stage([(1, 4)] * 3, [5] * 2, rooms, None, None) == "draft"
-    assert elastic.choose_stage([(1, 4)] * 2, [5] * 2, rooms, None, None) == "target"
+    assert elastic.choose_stage([(1, 4)] * 3, [], 0, rooms, FLAT_DRAFT) == "round"
+    assert elastic.choose_stage([(1, 4)] * 3, [5] * 2, 0, rooms, FLAT_DRAFT) == "target"  # (they finish rounds)
+    assert elastic.choose_stage([], [], 2, rooms, FLAT_DRAFT) == "round"  # a request's last, draft-less round
+    assert elastic.choose_stage([], [], 0, rooms, FLAT_DRAFT) is None
+
+
+def test_a_full_draft_batch_splits_the_stages_where_merging_drafts_pays() -> None:
+    full = [(1, 4)] * 64
+    assert elastic.choose_stage(full, [5] * 16, 0, (64, 16), FLAT_DRAFT) == "draft"
+    assert elastic.choose_stage(full, [], 0, (64, 16), None) == "draft"  # (unmeasured: the common case)
+    # a draft model whose forward grows with its rows gains nothing from merging: whole rounds stay
+    assert elastic.choose_stage(full, [], 0, (64, 16), LINEAR_DRAFT) == "round"
+    assert elastic.choose_stage(full, [5], 0, (64, 16), LINEAR_DRAFT) == "target"
+    # no larger draft batch than a round's: nothing to merge
+    assert elastic.choose_stage(full[:16], [], 0, (16, 16), FLAT_DRAFT) == "round"
+    assert elastic.merging_pays(FLAT_DRAFT, full, 16) and not elastic.merging_pays(LINEAR_DRAFT, full, 16)
+    # the policy's elastic_split: split once that many drafts are queued, whatever the costs
+    assert elastic.choose_stage(full[:2], [], 0, (64, 16), LINEAR_DRAFT, split_at=2) == "draft"
+    assert elastic.choose_stage(full[:2], [], 0, (64, 16), LINEAR_DRAFT, split_at=3) == "round"
 
 
 # -- the scheduler -----------------------------------------------------------------------------
-def test_an_elastic_worker_takes_either_stage_and_draft_batches_may_be_larger() -> None:
+def test_an_elastic_worker_runs_rounds_and_splits_the_stages_for_a_full_draft_batch() -> None:
     s = Scheduler("elastic", PolicyConfig(k=4))
-    s.register(1, "any", 2, draft_capacity=8)
+    s.register(1, "any", 2, draft_capacity=4)
     for rid in range(5):
         s.admit(req(rid))
-    s.pull(1, 8, True, now=0.0)
-    [(wid, batch)] = s.dispatch()  # only drafts are due: a draft batch, up to the draft capacity
-    assert wid == 1 and len(batch) == 5 and all(r.phase == DRAFT for r in batch)
-    assert s.workers[1].stage == "draft"
+    s.pull(1, 4, True, now=0.0)
+    [(wid, batch)] = s.dispatch()  # a full draft batch (4 > the round batch of 2): the stages split
+    assert wid == 1 and len(batch) == 4 and all(r.phase == DRAFT for r in batch) and s.workers[1].stage == "draft"
     for r in batch:
         s.draft_done(r, 1, [5, 6, 7, 8], {})
-    s.pull(1, 8, True, now=1.0)
-    [(_, vbatch)] = s.dispatch()  # now verifies, up to its (verify) capacity
+    s.pull(1, 4, True, now=1.0)
+    [(_, vbatch)] = s.dispatch()  # queued verifications next, a verify batch of 2
     assert len(vbatch) == 2 and all(r.phase == VERIFY for r in vbatch) and s.workers[1].stage == "target"
     for r in vbatch:
         s.end_round(r, 1, [5, 6, 9])
-    assert all(r.holders["target"][0] == 1 and r.holders["draft"][0] == 1 for r in vbatch)
+    s.pull(1, 4, True, now=2.0)
+    [(_, vbatch)] = s.dispatch()
+    assert len(vbatch) == 2 and s.workers[1].stage == "target"
+    for r in vbatch:
+        s.end_round(r, 1, [5, 9])
+    s.finish(3)
+    s.finish(4)  # (cancelled: three drafts are left, too few for a draft batch)
+    s.pull(1, 4, True, now=3.0)
+    [(_, rounds)] = s.dispatch()  # no verification queued: whole rounds, a round batch of 2
+    assert len(rounds) == 2 and all(r.phase == ROUND for r in rounds) and s.workers[1].stage == "round"
+    r = rounds[0]
+    base = len(r.prompt) + len(r.output)
+    s.end_round(r, 1, [5, 6, 7, 9])  # a round's KV of both models is this worker's
+    assert r.holders["target"] == (1, base + 3) and r.holders["draft"] == (1, base + 3)
+    assert "colocated" not in r.holders and r.phase == DRAFT
+
+
+def test_a_round_going_back_to_a_topic_is_the_task_it_was() -> None:
+    s = Scheduler("elastic", PolicyConfig(k=4))
+    s.register(1, "any", 4)
+    s.register(2, "any", 4)
+    last = Request(9, "9", [1, 2, 3], SamplingParams(max_new_tokens=1), seed=9)  # one token: a draft-less round
+    s.admit(req(0))
+    s.admit(last)
+    assert last.phase == VERIFY and list(s.topics["target"]) == [9]
+    s.pull(1, 4, True, now=0.0)
+    [(_, batch)] = s.dispatch()  # the draft-less verify joins the round batch
+    assert [r.rid for r in batch] == [0, 9] and all(r.phase == ROUND for r in batch)
+    assert sorted(s.unregister(1)) == [0, 9]
+    assert list(s.topics["draft"]) == [0] and list(s.topics["target"]) == [9]
+    assert batch[0].phase == DRAFT and last.phase == VERIFY
 
 
 def test_elastic_workers_mix_with_draft_only_and_target_only_ones() -> None:

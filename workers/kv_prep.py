@@ -20,7 +20,6 @@ ROOM_BYTES = 1 << 20
 log = logging.getLogger("nebula_flow.worker")
 
 
-MODEL_OF_KIND = {"draft": "draft", "verify": "target"}  # the model (and KV) a task of each kind runs on
 
 Pulls = dict[tuple[str, str], list[tuple[int, np.ndarray, int]]]  # (holder endpoint, model role) -> wanted
 
@@ -47,9 +46,12 @@ class KVPrep:
             return {}
         by_holder: Pulls = {}
         for t in tasks:
-            h, role = t.holder, MODEL_OF_KIND.get(t.kind)
-            if role in self.served and h is not None and h.endpoint and h.worker != self.worker_id and h.valid > 0:
-                by_holder.setdefault((h.endpoint, role), []).append((t.rid, t.tokens, h.valid))
+            # a task's KV by model: a draft's, a verify's, or both for a round (an elastic worker's)
+            needs = {"draft": [("draft", t.holder)], "verify": [("target", t.holder)]}.get(
+                t.kind, [("draft", t.holder), ("target", t.target_holder)])
+            for role, h in needs:
+                if role in self.served and h is not None and h.endpoint and h.worker != self.worker_id and h.valid > 0:
+                    by_holder.setdefault((h.endpoint, role), []).append((t.rid, t.tokens, h.valid))
         if local is None:
             return by_holder
         return {key: w for key, w in by_holder.items() if self.transport.reads_locally(key[0]) == local}

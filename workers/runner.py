@@ -39,6 +39,7 @@ class Task:
     q_idx: list[np.ndarray] | None = None
     q_prob: list[np.ndarray] | None = None
     holder: Holder | None = None  # who has this role's KV (None: nobody; a local evaluation)
+    target_holder: Holder | None = None  # an elastic round task: who has its target KV (``holder``: its draft KV)
     alts: int = 0  # draft / round tasks: alternatives to the first draft token wanted
     runner_ups: list[int] = field(default_factory=list)  # verify tasks: those alternatives (a two-level token tree)
     fuse: int = 0  # fuse an n-gram chain of up to this many tokens (looked up by the draft; without one, here)

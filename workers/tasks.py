@@ -27,7 +27,8 @@ def runnable(spec: TaskSpec, vocab_size: int | None) -> Task:
         raise malformed("a sampled draft needs its proposal q")
     q_idx, q_prob = spec.proposal() if spec.q_len is not None else (None, None)
     return Task(spec.rid, spec.kind, spec.round, spec.attempt, np.asarray(spec.tokens, dtype=np.int64), spec.k,
-                params, spec.seed, list(spec.draft), q_idx, q_prob, holder=spec.holder, alts=spec.alts,
+                params, spec.seed, list(spec.draft), q_idx, q_prob, holder=spec.holder,
+                target_holder=spec.target_holder, alts=spec.alts,
                 runner_ups=list(spec.runner_ups), fuse=spec.fuse, chains=[list(c) for c in spec.chains])
 
 

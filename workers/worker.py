@@ -109,7 +109,7 @@ class Worker:
         self.stopping = False
         self.exit_code = 0
         self.errors = 0
-        self.costs_sent_at = float("-inf")  # when forward times last went with a RESULT (_device_stats)
+        self.costs_sent_at: dict[str, float] = {}  # when each table of forward times last went with a RESULT
 
     def _load_models(self) -> None:
         opts = self.opts
@@ -229,7 +229,7 @@ class Worker:
                         out.committed = committed
                         if t.chains and not t.draft:  # a chain the target looked up itself
                             out.chains = t.chains
-                elif kind == "round" and self.opts.role == "colocated":
+                elif kind == "round" and self.opts.role in BOTH_MODELS:
                     # the target's budget decides which prompts only prefill a chunk, in both models
                     ends = self.target.chunk_ends(group)
                     drafting = [i for i, t in enumerate(group) if t.k > 0 or ends[i] is not None]
@@ -408,13 +408,14 @@ class Worker:
         # each model's forward seconds for one sequence by new rows (1, 2, ...; null: not seen): the
         # policy's adaptive k weighs a round's draft steps and verify block with them. At most once
         # per COSTS_EVERY_S: they move slowly, and the broker takes a median over workers per update.
-        if time.monotonic() - self.costs_sent_at >= COSTS_EVERY_S:
-            for key in ("step_costs", "batch_costs"):  # (by a forward's rows in all: elastic workers weigh their stages)
-                tables = {role: t for role, r in (("draft", self.draft), ("target", self.target))
-                          if r is not None and hasattr(r, key) and (t := getattr(r, key).table())}
-                if tables:
-                    out[key] = tables
-                    self.costs_sent_at = time.monotonic()
+        for key in ("step_costs", "batch_costs"):  # (by a forward's rows in all: elastic workers weigh their stages)
+            if time.monotonic() - self.costs_sent_at.get(key, float("-inf")) < COSTS_EVERY_S:
+                continue
+            tables = {role: t for role, r in (("draft", self.draft), ("target", self.target))
+                      if r is not None and hasattr(r, key) and (t := getattr(r, key).table())}
+            if tables:
+                out[key] = tables
+                self.costs_sent_at[key] = time.monotonic()
         for role, runner in (("draft", self.draft), ("target", self.target)):
             if runner is not None and isinstance(runner.model, torch.nn.Module):
                 dtype = str(runner.model.lm_head.weight.dtype).removeprefix("torch.")

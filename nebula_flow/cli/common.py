@@ -15,7 +15,7 @@ import click
 
 from nebula_flow.config import ConfigError, DeployConfig, PoolConfig, cache_dir, load_config
 from nebula_flow.policy import PolicyConfig, PolicyError, knob_help, knob_names
-from nebula_flow.scheduler import MODES
+from nebula_flow.roles import MODES
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "default.toml"

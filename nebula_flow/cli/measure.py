@@ -17,7 +17,7 @@ from nebula_flow.cli.common import (
     start_deployment,
     with_settings,
 )
-from nebula_flow.scheduler import MODES
+from nebula_flow.roles import MODES
 
 
 @click.command()

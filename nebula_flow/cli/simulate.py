@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from nebula_flow.config import ConfigError
-from nebula_flow.scheduler import MODES
+from nebula_flow.roles import MODES
 
 
 @click.command()
@@ -24,14 +24,17 @@ from nebula_flow.scheduler import MODES
 @click.option("--sweep-targets", help="Target pool sizes: with it --sweep runs every draft x target pair (a grid) "
               "instead of keeping the scenario's draft:target ratio.")
 @click.option("--gpus", "devices", type=int, help="Also plan N devices: pooled with every draft/target split, "
-              "paired N/2 + N/2, colocated and autoregressive on all N, ranked by tokens/s.")
+              "paired N/2 + N/2, colocated, autoregressive and elastic on all N, ranked by tokens/s.")
+@click.option("--loads", help="With --gpus: plan at these loads (light, medium, saturation): saturation is the "
+              "scenario's workload, light and medium open-loop arrivals at 30 % and 70 % of the best fixed "
+              "arrangement's capacity (a trace: its arrivals time-scaled to that rate).")
 @click.option("--seed", type=int, help="Override the scenario's seed (acceptance draws, prompt lengths, arrivals).")
 @click.option("--out", type=click.Path(), help="Write result.json and PNG plots (modes, scaling) into this folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {...}, \"sweep\": [...]} as JSON.")
 @click.option("--check-policy-log", type=click.Path(exists=True, dir_okay=False),
               help="Instead of simulating: replay a broker's --policy-log into the simulator's policy and "
               "say whether every decision is identical.")
-def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, devices, seed,
+def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, devices, loads, seed,
              out, as_json, check_policy_log) -> None:  # noqa: ANN001
     """Simulate a deployment: the live scheduling policy on a virtual clock, with profiled or
     roofline device costs. SCENARIO is a TOML file (see configs/sim/)."""
@@ -49,6 +52,8 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
         sys.exit(0 if report.identical else 1)
     if not scenario:
         raise click.UsageError("give a SCENARIO file (e.g. configs/sim/paper-2d2t.toml)")
+    if loads and devices is None:
+        raise click.UsageError("--loads plans devices: give --gpus N too")
     from nebula_flow.bench import table
     from nebula_flow.sim import engine, report
     from nebula_flow.sim.acceptance import AcceptanceModel
@@ -94,7 +99,17 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
         if devices < 2:
             raise click.BadParameter("--gpus needs at least 2 devices")
         log(f"[simulate] plan for {devices} devices:")
-        result["plan"] = engine.plan(sc, devices, log=log)
+        if loads:
+            from nebula_flow.sim.loads import parse_loads, plan_at_loads
+
+            try:
+                names = parse_loads(loads)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--loads") from None
+            result["plan_by_load"] = plan_at_loads(sc, devices, names, log=log)
+            result["plan"] = result["plan_by_load"]["saturated"]
+        else:
+            result["plan"] = engine.plan(sc, devices, log=log)
     if out:
         folder = Path(out)
         paths = report.plot(folder, result["modes"], result.get("sweep"), sc.name)
@@ -108,6 +123,10 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
         click.echo(report.sweep_table(result["sweep"]))
     if devices is not None:
         click.echo(report.plan_table(result["plan"]))
+    if "plan_by_load" in result:
+        from nebula_flow.sim.loads import loads_table
+
+        click.echo(loads_table(result["plan_by_load"]))
 
 
 

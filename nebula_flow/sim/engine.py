@@ -73,6 +73,7 @@ class SimTask:
     alts: int = 0  # runner-ups to the first draft token asked for (token tree)
     fuse: int = 0  # the longest fused chain asked for
     drafter: str | None = None  # verify tasks: the drafter whose draft it verifies
+    target_holder: tuple[int, int] | None = None  # an elastic round: its target KV's (``holder``: its draft KV's)
 
 
 @dataclass
@@ -172,7 +173,8 @@ class Simulator:
         self.broker_busy_s += self.broker_free - self.now
         for wid, batch in dispatched:
             tasks = [SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
-                          r.holders.get(self.policy.task_holder_key(r)), r.alts, r.fuse, r.drafter) for r in batch]
+                             r.holders.get(self.policy.task_holder_key(r)), r.alts, r.fuse, r.drafter,
+                             r.holders.get("target") if r.phase == ROUND else None) for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
 
     def run(self) -> dict[str, Any]:
@@ -270,20 +272,23 @@ class Simulator:
         w.pending = (w.pending or []) + tasks
         transfer = 0.0
         for t in tasks:  # start the pulls now, one at a time, while the current batch computes
-            model_role = "draft" if t.kind == DRAFT else "target"
-            if t.kind == ROUND or t.holder is None or t.holder[0] == w.wid:
-                continue
-            holder = self.workers.get(t.holder[0])
-            have = w.caches[model_role].get(t.req.rid, 0)
-            theirs = min(t.holder[1], holder.caches[model_role].get(t.req.rid, 0)) if holder else 0
-            if theirs > have:
-                nbytes = (theirs - have) * w.costs[model_role].kv_bytes_per_token
-                transfer += self.sc.link.transfer_s(nbytes)
-                w.kv_bytes += nbytes
-                w.pulls += 1
-                w.caches[model_role][t.req.rid] = theirs
-            elif theirs < t.holder[1]:
-                w.recomputed += t.holder[1] - have
+            # a round's KV by model: a colocated worker holds both; an elastic one may pull both
+            needs = {DRAFT: [("draft", t.holder)], VERIFY: [("target", t.holder)]}.get(
+                t.kind, [("draft", t.holder), ("target", t.target_holder)] if w.role == "any" else [])
+            for model_role, want in needs:
+                if want is None or want[0] == w.wid:
+                    continue
+                holder = self.workers.get(want[0])
+                have = w.caches[model_role].get(t.req.rid, 0)
+                theirs = min(want[1], holder.caches[model_role].get(t.req.rid, 0)) if holder else 0
+                if theirs > have:
+                    nbytes = (theirs - have) * w.costs[model_role].kv_bytes_per_token
+                    transfer += self.sc.link.transfer_s(nbytes)
+                    w.kv_bytes += nbytes
+                    w.pulls += 1
+                    w.caches[model_role][t.req.rid] = theirs
+                elif theirs < want[1]:
+                    w.recomputed += want[1] - have
         w.prefetch_free = max(self.now, w.prefetch_free) + transfer
         w.kv_ready = w.prefetch_free
         self._worker_step(w)
@@ -467,6 +472,7 @@ def plan(sc: Scenario, devices: int, log: Callable[[str], None] | None = None) -
             f"{d} draft + {t} elastic" if mode == "elastic" and not sc.draft.elastic else f"{devices} workers"
         rows.append({"mode": mode, "draft_workers": d, "target_workers": t, "shape": shape,
                      "round_rate": res["round_rate"], "tokens_per_s": res["tokens_per_s"],
+                     "requests": res["requests"], "wall_s": res["wall_s"],
                      "latency_p50_s": res["latency_s"]["p50"], "latency_p99_s": res["latency_s"]["p99"],
                      "utilization_by_role": res["utilization_by_role"]})
         if log:

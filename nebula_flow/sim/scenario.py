@@ -71,7 +71,7 @@ from nebula_flow.config import ConfigError, load_config, read_toml
 from nebula_flow.emulated import load_profile
 from nebula_flow.policy import PolicyConfig, PolicyError
 from nebula_flow.protocol import DRAFTER_NAME, DRAFTER_RULE
-from nebula_flow.scheduler import DEFAULT_DRAFTER, MODES
+from nebula_flow.roles import DEFAULT_DRAFTER, MODES
 from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.costs import CostModel, Link, ProfileCost, RooflineCost
 from nebula_flow.sim.hardware import GB, resolve_hardware, resolve_model
