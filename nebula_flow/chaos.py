@@ -39,9 +39,11 @@ class Kill:
 
 def default_kills(names: list[str]) -> list[Kill]:
     """The operations issue's drill on ``names`` (the deployment's processes, in plan order): the
-    last draft worker at the first token, the last target worker 3 s later."""
-    last = {role: [n for n in names if n.startswith(f"{role}-")][-1:] for role in ("draft", "target")}
-    return [Kill(n, at) for role, at in (("draft", 0.0), ("target", 3.0)) for n in last[role]]
+    last draft worker at the first token, the last verifying worker (target, colocated or elastic)
+    3 s later; with no draft-only worker, the one before it first."""
+    drafters = [n for n in names if n.startswith("draft-")]
+    verifiers = [n for n in names if n.startswith(("target-", "colocated-", "any-"))]
+    return [Kill(n, 0.0) for n in drafters[-1:] or verifiers[-2:-1]] + [Kill(n, 3.0) for n in verifiers[-1:]]
 
 
 def _back(state: dict[str, Any], name: str, killed_pid: int, workers: int) -> bool:

@@ -69,7 +69,6 @@ class WorkerOptions:
     draft_model: str | None = None  # colocated and any (elastic) only
     name: str = ""
     capacity: int = 8
-    draft_capacity: int | None = None  # any (elastic): a draft batch's most tasks (default: capacity)
     threads: int = 1
     device: str = "cpu"
     dtype: str | None = None
@@ -85,6 +84,7 @@ class WorkerOptions:
     profile: str | None = None  # latency profile when device == "emulated"
     draft_profile: str | None = None  # colocated + emulated: the draft's profile
     drafter: str | None = None  # draft workers: the drafter name routing knows them by (default: from the model)
+    draft_capacity: int | None = None  # any (elastic): a draft batch's most tasks (default: capacity)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

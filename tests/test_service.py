@@ -370,6 +370,11 @@ def test_serve_rejects_a_bad_config(tmp_path) -> None:  # noqa: ANN001
     assert res.exit_code != 0 and "at least twice heartbeat_s" in res.output, res.output
     res = CliRunner().invoke(main, ["worker", "--role", "target", "--model", str(tmp_path), "--kv-pool-gb", "-0.5"])
     assert res.exit_code != 0 and "--kv-pool-gb >= 0" in res.output, res.output
+    res = CliRunner().invoke(main, ["worker", "--role", "target", "--model", str(tmp_path), "--draft-max-batch", "32"])
+    assert res.exit_code != 0 and "--draft-max-batch is for role any" in res.output, res.output
+    cfg.write_text('mode = "elastic"\n[draft]\nmodel = "d"\nelastic = "no"\n[target]\nmodel = "t"\n')
+    res = CliRunner().invoke(main, ["serve", "--config", str(cfg)])
+    assert res.exit_code != 0 and "elastic must be true or false" in res.output, res.output
 
 
 def test_replay_jsonl_and_azure_csv_write_records_summary_and_plots(live, tiny_pair, tmp_path) -> None:  # noqa: ANN001

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -433,7 +432,9 @@ def test_plan_tries_every_way_to_use_the_devices_best_first() -> None:
     rows = plan(small_scenario(link=Link.free()), 4)
     shapes = {(r["mode"], r["draft_workers"], r["target_workers"]) for r in rows}
     assert shapes == {("pooled", 1, 3), ("pooled", 2, 2), ("pooled", 3, 1), ("paired", 2, 2),
-                      ("colocated", 2, 2), ("autoregressive", 2, 2), ("elastic", 2, 2)}
+                      ("colocated", 2, 2), ("autoregressive", 2, 2), ("elastic", 1, 3), ("elastic", 2, 2),
+                      ("elastic", 3, 1)}
+    assert sum(r["shape"] == "4 workers" for r in rows if r["mode"] == "elastic") == 1  # all elastic, and beside drafts
     rates = [r["tokens_per_s"] for r in rows]
     assert rates == sorted(rates, reverse=True)
     # 1 ms drafts and 10 ms verifies: the pool that gives most devices to the target wins among pooled.
@@ -441,7 +442,16 @@ def test_plan_tries_every_way_to_use_the_devices_best_first() -> None:
     assert pooled[1] > pooled[2] > pooled[3]
     with pytest.raises(ValueError):
         plan(small_scenario(), 1)
-    # a draft pool kept to drafting (small devices): elastic is tried with each split of them
-    fixed = replace(small_scenario(link=Link.free()), draft=Pool(2, 16, flat_profile(0.001), elastic=False))
-    elastic = {(r["draft_workers"], r["target_workers"]) for r in plan(fixed, 4) if r["mode"] == "elastic"}
-    assert elastic == {(1, 3), (2, 2), (3, 1)}
+    # two kinds of device: the scenario's own 2 + 2, every mode on them
+    hetero = small_scenario(link=Link.free(), draft=Pool(2, 16, RooflineCost(MODELS["qwen3-0.6b"], HARDWARE["l4"]), "l4"),
+                            target=Pool(2, 8, RooflineCost(MODELS["qwen3-8b"], HARDWARE["a100"]), "a100"))
+    shapes = [(r["mode"], r["shape"]) for r in plan(hetero, 4)]
+    assert sorted(shapes) == sorted([("pooled", "2 draft + 2 target"), ("paired", "2 draft + 2 target"),
+                                     ("colocated", "4 workers"), ("autoregressive", "4 workers"),
+                                     ("elastic", "4 workers"), ("elastic", "2 draft + 2 elastic")])
+    with pytest.raises(ValueError, match="plan 4, not 6"):
+        plan(hetero, 6)
+    # each worker's models cost what they cost on its device: the first two are the draft pool's
+    devices = {w.wid: {m: c.hw.name for m, c in w.costs.items()} for w in Simulator(hetero, "colocated").workers.values()}
+    assert devices == {1: {"draft": "l4", "target": "l4"}, 2: {"draft": "l4", "target": "l4"},
+                       3: {"draft": "a100", "target": "a100"}, 4: {"draft": "a100", "target": "a100"}}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from nebula_flow.chaos import Kill, default_kills
 from nebula_flow.client import AsyncClient, Client, Completion
 from nebula_flow.config import ConfigError, load_config
 from nebula_flow.deploy import Deployment, free_port
@@ -37,6 +38,15 @@ def test_restarts_back_off_and_a_crash_loop_is_given_up() -> None:
     refused = judge(policy, ChildRecord(), REFUSED_EXIT, 0.0)
     assert refused.delay_s is None and "configuration" in refused.reason
     assert judge(RestartPolicy(max_restarts=0), ChildRecord(), -9, 0.0).delay_s is None  # (0: never restart)
+
+
+def test_the_default_drill_kills_a_drafter_then_a_verifier_in_every_mode() -> None:
+    assert default_kills(["broker", "draft-0", "draft-1", "target-2", "target-3"]) == [Kill("draft-1", 0.0),
+                                                                                    Kill("target-3", 3.0)]
+    # no draft-only worker (autoregressive, colocated, elastic): the last two
+    assert default_kills(["broker", "target-0", "target-1"]) == [Kill("target-0", 0.0), Kill("target-1", 3.0)]
+    assert default_kills(["broker", "any-0", "any-1", "any-2"]) == [Kill("any-1", 0.0), Kill("any-2", 3.0)]
+    assert default_kills(["broker", "draft-0", "any-1"]) == [Kill("draft-0", 0.0), Kill("any-1", 3.0)]
 
 
 def test_the_restart_policy_comes_from_the_config(tmp_path) -> None:  # noqa: ANN001

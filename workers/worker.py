@@ -70,6 +70,8 @@ class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
         if opts.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
+        if opts.draft_capacity is not None and not (opts.role == "any" and opts.draft_capacity >= 1):
+            raise ValueError("--draft-max-batch is for role any, and must be >= 1")
         if opts.max_kv_gb <= 0 or (opts.kv_pool_gb is not None and opts.kv_pool_gb < 0):
             raise ValueError("--max-kv-gb must be > 0 and --kv-pool-gb >= 0")
         if opts.device != "emulated" and (opts.model is None or (opts.role in BOTH_MODELS and opts.draft_model is None)):

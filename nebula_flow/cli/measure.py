@@ -208,7 +208,7 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
 @click.option("--kill", "kills", multiple=True, metavar="NAME[@SECONDS]",
               help="SIGKILL this process (broker, draft-0, target-3, ...; `status` and the log folder name them) "
               "SECONDS after the first streamed token (default 0). Repeatable. Default: the last draft worker at "
-              "0 s and the last target worker at 3 s.")
+              "0 s and the last target worker at 3 s (no draft-only workers: the last two workers).")
 @click.option("--chat", is_flag=True, help="Send the prompts in the model's chat format.")
 @click.option("--no-reference", is_flag=True, help="Skip the reference run (the same prompts on the target "
               "alone, autoregressive mode) that the output is compared with.")

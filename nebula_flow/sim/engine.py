@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nebula_flow.budget import plan_forward
@@ -41,6 +41,7 @@ from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.elastic import BatchCosts
 from nebula_flow.params import SamplingParams
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
+from nebula_flow.roles import MODEL_ROLES
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim.costs import CostModel
 from nebula_flow.sim.scenario import Scenario, Workload, cost_on
@@ -122,11 +123,11 @@ class Simulator:
                            target=PoolConfig(workers=target_workers or sc.target.workers,
                                              max_batch=sc.target.max_batch, elastic=sc.target.elastic))
         self.workers: dict[int, SimWorker] = {}
-        beside_target = cost_on(sc.draft, sc.target)  # the draft on a worker that holds both (a target device)
+        # The devices: the draft pool's M, then the target pool's N (every mode runs on the same ones;
+        # the plan lists drafts first): each worker's models cost what they cost on its device.
         for i, (role, pool) in enumerate(dep.worker_plan(), 1):
-            costs = {"draft": sc.draft.cost} if role == "draft" else {"target": sc.target.cost}
-            if role in ("colocated", "any"):
-                costs["draft"] = beside_target
+            device = sc.draft if i <= dep.draft.workers else sc.target
+            costs = {m: cost_on(sc.draft if m == "draft" else sc.target, device) for m in MODEL_ROLES[role]}
             self.workers[i] = SimWorker(i, role, pool.max_batch, costs,
                                         draft_capacity=sc.draft.max_batch if role == "any" else None)
         for d in sc.drafters if mode == "pooled" else ():  # (the baselines run [draft] alone, as live)
@@ -453,23 +454,30 @@ def sweep(sc: Scenario, mode: str = "pooled", sizes: list[int] | None = None,
 def plan(sc: Scenario, devices: int, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Every way to run the scenario's workload on ``devices`` devices, best tokens/s first:
     pooled with each draft/target split, paired as equal pairs, colocated, autoregressive and
-    elastic on all of them (both models fit on each device: the scenario's pools say what each costs)."""
+    elastic on all of them, and elastic beside each number of draft-only devices. Pools on two
+    kinds of hardware plan the scenario's own devices (the draft pool's, then the target pool's).
+    Both models fit on each device; the scenario's pools say what each costs where."""
     if devices < 2:
         raise ValueError("planning needs at least 2 devices")
     half = devices // 2
-    options = [("pooled", d, devices - d) for d in range(1, devices)]
+    options = [("pooled", d, devices - d, True) for d in range(1, devices)]
     if devices % 2 == 0:
-        options.append(("paired", half, half))
-    options += [("colocated", half, devices - half), ("autoregressive", half, devices - half)]
-    # elastic: every device holds both models; with ``[draft] elastic = false``, each split of
-    # draft-only devices beside elastic ones
-    options += [("elastic", d, devices - d) for d in range(1, devices)] if not sc.draft.elastic \
-        else [("elastic", half, devices - half)]
+        options.append(("paired", half, half, True))
+    options += [("colocated", half, devices - half, True), ("autoregressive", half, devices - half, True)]
+    # elastic: every device holds both models; draft-only devices beside elastic ones, each split
+    options += [("elastic", half, devices - half, True)] + [("elastic", d, devices - d, False) for d in range(1, devices)]
+    if sc.draft.hardware != sc.target.hardware:  # two kinds of device: the scenario's M + N, no other split
+        m, n = sc.draft.workers, sc.target.workers
+        if m + n != devices:
+            raise ValueError(f"the scenario's devices are {m} {sc.draft.hardware} + {n} {sc.target.hardware}: "
+                             f"plan {m + n}, not {devices}")
+        options = [(mode, m, n, True) for mode in ("pooled", "paired", "colocated", "autoregressive", "elastic")
+                   if mode != "paired" or m == n] + [("elastic", m, n, False)]
     rows = []
-    for mode, d, t in options:
-        res = simulate(sc, mode, d, t)
+    for mode, d, t, all_elastic in options:
+        res = simulate(replace(sc, draft=replace(sc.draft, elastic=all_elastic)), mode, d, t)
         shape = f"{d} draft + {t} target" if mode in ("pooled", "paired") else \
-            f"{d} draft + {t} elastic" if mode == "elastic" and not sc.draft.elastic else f"{devices} workers"
+            f"{d} draft + {t} elastic" if mode == "elastic" and not all_elastic else f"{devices} workers"
         rows.append({"mode": mode, "draft_workers": d, "target_workers": t, "shape": shape,
                      "round_rate": res["round_rate"], "tokens_per_s": res["tokens_per_s"],
                      "requests": res["requests"], "wall_s": res["wall_s"],

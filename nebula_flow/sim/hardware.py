@@ -38,6 +38,8 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     # No peer-to-peer on GeForce cards: KV goes GPU -> host -> GPU over PCIe 4.0 x16.
     Hardware("rtx4090", 165.2e12, 1008 * GB, 24, 20 * GB, 15e-6, "PCIe 4.0 x16 through host memory"),
     Hardware("a100", 312e12, 2039 * GB, 80, 300 * GB, 5e-6, "NVLink 3 (300 GB/s each way)"),
+    # A small inference card (NVIDIA L4: 121 TFLOPS dense fp16, 300 GB/s GDDR6): drafts, not 8B targets.
+    Hardware("l4", 121e12, 300 * GB, 24, 25 * GB, 10e-6, "PCIe 4.0 x16"),
     Hardware("h100", 989e12, 3350 * GB, 80, 450 * GB, 4e-6, "NVLink 4 (450 GB/s each way)"),
     Hardware("h200", 989e12, 4800 * GB, 141, 450 * GB, 4e-6, "NVLink 4 (450 GB/s each way)"),
     # A single CPU core: useful to compare with the bundled pair on this kind of machine.
