@@ -33,7 +33,8 @@ from nebula_flow.kv.cache import KVCache
 from nebula_flow.models.llama import TreeRows
 from nebula_flow.specdec import splitmix64
 
-STAND_IN_VOCAB = 1000  # the stand-in emits ids below min(this, vocab): real-looking but cheap
+STAND_IN_VOCAB = 256  # the stand-in emits ids below min(this, vocab): cheap, and ids any tokenizer has (the broker
+# checks every id against the served tokenizer's vocabulary: the tiny pair's has 512)
 
 
 class ProfileError(ValueError):

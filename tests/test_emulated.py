@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -46,11 +47,17 @@ def test_latency_model_and_draft_agreement_rate() -> None:
     assert 0.55 < agree / 2000 < 0.65
 
 
-@pytest.mark.parametrize("mode", ["pooled", "colocated", "autoregressive"])
+@pytest.mark.parametrize("mode", ["pooled", "colocated", "autoregressive", "elastic", "elastic+bundled"])
 def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profiles, mode: str) -> None:  # noqa: ANN001
+    """``+bundled``: the bundled profiles (Qwen3 on RTX 4090s: a vocabulary far larger than the tiny
+    tokenizer's, whose ids the broker checks every token against)."""
+    mode, bundled = mode.removesuffix("+bundled"), mode.endswith("+bundled")
     cfg = deploy_config(tiny_pair, mode, 2, 2)
     cfg.draft.device = cfg.target.device = "emulated"
     cfg.draft.profile, cfg.target.profile = profiles
+    if bundled:
+        folder = Path(__file__).resolve().parent.parent / "configs" / "profiles"
+        cfg.draft.profile, cfg.target.profile = str(folder / "qwen3-0.6b-rtx4090.json"), str(folder / "qwen3-8b-rtx4090.json")
     cfg.kv_transport = "zmq"
     cfg.broker.policy = cfg.broker.policy.replace(first_alternatives=2)  # token-tree rows go through the emulated model too
     prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]

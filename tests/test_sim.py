@@ -340,6 +340,21 @@ def test_the_paper_scenario_loads() -> None:
     assert sc.draft.cost.name == "qwen3-0.6b@rtx4090" and sc.target.cost.name == "qwen3-8b@rtx4090"
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "sim").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_bundled_scenario_loads(path: Path) -> None:
+    """(One that takes its pools from a deployment: the deployment's policy knobs too.)"""
+    if path.stem == "paper-2d2t-trace" and not (REPO.parent / "shared" / "traces").is_dir():
+        with pytest.raises(ConfigError, match="trace .* not found"):
+            load_scenario(path)
+        pytest.skip("the shared traces folder is not beside this checkout")
+    sc = load_scenario(path)
+    assert sc.draft.workers >= 1 and sc.target.workers >= 1 and sc.modes
+    if path.stem == "emulated-2d2t":
+        assert sc.policy.k == 4 and "elastic" in sc.modes
+    if path.stem == "paper-2d2t-trace":  # the Azure code trace beside the repository: its first 512 requests
+        assert len(sc.workload.arrivals(0)) == 512
+
+
 def test_a_scenarios_policy_knobs_reach_the_simulated_policy(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "s.toml"
     path.write_text(PAPER.read_text().replace("[policy]", "[policy]\nadaptive_k = true\ndisable_by_batch_size = 2\n"

@@ -218,7 +218,7 @@ def _pool(raw: dict[str, Any], where: str, base: Path) -> Pool:
 def _from_deploy(path: str) -> dict[str, Any]:
     """Pools and policy knobs of a deployment config (its devices must be emulated: profiles)."""
     cfg = load_config(path)
-    out: dict[str, Any] = {"policy": cfg.policy.to_table()}
+    out: dict[str, Any] = {"policy": cfg.broker.policy.to_table()}
     for name, pool in (("draft", cfg.draft), ("target", cfg.target)):
         if not pool.profile:
             raise ConfigError(f"{path} [{name}]: simulating a deployment needs a latency profile "
@@ -263,6 +263,8 @@ def load_scenario(path: str | Path) -> Scenario:
     wl_raw = dict(raw.get("workload", {}))
     if "trace" in wl_raw:
         wl_raw["trace"] = _path(wl_raw["trace"], base)
+        if not Path(wl_raw["trace"]).is_file():
+            raise ConfigError(f"{path} [workload]: trace {wl_raw['trace']} not found")
     if isinstance(wl_raw.get("prompt_tokens"), int):
         wl_raw["prompt_tokens"] = (wl_raw["prompt_tokens"], wl_raw["prompt_tokens"])
     elif "prompt_tokens" in wl_raw:
