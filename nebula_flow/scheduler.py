@@ -364,8 +364,8 @@ class Scheduler:
         """
         waiting = sorted((w for w in self.workers.values() if w.pull_credits > 0),
                          key=lambda w: (not w.pull_idle, w.pull_since, w.worker_id))
-        picks: dict[int, list[int]] = {}
-        taken: set[int] = set()  # (an elastic worker's stage below: chosen at its turn, from the tasks left to it)
+        picks: dict[int, list[int]] = {}  # (an elastic worker's stage: chosen at its turn, from the tasks left to it)
+        taken: set[int] = set()
         for w in waiting:
             w.stage = None if w.role == "any" else ROLE_TOPICS[w.role][0]
         for first_pass in ((True, False) if self.policy.locality else (False,)):
@@ -379,9 +379,7 @@ class Scheduler:
         out = []
         for w in waiting:
             rids = picks.get(w.worker_id)
-            if not rids:
-                continue
-            if self.policy.merge_batches and not w.pull_idle and len(w.inflight) >= len(rids) < self._room(w, w.stage):
+            if not rids or self.policy.merge_batches and not w.pull_idle and len(w.inflight) >= len(rids) < self._room(w, w.stage):
                 continue
             w.pull_credits = 0
             out.append((w.worker_id, self._commit(w, rids)))
@@ -412,13 +410,18 @@ class Scheduler:
 
     def _choose_from(self, topic: Topic, w: WorkerState, room: int, held_only: bool, taken: set[int],
                      bare: bool = False) -> list[int]:
-        """``_choose`` in one topic; ``bare``: only tasks without a draft."""
-        busy_local = self.policy.locality and not w.pull_idle and not held_only
+        """``_choose`` in one topic; ``bare``: only tasks without a draft. Whole rounds (elastic) stay with
+        their KV's holder unless it holds more than it can batch (a round moves both models' KV), so a
+        worker takes others' and new rounds only up to its share of the pool (over the elastic workers)."""
+        rounds = w.stage == "round"
+        busy_local = self.policy.locality and (not w.pull_idle or rounds) and not held_only
+        spill = {h for h in topic.holders() if rounds and h in self.workers and topic.held(h) > self.workers[h].capacity}
+        share = -(-len(self.requests) // max(1, sum(o.role == "any" for o in self.workers.values()))) if rounds else room
         if held_only:
             candidates: Iterable[int] = topic.held_by([w.worker_id])
         elif busy_local:  # a prefetching worker: its own tasks, unheld ones, and those of departed holders
             candidates = topic.held_by([h for h in topic.holders() if h is None or h == w.worker_id
-                                        or h not in self.workers])
+                                        or h not in self.workers or h in spill])
         else:
             candidates = topic
         chosen = []
@@ -431,7 +434,8 @@ class Scheduler:
             holder = self._holder(req)  # checked again: the index is a hint, this is the rule
             if held_only and holder != w.worker_id:
                 continue
-            if busy_local and holder != w.worker_id and holder in self.workers:
+            if busy_local and holder != w.worker_id and (holder in self.workers and holder not in spill
+                                                         or len(chosen) >= share):
                 continue  # leave it for its holder or an idle worker
             chosen.append(rid)
             if len(chosen) == room:

@@ -62,6 +62,10 @@ class Topic:
             return (rid for rid, _ in groups[0])
         return (rid for rid, _ in heapq.merge(*groups, key=lambda kv: kv[1]))
 
+    def held(self, holder: int | None) -> int:
+        """How many queued tasks ``holder`` holds."""
+        return len(self._by_holder.get(holder, ()))
+
     def holders(self) -> list[int | None]:
         return list(self._by_holder)
 
