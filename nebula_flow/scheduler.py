@@ -416,7 +416,8 @@ class Scheduler:
         rounds = w.stage == "round"
         busy_local = self.policy.locality and (not w.pull_idle or rounds) and not held_only
         spill = {h for h in topic.holders() if rounds and h in self.workers and topic.held(h) > self.workers[h].capacity}
-        share = -(-len(self.requests) // max(1, sum(o.role == "any" for o in self.workers.values()))) if rounds else room
+        share = -(-len(self.requests) // max(1, sum(o.role == "any" for o in self.workers.values()))) \
+            - (self._room(w, "round") - room) - len(w.inflight) if rounds else room  # (less what it has and took)
         if held_only:
             candidates: Iterable[int] = topic.held_by([w.worker_id])
         elif busy_local:  # a prefetching worker: its own tasks, unheld ones, and those of departed holders
