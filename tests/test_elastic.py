@@ -100,7 +100,6 @@ def test_an_elastic_worker_runs_rounds_and_splits_the_stages_for_a_full_draft_ba
 def test_a_round_going_back_to_a_topic_is_the_task_it_was() -> None:
     s = Scheduler("elastic", PolicyConfig(k=4))
     s.register(1, "any", 4)
-    s.register(2, "any", 4)
     last = Request(9, "9", [1, 2, 3], SamplingParams(max_new_tokens=1), seed=9)  # one token: a draft-less round
     s.admit(req(0))
     s.admit(last)
@@ -135,6 +134,25 @@ def test_elastic_workers_mix_with_draft_only_and_target_only_ones() -> None:
     # a worker of role any is refused outside elastic mode
     with pytest.raises(ValueError, match="no 'any' workers"):
         Scheduler("pooled").register(1, "any", 4)
+
+
+def test_whole_rounds_stay_with_their_holder_and_a_worker_takes_its_share_of_the_rest() -> None:
+    s = Scheduler("elastic", PolicyConfig(k=4))
+    s.register(1, "any", 8)
+    s.register(2, "any", 8)
+    for rid in range(4):
+        s.admit(req(rid))
+    s.pull(1, 8, True, now=0.0)
+    [(_, first)] = s.dispatch()  # its share of the pool: 4 requests over 2 workers
+    assert [r.rid for r in first] == [0, 1] and all(r.phase == ROUND for r in first)
+    for r in first:
+        s.end_round(r, 1, [5, 6])
+    s.pull(2, 8, True, now=1.0)
+    [(_, second)] = s.dispatch()  # the new ones; worker 1's rounds stay with worker 1 (their KV is there)
+    assert [r.rid for r in second] == [2, 3]
+    s.pull(1, 8, True, now=2.0)
+    [(_, again)] = s.dispatch()
+    assert [r.rid for r in again] == [0, 1]
 
 
 def test_a_dead_elastic_workers_tasks_go_back_to_their_topics() -> None:
