@@ -6,8 +6,9 @@ and at each PULL the scheduler gives it a draft batch, a verify batch, or whole 
 splits a round, so a request's latency is a colocated one's). Once the queues fill, the stages
 split: drafts wait until they fill one large batch merged across requests (a small model's
 forward costs little more for many rows than for one) while every device verifies, which is
-where the time goes when verification is the bottleneck. Where the choice is close, the forward
-times each worker measured for the batches it ran (``BatchCosts``) price it.
+where the time goes when verification is the bottleneck. Whether merging pays is read from the
+forward times each worker measured by batch rows (``BatchCosts``): on a CPU, where a forward
+grows with its rows, it does not, and rounds stay whole.
 """
 
 from __future__ import annotations
@@ -78,25 +79,25 @@ def draft_seconds(table: Sequence[float | None] | None, rows: Sequence[tuple[int
     return total
 
 
-def choose_stage(drafts: Sequence[tuple[int, int]], verifies: Sequence[int], bare: int, rooms: tuple[int, int],
+def choose_stage(drafts: Sequence[tuple[int, int]], verifies: int, bare: int, rooms: tuple[int, int],
                  draft_table: Sequence[float | None] | None, split_at: int = 0) -> str | None:
     """What an elastic worker runs next with the tasks it could take from each topic: ``"draft"``
     (a draft batch), ``"target"`` (a verify batch), ``"round"`` (draft-topic tasks as whole rounds,
     drafted and verified in one batch on this worker, as a colocated worker runs them), or None
-    (nothing queued). ``drafts``: per task (first forward's rows, k), as ``draft_seconds``;
-    ``verifies``: per task its new rows (the KV it lacks plus its token tree); ``bare``: draft-less
-    verify tasks (a request's last round: a verify, or a round with nothing to draft); ``rooms``: the most
-    tasks of a draft batch and of a verify (or round) batch; ``draft_table``: this device's draft
-    forwards by rows (``BatchCosts.table``); ``split_at``: the policy's ``elastic_split`` (>0: split
-    once that many drafts are queued, whatever the costs).
+    (nothing queued).
 
-    Whole rounds unless the queue of drafts fills a draft batch larger than a round batch and the
-    measured costs say merging them pays (``merging_pays``: a small model on a GPU, whose forward
-    costs little more for many rows than for few): then the stages split, drafts run as one large
-    batch merged across requests and every device verifies the rest of the time, which is where
-    a saturated deployment's time goes. Queued verifications go first otherwise: they finish rounds
-    already started (split ones). A whole round has no hop
-    or queue inside it: a request's latency is a colocated worker's."""
+    ``drafts``: per queued draft, (its first forward's rows, k), as ``draft_seconds``; ``verifies``:
+    queued verifications of a draft; ``bare``: queued draft-less ones (a request's last round, run
+    as a round); ``rooms``: the most tasks of a draft batch and of a verify (or round) batch;
+    ``draft_table``: this device's draft forwards by rows (``BatchCosts.table``); ``split_at``: the
+    policy's ``elastic_split`` (> 0: split once that many drafts are queued, whatever the costs).
+
+    Whole rounds, unless the queued drafts fill a draft batch larger than a round batch and the
+    measured costs say merging them pays (``merging_pays``): then the stages split, the drafts run
+    as one batch merged across requests, and every device verifies the rest of the time, which is
+    where a saturated deployment's time goes. Queued verifications go before rounds: they finish
+    rounds already started. A whole round has no hop or queue inside it: a request's latency is a
+    colocated worker's."""
     if not drafts and not verifies and not bare:
         return None
     if split_at and len(drafts) >= split_at or not split_at and len(drafts) >= rooms[0] > rooms[1] \
@@ -117,13 +118,9 @@ def merging_pays(draft_table: Sequence[float | None] | None, drafts: Sequence[tu
 
 def stage_of(drafts: list[Request], verifies: list[Request], rooms: tuple[int, int], held: Callable[[Request], int],
              draft_table: Sequence[float | None] | None, split_at: int = 0) -> str | None:
-    """``choose_stage`` for the queued requests an elastic worker could take from each topic (a
-    verify without a draft counts as a round); ``held``:
-    the positions of a request's KV for its queued task some worker holds (pulled, not computed)."""
-    def new_rows(r: Request) -> int:  # the committed positions its forward computes
-        return max(1, len(r.prompt) + len(r.output) - held(r))
-
-    drafted = [r for r in verifies if r.draft]
-    return choose_stage([(new_rows(r), r.k) for r in drafts],
-                        [new_rows(r) + len(r.draft) + len(r.runner_ups) + r.fuse for r in drafted],
-                        len(verifies) - len(drafted), rooms, draft_table, split_at)
+    """``choose_stage`` for the queued requests an elastic worker could take from each topic;
+    ``held``: the positions of a request's KV for its queued task some worker holds (pulled, not
+    computed)."""
+    drafted = sum(1 for r in verifies if r.draft)
+    return choose_stage([(max(1, len(r.prompt) + len(r.output) - held(r)), r.k) for r in drafts], drafted,
+                        len(verifies) - drafted, rooms, draft_table, split_at)

@@ -13,8 +13,8 @@ Modes (the same code, one switch):
 * ``colocated``: a worker holds both models; a request is bound to one worker, which runs
   whole rounds (``round`` tasks) for it.
 * ``autoregressive``: target only; every round is a verify with no draft (one token).
-* ``elastic``: pooled, where a worker holding both models (role ``any``) takes a draft or a verify
-  batch at each PULL (``elastic.choose_stage``); draft-only and target-only workers may join.
+* ``elastic``: a worker holding both models (role ``any``) takes whole rounds, a draft batch or a
+  verify batch at each PULL (``elastic.choose_stage``); draft-only and target-only workers may join.
 
 Worker-triggered batching: a worker's ``PULL`` waits here until tasks it may take exist;
 idle workers are served before workers that are prefetching behind a running batch.
@@ -132,8 +132,8 @@ class Scheduler:
     def observe_costs(self, worker_id: int, role: str, seconds: list[float | None], by_batch: bool = False) -> None:
         """A worker's forward times for its ``role``'s model by new rows (``speclen.StepCosts.table``:
         seconds for 1, 2, ... rows of one sequence; None where not seen), used with ``measure_costs``;
-        ``by_batch``: by a forward's rows in all (``elastic.BatchCosts.table``), what an elastic worker
-        weighs a draft batch against a verify batch with."""
+        ``by_batch``: by a forward's rows in all (``elastic.BatchCosts.table``), from which elastic
+        workers' draft costs say whether merging drafts pays."""
         if worker_id in self.workers and role in ("draft", "target") and any(t is not None for t in seconds):
             if by_batch:
                 self.batch_costs[(worker_id, role)] = list(seconds)

@@ -43,25 +43,25 @@ LINEAR_DRAFT = [0.001 * (1 << i) for i in range(8)]  # a CPU: time grows with th
 
 def test_below_saturation_whole_rounds_and_queued_verifications_first() -> None:
     rooms = (64, 16)
-    assert elastic.choose_stage([(1, 4)] * 3, [], 0, rooms, FLAT_DRAFT) == "round"
-    assert elastic.choose_stage([(1, 4)] * 3, [5] * 2, 0, rooms, FLAT_DRAFT) == "target"  # (they finish rounds)
-    assert elastic.choose_stage([], [], 2, rooms, FLAT_DRAFT) == "round"  # a request's last, draft-less round
-    assert elastic.choose_stage([], [], 0, rooms, FLAT_DRAFT) is None
+    assert elastic.choose_stage([(1, 4)] * 3, 0, 0, rooms, FLAT_DRAFT) == "round"
+    assert elastic.choose_stage([(1, 4)] * 3, 2, 0, rooms, FLAT_DRAFT) == "target"  # (they finish rounds)
+    assert elastic.choose_stage([], 0, 2, rooms, FLAT_DRAFT) == "round"  # a request's last, draft-less round
+    assert elastic.choose_stage([], 0, 0, rooms, FLAT_DRAFT) is None
 
 
 def test_a_full_draft_batch_splits_the_stages_where_merging_drafts_pays() -> None:
     full = [(1, 4)] * 64
-    assert elastic.choose_stage(full, [5] * 16, 0, (64, 16), FLAT_DRAFT) == "draft"
-    assert elastic.choose_stage(full, [], 0, (64, 16), None) == "draft"  # (unmeasured: the common case)
+    assert elastic.choose_stage(full, 16, 0, (64, 16), FLAT_DRAFT) == "draft"
+    assert elastic.choose_stage(full, 0, 0, (64, 16), None) == "draft"  # (unmeasured: the common case)
     # a draft model whose forward grows with its rows gains nothing from merging: whole rounds stay
-    assert elastic.choose_stage(full, [], 0, (64, 16), LINEAR_DRAFT) == "round"
-    assert elastic.choose_stage(full, [5], 0, (64, 16), LINEAR_DRAFT) == "target"
+    assert elastic.choose_stage(full, 0, 0, (64, 16), LINEAR_DRAFT) == "round"
+    assert elastic.choose_stage(full, 1, 0, (64, 16), LINEAR_DRAFT) == "target"
     # no larger draft batch than a round's: nothing to merge
-    assert elastic.choose_stage(full[:16], [], 0, (16, 16), FLAT_DRAFT) == "round"
+    assert elastic.choose_stage(full[:16], 0, 0, (16, 16), FLAT_DRAFT) == "round"
     assert elastic.merging_pays(FLAT_DRAFT, full, 16) and not elastic.merging_pays(LINEAR_DRAFT, full, 16)
     # the policy's elastic_split: split once that many drafts are queued, whatever the costs
-    assert elastic.choose_stage(full[:2], [], 0, (64, 16), LINEAR_DRAFT, split_at=2) == "draft"
-    assert elastic.choose_stage(full[:2], [], 0, (64, 16), LINEAR_DRAFT, split_at=3) == "round"
+    assert elastic.choose_stage(full[:2], 0, 0, (64, 16), LINEAR_DRAFT, split_at=2) == "draft"
+    assert elastic.choose_stage(full[:2], 0, 0, (64, 16), LINEAR_DRAFT, split_at=3) == "round"
 
 
 # -- the scheduler -----------------------------------------------------------------------------
