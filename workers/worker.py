@@ -52,7 +52,7 @@ from nebula_flow_workers.tasks import failed, runnable
 
 COSTS_EVERY_S = 1.0  # forward-time tables go to the broker at most this often
 log = logging.getLogger("nebula_flow.worker")
-ROLES = ("draft", "target", "colocated", "any")  # any: both models, a draft or a verify batch at each pull (elastic)
+ROLES = ("draft", "target", "colocated", "any")  # any: both models; rounds, a draft or a verify batch (elastic)
 BOTH_MODELS = ("colocated", "any")
 REFUSALS = ("malformed", "wrong_role", "invalid_params", "unauthorized")  # REGISTER errors retrying cannot fix
 
