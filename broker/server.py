@@ -364,16 +364,16 @@ class Broker:
         self.stats.batch_sizes.setdefault(stage, Counter())[len(batch)] += 1
         self.workers[wid].batches[stage] += 1
         tasks = []
+        def holder(held: tuple[int, int]) -> Holder:  # (worker, valid) -> with its KV endpoint
+            info = self.workers.get(held[0])
+            return Holder(*held, info.kv_endpoint if info is not None else None)
+
         for req in batch:
-            holder_id, valid = req.holders.get(self.scheduler.task_holder_key(req), (0, 0))
-            info = self.workers.get(holder_id)
             task = TaskSpec(req.rid, req.phase, req.round, req.attempt, req.tokens, req.k, req.params.to_wire(),
-                            req.seed, Holder(holder_id, valid, info.kv_endpoint if info is not None else None),
+                            req.seed, holder(req.holders.get(self.scheduler.task_holder_key(req), (0, 0))),
                             draft=req.draft, runner_ups=req.runner_ups if req.draft else [], chains=req.chains if req.draft else [])
             if req.phase == ROUND and "target" in req.holders:  # (an elastic round: its target KV's holder too)
-                holder_id, valid = req.holders["target"]
-                info = self.workers.get(holder_id)
-                task.target_holder = Holder(holder_id, valid, info.kv_endpoint if info is not None else None)
+                task.target_holder = holder(req.holders["target"])
             if req.alts and req.phase in (DRAFT, ROUND):
                 task.alts = req.alts
             if req.fuse and (req.phase != VERIFY or not req.draft):  # (without a draft the target looks it up)

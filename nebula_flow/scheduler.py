@@ -415,7 +415,7 @@ class Scheduler:
         worker takes others' and new rounds only up to its share of the pool (over the elastic workers)."""
         rounds = w.stage == "round"
         busy_local = self.policy.locality and (not w.pull_idle or rounds) and not held_only
-        spill = {h for h in topic.holders() if rounds and h in self.workers and topic.held(h) > self.workers[h].capacity}
+        spill = {h for h in topic.holders() if h in self.workers and topic.held(h) > self.workers[h].capacity} if rounds else ()
         share = -(-len(self.requests) // max(1, sum(o.role == "any" for o in self.workers.values()))) \
             - (self._room(w, "round") - room) - len(w.inflight) if rounds else room  # (less what it has and took)
         if held_only:
