@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nebula_flow.ahead import Ahead, Branch
 from nebula_flow.protocol import ProtocolError, TaskResult
 from nebula_flow.request import ROUND, Request
 from nebula_flow.tree import TokenTree, fused_gain
@@ -123,3 +124,38 @@ def cost_tables(raw: object, roles: tuple[str, ...], longest: int) -> dict[str, 
 def _seconds(value: Any, least: float = 1e-9) -> bool:  # noqa: ANN401
     """A finite duration of at least ``least`` seconds, under an hour (a bool is no number here)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and least <= value < 3600.0
+
+
+def predrafted(st: Ahead, items: list[TaskResult], worker: int, drafter: str | None, sampled: bool,
+               vocab: int | None = None) -> list[Branch]:
+    """A pre-draft's branches (draft-ahead), checked against what it was asked for (``st``): each
+    assumes a verify outcome of the round being verified (accepted draft tokens plus one), a draft
+    of at most ``st.k`` tokens after it (with its proposal q when sampled), runner-ups and a fused
+    chain as asked. A result without ``assumes`` says the worker pre-drafted nothing."""
+    branches, seen = [], set()
+    for out in items:
+        if not out.assumes:
+            if out.draft:
+                raise ProtocolError("malformed", "a pre-drafted branch needs the outcome it assumes")
+            continue
+        a = out.assumes
+        if len(a) > len(st.draft) + 1 or a[:-1] != st.draft[:len(a) - 1] or tuple(a) in seen:
+            raise ProtocolError("malformed", "a pre-drafted branch must assume a distinct outcome of the verified "
+                                             "draft: its first tokens and one more")
+        seen.add(tuple(a))
+        if not out.draft or len(out.draft) > st.k:
+            raise ProtocolError("malformed", f"a pre-drafted branch has {len(out.draft)} tokens, asked for 1..{st.k}")
+        in_vocab(a, vocab, "a pre-draft's outcome")
+        req = _Asked(st.k, st.alts, st.fuse)
+        draft, runner_ups, chains = drafted(req, out, vocab)
+        branches.append(Branch(list(a), draft, proposal(out) if sampled else {}, runner_ups, chains, worker, drafter))
+    return branches
+
+
+@dataclass
+class _Asked:
+    """What a pre-draft asked of each branch, in the shape the draft checks read (``Request``'s)."""
+
+    k: int
+    alts: int
+    fuse: int

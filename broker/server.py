@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from nebula_flow import elastic, protocol
+from nebula_flow import ahead, elastic, protocol
 from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.options import BrokerOptions
@@ -31,7 +31,6 @@ from nebula_flow.protocol import (
     Error,
     Free,
     Heartbeat,
-    Holder,
     Msg,
     ProtocolError,
     Pull,
@@ -43,13 +42,12 @@ from nebula_flow.protocol import (
     Submit,
     TaskResult,
     Tasks,
-    TaskSpec,
     Timing,
     Tokens,
     Welcome,
     req_id_of,
 )
-from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
+from nebula_flow.request import AHEAD, DRAFT, ROUND, Request
 from nebula_flow.roles import MODEL_ROLES, MODES
 from nebula_flow.round_times import RoundTimes
 from nebula_flow.scheduler import Scheduler
@@ -59,6 +57,7 @@ from nebula_flow_broker import results
 from nebula_flow_broker.access import Access, metrics_token, owner_of
 from nebula_flow_broker.admission import Admission
 from nebula_flow_broker.stats import BrokerStats, WorkerInfo
+from nebula_flow_broker.tasks import task_specs
 
 log = logging.getLogger("nebula_flow.broker")
 
@@ -249,13 +248,34 @@ class Broker:
         if msg.device is not None:
             info.device = msg.device
             self._observe_costs(wid, msg.device.get("step_costs"), msg.device.get("batch_costs"))
+        predrafts: dict[tuple[int, int], list[TaskResult]] = {}  # (draft-ahead: each request's branches together)
         for item in msg.results:
             if isinstance(item, Rejected):  # one bad entry must not strand the others
                 self._reject(self.peers, identity, item.error.code, item.error.message)
                 if item.head is not None:  # its request ends with a clear error, never a hang
                     self._fail_result(wid, item.head, item.error.message)
                 continue
+            if item.kind == AHEAD:
+                predrafts.setdefault((item.rid, item.attempt), []).append(item)
+                continue
             self._result(wid, item, now, arrived, msg.timing)
+        for (rid, attempt), items in predrafts.items():
+            self._predrafted(wid, rid, attempt, items)
+
+    def _predrafted(self, wid: int, rid: int, attempt: int, items: list[TaskResult]) -> None:
+        """A pre-draft's branches (draft-ahead). A bad one is counted and the pre-draft dropped: a
+        pre-draft is only ever a head start, and its request drafts as usual."""
+        req = ahead.accepts(self.scheduler, wid, rid, attempt)
+        if req is None:
+            self.counters["stale_results"] += 1
+            return
+        try:
+            branches = results.predrafted(req.ahead, items, wid, self.scheduler.workers[wid].drafter,
+                                          not req.params.greedy, self.admission.vocab_size)
+        except ProtocolError as exc:
+            self.errors[exc.code] += 1
+            branches = []
+        self.scheduler.predrafted(req, wid, branches)
 
     def _register(self, identity: bytes, msg: Register, now: float, key: str | None) -> None:
         self.access.check_worker(msg, key)
@@ -309,6 +329,8 @@ class Broker:
     def _fail_result(self, wid: int, head: dict[str, Any], why: str) -> None:
         """A result too malformed to decode: end the request it names (when it is this worker's
         current task), as any result the broker cannot use."""
+        if head["kind"] == AHEAD:  # (a pre-draft: dropped; its request drafts as usual)
+            return self._predrafted(wid, head["rid"], head["attempt"], [])
         req = self.scheduler.accepts_result(wid, head["rid"], head["attempt"], head["kind"])
         if req is not None:
             self.workers[wid].tasks += 1
@@ -363,29 +385,12 @@ class Broker:
         stage = self.scheduler.workers[wid].stage  # (the topic: an elastic worker's changes batch by batch)
         self.stats.batch_sizes.setdefault(stage, Counter())[len(batch)] += 1
         self.workers[wid].batches[stage] += 1
-        tasks = []
-        def holder(held: tuple[int, int]) -> Holder:  # (worker, valid) -> with its KV endpoint
-            info = self.workers.get(held[0])
-            return Holder(*held, info.kv_endpoint if info is not None else None)
-
-        for req in batch:
-            task = TaskSpec(req.rid, req.phase, req.round, req.attempt, req.tokens, req.k, req.params.to_wire(),
-                            req.seed, holder(req.holders.get(self.scheduler.task_holder_key(req), (0, 0))),
-                            draft=req.draft, runner_ups=req.runner_ups if req.draft else [], chains=req.chains if req.draft else [])
-            if req.phase == ROUND and "target" in req.holders:  # (an elastic round: its target KV's holder too)
-                task.target_holder = holder(req.holders["target"])
-            if req.alts and req.phase in (DRAFT, ROUND):
-                task.alts = req.alts
-            if req.fuse and (req.phase != VERIFY or not req.draft):  # (without a draft the target looks it up)
-                task.fuse = req.fuse
-            if req.q:  # (a sampled draft's proposal, flat as it came: checked when it arrived)
-                task.q_idx, task.q_prob, task.q_len = req.q["q_idx"], req.q["q_prob"], req.q["q_len"]
-            tasks.append(task)
+        tasks = task_specs(self.scheduler, stage, batch, self.workers)
         sent = time.perf_counter()  # (before the send: the worker may start before this process runs again)
         if not self._send(self.peers, self.workers[wid].identity, Tasks(tasks)):
             self._drop_worker(wid, "unreachable")
             return
-        for req in batch:
+        for req in batch if stage != AHEAD else ():  # (a pre-draft is off every round's critical path)
             self.round_times.sent(req.rid, sent)
 
     # -- the loop --------------------------------------------------------------------------

@@ -75,6 +75,7 @@ class BrokerStats:
             "proposed_by_position": self.proposed_by_position, "accepted_by_position": self.accepted_by_position,
             "tokens_per_round_hist": {str(k): v for k, v in self.tokens_per_round_hist.items()},
             "batch_sizes": {r: {str(k): v for k, v in h.items()} for r, h in self.batch_sizes.items()},
+            "draft_ahead": scheduler.ahead_stats.to_dict(),  # (pre-drafts: nebula_flow/ahead.py)
         }
 
     def _drafters_state(self, s: Scheduler) -> dict[str, dict[str, Any]]:

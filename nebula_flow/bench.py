@@ -134,7 +134,10 @@ def run_once(address: str, wl: BenchWorkload) -> dict[str, Any]:
         overrun += d1.get("emulated_overrun_s", 0.0) - d0.get("emulated_overrun_s", 0.0)
     workers = [{"id": w["id"], "role": w["role"], "utilization": util[w["id"]], "tasks": w["tasks"] - tasks0.get(w["id"], 0)}
                for w in s1["workers"]]
+    ahead = {k: v - s0.get("draft_ahead", {}).get(k, 0) for k, v in s1.get("draft_ahead", {}).items()}
     return {"wall_s": wall, "requests": len(outs), "tokens": tokens, "rounds": rounds,
+            # draft-ahead: its counters, and the share of rounds whose draft a pre-draft was
+            "draft_ahead": ahead, "ahead_hit_rate": ahead.get("hits", 0) / max(rounds, 1),
             "tokens_per_s": tokens / wall, "round_rate": rounds / wall,
             "tokens_per_round": tokens / max(rounds, 1),
             "utilization": statistics.mean(util.values()) if util else 0.0, "workers": workers,
@@ -160,8 +163,9 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
         runs = []
         for r in range(repeats):
             res = run_once(dep.address, wl)
+            hits = f", {res['ahead_hit_rate']:.0%} of rounds pre-drafted" if res["draft_ahead"].get("tasks") else ""
             log(f"  {label or mode} repeat {r + 1}/{repeats}: {res['tokens_per_s']:.1f} tokens/s, "
-                f"{res['round_rate']:.1f} rounds/s, {res['tokens_per_round']:.2f} tokens/round")
+                f"{res['round_rate']:.1f} rounds/s, {res['tokens_per_round']:.2f} tokens/round{hits}")
             runs.append(res)
 
     def med(key: str) -> float:
@@ -169,6 +173,7 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
 
     return {**_medians(runs), "utilization": med("utilization"),
             "kv_bytes": med("kv_bytes"), "emulated_overrun_per_forward_s": med("emulated_overrun_per_forward_s"),
+            "ahead_hit_rate": med("ahead_hit_rate"),
             "breakdown": _median_breakdown([r["breakdown"] for r in runs]),
             "first_breakdown": _median_breakdown([r["first_breakdown"] for r in runs]), "repeats": runs}
 

@@ -14,6 +14,8 @@ A profile is JSON::
                "max_position_embeddings": 8192},
      "latency": {"base_s": 0.02, "per_seq_s": 0.0002, "per_token_s": 0.0006, "per_ctx_token_s": 1e-7},
      "acceptance": 0.7,                     # drafts only
+     "runner_up": 0.5,                      # drafts only, default 0.5: where the draft disagrees, the chance
+                                            # its second choice is the target's token (draft-ahead's guesses)
      "grid": [{"batch": 1, "tokens": 1, "context": 128, "seconds": 0.021}, ...]}   # optional, measured
 
 A forward over B sequences with T new tokens in all and C context positions in all takes
@@ -33,6 +35,7 @@ from nebula_flow.kv.cache import KVCache
 from nebula_flow.models.llama import TreeRows
 from nebula_flow.specdec import splitmix64
 
+RUNNER_UP = 0.5  # a profile's default "runner_up": a guess (top-2 agreement of real pairs is not measured here)
 STAND_IN_VOCAB = 256  # the stand-in emits ids below min(this, vocab): cheap, and ids any tokenizer has (the broker
 # checks every id against the served tokenizer's vocabulary: the tiny pair's has 512)
 
@@ -83,6 +86,7 @@ class EmulatedModel:
         self.cfg = _Cfg(profile["model"])
         self.latency = profile["latency"]
         self.acceptance = float(profile.get("acceptance", 1.0))
+        self.runner_up = float(profile.get("runner_up", RUNNER_UP))
         # How faithfully this host emulates the device: forwards that took longer than the profile
         # says (host work or a late wake-up on a busy CPU) add up in ``overrun_s``.
         self.forwards, self.predicted_s, self.overrun_s = 0, 0.0, 0.0
@@ -97,11 +101,16 @@ class EmulatedModel:
         pos = len(context)
         vocab = min(STAND_IN_VOCAB, self.cfg.vocab_size)
         nxt = stand_in_next(context[-1], context[-2] if pos > 1 else 0, pos, vocab)
+        second = (nxt + 1) % vocab
         if self.role == "draft" and (splitmix64(pos * 7919 + context[-1]) % 10_000) / 10_000 >= self.acceptance:
-            nxt = (nxt + 1) % vocab  # this position disagrees with the target
+            # this position disagrees with the target; its second choice is the target's token or not
+            nxt, second = second, nxt if (splitmix64(pos * 104_729 + context[-1]) % 10_000) / 10_000 < self.runner_up \
+                else (nxt + 2) % vocab
         # Rows cover only the stand-in's ids: a full-vocabulary row (150k floats) per position
         # would cost more host time than the emulated GPU's forward takes.
         row = torch.full((vocab,), -10.0)
+        if self.role == "draft":
+            row[second] = 0.0
         row[nxt] = 10.0
         return row
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from nebula_flow.protocol import MAX_ALTERNATIVES
+from nebula_flow.protocol import MAX_ALTERNATIVES, MAX_DRAFT
 from nebula_flow.speclen import DEFAULT_COSTS
 
 MAX_FUSED = 16  # the longest fused prompt-lookup chain
@@ -61,6 +61,11 @@ class PolicyConfig:
     elastic_split: int = _knob(0, "Elastic mode: split rounds into a draft batch and verify batches once this many drafts "
                                "are queued; 0: once they fill a draft batch larger than a round's and the measured "
                                "draft costs say merging them pays (nebula_flow/elastic.py).", lo=0)
+    draft_ahead: int = _knob(0, "Pooled and paired modes: while a round verifies, a draft worker that would otherwise "
+                             "idle pre-drafts the next round for this many likely outcomes (the whole draft accepted "
+                             "plus its guess of the bonus token first, then a correction after 0, 1, ... accepted "
+                             "tokens, then the whole draft plus its second guess: k + 2 in all); a verify that commits "
+                             "one sends the next verify at once (nebula_flow/ahead.py). 0: off.", lo=0, hi=MAX_DRAFT + 2)
     max_forward_tokens: int = _knob(0, "The most uncached prompt (committed) tokens one forward pass computes: a "
                                     "longer prompt is prefilled in chunks beside the other requests' decode and "
                                     "verify rows, which are not counted (chunked prefill, nebula_flow/budget.py). "

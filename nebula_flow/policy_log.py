@@ -17,9 +17,14 @@ Records are JSON arrays, one per line (JSONL)::
     ["admit", rid, prompt_len, max_new_tokens, greedy, seeded]
     ["draft_done", rid, worker, n_draft]
     ["prefilled", rid, worker, valid]    (a chunk of a prompt computed; the task queued again)
-    ["end_round", rid, worker, committed, via_alt, draft_accepted, fused, ended]
+    ["end_round", rid, worker, committed, via_alt, draft_accepted, fused, ended, hit]
                                          (committed: tokens the verify committed; ended: the request
-                                         finished there, by EOS, length or a stop string)
+                                         finished there, by EOS, length or a stop string; hit: the
+                                         pre-drafted branch that assumed them, or null)
+    ["predrafted", rid, worker, [[assumed, drafted], ...], hit]
+                                         (draft-ahead: a pre-draft's branches, by their lengths; hit:
+                                         the one that assumed what its verify committed, when that
+                                         verify has already ended, or null)
     ["step_costs", worker, role, [seconds by new rows]]
     ["finish", rid]                      (a cancelled or failed request)
     ["dispatch", [[worker, [[rid, attempt], ...]], ...]]
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nebula_flow import ahead
 from nebula_flow.params import SamplingParams
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import Request
@@ -82,14 +88,21 @@ class RecordingScheduler(Scheduler):
     def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
                   draft_accepted: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
                   stop_text: Callable[[Request], bool] | None = None) -> list[int]:
+        st = req.ahead if req.ahead is not None and req.ahead.round == req.round else None
+        hit = next((i for i, b in enumerate(st.branches) if b.assumes == committed), None) if st and st.branches else None
         self._quiet = True
         try:
             kept = super().end_round(req, worker_id, committed, via_alt, draft_accepted, fused, eos_ids, stop_text)
         finally:
             self._quiet = False
         self.records.append(["end_round", req.rid, worker_id, len(committed), via_alt, draft_accepted, fused,
-                             req.finish_reason is not None])
+                             req.finish_reason is not None, hit])
         return kept
+
+    def predrafted(self, req: Request, worker_id: int, branches: list[ahead.Branch]) -> None:
+        self.records.append(["predrafted", req.rid, worker_id, [[len(b.assumes), len(b.draft)] for b in branches],
+                             ahead.last_match(req.ahead, branches, req)])
+        super().predrafted(req, worker_id, branches)
 
     def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict) -> None:
         self.records.append(["draft_done", req.rid, worker_id, len(draft)])
@@ -177,10 +190,22 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
         elif kind == "prefilled":
             policy.prefilled(reqs[args[0]], args[1], args[2])
         elif kind == "end_round":
-            rid, wid, committed, via_alt, draft_accepted, fused, ended = args
-            # (placeholders hold no EOS and no text: a request the broker ended ends here by "stop")
-            policy.end_round(reqs[rid], wid, [PLACEHOLDER] * committed, via_alt, draft_accepted, fused,
+            rid, wid, committed, via_alt, draft_accepted, fused, ended, hit = (*args, None)[:8]  # (older logs: no hit)
+            st = reqs[rid].ahead
+            # (placeholders hold no EOS and no text: a request the broker ended ends here by "stop"; a
+            # pre-drafted branch that assumed the committed tokens assumes the placeholders)
+            tokens = st.branches[hit].assumes if hit is not None else [PLACEHOLDER] * committed
+            policy.end_round(reqs[rid], wid, list(tokens), via_alt, draft_accepted, fused,
                              stop_text=lambda _r, hit=ended: hit)
+        elif kind == "predrafted":
+            rid, wid, shapes, hit = args
+            req = reqs[rid]
+            last = req.output[len(req.output) - req.tokens_per_round[-1]:] if req.tokens_per_round else []
+            drafter = policy.workers[wid].drafter if wid in policy.workers else None
+            # (branch i assumes tokens no verify commits, -1 - i, but for the one the record says matched)
+            policy.predrafted(req, wid, [ahead.Branch(last if i == hit else [-1 - i] * n, [PLACEHOLDER] * m,
+                                                      worker=wid, drafter=drafter)
+                                         for i, (n, m) in enumerate(shapes)])
         elif kind == "step_costs":
             policy.observe_costs(*args)
         elif kind == "batch_costs":

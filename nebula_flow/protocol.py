@@ -54,7 +54,7 @@ MAX_ALTERNATIVES = 8  # runner-ups to the first draft token
 MAX_FUSED_CHAINS = 4  # fused chains in one round's token tree
 MAX_DRAFT = 64  # tokens in a draft, and in a fused chain
 MAX_PULL_ITEMS = 4096  # requests in one KV exchange
-TASK_KINDS = ("draft", "verify", "round")
+TASK_KINDS = ("draft", "verify", "round", "ahead")  # (ahead: pre-drafting the next round, draft-ahead)
 KV_SCHEMES = ("tcp://", "ucx://", "shm://", "curve:")  # (curve: the KV server's public key, security.py)
 # -- the messages ------------------------------------------------------------------------------
 class Msg:
@@ -263,13 +263,12 @@ class Proposes:
 
 @dataclass
 class TaskSpec(Proposes):
-    """One request's round half. ``tokens``: its committed tokens (prompt + output), int32;
-    ``holder``: who has the KV for the task's role; ``k``: draft tokens wanted. A token tree:
-    ``alts`` (draft/round tasks) asks for that many runner-ups to the first draft token, ``runner_ups``
-    (verify tasks) carries them; ``fuse`` (draft/round tasks) asks for a prompt-lookup chain of up
-    to that many tokens beside the draft, ``chains`` (verify tasks) carries the fused chains.
-    ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal.
-    ``target_holder``: an elastic worker's round task's target KV (``holder``: its draft KV)."""
+    """One request's round half. ``tokens``: its committed tokens (prompt + output), int32; ``holder``: who has the KV
+    for the task's role; ``k``: draft tokens wanted. A token tree: ``alts`` (draft/round tasks) asks for that many
+    runner-ups to the first draft token, ``runner_ups`` (verify tasks) carries them; ``fuse`` (draft/round tasks) asks
+    for a prompt-lookup chain of up to that many tokens beside the draft, ``chains`` (verify tasks) carries the fused
+    chains. ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal. ``target_holder``:
+    an elastic worker's round task's target KV (``holder``: its draft KV)."""
 
     rid: int
     kind: str
@@ -289,6 +288,7 @@ class TaskSpec(Proposes):
     fuse: int = 0
     chains: list[TokenIds] = field(default_factory=list)
     target_holder: Holder | None = None
+    ahead: int = 0  # an ahead task (draft-ahead): pre-draft the next round for this many outcomes of draft's verify
 
     def check(self) -> None:
         if self.kind not in TASK_KINDS:
@@ -306,6 +306,8 @@ class TaskSpec(Proposes):
             raise malformed(f"fuse must be in 0..{MAX_DRAFT}")
         if len(self.chains) > MAX_FUSED_CHAINS or not all(0 < len(c) <= MAX_DRAFT for c in self.chains):
             raise malformed(f"chains must be at most {MAX_FUSED_CHAINS} lists of 1..{MAX_DRAFT} token ids")
+        if not 0 <= self.ahead <= MAX_DRAFT + 2 or (self.ahead > 0) != (self.kind == "ahead"):  # (draft-ahead)
+            raise malformed(f"ahead (1..{MAX_DRAFT + 2} outcomes) is for ahead tasks, which need it")
 
 
 @dataclass
@@ -319,12 +321,11 @@ class Tasks(Msg):
 
 @dataclass
 class TaskResult(Proposes):
-    """A finished task: ``draft`` (+ its proposal ``q_*``) for a draft task; ``committed`` for a verify or round
-    task (a round task's ``draft``: the draft it verified); ``runner_ups`` and ``chains``: the
-    runner-ups and fused chains a draft or round task made (or a verify looked up itself);
-    ``prefilled``: instead, the worker computed only a chunk of the task's uncached prompt (the
-    policy's ``max_forward_tokens``) and now holds the KV of this many positions: the task comes
-    back for the rest; ``error``: the task failed, and why."""
+    """A finished task: ``draft`` (+ its proposal ``q_*``) for a draft task; ``committed`` for a verify or round task
+    (a round task's ``draft``: the draft it verified); ``runner_ups`` and ``chains``: the runner-ups and fused chains a
+    draft or round task made (or a verify looked up itself); ``prefilled``: instead, the worker computed only a chunk
+    of the task's uncached prompt (the policy's ``max_forward_tokens``) and now holds the KV of this many positions:
+    the task comes back for the rest; ``error``: the task failed, and why."""
 
     rid: int
     kind: str
@@ -339,9 +340,12 @@ class TaskResult(Proposes):
     committed: TokenIds | None = None
     prefilled: int | None = None
     error: str | None = None
+    assumes: TokenIds = field(default_factory=list)  # an ahead task's: one result per outcome (none: nothing made)
 
     def check(self) -> None:
         self.check_proposal()
+        if len(self.assumes) > MAX_DRAFT + 1 or (self.assumes and self.kind != "ahead"):
+            raise malformed(f"assumes (1..{MAX_DRAFT + 1} tokens) is for ahead results")
         if self.prefilled is not None and (self.prefilled < 0 or self.draft or self.committed is not None):
             raise malformed("a prefilled result is a position count >= 0 and carries no tokens")
 

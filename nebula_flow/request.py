@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nebula_flow.params import SamplingParams
 from nebula_flow.speclen import Acceptance
 
+if TYPE_CHECKING:
+    from nebula_flow.ahead import Ahead
+
 # The phase of a request says which topic its next task sits on.
 DRAFT, VERIFY, ROUND, DONE = "draft", "verify", "round", "done"
+AHEAD = "ahead"  # not a phase: the kind of a task pre-drafting a request's next round (draft-ahead)
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Request:
     explore_gaps: dict[str, int] = field(default_factory=dict)  # drafter -> rounds unused before trying it again
     drafter_rounds: dict[str, int] = field(default_factory=dict)  # drafter -> rounds it drafted
     ks: list[int] = field(default_factory=list)  # the k of each round
+    ahead: Ahead | None = None  # draft-ahead: the pre-draft of the round after this one's verify (``nebula_flow/ahead.py``)
     text: str = ""
     finish_reason: str | None = None
     t_submit: float = 0.0

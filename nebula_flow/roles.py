@@ -19,7 +19,8 @@ MODES: dict[str, tuple[str, ...]] = {
 PHASE_ROLE = {DRAFT: "draft", VERIFY: "target", ROUND: "colocated"}
 # the topics a worker of each role takes tasks from, and the models it runs (whose costs it reports)
 ROLE_TOPICS = {"draft": ("draft",), "target": ("target",), "colocated": ("colocated",), "any": ("draft", "target")}
-STAGE_TOPIC = {"draft": "draft", "target": "target", "colocated": "colocated", "round": "draft"}  # (elastic rounds: drafts)
+# (elastic rounds: drafts; ahead: pre-drafts of the next round, draft-ahead)
+STAGE_TOPIC = {"draft": "draft", "target": "target", "colocated": "colocated", "round": "draft", "ahead": "ahead"}
 MODEL_ROLES = {"draft": ("draft",), "target": ("target",), "colocated": ("draft", "target"), "any": ("draft", "target")}
 DEFAULT_DRAFTER = "draft"  # a draft worker that names no drafter
 
@@ -40,6 +41,7 @@ class WorkerState:
     drafter: str | None = None  # draft workers: which drafter (kind of draft model) it runs
     stage: str | None = None  # what its waiting PULL is served (a topic's tasks; elastic: chosen per PULL, or round)
     draft_capacity: int | None = None  # elastic workers: the most tasks of a draft batch (else ``capacity``)
+    ahead: dict[int, int] = field(default_factory=dict)  # request -> attempt: the pre-drafts it runs (draft-ahead)
 
 
 def holder_key(role: str, drafter: str | None = None) -> str:

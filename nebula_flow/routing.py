@@ -29,10 +29,16 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from nebula_flow import speclen
 from nebula_flow.lookup import is_ngram
 from nebula_flow.protocol import DRAFTER_CHARS
 from nebula_flow.speclen import PRIOR, Acceptance
+
+if TYPE_CHECKING:
+    from nebula_flow.request import Request
+    from nebula_flow.scheduler import Scheduler
 
 POOL_DECAY = 0.98  # per round, the pool's experience of a drafter (all requests' rounds: ~50 remembered)
 POOL_WEIGHT = 4.0  # the pool's rate counts as this many rounds beside a request's own (``shrunk``)
@@ -87,3 +93,31 @@ def choose_drafter(drafters: list[str], round_no: int, last_used: dict[str, int]
     explore = min(due, key=lambda d: last_used.get(d, 0))
     gaps[explore] = 2 * gaps.get(explore, EXPLORE_AFTER)
     return explore, True
+
+
+def route(sched: Scheduler, req: Request, max_alts: int) -> tuple[str, bool, tuple[int, int] | None]:
+    """(The scheduler's.) This round's drafter for ``req``, whether it is an exploration (``routing``), and with
+    ``adaptive_k`` and several drafters the (k, alts) its worth was weighed at (else None);
+    makes ``req.acceptance`` that drafter's."""
+    names = list(sched.drafters)
+    drafter, explore, plans = names[0], False, {}
+    if len(names) > 1:
+        # the pool's experience of each drafter (not for a seeded sample: it must not depend on
+        # other requests): where a request starts one it has not tried, and what its own weighs with
+        pools = {d: None if req.reproducible else sched.drafter_acceptance.get((d, req.params.greedy)) for d in names}
+        for d in names:
+            if d not in req.by_drafter:
+                req.by_drafter[d] = starting_acceptance(pools[d])
+
+        def worth(d: str) -> float:
+            costs, verify = sched.costs_for(req, d)
+            acc = shrunk(req.by_drafter[d], pools[d])
+            if sched.policy.adaptive_k:
+                worth, k, alts = speclen.best_round(acc, sched.policy.k, costs, max_alts, verify)
+                plans[d] = (k, alts)
+                return worth
+            return speclen.round_worth(acc, sched.policy.k, max_alts, costs, verify)
+
+        drafter, explore = choose_drafter(names, req.round, req.drafter_used, req.explore_gaps, worth)
+    req.acceptance = req.by_drafter.setdefault(drafter, req.acceptance)
+    return drafter, explore, plans.get(drafter)

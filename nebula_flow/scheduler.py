@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from nebula_flow import elastic, routing, speclen
+from nebula_flow import ahead, elastic, routing, speclen
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import (
@@ -75,7 +75,8 @@ class Scheduler:
         self.drafter_acceptance: dict[tuple[str, bool], Acceptance] = {}  # (drafter, greedy) ->
         self.drafters: dict[str, int] = {}  # drafter -> live draft workers
         self.requests: dict[int, Request] = {}
-        self.topics: dict[str, Topic] = {role: Topic() for role in ("draft", "target", "colocated")}
+        self.topics: dict[str, Topic] = {role: Topic() for role in ("draft", "target", "colocated", "ahead")}
+        self.ahead_stats = ahead.AheadStats()  # draft-ahead's pre-drafts (``nebula_flow/ahead.py``)
         self.workers: dict[int, WorkerState] = {}
 
     # -- workers ---------------------------------------------------------------------------
@@ -105,6 +106,7 @@ class Scheduler:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
+        ahead.unregister(self, w)
         if w.drafter is not None:
             self.drafters[w.drafter] -= 1
             if not self.drafters[w.drafter]:
@@ -175,11 +177,11 @@ class Scheduler:
         max_alts = self.policy.first_alternatives
         loaded = 0 < self.policy.disable_by_batch_size < len(self.requests) and not req.reproducible  # (__init__)
         speculate = self.mode != "autoregressive" and req.remaining > 1 and not loaded
-        req.drafter, explore, plan = self._route(req, max_alts) if speculate and self.mode == "pooled" and self.drafters \
+        req.drafter, explore, plan = routing.route(self, req, max_alts) if speculate and self.mode == "pooled" and self.drafters \
             else (None, False, None)
         if self.policy.adaptive_k:
             if plan is None:
-                costs, verify = self._costs_for(req, req.drafter)
+                costs, verify = self.costs_for(req, req.drafter)
                 plan = speclen.choose_round(req.acceptance, self.policy.k, costs, max_alts, verify)
             k, alts = plan
             k = max(k, 1) if explore else k  # (a look at a drafter that drafts nothing shows nothing)
@@ -191,7 +193,7 @@ class Scheduler:
         # for its rows, planned for a seeded sample from its own history, as its k)
         req.fuse = min(self.policy.fuse_ngram, req.remaining - 1) if self.mode != "autoregressive" else 0
         if req.fuse and self.policy.adaptive_k:
-            req.fuse = speclen.choose_fuse(req.acceptance, req.k, req.alts, req.fuse, *self._costs_for(req, req.drafter),
+            req.fuse = speclen.choose_fuse(req.acceptance, req.k, req.alts, req.fuse, *self.costs_for(req, req.drafter),
                                            batch=self._verify_batch() if loaded else 1)
         if req.k == 0:
             req.drafter = None  # no draft this round
@@ -200,14 +202,15 @@ class Scheduler:
             req.phase = ROUND
         else:
             req.phase = DRAFT if req.k > 0 else VERIFY
-        self._enqueue(req)
+        if req.phase != DRAFT or not ahead.take(self, req):  # (a pre-drafted branch: its verify is queued)
+            self._enqueue(req)
 
     def _verify_batch(self) -> int:
         """About how many requests share a target's verify forward: the pool over the targets."""
         targets = sum(1 for w in self.workers.values() if w.role in ("target", "colocated", "any")) or 1
         return -(-len(self.requests) // targets)
 
-    def _costs_for(self, req: Request, drafter: str | None) -> tuple[tuple[float, float, float], tuple[float | None, ...]]:
+    def costs_for(self, req: Request, drafter: str | None) -> tuple[tuple[float, float, float], tuple[float | None, ...]]:
         """The costs ``req``'s round is planned with: measured ones (of ``drafter``'s workers where
         several drafters run), except for a seeded sampled request, whose k and drafter decide
         which sample it draws: it is planned from its own history and ``spec_costs`` alone, so the
@@ -216,48 +219,29 @@ class Scheduler:
             return self.policy.spec_costs, ()
         return self.drafter_costs.get(drafter, (self.costs, self.verify_costs)) if drafter else (self.costs, self.verify_costs)
 
-    def _route(self, req: Request, max_alts: int) -> tuple[str, bool, tuple[int, int] | None]:
-        """This round's drafter for ``req``, whether it is an exploration (``routing``), and with
-        ``adaptive_k`` and several drafters the (k, alts) its worth was weighed at (else None);
-        makes ``req.acceptance`` that drafter's."""
-        names = list(self.drafters)
-        drafter, explore, plans = names[0], False, {}
-        if len(names) > 1:
-            # the pool's experience of each drafter (not for a seeded sample: it must not depend on
-            # other requests): where a request starts one it has not tried, and what its own weighs with
-            pools = {d: None if req.reproducible else self.drafter_acceptance.get((d, req.params.greedy)) for d in names}
-            for d in names:
-                if d not in req.by_drafter:
-                    req.by_drafter[d] = routing.starting_acceptance(pools[d])
-
-            def worth(d: str) -> float:
-                costs, verify = self._costs_for(req, d)
-                acc = routing.shrunk(req.by_drafter[d], pools[d])
-                if self.policy.adaptive_k:
-                    worth, k, alts = speclen.best_round(acc, self.policy.k, costs, max_alts, verify)
-                    plans[d] = (k, alts)
-                    return worth
-                return speclen.round_worth(acc, self.policy.k, max_alts, costs, verify)
-
-            drafter, explore = routing.choose_drafter(names, req.round, req.drafter_used, req.explore_gaps, worth)
-        req.acceptance = req.by_drafter.setdefault(drafter, req.acceptance)
-        return drafter, explore, plans.get(drafter)
-
-    def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict) -> None:
+    def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict, drafter: str | None = None) -> None:
         """A draft arrived (it may hold fewer than ``req.k`` tokens: a drafter that has nothing
-        worth proposing, such as an n-gram drafter without a match)."""
+        worth proposing, such as an n-gram drafter without a match). ``drafter``: a pre-drafted
+        branch's (draft-ahead), whose worker may have left since."""
         req.draft, req.q, req.phase = draft, q, VERIFY
         req.proposed += len(draft)
-        drafter = self.workers[worker_id].drafter
+        w = self.workers.get(worker_id)
+        drafter = w.drafter if w is not None else drafter
         if drafter is not None and drafter != req.drafter:  # (no worker of the routed drafter was left)
             req.acceptance = req.by_drafter.setdefault(drafter, routing.starting_acceptance(None))
         req.drafter = drafter
         if drafter is not None:
             req.drafter_used[drafter] = req.round
             req.drafter_rounds[drafter] = req.drafter_rounds.get(drafter, 0) + 1
-        req.holders[holder_key("draft", drafter)] = (worker_id, len(req.prompt) + len(req.output) + max(0, len(draft) - 1))
-        self.workers[worker_id].inflight.discard(req.rid)
+        if w is not None:
+            req.holders[holder_key("draft", drafter)] = (worker_id, len(req.prompt) + len(req.output) + max(0, len(draft) - 1))
+            w.inflight.discard(req.rid)
         self._enqueue(req)
+        ahead.queue(self, req, worker_id)  # (draft-ahead: the next round's pre-draft, while this one verifies)
+
+    def predrafted(self, req: Request, worker_id: int, branches: list[ahead.Branch]) -> None:
+        """A pre-draft of ``req``'s next round came back (draft-ahead, ``ahead.done``)."""
+        ahead.done(self, req, worker_id, branches)
 
     def prefilled(self, req: Request, worker_id: int, valid: int) -> None:
         """A worker computed a chunk of ``req``'s prompt (chunked prefill) and holds ``valid``
@@ -332,6 +316,7 @@ class Scheduler:
         req = self.requests.pop(rid, None)
         if req is None:
             return None
+        ahead.forget(self, rid)
         if req.phase != DONE:
             topic = self.topics[PHASE_ROLE[req.phase]]
             if rid in topic:
@@ -376,13 +361,16 @@ class Scheduler:
                     got = self._choose(w, room, first_pass, taken)
                     picks.setdefault(w.worker_id, []).extend(got)
                     taken.update(got)
+        if self.topics["ahead"]:
+            ahead.dispatch(self, waiting, picks)  # (draft workers left without a draft task: pre-drafts)
         out = []
         for w in waiting:
             rids = picks.get(w.worker_id)
-            if not rids or self.policy.merge_batches and not w.pull_idle and len(w.inflight) >= len(rids) < self._room(w, w.stage):
+            if not rids or self.policy.merge_batches and w.stage != "ahead" and not w.pull_idle \
+                    and len(w.inflight) >= len(rids) < self._room(w, w.stage):
                 continue
             w.pull_credits = 0
-            out.append((w.worker_id, self._commit(w, rids)))
+            out.append((w.worker_id, ahead.commit(self, w, rids) if w.stage == "ahead" else self._commit(w, rids)))
         return out
 
     def _room(self, w: WorkerState, stage: str | None) -> int:

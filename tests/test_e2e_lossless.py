@@ -45,25 +45,28 @@ def runs(tiny_pair):  # noqa: ANN001, ANN201
     """Run the greedy and sampled sets once per (mode, M, N); cached for the tests below."""
     cache: dict[tuple, tuple[list, list]] = {}
     batches: dict[tuple, list[dict]] = {}  # each worker's batches by stage
+    ahead: dict[tuple, dict] = {}  # draft-ahead's counters
 
-    def get(mode: str, m: int, n: int, fixed_drafts: bool = False, split: bool = False) -> tuple[list, list]:
+    def get(mode: str, m: int, n: int, fixed_drafts: bool = False, split: bool = False, draft_ahead: int = 0
+            ) -> tuple[list, list]:
         """Elastic mode: ``fixed_drafts``: the draft pool kept to drafting (mixed workers); ``split``:
-        every round's stages split (draft batches, then verify batches; ``elastic_split``)."""
-        key = (mode, m, n, fixed_drafts, split)
+        every round's stages split (draft batches, then verify batches; ``elastic_split``).
+        ``draft_ahead``: the policy knob (pre-drafts of the next round while one verifies)."""
+        key = (mode, m, n, fixed_drafts, split, draft_ahead)
         if key not in cache:
             cfg = deploy_config(tiny_pair, mode, m, n, max_batch=4)
             cfg.draft.elastic = not fixed_drafts
-            cfg.broker.policy = cfg.broker.policy.replace(elastic_split=1 if split else 0)
+            cfg.broker.policy = cfg.broker.policy.replace(elastic_split=1 if split else 0, draft_ahead=draft_ahead)
             with Deployment(cfg) as dep:
                 outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests()))
                 with Client(dep.address) as client:
-                    batches[key] = [{"role": w["role"], **w["batches"]} for w in client.status()["workers"]]
+                    state = client.status()
+                    batches[key] = [{"role": w["role"], **w["batches"]} for w in state["workers"]]
+                    ahead[key] = state["draft_ahead"]
             cache[key] = (outs[:16], outs[16:])
         return cache[key]
 
-    get.batches = batches
-    return get
-
+    get.batches, get.ahead = batches, ahead
     return get
 
 
@@ -84,8 +87,8 @@ def test_greedy_output_equals_hf_transformers(runs, reference, mode: str) -> Non
         assert out.token_ids == ref, f"request {i} differs in {mode} mode"
     assert sum(o.rounds for o in greedy) > 0
     if mode == "elastic":  # workers of role any, running whole rounds (a CPU's draft gains nothing from merging)
-        assert [w["role"] for w in runs.batches[("elastic", 2, 2, False, False)]] == ["any"] * 4
-        assert sum(w.get("round", 0) for w in runs.batches[("elastic", 2, 2, False, False)]) > 0
+        assert [w["role"] for w in runs.batches[("elastic", 2, 2, False, False, 0)]] == ["any"] * 4
+        assert sum(w.get("round", 0) for w in runs.batches[("elastic", 2, 2, False, False, 0)]) > 0
     if mode == "autoregressive":
         assert all(o.rounds == len(o.token_ids) for o in greedy)
     else:  # speculation commits more than one token per round on average
@@ -99,14 +102,27 @@ def test_seeded_sampling_is_identical_across_modes_and_pool_sizes(runs, referenc
                 ("elastic", 2, 2, False, True), ("elastic", 1, 1, True)]:
         assert [o.token_ids for o in runs(*key)[1]] == base, f"seeded output changed in {key}"
     # elastic with every round split: draft batches and verify batches, on every worker, greedy still HF's
-    split = runs.batches[("elastic", 2, 2, False, True)]
+    split = runs.batches[("elastic", 2, 2, False, True, 0)]
     assert all(w.get("draft", 0) and w.get("target", 0) for w in split)  # (rounds: only draft-less last ones)
     assert [o.token_ids for o in runs("elastic", 2, 2, False, True)[0]] == reference
     # elastic beside a draft-only worker: the mixed deployment ran both kinds of worker
-    assert sorted(w["role"] for w in runs.batches[("elastic", 1, 1, True, False)]) == ["any", "draft"]
+    assert sorted(w["role"] for w in runs.batches[("elastic", 1, 1, True, False, 0)]) == ["any", "draft"]
     assert [o.token_ids for o in runs("elastic", 1, 1, True)[0]] == reference
     greedy = [o.token_ids for o in runs("pooled", 2, 2)[0][:8]]
     assert base != [g[:30] for g in greedy]  # temperature 0.8 is not greedy
+
+
+@pytest.mark.parametrize("mode", ["pooled", "paired"])
+def test_draft_ahead_keeps_greedy_and_seeded_output(runs, reference, mode: str) -> None:  # noqa: ANN001
+    """Pre-drafting the next round while one verifies (draft-ahead) changes no token: greedy is HF's,
+    seeded sampling the same as without it. (Hits on this CPU pair are few: its verify is as quick
+    as the pre-draft; ``test_emulated`` runs draft-ahead where most rounds hit.)"""
+    greedy, sampled = runs(mode, 2, 2, draft_ahead=6)
+    assert [o.token_ids for o in greedy] == reference
+    assert [o.token_ids for o in sampled] == [o.token_ids for o in runs("pooled", 2, 2)[1]]
+    counters = runs.ahead[(mode, 2, 2, False, False, 6)]
+    assert counters["tasks"] > 0 and counters["branches"] > 0
+    assert counters["hits"] + counters["wasted"] + counters["cancelled"] > 0
 
 
 def test_bf16_target_speculative_output_equals_its_own_greedy_output(tiny_pair) -> None:  # noqa: ANN001

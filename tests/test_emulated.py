@@ -40,17 +40,23 @@ def test_latency_model_and_draft_agreement_rate() -> None:
     assert predict_seconds(PROFILE["latency"], 2, 10, 100) == pytest.approx(0.002 + 0.002)
     draft = EmulatedModel(dict(PROFILE, acceptance=0.6, latency={}), "draft")
     target = EmulatedModel(dict(PROFILE, latency={}), "target")
-    agree = 0
+    agree = second = 0
     for p in range(2, 2002):
         ctx = [p % 97, p]
-        agree += int(draft._logit_row(ctx).argmax()) == int(target._logit_row(ctx).argmax())
+        row, want = draft._logit_row(ctx), int(target._logit_row(ctx).argmax())
+        agree += int(row.argmax()) == want
+        second += int(row.argmax()) != want and int(row.topk(2).indices[1]) == want
     assert 0.55 < agree / 2000 < 0.65
+    assert 0.4 < second / (2000 - agree) < 0.6  # where it disagrees, its second choice is right half the time
 
 
-@pytest.mark.parametrize("mode", ["pooled", "colocated", "autoregressive", "elastic", "elastic+bundled"])
+@pytest.mark.parametrize("mode", ["pooled", "colocated", "autoregressive", "elastic", "elastic+bundled",
+                                  "pooled+bundled+ahead", "paired+bundled+ahead"])
 def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profiles, mode: str) -> None:  # noqa: ANN001
     """``+bundled``: the bundled profiles (Qwen3 on RTX 4090s: a vocabulary far larger than the tiny
-    tokenizer's, whose ids the broker checks every token against)."""
+    tokenizer's, whose ids the broker checks every token against). ``+ahead``: draft-ahead, single
+    stream, where a verify takes far longer than a pre-draft: most rounds' drafts are pre-drafted."""
+    mode, ahead = mode.removesuffix("+ahead"), mode.endswith("+ahead")
     mode, bundled = mode.removesuffix("+bundled"), mode.endswith("+bundled")
     cfg = deploy_config(tiny_pair, mode, 2, 2)
     cfg.draft.device = cfg.target.device = "emulated"
@@ -59,12 +65,16 @@ def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profile
         folder = Path(__file__).resolve().parent.parent / "configs" / "profiles"
         cfg.draft.profile, cfg.target.profile = str(folder / "qwen3-0.6b-rtx4090.json"), str(folder / "qwen3-8b-rtx4090.json")
     cfg.kv_transport = "zmq"
-    cfg.broker.policy = cfg.broker.policy.replace(first_alternatives=2)  # token-tree rows go through the emulated model too
+    # (token-tree rows go through the emulated model too)
+    cfg.broker.policy = cfg.broker.policy.replace(first_alternatives=2, draft_ahead=6 if ahead else 0)
     prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
     with Deployment(cfg) as dep, Client(dep.address) as c:
         outs = [c.generate(token_ids=p, max_new_tokens=30, ignore_eos=True) for p in prompts]
+        counters = c.status()["draft_ahead"]
     for p, out in zip(prompts, outs):
         assert out.token_ids == stand_in_reference(p, 30)
+    if ahead:
+        assert counters["hits"] >= 0.2 * sum(o.rounds for o in outs) and counters["wasted"] > 0
     if mode != "autoregressive":
         assert 1.5 < sum(len(o.token_ids) for o in outs) / sum(o.rounds for o in outs) < 4.5
 

@@ -27,14 +27,17 @@ def _ref_outputs(tiny_pair, prompts: list[list[int]], n: int) -> list[list[int]]
     return [hf_greedy(tiny_pair / "target", p, n) for p in prompts]
 
 
-@pytest.mark.parametrize("mode", ["pooled", "elastic"])
+@pytest.mark.parametrize("mode", ["pooled", "elastic", "pooled+ahead"])
 def test_chaos_kill_a_draft_and_a_target_worker_during_a_replay(tiny_pair, mode: str) -> None:  # noqa: ANN001
-    """Two workers killed mid-run (elastic: two that hold both models): every request completes,
-    token for token the target's own greedy output."""
+    """Two workers killed mid-run (elastic: two that hold both models; +ahead: with draft-ahead, the
+    drafter killed with its pre-drafts): every request completes, token for token the target's own
+    greedy output."""
+    mode, ahead = mode.removesuffix("+ahead"), mode.endswith("+ahead")
     rng = random.Random(7)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(2, 12))] for _ in range(64)]
     refs = _ref_outputs(tiny_pair, prompts, 24)
     cfg = deploy_config(tiny_pair, mode, 2, 2, max_batch=8)
+    cfg.broker.policy = cfg.broker.policy.replace(draft_ahead=6 if ahead else 0)
     victims = ("draft-0", "target-3") if mode == "pooled" else ("any-0", "any-3")
     cfg.broker.liveness_s = 2.0
     cfg.broker.heartbeat_s = 0.5  # four beats per liveness window: a beat late on a loaded machine is no death
@@ -74,6 +77,7 @@ def test_chaos_kill_a_draft_and_a_target_worker_during_a_replay(tiny_pair, mode:
     assert [o.token_ids for o in outs] == refs
     assert workers_lost(state) == 2 and state["counters"]["requests_length"] + \
         state["counters"].get("requests_stop", 0) == 64
+    assert (state["draft_ahead"]["branches"] > 0) == ahead
 
 
 FUZZ_KINDS = list(protocol.KINDS) + ["", "SUBMITX", "\x00"]

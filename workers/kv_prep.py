@@ -47,7 +47,7 @@ class KVPrep:
         by_holder: Pulls = {}
         for t in tasks:
             # a task's KV by model: a draft's, a verify's, or both for a round (an elastic worker's)
-            needs = {"draft": [("draft", t.holder)], "verify": [("target", t.holder)]}.get(
+            needs = {"draft": [("draft", t.holder)], "ahead": [("draft", t.holder)], "verify": [("target", t.holder)]}.get(
                 t.kind, [("draft", t.holder), ("target", t.target_holder)])
             for role, h in needs:
                 if role in self.served and h is not None and h.endpoint and h.worker != self.worker_id and h.valid > 0:

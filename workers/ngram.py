@@ -50,3 +50,7 @@ class NgramRunner:
                 out.append(Draft(tokens, [np.array([x], dtype=np.int32) for x in tokens],
                                  [np.ones(1, dtype=np.float32) for _ in tokens], runner_ups))
         return out
+
+    def predraft(self, tasks: list[Task]) -> list[list[tuple[list[int], Draft]]]:
+        """Nothing to pre-draft (draft-ahead): a lookup takes microseconds when its round comes."""
+        return [[] for _ in tasks]

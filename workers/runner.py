@@ -14,6 +14,7 @@ import torch
 from nebula_flow import specdec
 from nebula_flow.budget import plan_forward
 from nebula_flow.elastic import BatchCosts
+from nebula_flow.kv.cache import KVCache
 from nebula_flow.kv.store import KVStore
 from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup
 from nebula_flow.models.llama import CausalLM
@@ -45,6 +46,7 @@ class Task:
     fuse: int = 0  # fuse an n-gram chain of up to this many tokens (looked up by the draft; without one, here)
     chains: list[list[int]] = field(default_factory=list)  # verify tasks: the fused chains (token tree)
     prefilled: int | None = None  # set by the runner: only a chunk of the prompt ran; the KV now held
+    ahead: int = 0  # ahead tasks: the outcomes of the verify of ``draft`` to pre-draft the next round for
 
     def tree(self) -> TokenTree:
         """The token tree this verify scores: the draft, the alternatives and the fused chains."""
@@ -104,6 +106,13 @@ class ModelRunner:
         the first forward, and proposes nothing (``task.prefilled``)."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
         ends = self.chunk_ends(tasks, [c.length for c in caches]) if ends is None else ends
+        drafts = self._drafts(tasks, caches, ends)
+        self.store.publish([t.rid for t in tasks])
+        self.store.evict(protect={t.rid for t in tasks})
+        return drafts
+
+    def _drafts(self, tasks: list[Task], caches: list[KVCache], ends: list[int | None]) -> list[Draft]:
+        """``draft``'s forwards, over caches already cut to what each task reuses."""
         drafts = [Draft([], None if t.params.greedy else [], None if t.params.greedy else []) for t in tasks]
         new = [t.tokens[c.length:end].tolist() for t, c, end in zip(tasks, caches, ends)]
         active = [i for i, t in enumerate(tasks) if t.k > 0 and ends[i] is None]
@@ -115,16 +124,9 @@ class ModelRunner:
             chunks = []
             for i, row in zip(active, logits):
                 t = tasks[i]
-                tok, q_idx, q_prob = specdec.propose(row[0], t.params, t.seed, len(t.tokens) + step, self.proposal_top_k)
-                if self.model.head_token_ids is not None:  # a reduced draft head: rows -> token ids
-                    tok = int(self.model.head_token_ids[tok])
-                    if q_idx is not None:
-                        q_idx = self.model.token_ids(torch.from_numpy(q_idx)).to(torch.int32).numpy()
+                tok, q_idx, q_prob = self._propose(row[0], t, len(t.tokens) + step)
                 if step == 0 and t.alts:  # runner-ups to the first token (token tree): to the token drawn, if sampled
-                    ranked = torch.topk(row[0], min(t.alts + 1, row.shape[-1])).indices
-                    if self.model.head_token_ids is not None:
-                        ranked = self.model.token_ids(ranked)
-                    drafts[i].runner_ups = [x for x in ranked.tolist() if x != tok][: t.alts]
+                    drafts[i].runner_ups = self._ranked(row[0], t.alts, tok)
                 drafts[i].tokens.append(tok)
                 if q_idx is not None:
                     drafts[i].q_idx.append(q_idx)
@@ -137,9 +139,66 @@ class ModelRunner:
                 t.prefilled = c.length
             elif t.fuse and (chain := fused_ngram(t.tokens, t.fuse)):
                 d.chains = [chain]
+        return drafts
+
+    def _propose(self, row: torch.Tensor, t: Task, position: int) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+        """``specdec.propose`` in token ids (a reduced draft head's rows are not)."""
+        tok, q_idx, q_prob = specdec.propose(row, t.params, t.seed, position, self.proposal_top_k)
+        if self.model.head_token_ids is not None:
+            tok = int(self.model.head_token_ids[tok])
+            if q_idx is not None:
+                q_idx = self.model.token_ids(torch.from_numpy(q_idx)).to(torch.int32).numpy()
+        return tok, q_idx, q_prob
+
+    def _ranked(self, row: torch.Tensor, n: int, but: int) -> list[int]:
+        """The ``n`` most likely token ids of a draft row other than ``but``."""
+        ranked = torch.topk(row, min(n + 1, row.shape[-1])).indices
+        if self.model.head_token_ids is not None:
+            ranked = self.model.token_ids(ranked)
+        return [x for x in ranked.tolist() if x != but][:n]
+
+    def predraft(self, tasks: list[Task]) -> list[list[tuple[list[int], Draft]]]:
+        """Draft-ahead (``nebula_flow/ahead.py``): each task carries committed tokens and the draft
+        d1..dk being verified now; returns, for up to ``task.ahead`` outcomes of that verify, the
+        tokens it assumes committed and the next round's draft after them, exactly the draft a
+        round on those tokens makes. Outcomes, most likely first: d1..dk plus this model's own next
+        token (its guess of the bonus token), then d1..dj plus its best token other than d(j+1)
+        (its guess of the target's correction) for j = 0, 1, ..., k - 1, then d1..dk plus its
+        second guess of the bonus token. A first forward re-scores the
+        draft (its rows give those guesses), then the outcomes draft side by side in one batch,
+        the first in the request's cache, the others in caches forked from it
+        (``KVStore.branch``). A task whose draft KV is not here is skipped (no outcomes)."""
+        out: list[list[tuple[list[int], Draft]]] = [[] for _ in tasks]
+        ready, caches, new = [], [], []
+        for i, t in enumerate(tasks):
+            full = np.concatenate([t.tokens, np.asarray(t.draft, dtype=t.tokens.dtype)])
+            cache = self.store.prepare(t.rid, full)
+            if cache.length + len(t.draft) + 1 < len(t.tokens):  # (the holder's KV did not come: not worth a prefill)
+                continue
+            cache.truncate(min(cache.length, len(t.tokens) - 1))  # (the last committed token's row scores d1)
+            ready.append(i)
+            caches.append(cache)
+            new.append(full[cache.length:].tolist())
+        if not ready:
+            return out
+        rows = self._forward(caches, new, [len(tasks[i].draft) + 1 for i in ready])
+        subtasks, subcaches, owners = [], [], []
+        for i, cache, scores in zip(ready, caches, rows):
+            t, d = tasks[i], list(tasks[i].draft)
+            guess = self._propose(scores[len(d)], t, len(t.tokens) + len(d))[0]
+            outcomes = [d + [guess], *(d[:j] + self._ranked(scores[j], 1, d[j]) for j in range(len(d))),
+                        d + self._ranked(scores[len(d)], 1, guess)]
+            for b, assumed in enumerate(outcomes[:t.ahead]):
+                tokens = np.concatenate([t.tokens, np.asarray(assumed, dtype=t.tokens.dtype)])
+                subtasks.append(Task(t.rid, "draft", t.round, t.attempt, tokens, t.k, t.params, t.seed,
+                                     alts=t.alts, fuse=t.fuse))
+                subcaches.append(cache if b == 0 else self.store.branch(t.rid, b, tokens))
+                owners.append((i, assumed))
+        for (i, assumed), d in zip(owners, self._drafts(subtasks, subcaches, [None] * len(subtasks))):
+            out[i].append((assumed, d))
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
-        return drafts
+        return out
 
     def verify(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[list[int] | None]:
         """Score each task's drafts (a chain, or a token tree: alternatives, fused chains) in one

@@ -223,6 +223,15 @@ class Worker:
                             continue
                         out.draft, out.runner_ups, out.chains = d.tokens, d.runner_ups, d.chains
                         out.propose(d.q_idx, d.q_prob)
+                elif kind == "ahead" and self.draft and self.opts.role == "draft":  # (draft-ahead: per outcome)
+                    outs = []
+                    for t, branches in zip(group, self.draft.predraft(group)):
+                        for assumed, d in branches:
+                            outs.append(TaskResult(t.rid, t.kind, t.round, t.attempt, draft=d.tokens,
+                                                   runner_ups=d.runner_ups, chains=d.chains, assumes=assumed))
+                            outs[-1].propose(d.q_idx, d.q_prob)
+                        if not branches:  # (it pre-drafted nothing: the broker stops waiting for it)
+                            outs.append(TaskResult(t.rid, t.kind, t.round, t.attempt))
                 elif kind == "verify" and self.target and self.opts.role != "draft":
                     for out, t, committed in zip(outs, group, self.target.verify(group)):
                         if committed is None:

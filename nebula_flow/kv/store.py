@@ -70,6 +70,8 @@ class KVStore:
         self.model, self.max_bytes = model, max_bytes
         self.row_bytes = model.new_cache(capacity=1).row_bytes  # bytes of one position's KV
         self.caches: OrderedDict[int, KVCache] = OrderedDict()
+        # draft-ahead: per request, private caches of pre-drafted outcomes (``branch``), by outcome
+        self.branches: dict[int, dict[int, KVCache]] = {}
         self.pinned: set[int] = set()
         self.lock = threading.Lock()
         self.stats = KVStats()
@@ -128,8 +130,24 @@ class KVStore:
         cache = self._get(rid, len(tokens))
         keep = min(cache.common_prefix(tokens), len(tokens) - 1)
         cache.truncate(keep)
+        for other in self.branches.get(rid, {}).values():  # (a pre-drafted outcome that happened holds more)
+            keep = max(keep, _copy_rows(other, cache, tokens, keep))
         self.stats.reused += keep
         self.stats.computed += len(tokens) - 1 - keep
+        return cache
+
+    def branch(self, rid: int, outcome: int, tokens: np.ndarray) -> KVCache:
+        """A private cache of ``rid`` for a pre-drafted outcome (draft-ahead), holding the longest
+        prefix of ``tokens`` it or ``rid``'s own cache has (copied from there: a fork). Kept for the
+        next round: ``prepare`` takes its rows when that outcome is what was committed."""
+        with self.lock:
+            own = self.caches[rid]
+            cache = self.branches.setdefault(rid, {}).get(outcome)
+            if cache is None:
+                cache = self.branches[rid][outcome] = self.model.new_cache(capacity=max(64, len(tokens) + 16))
+        keep = min(cache.common_prefix(tokens), len(tokens) - 1)
+        cache.truncate(keep)
+        _copy_rows(own, cache, tokens, keep)
         return cache
 
     def make_room(self, wanted: list[tuple[int, np.ndarray, int]]) -> None:
@@ -212,6 +230,7 @@ class KVStore:
     def free(self, rids: list[int]) -> None:
         with self.lock:
             for rid in rids:
+                self.branches.pop(rid, None)
                 cache = self.caches.pop(rid, None)
                 if cache is not None:
                     cache.release()
@@ -220,12 +239,33 @@ class KVStore:
     def evict(self, protect: set[int]) -> None:
         """Drop least-recently used caches (never protected or pinned ones) until under budget."""
         with self.lock:
-            held = sum(c.allocated_bytes for c in self.caches.values())
+            def forks(rid: int) -> int:
+                return sum(c.allocated_bytes for c in self.branches.get(rid, {}).values())
+
+            held = sum(c.allocated_bytes + forks(rid) for rid, c in self.caches.items())
+            for rid in list(self.branches):  # (pre-drafted outcomes' forks go first: they only save a copy)
+                if held > self.max_bytes and rid not in protect:
+                    held -= forks(rid)
+                    del self.branches[rid]
             for rid in list(self.caches):
                 if held <= self.max_bytes:
                     return
                 if rid not in protect and rid not in self.pinned:
                     cache = self.caches.pop(rid)
-                    held -= cache.allocated_bytes
+                    held -= cache.allocated_bytes + forks(rid)
+                    self.branches.pop(rid, None)
                     cache.release()
                     self.stats.evicted += 1
+
+
+def _copy_rows(source: KVCache, dest: KVCache, tokens: np.ndarray, have: int) -> int:
+    """Copy into ``dest`` (which holds ``have`` positions of ``tokens``) the further positions of
+    ``tokens`` that ``source`` holds, all but the last; returns the positions ``dest`` holds now."""
+    upto = min(source.common_prefix(tokens), len(tokens) - 1)
+    if upto <= have:
+        return have
+    dest.reserve(upto)
+    with torch.inference_mode():  # (a buffer grown inside a forward is an inference tensor)
+        dest.buf[have:upto] = source.buf[have:upto]
+    dest.tokens.extend(tokens[have:upto].tolist())
+    return upto

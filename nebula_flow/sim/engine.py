@@ -36,8 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from nebula_flow import ahead
 from nebula_flow.budget import plan_forward
-from nebula_flow.config import DeployConfig, PoolConfig
+from nebula_flow.config import ConfigError, DeployConfig, PoolConfig
 from nebula_flow.elastic import BatchCosts
 from nebula_flow.params import SamplingParams
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
@@ -106,6 +107,8 @@ class SimWorker:
 class Simulator:
     def __init__(self, sc: Scenario, mode: str, draft_workers: int | None = None, target_workers: int | None = None,
                  workload: Workload | None = None, policy: type[Scheduler] = Scheduler) -> None:
+        if sc.policy.draft_ahead and mode in ahead.MODES:  # (its pre-drafts would need outcomes and their costs here)
+            raise ConfigError("the simulator does not model draft_ahead yet: set it to 0 in the scenario's [policy]")
         self.sc, self.mode = sc, mode
         self.workload = workload or sc.workload
         self.policy = policy(mode, sc.policy)

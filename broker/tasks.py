@@ -1,0 +1,49 @@
+"""The TASKS a batch the policy chose becomes: each request's round half, or its pre-draft
+(draft-ahead), with the KV holders it needs and what the policy asks of it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from nebula_flow.protocol import Holder, TaskSpec
+from nebula_flow.request import AHEAD, DRAFT, ROUND, VERIFY, Request
+from nebula_flow.roles import holder_key
+from nebula_flow.scheduler import Scheduler
+
+HolderOf = Callable[[tuple[int, int]], Holder]  # (worker, valid) -> with its KV endpoint
+
+
+def task_specs(scheduler: Scheduler, stage: str, batch: list[Request], workers: Mapping[int, Any]) -> list[TaskSpec]:
+    """The tasks of a batch a worker's PULL is served from ``stage`` (its topic); ``workers``: the
+    broker's, whose ``kv_endpoint`` each holder names."""
+    def holder(held: tuple[int, int]) -> Holder:
+        info = workers.get(held[0])
+        return Holder(*held, info.kv_endpoint if info is not None else None)
+
+    if stage == AHEAD:
+        return [predraft(scheduler, req, holder) for req in batch]
+    tasks = []
+    for req in batch:
+        task = TaskSpec(req.rid, req.phase, req.round, req.attempt, req.tokens, req.k, req.params.to_wire(),
+                        req.seed, holder(req.holders.get(scheduler.task_holder_key(req), (0, 0))),
+                        draft=req.draft, runner_ups=req.runner_ups if req.draft else [], chains=req.chains if req.draft else [])
+        if req.phase == ROUND and "target" in req.holders:  # (an elastic round: its target KV's holder too)
+            task.target_holder = holder(req.holders["target"])
+        if req.alts and req.phase in (DRAFT, ROUND):
+            task.alts = req.alts
+        if req.fuse and (req.phase != VERIFY or not req.draft):  # (without a draft the target looks it up)
+            task.fuse = req.fuse
+        if req.q:  # (a sampled draft's proposal, flat as it came: checked when it arrived)
+            task.q_idx, task.q_prob, task.q_len = req.q["q_idx"], req.q["q_prob"], req.q["q_len"]
+        tasks.append(task)
+    return tasks
+
+
+def predraft(scheduler: Scheduler, req: Request, holder: HolderOf) -> TaskSpec:
+    """The ``ahead`` task pre-drafting ``req``'s next round (``nebula_flow/ahead.py``): the committed
+    tokens, the draft being verified, and what to draft for each outcome."""
+    st = req.ahead
+    return TaskSpec(req.rid, AHEAD, st.round, st.attempt, req.tokens, st.k, req.params.to_wire(), req.seed,
+                    holder(req.holders.get(holder_key("draft", req.drafter), (0, 0))), draft=st.draft,
+                    alts=st.alts, fuse=st.fuse, ahead=scheduler.policy.draft_ahead)

@@ -1,0 +1,243 @@
+"""Draft-ahead (SwiftSpec's drafting off the critical path): while round r verifies, a draft worker
+that would otherwise idle pre-drafts round r + 1 for the verify outcomes most likely to come back.
+Pure policy over the scheduler's state (no sockets, no clock), shared by the broker and the simulator.
+
+A round-r draft d1..dk commits d1..dj plus one token of the target's (0 <= j <= k). The pre-draft
+(an ``ahead`` task) covers up to ``draft_ahead`` outcomes, most likely first: the whole draft
+accepted plus the draft's own next token as its guess of the bonus token, then d1..dj plus the
+draft's best other token at position j + 1 as its guess of the target's correction, for j = 0,
+1, ..., k - 1, then the whole draft plus its second guess of the bonus token (k + 2 in all). For
+each outcome it drafts the round after it (``k`` tokens, with the policy's runner-ups and
+fused chain), exactly as a fresh round on those tokens would: every draw is ``uniform(seed,
+position, stream)``, so a pre-draft on the prefix that is then committed *is* that round's draft.
+
+When round r's verify commits an outcome that was pre-drafted, round r + 1 skips its draft: its
+verify is queued at once with that branch, and the next pre-draft is queued for it (``take``). A
+pre-draft still running when the verify returns may still hit, as long as round r + 1's draft has
+not been handed to a worker (``done``). Pre-drafts are only handed to draft workers that got no
+draft task at that PULL (``dispatch``), so they never take a draft's place; those of an outcome
+that did not happen are dropped (``wasted``), and a queued one whose round ended is cancelled.
+
+A hit keeps the output identical to the same run without draft-ahead: the branch's draft is used
+only where round r + 1 would draft the same thing (same drafter, its ``k`` no longer than the
+branch's draft, the same runner-ups and fused chain asked for); otherwise round r + 1 drafts as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from nebula_flow.request import DRAFT, Request
+
+if TYPE_CHECKING:
+    from nebula_flow.roles import WorkerState
+    from nebula_flow.scheduler import Scheduler
+
+MODES = ("pooled", "paired")  # where draft workers are idle while their rounds verify
+
+
+@dataclass
+class Branch:
+    """One pre-drafted outcome: the tokens round r's verify must commit, and round r + 1's draft
+    after them (its proposal q for a sampled request, runner-ups, fused chain), by ``worker``."""
+
+    assumes: list[int]
+    draft: list[int]
+    q: dict[str, Any] = field(default_factory=dict)
+    runner_ups: list[int] = field(default_factory=list)
+    chains: list[list[int]] = field(default_factory=list)
+    worker: int = 0
+    drafter: str | None = None
+
+
+@dataclass
+class Ahead:
+    """A request's pre-draft of the round after ``round`` (whose draft is ``draft``): queued, in
+    flight on ``worker``, or returned (``branches``); ``k``, ``alts``, ``fuse``: what it drafts."""
+
+    round: int
+    draft: list[int]
+    attempt: int
+    k: int
+    alts: int
+    fuse: int
+    worker: int | None = None
+    branches: list[Branch] | None = None
+
+
+@dataclass
+class AheadStats:
+    """Counters for ``status`` and ``/metrics``: pre-draft tasks queued, branches made, rounds whose
+    draft a branch was (``hits``; ``late_hits`` of them: the branch came after the verify), branches
+    never used (``wasted``) and pre-drafts dropped before they ran (``cancelled``)."""
+
+    tasks: int = 0
+    branches: int = 0
+    hits: int = 0
+    late_hits: int = 0
+    wasted: int = 0
+    cancelled: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def on(sched: Scheduler) -> bool:
+    return sched.policy.draft_ahead > 0 and sched.mode in MODES
+
+
+def queue(sched: Scheduler, req: Request, worker_id: int) -> None:
+    """Round ``req.round``'s draft arrived from ``worker_id``: queue the pre-draft of the next round
+    (to that worker, which holds the draft KV), where one is wanted."""
+    if not on(sched) or not req.draft or req.remaining <= 1:
+        return
+    old = req.ahead
+    if old is not None and old.branches is None:
+        forget(sched, req.rid)  # (an older round's pre-draft still queued or running: it can no longer hit)
+    p = sched.policy
+    req.ahead = Ahead(req.round, list(req.draft), (old.attempt if old else 0) + 1, p.k, p.first_alternatives,
+                      p.fuse_ngram)
+    sched.topics["ahead"].append(req.rid, worker_id)
+    sched.ahead_stats.tasks += 1
+
+
+def dispatch(sched: Scheduler, waiting: list[WorkerState], picks: dict[int, list[int]]) -> None:
+    """Hand queued pre-drafts to the waiting draft workers that got no draft task this time: the
+    ones whose draft KV they hold, then any whose holder is gone (a pre-draft is never worth moving
+    KV for), each of its request's drafter (paired: of its pair)."""
+    topic = sched.topics["ahead"]
+    for w in waiting:
+        if not topic or w.role != "draft" or picks.get(w.worker_id) or w.pull_credits <= 0:
+            continue
+        room = min(w.pull_credits, w.capacity)
+        chosen = []
+        for rid in topic.held_by([w.worker_id, None, *(h for h in topic.holders() if h not in sched.workers)]):
+            req = sched.requests[rid]
+            if req.drafter == w.drafter and (sched.mode != "paired" or req.slot == w.slot):
+                chosen.append(rid)
+                if len(chosen) == room:
+                    break
+        if chosen:
+            w.stage, picks[w.worker_id] = "ahead", chosen
+
+
+def commit(sched: Scheduler, w: WorkerState, rids: list[int]) -> list[Request]:
+    """``w`` takes these pre-drafts."""
+    batch = []
+    for rid in rids:
+        sched.topics["ahead"].remove(rid)
+        req = sched.requests[rid]
+        req.ahead.worker = w.worker_id
+        w.ahead[rid] = req.ahead.attempt
+        batch.append(req)
+    return batch
+
+
+def accepts(sched: Scheduler, worker_id: int, rid: int, attempt: int) -> Request | None:
+    """The request an ahead result belongs to, or None when it is stale or foreign."""
+    w = sched.workers.get(worker_id)
+    return sched.requests.get(rid) if w is not None and w.ahead.get(rid) == attempt else None
+
+
+def done(sched: Scheduler, req: Request, worker_id: int, branches: list[Branch]) -> None:
+    """A pre-draft came back. Before its verify has: kept for it. After it, while the next round's
+    draft still waits in its topic: that round takes a matching branch now (a late hit)."""
+    del sched.workers[worker_id].ahead[req.rid]
+    st = req.ahead
+    st.worker, st.branches = None, branches
+    sched.ahead_stats.branches += len(branches)
+    if st.round == req.round:
+        return  # (its verify has not come back)
+    draft_queued = req.phase == DRAFT and req.round == st.round + 1 and req.rid in sched.topics["draft"]
+    if draft_queued and (branch := _match(sched, req, st)) is not None:
+        sched.topics["draft"].remove(req.rid)
+        sched.ahead_stats.late_hits += 1
+        _apply(sched, req, st, branch)
+        return
+    sched.ahead_stats.wasted += len(branches)
+    req.ahead = None
+
+
+def last_match(st: Ahead, branches: list[Branch], req: Request) -> int | None:
+    """Which of ``branches`` assumes what round ``st.round`` committed, once it has (the policy log
+    records it: its replay has no real tokens)."""
+    if st.round == req.round or not req.tokens_per_round:
+        return None
+    committed = req.output[len(req.output) - req.tokens_per_round[-1]:]
+    return next((i for i, b in enumerate(branches) if b.assumes == committed), None)
+
+
+def take(sched: Scheduler, req: Request) -> bool:
+    """Round ``req.round`` is starting with a draft: True when a pre-drafted branch is its draft
+    (its verify is then queued); else the pre-draft is dropped, unless it is still running."""
+    st = req.ahead
+    if st is None or st.round != req.round - 1:
+        return False
+    if st.branches is None:
+        if st.worker is None:  # still queued: too late to help
+            forget(sched, req.rid)
+            sched.ahead_stats.cancelled += 1
+            req.ahead = None
+        return False
+    branch = _match(sched, req, st)
+    if branch is None:
+        sched.ahead_stats.wasted += len(st.branches)
+        req.ahead = None
+        return False
+    _apply(sched, req, st, branch)
+    return True
+
+
+def _match(sched: Scheduler, req: Request, st: Ahead) -> Branch | None:
+    """The branch that is exactly the draft round ``req.round`` would make, if any: of the drafter
+    routing chose (paired mode routes nothing: its pair's)."""
+    committed = req.output[len(req.output) - req.tokens_per_round[-1]:]
+    if req.k == 0 or req.k > st.k or req.alts not in (0, st.alts) or req.fuse not in (0, st.fuse):
+        return None
+    return next((b for b in st.branches if b.assumes == committed and req.drafter in (None, b.drafter)  # (None: not routed)
+                 and len(b.draft) >= min(req.k, st.k)), None)
+
+
+def _apply(sched: Scheduler, req: Request, st: Ahead, branch: Branch) -> None:
+    """Round ``req.round``'s draft is ``branch``'s (its first ``req.k`` tokens)."""
+    sched.ahead_stats.hits += 1
+    sched.ahead_stats.wasted += len(st.branches) - 1
+    req.ahead = None
+    draft = branch.draft[:req.k]
+    from nebula_flow.scheduler import Scheduler
+
+    # (the policy's own step, not an event a policy log records: its replay makes it again from the
+    # round's end or the pre-draft's return)
+    Scheduler.draft_done(sched, req, branch.worker, draft, cut_proposal(branch.q, len(draft)), drafter=branch.drafter)
+    req.runner_ups = branch.runner_ups if req.alts else []
+    req.chains = branch.chains if req.fuse else []
+
+
+def cut_proposal(q: dict[str, Any], n: int) -> dict[str, Any]:
+    """A sampled draft's proposal (flat, as it travels) for its first ``n`` tokens."""
+    if not q:
+        return q
+    lens = list(q["q_len"][:n])
+    end = int(sum(lens))
+    return {"q_idx": np.asarray(q["q_idx"][:end]), "q_prob": np.asarray(q["q_prob"][:end]), "q_len": lens}
+
+
+def forget(sched: Scheduler, rid: int) -> None:
+    """``rid``'s pre-draft is dropped, queued or running (its request finished, or a newer one
+    replaces it): a result that still comes for it is stale."""
+    if rid in sched.topics["ahead"]:
+        sched.topics["ahead"].remove(rid)
+    for w in sched.workers.values():
+        w.ahead.pop(rid, None)
+
+
+def unregister(sched: Scheduler, w: WorkerState) -> None:
+    """A draft worker left: its running pre-drafts are lost (nothing waits on them; their requests
+    draft as usual). Branches it made stay usable: a draft is tokens, and a verify needs no draft KV."""
+    for rid in w.ahead:
+        req = sched.requests.get(rid)
+        if req is not None and req.ahead is not None and req.ahead.worker == w.worker_id:
+            req.ahead = None

@@ -1,0 +1,267 @@
+"""Draft-ahead (``nebula_flow/ahead.py``): the pure policy, the pre-draft runner on real models, and
+the broker's check of a pre-draft's branches. End to end: ``test_e2e_lossless``, ``test_emulated``,
+``test_faults``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nebula_flow import ahead
+from nebula_flow.ahead import Branch
+from nebula_flow.params import SamplingParams
+from nebula_flow.policy import PolicyConfig
+from nebula_flow.policy_log import RecordingScheduler, replay
+from nebula_flow.protocol import ProtocolError, TaskResult
+from nebula_flow.request import DRAFT, VERIFY, Request
+from nebula_flow.scheduler import Scheduler
+from nebula_flow_broker.results import predrafted
+
+
+def req(rid: int, max_new: int = 32) -> Request:
+    return Request(rid, str(rid), [1, 2, 3], SamplingParams(max_new_tokens=max_new), seed=rid)
+
+
+def pooled(ahead: int = 6, cls: type[Scheduler] = Scheduler, **knobs: object) -> Scheduler:
+    s = cls("pooled", PolicyConfig(k=4, draft_ahead=ahead, **knobs))
+    s.register(1, "draft", 4)
+    s.register(2, "target", 4)
+    return s
+
+
+def drafted(s: Scheduler, r: Request, draft: list[int]) -> None:
+    """Round ``r.round``'s draft goes to worker 1 and comes back."""
+    s.pull(1, 4, True, now=0.0)
+    [(wid, batch)] = s.dispatch()
+    assert wid == 1 and batch == [r] and s.workers[1].stage == "draft"
+    s.draft_done(r, 1, draft, {})
+
+
+def predraft_taken(s: Scheduler, r: Request) -> int:
+    """The idle draft worker takes ``r``'s pre-draft; returns its attempt."""
+    s.pull(1, 4, True, now=1.0)
+    [(wid, batch)] = s.dispatch()
+    assert wid == 1 and batch == [r] and s.workers[1].stage == "ahead"
+    return r.ahead.attempt
+
+
+def verify_taken(s: Scheduler, r: Request) -> None:
+    s.pull(2, 4, True, now=2.0)
+    [(wid, batch)] = s.dispatch()
+    assert wid == 2 and batch == [r] and r.phase == VERIFY
+
+
+def branches(*outcomes: list[int]) -> list[Branch]:
+    return [Branch(list(a), [50 + i, 60 + i, 70 + i, 80 + i], worker=1, drafter="draft") for i, a in enumerate(outcomes)]
+
+
+def test_a_hit_sends_the_next_verify_at_once_with_the_branch_as_its_draft() -> None:
+    s = pooled()
+    r = req(0)
+    s.admit(r)
+    drafted(s, r, [5, 6, 7, 8])
+    assert list(s.topics["ahead"]) == [0]  # queued for the worker holding the draft KV
+    predraft_taken(s, r)
+    verify_taken(s, r)
+    s.predrafted(r, 1, branches([5, 6, 7, 8, 9], [11], [5, 12]))
+    s.end_round(r, 2, [5, 12])  # the target corrected the second token: the third outcome
+    assert r.phase == VERIFY and r.round == 2 and r.draft == [52, 62, 72, 82] and 0 in s.topics["target"]
+    assert 0 not in s.topics["draft"] and r.holders["draft"] == (1, 3 + 2 + 3)
+    assert list(s.topics["ahead"]) == [0] and r.ahead.round == 2  # the next pre-draft, for round 2's verify
+    stats = s.ahead_stats
+    assert (stats.tasks, stats.branches, stats.hits, stats.late_hits, stats.wasted) == (2, 3, 1, 0, 2)
+
+
+def test_a_refuted_pre_draft_is_dropped_and_the_round_drafts_as_usual() -> None:
+    s = pooled()
+    r = req(0)
+    s.admit(r)
+    drafted(s, r, [5, 6, 7, 8])
+    predraft_taken(s, r)
+    verify_taken(s, r)
+    s.predrafted(r, 1, branches([5, 6, 7, 8, 9], [11]))
+    s.end_round(r, 2, [5, 6, 13])  # an outcome no branch assumed
+    assert r.phase == DRAFT and 0 in s.topics["draft"] and r.ahead is None and r.draft == []
+    assert (s.ahead_stats.hits, s.ahead_stats.wasted) == (0, 2)
+
+
+def test_a_pre_draft_back_after_its_verify_hits_while_the_next_draft_still_waits() -> None:
+    s = pooled()
+    r = req(0)
+    s.admit(r)
+    drafted(s, r, [5, 6, 7, 8])
+    attempt = predraft_taken(s, r)
+    verify_taken(s, r)
+    s.end_round(r, 2, [11])  # the pre-draft is still running: round 2 queues its draft
+    assert r.phase == DRAFT and 0 in s.topics["draft"]
+    assert s.workers[1].ahead == {0: attempt}
+    s.predrafted(r, 1, branches([5, 6, 7, 8, 9], [11]))
+    assert r.phase == VERIFY and 0 not in s.topics["draft"] and r.draft == [51, 61, 71, 81]
+    assert (s.ahead_stats.hits, s.ahead_stats.late_hits) == (1, 1)
+
+
+def test_a_pre_draft_too_late_for_its_round_is_wasted_and_a_queued_one_cancelled() -> None:
+    s = pooled()
+    r = req(0)
+    s.admit(r)
+    drafted(s, r, [5, 6, 7, 8])
+    attempt = predraft_taken(s, r)
+    verify_taken(s, r)
+    s.end_round(r, 2, [11])
+    drafted(s, r, [20, 21, 22, 23])  # round 2's draft went out before the pre-draft came back
+    assert ahead.accepts(s, 1, 0, attempt) is None  # its result, when it comes, is stale
+    assert r.draft == [20, 21, 22, 23] and r.ahead.attempt == attempt + 1
+    # round 2's pre-draft is queued, but its verify ends before a draft worker takes it: cancelled
+    verify_taken(s, r)
+    s.end_round(r, 2, [20, 30])
+    assert r.ahead is None and 0 not in s.topics["ahead"] and s.ahead_stats.cancelled == 1
+
+
+def test_pre_drafts_only_take_draft_capacity_that_would_idle() -> None:
+    s = pooled()
+    a, b = req(0), req(1)
+    s.admit(a)
+    drafted(s, a, [5, 6, 7, 8])
+    s.admit(b)  # a draft is queued: the draft worker takes it, not the pre-draft
+    s.pull(1, 4, True, now=1.0)
+    [(wid, batch)] = s.dispatch()
+    assert batch == [b] and s.workers[1].stage == "draft" and list(s.topics["ahead"]) == [0]
+
+
+@pytest.mark.parametrize("change", ["k", "alts", "drafter"])
+def test_a_branch_is_only_used_where_the_round_would_draft_the_same(change: str) -> None:
+    s = pooled(first_alternatives=2 if change == "alts" else 0)
+    r = req(0)
+    s.admit(r)
+    drafted(s, r, [5, 6, 7, 8])
+    predraft_taken(s, r)
+    verify_taken(s, r)
+    made = branches([11])
+    if change == "k":
+        r.ahead.k = 3  # (drafted fewer tokens than round 2 asks for)
+    elif change == "alts":
+        r.ahead.alts = 1
+    else:
+        made[0].drafter = "other"
+    s.predrafted(r, 1, made)
+    s.end_round(r, 2, [11])
+    assert r.phase == DRAFT and s.ahead_stats.hits == 0
+
+
+def test_a_dead_drafter_s_pre_drafts_are_dropped_but_its_branches_still_serve() -> None:
+    s = pooled()
+    s.register(3, "draft", 4)
+    a, b = req(0), req(1)
+    for r in (a, b):
+        s.admit(r)
+    s.pull(1, 4, True, now=0.0)
+    [(_, batch)] = s.dispatch()
+    for r in batch:
+        s.draft_done(r, 1, [5, 6, 7, 8], {})
+    predraft_taken_both = s.pull(1, 4, True, now=1.0) or s.dispatch()
+    assert [r.rid for r in predraft_taken_both[0][1]] == [0, 1]
+    s.predrafted(a, 1, branches([11]))  # a's came back; b's is still running when worker 1 dies
+    s.unregister(1)
+    assert b.ahead is None and a.ahead.branches is not None
+    s.pull(2, 4, True, now=2.0)
+    s.dispatch()
+    s.end_round(a, 2, [11])
+    assert a.phase == VERIFY and a.draft == [50, 60, 70, 80] and "draft" not in a.holders
+    s.end_round(b, 2, [11])
+    assert b.phase == DRAFT and 1 in s.topics["draft"]
+
+
+def test_finishing_a_request_drops_its_pre_draft() -> None:
+    s = pooled()
+    r = req(0)
+    s.admit(r)
+    drafted(s, r, [5, 6, 7, 8])
+    s.finish(0)
+    assert 0 not in s.topics["ahead"]
+
+
+def test_draft_ahead_is_off_by_default_and_outside_pooled_and_paired() -> None:
+    s = pooled(ahead=0)
+    r = req(0)
+    s.admit(r)
+    drafted(s, r, [5, 6, 7, 8])
+    assert not s.topics["ahead"] and r.ahead is None
+    c = Scheduler("colocated", PolicyConfig(k=4, draft_ahead=6))
+    c.register(1, "colocated", 4)
+    c.admit(req(1))
+    assert not c.topics["ahead"]
+
+
+def test_a_policy_log_with_pre_drafts_replays_identically() -> None:
+    s = pooled(cls=RecordingScheduler)
+    rs = [req(i, 12) for i in range(3)]
+    for r in rs:
+        s.admit(r)
+    outcomes = iter([[11], [5, 6, 7, 8, 9], [5, 12], [13], [5, 6, 7, 8, 9], [14]] * 20)
+    for now in range(200):
+        s.pull(1, 4, True, now=float(now))
+        s.pull(2, 4, True, now=float(now))
+        for wid, batch in s.dispatch():
+            for r in batch:
+                stage = s.workers[wid].stage
+                if stage == "draft":
+                    s.draft_done(r, wid, [5, 6, 7, 8][:r.k], {})
+                elif stage == "ahead":
+                    s.predrafted(r, wid, branches([11], [5, 6, 7, 8, 9], [5, 12]))
+                else:
+                    s.end_round(r, wid, next(outcomes)[: r.k + 1] or [1])
+        if not s.requests:
+            break
+    assert not s.requests and s.ahead_stats.hits > 0 and s.ahead_stats.wasted > 0
+    report = replay(s.records, Scheduler("pooled", s.policy))
+    assert report.identical, report.mismatches[:3]
+
+
+def test_the_broker_refuses_branches_that_assume_no_outcome_of_the_draft() -> None:
+    s = pooled()
+    r = req(0)
+    s.admit(r)
+    drafted(s, r, [5, 6, 7, 8])
+    st = r.ahead
+
+    def item(assumes: list[int], draft: list[int]) -> TaskResult:
+        return TaskResult(0, "ahead", st.round, st.attempt, draft=draft, assumes=assumes)
+
+    ok = predrafted(st, [item([5, 11], [1, 2]), item([5, 6, 7, 8, 9], [3])], 1, "draft", False, 512)
+    assert [b.assumes for b in ok] == [[5, 11], [5, 6, 7, 8, 9]] and ok[0].worker == 1
+    assert predrafted(st, [item([], [])], 1, "draft", False) == []  # (it pre-drafted nothing)
+    for bad in (item([6, 11], [1]), item([5, 6, 7, 8, 9, 10], [1]), item([11], [1, 2, 3, 4, 5]),
+                item([11], [600])):
+        with pytest.raises(ProtocolError):
+            predrafted(st, [bad], 1, "draft", False, 512)
+    with pytest.raises(ProtocolError):  # the same outcome twice
+        predrafted(st, [item([11], [1]), item([11], [2])], 1, "draft", False)
+
+
+def test_pre_drafted_branches_are_the_drafts_fresh_rounds_make(tiny_pair) -> None:  # noqa: ANN001
+    """On the real tiny pair: each outcome the runner pre-drafts is exactly the draft a fresh round
+    on those tokens makes (greedy and seeded sampling), and the outcomes cover the verify's often."""
+    from nebula_flow.models.loader import load_model
+    from nebula_flow_workers.runner import ModelRunner, Task
+
+    draft, target = (ModelRunner(load_model(str(tiny_pair / m))) for m in ("draft", "target"))
+    hits = 0
+    for params in (SamplingParams(max_new_tokens=64), SamplingParams(max_new_tokens=64, temperature=0.8)):
+        tokens = np.array([5, 40, 7, 300, 12, 17], dtype=np.int64)
+        for rnd in range(12):
+            d = draft.draft([Task(1, "draft", rnd, 1, tokens, 4, params, 7)])[0]
+            committed = target.verify([Task(1, "verify", rnd, 1, tokens, 4, params, 7, draft=d.tokens,
+                                            q_idx=d.q_idx, q_prob=d.q_prob)])[0]
+            made = draft.predraft([Task(1, "ahead", rnd, 1, tokens, 4, params, 7, draft=d.tokens, ahead=6)])[0]
+            assert len(made) == 6 and made[0][0][:4] == d.tokens and len({tuple(a) for a, _ in made}) == 6
+            for assumed, branch in made:  # (a request of its own: nothing cached, computed from scratch)
+                fresh = draft.draft([Task(2, "draft", rnd, 1, np.concatenate([tokens, assumed]), 4, params, 7)])[0]
+                draft.store.free([2])
+                # (q: to fp32's shape-dependent rounding, ~1e-6, as between any two placements; see
+                # models/invariant.py: bf16 runs batch-invariant)
+                assert branch.tokens == fresh.tokens and (branch.q_prob is None or all(
+                    np.array_equal(a, b) for a, b in zip(branch.q_idx, fresh.q_idx)) and all(
+                    np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(branch.q_prob, fresh.q_prob)))
+            hits += any(assumed == committed for assumed, _ in made)
+            tokens = np.concatenate([tokens, committed])
+    assert hits >= 4  # (the tiny pair: its draft's second choices catch the target's corrections now and then)
