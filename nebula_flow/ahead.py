@@ -14,9 +14,10 @@ position, stream)``, so a pre-draft on the prefix that is then committed *is* th
 When round r's verify commits an outcome that was pre-drafted, round r + 1 skips its draft: its
 verify is queued at once with that branch, and the next pre-draft is queued for it (``take``). A
 pre-draft still running when the verify returns may still hit, as long as round r + 1's draft has
-not been handed to a worker (``done``). Pre-drafts are only handed to draft workers that got no
-draft task at that PULL (``dispatch``), so they never take a draft's place; those of an outcome
-that did not happen are dropped (``wasted``), and a queued one whose round ended is cancelled.
+not been handed to a worker (``done``). Pre-drafts are only handed to idle draft workers that got
+no draft task at that PULL (``dispatch``), so they never take a draft's place, and only made while
+the pool is light (``LIGHT_PER_TARGET``); those of an outcome that did not happen are dropped
+(``wasted``), and a queued one whose round ended is cancelled.
 
 A hit keeps the output identical to the same run without draft-ahead: the branch's draft is used
 only where round r + 1 would draft the same thing (same drafter, its ``k`` no longer than the
@@ -37,6 +38,14 @@ if TYPE_CHECKING:
     from nebula_flow.scheduler import Scheduler
 
 MODES = ("pooled", "paired")  # where draft workers are idle while their rounds verify
+# Draft-ahead buys latency below saturation and costs throughput above it: a hit's verify goes out
+# ahead of its cohort's, splitting batches the targets then run half full (``merge_batches``), and
+# its pre-draft batch delays the drafts that arrive meanwhile. Measured 2026-12-02 on this 2-core
+# AVX-512 VM (configs/emulated-2d2t.toml: 2 draft + 2 target workers, pooled, draft_ahead = 6
+# against 0, closed loop, one run each): tokens/s 1.13x single stream, 1.16x at 4 concurrent
+# requests, 1.05x at 8, 0.88x at 16, ~0.6x at 32 and 64. So pre-drafts are made only while the pool
+# holds at most LIGHT_PER_TARGET requests per target worker.
+LIGHT_PER_TARGET = 2
 
 
 @dataclass
@@ -72,7 +81,8 @@ class Ahead:
 class AheadStats:
     """Counters for ``status`` and ``/metrics``: pre-draft tasks queued, branches made, rounds whose
     draft a branch was (``hits``; ``late_hits`` of them: the branch came after the verify), branches
-    never used (``wasted``) and pre-drafts dropped before they ran (``cancelled``)."""
+    never used (``wasted``), pre-drafts dropped before they ran (``cancelled``) and those not made
+    because the pool was too loaded for them to pay (``skipped``)."""
 
     tasks: int = 0
     branches: int = 0
@@ -80,6 +90,7 @@ class AheadStats:
     late_hits: int = 0
     wasted: int = 0
     cancelled: int = 0
+    skipped: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -94,25 +105,39 @@ def queue(sched: Scheduler, req: Request, worker_id: int) -> None:
     (to that worker, which holds the draft KV), where one is wanted."""
     if not on(sched) or not req.draft or req.remaining <= 1:
         return
-    old = req.ahead
-    if old is not None and old.branches is None:
-        forget(sched, req.rid)  # (an older round's pre-draft still queued or running: it can no longer hit)
+    old, stats = req.ahead, sched.ahead_stats
+    if old is not None and old.branches is None:  # (an older round's, still queued or running: it can no longer hit)
+        forget(sched, req.rid)
+        stats.cancelled += 1
+        req.ahead = None
+    if not _light(sched):
+        stats.skipped += 1
+        return
     p = sched.policy
-    req.ahead = Ahead(req.round, list(req.draft), (old.attempt if old else 0) + 1, p.k, p.first_alternatives,
-                      p.fuse_ngram)
+    # (attempts count over all pre-drafts: a result of a dropped one never passes for a later one)
+    req.ahead = Ahead(req.round, list(req.draft), stats.tasks + 1, p.k, p.first_alternatives, p.fuse_ngram)
     sched.topics["ahead"].append(req.rid, worker_id)
-    sched.ahead_stats.tasks += 1
+    stats.tasks += 1
+
+
+def _light(sched: Scheduler) -> bool:
+    """Whether the pool is light enough for pre-drafts to pay: at most ``LIGHT_PER_TARGET`` requests
+    per verifying worker."""
+    targets = sum(w.role == "target" for w in sched.workers.values())
+    return len(sched.requests) <= LIGHT_PER_TARGET * max(1, targets)
 
 
 def dispatch(sched: Scheduler, waiting: list[WorkerState], picks: dict[int, list[int]]) -> None:
-    """Hand queued pre-drafts to the waiting draft workers that got no draft task this time: the
-    ones whose draft KV they hold, then any whose holder is gone (a pre-draft is never worth moving
-    KV for), each of its request's drafter (paired: of its pair)."""
+    """Hand queued pre-drafts to the idle draft workers that got no draft task this time: the ones
+    whose draft KV they hold, then any whose holder is gone (a pre-draft is never worth moving KV
+    for), each of its request's drafter (paired: of its pair). A batch holds at most a draft batch's
+    rows (its capacity over the outcomes each pre-draft covers), so a draft that comes meanwhile waits
+    no longer than behind a draft batch; a busy worker takes none (it is not idle in the meantime)."""
     topic = sched.topics["ahead"]
     for w in waiting:
-        if not topic or w.role != "draft" or picks.get(w.worker_id) or w.pull_credits <= 0:
+        if not topic or w.role != "draft" or picks.get(w.worker_id) or w.pull_credits <= 0 or not w.pull_idle:
             continue
-        room = min(w.pull_credits, w.capacity)
+        room = min(w.pull_credits, max(1, w.capacity // sched.policy.draft_ahead))
         chosen = []
         for rid in topic.held_by([w.worker_id, None, *(h for h in topic.holders() if h not in sched.workers)]):
             req = sched.requests[rid]
@@ -152,7 +177,7 @@ def done(sched: Scheduler, req: Request, worker_id: int, branches: list[Branch])
     if st.round == req.round:
         return  # (its verify has not come back)
     draft_queued = req.phase == DRAFT and req.round == st.round + 1 and req.rid in sched.topics["draft"]
-    if draft_queued and (branch := _match(sched, req, st)) is not None:
+    if draft_queued and (branch := _match(req, st)) is not None:
         sched.topics["draft"].remove(req.rid)
         sched.ahead_stats.late_hits += 1
         _apply(sched, req, st, branch)
@@ -166,8 +191,7 @@ def last_match(st: Ahead, branches: list[Branch], req: Request) -> int | None:
     records it: its replay has no real tokens)."""
     if st.round == req.round or not req.tokens_per_round:
         return None
-    committed = req.output[len(req.output) - req.tokens_per_round[-1]:]
-    return next((i for i, b in enumerate(branches) if b.assumes == committed), None)
+    return next((i for i, b in enumerate(branches) if b.assumes == _last_committed(req)), None)
 
 
 def take(sched: Scheduler, req: Request) -> bool:
@@ -182,7 +206,7 @@ def take(sched: Scheduler, req: Request) -> bool:
             sched.ahead_stats.cancelled += 1
             req.ahead = None
         return False
-    branch = _match(sched, req, st)
+    branch = _match(req, st)
     if branch is None:
         sched.ahead_stats.wasted += len(st.branches)
         req.ahead = None
@@ -191,14 +215,19 @@ def take(sched: Scheduler, req: Request) -> bool:
     return True
 
 
-def _match(sched: Scheduler, req: Request, st: Ahead) -> Branch | None:
+def _match(req: Request, st: Ahead) -> Branch | None:
     """The branch that is exactly the draft round ``req.round`` would make, if any: of the drafter
     routing chose (paired mode routes nothing: its pair's)."""
-    committed = req.output[len(req.output) - req.tokens_per_round[-1]:]
     if req.k == 0 or req.k > st.k or req.alts not in (0, st.alts) or req.fuse not in (0, st.fuse):
         return None
+    committed = _last_committed(req)
     return next((b for b in st.branches if b.assumes == committed and req.drafter in (None, b.drafter)  # (None: not routed)
-                 and len(b.draft) >= min(req.k, st.k)), None)
+                 and len(b.draft) >= req.k), None)
+
+
+def _last_committed(req: Request) -> list[int]:
+    """The tokens ``req``'s last verify committed."""
+    return req.output[len(req.output) - req.tokens_per_round[-1]:]
 
 
 def _apply(sched: Scheduler, req: Request, st: Ahead, branch: Branch) -> None:

@@ -50,6 +50,11 @@ def render(state: dict[str, Any]) -> str:
            "in rounds whose first draft token was rejected, and won; rounds that asked for a fused prompt-lookup "
            "chain, chains verified, rounds they won, and tokens they added beyond the draft.",
            [(c.get(kind, 0), {"kind": kind}) for kind in tree_counts])
+    ahead = state.get("draft_ahead", {})
+    family("nebula_draft_ahead_total", "counter", "Draft-ahead: pre-drafts made, outcomes drafted, rounds whose draft "
+           "was one (late: after its verify), outcomes never used, pre-drafts cancelled, or skipped under load.",
+           [(ahead.get(kind, 0), {"kind": kind}) for kind in ("tasks", "branches", "hits", "late_hits", "wasted",
+                                                               "cancelled", "skipped")])
     drafters = state.get("drafters", {})
     family("nebula_drafter_rounds_total", "counter", "Rounds each drafter drafted (routing among drafters).",
            [(d["rounds"], {"drafter": name}) for name, d in drafters.items()])

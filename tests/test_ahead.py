@@ -114,7 +114,8 @@ def test_a_pre_draft_too_late_for_its_round_is_wasted_and_a_queued_one_cancelled
     # round 2's pre-draft is queued, but its verify ends before a draft worker takes it: cancelled
     verify_taken(s, r)
     s.end_round(r, 2, [20, 30])
-    assert r.ahead is None and 0 not in s.topics["ahead"] and s.ahead_stats.cancelled == 1
+    # (both cancelled: the one still running when round 2 drafted, and this one)
+    assert r.ahead is None and 0 not in s.topics["ahead"] and s.ahead_stats.cancelled == 2
 
 
 def test_pre_drafts_only_take_draft_capacity_that_would_idle() -> None:
@@ -126,6 +127,37 @@ def test_pre_drafts_only_take_draft_capacity_that_would_idle() -> None:
     s.pull(1, 4, True, now=1.0)
     [(wid, batch)] = s.dispatch()
     assert batch == [b] and s.workers[1].stage == "draft" and list(s.topics["ahead"]) == [0]
+
+
+def test_pre_drafts_are_made_only_while_the_pool_is_light() -> None:
+    s = pooled()  # one target worker
+    rs = [req(i) for i in range(ahead.LIGHT_PER_TARGET + 1)]
+    for r in rs:
+        s.admit(r)
+    for r in rs:
+        r.draft = [5, 6, 7, 8]
+        ahead.queue(s, r, 1)
+    assert len(s.topics["ahead"]) == 0 and s.ahead_stats.skipped == len(rs)
+    s.register(3, "target", 4)  # more verifiers: the same pool is light for them
+    ahead.queue(s, rs[0], 1)
+    assert list(s.topics["ahead"]) == [0]
+
+
+def test_pre_drafts_go_to_idle_draft_workers_in_batches_of_a_draft_batch_s_rows() -> None:
+    s = pooled(ahead=2)  # capacity 4: two pre-drafts of two outcomes each per batch
+    s.register(3, "target", 4)
+    rs = [req(i) for i in range(3)]
+    for r in rs:
+        s.admit(r)
+    s.pull(1, 4, True, now=0.0)
+    [(_, batch)] = s.dispatch()
+    for r in batch:
+        s.draft_done(r, 1, [5, 6, 7, 8], {})
+    s.pull(1, 4, False, now=1.0)  # busy (prefetching behind a batch): not idle while it waits
+    assert s.dispatch() == []
+    s.pull(1, 4, True, now=2.0)
+    [(_, batch)] = s.dispatch()
+    assert [r.rid for r in batch] == [0, 1] and s.workers[1].stage == "ahead"
 
 
 @pytest.mark.parametrize("change", ["k", "alts", "drafter"])
@@ -149,7 +181,7 @@ def test_a_branch_is_only_used_where_the_round_would_draft_the_same(change: str)
 
 
 def test_a_dead_drafter_s_pre_drafts_are_dropped_but_its_branches_still_serve() -> None:
-    s = pooled()
+    s = pooled(ahead=2)  # (two pre-drafts in one batch of capacity 4)
     s.register(3, "draft", 4)
     a, b = req(0), req(1)
     for r in (a, b):
@@ -158,8 +190,9 @@ def test_a_dead_drafter_s_pre_drafts_are_dropped_but_its_branches_still_serve() 
     [(_, batch)] = s.dispatch()
     for r in batch:
         s.draft_done(r, 1, [5, 6, 7, 8], {})
-    predraft_taken_both = s.pull(1, 4, True, now=1.0) or s.dispatch()
-    assert [r.rid for r in predraft_taken_both[0][1]] == [0, 1]
+    s.pull(1, 4, True, now=1.0)
+    [(_, pre)] = s.dispatch()
+    assert [r.rid for r in pre] == [0, 1]
     s.predrafted(a, 1, branches([11]))  # a's came back; b's is still running when worker 1 dies
     s.unregister(1)
     assert b.ahead is None and a.ahead.branches is not None

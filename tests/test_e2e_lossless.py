@@ -35,9 +35,15 @@ def sampled_requests() -> list[dict]:
             for i, p in enumerate(TEXT_PROMPTS)]
 
 
-async def _run_all(address: str, reqs: list[dict]) -> list:
+async def _run_all(address: str, reqs: list[dict], at_once: int | None = None) -> list:
+    """``reqs`` all at once, or ``at_once`` at a time."""
+    gate = asyncio.Semaphore(at_once or len(reqs))
     async with AsyncClient(address, timeout_s=120) as client:
-        return await asyncio.gather(*(client.generate(**r) for r in reqs))
+        async def one(r: dict):  # noqa: ANN202
+            async with gate:
+                return await client.generate(**r)
+
+        return await asyncio.gather(*(one(r) for r in reqs))
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +57,16 @@ def runs(tiny_pair):  # noqa: ANN001, ANN201
             ) -> tuple[list, list]:
         """Elastic mode: ``fixed_drafts``: the draft pool kept to drafting (mixed workers); ``split``:
         every round's stages split (draft batches, then verify batches; ``elastic_split``).
-        ``draft_ahead``: the policy knob (pre-drafts of the next round while one verifies)."""
+        ``draft_ahead``: the policy knob (pre-drafts of the next round while one verifies), with
+        requests sent two at a time (pre-drafts are made only while the pool is light)."""
         key = (mode, m, n, fixed_drafts, split, draft_ahead)
         if key not in cache:
             cfg = deploy_config(tiny_pair, mode, m, n, max_batch=4)
             cfg.draft.elastic = not fixed_drafts
             cfg.broker.policy = cfg.broker.policy.replace(elastic_split=1 if split else 0, draft_ahead=draft_ahead)
             with Deployment(cfg) as dep:
-                outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests()))
+                outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests(),
+                                            2 if draft_ahead else None))
                 with Client(dep.address) as client:
                     state = client.status()
                     batches[key] = [{"role": w["role"], **w["batches"]} for w in state["workers"]]

@@ -49,7 +49,9 @@ def test_chaos_kill_a_draft_and_a_target_worker_during_a_replay(tiny_pair, mode:
 
                 async def one(i: int):  # noqa: ANN202
                     nonlocal done
-                    await asyncio.sleep(i * 0.02)  # a replay: arrivals spread over ~1.3 s
+                    # a replay: arrivals spread over ~1.3 s (with draft-ahead ~10 s: a pool light enough
+                    # for pre-drafts, so the drafter dies holding some)
+                    await asyncio.sleep(i * (0.15 if ahead else 0.02))
                     out = await client.generate(token_ids=prompts[i], max_new_tokens=24)
                     done += 1
                     return out

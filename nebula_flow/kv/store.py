@@ -24,6 +24,7 @@ from nebula_flow.models.llama import CausalLM
 # Exchanges are counted by size class (upper bounds, bytes): a bandwidth is only comparable
 # with the raw transport's at the same size, and one exchange of a long prompt's whole KV moves
 # as many bytes as hundreds of a round's few new positions.
+SPARE_FORKS = 32  # finished requests' draft-ahead forks a store keeps for the next ones (``KVStore.branch``)
 PULL_SIZE_CLASSES = {"<64kB": 64 << 10, "64kB-1MB": 1 << 20, "1-16MB": 16 << 20, ">=16MB": 1 << 62}
 
 
@@ -72,6 +73,9 @@ class KVStore:
         self.caches: OrderedDict[int, KVCache] = OrderedDict()
         # draft-ahead: per request, private caches of pre-drafted outcomes (``branch``), by outcome
         self.branches: dict[int, dict[int, KVCache]] = {}
+        # forks of finished requests, for the next ones: a new buffer's pages fault in as the fork's
+        # rows are copied, which costs more than the copy (``SPARE_FORKS`` at most)
+        self.spare: list[KVCache] = []
         self.pinned: set[int] = set()
         self.lock = threading.Lock()
         self.stats = KVStats()
@@ -144,7 +148,9 @@ class KVStore:
             own = self.caches[rid]
             cache = self.branches.setdefault(rid, {}).get(outcome)
             if cache is None:
-                cache = self.branches[rid][outcome] = self.model.new_cache(capacity=max(64, len(tokens) + 16))
+                cache = self.spare.pop() if self.spare else self.model.new_cache(capacity=max(64, len(tokens) + 16))
+                cache.truncate(0)
+                self.branches[rid][outcome] = cache
         keep = min(cache.common_prefix(tokens), len(tokens) - 1)
         cache.truncate(keep)
         _copy_rows(own, cache, tokens, keep)
@@ -230,11 +236,16 @@ class KVStore:
     def free(self, rids: list[int]) -> None:
         with self.lock:
             for rid in rids:
-                self.branches.pop(rid, None)
+                self._retire_forks(rid)
                 cache = self.caches.pop(rid, None)
                 if cache is not None:
                     cache.release()
                 self.pinned.discard(rid)
+
+    def _retire_forks(self, rid: int) -> None:
+        """``rid`` is done: its forks become spares for later requests' (lock held)."""
+        forks = self.branches.pop(rid, {}).values()
+        self.spare = [*self.spare, *forks][-SPARE_FORKS:]
 
     def evict(self, protect: set[int]) -> None:
         """Drop least-recently used caches (never protected or pinned ones) until under budget."""
@@ -243,6 +254,8 @@ class KVStore:
                 return sum(c.allocated_bytes for c in self.branches.get(rid, {}).values())
 
             held = sum(c.allocated_bytes + forks(rid) for rid, c in self.caches.items())
+            while self.spare and held + sum(c.allocated_bytes for c in self.spare) > self.max_bytes:
+                self.spare.pop(0)
             for rid in list(self.branches):  # (pre-drafted outcomes' forks go first: they only save a copy)
                 if held > self.max_bytes and rid not in protect:
                     held -= forks(rid)
@@ -253,7 +266,7 @@ class KVStore:
                 if rid not in protect and rid not in self.pinned:
                     cache = self.caches.pop(rid)
                     held -= cache.allocated_bytes + forks(rid)
-                    self.branches.pop(rid, None)
+                    self.branches.pop(rid, None)  # (not kept: memory is short)
                     cache.release()
                     self.stats.evicted += 1
 
