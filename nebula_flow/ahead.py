@@ -236,11 +236,7 @@ def _apply(sched: Scheduler, req: Request, st: Ahead, branch: Branch) -> None:
     sched.ahead_stats.wasted += len(st.branches) - 1
     req.ahead = None
     draft = branch.draft[:req.k]
-    from nebula_flow.scheduler import Scheduler
-
-    # (the policy's own step, not an event a policy log records: its replay makes it again from the
-    # round's end or the pre-draft's return)
-    Scheduler.draft_done(sched, req, branch.worker, draft, cut_proposal(branch.q, len(draft)), drafter=branch.drafter)
+    sched.use_draft(req, branch.worker, draft, cut_proposal(branch.q, len(draft)), drafter=branch.drafter)
     req.runner_ups = branch.runner_ups if req.alts else []
     req.chains = branch.chains if req.fuse else []
 

@@ -219,10 +219,15 @@ class Scheduler:
             return self.policy.spec_costs, ()
         return self.drafter_costs.get(drafter, (self.costs, self.verify_costs)) if drafter else (self.costs, self.verify_costs)
 
-    def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict, drafter: str | None = None) -> None:
+    def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict) -> None:
         """A draft arrived (it may hold fewer than ``req.k`` tokens: a drafter that has nothing
-        worth proposing, such as an n-gram drafter without a match). ``drafter``: a pre-drafted
-        branch's (draft-ahead), whose worker may have left since."""
+        worth proposing, such as an n-gram drafter without a match)."""
+        self.use_draft(req, worker_id, draft, q)
+
+    def use_draft(self, req: Request, worker_id: int, draft: list[int], q: dict, drafter: str | None = None) -> None:
+        """``draft`` (by ``worker_id``) is the draft of ``req``'s round: its verify is queued. Not an
+        event of its own for a pre-drafted branch (draft-ahead: ``drafter``, its worker's, which
+        may have left since): a policy log replays that from the round's end or the pre-draft's return."""
         req.draft, req.q, req.phase = draft, q, VERIFY
         req.proposed += len(draft)
         w = self.workers.get(worker_id)

@@ -51,6 +51,17 @@ def verify_taken(s: Scheduler, r: Request) -> None:
     assert wid == 2 and batch == [r] and r.phase == VERIFY
 
 
+def verifying(s: Scheduler) -> tuple[Request, int]:
+    """Request 0's round 1, drafted [5, 6, 7, 8], verifying while its pre-draft runs; and that
+    pre-draft's attempt."""
+    r = req(0)
+    s.admit(r)
+    drafted(s, r, [5, 6, 7, 8])
+    attempt = predraft_taken(s, r)
+    verify_taken(s, r)
+    return r, attempt
+
+
 def branches(*outcomes: list[int]) -> list[Branch]:
     return [Branch(list(a), [50 + i, 60 + i, 70 + i, 80 + i], worker=1, drafter="draft") for i, a in enumerate(outcomes)]
 
@@ -74,11 +85,7 @@ def test_a_hit_sends_the_next_verify_at_once_with_the_branch_as_its_draft() -> N
 
 def test_a_refuted_pre_draft_is_dropped_and_the_round_drafts_as_usual() -> None:
     s = pooled()
-    r = req(0)
-    s.admit(r)
-    drafted(s, r, [5, 6, 7, 8])
-    predraft_taken(s, r)
-    verify_taken(s, r)
+    r, _ = verifying(s)
     s.predrafted(r, 1, branches([5, 6, 7, 8, 9], [11]))
     s.end_round(r, 2, [5, 6, 13])  # an outcome no branch assumed
     assert r.phase == DRAFT and 0 in s.topics["draft"] and r.ahead is None and r.draft == []
@@ -87,11 +94,7 @@ def test_a_refuted_pre_draft_is_dropped_and_the_round_drafts_as_usual() -> None:
 
 def test_a_pre_draft_back_after_its_verify_hits_while_the_next_draft_still_waits() -> None:
     s = pooled()
-    r = req(0)
-    s.admit(r)
-    drafted(s, r, [5, 6, 7, 8])
-    attempt = predraft_taken(s, r)
-    verify_taken(s, r)
+    r, attempt = verifying(s)
     s.end_round(r, 2, [11])  # the pre-draft is still running: round 2 queues its draft
     assert r.phase == DRAFT and 0 in s.topics["draft"]
     assert s.workers[1].ahead == {0: attempt}
@@ -102,11 +105,7 @@ def test_a_pre_draft_back_after_its_verify_hits_while_the_next_draft_still_waits
 
 def test_a_pre_draft_too_late_for_its_round_is_wasted_and_a_queued_one_cancelled() -> None:
     s = pooled()
-    r = req(0)
-    s.admit(r)
-    drafted(s, r, [5, 6, 7, 8])
-    attempt = predraft_taken(s, r)
-    verify_taken(s, r)
+    r, attempt = verifying(s)
     s.end_round(r, 2, [11])
     drafted(s, r, [20, 21, 22, 23])  # round 2's draft went out before the pre-draft came back
     assert ahead.accepts(s, 1, 0, attempt) is None  # its result, when it comes, is stale
@@ -163,11 +162,7 @@ def test_pre_drafts_go_to_idle_draft_workers_in_batches_of_a_draft_batch_s_rows(
 @pytest.mark.parametrize("change", ["k", "alts", "drafter"])
 def test_a_branch_is_only_used_where_the_round_would_draft_the_same(change: str) -> None:
     s = pooled(first_alternatives=2 if change == "alts" else 0)
-    r = req(0)
-    s.admit(r)
-    drafted(s, r, [5, 6, 7, 8])
-    predraft_taken(s, r)
-    verify_taken(s, r)
+    r, _ = verifying(s)
     made = branches([11])
     if change == "k":
         r.ahead.k = 3  # (drafted fewer tokens than round 2 asks for)

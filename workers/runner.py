@@ -164,10 +164,10 @@ class ModelRunner:
         round on those tokens makes. Outcomes, most likely first: d1..dk plus this model's own next
         token (its guess of the bonus token), then d1..dj plus its best token other than d(j+1)
         (its guess of the target's correction) for j = 0, 1, ..., k - 1, then d1..dk plus its
-        second guess of the bonus token. A first forward re-scores the
-        draft (its rows give those guesses), then the outcomes draft side by side in one batch,
-        the first in the request's cache, the others in caches forked from it
-        (``KVStore.branch``). A task whose draft KV is not here is skipped (no outcomes)."""
+        second guess of the bonus token. A first forward re-scores the draft (its rows give those
+        guesses), then the outcomes draft side by side in one batch, the first in the request's
+        cache, the others in caches forked from it (``KVStore.branch``). A task whose draft KV is
+        not here is skipped (no outcomes)."""
         out: list[list[tuple[list[int], Draft]]] = [[] for _ in tasks]
         ready, caches, new = [], [], []
         for i, t in enumerate(tasks):
