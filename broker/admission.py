@@ -7,6 +7,7 @@ The broker's dispatch thread does this work today; it owns the target's tokenize
 from __future__ import annotations
 
 import secrets
+from dataclasses import replace
 
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.params import InvalidParams, SamplingParams
@@ -33,11 +34,12 @@ class Admission:
             params.validate(self.max_new_tokens_limit)
         except (InvalidParams, TypeError) as exc:
             raise ProtocolError("invalid_params", str(exc)) from None
-        if msg.prompt is not None:
+        if msg.prompt is not None or msg.messages is not None:
             if self.codec is None:
                 raise ProtocolError("no_tokenizer", "this broker has no tokenizer; send prompt_tokens")
             try:
-                prompt = self.codec.encode(msg.prompt, chat=msg.chat)
+                prompt = (self.codec.encode(msg.prompt, chat=msg.chat) if msg.messages is None
+                          else self.codec.encode_chat(msg.messages, msg.chat_options))
             except ValueError as exc:
                 raise ProtocolError("invalid_prompt", str(exc)) from None
         else:
@@ -46,6 +48,8 @@ class Admission:
                 raise ProtocolError("invalid_prompt", f"token ids must be in [0, {self.vocab_size})")
         if not prompt:
             raise ProtocolError("invalid_prompt", "the prompt is empty")
+        if params.fit_context and len(prompt) < self.max_model_len:
+            params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(prompt)))
         if len(prompt) + params.max_new_tokens > self.max_model_len:
             raise ProtocolError("too_long", f"prompt ({len(prompt)} tokens) + max_new_tokens "
                                             f"({params.max_new_tokens}) exceeds the context ({self.max_model_len})")

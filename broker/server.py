@@ -45,7 +45,6 @@ from nebula_flow.protocol import (
     Timing,
     Tokens,
     Welcome,
-    req_id_of,
 )
 from nebula_flow.request import AHEAD, DRAFT, ROUND, Request
 from nebula_flow.roles import MODEL_ROLES, MODES
@@ -53,6 +52,7 @@ from nebula_flow.round_times import RoundTimes
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.security import SecurityError, user_id
 from nebula_flow.speclen import FIT_ROWS
+from nebula_flow.wire import req_id_of
 from nebula_flow_broker import results
 from nebula_flow_broker.access import Access, metrics_token, owner_of
 from nebula_flow_broker.admission import Admission
@@ -138,9 +138,9 @@ class Broker:
             else:
                 raise ProtocolError("unexpected_kind", f"{msg.KIND} is not a client message")
         except ProtocolError as exc:
-            self._reject(self.clients, identity, exc.code, exc.message, req_id_of(frames))
+            self._reject(self.clients, identity, exc.code, exc.message, req_id_of(frames, protocol.MAX_REQ_ID))
         except Exception as exc:  # a bug must cost one message, never the broker
-            self._internal(self.clients, identity, exc, req_id_of(frames))
+            self._internal(self.clients, identity, exc, req_id_of(frames, protocol.MAX_REQ_ID))
 
     def _internal(self, sock: zmq.Socket, identity: bytes, exc: Exception, req_id: str | None = None) -> None:
         log.exception("internal error handling a message")
@@ -190,7 +190,7 @@ class Broker:
         """A request has left the pool: tell its client, let workers drop its KV."""
         self.by_req_id.pop(req.req_id, None)
         owner = self.owners.pop(req.req_id, "")
-        self.round_times.closed(req.rid)
+        queued = self.round_times.closed(req.rid)
         self.inflight_by_owner[req.owner] -= 1
         if self.inflight_by_owner[req.owner] <= 0:
             del self.inflight_by_owner[req.owner]
@@ -200,7 +200,8 @@ class Broker:
             self._reject(self.clients, req.owner, error[0], error[1], req.req_id)
             return
         self.counters[f"requests_{req.finish_reason}"] += 1
-        done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason, req.stats())
+        done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason,
+                    {**req.stats(), "queue_s": queued})  # (queue_s: admission to its first task sent)
         self.finished[req.req_id] = (owner, done)
         while len(self.finished) > 4096:  # bounded: old results age out
             self.finished.popitem(last=False)
@@ -398,9 +399,9 @@ class Broker:
         return {
             "mode": self.opts.mode, "pid": os.getpid(), "uptime_s": now - self.started,
             "draining": self.draining_since is not None,  # (SIGTERM: in-flight requests finish, new ones are refused)
-            "pool": len(self.scheduler.requests),
-            "max_model_len": self.admission.max_model_len,
-            "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
+            "pool": len(self.scheduler.requests), "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
+            "model": self.opts.model_name, "max_model_len": self.admission.max_model_len,  # (what the HTTP API serves)
+            "max_new_tokens_limit": self.opts.max_new_tokens_limit,
             **self.stats.state(self.scheduler, self.workers), "round_times": self.round_times.state(),
             "metrics_port": self.metrics.port if self.metrics else None,
             # times the deployment started the broker, and the workers registered now, again after a death

@@ -72,6 +72,7 @@ class Completion:
     latency_s: float
     chunk_times_s: list[float] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each chunk, as chunk_times_s
 
     @property
     def mean_tokens_per_round(self) -> float:
@@ -84,15 +85,18 @@ class Completion:
 
 
 def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, session: str | None = None,
+                 messages: list[dict[str, Any]] | None = None, chat_options: dict[str, Any] | None = None,
                  **params: Any) -> Submit:
-    """The SUBMIT message for one request (parameters validated before they leave)."""
-    if (prompt is None) == (token_ids is None):
-        raise ValueError("give exactly one of prompt and token_ids")
+    """The SUBMIT message for one request (parameters validated before they leave): ``prompt``
+    (``chat``: as one user message), ``token_ids``, or ``messages`` (a conversation, with the chat
+    template's ``chat_options``)."""
+    if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
+        raise ValueError("give exactly one of prompt, token_ids and messages")
     sp = SamplingParams(stop=tuple([params.pop("stop")] if isinstance(params.get("stop"), str)
                                     else params.pop("stop", None) or ()), **params)
     sp.validate()
-    return Submit(req_id, sp.to_wire(), prompt,
-                  None if token_ids is None else np.asarray(token_ids, dtype=np.int32), chat, session)
+    return Submit(req_id, sp.to_wire(), prompt, None if token_ids is None else np.asarray(token_ids, dtype=np.int32),
+                  chat, session, messages, chat_options)
 
 
 def _raise_error(err: Error) -> None:
@@ -113,6 +117,7 @@ class _Collector:
         self.t0 = time.monotonic()
         self.ttft: float | None = None
         self.times: list[float] = []
+        self.counts: list[int] = []
         self.seen_tokens = 0
         self.seen_text = 0
 
@@ -126,6 +131,7 @@ class _Collector:
         t = time.monotonic() - self.t0
         self.ttft = t if self.ttft is None else self.ttft
         self.times.append(t)
+        self.counts.append(len(tokens))
         return Chunk(tokens, text, t)
 
     def done(self, msg: Done) -> Completion:
@@ -133,7 +139,7 @@ class _Collector:
         st = msg.stats
         return Completion(msg.text, msg.token_ids, msg.finish_reason, st.get("rounds", 0),
                           st.get("tokens_per_round", []), self.ttft if self.ttft is not None else latency,
-                          latency, self.times, st)
+                          latency, self.times, st, self.counts)
 
 
 def _socket(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socket, zmq.Socket]:

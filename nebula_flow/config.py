@@ -21,7 +21,10 @@
 
 Model paths: ``cache:NAME`` lives in the nebula-flow cache folder ($NEBULA_FLOW_CACHE, default
 ~/.cache/nebula-flow); a relative path is relative to the repository holding ``configs/``
-(the config file's parent folder's parent), an absolute path or hub-style id is used as is.
+(the config file's parent folder's parent), an absolute path is used as is, and a hub id
+(``Qwen/Qwen3-0.6B``) is found in the hub cache or downloaded when the deployment starts
+(``nebula_flow/hub.py``). A pool's ``name`` is what clients call its model (default: ``model`` as
+written): the HTTP API's ``/v1/models`` lists the target under it.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class PoolConfig:
     kv_pool_gb: float | None = None  # finished requests' shared KV files kept for reuse (None: max_kv_gb / 8)
     drafter: str | None = None  # draft pools: the drafter name (routing.drafter_name: default from the model)
     elastic: bool = True  # elastic mode: false keeps this pool's workers to their own stage (e.g. small draft devices)
+    name: str | None = None  # what clients call this model (the target's: /v1/models); default: ``model`` as written
 
 
 @dataclass
@@ -217,6 +221,7 @@ def load_config(path: str | Path | None) -> DeployConfig:
     from nebula_flow.lookup import is_ngram
 
     for pool in (cfg.draft, cfg.target, *cfg.drafters):
+        pool.name = pool.name or pool.model
         if pool.model and not is_ngram(pool.model):
             pool.model = resolve_model_path(pool.model, base)
         if pool.profile:

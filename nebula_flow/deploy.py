@@ -91,6 +91,8 @@ class Deployment:
         self.records: dict[str, ChildRecord] = {}  # each child's restarts
         self.due: dict[str, float] = {}  # dead children waiting out their backoff: when to start them
         self.worker_changes = worker_changes or {}
+        self.child_env: dict[str, dict[str, str]] = {}  # a child's own environment (the gateway's API key)
+        self.http_url: str | None = None
         b = cfg.broker
         self.auto_ports = b.client_port == 0 or b.worker_port == 0
         if b.client_port == 0:
@@ -98,6 +100,7 @@ class Deployment:
         if b.worker_port == 0:
             b.worker_port = free_port()
         b.model = b.model or cfg.target.model
+        b.model_name = b.model_name or cfg.target.name or b.model
 
     @property
     def address(self) -> str:
@@ -109,6 +112,7 @@ class Deployment:
                       RESTARTS_ENV: str(restarts)})
         if self.cfg.broker.keys:  # every party of the deployment authenticates with CURVE
             env["NEBULA_FLOW_KEYS"] = str(self.cfg.broker.keys)
+        env.update(self.child_env.get(name, {}))
         log = open(self.log_dir / f"{name}.log", "ab" if restarts else "wb")  # (a restart keeps the death's log)
         if restarts:
             log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} restart {restarts} ---\n".encode())
@@ -172,6 +176,28 @@ class Deployment:
 
     def _spawn_broker(self) -> None:
         self._spawn("broker", ["broker", "--options", str(write_options(self.cfg.broker, self.log_dir / "broker.json"))])
+
+    def start_api(self, host: str, port: int, api_key: str | None = None, model_name: str | None = None,
+                  timeout_s: float = 60.0) -> str:
+        """Start the HTTP gateway (``nebula-flow api``) in front of the broker, supervised like the
+        rest; returns its URL once ``/health`` answers."""
+        import urllib.request
+
+        port = port or free_port()
+        name = model_name or self.cfg.broker.model_name or "default"
+        if api_key:
+            self.child_env["api"] = {"NEBULA_FLOW_API_KEY": api_key}
+        proc = self._spawn("api", ["api", "--broker", self.address, "--http-host", host, "--port", str(port),
+                                   "--served-model-name", name])
+        self.http_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{self.http_url}/health", timeout=2):
+                    return self.http_url
+            except OSError:
+                time.sleep(0.1)
+        raise DeploymentError(f"the HTTP API did not start:\n{self.log_tail('api')}")
 
     def wait_ready(self, n_workers: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

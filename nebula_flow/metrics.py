@@ -1,7 +1,10 @@
-"""Prometheus text exposition of the broker's state, and the tiny HTTP server that serves it.
+"""The broker's state as Prometheus metric families (``prometheus_client`` writes the text
+format), and the tiny HTTP server that serves them on the broker's metrics port.
 
 The broker loop renders a snapshot every half second; the HTTP thread only hands out the
-latest string, so scraping never touches live broker state from another thread.
+latest string, so scraping never touches live broker state from another thread. The HTTP
+gateway (``nebula_flow/api``) serves the same families, from the broker's ``status``, beside
+its own histograms. The names are listed in docs/operations.md.
 """
 
 from __future__ import annotations
@@ -11,22 +14,22 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-
-def _line(name: str, value: float, labels: dict[str, Any] | None = None) -> str:
-    if labels:
-        inner = ",".join(f'{k}="{str(v).replace(chr(34), "")}"' for k, v in labels.items())
-        return f"{name}{{{inner}}} {value}"
-    return f"{name} {value}"
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 
-def render(state: dict[str, Any]) -> str:
-    """Prometheus text format (version 0.0.4) of a broker ``state()`` snapshot."""
-    out: list[str] = []
+def families(state: dict[str, Any]) -> list[Metric]:
+    """The metric families of a broker ``state()`` snapshot."""
+    out: list[Metric] = []
 
     def family(name: str, kind: str, help_: str, samples: list[tuple[float, dict[str, Any] | None]]) -> None:
-        out.append(f"# HELP {name} {help_}")
-        out.append(f"# TYPE {name} {kind}")
-        out.extend(_line(name, v, labels) for v, labels in samples)
+        labels = list((samples[0][1] or {}).keys()) if samples else []
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        fam = cls(name, help_, labels=labels)
+        for value, tags in samples:
+            fam.add_metric([str(v) for v in (tags or {}).values()], float(value))
+        out.append(fam)
 
     c = state["counters"]
     family("nebula_requests_total", "counter", "Requests by outcome.",
@@ -88,7 +91,27 @@ def render(state: dict[str, Any]) -> str:
     family("nebula_round_times_rounds_total", "counter", "Request-rounds ended, as round_seconds counts them.",
            [(entry["rounds"], {"kind": "decode" if kind == "rounds" else kind}) for kind, entry in rt.items()])
     family("nebula_uptime_seconds", "gauge", "Seconds since the broker started.", [(state["uptime_s"], None)])
-    return "\n".join(out) + "\n"
+    return out
+
+
+class _Snapshot(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> list[Metric]:
+        return self.metrics
+
+
+def exposition(metrics: list[Metric]) -> str:
+    """The Prometheus text format of ``metrics``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(metrics))
+    return generate_latest(registry).decode()
+
+
+def render(state: dict[str, Any]) -> str:
+    """The Prometheus text format of a broker ``state()`` snapshot."""
+    return exposition(families(state))
 
 
 class MetricsServer:
@@ -116,7 +139,7 @@ class MetricsServer:
                     return
                 body = server.snapshot.encode()
                 self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

@@ -22,6 +22,7 @@ class BrokerOptions:
     client_port: int = 5555
     worker_port: int = 5556
     model: str | None = None  # the target checkpoint: tokenizer, context length, EOS ids
+    model_name: str | None = None  # what clients call the target (the config's model as written; /v1/models)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     proposal_top_k: int = 16  # entries of the draft distribution q sent with each sampled draft token
     max_pending: int = 1024  # admission limit; beyond it clients get BUSY

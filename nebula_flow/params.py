@@ -32,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
 
     @property
     def greedy(self) -> bool:
@@ -81,5 +82,5 @@ class SamplingParams:
             raise InvalidParams(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):
             raise InvalidParams(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidParams("ignore_eos must be a boolean")
+        if not isinstance(self.ignore_eos, bool) or not isinstance(self.fit_context, bool):
+            raise InvalidParams("ignore_eos and fit_context must be booleans")

@@ -69,7 +69,9 @@ class Msg:
 @dataclass
 class Submit(Msg):
     """Client -> broker: a request. Exactly one of ``prompt`` (text; ``chat`` applies the
-    tokenizer's chat template) and ``prompt_tokens``. Idempotent: ``req_id`` is the client's
+    tokenizer's chat template to it as one user message), ``prompt_tokens`` and ``messages`` (a
+    conversation, ``{"role", "content"}`` objects, through the chat template with ``chat_options``
+    as the template's variables, e.g. ``{"enable_thinking": false}``). Idempotent: ``req_id`` is the client's
     (random, unique); resending a running request re-attaches to it, a finished one replays its
     ``Done``. Only its owner may do either, or cancel it: the client's CURVE key where keys are
     on, else the ``session`` it sends (a secret the client library draws per client)."""
@@ -81,12 +83,14 @@ class Submit(Msg):
     prompt_tokens: Tensor | None = None
     chat: bool = False
     session: str | None = None
+    messages: list[dict] | None = None
+    chat_options: dict | None = None
 
     def check(self) -> None:
         check_req_id(self.req_id)
         check_session(self.session)
-        if (self.prompt is None) == (self.prompt_tokens is None):
-            raise malformed("give exactly one of prompt and prompt_tokens")
+        if sum(x is not None for x in (self.prompt, self.prompt_tokens, self.messages)) != 1:
+            raise malformed("give exactly one of prompt, prompt_tokens and messages")
         if self.prompt_tokens is not None and (self.prompt_tokens.ndim != 1 or self.prompt_tokens.dtype.kind != "i"):
             raise malformed("prompt_tokens must be a 1-d integer tensor")
 
@@ -489,12 +493,3 @@ def encode(msg: Msg) -> list[Any]:
     header["v"] = VERSION
     return [msg.KIND.encode(), orjson.dumps(header), *frames]
 
-
-def req_id_of(frames: list[Any]) -> str | None:
-    """Best effort: the req_id of a rejected message, so the client can match the error."""
-    try:
-        header = orjson.loads(bytes(frames[1].buffer if hasattr(frames[1], "buffer") else frames[1]))
-        rid = header.get("req_id")
-        return rid if isinstance(rid, str) and len(rid) <= MAX_REQ_ID else None
-    except Exception:
-        return None

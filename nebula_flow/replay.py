@@ -55,14 +55,18 @@ class Progress:
 
 
 async def replay(address: str, reqs: list[TraceRequest], prompts: PromptSource | None, concurrency: int | None = None,
-                 progress: bool = True, timeout_s: float = 600.0) -> tuple[list[Record], float]:
-    """Send every request at its arrival time (open loop, optionally capped in concurrency)."""
+                 progress: bool = True, timeout_s: float = 600.0, api: str | None = None,
+                 api_key: str | None = None) -> tuple[list[Record], float]:
+    """Send every request at its arrival time (open loop, optionally capped in concurrency), to the
+    broker through the client library, or through the HTTP API at ``api``."""
+    from nebula_flow.api.http_client import HttpClient
+
     cap = asyncio.Semaphore(concurrency) if concurrency else None
     bar = Progress(len(reqs), progress)
     records = [Record(i, r.arrival_s, max_new_tokens=r.max_new_tokens) for i, r in enumerate(reqs)]
     t0 = time.monotonic()
 
-    async with AsyncClient(address, timeout_s=timeout_s) as client:
+    async with HttpClient(api, api_key, timeout_s) if api else AsyncClient(address, timeout_s=timeout_s) as client:
         async def one(rec: Record, req: TraceRequest) -> None:
             await asyncio.sleep(max(0.0, req.arrival_s - (time.monotonic() - t0)))
             if cap is not None:

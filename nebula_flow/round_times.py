@@ -51,6 +51,7 @@ class RoundTimes:
         self.sums = {"first": Counter(), "rounds": Counter()}
         self.counts = Counter()
         self.tokens = Counter()
+        self.waited: dict[int, float] = {}  # request -> seconds from its admission to its first task sent
 
     def admitted(self, rid: int, t: float) -> None:
         self.open[rid] = _Round(t, t)
@@ -58,6 +59,8 @@ class RoundTimes:
     def sent(self, rid: int, t: float) -> None:
         r = self.open.get(rid)
         if r is not None:
+            if r.first:
+                self.waited.setdefault(rid, t - r.started)
             r.parts["queue"] += t - r.last
             r.last = r.sent = t
 
@@ -93,8 +96,10 @@ class RoundTimes:
         self.tokens[key] += tokens
         self.open[rid] = _Round(t, t, first=False)
 
-    def closed(self, rid: int) -> None:
+    def closed(self, rid: int) -> float:
+        """A request left: forget it; returns its queue time (admission to its first task sent)."""
         self.open.pop(rid, None)
+        return self.waited.pop(rid, 0.0)
 
     def state(self) -> dict[str, Any]:
         return {key: {"rounds": self.counts[key], "tokens": self.tokens[key],

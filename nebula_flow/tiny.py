@@ -48,7 +48,9 @@ def build_tokenizer(out: Path, vocab_size: int) -> None:
     tok.train_from_iterator(_corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
     fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+                          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+                          # (as Qwen3's: the thinking switch a template option turns off)
+                          "{% if enable_thinking is defined and not enable_thinking %}<think></think>\n{% endif %}")
     fast.save_pretrained(str(out))
 
 

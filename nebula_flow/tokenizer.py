@@ -19,6 +19,10 @@ from typing import Any
 
 from tokenizers import Tokenizer, processors
 
+# What a chat template reads besides its options: a conversation's options may not replace them.
+TEMPLATE_INPUTS = frozenset({"messages", "add_generation_prompt", "raise_exception", "strftime_now", "bos_token",
+                             "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"})
+
 
 class TextCodec:
     """A checkpoint folder's tokenizer. ``encode`` adds the special tokens HF adds by default."""
@@ -53,21 +57,34 @@ class TextCodec:
         """Token ids of ``text``; ``chat``: as one user message in the chat template, with the
         generation prompt; ``special``: with the special tokens the tokenizer adds (not in chat)."""
         if chat:
-            return self.tok.encode(self.render_chat(text), add_special_tokens=False).ids
+            return self.encode_chat([{"role": "user", "content": text}])
         return self.tok.encode(text, add_special_tokens=special).ids
 
-    def render_chat(self, text: str) -> str:
+    def encode_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of a conversation through the chat template, with the generation prompt."""
+        return self.tok.encode(self.render_chat(messages, options), add_special_tokens=False).ids
+
+    def render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None) -> str:
+        """The chat template's text for ``messages``; ``options`` are the template's own variables
+        (e.g. ``enable_thinking``), as transformers passes ``apply_chat_template``'s extra keywords.
+        ``ValueError`` when there is no template, an option would replace one of the template's
+        inputs, or the template refuses the conversation."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; send the prompt without chat")
+        options = options or {}
+        if taken := sorted(set(options) & TEMPLATE_INPUTS):
+            raise ValueError(f"chat template options may not set {', '.join(taken)}")
         import jinja2
 
         try:
             if self._template is None:
                 self._template = _compile(self.chat_template)
-            return self._template.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True,
+            return self._template.render(**options, messages=messages, add_generation_prompt=True,
                                          **{k: v for k, v in self.special.items() if v is not None})
         except jinja2.TemplateError as exc:  # (a template's raise_exception, or a template that is broken)
-            raise ValueError(f"the chat template refused this prompt: {exc}") from None
+            raise ValueError(f"the chat template refused this conversation: {exc}") from None
+        except (TypeError, AttributeError, KeyError) as exc:  # (a message of a shape the template cannot read)
+            raise ValueError(f"the chat template cannot read this conversation: {exc}") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

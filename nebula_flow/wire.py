@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any, NewType, get_args, get_origin, get_type_hints
 
 import numpy as np
+import orjson
 
 DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16,
           "bfloat16": np.uint16, "uint8": np.uint8}
@@ -48,6 +49,16 @@ class Rejected:
 
     head: dict | None
     error: ProtocolError
+
+
+def req_id_of(frames: list[Any], max_len: int) -> str | None:
+    """Best effort: the req_id of a rejected message, so the client can match the error."""
+    try:
+        header = orjson.loads(bytes(frames[1].buffer if hasattr(frames[1], "buffer") else frames[1]))
+        rid = header.get("req_id")
+        return rid if isinstance(rid, str) and len(rid) <= max_len else None
+    except Exception:
+        return None
 
 
 def decode_fields(cls: type, raw: Any, where: str, frames: list[Any]) -> Any:  # noqa: ANN401

@@ -539,7 +539,7 @@ def test_bench_starts_the_probe_and_stops_it(tmp_path, transport: str, monkeypat
     after it with its samples written. (UCX once printed a warning before "ready" and hung this.)"""
     import json
 
-    from nebula_flow.bench import paced_probe
+    from nebula_flow.bench_kv import paced_probe
 
     monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "y")  # UCX: its warning on stdout comes first
 
@@ -594,7 +594,7 @@ def test_bench_kv_reports_stall_and_every_bandwidth_ratio(tiny_pair, monkeypatch
 
     from click.testing import CliRunner
 
-    from nebula_flow.bench import kv_report
+    from nebula_flow.bench_kv import kv_report
     from nebula_flow.cli import main
 
     monkeypatch.setenv("NEBULA_FLOW_CACHE", str(tiny_pair.parent))

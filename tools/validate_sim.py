@@ -73,7 +73,7 @@ def main(scenario: str, modes: str, repeats: int, as_json: bool) -> None:
     rows = {}
     for mode in names:
         cfg = load_config(deploy)
-        live = bench_mode(cfg, mode, wl, repeats, log=log)
+        live = bench_mode(cfg, mode, wl, repeats, log=log)["zmq"]
         rows[mode] = {"live_round_rate": live["round_rate"],
                       "live_repeats": [r["round_rate"] for r in live["repeats"]],
                       "sim_round_rate": simulate(sc, mode)["round_rate"],

@@ -11,7 +11,7 @@ from importlib.metadata import entry_points
 
 import click
 
-from nebula_flow.cli import measure, serving, simulate, tools
+from nebula_flow.cli import api, measure, serving, simulate, tools
 
 PLUGINS = "nebula_flow.commands"
 
@@ -42,6 +42,6 @@ def main() -> None:
     """
 
 
-for _module in (serving, measure, simulate, tools):
+for _module in (serving, api, measure, simulate, tools):
     for _command in _module.COMMANDS:
         main.add_command(_command)

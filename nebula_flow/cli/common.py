@@ -30,8 +30,10 @@ def load_deploy(config: str | None) -> DeployConfig:
 
 
 def prepare_models(cfg: DeployConfig) -> None:
-    """Build project-made models the config names but the cache lacks (the bundled target,
-    the tiny pair), then check that the draft can serve the target."""
+    """Find hub ids in the hub cache (or download them), build project-made models the config
+    names but the cache lacks (the bundled target, the tiny pair), then check that the draft can
+    serve the target."""
+    from nebula_flow import hub
     from nebula_flow.bundled import prepare_target, target_dir
     from nebula_flow.lookup import is_ngram
     from nebula_flow.models.compat import IncompatiblePair, check_pair
@@ -42,6 +44,11 @@ def prepare_models(cfg: DeployConfig) -> None:
     for pool in (*drafts, cfg.target):
         if not pool.model:
             continue
+        if hub.is_hub_id(pool.model):
+            try:
+                pool.model = hub.resolve(pool.model, log=lambda m: click.echo(m, err=True))
+            except hub.HubError as exc:
+                raise click.ClickException(str(exc)) from None
         if Path(pool.model).is_relative_to(tiny) and not (tiny / "READY").exists():
             from nebula_flow.tiny import build_tiny_pair
 

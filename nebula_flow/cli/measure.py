@@ -45,9 +45,12 @@ from nebula_flow.roles import MODES
 @click.option("--breakdown", is_flag=True, help="Also print where a decode round's time goes, per mode: forward "
               "passes, KV, worker Python, hops, broker, queue (ms per round, medians over repeats; see "
               "docs/operations.md). --json always carries it.")
+@click.option("--via", default="zmq", show_default=True, help="Front doors to measure, comma-separated: zmq (the "
+              "client library) and api (the OpenAI-compatible HTTP API, started with each deployment, streamed). "
+              "Both: each repeat runs both on the same deployment, in turns; rows \"MODE via api\".")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-          temperature, repeats, chat, edit, breakdown, as_json) -> None:  # noqa: ANN001
+          temperature, repeats, chat, edit, breakdown, via, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
         DEFAULT_CHAT_PROMPTS,
@@ -67,6 +70,9 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     if bad or not names:
         raise click.ClickException(f"unknown modes {bad}; choose from {', '.join((*MODES, *PEERS))} (or "
                                    "pooled+MODEL, pooled-NAME; then @KNOB=VALUE)")
+    vias = tuple(v.strip() for v in via.split(",") if v.strip())
+    if not vias or set(vias) - {"zmq", "api"} or len(set(vias)) < len(vias):
+        raise click.BadParameter("zmq, api, or both (zmq,api)", param_hint="--via")
     if twice := sorted({m for m in names if names.count(m) > 1}):  # (results are keyed by mode)
         raise click.ClickException(f"modes given more than once: {', '.join(twice)}; a mode's runs are --repeats")
     pool = DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
@@ -99,7 +105,9 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         prepare_models(cfg)
         click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, concurrency {concurrency}, "
                    f"{repeats} repeats", err=True)
-        results[name] = bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True), label=name)
+        for door, res in bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True), label=name,
+                                    vias=vias).items():
+            results[name if vias == ("zmq",) else f"{name} via {door}"] = res
     if as_json:
         click.echo(json.dumps({"modes": results}))
     else:
@@ -127,8 +135,12 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
               help="Folder for requests.jsonl, summary.json and PNG plots.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--seed", default=0, show_default=True, help="Seed for prompt cutting and Poisson arrivals.")
+@click.option("--api", "api_url", metavar="URL", help="Send the requests through the OpenAI-compatible HTTP API at URL "
+              "(e.g. http://127.0.0.1:8000) instead of the client library; --broker is still asked for the context "
+              "and may be left out when the API's /v1/models says it.")
+@click.option("--api-key", envvar="NEBULA_FLOW_API_KEY", help="The HTTP API's key, where it wants one.")
 def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s, poisson, concurrency,
-           max_prompt_tokens, max_new_tokens, out, as_json, seed) -> None:  # noqa: ANN001
+           max_prompt_tokens, max_new_tokens, out, as_json, seed, api_url, api_key) -> None:  # noqa: ANN001
     """Replay TRACE (JSONL or Azure CSV) against a broker, open loop, at its arrival times."""
     import asyncio
 
@@ -138,8 +150,10 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
     from nebula_flow.traces import PromptSource, Shaping, TraceError, load_trace, shape
 
     try:
-        with Client(address, timeout_s=5) as c:
-            context = c.status().get("max_model_len", 1 << 30)
+        context = api_context(api_url, api_key) if api_url else None
+        if context is None:
+            with Client(address, timeout_s=5) as c:
+                context = c.status().get("max_model_len", 1 << 30)
         reqs, report = shape(load_trace(trace), Shaping(time_scale, limit, start_s, end_s, poisson,
                                                         max_prompt_tokens, max_new_tokens, seed), context)
     except (TraceError, NebulaError) as exc:
@@ -151,7 +165,8 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
     click.echo(f"replaying {len(reqs)} requests over {reqs[-1].arrival_s if reqs else 0:.1f} s "
                f"(time scale {time_scale}); clipped prompts {report['clipped_prompts']}, "
                f"clipped outputs {report['clipped_outputs']}", err=True)
-    records, wall = asyncio.run(run_replay(address, reqs, prompts, concurrency, progress=not as_json))
+    records, wall = asyncio.run(run_replay(address, reqs, prompts, concurrency, progress=not as_json, api=api_url,
+                                           api_key=api_key))
     summary = summarize(records, wall, report)
     paths = write_outputs(Path(out), records, summary)
     if as_json:
@@ -165,6 +180,21 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
         click.echo(f"{key:<14} p50 {p['p50']:.3f}  p90 {p['p90']:.3f}  p99 {p['p99']:.3f}")
     click.echo(f"wrote {out}/requests.jsonl, summary.json, " + ", ".join(p.name for p in paths))
 
+
+
+def api_context(url: str, api_key: str | None) -> int | None:
+    """The context length the HTTP API at ``url`` serves (``/v1/models``)."""
+    import httpx
+
+    from nebula_flow.client import NebulaError
+
+    try:
+        res = httpx.get(url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=10,
+                        headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        res.raise_for_status()
+        return res.json()["data"][0].get("max_model_len")
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise NebulaError(f"the HTTP API at {url} does not answer /v1/models: {exc}") from None
 
 
 @click.command("bench-kv")
@@ -186,7 +216,8 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
                  context_tokens, repeats, as_json) -> None:  # noqa: ANN001
     """KV movement cost in a pooled run with forced migration: stall as a fraction of compute,
     with and without overlap, and in-system bandwidth against the raw transport."""
-    from nebula_flow.bench import DEFAULT_PROMPTS, BenchWorkload, bench_kv, kv_report, with_context
+    from nebula_flow.bench import DEFAULT_PROMPTS, BenchWorkload, with_context
+    from nebula_flow.bench_kv import bench_kv, kv_report
 
     cfg = apply_overrides(load_deploy(config), "pooled", draft_workers, target_workers, None)
     from nebula_flow.kv.transport import resolve_transport

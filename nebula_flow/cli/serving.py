@@ -6,6 +6,7 @@ import json
 
 import click
 
+from nebula_flow.cli.api import check_exposure, curl_line, http_options
 from nebula_flow.cli.common import (
     DEFAULT_BROKER,
     deploy_options,
@@ -20,8 +21,11 @@ from nebula_flow.cli.common import (
 @click.option("--secure-local", is_flag=True,
               help="CURVE keys on loopback too (made in the log folder unless the config's [broker] keys names "
               "a folder): without it every local user can reach the broker and the workers' KV (docs/security.md).")
+@click.option("--http-port", type=int, help="Also serve the OpenAI-compatible HTTP API on this port (0: any free "
+              "port); see `nebula-flow api --help`.")
+@http_options
 def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
-          secure_local) -> None:  # noqa: ANN001
+          secure_local, http_port, http_host, api_key, served_model_name) -> None:  # noqa: ANN001
     """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM.
 
     serve supervises what it started: a worker or the broker that dies is started again after a
@@ -29,15 +33,22 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     for its configuration, is given up while the rest keep serving (a broker given up stops the
     deployment); the config's [supervise] table changes these numbers (max_restarts = 0: never
     restart). Each event is printed here; `nebula-flow status` counts restarts.
+
+    With --http-port, the OpenAI-compatible HTTP API runs beside it (supervised too) and a curl
+    line to try it is printed.
     """
     import signal
     import threading
 
     from nebula_flow.deploy import DeploymentError
 
+    if http_port is not None:
+        check_exposure(http_host, api_key)
     dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,
                            secure_local)
     click.echo(dep.address)
+    if http_port is not None:
+        start_http(dep, http_host, http_port, api_key, served_model_name)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     failed = None
@@ -52,6 +63,21 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
         dep.stop()
     if failed is not None:
         raise click.ClickException(str(failed))
+
+
+def start_http(dep, host: str, port: int, api_key: str | None, model_name: str | None) -> str:  # noqa: ANN001
+    """Start the deployment's HTTP API; print its URL and a curl line to try it."""
+    from nebula_flow.deploy import DeploymentError
+
+    try:
+        url = dep.start_api(host, port, api_key, model_name)
+    except DeploymentError as exc:
+        dep.stop()
+        raise click.ClickException(str(exc)) from None
+    name = model_name or dep.cfg.broker.model_name
+    click.echo(f"HTTP API (OpenAI-compatible) on {url}/v1, model {name!r}; try:\n  {curl_line(url, name, api_key)}",
+               err=True)
+    return url
 
 
 @click.command()

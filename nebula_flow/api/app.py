@@ -1,0 +1,283 @@
+"""The gateway's ASGI application (Starlette) and its server (uvicorn).
+
+Each HTTP request becomes one request on the bus through one shared ``AsyncClient``; its
+chunks go out as server-sent events as the broker commits them. A client that goes away is
+noticed while its request runs (streamed or not) and the request is cancelled at the broker,
+which frees its KV. Errors answer in OpenAI's shape; the broker's BUSY is a 429 with
+``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from nebula_flow.api.request import ApiError, Job, Served, parse_chat, parse_completion
+from nebula_flow.api.response import Shaper, sse
+from nebula_flow.api.telemetry import Telemetry
+from nebula_flow.client import AsyncClient, Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout
+from nebula_flow.metrics import exposition, families
+
+log = logging.getLogger("nebula_flow.api")
+MAX_BODY_BYTES = 8 << 20
+STATUS_TTL_S = 0.5  # /health, /metrics and the served model's facts reuse a broker status this young
+BAD_REQUEST_CODES = ("invalid_params", "invalid_prompt", "too_long", "no_tokenizer", "malformed")
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def from_broker(exc: NebulaError) -> ApiError:
+    """The HTTP answer to a broker's refusal or failure."""
+    if isinstance(exc, Busy):
+        return ApiError(429, f"the server is at its admission limit, retry later ({exc.message})", code="busy",
+                        kind="rate_limit_error", headers={"Retry-After": "1"})
+    if isinstance(exc, RequestTimeout):
+        return ApiError(504, str(exc), code="timeout", kind="timeout_error")
+    if isinstance(exc, RequestError) and exc.code in BAD_REQUEST_CODES:
+        return ApiError(400, exc.message, param="messages" if exc.code == "invalid_prompt" else None, code=exc.code)
+    if isinstance(exc, RequestError) and exc.code == "shutting_down":
+        return ApiError(503, exc.message, code=exc.code, kind="service_unavailable", headers={"Retry-After": "5"})
+    return ApiError(500, f"the request failed: {exc}", code=getattr(exc, "code", None), kind="server_error")
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that watch for the client leaving while they wait for the next chunk:
+    cancelling the stream cancels the request at the broker. (Starlette leaves that to the
+    server under ASGI 2.4, and uvicorn only drops writes to a closed connection.)"""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # noqa: ANN401
+        async with anyio.create_task_group() as group:
+            async def stream() -> None:
+                await self.stream_response(send)
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+        with anyio.CancelScope(shield=True):  # (a stream cut at a write: close it now, which cancels its request)
+            await self.body_iterator.aclose()
+
+
+class Gateway:
+    """The application's state: the broker client, what is served, the API key, the metrics."""
+
+    def __init__(self, broker: str, keys: str | None = None, api_key: str | None = None,
+                 model_name: str | None = None, timeout_s: float = 600.0) -> None:
+        self.broker, self.keys, self.timeout_s = broker, keys, timeout_s
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.model_name = model_name
+        self.client: AsyncClient | None = None
+        self.telemetry = Telemetry()
+        self._state: tuple[float, dict[str, Any]] | None = None
+        self._status_lock: asyncio.Lock | None = None
+
+    # -- the broker ------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        self.client = AsyncClient(self.broker, timeout_s=self.timeout_s, keys=self.keys, retries=1)
+        self._status_lock = asyncio.Lock()
+        try:
+            yield
+        finally:
+            await self.client.close()
+
+    async def state(self) -> dict[str, Any]:
+        """The broker's status, at most ``STATUS_TTL_S`` old (one question in flight at a time)."""
+        async with self._status_lock:
+            if self._state is None or time.monotonic() - self._state[0] > STATUS_TTL_S:
+                try:
+                    state = await asyncio.wait_for(self.client.status(), 5.0)
+                except (NebulaError, TimeoutError) as exc:
+                    raise ApiError(503, f"the broker at {self.broker} does not answer: {exc}", code="broker_unreachable",
+                                   kind="service_unavailable", headers={"Retry-After": "5"}) from None
+                self._state = (time.monotonic(), state)
+            return self._state[1]
+
+    async def served(self) -> Served:
+        state = await self.state()
+        name = self.model_name or state.get("model") or "default"
+        return Served(name, int(state.get("max_model_len") or 1 << 30),
+                      int(state.get("max_new_tokens_limit") or 4096))
+
+    # -- the endpoints ---------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        if self.expected is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), self.expected):
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key",
+                           kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+
+    async def health(self, _request: Request) -> Response:
+        try:
+            state = await self.state()
+        except ApiError as exc:
+            return error_response(exc)
+        if state.get("draining"):
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok", "workers": len(state.get("workers", []))})
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        served = await self.served()
+        return JSONResponse({"object": "list", "data": [{
+            "id": served.name, "object": "model", "created": 0, "owned_by": "nebula-flow",
+            "max_model_len": served.max_model_len}]})
+
+    async def metrics(self, request: Request) -> Response:
+        self.authorize(request)
+        text = generate_latest(self.telemetry.registry).decode()
+        with contextlib.suppress(ApiError):  # (the gateway's own metrics even when the broker is away)
+            text += exposition(families(await self.state()))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions", parse_completion)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat", parse_chat)
+
+    async def _generate(self, request: Request, endpoint: str, parse: Any) -> Response:  # noqa: ANN401
+        try:
+            self.authorize(request)
+            job = parse(await read_json(request), await self.served())
+            response = await self._run(request, job)
+        except ApiError as exc:
+            response = error_response(exc)
+        self.telemetry.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    async def _run(self, request: Request, job: Job) -> Response:
+        req_id = uuid.uuid4().hex
+        shaper = Shaper(req_id, (await self.served()).name, job.chat, job.return_token_ids)
+        items = self.client.stream(job.prompt, token_ids=job.token_ids, messages=job.messages,
+                                   chat_options=job.chat_options, request_id=req_id, **job.params)
+        try:
+            first = await anext(items)  # (a refusal is still an HTTP status, not an event)
+        except NebulaError as exc:
+            await items.aclose()
+            raise from_broker(exc) from None
+        if job.stream:
+            return EventStream(self._events(shaper, job, first, items), headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(_last(first, items))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():  # the client went away: cancelling the collection cancels the request
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError, NebulaError):
+                await collect
+            self.telemetry.disconnects.inc()
+            return Response(status_code=499)
+        gone.cancel()
+        try:
+            out = collect.result()
+        except NebulaError as exc:
+            raise from_broker(exc) from None
+        self.telemetry.finished(out)
+        return JSONResponse(shaper.full(out))
+
+    async def _events(self, shaper: Shaper, job: Job, first: Chunk | Completion,
+                      items: AsyncIterator[Chunk | Completion]) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            if job.chat:
+                yield sse(shaper.chunk(None, role=True))
+            item = first
+            while not isinstance(item, Completion):
+                if item.text or item.token_ids:
+                    yield sse(shaper.chunk(item.text, token_ids=item.token_ids))
+                item = await anext(items)
+            finished = True
+            self.telemetry.finished(item)
+            yield sse(shaper.last(item))
+            if job.include_usage:
+                yield sse(shaper.usage_chunk(item))
+        except NebulaError as exc:
+            finished = True
+            yield sse(from_broker(exc).body())
+        finally:
+            if not finished:
+                self.telemetry.disconnects.inc()
+            await items.aclose()  # (an unfinished request is cancelled at the broker)
+        yield sse("[DONE]")
+
+
+async def _last(first: Chunk | Completion, items: AsyncIterator[Chunk | Completion]) -> Completion:
+    item = first
+    while not isinstance(item, Completion):
+        item = await anext(items)
+    return item
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def read_json(request: Request) -> Any:  # noqa: ANN401
+    """The request's JSON body, at most ``MAX_BODY_BYTES``."""
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="too_large")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def build_app(gateway: Gateway) -> Starlette:
+    def route(path: str, handler: Any, methods: list[str]) -> Route:  # noqa: ANN401
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ApiError as exc:
+                return error_response(exc)
+        return Route(path, guarded, methods=methods)
+
+    return Starlette(routes=[
+        route("/v1/completions", gateway.completions, ["POST"]),
+        route("/v1/chat/completions", gateway.chat, ["POST"]),
+        route("/v1/models", gateway.models, ["GET"]),
+        route("/health", gateway.health, ["GET"]),
+        route("/metrics", gateway.metrics, ["GET"]),
+    ], lifespan=gateway.lifespan)
+
+
+def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None) -> None:  # noqa: ANN401
+    """Run the gateway until SIGINT/SIGTERM (uvicorn's handlers); ``ready(port)`` once it listens."""
+    import uvicorn
+
+    config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5, lifespan="on")
+    server = uvicorn.Server(config)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started and ready is not None:
+            ready(server.servers[0].sockets[0].getsockname()[1])
+        await task
+
+    asyncio.run(run())

@@ -1,0 +1,244 @@
+"""An OpenAI request body -> what the gateway asks the broker for, or an ``ApiError`` (400).
+
+Pure: no sockets, no HTTP. Every field OpenAI defines is either honoured or refused with a
+clear message naming it; fields it does not define are refused too (OpenAI does the same), so
+nothing a caller sends is silently ignored. Extensions, as vLLM spells them: ``top_k``,
+``ignore_eos``, ``chat_template_kwargs``, ``return_token_ids`` (each choice, and each streamed
+chunk, carries the ids of its tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from nebula_flow.params import MAX_SEED, MAX_STOP_LEN, MAX_STOP_STRINGS, MIN_TEMPERATURE
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_MESSAGES = 4096
+# Fields OpenAI defines that the gateway does not build: refused when they ask for anything.
+UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "parallel_tool_calls": (None,),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
+}
+IGNORED = {"user", "metadata"}  # accepted, no effect on the output (as OpenAI: for the caller's bookkeeping)
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+@dataclass
+class Served:
+    """What the gateway serves: the target's name, its context and the broker's output limit."""
+
+    name: str
+    max_model_len: int = 1 << 30
+    max_new_tokens_limit: int = 4096
+
+
+@dataclass
+class Job:
+    """One request for the broker: exactly one of ``prompt``, ``token_ids`` and ``messages``;
+    ``params`` are ``AsyncClient.stream``'s keyword arguments."""
+
+    chat: bool
+    params: dict[str, Any]
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    chat_options: dict[str, Any] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+
+
+def _is_int(v: Any) -> bool:  # noqa: ANN401
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or not low <= v <= high:
+        raise invalid(name, f"{name} must be a number in [{low:g}, {high:g}], got {v!r}")
+    return float(v)
+
+
+def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: ANN401, C901
+    """The sampling parameters both endpoints share, checked."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    known = set(CHAT_FIELDS if chat else COMPLETION_FIELDS) | set(UNSUPPORTED) | IGNORED
+    if unknown := sorted(set(body) - known):
+        raise ApiError(400, f"unrecognized request argument(s): {', '.join(map(str, unknown))[:200]}",
+                       param=str(unknown[0])[:64], code="unknown_parameter")
+    for name, allowed in UNSUPPORTED.items():
+        if name in body and not any(body[name] == a and type(body[name]) is type(a) for a in allowed):
+            raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise invalid("model", "model is required (a string: GET /v1/models lists it)")
+    if model != served.name:
+        raise ApiError(404, f"the model {model[:200]!r} does not exist; this server serves {served.name!r}",
+                       param="model", code="model_not_found")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise ApiError(400, f"only n=1 is supported, got {n!r}", param="n", code="unsupported_parameter")
+    if not isinstance(body.get("user", ""), str) or not isinstance(body.get("metadata") or {}, dict):
+        raise invalid("user", "user must be a string and metadata an object")
+    params: dict[str, Any] = {}
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise invalid("temperature", f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+    params["temperature"] = temperature
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p <= 0:
+        raise invalid("top_p", "top_p must be in (0, 1]")
+    params["top_p"] = top_p
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or top_k < -1:
+            raise invalid("top_k", f"top_k must be an integer >= 0 (0 or -1: off), got {top_k!r}")
+        params["top_k"] = max(0, top_k)
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed) or not -(MAX_SEED + 1) <= seed <= MAX_SEED:
+            raise invalid("seed", f"seed must be a 64-bit integer, got {seed!r}")
+        params["seed"] = seed % (MAX_SEED + 1)  # (OpenAI's seed is signed; ours is not)
+    params["stop"] = _stop(body.get("stop"))
+    for flag in ("ignore_eos", "return_token_ids"):
+        if not isinstance(body.get(flag, False), bool):
+            raise invalid(flag, f"{flag} must be a boolean")
+    params["ignore_eos"] = body.get("ignore_eos", False)
+    params.update(_max_tokens(body, served, chat))
+    return params
+
+
+def _stop(stop: Any) -> tuple[str, ...]:  # noqa: ANN401
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("stop", "stop must be a string or a list of strings")
+    stops = [s for s in stops if s]  # (an empty stop string stops nothing)
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in stops):
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters")
+    return tuple(stops)
+
+
+def _max_tokens(body: dict[str, Any], served: Served, chat: bool) -> dict[str, Any]:
+    """``max_completion_tokens`` (or the older ``max_tokens``); absent: OpenAI's default of 16 for
+    completions, and for chat as many as the context leaves (up to the broker's limit)."""
+    given = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise invalid("max_tokens", "max_tokens and max_completion_tokens disagree")
+    if not given:
+        if chat:
+            return {"max_new_tokens": min(served.max_new_tokens_limit, served.max_model_len), "fit_context": True}
+        return {"max_new_tokens": min(COMPLETION_DEFAULT_MAX_TOKENS, served.max_new_tokens_limit)}
+    name, value = next(iter(given.items()))
+    if not _is_int(value) or value < 1:
+        raise invalid(name, f"{name} must be a positive integer, got {value!r}")
+    if value > served.max_new_tokens_limit:
+        raise invalid(name, f"{name} {value} exceeds this server's limit of {served.max_new_tokens_limit}")
+    if value >= served.max_model_len:
+        raise invalid(name, f"{name} {value} leaves no room for a prompt in the context of {served.max_model_len} tokens")
+    return {"max_new_tokens": value}
+
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream, options = body.get("stream", False), body.get("stream_options")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise invalid("stream", "stream must be a boolean")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise invalid("stream_options", "stream_options is only allowed with stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or not isinstance(
+            options.get("include_usage", False), bool):
+        raise invalid("stream_options", "stream_options takes include_usage (a boolean)")
+    return True, options.get("include_usage", False)
+
+
+def parse_completion(body: Any, served: Served) -> Job:  # noqa: ANN401
+    """``POST /v1/completions``: one prompt (a string, or token ids)."""
+    params = _common(body, served, chat=False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # (a batch of one)
+    stream, usage = _streaming(body)
+    ids = body.get("return_token_ids", False)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "the prompt is empty")
+        return Job(False, params, prompt=prompt, stream=stream, include_usage=usage, return_token_ids=ids)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t < 1 << 31 for t in prompt):
+        return Job(False, params, token_ids=list(prompt), stream=stream, include_usage=usage, return_token_ids=ids)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise ApiError(400, "one prompt per request: batches of prompts are not supported", param="prompt",
+                       code="unsupported_parameter")
+    raise invalid("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
+
+
+def _message(i: int, m: Any) -> dict[str, str]:  # noqa: ANN401
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise invalid(where, f"{where} must be an object with a role and content")
+    if m["role"] not in ROLES:
+        raise ApiError(400, f"{where}: role {m['role'][:40]!r} is not supported (system, developer, user, assistant)",
+                       param=where, code="unsupported_parameter")
+    if extra := sorted(set(m) - {"role", "content", "name"}):
+        raise ApiError(400, f"{where}: {', '.join(map(str, extra))[:200]} not supported", param=where,
+                       code="unsupported_parameter")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(400, f"{where}: only text content parts are supported", param=where,
+                           code="unsupported_parameter")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise invalid(where, f"{where}.content must be a string or a list of text parts")
+    return {"role": ROLES[m["role"]], "content": content}
+
+
+def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
+    """``POST /v1/chat/completions``: a conversation through the target's chat template."""
+    params = _common(body, served, chat=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
+        raise invalid("messages", f"messages must be a non-empty list (at most {MAX_MESSAGES})")
+    options = body.get("chat_template_kwargs")
+    if options is not None and not isinstance(options, dict):
+        raise invalid("chat_template_kwargs", "chat_template_kwargs must be an object")
+    stream, usage = _streaming(body)
+    return Job(True, params, messages=[_message(i, m) for i, m in enumerate(messages)], chat_options=options or None,
+               stream=stream, include_usage=usage, return_token_ids=body.get("return_token_ids", False))
+
+
+SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+                 "n", "ignore_eos", "return_token_ids")
+COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt")
+CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs")

@@ -1,0 +1,82 @@
+"""The HTTP front door: `nebula-flow api` runs the OpenAI-compatible gateway in front of a broker
+(`serve --http-port` starts one with the deployment)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Callable
+
+import click
+
+from nebula_flow.cli.common import DEFAULT_BROKER
+
+API_KEY_ENV = "NEBULA_FLOW_API_KEY"  # (the key travels in the environment: argv is visible to every local user)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    """Off loopback the gateway takes requests only with an API key."""
+    if not is_loopback(host) and not api_key:
+        raise click.UsageError(f"--http-host {host} is reachable from other hosts: give --api-key (or set "
+                               f"{API_KEY_ENV}) so that only callers with the key get answers")
+
+
+def http_options(f: Callable) -> Callable:
+    """The gateway's address and key, for `api` and `serve`."""
+    for opt in reversed([
+        click.option("--http-host", default="127.0.0.1", show_default=True,
+                     help="Interface the HTTP API binds; anything but loopback requires --api-key."),
+        click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True,
+                     help="Require `Authorization: Bearer KEY` on /v1/* and /metrics (/health stays open)."),
+        click.option("--served-model-name", help="The name /v1/models lists and requests must use (default: the "
+                     "target's name in the config, as written)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@click.command()
+@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@click.option("--port", default=8000, show_default=True, help="HTTP port (0: any free port, printed).")
+@click.option("--keys", type=click.Path(file_okay=False), help="CURVE key folder, where the broker uses keys "
+              "(default: $NEBULA_FLOW_KEYS).")
+@click.option("--timeout-s", default=600.0, show_default=True, help="Longest wait for the broker's next message.")
+@http_options
+def api(address: str, port: int, keys: str | None, timeout_s: float, http_host: str, api_key: str | None,
+        served_model_name: str | None) -> None:
+    """Serve the OpenAI-compatible HTTP API in front of a broker, until Ctrl-C / SIGTERM.
+
+    Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events
+    with "stream": true), GET /v1/models, /health and /metrics (Prometheus). Several gateways may
+    share one broker. Try it:
+
+        curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+          -d '{"model": "NAME", "prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
+    """
+    from nebula_flow.api.app import Gateway, serve_api
+
+    check_exposure(http_host, api_key)
+    gateway = Gateway(address, keys=keys or os.environ.get("NEBULA_FLOW_KEYS"), api_key=api_key,
+                      model_name=served_model_name, timeout_s=timeout_s)
+    serve_api(gateway, http_host, port,
+              ready=lambda p: click.echo(f"HTTP API on http://{http_host}:{p}/v1 (broker {address})", err=True))
+
+
+def curl_line(url: str, model: str, api_key: str | None = None) -> str:
+    """A command that asks the gateway at ``url`` for a chat completion (what `serve` and `run` print)."""
+    auth = " -H 'Authorization: Bearer $NEBULA_FLOW_API_KEY'" if api_key else ""
+    return (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{{\"model\": "
+            f"\"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Write a haiku about the sea\"}}], "
+            f"\"max_tokens\": 48}}'")
+
+
+COMMANDS = [api]

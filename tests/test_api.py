@@ -1,0 +1,274 @@
+"""The OpenAI-compatible HTTP API as users reach it: the official ``openai`` client, raw SSE with
+httpx, disconnects, overload, bad and fuzzed bodies, the API key; against a served tiny pair."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nebula_flow.cli import main
+from nebula_flow.client import Client
+from nebula_flow.deploy import Deployment
+from nebula_flow.tokenizer import TextCodec
+from tests.conftest import deploy_config
+
+pytestmark = pytest.mark.slow
+
+CONVERSATION = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "A function that adds two numbers."},
+                {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+                {"role": "user", "content": "Now one that multiplies them."}]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_pair):  # noqa: ANN001, ANN201
+    """Pooled 1+1 with the gateway (an API key: callers must send it)."""
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    with Deployment(cfg) as dep:
+        dep.start_api("127.0.0.1", 0, api_key="sesame", model_name="tiny")
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def strict(tiny_pair):  # noqa: ANN001, ANN201
+    """A small deployment with tight limits: 2 requests admitted, at most 4 tokens each."""
+    cfg = deploy_config(tiny_pair, "colocated", 0, 1)
+    cfg.broker.max_pending, cfg.broker.max_new_tokens_limit = 2, 4
+    with Deployment(cfg) as dep:
+        dep.start_api("127.0.0.1", 0, model_name="tiny")
+        yield dep
+
+
+def oai(dep: Deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=dep.http_url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+
+
+def test_completions_equal_the_zmq_client_token_for_token(served) -> None:  # noqa: ANN001
+    prompt = "def fibonacci(n):"
+    with Client(served.address) as c:
+        want = c.generate(prompt, max_new_tokens=24)
+    got = oai(served).completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                         extra_body={"return_token_ids": True})
+    choice = got.choices[0]
+    assert choice.model_extra["token_ids"] == want.token_ids and choice.text == want.text
+    assert choice.finish_reason == want.finish_reason == "length"
+    prompt_len = len(TextCodec(served.cfg.target.model).encode(prompt))
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (prompt_len, 24)
+    assert got.usage.total_tokens == prompt_len + 24 and got.model == "tiny"
+    assert got.model_extra["speculative"]["rounds"] == want.rounds
+    # streamed: the same tokens, chunk by chunk, and the usage at the end
+    events = list(oai(served).completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"return_token_ids": True}))
+    assert [t for e in events if e.choices for t in e.choices[0].model_extra.get("token_ids", [])] == want.token_ids
+    assert "".join(e.choices[0].text for e in events if e.choices) == want.text
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "length"
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == 24
+
+
+def test_chat_equals_the_zmq_client_and_passes_template_options(served) -> None:  # noqa: ANN001
+    with Client(served.address) as c:
+        want = c.generate(messages=CONVERSATION, max_new_tokens=20)
+        quiet = c.generate(messages=CONVERSATION, chat_options={"enable_thinking": False}, max_new_tokens=20)
+    client = oai(served)
+    got = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_completion_tokens=20, temperature=0,
+                                         extra_body={"return_token_ids": True})
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
+    assert got.choices[0].model_extra["token_ids"] == want.token_ids
+    codec = TextCodec(served.cfg.target.model)
+    assert got.usage.prompt_tokens == len(codec.encode_chat(CONVERSATION))
+    # the template option reaches the template: the prompt grows by the empty thinking block
+    off = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=20, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.prompt_tokens == len(codec.encode_chat(CONVERSATION, {"enable_thinking": False}))
+    assert off.usage.prompt_tokens > got.usage.prompt_tokens and off.choices[0].message.content == quiet.text
+    stream = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=20, temperature=0,
+                                            stream=True)
+    events = list(stream)
+    assert events[0].choices[0].delta.role == "assistant"
+    assert "".join(e.choices[0].delta.content or "" for e in events) == want.text
+
+
+def test_seeded_sampling_and_stop_strings(served) -> None:  # noqa: ANN001
+    prompt = "import os\n\ndef list_files(path):"
+    with Client(served.address) as c:
+        want = c.generate(prompt, max_new_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+        greedy = c.generate(prompt, max_new_tokens=24)
+    client = oai(served)
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    assert got.choices[0].text == want.text
+    # stop: the text ends before the first stop string, finish_reason "stop"
+    stop = next(greedy.text[i:i + 3] for i in range(4, len(greedy.text)) if greedy.text[i:i + 3].strip())
+    cut = greedy.text[:greedy.text.find(stop)]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "\x00"])
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=24,
+                                          temperature=0, stop=stop, stream=True)
+    assert stop not in "".join(e.choices[0].delta.content or "" for e in chat)
+
+
+def test_raw_server_sent_events(served) -> None:  # noqa: ANN001
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": "Bearer sesame"}) as res:
+        assert res.status_code == 200 and res.headers["content-type"].startswith("text/event-stream")
+        raw = res.read().decode()
+    assert raw.endswith("\n\n")
+    events = raw[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [orjson.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    plain = httpx.post(served.http_url + "/v1/completions", json={**body, "stream": False}, timeout=60,
+                       headers={"Authorization": "Bearer sesame"}).json()
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(served) -> None:  # noqa: ANN001
+    body = {"model": "tiny", "prompt": "def forever():", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with Client(served.address) as c:
+        before = c.status()["counters"].get("requests_cancelled", 0)
+        with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer sesame"}) as res:
+            lines = res.iter_lines()
+            assert next(lines).startswith("data: ")
+        left = time.monotonic()  # the connection is closed here
+        while (st := c.status())["counters"].get("requests_cancelled", 0) == before:
+            assert time.monotonic() - left < 2.0, "the broker still runs the request of a client that left"
+            time.sleep(0.05)
+        assert st["pool"] == 0
+        c.generate(token_ids=[6, 7], max_new_tokens=4, ignore_eos=True)  # a batch applies the FREE
+        assert all(w["kv"]["held_requests"] == 1 for w in c.status()["workers"])  # only that request's KV is left
+        # the same for a request that does not stream
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(served.http_url + "/v1/completions", json={**body, "stream": False}, timeout=1.0,
+                       headers={"Authorization": "Bearer sesame"})
+        left = time.monotonic()
+        while c.status()["counters"].get("requests_cancelled", 0) == before + 1:
+            assert time.monotonic() - left < 2.0, "a non-streamed request outlived its client"
+            time.sleep(0.05)
+
+
+def test_overload_answers_429_and_every_admitted_request_completes(strict) -> None:  # noqa: ANN001
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=strict.http_url, timeout=60) as http:
+            body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(20)))
+
+    answers = asyncio.run(burst())
+    codes = [r.status_code for r in answers]
+    assert set(codes) <= {200, 429} and codes.count(429) >= 10 and codes.count(200) >= 2
+    for r in answers:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+LONG = " ".join(str(i) for i in range(3000))
+BAD = [
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 5}, 400, "max_tokens"),  # over the limit of 4
+    ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": "tiny", "prompt": "x", "stop": [1]}, 400, "stop"),
+    ({"model": "tiny", "prompt": LONG}, 400, None),  # over the context: the limit is in the message
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD)
+def test_bad_requests_get_openai_errors(strict, body, status, param) -> None:  # noqa: ANN001
+    res = httpx.post(strict.http_url + "/v1/completions", json=body, timeout=30)
+    err = res.json()["error"]
+    assert res.status_code == status and err["param"] == param and err["message"], (res.status_code, err)
+    if body.get("prompt") == LONG:
+        assert "1024" in err["message"]  # the tiny target's context
+
+
+def test_bad_chat_requests(strict) -> None:  # noqa: ANN001
+    for messages, param in (([], "messages"), ([{"role": "tool", "content": "x"}], "messages[0]"),
+                            ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0]"),
+                            ([{"role": "user"}], "messages[0]")):
+        res = httpx.post(strict.http_url + "/v1/chat/completions", json={"model": "tiny", "messages": messages})
+        assert res.status_code == 400 and res.json()["error"]["param"] == param
+    res = httpx.post(strict.http_url + "/v1/chat/completions", json={"model": "tiny", "tools": [{"type": "function"}],
+                                                                      "messages": [{"role": "user", "content": "x"}]})
+    assert res.status_code == 400 and "tools" in res.json()["error"]["message"]
+    bad_json = httpx.post(strict.http_url + "/v1/chat/completions", content=b"{nope", timeout=10)
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+          "stop", "stream", "stream_options", "n", "logprobs", "user", "chat_template_kwargs", "ignore_eos"]
+VALUES = JSON | st.sampled_from(["tiny", "hi", 1, 4, 0.5, True, [{"role": "user", "content": "hi"}], [1, 2, 3]])
+PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+OPTIONAL = {f: VALUES for f in FIELDS[3:]}
+REQUESTS = (st.tuples(PATHS, st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=8) | JSON)
+            | st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(  # (near-valid ones: some get answers)
+                {"model": st.just("tiny"), "prompt": st.sampled_from(["hi", [5, 6]])}, optional=OPTIONAL))
+            | st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
+                {"model": st.just("tiny"), "messages": st.just([{"role": "user", "content": "hi"}])},
+                optional=OPTIONAL)))
+
+
+def test_fuzzed_bodies_never_break_the_gateway(strict) -> None:  # noqa: ANN001
+    http = httpx.Client(base_url=strict.http_url, timeout=30)
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(request=REQUESTS)
+    def check(request: tuple[str, object]) -> None:
+        path, body = request
+        res = http.post(path, content=json.dumps(body))  # (json: integers past 64 bits too)
+        seen[res.status_code] = seen.get(res.status_code, 0) + 1
+        assert res.status_code in (200, 400, 404, 429), (res.status_code, body, res.text[:300])
+        if res.status_code != 200:
+            assert res.json()["error"]["message"]
+        elif res.headers["content-type"].startswith("text/event-stream"):
+            assert res.text.endswith("data: [DONE]\n\n")
+
+    check()
+    assert sum(seen.values()) >= 2000 and seen.get(200, 0) > 0, seen  # (some bodies were good ones)
+    assert http.get("/health").json()["status"] == "ok"  # and it still answers
+
+
+def test_api_key_models_metrics_and_health(served) -> None:  # noqa: ANN001
+    url = served.http_url
+    assert httpx.get(url + "/health").status_code == 200  # open: for load balancers
+    denied = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    models = oai(served).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    oai(served).completions.create(model="tiny", prompt="def metrics():", max_tokens=6, temperature=0)
+    text = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sesame"}).text
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "queue_time_seconds", "tokens_per_round"):
+        assert samples[f"nebula_api_{name}_count"] > 0, name
+    assert samples['nebula_api_requests_total{endpoint="completions",status="200"}'] >= 1
+    assert samples["nebula_rounds_total"] > 0  # and the broker's own families
+
+
+def test_off_loopback_needs_an_api_key() -> None:
+    res = CliRunner().invoke(main, ["api", "--http-host", "0.0.0.0", "--port", "0"], env={"NEBULA_FLOW_API_KEY": ""})
+    assert res.exit_code == 2 and "--api-key" in res.output
