@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+HTTP_PORT ?= 8000
 
 .PHONY: run test lint clean
 
@@ -15,7 +16,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/nebula-flow run
+	$(BIN)/nebula-flow run --http-port $(HTTP_PORT)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -272,3 +272,27 @@ def test_api_key_models_metrics_and_health(served) -> None:  # noqa: ANN001
 def test_off_loopback_needs_an_api_key() -> None:
     res = CliRunner().invoke(main, ["api", "--http-host", "0.0.0.0", "--port", "0"], env={"NEBULA_FLOW_API_KEY": ""})
     assert res.exit_code == 2 and "--api-key" in res.output
+
+
+def test_replay_and_bench_through_the_api(served, tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join([
+        '{"arrival_s": 0.0, "prompt": "def f(x):", "max_new_tokens": 6}',
+        '{"arrival_s": 0.1, "prompt_tokens": [1, 2, 3], "max_new_tokens": 5, "temperature": 0.8, "seed": 1}',
+        '{"arrival_s": 0.2, "prompt_len": 2000, "max_new_tokens": 4}']))
+    res = CliRunner().invoke(main, ["replay", str(trace), "--api", served.http_url, "--api-key", "sesame",
+                                    "--tokenizer", str(tiny_pair / "target"), "--out", str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output.strip().splitlines()[-1])
+    assert summary["completed"] == 3 and summary["tokens"] == 15 and summary["tokens_per_round"] >= 1
+    records = [json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").read_text().splitlines()]
+    assert records[2]["prompt_tokens"] == 1024 - 4  # clipped to the context /v1/models gives
+    config = tmp_path / "tiny.toml"
+    config.write_text(f'mode = "colocated"\n[draft]\nmodel = "{tiny_pair / "draft"}"\nthreads = 1\n'
+                      f'[target]\nmodel = "{tiny_pair / "target"}"\nthreads = 1\n')
+    res = CliRunner().invoke(main, ["bench", "--config", str(config), "--modes", "colocated", "--via", "zmq,api",
+                                    "--requests", "2", "--max-new-tokens", "6", "--repeats", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
+    assert set(modes) == {"colocated via zmq", "colocated via api"}
+    assert all(r["tokens"] == 12 and r["rounds"] > 0 for m in modes.values() for r in m["repeats"])

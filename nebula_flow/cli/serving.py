@@ -94,17 +94,33 @@ def generate(prompt: str, address: str, as_json: bool, **params) -> None:  # noq
 @click.argument("prompts", nargs=-1)
 @deploy_options
 @gen_options
+@click.option("--http-port", type=int, help="Also start the OpenAI-compatible HTTP API on this port (0: any free "
+              "port) and, after the demo, keep serving it until Ctrl-C, with a curl line to try it.")
 def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
-        **params) -> None:  # noqa: ANN003
-    """One-shot demo: start the deployment, generate from PROMPTS (a default set if none), stop."""
+        http_port, **params) -> None:  # noqa: ANN001, ANN003
+    """One-shot demo: start the deployment, generate from PROMPTS (a default set if none), stop
+    (with --http-port: keep serving the HTTP API until Ctrl-C)."""
+    import signal
+    import threading
+
     prompts = prompts or ("def fibonacci(n):", "import os\n\ndef list_files(path):", "The quick brown fox")
     dep = start_deployment(config, mode, draft_workers, target_workers, 0 if port is None else port, log_dir,
                            add_drafters, settings)
     try:
+        url = start_http(dep, "127.0.0.1", http_port, None, None) if http_port is not None else None
         for prompt in prompts:
             click.echo(f"\n>>> {prompt}")
             generate_from(dep.address, prompt, False, stop=tuple(params["stop"]),
-                      **{k: v for k, v in params.items() if k != "stop"})
+                          **{k: v for k, v in params.items() if k != "stop"})
+        if url is not None:
+            name = dep.cfg.broker.model_name
+            click.echo(f"\nserving the HTTP API on {url}/v1 until Ctrl-C; try:\n  {curl_line(url, name)}", err=True)
+            stop = threading.Event()
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            try:
+                dep.watch(stop, lambda event: click.echo(event, err=True), every_s=0.5)
+            except KeyboardInterrupt:
+                pass
     finally:
         dep.stop()
 
