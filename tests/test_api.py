@@ -296,3 +296,26 @@ def test_replay_and_bench_through_the_api(served, tiny_pair, tmp_path) -> None: 
     modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
     assert set(modes) == {"colocated via zmq", "colocated via api"}
     assert all(r["tokens"] == 12 and r["rounds"] > 0 for m in modes.values() for r in m["repeats"])
+
+
+def test_a_target_with_several_eos_ids_stops_at_any_of_them(served, tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    import shutil
+
+    with Client(served.address) as c:
+        free = c.generate("def fibonacci(n):", max_new_tokens=12, ignore_eos=True)
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair / "target", target)
+    gen = json.loads((target / "generation_config.json").read_text())
+    stop_id = free.token_ids[4]
+    gen["eos_token_id"] = [gen["eos_token_id"], stop_id]
+    cut = free.token_ids[:next(i for i, t in enumerate(free.token_ids) if t in gen["eos_token_id"]) + 1]
+    (target / "generation_config.json").write_text(json.dumps(gen))
+    cfg = deploy_config(tiny_pair, "colocated", 0, 1)
+    cfg.target.model = str(target)
+    with Deployment(cfg) as dep:
+        dep.start_api("127.0.0.1", 0, model_name="tiny")
+        out = httpx.post(dep.http_url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True}).json()
+    assert out["choices"][0]["token_ids"] == cut and out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] == len(cut)
