@@ -57,14 +57,25 @@ class Admission:
         return Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now)
 
     def stop_text(self, req: Request) -> bool:
-        """Decode ``req``'s output into ``req.text``, cut before its first stop string; says
-        whether one was found. A partial UTF-8 character at the end is held back."""
+        """Extend ``req.text`` with what its new tokens decode to (only those are decoded), cut
+        before its first stop string; says whether one was found. Text ending in a partial UTF-8
+        character waits for the next round, but stop strings are looked for in it already. A stop
+        string can only begin in the last ``len(stop) - 1`` characters of the text before, or after
+        them, so only that window is searched."""
         if self.codec is None:
             return False
-        full, hit = apply_stop(self.codec.decode(req.output), req.params.stop)
-        if hit or not full.endswith("\ufffd"):
-            req.text = full
-        return hit
+        if req.detok is None:
+            req.detok = self.codec.incremental()
+        final, pending = req.detok.extend(req.output)
+        text = req.text + final
+        if req.params.stop and (final or pending):
+            start = max(0, len(req.text) - max(map(len, req.params.stop)) + 1)
+            window, hit = apply_stop((text + pending)[start:], req.params.stop)
+            if hit:
+                req.text = text[:start] + window
+                return True
+        req.text = text
+        return False
 
     def final_text(self, req: Request) -> str:
         return apply_stop(self.codec.decode(req.output), req.params.stop)[0] if self.codec else ""

@@ -55,6 +55,7 @@ class Request:
     ks: list[int] = field(default_factory=list)  # the k of each round
     ahead: Ahead | None = None  # draft-ahead: the pre-draft of the round after this one's verify (``nebula_flow/ahead.py``)
     text: str = ""
+    detok: Any = None  # the broker's incremental decoder of ``output`` (tokenizer.IncrementalText)
     finish_reason: str | None = None
     t_submit: float = 0.0
     t_first: float | None = None

@@ -85,8 +85,8 @@ def propose(
         return int(torch.argmax(logits)), None, None
     p = target_probs(logits, params)
     top = torch.topk(p, min(proposal_top_k, p.shape[-1]))
-    q_prob = top.values.float().numpy()
-    q_idx = top.indices.to(torch.int32).numpy()
+    q_prob = top.values.float().cpu().numpy()  # (logits may live on a device: only the top-k cross to the host)
+    q_idx = top.indices.to(torch.int32).cpu().numpy()
     keep = q_prob > 0
     q_prob, q_idx = q_prob[keep], q_idx[keep]
     pick = sample_index(normalize_proposal(q_prob), uniform(seed, position, STREAM_DRAFT))
@@ -119,7 +119,7 @@ def verify(
             node = child
         out.append(best[node + 1])
         return out
-    return _sample_tree(target_probs(logits, params).numpy(), tree, len(draft), q_idx, q_prob, seed, position)
+    return _sample_tree(target_probs(logits, params).cpu().numpy(), tree, len(draft), q_idx, q_prob, seed, position)
 
 
 def _sample_tree(p: np.ndarray, tree: TokenTree, drafted: int, q_idx: list[np.ndarray] | None,

@@ -89,6 +89,10 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def incremental(self) -> IncrementalText:
+        """A decoder of one growing output that decodes only its new tokens each time."""
+        return IncrementalText(self.tok)
+
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
@@ -97,6 +101,28 @@ class TextCodec:
     def eos_token_id(self) -> int | None:
         eos = self.special["eos_token"]
         return self.tok.token_to_id(eos) if eos is not None else None
+
+
+class IncrementalText:
+    """The text of a growing list of token ids, decoded a step at a time: each ``extend`` decodes
+    only the ids since the last text it gave out, with the ids before them as context (as vLLM's
+    incremental detokenizer does), so a request costs linear, not quadratic, time in its length.
+    Text whose end is a partial character (its bytes not all there yet) is pending: given out
+    once the character completes."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.prefix = self.read = 0  # ids[prefix:read]: the context; ids[read:]: not given out yet
+
+    def extend(self, ids: list[int]) -> tuple[str, str]:
+        """(the text given out now, the text pending after it) for ``ids``, the whole list so far."""
+        before = self.tok.decode(ids[self.prefix:self.read], skip_special_tokens=True)
+        after = self.tok.decode(ids[self.prefix:], skip_special_tokens=True)
+        new = after[len(before):]
+        if not new or after.endswith("\ufffd"):
+            return "", new
+        self.prefix, self.read = self.read, len(ids)
+        return new, ""
 
 
 def _content(token: Any) -> str | None:  # noqa: ANN401

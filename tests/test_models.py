@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from nebula_flow.models.config import ModelConfigError
+from nebula_flow.models.config import ModelConfig, ModelConfigError
 from nebula_flow.models.loader import load_model
 
 COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -20,6 +20,14 @@ FAMILIES = {
     "llama-mha-bias": lambda: LlamaConfig(**dict(COMMON, num_key_value_heads=4), attention_bias=True),
     "qwen2": lambda: Qwen2Config(**COMMON),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
+    "qwen3-tied": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+    "qwen3-yarn": lambda: Qwen3Config(**COMMON, head_dim=32, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}),
+    "qwen2.5-tied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "default", "rope_theta": 1000000.0}),
+    # (layer 0 sees everything, layer 1 a window of 6: only the layers from max_window_layers slide)
+    "qwen2-window-layers": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
     "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=6),
     "smollm-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
 }
@@ -83,6 +91,29 @@ def test_unknown_family_and_missing_dir_are_clear_errors(tmp_path) -> None:  # n
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ModelConfigError, match="unsupported model_type 'gpt2'"):
         load_model(tmp_path)
+    # a rope kind the runtime does not compute is refused once, by name (not as a malformed config)
+    raw = dict(COMMON, model_type="qwen3", num_hidden_layers=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ModelConfigError) as refused:
+        ModelConfig.from_dict(raw)
+    assert str(refused.value).startswith("unsupported rope_type 'dynamic'") and "malformed" not in str(refused.value)
+
+
+def test_a_tied_head_is_stored_once_after_a_dtype_change(tmp_path) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype="bfloat16", inference=False)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_sliding_layers_follow_transformers() -> None:
+    base = dict(COMMON, num_hidden_layers=4, sliding_window=6)
+    assert [ModelConfig.from_dict(dict(base, model_type="mistral")).window(i) for i in range(4)] == [6] * 4
+    qwen = dict(base, model_type="qwen2", use_sliding_window=True, max_window_layers=2)
+    assert [ModelConfig.from_dict(qwen).window(i) for i in range(4)] == [None, None, 6, 6]
+    typed = dict(qwen, layer_types=["sliding_attention", "full_attention"] * 2)
+    assert [ModelConfig.from_dict(typed).window(i) for i in range(4)] == [6, None, 6, None]
+    assert [ModelConfig.from_dict(dict(qwen, use_sliding_window=False)).window(i) for i in range(4)] == [None] * 4
 
 
 X86_AVX512 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\nbugs\t\t: spectre_v1\n"

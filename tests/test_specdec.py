@@ -205,3 +205,41 @@ def test_rounds_with_a_fused_ngram_chain_give_the_targets_greedy_output() -> Non
             out.extend(committed)
         assert out[:len(ref)] == ref[:len(out)]
         assert fused_won > 0
+
+
+class OnDevice(torch.Tensor):
+    """A tensor that behaves at the host boundary as one on an accelerator does: ``.numpy()``
+    (and numpy's ``__array__``) raise unless ``.cpu()`` brought it to the host first."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func in (torch.Tensor.numpy, torch.Tensor.__array__):
+            raise RuntimeError("can't convert a device tensor to numpy; use .cpu() first")
+        if func is torch.Tensor.cpu:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {})).as_subclass(torch.Tensor)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_host_contract_nothing_reads_device_logits_as_numpy() -> None:
+    """Sampled drafts, verifies (with runner-ups and a fused chain) and pre-drafts run on logits
+    that live on a device (emulated: ``OnDevice``) and give what they give on host logits."""
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95)
+    row = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    assert specdec.propose(row.as_subclass(OnDevice), sampled, 7, 3, 8)[0] == specdec.propose(row, sampled, 7, 3, 8)[0]
+    with pytest.raises(RuntimeError, match="device tensor"):
+        row.as_subclass(OnDevice).numpy()  # (the guard guards)
+
+    def rounds(on_device: bool) -> list[list[int]]:
+        target, draft = _tiny_vocab_model(1, 2), _tiny_vocab_model(2, 1)
+        for model in (target, draft) if on_device else ():
+            forward = model.forward
+            model.forward = lambda *a, _f=forward, **k: [x.as_subclass(OnDevice) for x in _f(*a, **k)]
+        t_run, d_run = ModelRunner(target, proposal_top_k=4), ModelRunner(draft, proposal_top_k=4)
+        tasks = [Task(rid, "draft", 1, 1, np.array([1, 2, 3, 1, 2], dtype=np.int64), 3, sampled, rid, fuse=4, alts=1)
+                 for rid in range(8)]
+        for t, d in zip(tasks, d_run.draft(tasks)):
+            t.draft, t.q_idx, t.q_prob, t.chains, t.runner_ups = d.tokens, d.q_idx, d.q_prob, d.chains, d.runner_ups
+        return t_run.verify(tasks)
+
+    assert rounds(on_device=True) == rounds(on_device=False)

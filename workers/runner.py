@@ -147,7 +147,7 @@ class ModelRunner:
         if self.model.head_token_ids is not None:
             tok = int(self.model.head_token_ids[tok])
             if q_idx is not None:
-                q_idx = self.model.token_ids(torch.from_numpy(q_idx)).to(torch.int32).numpy()
+                q_idx = self.model.token_ids(torch.from_numpy(q_idx)).to(torch.int32).cpu().numpy()
         return tok, q_idx, q_prob
 
     def _ranked(self, row: torch.Tensor, n: int, but: int) -> list[int]:

@@ -168,21 +168,24 @@ class Gateway:
         shaper = Shaper(req_id, (await self.served()).name, job.chat, job.return_token_ids)
         items = self.client.stream(job.prompt, token_ids=job.token_ids, messages=job.messages,
                                    chat_options=job.chat_options, request_id=req_id, **job.params)
-        try:
-            first = await anext(items)  # (a refusal is still an HTTP status, not an event)
-        except NebulaError as exc:
-            await items.aclose()
-            raise from_broker(exc) from None
-        if job.stream:
-            return EventStream(self._events(shaper, job, first, items), headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(_last(first, items))
+        # The client may leave at any time, a long prefill included: watch for it from the start.
         gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():  # the client went away: cancelling the collection cancels the request
-            collect.cancel()
-            with contextlib.suppress(asyncio.CancelledError, NebulaError):
-                await collect
-            self.telemetry.disconnects.inc()
+        first = asyncio.ensure_future(anext(items))  # (a refusal is still an HTTP status, not an event)
+        if not await self._unless_gone(first, gone):
+            return Response(status_code=499)
+        try:
+            head = first.result()
+        except NebulaError as exc:
+            gone.cancel()
+            raise from_broker(exc) from None
+        except ValueError as exc:  # (parameters the client library refuses before sending)
+            gone.cancel()
+            raise ApiError(400, str(exc), code="invalid_value") from None
+        if job.stream:
+            gone.cancel()  # (the event stream watches for it from here)
+            return EventStream(self._events(shaper, job, head, items), headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(_last(head, items))
+        if not await self._unless_gone(collect, gone):
             return Response(status_code=499)
         gone.cancel()
         try:
@@ -191,6 +194,18 @@ class Gateway:
             raise from_broker(exc) from None
         self.telemetry.finished(out)
         return JSONResponse(shaper.full(out))
+
+    async def _unless_gone(self, work: asyncio.Future, gone: asyncio.Future) -> bool:
+        """Wait for ``work``; False if the client left first (then ``work``, which reads the
+        request's stream, is cancelled, and with it the request at the broker)."""
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return True
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, NebulaError):
+            await work
+        self.telemetry.disconnects.inc()
+        return False
 
     async def _events(self, shaper: Shaper, job: Job, first: Chunk | Completion,
                       items: AsyncIterator[Chunk | Completion]) -> AsyncIterator[bytes]:

@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse rotary frequencies, with linear or Llama-3 scaling applied."""
+    """Inverse rotary frequencies, with linear, Llama-3 or YaRN scaling applied."""
     dim = cfg.head_dim
     theta = float(cfg.rope["rope_theta"])
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -82,7 +82,46 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(cfg, inv_freq)
     return inv_freq
+
+
+def _yarn_inv_freq(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): frequencies interpolated by ``factor`` below the correction range,
+    kept above it, ramped linearly within it, as transformers computes them."""
+    p, dim = cfg.rope, cfg.head_dim
+    base, old_len = float(p["rope_theta"]), float(p["original_max_position_embeddings"])
+    factor = float(p.get("factor") or cfg.max_position_embeddings / old_len)
+    beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001), 0, 1)
+    keep = 1 - ramp  # (the share of the original frequency)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_scaling(cfg: ModelConfig) -> float:
+    """The factor YaRN applies to cos and sin (1 for the other kinds)."""
+    p = cfg.rope
+    if p["rope_type"] != "yarn":
+        return 1.0
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    factor = float(p.get("factor") or cfg.max_position_embeddings / float(p["original_max_position_embeddings"]))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if p.get("mscale") and p.get("mscale_all_dim"):
+        return mscale(factor, float(p["mscale"])) / mscale(factor, float(p["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +201,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
+        self.window = cfg.window(layer)  # (Qwen2/Qwen3 slide in some layers only)
         hd = cfg.head_dim
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
@@ -198,7 +238,7 @@ class Attention(nn.Module):
                 outs.extend(self._rows_alone(q[start : start + n], keys, values, past, tree))
                 start += n
                 continue
-            window = cfg.sliding_window if cfg.sliding_window and end > cfg.sliding_window else None
+            window = self.window if self.window and end > self.window else None
             mask, causal = None, False
             if past == 0 and window is None and tree is None:
                 causal = n > 1
@@ -223,7 +263,7 @@ class Attention(nn.Module):
         rows: the same keys, in the same order, as decoding its path's tokens there."""
         cfg, out = self.cfg, []
         n = q.shape[0]
-        window = cfg.sliding_window
+        window = self.window
         lo = max(0, past + 1 - window) if window else 0  # the first key any of these rows sees
         q32, k32, v32 = q.float(), keys[:, lo:].float(), values[:, lo:].float()
         for i in range(n):
@@ -293,6 +333,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.draft_head_size or cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_scaling = rope_attention_scaling(cfg)
         head_ids = torch.zeros(cfg.draft_head_size, dtype=torch.long) if cfg.draft_head_size else None
         self.register_buffer("head_token_ids", head_ids)  # None (not saved) for an ordinary model
 
@@ -396,7 +437,11 @@ class CausalLM(nn.Module):
         freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(ids)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        if self.rope_scaling != 1.0:
+            emb_cos, emb_sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        else:
+            emb_cos, emb_sin = emb.cos(), emb.sin()
+        cos, sin = emb_cos.to(x.dtype), emb_sin.to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, caches, lengths, trees)
         for cache, seq in zip(caches, new_tokens):

@@ -95,6 +95,8 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype |
         if not cfg.tie_word_embeddings and "model.embed_tokens.weight" not in state:
             raise ModelConfigError(f"{path}: checkpoint has no lm_head.weight")
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    tied = state["lm_head.weight"] is state.get("model.embed_tokens.weight") or (
+        cfg.tie_word_embeddings and not cfg.draft_head_size)
     expected = set(model.state_dict().keys())
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
@@ -104,6 +106,8 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype |
         )
     state = {k: v.to(device=device, dtype=torch_dtype) if v.is_floating_point() else v.to(device)
              for k, v in state.items()}
+    if tied:  # one tensor for both, as transformers ties them (converting each made two copies)
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, assign=True)
     # The rotary buffer was built on the meta device; rebuild it for real.
     model.inv_freq = rope_inv_freq(cfg).to(device)
