@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 MIN_TEMPERATURE = 1e-5  # below it sampling is greedy in all but name, and numerically unsafe
@@ -39,9 +39,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def to_wire(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["stop"] = list(self.stop)
-        return d
+        """The parameters as they travel (made once: every task of the request carries them;
+        callers must not change it)."""
+        wire = self.__dict__.get("_wire")
+        if wire is None:
+            wire = {f: getattr(self, f) for f in self.__dataclass_fields__}
+            wire["stop"] = list(self.stop)
+            object.__setattr__(self, "_wire", wire)  # (a frozen dataclass: a cache beside its fields)
+        return wire
 
     @classmethod
     def from_wire(cls, raw: Any) -> SamplingParams:

@@ -195,7 +195,12 @@ def array(desc: Any, frames: list[Any]) -> np.ndarray:  # noqa: ANN401
     return np.frombuffer(view, dtype=DTYPES[dtype]).reshape(shape)
 
 
-def plain(obj: Any, frames: list[Any]) -> Any:  # noqa: ANN401, frames: list[Any]) -> Any:  # noqa: ANN401
+PLAIN_TYPES = frozenset({int, float, str, bool, dict, type(None)})  # (values that travel as they are)
+
+
+def plain(obj: Any, frames: list[Any]) -> Any:  # noqa: ANN401
+    if type(obj) in PLAIN_TYPES:  # (most values: checked first, the broker encodes every task)
+        return obj
     if isinstance(obj, np.ndarray):
         arr = np.ascontiguousarray(obj)
         name = next((k for k, v in DTYPES.items() if np.dtype(v) == arr.dtype), None)

@@ -197,6 +197,63 @@ def api_context(url: str, api_key: str | None) -> int | None:
         raise NebulaError(f"the HTTP API at {url} does not answer /v1/models: {exc}") from None
 
 
+@click.command("bench-broker")
+@click.option("--modes", default="pooled,colocated", show_default=True, help="Broker modes, comma-separated.")
+@click.option("--workers", default=4, show_default=True, help="Zero-cost workers per stage (pooled/paired: this many "
+              "draft and this many target workers).")
+@click.option("--max-batch", default=32, show_default=True, help="Each worker's batch capacity.")
+@click.option("--concurrency", default=64, show_default=True, help="Requests in flight.")
+@click.option("--requests", "n_requests", default=256, show_default=True, help="Requests in all.")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--k", default=4, show_default=True, help="Draft tokens per round (fixed: no adaptive k).")
+@click.option("--model", type=click.Path(), help="The target whose tokenizer the broker loads (default: the tiny "
+              "pair's, built into the cache if missing).")
+@click.option("--profile", "profile_dir", type=click.Path(file_okay=False), help="Also run each broker under "
+              "cProfile: write MODE.prof here and print its hottest functions.")
+@click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
+def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new_tokens, k, model, profile_dir,
+                     as_json) -> None:  # noqa: ANN001
+    """Measure the broker alone: a real broker under zero-cost workers (forwards of 0 s, all in one
+    light process) and clients; request-rounds/s, tasks/s and the broker's CPU time per
+    request-round (its own user + system seconds over the rounds it ended: the figure that holds on
+    bigger hosts, where a 2-core machine's wall clock does not)."""
+    from nebula_flow.bench_broker import bench_broker, profile_table
+    from nebula_flow.config import cache_dir
+
+    names = [m.strip() for m in modes.split(",") if m.strip()]
+    if bad := [m for m in names if m not in MODES or m == "elastic"]:
+        raise click.BadParameter(f"unknown or unsupported modes {bad}", param_hint="--modes")
+    if model is None:
+        from nebula_flow.tiny import build_tiny_pair
+
+        tiny = cache_dir() / "tiny-pair"
+        if not (tiny / "READY").exists():
+            click.echo(f"building the tiny model pair in {tiny} ...", err=True)
+            build_tiny_pair(tiny)
+        model = str(tiny / "target")
+    results = {}
+    for mode in names:
+        click.echo(f"[bench-broker] {mode}: {workers} zero-cost workers per stage, {n_requests} requests x "
+                   f"{max_new_tokens} tokens, {concurrency} in flight, k = {k}", err=True)
+        prof = Path(profile_dir) / f"{mode}.prof" if profile_dir else None
+        if prof is not None:
+            prof.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            results[mode] = bench_broker(mode, model, workers, max_batch, concurrency, n_requests, max_new_tokens, k,
+                                         prof, log=lambda m: click.echo(m, err=True))
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
+        if prof is not None and not as_json:
+            click.echo(profile_table(prof))
+    if as_json:
+        click.echo(json.dumps({"modes": results}))
+        return
+    click.echo(f"{'mode':<16}{'rounds/s':>10}{'tasks/s':>10}{'broker CPU us/round':>22}{'tokens/round':>14}")
+    for mode, r in results.items():
+        click.echo(f"{mode:<16}{r['round_rate']:>10.0f}{r['tasks_per_s']:>10.0f}{r['broker_cpu_us_per_round']:>22.1f}"
+                   f"{r['tokens_per_round']:>14.2f}")
+
+
 @click.command("bench-kv")
 @click.option("--config", type=click.Path(), help="Deployment TOML (default: the bundled one).")
 @click.option("--transport", type=click.Choice(["auto", "ucx", "zmq", "shm", "shm+zmq"]), default="auto",
@@ -290,4 +347,4 @@ def chaos(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
         click.echo(f"  failed: {failure}")
 
 
-COMMANDS = [bench, bench_kv_cmd, replay, chaos]
+COMMANDS = [bench, bench_broker_cmd, bench_kv_cmd, replay, chaos]

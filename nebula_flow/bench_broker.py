@@ -1,0 +1,169 @@
+"""The broker's dispatch path measured alone (`nebula-flow bench-broker`): a real broker process
+driven by workers whose forwards cost nothing and by clients, all in one light load-generator
+process (asyncio, one socket per worker), so what is measured is the broker's own work.
+
+A zero-cost worker speaks the worker protocol as a real one does (REGISTER, PULL, RESULT,
+heartbeats), answering each task at once: a draft of ``k`` tokens, a verify that accepts the
+whole draft and adds one token, an ahead task with nothing made. The figure that transfers to
+bigger hosts is the broker's **CPU time per request-round** (its process's user + system seconds
+over the rounds it ended): on a 2-core machine wall-clock throughput of the broker, the load
+generator and the clients together says little.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from nebula_flow import protocol
+from nebula_flow.client import AsyncClient, Client, NebulaError
+from nebula_flow.deploy import free_port
+from nebula_flow.protocol import Heartbeat, Pull, Register, Result, TaskResult, Tasks, Welcome
+from nebula_flow.roles import MODES
+
+TOKEN = 7  # what zero-cost workers draft and commit (not an EOS id of the tiny pair)
+# Policy settings that keep a round's shape fixed: k draft tokens, nothing fused or branched.
+FIXED_POLICY = ["adaptive_k=false", "measure_costs=false", "first_alternatives=0", "fuse_ngram=0", "draft_ahead=0",
+                "max_forward_tokens=0", "disable_by_batch_size=0"]
+
+
+def answer(task: Any) -> TaskResult:  # noqa: ANN401
+    """A zero-cost worker's result for one task."""
+    kind = task.kind
+    if kind == "draft":
+        return TaskResult(task.rid, kind, task.round, task.attempt, draft=[TOKEN] * task.k)
+    if kind == "verify":
+        return TaskResult(task.rid, kind, task.round, task.attempt, committed=[*task.draft, TOKEN])
+    if kind == "round":
+        draft = [TOKEN] * task.k
+        return TaskResult(task.rid, kind, task.round, task.attempt, draft=draft, committed=[*draft, TOKEN])
+    return TaskResult(task.rid, kind, task.round, task.attempt)  # (ahead: nothing made)
+
+
+async def zero_worker(ctx: zmq.asyncio.Context, address: str, role: str, name: str, capacity: int,
+                      stop: asyncio.Event) -> int:
+    """One zero-cost worker until ``stop``; returns the tasks it answered."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    facts = {"path": "zero-cost", "device": "none", "vocab_size": 1 << 20, "max_model_len": 1 << 20}
+    await sock.send_multipart(protocol.encode(Register(role, name, capacity, facts, pid=os.getpid())))
+    done, last = 0, time.monotonic()
+    try:
+        while not stop.is_set():
+            if not await sock.poll(200):
+                await sock.send_multipart(protocol.encode(Heartbeat()))
+                continue
+            msg = protocol.decode(await sock.recv_multipart(copy=False))
+            if isinstance(msg, Welcome):
+                await sock.send_multipart(protocol.encode(Pull(capacity, True)))
+            elif isinstance(msg, Tasks):
+                tasks = [t for t in msg.tasks if not isinstance(t, protocol.Rejected)]
+                await sock.send_multipart(protocol.encode(Result([answer(t) for t in tasks])))
+                await sock.send_multipart(protocol.encode(Pull(capacity, True)))
+                done += len(tasks)
+            if time.monotonic() - last > 0.5:  # (liveness, whatever else is said)
+                await sock.send_multipart(protocol.encode(Heartbeat()))
+                last = time.monotonic()
+    finally:
+        sock.close()
+    return done
+
+
+def worker_roles(mode: str, workers: int) -> list[str]:
+    """``workers`` per stage of ``mode`` (pooled, paired: draft and target; the others: their one role)."""
+    return [role for role in MODES[mode] for _ in range(workers)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _drive(client_address: str, worker_address: str, mode: str, workers: int, capacity: int,
+                 concurrency: int, requests: int, max_new_tokens: int) -> dict[str, Any]:
+    ctx = zmq.asyncio.Context.instance()
+    stop = asyncio.Event()
+    pool = [asyncio.ensure_future(zero_worker(ctx, worker_address, role, f"zero-{role}-{i}", capacity, stop))
+            for i, role in enumerate(worker_roles(mode, workers))]
+    queue = list(range(requests))
+    async with AsyncClient(client_address, timeout_s=120) as client:
+        while len((await client.status())["workers"]) < len(pool):
+            await asyncio.sleep(0.05)
+
+        async def user() -> None:
+            while queue:
+                i = queue.pop()
+                await client.generate(token_ids=[5, 6, 7, 8, i % 50 + 10], max_new_tokens=max_new_tokens,
+                                      ignore_eos=True)
+
+        await client.generate(token_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)  # (warm-up)
+        before, t0 = await client.status(), time.monotonic()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        wall = time.monotonic() - t0
+        after = await client.status()
+    stop.set()
+    tasks = sum(await asyncio.gather(*pool))
+    return {"before": before, "after": after, "wall_s": wall, "tasks": tasks}
+
+
+def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int = 32, concurrency: int = 64,
+                 requests: int = 256, max_new_tokens: int = 128, k: int = 4, profile: Path | None = None,
+                 log=print) -> dict[str, Any]:  # noqa: ANN001
+    """One broker in ``mode`` under zero-cost workers; its CPU per request-round and rates.
+    ``profile``: run the broker under cProfile and write its stats there."""
+    client_port, worker_port = free_port(), free_port()
+    args = ["broker", "--mode", mode, "--client-port", str(client_port), "--worker-port", str(worker_port),
+            "--k", str(k), "--liveness-s", "30", *(["--model", model] if model else []),
+            *(f"--set={s}" for s in FIXED_POLICY)]
+    runner = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "nebula_flow.cli"]
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen([*runner, *args], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            address = f"tcp://127.0.0.1:{client_port}"
+            with Client(address, timeout_s=1.0) as c:
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        c.status()
+                        break
+                    except NebulaError:
+                        if proc.poll() is not None or time.monotonic() > deadline:
+                            out.seek(0)
+                            raise RuntimeError(f"the broker did not start:\n{out.read().decode()[-2000:]}") from None
+            cpu0 = cpu_seconds(proc.pid)
+            run = asyncio.run(_drive(address, f"tcp://127.0.0.1:{worker_port}", mode, workers, capacity,
+                                     concurrency, requests, max_new_tokens))
+            cpu = cpu_seconds(proc.pid) - cpu0
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    before, after = run["before"]["counters"], run["after"]["counters"]
+    rounds = after.get("rounds", 0) - before.get("rounds", 0)
+    res = {"mode": mode, "rounds": rounds, "wall_s": run["wall_s"], "round_rate": rounds / run["wall_s"],
+           "tasks_per_s": run["tasks"] / run["wall_s"], "broker_cpu_s": cpu,
+           "broker_cpu_us_per_round": cpu / max(rounds, 1) * 1e6,
+           "tokens_per_round": (after.get("tokens_out", 0) - before.get("tokens_out", 0)) / max(rounds, 1)}
+    log(f"  {mode}: {rounds} request-rounds in {run['wall_s']:.1f} s ({res['round_rate']:.0f}/s, "
+        f"{res['tasks_per_s']:.0f} tasks/s), broker CPU {res['broker_cpu_us_per_round']:.0f} us per request-round")
+    return res
+
+
+def profile_table(path: Path, top: int = 25) -> str:
+    """The broker's hottest functions by their own time, from a cProfile stats file."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    pstats.Stats(str(path), stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
