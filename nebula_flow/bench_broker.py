@@ -98,8 +98,12 @@ async def _drive(client_address: str, worker_address: str, mode: str, workers: i
             for i, role in enumerate(worker_roles(mode, workers))]
     queue = list(range(requests))
     async with AsyncClient(client_address, timeout_s=120) as client:
-        while len((await client.status())["workers"]) < len(pool):
+        while len((state := await client.status())["workers"]) < len(pool):
             await asyncio.sleep(0.05)
+        if max_new_tokens + 5 > state["max_model_len"]:
+            stop.set()
+            raise ValueError(f"max_new_tokens {max_new_tokens} does not fit the model's context of "
+                             f"{state['max_model_len']} tokens (with the 5-token prompts)")
 
         async def user() -> None:
             while queue:

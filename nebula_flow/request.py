@@ -59,11 +59,24 @@ class Request:
     finish_reason: str | None = None
     t_submit: float = 0.0
     t_first: float | None = None
+    # ``tokens``' array, grown as the output grows (committed tokens never change), and how much of it is filled
+    _token_buf: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _token_len: int = field(default=0, repr=False, compare=False)
 
     @property
     def tokens(self) -> np.ndarray:
-        """Committed tokens, prompt first: what every task's KV must cover."""
-        return np.asarray(self.prompt + self.output, dtype=np.int32)
+        """Committed tokens, prompt first: what every task's KV must cover. Every task carries
+        them, so the array grows with the output (amortised) instead of being rebuilt each round."""
+        n, have, buf = len(self.prompt) + len(self.output), self._token_len, self._token_buf
+        if buf is None or n > len(buf) or n < have:
+            grown = np.empty(max(n, 2 * len(buf) if buf is not None else 0, 64), dtype=np.int32)
+            grown[:len(self.prompt)] = self.prompt
+            buf, have = grown, len(self.prompt)
+            self._token_buf = buf
+        if n > have:
+            buf[have:n] = self.output[have - len(self.prompt):]
+        self._token_len = n
+        return buf[:n]
 
     @property
     def reproducible(self) -> bool:

@@ -241,7 +241,7 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
         try:
             results[mode] = bench_broker(mode, model, workers, max_batch, concurrency, n_requests, max_new_tokens, k,
                                          prof, log=lambda m: click.echo(m, err=True))
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
         if prof is not None and not as_json:
             click.echo(profile_table(prof))
