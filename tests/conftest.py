@@ -47,6 +47,14 @@ def deploy_config(pair: Path, mode: str, draft_workers: int = 1, target_workers:
     return cfg
 
 
+# A trace of three requests: a text prompt, token ids sampled with a seed, and a prompt length (cut
+# from the tokenizer's corpus, clipped to the context); they generate 6, 5 and 4 tokens.
+SAMPLE_TRACE = "\n".join([
+    '{"arrival_s": 0.0, "prompt": "def f(x):", "max_new_tokens": 6}',
+    '{"arrival_s": 0.1, "prompt_tokens": [1, 2, 3], "max_new_tokens": 5, "temperature": 0.8, "seed": 1}',
+    '{"arrival_s": 0.2, "prompt_len": 2000, "max_new_tokens": 4}'])
+
+
 def workers_lost(state: dict) -> int:
     """Workers the broker dropped as gone: silent past liveness ("dead"), or refusing a send first
     ("unreachable": ZeroMQ already knew the connection was closed)."""

@@ -19,7 +19,7 @@ from nebula_flow.cli import main
 from nebula_flow.client import Client
 from nebula_flow.deploy import Deployment
 from nebula_flow.tokenizer import TextCodec
-from tests.conftest import deploy_config
+from tests.conftest import SAMPLE_TRACE, deploy_config
 
 pytestmark = pytest.mark.slow
 
@@ -276,10 +276,7 @@ def test_off_loopback_needs_an_api_key() -> None:
 
 def test_replay_and_bench_through_the_api(served, tiny_pair, tmp_path) -> None:  # noqa: ANN001
     trace = tmp_path / "t.jsonl"
-    trace.write_text("\n".join([
-        '{"arrival_s": 0.0, "prompt": "def f(x):", "max_new_tokens": 6}',
-        '{"arrival_s": 0.1, "prompt_tokens": [1, 2, 3], "max_new_tokens": 5, "temperature": 0.8, "seed": 1}',
-        '{"arrival_s": 0.2, "prompt_len": 2000, "max_new_tokens": 4}']))
+    trace.write_text(SAMPLE_TRACE)
     res = CliRunner().invoke(main, ["replay", str(trace), "--api", served.http_url, "--api-key", "sesame",
                                     "--tokenizer", str(tiny_pair / "target"), "--out", str(tmp_path / "out"), "--json"])
     assert res.exit_code == 0, res.output

@@ -36,7 +36,7 @@ from nebula_flow.protocol import (
     Tokens,
     Welcome,
 )
-from tests.conftest import deploy_config
+from tests.conftest import SAMPLE_TRACE, deploy_config
 
 pytestmark = pytest.mark.slow
 
@@ -379,10 +379,7 @@ def test_serve_rejects_a_bad_config(tmp_path) -> None:  # noqa: ANN001
 
 def test_replay_jsonl_and_azure_csv_write_records_summary_and_plots(live, tiny_pair, tmp_path) -> None:  # noqa: ANN001
     trace = tmp_path / "t.jsonl"
-    trace.write_text("\n".join([
-        '{"arrival_s": 0.0, "prompt": "def f(x):", "max_new_tokens": 6}',
-        '{"arrival_s": 0.2, "prompt_tokens": [1, 2, 3], "max_new_tokens": 5, "temperature": 0.8, "seed": 1}',
-        '{"arrival_s": 0.3, "prompt_len": 2000, "max_new_tokens": 4}']))
+    trace.write_text(SAMPLE_TRACE)
     out = tmp_path / "out"
     res = CliRunner().invoke(main, ["replay", str(trace), "--broker", live.address, "--tokenizer",
                                     str(tiny_pair / "target"), "--out", str(out), "--json"])
