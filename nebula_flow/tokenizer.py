@@ -7,7 +7,8 @@ What it reproduces: ``tokenizer.json`` (the `tokenizers` library: normalizer, pr
 model, post-processor, decoder); the post-processor transformers rebuilds when
 ``tokenizer_config.json`` says ``add_bos_token`` / ``add_eos_token``; decoding with special tokens
 skipped; and the chat template (``chat_template.jinja`` or the config's ``chat_template``) rendered
-in a sandbox as transformers renders it, for one user message with the generation prompt.
+in a sandbox as transformers renders it, for a conversation (or one user message) with the
+generation prompt and the template's own options (``apply_chat_template``'s extra keywords).
 """
 
 from __future__ import annotations

@@ -42,6 +42,13 @@ def test_encode_decode_and_chat_equal_transformers(tiny_pair: Path) -> None:  # 
                                               tokenize=True)
                 want = want["input_ids"] if hasattr(want, "keys") else want
                 assert codec.encode(text, chat=True) == list(want), (folder.name, text)
+        if hf.chat_template:  # a conversation, and a template option (the tiny template's thinking switch)
+            talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[0]},
+                    {"role": "assistant", "content": TEXTS[1]}, {"role": "user", "content": TEXTS[3]}]
+            for options in ({}, {"enable_thinking": False}):
+                want = hf.apply_chat_template(talk, add_generation_prompt=True, tokenize=True, **options)
+                want = want["input_ids"] if hasattr(want, "keys") else want
+                assert codec.encode_chat(talk, options) == list(want), (folder.name, options)
 
 
 def test_a_folder_without_a_fast_tokenizer_or_a_template_gets_a_clear_error(tmp_path: Path, tiny_pair: Path) -> None:
