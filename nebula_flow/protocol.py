@@ -7,9 +7,10 @@ A message is a multipart ZeroMQ message::
 ``kind`` is the class's ``KIND``; ``header`` is an orjson object of the class's fields that
 always carries ``"v": VERSION``; tensors (token ids, proposal distributions, KV rows) travel as
 extra frames sent and received without copies, described in the header by ``{"f": frame index,
-"dtype", "shape"}``. ``decode`` turns frames into an instance of the kind's class, checking every
-field against the class's annotations (and its ``check``) on the way: decoding is the
-validation. Anything else raises ``ProtocolError`` (with a stable ``code``); receivers answer that
+"dtype", "shape"}``, except small integer vectors (token ids), which travel inside the header as
+``{"ints": [...], "dtype"}`` (a frame costs more to send than the ints cost to write). ``decode``
+turns frames into an instance of the kind's class, checking every field against the class's
+annotations (and its ``check``) on the way: decoding is the validation. Anything else raises ``ProtocolError`` (with a stable ``code``); receivers answer that
 with an ``Error`` where there is a sender to answer, count it, and carry on. ``encode`` is the
 inverse. Unknown header fields are ignored (a newer peer may send more).
 
@@ -33,6 +34,7 @@ import numpy as np
 import orjson
 
 from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of this module's API
+    HEADER_OPTIONS,
     ProtocolError,
     Rejected,
     Tensor,
@@ -43,7 +45,7 @@ from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of thi
     plain,
 )
 
-VERSION = 2  # 2: typed messages; a task's runner-ups travel as "runner_ups" (were "alt")
+VERSION = 3  # 2: typed messages, runner-ups as "runner_ups"; 3: small integer tensors inline in the header
 DRAFTER_CHARS = "A-Za-z0-9._:-"  # what a REGISTER's drafter name may hold (1-64 of them)
 DRAFTER_NAME = re.compile(f"[{DRAFTER_CHARS}]{{1,64}}")
 DRAFTER_RULE = "1-64 letters, digits or . _ - :"  # (what DRAFTER_NAME takes, for error messages)
@@ -491,5 +493,5 @@ def encode(msg: Msg) -> list[Any]:
     frames: list[Any] = []
     header = plain(msg, frames)
     header["v"] = VERSION
-    return [msg.KIND.encode(), orjson.dumps(header), *frames]
+    return [msg.KIND.encode(), orjson.dumps(header, option=HEADER_OPTIONS), *frames]
 

@@ -176,7 +176,10 @@ def token_ids(value: Any, name: str) -> list[int]:  # noqa: ANN401
 
 
 def array(desc: Any, frames: list[Any]) -> np.ndarray:  # noqa: ANN401
-    """The tensor a descriptor names, as a read-only view of its frame (no copy)."""
+    """The tensor a descriptor names, as a read-only view of its frame (no copy), or the small
+    integer vector it holds inline (``{"ints": [...], "dtype"}``)."""
+    if isinstance(desc, dict) and set(desc) == {"ints", "dtype"}:
+        return _inline(desc["ints"], desc["dtype"])
     if not isinstance(desc, dict) or set(desc) != {"f", "dtype", "shape"}:
         raise malformed(f"bad tensor descriptor {desc!r}")
     idx, dtype, shape = desc["f"], desc["dtype"], desc["shape"]
@@ -195,7 +198,31 @@ def array(desc: Any, frames: list[Any]) -> np.ndarray:  # noqa: ANN401
     return np.frombuffer(view, dtype=DTYPES[dtype]).reshape(shape)
 
 
+def _inline(values: Any, dtype: Any) -> np.ndarray:  # noqa: ANN401
+    """An inline integer vector, checked in numpy's C loops: whole numbers (no bools, floats or
+    strings) within ``dtype``'s range."""
+    if dtype not in INLINE_DTYPES or not isinstance(values, list) or len(values) > INLINE_MAX:
+        raise malformed(f"bad inline tensor of dtype {dtype!r}")
+    if not values:
+        return np.empty(0, dtype=DTYPES[dtype])
+    try:
+        arr = np.array(values)
+    except (ValueError, OverflowError):  # (ragged nesting, or beyond int64)
+        arr = None
+    limits = np.iinfo(DTYPES[dtype])
+    if arr is None or arr.dtype.kind != "i" or arr.ndim != 1 or arr.min() < limits.min or arr.max() > limits.max:
+        raise malformed(f"an inline {dtype} tensor must be a list of whole numbers in its range")
+    arr = arr.astype(DTYPES[dtype])
+    arr.flags.writeable = False  # (as a frame's view is)
+    return arr
+
+
+# Small integer vectors (a task's tokens, a prompt) travel inside the header rather than as frames
+# of their own: a frame costs the sender a send call each, more than orjson's writing of the ints.
+INLINE_MAX = 4096
+INLINE_DTYPES = ("int32", "int64")
 PLAIN_TYPES = frozenset({int, float, str, bool, dict, type(None)})  # (values that travel as they are)
+HEADER_OPTIONS = orjson.OPT_SERIALIZE_NUMPY  # (for inline vectors)
 
 
 def plain(obj: Any, frames: list[Any]) -> Any:  # noqa: ANN401
@@ -206,6 +233,8 @@ def plain(obj: Any, frames: list[Any]) -> Any:  # noqa: ANN401
         name = next((k for k, v in DTYPES.items() if np.dtype(v) == arr.dtype), None)
         if name is None:
             raise ValueError(f"dtype {arr.dtype} cannot travel on the wire")
+        if name in INLINE_DTYPES and arr.ndim == 1 and arr.size <= INLINE_MAX:
+            return {"ints": arr, "dtype": name}  # (orjson writes the array: ``HEADER_OPTIONS``)
         frames.append(arr)
         return {"f": len(frames) - 1, "dtype": name, "shape": list(arr.shape)}
     if is_dataclass(obj):  # (fields at their defaults stay out: the receiver fills them in)

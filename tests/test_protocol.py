@@ -104,6 +104,26 @@ def test_tensor_descriptor_mismatches_are_rejected() -> None:
         assert err.value.code == code
 
 
+def test_small_integer_vectors_travel_inline_and_are_checked() -> None:
+    """A task's tokens ride in the header (no frame); a long prompt still gets a frame of its own;
+    an inline vector of anything but whole numbers in range is refused."""
+    from nebula_flow.protocol import Submit
+    from nebula_flow.wire import INLINE_MAX
+
+    short = Submit("a", {}, prompt_tokens=np.arange(300, dtype=np.int32))
+    frames = protocol.encode(short)
+    assert len(frames) == 2 and protocol.decode(frames).prompt_tokens.tolist() == list(range(300))
+    long = protocol.encode(Submit("b", {}, prompt_tokens=np.arange(INLINE_MAX + 1, dtype=np.int32)))
+    assert len(long) == 3 and protocol.decode(long).prompt_tokens[-1] == INLINE_MAX
+    assert protocol.array({"ints": [], "dtype": "int32"}, []).shape == (0,)
+    for ints in ([1.5], [True], ["7"], [[1]], [2**31], [2**70], [-2**31 - 1], "123", [1] * (INLINE_MAX + 1)):
+        with pytest.raises(ProtocolError) as err:
+            protocol.array({"ints": ints, "dtype": "int32"}, [])
+        assert err.value.code == "malformed", ints
+    with pytest.raises(ProtocolError):
+        protocol.array({"ints": [1], "dtype": "float32"}, [])  # (floats always travel as frames: exact bits)
+
+
 def test_kv_data_carries_missing_items_as_null() -> None:
     got = roundtrip(KvData(3, [None, KvRows(np.arange(2, dtype=np.int32), np.ones((2, 4), np.float32))]))
     assert got.seq == 3 and got.items[0] is None and got.items[1].rows.shape == (2, 4)
