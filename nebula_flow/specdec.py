@@ -96,7 +96,7 @@ def propose(
 def verify(
     logits: torch.Tensor, draft: list[int], q_idx: list[np.ndarray] | None,
     q_prob: list[np.ndarray] | None, params: SamplingParams, seed: int, position: int,
-    runner_ups: list[int] = (), chains: list[list[int]] = (),
+    runner_ups: list[int] = (), chains: list[list[int]] = (), best: list[int] | None = None,
 ) -> list[int]:
     """Decide the tokens a round commits: accepted drafts plus one correction/bonus token.
 
@@ -107,12 +107,13 @@ def verify(
     to ``draft[0]`` (the draft's runner-ups to it) and ``chains`` further draft chains (a prompt lookup's, fused into
     the round). Then ``logits`` holds 1 + len(tree) rows, row 1+i after tree node i, and the round
     walks the tree. Greedy: along the target's own choices, committing the path it finds plus the
-    target's token after it, still exactly the target's greedy output. Sampling: see
-    ``_sample_tree``; the output still follows the target's distribution exactly.
+    target's token after it, still exactly the target's greedy output (``best``: the rows' argmax,
+    where the caller took it for a whole batch at once). Sampling: see ``_sample_tree``; the output
+    still follows the target's distribution exactly.
     """
     tree = TokenTree([draft, *([a] for a in runner_ups), *chains])
     if params.greedy:
-        best = torch.argmax(logits, dim=-1).tolist()
+        best = torch.argmax(logits, dim=-1).tolist() if best is None else best
         out, node = [], -1
         while (child := tree.child(node, best[node + 1])) is not None:
             out.append(tree.tokens[child])

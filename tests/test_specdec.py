@@ -243,3 +243,16 @@ def test_the_host_contract_nothing_reads_device_logits_as_numpy() -> None:
         return t_run.verify(tasks)
 
     assert rounds(on_device=True) == rounds(on_device=False)
+
+
+def test_greedy_picks_take_every_greedy_rows_argmax_at_once() -> None:
+    from nebula_flow_workers.runner import greedy_picks
+
+    g = torch.Generator().manual_seed(3)
+    logits = [torch.randn(n, 50, generator=g) for n in (1, 5, 3, 2)]
+    picks = greedy_picks(logits, [True, False, True, True])
+    assert picks[1] is None
+    for x, pick in zip(logits, picks):
+        if pick is not None:
+            assert pick == [int(torch.argmax(row)) for row in x]
+    assert greedy_picks(logits, [False] * 4) == [None] * 4

@@ -122,9 +122,10 @@ class ModelRunner:
             ran = active + chunks
             logits = self._forward([caches[i] for i in ran], [new[i] for i in ran], [1] * len(active) + [0] * len(chunks))
             chunks = []
-            for i, row in zip(active, logits):
+            best = greedy_picks(logits[:len(active)], [tasks[i].params.greedy for i in active])
+            for i, row, pick in zip(active, logits, best):
                 t = tasks[i]
-                tok, q_idx, q_prob = self._propose(row[0], t, len(t.tokens) + step)
+                tok, q_idx, q_prob = self._propose(row[0], t, len(t.tokens) + step, pick)
                 if step == 0 and t.alts:  # runner-ups to the first token (token tree): to the token drawn, if sampled
                     drafts[i].runner_ups = self._ranked(row[0], t.alts, tok)
                 drafts[i].tokens.append(tok)
@@ -141,9 +142,14 @@ class ModelRunner:
                 d.chains = [chain]
         return drafts
 
-    def _propose(self, row: torch.Tensor, t: Task, position: int) -> tuple[int, np.ndarray | None, np.ndarray | None]:
-        """``specdec.propose`` in token ids (a reduced draft head's rows are not)."""
-        tok, q_idx, q_prob = specdec.propose(row, t.params, t.seed, position, self.proposal_top_k)
+    def _propose(self, row: torch.Tensor, t: Task, position: int, pick: list[int] | None = None,
+                 ) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+        """``specdec.propose`` in token ids (a reduced draft head's rows are not); ``pick``: a greedy
+        row's argmax, taken for the whole batch at once (``greedy_picks``)."""
+        if pick is not None:
+            tok, q_idx, q_prob = pick[0], None, None
+        else:
+            tok, q_idx, q_prob = specdec.propose(row, t.params, t.seed, position, self.proposal_top_k)
         if self.model.head_token_ids is not None:
             tok = int(self.model.head_token_ids[tok])
             if q_idx is not None:
@@ -222,14 +228,16 @@ class ModelRunner:
         logits = dict(zip(ran, self._forward([caches[i] for i in ran], [new[i] for i in ran],
                                              [0 if ends[i] is not None else 1 + len(trees[i]) for i in ran],
                                              [parents[i] for i in ran]))) if ran else {}
+        best = dict(zip(ran, greedy_picks([logits[i] for i in ran], [ends[i] is None and tasks[i].params.greedy
+                                                                      for i in ran])))
         out: list[list[int] | None] = []
         for i, (t, c, tree) in enumerate(zip(tasks, caches, trees)):
             if ends[i] is not None:
                 t.prefilled = c.length
                 out.append(None)
                 continue
-            rows = logits[i]
-            committed = specdec.verify(rows, t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens), t.runner_ups, t.chains)
+            committed = specdec.verify(logits[i], t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens),
+                                       t.runner_ups, t.chains, best=best.get(i))
             position = len(t.tokens)
             # keep the KV of the accepted path (moved into place when it is not the first chain's)
             c.adopt([position + node for node in tree.path(committed[:-1])], position)
@@ -237,6 +245,20 @@ class ModelRunner:
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
         return out
+
+
+def greedy_picks(logits: list[torch.Tensor], greedy: list[bool]) -> list[list[int] | None]:
+    """Each greedy sequence's rows' argmax, taken for all of them in one call and brought to the
+    host once (on a GPU one sync per forward, not one per sequence); None for the others."""
+    rows = [x for x, g in zip(logits, greedy) if g]
+    if not rows:
+        return [None] * len(logits)
+    flat = torch.cat(rows).argmax(-1).tolist()
+    picks, start = [], 0
+    for x, g in zip(logits, greedy):
+        picks.append(flat[start:start + len(x)] if g else None)
+        start += len(x) if g else 0
+    return picks
 
 
 def fused_ngram(tokens: np.ndarray, k: int) -> list[int]:
