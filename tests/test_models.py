@@ -146,3 +146,23 @@ def test_a_deployment_with_an_unknown_dtype_is_refused_before_any_worker_starts(
     cfg.draft.dtype = "fp32"
     with pytest.raises(ConfigError, match=r"\[draft\] dtype must be one of auto, float32, bfloat16, float16, got 'fp32'"):
         cfg.validate()
+
+
+def test_profile_ops_counts_the_host_work_of_a_forward(tiny_pair) -> None:  # noqa: ANN001
+    import json
+
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+    from nebula_flow.models.ops import QWEN3_0_6B, forward_ops, random_model
+
+    res = CliRunner().invoke(main, ["profile", "--ops", "--model", str(tiny_pair / "target")])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output.strip().splitlines()[-1])
+    assert set(report["ops"]) == {"decode_1", "decode_16", "verify_16x5"}
+    assert report["layers"] == ModelConfig.from_dir(tiny_pair / "target").num_layers
+    assert all(n > 0 for n in report["ops"].values()) and all(s > 0 for s in report["seconds"].values())
+    # a real shape builds and counts too (two of its layers, to stay quick)
+    small = random_model(dict(QWEN3_0_6B, num_hidden_layers=2, vocab_size=1000))
+    assert forward_ops(small, 2, 1, context=16, repeats=1)["ops"] > 0
+    assert CliRunner().invoke(main, ["profile"]).exit_code == 2  # (--model is required without --ops)
