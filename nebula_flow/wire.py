@@ -226,24 +226,39 @@ HEADER_OPTIONS = orjson.OPT_SERIALIZE_NUMPY  # (for inline vectors)
 
 
 def plain(obj: Any, frames: list[Any]) -> Any:  # noqa: ANN401
-    if type(obj) in PLAIN_TYPES:  # (most values: checked first, the broker encodes every task)
+    """``obj`` as header data: dataclasses as objects without their fields at defaults (the
+    receiver fills them in), arrays as frames or inline vectors (appended to ``frames``)."""
+    kind = type(obj)
+    if kind in PLAIN_TYPES:  # (most values: checked first, the broker encodes every task)
         return obj
+    if kind is list:
+        return [v if type(v) in PLAIN_TYPES else plain(v, frames) for v in obj]
     if isinstance(obj, np.ndarray):
         arr = np.ascontiguousarray(obj)
-        name = next((k for k, v in DTYPES.items() if np.dtype(v) == arr.dtype), None)
+        name = DTYPE_NAMES.get(arr.dtype)
         if name is None:
             raise ValueError(f"dtype {arr.dtype} cannot travel on the wire")
         if name in INLINE_DTYPES and arr.ndim == 1 and arr.size <= INLINE_MAX:
             return {"ints": arr, "dtype": name}  # (orjson writes the array: ``HEADER_OPTIONS``)
         frames.append(arr)
         return {"f": len(frames) - 1, "dtype": name, "shape": list(arr.shape)}
-    if is_dataclass(obj):  # (fields at their defaults stay out: the receiver fills them in)
-        defaults = _defaults(type(obj))
-        return {name: plain(v, frames) for name, default in defaults.items()
-                if (v := getattr(obj, name)) is not None and (isinstance(v, np.ndarray) or v != default)}
-    if isinstance(obj, list):
-        return [plain(v, frames) for v in obj]
-    return obj
+    defaults = _defaults(kind) if is_dataclass(kind) else None
+    if defaults is None:
+        return obj
+    out = {}
+    for name, default in defaults.items():
+        v = getattr(obj, name)
+        if v is None:
+            continue
+        if type(v) in PLAIN_TYPES:
+            if v != default:
+                out[name] = v
+        elif isinstance(v, np.ndarray) or v != default:
+            out[name] = plain(v, frames)
+    return out
+
+
+DTYPE_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}  # (bfloat16 travels as, and is named by, uint16)
 
 
 @functools.cache
