@@ -99,6 +99,14 @@ def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, c
                   chat, session, messages, chat_options)
 
 
+async def completion_of(items: AsyncIterator[Chunk | Completion]) -> Completion:
+    """The ``Completion`` that ends a stream of chunks (an async client's ``generate``)."""
+    async for item in items:
+        if isinstance(item, Completion):
+            return item
+    raise NebulaError("the stream ended without a result")
+
+
 def _raise_error(err: Error) -> None:
     cls = Busy if err.code == "busy" else RequestError
     raise cls(err.code, err.message)
@@ -396,10 +404,7 @@ class AsyncClient:
                     pass
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
-        async for item in self.stream(prompt, **kwargs):
-            if isinstance(item, Completion):
-                return item
-        raise NebulaError("the stream ended without a result")
+        return await completion_of(self.stream(prompt, **kwargs))
 
     async def status(self) -> dict[str, Any]:
         self._start()

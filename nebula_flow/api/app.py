@@ -156,16 +156,17 @@ class Gateway:
     async def _generate(self, request: Request, endpoint: str, parse: Any) -> Response:  # noqa: ANN401
         try:
             self.authorize(request)
-            job = parse(await read_json(request), await self.served())
-            response = await self._run(request, job)
+            served = await self.served()
+            job = parse(await read_json(request), served)
+            response = await self._run(request, job, served.name)
         except ApiError as exc:
             response = error_response(exc)
         self.telemetry.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
-    async def _run(self, request: Request, job: Job) -> Response:
+    async def _run(self, request: Request, job: Job, model: str) -> Response:
         req_id = uuid.uuid4().hex
-        shaper = Shaper(req_id, (await self.served()).name, job.chat, job.return_token_ids)
+        shaper = Shaper(req_id, model, job.chat, job.return_token_ids)
         items = self.client.stream(job.prompt, token_ids=job.token_ids, messages=job.messages,
                                    chat_options=job.chat_options, request_id=req_id, **job.params)
         # The client may leave at any time, a long prefill included: watch for it from the start.

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import orjson
 
-from nebula_flow.client import Busy, Chunk, Completion, NebulaError, RequestError
+from nebula_flow.client import Busy, Chunk, Completion, NebulaError, RequestError, completion_of
 
 PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
           "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos"}
@@ -29,7 +29,7 @@ class HttpClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s,
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        self.model: str | None = None
+        self.served: dict[str, Any] | None = None  # what /v1/models lists (asked once)
 
     async def __aenter__(self) -> HttpClient:
         return self
@@ -37,16 +37,20 @@ class HttpClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.http.aclose()
 
-    async def _model(self) -> str:
-        if self.model is None:
-            res = await self.http.get("/v1/models")
-            _check(res.status_code, res.content)
-            self.model = res.json()["data"][0]["id"]
-        return self.model
+    async def served_model(self) -> dict[str, Any]:
+        """The model the gateway serves, as ``/v1/models`` lists it (``id``, ``max_model_len``)."""
+        if self.served is None:
+            try:
+                res = await self.http.get("/v1/models")
+                _check(res.status_code, res.content)
+                self.served = res.json()["data"][0]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+                raise NebulaError(f"the HTTP API at {self.url} does not answer /v1/models: {exc}") from None
+        return self.served
 
     async def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
                      **params: Any) -> AsyncIterator[Chunk | Completion]:
-        body: dict[str, Any] = {"model": await self._model(), "stream": True, "return_token_ids": True,
+        body: dict[str, Any] = {"model": (await self.served_model())["id"], "stream": True, "return_token_ids": True,
                                 "stream_options": {"include_usage": True}, "temperature": 0.0}
         for name, value in params.items():
             if name not in PARAMS:
@@ -94,10 +98,18 @@ class HttpClient:
                          times[0] if times else latency, latency, times, stats, counts)
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
-        async for item in self.stream(prompt, **kwargs):
-            if isinstance(item, Completion):
-                return item
-        raise NebulaError("the stream ended without a result")
+        return await completion_of(self.stream(prompt, **kwargs))
+
+
+def served_model(url: str, api_key: str | None = None) -> dict[str, Any]:
+    """``HttpClient.served_model`` of the gateway at ``url``, from synchronous code."""
+    import asyncio
+
+    async def ask() -> dict[str, Any]:
+        async with HttpClient(url, api_key, timeout_s=10) as client:
+            return await client.served_model()
+
+    return asyncio.run(ask())
 
 
 def _check(status: int, content: bytes) -> None:

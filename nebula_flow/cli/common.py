@@ -49,11 +49,8 @@ def prepare_models(cfg: DeployConfig) -> None:
                 pool.model = hub.resolve(pool.model, log=lambda m: click.echo(m, err=True))
             except hub.HubError as exc:
                 raise click.ClickException(str(exc)) from None
-        if Path(pool.model).is_relative_to(tiny) and not (tiny / "READY").exists():
-            from nebula_flow.tiny import build_tiny_pair
-
-            click.echo(f"building the tiny model pair in {tiny} ...", err=True)
-            build_tiny_pair(tiny)
+        if Path(pool.model).is_relative_to(tiny):
+            ensure_tiny_pair()
         if Path(pool.model) == target_dir():
             prepare_target(log=lambda m: click.echo(m, err=True))
     for pool in drafts if cfg.mode != "autoregressive" else ():
@@ -61,6 +58,17 @@ def prepare_models(cfg: DeployConfig) -> None:
             check_pair(pool.model, cfg.target.model)
         except (IncompatiblePair, ModelConfigError) as exc:
             raise click.ClickException(f"draft {pool.model} cannot serve target {cfg.target.model}: {exc}") from None
+
+
+def ensure_tiny_pair() -> Path:
+    """The project's tiny pair in the cache, built there (with a progress line) if missing."""
+    tiny = cache_dir() / "tiny-pair"
+    if not (tiny / "READY").exists():
+        from nebula_flow.tiny import build_tiny_pair
+
+        click.echo(f"building the tiny model pair in {tiny} ...", err=True)
+        build_tiny_pair(tiny)
+    return tiny
 
 
 def apply_overrides(cfg: DeployConfig, mode: str | None, draft_workers: int | None,

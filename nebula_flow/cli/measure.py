@@ -12,6 +12,7 @@ from nebula_flow.cli.common import (
     DEFAULT_BROKER,
     apply_overrides,
     deploy_options,
+    ensure_tiny_pair,
     load_deploy,
     prepare_models,
     start_deployment,
@@ -144,13 +145,14 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
     """Replay TRACE (JSONL or Azure CSV) against a broker, open loop, at its arrival times."""
     import asyncio
 
+    from nebula_flow.api.http_client import served_model
     from nebula_flow.client import Client, NebulaError
     from nebula_flow.replay import replay as run_replay
     from nebula_flow.replay import summarize, write_outputs
     from nebula_flow.traces import PromptSource, Shaping, TraceError, load_trace, shape
 
     try:
-        context = api_context(api_url, api_key) if api_url else None
+        context = served_model(api_url, api_key).get("max_model_len") if api_url else None
         if context is None:
             with Client(address, timeout_s=5) as c:
                 context = c.status().get("max_model_len", 1 << 30)
@@ -182,21 +184,6 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
 
 
 
-def api_context(url: str, api_key: str | None) -> int | None:
-    """The context length the HTTP API at ``url`` serves (``/v1/models``)."""
-    import httpx
-
-    from nebula_flow.client import NebulaError
-
-    try:
-        res = httpx.get(url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=10,
-                        headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-        res.raise_for_status()
-        return res.json()["data"][0].get("max_model_len")
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise NebulaError(f"the HTTP API at {url} does not answer /v1/models: {exc}") from None
-
-
 @click.command("bench-broker")
 @click.option("--modes", default="pooled,colocated", show_default=True, help="Broker modes, comma-separated.")
 @click.option("--workers", default=4, show_default=True, help="Zero-cost workers per stage (pooled/paired: this many "
@@ -218,19 +205,12 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
     request-round (its own user + system seconds over the rounds it ended: the figure that holds on
     bigger hosts, where a 2-core machine's wall clock does not)."""
     from nebula_flow.bench_broker import bench_broker, profile_table
-    from nebula_flow.config import cache_dir
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
     if bad := [m for m in names if m not in MODES or m == "elastic"]:
         raise click.BadParameter(f"unknown or unsupported modes {bad}", param_hint="--modes")
     if model is None:
-        from nebula_flow.tiny import build_tiny_pair
-
-        tiny = cache_dir() / "tiny-pair"
-        if not (tiny / "READY").exists():
-            click.echo(f"building the tiny model pair in {tiny} ...", err=True)
-            build_tiny_pair(tiny)
-        model = str(tiny / "target")
+        model = str(ensure_tiny_pair() / "target")
     results = {}
     for mode in names:
         click.echo(f"[bench-broker] {mode}: {workers} zero-cost workers per stage, {n_requests} requests x "

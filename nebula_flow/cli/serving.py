@@ -37,32 +37,36 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     With --http-port, the OpenAI-compatible HTTP API runs beside it (supervised too) and a curl
     line to try it is printed.
     """
-    import signal
-    import threading
-
-    from nebula_flow.deploy import DeploymentError
-
     if http_port is not None:
         check_exposure(http_host, api_key)
     dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,
                            secure_local)
     click.echo(dep.address)
-    if http_port is not None:
-        start_http(dep, http_host, http_port, api_key, served_model_name)
+    try:
+        if http_port is not None:
+            start_http(dep, http_host, http_port, api_key, served_model_name)
+        supervise_until_stopped(dep)
+    finally:
+        click.echo("stopping ...", err=True)
+        dep.stop()
+
+
+def supervise_until_stopped(dep) -> None:  # noqa: ANN001
+    """Supervise ``dep`` (restart what dies, print each event) until Ctrl-C or SIGTERM; a broker
+    given up ends it with its error."""
+    import signal
+    import threading
+
+    from nebula_flow.deploy import DeploymentError
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    failed = None
     try:
         dep.watch(stop, lambda event: click.echo(event, err=True), every_s=0.5)
     except KeyboardInterrupt:
         pass
     except DeploymentError as exc:
-        failed = exc
-    finally:
-        click.echo("stopping ...", err=True)
-        dep.stop()
-    if failed is not None:
-        raise click.ClickException(str(failed))
+        raise click.ClickException(str(exc)) from None
 
 
 def start_http(dep, host: str, port: int, api_key: str | None, model_name: str | None) -> str:  # noqa: ANN001
@@ -72,7 +76,6 @@ def start_http(dep, host: str, port: int, api_key: str | None, model_name: str |
     try:
         url = dep.start_api(host, port, api_key, model_name)
     except DeploymentError as exc:
-        dep.stop()
         raise click.ClickException(str(exc)) from None
     name = model_name or dep.cfg.broker.model_name
     click.echo(f"HTTP API (OpenAI-compatible) on {url}/v1, model {name!r}; try:\n  {curl_line(url, name, api_key)}",
@@ -100,9 +103,6 @@ def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add
         http_port, **params) -> None:  # noqa: ANN001, ANN003
     """One-shot demo: start the deployment, generate from PROMPTS (a default set if none), stop
     (with --http-port: keep serving the HTTP API until Ctrl-C)."""
-    import signal
-    import threading
-
     prompts = prompts or ("def fibonacci(n):", "import os\n\ndef list_files(path):", "The quick brown fox")
     dep = start_deployment(config, mode, draft_workers, target_workers, 0 if port is None else port, log_dir,
                            add_drafters, settings)
@@ -115,12 +115,7 @@ def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add
         if url is not None:
             name = dep.cfg.broker.model_name
             click.echo(f"\nserving the HTTP API on {url}/v1 until Ctrl-C; try:\n  {curl_line(url, name)}", err=True)
-            stop = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            try:
-                dep.watch(stop, lambda event: click.echo(event, err=True), every_s=0.5)
-            except KeyboardInterrupt:
-                pass
+            supervise_until_stopped(dep)
     finally:
         dep.stop()
 
