@@ -333,15 +333,33 @@ def test_cli_generate_json_and_status(live) -> None:  # noqa: ANN001
     assert res.exit_code != 0 and "temperature" in res.output
 
 
+def free_port_pair() -> int:
+    """A port P with P + 1 free too, both checked by binding them (a lone free port's neighbour may
+    be any process's ephemeral port)."""
+    import socket
+
+    while True:
+        port = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
 def test_serve_starts_prints_the_address_and_stops_cleanly(tiny_pair, tmp_path) -> None:  # noqa: ANN001
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(f'mode = "pooled"\n[draft]\nmodel = "{tiny_pair / "draft"}"\n[target]\nmodel = "{tiny_pair / "target"}"\n')
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(cfg), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ))
+    port = free_port_pair()  # (--port P binds P and P + 1)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(cfg), "--port",
+                                 str(port)], stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ))
     try:
         address = proc.stdout.readline().strip()
-        assert address == f"tcp://127.0.0.1:{port}"
+        assert address == f"tcp://127.0.0.1:{port}", log.read_text()[-2000:]
         with Client(address) as c:
             assert len(c.generate("hi", max_new_tokens=6).token_ids) >= 1
         proc.send_signal(signal.SIGTERM)
