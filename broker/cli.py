@@ -41,6 +41,11 @@ _D = BrokerOptions()
               help="A file holding the token scrapers must send (Authorization: Bearer TOKEN).")
 @click.option("--keys", type=click.Path(), help="CURVE key folder (`nebula-flow keys`); required off loopback. "
               "Also read from NEBULA_FLOW_KEYS.")
+@click.option("--shard", type=int, default=None,
+              help=f"This broker's slice of a sharded deployment's requests (0..shards-1). [default: {_D.shard}]")
+@click.option("--shards", type=int, default=None,
+              help=f"Brokers sharing the requests; clients and workers are given every shard's address. "
+              f"[default: {_D.shards}]")
 @click.option("--policy-log", type=click.Path(), help="At exit, write every scheduling event and decision here "
               "(JSONL), for `nebula-flow simulate --check-policy-log`.")
 @click.option("--print-options", is_flag=True, help="Print the settings this broker would run with (JSON, the "

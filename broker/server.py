@@ -80,7 +80,7 @@ class Broker:
         self.finished: OrderedDict[str, tuple[str, Done]] = OrderedDict()  # req_id -> (owner, result)
         self.owners: dict[str, str] = {}  # running req_id -> its owner (see ``owner_of``)
         self.inflight_by_owner: Counter[bytes] = Counter()
-        self.next_rid = self.next_worker = 1
+        self.next_rid, self.next_worker = opts.shard + 1, 1  # (shards number requests apart: see _submit)
         self.frees: list[int] = []
         self.draining_since: float | None = None
         self.started = time.monotonic()
@@ -171,7 +171,7 @@ class Broker:
         req = self.admission.request(self.next_rid, msg, identity, now)
         if len(self.scheduler.requests) >= self.opts.max_pending:
             raise ProtocolError("busy", f"{self.opts.max_pending} requests pending; retry later")
-        self.next_rid += 1
+        self.next_rid += self.opts.shards  # (a worker's KV and FREEs never confuse two shards' requests)
         self.by_req_id[req_id] = req.rid
         self.owners[req_id] = owner
         self.inflight_by_owner[identity] += 1
@@ -398,6 +398,7 @@ class Broker:
     def state(self, now: float) -> dict[str, Any]:
         return {
             "mode": self.opts.mode, "pid": os.getpid(), "uptime_s": now - self.started,
+            "shard": self.opts.shard, "shards": self.opts.shards,
             "draining": self.draining_since is not None,  # (SIGTERM: in-flight requests finish, new ones are refused)
             "pool": len(self.scheduler.requests), "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
             "model": self.opts.model_name, "max_model_len": self.admission.max_model_len,  # (what the HTTP API serves)
@@ -480,8 +481,7 @@ class Broker:
                         self._finish(rid, "error", ("shutting_down", "the broker shut down before this request finished"))
                     self._flush_clients()
                     break
-        self.clients.close()
-        self.peers.close()
+        self.clients.close(), self.peers.close()
         if isinstance(self.scheduler, RecordingScheduler):
             self.scheduler.save(self.opts.policy_log)
             log.info("policy log: %d records in %s", len(self.scheduler.records), self.opts.policy_log)

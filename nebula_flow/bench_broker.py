@@ -29,6 +29,7 @@ from nebula_flow.client import AsyncClient, Client, NebulaError
 from nebula_flow.deploy import free_port
 from nebula_flow.protocol import Heartbeat, Pull, Register, Result, TaskResult, Tasks, Welcome
 from nebula_flow.roles import MODES
+from nebula_flow.shards import fewest_workers
 
 TOKEN = 7  # what zero-cost workers draft and commit (not an EOS id of the tiny pair)
 # Policy settings that keep a round's shape fixed: k draft tokens, nothing fused or branched.
@@ -90,15 +91,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _drive(client_address: str, worker_address: str, mode: str, workers: int, capacity: int,
+async def _drive(client_address: str, worker_addresses: list[str], mode: str, workers: int, capacity: int,
                  concurrency: int, requests: int, max_new_tokens: int) -> dict[str, Any]:
     ctx = zmq.asyncio.Context.instance()
     stop = asyncio.Event()
-    pool = [asyncio.ensure_future(zero_worker(ctx, worker_address, role, f"zero-{role}-{i}", capacity, stop))
-            for i, role in enumerate(worker_roles(mode, workers))]
+    # (a worker serving several shards speaks to each over a socket of its own, as a one-shard
+    # worker does: from a shard's side, one zero-cost worker loop per worker per shard)
+    pool = [asyncio.ensure_future(zero_worker(ctx, address, role, f"zero-{role}-{i}", capacity, stop))
+            for i, role in enumerate(worker_roles(mode, workers)) for address in worker_addresses]
     queue = list(range(requests))
     async with AsyncClient(client_address, timeout_s=120) as client:
-        while len((state := await client.status())["workers"]) < len(pool):
+        while fewest_workers(state := await client.status()) < len(worker_roles(mode, workers)):
             await asyncio.sleep(0.05)
         if max_new_tokens + 5 > state["max_model_len"]:
             stop.set()
@@ -111,7 +114,8 @@ async def _drive(client_address: str, worker_address: str, mode: str, workers: i
                 await client.generate(token_ids=[5, 6, 7, 8, i % 50 + 10], max_new_tokens=max_new_tokens,
                                       ignore_eos=True)
 
-        await client.generate(token_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)  # (warm-up)
+        await asyncio.gather(*(client.generate(token_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)
+                               for _ in range(2 * len(worker_addresses))))  # (warm-up, every shard)
         before, t0 = await client.status(), time.monotonic()
         await asyncio.gather(*(user() for _ in range(concurrency)))
         wall = time.monotonic() - t0
@@ -121,45 +125,64 @@ async def _drive(client_address: str, worker_address: str, mode: str, workers: i
     return {"before": before, "after": after, "wall_s": wall, "tasks": tasks}
 
 
+def _start_broker(args: list[str], profile: Path | None, out) -> tuple[subprocess.Popen, str]:  # noqa: ANN001
+    """A broker process with ``args`` (after ``broker``), and its client address once it answers."""
+    runner = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "nebula_flow.cli"]
+    proc = subprocess.Popen([*runner, "broker", *args], stdout=out, stderr=subprocess.STDOUT)
+    address = f"tcp://127.0.0.1:{args[args.index('--client-port') + 1]}"
+    with Client(address, timeout_s=1.0) as c:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c.status()
+                return proc, address
+            except NebulaError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    out.seek(0)
+                    raise RuntimeError(f"the broker did not start:\n{out.read().decode()[-2000:]}") from None
+
+
 def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int = 32, concurrency: int = 64,
                  requests: int = 256, max_new_tokens: int = 128, k: int = 4, profile: Path | None = None,
-                 log=print) -> dict[str, Any]:  # noqa: ANN001
-    """One broker in ``mode`` under zero-cost workers; its CPU per request-round and rates.
-    ``profile``: run the broker under cProfile and write its stats there."""
-    client_port, worker_port = free_port(), free_port()
-    args = ["broker", "--mode", mode, "--client-port", str(client_port), "--worker-port", str(worker_port),
-            "--k", str(k), "--liveness-s", "30", *(["--model", model] if model else []),
-            *(f"--set={s}" for s in FIXED_POLICY)]
-    runner = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "nebula_flow.cli"]
+                 log=print, shards: int = 1) -> dict[str, Any]:  # noqa: ANN001
+    """``shards`` brokers (one, unless sharded) in ``mode`` under zero-cost workers; their CPU per
+    request-round (over all shards, and each shard's own) and rates. ``profile``: run the (first)
+    broker under cProfile and write its stats there."""
+    procs, clients, worker_addresses = [], [], []
     with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen([*runner, *args], stdout=out, stderr=subprocess.STDOUT)
         try:
-            address = f"tcp://127.0.0.1:{client_port}"
-            with Client(address, timeout_s=1.0) as c:
-                deadline = time.monotonic() + 60
-                while True:
-                    try:
-                        c.status()
-                        break
-                    except NebulaError:
-                        if proc.poll() is not None or time.monotonic() > deadline:
-                            out.seek(0)
-                            raise RuntimeError(f"the broker did not start:\n{out.read().decode()[-2000:]}") from None
-            cpu0 = cpu_seconds(proc.pid)
-            run = asyncio.run(_drive(address, f"tcp://127.0.0.1:{worker_port}", mode, workers, capacity,
+            for shard in range(shards):
+                client_port, worker_port = free_port(), free_port()
+                args = ["--mode", mode, "--client-port", str(client_port), "--worker-port", str(worker_port),
+                        "--k", str(k), "--liveness-s", "30", "--shard", str(shard), "--shards", str(shards),
+                        *(["--model", model] if model else []), *(f"--set={s}" for s in FIXED_POLICY)]
+                proc, address = _start_broker(args, profile if shard == 0 else None, out)
+                procs.append(proc)
+                clients.append(address)
+                worker_addresses.append(f"tcp://127.0.0.1:{worker_port}")
+            cpu0 = [cpu_seconds(p.pid) for p in procs]
+            run = asyncio.run(_drive(",".join(clients), worker_addresses, mode, workers, capacity,
                                      concurrency, requests, max_new_tokens))
-            cpu = cpu_seconds(proc.pid) - cpu0
+            cpus = [cpu_seconds(p.pid) - c0 for p, c0 in zip(procs, cpu0)]
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(timeout=60)
     before, after = run["before"]["counters"], run["after"]["counters"]
     rounds = after.get("rounds", 0) - before.get("rounds", 0)
-    res = {"mode": mode, "rounds": rounds, "wall_s": run["wall_s"], "round_rate": rounds / run["wall_s"],
-           "tasks_per_s": run["tasks"] / run["wall_s"], "broker_cpu_s": cpu,
-           "broker_cpu_us_per_round": cpu / max(rounds, 1) * 1e6,
+    shard_rounds = ([a["rounds"] - b["rounds"] for a, b in zip(run["after"]["by_shard"], run["before"]["by_shard"])]
+                    if shards > 1 else [rounds])
+    per_shard = [cpu / max(n, 1) * 1e6 for cpu, n in zip(cpus, shard_rounds)]
+    res = {"mode": mode, "shards": shards, "rounds": rounds, "wall_s": run["wall_s"],
+           "round_rate": rounds / run["wall_s"], "tasks_per_s": run["tasks"] / run["wall_s"],
+           "broker_cpu_s": sum(cpus), "broker_cpu_us_per_round": sum(cpus) / max(rounds, 1) * 1e6,
+           "shard_rounds": shard_rounds, "shard_cpu_us_per_round": per_shard,
            "tokens_per_round": (after.get("tokens_out", 0) - before.get("tokens_out", 0)) / max(rounds, 1)}
-    log(f"  {mode}: {rounds} request-rounds in {run['wall_s']:.1f} s ({res['round_rate']:.0f}/s, "
-        f"{res['tasks_per_s']:.0f} tasks/s), broker CPU {res['broker_cpu_us_per_round']:.0f} us per request-round")
+    log(f"  {mode}, {shards} shard{'s' if shards > 1 else ''}: {rounds} request-rounds in {run['wall_s']:.1f} s "
+        f"({res['round_rate']:.0f}/s, {res['tasks_per_s']:.0f} tasks/s), broker CPU "
+        f"{res['broker_cpu_us_per_round']:.0f} us per request-round"
+        + (f" (per shard: {', '.join(f'{c:.0f}' for c in per_shard)})" if shards > 1 else ""))
     return res
 
 

@@ -30,6 +30,8 @@ from zmq.utils.monitor import parse_monitor_message
 from nebula_flow import protocol
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Cancel, Done, Error, Msg, ProtocolError, State, Status, Submit, Tokens
+from nebula_flow.shards import addresses as shard_addresses
+from nebula_flow.shards import merge_states, shard_of
 
 
 class NebulaError(Exception):
@@ -188,6 +190,20 @@ class _Link:
         return back
 
 
+class _Conn:
+    """One broker's socket (a shard's, in a sharded deployment), its monitor and its ``_Link``."""
+
+    def __init__(self, ctx: zmq.Context, address: str, keys: str | None) -> None:
+        self.address = address
+        self.sock, self.monitor = _socket(ctx, address, keys)
+        self.link = _Link()
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close()
+
+
 def _reproducible(params: dict[str, Any]) -> dict[str, Any]:
     """A sampled request needs a seed to come out the same when it is sent again (a retry, a
     restarted broker); pick one if none is given (a random seed samples the same distribution)."""
@@ -202,14 +218,15 @@ class Client:
     in flight when the connection to the broker drops is sent again as soon as it is back."""
 
     def __init__(self, address: str, timeout_s: float = 120.0, retries: int = 0, keys: str | None = None) -> None:
+        """``address``: the broker's, or a sharded deployment's shards' separated by commas."""
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
-        self.sock, self.monitor = _socket(zmq.Context.instance(), address, keys)
-        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # no broker to talk to: never block forever
-        self.link = _Link()
-        self.poller = zmq.Poller()
-        self.poller.register(self.sock, zmq.POLLIN)
-        self.poller.register(self.monitor, zmq.POLLIN)
+        self.conns = [_Conn(zmq.Context.instance(), a, keys) for a in shard_addresses(address)]
+        for conn in self.conns:
+            conn.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # no broker to talk to: never block forever
+            conn.poller = zmq.Poller()
+            conn.poller.register(conn.sock, zmq.POLLIN)
+            conn.poller.register(conn.monitor, zmq.POLLIN)
 
     def __enter__(self) -> Client:
         return self
@@ -218,50 +235,50 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close()
+        for conn in self.conns:
+            conn.close()
 
-    def _send(self, msg: Msg, block: bool = True) -> None:
+    def _send(self, conn: _Conn, msg: Msg, block: bool = True) -> None:
         try:
-            self.sock.send_multipart(protocol.encode(msg), copy=False, flags=0 if block else zmq.NOBLOCK)
+            conn.sock.send_multipart(protocol.encode(msg), copy=False, flags=0 if block else zmq.NOBLOCK)
         except zmq.Again:
             if block:
-                raise RequestTimeout(f"cannot reach {self.address} (not running, or keys refused)") from None
+                raise RequestTimeout(f"cannot reach {conn.address} (not running, or keys refused)") from None
 
-    def _recv(self, timeout_s: float | None = None) -> Msg | None:
-        """The next message from the broker; None when the connection to it was made again after
+    def _recv(self, conn: _Conn, timeout_s: float | None = None) -> Msg | None:
+        """The next message from that broker; None when the connection to it was made again after
         dropping (the caller sends what it has in flight again)."""
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            events = dict(self.poller.poll(int(left * 1000) + 1))
-            if self.monitor in events and self.link.event(self.monitor.recv_multipart()):
+            events = dict(conn.poller.poll(int(left * 1000) + 1))
+            if conn.monitor in events and conn.link.event(conn.monitor.recv_multipart()):
                 return None
-            if self.sock in events:
-                return protocol.decode(self.sock.recv_multipart(copy=False))
-        raise RequestTimeout(f"no answer from {self.address} within {timeout_s:.0f} s")
+            if conn.sock in events:
+                return protocol.decode(conn.sock.recv_multipart(copy=False))
+        raise RequestTimeout(f"no answer from {conn.address} within {timeout_s:.0f} s")
 
     def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
                **params: Any) -> Iterator[Chunk | Completion]:
         """Yield a ``Chunk`` per verify step, then the final ``Completion``."""
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
         submit = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
-        self._send(submit)
+        conn = self.conns[shard_of(req_id, len(self.conns))]
+        self._send(conn, submit)
         col = _Collector()
         finished, attempts = False, 0
         try:
             while True:
                 try:
-                    msg = self._recv()
+                    msg = self._recv(conn)
                 except RequestTimeout:
                     if attempts >= self.retries:
                         raise
                     attempts += 1  # same req_id: the broker re-attaches or replays, never duplicates
-                    self._send(submit)
+                    self._send(conn, submit)
                     continue
                 if msg is None:  # a new connection (a restarted broker): send it again
-                    self._send(submit)
+                    self._send(conn, submit)
                     continue
                 if getattr(msg, "req_id", None) not in (req_id, None):
                     continue  # a late message of an earlier, abandoned request
@@ -278,7 +295,7 @@ class Client:
                     _raise_error(msg)
         finally:
             if not finished:  # abandoned (or timed out): the broker should stop working on it
-                self._send(Cancel(req_id, self.session), block=False)
+                self._send(conn, Cancel(req_id, self.session), block=False)
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Run one request to the end; see ``SamplingParams`` for the keyword arguments."""
@@ -288,11 +305,15 @@ class Client:
         raise NebulaError("the stream ended without a result")
 
     def status(self) -> dict[str, Any]:
-        self._send(Status())
+        """The broker's state (``nebula-flow status --json``); a sharded deployment's merged."""
+        return merge_states([self._status(conn) for conn in self.conns])
+
+    def _status(self, conn: _Conn) -> dict[str, Any]:
+        self._send(conn, Status())
         while True:
-            msg = self._recv(min(self.timeout_s, 10.0))
+            msg = self._recv(conn, min(self.timeout_s, 10.0))
             if msg is None:
-                self._send(Status())
+                self._send(conn, Status())
             elif isinstance(msg, State):
                 return msg.state
 
@@ -303,14 +324,13 @@ class AsyncClient:
     in flight when the connection drops is sent again as soon as it is back."""
 
     def __init__(self, address: str, timeout_s: float = 120.0, keys: str | None = None, retries: int = 0) -> None:
+        """``address``: the broker's, or a sharded deployment's shards' separated by commas."""
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
-        self.sock, self.monitor = _socket(zmq.asyncio.Context.instance(), address, keys)
-        self.link = _Link()
+        self.conns = [_Conn(zmq.asyncio.Context.instance(), a, keys) for a in shard_addresses(address)]
         self.queues: dict[str, asyncio.Queue[Msg]] = {}
-        self.inflight: dict[str, Msg] = {}  # sent again when a dropped connection is back
-        self.reader: asyncio.Task | None = None
-        self.watcher: asyncio.Task | None = None
+        self.inflight: dict[str, tuple[_Conn, Msg]] = {}  # sent again when a dropped connection is back
+        self.tasks: list[asyncio.Task] = []  # each connection's reader and watcher
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -319,41 +339,40 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        for task in (self.reader, self.watcher):
-            if task is not None:
-                task.cancel()
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close()
+        for task in self.tasks:
+            task.cancel()
+        for conn in self.conns:
+            conn.close()
 
     def _start(self) -> None:
-        if self.reader is None:
-            self.reader = asyncio.ensure_future(self._read())
-            self.watcher = asyncio.ensure_future(self._watch())
+        if not self.tasks:
+            for i, conn in enumerate(self.conns):
+                self.tasks += [asyncio.ensure_future(self._read(i, conn)), asyncio.ensure_future(self._watch(conn))]
 
-    async def _watch(self) -> None:
-        """Send every request in flight again when a dropped connection to the broker is back."""
+    async def _watch(self, conn: _Conn) -> None:
+        """Send every request in flight to that broker again when its dropped connection is back."""
         while True:
-            if self.link.event(await self.monitor.recv_multipart()):
-                for msg in list(self.inflight.values()):
-                    await self.sock.send_multipart(protocol.encode(msg), copy=False)
+            if conn.link.event(await conn.monitor.recv_multipart()):
+                for to, msg in list(self.inflight.values()):
+                    if to is conn:
+                        await conn.sock.send_multipart(protocol.encode(msg), copy=False)
 
-    async def _read(self) -> None:
+    async def _read(self, index: int, conn: _Conn) -> None:
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
+            frames = await conn.sock.recv_multipart(copy=False)
             try:
                 msg = protocol.decode(frames)
             except ProtocolError:
                 continue
-            key = getattr(msg, "req_id", None) or ("__status__" if isinstance(msg, State) else None)
+            key = getattr(msg, "req_id", None) or (f"__status__{index}" if isinstance(msg, State) else None)
             if key in self.queues:
                 self.queues[key].put_nowait(msg)
 
-    async def _send(self, msg: Msg) -> None:
+    async def _send(self, conn: _Conn, msg: Msg) -> None:
         try:
-            await asyncio.wait_for(self.sock.send_multipart(protocol.encode(msg), copy=False), self.timeout_s)
+            await asyncio.wait_for(conn.sock.send_multipart(protocol.encode(msg), copy=False), self.timeout_s)
         except TimeoutError:
-            raise RequestTimeout(f"cannot reach {self.address} (not running, or keys refused)") from None
+            raise RequestTimeout(f"cannot reach {conn.address} (not running, or keys refused)") from None
 
     async def _next(self, queue: asyncio.Queue[Msg]) -> Msg:
         try:
@@ -368,8 +387,9 @@ class AsyncClient:
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues[req_id] = queue
         msg = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
-        self.inflight[req_id] = msg
-        await self._send(msg)
+        conn = self.conns[shard_of(req_id, len(self.conns))]
+        self.inflight[req_id] = (conn, msg)
+        await self._send(conn, msg)
         col = _Collector()
         finished, attempts = False, 0
         try:
@@ -380,7 +400,7 @@ class AsyncClient:
                     if attempts >= self.retries:
                         raise
                     attempts += 1  # same req_id: the broker re-attaches or replays, never duplicates
-                    await self._send(msg)
+                    await self._send(conn, msg)
                     continue
                 if isinstance(reply, Tokens):
                     chunk = col.chunk(reply)
@@ -398,22 +418,27 @@ class AsyncClient:
             self.inflight.pop(req_id, None)
             if not finished:
                 try:
-                    await self.sock.send_multipart(protocol.encode(Cancel(req_id, self.session)),
+                    await conn.sock.send_multipart(protocol.encode(Cancel(req_id, self.session)),
                                                    flags=zmq.NOBLOCK)
-                except zmq.Again:
+                except zmq.ZMQError:  # (no room to queue it, or the client was closed)
                     pass
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         return await completion_of(self.stream(prompt, **kwargs))
 
     async def status(self) -> dict[str, Any]:
+        """The broker's state; a sharded deployment's merged (``shards.merge_states``)."""
         self._start()
+        return merge_states(list(await asyncio.gather(*(self._status(i, c) for i, c in enumerate(self.conns)))))
+
+    async def _status(self, index: int, conn: _Conn) -> dict[str, Any]:
+        key = f"__status__{index}"
         queue: asyncio.Queue[Msg] = asyncio.Queue()
-        self.queues["__status__"] = queue
-        self.inflight["__status__"] = Status()  # (asked again on a new connection too)
+        self.queues[key] = queue
+        self.inflight[key] = (conn, Status())  # (asked again on a new connection too)
         try:
-            await self._send(Status())
+            await self._send(conn, Status())
             return (await self._next(queue)).state
         finally:
-            self.queues.pop("__status__", None)
-            self.inflight.pop("__status__", None)
+            self.queues.pop(key, None)
+            self.inflight.pop(key, None)

@@ -6,6 +6,8 @@
     adaptive_k = true
     [broker]                     # any other BrokerOptions field: ports, proposal_top_k, limits, ...
     client_port = 5555
+    shards = 1                   # brokers, each owning a slice of the requests (nebula_flow/shards.py);
+                                 # shard i binds client_port + 2i and worker_port + 2i
     [draft]
     model = "cache:tiny-pair/draft"
     workers = 1
@@ -201,6 +203,8 @@ def load_config(path: str | Path | None) -> DeployConfig:
     broker = dict(raw.get("broker", {}))
     if moved := sorted(set(broker) & set(knob_names())):
         raise ConfigError(f"{path} [broker]: {', '.join(moved)} are policy knobs: put them under [policy]")
+    if "shard" in broker:
+        raise ConfigError(f"{path} [broker]: a deployment numbers its shards itself; set shards = N (brokers)")
     try:
         broker["policy"] = PolicyConfig.from_table(raw.get("policy", {}), f"{path} [policy]")
     except PolicyError as exc:

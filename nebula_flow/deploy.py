@@ -21,9 +21,10 @@ from typing import Any
 
 from nebula_flow.client import Client, NebulaError
 from nebula_flow.config import DeployConfig, PoolConfig
-from nebula_flow.options import WorkerOptions, write_options
+from nebula_flow.options import BrokerOptions, WorkerOptions, write_options
 from nebula_flow.process import PARENT_ENV, RESTARTS_ENV
 from nebula_flow.security import ensure_key
+from nebula_flow.shards import fewest_workers
 from nebula_flow.supervisor import ChildRecord, describe_exit, judge
 
 # glibc's default allocator returns and re-faults large buffers on every forward pass; these
@@ -67,6 +68,15 @@ def device_for(device: str, index: int) -> str:
     return f"cuda:{index % count}" if count > 1 else device
 
 
+def broker_name(shard: int, shards: int) -> str:
+    """The broker's log and process name: "broker", or "broker-<shard>" when the requests are sharded."""
+    return "broker" if shards == 1 else f"broker-{shard}"
+
+
+def is_broker(name: str) -> bool:
+    return name == "broker" or name.startswith("broker-")
+
+
 def worker_name(role: str, index: int) -> str:
     """Worker ``index`` of a plan: its log, its options file and, with keys, its keypair."""
     return f"{role}-{index}"
@@ -95,16 +105,26 @@ class Deployment:
         self.http_url: str | None = None
         b = cfg.broker
         self.auto_ports = b.client_port == 0 or b.worker_port == 0
-        if b.client_port == 0:
-            b.client_port = free_port()
-        if b.worker_port == 0:
-            b.worker_port = free_port()
         b.model = b.model or cfg.target.model
         b.model_name = b.model_name or cfg.target.name or b.model
+        self.shards = [self._shard_options(i) for i in range(b.shards)]  # (one, unless [broker] shards > 1)
+        b.client_port, b.worker_port = self.shards[0].client_port, self.shards[0].worker_port
+
+    def _shard_options(self, shard: int) -> BrokerOptions:
+        """Shard ``shard``'s broker: the config's ports plus 2 per shard (free ones where the config
+        asks for any), its own metrics port and policy log beside the first's."""
+        b = self.cfg.broker
+        step = 2 * shard
+        metrics = b.metrics_port + shard if b.metrics_port else b.metrics_port
+        log = f"{b.policy_log}.{shard}" if b.policy_log and b.shards > 1 else b.policy_log
+        return replace(b, shard=shard, client_port=b.client_port + step if b.client_port else free_port(),
+                       worker_port=b.worker_port + step if b.worker_port else free_port(),
+                       metrics_port=metrics, policy_log=log)
 
     @property
     def address(self) -> str:
-        return self.cfg.broker.client_address
+        """Where clients connect: the broker's address, or every shard's separated by commas."""
+        return ",".join(opts.client_address for opts in self.shards)
 
     def _spawn(self, name: str, args: list[str], threads: int = 1, restarts: int = 0) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), **ALLOCATOR_ENV,
@@ -129,7 +149,8 @@ class Deployment:
         if self.cfg.broker.keys:  # one key per worker, made on its first start (revocable alone)
             for i, (role, _) in enumerate(plan):
                 ensure_key(Path(self.cfg.broker.keys), "worker", worker_name(role, i))
-        self._start_broker(timeout_s)
+        for shard in range(len(self.shards)):
+            self._start_broker(shard, timeout_s)
         for i, (role, pool) in enumerate(plan):
             name = worker_name(role, i)
             opts = self.worker_options(role, pool, i, name, pool.threads or default_threads(role, plan))
@@ -142,7 +163,7 @@ class Deployment:
         """What worker ``index`` of the plan runs with (written beside its log)."""
         colocated = role in ("colocated", "any")  # (both models)
         return replace(WorkerOptions(
-            role=role, broker=self.cfg.broker.worker_address, model=str(pool.model), name=name,
+            role=role, broker=",".join(o.worker_address for o in self.shards), model=str(pool.model), name=name,
             capacity=pool.max_batch, threads=threads, device=device_for(pool.device, index), dtype=pool.dtype,
             batch_invariant=pool.batch_invariant, max_kv_gb=pool.max_kv_gb, kv_pool_gb=pool.kv_pool_gb,
             kv_transport=self.cfg.kv_transport, profile=pool.profile,
@@ -151,14 +172,16 @@ class Deployment:
             draft_capacity=self.cfg.draft.max_batch if role == "any" else None,
             drafter=pool.drafter if role == "draft" else None), **self.worker_changes)
 
-    def _start_broker(self, timeout_s: float, attempts: int = 5) -> None:
-        """Start the broker and wait until it answers. A port picked free by ``free_port`` can
-        be taken by another process before the broker binds it: then pick new ones and retry."""
+    def _start_broker(self, shard: int, timeout_s: float, attempts: int = 5) -> None:
+        """Start a broker (shard ``shard``) and wait until it answers. A port picked free by
+        ``free_port`` can be taken by another process before the broker binds it: then pick new
+        ones and retry."""
         for attempt in range(attempts):
-            self._spawn_broker()
-            name, proc = self.procs[-1]
+            opts = self.shards[shard]
+            name = broker_name(shard, len(self.shards))
+            proc = self._spawn(name, ["broker", "--options", str(write_options(opts, self.log_dir / f"{name}.json"))])
             deadline = time.monotonic() + timeout_s
-            with Client(self.address, timeout_s=1.0, keys=self.cfg.broker.keys) as client:
+            with Client(opts.client_address, timeout_s=1.0, keys=self.cfg.broker.keys) as client:
                 while proc.poll() is None and time.monotonic() < deadline:
                     try:
                         client.status()
@@ -171,11 +194,10 @@ class Deployment:
             if not (self.auto_ports and "Address already in use" in tail) or attempt == attempts - 1:
                 raise DeploymentError(f"broker exited with code {proc.returncode}:\n{tail}")
             self.procs.pop()
-            b = self.cfg.broker
-            b.client_port, b.worker_port = free_port(), free_port()
-
-    def _spawn_broker(self) -> None:
-        self._spawn("broker", ["broker", "--options", str(write_options(self.cfg.broker, self.log_dir / "broker.json"))])
+            self.shards[shard] = replace(opts, client_port=free_port(), worker_port=free_port())
+            if shard == 0:
+                self.cfg.broker.client_port, self.cfg.broker.worker_port = (self.shards[0].client_port,
+                                                                            self.shards[0].worker_port)
 
     def start_api(self, host: str, port: int, api_key: str | None = None, model_name: str | None = None,
                   timeout_s: float = 60.0) -> str:
@@ -205,7 +227,7 @@ class Deployment:
             while time.monotonic() < deadline:
                 self.check_alive()
                 try:
-                    if len(client.status()["workers"]) >= n_workers:
+                    if fewest_workers(client.status()) >= n_workers:  # (with shards: at every shard)
                         return
                 except NebulaError:
                     pass
@@ -237,7 +259,7 @@ class Deployment:
                 continue
             record.given_up = True
             tail = self.log_tail(name, 10)
-            if name == "broker":
+            if is_broker(name):
                 raise DeploymentError(f"{what}; giving up: {verdict.reason}; nothing serves without it. "
                                       f"Logs in {self.log_dir}:\n{tail}")
             events.append(f"{what}; giving up on it: {verdict.reason}. The rest keep serving. "
@@ -270,7 +292,7 @@ class Deployment:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM workers then the broker; SIGKILL whatever is still running after the timeout."""
-        for _, proc in sorted(self.procs, key=lambda p: p[0] == "broker"):
+        for _, proc in sorted(self.procs, key=lambda p: is_broker(p[0])):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s

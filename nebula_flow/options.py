@@ -36,12 +36,18 @@ class BrokerOptions:
     metrics_token_file: str | None = None  # a file holding the token scrapers send (Authorization: Bearer ...)
     keys: str | None = None  # CURVE key folder (see nebula_flow/security.py); required off loopback
     policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
+    shard: int = 0  # this broker's slice of the requests: request numbers shard+1, shard+1+shards, ... (see deploy)
+    shards: int = 1  # brokers sharing the deployment's requests (each with its own ports; no coordination)
 
     def check(self) -> None:
         """Refuse timing that declares healthy workers dead: a worker beats once per heartbeat_s,
         so a liveness under two beats drops any worker whose beat is a little late."""
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1, got {self.shards}")
+        if not 0 <= self.shard < self.shards:
+            raise ValueError(f"shard must be 0..{self.shards - 1} (of shards={self.shards}), got {self.shard}")
         if self.liveness_s < 2 * self.heartbeat_s:
             raise ValueError(f"liveness_s ({self.liveness_s}) must be at least twice heartbeat_s "
                              f"({self.heartbeat_s})")

@@ -23,3 +23,18 @@ def test_bench_broker_measures_rounds_and_broker_cpu(tiny_pair) -> None:  # noqa
     assert pooled["rounds"] == 12 * 5 and pooled["tokens_per_round"] == 4.0
     assert ar["rounds"] == 12 * 20 and ar["tokens_per_round"] == 1.0
     assert all(0 < m["broker_cpu_us_per_round"] < 100_000 and m["round_rate"] > 0 for m in modes.values())
+
+
+def test_bench_broker_measures_each_shard(tiny_pair) -> None:  # noqa: ANN001
+    res = CliRunner().invoke(main, ["bench-broker", "--modes", "pooled", "--shards", "1,2", "--model",
+                                    str(tiny_pair / "target"), "--workers", "1", "--requests", "12", "--concurrency",
+                                    "6", "--max-new-tokens", "20", "--k", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    shards = json.loads(res.output.strip().splitlines()[-1])["shards"]
+    one, two = shards["1"], shards["2"]
+    assert one["rounds"] == two["rounds"] == 12 * 5 and two["tokens_per_round"] == 4.0
+    # the 12 requests were split by id over both shards, and each shard's CPU is over its own rounds
+    assert len(two["shard_rounds"]) == 2 and all(n > 0 for n in two["shard_rounds"]) and sum(two["shard_rounds"]) == 60
+    assert all(0 < c < 100_000 for c in two["shard_cpu_us_per_round"])
+    bad = CliRunner().invoke(main, ["bench-broker", "--shards", "0"])
+    assert bad.exit_code != 0 and "shard counts >= 1" in bad.output

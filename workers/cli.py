@@ -27,7 +27,8 @@ from nebula_flow.options import WorkerOptions, read_options
               "to the one that pays best for its request). Workers of one drafter must run the same model. "
               "[default: the model folder's name; ngram for the n-gram drafter]")
 @click.option("--broker", "broker_addr", default="tcp://127.0.0.1:5556", show_default=True,
-              help="The broker's worker address.")
+              help="The broker's worker address; a sharded deployment's every shard's, comma-separated (the worker "
+              "serves them all).")
 @click.option("--name", default="", help="Name shown in status and logs.")
 @click.option("--max-batch", default=8, show_default=True, help="Tasks per batch (the credits of each PULL).")
 @click.option("--draft-max-batch", type=int, help="Role any: tasks per draft batch, where more than --max-batch (a small "

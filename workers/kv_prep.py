@@ -31,7 +31,7 @@ class KVPrep:
 
     def __init__(self, served: dict[str, KVStore], stores: list[KVStore], transport: KVTransport | None) -> None:
         self.served, self.stores, self.transport = served, stores, transport
-        self.worker_id = 0  # this worker's id at the broker (a holder that is us needs no pull)
+        self.endpoint: str | None = None  # this worker's KV server (a holder that is us needs no pull)
 
     def lookup(self, rid: int, role: str, start: int, end: int):  # noqa: ANN201 - KV server thread
         """What a peer asks this worker's KV server for: positions ``start:end`` of ``rid``'s ``role`` KV."""
@@ -50,7 +50,7 @@ class KVPrep:
             needs = {"draft": [("draft", t.holder)], "ahead": [("draft", t.holder)], "verify": [("target", t.holder)]}.get(
                 t.kind, [("draft", t.holder), ("target", t.target_holder)])
             for role, h in needs:
-                if role in self.served and h is not None and h.endpoint and h.worker != self.worker_id and h.valid > 0:
+                if role in self.served and h is not None and h.endpoint and h.endpoint != self.endpoint and h.valid > 0:
                     by_holder.setdefault((h.endpoint, role), []).append((t.rid, t.tokens, h.valid))
         if local is None:
             return by_holder

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,7 +32,6 @@ from nebula_flow.protocol import (
     Error,
     Free,
     Heartbeat,
-    Msg,
     ProtocolError,
     Pull,
     Register,
@@ -44,8 +43,10 @@ from nebula_flow.protocol import (
     Welcome,
 )
 from nebula_flow.routing import drafter_name
-from nebula_flow.security import Identity, is_loopback, keys_dir, make_client
+from nebula_flow.security import Identity, is_loopback, keys_dir
+from nebula_flow.shards import addresses as shard_addresses
 from nebula_flow_workers.kv_prep import KVPrep
+from nebula_flow_workers.link import BrokerLink
 from nebula_flow_workers.ngram import NgramRunner
 from nebula_flow_workers.runner import ModelRunner, Task
 from nebula_flow_workers.tasks import failed, runnable
@@ -101,13 +102,19 @@ class Worker:
                   if r is not None and r.store is not None and opts.role in (role, "any")}
         self.transport = make_transport(opts.kv_transport, self.identity, opts.device) if served else None
         self.kv = KVPrep(served, self.stores, self.transport)
-        self.kv_endpoint = self.transport.serve(opts.kv_host, self.kv.lookup) if self.transport else None
+        self.kv_endpoint = self.kv.endpoint = self.transport.serve(opts.kv_host, self.kv.lookup) if self.transport else None
         if self.transport is not None and self.transport.share_folder is not None:  # same-host peers read our files
             for role, runner in (("draft", self.draft), ("target", self.target)):
                 if runner is not None and runner.store is not None:
                     runner.store.share_into(self.transport.share_folder, role, None if opts.kv_pool_gb is None
                                             else int(opts.kv_pool_gb * (1 << 30)))
         self.wake_r, self.wake_w = os.pipe()
+        self.links = [BrokerLink(address, self.identity) for address in shard_addresses(opts.broker)]
+        self.origin: dict[int, BrokerLink] = {}  # request number -> the broker that sent its tasks
+        self.pending: list[Task] = []  # tasks received, waiting for the batch computing now
+        self.prefetch: Future | None = None  # the pending tasks' KV pulls
+        self.clock = BatchClock()  # the pending batch's
+        self.frees: list[int] = []  # requests whose KV the next batch drops first
         self.stopping = False
         self.exit_code = 0
         self.errors = 0
@@ -156,17 +163,13 @@ class Worker:
             facts.update(vocab_size=runner.model.cfg.vocab_size, max_model_len=runner.model.cfg.max_position_embeddings)
         return facts
 
-    def _send(self, msg: Msg) -> None:
-        self.sock.send_multipart(protocol.encode(msg), copy=False)
-        self.last_sent = time.monotonic()
-
-    def _register(self) -> None:
+    def _register(self, link: BrokerLink) -> None:
         msg = Register(self.opts.role, self.name, self.opts.capacity, self._model_facts(), self.kv_endpoint,
                        self.drafter, os.getpid(), restarts(), self.opts.draft_capacity if self.opts.role == "any" else None)
-        self._send(msg)
-        self.registered, self.register_sent = False, time.monotonic()
+        link.send(msg)
+        link.registered, link.register_sent = False, time.monotonic()
 
-    def _runnable(self, msg: Tasks) -> list[Task]:
+    def _runnable(self, link: BrokerLink, msg: Tasks) -> list[Task]:
         """A TASKS batch's runnable tasks. A task that is malformed or that this worker cannot run
         is answered with an error result for its request (so the broker ends that request instead
         of waiting); the good ones still run."""
@@ -179,12 +182,12 @@ class Worker:
             except ProtocolError as exc:
                 result = failed(item, exc)
                 if result is None:  # (it names no task: the broker hears of it as an error)
-                    self._complain(exc)
+                    self._complain(link, exc)
                     continue
                 self.errors += 1
                 failures.append(result)
         if failures:
-            self._send(Result(failures))
+            link.send(Result(failures))
         return tasks
 
     # -- compute (runs on the compute thread) -----------------------------------------------
@@ -271,70 +274,49 @@ class Worker:
         return Result(results, busy, self.kv.stats(self.stall_s), self._device_stats(), timing), ended, clock.arrived
 
     # -- the loop --------------------------------------------------------------------------
-    def _connect(self, poller: zmq.Poller) -> None:
-        """A fresh DEALER (a new identity: the broker sees a new worker) and a REGISTER."""
-        old = getattr(self, "sock", None)
-        if old is not None:
-            poller.unregister(old)
-            old.close(linger=0)
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        if self.identity:
-            make_client(self.sock, self.identity)
-        self.sock.connect(self.opts.broker)
-        poller.register(self.sock, zmq.POLLIN)
-        self.last_heard = time.monotonic()
-        self._register()
-
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         poller = zmq.Poller()
         poller.register(self.wake_r, zmq.POLLIN)
-        self._connect(poller)
-        backoff = 1.0
+        for link in self.links:
+            link.connect(poller)
+            self._register(link)
         computing: Future | None = None
-        pending: list[Task] | None = None
-        prefetch: Future | None = None
-        clock = BatchClock()  # the pending batch's
-        # The PULL waiting at the broker: None, "busy" (sent while computing: prefetch) or "idle".
-        # A worker that goes idle with a "busy" PULL parked says so again, so the broker's
-        # locality rules (only idle workers take tasks held elsewhere) see it as idle.
-        pull_out: str | None = None
-        frees: list[int] = []
         while True:
             if orphaned():  # the deployment that started us is gone: do not linger
                 self.stopping = True
-            if self.stopping and pull_out is not None and self.registered:
-                # Leaving: withdraw the PULL parked at the broker, so no new task is sent here
-                # only to be re-queued when the BYE arrives.
-                self._send(Pull(0, computing is None))
-                pull_out = None
+            for link in self.links if self.stopping else ():
+                if link.pull_out is not None and link.registered:
+                    # Leaving: withdraw the PULL parked at the broker, so no new task is sent here
+                    # only to be re-queued when the BYE arrives.
+                    link.send(Pull(0, computing is None))
+                    link.pull_out = None
             if self.stopping and computing is None:
-                if self.registered:
-                    self._send(Bye())
+                for link in self.links:
+                    if link.registered:
+                        link.send(Bye())
                 break
-            if self.registered and not self.stopping:
-                if computing is None and pending:
-                    computing = self.executor.submit(self._compute, pending, frees, prefetch, clock)
-                    computing.add_done_callback(lambda _f: os.write(self.wake_w, b"x"))
-                    pending, frees, prefetch, clock = None, [], None, BatchClock()
-                idle = computing is None
-                if pending is None and (pull_out is None or (idle and pull_out == "busy")):
-                    self._send(Pull(self.credits, idle))
-                    pull_out = "idle" if idle else "busy"
-            if time.monotonic() - self.last_sent >= self.heartbeat_s:
-                self._send(Heartbeat())
+            if not self.stopping:
+                if computing is None and self.pending:
+                    computing = self._start_batch()
+                self._pull(idle=computing is None)
+            now = time.monotonic()
             # (never under three of the broker's beats: a broker set to beat slowly is not gone)
             liveness = max(self.opts.liveness_s, 3 * self.heartbeat_s)
-            if time.monotonic() - self.last_heard > liveness * (backoff if not self.registered else 1):
-                # The broker is gone (or never answered): reconnect, waiting longer each time.
-                log.warning("no word from the broker for %.0f s: reconnecting", time.monotonic() - self.last_heard)
-                self._connect(poller)
-                pull_out, backoff = None, min(backoff * 2, 16.0)
+            for link in self.links:
+                if now - link.last_sent >= self.heartbeat_s:
+                    link.send(Heartbeat())
+                if link.silent_for(now) > liveness * (link.backoff if not link.registered else 1):
+                    # That broker is gone (or never answered): reconnect, waiting longer each time.
+                    log.warning("no word from the broker at %s for %.0f s: reconnecting", link.address,
+                                link.silent_for(now))
+                    link.connect(poller)
+                    self._register(link)
+                    link.backoff = min(link.backoff * 2, 16.0)
             # Wake when the next heartbeat is due, not a whole interval after the last look:
             # sleeping a full interval let two beats lie up to twice the interval apart.
-            due = self.last_sent + self.heartbeat_s - time.monotonic()
+            due = min(link.last_sent for link in self.links) + self.heartbeat_s - time.monotonic()
             events = dict(poller.poll(timeout=max(1, int(due * 1000) + 1)))
             if self.wake_r in events:
                 os.read(self.wake_r, 64)
@@ -343,74 +325,115 @@ class Worker:
                     result, ended, arrived = computing.result()
                     now = time.perf_counter()
                     result.timing.handoff_s, result.timing.span_s = now - ended, now - arrived
-                    self._send(result)
+                    self._send_result(result)
                 except Exception:  # a bug in compute must not kill the worker silently
                     log.exception("batch failed")
                     self.errors += 1
                 computing = None
-            if self.sock in events:
-                frames = self.sock.recv_multipart(copy=False)
-                arrived = time.perf_counter()
-                self.last_heard = time.monotonic()
-                try:
-                    msg = protocol.decode(frames)
-                except ProtocolError as exc:
-                    self._complain(exc)
-                    continue
-                if isinstance(msg, Welcome):
-                    self.registered, pull_out, backoff = True, None, 1.0
-                    self.kv.worker_id = msg.worker_id
-                    log.info("%s registered as worker %d (slot %d, mode %s)", self.name,
-                             msg.worker_id, msg.slot, msg.mode)
-                    settings = msg.settings
-                    for r in self.runners:
-                        r.proposal_top_k = int(settings.get("proposal_top_k", r.proposal_top_k))
-                        r.max_forward_tokens = int(settings.get("max_forward_tokens", 0))
-                    # The broker judges liveness against its own interval: beat at that pace.
-                    self.heartbeat_s = float(settings.get("heartbeat_s", self.heartbeat_s))
-                elif isinstance(msg, Tasks):
-                    pull_out = None
-                    batch = self._runnable(msg)
-                    if batch:  # start this batch's KV pulls now, while the current batch computes
-                        if not pending:  # (its span starts when its first tasks arrived)
-                            clock.arrived = arrived
-                        clock.decode_s += time.perf_counter() - arrived
-                        # (two answers can cross a re-sent PULL: extend the waiting batch; the
-                        # prefetch thread runs in order, so the last future covers both)
-                        pending = (pending or []) + batch
-                        # (a batch whose KV is all here or in this host's memory skips the prefetch
-                        # thread: a thread handoff per batch is ~0.1 ms on a single stream's critical path)
-                        pulls = self.kv.pulls(batch, local=False) if self.opts.kv_overlap else {}
-                        room = self.kv.room_to_make(batch) if self.opts.kv_overlap else {}
-                        if pulls or room:
-                            prefetch = self.prefetcher.submit(self.kv.prefetch, pulls, room)
-                elif isinstance(msg, Free):
-                    frees.extend(r for r in msg.rids if isinstance(r, int))
-                elif isinstance(msg, Error):
-                    if msg.code == "revoked":  # this worker's key was taken back: it must not serve
-                        log.error("the broker dropped this worker: %s", msg.message)
-                        self.exit_code, self.stopping = 2, True
-                    elif msg.code == "unknown_worker":  # the broker restarted: join again
-                        # (once: every message sent before the WELCOME is answered so, and each
-                        # REGISTER after the first would replace the last, re-queueing its tasks;
-                        # again if no WELCOME came: that REGISTER went to a broker that died)
-                        if self.registered or time.monotonic() - self.register_sent > 2 * self.heartbeat_s:
-                            pull_out = None
-                            self._register()
-                    elif not self.registered and msg.code in REFUSALS:
-                        # The broker refused this worker (wrong role for its mode, bad endpoint, ...):
-                        # retrying cannot help, and exiting lets a deployment report it at once.
-                        log.error("the broker refused to register this worker: %s", msg.message)
-                        self.exit_code = 2
-                        self.stopping = True
-                    else:
-                        log.warning("broker error: %s", msg.message)
+            for link in self.links:
+                if link.sock in events:
+                    self._on_message(link)
         self.executor.shutdown(wait=True)
         self.prefetcher.shutdown(wait=True)
         if self.transport is not None:
             self.transport.close()
-        self.sock.close()
+        for link in self.links:
+            link.close()
         return self.exit_code
+
+    def _start_batch(self) -> Future:
+        """Start computing the waiting tasks (at most a PULL's credits: with several brokers more
+        may have come; the rest run next, their KV already pulled)."""
+        batch, self.pending = self.pending[:self.credits], self.pending[self.credits:]
+        computing = self.executor.submit(self._compute, batch, self.frees, self.prefetch, self.clock)
+        computing.add_done_callback(lambda _f: os.write(self.wake_w, b"x"))
+        self.frees, self.prefetch, self.clock = [], None, BatchClock(arrived=time.perf_counter())
+        return computing
+
+    def _pull(self, idle: bool) -> None:
+        """Park a PULL at every broker none of whose tasks wait here. A worker that goes idle with
+        a "busy" PULL parked says so again, so the broker's locality rules (only idle workers take
+        tasks held elsewhere) see it as idle."""
+        waiting = {self.origin.get(t.rid) for t in self.pending}
+        for link in self.links:
+            if link.registered and link not in waiting and (link.pull_out is None or (idle and link.pull_out == "busy")):
+                link.send(Pull(self.credits, idle))
+                link.pull_out = "idle" if idle else "busy"
+
+    def _send_result(self, result: Result) -> None:
+        """Each broker gets the results of its own tasks, with the batch's timing and counters."""
+        by_link: dict[BrokerLink, list[TaskResult]] = {}
+        for r in result.results:
+            by_link.setdefault(self.origin.get(r.rid, self.links[0]), []).append(r)
+        for link, results in by_link.items():
+            link.send(replace(result, results=results))
+
+    def _on_message(self, link: BrokerLink) -> None:
+        frames = link.sock.recv_multipart(copy=False)
+        arrived = time.perf_counter()
+        link.last_heard = time.monotonic()
+        try:
+            msg = protocol.decode(frames)
+        except ProtocolError as exc:
+            self._complain(link, exc)
+            return
+        if isinstance(msg, Welcome):
+            link.registered, link.pull_out, link.backoff, link.worker_id = True, None, 1.0, msg.worker_id
+            log.info("%s registered as worker %d at %s (slot %d, mode %s)", self.name, msg.worker_id,
+                     link.address, msg.slot, msg.mode)
+            settings = msg.settings
+            for r in self.runners:
+                r.proposal_top_k = int(settings.get("proposal_top_k", r.proposal_top_k))
+                r.max_forward_tokens = int(settings.get("max_forward_tokens", 0))
+            # The broker judges liveness against its own interval: beat at that pace.
+            self.heartbeat_s = float(settings.get("heartbeat_s", self.heartbeat_s))
+        elif isinstance(msg, Tasks):
+            link.pull_out = None
+            for item in msg.tasks:
+                if isinstance(getattr(item, "rid", None), int):
+                    self.origin[item.rid] = link
+            batch = self._runnable(link, msg)
+            if batch:  # start this batch's KV pulls now, while the current batch computes
+                if not self.pending:  # (its span starts when its first tasks arrived)
+                    self.clock.arrived = arrived
+                self.clock.decode_s += time.perf_counter() - arrived
+                # (two answers can cross a re-sent PULL: extend the waiting batch; the
+                # prefetch thread runs in order, so the last future covers both)
+                self.pending += batch
+                # (a batch whose KV is all here or in this host's memory skips the prefetch
+                # thread: a thread handoff per batch is ~0.1 ms on a single stream's critical path)
+                pulls = self.kv.pulls(batch, local=False) if self.opts.kv_overlap else {}
+                room = self.kv.room_to_make(batch) if self.opts.kv_overlap else {}
+                if pulls or room:
+                    self.prefetch = self.prefetcher.submit(self.kv.prefetch, pulls, room)
+        elif isinstance(msg, Free):
+            rids = [r for r in msg.rids if isinstance(r, int)]
+            self.frees.extend(rids)
+            for rid in rids:
+                if self.origin.get(rid) is link:
+                    del self.origin[rid]
+        elif isinstance(msg, Error):
+            self._on_error(link, msg)
+
+    def _on_error(self, link: BrokerLink, msg: Error) -> None:
+        if msg.code == "revoked":  # this worker's key was taken back: it must not serve
+            log.error("the broker dropped this worker: %s", msg.message)
+            self.exit_code, self.stopping = 2, True
+        elif msg.code == "unknown_worker":  # that broker restarted: join again
+            # (once: every message sent before the WELCOME is answered so, and each
+            # REGISTER after the first would replace the last, re-queueing its tasks;
+            # again if no WELCOME came: that REGISTER went to a broker that died)
+            if link.registered or time.monotonic() - link.register_sent > 2 * self.heartbeat_s:
+                link.pull_out = None
+                self._register(link)
+        elif not link.registered and msg.code in REFUSALS:
+            # The broker refused this worker (wrong role for its mode, bad endpoint, ...):
+            # retrying cannot help, and exiting lets a deployment report it at once.
+            log.error("the broker refused to register this worker: %s", msg.message)
+            self.exit_code = 2
+            self.stopping = True
+        else:
+            log.warning("broker error: %s", msg.message)
 
     def _device_stats(self) -> dict[str, Any]:
         """Forward passes run and each model's numerics; on emulated devices also how far the host
@@ -440,11 +463,11 @@ class Worker:
             out["emulated_overrun_s"] = sum(m.overrun_s for m in emulated)
         return out
 
-    def _complain(self, exc: ProtocolError) -> None:
-        """Count a malformed message and tell the broker, which counts it too."""
+    def _complain(self, link: BrokerLink, exc: ProtocolError) -> None:
+        """Count a malformed message and tell the broker that sent it, which counts it too."""
         self.errors += 1
-        log.warning("rejected a message from the broker: %s", exc)
-        self._send(Error(exc.code, exc.message))
+        log.warning("rejected a message from the broker at %s: %s", link.address, exc)
+        link.send(Error(exc.code, exc.message))
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stopping = True

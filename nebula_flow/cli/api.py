@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import click
 
-from nebula_flow.cli.common import DEFAULT_BROKER
+from nebula_flow.cli.common import broker_option
 
 API_KEY_ENV = "NEBULA_FLOW_API_KEY"  # (the key travels in the environment: argv is visible to every local user)
 
@@ -45,7 +45,7 @@ def http_options(f: Callable) -> Callable:
 
 
 @click.command()
-@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@broker_option
 @click.option("--port", default=8000, show_default=True, help="HTTP port (0: any free port, printed).")
 @click.option("--keys", type=click.Path(file_okay=False), help="CURVE key folder, where the broker uses keys "
               "(default: $NEBULA_FLOW_KEYS).")

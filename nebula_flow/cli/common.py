@@ -20,6 +20,9 @@ from nebula_flow.roles import MODES
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "default.toml"
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+broker_option = click.option(
+    "--broker", "address", default=DEFAULT_BROKER, show_default=True,
+    help="The broker's client address (a sharded deployment's: every shard's, comma-separated, as `serve` prints it).")
 
 
 def load_deploy(config: str | None) -> DeployConfig:
@@ -164,14 +167,18 @@ def deploy_options(f: Callable) -> Callable:
 
 def start_deployment(config: str | None, mode: str | None, draft_workers: int | None, target_workers: int | None,
                      port: int | None, log_dir: str | None, add_drafters: tuple[str, ...] = (),
-                     settings: tuple[str, ...] = (), secure_local: bool = False):  # noqa: ANN201
+                     settings: tuple[str, ...] = (), secure_local: bool = False, shards: int | None = None):  # noqa: ANN201
     """Start the deployment ``deploy_options`` describe, printing progress; returns it running.
     ``secure_local``: CURVE keys on loopback too (a private key folder in the log folder unless
-    the config names one), for hosts whose other users must not reach the deployment."""
+    the config names one), for hosts whose other users must not reach the deployment. ``shards``:
+    brokers sharing the requests (the config's ``[broker] shards`` otherwise)."""
     from nebula_flow.deploy import Deployment, DeploymentError
     from nebula_flow.security import generate_keys
 
-    cfg = apply_overrides(load_deploy(config), mode, draft_workers, target_workers, port, add_drafters, settings)
+    cfg = load_deploy(config)
+    if shards is not None:
+        cfg.broker.shards = shards
+    cfg = apply_overrides(cfg, mode, draft_workers, target_workers, port, add_drafters, settings)
     prepare_models(cfg)
     dep = Deployment(cfg, log_dir)
     if secure_local and not cfg.broker.keys:
@@ -180,7 +187,8 @@ def start_deployment(config: str | None, mode: str | None, draft_workers: int | 
         click.echo(f"CURVE keys in {cfg.broker.keys}: clients need NEBULA_FLOW_KEYS={cfg.broker.keys} "
                    "(and their key: `nebula-flow keys DIR add-client NAME`, NEBULA_FLOW_CLIENT_KEY=NAME)", err=True)
     plan = cfg.worker_plan()
-    click.echo(f"starting {cfg.mode}: broker + {len(plan)} workers "
+    brokers = "broker" if cfg.broker.shards == 1 else f"{cfg.broker.shards} brokers (shards)"
+    click.echo(f"starting {cfg.mode}: {brokers} + {len(plan)} workers "
                f"({', '.join(sorted({r for r, _ in plan}))}); logs in {dep.log_dir}", err=True)
     t0 = time.monotonic()
     try:

@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from nebula_flow.cli.common import (
-    DEFAULT_BROKER,
     apply_overrides,
+    broker_option,
     deploy_options,
     ensure_tiny_pair,
     load_deploy,
@@ -120,7 +120,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
 
 @click.command()
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False))
-@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@broker_option
 @click.option("--tokenizer", type=click.Path(), help="Tokenizer folder for traces without text (default: the "
               "target of --config or of the bundled config).")
 @click.option("--config", type=click.Path(), help="Deployment TOML whose target tokenizer to use.")
@@ -197,9 +197,14 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
               "pair's, built into the cache if missing).")
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False), help="Also run each broker under "
               "cProfile: write MODE.prof here and print its hottest functions.")
-@click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
+@click.option("--shards", "shard_counts", default="1", show_default=True, metavar="N[,N...]",
+              help="Measure with this many brokers sharing the requests (comma-separated counts: each is a run of "
+              "its own); with several shards the zero-cost workers serve them all and each shard's CPU per "
+              "request-round of its own requests is printed too.")
+@click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}, \"shards\": {count: {...}}} "
+              "as JSON (modes: at the first shard count; shards: the first mode at each count).")
 def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new_tokens, k, model, profile_dir,
-                     as_json) -> None:  # noqa: ANN001
+                     shard_counts, as_json) -> None:  # noqa: ANN001
     """Measure the broker alone: a real broker under zero-cost workers (forwards of 0 s, all in one
     light process) and clients; request-rounds/s, tasks/s and the broker's CPU time per
     request-round (its own user + system seconds over the rounds it ended: the figure that holds on
@@ -209,28 +214,40 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
     names = [m.strip() for m in modes.split(",") if m.strip()]
     if bad := [m for m in names if m not in MODES or m == "elastic"]:
         raise click.BadParameter(f"unknown or unsupported modes {bad}", param_hint="--modes")
+    try:
+        counts = [int(c) for c in shard_counts.split(",")]
+    except ValueError:
+        counts = [0]
+    if not counts or min(counts) < 1:
+        raise click.BadParameter("shard counts >= 1, comma-separated (e.g. 1,2,4)", param_hint="--shards")
     if model is None:
         model = str(ensure_tiny_pair() / "target")
-    results = {}
+    results: dict[tuple[str, int], dict] = {}
     for mode in names:
-        click.echo(f"[bench-broker] {mode}: {workers} zero-cost workers per stage, {n_requests} requests x "
-                   f"{max_new_tokens} tokens, {concurrency} in flight, k = {k}", err=True)
-        prof = Path(profile_dir) / f"{mode}.prof" if profile_dir else None
-        if prof is not None:
-            prof.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            results[mode] = bench_broker(mode, model, workers, max_batch, concurrency, n_requests, max_new_tokens, k,
-                                         prof, log=lambda m: click.echo(m, err=True))
-        except (RuntimeError, ValueError) as exc:
-            raise click.ClickException(str(exc)) from None
-        if prof is not None and not as_json:
-            click.echo(profile_table(prof))
+        for shards in counts:
+            click.echo(f"[bench-broker] {mode}, {shards} shard(s): {workers} zero-cost workers per stage, {n_requests} "
+                       f"requests x {max_new_tokens} tokens, {concurrency} in flight, k = {k}", err=True)
+            prof = Path(profile_dir) / (f"{mode}.prof" if shards == 1 else f"{mode}-{shards}-shards.prof") \
+                if profile_dir else None
+            if prof is not None:
+                prof.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                results[mode, shards] = bench_broker(mode, model, workers, max_batch, concurrency, n_requests,
+                                                     max_new_tokens, k, prof, log=lambda m: click.echo(m, err=True),
+                                                     shards=shards)
+            except (RuntimeError, ValueError) as exc:
+                raise click.ClickException(str(exc)) from None
+            if prof is not None and not as_json:
+                click.echo(profile_table(prof))
     if as_json:
-        click.echo(json.dumps({"modes": results}))
+        click.echo(json.dumps({"modes": {m: results[m, counts[0]] for m in names},
+                               "shards": {str(n): results[names[0], n] for n in counts}}))
         return
-    click.echo(f"{'mode':<16}{'rounds/s':>10}{'tasks/s':>10}{'broker CPU us/round':>22}{'tokens/round':>14}")
-    for mode, r in results.items():
-        click.echo(f"{mode:<16}{r['round_rate']:>10.0f}{r['tasks_per_s']:>10.0f}{r['broker_cpu_us_per_round']:>22.1f}"
+    click.echo(f"{'mode':<16}{'shards':>7}{'rounds/s':>10}{'tasks/s':>10}{'broker CPU us/round':>22}"
+               f"{'worst shard':>13}{'tokens/round':>14}")
+    for (mode, shards), r in results.items():
+        click.echo(f"{mode:<16}{shards:>7}{r['round_rate']:>10.0f}{r['tasks_per_s']:>10.0f}"
+                   f"{r['broker_cpu_us_per_round']:>22.1f}{max(r['shard_cpu_us_per_round']):>13.1f}"
                    f"{r['tokens_per_round']:>14.2f}")
 
 

@@ -8,7 +8,7 @@ import click
 
 from nebula_flow.cli.api import check_exposure, curl_line, http_options
 from nebula_flow.cli.common import (
-    DEFAULT_BROKER,
+    broker_option,
     deploy_options,
     gen_options,
     generate_from,
@@ -21,11 +21,15 @@ from nebula_flow.cli.common import (
 @click.option("--secure-local", is_flag=True,
               help="CURVE keys on loopback too (made in the log folder unless the config's [broker] keys names "
               "a folder): without it every local user can reach the broker and the workers' KV (docs/security.md).")
+@click.option("--shards", type=click.IntRange(min=1),
+              help="Brokers sharing the requests, each owning a slice by request id (for more request-rounds per "
+              "second than one broker's core gives); shard i binds port+2i and port+2i+1, and the address printed "
+              "lists them all, comma-separated. [default: the config's [broker] shards, 1]")
 @click.option("--http-port", type=int, help="Also serve the OpenAI-compatible HTTP API on this port (0: any free "
               "port); see `nebula-flow api --help`.")
 @http_options
 def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
-          secure_local, http_port, http_host, api_key, served_model_name) -> None:  # noqa: ANN001
+          secure_local, shards, http_port, http_host, api_key, served_model_name) -> None:  # noqa: ANN001
     """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM.
 
     serve supervises what it started: a worker or the broker that dies is started again after a
@@ -40,7 +44,7 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     if http_port is not None:
         check_exposure(http_host, api_key)
     dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,
-                           secure_local)
+                           secure_local, shards)
     click.echo(dep.address)
     try:
         if http_port is not None:
@@ -85,7 +89,7 @@ def start_http(dep, host: str, port: int, api_key: str | None, model_name: str |
 
 @click.command()
 @click.argument("prompt")
-@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@broker_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @gen_options
 def generate(prompt: str, address: str, as_json: bool, **params) -> None:  # noqa: ANN003
@@ -121,7 +125,7 @@ def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add
 
 
 @click.command()
-@click.option("--broker", "address", default=DEFAULT_BROKER, show_default=True, help="The broker's client address.")
+@broker_option
 @click.option("--json", "as_json", is_flag=True, help="Print the raw state as JSON.")
 def status(address: str, as_json: bool) -> None:
     """Show the broker's workers, topics and counters."""

@@ -31,11 +31,13 @@ from nebula_flow.roles import MODES
 @click.option("--seed", type=int, help="Override the scenario's seed (acceptance draws, prompt lengths, arrivals).")
 @click.option("--out", type=click.Path(), help="Write result.json and PNG plots (modes, scaling) into this folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {...}, \"sweep\": [...]} as JSON.")
+@click.option("--broker-shards", type=click.IntRange(min=1), help="Override the scenario's [host] broker_shards: "
+              "brokers sharing the requests, each taking its share of the broker's per-message and per-task costs.")
 @click.option("--check-policy-log", type=click.Path(exists=True, dir_okay=False),
               help="Instead of simulating: replay a broker's --policy-log into the simulator's policy and "
               "say whether every decision is identical.")
 def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, devices, loads, seed,
-             out, as_json, check_policy_log) -> None:  # noqa: ANN001
+             out, as_json, broker_shards, check_policy_log) -> None:  # noqa: ANN001
     """Simulate a deployment: the live scheduling policy on a virtual clock, with profiled or
     roofline device costs. SCENARIO is a TOML file (see configs/sim/)."""
     from dataclasses import replace
@@ -67,6 +69,8 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
         acc = sc.acceptance
         sc = replace(sc, seed=seed, acceptance=AcceptanceModel(acc.rates, dict(acc.histogram) if acc.histogram else None, seed,
                                                          **acc.tree()))
+    if broker_shards is not None:
+        sc = replace(sc, host=replace(sc.host, broker_shards=broker_shards))
     names = [m.strip() for m in modes.split(",")] if modes else sc.modes
     bad = [m for m in names if m not in MODES]
     if bad:

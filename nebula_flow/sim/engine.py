@@ -173,7 +173,9 @@ class Simulator:
         dispatched = self.policy.dispatch()
         tasks += sum(len(b) for _, b in dispatched)
         host = self.sc.host
-        self.broker_free = self.now + (host.broker_service_us * len(inbox) + host.broker_task_us * tasks) * 1e-6
+        # (shards share no per-round work and split the requests evenly: as one broker thread
+        # that does each shard's share of the messages)
+        self.broker_free = self.now + (host.broker_service_us * len(inbox) + host.broker_task_us * tasks) * 1e-6 / host.broker_shards
         self.broker_busy_s += self.broker_free - self.now
         for wid, batch in dispatched:
             tasks = [SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,

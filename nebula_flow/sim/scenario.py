@@ -48,6 +48,7 @@
     message_latency_us = 50     # one way, broker <-> worker and broker <-> client
     broker_service_us = 0       # broker time per message (one thread: messages queue)
     broker_task_us = 0          # broker time per task result taken or task sent
+    broker_shards = 1           # brokers sharing the requests (nebula_flow/shards.py): each takes 1/shards of the work
     batch_overhead_us = 0       # worker time per batch outside the forward passes
     task_overhead_us = 0        # worker time per task outside the forward passes
     forward_overhead_us = 0     # added to every forward pass (e.g. an emulating host falling behind)
@@ -102,6 +103,7 @@ class HostCosts:
     message_latency_us: float = 50.0
     broker_service_us: float = 0.0
     broker_task_us: float = 0.0
+    broker_shards: int = 1
     batch_overhead_us: float = 0.0
     task_overhead_us: float = 0.0
     forward_overhead_us: float = 0.0  # added to every forward (an emulating host's late wake-ups)
@@ -277,6 +279,8 @@ def load_scenario(path: str | Path) -> Scenario:
     if workload.requests < 1 or workload.output_tokens < 1 or workload.prompt_tokens[0] < 1 \
             or workload.prompt_tokens[0] > workload.prompt_tokens[1]:
         raise ConfigError(f"{path} [workload]: requests, output_tokens >= 1 and 1 <= prompt_tokens lo <= hi")
+    if not isinstance(host.broker_shards, int) or host.broker_shards < 1:
+        raise ConfigError(f"{path} [host]: broker_shards must be an integer >= 1")
     sweep = raw.get("sweep", {})
     return Scenario(
         name=raw.get("name", path.stem), draft=draft, target=target, acceptance=acceptance, drafters=drafters,

@@ -1,0 +1,149 @@
+"""Broker shards: requests split over several brokers by id, workers serving them all."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from nebula_flow.client import AsyncClient, Completion
+from nebula_flow.config import ConfigError, load_config
+from nebula_flow.deploy import Deployment
+from nebula_flow.options import BrokerOptions
+from nebula_flow.shards import addresses, merge_states, shard_of
+from nebula_flow.supervisor import RestartPolicy
+from tests.conftest import deploy_config, hf_greedy
+
+PROMPTS = [[3 + i, 4 + 2 * i, 5] for i in range(6)]
+IDS = [f"shard-test-{i}" for i in range(6)]
+SAMPLED_IDS = [f"sampled-{i}" for i in range(6)]  # (an id is its first client's: a second gets its own)
+
+
+def test_both_shards_own_some_of_the_test_requests() -> None:
+    for ids in (IDS, SAMPLED_IDS):  # (else the tests below would prove nothing)
+        assert {shard_of(i, 2) for i in ids} == {0, 1}
+
+
+def test_a_request_id_always_maps_to_the_same_shard_and_ids_spread() -> None:
+    ids = [f"req-{i}" for i in range(4000)]
+    assert [shard_of(i, 4) for i in ids] == [shard_of(i, 4) for i in ids]
+    counts = [sum(shard_of(i, 4) == s for i in ids) for s in range(4)]
+    assert all(800 < c < 1200 for c in counts), counts
+    assert shard_of("anything", 1) == 0
+
+
+def test_addresses_are_split_and_checked() -> None:
+    assert addresses("tcp://a:1, tcp://b:2") == ["tcp://a:1", "tcp://b:2"]
+    with pytest.raises(ValueError, match="named twice"):
+        addresses("tcp://a:1,tcp://a:1")
+    with pytest.raises(ValueError, match="address is needed"):
+        addresses(" , ")
+    with pytest.raises(ValueError, match="shard must be 0..1"):
+        BrokerOptions(shard=2, shards=2).check()
+
+
+def test_a_config_sets_the_number_of_shards_not_a_shard(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "c.toml"
+    path.write_text('[broker]\nshard = 1\n[draft]\nmodel = "d"\n[target]\nmodel = "t"\n')
+    with pytest.raises(ConfigError, match="set shards = N"):
+        load_config(path)
+
+
+def test_merged_status_reads_as_one_broker() -> None:
+    def state(shard: int, rounds: int, tasks: int) -> dict:
+        return {"shard": shard, "pid": 100 + shard, "pool": 2, "draining": False, "mode": "pooled",
+                "counters": {"rounds": rounds, "requests_submitted": 1}, "errors": {"malformed": shard},
+                "topics": {"draft": 1, "verify": 0}, "accepted_by_position": [rounds, 1],
+                "round_times": {"rounds": {"rounds": rounds, "tokens": 2 * rounds, "seconds": {"total": 0.5}}},
+                "workers": [{"name": "draft-0", "tasks": tasks, "batches": {"draft": tasks}},
+                            {"name": "target-1", "tasks": tasks, "batches": {"verify": tasks}}],
+                "restarts": {"broker": shard, "workers": 1}}
+
+    one = state(0, 5, 3)
+    assert merge_states([one]) is one
+    merged = merge_states([state(0, 5, 3), state(1, 7, 4)])
+    assert merged["counters"] == {"rounds": 12, "requests_submitted": 2}
+    assert merged["errors"] == {"malformed": 1} and merged["topics"] == {"draft": 2, "verify": 0}
+    assert merged["pool"] == 4 and merged["accepted_by_position"] == [12, 2] and merged["mode"] == "pooled"
+    assert merged["round_times"]["rounds"] == {"rounds": 12, "tokens": 24, "seconds": {"total": 1.0}}
+    assert [(w["name"], w["tasks"], w["batches"]) for w in merged["workers"]] == [
+        ("draft-0", 7, {"draft": 7}), ("target-1", 7, {"verify": 7})]
+    assert merged["restarts"] == {"broker": 1, "workers": 1}
+    assert [(s["shard"], s["pid"], s["rounds"], s["workers"]) for s in merged["by_shard"]] == [(0, 100, 5, 2), (1, 101, 7, 2)]
+
+
+def _sharded(tiny_pair, shards: int):  # noqa: ANN001, ANN202
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    cfg.broker.shards = shards
+    return cfg
+
+
+async def _outputs(address: str, ids: list[str], **params) -> list[list[int]]:  # noqa: ANN003
+    async with AsyncClient(address, timeout_s=120) as c:
+        done = await asyncio.gather(*(c.generate(token_ids=p, request_id=i, **params) for p, i in zip(PROMPTS, ids)))
+    return [d.token_ids for d in done]
+
+
+def test_two_shards_are_lossless_and_sampled_output_does_not_depend_on_them(tiny_pair) -> None:  # noqa: ANN001
+    sampled = {"max_new_tokens": 16, "temperature": 0.9, "seed": 7}
+    with Deployment(_sharded(tiny_pair, 1)) as dep:
+        one_shard = asyncio.run(_outputs(dep.address, SAMPLED_IDS, **sampled))
+    with Deployment(_sharded(tiny_pair, 2)) as dep:
+        assert len(dep.address.split(",")) == 2
+        greedy = asyncio.run(_outputs(dep.address, IDS, max_new_tokens=24))
+        two_shards = asyncio.run(_outputs(dep.address, SAMPLED_IDS, **sampled))
+        from nebula_flow.client import Client
+
+        with Client(dep.address) as c:
+            state = c.status()
+    assert greedy == [hf_greedy(tiny_pair / "target", p, 24) for p in PROMPTS]
+    assert two_shards == one_shard
+    # each shard ran its own requests' rounds, on the same two workers
+    assert all(s["rounds"] > 0 and s["workers"] == 2 for s in state["by_shard"]), state["by_shard"]
+    assert state["counters"]["requests_submitted"] == 2 * len(PROMPTS) and len(state["workers"]) == 2
+
+
+def test_a_killed_shard_loses_no_request_of_the_others(tiny_pair) -> None:  # noqa: ANN001
+    """kill -9 of one shard mid-run: the other shard's requests run on untouched; the killed one
+    is started again and the client library sends its requests again, which complete unchanged."""
+    refs = [hf_greedy(tiny_pair / "target", p, 200) for p in PROMPTS]
+    cfg = _sharded(tiny_pair, 2)
+    cfg.supervise = RestartPolicy(max_restarts=3, backoff_s=0.2)
+    with Deployment(cfg) as dep:
+        pids = {name: proc.pid for name, proc in dep.procs}
+        stop, events = threading.Event(), []
+        watcher = threading.Thread(target=dep.watch, args=(stop, events.append))
+        watcher.start()
+        try:
+            async def run() -> list[tuple[Completion, list[int]]]:
+                async with AsyncClient(dep.address, timeout_s=120) as c:
+                    tokens_from_shard_1 = asyncio.Event()
+
+                    async def one(prompt: list[int], req_id: str) -> tuple[Completion, list[int]]:
+                        streamed = []
+                        async for item in c.stream(token_ids=prompt, max_new_tokens=200, request_id=req_id):
+                            if isinstance(item, Completion):
+                                return item, streamed
+                            streamed.extend(item.token_ids)
+                            if shard_of(req_id, 2) == 1:
+                                tokens_from_shard_1.set()
+                        raise AssertionError("no result")
+
+                    async def kill() -> None:
+                        await tokens_from_shard_1.wait()
+                        dep.kill("broker-1")
+
+                    *results, _ = await asyncio.gather(*(one(p, i) for p, i in zip(PROMPTS, IDS)), kill())
+                    state = await c.status()
+                    assert [s["restarts"] for s in state["by_shard"]] == [0, 1], state["by_shard"]
+                    return results
+
+            results = asyncio.run(run())
+        finally:
+            stop.set()
+            watcher.join()
+        now = {name: proc.pid for name, proc in dep.procs}
+    assert [r[0].token_ids for r in results] == refs and [r[1] for r in results] == refs  # none lost, none twice
+    assert now["broker-0"] == pids["broker-0"] and now["broker-1"] != pids["broker-1"]
+    assert any("broker-1 was killed by SIGKILL; starting it again" in e for e in events), events
