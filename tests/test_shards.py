@@ -6,7 +6,9 @@ import asyncio
 import threading
 
 import pytest
+from click.testing import CliRunner
 
+from nebula_flow.cli import main
 from nebula_flow.client import AsyncClient, Completion
 from nebula_flow.config import ConfigError, load_config
 from nebula_flow.deploy import Deployment
@@ -97,11 +99,13 @@ def test_two_shards_are_lossless_and_sampled_output_does_not_depend_on_them(tiny
 
         with Client(dep.address) as c:
             state = c.status()
+        text = CliRunner().invoke(main, ["status", "--broker", dep.address]).output
     assert greedy == [hf_greedy(tiny_pair / "target", p, 24) for p in PROMPTS]
     assert two_shards == one_shard
     # each shard ran its own requests' rounds, on the same two workers
     assert all(s["rounds"] > 0 and s["workers"] == 2 for s in state["by_shard"]), state["by_shard"]
     assert state["counters"]["requests_submitted"] == 2 * len(PROMPTS) and len(state["workers"]) == 2
+    assert "shard 0: pid" in text and "shard 1: pid" in text and text.count("  worker ") == 2, text
 
 
 def test_a_killed_shard_loses_no_request_of_the_others(tiny_pair) -> None:  # noqa: ANN001

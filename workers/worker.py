@@ -362,6 +362,9 @@ class Worker:
 
     def _send_result(self, result: Result) -> None:
         """Each broker gets the results of its own tasks, with the batch's timing and counters."""
+        if len(self.links) == 1:
+            self.links[0].send(result)
+            return
         by_link: dict[BrokerLink, list[TaskResult]] = {}
         for r in result.results:
             by_link.setdefault(self.origin.get(r.rid, self.links[0]), []).append(r)

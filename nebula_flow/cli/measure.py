@@ -201,10 +201,13 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
               help="Measure with this many brokers sharing the requests (comma-separated counts: each is a run of "
               "its own); with several shards the zero-cost workers serve them all and each shard's CPU per "
               "request-round of its own requests is printed too.")
+@click.option("--scale-load", is_flag=True, help="With several shards, multiply --concurrency and --requests by the "
+              "shard count, so each shard carries the load one broker does (a broker's CPU per round grows as its "
+              "load falls: fewer messages per wake-up).")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}, \"shards\": {count: {...}}} "
               "as JSON (modes: at the first shard count; shards: the first mode at each count).")
 def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new_tokens, k, model, profile_dir,
-                     shard_counts, as_json) -> None:  # noqa: ANN001
+                     shard_counts, scale_load, as_json) -> None:  # noqa: ANN001
     """Measure the broker alone: a real broker under zero-cost workers (forwards of 0 s, all in one
     light process) and clients; request-rounds/s, tasks/s and the broker's CPU time per
     request-round (its own user + system seconds over the rounds it ended: the figure that holds on
@@ -225,16 +228,18 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
     results: dict[tuple[str, int], dict] = {}
     for mode in names:
         for shards in counts:
-            click.echo(f"[bench-broker] {mode}, {shards} shard(s): {workers} zero-cost workers per stage, {n_requests} "
-                       f"requests x {max_new_tokens} tokens, {concurrency} in flight, k = {k}", err=True)
+            scale = shards if scale_load else 1
+            click.echo(f"[bench-broker] {mode}, {shards} shard(s): {workers} zero-cost workers per stage, "
+                       f"{n_requests * scale} requests x {max_new_tokens} tokens, {concurrency * scale} in flight, "
+                       f"k = {k}", err=True)
             prof = Path(profile_dir) / (f"{mode}.prof" if shards == 1 else f"{mode}-{shards}-shards.prof") \
                 if profile_dir else None
             if prof is not None:
                 prof.parent.mkdir(parents=True, exist_ok=True)
             try:
-                results[mode, shards] = bench_broker(mode, model, workers, max_batch, concurrency, n_requests,
-                                                     max_new_tokens, k, prof, log=lambda m: click.echo(m, err=True),
-                                                     shards=shards)
+                results[mode, shards] = bench_broker(mode, model, workers, max_batch, concurrency * scale,
+                                                     n_requests * scale, max_new_tokens, k, prof,
+                                                     log=lambda m: click.echo(m, err=True), shards=shards)
             except (RuntimeError, ValueError) as exc:
                 raise click.ClickException(str(exc)) from None
             if prof is not None and not as_json:

@@ -141,6 +141,9 @@ def status(address: str, as_json: bool) -> None:
         return
     click.echo(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool, "
                f"topics {state['topics']}")
+    for sh in state.get("by_shard", []):  # (a sharded deployment: its brokers one by one)
+        click.echo(f"  shard {sh['shard']}: pid {sh['pid']}, {sh['pool']} in the pool, {sh['workers']} workers, "
+                   f"{sh['rounds']} rounds" + (f", restarts {sh['restarts']}" if sh["restarts"] else ""))
     for w in state["workers"]:
         drafter = f" drafter {w['drafter']}" if w.get("drafter") and len(state.get("drafters", {})) > 1 else ""
         restarted = f" restarts {w['restarts']}" if w.get("restarts") else ""
