@@ -151,3 +151,32 @@ def test_a_killed_shard_loses_no_request_of_the_others(tiny_pair) -> None:  # no
     assert [r[0].token_ids for r in results] == refs and [r[1] for r in results] == refs  # none lost, none twice
     assert now["broker-0"] == pids["broker-0"] and now["broker-1"] != pids["broker-1"]
     assert any("broker-1 was killed by SIGKILL; starting it again" in e for e in events), events
+
+
+def test_shards_with_curve_keys_behind_the_http_api(tiny_pair, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Every shard takes the deployment's keys; the gateway speaks to all shards, and its /metrics
+    carries the broker families summed over them."""
+    import time
+
+    import httpx
+
+    from nebula_flow.client import Client
+    from nebula_flow.security import generate_keys
+
+    monkeypatch.delenv("NEBULA_FLOW_KEYS", raising=False)
+    cfg = _sharded(tiny_pair, 2)
+    cfg.broker.keys = str(generate_keys(tmp_path / "keys"))
+    with Deployment(cfg) as dep:
+        url = dep.start_api("127.0.0.1", 0, model_name="tiny")
+        for i in range(8):
+            body = {"model": "tiny", "prompt": f"def f{i}(x):", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 6, reply.text
+        with Client(dep.address, keys=cfg.broker.keys) as c:
+            state = c.status()
+        assert len(state["by_shard"]) == 2 and state["counters"]["requests_submitted"] == 8
+        deadline, rounds = time.monotonic() + 10, None
+        while rounds != state["counters"]["rounds"] and time.monotonic() < deadline:  # (the gateway caches 0.5 s)
+            text = httpx.get(url + "/metrics").text
+            rounds = next(float(line.split()[1]) for line in text.splitlines() if line.startswith("nebula_rounds_total "))
+        assert rounds == state["counters"]["rounds"]
