@@ -1,7 +1,8 @@
 """Admission: a SUBMIT becomes a ``Request`` (validated, tokenized) or a clear refusal; and the
 request's text as it grows, with stop strings applied.
 
-The broker's dispatch thread does this work today; it owns the target's tokenizer (no torch).
+The broker's dispatch thread does this work, but for long prompts, which ``tokenizing`` tokenizes on
+a thread of its own; it owns the target's tokenizer (no torch).
 """
 
 from __future__ import annotations
@@ -27,19 +28,15 @@ class Admission:
         self.vocab_size = facts.vocab_size if facts else None
         self.max_new_tokens_limit = max_new_tokens_limit
 
-    def request(self, rid: int, msg: Submit, owner: bytes, now: float) -> Request:
-        """The request a SUBMIT asks for, or ``ProtocolError`` saying what is wrong with it."""
-        try:
-            params = SamplingParams.from_wire(msg.params)
-            params.validate(self.max_new_tokens_limit)
-        except (InvalidParams, TypeError) as exc:
-            raise ProtocolError("invalid_params", str(exc)) from None
+    def tokenize(self, msg: Submit, unlocked: bool = False) -> list[int]:
+        """A SUBMIT's prompt as token ids, or ``ProtocolError`` saying what is wrong with it.
+        ``unlocked``: let other threads run meanwhile (``TextCodec.encode``)."""
         if msg.prompt is not None or msg.messages is not None:
             if self.codec is None:
                 raise ProtocolError("no_tokenizer", "this broker has no tokenizer; send prompt_tokens")
             try:
-                prompt = (self.codec.encode(msg.prompt, chat=msg.chat) if msg.messages is None
-                          else self.codec.encode_chat(msg.messages, msg.chat_options))
+                prompt = (self.codec.encode(msg.prompt, chat=msg.chat, unlocked=unlocked) if msg.messages is None
+                          else self.codec.encode_chat(msg.messages, msg.chat_options, unlocked=unlocked))
             except ValueError as exc:
                 raise ProtocolError("invalid_prompt", str(exc)) from None
         else:
@@ -48,6 +45,22 @@ class Admission:
                 raise ProtocolError("invalid_prompt", f"token ids must be in [0, {self.vocab_size})")
         if not prompt:
             raise ProtocolError("invalid_prompt", "the prompt is empty")
+        return prompt
+
+    def params(self, msg: Submit) -> SamplingParams:
+        """A SUBMIT's sampling parameters, validated (``ProtocolError`` otherwise)."""
+        try:
+            params = SamplingParams.from_wire(msg.params)
+            params.validate(self.max_new_tokens_limit)
+        except (InvalidParams, TypeError) as exc:
+            raise ProtocolError("invalid_params", str(exc)) from None
+        return params
+
+    def request(self, rid: int, msg: Submit, owner: bytes, now: float, prompt: list[int] | None = None) -> Request:
+        """The request a SUBMIT asks for, or ``ProtocolError`` saying what is wrong with it.
+        ``prompt``: its token ids when tokenized already (``tokenize``)."""
+        params = self.params(msg)
+        prompt = self.tokenize(msg) if prompt is None else prompt
         if params.fit_context and len(prompt) < self.max_model_len:
             params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(prompt)))
         if len(prompt) + params.max_new_tokens > self.max_model_len:

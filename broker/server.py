@@ -26,7 +26,6 @@ from nebula_flow.policy_log import RecordingScheduler
 from nebula_flow.process import orphaned, restarts
 from nebula_flow.protocol import (
     Bye,
-    Cancel,
     Done,
     Error,
     Free,
@@ -37,9 +36,6 @@ from nebula_flow.protocol import (
     Register,
     Rejected,
     Result,
-    State,
-    Status,
-    Submit,
     TaskResult,
     Tasks,
     Timing,
@@ -52,23 +48,25 @@ from nebula_flow.round_times import RoundTimes
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.security import SecurityError, user_id
 from nebula_flow.speclen import FIT_ROWS
-from nebula_flow.wire import req_id_of
 from nebula_flow_broker import results
-from nebula_flow_broker.access import Access, metrics_token, owner_of
+from nebula_flow_broker.access import Access, metrics_token
 from nebula_flow_broker.admission import Admission
+from nebula_flow_broker.intake import Intake
 from nebula_flow_broker.stats import BrokerStats, WorkerInfo
 from nebula_flow_broker.tasks import task_specs
+from nebula_flow_broker.tokenizing import PromptTokenizer
 
 log = logging.getLogger("nebula_flow.broker")
 
 
-class Broker:
+class Broker(Intake):
     def __init__(self, opts: BrokerOptions) -> None:
         opts.check()
         self.opts = opts
         policy = RecordingScheduler if opts.policy_log else Scheduler
         self.scheduler = policy(opts.mode, opts.policy)
         self.admission = Admission(opts.model, opts.max_new_tokens_limit)
+        self.prompts = PromptTokenizer(lambda msg: self.admission.tokenize(msg, unlocked=True))
         self.stats = BrokerStats()
         self.round_times = RoundTimes()
         self.counters, self.errors = self.stats.counters, self.stats.errors
@@ -122,90 +120,12 @@ class Broker:
         self.errors[code] += 1
         self._send(sock, identity, Error(code, message, req_id))
 
-    # -- clients ---------------------------------------------------------------------------
-    def on_client(self, identity: bytes, frames: list[Any], now: float) -> None:
-        try:
-            msg = protocol.decode(frames)
-            if isinstance(msg, Submit):
-                self._submit(identity, msg, now, owner_of(identity, frames[0], msg.session))
-            elif isinstance(msg, Cancel):
-                rid = self.by_req_id.get(msg.req_id)
-                if rid is None or self.owners.get(msg.req_id) != owner_of(identity, frames[0], msg.session):
-                    raise ProtocolError("unknown_request", f"no active request {msg.req_id!r} of this client")
-                self._finish(rid, "cancelled")
-            elif isinstance(msg, Status):
-                self._send(self.clients, identity, State(self.state(now)))
-            else:
-                raise ProtocolError("unexpected_kind", f"{msg.KIND} is not a client message")
-        except ProtocolError as exc:
-            self._reject(self.clients, identity, exc.code, exc.message, req_id_of(frames, protocol.MAX_REQ_ID))
-        except Exception as exc:  # a bug must cost one message, never the broker
-            self._internal(self.clients, identity, exc, req_id_of(frames, protocol.MAX_REQ_ID))
-
-    def _internal(self, sock: zmq.Socket, identity: bytes, exc: Exception, req_id: str | None = None) -> None:
-        log.exception("internal error handling a message")
-        self._reject(sock, identity, "internal", f"{type(exc).__name__}: {exc}"[:300], req_id)
-
-    def _submit(self, identity: bytes, msg: Submit, now: float, owner: str) -> None:
-        req_id = msg.req_id
-        if self.owners.get(req_id, owner) != owner or self.finished.get(req_id, (owner,))[0] != owner:
-            self.counters["requests_not_owner"] += 1
-            raise ProtocolError("request_id_taken", f"request {req_id!r} belongs to another client")
-        # (a retry re-attaches, or replays a result, even while draining: only new work is refused)
-        if req_id in self.by_req_id:  # a retry: re-attach and resend what was committed so far
-            req = self.scheduler.requests[self.by_req_id[req_id]]
-            self.inflight_by_owner[req.owner] -= 1
-            req.owner = identity
-            self.inflight_by_owner[identity] += 1
-            self.counters["requests_reattached"] += 1
-            self._send(self.clients, identity, Tokens(req_id, req.output, req.text, 0))
-            return
-        if req_id in self.finished:
-            self.counters["requests_replayed"] += 1
-            self._send(self.clients, identity, self.finished[req_id][1])
-            return
-        if self.draining_since is not None:
-            raise ProtocolError("shutting_down", "the broker is shutting down")
-        if self.inflight_by_owner[identity] >= self.opts.max_inflight_per_client:
-            raise ProtocolError("busy", f"this client already has {self.opts.max_inflight_per_client} requests in flight")
-        req = self.admission.request(self.next_rid, msg, identity, now)
-        if len(self.scheduler.requests) >= self.opts.max_pending:
-            raise ProtocolError("busy", f"{self.opts.max_pending} requests pending; retry later")
-        self.next_rid += self.opts.shards  # (a worker's KV and FREEs never confuse two shards' requests)
-        self.by_req_id[req_id] = req.rid
-        self.owners[req_id] = owner
-        self.inflight_by_owner[identity] += 1
-        self.counters["requests_submitted"] += 1
-        self.scheduler.admit(req)
-        self.round_times.admitted(req.rid, time.perf_counter())
-
     def _finish(self, rid: int, reason: str, error: tuple[str, str] | None = None) -> None:
         """End a request the policy still holds (cancelled, failed, or the broker stopping)."""
         req = self.scheduler.finish(rid)
         if req is not None:
             req.finish_reason = req.finish_reason or reason
             self._close(req, error)
-
-    def _close(self, req: Request, error: tuple[str, str] | None = None) -> None:
-        """A request has left the pool: tell its client, let workers drop its KV."""
-        self.by_req_id.pop(req.req_id, None)
-        owner = self.owners.pop(req.req_id, "")
-        queued = self.round_times.closed(req.rid)
-        self.inflight_by_owner[req.owner] -= 1
-        if self.inflight_by_owner[req.owner] <= 0:
-            del self.inflight_by_owner[req.owner]
-        self.frees.append(req.rid)
-        if error is not None:
-            self.counters["requests_failed"] += 1
-            self._reject(self.clients, req.owner, error[0], error[1], req.req_id)
-            return
-        self.counters[f"requests_{req.finish_reason}"] += 1
-        done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason,
-                    {**req.stats(), "queue_s": queued})  # (queue_s: admission to its first task sent)
-        self.finished[req.req_id] = (owner, done)
-        while len(self.finished) > 4096:  # bounded: old results age out
-            self.finished.popitem(last=False)
-        self._send(self.clients, req.owner, done)
 
     def _stream(self, req: Request, kept: list[int], delta: str, now: float) -> None:
         """Send what a verify committed (``delta``: the text it added, stop strings applied)."""
@@ -451,8 +371,8 @@ class Broker:
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         signal.signal(signal.SIGINT, lambda *_: stop.append(1))
         poller = zmq.Poller()
-        poller.register(self.clients, zmq.POLLIN)
-        poller.register(self.peers, zmq.POLLIN)
+        for sock in (self.clients, self.peers, self.prompts.fd):
+            poller.register(sock, zmq.POLLIN)
         log.info("broker (%s) clients at %s, workers at %s", self.opts.mode,
                  self.opts.client_address, self.opts.worker_address)
         while True:
@@ -469,6 +389,8 @@ class Broker:
                             self.errors["malformed"] += 1
                             continue
                         handler(frames[0].bytes, frames[1:], now)
+            if self.prompts.fd in events:
+                self._tokenized()
             self.step(now)
             if orphaned():  # the deployment that started us is gone
                 stop.append(1)
@@ -476,12 +398,14 @@ class Broker:
                 log.info("stopping: no new requests; %d in flight", len(self.scheduler.requests))
                 self.draining_since = now
             if self.draining_since is not None:
-                if not self.scheduler.requests or now - self.draining_since > self.opts.drain_s:
+                if not (self.scheduler.requests or self.prompts.waiting) or now - self.draining_since > self.opts.drain_s:
                     for rid in list(self.scheduler.requests):
                         self._finish(rid, "error", ("shutting_down", "the broker shut down before this request finished"))
+                    for waiting in self.prompts.waiting.values():
+                        self._reject(self.clients, waiting.identity, "shutting_down", "the broker shut down", waiting.msg.req_id)
                     self._flush_clients()
                     break
-        self.clients.close(), self.peers.close()
+        self.clients.close(), self.peers.close(), self.prompts.close()
         if isinstance(self.scheduler, RecordingScheduler):
             self.scheduler.save(self.opts.policy_log)
             log.info("policy log: %d records in %s", len(self.scheduler.records), self.opts.policy_log)

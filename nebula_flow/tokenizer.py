@@ -54,16 +54,21 @@ class TextCodec:
         special = [(t, self.tok.token_to_id(t)) for t, add in ((bos, add_bos), (eos, add_eos)) if add]
         self.tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
-    def encode(self, text: str, chat: bool = False, special: bool = True) -> list[int]:
+    def encode(self, text: str, chat: bool = False, special: bool = True, unlocked: bool = False) -> list[int]:
         """Token ids of ``text``; ``chat``: as one user message in the chat template, with the
-        generation prompt; ``special``: with the special tokens the tokenizer adds (not in chat)."""
+        generation prompt; ``special``: with the special tokens the tokenizer adds (not in chat).
+        ``unlocked``: through the tokenizer's batch call, which releases the GIL while it works
+        (the single-text call holds it): for long texts on a thread beside other work."""
         if chat:
-            return self.encode_chat([{"role": "user", "content": text}])
+            return self.encode_chat([{"role": "user", "content": text}], unlocked=unlocked)
+        if unlocked:
+            return self.tok.encode_batch([text], add_special_tokens=special)[0].ids
         return self.tok.encode(text, add_special_tokens=special).ids
 
-    def encode_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None,
+                    unlocked: bool = False) -> list[int]:
         """Token ids of a conversation through the chat template, with the generation prompt."""
-        return self.tok.encode(self.render_chat(messages, options), add_special_tokens=False).ids
+        return self.encode(self.render_chat(messages, options), special=False, unlocked=unlocked)
 
     def render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None) -> str:
         """The chat template's text for ``messages``; ``options`` are the template's own variables

@@ -35,3 +35,70 @@ def test_incremental_text_and_stop_strings_match_decoding_the_whole_output(tiny_
             assert (hit, req.text) == (want_hit, want), (trial, fed)
             if hit:
                 break
+
+
+def test_the_unlocked_tokenizer_call_gives_the_same_ids(tiny_pair) -> None:  # noqa: ANN001
+    codec = Admission(str(tiny_pair / "target"), 4096).codec
+    text = "def add(a, b):\n    return a + b  # héllo ✓ 日本語\n" * 50
+    assert codec.encode(text, unlocked=True) == codec.encode(text)
+    assert codec.encode(text, special=False, unlocked=True) == codec.encode(text, special=False)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    assert codec.encode_chat(chat, unlocked=True) == codec.encode_chat(chat)
+
+
+def test_long_prompts_are_tokenized_beside_the_dispatch_loop(tiny_pair) -> None:  # noqa: ANN001
+    """A long text prompt goes to the tokenizer thread: while it is there (held at a gate here) the
+    broker admits and answers other requests; a retry re-attaches to it, a cancel drops it, and once
+    tokenized it joins the pool with the ids the tokenizer gives, or gets its refusal."""
+    import select
+    import threading
+
+    import numpy as np
+
+    from nebula_flow import protocol
+    from nebula_flow.deploy import free_port
+    from nebula_flow.protocol import Cancel, Error, State, Status, Submit
+    from nebula_flow_broker.server import Broker, BrokerOptions
+    from nebula_flow_broker.tokenizing import INLINE_CHARS
+
+    broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port(), model=str(tiny_pair / "target")))
+    gate, real = threading.Event(), broker.prompts.tokenize
+    broker.prompts.tokenize = lambda msg: (gate.wait(30), real(msg))[1]
+    text = "return " * (INLINE_CHARS // 6)  # (over INLINE_CHARS characters, within the tiny context in tokens)
+    session = "s" * 32
+
+    def submit(ident: bytes, req_id: str, **kw) -> None:  # noqa: ANN003
+        broker.on_client(ident, protocol.encode(Submit(req_id, {"max_new_tokens": 4, **kw.pop("params", {})},
+                                                       session=session, **kw)), 0.0)
+
+    def tokenized() -> None:  # the gate opens; the broker's loop wakes on the pipe and admits
+        gate.set()
+        deadline = 30
+        while broker.prompts.waiting and select.select([broker.prompts.fd], [], [], deadline)[0]:
+            broker._tokenized()
+
+    broker.bind()
+    try:
+        submit(b"c", "long", prompt=text)
+        submit(b"c", "dropped", prompt=text)
+        submit(b"c", "too-long", prompt=text, params={"max_new_tokens": 4096})
+        submit(b"c", "short", prompt_tokens=np.array([1, 2, 3], np.int32))
+        broker.on_client(b"c", protocol.encode(Status()), 0.0)
+        # the short one runs while the long ones tokenize; the broker answers status meanwhile
+        assert [r.req_id for r in broker.scheduler.requests.values()] == ["short"]
+        assert isinstance(broker.client_outbox[-1][1], State)
+        submit(b"c2", "long", prompt=text)  # a retry (the client reconnected): re-attached, not submitted twice
+        broker.on_client(b"c", protocol.encode(Cancel("dropped", session)), 0.0)
+        assert broker.inflight_by_owner == {b"c": 3, b"c2": 1}
+        tokenized()
+        by_id = {r.req_id: r for r in broker.scheduler.requests.values()}
+        assert sorted(by_id) == ["long", "short"], broker.client_outbox
+        assert by_id["long"].prompt == broker.admission.codec.encode(text) and by_id["long"].owner == b"c2"
+        errors = [(m.req_id, m.code) for _, m in broker.client_outbox if isinstance(m, Error)]
+        assert errors == [("too-long", "too_long")]
+        assert broker.counters["requests_cancelled"] == 1 and broker.counters["requests_reattached"] == 1
+        assert broker.inflight_by_owner == {b"c": 1, b"c2": 1} and "dropped" not in broker.owners
+    finally:
+        broker.clients.close()
+        broker.peers.close()
+        broker.prompts.close()

@@ -15,6 +15,8 @@ from nebula_flow.deploy import Deployment
 from nebula_flow.options import BrokerOptions
 from nebula_flow.shards import addresses, merge_states, shard_of
 from nebula_flow.supervisor import RestartPolicy
+from nebula_flow.tokenizer import TextCodec
+from nebula_flow_broker.tokenizing import INLINE_CHARS
 from tests.conftest import deploy_config, hf_greedy
 
 PROMPTS = [[3 + i, 4 + 2 * i, 5] for i in range(6)]
@@ -98,13 +100,19 @@ def test_two_shards_are_lossless_and_sampled_output_does_not_depend_on_them(tiny
         from nebula_flow.client import Client
 
         with Client(dep.address) as c:
+            # a prompt long enough to be tokenized off the dispatch thread (broker/tokenizing.py)
+            long_text = "return " * (INLINE_CHARS // 6)
+            by_text = c.generate(long_text, max_new_tokens=8, ignore_eos=True)
+            by_ids = c.generate(token_ids=TextCodec(str(tiny_pair / "target")).encode(long_text), max_new_tokens=8,
+                                ignore_eos=True)
+            assert by_text.token_ids == by_ids.token_ids and len(by_text.token_ids) == 8
             state = c.status()
         text = CliRunner().invoke(main, ["status", "--broker", dep.address]).output
     assert greedy == [hf_greedy(tiny_pair / "target", p, 24) for p in PROMPTS]
     assert two_shards == one_shard
     # each shard ran its own requests' rounds, on the same two workers
     assert all(s["rounds"] > 0 and s["workers"] == 2 for s in state["by_shard"]), state["by_shard"]
-    assert state["counters"]["requests_submitted"] == 2 * len(PROMPTS) and len(state["workers"]) == 2
+    assert state["counters"]["requests_submitted"] == 2 * len(PROMPTS) + 2 and len(state["workers"]) == 2
     assert "shard 0: pid" in text and "shard 1: pid" in text and text.count("  worker ") == 2, text
 
 

@@ -1,0 +1,157 @@
+"""The broker's client side: a SUBMIT becomes a request of the pool (at once, or once its long
+prompt is tokenized off the dispatch thread: ``tokenizing``), a retry re-attaches, a cancel ends
+it, and a request that leaves the pool is answered to its client.
+
+A part of ``Broker`` (``server.py``), kept apart so each module stays readable; it uses the
+broker's sockets, counters and policy through ``self``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from nebula_flow import protocol
+from nebula_flow.protocol import Cancel, Done, ProtocolError, State, Status, Submit, Tokens
+from nebula_flow.request import Request
+from nebula_flow.wire import req_id_of
+from nebula_flow_broker.access import owner_of
+from nebula_flow_broker.tokenizing import INLINE_CHARS, prompt_chars
+
+log = logging.getLogger("nebula_flow.broker")
+
+
+class Intake:
+    """``Broker``'s handling of client messages and of requests' ends (see the module docstring)."""
+
+    # -- clients ---------------------------------------------------------------------------
+    def on_client(self, identity: bytes, frames: list[Any], now: float) -> None:
+        try:
+            msg = protocol.decode(frames)
+            if isinstance(msg, Submit):
+                self._submit(identity, msg, now, owner_of(identity, frames[0], msg.session))
+            elif isinstance(msg, Cancel):
+                rid = self.by_req_id.get(msg.req_id)
+                if rid is None and msg.req_id not in self.prompts.waiting or \
+                        self.owners.get(msg.req_id) != owner_of(identity, frames[0], msg.session):
+                    raise ProtocolError("unknown_request", f"no active request {msg.req_id!r} of this client")
+                if rid is None:  # (its prompt is still being tokenized: dropped when that is done)
+                    self.prompts.waiting[msg.req_id].cancelled = True
+                else:
+                    self._finish(rid, "cancelled")
+            elif isinstance(msg, Status):
+                self._send(self.clients, identity, State(self.state(now)))
+            else:
+                raise ProtocolError("unexpected_kind", f"{msg.KIND} is not a client message")
+        except ProtocolError as exc:
+            self._reject(self.clients, identity, exc.code, exc.message, req_id_of(frames, protocol.MAX_REQ_ID))
+        except Exception as exc:  # a bug must cost one message, never the broker
+            self._internal(self.clients, identity, exc, req_id_of(frames, protocol.MAX_REQ_ID))
+
+    def _internal(self, sock: zmq.Socket, identity: bytes, exc: Exception, req_id: str | None = None) -> None:
+        log.exception("internal error handling a message")
+        self._reject(sock, identity, "internal", f"{type(exc).__name__}: {exc}"[:300], req_id)
+
+    def _submit(self, identity: bytes, msg: Submit, now: float, owner: str) -> None:
+        req_id = msg.req_id
+        if self.owners.get(req_id, owner) != owner or self.finished.get(req_id, (owner,))[0] != owner:
+            self.counters["requests_not_owner"] += 1
+            raise ProtocolError("request_id_taken", f"request {req_id!r} belongs to another client")
+        # (a retry re-attaches, or replays a result, even while draining: only new work is refused)
+        if req_id in self.by_req_id:  # a retry: re-attach and resend what was committed so far
+            req = self.scheduler.requests[self.by_req_id[req_id]]
+            self.inflight_by_owner[req.owner] -= 1
+            req.owner = identity
+            self.inflight_by_owner[identity] += 1
+            self.counters["requests_reattached"] += 1
+            self._send(self.clients, identity, Tokens(req_id, req.output, req.text, 0))
+            return
+        if (waiting := self.prompts.waiting.get(req_id)) is not None:  # a retry while its prompt tokenizes
+            self._release(waiting.identity)
+            waiting.identity = identity
+            self.inflight_by_owner[identity] += 1
+            self.counters["requests_reattached"] += 1
+            return
+        if req_id in self.finished:
+            self.counters["requests_replayed"] += 1
+            self._send(self.clients, identity, self.finished[req_id][1])
+            return
+        if self.draining_since is not None:
+            raise ProtocolError("shutting_down", "the broker is shutting down")
+        if self.inflight_by_owner[identity] >= self.opts.max_inflight_per_client:
+            raise ProtocolError("busy", f"this client already has {self.opts.max_inflight_per_client} requests in flight")
+        if prompt_chars(msg) > INLINE_CHARS and self.admission.codec is not None:  # (tokenizing.py)
+            self.admission.params(msg)  # (bad parameters are refused before the work)
+            self.owners[req_id] = owner
+            self.inflight_by_owner[identity] += 1
+            self.prompts.start(msg, identity, owner, now)
+            return
+        self.inflight_by_owner[identity] += 1
+        self._admit(msg, identity, owner, now, None)
+
+    def _admit(self, msg: Submit, identity: bytes, owner: str, now: float, prompt: list[int] | None) -> None:
+        """Make a SUBMIT (counted in flight for its client already) a request of the pool."""
+        try:
+            req = self.admission.request(self.next_rid, msg, identity, now, prompt)
+            if len(self.scheduler.requests) >= self.opts.max_pending:
+                raise ProtocolError("busy", f"{self.opts.max_pending} requests pending; retry later")
+        except ProtocolError:
+            self._release(identity)
+            self.owners.pop(msg.req_id, None)
+            raise
+        self.next_rid += self.opts.shards  # (a worker's KV and FREEs never confuse two shards' requests)
+        self.by_req_id[msg.req_id] = req.rid
+        self.owners[msg.req_id] = owner
+        self.counters["requests_submitted"] += 1
+        self.scheduler.admit(req)
+        self.round_times.admitted(req.rid, time.perf_counter())
+
+    def _tokenized(self) -> None:
+        """Admit the long prompts tokenized since the last look (or refuse them, or drop the cancelled)."""
+        for waiting, prompt in self.prompts.ready():
+            msg, identity = waiting.msg, waiting.identity
+            if waiting.cancelled or self.draining_since is not None:
+                self._release(identity)
+                self.owners.pop(msg.req_id, None)
+                if waiting.cancelled:
+                    self.counters["requests_cancelled"] += 1
+                else:
+                    self._reject(self.clients, identity, "shutting_down", "the broker is shutting down", msg.req_id)
+                continue
+            try:
+                if isinstance(prompt, ProtocolError):
+                    self._release(identity)
+                    self.owners.pop(msg.req_id, None)
+                    raise prompt
+                self._admit(msg, identity, waiting.owner, waiting.submitted, prompt)
+            except ProtocolError as exc:
+                self._reject(self.clients, identity, exc.code, exc.message, msg.req_id)
+
+    def _release(self, identity: bytes) -> None:
+        """One request fewer in flight for this client."""
+        self.inflight_by_owner[identity] -= 1
+        if self.inflight_by_owner[identity] <= 0:
+            del self.inflight_by_owner[identity]
+
+    def _close(self, req: Request, error: tuple[str, str] | None = None) -> None:
+        """A request has left the pool: tell its client, let workers drop its KV."""
+        self.by_req_id.pop(req.req_id, None)
+        owner = self.owners.pop(req.req_id, "")
+        queued = self.round_times.closed(req.rid)
+        self._release(req.owner)
+        self.frees.append(req.rid)
+        if error is not None:
+            self.counters["requests_failed"] += 1
+            self._reject(self.clients, req.owner, error[0], error[1], req.req_id)
+            return
+        self.counters[f"requests_{req.finish_reason}"] += 1
+        done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason,
+                    {**req.stats(), "queue_s": queued})  # (queue_s: admission to its first task sent)
+        self.finished[req.req_id] = (owner, done)
+        while len(self.finished) > 4096:  # bounded: old results age out
+            self.finished.popitem(last=False)
+        self._send(self.clients, req.owner, done)
+
