@@ -110,22 +110,19 @@ class Intake:
         self.round_times.admitted(req.rid, time.perf_counter())
 
     def _tokenized(self) -> None:
-        """Admit the long prompts tokenized since the last look (or refuse them, or drop the cancelled)."""
+        """Admit the long prompts tokenized since the last look (even while draining: they were
+        taken before it began), refuse the bad ones, drop the cancelled."""
         for waiting, prompt in self.prompts.ready():
             msg, identity = waiting.msg, waiting.identity
-            if waiting.cancelled or self.draining_since is not None:
+            if waiting.cancelled or isinstance(prompt, ProtocolError):
                 self._release(identity)
                 self.owners.pop(msg.req_id, None)
                 if waiting.cancelled:
                     self.counters["requests_cancelled"] += 1
                 else:
-                    self._reject(self.clients, identity, "shutting_down", "the broker is shutting down", msg.req_id)
+                    self._reject(self.clients, identity, prompt.code, prompt.message, msg.req_id)
                 continue
             try:
-                if isinstance(prompt, ProtocolError):
-                    self._release(identity)
-                    self.owners.pop(msg.req_id, None)
-                    raise prompt
                 self._admit(msg, identity, waiting.owner, waiting.submitted, prompt)
             except ProtocolError as exc:
                 self._reject(self.clients, identity, exc.code, exc.message, msg.req_id)

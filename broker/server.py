@@ -26,6 +26,7 @@ from nebula_flow.policy_log import RecordingScheduler
 from nebula_flow.process import orphaned, restarts
 from nebula_flow.protocol import (
     Bye,
+    Chunks,
     Done,
     Error,
     Free,
@@ -356,9 +357,18 @@ class Broker(Intake):
         self._flush_clients()
 
     def _flush_clients(self) -> None:
+        """Send what the clients are owed; a client's stream chunks go in one ``Chunks`` (at its
+        first chunk's place: each request's messages keep their order)."""
         outbox, self.client_outbox = self.client_outbox, []
+        chunks: dict[bytes, list[Tokens]] = {}
         for identity, msg in outbox:
-            self._send_now(self.clients, identity, msg)
+            if isinstance(msg, Tokens):
+                chunks.setdefault(identity, []).append(msg)
+        for identity, msg in outbox:
+            if not isinstance(msg, Tokens):
+                self._send_now(self.clients, identity, msg)
+            elif (mine := chunks.pop(identity, None)) is not None:
+                self._send_now(self.clients, identity, mine[0] if len(mine) == 1 else Chunks(mine))
 
     def run(self) -> int:
         token = metrics_token(self.opts) if self.opts.metrics_port is not None else None  # (refused before binding)

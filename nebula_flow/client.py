@@ -29,7 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from nebula_flow import protocol
 from nebula_flow.params import SamplingParams
-from nebula_flow.protocol import Cancel, Done, Error, Msg, ProtocolError, State, Status, Submit, Tokens
+from nebula_flow.protocol import Cancel, Chunks, Done, Error, Msg, ProtocolError, State, Status, Submit, Tokens
 from nebula_flow.shards import addresses as shard_addresses
 from nebula_flow.shards import merge_states, shard_of
 
@@ -197,6 +197,8 @@ class _Conn:
         self.address = address
         self.sock, self.monitor = _socket(ctx, address, keys)
         self.link = _Link()
+        self.poller: zmq.Poller | None = None  # (the blocking client's)
+        self.backlog: list[Msg] = []  # the rest of a ``Chunks`` the blocking client is reading through
 
     def close(self) -> None:
         self.sock.disable_monitor()
@@ -248,6 +250,8 @@ class Client:
     def _recv(self, conn: _Conn, timeout_s: float | None = None) -> Msg | None:
         """The next message from that broker; None when the connection to it was made again after
         dropping (the caller sends what it has in flight again)."""
+        if conn.backlog:
+            return conn.backlog.pop(0)
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
@@ -255,7 +259,12 @@ class Client:
             if conn.monitor in events and conn.link.event(conn.monitor.recv_multipart()):
                 return None
             if conn.sock in events:
-                return protocol.decode(conn.sock.recv_multipart(copy=False))
+                msg = protocol.decode(conn.sock.recv_multipart(copy=False))
+                if not isinstance(msg, Chunks):
+                    return msg
+                conn.backlog = list(msg.chunks)
+                if conn.backlog:
+                    return conn.backlog.pop(0)
         raise RequestTimeout(f"no answer from {conn.address} within {timeout_s:.0f} s")
 
     def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
@@ -364,9 +373,10 @@ class AsyncClient:
                 msg = protocol.decode(frames)
             except ProtocolError:
                 continue
-            key = getattr(msg, "req_id", None) or (f"__status__{index}" if isinstance(msg, State) else None)
-            if key in self.queues:
-                self.queues[key].put_nowait(msg)
+            for one in msg.chunks if isinstance(msg, Chunks) else (msg,):
+                key = getattr(one, "req_id", None) or (f"__status__{index}" if isinstance(one, State) else None)
+                if key in self.queues:
+                    self.queues[key].put_nowait(one)
 
     async def _send(self, conn: _Conn, msg: Msg) -> None:
         try:

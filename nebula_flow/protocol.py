@@ -10,18 +10,18 @@ extra frames sent and received without copies, described in the header by ``{"f"
 "dtype", "shape"}``, except small integer vectors (token ids), which travel inside the header as
 ``{"ints": [...], "dtype"}`` (a frame costs more to send than the ints cost to write). ``decode``
 turns frames into an instance of the kind's class, checking every field against the class's
-annotations (and its ``check``) on the way: decoding is the validation. Anything else raises ``ProtocolError`` (with a stable ``code``); receivers answer that
-with an ``Error`` where there is a sender to answer, count it, and carry on. ``encode`` is the
-inverse. Unknown header fields are ignored (a newer peer may send more).
+annotations (and its ``check``) on the way: decoding is the validation. Anything else raises
+``ProtocolError`` (with a stable ``code``); receivers answer that with an ``Error`` where there is
+a sender to answer, count it, and carry on. ``encode`` is the inverse. Unknown header fields are
+ignored (a newer peer may send more).
 
 Client <-> broker (client socket, DEALER -> ROUTER): ``Submit``, ``Cancel``, ``Status`` from the
-client; ``Tokens`` (a stream chunk), ``Done``, ``State`` from the broker; ``Error`` either way.
-Worker <-> broker (worker socket, DEALER -> ROUTER): ``Register``, ``Pull``, ``Result`` (of
-``TaskResult`` items), ``Bye`` from a worker; ``Welcome``, ``Tasks`` (of ``TaskSpec`` items),
-``Free`` from the broker; ``Heartbeat`` and ``Error``
-either way. Worker <-> worker (KV server, ZeroMQ transport): ``KvPull`` and ``KvData`` (the UCX
-transport carries the same fields as int64 arrays of sizes both sides know, see
-``nebula_flow/kv/ucx.py``). Each class's docstring says what it means.
+client; ``Tokens`` (a stream chunk; several in one ``Chunks``), ``Done``, ``State`` from the broker;
+``Error`` either way. Worker <-> broker (worker socket, DEALER -> ROUTER): ``Register``, ``Pull``,
+``Result`` (of ``TaskResult`` items), ``Bye`` from a worker; ``Welcome``, ``Tasks`` (of
+``TaskSpec`` items), ``Free`` from the broker; ``Heartbeat`` and ``Error`` either way. Worker <->
+worker (KV server, ZeroMQ transport): ``KvPull`` and ``KvData`` (the UCX transport carries the
+same fields as int64 arrays of sizes both sides know, see ``nebula_flow/kv/ucx.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 import orjson
 
+from nebula_flow.round_times import Timing  # noqa: F401 - RESULT's timing: part of the schema
 from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of this module's API
     HEADER_OPTIONS,
     ProtocolError,
@@ -45,7 +46,7 @@ from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of thi
     plain,
 )
 
-VERSION = 3  # 2: typed messages, runner-ups as "runner_ups"; 3: small integer tensors inline in the header
+VERSION = 4  # 2: typed messages, runner-ups as "runner_ups"; 3: small integer tensors inline in the header; 4: CHUNKS
 DRAFTER_CHARS = "A-Za-z0-9._:-"  # what a REGISTER's drafter name may hold (1-64 of them)
 DRAFTER_NAME = re.compile(f"[{DRAFTER_CHARS}]{{1,64}}")
 DRAFTER_RULE = "1-64 letters, digits or . _ - :"  # (what DRAFTER_NAME takes, for error messages)
@@ -129,6 +130,15 @@ class Tokens(Msg):
     text: str
     offset: int = 0
     text_offset: int = 0
+
+
+@dataclass
+class Chunks(Msg):
+    """Broker -> client: the ``Tokens`` of a client's requests that advanced in one broker step, in
+    one message (a client with many requests in flight, such as the HTTP gateway, gets one a step)."""
+
+    KIND: ClassVar[str] = "CHUNKS"
+    chunks: list[Tokens] = field(default_factory=list)
 
 
 @dataclass
@@ -357,27 +367,6 @@ class TaskResult(Proposes):
 
 
 @dataclass
-class Timing:
-    """How a worker spent one batch, in seconds, from its TASKS' arrival (``span_s`` in all) to
-    its RESULT's departure: decoding the tasks, waiting behind the batch computing, waiting for
-    pulled KV, draft and verify forward passes, the compute thread's other work, and the finished
-    batch waiting to be sent. The broker's ``round_times`` adds them to each round the batch ran."""
-
-    span_s: float = 0.0
-    decode_s: float = 0.0
-    queue_s: float = 0.0
-    kv_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    python_s: float = 0.0
-    handoff_s: float = 0.0
-
-    def check(self) -> None:
-        if min(vars(self).values()) < 0:
-            raise malformed("timing parts must be >= 0")
-
-
-@dataclass
 class Result(Msg):
     """Worker -> broker: finished tasks and the forward time they took (``busy_s``); ``kv``: KV
     movement counters; ``device``: forwards, numerics, and ``step_costs`` (per role, forward
@@ -450,7 +439,7 @@ class KvData(Msg):
 
 
 KINDS: dict[str, type[Msg]] = {cls.KIND: cls for cls in (
-    Submit, Cancel, Status, Tokens, Done, State, Error, Register, Welcome, Pull, Tasks, Result, Free,
+    Submit, Cancel, Status, Tokens, Chunks, Done, State, Error, Register, Welcome, Pull, Tasks, Result, Free,
     Heartbeat, Bye, KvPull, KvData)}
 
 

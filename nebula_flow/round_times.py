@@ -26,7 +26,29 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from nebula_flow.protocol import Timing
+from nebula_flow.wire import malformed
+
+
+@dataclass
+class Timing:
+    """How a worker spent one batch, in seconds, from its TASKS' arrival (``span_s`` in all) to
+    its RESULT's departure: decoding the tasks, waiting behind the batch computing, waiting for
+    pulled KV, draft and verify forward passes, the compute thread's other work, and the finished
+    batch waiting to be sent. The broker's ``round_times`` adds them to each round the batch ran."""
+
+    span_s: float = 0.0
+    decode_s: float = 0.0
+    queue_s: float = 0.0
+    kv_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    python_s: float = 0.0
+    handoff_s: float = 0.0
+
+    def check(self) -> None:
+        if min(vars(self).values()) < 0:
+            raise malformed("timing parts must be >= 0")
+
 
 # The worker's parts (``protocol.Timing`` fields, less ``span_s``) as named in the breakdown.
 WORKER_PARTS = {"decode_s": "worker_decode", "queue_s": "worker_queue", "kv_s": "kv", "draft_s": "draft_forward",

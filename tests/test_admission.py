@@ -49,7 +49,8 @@ def test_the_unlocked_tokenizer_call_gives_the_same_ids(tiny_pair) -> None:  # n
 def test_long_prompts_are_tokenized_beside_the_dispatch_loop(tiny_pair) -> None:  # noqa: ANN001
     """A long text prompt goes to the tokenizer thread: while it is there (held at a gate here) the
     broker admits and answers other requests; a retry re-attaches to it, a cancel drops it, and once
-    tokenized it joins the pool with the ids the tokenizer gives, or gets its refusal."""
+    tokenized it joins the pool with the ids the tokenizer gives (even if the broker began draining
+    meanwhile), or gets its refusal."""
     import select
     import threading
 
@@ -90,6 +91,7 @@ def test_long_prompts_are_tokenized_beside_the_dispatch_loop(tiny_pair) -> None:
         submit(b"c2", "long", prompt=text)  # a retry (the client reconnected): re-attached, not submitted twice
         broker.on_client(b"c", protocol.encode(Cancel("dropped", session)), 0.0)
         assert broker.inflight_by_owner == {b"c": 3, b"c2": 1}
+        broker.draining_since = 1.0  # (SIGTERM now: a prompt taken before it still runs)
         tokenized()
         by_id = {r.req_id: r for r in broker.scheduler.requests.values()}
         assert sorted(by_id) == ["long", "short"], broker.client_outbox

@@ -169,3 +169,51 @@ def test_a_draft_token_outside_its_proposal_or_a_repeated_id_is_refused() -> Non
                         draft=bad.draft, q_idx=bad.q_idx, q_prob=bad.q_prob, q_len=bad.q_len)
         [item] = roundtrip(Tasks([task])).tasks
         assert isinstance(item, Rejected) and why in item.error.message
+
+
+def test_a_clients_stream_chunks_of_one_step_travel_in_one_message() -> None:
+    """The broker sends a client's chunks of one step as one ``Chunks`` (each request's messages in
+    their order); the blocking client reads one out of it at a time."""
+    import zmq
+
+    from nebula_flow.client import Client, Completion
+    from nebula_flow.deploy import free_port
+    from nebula_flow.protocol import Chunks, Done, Tokens
+    from nebula_flow_broker.server import Broker, BrokerOptions
+
+    got = roundtrip(Chunks([Tokens("a", [1, 2], "x"), Tokens("b", [3], "y", 2, 1)]))
+    assert [(c.req_id, list(c.token_ids), c.text, c.offset) for c in got.chunks] == [("a", [1, 2], "x", 0),
+                                                                                      ("b", [3], "y", 2)]
+    broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port()))
+    sent: list = []
+    broker.clients = None  # (not bound: the sends are recorded)
+    broker._send_now = lambda sock, identity, msg: sent.append((identity, msg)) or True
+    done_r1 = Done("r1", [1], "x", "length", {})
+    broker.client_outbox = [(b"a", Tokens("r1", [1], "x")), (b"b", Tokens("r2", [2], "y")), (b"a", done_r1),
+                            (b"a", Tokens("r3", [3], "z"))]
+    broker._flush_clients()
+    assert sent == [(b"a", Chunks([Tokens("r1", [1], "x"), Tokens("r3", [3], "z")])), (b"b", Tokens("r2", [2], "y")),
+                    (b"a", done_r1)]
+    # a blocking client takes them apart (a fake broker on a real socket)
+    ctx, port = zmq.Context.instance(), free_port()
+    server = ctx.socket(zmq.ROUTER)
+    server.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout_s=10) as client:
+            stream = client.stream(token_ids=[1, 2], max_new_tokens=3, request_id="q")
+            import threading
+
+            def answer() -> None:
+                identity, *frames = server.recv_multipart()
+                assert isinstance(protocol.decode(frames), Submit)
+                for msg in (Chunks([Tokens("q", [7], "a"), Tokens("q", [8], "b", 1, 1)]), Done("q", [7, 8], "ab", "length", {})):
+                    server.send_multipart([identity, *protocol.encode(msg)])
+
+            t = threading.Thread(target=answer)
+            t.start()
+            items = list(stream)
+            t.join()
+        assert [list(i.token_ids) for i in items[:-1]] == [[7], [8]] and isinstance(items[-1], Completion)
+        assert items[-1].token_ids == [7, 8]
+    finally:
+        server.close(linger=0)
