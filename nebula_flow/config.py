@@ -32,6 +32,7 @@ written): the HTTP API's ``/v1/models`` lists the target under it.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -67,7 +68,8 @@ class PoolConfig:
     workers: int = 1
     max_batch: int = 8
     threads: int | None = None  # default: the machine's cores shared among all workers
-    device: str = "cpu"  # cpu | cuda | cuda:N | emulated
+    device: str = "cpu"  # cpu | cuda | cuda:N | emulated; "cuda": one device per worker (deploy.place_devices)
+    devices: list[str] | None = None  # GPUs for this pool's workers in order (["cuda:0", "cuda:0"]: two on one)
     dtype: str | None = None  # float32 | bfloat16 | float16 | auto (models.loader.auto_dtype); None: fp32 on CPU, bf16 on CUDA
     batch_invariant: bool | None = None  # bit-equal logits however a token is batched; None: on for bf16/fp16 CPU
     profile: str | None = None  # latency profile for device = "emulated"
@@ -115,6 +117,10 @@ class DeployConfig:
                 raise ConfigError(f"[{name}] dtype must be one of {', '.join(DTYPE_CHOICES)}, got {pool.dtype!r}")
             if pool.device == "emulated" and not pool.profile:
                 raise ConfigError(f"[{name}] device = \"emulated\" needs a profile")
+            if pool.devices is not None and (not pool.devices or pool.device not in ("cuda", "cpu") or not all(
+                    isinstance(d, str) and re.fullmatch(r"cuda:\d+", d) for d in pool.devices)):
+                raise ConfigError(f"[{name}] devices must be a list of \"cuda:N\" (with device = \"cuda\"), "
+                                  f"got {pool.devices!r}")
         if self.draft.workers + self.target.workers < 1:
             raise ConfigError("no workers: give [draft] or [target] workers >= 1")
         try:

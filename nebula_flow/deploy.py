@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_flow.client import Client, NebulaError
-from nebula_flow.config import DeployConfig, PoolConfig
+from nebula_flow.config import ConfigError, DeployConfig, PoolConfig
 from nebula_flow.options import BrokerOptions, WorkerOptions, write_options
 from nebula_flow.process import PARENT_ENV, RESTARTS_ENV
 from nebula_flow.security import ensure_key
@@ -58,14 +58,35 @@ def default_threads(role: str, plan: list[tuple[str, Any]], cores: int | None = 
     return max(1, cores // max(1, sharing))
 
 
-def device_for(device: str, index: int) -> str:
-    """Spread workers over the visible GPUs: plain "cuda" becomes cuda:<index mod count>."""
-    if device != "cuda":
-        return device
-    import torch
+def place_devices(plan: list[tuple[str, PoolConfig]], gpus: int | None = None) -> list[str]:
+    """Each worker's device, in plan order. A pool's ``devices`` list places its workers in order
+    (a list shorter than the workers repeats: sharing a GPU is configured, never implied); a pool
+    on plain "cuda" gets one visible GPU per worker, the next ones not listed anywhere, and more
+    such workers than GPUs is a ``ConfigError`` (a second model on a full device fails or crawls).
+    ``gpus``: how many are visible (default: torch's count)."""
+    seen: dict[int, int] = {}  # id(pool) -> its workers placed so far
+    out = []
+    if any(pool.device == "cuda" and not pool.devices for _, pool in plan):
+        if gpus is None:
+            import torch
 
-    count = torch.cuda.device_count()
-    return f"cuda:{index % count}" if count > 1 else device
+            gpus = torch.cuda.device_count()
+        listed = {int(d.split(":")[1]) for _, pool in plan for d in pool.devices or ()}
+        free = [f"cuda:{i}" for i in range(gpus) if i not in listed]
+        wanting = sum(pool.device == "cuda" and not pool.devices for _, pool in plan)
+        if wanting > len(free):
+            raise ConfigError(f"{wanting} workers want a GPU of their own (device = \"cuda\") and {len(free)} are free "
+                              f"of the {gpus} visible: list `devices` in the pools to share one")
+    for _, pool in plan:
+        j = seen.get(id(pool), 0)
+        seen[id(pool)] = j + 1
+        if pool.devices:
+            out.append(pool.devices[j % len(pool.devices)])
+        elif pool.device == "cuda":
+            out.append(free.pop(0))
+        else:
+            out.append(pool.device)
+    return out
 
 
 def broker_name(shard: int, shards: int) -> str:
@@ -149,22 +170,26 @@ class Deployment:
         if self.cfg.broker.keys:  # one key per worker, made on its first start (revocable alone)
             for i, (role, _) in enumerate(plan):
                 ensure_key(Path(self.cfg.broker.keys), "worker", worker_name(role, i))
+        try:
+            devices = place_devices(plan)  # (before anything starts: a GPU short is a config error)
+        except ConfigError as exc:
+            raise DeploymentError(str(exc)) from None
         for shard in range(len(self.shards)):
             self._start_broker(shard, timeout_s)
         for i, (role, pool) in enumerate(plan):
             name = worker_name(role, i)
-            opts = self.worker_options(role, pool, i, name, pool.threads or default_threads(role, plan))
+            opts = self.worker_options(role, pool, devices[i], name, pool.threads or default_threads(role, plan))
             self._spawn(name, ["worker", "--options", str(write_options(opts, self.log_dir / f"{name}.json"))],
                         opts.threads)
         self.wait_ready(len(plan), timeout_s)
         return self.address
 
-    def worker_options(self, role: str, pool: PoolConfig, index: int, name: str, threads: int) -> WorkerOptions:
-        """What worker ``index`` of the plan runs with (written beside its log)."""
+    def worker_options(self, role: str, pool: PoolConfig, device: str, name: str, threads: int) -> WorkerOptions:
+        """What a worker of the plan runs with (written beside its log); ``device``: ``place_devices``'."""
         colocated = role in ("colocated", "any")  # (both models)
         return replace(WorkerOptions(
             role=role, broker=",".join(o.worker_address for o in self.shards), model=str(pool.model), name=name,
-            capacity=pool.max_batch, threads=threads, device=device_for(pool.device, index), dtype=pool.dtype,
+            capacity=pool.max_batch, threads=threads, device=device, dtype=pool.dtype,
             batch_invariant=pool.batch_invariant, max_kv_gb=pool.max_kv_gb, kv_pool_gb=pool.kv_pool_gb,
             kv_transport=self.cfg.kv_transport, profile=pool.profile,
             draft_model=str(self.cfg.draft.model) if colocated else None,
