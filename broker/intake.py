@@ -63,7 +63,7 @@ class Intake:
         # (a retry re-attaches, or replays a result, even while draining: only new work is refused)
         if req_id in self.by_req_id:  # a retry: re-attach and resend what was committed so far
             req = self.scheduler.requests[self.by_req_id[req_id]]
-            self.inflight_by_owner[req.owner] -= 1
+            self._release(req.owner)
             req.owner = identity
             self.inflight_by_owner[identity] += 1
             self.counters["requests_reattached"] += 1
@@ -85,6 +85,8 @@ class Intake:
             raise ProtocolError("busy", f"this client already has {self.opts.max_inflight_per_client} requests in flight")
         if prompt_chars(msg) > INLINE_CHARS and self.admission.codec is not None:  # (tokenizing.py)
             self.admission.params(msg)  # (bad parameters are refused before the work)
+            if len(self.scheduler.requests) + len(self.prompts.waiting) >= self.opts.max_pending:
+                raise ProtocolError("busy", f"{self.opts.max_pending} requests pending; retry later")
             self.owners[req_id] = owner
             self.inflight_by_owner[identity] += 1
             self.prompts.start(msg, identity, owner, now)

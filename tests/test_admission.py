@@ -104,3 +104,31 @@ def test_long_prompts_are_tokenized_beside_the_dispatch_loop(tiny_pair) -> None:
         broker.clients.close()
         broker.peers.close()
         broker.prompts.close()
+
+
+def test_prompts_being_tokenized_count_against_the_pending_limit(tiny_pair) -> None:  # noqa: ANN001
+    import threading
+
+    from nebula_flow import protocol
+    from nebula_flow.deploy import free_port
+    from nebula_flow.protocol import Error, Submit
+    from nebula_flow_broker.server import Broker, BrokerOptions
+    from nebula_flow_broker.tokenizing import INLINE_CHARS
+
+    broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port(), model=str(tiny_pair / "target"),
+                                  max_pending=1))
+    gate, real = threading.Event(), broker.prompts.tokenize
+    broker.prompts.tokenize = lambda msg: (gate.wait(30), real(msg))[1]
+    broker.bind()
+    try:
+        for req_id in ("first", "second"):
+            broker.on_client(b"c", protocol.encode(Submit(req_id, {"max_new_tokens": 4}, session="s" * 32,
+                                                          prompt="return " * (INLINE_CHARS // 6))), 0.0)
+        assert list(broker.prompts.waiting) == ["first"]
+        assert [(m.req_id, m.code) for _, m in broker.client_outbox if isinstance(m, Error)] == [("second", "busy")]
+        assert broker.inflight_by_owner == {b"c": 1}
+    finally:
+        gate.set()
+        broker.clients.close()
+        broker.peers.close()
+        broker.prompts.close()
