@@ -112,7 +112,7 @@ async def _drive(client_address: str, worker_addresses: list[str], mode: str, wo
             while queue:
                 i = queue.pop()
                 await client.generate(token_ids=[5, 6, 7, 8, i % 50 + 10], max_new_tokens=max_new_tokens,
-                                      ignore_eos=True)
+                                      ignore_eos=True, request_id=f"bench-{i}")  # (ids: the same shards every run)
 
         await asyncio.gather(*(client.generate(token_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)
                                for _ in range(2 * len(worker_addresses))))  # (warm-up, every shard)
