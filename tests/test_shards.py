@@ -189,3 +189,21 @@ def test_shards_with_curve_keys_behind_the_http_api(tiny_pair, tmp_path, monkeyp
             text = httpx.get(url + "/metrics").text
             rounds = next(float(line.split()[1]) for line in text.splitlines() if line.startswith("nebula_rounds_total "))
         assert rounds == state["counters"]["rounds"]
+
+
+def test_status_text_names_each_shard_and_a_workers_kv_pull_failures() -> None:
+    from nebula_flow.cli.status_text import status_lines
+
+    worker = {"id": 1, "role": "target", "slot": 0, "name": "target-1", "tasks": 9, "busy_s": 1.5, "restarts": 0,
+              "kv": {"pulls": 4, "pull_failures": 2}, "batches": {}}
+    state = {"mode": "pooled", "uptime_s": 12, "pool": 3, "topics": {"draft": 1}, "roles": ["target"],
+             "workers": [worker, dict(worker, id=2, name="target-2", kv={"pulls": 4})],
+             "by_shard": [{"shard": 0, "pid": 10, "pool": 1, "workers": 2, "rounds": 5, "restarts": 0},
+                          {"shard": 1, "pid": 11, "pool": 2, "workers": 2, "rounds": 7, "restarts": 1}],
+             "counters": {"rounds": 12}, "errors": {}, "restarts": {"broker": 1, "workers": 0}}
+    lines = status_lines(state)
+    assert "  shard 0: pid 10, 1 in the pool, 2 workers, 5 rounds" in lines
+    assert "  shard 1: pid 11, 2 in the pool, 2 workers, 7 rounds, restarts 1" in lines
+    workers = [line for line in lines if line.startswith("  worker")]
+    assert workers[0].endswith("KV pull failures 2 (recomputed; see its log)") and "KV" not in workers[1]
+    assert lines[-1] == "counters {'rounds': 12}"

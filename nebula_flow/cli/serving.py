@@ -14,6 +14,7 @@ from nebula_flow.cli.common import (
     generate_from,
     start_deployment,
 )
+from nebula_flow.cli.status_text import status_lines
 
 
 @click.command()
@@ -139,41 +140,8 @@ def status(address: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(state, indent=2))
         return
-    click.echo(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool, "
-               f"topics {state['topics']}")
-    for sh in state.get("by_shard", []):  # (a sharded deployment: its brokers one by one)
-        click.echo(f"  shard {sh['shard']}: pid {sh['pid']}, {sh['pool']} in the pool, {sh['workers']} workers, "
-                   f"{sh['rounds']} rounds" + (f", restarts {sh['restarts']}" if sh["restarts"] else ""))
-    for w in state["workers"]:
-        drafter = f" drafter {w['drafter']}" if w.get("drafter") and len(state.get("drafters", {})) > 1 else ""
-        restarted = f" restarts {w['restarts']}" if w.get("restarts") else ""
-        if w["role"] == "any":  # an elastic worker: how its batches split between the stages
-            restarted += f" (batches: {w['batches'].get('draft', 0)} draft, {w['batches'].get('target', 0)} verify)"
-        click.echo(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} "
-                   f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}{restarted}")
-    if len(state.get("drafters", {})) > 1:  # several drafters: how routing shares the rounds out
-        for name, d in state["drafters"].items():
-            rates = ", ".join(f"{kind} {rate:.2f}" for kind, rate in d.get("acceptance", {}).items())
-            click.echo(f"  drafter {name:<16} workers {d['workers']:<3} rounds {d['rounds']:<7} "
-                       f"drafts accepted {d['accepted']}/{d['proposed']}" + (f"; recent acceptance {rates}" if rates else ""))
-    if "draft" in state["roles"] or "colocated" in state["roles"]:
-        draft, row, fixed = state["spec_costs"]
-        blocks = " ".join("-" if v is None else f"{v:.2f}" for v in state["verify_costs"]) or "not measured yet"
-        click.echo(f"speculation costs in target decode steps: draft step {draft:.3f}, verify row {row:.3f}, "
-                   f"round {fixed:.2f}; verify blocks by rows: {blocks}")
-    rounds = state.get("round_times", {}).get("rounds", {})
-    if rounds.get("rounds"):  # where a decode round's time goes (docs/operations.md)
-        per = {p: v / rounds["rounds"] * 1000 for p, v in rounds["seconds"].items()}
-        parts = ", ".join(f"{p} {v:.2f}" for p, v in sorted(per.items(), key=lambda kv: -kv[1])
-                          if p != "total" and v >= 0.005)
-        click.echo(f"decode rounds: {rounds['rounds']}, {per['total']:.2f} ms each: {parts}")
-    if any(state.get("restarts", {}).values()):
-        click.echo(f"restarts after a death: broker {state['restarts']['broker']}, "
-                   f"workers registered now {state['restarts']['workers']}")
-    click.echo(f"counters {state['counters']}")
-    if state["errors"]:
-        click.echo(f"errors {state['errors']}")
-
+    for line in status_lines(state):
+        click.echo(line)
 
 
 COMMANDS = [serve, run, generate, status]

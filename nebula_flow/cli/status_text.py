@@ -1,0 +1,47 @@
+"""`nebula-flow status`'s text: what an operator reads first, from the broker's state (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def status_lines(state: dict[str, Any]) -> list[str]:
+    """The lines `nebula-flow status` prints for a broker's (or a sharded deployment's merged) state."""
+    out: list[str] = []
+    out.append(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool, "
+               f"topics {state['topics']}")
+    for sh in state.get("by_shard", []):  # (a sharded deployment: its brokers one by one)
+        out.append(f"  shard {sh['shard']}: pid {sh['pid']}, {sh['pool']} in the pool, {sh['workers']} workers, "
+                   f"{sh['rounds']} rounds" + (f", restarts {sh['restarts']}" if sh["restarts"] else ""))
+    for w in state["workers"]:
+        drafter = f" drafter {w['drafter']}" if w.get("drafter") and len(state.get("drafters", {})) > 1 else ""
+        restarted = f" restarts {w['restarts']}" if w.get("restarts") else ""
+        if w["role"] == "any":  # an elastic worker: how its batches split between the stages
+            restarted += f" (batches: {w['batches'].get('draft', 0)} draft, {w['batches'].get('target', 0)} verify)"
+        failed = (w.get("kv") or {}).get("pull_failures", 0)  # (KV it could not pull: recomputed, never silent)
+        kv = f" KV pull failures {failed} (recomputed; see its log)" if failed else ""
+        out.append(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} "
+                   f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}{restarted}{kv}")
+    if len(state.get("drafters", {})) > 1:  # several drafters: how routing shares the rounds out
+        for name, d in state["drafters"].items():
+            rates = ", ".join(f"{kind} {rate:.2f}" for kind, rate in d.get("acceptance", {}).items())
+            out.append(f"  drafter {name:<16} workers {d['workers']:<3} rounds {d['rounds']:<7} "
+                       f"drafts accepted {d['accepted']}/{d['proposed']}" + (f"; recent acceptance {rates}" if rates else ""))
+    if "draft" in state["roles"] or "colocated" in state["roles"]:
+        draft, row, fixed = state["spec_costs"]
+        blocks = " ".join("-" if v is None else f"{v:.2f}" for v in state["verify_costs"]) or "not measured yet"
+        out.append(f"speculation costs in target decode steps: draft step {draft:.3f}, verify row {row:.3f}, "
+                   f"round {fixed:.2f}; verify blocks by rows: {blocks}")
+    rounds = state.get("round_times", {}).get("rounds", {})
+    if rounds.get("rounds"):  # where a decode round's time goes (docs/operations.md)
+        per = {p: v / rounds["rounds"] * 1000 for p, v in rounds["seconds"].items()}
+        parts = ", ".join(f"{p} {v:.2f}" for p, v in sorted(per.items(), key=lambda kv: -kv[1])
+                          if p != "total" and v >= 0.005)
+        out.append(f"decode rounds: {rounds['rounds']}, {per['total']:.2f} ms each: {parts}")
+    if any(state.get("restarts", {}).values()):
+        out.append(f"restarts after a death: broker {state['restarts']['broker']}, "
+                   f"workers registered now {state['restarts']['workers']}")
+    out.append(f"counters {state['counters']}")
+    if state["errors"]:
+        out.append(f"errors {state['errors']}")
+    return out
