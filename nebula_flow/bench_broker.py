@@ -125,10 +125,13 @@ async def _drive(client_address: str, worker_addresses: list[str], mode: str, wo
     return {"before": before, "after": after, "wall_s": wall, "tasks": tasks}
 
 
-def _start_broker(args: list[str], profile: Path | None, out) -> tuple[subprocess.Popen, str]:  # noqa: ANN001
-    """A broker process with ``args`` (after ``broker``), and its client address once it answers."""
+def start_broker(args: list[str], out, profile: Path | None = None,  # noqa: ANN001
+                 env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A broker process with ``args`` (after ``broker``; ``--client-port`` among them), its output
+    to the file ``out``, and its client address once it answers. ``env``/``cwd``: run another
+    checkout's broker (``tools/bench_long_prompt.py --tree``)."""
     runner = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "nebula_flow.cli"]
-    proc = subprocess.Popen([*runner, "broker", *args], stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([*runner, "broker", *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     address = f"tcp://127.0.0.1:{args[args.index('--client-port') + 1]}"
     with Client(address, timeout_s=1.0) as c:
         deadline = time.monotonic() + 60
@@ -156,7 +159,7 @@ def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int =
                 args = ["--mode", mode, "--client-port", str(client_port), "--worker-port", str(worker_port),
                         "--k", str(k), "--liveness-s", "30", "--shard", str(shard), "--shards", str(shards),
                         *(["--model", model] if model else []), *(f"--set={s}" for s in FIXED_POLICY)]
-                proc, address = _start_broker(args, profile if shard == 0 else None, out)
+                proc, address = start_broker(args, out, profile if shard == 0 else None)
                 procs.append(proc)
                 clients.append(address)
                 worker_addresses.append(f"tcp://127.0.0.1:{worker_port}")

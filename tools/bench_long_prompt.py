@@ -17,16 +17,14 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import zmq.asyncio
 
-from nebula_flow.bench_broker import FIXED_POLICY, zero_worker
+from nebula_flow.bench_broker import FIXED_POLICY, start_broker, zero_worker
 from nebula_flow.cli.common import ensure_tiny_pair
-from nebula_flow.client import AsyncClient, Chunk, Client, NebulaError, RequestError
+from nebula_flow.client import AsyncClient, Chunk, RequestError
 from nebula_flow.deploy import free_port
 
 
@@ -65,34 +63,26 @@ def main() -> None:
     ap.add_argument("--tree", help="run the broker from this checkout instead of this one")
     ap.add_argument("--chars", type=int, default=600_000)
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    opts = ap.parse_args()
     model = str(ensure_tiny_pair() / "target")
-    env = dict(os.environ, PYTHONPATH=args.tree) if args.tree else dict(os.environ)
+    env = dict(os.environ, PYTHONPATH=opts.tree) if opts.tree else None
     out = {}
     for long_prompts in (0, 3):
         worst = []
-        for _ in range(args.repeats):
+        for _ in range(opts.repeats):
             cport, wport = free_port(), free_port()
-            cmd = [sys.executable, "-m", "nebula_flow.cli", "broker", "--model", model, "--client-port", str(cport),
-                   "--worker-port", str(wport), "--k", "4", *(f"--set={s}" for s in FIXED_POLICY)]
+            args = ["--model", model, "--client-port", str(cport), "--worker-port", str(wport), "--k", "4",
+                    *(f"--set={s}" for s in FIXED_POLICY)]
             with tempfile.TemporaryFile() as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=args.tree or None)
+                proc, address = start_broker(args, log, env=env, cwd=opts.tree)
                 try:
-                    with Client(f"tcp://127.0.0.1:{cport}", timeout_s=1.0) as c:
-                        while True:
-                            try:
-                                c.status()
-                                break
-                            except NebulaError:
-                                time.sleep(0.1)
-                    worst.append(asyncio.run(_run(f"tcp://127.0.0.1:{cport}", f"tcp://127.0.0.1:{wport}",
-                                                  args.chars, long_prompts)))
+                    worst.append(asyncio.run(_run(address, f"tcp://127.0.0.1:{wport}", opts.chars, long_prompts)))
                 finally:
                     proc.terminate()
                     proc.wait(30)
         out[long_prompts] = statistics.median(worst)
-        print(f"{long_prompts} long prompts of {args.chars} chars: longest gap between chunks "
-              f"{out[long_prompts] * 1e3:.1f} ms (median of {args.repeats}: "
+        print(f"{long_prompts} long prompts of {opts.chars} chars: longest gap between chunks "
+              f"{out[long_prompts] * 1e3:.1f} ms (median of {opts.repeats}: "
               f"{', '.join(f'{w * 1e3:.1f}' for w in worst)})", flush=True)
 
 
