@@ -4,6 +4,9 @@ the broker's check of a pre-draft's branches. End to end: ``test_e2e_lossless``,
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -11,10 +14,13 @@ from nebula_flow import ahead
 from nebula_flow.ahead import Branch
 from nebula_flow.params import SamplingParams
 from nebula_flow.policy import PolicyConfig
-from nebula_flow.policy_log import RecordingScheduler, replay
+from nebula_flow.policy_log import RecordingScheduler, policy_of, replay
 from nebula_flow.protocol import ProtocolError, TaskResult
 from nebula_flow.request import DRAFT, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
+from nebula_flow.sim.engine import Simulator
+from nebula_flow.sim.predraft import FIRST_GUESS, SECOND_GUESS, outcomes
+from nebula_flow.sim.scenario import load_scenario
 from nebula_flow_broker.results import predrafted
 
 
@@ -293,3 +299,47 @@ def test_pre_drafted_branches_are_the_drafts_fresh_rounds_make(tiny_pair) -> Non
             hits += any(assumed == committed for assumed, _ in made)
             tokens = np.concatenate([tokens, committed])
     assert hits >= 4  # (the tiny pair: its draft's second choices catch the target's corrections now and then)
+
+
+# -- the simulator ------------------------------------------------------------------------
+EMULATED_SIM = Path(__file__).resolve().parent.parent / "configs" / "sim" / "emulated-2d2t.toml"
+
+
+def emulated_sim(draft_ahead: int, concurrency: int, policy: type[Scheduler] = Scheduler) -> Simulator:
+    """The live emulated deployment's scenario (2 draft + 2 target workers, RTX 4090 profiles),
+    pooled, with ``draft_ahead`` and a closed loop of ``concurrency`` requests."""
+    sc = load_scenario(EMULATED_SIM)
+    return Simulator(replace(sc, policy=sc.policy.replace(draft_ahead=draft_ahead),
+                             workload=replace(sc.workload, concurrency=concurrency)), "pooled", policy=policy)
+
+
+def test_simulated_outcomes_are_the_live_runners_in_its_order() -> None:
+    """The outcomes a simulated pre-draft bets on, most likely first, as ``ModelRunner.predraft``
+    orders them: the whole draft and its guess, each shorter accept and its guess of the
+    correction, the whole draft and its second guess."""
+    g, s = FIRST_GUESS, SECOND_GUESS
+    assert outcomes(2, 9) == [[0, 0, g], [g], [0, g], [0, 0, s]]
+    assert outcomes(3, 2) == [[0, 0, 0, g], [g]]
+
+
+def test_the_simulator_models_draft_ahead_where_it_pays_and_the_policy_turns_it_off_under_load() -> None:
+    """The live policy's draft-ahead on the simulator's clock: a single stream gains from the
+    rounds whose draft was pre-drafted (most of them), while the same rounds commit the same
+    tokens; at saturation the policy makes no pre-drafts and throughput is that without."""
+    off, on = (emulated_sim(d, 1).run() for d in (0, 6))
+    assert (on["rounds"], on["tokens"]) == (off["rounds"], off["tokens"])  # (a hit is the draft a round makes)
+    assert on["draft_ahead"]["hits"] > 0.4 * on["rounds"] and on["ahead_hit_rate"] > 0.4
+    assert on["tokens_per_s"] > 1.1 * off["tokens_per_s"] and on["latency_s"]["p50"] < off["latency_s"]["p50"]
+    off, on = (emulated_sim(d, 48).run() for d in (0, 6))
+    made, skipped = on["draft_ahead"]["tasks"], on["draft_ahead"]["skipped"]
+    assert skipped > 20 * made  # (a few while the first and last requests run alone)
+    assert on["tokens_per_s"] >= 0.97 * off["tokens_per_s"]
+
+
+def test_a_simulated_draft_ahead_run_replays_identically_from_its_policy_log() -> None:
+    sim = emulated_sim(6, 2, RecordingScheduler)
+    sim.run()
+    records = sim.policy.records
+    assert any(r[0] == "predrafted" for r in records), {r[0] for r in records}
+    report = replay(records, policy_of(records))
+    assert report.decisions > 100 and report.identical, report.mismatches[:3]

@@ -9,13 +9,18 @@ from pathlib import Path
 
 import click
 
+from nebula_flow.cli.common import with_settings
 from nebula_flow.config import ConfigError
 from nebula_flow.roles import MODES
 
 
 @click.command()
 @click.argument("scenario", type=click.Path(), required=False)
-@click.option("--modes", help="Comma-separated modes (default: the scenario's); ratios are against the first.")
+@click.option("--modes", help="Comma-separated modes (default: the scenario's); ratios are against the first. A mode "
+              "may end in @KNOB=VALUE (repeatable) to set a [policy] knob for it alone, as in bench, e.g. "
+              "pooled@draft_ahead=0,pooled@draft_ahead=6.")
+@click.option("--concurrency", type=click.IntRange(min=1), help="Override the workload's concurrency (closed loop: "
+              "at most this many requests in flight), e.g. 1 for a single stream.")
 @click.option("--draft-workers", type=int, help="Override the draft pool size.")
 @click.option("--target-workers", type=int, help="Override the target pool size.")
 @click.option("--sweep", is_flag=True, help="Also scale both pools together (draft:target ratio kept) and "
@@ -36,7 +41,7 @@ from nebula_flow.roles import MODES
 @click.option("--check-policy-log", type=click.Path(exists=True, dir_okay=False),
               help="Instead of simulating: replay a broker's --policy-log into the simulator's policy and "
               "say whether every decision is identical.")
-def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, devices, loads, seed,
+def simulate(scenario, modes, concurrency, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, devices, loads, seed,
              out, as_json, broker_shards, check_policy_log) -> None:  # noqa: ANN001
     """Simulate a deployment: the live scheduling policy on a virtual clock, with profiled or
     roofline device costs. SCENARIO is a TOML file (see configs/sim/)."""
@@ -71,24 +76,31 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
                                                          **acc.tree()))
     if broker_shards is not None:
         sc = replace(sc, host=replace(sc.host, broker_shards=broker_shards))
-    names = [m.strip() for m in modes.split(",")] if modes else sc.modes
-    bad = [m for m in names if m not in MODES]
-    if bad:
-        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+    if concurrency is not None:
+        sc = replace(sc, workload=replace(sc.workload, concurrency=concurrency))
+    names = [m.strip() for m in modes.split(",") if m.strip()] if modes else sc.modes
+    bad = [m for m in names if m.split("@")[0] not in MODES]
+    if bad or not names:
+        raise click.ClickException(f"unknown modes {bad}; choose from {', '.join(MODES)} (then @KNOB=VALUE)")
+    if twice := sorted({m for m in names if names.count(m) > 1}):  # (results are keyed by mode)
+        raise click.ClickException(f"modes given more than once: {', '.join(twice)}")
     def log(m):
         return (click.echo(m, err=True))
     result: dict = {"scenario": describe(sc), "modes": {}}
     for mode in names:
         t0 = time.monotonic()
+        base, *settings = mode.split("@")
         try:
-            result["modes"][mode] = engine.simulate(sc, mode, draft_workers, target_workers)
+            result["modes"][mode] = engine.simulate(replace(sc, policy=with_settings(sc.policy, settings, mode)), base,
+                                                    draft_workers, target_workers)
         except (ValueError, RuntimeError) as exc:
             raise click.ClickException(f"{mode}: {exc}") from None
         r = result["modes"][mode]
+        hits = f", {r['ahead_hit_rate']:.0%} of rounds pre-drafted" if r["draft_ahead"]["tasks"] else ""
         log(f"[simulate] {mode}: {r['round_rate']:,.1f} rounds/s, {r['tokens_per_s']:,.1f} tokens/s "
-            f"({r['requests']} requests, {time.monotonic() - t0:.1f} s of simulation)")
-    base = names[0]
-    result["ratios"] = {m: r["round_rate"] / result["modes"][base]["round_rate"] for m, r in result["modes"].items()}
+            f"({r['requests']} requests{hits}, {time.monotonic() - t0:.1f} s of simulation)")
+    first = names[0]
+    result["ratios"] = {m: r["round_rate"] / result["modes"][first]["round_rate"] for m, r in result["modes"].items()}
     if sweep:
         try:
             sizes = [int(x) for x in sweep_workers.split(",")] if sweep_workers else None
@@ -97,8 +109,10 @@ def simulate(scenario, modes, draft_workers, target_workers, sweep, sweep_worker
             raise click.BadParameter("pool sizes are comma-separated integers, e.g. 1,2,4") from None
         if any(n < 1 for n in (sizes or []) + (targets or [])):
             raise click.BadParameter("pool sizes must be >= 1")
-        log(f"[simulate] sweep ({names[0]}):")
-        result["sweep"] = engine.sweep(sc, names[0], sizes, log=log, targets=targets)
+        log(f"[simulate] sweep ({first}):")
+        base, *settings = first.split("@")
+        result["sweep"] = engine.sweep(replace(sc, policy=with_settings(sc.policy, settings, first)), base, sizes,
+                                       log=log, targets=targets)
     if devices is not None:
         if devices < 2:
             raise click.BadParameter("--gpus needs at least 2 devices")

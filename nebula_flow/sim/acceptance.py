@@ -35,6 +35,7 @@ from nebula_flow.specdec import uniform
 
 STREAM_SIM = 7  # keeps simulator draws apart from the decoding streams in ``specdec``
 STREAM_SIM_TREE = 9  # the token-tree draws (runner-ups, fused chains), apart from the draft's
+STREAM_SIM_GUESS = 11  # whether the target's token was one the draft guessed (draft-ahead's hits)
 TREE_KEYS = ("alternative_rate", "fused_match", "fused_win", "fused_gain")
 
 
@@ -159,6 +160,29 @@ class AcceptanceModel:
             return drafted + fused, False, drafted, fused
         via_alt = alts > 0 and k > 0 and drafted == 0 and u(63) < self.alternative_rate
         return drafted + via_alt, via_alt, drafted, fused
+
+    def guessed(self, rid: int, round_: int, accepted: int, k: int) -> int:
+        """Which of the draft's guesses the target's token after ``accepted`` of ``k`` draft tokens
+        was (what a draft-ahead branch bets on): 1 its first guess (after the whole draft, the
+        draft's own next token, accepted as any draft token at that depth; after a rejection, its
+        best other token, right with ``alternative_rate`` as a runner-up is), 2 its second guess of
+        the bonus token (``alternative_rate`` again), 0 neither."""
+        key = (self.seed * 1_000_003 + rid) & ((1 << 62) - 1)
+        first, second = (uniform(key, round_ * 64 + i, STREAM_SIM_GUESS) for i in (0, 1))
+        if accepted < k:
+            return 1 if first < self.alternative_rate else 0
+        if first < self.next_rate(rid, k):
+            return 1
+        return 2 if second < self.alternative_rate else 0
+
+    def next_rate(self, rid: int, depth: int) -> float:
+        """P(a draft token at ``depth`` is accepted | the ``depth`` before it were)."""
+        if self.histogram is None:
+            rates = self.request_rates(rid)
+            return rates[min(depth, len(rates) - 1)]
+        beyond = sum(c for n, c in self.histogram if n > depth + 1)
+        reached = beyond + sum(c for n, c in self.histogram if n == depth + 1)
+        return beyond / reached if reached else 0.0
 
     def expected_tokens_per_round(self, k: int) -> float:
         """Mean committed tokens per round at depth ``k`` (accepted drafts + the bonus token)."""

@@ -33,82 +33,30 @@ from __future__ import annotations
 import heapq
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from nebula_flow import ahead
 from nebula_flow.budget import plan_forward
-from nebula_flow.config import ConfigError, DeployConfig, PoolConfig
+from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.elastic import BatchCosts
 from nebula_flow.params import SamplingParams
-from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
-from nebula_flow.roles import MODEL_ROLES
+from nebula_flow.request import AHEAD, DRAFT, ROUND, VERIFY, Request
+from nebula_flow.roles import MODEL_ROLES, holder_key
 from nebula_flow.scheduler import Scheduler
+from nebula_flow.sim import predraft
 from nebula_flow.sim.costs import CostModel
 from nebula_flow.sim.scenario import Scenario, Workload, cost_on
+from nebula_flow.sim.state import PLACEHOLDER, Outcome, Prefilled, SimTask, SimWorker
 from nebula_flow.speclen import FIT_ROWS
 from nebula_flow.stats import percentiles
 
-PLACEHOLDER = 0  # simulated requests carry token counts, not token ids
 COSTS_EVERY_S = 1.0  # as workers/worker.py: forward-time tables go to the broker at most this often
-Outcome = tuple[int, bool, int, int | None]  # a verified round: accepted, via_alt, draft's own, fused gain
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """A task's result when its forward computed only a chunk of its prompt: the KV now held."""
-
-    valid: int
-
-
-@dataclass
-class SimTask:
-    """What a TASKS message tells a worker about one request (a snapshot at dispatch)."""
-
-    req: Request
-    kind: str
-    attempt: int
-    round: int
-    length: int  # committed tokens (prompt + output): the KV the task must cover
-    k: int
-    holder: tuple[int, int] | None  # (worker, valid) of the KV for this task's role
-    alts: int = 0  # runner-ups to the first draft token asked for (token tree)
-    fuse: int = 0  # the longest fused chain asked for
-    drafter: str | None = None  # verify tasks: the drafter whose draft it verifies
-    target_holder: tuple[int, int] | None = None  # an elastic round: its target KV's (``holder``: its draft KV's)
-
-
-@dataclass
-class SimWorker:
-    wid: int
-    role: str
-    capacity: int
-    costs: dict[str, CostModel]  # model role ("draft"/"target") -> cost model on this device
-    drafter: str | None = None  # draft workers of a ``[[drafters]]`` pool: its name
-    draft_capacity: int | None = None  # elastic workers: a draft batch's most tasks (the draft pool's max_batch)
-    reported: bool = False  # forward times sent to the broker (with the first result)
-    reported_at: float = float("-inf")  # batch forward times last sent (at most once a second, as live)
-    batch_costs: dict[str, BatchCosts] = field(default_factory=lambda: {"draft": BatchCosts(), "target": BatchCosts()})
-    computing: list[SimTask] | None = None
-    pending: list[SimTask] | None = None
-    pull_out: str | None = None  # None, "busy" or "idle": as in the live worker loop
-    prefetch_free: float = 0.0
-    kv_ready: float = 0.0
-    caches: dict[str, dict[int, int]] = field(default_factory=lambda: {"draft": {}, "target": {}})
-    busy_s: float = 0.0
-    stall_s: float = 0.0
-    tasks: int = 0
-    batches: int = 0
-    kv_bytes: int = 0
-    pulls: int = 0
-    recomputed: int = 0  # positions computed again because no peer held them
 
 
 class Simulator:
     def __init__(self, sc: Scenario, mode: str, draft_workers: int | None = None, target_workers: int | None = None,
                  workload: Workload | None = None, policy: type[Scheduler] = Scheduler) -> None:
-        if sc.policy.draft_ahead and mode in ahead.MODES:  # (its pre-drafts would need outcomes and their costs here)
-            raise ConfigError("the simulator does not model draft_ahead yet: set it to 0 in the scenario's [policy]")
         self.sc, self.mode = sc, mode
         self.workload = workload or sc.workload
         self.policy = policy(mode, sc.policy)
@@ -178,9 +126,14 @@ class Simulator:
         self.broker_free = self.now + (host.broker_service_us * len(inbox) + host.broker_task_us * tasks) * 1e-6 / host.broker_shards
         self.broker_busy_s += self.broker_free - self.now
         for wid, batch in dispatched:
-            tasks = [SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
-                             r.holders.get(self.policy.task_holder_key(r)), r.alts, r.fuse, r.drafter,
-                             r.holders.get("target") if r.phase == ROUND else None) for r in batch]
+            if self.policy.workers[wid].stage == AHEAD:  # (pre-drafts: draft-ahead)
+                tasks = [SimTask(r, AHEAD, r.ahead.attempt, r.ahead.round, len(r.prompt) + len(r.output), r.ahead.k,
+                                 r.holders.get(holder_key("draft", r.drafter)), r.ahead.alts, r.ahead.fuse, r.drafter,
+                                 draft_len=len(r.ahead.draft), outcomes=self.policy.policy.draft_ahead) for r in batch]
+            else:
+                tasks = [SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
+                                 r.holders.get(self.policy.task_holder_key(r)), r.alts, r.fuse, r.drafter,
+                                 r.holders.get("target") if r.phase == ROUND else None) for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
 
     def run(self) -> dict[str, Any]:
@@ -230,6 +183,13 @@ class Simulator:
                 if costs.seconds:
                     self.policy.observe_costs(wid, role, costs.table(), by_batch=True)
         for task, outcome in results:
+            if task.kind == AHEAD:  # (a pre-draft's branches: the broker's _predrafted)
+                req = ahead.accepts(self.policy, wid, task.req.rid, task.attempt)
+                if req is None:
+                    self.stale += 1
+                else:
+                    self.policy.predrafted(req, wid, outcome)
+                continue
             req = self.policy.accepts_result(wid, task.req.rid, task.attempt, task.kind)
             if req is None:
                 self.stale += 1
@@ -243,7 +203,8 @@ class Simulator:
             accepted, via_alt, draft_accepted, fused = outcome
             if task.drafter is not None and task.k > 0:
                 self.rounds_by_drafter[task.drafter] = self.rounds_by_drafter.get(task.drafter, 0) + 1
-            kept = self.policy.end_round(req, wid, [PLACEHOLDER] * (accepted + 1), via_alt, draft_accepted, fused)
+            committed = [PLACEHOLDER] * accepted + [predraft.last_token(self._acceptance(task), task, outcome)]
+            kept = self.policy.end_round(req, wid, committed, via_alt, draft_accepted, fused)
             self.rounds += 1
             self.tokens += len(kept)
             if req.t_first is None:
@@ -279,7 +240,7 @@ class Simulator:
         transfer = 0.0
         for t in tasks:  # start the pulls now, one at a time, while the current batch computes
             # a round's KV by model: a colocated worker holds both; an elastic one may pull both
-            needs = {DRAFT: [("draft", t.holder)], VERIFY: [("target", t.holder)]}.get(
+            needs = {DRAFT: [("draft", t.holder)], AHEAD: [("draft", t.holder)], VERIFY: [("target", t.holder)]}.get(
                 t.kind, [("draft", t.holder), ("target", t.target_holder)] if w.role == "any" else [])
             for model_role, want in needs:
                 if want is None or want[0] == w.wid:
@@ -299,28 +260,37 @@ class Simulator:
         w.kv_ready = w.prefetch_free
         self._worker_step(w)
 
+    def _acceptance(self, t: SimTask):  # noqa: ANN202 - an AcceptanceModel
+        """The acceptance model of the drafter whose draft ``t`` verifies."""
+        return self.acceptance.get(t.drafter, self.sc.acceptance)
+
     def _start(self, w: SimWorker) -> None:
         batch, w.pending = w.pending, None
         begin = max(self.now, w.kv_ready)
         w.stall_s += begin - self.now
-        compute = 0.0
-        verifies = [t for t in batch if t.kind in (VERIFY, ROUND)]
-        outcomes = {id(t): self.acceptance.get(t.drafter, self.sc.acceptance).tree_round(t.req.rid, t.round, t.k,
-                                                                                         t.alts, t.fuse)
-                    for t in verifies}
-        ends = self._chunk_ends(w, batch)
-        drafts = [t for t in batch if t.kind in (DRAFT, ROUND)]
-        if drafts:
-            compute += self._draft_time(w, drafts, ends)
-        if verifies:
-            compute += self._verify_time(w, verifies, outcomes, ends)
-        results = [(t, Prefilled(ends[id(t)]) if id(t) in ends else outcomes.get(id(t))) for t in batch]
+        if batch[0].kind == AHEAD:  # (a batch of pre-drafts: sim/predraft.py)
+            compute, results = predraft.run(w, batch, self._forward_s, self.policy.workers[w.wid].drafter)
+        else:
+            compute, results = self._compute(w, batch)
         overhead = (self.sc.host.batch_overhead_us + self.sc.host.task_overhead_us * len(batch)) * 1e-6
         w.busy_s += compute
         w.tasks += len(batch)
         w.batches += 1
         w.computing = batch
         self.at(begin + compute + overhead, self._finish_batch, w, results)
+
+    def _compute(self, w: SimWorker, batch: list[SimTask]) -> tuple[float, list[tuple[SimTask, Any]]]:
+        """A batch of drafts, verifies or rounds: its forwards' seconds and each task's result."""
+        compute = 0.0
+        verifies = [t for t in batch if t.kind in (VERIFY, ROUND)]
+        outcomes = {id(t): self._acceptance(t).tree_round(t.req.rid, t.round, t.k, t.alts, t.fuse) for t in verifies}
+        ends = self._chunk_ends(w, batch)
+        drafts = [t for t in batch if t.kind in (DRAFT, ROUND)]
+        if drafts:
+            compute += self._draft_time(w, drafts, ends)
+        if verifies:
+            compute += self._verify_time(w, verifies, outcomes, ends)
+        return compute, [(t, Prefilled(ends[id(t)]) if id(t) in ends else outcomes.get(id(t))) for t in batch]
 
     def _chunk_ends(self, w: SimWorker, batch: list[SimTask]) -> dict[int, int]:
         """The tasks of a batch that only prefill a chunk of their prompt this time, by ``id``: the
@@ -421,6 +391,8 @@ class Simulator:
             "kv_recomputed_positions": sum(w.recomputed for w in self.workers.values()),
             "kv_stall_fraction": sum(w.stall_s for w in self.workers.values()) / max(busy, 1e-12),
             "stale_results": self.stale, "broker_utilization": self.broker_busy_s / wall,
+            "draft_ahead": self.policy.ahead_stats.to_dict(),
+            "ahead_hit_rate": self.policy.ahead_stats.hits / max(self.rounds, 1),
             "ttft_s": percentiles([r.t_first - r.t_submit for r in self.done]),
             "latency_s": percentiles([self.t_done[r.rid] - r.t_submit for r in self.done]),
         }
