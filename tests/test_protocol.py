@@ -160,9 +160,16 @@ def test_a_draft_token_outside_its_proposal_or_a_repeated_id_is_refused() -> Non
 
     good = proposing([3, 4], [[3, 1], [4]], [[0.7, 0.3], [1.0]])
     assert isinstance(roundtrip(Result([good])).results[0], TaskResult)
+    again = proposing([3, 1, 3], [[3, 1], [1, 3], [3]], [[0.7, 0.3], [0.6, 0.4], [1.0]])  # (an id in several positions)
+    assert isinstance(roundtrip(Result([again])).results[0], TaskResult)
     for bad, why in ((proposing([5, 4], [[3, 1], [4]], [[0.7, 0.3], [1.0]]), "outside"),  # 5 is not proposed
                      (proposing([3, 4], [[3, 1], [4]], [[0.0, 1.0], [1.0]]), "outside"),  # proposed with q = 0
-                     (proposing([3, 4], [[3, 3], [4]], [[0.5, 0.5], [1.0]]), "repeats")):
+                     (proposing([3, 4], [[4], [3, 1]], [[1.0], [0.7, 0.3]]), "outside"),  # each in the other's
+                     (proposing([3, 4], [[3, 3], [4]], [[0.5, 0.5], [1.0]]), "repeats"),
+                     (proposing([3, 4], [[3, 1], [4, 4]], [[0.5, 0.5], [0.5, 0.5]]), "repeats"),
+                     (proposing([3, 4], [[3, 1], [4]], [[0.0, 0.0], [1.0]]), "no probability mass"),
+                     (proposing([3, 4], [[3, 1], [4]], [[0.7, float("nan")], [1.0]]), "invalid entries"),
+                     (proposing([3, 4], [[3, 1], [4]], [[0.7, -0.3], [1.0]]), "invalid entries")):
         [item] = roundtrip(Result([bad])).results
         assert isinstance(item, Rejected) and why in item.error.message
         task = TaskSpec(1, "verify", 1, 1, np.arange(3, dtype=np.int32), 2, {"temperature": 1.0}, 1, Holder(),

@@ -40,7 +40,7 @@ from tests.test_specdec import _tiny_vocab_model, chi2_critical, chi_square
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]  # (a repeat: prompt-lookup chains to fuse)
 PARAMS = {"temperature": 1.0, "max_new_tokens": 12}
-BATCH = 500  # tasks per worker batch (a TASKS message's header stays small)
+BATCH = 1000  # tasks per worker batch (a TASKS message's header stays small)
 
 
 def serve_in_process(n: int, policy: PolicyConfig, plant: Callable[[Scheduler], None] | None = None,
