@@ -19,6 +19,9 @@ Only the outside world is simulated:
   with the policy's ``max_forward_tokens``, a forward computes at most that many uncached prompt
   tokens and long prompts are prefilled in chunks beside the other rows (``budget.plan_forward``, as the
   live runner plans them), each chunk a result that sends the task round again;
+* draft-ahead (``draft_ahead``): an idle draft worker's pre-drafts cost the live runner's forwards,
+  and their branches bet on the outcomes it covers (``sim/predraft.py``); whether a verify's last
+  token was the draft's guess is the acceptance model's draw, and the live policy matches them;
 * acceptance draws come from the scenario's acceptance model, token trees too: a verify scores
   its runner-ups' and fused chain's rows beside the draft's (a chain found only as often as the
   model says; a chain sharing the draft's prefix is counted in full), and a round reports the
@@ -45,6 +48,7 @@ from nebula_flow.request import AHEAD, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import MODEL_ROLES, holder_key
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim import predraft
+from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.costs import CostModel
 from nebula_flow.sim.scenario import Scenario, Workload, cost_on
 from nebula_flow.sim.state import PLACEHOLDER, Outcome, Prefilled, SimTask, SimWorker
@@ -260,7 +264,7 @@ class Simulator:
         w.kv_ready = w.prefetch_free
         self._worker_step(w)
 
-    def _acceptance(self, t: SimTask):  # noqa: ANN202 - an AcceptanceModel
+    def _acceptance(self, t: SimTask) -> AcceptanceModel:
         """The acceptance model of the drafter whose draft ``t`` verifies."""
         return self.acceptance.get(t.drafter, self.sc.acceptance)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nebula_flow.ahead import Branch
+from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.state import PLACEHOLDER, Outcome, SimTask, SimWorker
 
 # The token a simulated round commits after its accepted drafts: the draft's first guess, its
@@ -20,7 +21,7 @@ from nebula_flow.sim.state import PLACEHOLDER, Outcome, SimTask, SimWorker
 FIRST_GUESS, SECOND_GUESS, UNGUESSED = 1, 2, 3
 
 
-def last_token(acceptance, task: SimTask, outcome: Outcome) -> int:  # noqa: ANN001 - an AcceptanceModel
+def last_token(acceptance: AcceptanceModel, task: SimTask, outcome: Outcome) -> int:
     """The last token of a verified round (the target's own): which guess of the draft it was."""
     accepted, via_alt, _, fused = outcome
     if via_alt or fused:
