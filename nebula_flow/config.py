@@ -106,7 +106,7 @@ class DeployConfig:
                            *((f"drafters {i + 1}", p) for i, p in enumerate(self.drafters))):
             if pool.workers < 0 or pool.max_batch < 1:
                 raise ConfigError(f"[{name}] workers must be >= 0 and max_batch >= 1")
-            # Colocated and autoregressive run the workers of both pools: one may be empty there.
+            # Colocated and autoregressive run M + N workers: one pool may be empty there.
             if pool.workers == 0 and self.mode in ("pooled", "paired"):
                 raise ConfigError(f"[{name}] workers must be >= 1 in {self.mode} mode")
             if not isinstance(pool.elastic, bool):
@@ -159,23 +159,11 @@ class DeployConfig:
                 raise ConfigError(f"{where}: drafter {name!r} is already another pool's; give it its own drafter = \"...\"")
             seen[name] = pool.model
 
-    @property
-    def on_cpu(self) -> bool:
-        """Whether every worker runs on this host's CPU cores (no GPU, no emulated device)."""
-        return self.draft.device == "cpu" and self.target.device == "cpu"
-
     def worker_plan(self) -> list[tuple[str, PoolConfig]]:
-        """(role, pool) per worker process. On devices (GPUs, emulated ones), colocated,
-        autoregressive and elastic use M+N workers, so every mode runs on the same devices. On a
-        CPU host, where every worker shares the same cores, colocated and autoregressive start the
-        workers asked for, the [target] pool's (or, where it has none, the [draft] pool's): M+N
-        workers of one core each computed a single stream on one core while the others idled
-        (bundled pair, 2 cores: one autoregressive worker on both cores 18.0 tokens/s, two of one
-        core 13.8; docs/benchmarks.md). ``drafters`` pools run in pooled mode only (routing is
+        """(role, pool) per worker process. Colocated and autoregressive use M+N workers, so
+        every mode runs on the same devices. ``drafters`` pools run in pooled mode only (routing is
         pooled mode's); the baselines use the [draft] pool alone."""
         total = self.draft.workers + self.target.workers
-        if self.mode in ("colocated", "autoregressive") and self.on_cpu:
-            total = self.target.workers or self.draft.workers
         if self.mode == "elastic":  # workers holding both models run on the [target] pool's settings, as colocated
             fixed = [("draft", self.draft)] * self.draft.workers if not self.draft.elastic else []
             fixed += [("target", self.target)] * self.target.workers if not self.target.elastic else []

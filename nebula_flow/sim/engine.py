@@ -73,10 +73,9 @@ class Simulator:
         self.broker_busy_s = 0.0
         self.poll_scheduled = False
         # The worker processes a deployment of this mode starts: the live plan, not a copy of it.
-        # (the scenario's pools are devices, GPUs: every mode uses all M + N of them)
-        dep = DeployConfig(mode=mode, draft=PoolConfig(workers=draft_workers or sc.draft.workers, device="cuda",
+        dep = DeployConfig(mode=mode, draft=PoolConfig(workers=draft_workers or sc.draft.workers,
                                                        max_batch=sc.draft.max_batch, elastic=sc.draft.elastic),
-                           target=PoolConfig(workers=target_workers or sc.target.workers, device="cuda",
+                           target=PoolConfig(workers=target_workers or sc.target.workers,
                                              max_batch=sc.target.max_batch, elastic=sc.target.elastic))
         self.workers: dict[int, SimWorker] = {}
         # The devices: the draft pool's M, then the target pool's N (every mode runs on the same ones;
