@@ -252,7 +252,8 @@ class Proposes:
         if n == 0:
             return
         # (array methods, all positions at once: a loop over positions, and np.all / np.any
-        # themselves, cost ~75 us a task here, at every hop of every sampled round)
+        # themselves, cost about twice as much, at every hop of every sampled round; figures in
+        # docs/benchmarks.md, "Checking a proposal")
         if not np.isfinite(prob).all() or prob.min() < 0 or idx.min() < 0:
             raise malformed("proposal q has invalid entries")
         starts = np.zeros(n, dtype=np.int64)
