@@ -207,7 +207,9 @@ class Simulator:
             accepted, via_alt, draft_accepted, fused = outcome
             if task.drafter is not None and task.k > 0:
                 self.rounds_by_drafter[task.drafter] = self.rounds_by_drafter.get(task.drafter, 0) + 1
-            committed = [PLACEHOLDER] * accepted + [predraft.last_token(self._acceptance(task), task, outcome)]
+            # (with draft-ahead, the last token says which guess it was: pre-drafted branches bet on it)
+            last = predraft.last_token(self._acceptance(task), task, outcome) if ahead.on(self.policy) else PLACEHOLDER
+            committed = [PLACEHOLDER] * accepted + [last]
             kept = self.policy.end_round(req, wid, committed, via_alt, draft_accepted, fused)
             self.rounds += 1
             self.tokens += len(kept)

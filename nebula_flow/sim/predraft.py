@@ -44,24 +44,29 @@ Forward = Callable[..., float]  # Simulator._forward_s: (cost, batch, tokens, co
 
 def run(w: SimWorker, tasks: list[SimTask], forward_s: Forward,
         drafter: str | None) -> tuple[float, list[tuple[SimTask, list[Branch]]]]:
-    """A batch of pre-drafts on draft worker ``w`` (of ``drafter``, as the policy names it): one forward re-scores each draft (with whatever
-    of its KV is missing), then ``k`` forwards draft every outcome side by side. A task whose KV is
-    not here is skipped (no branches), as live. Returns the seconds and each task's branches."""
+    """A batch of pre-drafts on draft worker ``w`` (of ``drafter``, as the policy names it): one
+    forward re-scores each draft (with whatever of its KV is missing), then ``k`` forwards draft
+    every outcome side by side. A task whose KV is not here is skipped (no branches), as live.
+    Returns the seconds and each task's branches."""
     cost, cache = w.costs["draft"], w.caches["draft"]
-    ready = [t for t in tasks if cache.get(t.req.rid, 0) + t.draft_len + 1 >= t.length]
-    results: list[tuple[SimTask, list[Branch]]] = [(t, []) for t in tasks if t not in ready]
+    ready: list[SimTask] = []
+    results: list[tuple[SimTask, list[Branch]]] = []
+    for t in tasks:
+        if cache.get(t.req.rid, 0) + t.draft_len + 1 >= t.length:
+            ready.append(t)
+        else:
+            results.append((t, []))
     if not ready:
         return 0.0, results
     have = [min(cache.get(t.req.rid, 0), t.length - 1) for t in ready]
     scored = [t.length + t.draft_len for t in ready]
+    bets = [outcomes(t.draft_len, t.outcomes) for t in ready]
     seconds = forward_s(cost, len(ready), sum(s - h for s, h in zip(scored, have)), sum(scored), w.batch_costs["draft"])
-    fanout = [len(outcomes(t.draft_len, t.outcomes)) for t in ready]
     for step in range(max(t.k for t in ready)):
-        rows = [n for t, n in zip(ready, fanout) if t.k > step]
-        context = sum(n * (s + 1 + step) for t, n, s in zip(ready, fanout, scored) if t.k > step)
-        seconds += forward_s(cost, sum(rows), sum(rows), context, w.batch_costs["draft"])
-    for t, s in zip(ready, scored):
+        rows = sum(len(b) for t, b in zip(ready, bets) if t.k > step)
+        context = sum(len(b) * (s + 1 + step) for t, b, s in zip(ready, bets, scored) if t.k > step)
+        seconds += forward_s(cost, rows, rows, context, w.batch_costs["draft"])
+    for t, s, assumed in zip(ready, scored, bets):
         cache[t.req.rid] = s + t.k - 1  # (the first outcome drafts on in the request's own cache)
-        results.append((t, [Branch(a, [PLACEHOLDER] * t.k, worker=w.wid, drafter=drafter)
-                            for a in outcomes(t.draft_len, t.outcomes)]))
+        results.append((t, [Branch(a, [PLACEHOLDER] * t.k, worker=w.wid, drafter=drafter) for a in assumed]))
     return seconds, results
