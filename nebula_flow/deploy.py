@@ -21,6 +21,7 @@ from typing import Any
 
 from nebula_flow.client import Client, NebulaError
 from nebula_flow.config import ConfigError, DeployConfig, PoolConfig
+from nebula_flow.cores import make_lease_file, usable_cores
 from nebula_flow.options import BrokerOptions, WorkerOptions, write_options
 from nebula_flow.process import PARENT_ENV, RESTARTS_ENV
 from nebula_flow.security import ensure_key
@@ -37,13 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def default_threads(role: str, plan: list[tuple[str, Any]], cores: int | None = None) -> int:
@@ -176,9 +170,16 @@ class Deployment:
             raise DeploymentError(str(exc)) from None
         for shard in range(len(self.shards)):
             self._start_broker(shard, timeout_s)
+        # CPU workers without a configured thread count share the host's cores through a lease
+        lease = self.log_dir / "cores"
+        leased = [pool.threads is None and devices[i] == "cpu" for i, (_, pool) in enumerate(plan)]
+        if any(leased):
+            make_lease_file(lease, len(plan))
         for i, (role, pool) in enumerate(plan):
             name = worker_name(role, i)
             opts = self.worker_options(role, pool, devices[i], name, pool.threads or default_threads(role, plan))
+            if leased[i]:
+                opts = replace(opts, core_lease=str(lease), core_slot=i)
             self._spawn(name, ["worker", "--options", str(write_options(opts, self.log_dir / f"{name}.json"))],
                         opts.threads)
         self.wait_ready(len(plan), timeout_s)

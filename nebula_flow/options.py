@@ -76,7 +76,9 @@ class WorkerOptions:
     draft_model: str | None = None  # colocated and any (elastic) only
     name: str = ""
     capacity: int = 8
-    threads: int = 1
+    threads: int = 1  # its share of the cores (with core_lease: more while other workers idle)
+    core_lease: str | None = None  # the host's core lease file (nebula_flow.cores), written by the deployment
+    core_slot: int = 0  # this worker's slot in it
     device: str = "cpu"
     dtype: str | None = None
     batch_invariant: bool | None = None  # see models.invariant; None: on for bf16/fp16 on CPU

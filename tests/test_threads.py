@@ -1,6 +1,9 @@
-"""How serve shares a host's cores among its workers (``deploy.default_threads``)."""
+"""How serve shares a host's cores among its workers: each its share (``deploy.default_threads``),
+and more while others idle (``nebula_flow.cores``)."""
 
 from __future__ import annotations
+
+import pytest
 
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.deploy import default_threads
@@ -24,8 +27,6 @@ def test_the_target_shares_the_cores_and_a_draft_takes_its_share_of_all_workers(
 def test_gpu_workers_get_a_device_each_unless_the_config_shares_one() -> None:
     """``deploy.place_devices``: plain "cuda" gives each worker its own GPU (too few is an error that
     says how to share); a pool's ``devices`` places its workers as listed, round-robin."""
-    import pytest
-
     from nebula_flow.config import ConfigError, DeployConfig, PoolConfig
     from nebula_flow.deploy import place_devices
 
@@ -46,3 +47,75 @@ def test_gpu_workers_get_a_device_each_unless_the_config_shares_one() -> None:
     bad = DeployConfig(draft=PoolConfig("d", 1), target=PoolConfig("t", 1, device="cuda", devices=["gpu0"]))
     with pytest.raises(ConfigError, match="devices must be a list"):
         bad.validate()
+
+
+def test_a_worker_borrows_only_the_cores_of_workers_idle_a_while() -> None:
+    """``cores.lease_threads``: a peer computing keeps what it uses, a peer idle under the grace
+    keeps its share, one idle longer lends it; never below the worker's own share."""
+    from nebula_flow.cores import GRACE_S, Peer, lease_threads
+
+    now = 100.0
+    long_idle, just_done, busy, busy_wide = Peer(1, 0, 0.0), Peer(1, 0, now - GRACE_S / 2), Peer(1, 1, 0.0), Peer(1, 2, 0.0)
+    assert lease_threads(1, 2, [long_idle], now) == 2  # single stream: both cores
+    assert lease_threads(1, 2, [just_done], now) == 1  # a worker between batches keeps its core
+    assert lease_threads(1, 2, [busy], now) == 1
+    assert lease_threads(1, 2, [busy_wide], now) == 1  # (it borrowed ours: we take our share all the same)
+    assert lease_threads(2, 8, [long_idle, busy, Peer(2, 0, now)], now) == 5
+    assert lease_threads(2, 8, [long_idle] * 3, now, most=2) == 2  # a worker kept to its share
+
+
+def test_workers_of_one_lease_file_see_each_other(tmp_path) -> None:  # noqa: ANN001
+    """``cores.CoreLease`` over a real file: what one worker's batch claims, the other sees, and a
+    dead worker's slot lends everything."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from nebula_flow.cores import SLOT, CoreLease, make_lease_file
+
+    path = tmp_path / "cores"
+    make_lease_file(path, 4)
+    a, b = CoreLease(str(path), 0, 1, 2), CoreLease(str(path), 1, 1, 2)
+    seen = []
+    with a.batch(seen.append) as threads:  # b never computed: a takes both cores
+        assert threads == 2 and seen == [2]
+        with b.batch(seen.append) as b_threads:  # b's own share, while a holds both
+            assert b_threads == 1 and seen == [2]  # (b already runs on 1: not set again)
+    with b.batch(seen.append) as b_threads:  # a finished just now: it keeps its core
+        assert b_threads == 1
+    assert (a.borrowed, b.borrowed) == (1, 0)
+    # a third worker that died mid-batch (its slot says computing on both) is not waited for
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    slots = np.memmap(path, dtype=SLOT, mode="r+")
+    slots[2] = (dead.pid, 1, 2, 0.0)
+    slots.flush()
+    c = CoreLease(str(path), 3, 1, 3)
+    b.mine["released"] = a.mine["released"] = 0.0  # (both long idle)
+    with c.batch(seen.append) as threads:
+        assert threads == 3
+
+
+@pytest.mark.slow
+def test_a_single_stream_computes_on_the_cores_the_idle_worker_lends(tiny_pair) -> None:  # noqa: ANN001
+    """Real processes: `autoregressive` with two CPU target workers and no configured thread count
+    (one core each on a 2-core host). One request at a time runs on all cores (the other worker
+    lends its core), and greedy output stays HF transformers' own."""
+    from nebula_flow.client import Client
+    from nebula_flow.cores import usable_cores
+    from nebula_flow.deploy import Deployment
+    from tests.conftest import deploy_config, hf_greedy
+
+    if usable_cores() < 2:
+        pytest.skip("one usable core: nothing to lend")
+    cfg = deploy_config(tiny_pair, "autoregressive", 1, 1)
+    cfg.draft.threads = cfg.target.threads = None  # (serve's default: a share of the cores, leased)
+    prompts = [[5, 40, 7, 300], [9, 3, 11]]
+    with Deployment(cfg) as dep, Client(dep.address) as client:
+        outs = [client.generate(token_ids=p, max_new_tokens=24) for p in prompts]
+        workers = client.status()["workers"]
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair / "target", p, 24) for p in prompts]
+    devices = [w["device"] for w in workers]
+    assert all(d["threads"] >= 1 for d in devices)
+    assert sum(d["borrowed_batches"] for d in devices) > 0  # batches ran on more than one core's share
