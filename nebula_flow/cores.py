@@ -72,7 +72,8 @@ def make_lease_file(path: Path, slots: int) -> None:
 class CoreLease:
     """One worker's side of the lease file at ``path``: its ``slot``, ``share`` cores of ``cores``."""
 
-    def __init__(self, path: str, slot: int, share: int, cores: int) -> None:
+    def __init__(self, path: str, slot: int, share: int, cores: int,
+                 set_threads: Callable[[int], None] = lambda n: None) -> None:
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), 0)
         self.slots = np.frombuffer(self._map, dtype=SLOT)
@@ -82,7 +83,8 @@ class CoreLease:
         self.most = cores  # the most threads it borrows up to (its share: it computes on its share only)
         self.mine = self.slots[slot : slot + 1]  # (a view: writes go to the file)
         self.mine["share"], self.mine["used"], self.mine["released"], self.mine["pid"] = share, 0, 0.0, os.getpid()
-        self.borrowed = 0  # batches computed on more than the share
+        self.set_threads = set_threads  # (torch.set_num_threads in a worker)
+        self.borrowed = 0  # forwards computed on more than the share
         self.threads = share  # what the worker computes on now (its torch was started with its share)
 
     def _peers(self) -> list[Peer]:
@@ -94,28 +96,39 @@ class CoreLease:
             out.append(Peer(share, used, released))
         return out
 
-    @contextmanager
-    def batch(self, set_threads: Callable[[int], None]) -> Iterator[int]:
-        """Compute one batch: claim the threads it may use (``set_threads`` is called when they
-        change, on the thread that computes), and give them back after."""
+    def claim(self) -> int:
+        """Before each forward of a batch: the threads it may use now (set on the torch of the
+        thread that computes when they change). Re-claimed per forward, so a worker that borrowed
+        gives the cores back at its next forward once their owner computes again: the owner never
+        waits, and runs beside the borrower's forward for at most one forward."""
         threads = lease_threads(self.share, self.cores, self._peers(), time.monotonic(), most=self.most)
         self.mine["used"] = threads
         self.borrowed += threads > self.share
         if threads != self.threads:
-            set_threads(threads)
+            self.set_threads(threads)
             self.threads = threads
+        return threads
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Compute one batch (its forwards ``claim``), and give the cores back after."""
         try:
-            yield threads
+            yield
         finally:
             self.mine["released"] = time.monotonic()
             self.mine["used"] = 0
 
 
-def join_lease(path: str, slot: int, share: int, models: list[Any]) -> CoreLease:
-    """This worker's side of the lease, run on its compute thread. Where the worker's
+def join_lease(path: str, slot: int, share: int, runners: list[Any], set_threads: Callable[[int], None]) -> CoreLease:
+    """This worker's side of the lease, run on its compute thread: each of its model ``runners``
+    claims threads before a forward (``ModelRunner.before_forward``). Where the worker's
     batch-invariant models would change a bit with the thread count it never borrows (they promise
     the same bits in every batch; a model that is not batch-invariant promises none)."""
-    lease = CoreLease(path, slot, share, usable_cores())
+    lease = CoreLease(path, slot, share, usable_cores(), set_threads)
+    models = [r.model for r in runners]
+    for runner in runners:
+        if hasattr(runner, "before_forward"):  # (an n-gram drafter runs no forward)
+            runner.before_forward = lease.claim
     if lease.cores > share:
         from nebula_flow.models.invariant import same_bits_across_threads
 

@@ -65,8 +65,9 @@ def test_a_worker_borrows_only_the_cores_of_workers_idle_a_while() -> None:
 
 
 def test_workers_of_one_lease_file_see_each_other(tmp_path) -> None:  # noqa: ANN001
-    """``cores.CoreLease`` over a real file: what one worker's batch claims, the other sees, and a
-    dead worker's slot lends everything."""
+    """``cores.CoreLease`` over a real file: what one worker's forward claims, the other sees; a
+    borrower gives the cores back at its next forward once their owner computes; a dead worker's
+    slot lends everything."""
     import subprocess
     import sys
 
@@ -76,14 +77,15 @@ def test_workers_of_one_lease_file_see_each_other(tmp_path) -> None:  # noqa: AN
 
     path = tmp_path / "cores"
     make_lease_file(path, 4)
-    a, b = CoreLease(str(path), 0, 1, 2), CoreLease(str(path), 1, 1, 2)
-    seen = []
-    with a.batch(seen.append) as threads:  # b never computed: a takes both cores
-        assert threads == 2 and seen == [2]
-        with b.batch(seen.append) as b_threads:  # b's own share, while a holds both
-            assert b_threads == 1 and seen == [2]  # (b already runs on 1: not set again)
-    with b.batch(seen.append) as b_threads:  # a finished just now: it keeps its core
-        assert b_threads == 1
+    set_a, set_b = [], []
+    a, b = CoreLease(str(path), 0, 1, 2, set_a.append), CoreLease(str(path), 1, 1, 2, set_b.append)
+    with a.batch():
+        assert a.claim() == 2 and set_a == [2]  # b never computed: a takes both cores
+        with b.batch():
+            assert b.claim() == 1 and set_b == []  # b's own share while a holds both (already 1: not set)
+            assert a.claim() == 1 and set_a == [2, 1]  # a's next forward gives b's core back
+    with b.batch():
+        assert b.claim() == 1  # a finished just now: it keeps its core
     assert (a.borrowed, b.borrowed) == (1, 0)
     # a third worker that died mid-batch (its slot says computing on both) is not waited for
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -93,8 +95,8 @@ def test_workers_of_one_lease_file_see_each_other(tmp_path) -> None:  # noqa: AN
     slots.flush()
     c = CoreLease(str(path), 3, 1, 3)
     b.mine["released"] = a.mine["released"] = 0.0  # (both long idle)
-    with c.batch(seen.append) as threads:
-        assert threads == 3
+    with c.batch():
+        assert c.claim() == 3
 
 
 @pytest.mark.slow
@@ -118,4 +120,4 @@ def test_a_single_stream_computes_on_the_cores_the_idle_worker_lends(tiny_pair) 
     assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair / "target", p, 24) for p in prompts]
     devices = [w["device"] for w in workers]
     assert all(d["threads"] >= 1 for d in devices)
-    assert sum(d["borrowed_batches"] for d in devices) > 0  # batches ran on more than one core's share
+    assert sum(d["borrowed_forwards"] for d in devices) > 0  # forwards ran on more than one core's share

@@ -6,6 +6,7 @@ No sockets here: the worker loop hands it decoded tasks and sends back what it r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,8 +78,11 @@ class ModelRunner:
         self.step_costs = StepCosts()
         self.batch_costs = BatchCosts()  # by the forward's rows in all: what an elastic worker's stages cost
         self.max_forward_tokens = 0
+        self.before_forward: Callable[[], object] | None = None  # (a worker's core lease claims its threads)
 
     def _forward(self, caches, new_tokens, rows, parents=None):  # noqa: ANN001, ANN202 - internal
+        if self.before_forward is not None:
+            self.before_forward()
         t0 = time.perf_counter()
         out = self.model(caches, new_tokens, rows, parents)
         took = time.perf_counter() - t0

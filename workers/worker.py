@@ -88,8 +88,8 @@ class Worker:
         # took ~1.5x as long on this 2-core CPU (oneDNN's per-thread state; docs/benchmarks.md).
         self.executor.submit(self._load_models).result()
         self.lease = self.executor.submit(join_lease, opts.core_lease, opts.core_slot, max(1, opts.threads),
-                                          [r.model for r in (self.draft, self.target) if r is not None]).result() \
-            if opts.core_lease else None
+                                          [r for r in (self.draft, self.target) if r is not None],
+                                          torch.set_num_threads).result() if opts.core_lease else None
         self.drafter = drafter_name(opts.drafter, opts.model) if opts.role == "draft" else None
         self.runners = [r for r in (self.draft, self.target) if r is not None]
         self.stores = [r.store for r in self.runners if r.store is not None]  # (an n-gram drafter holds no KV)
@@ -201,7 +201,7 @@ class Worker:
         sends it), when the compute ended and when the batch arrived."""
         if self.lease is None:
             return self._run_batch(tasks, frees, prefetch, clock)
-        with self.lease.batch(torch.set_num_threads):  # (on the cores idle workers lend)
+        with self.lease.batch():  # (each forward on the cores idle workers lend)
             return self._run_batch(tasks, frees, prefetch, clock)
 
     def _run_batch(self, tasks: list[Task], frees: list[int], prefetch: Future | None,
@@ -471,8 +471,8 @@ class Worker:
                 out[f"{role}_packed_layers"] = runner.model.packed_layers  # models/packed.py
                 if runner.model.packed_from_rows:  # weight shape -> fewest rows on the packed kernel
                     out[f"{role}_packed_from_rows"] = runner.model.packed_from_rows
-        if self.lease is not None:  # (nebula_flow.cores: batches that ran on cores idle workers lent)
-            out["threads"], out["borrowed_batches"] = self.lease.threads, self.lease.borrowed
+        if self.lease is not None:  # (nebula_flow.cores: forwards on cores idle workers lent)
+            out["threads"], out["borrowed_forwards"] = self.lease.threads, self.lease.borrowed
         emulated = [r.model for r in self.runners if hasattr(r.model, "overrun_s")]
         if emulated:
             out["emulated_predicted_s"] = sum(m.predicted_s for m in emulated)
