@@ -31,9 +31,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # A worker idle this long lends its cores. Under load a worker's batches follow each other within
-# a few milliseconds (a hop and the broker), so its cores stay its own; a worker without work for
-# a tenth of a second likely has none coming.
-GRACE_S = 0.1
+# a few milliseconds (a hop and the broker), so its cores stay its own. 0.1 s was too short: under
+# 16 concurrent requests on two 1-core workers it let one borrow at times, and the requests then
+# settled unevenly between the two (273 batches against 203, 0.87x the tokens/s; docs/benchmarks.md).
+GRACE_S = 0.5
 
 SLOT = np.dtype([("pid", "<i8"), ("share", "<i4"), ("used", "<i4"), ("released", "<f8")])
 
