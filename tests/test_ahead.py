@@ -343,3 +343,28 @@ def test_a_simulated_draft_ahead_run_replays_identically_from_its_policy_log() -
     assert any(r[0] == "predrafted" for r in records), {r[0] for r in records}
     report = replay(records, policy_of(records))
     assert report.decisions > 100 and report.identical, report.mismatches[:3]
+
+
+def test_simulate_sets_a_knob_per_mode_and_the_concurrency_from_the_command_line() -> None:
+    """`simulate SCENARIO --modes pooled@draft_ahead=0,pooled@draft_ahead=6 --concurrency 1`: each
+    label runs with its knob (the same as the library run above), and a bad knob or concurrency is
+    refused by name."""
+    import json
+
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+
+    labels = ["pooled@draft_ahead=0", "pooled@draft_ahead=6"]
+    result = CliRunner().invoke(main, ["simulate", str(EMULATED_SIM), "--modes", ",".join(labels),
+                                       "--concurrency", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    modes = json.loads(result.output.strip().splitlines()[-1])["modes"]
+    assert list(modes) == labels
+    off, on = (modes[label] for label in labels)
+    assert off["tokens_per_s"] == emulated_sim(0, 1).run()["tokens_per_s"]
+    assert on["draft_ahead"]["hits"] > 0 and on["tokens_per_s"] > 1.1 * off["tokens_per_s"]
+    bad = CliRunner().invoke(main, ["simulate", str(EMULATED_SIM), "--modes", "pooled@no_such_knob=1"])
+    assert bad.exit_code != 0 and "no_such_knob" in bad.output
+    bad = CliRunner().invoke(main, ["simulate", str(EMULATED_SIM), "--concurrency", "0"])
+    assert bad.exit_code != 0 and "--concurrency" in bad.output
