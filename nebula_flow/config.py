@@ -89,6 +89,9 @@ class DeployConfig:
     drafters: list[PoolConfig] = field(default_factory=list)  # more draft pools: several drafters (pooled mode only)
     kv_transport: str = "auto"  # auto | ucx | zmq | shm | shm+zmq | none (kv.transport.resolve_transport)
     supervise: RestartPolicy = field(default_factory=RestartPolicy)  # how `serve` restarts what dies
+    # CPU workers without a configured `threads` borrow idle workers' cores (nebula_flow.cores). Off by
+    # default: +17% single stream, but ~11% more CPU per token under load (docs/benchmarks.md).
+    lend_cores: bool = False
     source: str = "<defaults>"
 
     def validate(self) -> None:
@@ -129,6 +132,8 @@ class DeployConfig:
             raise ConfigError(f"[broker] {exc}") from None
         from nebula_flow.kv.transport import TRANSPORTS
 
+        if not isinstance(self.lend_cores, bool):
+            raise ConfigError(f"lend_cores must be true or false, got {self.lend_cores!r}")
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
         try:
@@ -203,7 +208,7 @@ def load_config(path: str | Path | None) -> DeployConfig:
     path = Path(path)
     raw = read_toml(path)
     base = path.resolve().parent.parent
-    unknown = set(raw) - {"mode", "kv_transport", "policy", "broker", "draft", "target", "drafters", "supervise"}
+    unknown = set(raw) - {"mode", "kv_transport", "lend_cores", "policy", "broker", "draft", "target", "drafters", "supervise"}
     if unknown:
         raise ConfigError(f"{path}: unknown sections {sorted(unknown)}")
     broker = dict(raw.get("broker", {}))
@@ -217,7 +222,7 @@ def load_config(path: str | Path | None) -> DeployConfig:
         raise ConfigError(str(exc)) from None
     cfg = DeployConfig(
         mode=raw.get("mode", "pooled"),
-        kv_transport=raw.get("kv_transport", "auto"),
+        kv_transport=raw.get("kv_transport", "auto"), lend_cores=raw.get("lend_cores", False),
         broker=_build(BrokerOptions, broker, f"{path} [broker]"),
         draft=_build(PoolConfig, raw.get("draft", {}), f"{path} [draft]"),
         target=_build(PoolConfig, raw.get("target", {}), f"{path} [target]"),

@@ -170,9 +170,9 @@ class Deployment:
             raise DeploymentError(str(exc)) from None
         for shard in range(len(self.shards)):
             self._start_broker(shard, timeout_s)
-        # CPU workers without a configured thread count share the host's cores through a lease
+        # with lend_cores, CPU workers without a configured thread count share the host's cores through a lease
         lease = self.log_dir / "cores"
-        leased = [pool.threads is None and devices[i] == "cpu" for i, (_, pool) in enumerate(plan)]
+        leased = [self.cfg.lend_cores and pool.threads is None and devices[i] == "cpu" for i, (_, pool) in enumerate(plan)]
         if any(leased):
             make_lease_file(lease, len(plan))
         for i, (role, pool) in enumerate(plan):

@@ -101,8 +101,8 @@ def test_workers_of_one_lease_file_see_each_other(tmp_path) -> None:  # noqa: AN
 
 @pytest.mark.slow
 def test_a_single_stream_computes_on_the_cores_the_idle_worker_lends(tiny_pair) -> None:  # noqa: ANN001
-    """Real processes: `autoregressive` with two CPU target workers and no configured thread count
-    (one core each on a 2-core host). One request at a time runs on all cores (the other worker
+    """Real processes: `autoregressive` with `lend_cores` and two CPU target workers and no configured
+    thread count (one core each on a 2-core host). One request at a time runs on all cores (the other worker
     lends its core), and greedy output stays HF transformers' own."""
     from nebula_flow.client import Client
     from nebula_flow.cores import usable_cores
@@ -112,7 +112,8 @@ def test_a_single_stream_computes_on_the_cores_the_idle_worker_lends(tiny_pair) 
     if usable_cores() < 2:
         pytest.skip("one usable core: nothing to lend")
     cfg = deploy_config(tiny_pair, "autoregressive", 1, 1)
-    cfg.draft.threads = cfg.target.threads = None  # (serve's default: a share of the cores, leased)
+    cfg.draft.threads = cfg.target.threads = None  # (serve's default: a share of the cores)
+    cfg.lend_cores = True
     prompts = [[5, 40, 7, 300], [9, 3, 11]]
     with Deployment(cfg) as dep, Client(dep.address) as client:
         outs = [client.generate(token_ids=p, max_new_tokens=24) for p in prompts]
@@ -121,3 +122,15 @@ def test_a_single_stream_computes_on_the_cores_the_idle_worker_lends(tiny_pair) 
     devices = [w["device"] for w in workers]
     assert all(d["threads"] >= 1 for d in devices)
     assert sum(d["borrowed_forwards"] for d in devices) > 0  # forwards ran on more than one core's share
+
+
+def test_lending_cores_is_a_deployment_switch_off_by_default(tmp_path) -> None:  # noqa: ANN001
+    from nebula_flow.config import ConfigError, load_config
+
+    base = "[draft]\nmodel = 'd'\n[target]\nmodel = 't'\n"
+    for text, want in (("", False), ("lend_cores = true\n", True)):
+        (tmp_path / "c.toml").write_text(text + base)
+        assert load_config(tmp_path / "c.toml").lend_cores is want
+    (tmp_path / "c.toml").write_text("lend_cores = 'yes'\n" + base)
+    with pytest.raises(ConfigError, match="lend_cores must be true or false"):
+        load_config(tmp_path / "c.toml").validate()  # (checked as every deployment starts)
