@@ -67,7 +67,7 @@ class PoolConfig:
     model: str | None = None
     workers: int = 1
     max_batch: int = 8
-    threads: int | None = None  # default: a share of the cores, plus idle workers' (nebula_flow.cores)
+    threads: int | None = None  # default: a share of the cores (with lend_cores, plus idle workers': nebula_flow.cores)
     device: str = "cpu"  # cpu | cuda | cuda:N | emulated; "cuda": one device per worker (deploy.place_devices)
     devices: list[str] | None = None  # GPUs for this pool's workers in order (["cuda:0", "cuda:0"]: two on one)
     dtype: str | None = None  # float32 | bfloat16 | float16 | auto (models.loader.auto_dtype); None: fp32 on CPU, bf16 on CUDA

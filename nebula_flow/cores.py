@@ -1,17 +1,19 @@
-"""Cores shared by the CPU workers of one host: a worker computes on its share of the cores, and
-on the shares of workers that have sat idle a while.
+"""Cores shared by the CPU workers of one host (``lend_cores``): a worker computes on its share of
+the cores, and on the shares of workers that have sat idle a while.
 
 Why: with one core per worker, a single stream computes on one core of two while the other
 waits; with every worker on all cores, workers that compute at once oversubscribe them and
 OpenMP's spinning threads collapse (docs/benchmarks.md, issue 23). A worker that claims the
-idle workers' cores for the batch it runs, and gives them back after, gets both: all cores
-when it computes alone, its share when all compute.
+idle workers' cores before each forward, and gives them back at its next forward once their
+owner computes, gets all cores when it computes alone and its share when all compute.
 
 The lease is a small file every worker of the deployment maps (one slot per worker, written
 only by its owner), so it needs no lock and no messages: a slot read while its owner writes it
-misjudges one batch's thread count, which costs time and never correctness. An owner that
-wants its share back never waits: for the rest of the borrower's batch the cores are
-oversubscribed, which ``GRACE_S`` keeps rare (only a worker idle that long is borrowed from).
+misjudges one forward's thread count, which costs time and never correctness. An owner that
+wants its share back never waits: for the rest of the borrower's forward the cores are
+oversubscribed. ``GRACE_S`` keeps that rare, but not free: under load it cost ~11% more CPU per
+token (docs/benchmarks.md), so the deployment switch ``lend_cores`` is off by default. An owner
+that waits out the borrower's forward (a lock per share) is the fix not yet built.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ SLOT = np.dtype([("pid", "<i8"), ("share", "<i4"), ("used", "<i4"), ("released",
 
 @dataclass(frozen=True)
 class Peer:
-    """Another worker's slot as read: its share, the threads it computes on now (0: idle) and
-    when it last finished a batch."""
+    """Another worker's slot as read: its share, the threads it computes on now (0: between
+    batches) and when it last finished a batch."""
 
     share: int
     used: int
@@ -58,7 +60,7 @@ def usable_cores() -> int:
 
 def lease_threads(share: int, cores: int, peers: list[Peer], now: float, grace_s: float = GRACE_S,
                   most: int | None = None) -> int:
-    """How many threads a worker of ``share`` cores may compute its next batch on: its share,
+    """How many threads a worker of ``share`` cores may compute its next forward on: its share,
     plus the cores no peer computes on or keeps (a peer idle under ``grace_s`` keeps its share),
     up to ``most`` (default: all ``cores``)."""
     kept = sum(p.used if p.used else (p.share if now - p.released < grace_s else 0) for p in peers)
