@@ -77,8 +77,6 @@ class WorkerOptions:
     name: str = ""
     capacity: int = 8
     threads: int = 1  # its share of the cores (with core_lease: more while other workers idle)
-    core_lease: str | None = None  # the host's core lease file (nebula_flow.cores), written by the deployment
-    core_slot: int = 0  # this worker's slot in it
     device: str = "cpu"
     dtype: str | None = None
     batch_invariant: bool | None = None  # see models.invariant; None: on for bf16/fp16 on CPU
@@ -94,6 +92,8 @@ class WorkerOptions:
     draft_profile: str | None = None  # colocated + emulated: the draft's profile
     drafter: str | None = None  # draft workers: the drafter name routing knows them by (default: from the model)
     draft_capacity: int | None = None  # any (elastic): a draft batch's most tasks (default: capacity)
+    core_lease: str | None = None  # the host's core lease file (nebula_flow.cores), written by the deployment
+    core_slot: int = 0  # this worker's slot in it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -82,8 +82,9 @@ def worker(options_file: str | None, role: str | None, model: str | None, draft_
                                  param_hint="--drafter")
 
     try:
-        sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch,
-                                            threads, device, dtype, batch_invariant, kv_transport=kv_transport,
+        sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch, threads=threads,
+                                            device=device, dtype=dtype, batch_invariant=batch_invariant,
+                                            kv_transport=kv_transport,
                                             kv_host=kv_host,
                                             kv_overlap=kv_overlap, profile=profile, draft_profile=draft_profile,
                                             max_kv_gb=max_kv_gb, kv_pool_gb=kv_pool_gb, keys=keys,
