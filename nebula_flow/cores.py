@@ -8,23 +8,28 @@ idle workers' cores before each forward, and gives them back at its next forward
 owner computes, gets all cores when it computes alone and its share when all compute.
 
 The lease is a small file every worker of the deployment maps (one slot per worker, written
-only by its owner), so it needs no lock and no messages: a slot read while its owner writes it
-misjudges one forward's thread count, which costs time and never correctness. An owner that
-wants its share back never waits: for the rest of the borrower's forward the cores are
-oversubscribed. ``GRACE_S`` keeps that rare, but not free: under load it cost ~11% more CPU per
-token (docs/benchmarks.md), so the deployment switch ``lend_cores`` is off by default. An owner
-that waits out the borrower's forward (a lock per share) is the fix not yet built.
+only by its owner: a slot read while its owner writes it misjudges one forward's thread count,
+which costs time and never correctness), and one lock file per share. A borrower holds the lock
+of each share it computes on for the forward (taken without waiting: a share it cannot lock it
+does not use); an owner takes its own share's lock, waiting, for its whole batch. So an owner
+that wants its share back waits out the borrower's forward (tens of milliseconds) instead of
+computing beside it on oversubscribed cores, where OpenMP's spinning threads collapse: without
+the wait, lending cost ~11% more CPU per token under load (docs/benchmarks.md). A borrower
+never waits while it holds a lock, so no two workers wait on each other. The locks are
+``flock``s (per open file, so two leases of one process exclude each other too); a dead
+worker's locks go with it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +72,20 @@ def lease_threads(share: int, cores: int, peers: list[Peer], now: float, grace_s
     return max(share, min(most or cores, cores - kept))
 
 
+def lenders(peers: list[Peer], now: float, grace_s: float = GRACE_S) -> list[int]:
+    """The peers (by index) whose shares ``lease_threads`` counts as free: idle ``grace_s`` or longer."""
+    return [i for i, p in enumerate(peers) if not p.used and now - p.released >= grace_s]
+
+
 def make_lease_file(path: Path, slots: int) -> None:
-    """The deployment's lease file: ``slots`` empty slots, one per CPU worker."""
+    """The deployment's lease file: ``slots`` empty slots, one per CPU worker, and a lock file per slot."""
     path.write_bytes(bytes(SLOT.itemsize * slots))
+    for slot in range(slots):
+        _lock_path(str(path), slot).touch()
+
+
+def _lock_path(path: str, slot: int) -> Path:
+    return Path(f"{path}.{slot}.lock")
 
 
 class CoreLease:
@@ -87,24 +103,43 @@ class CoreLease:
         self.mine = self.slots[slot : slot + 1]  # (a view: writes go to the file)
         self.mine["share"], self.mine["used"], self.mine["released"], self.mine["pid"] = share, 0, 0.0, os.getpid()
         self.set_threads = set_threads  # (torch.set_num_threads in a worker)
+        self.locks = [open(_lock_path(path, i), "a+b") for i in range(len(self.slots))]  # noqa: SIM115 (held for life)
+        self.held: list[int] = []  # the slots whose shares it borrows for the forward computing now
         self.borrowed = 0  # forwards computed on more than the share
+        self.waited_s = 0.0  # time its batches waited for a borrower's forward to end
         self.threads = share  # what the worker computes on now (its torch was started with its share)
 
-    def _peers(self) -> list[Peer]:
-        out = []
+    def _peers(self) -> tuple[list[int], list[Peer]]:
+        slots, peers = [], []
         for i, s in enumerate(self.slots.tolist()):  # (pid, share, used, released)
             pid, share, used, released = s
             if i == self.slot or pid == 0 or not _alive(pid):  # (a dead worker's slot lends all it had)
                 continue
-            out.append(Peer(share, used, released))
-        return out
+            slots.append(i)
+            peers.append(Peer(share, used, released))
+        return slots, peers
+
+    def _give_back(self) -> None:
+        for slot in self.held:
+            fcntl.flock(self.locks[slot], fcntl.LOCK_UN)
+        self.held = []
 
     def claim(self) -> int:
         """Before each forward of a batch: the threads it may use now (set on the torch of the
         thread that computes when they change). Re-claimed per forward, so a worker that borrowed
-        gives the cores back at its next forward once their owner computes again: the owner never
-        waits, and runs beside the borrower's forward for at most one forward."""
-        threads = lease_threads(self.share, self.cores, self._peers(), time.monotonic(), most=self.most)
+        gives the cores back at its next forward: an owner whose batch waits for them waits one
+        forward."""
+        self._give_back()
+        now = time.monotonic()
+        slots, peers = self._peers()
+        if lease_threads(self.share, self.cores, peers, now, most=self.most) > self.share:
+            for i in lenders(peers, now):
+                try:
+                    fcntl.flock(self.locks[slots[i]], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    self.held.append(slots[i])
+                except BlockingIOError:  # (its owner starts a batch, or another worker borrows it)
+                    peers[i] = replace(peers[i], used=peers[i].share)
+        threads = lease_threads(self.share, self.cores, peers, now, most=self.most)
         self.mine["used"] = threads
         self.borrowed += threads > self.share
         if threads != self.threads:
@@ -112,14 +147,30 @@ class CoreLease:
             self.threads = threads
         return threads
 
+    def status(self) -> dict[str, float]:
+        """For the worker's status: threads now, forwards on borrowed cores, time waited for borrowers."""
+        return {"threads": self.threads, "borrowed_forwards": self.borrowed, "lease_wait_s": round(self.waited_s, 3)}
+
     @contextmanager
     def batch(self) -> Iterator[None]:
-        """Compute one batch (its forwards ``claim``), and give the cores back after."""
+        """Compute one batch (its forwards ``claim``) on its own share at least: it says it
+        computes (so no one starts borrowing the share), waits out a borrower's forward on it,
+        and gives everything back after."""
+        self.mine["used"] = self.share
+        mine = self.locks[self.slot]
+        try:
+            fcntl.flock(mine, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # (a worker computes a forward on our share)
+            start = time.perf_counter()
+            fcntl.flock(mine, fcntl.LOCK_EX)
+            self.waited_s += time.perf_counter() - start
         try:
             yield
         finally:
+            self._give_back()
             self.mine["released"] = time.monotonic()
             self.mine["used"] = 0
+            fcntl.flock(mine, fcntl.LOCK_UN)
 
 
 def join_lease(path: str, slot: int, share: int, runners: list[Any], set_threads: Callable[[int], None]) -> CoreLease:

@@ -65,11 +65,14 @@ def test_a_worker_borrows_only_the_cores_of_workers_idle_a_while() -> None:
 
 
 def test_workers_of_one_lease_file_see_each_other(tmp_path) -> None:  # noqa: ANN001
-    """``cores.CoreLease`` over a real file: what one worker's forward claims, the other sees; a
-    borrower gives the cores back at its next forward once their owner computes; a dead worker's
-    slot lends everything."""
+    """``cores.CoreLease`` over a real file: what one worker's forward claims, the other sees; an
+    owner whose batch starts while a borrower computes on its share waits out that forward (never
+    computes beside it), and the borrower gives the share back at its next forward; a dead
+    worker's slot lends everything."""
+    import fcntl
     import subprocess
     import sys
+    import threading
 
     import numpy as np
 
@@ -79,14 +82,37 @@ def test_workers_of_one_lease_file_see_each_other(tmp_path) -> None:  # noqa: AN
     make_lease_file(path, 4)
     set_a, set_b = [], []
     a, b = CoreLease(str(path), 0, 1, 2, set_a.append), CoreLease(str(path), 1, 1, 2, set_b.append)
+    events: list[str] = []
+
+    def b_batch() -> None:
+        with b.batch():
+            events.append("b computes")
+            assert b.claim() == 1  # its own share (already 1: not set)
+
     with a.batch():
         assert a.claim() == 2 and set_a == [2]  # b never computed: a takes both cores
-        with b.batch():
-            assert b.claim() == 1 and set_b == []  # b's own share while a holds both (already 1: not set)
-            assert a.claim() == 1 and set_a == [2, 1]  # a's next forward gives b's core back
+        owner = threading.Thread(target=b_batch)
+        owner.start()
+        while b.mine["used"][0] == 0:  # (b says it computes, then waits for its share's lock)
+            owner.join(0.001)
+        assert events == []  # b waits while a's forward runs on b's core
+        events.append("a's next forward")
+        assert a.claim() == 1 and set_a == [2, 1]  # a gives b's core back; b computes
+        owner.join(10)
+        assert not owner.is_alive() and events == ["a's next forward", "b computes"]
+    assert b.waited_s > 0 and a.waited_s == 0
+    assert b.status() == {"threads": 1, "borrowed_forwards": 0, "lease_wait_s": round(b.waited_s, 3)}
     with b.batch():
         assert b.claim() == 1  # a finished just now: it keeps its core
     assert (a.borrowed, b.borrowed) == (1, 0)
+    with a.batch():  # a share whose lock another worker holds is not borrowed, whatever its slot says
+        b.mine["released"] = 0.0
+        b.mine["used"] = 0
+        held = open(f"{path}.1.lock", "a+b")  # noqa: SIM115
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert a.claim() == 1
+        fcntl.flock(held, fcntl.LOCK_UN)
+        assert a.claim() == 2
     # a third worker that died mid-batch (its slot says computing on both) is not waited for
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -124,11 +150,11 @@ def test_a_single_stream_computes_on_the_cores_the_idle_worker_lends(tiny_pair) 
     assert sum(d["borrowed_forwards"] for d in devices) > 0  # forwards ran on more than one core's share
 
 
-def test_lending_cores_is_a_deployment_switch_off_by_default(tmp_path) -> None:  # noqa: ANN001
+def test_lending_cores_is_a_deployment_switch_on_by_default(tmp_path) -> None:  # noqa: ANN001
     from nebula_flow.config import ConfigError, load_config
 
     base = "[draft]\nmodel = 'd'\n[target]\nmodel = 't'\n"
-    for text, want in (("", False), ("lend_cores = true\n", True)):
+    for text, want in (("", True), ("lend_cores = false\n", False)):
         (tmp_path / "c.toml").write_text(text + base)
         assert load_config(tmp_path / "c.toml").lend_cores is want
     (tmp_path / "c.toml").write_text("lend_cores = 'yes'\n" + base)

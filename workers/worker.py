@@ -472,7 +472,7 @@ class Worker:
                 if runner.model.packed_from_rows:  # weight shape -> fewest rows on the packed kernel
                     out[f"{role}_packed_from_rows"] = runner.model.packed_from_rows
         if self.lease is not None:  # (nebula_flow.cores: forwards on cores idle workers lent)
-            out["threads"], out["borrowed_forwards"] = self.lease.threads, self.lease.borrowed
+            out.update(self.lease.status())
         emulated = [r.model for r in self.runners if hasattr(r.model, "overrun_s")]
         if emulated:
             out["emulated_predicted_s"] = sum(m.predicted_s for m in emulated)
