@@ -20,7 +20,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25  # (the slowest tests, to keep CI short)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

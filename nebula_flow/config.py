@@ -89,9 +89,9 @@ class DeployConfig:
     drafters: list[PoolConfig] = field(default_factory=list)  # more draft pools: several drafters (pooled mode only)
     kv_transport: str = "auto"  # auto | ucx | zmq | shm | shm+zmq | none (kv.transport.resolve_transport)
     supervise: RestartPolicy = field(default_factory=RestartPolicy)  # how `serve` restarts what dies
-    # CPU workers without a configured `threads` borrow idle workers' cores (nebula_flow.cores). Off by
-    # default: +17% single stream, but ~11% more CPU per token under load (docs/benchmarks.md).
-    lend_cores: bool = False
+    # CPU workers without a configured `threads` borrow idle workers' cores (nebula_flow.cores): a single
+    # stream ~1.2x faster on 2 cores, no measured cost under load (docs/benchmarks.md, 2026-12-03).
+    lend_cores: bool = True
     source: str = "<defaults>"
 
     def validate(self) -> None:
@@ -222,7 +222,7 @@ def load_config(path: str | Path | None) -> DeployConfig:
         raise ConfigError(str(exc)) from None
     cfg = DeployConfig(
         mode=raw.get("mode", "pooled"),
-        kv_transport=raw.get("kv_transport", "auto"), lend_cores=raw.get("lend_cores", False),
+        kv_transport=raw.get("kv_transport", "auto"), lend_cores=raw.get("lend_cores", True),
         broker=_build(BrokerOptions, broker, f"{path} [broker]"),
         draft=_build(PoolConfig, raw.get("draft", {}), f"{path} [draft]"),
         target=_build(PoolConfig, raw.get("target", {}), f"{path} [target]"),
