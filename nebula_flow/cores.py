@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 # settled unevenly between the two (273 batches against 203, 0.87x the tokens/s; docs/benchmarks.md).
 GRACE_S = 0.5
 
+# The longest an owner waits for a borrower's forward on its share before it computes beside it: a
+# forward takes tens of milliseconds; a borrower stuck mid-forward must not stall its lenders too.
+MOST_WAIT_S = 2.0
+
 SLOT = np.dtype([("pid", "<i8"), ("share", "<i4"), ("used", "<i4"), ("released", "<f8")])
 
 
@@ -107,6 +111,7 @@ class CoreLease:
         self.held: list[int] = []  # the slots whose shares it borrows for the forward computing now
         self.borrowed = 0  # forwards computed on more than the share
         self.waited_s = 0.0  # time its batches waited for a borrower's forward to end
+        self.overruns = 0  # batches that gave up waiting (MOST_WAIT_S) and computed beside a borrower
         self.threads = share  # what the worker computes on now (its torch was started with its share)
 
     def _peers(self) -> tuple[list[int], list[Peer]]:
@@ -134,10 +139,9 @@ class CoreLease:
         slots, peers = self._peers()
         if lease_threads(self.share, self.cores, peers, now, most=self.most) > self.share:
             for i in lenders(peers, now):
-                try:
-                    fcntl.flock(self.locks[slots[i]], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if self._lock(slots[i]):
                     self.held.append(slots[i])
-                except BlockingIOError:  # (its owner starts a batch, or another worker borrows it)
+                else:  # (its owner starts a batch, or another worker borrows it)
                     peers[i] = replace(peers[i], used=peers[i].share)
         threads = lease_threads(self.share, self.cores, peers, now, most=self.most)
         self.mine["used"] = threads
@@ -149,7 +153,8 @@ class CoreLease:
 
     def status(self) -> dict[str, float]:
         """For the worker's status: threads now, forwards on borrowed cores, time waited for borrowers."""
-        return {"threads": self.threads, "borrowed_forwards": self.borrowed, "lease_wait_s": round(self.waited_s, 3)}
+        return {"threads": self.threads, "borrowed_forwards": self.borrowed, "lease_wait_s": round(self.waited_s, 3),
+                "lease_overruns": self.overruns}
 
     @contextmanager
     def batch(self) -> Iterator[None]:
@@ -157,20 +162,38 @@ class CoreLease:
         computes (so no one starts borrowing the share), waits out a borrower's forward on it,
         and gives everything back after."""
         self.mine["used"] = self.share
-        mine = self.locks[self.slot]
-        try:
-            fcntl.flock(mine, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # (a worker computes a forward on our share)
-            start = time.perf_counter()
-            fcntl.flock(mine, fcntl.LOCK_EX)
-            self.waited_s += time.perf_counter() - start
+        locked = self._take_own_share()
         try:
             yield
         finally:
             self._give_back()
             self.mine["released"] = time.monotonic()
             self.mine["used"] = 0
-            fcntl.flock(mine, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(self.locks[self.slot], fcntl.LOCK_UN)
+
+    def _take_own_share(self) -> bool:
+        """Lock its own share, waiting out a borrower's forward on it for up to ``MOST_WAIT_S``
+        (flock has no timeout: it polls each millisecond, and only while a borrower computes)."""
+        if self._lock(self.slot):
+            return True
+        start = time.perf_counter()
+        while not (locked := self._lock(self.slot)):  # (a worker computes a forward on our share)
+            if time.perf_counter() - start >= MOST_WAIT_S:
+                log.warning("another worker has computed on this worker's cores for %.1f s: computing beside it",
+                            MOST_WAIT_S)
+                self.overruns += 1
+                break
+            time.sleep(0.001)
+        self.waited_s += time.perf_counter() - start
+        return locked
+
+    def _lock(self, slot: int) -> bool:
+        try:
+            fcntl.flock(self.locks[slot], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
 
 
 def join_lease(path: str, slot: int, share: int, runners: list[Any], set_threads: Callable[[int], None]) -> CoreLease:
