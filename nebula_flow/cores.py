@@ -13,9 +13,10 @@ which costs time and never correctness), and one lock file per share. A borrower
 of each share it computes on for the forward (taken without waiting: a share it cannot lock it
 does not use); an owner takes its own share's lock, waiting, for its whole batch. So an owner
 that wants its share back waits out the borrower's forward (tens of milliseconds) instead of
-computing beside it on oversubscribed cores, where OpenMP's spinning threads collapse: without
-the wait, lending cost ~11% more CPU per token under load (docs/benchmarks.md). A borrower
-never waits while it holds a lock, so no two workers wait on each other. The locks are
+computing beside it on oversubscribed cores, where OpenMP's spinning threads collapse (without
+the wait, one measurement under load found ~11% more CPU per token; docs/benchmarks.md). A
+borrower never waits while it holds a lock, so no two workers wait on each other; an owner
+waits at most ``MOST_WAIT_S``, so a borrower stuck mid-forward stalls no one else. The locks are
 ``flock``s (per open file, so two leases of one process exclude each other too); a dead
 worker's locks go with it.
 """
@@ -211,7 +212,7 @@ def join_lease(path: str, slot: int, share: int, runners: list[Any], set_threads
 
         invariant = [m for m in models if getattr(m, "batch_invariant", False)]
         # (ends at its share, as its torch started)
-        if not all(same_bits_across_threads(m, m.cfg.vocab_size, [lease.cores, share]) for m in invariant):
+        if not all(same_bits_across_threads(m, [lease.cores, share]) for m in invariant):
             log.warning("batch-invariant logits change with the thread count on this CPU: computing on "
                         "%d thread(s) only, never on the cores idle workers could lend", share)
             lease.most = share

@@ -136,6 +136,36 @@ def test_workers_of_one_lease_file_see_each_other(tmp_path) -> None:  # noqa: AN
         assert c.claim() == 3
 
 
+def test_a_worker_whose_invariant_bits_change_with_threads_keeps_to_its_share(tiny_pair, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """``cores.join_lease`` probes each batch-invariant model (``invariant.same_bits_across_threads``)
+    and borrows only where the bits hold at every thread count it could compute on."""
+    import torch
+
+    import nebula_flow.models.invariant as invariant
+    from nebula_flow.cores import join_lease, make_lease_file
+    from nebula_flow.models.loader import load_model
+
+    model = load_model(tiny_pair / "target", dtype="float32", batch_invariant=True)
+    threads = torch.get_num_threads()
+    try:
+        assert invariant.same_bits_across_threads(model, [1, 1])  # (the probe itself: same count, same bits)
+        assert torch.get_num_threads() == 1  # (it leaves torch at the last count probed)
+    finally:
+        torch.set_num_threads(threads)
+
+    class Runner:
+        def __init__(self) -> None:
+            self.model, self.before_forward = model, None
+
+    make_lease_file(tmp_path / "cores", 2)
+    for same, most in ((True, 4), (False, 1)):
+        monkeypatch.setattr(invariant, "same_bits_across_threads", lambda m, counts, same=same: same)
+        monkeypatch.setattr("nebula_flow.cores.usable_cores", lambda: 4)
+        runner = Runner()
+        lease = join_lease(str(tmp_path / "cores"), 0, 1, [runner], lambda n: None)
+        assert lease.most == most and runner.before_forward == lease.claim
+
+
 @pytest.mark.slow
 def test_a_single_stream_computes_on_the_cores_the_idle_worker_lends(tiny_pair) -> None:  # noqa: ANN001
     """Real processes: `autoregressive` with `lend_cores` and two CPU target workers and no configured

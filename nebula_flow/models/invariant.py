@@ -110,14 +110,14 @@ def rows_independent(weight: torch.Tensor, sizes: range, total: int, trials: int
 
 
 @torch.inference_mode()
-def same_bits_across_threads(model: Callable, vocab: int, counts: list[int]) -> bool:
+def same_bits_across_threads(model: Callable, counts: list[int]) -> bool:
     """True when ``model`` (a ``CausalLM``) gives the same logits, bit for bit, at each torch
     thread count in ``counts``: a ragged prefill, then a decode row beside a 5-row verify. A worker
     that borrows idle cores (``nebula_flow.cores``) computes at varying counts, which must not
     change a bit in batch-invariant mode (measured on AVX-512 bf16 oneDNN: it does not; fp32 MKL
     does, by up to ~5e-5, as batch shapes do). Leaves torch at the last count."""
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (37, 9)]
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (37, 9)]
     outs = []
     for n in counts:
         torch.set_num_threads(n)
