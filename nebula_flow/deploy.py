@@ -160,6 +160,9 @@ class Deployment:
         return proc
 
     def start(self, timeout_s: float = 600.0) -> str:
+        """Start the brokers and the workers together (a worker re-sends its REGISTER until a broker
+        answers, and its imports take seconds the broker's start would otherwise add), then wait
+        for every broker to answer and every worker to register."""
         plan = self.cfg.worker_plan()
         if self.cfg.broker.keys:  # one key per worker, made on its first start (revocable alone)
             for i, (role, _) in enumerate(plan):
@@ -169,7 +172,19 @@ class Deployment:
         except ConfigError as exc:
             raise DeploymentError(str(exc)) from None
         for shard in range(len(self.shards)):
-            self._start_broker(shard, timeout_s)
+            self._spawn_broker(shard)
+        self._start_workers(plan, devices)
+        if any([self._await_broker(shard, timeout_s) for shard in range(len(self.shards))]):
+            # a broker moved to new ports: the workers started with the old ones start again
+            names = {worker_name(role, i) for i, (role, _) in enumerate(plan)}
+            for proc in [p for n, p in self.procs if n in names]:
+                proc.kill()
+                proc.wait()
+            self._start_workers(plan, devices)
+        self.wait_ready(len(plan), timeout_s)
+        return self.address
+
+    def _start_workers(self, plan: list[tuple[str, PoolConfig]], devices: list[str]) -> None:
         # with lend_cores, CPU workers without a configured thread count share the host's cores through a lease
         lease = self.log_dir / "cores"
         leased = [self.cfg.lend_cores and pool.threads is None and devices[i] == "cpu" for i, (_, pool) in enumerate(plan)]
@@ -182,8 +197,6 @@ class Deployment:
                 opts = replace(opts, core_lease=str(lease), core_slot=i)
             self._spawn(name, ["worker", "--options", str(write_options(opts, self.log_dir / f"{name}.json"))],
                         opts.threads)
-        self.wait_ready(len(plan), timeout_s)
-        return self.address
 
     def worker_options(self, role: str, pool: PoolConfig, device: str, name: str, threads: int) -> WorkerOptions:
         """What a worker of the plan runs with (written beside its log); ``device``: ``place_devices``'."""
@@ -198,20 +211,24 @@ class Deployment:
             draft_capacity=self.cfg.draft.max_batch if role == "any" else None,
             drafter=pool.drafter if role == "draft" else None), **self.worker_changes)
 
-    def _start_broker(self, shard: int, timeout_s: float, attempts: int = 5) -> None:
-        """Start a broker (shard ``shard``) and wait until it answers. A port picked free by
-        ``free_port`` can be taken by another process before the broker binds it: then pick new
-        ones and retry."""
+    def _spawn_broker(self, shard: int) -> subprocess.Popen:
+        opts, name = self.shards[shard], broker_name(shard, len(self.shards))
+        return self._spawn(name, ["broker", "--options", str(write_options(opts, self.log_dir / f"{name}.json"))])
+
+    def _await_broker(self, shard: int, timeout_s: float, attempts: int = 5) -> bool:
+        """Wait until broker ``shard`` (spawned) answers; True when it had to move to new ports. A
+        port picked free by ``free_port`` can be taken by another process before the broker binds
+        it: then pick new ones and start it again."""
+        moved = False
+        name = broker_name(shard, len(self.shards))
         for attempt in range(attempts):
-            opts = self.shards[shard]
-            name = broker_name(shard, len(self.shards))
-            proc = self._spawn(name, ["broker", "--options", str(write_options(opts, self.log_dir / f"{name}.json"))])
+            opts, proc = self.shards[shard], dict(self.procs)[name]
             deadline = time.monotonic() + timeout_s
             with Client(opts.client_address, timeout_s=1.0, keys=self.cfg.broker.keys) as client:
                 while proc.poll() is None and time.monotonic() < deadline:
                     try:
                         client.status()
-                        return
+                        return moved
                     except NebulaError:
                         time.sleep(0.1)
             if proc.poll() is None:
@@ -219,11 +236,13 @@ class Deployment:
             tail = self.log_tail(name)
             if not (self.auto_ports and "Address already in use" in tail) or attempt == attempts - 1:
                 raise DeploymentError(f"broker exited with code {proc.returncode}:\n{tail}")
-            self.procs.pop()
+            moved = True
             self.shards[shard] = replace(opts, client_port=free_port(), worker_port=free_port())
             if shard == 0:
                 self.cfg.broker.client_port, self.cfg.broker.worker_port = (self.shards[0].client_port,
                                                                             self.shards[0].worker_port)
+            self._spawn_broker(shard)
+        return moved
 
     def start_api(self, host: str, port: int, api_key: str | None = None, model_name: str | None = None,
                   timeout_s: float = 60.0) -> str:
