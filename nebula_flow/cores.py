@@ -73,13 +73,18 @@ def lease_threads(share: int, cores: int, peers: list[Peer], now: float, grace_s
     """How many threads a worker of ``share`` cores may compute its next forward on: its share,
     plus the cores no peer computes on or keeps (a peer idle under ``grace_s`` keeps its share),
     up to ``most`` (default: all ``cores``)."""
-    kept = sum(p.used if p.used else (p.share if now - p.released < grace_s else 0) for p in peers)
+    kept = sum(p.used or (0 if _lends(p, now, grace_s) else p.share) for p in peers)
     return max(share, min(most or cores, cores - kept))
 
 
 def lenders(peers: list[Peer], now: float, grace_s: float = GRACE_S) -> list[int]:
-    """The peers (by index) whose shares ``lease_threads`` counts as free: idle ``grace_s`` or longer."""
-    return [i for i, p in enumerate(peers) if not p.used and now - p.released >= grace_s]
+    """The peers (by index) whose shares ``lease_threads`` counts as free."""
+    return [i for i, p in enumerate(peers) if _lends(p, now, grace_s)]
+
+
+def _lends(peer: Peer, now: float, grace_s: float) -> bool:
+    """A peer lends its share when it computes nothing and has been idle ``grace_s`` or longer."""
+    return not peer.used and now - peer.released >= grace_s
 
 
 def make_lease_file(path: Path, slots: int) -> None:

@@ -174,7 +174,8 @@ class Deployment:
         for shard in range(len(self.shards)):
             self._spawn_broker(shard)
         self._start_workers(plan, devices)
-        if any([self._await_broker(shard, timeout_s) for shard in range(len(self.shards))]):
+        moved = [self._await_broker(shard, timeout_s) for shard in range(len(self.shards))]  # (every shard awaited)
+        if any(moved):
             # a broker moved to new ports: the workers started with the old ones start again
             names = {worker_name(role, i) for i, (role, _) in enumerate(plan)}
             for proc in [p for n, p in self.procs if n in names]:
