@@ -235,8 +235,13 @@ STALE_S = 60.0  # a folder without the lock file this old was left by a worker t
 def hold_alive(folder: Path) -> int:
     """Lock ``folder`` as this process's for as long as the returned descriptor stays open (the
     kernel drops the lock when the process dies, however it dies)."""
-    fd = os.open(folder / ALIVE, os.O_CREAT | os.O_RDWR, 0o600)
+    # Locked before it takes its name: another worker's ``remove_orphans`` must never find the
+    # file unlocked between its creation and the lock (it would delete a live worker's folder;
+    # workers forked together start within milliseconds of each other).
+    staged = folder / f"{ALIVE}.{os.getpid()}"
+    fd = os.open(staged, os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(staged, folder / ALIVE)  # (the lock belongs to the open file: it keeps it)
     return fd
 
 
