@@ -37,29 +37,51 @@ def raw_transport_gbps(transport: str, nbytes: int, repeats: int = 20, spread: b
 
 PROBE_PACE_MS = 20.0  # about one exchange per batch of a worker, as the system pulls
 PROBE_START_S = 120.0
+IDLE_PROBE_S = 8.0  # paced pulls on the idle machine after the runs: ~400 pulls at the pace
 # Up to a long prompt's whole KV (the larger size classes of bench-kv's exchanges)
 PROBE_SIZES = "16384,65536,262144,1048576,4194304,16777216"
 
 
+class PacedProbe:
+    """Paced raw pulls in a separate process (kv/probe.py), started early (its imports take
+    seconds, spent while a deployment starts beside it) and pulling from ``go`` to ``stop``."""
+
+    def __init__(self, transport: str, out: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.kv.probe", "--transport", transport,
+                                      "--pace-ms", str(PROBE_PACE_MS), "--sizes", PROBE_SIZES, "--out", str(out),
+                                      "--wait-for-go"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def go(self) -> None:
+        """Wait until the probe is ready, then start its pulls."""
+        give_up = threading.Timer(PROBE_START_S, self.proc.kill)  # a probe that never says ready must not hang us
+        give_up.start()
+        try:
+            # A library may print to stdout first (UCX prints its warnings there), so read up to
+            # the line that says so.
+            assert self.proc.stdout is not None and self.proc.stdin is not None
+            if not any(line.strip() == "ready" for line in self.proc.stdout):
+                raise RuntimeError(f"the raw probe failed to start (exit code {self.proc.wait(timeout=30)})")
+        finally:
+            give_up.cancel()
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        """Stop pulling; the probe writes what it measured and exits."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # (one still waiting for its go sees the end of stdin: it measured nothing)
+            self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
 @contextlib.contextmanager
 def paced_probe(transport: str, out: Path):  # noqa: ANN201
-    """Run paced raw pulls in a separate process for the duration of the block (kv/probe.py)."""
-    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.kv.probe", "--transport", transport,
-                             "--pace-ms", str(PROBE_PACE_MS), "--sizes", PROBE_SIZES, "--out", str(out)],
-                            stdout=subprocess.PIPE, text=True)
-    give_up = threading.Timer(PROBE_START_S, proc.kill)  # a probe that never says ready must not hang us
-    give_up.start()
+    """A ``PacedProbe`` started before the block and stopped after it, whatever happens in it."""
+    probe = PacedProbe(transport, out)
     try:
-        # Started (imports take seconds) before we time. A library may print to stdout first
-        # (UCX prints its warnings there), so read up to the line that says so.
-        ready = any(line.strip() == "ready" for line in proc.stdout)
-        give_up.cancel()
-        if not ready:
-            raise RuntimeError(f"the raw {transport} probe failed to start (exit code {proc.wait(timeout=30)})")
-        yield
+        yield probe
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        probe.stop()
 
 
 def _kv_totals(address: str) -> dict[str, float]:
@@ -75,26 +97,30 @@ def _kv_totals(address: str) -> dict[str, float]:
     return tot
 
 
-def bench_kv(cfg: DeployConfig, wl: BenchWorkload, transport: str, log=print, repeats: int = 2) -> dict[str, Any]:  # noqa: ANN001
+def bench_kv(cfg: DeployConfig, wl: BenchWorkload, transport: str, log=print, repeats: int = 2,  # noqa: ANN001
+             idle_probe_s: float = IDLE_PROBE_S) -> dict[str, Any]:
     """Pooled run with forced migration (every round moves KV), with and without overlap:
     ``repeats`` runs of each, in alternating order, reported as medians."""
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
     with tempfile.TemporaryDirectory(prefix="nebula-flow-bench-kv-") as tmp:
-        return _bench_kv(cfg, wl, transport, Path(tmp), log, repeats)
+        return _bench_kv(cfg, wl, transport, Path(tmp), log, repeats, idle_probe_s)
 
 
 def _kv_run(cfg: DeployConfig, wl: BenchWorkload, overlap: bool, probe_out: Path, transport: str) -> dict[str, Any]:
     """One deployment, one workload: the KV counters it moved and its tokens/s."""
-    with Deployment(cfg, worker_changes={"kv_overlap": overlap}) as dep:
+    # The raw transport under the same load, as the system uses it: paced pulls in a separate
+    # process while this run goes on (in both modes, so that the probe's own load does not favour
+    # either in the tokens/s they report); started with the deployment, pulling only during the run.
+    with paced_probe(transport, probe_out) as probe, Deployment(cfg, worker_changes={"kv_overlap": overlap}) as dep:
         with Client(dep.address) as c:
             c.generate(wl.prompts[0], max_new_tokens=8)
         before = _kv_totals(dep.address)
-        # The raw transport under the same load, as the system uses it: paced pulls in a
-        # separate process while this run goes on (in both modes, so that the probe's own load
-        # does not favour either in the tokens/s they report).
-        with paced_probe(transport, probe_out):
+        probe.go()
+        try:
             res = run_once(dep.address, wl)
+        finally:
+            probe.stop()
         after = _kv_totals(dep.address)
     d = {k: after[k] - before[k] for k in after if k != "by_size"}
     by_size = add_by_size(dict(after["by_size"]), before["by_size"], sign=-1)
@@ -111,7 +137,8 @@ def _kv_run(cfg: DeployConfig, wl: BenchWorkload, overlap: bool, probe_out: Path
             "mean_pull_bytes": d["bytes_pulled"] / max(d["transfers"], 1), "tokens_per_s": res["tokens_per_s"]}
 
 
-def _bench_kv(cfg: DeployConfig, wl: BenchWorkload, transport: str, tmp: Path, log, repeats: int) -> dict[str, Any]:  # noqa: ANN001
+def _bench_kv(cfg: DeployConfig, wl: BenchWorkload, transport: str, tmp: Path, log, repeats: int,  # noqa: ANN001
+              idle_probe_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {"transport": transport, "repeats": repeats}
     cfg.mode, cfg.kv_transport = "pooled", transport
     # speculate at every load: both roles' KV moves
@@ -145,8 +172,9 @@ def _bench_kv(cfg: DeployConfig, wl: BenchWorkload, transport: str, tmp: Path, l
     out["raw_spread_gbps_4mib"] = raw_transport_gbps(transport, 4 << 20, spread=True)
     out["bandwidth_ratio_spread"] = out["overlap"]["system_gbps"] / out["raw_spread_gbps_same_size"]
     # Paced raw pulls: on the idle machine now, and (recorded above) while the system ran.
-    with paced_probe(transport, probe_idle):
-        time.sleep(8)
+    with paced_probe(transport, probe_idle) as probe:
+        probe.go()
+        time.sleep(idle_probe_s)
     from nebula_flow.kv.probe import paced_gbps
 
     for key, paths in (("idle", [probe_idle]), ("loaded", loaded_probes)):

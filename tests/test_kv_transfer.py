@@ -493,6 +493,8 @@ def test_shared_memory_folders_of_dead_workers_are_removed_whatever_their_pid_sa
         (folder / "target-1.kv").write_bytes(b"x")
     os.utime(old_unlocked, (0, os.stat(old_unlocked).st_mtime - 2 * STALE_S))
     (dead / ALIVE).touch()  # (its worker held the lock; the kernel dropped it when it died)
+    # one being made has its lock file only under a staged name until it holds the lock: kept
+    (new_unlocked / f"{ALIVE}.12345").touch()
     holder = subprocess.Popen([sys.executable, "-c", holder_code, str(alive)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -535,8 +537,9 @@ def test_paced_raw_probe_measures_real_pulls(tmp_path, transport: str) -> None: 
 
 @pytest.mark.parametrize("transport", ["shm", pytest.param("ucx", marks=TRANSPORTS[-1].marks)])
 def test_bench_starts_the_probe_and_stops_it(tmp_path, transport: str, monkeypatch) -> None:  # noqa: ANN001
-    """bench-kv's probe beside a run: started (past any library chatter) before the block, stopped
-    after it with its samples written. (UCX once printed a warning before "ready" and hung this.)"""
+    """bench-kv's probe beside a run: started before the block, pulling from its go (once past any
+    library chatter) to its stop, then its samples written. (UCX once printed a warning before
+    "ready" and hung this.) A probe stopped before its go measured nothing and still stops."""
     import json
 
     from nebula_flow.bench_kv import paced_probe
@@ -545,11 +548,18 @@ def test_bench_starts_the_probe_and_stops_it(tmp_path, transport: str, monkeypat
 
     out = tmp_path / "probe.json"
     t0 = time.monotonic()
-    with paced_probe(transport, out):
-        time.sleep(1.0)
+    with paced_probe(transport, out) as probe:
+        probe.go()
+        time.sleep(1.0)  # (pulling for a second: the measurement's length, not a wait for an event)
+        probe.stop()
+        samples = json.loads(out.read_text())  # (written at the stop, not at the block's end)
     assert time.monotonic() - t0 < 60
-    samples = json.loads(out.read_text())
     assert sum(len(v) for v in samples.values()) >= 10  # ~one pull per 20 ms
+    idle = tmp_path / "never.json"
+    with paced_probe(transport, idle) as probe:
+        probe.proc.stdout.readline()  # (started, waiting for a go that never comes)
+    assert probe.proc.returncode is not None
+    assert not idle.exists() or sum(len(v) for v in json.loads(idle.read_text()).values()) == 0
 
 
 def test_paced_bandwidth_interpolates_time_linearly_in_size() -> None:
@@ -601,7 +611,8 @@ def test_bench_kv_reports_stall_and_every_bandwidth_ratio(tiny_pair, monkeypatch
     cfg = tiny_pair.parent / "bench-kv.toml"
     cfg.write_text(f'[draft]\nmodel = "{tiny_pair / "draft"}"\n[target]\nmodel = "{tiny_pair / "target"}"\n')
     res = CliRunner().invoke(main, ["bench-kv", "--config", str(cfg), "--transport", "shm", "--requests", "4",
-                                    "--max-new-tokens", "12", "--repeats", "2", "--json"])
+                                    "--max-new-tokens", "12", "--repeats", "2", "--idle-probe-s", "1",
+                                    "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["overlap"]["pulls"] > 0 and 0 <= out["overlap"]["stall_fraction"] < 1

@@ -270,9 +270,11 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
                    "whose KV moves in large pulls (code completion with a file open).")
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(1),
               help="Runs of each mode, in alternating order (A B B A ...); medians are reported.")
+@click.option("--idle-probe-s", default=8.0, show_default=True, type=click.FloatRange(0.5),
+              help="Seconds of paced raw pulls on the idle machine after the runs (the idle baseline).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-                 context_tokens, repeats, as_json) -> None:  # noqa: ANN001
+                 context_tokens, repeats, idle_probe_s, as_json) -> None:  # noqa: ANN001
     """KV movement cost in a pooled run with forced migration: stall as a fraction of compute,
     with and without overlap, and in-system bandwidth against the raw transport."""
     from nebula_flow.bench import DEFAULT_PROMPTS, BenchWorkload, with_context
@@ -286,7 +288,8 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
     prompts = with_context([DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n_requests)], context_tokens,
                            cfg.target.model)
     wl = BenchWorkload(prompts, max_new_tokens, concurrency)
-    res = bench_kv(cfg, wl, transport, log=lambda m: click.echo(m, err=True), repeats=repeats)
+    res = bench_kv(cfg, wl, transport, log=lambda m: click.echo(m, err=True), repeats=repeats,
+                   idle_probe_s=idle_probe_s)
     click.echo(json.dumps(res) if as_json else kv_report(res))
 
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import signal
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -91,8 +92,11 @@ def paced_gbps(samples: dict[int, list[float]], nbytes: float) -> float:
     return nbytes / max(t, 1e-9) / 1e9
 
 
-def run_paced(transport: str, sizes: list[int], pace_s: float, duration_s: float | None = None) -> dict[int, list[float]]:
-    """Pull each size in turn, ``pace_s`` apart, until ``duration_s`` passes or SIGTERM."""
+def run_paced(transport: str, sizes: list[int], pace_s: float, duration_s: float | None = None,
+              wait_for_go: bool = False) -> dict[int, list[float]]:
+    """Pull each size in turn, ``pace_s`` apart, until ``duration_s`` passes or SIGTERM; with
+    ``wait_for_go``, from the moment a line arrives on stdin (so that whoever started us can
+    start us early, while what we measure beside starts too)."""
     pair = RawPair(transport, max(sizes))
     stop = False
 
@@ -102,6 +106,8 @@ def run_paced(transport: str, sizes: list[int], pace_s: float, duration_s: float
 
     signal.signal(signal.SIGTERM, on_term)
     print("ready", flush=True)  # for whoever started us: a SIGTERM from now on still writes results
+    if wait_for_go and not sys.stdin.readline():  # (stdin closed before the go: nothing to measure)
+        stop = True
     samples: dict[int, list[float]] = {s: [] for s in sizes}
     end = time.monotonic() + duration_s if duration_s else float("inf")
     try:
@@ -122,9 +128,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="16384,65536,262144,1048576", help="Bytes per pull, comma-separated.")
     ap.add_argument("--pace-ms", type=float, default=20.0, help="Pause between pulls.")
     ap.add_argument("--duration-s", type=float, default=None, help="Stop after this long (default: at SIGTERM).")
+    ap.add_argument("--wait-for-go", action="store_true", help="Start pulling when a line arrives on stdin.")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    samples = run_paced(a.transport, [int(s) for s in a.sizes.split(",")], a.pace_ms / 1000, a.duration_s)
+    samples = run_paced(a.transport, [int(s) for s in a.sizes.split(",")], a.pace_ms / 1000, a.duration_s,
+                        a.wait_for_go)
     with open(a.out, "w") as f:
         json.dump({str(k): v for k, v in samples.items()}, f)
 
