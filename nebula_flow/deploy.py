@@ -26,6 +26,7 @@ from nebula_flow.options import BrokerOptions, WorkerOptions, write_options
 from nebula_flow.process import PARENT_ENV, RESTARTS_ENV
 from nebula_flow.security import ensure_key
 from nebula_flow.shards import fewest_workers
+from nebula_flow.spawn import Child, fork_worker
 from nebula_flow.supervisor import ChildRecord, describe_exit, judge
 
 # glibc's default allocator returns and re-faults large buffers on every forward pass; these
@@ -111,7 +112,7 @@ class Deployment:
         self.cfg = cfg
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="nebula-flow-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs: list[tuple[str, Child]] = []
         self.commands: dict[str, tuple[list[str], int]] = {}  # each child's arguments and threads
         self.records: dict[str, ChildRecord] = {}  # each child's restarts
         self.due: dict[str, float] = {}  # dead children waiting out their backoff: when to start them
@@ -141,20 +142,23 @@ class Deployment:
         """Where clients connect: the broker's address, or every shard's separated by commas."""
         return ",".join(opts.client_address for opts in self.shards)
 
-    def _spawn(self, name: str, args: list[str], threads: int = 1, restarts: int = 0) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], threads: int = 1, restarts: int = 0) -> Child:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), **ALLOCATOR_ENV,
                    **{PARENT_ENV: str(os.getpid()),  # children exit if we die without stopping them
                       RESTARTS_ENV: str(restarts)})
         if self.cfg.broker.keys:  # every party of the deployment authenticates with CURVE
             env["NEBULA_FLOW_KEYS"] = str(self.cfg.broker.keys)
         env.update(self.child_env.get(name, {}))
-        log = open(self.log_dir / f"{name}.log", "ab" if restarts else "wb")  # (a restart keeps the death's log)
-        if restarts:
-            log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} restart {restarts} ---\n".encode())
-            log.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", *args], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()  # (the child holds its own copy)
+        path = self.log_dir / f"{name}.log"
+        with open(path, "ab" if restarts else "wb") as log:  # (a restart keeps the death's log)
+            if restarts:
+                log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} restart {restarts} ---\n".encode())
+                log.flush()
+            if args[0] == "worker":  # (forked from a zygote: seconds of imports saved, see spawn.py)
+                proc: Child = fork_worker(args, env, path, append=True)
+            else:
+                proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", *args], stdout=log,
+                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.commands[name] = (args, threads)
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
         return proc
@@ -212,7 +216,7 @@ class Deployment:
             draft_capacity=self.cfg.draft.max_batch if role == "any" else None,
             drafter=pool.drafter if role == "draft" else None), **self.worker_changes)
 
-    def _spawn_broker(self, shard: int) -> subprocess.Popen:
+    def _spawn_broker(self, shard: int) -> Child:
         opts, name = self.shards[shard], broker_name(shard, len(self.shards))
         return self._spawn(name, ["broker", "--options", str(write_options(opts, self.log_dir / f"{name}.json"))])
 

@@ -171,3 +171,12 @@ def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_n
                         alternatives, chat, fuse_ngram, temperature, seeds)
     click.echo(json.dumps(res, indent=2))
 
+
+
+@click.command("worker-zygote", hidden=True)
+def worker_zygote() -> None:
+    """Fork workers on request from one process that imported their code once (what a deployment
+    starts: nebula_flow/spawn.py); reads requests on stdin until it closes."""
+    from nebula_flow_workers.zygote import main
+
+    main()
