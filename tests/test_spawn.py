@@ -50,6 +50,8 @@ def test_a_deployments_forked_workers_serve_losslessly_and_die_like_processes(ti
         workers = {n: p for n, p in dep.procs if n.startswith(("draft", "target"))}
         assert workers and all(isinstance(p, spawn.ForkedChild) for p in workers.values())
         assert all(_parent_of(p.pid) == os.getpid() for p in workers.values())  # ours, not the zygote's
+        for p in workers.values():  # ps shows each worker's own command line, not the zygote's
+            assert Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(b"nebula-flow worker --options ")
         with Client(dep.address) as client:
             status = client.status()
             assert {w["name"] for w in status["workers"]} == set(workers)

@@ -15,6 +15,8 @@ import sys
 import time
 import traceback
 
+import setproctitle
+
 # What a worker imports (a module missing here the worker imports itself: only slower).
 PRELOAD = ("torch", "nebula_flow_workers.worker")
 REPARENT_WAIT_S = 5.0
@@ -58,6 +60,9 @@ def _become_worker(request: dict) -> None:
     code = 1
     try:
         os.setsid()
+        # ps shows our own command line, not the zygote's (before the environment changes: the
+        # title takes the memory of the arguments and the environment beside them)
+        setproctitle.setproctitle(" ".join(["nebula-flow", *request["args"]]))
         signal.signal(signal.SIGINT, signal.default_int_handler)
         null = os.open(os.devnull, os.O_RDONLY)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC), 0o644)
