@@ -47,6 +47,7 @@ class PacedProbe:
     seconds, spent while a deployment starts beside it) and pulling from ``go`` to ``stop``."""
 
     def __init__(self, transport: str, out: Path) -> None:
+        self.transport = transport
         self.proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.kv.probe", "--transport", transport,
                                       "--pace-ms", str(PROBE_PACE_MS), "--sizes", PROBE_SIZES, "--out", str(out),
                                       "--wait-for-go"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -60,7 +61,7 @@ class PacedProbe:
             # the line that says so.
             assert self.proc.stdout is not None and self.proc.stdin is not None
             if not any(line.strip() == "ready" for line in self.proc.stdout):
-                raise RuntimeError(f"the raw probe failed to start (exit code {self.proc.wait(timeout=30)})")
+                raise RuntimeError(f"the raw {self.transport} probe failed to start (exit code {self.proc.wait(timeout=30)})")
         finally:
             give_up.cancel()
         self.proc.stdin.write("go\n")

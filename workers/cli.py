@@ -172,7 +172,6 @@ def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_n
     click.echo(json.dumps(res, indent=2))
 
 
-
 @click.command("worker-zygote", hidden=True)
 def worker_zygote() -> None:
     """Fork workers on request from one process that imported their code once (what a deployment
