@@ -154,9 +154,9 @@ class Deployment:
             if restarts:
                 log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} restart {restarts} ---\n".encode())
                 log.flush()
-            if args[0] == "worker":  # (forked from a zygote: seconds of imports saved, see spawn.py)
-                proc: Child = fork_worker(args, env, path, append=True)
-            else:
+            # a worker forked from the zygote (seconds of imports saved, see spawn.py), or a fresh process
+            proc: Child | None = fork_worker(args, env, path) if args[0] == "worker" else None
+            if proc is None:
                 proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", *args], stdout=log,
                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.commands[name] = (args, threads)

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
+# set by the zygote's child from the request, not inherited from the zygote
+_PER_WORKER = {"OMP_NUM_THREADS", "NEBULA_FLOW_RESTARTS"}
 
 
 class ForkedChild:
@@ -121,11 +123,12 @@ def _subreaper() -> Iterator[bool]:
             libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
-def fork_worker(args: list[str], env: dict[str, str], log_path: Path, append: bool) -> Child:
+def fork_worker(args: list[str], env: dict[str, str], log_path: Path) -> ForkedChild | None:
     """Run ``nebula-flow ARGS`` as ``Popen`` would with ``env`` (a session of its own, stdout and
-    stderr into ``log_path``), forked from the zygote; a fresh process where no zygote can serve."""
+    stderr appended to ``log_path``), forked from the zygote; None where no zygote can serve (the
+    caller then starts a fresh process)."""
     global _zygote
-    request = {"args": args, "env": env, "log": str(log_path), "append": append, "parent": os.getpid()}
+    request = {"args": args, "env": env, "log": str(log_path), "parent": os.getpid()}
     with _zygote_lock, _subreaper() as adopting:
         for _ in range(2 if adopting else 0):  # (a zygote that died is started again, once)
             if _zygote is None or _zygote.proc.poll() is not None:
@@ -137,10 +140,4 @@ def fork_worker(args: list[str], env: dict[str, str], log_path: Path, append: bo
                 return ForkedChild(_zygote.fork(request))
             except OSError:
                 _zygote = None
-    with open(log_path, "ab" if append else "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", *args], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-# set by the zygote's child from the request, not inherited from the zygote
-_PER_WORKER = {"OMP_NUM_THREADS", "NEBULA_FLOW_RESTARTS"}
+    return None

@@ -24,23 +24,23 @@ def _env(**extra: str) -> dict[str, str]:
 
 def test_a_forked_command_is_our_child_with_its_log_and_exit_status(tmp_path: Path) -> None:
     log = tmp_path / "help.log"
-    child = spawn.fork_worker(["worker", "--help"], _env(), log, append=False)
+    child = spawn.fork_worker(["worker", "--help"], _env(), log)
     assert isinstance(child, spawn.ForkedChild)
     assert child.wait(60) == 0 and child.returncode == 0
     assert "--role" in log.read_text()  # click's help, written to the log, not to our stdout
-    bad = spawn.fork_worker(["worker", "--no-such-option"], _env(), log, append=True)
+    bad = spawn.fork_worker(["worker", "--no-such-option"], _env(), log)
     assert bad.wait(60) == 2  # click's usage error, as `nebula-flow worker --no-such-option` exits
     text = log.read_text()
     assert "--role" in text and "No such option" in text  # appended, the first run's log kept
 
 
 def test_a_dead_zygote_is_started_again(tmp_path: Path) -> None:
-    first = spawn.fork_worker(["worker", "--help"], _env(), tmp_path / "a.log", append=False)
+    first = spawn.fork_worker(["worker", "--help"], _env(), tmp_path / "a.log")
     assert first.wait(60) == 0
     assert spawn._zygote is not None
     spawn._zygote.proc.kill()
     spawn._zygote.proc.wait()
-    again = spawn.fork_worker(["worker", "--help"], _env(), tmp_path / "b.log", append=False)
+    again = spawn.fork_worker(["worker", "--help"], _env(), tmp_path / "b.log")
     assert isinstance(again, spawn.ForkedChild) and again.wait(60) == 0
 
 

@@ -1,6 +1,6 @@
 """The worker zygote (``nebula-flow worker-zygote``, started by ``nebula_flow/spawn.py``): import
 what a worker needs once, then fork a worker for each request read from stdin (one JSON line:
-args, env, log, append, parent), answering its pid.
+args, env, log, parent), answering its pid.
 
 Each request forks twice: the middle process forks the worker, says its pid and exits, so the
 worker is re-parented to the deploying process (a child subreaper) and is its child, not ours."""
@@ -62,10 +62,11 @@ def _become_worker(request: dict) -> None:
         os.setsid()
         # ps shows our own command line, not the zygote's (before the environment changes: the
         # title takes the memory of the arguments and the environment beside them)
-        setproctitle.setproctitle(" ".join(["nebula-flow", *request["args"]]))
+        sys.argv = ["nebula-flow", *request["args"]]
+        setproctitle.setproctitle(" ".join(sys.argv))
         signal.signal(signal.SIGINT, signal.default_int_handler)
         null = os.open(os.devnull, os.O_RDONLY)
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC), 0o644)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -82,13 +83,14 @@ def _become_worker(request: dict) -> None:
             time.sleep(0.0005)
         from nebula_flow.cli import main as cli
 
-        sys.argv = ["nebula-flow", *request["args"]]
         cli(request["args"], prog_name="nebula-flow")
         code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
+    except SystemExit as exc:  # (as the interpreter exits: an int, None for 0, else printed and 1)
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
             print(exc.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
     finally:
