@@ -75,11 +75,14 @@ def verified(req: Request, out: TaskResult, vocab: int | None = None) -> Verifie
                 in_vocab(chain, vocab, "a fused chain")
     committed = out.committed or []
     in_vocab(committed, vocab, "the committed tokens")
-    tree = TokenTree([draft, *([a] for a in runner_ups), *chains])
-    if not committed or len(tree.path(committed[:-1])) != len(committed) - 1:
+    accepted = len(committed) - 1
+    if runner_ups or chains:
+        on_path = committed and len(TokenTree([draft, *([a] for a in runner_ups), *chains]).path(committed[:-1])) == accepted
+    else:  # (a plain chain, most rounds: its tree is the draft, and a path of it a prefix)
+        on_path = committed and committed[:-1] == draft[:accepted]
+    if not on_path:
         raise ProtocolError("malformed", f"{len(committed)} committed tokens are not a path of the round's "
                                          f"drafts and one more token")
-    accepted = len(committed) - 1
     taken = next((i for i, (a, b) in enumerate(zip(draft, committed[:-1])) if a != b), min(len(draft), accepted))
     via_alt = taken == 0 and accepted > 0 and committed[0] in runner_ups
     return Verified(committed, draft, runner_ups, chains, taken, via_alt, fused_gain(accepted, taken, via_alt))

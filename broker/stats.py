@@ -55,7 +55,9 @@ class BrokerStats:
             self.accepted_by_position[i] += i < v.draft_accepted
         self.tokens_per_round_hist[len(v.committed)] += 1
         if drafter is not None:
-            by = self.drafter_counts.setdefault(drafter, Counter())
+            by = self.drafter_counts.get(drafter)
+            if by is None:  # (not setdefault: that makes a Counter every round)
+                by = self.drafter_counts[drafter] = Counter()
             by["rounds"] += 1
             by["proposed"] += len(v.draft)
             by["accepted"] += v.draft_accepted

@@ -7,8 +7,9 @@ A message is a multipart ZeroMQ message::
 ``kind`` is the class's ``KIND``; ``header`` is an orjson object of the class's fields that
 always carries ``"v": VERSION``; tensors (token ids, proposal distributions, KV rows) travel as
 extra frames sent and received without copies, described in the header by ``{"f": frame index,
-"dtype", "shape"}``, except small integer vectors (token ids), which travel inside the header as
-``{"ints": [...], "dtype"}`` (a frame costs more to send than the ints cost to write). ``decode``
+"dtype", "shape"}``, except small integer vectors (token ids), which share one frame per dtype,
+each a slice ``{"p": dtype, "o": offset, "n": length}`` of the frame the header's ``"packs"``
+names (one send and one view for all of a batch's tokens). ``decode``
 turns frames into an instance of the kind's class, checking every field against the class's
 annotations (and its ``check``) on the way: decoding is the validation. Anything else raises
 ``ProtocolError`` (with a stable ``code``); receivers answer that with an ``Error`` where there is
@@ -36,6 +37,7 @@ import orjson
 from nebula_flow.round_times import Timing  # noqa: F401 - RESULT's timing: part of the schema
 from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of this module's API
     HEADER_OPTIONS,
+    Frames,
     ProtocolError,
     Rejected,
     Tensor,
@@ -46,7 +48,8 @@ from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of thi
     plain,
 )
 
-VERSION = 4  # 2: typed messages, runner-ups as "runner_ups"; 3: small integer tensors inline in the header; 4: CHUNKS
+VERSION = 5  # 2: typed messages, runner-ups as "runner_ups"; 3: small integer tensors inline in the header; 4: CHUNKS;
+# 5: a message's small integer tensors packed in one frame per dtype
 DRAFTER_CHARS = "A-Za-z0-9._:-"  # what a REGISTER's drafter name may hold (1-64 of them)
 DRAFTER_NAME = re.compile(f"[{DRAFTER_CHARS}]{{1,64}}")
 DRAFTER_RULE = "1-64 letters, digits or . _ - :"  # (what DRAFTER_NAME takes, for error messages)
@@ -473,7 +476,7 @@ def decode(frames: list[Any]) -> Msg:
         raise malformed("header must be a JSON object")
     if header.get("v") != VERSION:
         raise ProtocolError("bad_version", f"protocol version {header.get('v')!r}, expected {VERSION}")
-    return decode_fields(cls, header, kind, frames[2:])
+    return decode_fields(cls, header, kind, Frames.received(header, frames[2:]))
 
 
 def check_session(session: str | None) -> None:
@@ -489,8 +492,9 @@ def check_req_id(req_id: str) -> None:
 # -- encoding ------------------------------------------------------------------------------------
 def encode(msg: Msg) -> list[Any]:
     """The frames of ``msg``: kind, header, then each tensor field's array (not copied)."""
-    frames: list[Any] = []
+    frames = Frames()
     header = plain(msg, frames)
     header["v"] = VERSION
+    frames.close(header)
     return [msg.KIND.encode(), orjson.dumps(header, option=HEADER_OPTIONS), *frames]
 

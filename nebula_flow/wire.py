@@ -21,6 +21,8 @@ from typing import Any, NewType, get_args, get_origin, get_type_hints
 import numpy as np
 import orjson
 
+from nebula_flow import codegen
+
 DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16,
           "bfloat16": np.uint16, "uint8": np.uint8}
 ITEMSIZE = {name: np.dtype(t).itemsize for name, t in DTYPES.items()}
@@ -109,7 +111,7 @@ def _typed(tp: type) -> Checker:
     def check(v: Any, where: str, frames: list) -> Any:  # noqa: ANN401
         if isinstance(v, tp) and (tp is bool or not isinstance(v, bool)):
             return v
-        raise malformed(f"{where} has the wrong type {type(v).__name__}")
+        raise _wrong_type(where, v)
     return check
 
 
@@ -118,27 +120,26 @@ def _object_checker(cls: type) -> Checker:
     plan = []
     for f in fields(cls):
         required = f.default is MISSING and f.default_factory is MISSING
-        isolate = bool(f.metadata.get("isolate"))
-        check = _isolated(_checker(get_args(hints[f.name])[0])) if isolate else _checker(hints[f.name])
+        tp = _unoptional(hints[f.name])
+        if f.metadata.get("isolate"):
+            check = _isolated(_checker(get_args(tp)[0]))
+        else:
+            check = tp if tp in codegen.INLINE_TYPES else _checker(hints[f.name])
         plan.append((f.name, check, required, f"{getattr(cls, 'KIND', '') or cls.__name__}.{f.name}"))
-    post = getattr(cls, "check", None)
+    # (the labels made once: no string work per message)
+    return codegen.decoder(cls, plan, callable(getattr(cls, "check", None)), _wrong_type, malformed)
 
-    def check_object(raw: Any, where: str, frames: list) -> Any:  # noqa: ANN401
-        if not isinstance(raw, dict):
-            raise malformed(f"{where} must be an object")
-        values = {}
-        for name, check, required, label in plan:  # (labels made once: no string work per message)
-            value = raw.get(name)
-            if value is None:
-                if required:
-                    raise malformed(f"{where} lacks field {name!r}")
-                continue
-            values[name] = check(value, label, frames)
-        obj = cls(**values)
-        if post is not None:
-            obj.check()
-        return obj
-    return check_object
+
+def _unoptional(tp: Any) -> Any:  # noqa: ANN401
+    """``X`` for ``X | None``; any other type as it is."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        rest = [a for a in get_args(tp) if a is not type(None)]
+        return rest[0] if len(rest) == 1 else tp
+    return tp
+
+
+def _wrong_type(label: str, v: Any) -> ProtocolError:  # noqa: ANN401
+    return malformed(f"{label} has the wrong type {type(v).__name__}")
 
 
 def _isolated(each: Checker) -> Checker:
@@ -176,10 +177,11 @@ def token_ids(value: Any, name: str) -> list[int]:  # noqa: ANN401
 
 
 def array(desc: Any, frames: list[Any]) -> np.ndarray:  # noqa: ANN401
-    """The tensor a descriptor names, as a read-only view of its frame (no copy), or the small
-    integer vector it holds inline (``{"ints": [...], "dtype"}``)."""
-    if isinstance(desc, dict) and set(desc) == {"ints", "dtype"}:
-        return _inline(desc["ints"], desc["dtype"])
+    """The tensor a descriptor names, as a read-only view of its frame (no copy): a frame of its
+    own (``{"f", "dtype", "shape"}``) or a slice of the message's packed integer frame
+    (``{"p": dtype, "o": offset, "n": length}``, see ``Frames``)."""
+    if isinstance(desc, dict) and "p" in desc:
+        return _packed(desc, getattr(frames, "packs", {}))
     if not isinstance(desc, dict) or set(desc) != {"f", "dtype", "shape"}:
         raise malformed(f"bad tensor descriptor {desc!r}")
     idx, dtype, shape = desc["f"], desc["dtype"], desc["shape"]
@@ -189,8 +191,7 @@ def array(desc: Any, frames: list[Any]) -> np.ndarray:  # noqa: ANN401
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
     ):
         raise malformed(f"bad tensor dtype/shape {dtype!r} {shape!r}")
-    buf = frames[idx]
-    view = memoryview(buf.buffer if hasattr(buf, "buffer") else buf)
+    view = _view(frames[idx])
     # (plain Python arithmetic: a KV pull decodes these between batches, where every numpy
     # call costs tens of microseconds)
     if view.nbytes != math.prod(shape) * ITEMSIZE[dtype]:
@@ -198,73 +199,118 @@ def array(desc: Any, frames: list[Any]) -> np.ndarray:  # noqa: ANN401
     return np.frombuffer(view, dtype=DTYPES[dtype]).reshape(shape)
 
 
-def _inline(values: Any, dtype: Any) -> np.ndarray:  # noqa: ANN401
-    """An inline integer vector, checked in numpy's C loops: whole numbers (no bools, floats or
-    strings) within ``dtype``'s range."""
-    if dtype not in INLINE_DTYPES or not isinstance(values, list) or len(values) > INLINE_MAX:
-        raise malformed(f"bad inline tensor of dtype {dtype!r}")
-    if not values:
-        return np.empty(0, dtype=DTYPES[dtype])
-    try:
-        arr = np.array(values)
-    except (ValueError, OverflowError):  # (ragged nesting, or beyond int64)
-        arr = None
-    limits = np.iinfo(DTYPES[dtype])
-    if arr is None or arr.dtype.kind != "i" or arr.ndim != 1 or arr.min() < limits.min or arr.max() > limits.max:
-        raise malformed(f"an inline {dtype} tensor must be a list of whole numbers in its range")
-    arr = arr.astype(DTYPES[dtype])
-    arr.flags.writeable = False  # (as a frame's view is)
-    return arr
+def _view(frame: Any) -> memoryview:  # noqa: ANN401
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
 
 
-# Small integer vectors (a task's tokens, a prompt) travel inside the header rather than as frames
-# of their own: a frame costs the sender a send call each, more than orjson's writing of the ints.
-INLINE_MAX = 4096
-INLINE_DTYPES = ("int32", "int64")
+def _packed(desc: dict, packs: dict[str, np.ndarray]) -> np.ndarray:
+    pack, start, n = packs.get(desc.get("p")), desc.get("o"), desc.get("n")
+    if pack is None or len(desc) != 3:
+        raise ProtocolError("bad_frame", f"packed tensor {desc!r} names no packed frame")
+    if type(start) is not int or type(n) is not int or start < 0 or n < 0 or start + n > len(pack):
+        raise malformed(f"packed tensor {desc!r} is outside its frame")
+    return pack[start:start + n]
+
+
+# A message's small integer vectors (a task's tokens, a prompt) share one frame per dtype, each a
+# slice of it: the sender pays one send for all, the receiver one view. (Written into the header
+# as JSON, parsing the ints and checking them back cost the worker ~70 us per task of 300 tokens.)
+PACK_MAX = 4096  # (a longer vector gets a frame of its own)
+PACK_DTYPES = ("int32", "int64")
 PLAIN_TYPES = frozenset({int, float, str, bool, dict, type(None)})  # (values that travel as they are)
-HEADER_OPTIONS = orjson.OPT_SERIALIZE_NUMPY  # (for inline vectors)
+HEADER_OPTIONS = orjson.OPT_SERIALIZE_NUMPY  # (numpy scalars in free-form dicts: a worker's counters)
 
 
-def plain(obj: Any, frames: list[Any]) -> Any:  # noqa: ANN401
+class Frames(list):
+    """A message's tensor frames. Being written, ``pack`` collects its small integer vectors and
+    ``close`` appends them, one frame per dtype, named in the header's ``packs``; being read
+    (``received``), ``packs`` holds those frames as arrays."""
+
+    def __init__(self, frames: Any = (), packs: dict[str, Any] | None = None) -> None:  # noqa: ANN401
+        super().__init__(frames)
+        self.packs: dict[str, Any] = packs if packs is not None else {}
+
+    def pack(self, arr: np.ndarray, name: str) -> dict[str, Any]:
+        parts = self.packs.setdefault(name, [[], 0])
+        parts[0].append(arr)
+        start, parts[1] = parts[1], parts[1] + len(arr)
+        return {"p": name, "o": start, "n": len(arr)}
+
+    def close(self, header: dict[str, Any]) -> None:
+        if self.packs:
+            header["packs"] = named = {}
+            for name, (arrays, _) in self.packs.items():
+                named[name] = len(self)
+                self.append(np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
+
+    @classmethod
+    def received(cls, header: dict[str, Any], frames: list[Any]) -> Frames:
+        """A received message's frames (after kind and header), its packed frames as arrays."""
+        raw = header.get("packs")
+        if raw is None:
+            return cls(frames)
+        if not isinstance(raw, dict):
+            raise malformed("packs must be an object")
+        packs = {}
+        for name, idx in raw.items():
+            if name not in PACK_DTYPES or type(idx) is not int or not 0 <= idx < len(frames):
+                raise ProtocolError("bad_frame", f"packed frame {name!r}: {idx!r} is not one of the message's")
+            view = _view(frames[idx])
+            if view.nbytes % ITEMSIZE[name]:
+                raise ProtocolError("bad_frame", f"packed {name} frame of {view.nbytes} bytes")
+            packs[name] = np.frombuffer(view, dtype=DTYPES[name])
+        return cls(frames, packs)
+
+
+def plain(obj: Any, frames: Frames) -> Any:  # noqa: ANN401
     """``obj`` as header data: dataclasses as objects without their fields at defaults (the
-    receiver fills them in), arrays as frames or inline vectors (appended to ``frames``)."""
+    receiver fills them in), arrays as frames or packed slices (see ``Frames``)."""
     kind = type(obj)
-    if kind in PLAIN_TYPES:  # (most values: checked first, the broker encodes every task)
+    if kind in PLAIN_TYPES:  # (most values: checked first)
         return obj
     if kind is list:
         return [v if type(v) in PLAIN_TYPES else plain(v, frames) for v in obj]
     if isinstance(obj, np.ndarray):
-        arr = np.ascontiguousarray(obj)
-        name = DTYPE_NAMES.get(arr.dtype)
-        if name is None:
-            raise ValueError(f"dtype {arr.dtype} cannot travel on the wire")
-        if name in INLINE_DTYPES and arr.ndim == 1 and arr.size <= INLINE_MAX:
-            return {"ints": arr, "dtype": name}  # (orjson writes the array: ``HEADER_OPTIONS``)
-        frames.append(arr)
-        return {"f": len(frames) - 1, "dtype": name, "shape": list(arr.shape)}
-    defaults = _defaults(kind) if is_dataclass(kind) else None
-    if defaults is None:
-        return obj
-    out = {}
-    for name, default in defaults.items():
-        v = getattr(obj, name)
-        if v is None:
-            continue
-        if type(v) in PLAIN_TYPES:
-            if v != default:
-                out[name] = v
-        elif isinstance(v, np.ndarray) or v != default:
-            out[name] = plain(v, frames)
-    return out
+        return tensor(obj, frames)
+    if is_dataclass(kind):
+        return _encoder(kind)(obj, frames)
+    return obj
 
 
-DTYPE_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}  # (bfloat16 travels as, and is named by, uint16)
+def tensor(obj: np.ndarray, frames: Frames) -> dict[str, Any]:
+    """An array's descriptor; the array joins ``frames`` (or its pack)."""
+    arr = np.ascontiguousarray(obj)
+    name = DTYPE_NAMES.get(arr.dtype)
+    if name is None:
+        raise ValueError(f"dtype {arr.dtype} cannot travel on the wire")
+    if name in PACK_DTYPES and arr.ndim == 1 and arr.size <= PACK_MAX:
+        return frames.pack(arr, name)
+    frames.append(arr)
+    return {"f": len(frames) - 1, "dtype": name, "shape": list(arr.shape)}
 
 
 @functools.cache
-def _defaults(cls: type) -> dict[str, Any]:
-    """Per field, its default (``MISSING`` for a required one: always sent)."""
-    return {f.name: f.default if f.default is not MISSING else
-            (f.default_factory() if f.default_factory is not MISSING else MISSING) for f in fields(cls)}
+def _encoder(cls: type) -> typing.Callable[[Any, Frames], dict]:
+    """``cls``'s encoder (``codegen.encoder``), each field encoded as its annotation says."""
+    hints = get_type_hints(cls)
+    return codegen.encoder(cls, {f.name: _encoding(hints[f.name]) for f in fields(cls)}, plain, tensor, PLAIN_TYPES)
 
 
+VALUE_TYPES = (int, float, str, bool, dict, TokenIds)  # (sent as they are: orjson writes numpy scalars too)
+
+
+def _encoding(tp: Any) -> tuple[str, Any]:  # noqa: ANN401
+    tp = _unoptional(tp)
+    item = get_args(tp)[0] if get_origin(tp) is list and get_args(tp) else None
+    if tp is Tensor:
+        return "tensor", None
+    if is_dataclass(tp):
+        return "object", _encoder(tp)
+    if is_dataclass(item):
+        return "objects", _encoder(item)
+    if tp in VALUE_TYPES or item in VALUE_TYPES:
+        return "value", None
+    return "any", None
+
+
+DTYPE_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}  # (bfloat16 travels as, and is named by, uint16)

@@ -76,7 +76,11 @@ def test_a_bad_task_in_a_batch_is_refused_alone() -> None:
     ([b"STATUS", b'{"v": 99}'], "bad_version"),
     ([b"CANCEL", V + b'}'], "malformed"),
     ([b"CANCEL", V + b', "req_id": 5}'], "malformed"),
-    ([b"PULL", V + b', "credits": true, "idle": true}'], "malformed"),
+    ([b"PULL", V + b', "credits": true, "idle": true}'], "malformed"),  # (a bool is not an int)
+    ([b"PULL", V + b', "credits": 2, "idle": 1}'], "malformed"),  # (nor an int a bool)
+    ([b"PULL", V + b', "credits": null, "idle": true}'], "malformed"),  # (null: absent, and it is required)
+    ([b"FREE", V + b', "rids": [1, "2"]}'], "malformed"),
+    ([b"TASKS", V + b', "tasks": {"rid": 1}}'], "malformed"),
     ([b"SUBMIT", V + b', "req_id": "a", "params": {}}'], "malformed"),  # neither prompt nor tokens
     ([b"SUBMIT", V + b', "req_id": "", "params": {}, "prompt": "x"}'], "malformed"),
     ([b"REGISTER", V + b', "role": "draft", "name": "x", "capacity": 0, "model": {}}'], "invalid_params"),
@@ -104,24 +108,44 @@ def test_tensor_descriptor_mismatches_are_rejected() -> None:
         assert err.value.code == code
 
 
-def test_small_integer_vectors_travel_inline_and_are_checked() -> None:
-    """A task's tokens ride in the header (no frame); a long prompt still gets a frame of its own;
-    an inline vector of anything but whole numbers in range is refused."""
-    from nebula_flow.protocol import Submit
-    from nebula_flow.wire import INLINE_MAX
+def test_small_integer_vectors_share_one_packed_frame_and_are_checked() -> None:
+    """A batch's tokens share one frame per dtype, each task's a read-only slice of it; a long
+    prompt still gets a frame of its own; a packed descriptor or frame that does not fit is
+    refused with a clear code."""
+    from nebula_flow.protocol import Holder, Submit, Tasks, TaskSpec
+    from nebula_flow.wire import PACK_MAX, Frames
 
-    short = Submit("a", {}, prompt_tokens=np.arange(300, dtype=np.int32))
-    frames = protocol.encode(short)
-    assert len(frames) == 2 and protocol.decode(frames).prompt_tokens.tolist() == list(range(300))
-    long = protocol.encode(Submit("b", {}, prompt_tokens=np.arange(INLINE_MAX + 1, dtype=np.int32)))
-    assert len(long) == 3 and protocol.decode(long).prompt_tokens[-1] == INLINE_MAX
-    assert protocol.array({"ints": [], "dtype": "int32"}, []).shape == (0,)
-    for ints in ([1.5], [True], ["7"], [[1]], [2**31], [2**70], [-2**31 - 1], "123", [1] * (INLINE_MAX + 1)):
+    tokens = [np.arange(n, dtype=np.int32) + n for n in (3, 300, 1)]
+    tasks = [TaskSpec(i, "draft", 1, 0, t, 4, {}, 7, Holder(), draft=[]) for i, t in enumerate(tokens)]
+    frames = protocol.encode(Tasks(tasks))
+    assert len(frames) == 3  # (kind, header, one int32 frame for all three)
+    got = protocol.decode([bytes(f) for f in frames])
+    assert [t.tokens.tolist() for t in got.tasks] == [t.tolist() for t in tokens]
+    assert not got.tasks[1].tokens.flags.writeable
+    both = protocol.encode(Submit("a", {}, prompt_tokens=np.arange(5, dtype=np.int64)))
+    assert protocol.decode(both).prompt_tokens.dtype == np.int64
+    long = protocol.encode(Submit("b", {}, prompt_tokens=np.arange(PACK_MAX + 1, dtype=np.int32)))
+    assert len(long) == 3 and "packs" not in orjson.loads(long[1]) and protocol.decode(long).prompt_tokens[-1] == PACK_MAX
+
+    packs = Frames.received({"packs": {"int32": 0}}, [np.arange(4, dtype=np.int32).tobytes()])
+    assert protocol.array({"p": "int32", "o": 1, "n": 2}, packs).tolist() == [1, 2]
+    for desc, code in [({"p": "int32", "o": 3, "n": 2}, "malformed"),  # past the frame's end
+                       ({"p": "int32", "o": -1, "n": 1}, "malformed"),
+                       ({"p": "int32", "o": True, "n": 1}, "malformed"),
+                       ({"p": "int64", "o": 0, "n": 1}, "bad_frame"),  # no such pack
+                       ({"p": "int32", "o": 0, "n": 1, "x": 1}, "bad_frame")]:
         with pytest.raises(ProtocolError) as err:
-            protocol.array({"ints": ints, "dtype": "int32"}, [])
-        assert err.value.code == "malformed", ints
-    with pytest.raises(ProtocolError):
-        protocol.array({"ints": [1], "dtype": "float32"}, [])  # (floats always travel as frames: exact bits)
+            protocol.array(desc, packs)
+        assert err.value.code == code, desc
+    for header, raw in [({"packs": {"float32": 0}}, [b"\x00" * 4]),  # (floats travel as frames of their own)
+                        ({"packs": {"int32": 1}}, [b"\x00" * 4]),  # missing frame
+                        ({"packs": {"int32": 0}}, [b"\x00" * 5]),  # not whole int32s
+                        ({"packs": [0]}, [b""])]:
+        with pytest.raises(ProtocolError):
+            Frames.received(header, raw)
+    bad = TaskSpec(0, "draft", 1, 0, np.array([-1], np.int32), 4, {}, 7, Holder())
+    rejected = protocol.decode(protocol.encode(Tasks([bad]))).tasks[0]  # (a packed slice is checked as any tensor)
+    assert isinstance(rejected, protocol.Rejected) and rejected.error.code == "malformed"
 
 
 def test_kv_data_carries_missing_items_as_null() -> None:
