@@ -258,7 +258,8 @@ class Frames(list):
             view = _view(frames[idx])
             if view.nbytes % ITEMSIZE[name]:
                 raise ProtocolError("bad_frame", f"packed {name} frame of {view.nbytes} bytes")
-            packs[name] = np.frombuffer(view, dtype=DTYPES[name])
+            packs[name] = arr = np.frombuffer(view, dtype=DTYPES[name])
+            arr.flags.writeable = False  # (a received frame may be writable memory: its slices are read-only views, as documented)
         return cls(frames, packs)
 
 

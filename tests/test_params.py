@@ -38,3 +38,21 @@ def test_bad_parameters_are_rejected_with_a_clear_message(raw: dict, match: str)
 def test_limit_on_max_new_tokens() -> None:
     with pytest.raises(InvalidParams, match="exceeds the limit"):
         SamplingParams(max_new_tokens=10_000).validate(max_new_tokens_limit=4096)
+
+
+def test_a_worker_checks_each_distinct_parameter_set_once_and_a_bad_one_every_time() -> None:
+    """Every round of a request carries the same parameters: the worker makes them once, yet
+    parameters that differ only in type (1 and 1.0 and True) stay apart, and invalid ones are
+    refused on every task that carries them."""
+    from nebula_flow_workers.tasks import sampling_params
+
+    a = sampling_params({"max_new_tokens": 9, "temperature": 0.5, "stop": ["x"]})
+    assert sampling_params({"max_new_tokens": 9, "temperature": 0.5, "stop": ["x"]}) is a
+    assert a.temperature == 0.5 and list(a.stop) == ["x"]
+    assert sampling_params({"max_new_tokens": 9, "temperature": 1}) is not sampling_params(
+        {"max_new_tokens": 9, "temperature": 1.0})
+    for _ in range(2):
+        with pytest.raises(InvalidParams):
+            sampling_params({"max_new_tokens": 9, "temperature": math.inf})
+        with pytest.raises(InvalidParams):
+            sampling_params({"max_new_tokens": True})

@@ -14,7 +14,7 @@ def runnable(spec: TaskSpec, vocab_size: int | None) -> Task:
     """The runner's task for ``spec``, or ``ProtocolError``. ``vocab_size``: the ids a task may hold
     (None: any, an n-gram drafter)."""
     try:
-        params = SamplingParams.from_wire(spec.params)
+        params = sampling_params(spec.params)
     except (InvalidParams, TypeError) as exc:
         raise ProtocolError("invalid_params", str(exc)) from None
     if vocab_size is not None:
@@ -30,6 +30,23 @@ def runnable(spec: TaskSpec, vocab_size: int | None) -> Task:
                 params, spec.seed, list(spec.draft), q_idx, q_prob, holder=spec.holder,
                 target_holder=spec.target_holder, alts=spec.alts,
                 runner_ups=list(spec.runner_ups), fuse=spec.fuse, chains=[list(c) for c in spec.chains], ahead=spec.ahead)
+
+
+def sampling_params(raw: dict) -> SamplingParams:
+    """``SamplingParams.from_wire(raw)``, made once per distinct parameters: every round of a
+    request carries the same ones, and checking them cost ~10 us a task on the batch's critical
+    path. (Keyed by ``repr``: exact, 1, 1.0 and True apart; invalid ones raise every time.)"""
+    key = repr(raw)
+    params = _PARAMS.get(key)
+    if params is None:
+        params = SamplingParams.from_wire(raw)
+        if len(_PARAMS) >= 4096:  # (a bound, not an LRU: a worker sees few distinct parameter sets)
+            _PARAMS.clear()
+        _PARAMS[key] = params
+    return params
+
+
+_PARAMS: dict[str, SamplingParams] = {}
 
 
 def failed(item: TaskSpec | Rejected, error: ProtocolError) -> TaskResult | None:
