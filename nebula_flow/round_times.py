@@ -13,7 +13,7 @@ task's arrival and its result's departure (``protocol.Result.timing``). The part
 - ``worker_decode``, ``worker_queue`` (a batch behind the one computing), ``kv`` (waiting for
   pulled KV), ``draft_forward``, ``verify_forward`` (the forward passes; emulated devices' sleep),
   ``worker_python`` (the compute thread's other work: cache preparation, sampling, trees),
-  ``worker_handoff`` (a finished batch waiting for the worker's main thread to send it);
+  ``worker_handoff`` (a finished batch's RESULT being encoded and sent);
 - ``other``: what none of these covers.
 
 A request's first round carries its prompt's prefill and is summed apart (``first``).

@@ -9,7 +9,9 @@ protocol with one broker, as a worker of a one-broker deployment speaks it.
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import zmq
 
@@ -21,11 +23,22 @@ from nebula_flow.security import Identity, make_client
 class BrokerLink:
     """One broker's socket and what the worker knows of that conversation: registered or not, the
     PULL parked there (None, "busy": sent while computing, or "idle"), when each side last spoke,
-    and how long to wait before reconnecting to a silent broker."""
+    and how long to wait before reconnecting to a silent broker.
+
+    Two threads use the socket: the main thread, and the compute thread, which sends each batch's
+    RESULT itself the moment the batch ends (handing it to the main thread cost a thread wake-up on
+    every round's critical path). A ZeroMQ socket may change threads behind a full memory barrier:
+    every use holds ``lock``. So that the main thread never waits inside the socket while the
+    compute thread needs it, it polls the socket's ``ZMQ_FD`` rather than the socket: that file
+    descriptor only says "look again" (edge-triggered), so whoever used the socket last checks
+    ``readable`` (``ZMQ_EVENTS``) before anyone sleeps; the compute thread wakes the main thread
+    when its send left a message waiting."""
 
     def __init__(self, address: str, identity: Identity | None) -> None:
         self.address, self.identity = address, identity
         self.sock: zmq.Socket | None = None
+        self.fd: int | None = None
+        self.lock = threading.Lock()
         self.registered = False
         self.register_sent = 0.0
         self.pull_out: str | None = None
@@ -35,26 +48,43 @@ class BrokerLink:
 
     def connect(self, poller: zmq.Poller) -> None:
         """A fresh DEALER (a new identity: the broker sees a new worker); the caller registers."""
-        if self.sock is not None:
-            poller.unregister(self.sock)
-            self.sock.close(linger=0)
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        if self.identity:
-            make_client(self.sock, self.identity)
-        self.sock.connect(self.address)
-        poller.register(self.sock, zmq.POLLIN)
+        with self.lock:
+            if self.sock is not None:
+                poller.unregister(self.fd)
+                self.sock.close(linger=0)
+            self.sock = zmq.Context.instance().socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 2000)
+            if self.identity:
+                make_client(self.sock, self.identity)
+            self.sock.connect(self.address)
+            self.fd = self.sock.getsockopt(zmq.FD)
+            poller.register(self.fd, zmq.POLLIN)
         self.last_heard = time.monotonic()
         self.registered, self.pull_out = False, None
 
     def send(self, msg: Msg) -> None:
-        self.sock.send_multipart(protocol.encode(msg), copy=False)
+        frames = protocol.encode(msg)
+        with self.lock:
+            self.sock.send_multipart(frames, copy=False)
         self.last_sent = time.monotonic()
+
+    def readable(self) -> bool:
+        """A message waits (``ZMQ_EVENTS``: also what re-arms ``fd``)."""
+        with self.lock:
+            return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def receive(self) -> list[list[Any]]:
+        """Every message waiting, in order (all of them: ``fd`` will not say so again)."""
+        out = []
+        with self.lock:
+            while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                out.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        return out
 
     def silent_for(self, now: float) -> float:
         return now - self.last_heard
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-
+        with self.lock:
+            if self.sock is not None:
+                self.sock.close()

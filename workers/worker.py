@@ -9,6 +9,7 @@ recomputes whatever KV it lacks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -195,17 +196,19 @@ class Worker:
         return tasks
 
     # -- compute (runs on the compute thread) -----------------------------------------------
-    def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None,
-                 clock: BatchClock) -> tuple[Result, float, float]:
-        """Run one batch; returns its RESULT (whose ``timing`` the main thread completes when it
-        sends it), when the compute ended and when the batch arrived."""
-        if self.lease is None:
-            return self._run_batch(tasks, frees, prefetch, clock)
-        with self.lease.batch():  # (each forward on the cores idle workers lend)
-            return self._run_batch(tasks, frees, prefetch, clock)
+    def _compute(self, tasks: list[Task], frees: list[int], prefetch: Future | None, clock: BatchClock) -> None:
+        """Run one batch and send its RESULT from this thread (``link.BrokerLink``: no wait for
+        the main thread's turn); wake the main thread where the send left a message waiting."""
+        with self.lease.batch() if self.lease is not None else contextlib.nullcontext():  # (on lent cores)
+            result, ended = self._run_batch(tasks, frees, prefetch, clock)
+        now = time.perf_counter()
+        result.timing.handoff_s, result.timing.span_s = now - ended, now - clock.arrived
+        self._send_result(result)
+        if any(link.readable() for link in self.links):
+            os.write(self.wake_w, b"m")
 
     def _run_batch(self, tasks: list[Task], frees: list[int], prefetch: Future | None,
-                   clock: BatchClock) -> tuple[Result, float, float]:
+                   clock: BatchClock) -> tuple[Result, float]:
         started = time.perf_counter()
         # (the batch waited from its decoding to now: behind the batch computing, then the handoff)
         timing = Timing(decode_s=clock.decode_s, queue_s=max(0.0, started - clock.arrived - clock.decode_s))
@@ -282,7 +285,7 @@ class Worker:
         busy = timing.draft_s + timing.verify_s
         ended = time.perf_counter()
         timing.python_s = max(0.0, ended - started - timing.kv_s - busy)
-        return Result(results, busy, self.kv.stats(self.stall_s), self._device_stats(), timing), ended, clock.arrived
+        return Result(results, busy, self.kv.stats(self.stall_s), self._device_stats(), timing), ended
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> int:
@@ -328,22 +331,21 @@ class Worker:
             # Wake when the next heartbeat is due, not a whole interval after the last look:
             # sleeping a full interval let two beats lie up to twice the interval apart.
             due = min(link.last_sent for link in self.links) + self.heartbeat_s - time.monotonic()
-            events = dict(poller.poll(timeout=max(1, int(due * 1000) + 1)))
+            # (a socket's FD is edge-triggered: a message our own sends let in would not wake us)
+            waiting = any(link.readable() for link in self.links)
+            events = dict(poller.poll(timeout=0 if waiting else max(1, int(due * 1000) + 1)))
             if self.wake_r in events:
                 os.read(self.wake_r, 64)
             if computing is not None and computing.done():
                 try:
-                    result, ended, arrived = computing.result()
-                    now = time.perf_counter()
-                    result.timing.handoff_s, result.timing.span_s = now - ended, now - arrived
-                    self._send_result(result)
+                    computing.result()  # (its RESULT went out from the compute thread)
                 except Exception:  # a bug in compute must not kill the worker silently
                     log.exception("batch failed")
                     self.errors += 1
                 computing = None
             for link in self.links:
-                if link.sock in events:
-                    self._on_message(link)
+                for frames in link.receive():
+                    self._on_message(link, frames)
         self.executor.shutdown(wait=True)
         self.prefetcher.shutdown(wait=True)
         if self.transport is not None:
@@ -382,8 +384,7 @@ class Worker:
         for link, results in by_link.items():
             link.send(replace(result, results=results))
 
-    def _on_message(self, link: BrokerLink) -> None:
-        frames = link.sock.recv_multipart(copy=False)
+    def _on_message(self, link: BrokerLink, frames: list[Any]) -> None:
         arrived = time.perf_counter()
         link.last_heard = time.monotonic()
         try:
