@@ -1,0 +1,86 @@
+"""How long a message's round trip between two processes takes when both sides were idle: a
+ping-pong over loopback, ZeroMQ (DEALER/ROUTER-like REQ/REP, as the bus) and raw TCP, back to back
+and after a sleep before each round trip (an idle core must wake: what the breakdown's ``hop``
+pays on every trip). Prints the median and 90th percentile round trip in microseconds.
+
+    .venv/bin/python tools/bench_wakeup.py [--trips 200] [--idle-ms 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import zmq
+
+
+def echo(kind: str, address: str, trips: int) -> None:
+    """The other side: answer ``trips`` messages."""
+    if kind == "zmq":
+        sock = zmq.Context.instance().socket(zmq.REP)
+        sock.bind(address)
+        for _ in range(trips):
+            sock.send(sock.recv())
+        return
+    host, port = address.rsplit(":", 1)
+    with socket.create_server((host, int(port))) as listener:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(trips):
+            conn.sendall(conn.recv(16))
+
+
+def measure(kind: str, address: str, trips: int, idle_s: float) -> list[float]:
+    peer = subprocess.Popen([sys.executable, __file__, "--echo", kind, address, str(trips + 1)])
+    try:
+        if kind == "zmq":
+            sock = zmq.Context.instance().socket(zmq.REQ)
+            sock.connect(address)
+            send, recv = sock.send, sock.recv
+        else:
+            host, port = address.rsplit(":", 1)
+            for _ in range(100):  # (until the peer listens)
+                try:
+                    conn = socket.create_connection((host, int(port)))
+                    break
+                except ConnectionRefusedError:
+                    time.sleep(0.05)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send, recv = conn.sendall, lambda: conn.recv(16)
+        send(b"x")
+        recv()  # (connected and warm)
+        times = []
+        for _ in range(trips):
+            if idle_s:
+                time.sleep(idle_s)
+            start = time.perf_counter()
+            send(b"x")
+            recv()
+            times.append(time.perf_counter() - start)
+        return times
+    finally:
+        peer.wait(timeout=30)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--echo"]:
+        echo(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trips", type=int, default=200)
+    ap.add_argument("--idle-ms", type=float, default=5.0)
+    ap.add_argument("--port", type=int, default=5601)
+    args = ap.parse_args()
+    for kind, address in (("zmq", f"tcp://127.0.0.1:{args.port}"), ("tcp", f"127.0.0.1:{args.port + 1}")):
+        for idle in (0.0, args.idle_ms / 1000):
+            times = sorted(measure(kind, address, args.trips, idle))
+            print(f"{kind:<4} after {idle * 1000:4.1f} ms idle: round trip median {statistics.median(times) * 1e6:7.0f} us, "
+                  f"p90 {times[int(0.9 * len(times))] * 1e6:7.0f} us")
+
+
+if __name__ == "__main__":
+    main()
