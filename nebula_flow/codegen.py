@@ -72,16 +72,15 @@ def encoder(cls: type, kinds: dict[str, tuple[str, Any]], plain: Callable, tenso
     for i, f in enumerate(fields(cls)):
         how, helper = kinds[f.name]
         ns[f"e{i}"] = helper
-        has_default = f.default is not MISSING or f.default_factory is not MISSING
         default = f.default if f.default is not MISSING else (
-            f.default_factory() if f.default_factory is not MISSING else None)
+            f.default_factory() if f.default_factory is not MISSING else None)  # (None: required, or null)
         ns[f"d{i}"] = default
         lines.append(f"    v = obj.{f.name}")
         test = "v is not None"
         if how == "tensor":
             value = "tensor(v, frames)"
         else:
-            if has_default and default is not None:  # (an array is always sent: ``!=`` compares elementwise)
+            if default is not None:  # (an array is always sent: ``!=`` compares elementwise)
                 test += f" and (isinstance(v, ndarray) or v != d{i})" if how == "any" else f" and v != d{i}"
             value = {"value": "v", "object": f"e{i}(v, frames)", "objects": f"[e{i}(x, frames) for x in v]",
                      "any": "v if type(v) in PLAIN else plain(v, frames)"}[how]

@@ -222,24 +222,30 @@ HEADER_OPTIONS = orjson.OPT_SERIALIZE_NUMPY  # (numpy scalars in free-form dicts
 
 
 class Frames(list):
-    """A message's tensor frames. Being written, ``pack`` collects its small integer vectors and
-    ``close`` appends them, one frame per dtype, named in the header's ``packs``; being read
-    (``received``), ``packs`` holds those frames as arrays."""
+    """A message's tensor frames. Being written, ``pack`` collects its small integer vectors
+    (``packing``: per dtype, the vectors and their length so far) and ``close`` appends them, one
+    frame per dtype, named in the header's ``packs``; being read (``received``), ``packs`` holds
+    those frames as arrays."""
 
-    def __init__(self, frames: Any = (), packs: dict[str, Any] | None = None) -> None:  # noqa: ANN401
+    def __init__(self, frames: Any = (), packs: dict[str, np.ndarray] | None = None) -> None:  # noqa: ANN401
         super().__init__(frames)
-        self.packs: dict[str, Any] = packs if packs is not None else {}
+        self.packs = packs if packs is not None else {}
+        self.packing: dict[str, tuple[list[np.ndarray], list[int]]] = {}
 
     def pack(self, arr: np.ndarray, name: str) -> dict[str, Any]:
-        parts = self.packs.setdefault(name, [[], 0])
-        parts[0].append(arr)
-        start, parts[1] = parts[1], parts[1] + len(arr)
+        packing = self.packing.get(name)
+        if packing is None:  # (not setdefault: that makes the pair for every vector)
+            packing = self.packing[name] = ([], [0])
+        arrays, length = packing
+        arrays.append(arr)
+        start = length[0]
+        length[0] += len(arr)
         return {"p": name, "o": start, "n": len(arr)}
 
     def close(self, header: dict[str, Any]) -> None:
-        if self.packs:
+        if self.packing:
             header["packs"] = named = {}
-            for name, (arrays, _) in self.packs.items():
+            for name, (arrays, _) in self.packing.items():
                 named[name] = len(self)
                 self.append(np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
 
