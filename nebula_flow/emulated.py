@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from nebula_flow.kv.cache import KVCache
-from nebula_flow.models.llama import TreeRows
+from nebula_flow.models.batch import TreeRows
 from nebula_flow.specdec import splitmix64
 
 RUNNER_UP = 0.5  # a profile's default "runner_up": a guess (top-2 agreement of real pairs is not measured here)
@@ -90,6 +90,9 @@ class EmulatedModel:
         # How faithfully this host emulates the device: forwards that took longer than the profile
         # says (host work or a late wake-up on a busy CPU) add up in ``overrun_s``.
         self.forwards, self.predicted_s, self.overrun_s = 0, 0.0, 0.0
+
+    def make_kv_arena(self, max_bytes: int) -> None:
+        """(No arena: an emulated forward never reads its caches, only transfers move them.)"""
 
     def new_cache(self, capacity: int = 64) -> KVCache:
         c = self.cfg

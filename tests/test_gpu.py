@@ -50,3 +50,74 @@ def test_pull_into_cuda_cache(tiny_pair, transport: str) -> None:  # noqa: ANN00
         server.close()
         if client is not server:
             client.close()
+
+
+def test_grouped_attention_on_cuda_matches_attending_apart(tiny_pair, monkeypatch) -> None:  # noqa: ANN001
+    """The batch's one attention call per layer (models/batch.py) on CUDA: the same logits as each
+    sequence attending apart, for prefills, decodes, a verify block and a token tree."""
+    from nebula_flow.models import batch as batch_mod
+
+    model = load_model(tiny_pair / "target", device="cuda", dtype="float32")
+    grouped = []
+    made = batch_mod.Batch.__init__
+
+    def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        made(self, *args, **kwargs)
+        grouped.append(self.plan is not None)
+
+    monkeypatch.setattr(batch_mod.Batch, "__init__", spy)
+    prompts = [list(range(1, n)) for n in (30, 9, 17)]
+    steps, parents = [[5], [6, 7, 8], [1, 2, 3, 4]], [None, None, [-1, 0, 0, 1]]
+
+    def run(group: bool) -> list[torch.Tensor]:
+        model.group_attention = group
+        caches = [model.new_cache() for _ in prompts]
+        first = model(caches, prompts, [1] * 3)
+        return [x.cpu() for x in first + model(caches, steps, [len(s) for s in steps], parents)]
+
+    apart, together = run(False), run(True)
+    assert grouped[-2:] == [True, True]
+    for got, want in zip(together, apart):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_and_sampled_requests_end_to_end_on_cuda(tiny_pair) -> None:  # noqa: ANN001
+    """A pooled deployment on the GPU (fp32, so greedy is comparable bit for bit with HF's on the
+    CPU): greedy output is the target's own; sampled requests finish (logits cross to the host once)."""
+    import asyncio
+
+    from nebula_flow.client import AsyncClient
+    from nebula_flow.deploy import Deployment
+    from tests.conftest import deploy_config, hf_greedy
+
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1, max_batch=4)
+    for pool in (cfg.draft, cfg.target):
+        pool.device, pool.dtype = "cuda", "float32"
+        pool.devices = ["cuda:0"]
+    prompts = [[5 + i, 40 + 3 * i, 7, 300 + i] for i in range(4)]
+
+    async def run(address: str) -> list:
+        async with AsyncClient(address, timeout_s=120) as client:
+            greedy = [client.generate(token_ids=p, max_new_tokens=24) for p in prompts]
+            sampled = [client.generate(token_ids=p, max_new_tokens=24, temperature=0.8, seed=i) for i, p in enumerate(prompts)]
+            return await asyncio.gather(*greedy, *sampled)
+
+    with Deployment(cfg) as dep:
+        outs = asyncio.run(run(dep.address))
+    for p, out in zip(prompts, outs[:4]):
+        assert out.token_ids == hf_greedy(tiny_pair / "target", p, 24)
+    assert all(len(o.token_ids) == 24 or o.finish_reason == "stop" for o in outs[4:])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_workers_land_on_two_devices(tiny_pair) -> None:  # noqa: ANN001
+    from nebula_flow.client import Client
+    from nebula_flow.deploy import Deployment
+    from tests.conftest import deploy_config
+
+    cfg = deploy_config(tiny_pair, "autoregressive", 0, 2)
+    cfg.target.device = "cuda"
+    with Deployment(cfg) as dep, Client(dep.address) as client:
+        assert client.generate(token_ids=[1, 2, 3], max_new_tokens=4).token_ids
+        devices = {w["device"].get("device") for w in client.status()["workers"]}
+    assert devices == {"cuda:0", "cuda:1"}, devices

@@ -14,8 +14,9 @@ from nebula_flow.config import cache_dir
 @click.option("--model", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory (required "
               "unless --ops; with --ops, default: a Qwen3-0.6B-shaped model with random weights).")
 @click.option("--ops", "count_ops", is_flag=True, help="Instead: count the aten ops one forward dispatches (torch's "
-              "profiler) for a decode of 1 and of 16 sequences and 16 five-row verifies, with their times; "
-              "print JSON. What a forward costs the host, each op a kernel launch on a GPU.")
+              "profiler) for a decode of 1, 8 and 16 sequences and 8 and 16 five-row verifies, with their times, "
+              "the batch's attention in one call per layer and (\"apart\") per sequence; print JSON. "
+              "What a forward costs the host, each op a kernel launch on a GPU.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="--ops: the weights' dtype.")
 @click.option("--out", type=click.Path(), help="Profile JSON to write (default: print it).")
@@ -63,10 +64,15 @@ def forward_ops_report(model: str | None, dtype: str, threads: int) -> dict:
     click.echo(f"building {'the model in ' + model if model else 'a Qwen3-0.6B-shaped model (random weights)'} "
                f"({dtype}) ...", err=True)
     net = load_model(model, dtype=torch_dtype) if model else random_model(QWEN3_0_6B, torch_dtype)
-    res = count_ops(net)
+    res, apart = count_ops(net), count_ops(net, group=False)
     return {"model": model or "qwen3-0.6b-shape", "dtype": dtype, "threads": threads,
-            "layers": net.cfg.num_layers, "ops": {k: v["ops"] for k, v in res.items()},
-            "seconds": {k: round(v["seconds"], 5) for k, v in res.items()}}
+            "layers": net.cfg.num_layers, "batch_invariant": net.batch_invariant,
+            "ops": {k: v["ops"] for k, v in res.items()},
+            "seconds": {k: round(v["seconds"], 5) for k, v in res.items()},
+            # each sequence attending apart: how every forward ran before the grouped path (issue 27)
+            "apart": {"ops": {k: v["ops"] for k, v in apart.items()},
+                      "seconds": {k: round(v["seconds"], 5) for k, v in apart.items()}},
+            "ops_ratio": {k: round(apart[k]["ops"] / res[k]["ops"], 2) for k in res}}
 
 
 @click.command()

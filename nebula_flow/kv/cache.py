@@ -1,13 +1,18 @@
 """The per-request KV buffer, and the one place its layout is defined.
 
-Layout: one contiguous tensor per request per role,
+Layout: one contiguous range of rows per request per role,
 
     buf[position, layer, kv (0 = K, 1 = V), kv_head, head_dim]
 
 Position-major on purpose: the KV of positions ``a..b`` (all layers) is the single
 contiguous slice ``buf[a:b]``, so rolling back is a length change and handing positions to
-another worker is one transfer, not one per layer. The attention kernel reads a strided
-view per layer, which costs a gather inside SDPA but nothing on the wire.
+another worker is one transfer, not one per layer. Attention gathers a layer's keys from
+these rows (one gather for the batch, ``models.batch``), which costs a copy per forward but
+nothing on the wire.
+
+A model's caches are ranges of one pool of rows (``kv/arena.py``), so a forward can read a
+whole batch's KV through one slot index; a cache made without an arena (or moved into a shared
+file, ``share``) has a tensor of its own, and the forward reads it apart.
 
 Each cache also records the token ids whose KV it holds, so a worker can find by itself how
 much of a task's token sequence it already has (the longest common prefix) and roll back the
@@ -17,9 +22,12 @@ rest: KV at position i depends only on tokens 0..i.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import numpy as np
 import torch
+
+from nebula_flow.kv.arena import KVArena
 
 log = logging.getLogger("nebula_flow.kv")
 
@@ -30,16 +38,51 @@ class KVCache:
     def __init__(
         self, num_layers: int, num_kv_heads: int, head_dim: int, *,
         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", capacity: int = 64,
+        arena: KVArena | None = None,
     ) -> None:
         self.row_shape = (num_layers, 2, num_kv_heads, head_dim)
-        self.buf = torch.empty((capacity, *self.row_shape), dtype=dtype, device=device)
+        self.arena, self.lease = arena, None  # the pool its rows are a range of (None: a tensor of its own)
+        self._finalizer = None
+        if arena is not None:
+            self._take_lease(capacity)
+        else:
+            self.buf = torch.empty((capacity, *self.row_shape), dtype=dtype, device=device)
         self._row_bytes = self.buf.element_size() * int(np.prod(self.row_shape))
         self.tokens: list[int] = []
         self.shared = None  # kv/shm.py SharedRows when peers on this host read this cache directly
         self.shared_path = None
         self.owner = 0  # the request id its shared file names
         self.pool = None  # kv/shm.py FilePool its shared file comes from and goes back to
-        self.served_at = float("-inf")  # when a network peer was last sent rows from it (monotonic)
+        self._served_at = float("-inf")
+
+    @property
+    def served_at(self) -> float:
+        """When a network peer was last sent rows from it (monotonic): its memory is not reused
+        for a while after (``FilePool``, ``KVArena``)."""
+        return self.lease.served_at if self.lease is not None else self._served_at
+
+    @served_at.setter
+    def served_at(self, when: float) -> None:
+        if self.lease is not None:
+            self.lease.served_at = when
+        self._served_at = when
+
+    def _take_lease(self, rows: int) -> None:
+        """Move into a fresh range of the arena of at least ``rows`` rows (the valid prefix copied)."""
+        lease = self.arena.lease(rows)
+        with torch.inference_mode():  # (inside a forward or not: the chunk itself is a normal tensor)
+            rows_view = self.arena.rows(lease)
+            if self.lease is not None:
+                rows_view[: self.length] = self.buf[: self.length]
+        self._drop_lease()
+        self.buf, self.lease = rows_view, lease
+        # (a cache dropped without release, e.g. an evicted fork, still gives its range back)
+        self._finalizer = weakref.finalize(self, self.arena.give, lease)
+
+    def _drop_lease(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # (gives the range back, once)
+            self._finalizer = self.lease = None
 
     @property
     def length(self) -> int:
@@ -62,6 +105,9 @@ class KVCache:
         while cap < total:
             cap *= 2
         if self.shared_path is not None and self._share_rows(cap):
+            return
+        if self.lease is not None:
+            self._take_lease(cap)
             return
         grown = torch.empty((cap, *self.row_shape), dtype=self.buf.dtype, device=self.buf.device)
         grown[: self.length] = self.buf[: self.length]
@@ -101,6 +147,8 @@ class KVCache:
         rows.install()
         if self.shared is not None:
             self.shared.retire()  # readers that kept the old file mapped move to the new one
+        self._served_at = self.served_at
+        self._drop_lease()  # (a shared cache lives in its file, not in the arena)
         self.buf, self.shared = rows.rows, rows
         return True
 
@@ -119,6 +167,10 @@ class KVCache:
         if self.shared is not None and self.pool is not None:
             self.pool.put(self.shared, self.served_at)
             self.shared_path = self.shared = None
+            self.buf = self.buf[:0]
+            self.tokens = []
+        elif self.lease is not None:
+            self._drop_lease()
             self.buf = self.buf[:0]
             self.tokens = []
         else:

@@ -69,6 +69,7 @@ class KVStore:
 
     def __init__(self, model: CausalLM, max_bytes: int = 4 << 30) -> None:
         self.model, self.max_bytes = model, max_bytes
+        model.make_kv_arena(max_bytes)  # (the caches of a batch share it: one attention call per layer)
         self.row_bytes = model.new_cache(capacity=1).row_bytes  # bytes of one position's KV
         self.caches: OrderedDict[int, KVCache] = OrderedDict()
         # draft-ahead: per request, private caches of pre-drafted outcomes (``branch``), by outcome

@@ -2,8 +2,10 @@
 
 One forward call takes a ragged batch: every sequence brings its own KV cache and its own
 number of new tokens (the whole prompt for a prefill, 1 for a decode step, k+1 for a verify).
-Projections and MLPs run once over all new tokens concatenated; attention runs per sequence
-against that sequence's KV. Module names mirror HuggingFace's so checkpoints load unchanged.
+Projections and MLPs run once over all new tokens concatenated; attention runs once per layer for
+the batch, reading every cache through one slot index of the model's KV arena (``models.batch``),
+or per sequence where that does not apply (long prefills, shared-file caches, batch-invariant
+numerics). Module names mirror HuggingFace's so checkpoints load unchanged.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nebula_flow.kv.arena import CHUNK_BYTES, KVArena
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.models import invariant, packed
+from nebula_flow.models.batch import Batch, GroupPlan, TreeRows, attention_mask
 from nebula_flow.models.config import ModelConfig
 
 
@@ -129,71 +133,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class TreeRows:
-    """The new rows of one sequence when they form a token tree (``CausalLM.forward``'s
-    ``parents``): row i's parent among the new rows (-1: the last cached position), its depth
-    (its position is the cache length plus its depth) and the rows it sees, itself included, in
-    order of depth (a chain's row i sees rows 0..i)."""
-
-    def __init__(self, parents: list[int]) -> None:
-        self.depth: list[int] = []
-        self.sees: list[list[int]] = []
-        for i, p in enumerate(parents):
-            if not -1 <= p < i:
-                raise ValueError(f"row {i}'s parent {p} must be an earlier row or -1")
-            self.depth.append(0 if p < 0 else self.depth[p] + 1)
-            self.sees.append((self.sees[p] if p >= 0 else []) + [i])
-        self._masks: dict[tuple, torch.Tensor] = {}  # every layer of one forward uses the same masks
-        self._slots: dict[tuple, torch.Tensor] = {}  # and the same key slots per row
-
-    def key_slots(self, row: int, past: int, begin: int, device: torch.device) -> torch.Tensor:
-        """The cache slots row ``row`` attends to, in order: the cached ones from ``begin``, then
-        its path's rows (within the window that ``begin`` starts), built once."""
-        key = (row, past, begin, device)
-        if key not in self._slots:
-            path = (past + r for r in self.sees[row] if past + self.depth[r] >= begin)
-            self._slots[key] = torch.tensor([*range(begin, past), *path], device=device)
-        return self._slots[key]
-
-    def mask(self, past: int, window: int | None, device: torch.device) -> torch.Tensor:
-        """``_attention_mask`` for these rows after ``past`` cached positions, built once."""
-        key = (past, window, device)
-        if key not in self._masks:
-            n = len(self.depth)
-            sees = torch.zeros(n, n, dtype=torch.bool)
-            for i, rows in enumerate(self.sees):
-                sees[i, rows] = True
-            allowed = torch.cat((torch.ones(n, past, dtype=torch.bool), sees), dim=1).to(device)
-            if window is not None:
-                depth = torch.tensor(self.depth, device=device) + past
-                k_pos = torch.cat((torch.arange(past, device=device), depth))
-                allowed &= depth[:, None] - k_pos[None, :] < window
-            self._masks[key] = allowed
-        return self._masks[key]
-
-    @staticmethod
-    def of(parents: list[int] | None) -> TreeRows | None:
-        """None (a plain chain: the fast paths) unless ``parents`` branch."""
-        if parents is None or all(p == i - 1 for i, p in enumerate(parents)):
-            return None
-        return TreeRows(parents)
-
-
-def _attention_mask(past: int, n: int, window: int | None, device: torch.device,
-                    tree: TreeRows | None = None) -> torch.Tensor:
-    """Boolean [n, past+n] mask over cache slots: query i sees keys j <= past+i (and within the
-    window). With a ``tree`` a new row sees the cached slots and the new rows of its own path
-    (``TreeRows.sees``), and positions count by depth."""
-    if tree is not None:
-        return tree.mask(past, window, device)
-    q_slot = torch.arange(past, past + n, device=device)[:, None]
-    k_slot = torch.arange(past + n, device=device)[None, :]
-    allowed = k_slot <= q_slot
-    if window is not None:
-        allowed &= q_slot - k_slot < window
-    return allowed
-
-
 class Attention(nn.Module):
     batch_invariant = False  # one query row at a time, against exactly its own prefix
     fused = False  # q, k and v come from one ``qkv_proj`` (``CausalLM.fuse_projections``)
@@ -211,46 +150,77 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        caches: list[KVCache], lengths: list[int], trees: list[TreeRows | None],
-    ) -> torch.Tensor:
-        cfg, hd = self.cfg, self.cfg.head_dim
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch) -> torch.Tensor:
+        cfg, hd, heads = self.cfg, self.cfg.head_dim, self.cfg.num_heads
         T = x.shape[0]
-        if self.fused:
-            q, k, v = self.qkv_proj(x).split([cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd], -1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        if self.fused:  # q and k side by side, normed and rotated in one go (each op runs once, not twice)
+            qkv = self.qkv_proj(x).view(T, heads + 2 * cfg.num_kv_heads, hd)
+            qk, v = qkv[:, :heads + cfg.num_kv_heads], qkv[:, heads + cfg.num_kv_heads:]
+            if cfg.qk_norm:
+                qk = self.qk_norm(qk)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, :heads], qk[:, heads:]
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k, v = q.view(T, cfg.num_heads, hd), k.view(T, cfg.num_kv_heads, hd), v.view(T, cfg.num_kv_heads, hd)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        outs, start = [], 0
-        for cache, n, tree in zip(caches, lengths, trees):
-            past = cache.length
-            end = past + n
-            cache.buf[past:end, self.layer, 0] = k[start : start + n]
-            cache.buf[past:end, self.layer, 1] = v[start : start + n]
-            keys, values = cache.layer_kv(self.layer, end)
-            if self.batch_invariant:
-                outs.extend(self._rows_alone(q[start : start + n], keys, values, past, tree))
-                start += n
-                continue
-            window = self.window if self.window and end > self.window else None
-            mask, causal = None, False
-            if past == 0 and window is None and tree is None:
-                causal = n > 1
-            elif n > 1 or window is not None:
-                mask = _attention_mask(past, n, window, x.device, tree)
-            out = F.scaled_dot_product_attention(
-                q[start : start + n].transpose(0, 1)[None], keys[None], values[None],
-                attn_mask=mask, is_causal=causal, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-            )
-            outs.append(out[0].transpose(0, 1).reshape(n, cfg.num_heads * hd))
-            start += n
-        return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+            q, k, v = q.view(T, heads, hd), k.view(T, cfg.num_kv_heads, hd), v.view(T, cfg.num_kv_heads, hd)
+            if cfg.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        plan = batch.plan
+        if plan is not None and not batch.apart:
+            return self.o_proj(self._grouped(plan, q, k, v))
+        out = q.new_empty(T, cfg.num_heads * hd)
+        if plan is not None:
+            out.index_copy_(0, plan.rows, self._grouped(plan, q.index_select(0, plan.rows),
+                                                        k.index_select(0, plan.rows), v.index_select(0, plan.rows)))
+        for i in batch.apart:
+            start, n = batch.starts[i], batch.lengths[i]
+            rows = slice(start, start + n)
+            out[rows] = self._alone(q[rows], k[rows], v[rows], batch.caches[i], batch.trees[i])
+        return self.o_proj(out)
+
+    def _grouped(self, plan: GroupPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the grouped sequences' rows (``GroupPlan``), in one call: their new KV
+        written into the arena, their keys gathered padded to the longest, one masked SDPA."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        rows = plan.chunk[:, self.layer]  # [slots, 2, kv_heads, head_dim]
+        rows.index_copy_(0, plan.write, torch.stack((k, v), 1))
+        kv = rows.index_select(0, plan.gather).view(plan.size, plan.keys, 2, cfg.num_kv_heads, hd)
+        if plan.padded is not None:
+            q = q.index_select(0, plan.padded)
+        out = F.scaled_dot_product_attention(
+            q.view(plan.size, plan.width, cfg.num_heads, hd).transpose(1, 2),
+            kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),
+            attn_mask=plan.mask(self.window), enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )
+        out = out.transpose(1, 2).reshape(plan.size * plan.width, cfg.num_heads * hd)
+        return out if plan.real is None else out.index_select(0, plan.real)
+
+    def _alone(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+               tree: TreeRows | None) -> torch.Tensor:
+        """Attention of one sequence's ``n`` new rows against its own cache."""
+        cfg = self.cfg
+        n = q.shape[0]
+        past = cache.length
+        end = past + n
+        cache.buf[past:end, self.layer, 0] = k
+        cache.buf[past:end, self.layer, 1] = v
+        keys, values = cache.layer_kv(self.layer, end)
+        if self.batch_invariant:
+            return torch.cat(self._rows_alone(q, keys, values, past, tree))
+        window = self.window if self.window and end > self.window else None
+        mask, causal = None, False
+        if past == 0 and window is None and tree is None:
+            causal = n > 1
+        elif n > 1 or window is not None:
+            mask = attention_mask(past, n, window, q.device, tree)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None],
+            attn_mask=mask, is_causal=causal, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )
+        return out[0].transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim)
 
     def _rows_alone(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, tree: TreeRows | None,
@@ -306,8 +276,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, caches, lengths, trees):  # noqa: ANN001, ANN201 - internal
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, caches, lengths, trees)
+    def forward(self, x, cos, sin, batch):  # noqa: ANN001, ANN201 - internal
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -323,6 +293,8 @@ class CausalLM(nn.Module):
     """Decoder plus output head. ``forward`` advances every cache by its new tokens."""
 
     batch_invariant = False
+    kv_arena: KVArena | None = None  # every cache of this model is a range of it (made with the first)
+    group_attention = True  # one attention call per layer for the batch (``models.batch``); False: per sequence
     packed_layers = 0  # linear layers running on packed weights (``pack_weights``)
     weights_released = False  # the plain copies of packed weights were dropped (bf16)
     packed_from_rows: dict[str, int] = {}  # weight shape -> the fewest rows run on its packed copy
@@ -341,11 +313,17 @@ class CausalLM(nn.Module):
         """For inference: each layer's q, k and v projections become one matmul, gate and up
         another (measured on the bundled target on a CPU: a decode step 50.2 -> 47.3 ms, fewer
         and larger calls). The module names then differ from HF's: training and checkpoint I/O
-        use an unfused model."""
+        use an unfused model. Qwen3's q and k norms become one (``qk_norm``), over both's heads."""
         for layer in self.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             a.qkv_proj = fused_linear([a.q_proj, a.k_proj, a.v_proj])
             del a.q_proj, a.k_proj, a.v_proj
+            if self.cfg.qk_norm:  # one norm over q's and k's heads: each head's row keeps its own weight
+                a.qk_norm = RMSNorm(self.cfg.head_dim, self.cfg.rms_norm_eps)
+                a.qk_norm.weight = nn.Parameter(torch.cat([a.q_norm.weight.expand(self.cfg.num_heads, -1),
+                                                           a.k_norm.weight.expand(self.cfg.num_kv_heads, -1)]),
+                                                requires_grad=False)
+                del a.q_norm, a.k_norm
             mlp.gate_up_proj = fused_linear([mlp.gate_proj, mlp.up_proj])
             del mlp.gate_proj, mlp.up_proj
             a.fused = mlp.fused = True
@@ -401,10 +379,18 @@ class CausalLM(nn.Module):
         """Map output-head rows to token ids (identity unless the head covers a subset)."""
         return head_rows if self.head_token_ids is None else self.head_token_ids[head_rows.long()]
 
+    def make_kv_arena(self, max_bytes: int = CHUNK_BYTES) -> None:
+        """This model's caches from now on come from one arena of ``max_bytes`` (the worker's KV
+        budget; ``kv/arena.py``)."""
+        p, cfg = self.lm_head.weight, self.cfg
+        self.kv_arena = KVArena((cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim), p.dtype, p.device, max_bytes)
+
     def new_cache(self, capacity: int = 64) -> KVCache:
-        p = self.lm_head.weight
-        return KVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim,
-                       dtype=p.dtype, device=p.device, capacity=capacity)
+        """An empty cache for one request: a range of this model's arena (``kv/arena.py``)."""
+        if self.kv_arena is None:
+            self.make_kv_arena()
+        cfg = self.cfg
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity=capacity, arena=self.kv_arena)
 
     @torch.inference_mode()
     def forward(
@@ -425,16 +411,14 @@ class CausalLM(nn.Module):
         """
         device = self.lm_head.weight.device
         lengths = [len(t) for t in new_tokens]
-        trees = [TreeRows.of(p) for p in parents] if parents else [None] * len(caches)
         for cache, n in zip(caches, lengths):
             cache.reserve(cache.length + n)
+        batch = Batch(caches, lengths, parents, device, group=self.group_attention and not self.batch_invariant)
         ids = torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.long, device=device)
-        spans = []
-        for c, n, tree in zip(caches, lengths, trees):
-            spans.append(torch.arange(c.length, c.length + n, device=device) if tree is None
-                         else torch.tensor(tree.depth, device=device) + c.length)
-        positions = torch.cat(spans).float()
-        freqs = positions[:, None] * self.inv_freq[None, :]
+        # (positions and the picked rows made in Python, one tensor each: a few ops per sequence saved)
+        positions = [c.length + d for c, n, tree in zip(caches, lengths, batch.trees)
+                     for d in (range(n) if tree is None else tree.depth)]
+        freqs = torch.tensor(positions, dtype=torch.float32, device=device)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(ids)
         if self.rope_scaling != 1.0:
@@ -443,13 +427,10 @@ class CausalLM(nn.Module):
             emb_cos, emb_sin = emb.cos(), emb.sin()
         cos, sin = emb_cos.to(x.dtype), emb_sin.to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, caches, lengths, trees)
+            x = layer(x, cos, sin, batch)
         for cache, seq in zip(caches, new_tokens):
             cache.tokens.extend(seq)
-        rows, start = [], 0
-        for n, want in zip(lengths, logit_rows):
-            rows.append(torch.arange(start + n - want, start + n, device=device))
-            start += n
-        picked = self.model.norm(x[torch.cat(rows)])
+        rows = [start + n - want + r for start, n, want in zip(batch.starts, lengths, logit_rows) for r in range(want)]
+        picked = self.model.norm(x[torch.tensor(rows, dtype=torch.long, device=device)])
         logits = self.lm_head(picked).float()
         return list(torch.split(logits, logit_rows))

@@ -22,8 +22,8 @@ QWEN3_0_6B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, 
               "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
               "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
               "tie_word_embeddings": True}
-# (name, sequences, new rows each): decode steps alone and in a batch, and a batch of 5-row verifies
-SHAPES = (("decode_1", 1, 1), ("decode_16", 16, 1), ("verify_16x5", 16, 5))
+# (name, sequences, new rows each): decode steps alone and in batches, and batches of 5-row verifies
+SHAPES = (("decode_1", 1, 1), ("decode_8", 8, 1), ("decode_16", 16, 1), ("verify_8x5", 8, 5), ("verify_16x5", 16, 5))
 
 
 def random_model(raw: dict[str, Any], dtype: torch.dtype = torch.float32, inference: bool = True) -> CausalLM:
@@ -60,6 +60,12 @@ def forward_ops(model: CausalLM, sequences: int, rows: int, context: int = 128, 
     return {"ops": ops, "seconds": statistics.median(times)}
 
 
-def count_ops(model: CausalLM, context: int = 128) -> dict[str, dict[str, Any]]:
-    """``forward_ops`` for each of ``SHAPES``."""
-    return {name: forward_ops(model, sequences, rows, context) for name, sequences, rows in SHAPES}
+def count_ops(model: CausalLM, context: int = 128, group: bool = True) -> dict[str, dict[str, Any]]:
+    """``forward_ops`` for each of ``SHAPES``, with the batch's attention grouped into one call
+    per layer (``models.batch``) or (``group`` False) each sequence attending apart, as every
+    forward did before the grouped path."""
+    model.group_attention = group
+    try:
+        return {name: forward_ops(model, sequences, rows, context) for name, sequences, rows in SHAPES}
+    finally:
+        del model.group_attention  # (back to the class's default)

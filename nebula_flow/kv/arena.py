@@ -1,0 +1,154 @@
+"""One pool of KV rows per model: every request's cache is a range of it.
+
+A worker's requests keep their KV in ranges of one preallocated tensor per model (a chunk the size
+of the worker's KV budget; more chunks are added if it is ever full), laid out as ``KVCache`` defines a row. Because every cache of
+a batch lives in the same tensor, a forward's attention reads all of them through one slot index
+(``models.batch.BatchPlan``): one gather and one attention call per layer for the whole ragged
+batch, where per-request tensors needed a call per request per layer. A range stays contiguous,
+so a request's positions ``a..b`` are still one slice for the transports (a pull writes into it,
+a peer is served a view of it, a rollback is a length change).
+
+Ranges are handed out by a buddy allocator (sizes are powers of two from ``MIN_ROWS``, a freed
+range merges with its free twin), so a long-running worker does not fragment its chunk. A range
+whose rows were sent to a network peer lately is not reused for ``QUARANTINE_S`` (a send may still
+read it: the servers send straight from the cache's memory, as ``kv/shm.py``'s ``FilePool``).
+Thread-safe: the compute and prefetch threads both make and grow caches.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+MIN_ROWS = 16  # the smallest range handed out (positions)
+# A chunk's size unless the worker's KV budget sets it (``CausalLM.make_kv_arena``): the caches of a
+# batch must share a chunk to attend in one call. On a CPU untouched pages cost no memory.
+CHUNK_BYTES = 1 << 30
+QUARANTINE_S = 11.0  # (kv/shm.py POOL_QUARANTINE_S: the pull timeout plus a second)
+
+
+def _order(rows: int) -> int:
+    """The power of two (exponent) of the smallest range holding ``rows``."""
+    return (max(rows, MIN_ROWS) - 1).bit_length()
+
+
+@dataclass
+class Lease:
+    """A range of rows of one chunk, held by one cache."""
+
+    chunk: int
+    base: int
+    order: int
+    served_at: float = float("-inf")  # when a network peer was last sent rows from it (monotonic)
+
+    @property
+    def rows(self) -> int:
+        return 1 << self.order
+
+
+class Chunk:
+    """One tensor of ``rows`` rows (a multiple of ``MIN_ROWS``) and its buddy free lists: it starts
+    as one free range per bit of ``rows``, largest first (so each is aligned to its size)."""
+
+    def __init__(self, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        with torch.inference_mode(False):  # (made inside a forward or not: a normal tensor, writable anywhere)
+            self.buf = torch.empty((rows, *row_shape), dtype=dtype, device=device)
+        self.free: dict[int, set[int]] = {}  # order -> bases of free ranges
+        base = 0
+        for order in reversed(range(rows.bit_length())):
+            if rows >> order & 1:
+                self.free[order] = {base}
+                base += 1 << order
+        self.order = rows.bit_length() - 1  # the largest range it can hand out
+        self.used = 0  # rows handed out
+
+    def take(self, order: int) -> int | None:
+        have = next((o for o in range(order, self.order + 1) if self.free.get(o)), None)
+        if have is None:
+            return None
+        base = min(self.free[have])  # (the lowest first: pages already in stay in use)
+        self.free[have].discard(base)
+        while have > order:  # split, keeping the upper halves free
+            have -= 1
+            self.free.setdefault(have, set()).add(base + (1 << have))
+        self.used += 1 << order
+        return base
+
+    def give(self, base: int, order: int) -> None:
+        self.used -= 1 << order
+        while order < self.order and (buddy := base ^ (1 << order)) in self.free.get(order, ()):
+            self.free[order].discard(buddy)
+            base, order = min(base, buddy), order + 1
+        self.free.setdefault(order, set()).add(base)
+
+
+class KVArena:
+    """The KV rows of one model on one device: chunks of rows, leased to caches by range."""
+
+    def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.row_shape, self.dtype, self.device = row_shape, dtype, torch.device(device)
+        row_bytes = torch.empty((), dtype=dtype).element_size()
+        for d in row_shape:
+            row_bytes *= d
+        self.chunk_rows = max(MIN_ROWS, chunk_bytes // row_bytes // MIN_ROWS * MIN_ROWS)
+        self.chunks: list[Chunk | None] = []
+        self.returned: deque[Lease] = deque()  # ranges given back, not yet sorted (``give``)
+        self.waiting: list[tuple[float, Lease]] = []  # given back, in quarantine (reusable from, lease)
+        self.lock = threading.Lock()
+
+    def lease(self, rows: int) -> Lease:
+        """A range of at least ``rows`` rows."""
+        order = _order(rows)
+        with self.lock:
+            self._release_waiting()
+            for i, chunk in enumerate(self.chunks):
+                if chunk is not None and order <= chunk.order and (base := chunk.take(order)) is not None:
+                    return Lease(i, base, order)
+            # (the first chunk is the whole budget; one made when it is full, by fragmentation or a
+            # cache larger than it, only an eighth of it or that cache: a bounded overshoot, freed when empty)
+            rows = self.chunk_rows if not self.chunks else max(1 << order, self.chunk_rows // 8 // MIN_ROWS * MIN_ROWS)
+            chunk = Chunk(max(1 << order, rows), self.row_shape, self.dtype, self.device)
+            i = next((i for i, c in enumerate(self.chunks) if c is None), len(self.chunks))
+            self.chunks[i:i + 1] = [chunk]
+            return Lease(i, chunk.take(order), order)
+
+    def rows(self, lease: Lease) -> torch.Tensor:
+        """The rows of ``lease`` (a view of its chunk)."""
+        return self.chunks[lease.chunk].buf[lease.base:lease.base + lease.rows]
+
+    def chunk(self, lease: Lease) -> torch.Tensor:
+        return self.chunks[lease.chunk].buf
+
+    def give(self, lease: Lease) -> None:
+        """``lease``'s cache is done with it: reusable from the next ``lease`` on, unless a peer
+        was served from it lately. Takes no lock (a cache's finalizer may run inside ``lease``)."""
+        self.returned.append(lease)
+
+    def _give(self, lease: Lease) -> None:
+        chunk = self.chunks[lease.chunk]
+        chunk.give(lease.base, lease.order)
+        if chunk.used == 0 and lease.chunk > 0:  # (an emptied extra chunk gives its memory back)
+            self.chunks[lease.chunk] = None
+
+    def _release_waiting(self) -> None:
+        while self.returned:
+            lease = self.returned.popleft()
+            self.waiting.append((lease.served_at + QUARANTINE_S, lease))
+        now = time.monotonic()
+        if any(usable <= now for usable, _ in self.waiting):
+            ready = [lease for usable, lease in self.waiting if usable <= now]
+            self.waiting = [(u, lease) for u, lease in self.waiting if u > now]
+            for lease in ready:
+                self._give(lease)
+
+    @property
+    def leased_rows(self) -> int:
+        """Rows held by caches (or given back and still in quarantine)."""
+        with self.lock:
+            self._release_waiting()
+            return sum(c.used for c in self.chunks if c is not None)

@@ -1,0 +1,180 @@
+"""One forward's batch of sequences, and how its attention runs.
+
+A forward takes a ragged batch: each sequence brings its cache and its new rows (a prefill chunk,
+a decode step, a verify block, a token tree). ``Batch`` works out once per forward what every
+layer needs: the rows each sequence owns, its token tree (``TreeRows``), and, when the caches are
+ranges of one arena chunk (``kv/arena.py``), the plan to attend to all of them in one call per
+layer (``GroupPlan``): the slots where the new rows' KV goes, the slots each sequence's keys come
+from (padded to the longest), and one mask for the whole batch (causal, tree, window, padding).
+On a GPU each layer then costs a fixed handful of kernel launches whatever the batch; per sequence
+it cost a dozen per sequence per layer (``nebula-flow profile --ops`` counts them).
+
+Rows that stay apart and attend per sequence: long prefill chunks (padding every sequence to
+their length would waste more than the launches cost), caches outside the arena (shared files),
+and batch-invariant models (``models.invariant``: each row attends alone, in the decode shape, so
+its bits do not depend on the batch).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from nebula_flow.kv.cache import KVCache
+
+GROUP_MAX_ROWS = 64  # a sequence with more new rows than this attends apart (a prefill chunk)
+
+
+class TreeRows:
+    """The new rows of one sequence when they form a token tree (``CausalLM.forward``'s
+    ``parents``): row i's parent among the new rows (-1: the last cached position), its depth
+    (its position is the cache length plus its depth) and the rows it sees, itself included, in
+    order of depth (a chain's row i sees rows 0..i)."""
+
+    def __init__(self, parents: list[int]) -> None:
+        self.depth: list[int] = []
+        self.sees: list[list[int]] = []
+        for i, p in enumerate(parents):
+            if not -1 <= p < i:
+                raise ValueError(f"row {i}'s parent {p} must be an earlier row or -1")
+            self.depth.append(0 if p < 0 else self.depth[p] + 1)
+            self.sees.append((self.sees[p] if p >= 0 else []) + [i])
+        self._masks: dict[tuple, torch.Tensor] = {}  # every layer of one forward uses the same masks
+        self._slots: dict[tuple, torch.Tensor] = {}  # and the same key slots per row
+
+    def key_slots(self, row: int, past: int, begin: int, device: torch.device) -> torch.Tensor:
+        """The cache slots row ``row`` attends to, in order: the cached ones from ``begin``, then
+        its path's rows (within the window that ``begin`` starts), built once."""
+        key = (row, past, begin, device)
+        if key not in self._slots:
+            path = (past + r for r in self.sees[row] if past + self.depth[r] >= begin)
+            self._slots[key] = torch.tensor([*range(begin, past), *path], device=device)
+        return self._slots[key]
+
+    def mask(self, past: int, window: int | None, device: torch.device) -> torch.Tensor:
+        """``attention_mask`` for these rows after ``past`` cached positions, built once."""
+        key = (past, window, device)
+        if key not in self._masks:
+            n = len(self.depth)
+            sees = torch.zeros(n, n, dtype=torch.bool)
+            for i, rows in enumerate(self.sees):
+                sees[i, rows] = True
+            allowed = torch.cat((torch.ones(n, past, dtype=torch.bool), sees), dim=1).to(device)
+            if window is not None:
+                depth = torch.tensor(self.depth, device=device) + past
+                k_pos = torch.cat((torch.arange(past, device=device), depth))
+                allowed &= depth[:, None] - k_pos[None, :] < window
+            self._masks[key] = allowed
+        return self._masks[key]
+
+    @staticmethod
+    def of(parents: list[int] | None) -> TreeRows | None:
+        """None (a plain chain: the fast paths) unless ``parents`` branch."""
+        if parents is None or all(p == i - 1 for i, p in enumerate(parents)):
+            return None
+        return TreeRows(parents)
+
+
+def attention_mask(past: int, n: int, window: int | None, device: torch.device,
+                    tree: TreeRows | None = None) -> torch.Tensor:
+    """Boolean [n, past+n] mask over cache slots: query i sees keys j <= past+i (and within the
+    window). With a ``tree`` a new row sees the cached slots and the new rows of its own path
+    (``TreeRows.sees``), and positions count by depth."""
+    if tree is not None:
+        return tree.mask(past, window, device)
+    q_slot = torch.arange(past, past + n, device=device)[:, None]
+    k_slot = torch.arange(past + n, device=device)[None, :]
+    allowed = k_slot <= q_slot
+    if window is not None:
+        allowed &= q_slot - k_slot < window
+    return allowed
+
+
+class GroupPlan:
+    """How the grouped sequences of a batch attend in one call per layer (see the module's doc).
+
+    ``rows``: the grouped sequences' rows among the forward's rows (None: all of them, in order);
+    ``padded``: for each of the B x ``width`` query slots, its row among the grouped rows (None:
+    every sequence has ``width`` rows); ``real``: the query slots holding real rows, in order."""
+
+    def __init__(self, batch: Batch, seqs: list[int], chunk: torch.Tensor, device: torch.device) -> None:
+        self.chunk = chunk  # the arena tensor [slots, layer, 2, kv_heads, head_dim]
+        caches = [batch.caches[i] for i in seqs]
+        lengths = [batch.lengths[i] for i in seqs]
+        trees = [batch.trees[i] for i in seqs]
+        pasts = [c.length for c in caches]
+        ends = [p + n for p, n in zip(pasts, lengths)]
+        self.size, self.width, self.keys = len(seqs), max(lengths), max(ends)
+        bases = torch.tensor([c.lease.base for c in caches])
+        past_t, end_t, n_t = torch.tensor(pasts), torch.tensor(ends), torch.tensor(lengths)
+        j = torch.arange(self.width)
+        real = j[None, :] < n_t[:, None]  # [B, width]: which query slots hold a row
+        self.write = (bases + past_t)[:, None].add(j[None, :])[real].to(device)  # new rows' slots, in row order
+        key = torch.arange(self.keys)
+        self.gather = (bases[:, None] + torch.where(key[None, :] < end_t[:, None], key[None, :], 0)).flatten().to(device)
+        uniform = all(n == self.width for n in lengths)
+        self.padded = None if uniform else torch.where(real, (n_t.cumsum(0) - n_t)[:, None] + j[None, :], 0).flatten().to(device)
+        self.real = None if uniform else real.flatten().nonzero().flatten().to(device)
+        whole = len(seqs) == len(batch.caches)
+        self.rows = None if whole else torch.cat([torch.arange(batch.starts[i], batch.starts[i] + batch.lengths[i])
+                                                  for i in seqs]).to(device)
+        self._plain = (pasts, lengths, trees, real)
+        self._masks: dict[int | None, torch.Tensor | None] = {}
+        self.device = device
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """The [B, 1, width, keys] mask of the layers with ``window`` (built once per forward)."""
+        if window not in self._masks:
+            self._masks[window] = self._build_mask(window)
+        return self._masks[window]
+
+    def _build_mask(self, window: int | None) -> torch.Tensor | None:
+        pasts, lengths, trees, real = self._plain
+        if self.width == 1 and window is None and all(p + 1 == self.keys for p in pasts):
+            return None  # (decode steps at one length: every key is seen)
+        key = torch.arange(self.keys)[None, None, :]
+        pos = torch.tensor(pasts)[:, None, None] + torch.arange(self.width)[None, :, None]  # [B, width, 1]
+        allowed = key <= pos
+        if window is not None:
+            allowed &= pos - key < window
+        for b, (past, n, tree) in enumerate(zip(pasts, lengths, trees)):
+            if tree is not None:
+                allowed[b, :n] = False
+                allowed[b, :n, :past + n] = tree.mask(past, window, torch.device("cpu"))
+        allowed[~real] = key[0] == 0  # (a padding query sees one key: no empty softmax)
+        return allowed[:, None].to(self.device)
+
+
+class Batch:
+    """One forward's sequences: caches, new-row counts, trees, and the grouped attention plan."""
+
+    def __init__(self, caches: list[KVCache], lengths: list[int], parents: list[list[int] | None] | None,
+                 device: torch.device, group: bool) -> None:
+        self.caches, self.lengths = caches, lengths
+        self.trees = [TreeRows.of(p) for p in parents] if parents else [None] * len(caches)
+        self.starts, at = [], 0
+        for n in lengths:
+            self.starts.append(at)
+            at += n
+        self.plan: GroupPlan | None = None
+        self.apart = list(range(len(caches)))  # sequences that attend one by one
+        if group:
+            self._group(device)
+
+    def _group(self, device: torch.device) -> None:
+        """Group the sequences whose caches share the arena chunk most of them are in."""
+        def where(c: KVCache) -> tuple[int, int]:
+            return id(c.arena), c.lease.chunk
+
+        chunks = Counter(where(c) for c, n in zip(self.caches, self.lengths) if c.lease is not None and n <= GROUP_MAX_ROWS)
+        if not chunks:
+            return
+        chunk, count = chunks.most_common(1)[0]
+        if count < 2:
+            return
+        seqs = [i for i, (c, n) in enumerate(zip(self.caches, self.lengths))
+                if c.lease is not None and where(c) == chunk and n <= GROUP_MAX_ROWS]
+        self.plan = GroupPlan(self, seqs, self.caches[seqs[0]].arena.chunk(self.caches[seqs[0]].lease), device)
+        grouped = set(seqs)
+        self.apart = [i for i in range(len(self.caches)) if i not in grouped]

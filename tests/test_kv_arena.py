@@ -1,0 +1,154 @@
+"""A model's KV arena (kv/arena.py) and the attention that reads a whole batch through it
+(models/batch.py): ranges that never overlap and merge back, rows that survive growth, and one
+attention call per layer whose logits equal attending sequence by sequence."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+
+from nebula_flow.kv import arena as arena_mod
+from nebula_flow.kv.arena import MIN_ROWS, KVArena
+from nebula_flow.kv.cache import KVCache
+from nebula_flow.models import batch as batch_mod
+from nebula_flow.models.config import ModelConfig
+from nebula_flow.models.llama import CausalLM
+from nebula_flow.models.ops import QWEN3_0_6B, forward_ops, random_model
+
+ROW = (2, 2, 1, 4)  # layers, K/V, kv heads, head dim
+ROW_BYTES = 2 * 2 * 1 * 4 * 4
+
+
+def _arena(rows: int = 256) -> KVArena:
+    return KVArena(ROW, torch.float32, "cpu", chunk_bytes=rows * ROW_BYTES)
+
+
+def test_leases_never_overlap_merge_back_and_overflow_into_a_new_chunk() -> None:
+    arena = _arena(256)
+    leases = [arena.lease(n) for n in (1, 16, 17, 40, 100)]
+    assert [lease.rows for lease in leases] == [MIN_ROWS, 16, 32, 64, 128]  # powers of two, from MIN_ROWS
+    spans = sorted((lease.base, lease.base + lease.rows) for lease in leases)
+    assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:]))  # disjoint
+    assert {lease.chunk for lease in leases} == {0} and arena.leased_rows == 256
+    extra = arena.lease(8)  # chunk 0 is full: a second chunk
+    assert extra.chunk == 1
+    huge = arena.lease(1000)  # more than a chunk: a chunk of its own
+    assert huge.rows == 1024 and huge.chunk == 2 and arena.chunks[2].buf.shape[0] == 1024
+    for lease in (*leases, extra, huge):
+        arena.give(lease)
+    assert arena.lease(256).chunk == 0  # the freed ranges merged back into one whole chunk
+    assert arena.chunks[1] is None and arena.chunks[2] is None  # emptied extra chunks gave their memory back
+
+
+def test_a_range_a_peer_was_served_from_is_not_reused_until_its_quarantine_ends(monkeypatch) -> None:  # noqa: ANN001
+    arena = _arena(32)
+    first = arena.lease(16)
+    first.served_at = time.monotonic()  # a network send may still read these rows
+    arena.give(first)
+    second = arena.lease(16)
+    assert second.base != first.base  # the other half, not the quarantined one
+    monkeypatch.setattr(arena_mod, "QUARANTINE_S", -1.0)  # (its time is over)
+    arena.give(second)
+    assert arena.lease(32).base == 0  # both halves free again, merged
+
+
+def test_a_cache_grows_in_the_arena_keeps_its_rows_and_gives_back_what_it_left() -> None:
+    arena = _arena(1024)
+    cache = KVCache(*ROW[:1], ROW[2], ROW[3], capacity=16, arena=arena)
+    assert cache.lease is not None and cache.buf.shape[0] == 16
+    cache.buf[:10] = torch.arange(10.0)[:, None, None, None, None]
+    cache.tokens = list(range(10))
+    cache.reserve(100)
+    assert cache.buf.shape[0] == 128 and cache.buf.data_ptr() == arena.rows(cache.lease).data_ptr()
+    assert torch.equal(cache.buf[:10, 0, 0, 0, 0], torch.arange(10.0))
+    assert arena.leased_rows == 128  # the old range went back
+    cache.release()
+    assert arena.leased_rows == 0 and cache.length == 0
+    dropped = KVCache(*ROW[:1], ROW[2], ROW[3], capacity=40, arena=arena)
+    assert dropped.lease.rows == 64
+    del dropped  # never released (an evicted fork): its range comes back all the same
+    gc.collect()
+    assert arena.leased_rows == 0
+
+
+def _model(**extra: object) -> CausalLM:
+    raw = dict(QWEN3_0_6B, num_hidden_layers=2, vocab_size=300, hidden_size=64, intermediate_size=96,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    raw.update(extra)
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.from_dict(raw)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.fuse_projections()
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2-window-layers"])
+def test_one_attention_call_for_a_mixed_batch_scores_every_row_as_attending_alone(family: str, monkeypatch) -> None:  # noqa: ANN001
+    """Decodes, a verify block, a token tree, a prefill chunk and a long prefill (apart) in one
+    forward give the logits each sequence gets alone."""
+    extra = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1} \
+        if family == "qwen2-window-layers" else {}
+    model = _model(**extra)
+    plans = []
+    made = batch_mod.Batch.__init__
+
+    def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        made(self, *args, **kwargs)
+        plans.append((self.plan, list(self.apart)))
+
+    monkeypatch.setattr(batch_mod.Batch, "__init__", spy)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 3, 14, 5, 2)]
+    steps = [[5], [6, 7, 8], [1, 2, 3, 4], list(range(10, 90)), [7]]  # (80 rows: attends apart)
+    parents = [None, None, [-1, 0, 0, 1], None, None]
+    alone = []
+    for prompt, step, tree in zip(prompts, steps, parents):
+        cache = model.new_cache(4)
+        model([cache], [prompt], [1])
+        alone.append(model([cache], [step], [len(step)], [tree])[0])
+    caches = [model.new_cache(4) for _ in prompts]
+    model(caches, prompts, [1] * len(prompts))
+    together = model(caches, steps, [len(s) for s in steps], parents)
+    for got, want in zip(together, alone):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plan, apart = plans[-1]
+    assert plan is not None and plan.size == 4 and apart == [3]  # the long prefill attended apart
+    assert plans[len(prompts) * 2][0].size == len(prompts)  # the ragged prefills were one call
+
+
+def test_a_batchs_host_work_does_not_grow_with_its_sequences() -> None:
+    """Aten ops of a forward (torch's profiler; on a GPU, kernel launches and host time): a decode
+    of 16 sequences dispatches about what a decode of one does (per sequence per layer, it was a
+    dozen more each)."""
+    model = random_model(dict(QWEN3_0_6B, num_hidden_layers=2, vocab_size=1000))
+    one = forward_ops(model, 1, 1, context=32, repeats=1)["ops"]
+    sixteen = forward_ops(model, 16, 1, context=32, repeats=1)["ops"]
+    verify = forward_ops(model, 16, 5, context=32, repeats=1)["ops"]
+    assert sixteen <= 1.15 * one and verify <= 1.15 * one, (one, sixteen, verify)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_invariant_logits_keep_their_bits_wherever_the_arena_puts_a_cache(dtype: torch.dtype) -> None:
+    """Batch-invariant mode (each row attends alone): a position's logits have the same bits
+    whatever it is batched with and wherever its KV sits in the arena (another range, another chunk)."""
+    model = _model().to(dtype)
+    model.make_batch_invariant()
+    c = model.cfg
+    model.kv_arena = KVArena((c.num_layers, 2, c.num_kv_heads, c.head_dim), dtype, "cpu", chunk_bytes=1)  # tiny chunks
+    g = torch.Generator().manual_seed(2)
+    prompt, other, step = (torch.randint(0, 300, (n,), generator=g).tolist() for n in (11, 7, 4))
+    alone = model.new_cache(64)
+    model([alone], [prompt], [1])
+    want = model([alone], [step], [4])[0]
+    filler = [model.new_cache(64) for _ in range(3)]  # (moves the next caches to other ranges and chunks)
+    a, b = model.new_cache(16), model.new_cache(200)
+    assert (a.lease.chunk, a.lease.base) != (alone.lease.chunk, alone.lease.base)
+    model([b, a], [other, prompt], [1, 1])
+    got = model([a, b], [step, step[:1]], [4, 1])[0]
+    assert torch.equal(got, want)
+    del filler
