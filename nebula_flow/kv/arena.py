@@ -112,10 +112,21 @@ class KVArena:
             # (the first chunk is the whole budget; one made when it is full, by fragmentation or a
             # cache larger than it, only an eighth of it or that cache: a bounded overshoot, freed when empty)
             rows = self.chunk_rows if not self.chunks else max(1 << order, self.chunk_rows // 8 // MIN_ROWS * MIN_ROWS)
-            chunk = Chunk(max(1 << order, rows), self.row_shape, self.dtype, self.device)
+            chunk = self._chunk(max(1 << order, rows), 1 << order)
             i = next((i for i, c in enumerate(self.chunks) if c is None), len(self.chunks))
             self.chunks[i:i + 1] = [chunk]
             return Lease(i, chunk.take(order), order)
+
+    def _chunk(self, rows: int, least: int) -> Chunk:
+        """A chunk of ``rows`` rows, or as many as memory allows down to ``least`` (a budget larger
+        than the host can map, or a device that is short: fewer rows, not a failed worker)."""
+        while True:
+            try:
+                return Chunk(rows, self.row_shape, self.dtype, self.device)
+            except RuntimeError:  # (torch's out-of-memory errors on every device)
+                if rows <= least:
+                    raise
+                rows = max(least, rows // 2 // MIN_ROWS * MIN_ROWS)
 
     def rows(self, lease: Lease) -> torch.Tensor:
         """The rows of ``lease`` (a view of its chunk)."""

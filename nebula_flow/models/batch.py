@@ -10,9 +10,9 @@ On a GPU each layer then costs a fixed handful of kernel launches whatever the b
 it cost a dozen per sequence per layer (``nebula-flow profile --ops`` counts them).
 
 Rows that stay apart and attend per sequence: long prefill chunks (padding every sequence to
-their length would waste more than the launches cost), caches outside the arena (shared files),
-and batch-invariant models (``models.invariant``: each row attends alone, in the decode shape, so
-its bits do not depend on the batch).
+their length would waste more than the launches cost) and caches outside the arena (shared files).
+A batch-invariant model (``models.invariant``) attends otherwise: each row as a problem of its own,
+rows of one problem size in one call (``models.rows``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections import Counter
 import torch
 
 from nebula_flow.kv.cache import KVCache
+from nebula_flow.models.rows import RowPlan
 
 GROUP_MAX_ROWS = 64  # a sequence with more new rows than this attends apart (a prefill chunk)
 
@@ -41,16 +42,11 @@ class TreeRows:
             self.depth.append(0 if p < 0 else self.depth[p] + 1)
             self.sees.append((self.sees[p] if p >= 0 else []) + [i])
         self._masks: dict[tuple, torch.Tensor] = {}  # every layer of one forward uses the same masks
-        self._slots: dict[tuple, torch.Tensor] = {}  # and the same key slots per row
 
-    def key_slots(self, row: int, past: int, begin: int, device: torch.device) -> torch.Tensor:
-        """The cache slots row ``row`` attends to, in order: the cached ones from ``begin``, then
-        its path's rows (within the window that ``begin`` starts), built once."""
-        key = (row, past, begin, device)
-        if key not in self._slots:
-            path = (past + r for r in self.sees[row] if past + self.depth[r] >= begin)
-            self._slots[key] = torch.tensor([*range(begin, past), *path], device=device)
-        return self._slots[key]
+    def path_slots(self, row: int, past: int, begin: int) -> list[int]:
+        """The new rows' slots row ``row`` attends to after the cached ones (``begin..past``), in
+        order: its path's rows within the window that ``begin`` starts, itself last."""
+        return [past + r for r in self.sees[row] if past + self.depth[r] >= begin]
 
     def mask(self, past: int, window: int | None, device: torch.device) -> torch.Tensor:
         """``attention_mask`` for these rows after ``past`` cached positions, built once."""
@@ -121,7 +117,7 @@ class GroupPlan:
                                                   for i in seqs]).to(device)
         self._plain = (pasts, lengths, trees, real)
         self._masks: dict[int | None, torch.Tensor | None] = {}
-        self.device = device
+        self.device, self.dtype = device, chunk.dtype
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """The [B, 1, width, keys] mask of the layers with ``window`` (built once per forward)."""
@@ -143,14 +139,17 @@ class GroupPlan:
                 allowed[b, :n] = False
                 allowed[b, :n, :past + n] = tree.mask(past, window, torch.device("cpu"))
         allowed[~real] = key[0] == 0  # (a padding query sees one key: no empty softmax)
-        return allowed[:, None].to(self.device)
+        # (additive: attention would turn a boolean mask into this in every layer)
+        return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))[:, None].to(self.device)
 
 
 class Batch:
     """One forward's sequences: caches, new-row counts, trees, and the grouped attention plan."""
 
     def __init__(self, caches: list[KVCache], lengths: list[int], parents: list[list[int] | None] | None,
-                 device: torch.device, group: bool) -> None:
+                 device: torch.device, group: bool, invariant_windows: set[int | None] | None = None) -> None:
+        """``invariant_windows``: the model's layers' windows, for a batch-invariant model (every row
+        attends as its own problem, ``models.rows``); else ``group``: attend in one call where possible."""
         self.caches, self.lengths = caches, lengths
         self.trees = [TreeRows.of(p) for p in parents] if parents else [None] * len(caches)
         self.starts, at = [], 0
@@ -158,8 +157,11 @@ class Batch:
             self.starts.append(at)
             at += n
         self.plan: GroupPlan | None = None
+        self.rows: RowPlan | None = None
         self.apart = list(range(len(caches)))  # sequences that attend one by one
-        if group:
+        if invariant_windows is not None:
+            self.rows, self.apart = RowPlan(caches, lengths, self.trees, self.starts, invariant_windows, device), []
+        elif group:
             self._group(device)
 
     def _group(self, device: torch.device) -> None:

@@ -16,8 +16,9 @@ Batch-invariant mode removes the shape dependence where it comes from:
   round differently, calls are zero-padded to a multiple of ``ROW_CHUNK`` rows (measured: a 1536-wide
   bf16 input rounds one way for 1-7 rows and another for 8, 16, ..., 64), so every row goes
   through a kernel that gives it the same bits.
-* Attention runs one query row at a time against exactly its own prefix (the decode shape), never
-  as a masked block (see ``llama.Attention``).
+* Attention poses each query row as a problem of its own size, whatever batch it is in: the row
+  against its own keys padded to a bucket, rows of one size stacked as a call's batch dimension
+  (``models.rows``).
 
 Elementwise and per-row operations (norms, rotary embedding, activations) do not mix rows.
 """

@@ -21,6 +21,7 @@ from nebula_flow.kv.cache import KVCache
 from nebula_flow.models import invariant, packed
 from nebula_flow.models.batch import Batch, GroupPlan, TreeRows, attention_mask
 from nebula_flow.models.config import ModelConfig
+from nebula_flow.models.rows import attend as attend_rows
 
 
 class Linear(nn.Linear):
@@ -134,7 +135,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    batch_invariant = False  # one query row at a time, against exactly its own prefix
     fused = False  # q, k and v come from one ``qkv_proj`` (``CausalLM.fuse_projections``)
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
@@ -168,6 +168,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
+        if batch.rows is not None:  # batch-invariant: each row its own problem (``models.rows``)
+            return self.o_proj(attend_rows(batch.rows, self.layer, self.window, q, k, v, heads, cfg.num_kv_heads))
         plan = batch.plan
         if plan is not None and not batch.apart:
             return self.o_proj(self._grouped(plan, q, k, v))
@@ -208,8 +210,6 @@ class Attention(nn.Module):
         cache.buf[past:end, self.layer, 0] = k
         cache.buf[past:end, self.layer, 1] = v
         keys, values = cache.layer_kv(self.layer, end)
-        if self.batch_invariant:
-            return torch.cat(self._rows_alone(q, keys, values, past, tree))
         window = self.window if self.window and end > self.window else None
         mask, causal = None, False
         if past == 0 and window is None and tree is None:
@@ -221,35 +221,6 @@ class Attention(nn.Module):
             attn_mask=mask, is_causal=causal, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
         )
         return out[0].transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim)
-
-    def _rows_alone(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, tree: TreeRows | None,
-    ) -> list[torch.Tensor]:
-        """Each query row attends to its own prefix in its own call: the shape a decode step uses,
-        so a position's output has the same bits in a decode, a verify or a prefill. The math runs
-        in fp32 (elementwise casts keep the invariance): more exact, and on CPUs a one-row fp32
-        attention call measured ~5x faster than a bf16 one (37 vs 200 us at 200 positions).
-        A row of a token ``tree`` off the first chain sees the cached prefix and its own path's
-        rows: the same keys, in the same order, as decoding its path's tokens there."""
-        cfg, out = self.cfg, []
-        n = q.shape[0]
-        window = self.window
-        lo = max(0, past + 1 - window) if window else 0  # the first key any of these rows sees
-        q32, k32, v32 = q.float(), keys[:, lo:].float(), values[:, lo:].float()
-        for i in range(n):
-            pos = past + (tree.depth[i] if tree else i)
-            begin = max(0, pos + 1 - window) if window else 0
-            if tree is None or tree.sees[i] == list(range(i + 1)):  # a chain row: one slice of slots
-                ks, vs = k32[:, begin - lo:pos + 1 - lo], v32[:, begin - lo:pos + 1 - lo]
-            else:  # the prefix, then its path's rows (stored wherever the tree put them)
-                idx = tree.key_slots(i, past, begin, q.device) - lo
-                ks, vs = k32.index_select(1, idx), v32.index_select(1, idx)
-            o = F.scaled_dot_product_attention(
-                q32[i : i + 1].transpose(0, 1)[None], ks[None], vs[None],
-                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-            )
-            out.append(o[0].transpose(0, 1).reshape(1, cfg.num_heads * cfg.head_dim).to(q.dtype))
-        return out
 
 
 class MLP(nn.Module):
@@ -306,6 +277,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.draft_head_size or cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope_scaling = rope_attention_scaling(cfg)
+        self.windows = {cfg.window(i) for i in range(cfg.num_layers)}  # (the layers' attention windows)
         head_ids = torch.zeros(cfg.draft_head_size, dtype=torch.long) if cfg.draft_head_size else None
         self.register_buffer("head_token_ids", head_ids)  # None (not saved) for an ordinary model
 
@@ -367,8 +339,6 @@ class CausalLM(nn.Module):
                 if key not in plans:
                     plans[key] = invariant.row_plan(m.weight, m.product)
                 m.row_plan = plans[key]
-            elif isinstance(m, Attention):
-                m.batch_invariant = True
         self.batch_invariant = True
         self.invariance = {"linears": {"x".join(map(str, s[:2])) + (" packed" if s[2] else ""): f"<= {p.chunk} rows" + (
             f", above {p.exact} padded to a multiple of {p.multiple}" if p.multiple > 1 else "")
@@ -413,7 +383,8 @@ class CausalLM(nn.Module):
         lengths = [len(t) for t in new_tokens]
         for cache, n in zip(caches, lengths):
             cache.reserve(cache.length + n)
-        batch = Batch(caches, lengths, parents, device, group=self.group_attention and not self.batch_invariant)
+        batch = Batch(caches, lengths, parents, device, group=self.group_attention,
+                      invariant_windows=self.windows if self.batch_invariant else None)
         ids = torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.long, device=device)
         # (positions and the picked rows made in Python, one tensor each: a few ops per sequence saved)
         positions = [c.length + d for c, n, tree in zip(caches, lengths, batch.trees)
