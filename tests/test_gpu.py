@@ -121,3 +121,25 @@ def test_two_workers_land_on_two_devices(tiny_pair) -> None:  # noqa: ANN001
         assert client.generate(token_ids=[1, 2, 3], max_new_tokens=4).token_ids
         devices = {w["device"].get("device") for w in client.status()["workers"]}
     assert devices == {"cuda:0", "cuda:1"}, devices
+
+
+def test_batch_invariant_bf16_on_cuda_keeps_a_positions_bits(tiny_pair) -> None:  # noqa: ANN001
+    """What holds on CUDA when ``batch_invariant`` is turned on there (it is off by default on
+    CUDA): the same machinery as on a CPU (linears in probed call sizes, each row's attention its
+    own problem, rows of one size stacked) gives a position the same logits bit for bit in a
+    decode, a verify block, a ragged batch and a prefill."""
+    model = load_model(tiny_pair / "target", device="cuda", dtype="bfloat16", batch_invariant=True)
+    assert model.batch_invariant
+    prompt, extra, other = list(range(3, 14)), [20, 21, 22, 23, 24], list(range(30, 37))
+    cache = model.new_cache()
+    model([cache], [prompt], [1])
+    decoded = torch.cat([model([cache], [[t]], [1])[0] for t in extra])
+    cache = model.new_cache()
+    model([cache], [prompt], [1])
+    verified = model([cache], [extra], [5])[0]
+    a, b = model.new_cache(), model.new_cache()
+    model([a, b], [prompt, other], [1, 1])
+    batched = model([b, a], [extra[:3], extra], [3, 5])[1]
+    prefilled = model([model.new_cache()], [prompt + extra], [5])[0]
+    for name, got in (("verify", verified), ("ragged batch", batched), ("prefill", prefilled)):
+        assert torch.equal(got, decoded), f"{name} logits differ from decode logits on CUDA"
