@@ -17,6 +17,7 @@ Thread-safe: the compute and prefetch threads both make and grow caches.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -92,9 +93,7 @@ class KVArena:
     def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                  chunk_bytes: int = CHUNK_BYTES) -> None:
         self.row_shape, self.dtype, self.device = row_shape, dtype, torch.device(device)
-        row_bytes = torch.empty((), dtype=dtype).element_size()
-        for d in row_shape:
-            row_bytes *= d
+        row_bytes = torch.empty((), dtype=dtype).element_size() * math.prod(row_shape)
         self.chunk_rows = max(MIN_ROWS, chunk_bytes // row_bytes // MIN_ROWS * MIN_ROWS)
         self.chunks: list[Chunk | None] = []
         self.returned: deque[Lease] = deque()  # ranges given back, not yet sorted (``give``)

@@ -59,7 +59,7 @@ class KVCache:
     def served_at(self) -> float:
         """When a network peer was last sent rows from it (monotonic): its memory is not reused
         for a while after (``FilePool``, ``KVArena``)."""
-        return self.lease.served_at if self.lease is not None else self._served_at
+        return self._served_at
 
     @served_at.setter
     def served_at(self, when: float) -> None:
@@ -147,7 +147,6 @@ class KVCache:
         rows.install()
         if self.shared is not None:
             self.shared.retire()  # readers that kept the old file mapped move to the new one
-        self._served_at = self.served_at
         self._drop_lease()  # (a shared cache lives in its file, not in the arena)
         self.buf, self.shared = rows.rows, rows
         return True

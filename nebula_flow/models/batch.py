@@ -113,8 +113,8 @@ class GroupPlan:
         self.padded = None if uniform else torch.where(real, (n_t.cumsum(0) - n_t)[:, None] + j[None, :], 0).flatten().to(device)
         self.real = None if uniform else real.flatten().nonzero().flatten().to(device)
         whole = len(seqs) == len(batch.caches)
-        self.rows = None if whole else torch.cat([torch.arange(batch.starts[i], batch.starts[i] + batch.lengths[i])
-                                                  for i in seqs]).to(device)
+        self.rows = None if whole else torch.tensor([r for i in seqs for r in range(batch.starts[i], batch.starts[i] + batch.lengths[i])],
+                                                    device=device)
         self._plain = (pasts, lengths, trees, real)
         self._masks: dict[int | None, torch.Tensor | None] = {}
         self.device, self.dtype = device, chunk.dtype

@@ -82,11 +82,10 @@ class RowPlan:
             _, slots, rows = sources.setdefault(id(source), (source, [], []))
             slots.extend(range(base + past, base + past + n))
             rows.extend(range(starts[i], starts[i] + n))
-        total = sum(lengths)
         self.writes = [(source, torch.tensor(slots, device=device),
                         None if len(sources) == 1 else torch.tensor(rows, device=device))
                        for source, slots, rows in sources.values()]
-        self.total = total
+        self.total = sum(lengths)
         self.groups = {w: self._groups(w) for w in windows}
 
     def _groups(self, window: int | None) -> list[RowGroup]:
