@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nebula_flow import fusion
 from nebula_flow.ahead import Ahead, Branch
 from nebula_flow.protocol import ProtocolError, TaskResult
 from nebula_flow.request import ROUND, Request
-from nebula_flow.tree import TokenTree, fused_gain
+from nebula_flow.tree import TokenTree
 
 
 @dataclass
@@ -26,7 +27,8 @@ class Verified:
     chains: list[list[int]]
     draft_accepted: int  # draft tokens accepted
     via_alt: bool  # a runner-up to the first draft token won
-    fused: int  # tokens a fused chain won beyond the draft
+    fused: int  # tokens a fused prompt-lookup chain won beyond the draft
+    second: int | None = None  # a fused round's second draft: its tokens on the committed path (``fusion``)
 
 
 def in_vocab(ids: list[int], vocab: int | None, what: str) -> None:
@@ -65,10 +67,11 @@ def proposal(out: TaskResult) -> dict[str, Any]:
 def verified(req: Request, out: TaskResult, vocab: int | None = None) -> Verified:
     """Check a verify or round result's committed tokens against the round's token tree (and
     the target's vocabulary: the last one is the target's own)."""
+    seconds: list[list[int]] = []
     if out.kind == ROUND:  # (drafted and verified in one task: its draft comes with the result)
         draft, runner_ups, chains = drafted(req, out, vocab)
     else:
-        draft, runner_ups, chains = req.draft, req.runner_ups, req.chains
+        draft, runner_ups, chains, seconds = req.draft, req.runner_ups, req.chains, fusion.chains(req)
         if not draft:  # a round without a draft: the target looked the chain up itself
             chains = fused_chains(req, out.chains)
             for chain in chains:
@@ -76,16 +79,25 @@ def verified(req: Request, out: TaskResult, vocab: int | None = None) -> Verifie
     committed = out.committed or []
     in_vocab(committed, vocab, "the committed tokens")
     accepted = len(committed) - 1
-    if runner_ups or chains:
-        on_path = committed and len(TokenTree([draft, *([a] for a in runner_ups), *chains]).path(committed[:-1])) == accepted
+    if runner_ups or chains or seconds:
+        tree = TokenTree([draft, *([a] for a in runner_ups), *chains, *seconds])
+        on_path = committed and len(tree.path(committed[:-1])) == accepted
     else:  # (a plain chain, most rounds: its tree is the draft, and a path of it a prefix)
         on_path = committed and committed[:-1] == draft[:accepted]
     if not on_path:
         raise ProtocolError("malformed", f"{len(committed)} committed tokens are not a path of the round's "
                                          f"drafts and one more token")
-    taken = next((i for i, (a, b) in enumerate(zip(draft, committed[:-1])) if a != b), min(len(draft), accepted))
+    taken = on_chain(draft, committed)
     via_alt = taken == 0 and accepted > 0 and committed[0] in runner_ups
-    return Verified(committed, draft, runner_ups, chains, taken, via_alt, fused_gain(accepted, taken, via_alt))
+    fused = max((on_chain(c, committed) for c in chains), default=0) - max(taken, int(via_alt))
+    return Verified(committed, draft, runner_ups, chains, taken, via_alt, max(0, fused),
+                    on_chain(seconds[0], committed) if seconds else None)
+
+
+def on_chain(chain: list[int], committed: list[int]) -> int:
+    """How many of ``chain``'s tokens a round committed: its leading run equal to the accepted tokens."""
+    accepted = committed[:-1]
+    return next((i for i, (a, b) in enumerate(zip(chain, accepted)) if a != b), min(len(chain), len(accepted)))
 
 
 def alternatives(req: Request, runner_ups: list[int], draft: list[int]) -> list[int]:
@@ -149,14 +161,14 @@ def predrafted(st: Ahead, items: list[TaskResult], worker: int, drafter: str | N
         if not out.draft or len(out.draft) > st.k:
             raise ProtocolError("malformed", f"a pre-drafted branch has {len(out.draft)} tokens, asked for 1..{st.k}")
         in_vocab(a, vocab, "a pre-draft's outcome")
-        req = _Asked(st.k, st.alts, st.fuse)
+        req = Asked(st.k, st.alts, st.fuse)
         draft, runner_ups, chains = drafted(req, out, vocab)
         branches.append(Branch(list(a), draft, proposal(out) if sampled else {}, runner_ups, chains, worker, drafter))
     return branches
 
 
 @dataclass
-class _Asked:
+class Asked:
     """What a pre-draft asked of each branch, in the shape the draft checks read (``Request``'s)."""
 
     k: int

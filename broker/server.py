@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from nebula_flow import ahead, elastic, protocol
+from nebula_flow import ahead, elastic, fusion, protocol
 from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.options import BrokerOptions
@@ -180,6 +180,9 @@ class Broker(Intake):
             if item.kind == AHEAD:
                 predrafts.setdefault((item.rid, item.attempt), []).append(item)
                 continue
+            if item.kind == DRAFT and item.attempt < 0:  # (a fused round's second draft)
+                self._second(wid, item.rid, item.attempt, item)
+                continue
             self._result(wid, item, now, arrived, msg.timing)
         for (rid, attempt), items in predrafts.items():
             self._predrafted(wid, rid, attempt, items)
@@ -198,6 +201,21 @@ class Broker(Intake):
             self.errors[exc.code] += 1
             branches = []
         self.scheduler.predrafted(req, wid, branches)
+
+    def _second(self, wid: int, rid: int, attempt: int, item: TaskResult | None) -> None:
+        """A second draft (fused drafters). A failed or bad one is counted and dropped: its round
+        verifies the first draft alone (``item`` None: it did not decode)."""
+        req = fusion.accepts(self.scheduler, wid, rid, attempt)
+        if req is None:
+            self.counters["stale_results"] += 1
+            return
+        draft = None
+        try:
+            if item is not None and not item.error:
+                draft, _, _ = results.drafted(results.Asked(req.second.k, 0, 0), item, self.admission.vocab_size)
+        except ProtocolError as exc:
+            self.errors[exc.code] += 1
+        self.scheduler.second_done(req, wid, draft)
 
     def _register(self, identity: bytes, msg: Register, now: float, key: str | None) -> None:
         self.access.check_worker(msg, key)
@@ -253,6 +271,8 @@ class Broker(Intake):
         current task), as any result the broker cannot use."""
         if head["kind"] == AHEAD:  # (a pre-draft: dropped; its request drafts as usual)
             return self._predrafted(wid, head["rid"], head["attempt"], [])
+        if head["kind"] == DRAFT and head["attempt"] < 0:  # (a second draft: its round goes without it)
+            return self._second(wid, head["rid"], head["attempt"], None)
         req = self.scheduler.accepts_result(wid, head["rid"], head["attempt"], head["kind"])
         if req is not None:
             self.workers[wid].tasks += 1
@@ -279,7 +299,7 @@ class Broker(Intake):
         self.stats.count_round(v, req.fuse > 0, req.drafter if item.kind != ROUND else None)
         text_before = req.text
         kept = self.scheduler.end_round(req, wid, v.committed, v.via_alt, v.draft_accepted, v.fused if v.chains else None,
-                                        self.admission.eos_ids, self.admission.stop_text)
+                                        self.admission.eos_ids, self.admission.stop_text, v.second)
         self.counters["rounds"] += 1
         self.counters["tokens_out"] += len(kept)
         self._stream(req, kept, req.text[len(text_before):], now)
@@ -307,7 +327,7 @@ class Broker(Intake):
         stage = self.scheduler.workers[wid].stage  # (the topic: an elastic worker's changes batch by batch)
         self.stats.batch_sizes.setdefault(stage, Counter())[len(batch)] += 1
         self.workers[wid].batches[stage] += 1
-        tasks = task_specs(self.scheduler, stage, batch, self.workers)
+        tasks = task_specs(self.scheduler, wid, batch, self.workers)
         sent = time.perf_counter()  # (before the send: the worker may start before this process runs again)
         if not self._send(self.peers, self.workers[wid].identity, Tasks(tasks)):
             self._drop_worker(wid, "unreachable")

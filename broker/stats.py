@@ -78,6 +78,7 @@ class BrokerStats:
             "tokens_per_round_hist": {str(k): v for k, v in self.tokens_per_round_hist.items()},
             "batch_sizes": {r: {str(k): v for k, v in h.items()} for r, h in self.batch_sizes.items()},
             "draft_ahead": scheduler.ahead_stats.to_dict(),  # (pre-drafts: nebula_flow/ahead.py)
+            "fusion": scheduler.fusion_stats.to_dict(),  # (second drafts of fused rounds: nebula_flow/fusion.py)
         }
 
     def _drafters_state(self, s: Scheduler) -> dict[str, dict[str, Any]]:

@@ -1,11 +1,13 @@
-"""The TASKS a batch the policy chose becomes: each request's round half, or its pre-draft
-(draft-ahead), with the KV holders it needs and what the policy asks of it."""
+"""The TASKS a batch the policy chose becomes: each request's round half, its pre-draft
+(draft-ahead) or its second draft (fused drafters), with the KV holders it needs and what the
+policy asks of it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from nebula_flow import fusion
 from nebula_flow.protocol import Holder, TaskSpec
 from nebula_flow.request import AHEAD, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import holder_key
@@ -14,20 +16,26 @@ from nebula_flow.scheduler import Scheduler
 HolderOf = Callable[[tuple[int, int]], Holder]  # (worker, valid) -> with its KV endpoint
 
 
-def task_specs(scheduler: Scheduler, stage: str, batch: list[Request], workers: Mapping[int, Any]) -> list[TaskSpec]:
-    """The tasks of a batch a worker's PULL is served from ``stage`` (its topic); ``workers``: the
+def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Mapping[int, Any]) -> list[TaskSpec]:
+    """The tasks of a batch worker ``wid``'s PULL is served (from its stage's topic); ``workers``: the
     broker's, whose ``kv_endpoint`` each holder names."""
     def holder(held: tuple[int, int]) -> Holder:
         info = workers.get(held[0])
         return Holder(*held, info.kv_endpoint if info is not None else None)
 
-    if stage == AHEAD:
+    w = scheduler.workers[wid]
+    if w.stage == AHEAD:
         return [predraft(scheduler, req, holder) for req in batch]
     tasks = []
     for req in batch:
+        if fusion.is_second(w, req):  # (a fused round's second draft: a plain draft of its own drafter's)
+            s = req.second
+            tasks.append(TaskSpec(req.rid, DRAFT, req.round, s.attempt, req.tokens, s.k, req.params.to_wire(), req.seed,
+                                  holder(req.holders.get(holder_key("draft", s.drafter), (0, 0)))))
+            continue
         task = TaskSpec(req.rid, req.phase, req.round, req.attempt, req.tokens, req.k, req.params.to_wire(),
-                        req.seed, holder(req.holders.get(scheduler.task_holder_key(req), (0, 0))),
-                        draft=req.draft, runner_ups=req.runner_ups if req.draft else [], chains=req.chains if req.draft else [])
+                        req.seed, holder(req.holders.get(scheduler.task_holder_key(req), (0, 0))), draft=req.draft,
+                        runner_ups=req.runner_ups if req.draft else [], chains=[*req.chains, *fusion.chains(req)] if req.draft else [])
         if req.phase == ROUND and "target" in req.holders:  # (an elastic round: its target KV's holder too)
             task.target_holder = holder(req.holders["target"])
         if req.alts and req.phase in (DRAFT, ROUND):

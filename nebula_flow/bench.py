@@ -135,9 +135,11 @@ def run_once(address: str, wl: BenchWorkload, api: str | None = None) -> dict[st
     workers = [{"id": w["id"], "role": w["role"], "utilization": util[w["id"]], "tasks": w["tasks"] - tasks0.get(w["id"], 0)}
                for w in s1["workers"]]
     ahead = {k: v - s0.get("draft_ahead", {}).get(k, 0) for k, v in s1.get("draft_ahead", {}).items()}
+    fused = {k: v - s0.get("fusion", {}).get(k, 0) for k, v in s1.get("fusion", {}).items() if k != "won_by"}
     return {"wall_s": wall, "requests": len(outs), "tokens": tokens, "rounds": rounds,
             # draft-ahead: its counters, and the share of rounds whose draft a pre-draft was
             "draft_ahead": ahead, "ahead_hit_rate": ahead.get("hits", 0) / max(rounds, 1),
+            "fusion": fused,  # fused drafters: second drafts, fused rounds, tokens their chains won
             "tokens_per_s": tokens / wall, "round_rate": rounds / wall,
             "tokens_per_round": tokens / max(rounds, 1),
             "utilization": statistics.mean(util.values()) if util else 0.0, "workers": workers,
@@ -169,6 +171,8 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
             for via in vias[::-1] if r % 2 else vias:  # (turns: drift of a noisy machine falls on both)
                 res = run_once(dep.address, wl, url if via == "api" else None)
                 hits = f", {res['ahead_hit_rate']:.0%} of rounds pre-drafted" if res["draft_ahead"].get("tasks") else ""
+                if res["fusion"].get("rounds"):
+                    hits += f", {res['fusion']['rounds'] / max(res['rounds'], 1):.0%} of rounds fused"
                 log(f"  {label or mode}{' via ' + via if len(vias) > 1 else ''} repeat {r + 1}/{repeats}: "
                     f"{res['tokens_per_s']:.1f} tokens/s, {res['round_rate']:.1f} rounds/s, "
                     f"{res['tokens_per_round']:.2f} tokens/round{hits}")

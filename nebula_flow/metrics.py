@@ -58,6 +58,14 @@ def families(state: dict[str, Any]) -> list[Metric]:
            "was one (late: after its verify), outcomes never used, pre-drafts cancelled, or skipped under load.",
            [(ahead.get(kind, 0), {"kind": kind}) for kind in ("tasks", "branches", "hits", "late_hits", "wasted",
                                                                "cancelled", "skipped")])
+    fused = state.get("fusion", {})
+    family("nebula_fused_drafts_total", "counter", "Fused model drafters: second drafts asked for, re-queued after "
+           "their worker died, dropped (still queued when the first draft came back, or no worker of the drafter "
+           "left), fused rounds verified, and tokens second chains won beyond the first draft.",
+           [(fused.get(kind, 0), {"kind": kind}) for kind in ("tasks", "requeued", "dropped", "rounds", "tokens_won")])
+    family("nebula_fused_rounds_won_total", "counter", "Fused rounds whose committed path went furthest along "
+           "each drafter's chain (ties counted for neither).",
+           [(n, {"drafter": name}) for name, n in sorted(fused.get("won_by", {}).items())])
     drafters = state.get("drafters", {})
     family("nebula_drafter_rounds_total", "counter", "Rounds each drafter drafted (routing among drafters).",
            [(d["rounds"], {"drafter": name}) for name, d in drafters.items()])

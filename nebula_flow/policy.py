@@ -66,6 +66,10 @@ class PolicyConfig:
                              "plus its guess of the bonus token first, then a correction after 0, 1, ... accepted "
                              "tokens, then the whole draft plus its second guess: k + 2 in all); a verify that commits "
                              "one sends the next verify at once (nebula_flow/ahead.py). 0: off.", lo=0, hi=MAX_DRAFT + 2)
+    fuse_drafters: int = _knob(0, "Pooled mode with several model drafters: a round also goes to the next best model "
+                               "drafter at once, its draft verified beside the first as a chain of the round's token "
+                               "tree (CoSine's fusion; nebula_flow/fusion.py). 1: where the expected tokens per cost "
+                               "pay for its verify rows; 2: every round (tests, benchmarks). 0: off.", lo=0, hi=2)
     max_forward_tokens: int = _knob(0, "The most uncached prompt (committed) tokens one forward pass computes: a "
                                     "longer prompt is prefilled in chunks beside the other requests' decode and "
                                     "verify rows, which are not counted (chunked prefill, nebula_flow/budget.py). "

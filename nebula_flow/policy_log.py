@@ -17,10 +17,12 @@ Records are JSON arrays, one per line (JSONL)::
     ["admit", rid, prompt_len, max_new_tokens, greedy, seeded]
     ["draft_done", rid, worker, n_draft]
     ["prefilled", rid, worker, valid]    (a chunk of a prompt computed; the task queued again)
-    ["end_round", rid, worker, committed, via_alt, draft_accepted, fused, ended, hit]
+    ["end_round", rid, worker, committed, via_alt, draft_accepted, fused, ended, hit, second]
                                          (committed: tokens the verify committed; ended: the request
                                          finished there, by EOS, length or a stop string; hit: the
-                                         pre-drafted branch that assumed them, or null)
+                                         pre-drafted branch that assumed them, or null; second: a
+                                         fused round's second chain's tokens committed, or null)
+    ["second_done", rid, worker, n_draft] (fused drafters: a second draft came back; null: it failed)
     ["predrafted", rid, worker, [[assumed, drafted], ...], hit]
                                          (draft-ahead: a pre-draft's branches, by their lengths; hit:
                                          the one that assumed what its verify committed, when that
@@ -87,17 +89,21 @@ class RecordingScheduler(Scheduler):
 
     def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
                   draft_accepted: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
-                  stop_text: Callable[[Request], bool] | None = None) -> list[int]:
+                  stop_text: Callable[[Request], bool] | None = None, second: int | None = None) -> list[int]:
         st = req.ahead if req.ahead is not None and req.ahead.round == req.round else None
         hit = next((i for i, b in enumerate(st.branches) if b.assumes == committed), None) if st and st.branches else None
         self._quiet = True
         try:
-            kept = super().end_round(req, worker_id, committed, via_alt, draft_accepted, fused, eos_ids, stop_text)
+            kept = super().end_round(req, worker_id, committed, via_alt, draft_accepted, fused, eos_ids, stop_text, second)
         finally:
             self._quiet = False
         self.records.append(["end_round", req.rid, worker_id, len(committed), via_alt, draft_accepted, fused,
-                             req.finish_reason is not None, hit])
+                             req.finish_reason is not None, hit, second])
         return kept
+
+    def second_done(self, req: Request, worker_id: int, draft: list[int] | None) -> None:
+        self.records.append(["second_done", req.rid, worker_id, None if draft is None else len(draft)])
+        super().second_done(req, worker_id, draft)
 
     def predrafted(self, req: Request, worker_id: int, branches: list[ahead.Branch]) -> None:
         self.records.append(["predrafted", req.rid, worker_id, [[len(b.assumes), len(b.draft)] for b in branches],
@@ -190,13 +196,15 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
         elif kind == "prefilled":
             policy.prefilled(reqs[args[0]], args[1], args[2])
         elif kind == "end_round":
-            rid, wid, committed, via_alt, draft_accepted, fused, ended, hit = (*args, None)[:8]  # (older logs: no hit)
+            rid, wid, committed, via_alt, draft_accepted, fused, ended, hit, second = (*args, None, None)[:9]  # (older: no hit)
             st = reqs[rid].ahead
             # (placeholders hold no EOS and no text: a request the broker ended ends here by "stop"; a
             # pre-drafted branch that assumed the committed tokens assumes the placeholders)
             tokens = st.branches[hit].assumes if hit is not None else [PLACEHOLDER] * committed
             policy.end_round(reqs[rid], wid, list(tokens), via_alt, draft_accepted, fused,
-                             stop_text=lambda _r, hit=ended: hit)
+                             stop_text=lambda _r, hit=ended: hit, second=second)
+        elif kind == "second_done":
+            policy.second_done(reqs[args[0]], args[1], None if args[2] is None else [PLACEHOLDER] * args[2])
         elif kind == "predrafted":
             rid, wid, shapes, hit = args
             req = reqs[rid]

@@ -12,6 +12,7 @@ from nebula_flow.speclen import Acceptance
 
 if TYPE_CHECKING:
     from nebula_flow.ahead import Ahead
+    from nebula_flow.fusion import Gain, Second
 
 # The phase of a request says which topic its next task sits on.
 DRAFT, VERIFY, ROUND, DONE = "draft", "verify", "round", "done"
@@ -54,6 +55,8 @@ class Request:
     drafter_rounds: dict[str, int] = field(default_factory=dict)  # drafter -> rounds it drafted
     ks: list[int] = field(default_factory=list)  # the k of each round
     ahead: Ahead | None = None  # draft-ahead: the pre-draft of the round after this one's verify (``nebula_flow/ahead.py``)
+    second: Second | None = None  # fused drafters: this round's second draft (``nebula_flow/fusion.py``)
+    second_gain: dict[str, Gain] = field(default_factory=dict)  # drafter -> what its second chains won beyond the first
     text: str = ""
     detok: Any = None  # the broker's incremental decoder of ``output`` (tokenizer.IncrementalText)
     finish_reason: str | None = None

@@ -4,9 +4,14 @@ the simulator and the deployment planner)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nebula_flow.request import DRAFT, ROUND, VERIFY
+
+if TYPE_CHECKING:
+    from nebula_flow.request import Request
 
 # mode -> the worker roles it admits (any: holds both models and takes either stage; elastic)
 MODES: dict[str, tuple[str, ...]] = {
@@ -42,8 +47,20 @@ class WorkerState:
     stage: str | None = None  # what its waiting PULL is served (a topic's tasks; elastic: chosen per PULL, or round)
     draft_capacity: int | None = None  # elastic workers: the most tasks of a draft batch (else ``capacity``)
     ahead: dict[int, int] = field(default_factory=dict)  # request -> attempt: the pre-drafts it runs (draft-ahead)
+    second: dict[int, int] = field(default_factory=dict)  # request -> attempt: the second drafts it runs (fusion)
 
 
 def holder_key(role: str, drafter: str | None = None) -> str:
     """The key of ``Request.holders`` for a role's KV: per drafter for drafts (drafters' KV differ)."""
     return f"draft/{drafter}" if role == "draft" and drafter not in (None, DEFAULT_DRAFTER) else role
+
+
+def least_loaded_slot(mode: str, workers: Iterable[WorkerState], requests: Iterable[Request]) -> int | None:
+    """Paired and colocated modes: the slot (pair, or colocated worker) that exists now with the
+    fewest requests bound to it (ties: the lowest), or None while there is none."""
+    role = MODES[mode][-1]
+    load = dict.fromkeys(sorted({w.slot for w in workers if w.role == role}), 0)
+    for r in requests:
+        if r.slot in load:
+            load[r.slot] += 1
+    return min(load, key=lambda s: (load[s], s)) if load else None

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from nebula_flow import ahead, elastic, routing, speclen
+from nebula_flow import ahead, elastic, fusion, routing, speclen
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import (
@@ -39,6 +39,7 @@ from nebula_flow.roles import (
     STAGE_TOPIC,
     WorkerState,
     holder_key,
+    least_loaded_slot,
 )
 from nebula_flow.speclen import Acceptance
 from nebula_flow.topic import Topic
@@ -75,8 +76,9 @@ class Scheduler:
         self.drafter_acceptance: dict[tuple[str, bool], Acceptance] = {}  # (drafter, greedy) ->
         self.drafters: dict[str, int] = {}  # drafter -> live draft workers
         self.requests: dict[int, Request] = {}
-        self.topics: dict[str, Topic] = {role: Topic() for role in ("draft", "target", "colocated", "ahead")}
+        self.topics: dict[str, Topic] = {role: Topic() for role in ("draft", "target", "colocated", "ahead", fusion.TOPIC)}
         self.ahead_stats = ahead.AheadStats()  # draft-ahead's pre-drafts (``nebula_flow/ahead.py``)
+        self.fusion_stats = fusion.FusionStats()  # second drafts of fused rounds (``nebula_flow/fusion.py``)
         self.workers: dict[int, WorkerState] = {}
 
     # -- workers ---------------------------------------------------------------------------
@@ -112,6 +114,7 @@ class Scheduler:
             if not self.drafters[w.drafter]:
                 del self.drafters[w.drafter]
                 self.drafter_costs.pop(w.drafter, None)
+        fusion.unregister(self, w)
         requeued = []
         for rid in sorted(w.inflight):
             req = self.requests.get(rid)
@@ -120,9 +123,7 @@ class Scheduler:
                 self.topics[PHASE_ROLE[req.phase]].appendleft(rid, self._holder(req))
                 requeued.append(rid)
         for req in self.requests.values():
-            for role, (holder, _) in list(req.holders.items()):
-                if holder == worker_id:
-                    del req.holders[role]
+            req.holders = {role: held for role, held in req.holders.items() if held[0] != worker_id}
         for topic in self.topics.values():
             topic.forget_holder(worker_id)
         self.batch_costs = {key: v for key, v in self.batch_costs.items() if key[0] != worker_id}
@@ -132,10 +133,9 @@ class Scheduler:
         return requeued
 
     def observe_costs(self, worker_id: int, role: str, seconds: list[float | None], by_batch: bool = False) -> None:
-        """A worker's forward times for its ``role``'s model by new rows (``speclen.StepCosts.table``:
-        seconds for 1, 2, ... rows of one sequence; None where not seen), used with ``measure_costs``;
-        ``by_batch``: by a forward's rows in all (``elastic.BatchCosts.table``), from which elastic
-        workers' draft costs say whether merging drafts pays."""
+        """A worker's forward times for its ``role``'s model by new rows of one sequence (``speclen.StepCosts.table``;
+        None where not seen), used with ``measure_costs``; ``by_batch``: by a forward's rows in all
+        (``elastic.BatchCosts.table``), from which elastic workers' draft costs say whether merging drafts pays."""
         if worker_id in self.workers and role in ("draft", "target") and any(t is not None for t in seconds):
             if by_batch:
                 self.batch_costs[(worker_id, role)] = list(seconds)
@@ -203,7 +203,8 @@ class Scheduler:
         else:
             req.phase = DRAFT if req.k > 0 else VERIFY
         if req.phase != DRAFT or not ahead.take(self, req):  # (a pre-drafted branch: its verify is queued)
-            self._enqueue(req)
+            self.enqueue(req)
+            fusion.plan(self, req)  # (a second drafter's chain beside the draft, where it pays)
 
     def _verify_batch(self) -> int:
         """About how many requests share a target's verify forward: the pool over the targets."""
@@ -241,8 +242,13 @@ class Scheduler:
         if w is not None:
             req.holders[holder_key("draft", drafter)] = (worker_id, len(req.prompt) + len(req.output) + max(0, len(draft) - 1))
             w.inflight.discard(req.rid)
-        self._enqueue(req)
+        if not fusion.holds_verify(self, req):  # (a fused round's verify waits for its running second draft)
+            self.enqueue(req)
         ahead.queue(self, req, worker_id)  # (draft-ahead: the next round's pre-draft, while this one verifies)
+
+    def second_done(self, req: Request, worker_id: int, draft: list[int] | None) -> None:
+        """A second draft of ``req``'s round came back (fused drafters, ``fusion.done``); None: it failed."""
+        fusion.done(self, req, worker_id, draft)
 
     def predrafted(self, req: Request, worker_id: int, branches: list[ahead.Branch]) -> None:
         """A pre-draft of ``req``'s next round came back (draft-ahead, ``ahead.done``)."""
@@ -256,7 +262,7 @@ class Scheduler:
         if self._unround(req):  # (an elastic round prefilled both models)
             req.holders["target"] = (worker_id, valid)
         self.workers[worker_id].inflight.discard(req.rid)
-        self._enqueue(req)
+        self.enqueue(req)
 
     def _unround(self, req: Request) -> bool:
         """An elastic worker's whole round going back to a topic: the draft (or draft-less verify) it was."""
@@ -266,15 +272,16 @@ class Scheduler:
         return False
 
     def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False,
-                    draft_accepted: int | None = None, fused: int | None = None) -> None:
+                    draft_accepted: int | None = None, fused: int | None = None, second: int | None = None) -> None:
         """Record a verify's (or whole round's) outcome in the policy's state (``end_round`` calls it).
 
         ``via_alt``: the accepted token was an alternative to the first draft token (a token
         tree), not the draft: the draft's acceptance was 0, and the draft's KV ends before it.
         ``draft_accepted``: the draft tokens accepted, where a fused chain won more than the draft had (the
         draft's acceptance and its KV count only those); by default ``accepted`` (0 via_alt).
-        ``fused``: the tokens a fused chain won beyond the draft (``tree.fused_gain``), None when
-        the round verified none."""
+        ``fused``: the tokens a fused chain won beyond the draft (``broker/results.py``), None when
+        the round verified none. ``second``: a fused round's second chain's tokens on the committed path
+        (``fusion.verified``), None without one."""
         req.accepted += accepted
         if draft_accepted is None:
             draft_accepted = 0 if via_alt else accepted
@@ -294,11 +301,12 @@ class Scheduler:
         if draft_key in req.holders:
             holder, draft_valid = req.holders[draft_key]
             req.holders[draft_key] = (holder, min(draft_valid, base + draft_accepted))
+        fusion.verified(self, req, draft_accepted, via_alt, second)
         self.workers[worker_id].inflight.discard(req.rid)
 
     def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
                   draft_accepted: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
-                  stop_text: Callable[[Request], bool] | None = None) -> list[int]:
+                  stop_text: Callable[[Request], bool] | None = None, second: int | None = None) -> list[int]:
         """The end of a verify (or whole round), the one place a round ends: record the outcome
         (``verify_done``), commit the tokens (cut at EOS and ``max_new_tokens``), decide whether
         the request is done (EOS, length, or ``stop_text``: the caller's check of the decoded text
@@ -306,7 +314,7 @@ class Scheduler:
 
         ``committed``: the accepted draft tokens and the target's next token. Returns the tokens
         kept; ``req.finish_reason`` is set when the request ended (it has then left the pool)."""
-        self.verify_done(req, worker_id, len(committed) - 1, via_alt, draft_accepted, fused)
+        self.verify_done(req, worker_id, len(committed) - 1, via_alt, draft_accepted, fused, second)
         kept = req.commit(committed, eos_ids)
         if stop_text is not None and stop_text(req):
             req.finish_reason = "stop"
@@ -322,6 +330,7 @@ class Scheduler:
         if req is None:
             return None
         ahead.forget(self, rid)
+        fusion.forget(self, rid)
         if req.phase != DONE:
             topic = self.topics[PHASE_ROLE[req.phase]]
             if rid in topic:
@@ -366,6 +375,7 @@ class Scheduler:
                     got = self._choose(w, room, first_pass, taken)
                     picks.setdefault(w.worker_id, []).extend(got)
                     taken.update(got)
+        seconds = fusion.dispatch(self, waiting, picks) if self.topics[fusion.TOPIC] else {}  # (second drafts join)
         if self.topics["ahead"]:
             ahead.dispatch(self, waiting, picks)  # (draft workers left without a draft task: pre-drafts)
         out = []
@@ -375,7 +385,8 @@ class Scheduler:
                     and len(w.inflight) >= len(rids) < self._room(w, w.stage):
                 continue
             w.pull_credits = 0
-            out.append((w.worker_id, ahead.commit(self, w, rids) if w.stage == "ahead" else self._commit(w, rids)))
+            out.append((w.worker_id, ahead.commit(self, w, rids) if w.stage == "ahead"
+                        else self._commit(w, rids, seconds.get(w.worker_id, ()))))
         return out
 
     def _room(self, w: WorkerState, stage: str | None) -> int:
@@ -420,7 +431,7 @@ class Scheduler:
             candidates = topic
         chosen = []
         for rid in candidates:  # stop at ``room``: a long topic costs nothing when its head is eligible
-            if rid in taken:
+            if rid in taken or rid in w.second:  # (a worker never runs both drafts of a fused round)
                 continue
             req = self.requests[rid]
             if not self._eligible(req, w) or (bare and req.draft):
@@ -436,10 +447,13 @@ class Scheduler:
                 break
         return chosen
 
-    def _commit(self, w: WorkerState, rids: list[int]) -> list[Request]:
+    def _commit(self, w: WorkerState, rids: list[int], seconds: Iterable[int] = ()) -> list[Request]:
         batch = []
         for rid in rids:
             req = self.requests[rid]  # (from its stage's topic; a round's draft-less verify: the target's)
+            if rid in seconds:  # (a second draft of a fused round: ``fusion``)
+                batch.append(fusion.commit(self, w, req))
+                continue
             next(t for t in (self.topics[STAGE_TOPIC[w.stage]], self.topics["target"]) if rid in t).remove(rid)
             req.attempt += 1
             req.phase = ROUND if w.stage == "round" else req.phase  # (an elastic worker runs it as a whole round)
@@ -447,7 +461,8 @@ class Scheduler:
             batch.append(req)
         return batch
 
-    def _enqueue(self, req: Request) -> None:
+    def enqueue(self, req: Request) -> None:
+        """Queue ``req``'s next task on its phase's topic."""
         self.topics[PHASE_ROLE[req.phase]].append(req.rid, self._holder(req))
 
     def task_holder_key(self, req: Request) -> str:
@@ -477,17 +492,9 @@ class Scheduler:
 
     def _bind(self, req: Request) -> None:
         """Paired/colocated: bind a request to the least-loaded slot that exists now."""
-        if self.mode not in ("paired", "colocated"):
-            return
-        role = MODES[self.mode][-1]
-        slots = sorted({w.slot for w in self.workers.values() if w.role == role})
-        if not slots:
-            return
-        load = {s: 0 for s in slots}
-        for r in self.requests.values():
-            if r.slot in load:
-                load[r.slot] += 1
-        req.slot = min(slots, key=lambda s: (load[s], s))
+        if self.mode in ("paired", "colocated"):
+            slot = least_loaded_slot(self.mode, self.workers.values(), self.requests.values())
+            req.slot = req.slot if slot is None else slot
 
     def depth(self) -> dict[str, int]:
         return {role: len(q) for role, q in self.topics.items() if any(role in ROLE_TOPICS[r] for r in MODES[self.mode])}

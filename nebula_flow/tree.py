@@ -45,8 +45,3 @@ class TokenTree:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
-
-def fused_gain(accepted: int, draft_accepted: int, via_alt: bool) -> int:
-    """Tokens a round's fused chains won beyond its draft: ``accepted`` tokens of its path, of
-    which ``draft_accepted`` were the draft's own and (``via_alt``) the first a runner-up's."""
-    return max(0, accepted - draft_accepted - int(via_alt))

@@ -69,7 +69,7 @@ def serve_in_process(n: int, policy: PolicyConfig, plant: Callable[[Scheduler], 
             for identity, runner in runners.items():
                 broker.scheduler.pull(broker.by_identity[identity], BATCH, True, now)
                 for wid, batch in broker.scheduler.dispatch():
-                    specs = task_specs(broker.scheduler, broker.scheduler.workers[wid].stage, batch, broker.workers)
+                    specs = task_specs(broker.scheduler, wid, batch, broker.workers)
                     tasks = [runnable(s, VOCAB) for s in protocol.decode(protocol.encode(Tasks(specs))).tasks]
                     broker.on_worker(identity, protocol.encode(Result(run_tasks(runner, tasks))), now)
                     now += 1.0

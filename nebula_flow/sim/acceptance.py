@@ -106,14 +106,15 @@ class AcceptanceModel:
         """The token-tree parameters (``TREE_KEYS``)."""
         return {key: getattr(self, key) for key in TREE_KEYS}
 
-    def accepted(self, rid: int, round_: int, k: int) -> int:
-        """Draft tokens accepted out of ``k`` in round ``round_`` of request ``rid``."""
+    def accepted(self, rid: int, round_: int, k: int, stream: int = STREAM_SIM) -> int:
+        """Draft tokens accepted out of ``k`` in round ``round_`` of request ``rid`` (``stream``: a
+        draw apart from the round's draft's, for a second drafter's chain)."""
         if k <= 0:
             return 0
         key = (self.seed * 1_000_003 + rid) & ((1 << 62) - 1)
         if self.histogram is not None:
             total = sum(c for _, c in self.histogram)
-            u, acc = uniform(key, round_, STREAM_SIM) * total, 0.0
+            u, acc = uniform(key, round_, stream) * total, 0.0
             for n, c in self.histogram:
                 acc += c
                 if u < acc:
@@ -121,7 +122,7 @@ class AcceptanceModel:
             return min(self.histogram[-1][0] - 1, k)
         rates = self.request_rates(rid)
         n = 0
-        while n < k and uniform(key, round_ * 64 + n, STREAM_SIM) < rates[min(n, len(rates) - 1)]:
+        while n < k and uniform(key, round_ * 64 + n, stream) < rates[min(n, len(rates) - 1)]:
             n += 1
         return n
 

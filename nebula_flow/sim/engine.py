@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from nebula_flow import ahead
+from nebula_flow import ahead, fusion
 from nebula_flow.budget import plan_forward
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.elastic import BatchCosts
@@ -47,7 +47,7 @@ from nebula_flow.params import SamplingParams
 from nebula_flow.request import AHEAD, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import MODEL_ROLES, holder_key
 from nebula_flow.scheduler import Scheduler
-from nebula_flow.sim import predraft
+from nebula_flow.sim import fused, predraft
 from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.costs import CostModel
 from nebula_flow.sim.scenario import Scenario, Workload, cost_on
@@ -134,10 +134,12 @@ class Simulator:
                 tasks = [SimTask(r, AHEAD, r.ahead.attempt, r.ahead.round, len(r.prompt) + len(r.output), r.ahead.k,
                                  r.holders.get(holder_key("draft", r.drafter)), r.ahead.alts, r.ahead.fuse, r.drafter,
                                  draft_len=len(r.ahead.draft), outcomes=self.policy.policy.draft_ahead) for r in batch]
-            else:
-                tasks = [SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
+            else:  # (a fused round's second draft: sim/fused.py)
+                tasks = [fused.second_task(r, self.policy.workers[wid]) or
+                         SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
                                  r.holders.get(self.policy.task_holder_key(r)), r.alts, r.fuse, r.drafter,
-                                 r.holders.get("target") if r.phase == ROUND else None) for r in batch]
+                                 r.holders.get("target") if r.phase == ROUND else None, second=fused.second_chain(r))
+                         for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
 
     def run(self) -> dict[str, Any]:
@@ -194,6 +196,13 @@ class Simulator:
                 else:
                     self.policy.predrafted(req, wid, outcome)
                 continue
+            if task.kind == DRAFT and task.attempt < 0:  # (a second draft: the broker's _second)
+                req = fusion.accepts(self.policy, wid, task.req.rid, task.attempt)
+                if req is None:
+                    self.stale += 1
+                else:
+                    self.policy.second_done(req, wid, [PLACEHOLDER] * task.k)
+                continue
             req = self.policy.accepts_result(wid, task.req.rid, task.attempt, task.kind)
             if req is None:
                 self.stale += 1
@@ -210,7 +219,7 @@ class Simulator:
             # (with draft-ahead, the last token says which guess it was: pre-drafted branches bet on it)
             last = predraft.last_token(self._acceptance(task), task, outcome) if ahead.on(self.policy) else PLACEHOLDER
             committed = [PLACEHOLDER] * accepted + [last]
-            kept = self.policy.end_round(req, wid, committed, via_alt, draft_accepted, fused)
+            kept = self.policy.end_round(req, wid, committed, via_alt, draft_accepted, fused, second=task.second_accepted)
             self.rounds += 1
             self.tokens += len(kept)
             if req.t_first is None:
@@ -218,9 +227,11 @@ class Simulator:
             # what every copy of this request's KV is still good for (a draft's: its own tokens)
             valid = {"target": task.length + accepted, "draft": task.length + draft_accepted}
             for w in self.workers.values():
-                for role, cache in w.caches.items():
-                    if req.rid in cache and cache[req.rid] > valid[role]:
-                        cache[req.rid] = valid[role]
+                for role, cache in w.caches.items():  # (a second drafter's: its own chain's)
+                    mine = valid[role] if not task.second or w.drafter != task.second[0] or role != "draft" \
+                        else task.length + task.second_accepted
+                    if req.rid in cache and cache[req.rid] > mine:
+                        cache[req.rid] = mine
             if req.finish_reason:  # (end_round took it out of the pool)
                 self.done.append(req)
                 self.t_done[req.rid] = self.now
@@ -290,6 +301,9 @@ class Simulator:
         compute = 0.0
         verifies = [t for t in batch if t.kind in (VERIFY, ROUND)]
         outcomes = {id(t): self._acceptance(t).tree_round(t.req.rid, t.round, t.k, t.alts, t.fuse) for t in verifies}
+        for t in verifies:
+            if t.second:
+                outcomes[id(t)] = fused.outcome(self.acceptance.get(t.second[0], self.sc.acceptance), t, outcomes[id(t)])
         ends = self._chunk_ends(w, batch)
         drafts = [t for t in batch if t.kind in (DRAFT, ROUND)]
         if drafts:
@@ -312,8 +326,9 @@ class Simulator:
 
     @staticmethod
     def _tree_rows(t: SimTask, outcome: Outcome) -> int:
-        """A verify's rows beyond the tail: the draft, its runner-ups, the fused chain where one was found."""
-        return t.k + (t.alts if t.k > 0 else 0) + (t.fuse if outcome[3] is not None else 0)
+        """A verify's rows beyond the tail: the draft, its runner-ups, the fused chain where one was found, a
+        second drafter's chain (each counted in full, also where it shares the draft's first tokens)."""
+        return t.k + (t.alts if t.k > 0 else 0) + (t.fuse if outcome[3] is not None else 0) + (t.second[1] if t.second else 0)
 
     def _draft_time(self, w: SimWorker, tasks: list[SimTask], ends: dict[int, int]) -> float:
         cost, cache = w.costs["draft"], w.caches["draft"]
@@ -399,6 +414,7 @@ class Simulator:
             "stale_results": self.stale, "broker_utilization": self.broker_busy_s / wall,
             "draft_ahead": self.policy.ahead_stats.to_dict(),
             "ahead_hit_rate": self.policy.ahead_stats.hits / max(self.rounds, 1),
+            "fusion": self.policy.fusion_stats.to_dict(),
             "ttft_s": percentiles([r.t_first - r.t_submit for r in self.done]),
             "latency_s": percentiles([self.t_done[r.rid] - r.t_submit for r in self.done]),
         }

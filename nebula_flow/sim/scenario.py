@@ -305,7 +305,8 @@ def _drafters(raw: Any, acceptance: AcceptanceModel, seed: int, base: Path, path
             raise ConfigError(f"{where}: name must be a drafter name of its own ({DRAFTER_RULE}; not "
                               f"{DEFAULT_DRAFTER!r}, which is [draft]'s)")
         try:
-            own = AcceptanceModel.from_config(acc, seed, base) if acc is not None else acceptance
+            # (a seed of its own: each drafter's per-request rates and accept draws apart from the others')
+            own = AcceptanceModel.from_config(acc, seed + i, base) if acc is not None else acceptance
         except (ValueError, OSError, AttributeError) as exc:
             raise ConfigError(f"{where} acceptance: {exc}") from None
         out.append(Drafter(name, _pool(entry, where, base), own))

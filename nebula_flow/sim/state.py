@@ -37,6 +37,8 @@ class SimTask:
     target_holder: tuple[int, int] | None = None  # an elastic round: its target KV's (``holder``: its draft KV's)
     draft_len: int = 0  # a pre-draft (draft-ahead): the draft being verified, whose outcomes it drafts after
     outcomes: int = 0  # a pre-draft: how many outcomes it covers
+    second: tuple[str, int] | None = None  # a fused round's verify: the second chain's drafter and tokens
+    second_accepted: int | None = None  # ... and its tokens the round committed (``sim/fused.py``)
 
 
 @dataclass
