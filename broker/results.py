@@ -169,7 +169,8 @@ def predrafted(st: Ahead, items: list[TaskResult], worker: int, drafter: str | N
 
 @dataclass
 class Asked:
-    """What a pre-draft asked of each branch, in the shape the draft checks read (``Request``'s)."""
+    """What a pre-draft asked of each branch, or a second draft of its draft (fused drafters), in the
+    shape the draft checks read (``Request``'s)."""
 
     k: int
     alts: int

@@ -209,13 +209,15 @@ class Broker(Intake):
         if req is None:
             self.counters["stale_results"] += 1
             return
-        draft = None
+        draft = chunk = None
         try:
-            if item is not None and not item.error:
+            if item is not None and item.prefilled is not None:  # (a chunk of its prompt: it runs again for the rest)
+                chunk = results.prefilled(req, item)
+            elif item is not None and not item.error:
                 draft, _, _ = results.drafted(results.Asked(req.second.k, 0, 0), item, self.admission.vocab_size)
         except ProtocolError as exc:
             self.errors[exc.code] += 1
-        self.scheduler.second_done(req, wid, draft)
+        self.scheduler.second_done(req, wid, draft, chunk)
 
     def _register(self, identity: bytes, msg: Register, now: float, key: str | None) -> None:
         self.access.check_worker(msg, key)

@@ -207,11 +207,20 @@ def accepts(sched: Scheduler, worker_id: int, rid: int, attempt: int) -> Request
     return sched.requests.get(rid) if attempt < 0 and w is not None and w.second.get(rid) == attempt else None
 
 
-def done(sched: Scheduler, req: Request, worker_id: int, draft: list[int] | None) -> None:
+def done(sched: Scheduler, req: Request, worker_id: int, draft: list[int] | None, prefilled: int | None = None) -> None:
     """A second draft came back: kept for the round's verify, queued now if it waited for this.
-    None: it failed (the round verifies without it)."""
+    None: it failed (the round verifies without it). ``prefilled``: its worker computed a chunk of the
+    prompt (chunked prefill) and holds that many positions: it goes back to its topic for the rest,
+    with a new attempt (a chunk's size depends on the batch it ran in: dropping it would make a seeded
+    sample's tree depend on timing)."""
     del sched.workers[worker_id].second[req.rid]
     second = req.second
+    if prefilled is not None:
+        req.holders[holder_key("draft", second.drafter)] = (worker_id, prefilled)
+        sched.fusion_stats.tasks += 1
+        second.worker, second.attempt = None, -sched.fusion_stats.tasks
+        sched.topics[TOPIC].appendleft(req.rid, worker_id)
+        return
     if draft is None:
         second.worker = None
         _drop(sched, req)

@@ -22,7 +22,9 @@ Records are JSON arrays, one per line (JSONL)::
                                          finished there, by EOS, length or a stop string; hit: the
                                          pre-drafted branch that assumed them, or null; second: a
                                          fused round's second chain's tokens committed, or null)
-    ["second_done", rid, worker, n_draft] (fused drafters: a second draft came back; null: it failed)
+    ["second_done", rid, worker, n_draft, prefilled]
+                                         (fused drafters: a second draft came back; n_draft null: it
+                                         failed; prefilled: positions a prompt chunk reached, or null)
     ["predrafted", rid, worker, [[assumed, drafted], ...], hit]
                                          (draft-ahead: a pre-draft's branches, by their lengths; hit:
                                          the one that assumed what its verify committed, when that
@@ -101,9 +103,9 @@ class RecordingScheduler(Scheduler):
                              req.finish_reason is not None, hit, second])
         return kept
 
-    def second_done(self, req: Request, worker_id: int, draft: list[int] | None) -> None:
-        self.records.append(["second_done", req.rid, worker_id, None if draft is None else len(draft)])
-        super().second_done(req, worker_id, draft)
+    def second_done(self, req: Request, worker_id: int, draft: list[int] | None, prefilled: int | None = None) -> None:
+        self.records.append(["second_done", req.rid, worker_id, None if draft is None else len(draft), prefilled])
+        super().second_done(req, worker_id, draft, prefilled)
 
     def predrafted(self, req: Request, worker_id: int, branches: list[ahead.Branch]) -> None:
         self.records.append(["predrafted", req.rid, worker_id, [[len(b.assumes), len(b.draft)] for b in branches],
@@ -204,7 +206,7 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
             policy.end_round(reqs[rid], wid, list(tokens), via_alt, draft_accepted, fused,
                              stop_text=lambda _r, hit=ended: hit, second=second)
         elif kind == "second_done":
-            policy.second_done(reqs[args[0]], args[1], None if args[2] is None else [PLACEHOLDER] * args[2])
+            policy.second_done(reqs[args[0]], args[1], None if args[2] is None else [PLACEHOLDER] * args[2], args[3])
         elif kind == "predrafted":
             rid, wid, shapes, hit = args
             req = reqs[rid]

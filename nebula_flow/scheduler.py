@@ -246,9 +246,9 @@ class Scheduler:
             self.enqueue(req)
         ahead.queue(self, req, worker_id)  # (draft-ahead: the next round's pre-draft, while this one verifies)
 
-    def second_done(self, req: Request, worker_id: int, draft: list[int] | None) -> None:
+    def second_done(self, req: Request, worker_id: int, draft: list[int] | None, prefilled: int | None = None) -> None:
         """A second draft of ``req``'s round came back (fused drafters, ``fusion.done``); None: it failed."""
-        fusion.done(self, req, worker_id, draft)
+        fusion.done(self, req, worker_id, draft, prefilled)
 
     def predrafted(self, req: Request, worker_id: int, branches: list[ahead.Branch]) -> None:
         """A pre-draft of ``req``'s next round came back (draft-ahead, ``ahead.done``)."""

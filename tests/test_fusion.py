@@ -100,6 +100,22 @@ def test_a_failed_second_draft_lets_its_round_verify_alone() -> None:
     assert req.rid in s.topics["target"] and fusion.chains(req) == [] and not s.workers[OTHER].second
 
 
+def test_a_second_draft_that_prefilled_a_chunk_of_its_prompt_runs_again_for_the_rest() -> None:
+    s = _sched(max_forward_tokens=2)
+    req = _admit(s)
+    [_] = _serve(s, GOOD)
+    [_] = _serve(s, OTHER)
+    first = req.second.attempt
+    s.draft_done(req, GOOD, [1, 2, 3, 4], {})
+    s.second_done(req, OTHER, None, prefilled=2)  # (2 of the 3 prompt tokens' KV)
+    assert req.holders["draft/other"] == (OTHER, 2) and req.second.attempt < first
+    assert req.rid not in s.topics["target"]  # (the verify still waits for it)
+    [again] = _serve(s, OTHER)
+    assert again is req and fusion.accepts(s, OTHER, req.rid, req.second.attempt) is req
+    s.second_done(req, OTHER, [1, 2, 3, 9])
+    assert req.rid in s.topics["target"] and fusion.chains(req) == [[1, 2, 3, 9]]
+
+
 def test_a_worker_never_takes_both_drafts_of_one_round() -> None:
     """With no worker of the first drafter left, its draft may go to any draft worker, but never to
     the one running the same round's second draft."""

@@ -97,6 +97,8 @@ def simulate(scenario, modes, concurrency, draft_workers, target_workers, sweep,
             raise click.ClickException(f"{mode}: {exc}") from None
         r = result["modes"][mode]
         hits = f", {r['ahead_hit_rate']:.0%} of rounds pre-drafted" if r["draft_ahead"]["tasks"] else ""
+        if r["fusion"]["rounds"]:
+            hits += f", {r['fusion']['rounds'] / max(r['rounds'], 1):.0%} of rounds fused"
         log(f"[simulate] {mode}: {r['round_rate']:,.1f} rounds/s, {r['tokens_per_s']:,.1f} tokens/s "
             f"({r['requests']} requests{hits}, {time.monotonic() - t0:.1f} s of simulation)")
     first = names[0]

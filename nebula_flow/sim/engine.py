@@ -201,7 +201,8 @@ class Simulator:
                 if req is None:
                     self.stale += 1
                 else:
-                    self.policy.second_done(req, wid, [PLACEHOLDER] * task.k)
+                    chunk = outcome.valid if isinstance(outcome, Prefilled) else None
+                    self.policy.second_done(req, wid, None if chunk is not None else [PLACEHOLDER] * task.k, chunk)
                 continue
             req = self.policy.accepts_result(wid, task.req.rid, task.attempt, task.kind)
             if req is None:
