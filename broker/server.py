@@ -334,8 +334,10 @@ class Broker(Intake):
         if not self._send(self.peers, self.workers[wid].identity, Tasks(tasks)):
             self._drop_worker(wid, "unreachable")
             return
+        w = self.scheduler.workers[wid]
         for req in batch if stage != AHEAD else ():  # (a pre-draft is off every round's critical path)
-            self.round_times.sent(req.rid, sent)
+            if not fusion.is_second(w, req):  # (a second draft: the round is timed by its first; a wait shows as queue)
+                self.round_times.sent(req.rid, sent)
 
     # -- the loop --------------------------------------------------------------------------
     def state(self, now: float) -> dict[str, Any]:

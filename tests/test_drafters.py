@@ -296,6 +296,24 @@ async def _generate_all(address: str, reqs: list[dict]) -> list:
         return await asyncio.gather(*(client.generate(**r) for r in reqs))
 
 
+def serve_each(cfgs: dict, reqs: list[dict]) -> dict:
+    """Each config's deployment serves ``reqs`` all at once: {key: (outputs, its status after)}."""
+    runs = {}
+    for key, cfg in cfgs.items():
+        with Deployment(cfg) as dep:
+            outs = asyncio.run(_generate_all(dep.address, reqs))
+            with Client(dep.address) as client:
+                runs[key] = (outs, client.status())
+    return runs
+
+
+def assert_targets_greedy(tiny_pair, greedy: list[dict], outs: list) -> None:  # noqa: ANN001
+    """Each greedy request's output is the tiny target's own greedy output (HF transformers')."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
+    for r, out in zip(greedy, outs):
+        assert out.token_ids == hf_greedy(tiny_pair / "target", tok(r["prompt"])["input_ids"], r["max_new_tokens"])
+
+
 def _three_drafters(tiny_pair, draft_workers: int, target_workers: int):  # noqa: ANN001, ANN202
     """The tiny draft, the tiny target itself as a draft (nearly always right) and the n-gram
     drafter. Fixed costs: measured, the tiny target as a draft costs what it saves (a draft step is
@@ -313,19 +331,13 @@ def test_three_drafters_end_to_end_greedy_lossless_and_seeded_samples_placement_
 
     greedy = [{"prompt": p, "max_new_tokens": 24 + 3 * i} for i, p in enumerate(PROMPTS)]
     sampled = [{"prompt": p, "max_new_tokens": 24, "temperature": 0.8, "seed": 300 + i} for i, p in enumerate(PROMPTS)]
-    runs = {}
+    cfgs = {}
     for key in ((1, 1), (2, 2)):
-        cfg = _three_drafters(tiny_pair, *key)
-        cfg.broker.policy_log = str(tmp_path / f"policy-{key[0]}.jsonl")
-        with Deployment(cfg) as dep:
-            outs = asyncio.run(_generate_all(dep.address, greedy + sampled))
-            with Client(dep.address) as client:
-                state = client.status()
-        runs[key] = (outs, state)
-    tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
+        cfgs[key] = _three_drafters(tiny_pair, *key)
+        cfgs[key].broker.policy_log = str(tmp_path / f"policy-{key[0]}.jsonl")
+    runs = serve_each(cfgs, greedy + sampled)
     for outs, state in runs.values():
-        for r, out in zip(greedy, outs):
-            assert out.token_ids == hf_greedy(tiny_pair / "target", tok(r["prompt"])["input_ids"], r["max_new_tokens"])
+        assert_targets_greedy(tiny_pair, greedy, outs)
         drafters = state["drafters"]
         assert set(drafters) == {"draft", "oracle", "ngram"} and all(d["rounds"] > 0 for d in drafters.values())
         # most greedy rounds go to the drafter that is nearly always right (not always: it drafts

@@ -175,38 +175,36 @@ def test_fused_rounds_in_the_simulator_win_tokens_and_replay_from_the_policy_log
 
 
 @pytest.mark.slow
-def test_fused_drafters_end_to_end_greedy_lossless_and_seeded_samples_placement_independent(tiny_pair) -> None:  # noqa: ANN001
+def test_fused_drafters_end_to_end_greedy_lossless_and_seeded_samples_placement_independent(tiny_pair, tmp_path) -> None:  # noqa: ANN001
     """The tiny draft fused with the tiny target as a second drafter, every round: greedy output is
-    the target's own, seeded samples are the same on 1 and 2 workers per drafter and the same as
-    without fusion's second chain only where nothing wins (they are not compared: a fixed chain may
-    be accepted where the draft's token was not, a different sample of the same distribution)."""
-    from transformers import AutoTokenizer
-
-    from nebula_flow.client import Client
+    the target's own, seeded samples are the same on 1 and 2 workers per drafter (not the same as
+    without fusion: a fixed chain may be accepted where the draft's token was not, another sample of
+    the same distribution), and the broker's policy log replays decision for decision."""
     from nebula_flow.config import PoolConfig
-    from nebula_flow.deploy import Deployment
-    from tests.conftest import deploy_config, hf_greedy
-    from tests.test_drafters import PROMPTS, _generate_all
+    from nebula_flow.metrics import render
+    from tests.conftest import deploy_config
+    from tests.test_drafters import PROMPTS, assert_targets_greedy, serve_each
 
     greedy = [{"prompt": p, "max_new_tokens": 20 + 3 * i} for i, p in enumerate(PROMPTS)]
     sampled = [{"prompt": p, "max_new_tokens": 20, "temperature": 0.8, "seed": 500 + i} for i, p in enumerate(PROMPTS)]
-    runs = {}
+    cfgs = {}
     for n in (1, 2):
-        cfg = deploy_config(tiny_pair, "pooled", n, n, max_batch=4)
+        cfg = cfgs[n] = deploy_config(tiny_pair, "pooled", n, n, max_batch=4)
         cfg.broker.policy = cfg.broker.policy.replace(fuse_drafters=2, adaptive_k=False, k=3)
         cfg.drafters = [PoolConfig(str(tiny_pair / "target"), n, 4, threads=1, drafter="oracle")]
-        with Deployment(cfg) as dep:
-            outs = asyncio.run(_generate_all(dep.address, greedy + sampled))
-            with Client(dep.address) as client:
-                state = client.status()
-        runs[n] = (outs, state)
-    tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
-    for outs, state in runs.values():
-        for r, out in zip(greedy, outs):
-            assert out.token_ids == hf_greedy(tiny_pair / "target", tok(r["prompt"])["input_ids"], r["max_new_tokens"])
+        cfg.broker.policy_log = str(tmp_path / f"policy-{n}.jsonl")
+    runs = serve_each(cfgs, greedy + sampled)
+    for n, (outs, state) in runs.items():
+        assert_targets_greedy(tiny_pair, greedy, outs)
         fused = state["fusion"]
         assert fused["rounds"] > 0.5 * state["counters"]["rounds"] and fused["tokens_won"] > 0, fused
         assert not state["errors"]
+        metrics = render(state)  # (what /metrics serves from this status)
+        assert f'nebula_fused_drafts_total{{kind="rounds"}} {float(fused["rounds"])}' in metrics
+        assert sum(fused["won_by"].values()) <= fused["rounds"] and set(fused["won_by"]) <= {"draft", "oracle"}
+        records = policy_log.load(tmp_path / f"policy-{n}.jsonl")
+        report = policy_log.replay(records, policy_log.policy_of(records))
+        assert report.decisions > 20 and report.identical, report.mismatches[:3]
     one, two = runs[1][0], runs[2][0]
     assert [o.token_ids for o in one[len(greedy):]] == [o.token_ids for o in two[len(greedy):]]
 

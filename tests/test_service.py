@@ -459,6 +459,7 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
     key = 'nebula_drafter_rounds_total{drafter="draft"}'  # (the tiny pair's one drafter: its folder's name)
     assert 0 < after[key] - before.get(key, 0) <= out.rounds
     assert {'nebula_token_tree_total{kind="fused_chains"}', 'nebula_token_tree_total{kind="alternatives_accepted"}'} <= set(after)
+    assert after['nebula_fused_drafts_total{kind="rounds"}'] == 0  # (one drafter: nothing to fuse)
     # where the rounds' time went: the decode rounds of this request (all but its first) and their parts
     rounds = 'nebula_round_times_rounds_total{kind="decode"}'
     assert after[rounds] - before.get(rounds, 0) == out.rounds - 1
