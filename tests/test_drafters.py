@@ -377,45 +377,56 @@ def test_cli_refuses_drafters_it_cannot_route() -> None:
     assert res.exit_code != 0 and "--drafter" in res.output
 
 
-@pytest.mark.slow
-def test_a_drafter_that_dies_mid_run_loses_no_request_and_changes_no_output(tiny_pair) -> None:  # noqa: ANN001
-    """Rounds routed to a drafter whose only worker is killed go to the drafters left."""
+def kill_mid_run(cfg, prompts: list[list[int]], ready, victim: str, max_new_tokens: int = 32):  # noqa: ANN001, ANN201
+    """Serve ``prompts`` (arrivals spread over 50 ms each) and kill worker ``victim`` once ``ready(status)``
+    holds. Returns (outputs, the status once the broker saw the death, the status when it was killed,
+    how many requests finished after the kill)."""
     import time
 
     from tests.conftest import workers_lost
 
-    prompts = [[5 + i, 40 + 3 * i, 7, 5 + i, 40 + 3 * i] for i in range(12)]  # (repeats: the n-gram drafter has work)
-    cfg = deploy_config(tiny_pair, "pooled", 1, 1, max_batch=4)
-    cfg.drafters = [PoolConfig("ngram", 1, 4, threads=1)]
     cfg.broker.liveness_s, cfg.broker.heartbeat_s = 2.0, 0.5
+    at_kill: dict = {}
+    finished_after_kill = 0
     with Deployment(cfg) as dep:
-        at_kill: dict = {}
-        finished_after_kill = 0
-
         async def run() -> list:
             nonlocal finished_after_kill
             async with AsyncClient(dep.address, timeout_s=120) as client:
                 async def one(i: int):  # noqa: ANN202
                     nonlocal finished_after_kill
-                    await asyncio.sleep(i * 0.05)  # (arrivals spread over 0.6 s)
-                    out = await client.generate(token_ids=prompts[i], max_new_tokens=32)
+                    await asyncio.sleep(i * 0.05)
+                    out = await client.generate(token_ids=prompts[i], max_new_tokens=max_new_tokens)
                     finished_after_kill += bool(at_kill)
                     return out
 
                 async def killer() -> None:
-                    # once the n-gram drafter has drafted rounds (so its death takes work away)
-                    while (await client.status())["drafters"]["ngram"]["rounds"] == 0:
+                    while not ready(await client.status()):
                         await asyncio.sleep(0.01)
-                    at_kill.update((await client.status())["drafters"])
-                    dep.kill("draft-1")  # the n-gram drafter's only worker
+                    at_kill.update(await client.status())
+                    dep.kill(victim)
 
-                return (await asyncio.gather(*(one(i) for i in range(12)), killer()))[:12]
+                return (await asyncio.gather(*(one(i) for i in range(len(prompts))), killer()))[:len(prompts)]
 
         outs = asyncio.run(run())
         deadline = time.monotonic() + 3 * cfg.broker.liveness_s
         with Client(dep.address) as c:
             while workers_lost(state := c.status()) < 1 and time.monotonic() < deadline:
                 time.sleep(0.2)
+    return outs, state, at_kill, finished_after_kill
+
+
+@pytest.mark.slow
+def test_a_drafter_that_dies_mid_run_loses_no_request_and_changes_no_output(tiny_pair) -> None:  # noqa: ANN001
+    """Rounds routed to a drafter whose only worker is killed go to the drafters left."""
+    from tests.conftest import workers_lost
+
+    prompts = [[5 + i, 40 + 3 * i, 7, 5 + i, 40 + 3 * i] for i in range(12)]  # (repeats: the n-gram drafter has work)
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1, max_batch=4)
+    cfg.drafters = [PoolConfig("ngram", 1, 4, threads=1)]
+    # once the n-gram drafter has drafted rounds (so its death takes work away): its only worker
+    outs, state, at_kill, finished_after_kill = kill_mid_run(
+        cfg, prompts, lambda st: st["drafters"]["ngram"]["rounds"] > 0, "draft-1")
+    at_kill = at_kill["drafters"]
     assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair / "target", p, 32) for p in prompts]
     assert workers_lost(state) == 1 and state["drafters"]["ngram"]["workers"] == 0
     # requests were still running when it died, and their rounds went to the drafter left

@@ -3,8 +3,6 @@ drafts verified in one token tree. The policy (pure), the simulator, and the liv
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from nebula_flow import fusion, policy_log
@@ -226,46 +224,17 @@ def test_a_seeded_sample_waits_for_its_queued_second_draft() -> None:
 @pytest.mark.slow
 def test_a_second_drafter_killed_mid_run_loses_no_request_and_changes_no_output(tiny_pair) -> None:  # noqa: ANN001
     """Fused rounds whose second drafter's only worker is killed verify without it, or re-run it."""
-    import time
-
-    from nebula_flow.client import AsyncClient, Client
     from nebula_flow.config import PoolConfig
-    from nebula_flow.deploy import Deployment
     from tests.conftest import deploy_config, hf_greedy, workers_lost
+    from tests.test_drafters import kill_mid_run
 
     prompts = [[5 + i, 40 + 3 * i, 7, 5 + i] for i in range(10)]
     cfg = deploy_config(tiny_pair, "pooled", 1, 1, max_batch=4)
     cfg.broker.policy = cfg.broker.policy.replace(fuse_drafters=2)
     cfg.drafters = [PoolConfig(str(tiny_pair / "target"), 1, 4, threads=1, drafter="oracle")]
-    cfg.broker.liveness_s, cfg.broker.heartbeat_s = 2.0, 0.5
-    with Deployment(cfg) as dep:
-        at_kill: dict = {}
-        finished_after_kill = 0
-
-        async def run() -> list:
-            nonlocal finished_after_kill
-            async with AsyncClient(dep.address, timeout_s=120) as client:
-                async def one(i: int):  # noqa: ANN202
-                    nonlocal finished_after_kill
-                    await asyncio.sleep(i * 0.05)
-                    out = await client.generate(token_ids=prompts[i], max_new_tokens=32)
-                    finished_after_kill += bool(at_kill)
-                    return out
-
-                async def killer() -> None:
-                    while (await client.status())["fusion"]["rounds"] < 3:
-                        await asyncio.sleep(0.01)
-                    at_kill.update((await client.status())["fusion"])
-                    dep.kill("draft-1")  # the second drafter's only worker
-
-                return (await asyncio.gather(*(one(i) for i in range(len(prompts))), killer()))[:len(prompts)]
-
-        outs = asyncio.run(run())
-        deadline = time.monotonic() + 3 * cfg.broker.liveness_s
-        with Client(dep.address) as c:
-            while workers_lost(state := c.status()) < 1 and time.monotonic() < deadline:
-                time.sleep(0.2)
+    # once a few rounds were fused: the second drafter's only worker
+    outs, state, at_kill, finished_after_kill = kill_mid_run(cfg, prompts, lambda st: st["fusion"]["rounds"] >= 3, "draft-1")
     assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair / "target", p, 32) for p in prompts]
     assert workers_lost(state) == 1 and "oracle" not in {d for d, v in state["drafters"].items() if v["workers"]}
     assert not state["errors"]
-    assert finished_after_kill > 0 and at_kill["rounds"] >= 3
+    assert finished_after_kill > 0 and at_kill["fusion"]["rounds"] >= 3
