@@ -106,9 +106,8 @@ def independent_gain(a1: float, k1: int, a2: float, k2: int) -> float:
     return sum((1 - (a1 ** j if j <= k1 else 0.0)) * a2 ** j for j in range(1, k2 + 1))
 
 
-def fused_worth(acc: Acceptance, k: int, alts: int, second: Acceptance, gain: float,
-                costs: tuple[float, float, float], second_costs: tuple[float, float, float],
-                verify: tuple[float | None, ...]) -> float:
+def fused_worth(acc: Acceptance, k: int, alts: int, gain: float, costs: tuple[float, float, float],
+                second_costs: tuple[float, float, float], verify: tuple[float | None, ...]) -> float:
     """Expected tokens per decode step of a round of ``k`` drafts (and ``alts`` runner-ups) with a
     second drafter's chain of ``k`` tokens beside it that wins ``gain`` tokens on average: its rows
     lengthen the verify; its draft runs beside the first, costing only what it takes longer."""
@@ -134,7 +133,7 @@ def plan(sched: Scheduler, req: Request) -> None:
         acc2 = routing.shrunk(req.by_drafter.setdefault(d, routing.starting_acceptance(pool)), pool)
         prior = independent_gain(req.acceptance.rate, req.k, acc2.rate, req.k)
         gain = req.second_gain.get(d, Gain()).mean(prior)
-        worth = fused_worth(req.acceptance, req.k, req.alts, acc2, gain, costs, sched.costs_for(req, d)[0], verify)
+        worth = fused_worth(req.acceptance, req.k, req.alts, gain, costs, sched.costs_for(req, d)[0], verify)
         if sched.policy.fuse_drafters == 2 and best is None or worth > best_worth:
             best, best_worth = d, worth
     if best is None:
