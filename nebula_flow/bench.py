@@ -139,7 +139,8 @@ def run_once(address: str, wl: BenchWorkload, api: str | None = None) -> dict[st
     return {"wall_s": wall, "requests": len(outs), "tokens": tokens, "rounds": rounds,
             # draft-ahead: its counters, and the share of rounds whose draft a pre-draft was
             "draft_ahead": ahead, "ahead_hit_rate": ahead.get("hits", 0) / max(rounds, 1),
-            "fusion": fused,  # fused drafters: second drafts, fused rounds, tokens their chains won
+            # fused drafters: second drafts, fused rounds, tokens their chains won; the share of rounds fused
+            "fusion": fused, "fused_rate": fused.get("rounds", 0) / max(rounds, 1),
             "tokens_per_s": tokens / wall, "round_rate": rounds / wall,
             "tokens_per_round": tokens / max(rounds, 1),
             "utilization": statistics.mean(util.values()) if util else 0.0, "workers": workers,
@@ -171,8 +172,8 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
             for via in vias[::-1] if r % 2 else vias:  # (turns: drift of a noisy machine falls on both)
                 res = run_once(dep.address, wl, url if via == "api" else None)
                 hits = f", {res['ahead_hit_rate']:.0%} of rounds pre-drafted" if res["draft_ahead"].get("tasks") else ""
-                if res["fusion"].get("rounds"):
-                    hits += f", {res['fusion']['rounds'] / max(res['rounds'], 1):.0%} of rounds fused"
+                if res["fused_rate"]:
+                    hits += f", {res['fused_rate']:.0%} of rounds fused"
                 log(f"  {label or mode}{' via ' + via if len(vias) > 1 else ''} repeat {r + 1}/{repeats}: "
                     f"{res['tokens_per_s']:.1f} tokens/s, {res['round_rate']:.1f} rounds/s, "
                     f"{res['tokens_per_round']:.2f} tokens/round{hits}")
@@ -186,7 +187,7 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     return {**_medians(runs), "utilization": med("utilization"),
             "kv_bytes": med("kv_bytes"), "emulated_overrun_per_forward_s": med("emulated_overrun_per_forward_s"),
-            "ahead_hit_rate": med("ahead_hit_rate"),
+            "ahead_hit_rate": med("ahead_hit_rate"), "fused_rate": med("fused_rate"),
             "breakdown": _median_breakdown([r["breakdown"] for r in runs]),
             "first_breakdown": _median_breakdown([r["first_breakdown"] for r in runs]), "repeats": runs}
 

@@ -16,6 +16,9 @@ A profile is JSON::
      "acceptance": 0.7,                     # drafts only
      "runner_up": 0.5,                      # drafts only, default 0.5: where the draft disagrees, the chance
                                             # its second choice is the target's token (draft-ahead's guesses)
+     "salt": 1,                             # drafts only, default 0: drafters of different salts disagree with
+                                            # the target at independent positions (fused drafters); same salt: at
+                                            # the same positions, as far as their rates allow
      "grid": [{"batch": 1, "tokens": 1, "context": 128, "seconds": 0.021}, ...]}   # optional, measured
 
 A forward over B sequences with T new tokens in all and C context positions in all takes
@@ -87,6 +90,7 @@ class EmulatedModel:
         self.latency = profile["latency"]
         self.acceptance = float(profile.get("acceptance", 1.0))
         self.runner_up = float(profile.get("runner_up", RUNNER_UP))
+        self.salt = int(profile.get("salt", 0)) << 40  # (above any position * 7919 + token id)
         # How faithfully this host emulates the device: forwards that took longer than the profile
         # says (host work or a late wake-up on a busy CPU) add up in ``overrun_s``.
         self.forwards, self.predicted_s, self.overrun_s = 0, 0.0, 0.0
@@ -105,7 +109,7 @@ class EmulatedModel:
         vocab = min(STAND_IN_VOCAB, self.cfg.vocab_size)
         nxt = stand_in_next(context[-1], context[-2] if pos > 1 else 0, pos, vocab)
         second = (nxt + 1) % vocab
-        if self.role == "draft" and (splitmix64(pos * 7919 + context[-1]) % 10_000) / 10_000 >= self.acceptance:
+        if self.role == "draft" and (splitmix64(pos * 7919 + context[-1] + self.salt) % 10_000) / 10_000 >= self.acceptance:
             # this position disagrees with the target; its second choice is the target's token or not
             nxt, second = second, nxt if (splitmix64(pos * 104_729 + context[-1]) % 10_000) / 10_000 < self.runner_up \
                 else (nxt + 2) % vocab
