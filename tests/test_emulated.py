@@ -50,6 +50,21 @@ def test_latency_model_and_draft_agreement_rate() -> None:
     assert 0.4 < second / (2000 - agree) < 0.6  # where it disagrees, its second choice is right half the time
 
 
+def test_drafters_of_different_salts_disagree_with_the_target_at_independent_positions() -> None:
+    target = EmulatedModel(dict(PROFILE, latency={}), "target")
+    a, b, c = (EmulatedModel(dict(PROFILE, acceptance=0.6, latency={}, salt=salt), "draft") for salt in (0, 1, 0))
+    wrong = {m: set() for m in "abc"}
+    for p in range(2, 2002):
+        ctx = [p % 97, p]
+        want = int(target._logit_row(ctx).argmax())
+        for name, model in zip("abc", (a, b, c)):
+            if int(model._logit_row(ctx).argmax()) != want:
+                wrong[name].add(p)
+    assert wrong["a"] == wrong["c"]  # (one salt: the same positions)
+    both = len(wrong["a"] & wrong["b"]) / 2000
+    assert 0.35 < len(wrong["b"]) / 2000 < 0.45 and 0.12 < both < 0.2  # (independent: 0.4 * 0.4)
+
+
 @pytest.mark.parametrize("mode", ["pooled", "colocated", "autoregressive", "elastic", "elastic+bundled",
                                   "pooled+bundled+ahead", "paired+bundled+ahead"])
 def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profiles, mode: str) -> None:  # noqa: ANN001
