@@ -16,7 +16,8 @@ first (its q drives the accept tests), the second is the next most worthy model 
 round is fused only where the expected tokens per cost with the second chain's verify rows beat
 the round without them (``fused_worth``; ``fuse_drafters = 2`` fuses every round, for tests and
 benchmarks). A request learns what the second chain wins beyond the first (``Gain``), starting
-from what two independent drafters would win; the second's own acceptance is counted too, so
+from the pool's recent experience of that drafter's chains (unseeded requests), or before there is
+any from what two independent drafters would win; the second's own acceptance is counted too, so
 routing learns it as from its own rounds.
 
 The second draft is a draft task (same wire kind; its attempt is negative, so it is never taken for
@@ -71,8 +72,8 @@ class Gain:
     def mean(self, prior: float) -> float:
         return (self.won + prior * PRIOR_ROUNDS) / (self.rounds + PRIOR_ROUNDS)
 
-    def update(self, won: int) -> None:
-        self.won, self.rounds = self.won * DECAY + won, self.rounds * DECAY + 1
+    def update(self, won: int, decay: float = DECAY) -> None:
+        self.won, self.rounds = self.won * decay + won, self.rounds * decay + 1
 
 
 @dataclass
@@ -81,7 +82,8 @@ class FusionStats:
     their worker died, dropped (still queued when the first came back, or no worker of the drafter
     left), fused rounds verified, the tokens second chains won beyond the first draft, and per
     drafter the fused rounds whose committed path went furthest along its chain (``won_by``; ties,
-    where both chains got as far, are counted for neither)."""
+    where both chains got as far, are counted for neither). ``pool``: what each drafter's second
+    chains won lately, for greedy and sampled requests apart (where a request starts; not reported)."""
 
     tasks: int = 0
     requeued: int = 0
@@ -89,9 +91,10 @@ class FusionStats:
     rounds: int = 0
     tokens_won: int = 0
     won_by: dict[str, int] = field(default_factory=dict)
+    pool: dict[tuple[str, bool], Gain] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "pool"}
 
 
 def on(sched: Scheduler) -> bool:
@@ -132,7 +135,8 @@ def plan(sched: Scheduler, req: Request) -> None:
         pool = None if req.reproducible else sched.drafter_acceptance.get((d, req.params.greedy))
         acc2 = routing.shrunk(req.by_drafter.setdefault(d, routing.starting_acceptance(pool)), pool)
         prior = independent_gain(req.acceptance.rate, req.k, acc2.rate, req.k)
-        gain = req.second_gain.get(d, Gain()).mean(prior)
+        seen = None if req.reproducible else sched.fusion_stats.pool.get((d, req.params.greedy))
+        gain = req.second_gain.get(d, Gain()).mean(seen.mean(prior) if seen is not None else prior)
         worth = fused_worth(req.acceptance, req.k, req.alts, gain, costs, sched.costs_for(req, d)[0], verify)
         if sched.policy.fuse_drafters == 2 and best is None or worth > best_worth:
             best, best_worth = d, worth
@@ -253,6 +257,8 @@ def verified(sched: Scheduler, req: Request, draft_accepted: int, via_alt: bool,
     if leader is not None:
         stats.won_by[leader] = stats.won_by.get(leader, 0) + 1
     req.second_gain.setdefault(second.drafter, Gain()).update(won)
+    if not req.reproducible:  # (a seeded sample's plan must not depend on other requests)
+        stats.pool.setdefault((second.drafter, req.params.greedy), Gain()).update(won, routing.POOL_DECAY)
     req.by_drafter.setdefault(second.drafter, Acceptance()).update(len(second.draft), second_accepted)
     if not req.reproducible:
         sched.drafter_acceptance.setdefault((second.drafter, req.params.greedy), Acceptance()).update(

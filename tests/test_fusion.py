@@ -148,6 +148,11 @@ def test_fusing_where_it_pays_weighs_the_second_chains_rows() -> None:
         _serve(s, TARGET)
         s.end_round(req, TARGET, [1, 2, 5], draft_accepted=2, second=0)
     assert req.second is None and 0 < s.fusion_stats.rounds < 12 and req.by_drafter["good"].rate < 0.75
+    # a new request starts from what the pool saw of the second drafter (nothing won), not the hopeful estimate
+    seen = s.fusion_stats.pool[("other", True)]
+    assert seen.won == 0 and seen.rounds > 0
+    assert _admit(s, rid=2, good=0.7).second is None
+    assert _admit(_sched(fuse_drafters=1, measure_costs=False, spec_costs=(0.05, 0.02, 1.1)), rid=2, good=0.7).second
 
 
 def test_fused_rounds_in_the_simulator_win_tokens_and_replay_from_the_policy_log() -> None:
