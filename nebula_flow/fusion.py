@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from nebula_flow.scheduler import Scheduler
 
 TOPIC = "second"
-PRIOR_ROUNDS = 2.0  # the independent-drafters estimate of a second chain's gain counts as this many rounds
+PRIOR_ROUNDS = 2.0  # where a second chain's gain starts (the pool's experience, or the independent estimate): this many rounds
 
 
 @dataclass
