@@ -220,12 +220,9 @@ def done(sched: Scheduler, req: Request, worker_id: int, draft: list[int] | None
     second = req.second
     if prefilled is not None:
         req.holders[holder_key("draft", second.drafter)] = (worker_id, prefilled)
-        sched.fusion_stats.tasks += 1
-        second.worker, second.attempt = None, -sched.fusion_stats.tasks
-        sched.topics[TOPIC].appendleft(req.rid, worker_id)
+        _requeue(sched, req, worker_id)
         return
     if draft is None:
-        second.worker = None
         _drop(sched, req)
         return
     second.draft, second.worker = list(draft[:second.k]), None
@@ -270,6 +267,14 @@ def verified(sched: Scheduler, req: Request, draft_accepted: int, via_alt: bool,
         req.holders[key] = (holder, min(valid, len(req.prompt) + len(req.output) + second_accepted))
 
 
+def _requeue(sched: Scheduler, req: Request, holder: int | None) -> None:
+    """``req``'s second draft goes back to the front of its topic (``holder``: who holds the KV it
+    needs) with a new attempt, so a result of the old one is stale."""
+    sched.fusion_stats.tasks += 1
+    req.second.worker, req.second.attempt = None, -sched.fusion_stats.tasks
+    sched.topics[TOPIC].appendleft(req.rid, holder)
+
+
 def _drop(sched: Scheduler, req: Request) -> None:
     """The round goes without its second draft (queued when the first came back, or no worker of its
     drafter is left); a verify that waited for it is queued."""
@@ -299,13 +304,10 @@ def unregister(sched: Scheduler, w: WorkerState) -> None:
         if req is None or req.second is None:
             continue
         if req.second.drafter not in sched.drafters:
-            req.second.worker = None
             _drop(sched, req)
             continue
         sched.fusion_stats.requeued += 1
-        sched.fusion_stats.tasks += 1
-        req.second.worker, req.second.attempt = None, -sched.fusion_stats.tasks
-        sched.topics[TOPIC].appendleft(rid, None)
+        _requeue(sched, req, None)
     w.second.clear()
     for rid in list(sched.topics[TOPIC]):  # (queued ones whose drafter has no worker left)
         req = sched.requests[rid]
