@@ -181,6 +181,35 @@ def test_the_probe_finds_where_call_size_changes_a_rows_bits() -> None:
             assert torch.equal(invariant.chunked_linear(x[:n], product, plan), whole[:n]), f"{name}: {n} rows in {plan}"
 
 
+def test_the_probe_keeps_the_widest_call_that_keeps_a_rows_bits() -> None:
+    """A kernel that changes its blocking above 32 rows (as oneDNN's AMX bf16 kernel does for the
+    bundled target's layers) still gets calls of up to 32 rows, not of 8: a 20-row verify is one
+    call. Here the wide calls compute in float64, so they round their rows differently."""
+    w = torch.randn(24, 40, generator=torch.Generator().manual_seed(3))
+
+    def rowwise(v: torch.Tensor) -> torch.Tensor:  # (a row's bits never depend on the call's size)
+        return (v.unsqueeze(1) * w).sum(-1)
+
+    def wide(v: torch.Tensor) -> torch.Tensor:
+        return (v.double().unsqueeze(1) * w.double()).sum(-1).float()
+
+    def product(v: torch.Tensor) -> torch.Tensor:
+        return rowwise(v) if v.shape[0] <= 32 else wide(v)
+
+    plan = invariant.row_plan(w, product)
+    assert plan == invariant.RowPlan(32, 32)
+    x = torch.randn(70, 40, generator=torch.Generator().manual_seed(4))
+    whole = invariant.chunked_linear(x, product, plan)
+    for n in (1, 7, 20, 32, 33):
+        assert torch.equal(invariant.chunked_linear(x[:n], product, plan), whole[:n]), n
+
+    def padded(v: torch.Tensor) -> torch.Tensor:  # small calls round apart too: padded calls, up to 16 rows
+        rows = v.shape[0]
+        return wide(v) if rows > 16 else rowwise(v) * (1 + 2 ** -10) if rows < invariant.ROW_CHUNK else rowwise(v)
+
+    assert invariant.row_plan(w, padded) == invariant.RowPlan(16, 0, invariant.ROW_CHUNK)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_token_tree_alternatives_score_like_decoding_them(checkpoint, dtype: str) -> None:  # noqa: ANN001
     """A verify with alternatives to its first draft token (a two-level token tree): each

@@ -12,7 +12,7 @@ Batch-invariant mode removes the shape dependence where it comes from:
 
 * Linear layers run on row chunks. :func:`row_plan` probes, once per weight shape, which call sizes
   give a row the same bits: every size up to ``ROW_CHUNK`` (8) for most CPU bf16 kernels, often
-  up to ``MAX_CHUNK`` (64) too, so a prefill or a big batch makes few calls; where small calls
+  up to 32 or ``MAX_CHUNK`` (64) too, so a prefill or a big batch makes few calls; where small calls
   round differently, calls are zero-padded to a multiple of ``ROW_CHUNK`` rows (measured: a 1536-wide
   bf16 input rounds one way for 1-7 rows and another for 8, 16, ..., 64), so every row goes
   through a kernel that gives it the same bits.
@@ -35,6 +35,7 @@ Product = Callable[[torch.Tensor], torch.Tensor]  # rows -> the layer's output r
 
 ROW_CHUNK = 8  # call sizes up to this keep each row's bits on bf16 CPU kernels (or, padded, its multiples)
 MAX_CHUNK = 64  # the largest call a probe may allow
+WIDER_CHUNKS = (MAX_CHUNK, 32, 16)  # the call sizes above ROW_CHUNK a probe tries, widest first
 LARGE = 1 << 20  # elements: larger weights (output heads) get a cheaper probe
 
 
@@ -66,24 +67,32 @@ def chunked_linear(x: torch.Tensor, product: Product, plan: RowPlan) -> torch.Te
 
 def row_plan(weight: torch.Tensor, product: Product | None = None) -> RowPlan:
     """The fastest plan whose call sizes all give a row the same bits, probed on this weight with
-    the kernel the layer runs (``product``; default ``F.linear``). Every size up to 64 is probed
-    for small weights; large ones (output heads: a probe call costs milliseconds) only sizes up
-    to ``ROW_CHUNK`` and the multiples of ``ROW_CHUNK``."""
+    the kernel the layer runs (``product``; default ``F.linear``): the widest call of
+    ``WIDER_CHUNKS`` whose every size up to it keeps a row's bits (probed for small weights only:
+    output heads cost milliseconds a probe call), or, padded to multiples of ``ROW_CHUNK``, the
+    widest whose multiples do; the wider of the two (exact calls on a tie). A CPU kernel that
+    changes its blocking at 48 rows still runs 9-32-row verifies in one call (measured on the
+    bundled target, AMX bf16: every size up to 32 keeps a row's bits, 48 and 64 do not; one call
+    instead of two halves a 12-row verify's reads of the weights)."""
     small = weight.numel() <= LARGE
-    multiples = range(ROW_CHUNK, MAX_CHUNK + 1, ROW_CHUNK)
 
     def independent(sizes: range, total: int, trials: int | None = None) -> bool:
         return rows_independent(weight, sizes, total, trials, product)
 
+    def widest(sizes: Callable[[int], range], trials: int) -> int | None:
+        return next((c for c in WIDER_CHUNKS if independent(sizes(c), c, trials)), None)
+
+    def multiples(c: int) -> range:
+        return range(ROW_CHUNK, c + 1, ROW_CHUNK)
+
+    padded_trials = 8 if small else 2
     if independent(range(1, ROW_CHUNK + 1), ROW_CHUNK):
-        if small and independent(range(1, MAX_CHUNK + 1), MAX_CHUNK, trials=8):
-            return RowPlan(MAX_CHUNK, MAX_CHUNK)
-        if independent(multiples, MAX_CHUNK, trials=8 if small else 2):
-            return RowPlan(MAX_CHUNK, ROW_CHUNK, ROW_CHUNK)
-        return RowPlan(ROW_CHUNK, ROW_CHUNK)
-    if independent(multiples, MAX_CHUNK, trials=8 if small else 2):
-        return RowPlan(MAX_CHUNK, 0, ROW_CHUNK)
-    return RowPlan(ROW_CHUNK, 0, ROW_CHUNK)
+        exact = (small and widest(lambda c: range(1, c + 1), trials=8)) or ROW_CHUNK
+        padded = widest(multiples, padded_trials) if exact < MAX_CHUNK else None
+        if padded is not None and padded > exact:
+            return RowPlan(padded, ROW_CHUNK, ROW_CHUNK)
+        return RowPlan(exact, exact)
+    return RowPlan(widest(multiples, padded_trials) or ROW_CHUNK, 0, ROW_CHUNK)
 
 
 @torch.inference_mode()
@@ -113,17 +122,18 @@ def rows_independent(weight: torch.Tensor, sizes: range, total: int, trials: int
 @torch.inference_mode()
 def same_bits_across_threads(model: Callable, counts: list[int]) -> bool:
     """True when ``model`` (a ``CausalLM``) gives the same logits, bit for bit, at each torch
-    thread count in ``counts``: a ragged prefill, then a decode row beside a 5-row verify. A worker
+    thread count in ``counts``: a ragged prefill, then a decode row beside a 5-row and a 20-row
+    verify (a call size of its own: ``row_plan`` may allow up to 32 rows in one call). A worker
     that borrows idle cores (``nebula_flow.cores``) computes at varying counts, which must not
     change a bit in batch-invariant mode (measured on AVX-512 bf16 oneDNN: it does not; fp32 MKL
     does, by up to ~5e-5, as batch shapes do). Leaves torch at the last count."""
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (37, 9)]
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (37, 9, 21)]
     outs = []
     for n in counts:
         torch.set_num_threads(n)
         caches = [model.new_cache(64) for _ in prompts]
-        first = model(caches, prompts, [1, 1])
-        then = model(caches, [prompts[0][:1], prompts[1][:5]], [1, 5])
+        first = model(caches, prompts, [1, 1, 1])
+        then = model(caches, [prompts[0][:1], prompts[1][:5], prompts[2][:20]], [1, 5, 20])
         outs.append(torch.cat([x.float().flatten() for x in first + then]))
     return all(torch.equal(outs[0], o) for o in outs[1:])
