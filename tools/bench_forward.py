@@ -1,5 +1,6 @@
 """Time and count one model's forwards by batch shape (docs/benchmarks.md, "One attention call per
-layer"): decodes of 1, 8 and 16 sequences and 8 and 16 five-row verifies, 128 cached positions each;
+layer"): decodes of 1, 8 and 16 sequences, a 12-row verify (a draft with a token tree), 4 seven-row
+verifies and 8 and 16 five-row verifies, 128 cached positions each;
 prints one JSON line {shape: [aten ops, median seconds]}.
 
 Run it from two checkouts in turns to compare them (each imports the nebula_flow beside it):
@@ -18,7 +19,8 @@ from nebula_flow.bundled import target_dir
 from nebula_flow.models.loader import load_model
 from nebula_flow.models.ops import forward_ops
 
-SHAPES = (("decode_1", 1, 1), ("decode_8", 8, 1), ("decode_16", 16, 1), ("verify_8x5", 8, 5), ("verify_16x5", 16, 5))
+SHAPES = (("decode_1", 1, 1), ("decode_8", 8, 1), ("decode_16", 16, 1), ("verify_1x12", 1, 12), ("verify_4x7", 4, 7),
+          ("verify_8x5", 8, 5), ("verify_16x5", 16, 5))
 
 
 def main() -> None:
