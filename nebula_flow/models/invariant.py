@@ -79,8 +79,8 @@ def row_plan(weight: torch.Tensor, product: Product | None = None) -> RowPlan:
     def independent(sizes: range, total: int, trials: int | None = None) -> bool:
         return rows_independent(weight, sizes, total, trials, product)
 
-    def widest(sizes: Callable[[int], range], trials: int) -> int | None:
-        return next((c for c in WIDER_CHUNKS if independent(sizes(c), c, trials)), None)
+    def widest(sizes: Callable[[int], range], trials: int, above: int = 0) -> int | None:
+        return next((c for c in WIDER_CHUNKS if c > above and independent(sizes(c), c, trials)), None)
 
     def multiples(c: int) -> range:
         return range(ROW_CHUNK, c + 1, ROW_CHUNK)
@@ -88,8 +88,8 @@ def row_plan(weight: torch.Tensor, product: Product | None = None) -> RowPlan:
     padded_trials = 8 if small else 2
     if independent(range(1, ROW_CHUNK + 1), ROW_CHUNK):
         exact = (small and widest(lambda c: range(1, c + 1), trials=8)) or ROW_CHUNK
-        padded = widest(multiples, padded_trials) if exact < MAX_CHUNK else None
-        if padded is not None and padded > exact:
+        padded = widest(multiples, padded_trials, above=exact)
+        if padded is not None:
             return RowPlan(padded, ROW_CHUNK, ROW_CHUNK)
         return RowPlan(exact, exact)
     return RowPlan(widest(multiples, padded_trials) or ROW_CHUNK, 0, ROW_CHUNK)
