@@ -38,7 +38,7 @@ from nebula_flow.kv.cache import KVCache
 from nebula_flow.models.batch import TreeRows
 from nebula_flow.specdec import splitmix64
 
-RUNNER_UP = 0.5  # a profile's default "runner_up": a guess; the bundled CPU pair measures 0.28-0.39 (tools/measure_guesses.py)
+RUNNER_UP = 0.5  # a profile's default "runner_up": a guess; the bundled CPU pair measures ~0.28 (eval-draft --guesses)
 STAND_IN_VOCAB = 256  # the stand-in emits ids below min(this, vocab): cheap, and ids any tokenizer has (the broker
 # checks every id against the served tokenizer's vocabulary: the tiny pair's has 512)
 

@@ -101,6 +101,23 @@ def test_eval_draft_command_reports_each_k_in_bf16(tiny_pair) -> None:  # noqa: 
     assert bad.exit_code != 0 and "Error" in bad.output
 
 
+def test_eval_draft_reports_how_often_the_drafts_choices_catch_the_targets_token(tiny_pair) -> None:  # noqa: ANN001
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+    from nebula_flow_workers.evaluate import EVAL_PROMPTS
+
+    args = ["eval-draft", "--target", str(tiny_pair / "target"), "--ks", "2", "--max-new-tokens", "10", "--guesses"]
+    res = CliRunner().invoke(main, [*args, "--draft", str(tiny_pair / "draft")])
+    assert res.exit_code == 0, res.output
+    g = json.loads(res.stdout)["guesses"]
+    assert g["positions"] == 10 * len(EVAL_PROMPTS)
+    assert all(0.0 <= g[key] <= 1.0 for key in ("first", "second_where_first_missed", "third_where_two_missed"))
+    same = json.loads(CliRunner().invoke(main, [*args, "--draft", str(tiny_pair / "target")]).stdout)["guesses"]
+    assert same["first"] == 1.0  # the target drafting for itself: its first choice is always its own token
+    assert CliRunner().invoke(main, [*args, "--draft", str(tiny_pair / "draft"), "--temperature", "0.5"]).exit_code != 0
+
+
 def test_target_generation_records_its_own_greedy_text_and_ends_rows_at_a_stop_token(tiny_pair, tmp_path,
                                                                                      monkeypatch) -> None:  # noqa: ANN001
     from nebula_flow.corpus import corpus_files

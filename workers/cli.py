@@ -151,8 +151,10 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
               "only, there is no output to compare).")
 @click.option("--seeds", default=3, show_default=True, type=click.IntRange(1, 1000),
               help="With --temperature: samples of each prompt (each request draws from its own seed).")
+@click.option("--guesses", is_flag=True, help="Also report how often the draft's first, second and third choices "
+              "are the target's greedy token (the second is what draft-ahead's pre-drafts bet on).")
 def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_new_tokens: int,
-               alternatives: int, fuse_ngram: int, chat: bool, temperature: float, seeds: int) -> None:
+               alternatives: int, fuse_ngram: int, chat: bool, temperature: float, seeds: int, guesses: bool) -> None:
     """Committed tokens per round of a draft/target pair at each k, on the built-in code prompts
     (not from the training corpus). Greedy by default, checking the output equals the target
     alone; --temperature samples."""
@@ -160,6 +162,8 @@ def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_n
     from nebula_flow.models.config import ModelConfigError
     from nebula_flow_workers.evaluate import EVAL_CHAT_PROMPTS, EVAL_PROMPTS, evaluate_pair
 
+    if guesses and temperature:
+        raise click.UsageError("--guesses compares with the target's greedy output: not with --temperature")
     try:
         check_pair(draft, target)
     except (IncompatiblePair, ModelConfigError) as exc:
@@ -168,7 +172,7 @@ def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_n
                f"{max_new_tokens} tokens, target {target_dtype or 'default dtype'}"
                + (f", sampled at temperature {temperature}, {seeds} seeds" if temperature else ""), err=True)
     res = evaluate_pair(target, draft, max_new_tokens, tuple(int(k) for k in ks.split(",")), target_dtype,
-                        alternatives, chat, fuse_ngram, temperature, seeds)
+                        alternatives, chat, fuse_ngram, temperature, seeds, guesses)
     click.echo(json.dumps(res, indent=2))
 
 

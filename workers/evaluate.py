@@ -7,7 +7,9 @@ import sys
 import time
 
 import numpy as np
+import torch
 
+from nebula_flow.models.llama import CausalLM
 from nebula_flow.models.loader import load_model
 from nebula_flow.params import SamplingParams
 from nebula_flow.tokenizer import TextCodec, eos_token_ids
@@ -58,7 +60,7 @@ def eval_prompts(codec: TextCodec, chat: bool) -> list[list[int]]:
 
 def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[int, ...] = (2, 4, 6),
                   target_dtype: str | None = None, alternatives: int = 0, chat: bool = False,
-                  fuse_ngram: int = 0, temperature: float = 0.0, seeds: int = 1) -> dict:
+                  fuse_ngram: int = 0, temperature: float = 0.0, seeds: int = 1, guesses: bool = False) -> dict:
     """Mean committed tokens per round (greedy, or sampled) at each k on ``EVAL_PROMPTS`` (``chat``: on
     ``EVAL_CHAT_PROMPTS`` in the target's chat format), using the
     real runner code; also checks the output equals the target's own greedy output (the target
@@ -66,7 +68,8 @@ def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[i
     ``alternatives``: runner-ups to the first draft token verified beside the chain (token tree);
     ``fuse_ngram``: a prompt-lookup chain of up to that many tokens verified beside it too.
     ``temperature`` > 0: sampled requests, ``seeds`` of each prompt (rejection sampling keeps the
-    target's distribution, not its tokens, so there is no output to compare; ``lossless`` is None)."""
+    target's distribution, not its tokens, so there is no output to compare; ``lossless`` is None).
+    ``guesses`` (greedy): also how often the draft's choices catch the target's tokens (``guess_rates``)."""
     codec = TextCodec(target)
     t_run, d_run = ModelRunner(load_model(target, dtype=target_dtype)), ModelRunner(load_model(draft))
     sampled = temperature > 0
@@ -101,6 +104,8 @@ def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[i
                 r.store.free([rid])
         if k == 0:
             reference = outs
+            if guesses:
+                result["guesses"] = guess_rates(d_run.model, prompts, outs)
             continue
         same = None if sampled else outs == reference
         result[f"k={k}"] = {"tokens_per_round": sum(map(len, outs)) / rounds, "lossless": same}
@@ -108,3 +113,24 @@ def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[i
              (f"sampled at temperature {temperature} ({seeds} seeds of each prompt)" if sampled else
               f"output {'equals' if same else 'DIFFERS FROM'} the target's greedy output"))
     return result
+
+
+@torch.inference_mode()
+def guess_rates(draft: CausalLM, prompts: list[list[int]], answers: list[list[int]]) -> dict[str, float]:
+    """Over the positions of the target's greedy ``answers``: how often the draft's first choice is
+    the target's token (greedy acceptance), its second where the first missed (what draft-ahead's
+    pre-drafts bet on: ``nebula_flow/ahead.py``; the emulated profiles' ``runner_up``), and its
+    third where both missed."""
+    counts = [0, 0, 0, 0]  # the target's token ranked first, second, third, lower by the draft
+    for prompt, answer in zip(prompts, answers):
+        if not answer:
+            continue
+        cache = draft.new_cache(capacity=len(prompt) + len(answer) + 1)
+        rows = draft([cache], [[*prompt, *answer[:-1]]], [len(answer)])[0]
+        top = draft.token_ids(torch.topk(rows.float(), 3, dim=-1).indices).tolist()
+        for want, choices in zip(answer, top):
+            counts[choices.index(want) if want in choices else 3] += 1
+    missed = sum(counts[1:])
+    return {"positions": sum(counts), "first": counts[0] / max(sum(counts), 1),
+            "second_where_first_missed": counts[1] / max(missed, 1),
+            "third_where_two_missed": counts[2] / max(missed - counts[1], 1)}
