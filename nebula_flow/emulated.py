@@ -122,10 +122,12 @@ class EmulatedModel:
         return row
 
     def __call__(
-        self, caches: list[KVCache], new_tokens: list[list[int]], logit_rows: list[int],
+        self, caches: list[KVCache], new_tokens: list[list[int]] | torch.Tensor, logit_rows: list[int],
         parents: list[list[int] | None] | None = None,
     ) -> list[torch.Tensor]:
         t0 = time.perf_counter()
+        if isinstance(new_tokens, torch.Tensor):  # (a draft step's picks: this stand-in computes on the host)
+            new_tokens = [[t] for t in new_tokens.tolist()]
         tokens = sum(len(t) for t in new_tokens)
         context = sum(c.length for c in caches) + tokens
         out = []

@@ -87,10 +87,17 @@ def propose(
     top = torch.topk(p, min(proposal_top_k, p.shape[-1]))
     q_prob = top.values.float().cpu().numpy()  # (logits may live on a device: only the top-k cross to the host)
     q_idx = top.indices.to(torch.int32).cpu().numpy()
+    pick, q_idx, q_prob = draw(q_idx, q_prob, seed, position)
+    return int(q_idx[pick]), q_idx, q_prob
+
+
+def draw(q_idx: np.ndarray, q_prob: np.ndarray, seed: int, position: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """The draft's draw from its proposal as shipped (``q_prob`` fp32, most likely first): the
+    entries that stay (the positive ones), and the place among them of the token drawn with
+    ``uniform(seed, position, STREAM_DRAFT)``."""
     keep = q_prob > 0
     q_prob, q_idx = q_prob[keep], q_idx[keep]
-    pick = sample_index(normalize_proposal(q_prob), uniform(seed, position, STREAM_DRAFT))
-    return int(q_idx[pick]), q_idx, q_prob
+    return sample_index(normalize_proposal(q_prob), uniform(seed, position, STREAM_DRAFT)), q_idx, q_prob
 
 
 def verify(

@@ -143,3 +143,46 @@ def test_batch_invariant_bf16_on_cuda_keeps_a_positions_bits(tiny_pair) -> None:
     prefilled = model([model.new_cache()], [prompt + extra], [5])[0]
     for name, got in (("verify", verified), ("ragged batch", batched), ("prefill", prefilled)):
         assert torch.equal(got, decoded), f"{name} logits differ from decode logits on CUDA"
+
+
+def test_draft_steps_on_cuda_wait_for_the_device_once_whatever_k(tiny_pair) -> None:  # noqa: ANN001
+    """A batch's draft steps on CUDA (``workers/draft_steps.py``): greedy and sampled drafts equal
+    the host loop's (one sequence, step by step, each token read on the host); the synchronising
+    calls do not grow with k (torch's sync debug mode counts them); and the forwards' times reach
+    the step costs as the device's (``ForwardClock``), not the launches'."""
+    import warnings
+
+    from nebula_flow import specdec
+    from nebula_flow.params import SamplingParams
+    from nebula_flow_workers.runner import ModelRunner, Task
+
+    model = load_model(tiny_pair / "draft", device="cuda", dtype="float32")
+    kinds = [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95)]
+
+    def host_loop(t: Task) -> list[int]:
+        cache, feed, out = model.new_cache(), t.tokens.tolist(), []
+        for step in range(t.k):
+            row = model([cache], [feed], [1])[0][0]
+            out.append(int(model.token_ids(torch.tensor(specdec.propose(row, t.params, t.seed, len(t.tokens) + step, 8)[0]))))
+            feed = [out[-1]]
+        return out
+
+    def syncs(k: int) -> int:
+        runner = ModelRunner(model, proposal_top_k=8)
+        tasks = [Task(rid, "draft", 1, 1, np.arange(1, 12 + rid), k, p, rid) for rid, p in enumerate(kinds)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                drafts = runner.draft(tasks)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(len(d.tokens) == k for d in drafts)
+        assert runner.step_costs.seconds.get(1, 0) > 0
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    for p in kinds:
+        t = Task(0, "draft", 1, 1, np.arange(1, 12), 5, p, 3)
+        assert ModelRunner(model, proposal_top_k=8).draft([t])[0].tokens == host_loop(t)
+    assert syncs(1) == syncs(6)

@@ -5,7 +5,6 @@ No sockets here: the worker loop hands it decoded tasks and sends back what it r
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +22,8 @@ from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Holder
 from nebula_flow.speclen import StepCosts
 from nebula_flow.tree import TokenTree
+from nebula_flow_workers.draft_steps import DraftSteps
+from nebula_flow_workers.forward_clock import ForwardClock
 
 
 @dataclass
@@ -79,19 +80,22 @@ class ModelRunner:
         self.batch_costs = BatchCosts()  # by the forward's rows in all: what an elastic worker's stages cost
         self.max_forward_tokens = 0
         self.before_forward: Callable[[], object] | None = None  # (a worker's core lease claims its threads)
+        self.clock = ForwardClock(model.lm_head.weight.device if isinstance(model, CausalLM) else torch.device("cpu"))
 
     def _forward(self, caches, new_tokens, rows, parents=None):  # noqa: ANN001, ANN202 - internal
         if self.before_forward is not None:
             self.before_forward()
-        t0 = time.perf_counter()
-        out = self.model(caches, new_tokens, rows, parents)
-        took = time.perf_counter() - t0
-        self.busy_s += took
+        lengths = [1] * len(caches) if isinstance(new_tokens, torch.Tensor) else list(map(len, new_tokens))
         self.forwards += 1
-        if len(caches) == 1 and rows[0]:  # (a batch's time depends on its mix; speculation runs single-stream)
-            self.step_costs.observe(len(new_tokens[0]), took)
-        self.batch_costs.observe(sum(map(len, new_tokens)), took)
-        return out
+        with self.clock.timing(lambda took: self._observe(took, lengths, rows)):
+            return self.model(caches, new_tokens, rows, parents)
+
+    def _observe(self, took: float, lengths: list[int], rows: list[int]) -> None:
+        """A forward of ``lengths`` new tokens per sequence took ``took`` seconds on the device."""
+        self.busy_s += took
+        if len(lengths) == 1 and rows[0]:  # (a batch's time depends on its mix; speculation runs single-stream)
+            self.step_costs.observe(lengths[0], took)
+        self.batch_costs.observe(sum(lengths), took)
 
     def chunk_ends(self, tasks: list[Task], held: list[int] | None = None) -> list[int | None]:
         """Under the token budget, where each task's forward stops this time: None where it runs
@@ -111,39 +115,50 @@ class ModelRunner:
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
         ends = self.chunk_ends(tasks, [c.length for c in caches]) if ends is None else ends
         drafts = self._drafts(tasks, caches, ends)
+        self.clock.settle()
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
         return drafts
 
     def _drafts(self, tasks: list[Task], caches: list[KVCache], ends: list[int | None]) -> list[Draft]:
-        """``draft``'s forwards, over caches already cut to what each task reuses."""
-        drafts = [Draft([], None if t.params.greedy else [], None if t.params.greedy else []) for t in tasks]
+        """``draft``'s forwards, over caches already cut to what each task reuses. Each step's
+        tokens feed the next forward on the device; the host reads them once, after the last
+        (``DraftSteps``)."""
         new = [t.tokens[c.length:end].tolist() for t, c, end in zip(tasks, caches, ends)]
         active = [i for i, t in enumerate(tasks) if t.k > 0 and ends[i] is None]
         chunks = [i for i, end in enumerate(ends) if end is not None and new[i]]  # (in the first forward, no logits)
+        model = self.model
+        steps = DraftSteps(model.token_ids if model.head_token_ids is not None else (lambda rows: rows),
+                           self.proposal_top_k, [t.params for t in tasks], [t.seed for t in tasks],
+                           [len(t.tokens) for t in tasks])
+        feed: list[list[int]] | torch.Tensor = [new[i] for i in active + chunks]
+        fed_from = {}  # task -> the position of the first token fed from the device
         step = 0
         while active or chunks:
-            ran = active + chunks
-            logits = self._forward([caches[i] for i in ran], [new[i] for i in ran], [1] * len(active) + [0] * len(chunks))
+            logits = self._forward([caches[i] for i in active + chunks], feed, [1] * len(active) + [0] * len(chunks))
             chunks = []
-            best = greedy_picks(logits[:len(active)], [tasks[i].params.greedy for i in active])
-            for i, row, pick in zip(active, logits, best):
-                t = tasks[i]
-                tok, q_idx, q_prob = self._propose(row[0], t, len(t.tokens) + step, pick)
-                if step == 0 and t.alts:  # runner-ups to the first token (token tree): to the token drawn, if sampled
-                    drafts[i].runner_ups = self._ranked(row[0], t.alts, tok)
-                drafts[i].tokens.append(tok)
-                if q_idx is not None:
-                    drafts[i].q_idx.append(q_idx)
-                    drafts[i].q_prob.append(q_prob)
-                new[i] = [tok]
+            if not active:
+                break
+            rows = torch.cat(logits[:len(active)])
+            if step == 0:
+                steps.runner_ups(rows, active, [tasks[i].alts for i in active])
+            picked = steps.choose(rows, active)
             step += 1
-            active = [i for i in active if tasks[i].k > step]
-        for t, d, c, end in zip(tasks, drafts, caches, ends):
+            going = [j for j, i in enumerate(active) if tasks[i].k > step]
+            feed = picked if len(going) == len(active) else picked[torch.tensor(going, dtype=torch.long, device=picked.device)]
+            active = [active[j] for j in going]
+            for i in active:
+                fed_from.setdefault(i, caches[i].length)
+        drafted = steps.settle(len(tasks))
+        drafts = []
+        for i, (t, c, end, d) in enumerate(zip(tasks, caches, ends, drafted)):
+            if i in fed_from:
+                c.settle(fed_from[i], d.fed[:c.length - fed_from[i]])
+            drafts.append(Draft(d.tokens, d.q_idx, d.q_prob, d.runner_ups))
             if end is not None:
                 t.prefilled = c.length
             elif t.fuse and (chain := fused_ngram(t.tokens, t.fuse)):
-                d.chains = [chain]
+                drafts[-1].chains = [chain]
         return drafts
 
     def _propose(self, row: torch.Tensor, t: Task, position: int, pick: list[int] | None = None,
@@ -206,6 +221,7 @@ class ModelRunner:
                 owners.append((i, assumed))
         for (i, assumed), d in zip(owners, self._drafts(subtasks, subcaches, [None] * len(subtasks))):
             out[i].append((assumed, d))
+        self.clock.settle()
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
         return out
@@ -246,6 +262,7 @@ class ModelRunner:
             # keep the KV of the accepted path (moved into place when it is not the first chain's)
             c.adopt([position + node for node in tree.path(committed[:-1])], position)
             out.append(committed)
+        self.clock.settle()
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
         return out

@@ -31,6 +31,10 @@ from nebula_flow.kv.arena import KVArena
 
 log = logging.getLogger("nebula_flow.kv")
 
+# A position whose KV a forward computed from a token still on the device (a draft step's pick),
+# until the host learns it (``KVCache.settle``); no token id is negative, so no prefix matches it.
+PENDING = -1
+
 
 class KVCache:
     """KV of one request for one model; grows by doubling, rolls back by length."""
@@ -190,6 +194,11 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
+
+    def settle(self, position: int, tokens: list[int]) -> None:
+        """The tokens at ``position``, ``position + 1``, ..., fed to a forward from the device
+        (``PENDING`` until now), as the host learned them."""
+        self.tokens[position:position + len(tokens)] = tokens
 
     def adopt(self, slots: list[int], position: int) -> None:
         """Keep one path of a token tree (``CausalLM.forward``'s ``parents``): the tokens computed

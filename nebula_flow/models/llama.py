@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nebula_flow.kv.arena import CHUNK_BYTES, KVArena
-from nebula_flow.kv.cache import KVCache
+from nebula_flow.kv.cache import PENDING, KVCache
 from nebula_flow.models import invariant, packed
 from nebula_flow.models.batch import Batch, GroupPlan, TreeRows, attention_mask
 from nebula_flow.models.config import ModelConfig
@@ -364,12 +364,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, caches: list[KVCache], new_tokens: list[list[int]], logit_rows: list[int],
+        self, caches: list[KVCache], new_tokens: list[list[int]] | torch.Tensor, logit_rows: list[int],
         parents: list[list[int] | None] | None = None,
     ) -> list[torch.Tensor]:
         """Run one ragged step.
 
-        ``new_tokens[i]`` are appended to ``caches[i]``; the result holds, for sequence i,
+        ``new_tokens[i]`` are appended to ``caches[i]``: a list of token ids each, or one tensor on
+        the model's device with one token per sequence (a draft step fed the step before's picks
+        without reading them on the host; the caches record ``PENDING`` until ``KVCache.settle``).
+        The result holds, for sequence i,
         fp32 logits of its last ``logit_rows[i]`` new positions (0 = none). Only those rows go
         through the output head, which dominates the cost for large vocabularies. Logit column j
         scores token ``token_ids(j)``.
@@ -380,12 +383,14 @@ class CausalLM(nn.Module):
         order given; the caller keeps one path of it (``KVCache.adopt``).
         """
         device = self.lm_head.weight.device
-        lengths = [len(t) for t in new_tokens]
+        on_device = isinstance(new_tokens, torch.Tensor)
+        lengths = [1] * len(caches) if on_device else [len(t) for t in new_tokens]
         for cache, n in zip(caches, lengths):
             cache.reserve(cache.length + n)
         batch = Batch(caches, lengths, parents, device, group=self.group_attention,
                       invariant_windows=self.windows if self.batch_invariant else None)
-        ids = torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.long, device=device)
+        ids = new_tokens.long() if on_device else torch.tensor([t for seq in new_tokens for t in seq],
+                                                               dtype=torch.long, device=device)
         # (positions and the picked rows made in Python, one tensor each: a few ops per sequence saved)
         positions = [c.length + d for c, n, tree in zip(caches, lengths, batch.trees)
                      for d in (range(n) if tree is None else tree.depth)]
@@ -399,7 +404,7 @@ class CausalLM(nn.Module):
         cos, sin = emb_cos.to(x.dtype), emb_sin.to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch)
-        for cache, seq in zip(caches, new_tokens):
+        for cache, seq in zip(caches, [[PENDING]] * len(caches) if on_device else new_tokens):
             cache.tokens.extend(seq)
         rows = [start + n - want + r for start, n, want in zip(batch.starts, lengths, logit_rows) for r in range(want)]
         picked = self.model.norm(x[torch.tensor(rows, dtype=torch.long, device=device)])
