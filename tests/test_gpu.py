@@ -186,3 +186,32 @@ def test_draft_steps_on_cuda_wait_for_the_device_once_whatever_k(tiny_pair) -> N
         t = Task(0, "draft", 1, 1, np.arange(1, 12), 5, p, 3)
         assert ModelRunner(model, proposal_top_k=8).draft([t])[0].tokens == host_loop(t)
     assert syncs(1) == syncs(6)
+
+
+def test_kv_copies_do_not_wait_behind_the_running_batch(tiny_pair) -> None:  # noqa: ANN001
+    """A KV pull over ZeroMQ into CUDA memory, and the holder's copy out of it, run on copy
+    streams of their own (``kv/device_copy.py``): both finish while the compute stream is still
+    busy, and a forward on the pulled cache then gives the holder's logits (it waits for the copy)."""
+    from nebula_flow.kv import device_copy
+
+    server, client = ZmqTransport(), ZmqTransport()
+    model = load_model(tiny_pair / "target", device="cuda", dtype="float32")
+    holder, puller = KVStore(model), KVStore(model)
+    tokens = np.arange(1, 50, dtype=np.int64)
+    model([holder.prepare(3, tokens)], [tokens[:-1].tolist()], [1])
+    torch.cuda.synchronize()
+    device_copy.batch_done(torch.device("cuda", 0))
+    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: holder.snapshot(rid, s, e))
+    try:
+        torch.cuda._sleep(3_000_000_000)  # (the running batch: a second or more of the compute stream)
+        busy = torch.cuda.Event()
+        busy.record()
+        puller.fetch(3, "target", tokens, 48, endpoint, client)
+        assert puller.stats.pulled == 48 and puller.caches[3].ready is not None
+        assert not busy.query(), "the pull waited for the compute stream"
+        want = model([holder.prepare(3, tokens)], [[int(tokens[-1])]], [1])[0]
+        got = model([puller.prepare(3, tokens)], [[int(tokens[-1])]], [1])[0]
+        assert torch.equal(got.cpu(), want.cpu())
+    finally:
+        server.close()
+        client.close()

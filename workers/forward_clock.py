@@ -22,7 +22,7 @@ class ForwardClock:
     """Times forwards on ``device``; each time goes to the ``observe`` given with it."""
 
     def __init__(self, device: torch.device) -> None:
-        self.on_gpu = device.type == "cuda"
+        self.device, self.on_gpu = device, device.type == "cuda"
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, Callable[[float], None]]] = []
 
     @contextmanager

@@ -14,6 +14,7 @@ import torch
 from nebula_flow import specdec
 from nebula_flow.budget import plan_forward
 from nebula_flow.elastic import BatchCosts
+from nebula_flow.kv import device_copy
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.kv.store import KVStore
 from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup
@@ -97,6 +98,14 @@ class ModelRunner:
             self.step_costs.observe(lengths[0], took)
         self.batch_costs.observe(sum(lengths), took)
 
+    def _finish(self, tasks: list[Task]) -> None:
+        """After a batch's results reached the host: its forwards' times handed on, the end of its
+        kernels marked for KV copies (``kv/device_copy.py``), its KV shown to peers, room made."""
+        self.clock.settle()
+        device_copy.batch_done(self.clock.device)
+        self.store.publish([t.rid for t in tasks])
+        self.store.evict(protect={t.rid for t in tasks})
+
     def chunk_ends(self, tasks: list[Task], held: list[int] | None = None) -> list[int | None]:
         """Under the token budget, where each task's forward stops this time: None where it runs
         whole, else the position its prompt's prefill reaches (``budget.plan_forward``). ``held``:
@@ -115,9 +124,7 @@ class ModelRunner:
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
         ends = self.chunk_ends(tasks, [c.length for c in caches]) if ends is None else ends
         drafts = self._drafts(tasks, caches, ends)
-        self.clock.settle()
-        self.store.publish([t.rid for t in tasks])
-        self.store.evict(protect={t.rid for t in tasks})
+        self._finish(tasks)
         return drafts
 
     def _drafts(self, tasks: list[Task], caches: list[KVCache], ends: list[int | None]) -> list[Draft]:
@@ -221,9 +228,7 @@ class ModelRunner:
                 owners.append((i, assumed))
         for (i, assumed), d in zip(owners, self._drafts(subtasks, subcaches, [None] * len(subtasks))):
             out[i].append((assumed, d))
-        self.clock.settle()
-        self.store.publish([t.rid for t in tasks])
-        self.store.evict(protect={t.rid for t in tasks})
+        self._finish(tasks)
         return out
 
     def verify(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[list[int] | None]:
@@ -262,9 +267,7 @@ class ModelRunner:
             # keep the KV of the accepted path (moved into place when it is not the first chain's)
             c.adopt([position + node for node in tree.path(committed[:-1])], position)
             out.append(committed)
-        self.clock.settle()
-        self.store.publish([t.rid for t in tasks])
-        self.store.evict(protect={t.rid for t in tasks})
+        self._finish(tasks)
         return out
 
 

@@ -45,6 +45,7 @@ class KVCache:
         arena: KVArena | None = None,
     ) -> None:
         self.row_shape = (num_layers, 2, num_kv_heads, head_dim)
+        self.ready = None  # a GPU cache: the event of a copy into it still in flight (``kv/device_copy.py``)
         self.arena, self.lease = arena, None  # the pool its rows are a range of (None: a tensor of its own)
         self._finalizer = None
         if arena is not None:
@@ -83,7 +84,15 @@ class KVCache:
         # (a cache dropped without release, e.g. an evicted fork, still gives its range back)
         self._finalizer = weakref.finalize(self, self.arena.give, lease)
 
+    def await_rows(self) -> None:
+        """Order the current stream after a copy into this cache still in flight (a GPU pull,
+        ``kv/device_copy.py``): before a forward reads it or its range is handed on."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.buf.device).wait_event(self.ready)
+            self.ready = None
+
     def _drop_lease(self) -> None:
+        self.await_rows()
         if self._finalizer is not None:
             self._finalizer()  # (gives the range back, once)
             self._finalizer = self.lease = None
@@ -108,6 +117,7 @@ class KVCache:
             return
         while cap < total:
             cap *= 2
+        self.await_rows()  # (the valid prefix is copied over on this stream)
         if self.shared_path is not None and self._share_rows(cap):
             return
         if self.lease is not None:
@@ -229,4 +239,6 @@ class KVCache:
 
     def export(self, start: int, end: int) -> torch.Tensor:
         """Positions ``start..end`` as one contiguous tensor (for a peer transfer)."""
+        if self.ready is not None:  # (rows pulled a moment ago, still landing: wait for that copy alone)
+            self.ready.synchronize()
         return self.buf[start:end]

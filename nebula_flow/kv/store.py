@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nebula_flow.kv import device_copy
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.models.llama import CausalLM
 
@@ -198,6 +199,8 @@ class KVStore:
         got = transport.pull_many(endpoint, [(rid, role, have, valid, cache.buf[have:valid])
                                              for rid, _, have, valid, cache in plan])
         took = time.perf_counter() - t0
+        device = plan[0][4].buf.device
+        ready = device_copy.copied(device) if device.type == "cuda" else None  # (copies still landing)
         self.stats.pull_s += took
         self.stats.pull_cpu_s += time.thread_time() - c0
         self.stats.transfers += 1
@@ -205,6 +208,7 @@ class KVStore:
         asked = pulled = 0
         for (_, tokens, have, valid, cache), received in zip(plan, got):
             asked += (valid - have) * cache.row_bytes
+            cache.ready = ready  # (a copy that came with the wrong tokens may be landing too)
             expected = tokens[have:valid].tolist()
             if received is None or received.tolist() != expected:
                 self.stats.pull_failures += 1

@@ -36,6 +36,7 @@ import torch
 import zmq
 
 from nebula_flow import protocol
+from nebula_flow.kv import device_copy
 from nebula_flow.protocol import Error, KvData, KvPull, KvRows, ProtocolError
 from nebula_flow.security import (
     Identity,
@@ -62,7 +63,7 @@ def host_view(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor's memory (bf16 seen as uint16: bytes are what travel)."""
     t = t.detach()
     if t.device.type != "cpu":
-        t = t.cpu()
+        t = device_copy.to_host(t)
     return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
@@ -263,8 +264,8 @@ def _receive(got: KvRows | None, n: int, dest: torch.Tensor) -> np.ndarray | Non
         ctypes.memmove(dest.data_ptr(), rows.ctypes.data, rows.nbytes)
     elif dest.device.type == "cpu":
         np.copyto(host_view(dest), rows)
-    else:
-        dest.copy_(torch.from_numpy(rows.copy()).view(dest.dtype).to(dest.device))
+    else:  # (off the compute stream; the cache waits for it: ``kv/device_copy.py``)
+        device_copy.to_device(dest, rows)
     return tokens.copy()
 
 

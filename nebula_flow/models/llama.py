@@ -386,6 +386,7 @@ class CausalLM(nn.Module):
         on_device = isinstance(new_tokens, torch.Tensor)
         lengths = [1] * len(caches) if on_device else [len(t) for t in new_tokens]
         for cache, n in zip(caches, lengths):
+            cache.await_rows()
             cache.reserve(cache.length + n)
         batch = Batch(caches, lengths, parents, device, group=self.group_attention,
                       invariant_windows=self.windows if self.batch_invariant else None)
