@@ -127,10 +127,26 @@ def verify(
             node = child
         out.append(best[node + 1])
         return out
-    return _sample_tree(target_probs(logits, params).cpu().numpy(), tree, len(draft), q_idx, q_prob, seed, position)
+    return _sample_tree(TargetRows(logits, params), tree, len(draft), q_idx, q_prob, seed, position)
 
 
-def _sample_tree(p: np.ndarray, tree: TokenTree, drafted: int, q_idx: list[np.ndarray] | None,
+class TargetRows:
+    """The target's sampling distribution for each row of ``logits`` (``target_probs``, fp64 on
+    the host), each made when first read: a round's walk reads only the rows on its path, most
+    rounds fewer than all (a row's values do not depend on the rows made with it)."""
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams) -> None:
+        self.logits, self.params = logits, params
+        self.vocab = logits.shape[-1]
+        self.made: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        if row not in self.made:
+            self.made[row] = target_probs(self.logits[row], self.params).cpu().numpy()
+        return self.made[row]
+
+
+def _sample_tree(p: TargetRows, tree: TokenTree, drafted: int, q_idx: list[np.ndarray] | None,
                  q_prob: list[np.ndarray] | None, seed: int, position: int) -> list[int]:
     """Speculative sampling over a token tree whose first ``drafted`` nodes are the draft (each
     sampled from its proposal q) and whose other nodes are fixed tokens chosen without looking
@@ -147,7 +163,7 @@ def _sample_tree(p: np.ndarray, tree: TokenTree, drafted: int, q_idx: list[np.nd
     the usual rejection sampler, number for number. A fixed candidate may depend on the draft's
     drawn tokens (a runner-up to the first): whatever they were, the step after their rejection
     gives exactly the residual, which is all the draft's step needs."""
-    vocab = p.shape[-1]
+    vocab = p.vocab
     out, node = [], -1
     while True:
         depth = len(out)
