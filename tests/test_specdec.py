@@ -49,6 +49,25 @@ def test_target_probs_applies_temperature_top_k_top_p() -> None:
     assert cold[0, 0] > 0.99
 
 
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_top_p_keeps_the_smallest_set_over_p_whichever_sort_runs(top_k: int) -> None:
+    """On a CPU top-p sorts with numpy (faster there than torch): the rows are torch's sort's bit for bit."""
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=top_k)
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(1)) * 4
+    got = specdec.target_probs(logits, params)
+    scores = logits.double() / 0.7
+    if top_k:
+        scores = scores.masked_fill(scores < torch.topk(scores, top_k).values[..., -1:], float("-inf"))
+    ordered, order = torch.sort(scores)
+    drop = ordered.softmax(-1).cumsum(-1) <= 0.1
+    drop[..., -1] = False
+    assert torch.equal(got, scores.masked_fill(drop.scatter(-1, order, drop), float("-inf")).softmax(-1))
+    kept = got > 0
+    full = scores.softmax(-1)
+    assert ((full * kept).sum(-1) > 0.9).all()  # the kept tokens hold at least p, the most likely of them
+    assert all(full[r][kept[r]].min() >= full[r][~kept[r]].max() for r in range(6))
+
+
 def test_greedy_verify_accepts_the_matching_prefix_and_corrects() -> None:
     logits = torch.full((4, 10), -1.0)
     for row, best in enumerate([3, 5, 7, 9]):
