@@ -52,7 +52,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
-        if scores.device.type == "cpu":  # (numpy's vectorised sort: 1.4 ms against torch's 6.6 for 49k scores)
+        # On a CPU numpy's vectorised sort (1.7 ms against torch's 6.6 for 49k scores); tied scores at
+        # the cut may then keep another of the tied tokens, which is as much the top-p set.
+        if scores.device.type == "cpu":
             order = torch.from_numpy(np.argsort(scores.cpu().numpy(), axis=-1))
             sorted_scores = scores.gather(-1, order)
         else:

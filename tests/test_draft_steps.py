@@ -110,8 +110,8 @@ def test_the_host_reads_a_batchs_draft_once_whatever_its_k() -> None:
         forward = model.forward
         model.forward = lambda *a, **kw: [x.as_subclass(Counted) for x in forward(*a, **kw)]
         tasks = _tasks()
-        for t in tasks:
-            t.k, t.alts = k, 1
+        for t in tasks:  # (top-p sorts with numpy where scores live on the host, as an emulated device's do)
+            t.k, t.alts, t.params = k, 1, SHARP if not t.params.greedy else t.params
         Counted.reads = 0
         drafts = ModelRunner(model, proposal_top_k=8).draft(tasks)
         assert all(len(d.tokens) == k for d in drafts)
@@ -159,3 +159,24 @@ def test_device_draw_is_the_hosts_draw() -> None:
 def test_draft_steps_of_no_rows_settle_to_empty_drafts() -> None:
     steps = DraftSteps(lambda rows: rows, 8, [GREEDY, WARM], [1, 2], [3, 4])
     assert [(d.tokens, d.q_idx) for d in steps.settle(2)] == [([], None), ([], [])]
+
+
+def test_draft_ahead_reads_its_guesses_and_its_drafts_once_each() -> None:
+    """Pre-drafting (``ModelRunner.predraft``) on an emulated device: the guesses of every
+    outcome come to the host in one read, the outcomes' drafts in one more, whatever k."""
+    def reads(k: int) -> int:
+        model = _draft_model(40)
+        runner = ModelRunner(model, proposal_top_k=8)
+        tasks = [t for t in _tasks() if t.params.greedy]
+        for t in tasks:
+            t.k = k
+        for t, d in zip(tasks, runner.draft(tasks)):
+            t.draft, t.ahead = d.tokens, 6
+        forward = model.forward
+        model.forward = lambda *a, **kw: [x.as_subclass(Counted) for x in forward(*a, **kw)]
+        Counted.reads = 0
+        outcomes = runner.predraft(tasks)
+        assert all(len(o) == min(6, k + 2) and all(len(d.tokens) == k for _, d in o) for o in outcomes)
+        return Counted.reads
+
+    assert reads(2) == reads(5) == 2

@@ -168,26 +168,10 @@ class ModelRunner:
                 drafts[-1].chains = [chain]
         return drafts
 
-    def _propose(self, row: torch.Tensor, t: Task, position: int, pick: list[int] | None = None,
-                 ) -> tuple[int, np.ndarray | None, np.ndarray | None]:
-        """``specdec.propose`` in token ids (a reduced draft head's rows are not); ``pick``: a greedy
-        row's argmax, taken for the whole batch at once (``greedy_picks``)."""
-        if pick is not None:
-            tok, q_idx, q_prob = pick[0], None, None
-        else:
-            tok, q_idx, q_prob = specdec.propose(row, t.params, t.seed, position, self.proposal_top_k)
-        if self.model.head_token_ids is not None:
-            tok = int(self.model.head_token_ids[tok])
-            if q_idx is not None:
-                q_idx = self.model.token_ids(torch.from_numpy(q_idx)).to(torch.int32).cpu().numpy()
-        return tok, q_idx, q_prob
-
-    def _ranked(self, row: torch.Tensor, n: int, but: int) -> list[int]:
-        """The ``n`` most likely token ids of a draft row other than ``but``."""
-        ranked = torch.topk(row, min(n + 1, row.shape[-1])).indices
-        if self.model.head_token_ids is not None:
-            ranked = self.model.token_ids(ranked)
-        return [x for x in ranked.tolist() if x != but][:n]
+    def _drawn(self, row: torch.Tensor, t: Task, position: int) -> int:
+        """The token id a sampled draft draws from ``row`` at ``position`` (``specdec.propose``)."""
+        tok = specdec.propose(row, t.params, t.seed, position, self.proposal_top_k)[0]
+        return tok if self.model.head_token_ids is None else int(self.model.head_token_ids[tok])
 
     def predraft(self, tasks: list[Task]) -> list[list[tuple[list[int], Draft]]]:
         """Draft-ahead (``nebula_flow/ahead.py``): each task carries committed tokens and the draft
@@ -214,12 +198,19 @@ class ModelRunner:
         if not ready:
             return out
         rows = self._forward(caches, new, [len(tasks[i].draft) + 1 for i in ready])
-        subtasks, subcaches, owners = [], [], []
+        # every row's two most likely token ids, read on the host once for the batch
+        best = torch.topk(torch.cat(rows), min(2, rows[0].shape[-1])).indices
+        best = (best if self.model.head_token_ids is None else self.model.token_ids(best)).tolist()
+        subtasks, subcaches, owners, at = [], [], [], 0
         for i, cache, scores in zip(ready, caches, rows):
             t, d = tasks[i], list(tasks[i].draft)
-            guess = self._propose(scores[len(d)], t, len(t.tokens) + len(d))[0]
-            outcomes = [d + [guess], *(d[:j] + self._ranked(scores[j], 1, d[j]) for j in range(len(d))),
-                        d + self._ranked(scores[len(d)], 1, guess)]
+            mine, at = best[at:at + len(d) + 1], at + len(d) + 1
+            guess = mine[len(d)][0] if t.params.greedy else self._drawn(scores[len(d)], t, len(t.tokens) + len(d))
+
+            def other(j: int, but: int, mine: list[list[int]] = mine) -> list[int]:
+                return [x for x in mine[j] if x != but][:1]
+
+            outcomes = [d + [guess], *(d[:j] + other(j, d[j]) for j in range(len(d))), d + other(len(d), guess)]
             for b, assumed in enumerate(outcomes[:t.ahead]):
                 tokens = np.concatenate([t.tokens, np.asarray(assumed, dtype=t.tokens.dtype)])
                 subtasks.append(Task(t.rid, "draft", t.round, t.attempt, tokens, t.k, t.params, t.seed,
