@@ -269,6 +269,7 @@ class CausalLM(nn.Module):
     packed_layers = 0  # linear layers running on packed weights (``pack_weights``)
     weights_released = False  # the plain copies of packed weights were dropped (bf16)
     packed_from_rows: dict[str, int] = {}  # weight shape -> the fewest rows run on its packed copy
+    decode_graphs = None  # models.graphs.DecodeGraphs: decode steps replayed from CUDA graphs (GPUs)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -362,6 +363,27 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity=capacity, arena=self.kv_arena)
 
+    def compute(self, ids: torch.Tensor, positions: torch.Tensor, batch: Batch, rows: torch.Tensor | None) -> torch.Tensor:
+        """The tensor work of a forward (no host reads, no shapes from data: a CUDA graph can hold
+        it, ``models.graphs``): fp32 logits of the new tokens' ``rows`` (None: all of them)."""
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x = self.model.embed_tokens(ids)
+        if self.rope_scaling != 1.0:
+            emb_cos, emb_sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        else:
+            emb_cos, emb_sin = emb.cos(), emb.sin()
+        cos, sin = emb_cos.to(x.dtype), emb_sin.to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch)
+        return self.lm_head(self.model.norm(x if rows is None else x[rows])).float()
+
+    @staticmethod
+    def _record(caches: list[KVCache], new_tokens: list[list[int]] | torch.Tensor) -> None:
+        """The caches now hold the new tokens' KV (``PENDING`` for tokens fed from the device)."""
+        for cache, seq in zip(caches, [[PENDING]] * len(caches) if isinstance(new_tokens, torch.Tensor) else new_tokens):
+            cache.tokens.extend(seq)
+
     @torch.inference_mode()
     def forward(
         self, caches: list[KVCache], new_tokens: list[list[int]] | torch.Tensor, logit_rows: list[int],
@@ -388,6 +410,10 @@ class CausalLM(nn.Module):
         for cache, n in zip(caches, lengths):
             cache.await_rows()
             cache.reserve(cache.length + n)
+        if self.decode_graphs is not None and parents is None and (
+                logits := self.decode_graphs.step(caches, lengths, logit_rows, new_tokens)) is not None:
+            self._record(caches, new_tokens)
+            return list(torch.split(logits, logit_rows))
         batch = Batch(caches, lengths, parents, device, group=self.group_attention,
                       invariant_windows=self.windows if self.batch_invariant else None)
         ids = new_tokens.long() if on_device else torch.tensor([t for seq in new_tokens for t in seq],
@@ -395,19 +421,8 @@ class CausalLM(nn.Module):
         # (positions and the picked rows made in Python, one tensor each: a few ops per sequence saved)
         positions = [c.length + d for c, n, tree in zip(caches, lengths, batch.trees)
                      for d in (range(n) if tree is None else tree.depth)]
-        freqs = torch.tensor(positions, dtype=torch.float32, device=device)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        x = self.model.embed_tokens(ids)
-        if self.rope_scaling != 1.0:
-            emb_cos, emb_sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
-        else:
-            emb_cos, emb_sin = emb.cos(), emb.sin()
-        cos, sin = emb_cos.to(x.dtype), emb_sin.to(x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, batch)
-        for cache, seq in zip(caches, [[PENDING]] * len(caches) if on_device else new_tokens):
-            cache.tokens.extend(seq)
         rows = [start + n - want + r for start, n, want in zip(batch.starts, lengths, logit_rows) for r in range(want)]
-        picked = self.model.norm(x[torch.tensor(rows, dtype=torch.long, device=device)])
-        logits = self.lm_head(picked).float()
+        logits = self.compute(ids, torch.tensor(positions, dtype=torch.float32, device=device), batch,
+                              torch.tensor(rows, dtype=torch.long, device=device))
+        self._record(caches, new_tokens)
         return list(torch.split(logits, logit_rows))

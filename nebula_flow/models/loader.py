@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from nebula_flow.models.config import ModelConfig, ModelConfigError
+from nebula_flow.models.graphs import DecodeGraphs
 from nebula_flow.models.llama import CausalLM, rope_inv_freq
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,7 +84,8 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype |
     it costs little and keeps speculative output bit-equal to plain decoding; off otherwise.
     ``inference``: fused projections (``CausalLM.fuse_projections``) and weights packed for the
     CPU kernel (``CausalLM.pack_weights``); off for a model to train or whose state dict is read
-    by HF names."""
+    by HF names. On CUDA, decode steps replay CUDA graphs (``models.graphs``) unless the model is
+    batch-invariant or the environment sets ``NEBULA_FLOW_CUDA_GRAPHS=0``."""
     path = Path(path)
     if not path.is_dir():
         raise ModelConfigError(f"model directory not found: {path}")
@@ -118,5 +121,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype |
         batch_invariant = torch_dtype != torch.float32 and torch.device(device).type == "cpu"
     if batch_invariant:
         model.make_batch_invariant()
+    elif torch.device(device).type == "cuda" and os.environ.get("NEBULA_FLOW_CUDA_GRAPHS", "1") != "0":
+        model.decode_graphs = DecodeGraphs(model)
     return model.eval()
 

@@ -1,0 +1,119 @@
+"""Decode steps through fixed inputs (``models/graphs.py``): on a CPU the recorder runs the step
+eagerly, so what is checked here is everything but the CUDA graph itself: which steps qualify, the
+fixed plan's slots and masks (padded keys, windows), the shapes' bookkeeping and the check that
+turns graphs off. ``tests/test_gpu.py`` replays real graphs where a GPU is lent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nebula_flow.models import graphs
+from nebula_flow.models.config import ModelConfig
+from nebula_flow.models.graphs import DecodeGraphs, DecodeStep, key_bucket
+from nebula_flow.models.llama import CausalLM
+from nebula_flow.params import SamplingParams
+from nebula_flow.tiny import init_target, tiny_config
+from nebula_flow_workers.runner import ModelRunner, Task
+
+
+def _model(window: int | None = None) -> CausalLM:
+    cfg = dict(tiny_config(64, 2, 0), max_position_embeddings=1024)
+    if window:  # (Mistral-style: every layer slides)
+        cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window)
+    model = CausalLM(ModelConfig.from_dict(cfg))
+    init_target(model, torch.Generator().manual_seed(3))
+    return model.eval()
+
+
+def eager_recorder(step: DecodeStep, pool: object) -> object:
+    """Stands in for ``graphs.record`` on a CPU: a "replay" runs the step over its fixed inputs."""
+    def replay() -> None:
+        step.out = step.run()
+
+    step.replay = replay
+    return pool
+
+
+def test_key_buckets_are_powers_of_two_from_the_smallest() -> None:
+    assert [key_bucket(n) for n in (1, 256, 257, 600, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_decode_step_through_fixed_inputs_gives_the_eager_logits(window: int | None) -> None:
+    """Ragged lengths (keys padded to the bucket and masked), a sliding window, tokens fed as ids
+    or from the device: the same logits as the eager forward, and the caches hold the same."""
+    plain, graphed = _model(window), _model(window)
+    graphed.decode_graphs = DecodeGraphs(graphed, recorder=eager_recorder)
+    prompts = [list(range(1, n)) for n in (9, 3, 14)]
+    caches = {m: [m.new_cache() for _ in prompts] for m in (plain, graphed)}
+    for m in (plain, graphed):
+        m(caches[m], prompts, [1] * 3)
+    for step in ([[5], [6], [7]], torch.tensor([8, 9, 10]), [[11], [12], [13]]):
+        want = plain(caches[plain], step, [1] * 3)
+        got = graphed(caches[graphed], step, [1] * 3)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert graphed.decode_graphs.replays == 3 and list(graphed.decode_graphs.steps) == [(0, 3, 256)]
+    for a, b in zip(caches[graphed], caches[plain]):
+        assert a.tokens[:a.length - 3] == b.tokens[:b.length - 3] and a.length == b.length
+        torch.testing.assert_close(a.buf[:a.length], b.buf[:b.length], rtol=1e-5, atol=1e-5)
+
+
+def test_only_decode_steps_over_one_chunk_take_a_graph() -> None:
+    """Prefills, verify blocks, token trees, rows without logits and a batch-invariant model run
+    eagerly; a draft's steps after its first take graphs, and its drafts are the eager ones."""
+    model = _model()
+    model.decode_graphs = DecodeGraphs(model, recorder=eager_recorder)
+    caches = [model.new_cache() for _ in range(2)]
+    model(caches, [[1, 2, 3], [4, 5]], [1, 1])
+    model(caches, [[6, 7], [8, 9]], [2, 2])
+    model(caches, [[6], [8]], [1, 0])
+    model(caches, [[6, 7], [8]], [2, 1], [[-1, -1], None])
+    assert model.decode_graphs.replays == 0
+    tasks = [Task(rid, "draft", 1, 1, np.arange(1, 6 + rid), 4, SamplingParams(max_new_tokens=8), rid) for rid in range(3)]
+    drafts = ModelRunner(model).draft(tasks)
+    assert model.decode_graphs.replays == 3  # (steps 2 to 4; the first feeds each prompt)
+    assert [d.tokens for d in drafts] == [d.tokens for d in ModelRunner(_model()).draft(tasks)]
+    model.batch_invariant = True
+    assert model.decode_graphs.step(caches, [1, 1], [1, 1], [[1], [2]]) is None
+
+
+def test_a_graph_that_does_not_match_turns_graphs_off(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # noqa: ANN001
+    """A recorded step whose replay differs from the eager step, or that fails to record: graphs
+    go off for the model with a warning, and the step (and every later one) runs eagerly."""
+    def wrong(step: DecodeStep, pool: object) -> object:
+        def replay() -> None:
+            step.out = step.run() + 1
+
+        step.replay = replay
+        return pool
+
+    def broken(step: DecodeStep, pool: object) -> object:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    for recorder in (wrong, broken):
+        plain, model = _model(), _model()
+        model.decode_graphs = DecodeGraphs(model, recorder=recorder)
+        caches = {m: [m.new_cache() for _ in range(2)] for m in (plain, model)}
+        for m in (plain, model):
+            m(caches[m], [[1, 2, 3], [4, 5]], [1, 1])
+        with caplog.at_level("WARNING", logger="nebula_flow.models"):
+            got = model(caches[model], [[6], [7]], [1, 1])
+        assert not model.decode_graphs.enabled and "CUDA graphs off" in caplog.text
+        for a, b in zip(got, plain(caches[plain], [[6], [7]], [1, 1])):
+            torch.testing.assert_close(a, b)
+        caplog.clear()
+
+
+def test_no_more_than_the_cap_of_shapes_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 1)
+    model = _model()
+    model.decode_graphs = DecodeGraphs(model, recorder=eager_recorder)
+    one, two = [model.new_cache()], [model.new_cache() for _ in range(2)]
+    model(one, [[1, 2]], [1])
+    model(two, [[1, 2], [3]], [1, 1])
+    model(one, [[3]], [1])
+    model(two, [[4], [5]], [1, 1])  # (a second shape: eager)
+    assert len(model.decode_graphs.steps) == 1 and model.decode_graphs.replays == 1
