@@ -148,8 +148,9 @@ def test_batch_invariant_bf16_on_cuda_keeps_a_positions_bits(tiny_pair) -> None:
 def test_draft_steps_on_cuda_wait_for_the_device_once_whatever_k(tiny_pair) -> None:  # noqa: ANN001
     """A batch's draft steps on CUDA (``workers/draft_steps.py``): greedy and sampled drafts equal
     the host loop's (one sequence, step by step, each token read on the host); the synchronising
-    calls do not grow with k (torch's sync debug mode counts them); and the forwards' times reach
-    the step costs as the device's (``ForwardClock``), not the launches'."""
+    calls (torch's sync debug mode counts them, host-to-device copies from pageable memory
+    included) are a few per batch whatever k; and the forwards' times reach the step costs as the
+    device's (``ForwardClock``), not the launches'."""
     import warnings
 
     from nebula_flow import specdec
@@ -185,7 +186,7 @@ def test_draft_steps_on_cuda_wait_for_the_device_once_whatever_k(tiny_pair) -> N
     for p in kinds:
         t = Task(0, "draft", 1, 1, np.arange(1, 12), 5, p, 3)
         assert ModelRunner(model, proposal_top_k=8).draft([t])[0].tokens == host_loop(t)
-    assert syncs(1) == syncs(6)
+    assert syncs(1) == syncs(6) <= 3  # (the one read of the steps' choices; host copies never wait: models/staging.py)
 
 
 def test_kv_copies_do_not_wait_behind_the_running_batch(tiny_pair) -> None:  # noqa: ANN001

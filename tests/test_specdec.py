@@ -275,3 +275,19 @@ def test_greedy_picks_take_every_greedy_rows_argmax_at_once() -> None:
         if pick is not None:
             assert pick == [int(torch.argmax(row)) for row in x]
     assert greedy_picks(logits, [False] * 4) == [None] * 4
+
+
+def test_the_host_contract_a_forwards_host_made_tensors_reach_the_device_without_waiting() -> None:
+    """``torch.tensor(..., device=d)`` and ``.to(d)`` copy from pageable memory, which on a GPU
+    waits for every queued kernel: the forward's and the draft steps' code stages its host-made
+    tensors through ``models.staging`` instead."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = [root / "nebula_flow" / "models" / f for f in ("batch.py", "rows.py", "llama.py", "graphs.py")]
+    files += [root / "workers" / f for f in ("draft_steps.py", "runner.py")]
+    waits = re.compile(r"torch\.tensor\([^\n]*device=|\.to\((self\.)?device\)|\.copy_\(torch\.tensor")
+    offenders = [f"{f.name}:{n}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1)
+                 if waits.search(line)]
+    assert not offenders, offenders

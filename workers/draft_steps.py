@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from nebula_flow import specdec
+from nebula_flow.models import staging
 from nebula_flow.params import SamplingParams
 
 
@@ -82,7 +83,7 @@ class DraftSteps:
             return tokens
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if greedy:
-            at = torch.tensor(greedy, device=logits.device)
+            at = staging.tensor(greedy, logits.device)
             tokens[at] = self.token_ids(logits.index_select(0, at).argmax(-1))
         groups: dict[tuple, list[int]] = {}  # rows sampling alike share one call
         for j, r in enumerate(rows):
@@ -92,11 +93,11 @@ class DraftSteps:
         sampled, q_idx, q_prob, picks = [], [], [], []
         position = len(self.steps)
         for places in groups.values():
-            at = torch.tensor(places, device=logits.device)
+            at = staging.tensor(places, logits.device)
             p = specdec.target_probs(logits.index_select(0, at), self.params[rows[places[0]]])
             top = torch.topk(p, min(self.proposal_top_k, p.shape[-1]))
-            u = torch.tensor([specdec.uniform(self.seeds[rows[j]], self.starts[rows[j]] + position, specdec.STREAM_DRAFT)
-                              for j in places], dtype=torch.float64, device=logits.device)
+            u = staging.tensor([specdec.uniform(self.seeds[rows[j]], self.starts[rows[j]] + position, specdec.STREAM_DRAFT)
+                                for j in places], logits.device, torch.float64)
             probs, ids = top.values.float(), self.token_ids(top.indices)
             drawn = device_draw(probs, u)
             tokens[at] = ids.gather(1, drawn[:, None])[:, 0]

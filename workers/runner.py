@@ -18,6 +18,7 @@ from nebula_flow.kv import device_copy
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.kv.store import KVStore
 from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup
+from nebula_flow.models import staging
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Holder
@@ -152,7 +153,7 @@ class ModelRunner:
             picked = steps.choose(rows, active)
             step += 1
             going = [j for j, i in enumerate(active) if tasks[i].k > step]
-            feed = picked if len(going) == len(active) else picked[torch.tensor(going, dtype=torch.long, device=picked.device)]
+            feed = picked if len(going) == len(active) else picked[staging.tensor(going, picked.device, torch.long)]
             active = [active[j] for j in going]
             for i in active:
                 fed_from.setdefault(i, caches[i].length)

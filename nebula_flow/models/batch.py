@@ -22,6 +22,7 @@ from collections import Counter
 import torch
 
 from nebula_flow.kv.cache import KVCache
+from nebula_flow.models import staging
 from nebula_flow.models.rows import RowPlan
 
 GROUP_MAX_ROWS = 64  # a sequence with more new rows than this attends apart (a prefill chunk)
@@ -56,12 +57,12 @@ class TreeRows:
             sees = torch.zeros(n, n, dtype=torch.bool)
             for i, rows in enumerate(self.sees):
                 sees[i, rows] = True
-            allowed = torch.cat((torch.ones(n, past, dtype=torch.bool), sees), dim=1).to(device)
+            allowed = torch.cat((torch.ones(n, past, dtype=torch.bool), sees), dim=1)
             if window is not None:
-                depth = torch.tensor(self.depth, device=device) + past
-                k_pos = torch.cat((torch.arange(past, device=device), depth))
+                depth = torch.tensor(self.depth) + past
+                k_pos = torch.cat((torch.arange(past), depth))
                 allowed &= depth[:, None] - k_pos[None, :] < window
-            self._masks[key] = allowed
+            self._masks[key] = staging.to_device(allowed, device)
         return self._masks[key]
 
     @staticmethod
@@ -106,15 +107,15 @@ class GroupPlan:
         past_t, end_t, n_t = torch.tensor(pasts), torch.tensor(ends), torch.tensor(lengths)
         j = torch.arange(self.width)
         real = j[None, :] < n_t[:, None]  # [B, width]: which query slots hold a row
-        self.write = (bases + past_t)[:, None].add(j[None, :])[real].to(device)  # new rows' slots, in row order
+        self.write = staging.to_device((bases + past_t)[:, None].add(j[None, :])[real], device)  # new rows' slots, in row order
         key = torch.arange(self.keys)
-        self.gather = (bases[:, None] + torch.where(key[None, :] < end_t[:, None], key[None, :], 0)).flatten().to(device)
+        self.gather = staging.to_device((bases[:, None] + torch.where(key[None, :] < end_t[:, None], key[None, :], 0)).flatten(), device)
         uniform = all(n == self.width for n in lengths)
-        self.padded = None if uniform else torch.where(real, (n_t.cumsum(0) - n_t)[:, None] + j[None, :], 0).flatten().to(device)
-        self.real = None if uniform else real.flatten().nonzero().flatten().to(device)
+        self.padded = None if uniform else staging.to_device(torch.where(real, (n_t.cumsum(0) - n_t)[:, None] + j[None, :], 0).flatten(), device)
+        self.real = None if uniform else staging.to_device(real.flatten().nonzero().flatten(), device)
         whole = len(seqs) == len(batch.caches)
-        self.rows = None if whole else torch.tensor([r for i in seqs for r in range(batch.starts[i], batch.starts[i] + batch.lengths[i])],
-                                                    device=device)
+        self.rows = None if whole else staging.tensor([r for i in seqs for r in range(batch.starts[i], batch.starts[i] + batch.lengths[i])],
+                                                     device)
         self._plain = (pasts, lengths, trees, real)
         self._masks: dict[int | None, torch.Tensor | None] = {}
         self.device, self.dtype = device, chunk.dtype
@@ -140,7 +141,7 @@ class GroupPlan:
                 allowed[b, :n, :past + n] = tree.mask(past, window, torch.device("cpu"))
         allowed[~real] = key[0] == 0  # (a padding query sees one key: no empty softmax)
         # (additive: attention would turn a boolean mask into this in every layer)
-        return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))[:, None].to(self.device)
+        return staging.to_device(torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))[:, None], self.device)
 
 
 class Batch:

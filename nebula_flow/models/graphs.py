@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from nebula_flow.kv.cache import KVCache
+from nebula_flow.models import staging
 
 log = logging.getLogger("nebula_flow.models")
 
@@ -60,11 +61,11 @@ class StaticPlan:
         base = torch.tensor([c.lease.base for c in caches])[:, None]
         key = torch.arange(self.keys)[None, :]
         seen = key <= past  # (the new row's own slot, ``past``, is written before the keys are read)
-        self.write.copy_((base + past)[:, 0])
-        self.gather.copy_((base + torch.where(seen, key, 0)).flatten())
+        staging.copy_into(self.write, (base + past)[:, 0])
+        staging.copy_into(self.gather, (base + torch.where(seen, key, 0)).flatten())
         for window, mask in self.masks.items():
             allowed = seen if window is None else seen & (past - key < window)
-            mask.copy_(torch.zeros(allowed.shape, dtype=mask.dtype).masked_fill_(~allowed, float("-inf"))[:, None, None])
+            staging.copy_into(mask, torch.zeros(allowed.shape, dtype=mask.dtype).masked_fill_(~allowed, float("-inf"))[:, None, None])
 
 
 class _PlanOnly:
@@ -94,8 +95,8 @@ class DecodeStep:
         if isinstance(new_tokens, torch.Tensor):
             self.ids.copy_(new_tokens)
         else:
-            self.ids.copy_(torch.tensor([seq[0] for seq in new_tokens]))
-        self.positions.copy_(torch.tensor([c.length for c in caches], dtype=torch.float32))
+            staging.copy_into(self.ids, torch.tensor([seq[0] for seq in new_tokens]))
+        staging.copy_into(self.positions, torch.tensor([c.length for c in caches], dtype=torch.float32))
         self.plan.fill(caches)
 
     def run(self) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 
 from nebula_flow.kv.arena import CHUNK_BYTES, KVArena
 from nebula_flow.kv.cache import PENDING, KVCache
-from nebula_flow.models import invariant, packed
+from nebula_flow.models import invariant, packed, staging
 from nebula_flow.models.batch import Batch, GroupPlan, TreeRows, attention_mask
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.rows import attend as attend_rows
@@ -416,13 +416,11 @@ class CausalLM(nn.Module):
             return list(torch.split(logits, logit_rows))
         batch = Batch(caches, lengths, parents, device, group=self.group_attention,
                       invariant_windows=self.windows if self.batch_invariant else None)
-        ids = new_tokens.long() if on_device else torch.tensor([t for seq in new_tokens for t in seq],
-                                                               dtype=torch.long, device=device)
+        ids = new_tokens.long() if on_device else staging.tensor([t for seq in new_tokens for t in seq], device, torch.long)
         # (positions and the picked rows made in Python, one tensor each: a few ops per sequence saved)
         positions = [c.length + d for c, n, tree in zip(caches, lengths, batch.trees)
                      for d in (range(n) if tree is None else tree.depth)]
         rows = [start + n - want + r for start, n, want in zip(batch.starts, lengths, logit_rows) for r in range(want)]
-        logits = self.compute(ids, torch.tensor(positions, dtype=torch.float32, device=device), batch,
-                              torch.tensor(rows, dtype=torch.long, device=device))
+        logits = self.compute(ids, staging.tensor(positions, device, torch.float32), batch, staging.tensor(rows, device, torch.long))
         self._record(caches, new_tokens)
         return list(torch.split(logits, logit_rows))

@@ -24,6 +24,7 @@ from collections import defaultdict
 import torch
 
 from nebula_flow.kv.cache import KVCache
+from nebula_flow.models import staging
 
 BUCKET = 32  # a row's keys are padded to a multiple of this (its problem's size)
 
@@ -38,7 +39,7 @@ class RowGroup:
     def __init__(self, rows: list[int], keys: int, source: torch.Tensor, spans: list[tuple[int, int, list[int]]],
                  own: list[int], first: int | None, device: torch.device) -> None:
         self.keys, self.source, self.size = keys, source, len(rows)
-        self.rows = torch.tensor(rows, device=device)
+        self.rows = staging.tensor(rows, device)
         lengths = [n + len(extra) for _, n, extra in spans]
         starts = {s for s, _, _ in spans}
         # one view when every row's keys run from the same slot, its sequence's first (the rows
@@ -50,9 +51,9 @@ class RowGroup:
             for i, (s, n, extra) in enumerate(spans):
                 index[i, :n] = torch.arange(s, s + n)
                 index[i, n:n + len(extra)] = torch.tensor(extra, dtype=torch.long)
-            self.gather = index.flatten().to(device)
+            self.gather = staging.to_device(index.flatten(), device)
         seen = torch.arange(keys)[None, :] < torch.tensor(lengths)[:, None]
-        self.mask = torch.zeros(len(rows), 1, 1, keys).masked_fill_(~seen[:, None, None, :], float("-inf")).to(device)
+        self.mask = staging.to_device(torch.zeros(len(rows), 1, 1, keys).masked_fill_(~seen[:, None, None, :], float("-inf")), device)
 
     def kv(self, layer: int) -> torch.Tensor:
         """[rows, keys, 2, kv_heads, head_dim] in fp32: each row's (padded) keys and values."""
@@ -82,8 +83,8 @@ class RowPlan:
             _, slots, rows = sources.setdefault(id(source), (source, [], []))
             slots.extend(range(base + past, base + past + n))
             rows.extend(range(starts[i], starts[i] + n))
-        self.writes = [(source, torch.tensor(slots, device=device),
-                        None if len(sources) == 1 else torch.tensor(rows, device=device))
+        self.writes = [(source, staging.tensor(slots, device),
+                        None if len(sources) == 1 else staging.tensor(rows, device))
                        for source, slots, rows in sources.values()]
         self.total = sum(lengths)
         self.groups = {w: self._groups(w) for w in windows}
