@@ -218,21 +218,32 @@ def test_kv_copies_do_not_wait_behind_the_running_batch(tiny_pair) -> None:  # n
         client.close()
 
 
-def test_decode_steps_replay_cuda_graphs_that_match_eager_steps(tiny_pair) -> None:  # noqa: ANN001
-    """Decode steps on CUDA replay recorded graphs (``models/graphs.py``): each recorded graph
-    passed its bit-for-bit check against the eager step (graphs stay on), and a draft made through
-    graphs equals one made with graphs off, greedy and sampled."""
+def test_steps_replay_cuda_graphs_that_match_eager_steps(tiny_pair) -> None:  # noqa: ANN001
+    """Decode steps and verify blocks on CUDA replay recorded graphs (``models/graphs.py``): each
+    recorded graph passed its bit-for-bit check against the eager step (graphs stay on), a draft
+    made through graphs equals one made with graphs off, greedy and sampled, and so do the
+    committed tokens of verify blocks and of token trees."""
     from nebula_flow.params import SamplingParams
     from nebula_flow_workers.runner import ModelRunner, Task
 
     graphed = load_model(tiny_pair / "draft", device="cuda", dtype="float32")
     eager = load_model(tiny_pair / "draft", device="cuda", dtype="float32")
-    eager.decode_graphs = None
-    assert graphed.decode_graphs is not None
+    eager.step_graphs = None
+    assert graphed.step_graphs is not None
     kinds = [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, seed=1)]
     for size in (1, 3):
         tasks = [Task(rid, "draft", 1, 1, np.arange(1, 20 + 7 * rid), 6, kinds[rid % 2], rid) for rid in range(size)]
         got = ModelRunner(graphed, proposal_top_k=8).draft(tasks)
         want = ModelRunner(eager, proposal_top_k=8).draft(tasks)
         assert [d.tokens for d in got] == [d.tokens for d in want]
-    assert graphed.decode_graphs.enabled and graphed.decode_graphs.replays >= 10
+    assert graphed.step_graphs.enabled and graphed.step_graphs.replays >= 10
+    target, target_eager = (load_model(tiny_pair / "target", device="cuda", dtype="float32") for _ in range(2))
+    target_eager.step_graphs = None
+    for runner_ups in ([], [7]):  # (a verify block, then a token tree)
+        rounds = []
+        for model in (target, target_eager):
+            tasks = [Task(rid, "verify", 1, 1, np.arange(1, 20 + 3 * rid), 4, kinds[0], rid, draft=[5, 6, 7, 8],
+                          runner_ups=list(runner_ups)) for rid in range(3)]
+            rounds.append(ModelRunner(model).verify(tasks))
+        assert rounds[0] == rounds[1]
+    assert target.step_graphs.enabled and target.step_graphs.replays >= 2

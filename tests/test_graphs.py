@@ -1,4 +1,4 @@
-"""Decode steps through fixed inputs (``models/graphs.py``): on a CPU the recorder runs the step
+"""Steps through fixed inputs (``models/graphs.py``): on a CPU the recorder runs the step
 eagerly, so what is checked here is everything but the CUDA graph itself: which steps qualify, the
 fixed plan's slots and masks (padded keys, windows), the shapes' bookkeeping and the check that
 turns graphs off. ``tests/test_gpu.py`` replays real graphs where a GPU is lent."""
@@ -11,7 +11,7 @@ import torch
 
 from nebula_flow.models import graphs
 from nebula_flow.models.config import ModelConfig
-from nebula_flow.models.graphs import DecodeGraphs, DecodeStep, key_bucket
+from nebula_flow.models.graphs import FixedStep, StepGraphs, key_bucket
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
 from nebula_flow.tiny import init_target, tiny_config
@@ -27,7 +27,7 @@ def _model(window: int | None = None) -> CausalLM:
     return model.eval()
 
 
-def eager_recorder(step: DecodeStep, pool: object) -> object:
+def eager_recorder(step: FixedStep, pool: object) -> object:
     """Stands in for ``graphs.record`` on a CPU: a "replay" runs the step over its fixed inputs."""
     def replay() -> None:
         step.out = step.run()
@@ -41,67 +41,74 @@ def test_key_buckets_are_powers_of_two_from_the_smallest() -> None:
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_a_decode_step_through_fixed_inputs_gives_the_eager_logits(window: int | None) -> None:
-    """Ragged lengths (keys padded to the bucket and masked), a sliding window, tokens fed as ids
-    or from the device: the same logits as the eager forward, and the caches hold the same."""
+def test_steps_through_fixed_inputs_give_the_eager_logits(window: int | None) -> None:
+    """Decode steps at ragged lengths (keys padded to the bucket and masked), tokens fed as ids or
+    from the device, a verify block and a token tree, with and without a sliding window: the same
+    logits as the eager forward, and the caches then hold the same."""
     plain, graphed = _model(window), _model(window)
-    graphed.decode_graphs = DecodeGraphs(graphed, recorder=eager_recorder)
+    graphed.step_graphs = StepGraphs(graphed, recorder=eager_recorder)
     prompts = [list(range(1, n)) for n in (9, 3, 14)]
     caches = {m: [m.new_cache() for _ in prompts] for m in (plain, graphed)}
     for m in (plain, graphed):
         m(caches[m], prompts, [1] * 3)
-    for step in ([[5], [6], [7]], torch.tensor([8, 9, 10]), [[11], [12], [13]]):
-        want = plain(caches[plain], step, [1] * 3)
-        got = graphed(caches[graphed], step, [1] * 3)
+    steps = [([[5], [6], [7]], None), (torch.tensor([8, 9, 10]), None), ([[11], [12], [13]], None),
+             ([[1, 2, 3], [4, 5, 6], [7, 8, 9]], None), ([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[-1, 0, 0], None, [-1, -1, 1]])]
+    for step, parents in steps:
+        rows = [len(s) for s in step] if isinstance(step, list) else [1] * 3
+        want = plain(caches[plain], step, rows, parents)
+        got = graphed(caches[graphed], step, rows, parents)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert graphed.decode_graphs.replays == 3 and list(graphed.decode_graphs.steps) == [(0, 3, 256)]
+    assert graphed.step_graphs.replays == 5
+    assert sorted(graphed.step_graphs.steps) == [(0, 3, 1, 256), (0, 3, 3, 256)]
     for a, b in zip(caches[graphed], caches[plain]):
-        assert a.tokens[:a.length - 3] == b.tokens[:b.length - 3] and a.length == b.length
+        assert a.tokens == b.tokens
         torch.testing.assert_close(a.buf[:a.length], b.buf[:b.length], rtol=1e-5, atol=1e-5)
 
 
-def test_only_decode_steps_over_one_chunk_take_a_graph() -> None:
-    """Prefills, verify blocks, token trees, rows without logits and a batch-invariant model run
-    eagerly; a draft's steps after its first take graphs, and its drafts are the eager ones."""
+def test_only_steps_of_one_width_with_every_rows_logits_over_one_chunk_take_a_graph() -> None:
+    """Ragged prefills, a prefill wider than ``MAX_WIDTH``, rows without logits, sequences of
+    different widths and a batch-invariant model run eagerly; a draft's steps after its first
+    take graphs, and its drafts are the eager ones."""
     model = _model()
-    model.decode_graphs = DecodeGraphs(model, recorder=eager_recorder)
+    model.step_graphs = StepGraphs(model, recorder=eager_recorder)
     caches = [model.new_cache() for _ in range(2)]
     model(caches, [[1, 2, 3], [4, 5]], [1, 1])
-    model(caches, [[6, 7], [8, 9]], [2, 2])
+    wide = list(range(1, graphs.MAX_WIDTH + 2))
+    model(caches, [wide, wide], [len(wide)] * 2)
     model(caches, [[6], [8]], [1, 0])
-    model(caches, [[6, 7], [8]], [2, 1], [[-1, -1], None])
-    assert model.decode_graphs.replays == 0
+    model(caches, [[6, 7], [8]], [2, 1])
+    assert model.step_graphs.replays == 0
     tasks = [Task(rid, "draft", 1, 1, np.arange(1, 6 + rid), 4, SamplingParams(max_new_tokens=8), rid) for rid in range(3)]
     drafts = ModelRunner(model).draft(tasks)
-    assert model.decode_graphs.replays == 3  # (steps 2 to 4; the first feeds each prompt)
+    assert model.step_graphs.replays == 3  # (steps 2 to 4; the first feeds each prompt)
     assert [d.tokens for d in drafts] == [d.tokens for d in ModelRunner(_model()).draft(tasks)]
     model.batch_invariant = True
-    assert model.decode_graphs.step(caches, [1, 1], [1, 1], [[1], [2]]) is None
+    assert model.step_graphs.step(caches, [1, 1], [1, 1], [[1], [2]], None) is None
 
 
 def test_a_graph_that_does_not_match_turns_graphs_off(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # noqa: ANN001
     """A recorded step whose replay differs from the eager step, or that fails to record: graphs
     go off for the model with a warning, and the step (and every later one) runs eagerly."""
-    def wrong(step: DecodeStep, pool: object) -> object:
+    def wrong(step: FixedStep, pool: object) -> object:
         def replay() -> None:
             step.out = step.run() + 1
 
         step.replay = replay
         return pool
 
-    def broken(step: DecodeStep, pool: object) -> object:
+    def broken(step: FixedStep, pool: object) -> object:
         raise RuntimeError("operation not permitted when stream is capturing")
 
     for recorder in (wrong, broken):
         plain, model = _model(), _model()
-        model.decode_graphs = DecodeGraphs(model, recorder=recorder)
+        model.step_graphs = StepGraphs(model, recorder=recorder)
         caches = {m: [m.new_cache() for _ in range(2)] for m in (plain, model)}
         for m in (plain, model):
             m(caches[m], [[1, 2, 3], [4, 5]], [1, 1])
         with caplog.at_level("WARNING", logger="nebula_flow.models"):
             got = model(caches[model], [[6], [7]], [1, 1])
-        assert not model.decode_graphs.enabled and "CUDA graphs off" in caplog.text
+        assert not model.step_graphs.enabled and "CUDA graphs off" in caplog.text
         for a, b in zip(got, plain(caches[plain], [[6], [7]], [1, 1])):
             torch.testing.assert_close(a, b)
         caplog.clear()
@@ -110,10 +117,10 @@ def test_a_graph_that_does_not_match_turns_graphs_off(monkeypatch: pytest.Monkey
 def test_no_more_than_the_cap_of_shapes_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 1)
     model = _model()
-    model.decode_graphs = DecodeGraphs(model, recorder=eager_recorder)
+    model.step_graphs = StepGraphs(model, recorder=eager_recorder)
     one, two = [model.new_cache()], [model.new_cache() for _ in range(2)]
     model(one, [[1, 2]], [1])
     model(two, [[1, 2], [3]], [1, 1])
     model(one, [[3]], [1])
     model(two, [[4], [5]], [1, 1])  # (a second shape: eager)
-    assert len(model.decode_graphs.steps) == 1 and model.decode_graphs.replays == 1
+    assert len(model.step_graphs.steps) == 1 and model.step_graphs.replays == 1

@@ -269,7 +269,7 @@ class CausalLM(nn.Module):
     packed_layers = 0  # linear layers running on packed weights (``pack_weights``)
     weights_released = False  # the plain copies of packed weights were dropped (bf16)
     packed_from_rows: dict[str, int] = {}  # weight shape -> the fewest rows run on its packed copy
-    decode_graphs = None  # models.graphs.DecodeGraphs: decode steps replayed from CUDA graphs (GPUs)
+    step_graphs = None  # models.graphs.StepGraphs: decode steps and verify blocks replayed from CUDA graphs (GPUs)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -410,8 +410,8 @@ class CausalLM(nn.Module):
         for cache, n in zip(caches, lengths):
             cache.await_rows()
             cache.reserve(cache.length + n)
-        if self.decode_graphs is not None and parents is None and (
-                logits := self.decode_graphs.step(caches, lengths, logit_rows, new_tokens)) is not None:
+        if self.step_graphs is not None and (
+                logits := self.step_graphs.step(caches, lengths, logit_rows, new_tokens, parents)) is not None:
             self._record(caches, new_tokens)
             return list(torch.split(logits, logit_rows))
         batch = Batch(caches, lengths, parents, device, group=self.group_attention,

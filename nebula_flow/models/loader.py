@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from nebula_flow.models.config import ModelConfig, ModelConfigError
-from nebula_flow.models.graphs import DecodeGraphs
+from nebula_flow.models.graphs import StepGraphs
 from nebula_flow.models.llama import CausalLM, rope_inv_freq
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,7 +84,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype |
     it costs little and keeps speculative output bit-equal to plain decoding; off otherwise.
     ``inference``: fused projections (``CausalLM.fuse_projections``) and weights packed for the
     CPU kernel (``CausalLM.pack_weights``); off for a model to train or whose state dict is read
-    by HF names. On CUDA, decode steps replay CUDA graphs (``models.graphs``) unless the model is
+    by HF names. On CUDA, decode steps and verify blocks replay CUDA graphs (``models.graphs``) unless the model is
     batch-invariant or the environment sets ``NEBULA_FLOW_CUDA_GRAPHS=0``."""
     path = Path(path)
     if not path.is_dir():
@@ -122,6 +122,6 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype |
     if batch_invariant:
         model.make_batch_invariant()
     elif torch.device(device).type == "cuda" and os.environ.get("NEBULA_FLOW_CUDA_GRAPHS", "1") != "0":
-        model.decode_graphs = DecodeGraphs(model)
+        model.step_graphs = StepGraphs(model)
     return model.eval()
 
