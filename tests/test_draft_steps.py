@@ -158,7 +158,7 @@ def test_device_draw_is_the_hosts_draw() -> None:
 
 def test_draft_steps_of_no_rows_settle_to_empty_drafts() -> None:
     steps = DraftSteps(lambda rows: rows, 8, [GREEDY, WARM], [1, 2], [3, 4])
-    assert [(d.tokens, d.q_idx) for d in steps.settle(2)] == [([], None), ([], [])]
+    assert [(d.tokens, d.q_idx) for d in steps.settle()] == [([], None), ([], [])]
 
 
 def test_draft_ahead_reads_its_guesses_and_its_drafts_once_each() -> None:

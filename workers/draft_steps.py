@@ -115,9 +115,8 @@ class DraftSteps:
             ranked = torch.topk(logits, min(max(wanted) + 1, logits.shape[-1])).indices
             self.alts = (rows, wanted, self.token_ids(ranked))
 
-    def settle(self, count: int) -> list[Drafted]:
-        """Bring every step's choices to the host at once and read each of the ``count``
-        sequences' draft from them."""
+    def settle(self) -> list[Drafted]:
+        """Bring every step's choices to the host at once and read each sequence's draft from them."""
         ints = [s.tokens.long() for s in self.steps]
         for s in self.steps:
             if s.sampled:  # (fp32 bits ride with the ids: one transfer)
@@ -125,7 +124,7 @@ class DraftSteps:
         if self.alts is not None:
             ints.append(self.alts[2].flatten().long())
         flat = torch.cat(ints).cpu().numpy() if ints else np.zeros(0, dtype=np.int64)
-        out = [Drafted([], [], None if p.greedy else [], None if p.greedy else [], []) for p in self.params[:count]]
+        out = [Drafted([], [], None if p.greedy else [], None if p.greedy else [], []) for p in self.params]
         at = 0
         for s in self.steps:
             for r, token in zip(s.rows, flat[at:at + len(s.rows)].tolist()):

@@ -135,12 +135,9 @@ class ModelRunner:
         new = [t.tokens[c.length:end].tolist() for t, c, end in zip(tasks, caches, ends)]
         active = [i for i, t in enumerate(tasks) if t.k > 0 and ends[i] is None]
         chunks = [i for i, end in enumerate(ends) if end is not None and new[i]]  # (in the first forward, no logits)
-        model = self.model
-        steps = DraftSteps(model.token_ids if model.head_token_ids is not None else (lambda rows: rows),
-                           self.proposal_top_k, [t.params for t in tasks], [t.seed for t in tasks],
+        steps = DraftSteps(self.model.token_ids, self.proposal_top_k, [t.params for t in tasks], [t.seed for t in tasks],
                            [len(t.tokens) for t in tasks])
         feed: list[list[int]] | torch.Tensor = [new[i] for i in active + chunks]
-        fed_from = {}  # task -> the position of the first token fed from the device
         step = 0
         while active or chunks:
             logits = self._forward([caches[i] for i in active + chunks], feed, [1] * len(active) + [0] * len(chunks))
@@ -155,13 +152,10 @@ class ModelRunner:
             going = [j for j, i in enumerate(active) if tasks[i].k > step]
             feed = picked if len(going) == len(active) else picked[staging.tensor(going, picked.device, torch.long)]
             active = [active[j] for j in going]
-            for i in active:
-                fed_from.setdefault(i, caches[i].length)
-        drafted = steps.settle(len(tasks))
         drafts = []
-        for i, (t, c, end, d) in enumerate(zip(tasks, caches, ends, drafted)):
-            if i in fed_from:
-                c.settle(fed_from[i], d.fed[:c.length - fed_from[i]])
+        for t, c, end, d in zip(tasks, caches, ends, steps.settle()):
+            if c.length > len(t.tokens):  # (the drafted tokens fed from the device, after the committed ones)
+                c.settle(len(t.tokens), d.fed[:c.length - len(t.tokens)])
             drafts.append(Draft(d.tokens, d.q_idx, d.q_prob, d.runner_ups))
             if end is not None:
                 t.prefilled = c.length
@@ -201,7 +195,7 @@ class ModelRunner:
         rows = self._forward(caches, new, [len(tasks[i].draft) + 1 for i in ready])
         # every row's two most likely token ids, read on the host once for the batch
         best = torch.topk(torch.cat(rows), min(2, rows[0].shape[-1])).indices
-        best = (best if self.model.head_token_ids is None else self.model.token_ids(best)).tolist()
+        best = self.model.token_ids(best).tolist()
         subtasks, subcaches, owners, at = [], [], [], 0
         for i, cache, scores in zip(ready, caches, rows):
             t, d = tasks[i], list(tasks[i].draft)

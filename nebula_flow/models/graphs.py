@@ -71,9 +71,9 @@ class StaticPlan:
         staging.copy_into(self.gather, (base + torch.where(key[0] < past + self.width, key[0], 0)).flatten())
         depth = torch.stack([row[0] if t is None else torch.tensor(t.depth) for t in trees])
         pos = (past + depth)[:, :, None]  # [size, width, 1]
+        causal = key <= (past + row)[:, :, None]
         for window, mask in self.masks.items():
-            allowed = (key <= past[:, :, None] + row[:, :, None]) if window is None else \
-                (key <= past[:, :, None] + row[:, :, None]) & (pos - key < window)
+            allowed = causal.clone() if window is None else causal & (pos - key < window)
             for b, (n, tree) in enumerate(zip(past[:, 0].tolist(), trees)):
                 if tree is not None:  # (its rows see the cached keys and their own path)
                     allowed[b] = False
