@@ -27,7 +27,7 @@ lint: $(STAMP)
 
 # The wheels tools/gpu_check.sh installs on a GPU machine without a registry (its image's Python
 # 3.12 has torch and the rest), at the versions pyproject.toml pins.
-GPU_WHEELS := pyzmq orjson setproctitle starlette uvicorn
+GPU_WHEELS := pyzmq orjson setproctitle starlette uvicorn uvloop httptools
 gpu-wheels: $(STAMP)
 	$(BIN)/pip download -q --only-binary=:all: --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
 	    --python-version 3.12 --implementation cp --no-deps -d .gpu-wheels \

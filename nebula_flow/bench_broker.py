@@ -13,6 +13,7 @@ generator and the clients together says little.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -92,7 +93,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def _drive(client_address: str, worker_addresses: list[str], mode: str, workers: int, capacity: int,
-                 concurrency: int, requests: int, max_new_tokens: int) -> dict[str, Any]:
+                 concurrency: int, requests: int, max_new_tokens: int, api: str | None = None) -> dict[str, Any]:
+    """The run: zero-cost workers, warm-up, then ``requests`` through the ZeroMQ client (or the
+    gateway at ``api``)."""
+    from nebula_flow.api.http_client import HttpClient
+
     ctx = zmq.asyncio.Context.instance()
     stop = asyncio.Event()
     # (a worker serving several shards speaks to each over a socket of its own, as a one-shard
@@ -100,7 +105,8 @@ async def _drive(client_address: str, worker_addresses: list[str], mode: str, wo
     pool = [asyncio.ensure_future(zero_worker(ctx, address, role, f"zero-{role}-{i}", capacity, stop))
             for i, role in enumerate(worker_roles(mode, workers)) for address in worker_addresses]
     queue = list(range(requests))
-    async with AsyncClient(client_address, timeout_s=120) as client:
+    async with AsyncClient(client_address, timeout_s=120) as client, \
+            (HttpClient(api, timeout_s=120) if api else contextlib.nullcontext()) as http:
         while fewest_workers(state := await client.status()) < len(worker_roles(mode, workers)):
             await asyncio.sleep(0.05)
         if max_new_tokens + 5 > state["max_model_len"]:
@@ -108,11 +114,14 @@ async def _drive(client_address: str, worker_addresses: list[str], mode: str, wo
             raise ValueError(f"max_new_tokens {max_new_tokens} does not fit the model's context of "
                              f"{state['max_model_len']} tokens (with the 5-token prompts)")
 
+        front = http or client  # (requests through the gateway carry its ids, not ours)
+
         async def user() -> None:
             while queue:
                 i = queue.pop()
-                await client.generate(token_ids=[5, 6, 7, 8, i % 50 + 10], max_new_tokens=max_new_tokens,
-                                      ignore_eos=True, request_id=f"bench-{i}")  # (ids: the same shards every run)
+                ids = {} if api else {"request_id": f"bench-{i}"}  # (ids: the same shards every run)
+                await front.generate(token_ids=[5, 6, 7, 8, i % 50 + 10], max_new_tokens=max_new_tokens,
+                                     ignore_eos=True, **ids)
 
         await asyncio.gather(*(client.generate(token_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)
                                for _ in range(2 * len(worker_addresses))))  # (warm-up, every shard)
@@ -145,13 +154,34 @@ def start_broker(args: list[str], out, profile: Path | None = None,  # noqa: ANN
                     raise RuntimeError(f"the broker did not start:\n{out.read().decode()[-2000:]}") from None
 
 
+def start_gateway(brokers: list[str], out) -> tuple[subprocess.Popen, str]:  # noqa: ANN001
+    """An HTTP gateway (``nebula-flow api``) in front of ``brokers``, its output to the file ``out``,
+    and its URL once ``/health`` answers."""
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "api", "--broker", ",".join(brokers), "--port",
+                             str(port), "--served-model-name", "bench"], stdout=out, stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return proc, url
+        except OSError:
+            time.sleep(0.05)
+    out.seek(0)
+    raise RuntimeError(f"the HTTP gateway did not start:\n{out.read().decode()[-2000:]}")
+
+
 def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int = 32, concurrency: int = 64,
                  requests: int = 256, max_new_tokens: int = 128, k: int = 4, profile: Path | None = None,
-                 log=print, shards: int = 1) -> dict[str, Any]:  # noqa: ANN001
+                 log=print, shards: int = 1, api: bool = False) -> dict[str, Any]:  # noqa: ANN001
     """``shards`` brokers (one, unless sharded) in ``mode`` under zero-cost workers; their CPU per
     request-round (over all shards, and each shard's own) and rates. ``profile``: run the (first)
-    broker under cProfile and write its stats there."""
+    broker under cProfile and write its stats there. ``api``: the requests go through an HTTP
+    gateway in front of the brokers, and its CPU per token streamed is measured too."""
     procs, clients, worker_addresses = [], [], []
+    gateway, url = None, None
     with tempfile.TemporaryFile() as out:
         try:
             for shard in range(shards):
@@ -163,29 +193,35 @@ def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int =
                 procs.append(proc)
                 clients.append(address)
                 worker_addresses.append(f"tcp://127.0.0.1:{worker_port}")
-            cpu0 = [cpu_seconds(p.pid) for p in procs]
+            if api:
+                gateway, url = start_gateway(clients, out)
+            measured = procs + ([gateway] if gateway else [])  # (the gateway last)
+            cpu0 = [cpu_seconds(p.pid) for p in measured]
             run = asyncio.run(_drive(",".join(clients), worker_addresses, mode, workers, capacity,
-                                     concurrency, requests, max_new_tokens))
-            cpus = [cpu_seconds(p.pid) - c0 for p, c0 in zip(procs, cpu0)]
+                                     concurrency, requests, max_new_tokens, url))
+            cpus = [cpu_seconds(p.pid) - c0 for p, c0 in zip(measured, cpu0)]
         finally:
-            for proc in procs:
+            for proc in procs + ([gateway] if gateway else []):
                 proc.terminate()
-            for proc in procs:
+            for proc in procs + ([gateway] if gateway else []):
                 proc.wait(timeout=60)
     before, after = run["before"]["counters"], run["after"]["counters"]
     rounds = after.get("rounds", 0) - before.get("rounds", 0)
     shard_rounds = ([a["rounds"] - b["rounds"] for a, b in zip(run["after"]["by_shard"], run["before"]["by_shard"])]
                     if shards > 1 else [rounds])
-    per_shard = [cpu / max(n, 1) * 1e6 for cpu, n in zip(cpus, shard_rounds)]
+    per_shard = [cpu / max(n, 1) * 1e6 for cpu, n in zip(cpus[:shards], shard_rounds)]
     res = {"mode": mode, "shards": shards, "rounds": rounds, "wall_s": run["wall_s"],
            "round_rate": rounds / run["wall_s"], "tasks_per_s": run["tasks"] / run["wall_s"],
-           "broker_cpu_s": sum(cpus), "broker_cpu_us_per_round": sum(cpus) / max(rounds, 1) * 1e6,
+           "broker_cpu_s": sum(cpus[:shards]), "broker_cpu_us_per_round": sum(cpus[:shards]) / max(rounds, 1) * 1e6,
            "shard_rounds": shard_rounds, "shard_cpu_us_per_round": per_shard,
-           "tokens_per_round": (after.get("tokens_out", 0) - before.get("tokens_out", 0)) / max(rounds, 1)}
+           "tokens_per_round": (tokens := after.get("tokens_out", 0) - before.get("tokens_out", 0)) / max(rounds, 1)}
+    if api:
+        res["gateway_cpu_us_per_token"] = cpus[-1] / max(tokens, 1) * 1e6
     log(f"  {mode}, {shards} shard{'s' if shards > 1 else ''}: {rounds} request-rounds in {run['wall_s']:.1f} s "
         f"({res['round_rate']:.0f}/s, {res['tasks_per_s']:.0f} tasks/s), broker CPU "
         f"{res['broker_cpu_us_per_round']:.0f} us per request-round"
-        + (f" (per shard: {', '.join(f'{c:.0f}' for c in per_shard)})" if shards > 1 else ""))
+        + (f" (per shard: {', '.join(f'{c:.0f}' for c in per_shard)})" if shards > 1 else "")
+        + (f"; gateway CPU {res['gateway_cpu_us_per_token']:.0f} us per token" if api else ""))
     return res
 
 

@@ -144,6 +144,14 @@ class _Collector:
         self.counts.append(len(tokens))
         return Chunk(tokens, text, t)
 
+    def finish(self, msg: Done) -> list[Chunk | Completion]:
+        """The request's end: the text the stream held back, if any (a character still partial at
+        the last round: the final decode gives it out, as U+FFFD), then the ``Completion``, so
+        that a stream's pieces always add up to its text."""
+        rest = msg.text[self.seen_text:]
+        chunk = self.chunk(Tokens(msg.req_id, [], rest, len(msg.token_ids), self.seen_text)) if rest else None
+        return [chunk, self.done(msg)] if chunk is not None else [self.done(msg)]
+
     def done(self, msg: Done) -> Completion:
         latency = time.monotonic() - self.t0
         st = msg.stats
@@ -297,7 +305,7 @@ class Client:
                         yield chunk
                 elif isinstance(msg, Done):
                     finished = True
-                    yield col.done(msg)
+                    yield from col.finish(msg)
                     return
                 elif isinstance(msg, Error):
                     finished = True
@@ -380,13 +388,19 @@ class AsyncClient:
 
     async def _send(self, conn: _Conn, msg: Msg) -> None:
         try:
-            await asyncio.wait_for(conn.sock.send_multipart(protocol.encode(msg), copy=False), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                await conn.sock.send_multipart(protocol.encode(msg), copy=False)
         except TimeoutError:
             raise RequestTimeout(f"cannot reach {conn.address} (not running, or keys refused)") from None
 
     async def _next(self, queue: asyncio.Queue[Msg]) -> Msg:
+        # (asyncio.timeout, not wait_for: wait_for runs the wait as a task of its own, a cost paid
+        # per message by a gateway streaming many requests)
+        if not queue.empty():
+            return queue.get_nowait()
         try:
-            return await asyncio.wait_for(queue.get(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                return await queue.get()
         except TimeoutError:
             raise RequestTimeout(f"no answer from {self.address} within {self.timeout_s:.0f} s") from None
 
@@ -418,7 +432,8 @@ class AsyncClient:
                         yield chunk
                 elif isinstance(reply, Done):
                     finished = True
-                    yield col.done(reply)
+                    for item in col.finish(reply):
+                        yield item
                     return
                 elif isinstance(reply, Error):
                     finished = True

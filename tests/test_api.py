@@ -295,6 +295,35 @@ def test_replay_and_bench_through_the_api(served, tiny_pair, tmp_path) -> None: 
     assert all(r["tokens"] == 12 and r["rounds"] > 0 for m in modes.values() for r in m["repeats"])
 
 
+def test_the_http_client_answers_like_the_zmq_client(served, strict) -> None:  # noqa: ANN001
+    """``HttpClient`` (bench's and replay's front door) gives the ZeroMQ client's output and its
+    errors: a bad request or a refused key is a RequestError with the API's message, a gateway
+    not there a NebulaError that says so."""
+    from nebula_flow.api.http_client import HttpClient
+    from nebula_flow.client import NebulaError, RequestError
+    from nebula_flow.deploy import free_port
+
+    with Client(served.address) as c:
+        want = c.generate("def add(a, b):", max_new_tokens=10)
+
+    async def run() -> None:
+        async with HttpClient(served.http_url, api_key="sesame", timeout_s=60) as http:
+            got = await http.generate("def add(a, b):", max_new_tokens=10)
+            assert got.token_ids == want.token_ids and got.text == want.text and got.finish_reason == "length"
+            assert got.chunk_tokens and sum(got.chunk_tokens) == 10 and got.ttft_s <= got.latency_s
+        async with HttpClient(strict.http_url, timeout_s=60) as http:
+            with pytest.raises(RequestError, match="max_tokens"):
+                await http.generate("x", max_new_tokens=5)  # (over strict's limit of 4)
+        async with HttpClient(served.http_url, api_key="wrong", timeout_s=60) as http:
+            with pytest.raises(RequestError, match="a valid API key is required"):
+                await http.generate("x", max_new_tokens=2)
+        async with HttpClient(f"http://127.0.0.1:{free_port()}", timeout_s=5) as http:
+            with pytest.raises(NebulaError, match="does not answer /v1/models"):
+                await http.generate("x", max_new_tokens=2)
+
+    asyncio.run(run())
+
+
 def test_a_target_with_several_eos_ids_stops_at_any_of_them(served, tiny_pair, tmp_path) -> None:  # noqa: ANN001
     import shutil
 

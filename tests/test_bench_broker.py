@@ -38,3 +38,14 @@ def test_bench_broker_measures_each_shard(tiny_pair) -> None:  # noqa: ANN001
     assert all(0 < c < 100_000 for c in two["shard_cpu_us_per_round"])
     bad = CliRunner().invoke(main, ["bench-broker", "--shards", "0"])
     assert bad.exit_code != 0 and "shard counts >= 1" in bad.output
+
+
+def test_bench_broker_through_the_http_api_measures_the_gateway(tiny_pair) -> None:  # noqa: ANN001
+    res = CliRunner().invoke(main, ["bench-broker", "--modes", "pooled", "--api", "--model", str(tiny_pair / "target"),
+                                    "--workers", "1", "--requests", "12", "--concurrency", "6", "--max-new-tokens",
+                                    "20", "--k", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    pooled = json.loads(res.output.strip().splitlines()[-1])["modes"]["pooled"]
+    # the same rounds as through the client library; the gateway (a process of its own) spent CPU on each token
+    assert pooled["rounds"] == 12 * 5 and pooled["tokens_per_round"] == 4.0
+    assert 0 < pooled["gateway_cpu_us_per_token"] < 100_000

@@ -281,11 +281,16 @@ def build_app(gateway: Gateway) -> Starlette:
 
 
 def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None) -> None:  # noqa: ANN401
-    """Run the gateway until SIGINT/SIGTERM (uvicorn's handlers); ``ready(port)`` once it listens."""
+    """Run the gateway until SIGINT/SIGTERM (uvicorn's handlers); ``ready(port)`` once it listens.
+
+    It runs on uvloop and parses HTTP with httptools (what ``uvicorn[standard]`` picks): each token
+    chunk of each stream is a few event-loop turns here, and on a host whose cores the workers use,
+    the gateway's CPU per chunk is what serving through it costs (``docs/benchmarks.md``)."""
     import uvicorn
+    import uvloop
 
     config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on", http="httptools")
     server = uvicorn.Server(config)
 
     async def run() -> None:
@@ -296,4 +301,5 @@ def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None) -> None
             ready(server.servers[0].sockets[0].getsockname()[1])
         await task
 
-    asyncio.run(run())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # (the loop uvicorn.run would pick)
+        runner.run(run())

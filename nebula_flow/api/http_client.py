@@ -4,15 +4,21 @@
 Each request streams (server-sent events) with ``return_token_ids`` and the usage, and yields
 the same ``Chunk`` and ``Completion`` objects as the ZeroMQ client, timed on this client's clock
 from the moment the request is sent.
+
+It speaks HTTP with aiohttp, not httpx: a load generator shares the host with what it measures,
+and aiohttp's C parser reads a streamed event for about a fifth of httpx's CPU time (on a 2-core
+host, the difference showed as the gateway's "overhead"; ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from nebula_flow.client import Busy, Chunk, Completion, NebulaError, RequestError, completion_of
@@ -26,25 +32,36 @@ class HttpClient:
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/").removesuffix("/v1")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s,
-                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.headers = {"Content-Type": "application/json",
+                        **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        # (a read waits at most timeout_s for the next bytes, as the ZeroMQ client waits for its next message)
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
+        self._http: aiohttp.ClientSession | None = None  # made in the event loop that uses it
         self.served: dict[str, Any] | None = None  # what /v1/models lists (asked once)
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None:  # (no cap on connections: each concurrent stream holds one)
+            self._http = aiohttp.ClientSession(self.url, headers=self.headers, timeout=self.timeout,
+                                               connector=aiohttp.TCPConnector(limit=0), read_bufsize=1 << 20)
+        return self._http
 
     async def __aenter__(self) -> HttpClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.http.aclose()
+        if self._http is not None:
+            await self._http.close()
 
     async def served_model(self) -> dict[str, Any]:
         """The model the gateway serves, as ``/v1/models`` lists it (``id``, ``max_model_len``)."""
         if self.served is None:
             try:
-                res = await self.http.get("/v1/models")
-                _check(res.status_code, res.content)
-                self.served = res.json()["data"][0]
-            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+                async with self.http.get("/v1/models") as res:
+                    content = await res.read()
+                _check(res.status, content)
+                self.served = orjson.loads(content)["data"][0]
+            except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError) as exc:
                 raise NebulaError(f"the HTTP API at {self.url} does not answer /v1/models: {exc}") from None
         return self.served
 
@@ -64,31 +81,28 @@ class HttpClient:
         t0 = time.monotonic()
         tokens: list[int] = []
         text, times, counts, last = [], [], [], None
-        async with self.http.stream("POST", path, content=orjson.dumps(body),
-                                    headers={"Content-Type": "application/json"}) as res:
-            if res.status_code != 200:
-                _check(res.status_code, await res.aread())
-            async for line in res.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = orjson.loads(line[len("data: "):])
-                if "error" in event:
-                    raise RequestError(str(event["error"].get("code")), event["error"].get("message", ""))
-                if not event["choices"]:  # the usage, last
-                    last = dict(last or {}, usage=event["usage"])
-                    continue
-                choice = event["choices"][0]
-                piece = choice["delta"].get("content") or "" if chat else choice.get("text", "")
-                ids = choice.get("token_ids") or []
-                if ids or piece:
-                    t = time.monotonic() - t0
-                    tokens += ids
-                    text.append(piece)
-                    times.append(t)
-                    counts.append(len(ids))
-                    yield Chunk(ids, piece, t)
-                if choice.get("finish_reason"):
-                    last = dict(last or {}, reason=choice["finish_reason"], spec=event.get("speculative", {}))
+        try:
+            async with aclosing(self._events(path, body)) as events:  # (left early: the response closes now)
+                async for event in events:
+                    if "error" in event:
+                        raise RequestError(str(event["error"].get("code")), event["error"].get("message", ""))
+                    if not event["choices"]:  # the usage, last
+                        last = dict(last or {}, usage=event["usage"])
+                        continue
+                    choice = event["choices"][0]
+                    piece = choice["delta"].get("content") or "" if chat else choice.get("text", "")
+                    ids = choice.get("token_ids") or []
+                    if ids or piece:
+                        t = time.monotonic() - t0
+                        tokens += ids
+                        text.append(piece)
+                        times.append(t)
+                        counts.append(len(ids))
+                        yield Chunk(ids, piece, t)
+                    if choice.get("finish_reason"):
+                        last = dict(last or {}, reason=choice["finish_reason"], spec=event.get("speculative", {}))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise NebulaError(f"the HTTP API at {self.url} failed mid-request: {exc!r}") from None
         if last is None or "reason" not in last:
             raise NebulaError(f"the stream from {self.url} ended without a finish")
         spec, latency = last.get("spec", {}), time.monotonic() - t0
@@ -97,14 +111,21 @@ class HttpClient:
         yield Completion("".join(text), tokens, last["reason"], spec.get("rounds", 0), spec.get("tokens_per_round", []),
                          times[0] if times else latency, latency, times, stats, counts)
 
+    async def _events(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The JSON events of the server-sent stream that POSTing ``body`` to ``path`` answers."""
+        async with self.http.post(path, data=orjson.dumps(body)) as res:
+            if res.status != 200:
+                _check(res.status, await res.read())
+            async for line in res.content:  # (one line at a time; events are "data: ..." lines)
+                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                    yield orjson.loads(line[6:])
+
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         return await completion_of(self.stream(prompt, **kwargs))
 
 
 def served_model(url: str, api_key: str | None = None) -> dict[str, Any]:
     """``HttpClient.served_model`` of the gateway at ``url``, from synchronous code."""
-    import asyncio
-
     async def ask() -> dict[str, Any]:
         async with HttpClient(url, api_key, timeout_s=10) as client:
             return await client.served_model()

@@ -204,10 +204,12 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
 @click.option("--scale-load", is_flag=True, help="With several shards, multiply --concurrency and --requests by the "
               "shard count, so each shard carries the load one broker does (a broker's CPU per round grows as its "
               "load falls: fewer messages per wake-up).")
+@click.option("--api", is_flag=True, help="Send the requests through the HTTP API (a gateway, `nebula-flow api`, in "
+              "front of the brokers, streamed) and also print the gateway's CPU time per token it streamed.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}, \"shards\": {count: {...}}} "
               "as JSON (modes: at the first shard count; shards: the first mode at each count).")
 def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new_tokens, k, model, profile_dir,
-                     shard_counts, scale_load, as_json) -> None:  # noqa: ANN001
+                     shard_counts, scale_load, api, as_json) -> None:  # noqa: ANN001
     """Measure the broker alone: a real broker under zero-cost workers (forwards of 0 s, all in one
     light process) and clients; request-rounds/s, tasks/s and the broker's CPU time per
     request-round (its own user + system seconds over the rounds it ended: the figure that holds on
@@ -239,7 +241,7 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
             try:
                 results[mode, shards] = bench_broker(mode, model, workers, max_batch, concurrency * scale,
                                                      n_requests * scale, max_new_tokens, k, prof,
-                                                     log=lambda m: click.echo(m, err=True), shards=shards)
+                                                     log=lambda m: click.echo(m, err=True), shards=shards, api=api)
             except (RuntimeError, ValueError) as exc:
                 raise click.ClickException(str(exc)) from None
             if prof is not None and not as_json:
@@ -249,11 +251,11 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
                                "shards": {str(n): results[names[0], n] for n in counts}}))
         return
     click.echo(f"{'mode':<16}{'shards':>7}{'rounds/s':>10}{'tasks/s':>10}{'broker CPU us/round':>22}"
-               f"{'worst shard':>13}{'tokens/round':>14}")
+               f"{'worst shard':>13}{'tokens/round':>14}" + (f"{'gateway CPU us/token':>22}" if api else ""))
     for (mode, shards), r in results.items():
         click.echo(f"{mode:<16}{shards:>7}{r['round_rate']:>10.0f}{r['tasks_per_s']:>10.0f}"
                    f"{r['broker_cpu_us_per_round']:>22.1f}{max(r['shard_cpu_us_per_round']):>13.1f}"
-                   f"{r['tokens_per_round']:>14.2f}")
+                   f"{r['tokens_per_round']:>14.2f}" + (f"{r['gateway_cpu_us_per_token']:>22.1f}" if api else ""))
 
 
 @click.command("bench-kv")
