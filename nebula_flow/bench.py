@@ -87,6 +87,7 @@ class BenchWorkload:
     temperature: float = 0.0
     ignore_eos: bool = True  # fixed-length outputs keep modes comparable
     chat: bool = False  # send each prompt as a user message in the model's chat format
+    top_p: float = 1.0  # nucleus sampling (with a temperature): 1 = the whole distribution
 
 
 async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) -> list[Completion]:
@@ -100,7 +101,8 @@ async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) 
             while queue:
                 i, prompt = queue.pop(0)
                 outs.append(await client.generate(prompt, max_new_tokens=wl.max_new_tokens, temperature=wl.temperature,
-                                                  seed=i, ignore_eos=wl.ignore_eos, chat=wl.chat))
+                                                  top_p=wl.top_p, seed=i,
+                                                  ignore_eos=wl.ignore_eos, chat=wl.chat))
         await asyncio.gather(*(user() for _ in range(max(1, wl.concurrency))))
     return outs
 
@@ -212,7 +214,8 @@ def bench_peer(cfg: DeployConfig, peer: str, wl: BenchWorkload, repeats: int, lo
     codec = TextCodec(cfg.target.model)
     spec = {"target": str(cfg.target.model), "draft": str(cfg.draft.model) if assisted else None,
             "dtype": cfg.target.dtype, "prompts": [codec.encode(p, chat=wl.chat) for p in wl.prompts],
-            "max_new_tokens": wl.max_new_tokens, "temperature": wl.temperature, "ignore_eos": wl.ignore_eos,
+            "max_new_tokens": wl.max_new_tokens, "temperature": wl.temperature, "top_p": wl.top_p,
+            "ignore_eos": wl.ignore_eos,
             "repeats": repeats, "label": peer}
     with tempfile.TemporaryDirectory(prefix="nebula-flow-hf-") as tmp:
         path = Path(tmp) / "spec.json"

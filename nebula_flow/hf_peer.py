@@ -71,7 +71,7 @@ class _FirstToken:
 
 def run(spec: dict[str, Any], log=print) -> dict[str, Any]:  # noqa: ANN001
     """``spec``: target, draft (hf-assisted) or null, dtype, prompts (token id lists),
-    max_new_tokens, temperature, ignore_eos, repeats, label. Per repeat: tokens/s, target
+    max_new_tokens, temperature, top_p, ignore_eos, repeats, label. Per repeat: tokens/s, target
     forwards (rounds), TTFT and latency of each request."""
     import torch
 
@@ -84,8 +84,8 @@ def run(spec: dict[str, Any], log=print) -> dict[str, Any]:  # noqa: ANN001
     target.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     greedy = spec["temperature"] == 0
     kwargs: dict[str, Any] = {"max_new_tokens": spec["max_new_tokens"], "do_sample": not greedy}
-    if not greedy:  # the target's own distribution: no top-k / top-p cut
-        kwargs.update(temperature=spec["temperature"], top_k=0, top_p=1.0)
+    if not greedy:  # the target's own distribution (no top-k cut; top-p as the bench asks)
+        kwargs.update(temperature=spec["temperature"], top_k=0, top_p=spec.get("top_p", 1.0))
     if spec["ignore_eos"]:  # fixed-length outputs, as the bench asks of every mode
         kwargs["min_new_tokens"] = spec["max_new_tokens"]
     if draft is not None:

@@ -66,3 +66,12 @@ def test_bench_runs_the_hf_peers_beside_the_modes(tiny_pair, tmp_path) -> None: 
     assert modes["hf-assisted"]["tokens_per_round"] > 1.0  # the tiny draft agrees with its target often
     bad = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "hf-nosuch"])
     assert bad.exit_code != 0 and "hf-assisted" in bad.output
+    # nucleus sampling reaches our workers and HF's generate() alike; it needs a temperature
+    res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "autoregressive,hf", "--temperature",
+                                    "0.8", "--top-p", "0.5", "--requests", "2", "--max-new-tokens", "6", "--repeats", "1",
+                                    "--json"])
+    assert res.exit_code == 0, res.output
+    assert all(m["repeats"][0]["tokens"] == 12 for m in json.loads(res.output.strip().splitlines()[-1])["modes"].values())
+    for args, says in ((["--top-p", "0.5"], "--temperature above 0"), (["--top-p", "0"], "--top-p")):
+        bad = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "hf", *args])
+        assert bad.exit_code == 2 and says in bad.output, bad.output

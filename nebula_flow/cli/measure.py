@@ -37,7 +37,10 @@ from nebula_flow.roles import MODES
 @click.option("--concurrency", default=1, show_default=True, help="Concurrent requests (1 = single stream).")
 @click.option("--requests", "n_requests", default=8, show_default=True, help="Requests per repeat.")
 @click.option("--max-new-tokens", default=64, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="Sampling temperature of every request (0: greedy).")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
+              help="Nucleus sampling with --temperature > 0: each token drawn from the fewest most likely tokens "
+              "whose probability reaches this (1: the whole distribution).")
 @click.option("--repeats", default=3, show_default=True, help="Repeats per mode; figures are medians.")
 @click.option("--chat", is_flag=True, help="Send code requests in the model's chat format (how an instruct model "
               "is used) instead of raw code and prose prompts.")
@@ -51,7 +54,7 @@ from nebula_flow.roles import MODES
               "Both: each repeat runs both on the same deployment, in turns; rows \"MODE via api\".")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-          temperature, repeats, chat, edit, breakdown, via, as_json) -> None:  # noqa: ANN001
+          temperature, top_p, repeats, chat, edit, breakdown, via, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
         DEFAULT_CHAT_PROMPTS,
@@ -77,8 +80,10 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     if twice := sorted({m for m in names if names.count(m) > 1}):  # (results are keyed by mode)
         raise click.ClickException(f"modes given more than once: {', '.join(twice)}; a mode's runs are --repeats")
     pool = DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
+    if top_p < 1 and temperature == 0:
+        raise click.BadParameter("top-p samples: give a --temperature above 0 too", param_hint="--top-p")
     wl = BenchWorkload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature,
-                  chat=chat or edit)
+                       chat=chat or edit, top_p=top_p)
     results = {}
     for name in names:
         if name in PEERS:
