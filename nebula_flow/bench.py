@@ -101,8 +101,7 @@ async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) 
             while queue:
                 i, prompt = queue.pop(0)
                 outs.append(await client.generate(prompt, max_new_tokens=wl.max_new_tokens, temperature=wl.temperature,
-                                                  top_p=wl.top_p, seed=i,
-                                                  ignore_eos=wl.ignore_eos, chat=wl.chat))
+                                                  top_p=wl.top_p, seed=i, ignore_eos=wl.ignore_eos, chat=wl.chat))
         await asyncio.gather(*(user() for _ in range(max(1, wl.concurrency))))
     return outs
 
@@ -215,8 +214,7 @@ def bench_peer(cfg: DeployConfig, peer: str, wl: BenchWorkload, repeats: int, lo
     spec = {"target": str(cfg.target.model), "draft": str(cfg.draft.model) if assisted else None,
             "dtype": cfg.target.dtype, "prompts": [codec.encode(p, chat=wl.chat) for p in wl.prompts],
             "max_new_tokens": wl.max_new_tokens, "temperature": wl.temperature, "top_p": wl.top_p,
-            "ignore_eos": wl.ignore_eos,
-            "repeats": repeats, "label": peer}
+            "ignore_eos": wl.ignore_eos, "repeats": repeats, "label": peer}
     with tempfile.TemporaryDirectory(prefix="nebula-flow-hf-") as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))
