@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from nebula_flow import protocol
 from nebula_flow.client import AsyncClient, Client, NebulaError
-from nebula_flow.deploy import free_port
+from nebula_flow.deploy import free_port, http_answers
 from nebula_flow.protocol import Heartbeat, Pull, Register, Result, TaskResult, Tasks, Welcome
 from nebula_flow.roles import MODES
 from nebula_flow.shards import fewest_workers
@@ -157,18 +157,13 @@ def start_broker(args: list[str], out, profile: Path | None = None,  # noqa: ANN
 def start_gateway(brokers: list[str], out) -> tuple[subprocess.Popen, str]:  # noqa: ANN001
     """An HTTP gateway (``nebula-flow api``) in front of ``brokers``, its output to the file ``out``,
     and its URL once ``/health`` answers."""
-    import urllib.request
-
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "api", "--broker", ",".join(brokers), "--port",
                              str(port), "--served-model-name", "bench"], stdout=out, stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return proc, url
-        except OSError:
-            time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    if http_answers(url, proc, 60):
+        return proc, url
+    proc.kill()
     out.seek(0)
     raise RuntimeError(f"the HTTP gateway did not start:\n{out.read().decode()[-2000:]}")
 
@@ -181,7 +176,7 @@ def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int =
     broker under cProfile and write its stats there. ``api``: the requests go through an HTTP
     gateway in front of the brokers, and its CPU per token streamed is measured too."""
     procs, clients, worker_addresses = [], [], []
-    gateway, url = None, None
+    url = None
     with tempfile.TemporaryFile() as out:
         try:
             for shard in range(shards):
@@ -195,15 +190,15 @@ def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int =
                 worker_addresses.append(f"tcp://127.0.0.1:{worker_port}")
             if api:
                 gateway, url = start_gateway(clients, out)
-            measured = procs + ([gateway] if gateway else [])  # (the gateway last)
-            cpu0 = [cpu_seconds(p.pid) for p in measured]
+                procs.append(gateway)  # (last: its CPU is the last measured)
+            cpu0 = [cpu_seconds(p.pid) for p in procs]
             run = asyncio.run(_drive(",".join(clients), worker_addresses, mode, workers, capacity,
                                      concurrency, requests, max_new_tokens, url))
-            cpus = [cpu_seconds(p.pid) - c0 for p, c0 in zip(measured, cpu0)]
+            cpus = [cpu_seconds(p.pid) - c0 for p, c0 in zip(procs, cpu0)]
         finally:
-            for proc in procs + ([gateway] if gateway else []):
+            for proc in procs:
                 proc.terminate()
-            for proc in procs + ([gateway] if gateway else []):
+            for proc in procs:
                 proc.wait(timeout=60)
     before, after = run["before"]["counters"], run["after"]["counters"]
     rounds = after.get("rounds", 0) - before.get("rounds", 0)

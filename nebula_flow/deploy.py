@@ -41,6 +41,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def http_answers(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait until the HTTP gateway at ``url`` (run by ``proc``) answers ``/health``: False if it
+    exits first or ``timeout_s`` passes."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
 def default_threads(role: str, plan: list[tuple[str, Any]], cores: int | None = None) -> int:
     """Torch threads for a worker of ``role`` in ``plan`` when its pool sets none: the workers that
     run the target (target, colocated) share the cores; a draft worker gets its share of all
@@ -253,8 +268,6 @@ class Deployment:
                   timeout_s: float = 60.0) -> str:
         """Start the HTTP gateway (``nebula-flow api``) in front of the broker, supervised like the
         rest; returns its URL once ``/health`` answers."""
-        import urllib.request
-
         port = port or free_port()
         name = model_name or self.cfg.broker.model_name or "default"
         if api_key:
@@ -262,13 +275,8 @@ class Deployment:
         proc = self._spawn("api", ["api", "--broker", self.address, "--http-host", host, "--port", str(port),
                                    "--served-model-name", name])
         self.http_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"{self.http_url}/health", timeout=2):
-                    return self.http_url
-            except OSError:
-                time.sleep(0.1)
+        if http_answers(self.http_url, proc, timeout_s):
+            return self.http_url
         raise DeploymentError(f"the HTTP API did not start:\n{self.log_tail('api')}")
 
     def wait_ready(self, n_workers: int, timeout_s: float) -> None:

@@ -8,7 +8,7 @@ set -uo pipefail
 out=${1:-${OUT:-/tmp/gpu-check}}
 py=${PYTHON:-python3}
 mkdir -p "$out"
-$py -m pip install -q --no-index --find-links .gpu-wheels pyzmq orjson setproctitle starlette uvicorn uvloop httptools
+$py -m pip install -q --no-index --find-links .gpu-wheels .gpu-wheels/*.whl  # (what the Makefile's GPU_WHEELS names)
 $py -m pip install -q --no-deps --no-build-isolation -e .
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())"

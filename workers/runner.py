@@ -165,8 +165,8 @@ class ModelRunner:
 
     def _drawn(self, row: torch.Tensor, t: Task, position: int) -> int:
         """The token id a sampled draft draws from ``row`` at ``position`` (``specdec.propose``)."""
-        tok = specdec.propose(row, t.params, t.seed, position, self.proposal_top_k)[0]
-        return tok if self.model.head_token_ids is None else int(self.model.head_token_ids[tok])
+        return int(self.model.token_ids(torch.tensor(specdec.propose(row, t.params, t.seed, position,
+                                                                     self.proposal_top_k)[0])))
 
     def predraft(self, tasks: list[Task]) -> list[list[tuple[list[int], Draft]]]:
         """Draft-ahead (``nebula_flow/ahead.py``): each task carries committed tokens and the draft
