@@ -27,33 +27,33 @@ class WorkerInfo:
     batches: Counter[str] = field(default_factory=Counter)  # batches sent by stage (an elastic worker's: both)
 
 
+TREE_COUNTERS = ("alternatives_proposed", "alternatives_contested", "alternatives_accepted", "fused_asked",
+                 "fused_chains", "fused_rounds_won", "fused_tokens_accepted")
+
+
 @dataclass
 class BrokerStats:
-    counters: Counter[str] = field(default_factory=Counter)
+    # (the token-tree counters start at 0: status shows them whether or not a round used a tree)
+    counters: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(TREE_COUNTERS, 0)))
     errors: Counter[str] = field(default_factory=Counter)
-    proposed_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
-    tokens_per_round_hist: Counter[int] = field(default_factory=Counter)
+    # Each verified round's shape, (draft tokens, of them accepted, tokens committed) -> rounds: one
+    # count a round; the per-position and per-round figures status shows are derived from it.
+    outcomes: Counter[tuple[int, int, int]] = field(default_factory=Counter)
     drafter_counts: dict[str, Counter[str]] = field(default_factory=dict)  # drafter -> rounds, proposed, accepted
     batch_sizes: dict[str, Counter[int]] = field(default_factory=dict)
 
     def count_round(self, v: Verified, fuse_asked: bool, drafter: str | None) -> None:
         """Count what one verified round's token tree proposed and won."""
-        c = self.counters
-        c["alternatives_proposed"] += len(v.runner_ups)
-        c["alternatives_contested"] += bool(v.runner_ups) and v.draft_accepted == 0  # (where a runner-up could win)
-        c["alternatives_accepted"] += v.via_alt
-        c["fused_asked"] += fuse_asked
-        c["fused_chains"] += len(v.chains)
-        c["fused_rounds_won"] += v.fused > 0
-        c["fused_tokens_accepted"] += v.fused
-        while len(self.proposed_by_position) < len(v.draft):
-            self.proposed_by_position.append(0)
-            self.accepted_by_position.append(0)
-        for i in range(len(v.draft)):
-            self.proposed_by_position[i] += 1
-            self.accepted_by_position[i] += i < v.draft_accepted
-        self.tokens_per_round_hist[len(v.committed)] += 1
+        self.outcomes[len(v.draft), v.draft_accepted, len(v.committed)] += 1
+        if v.runner_ups or v.chains or fuse_asked:  # (most rounds are a plain chain: nothing more to count)
+            c = self.counters
+            c["alternatives_proposed"] += len(v.runner_ups)
+            c["alternatives_contested"] += bool(v.runner_ups) and v.draft_accepted == 0  # (where a runner-up could win)
+            c["alternatives_accepted"] += v.via_alt
+            c["fused_asked"] += fuse_asked
+            c["fused_chains"] += len(v.chains)
+            c["fused_rounds_won"] += v.fused > 0
+            c["fused_tokens_accepted"] += v.fused
         if drafter is not None:
             by = self.drafter_counts.get(drafter)
             if by is None:  # (not setdefault: that makes a Counter every round)
@@ -61,6 +61,31 @@ class BrokerStats:
             by["rounds"] += 1
             by["proposed"] += len(v.draft)
             by["accepted"] += v.draft_accepted
+
+    @property
+    def proposed_by_position(self) -> list[int]:
+        """Rounds whose draft had a token at each position (1st, 2nd, ...)."""
+        return self._by_position(0)
+
+    @property
+    def accepted_by_position(self) -> list[int]:
+        """Rounds that accepted the draft's token at each position."""
+        return self._by_position(1)
+
+    def _by_position(self, part: int) -> list[int]:
+        out = [0] * max((drafted for drafted, _, _ in self.outcomes), default=0)  # (both lists as long as the longest draft)
+        for outcome, rounds in self.outcomes.items():
+            for i in range(outcome[part]):
+                out[i] += rounds
+        return out
+
+    @property
+    def tokens_per_round_hist(self) -> Counter[int]:
+        """Rounds by the tokens they committed."""
+        hist: Counter[int] = Counter()
+        for (_, _, committed), rounds in self.outcomes.items():
+            hist[committed] += rounds
+        return hist
 
     def state(self, scheduler: Scheduler, workers: dict[int, WorkerInfo]) -> dict[str, Any]:
         """The parts of the status state that these counters and the policy hold."""

@@ -170,10 +170,13 @@ def token_ids(value: Any, name: str) -> list[int]:  # noqa: ANN401
     """``value`` if it is a list of token ids (whole numbers in int32's range, where tokens travel
     as tensors), else ``ProtocolError`` (the model's vocabulary is checked where it is known:
     ``workers/tasks.py``)."""
-    if not isinstance(value, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in value):
+    # (the types collected in C: a generator testing each id cost the broker ~1 us a round's result)
+    if type(value) is not list or value and ({*map(type, value)} != _INT or min(value) < 0 or max(value) >= MAX_TOKEN_ID):
         raise malformed(f"{name} must be a list of token ids")
     return value
+
+
+_INT = {int}  # (exact: JSON gives bool for true/false, never an int subclass else)
 
 
 def array(desc: Any, frames: list[Any]) -> np.ndarray:  # noqa: ANN401

@@ -68,6 +68,17 @@ def test_a_bad_task_in_a_batch_is_refused_alone() -> None:
     assert got[1].head == {"rid": 2, "kind": "verify", "round": 1, "attempt": 1} and "runner_ups" in got[1].error.message
 
 
+@pytest.mark.parametrize("draft", ["[true]", "[-1]", "[2147483648]", "[1.0]", '["5"]', "5", '{"0": 1}', "[[1]]"])
+def test_a_result_with_bad_token_ids_is_refused_alone(draft: str) -> None:
+    """Token ids are whole numbers in int32's range: no bool, float, string, negative or nested id."""
+    head = b'"rid": 1, "kind": "draft", "round": 1, "attempt": 1'
+    frames = [b"RESULT", V + b', "results": [{' + head + b', "draft": [7, 8]}, {' + head.replace(b'"rid": 1', b'"rid": 2')
+              + b', "draft": ' + draft.encode() + b'}]}']
+    got = protocol.decode(frames).results
+    assert isinstance(got[0], TaskResult) and got[0].draft == [7, 8]
+    assert isinstance(got[1], Rejected) and got[1].error.code == "malformed" and got[1].head["rid"] == 2
+
+
 @pytest.mark.parametrize("frames, code", [
     ([b"SUBMIT"], "malformed"),
     ([b"NOPE", b"{}"], "unknown_kind"),
