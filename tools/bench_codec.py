@@ -2,7 +2,11 @@
 (decode), and the worker's side of each. Prints microseconds per message and per task, medians of
 ``--repeats`` passes of ``--loops`` each.
 
-    .venv/bin/python tools/bench_codec.py [--batch 14] [--tokens 300]
+``--idle-ms MS`` times each call after MS milliseconds of sleep instead (medians of single calls),
+as a worker decodes a task arriving after an idle wait: on a virtual machine whose idle cores are
+handed to other guests, the same code then runs several times slower (its caches went cold).
+
+    .venv/bin/python tools/bench_codec.py [--batch 14] [--tokens 300] [--idle-ms 20]
 """
 
 from __future__ import annotations
@@ -46,19 +50,35 @@ def per_call(fn, loops: int, repeats: int) -> float:  # noqa: ANN001
     return statistics.median(times)
 
 
+def after_idle(fn, idle_s: float, calls: int) -> float:  # noqa: ANN001
+    """Median seconds of one call of ``fn`` made after ``idle_s`` of sleep."""
+    times = []
+    for _ in range(calls):
+        time.sleep(idle_s)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=14, help="tasks per message")
     ap.add_argument("--tokens", type=int, default=300, help="committed tokens per request")
     ap.add_argument("--loops", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--idle-ms", type=float, default=0.0, help="sleep this long before each call (100 calls)")
     args = ap.parse_args()
     print(f"{'message':<15} {'encode us':>10} {'decode us':>10} {'per task':>18}")
     for name, msg in messages(args.batch, args.tokens).items():
         frames = [bytes(f) if not isinstance(f, np.ndarray) else f.tobytes() for f in protocol.encode(msg)]
         assert name.startswith("TASKS") or protocol.decode(frames) == msg  # (arrays compare elementwise)
-        enc = per_call(lambda: protocol.encode(msg), args.loops, args.repeats) * 1e6  # noqa: B023
-        dec = per_call(lambda: protocol.decode(frames), args.loops, args.repeats) * 1e6  # noqa: B023
+        if args.idle_ms:
+            enc = after_idle(lambda: protocol.encode(msg), args.idle_ms / 1000, 100) * 1e6  # noqa: B023
+            dec = after_idle(lambda: protocol.decode(frames), args.idle_ms / 1000, 100) * 1e6  # noqa: B023
+        else:
+            enc = per_call(lambda: protocol.encode(msg), args.loops, args.repeats) * 1e6  # noqa: B023
+            dec = per_call(lambda: protocol.decode(frames), args.loops, args.repeats) * 1e6  # noqa: B023
         print(f"{name:<15} {enc:>10.1f} {dec:>10.1f} {enc / args.batch:>8.2f} {dec / args.batch:>8.2f} us")
 
 
