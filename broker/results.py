@@ -79,14 +79,13 @@ def verified(req: Request, out: TaskResult, vocab: int | None = None) -> Verifie
     committed = out.committed or []
     in_vocab(committed, vocab, "the committed tokens")
     accepted = len(committed) - 1
-    if runner_ups or chains or seconds:
-        tree = TokenTree([draft, *([a] for a in runner_ups), *chains, *seconds])
-        on_path = committed and len(tree.path(committed[:-1])) == accepted
-    else:  # (a plain chain, most rounds: its tree is the draft, and a path of it a prefix)
-        on_path = committed and committed[:-1] == draft[:accepted]
-    if not on_path:
+    plain = not (runner_ups or chains or seconds)  # (a plain chain, most rounds: its tree is the draft, a path of it a prefix)
+    if not committed or (committed[:-1] != draft[:accepted] if plain else
+                         len(TokenTree([draft, *([a] for a in runner_ups), *chains, *seconds]).path(committed[:-1])) != accepted):
         raise ProtocolError("malformed", f"{len(committed)} committed tokens are not a path of the round's "
                                          f"drafts and one more token")
+    if plain:  # (every accepted token is the draft's: nothing won by a runner-up or a chain)
+        return Verified(committed, draft, runner_ups, chains, accepted, False, 0)
     taken = on_chain(draft, committed)
     via_alt = taken == 0 and accepted > 0 and committed[0] in runner_ups
     fused = max((on_chain(c, committed) for c in chains), default=0) - max(taken, int(via_alt))

@@ -23,6 +23,7 @@ Times are sums over rounds; ``nebula-flow bench --breakdown`` divides them by th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import add
 from typing import Any
 
 from nebula_flow.wire import malformed
@@ -60,6 +61,7 @@ PARTS = ("queue", "hop", "broker", *WORKER_PARTS.values(), "other")
 SLOT = {part: i for i, part in enumerate((*PARTS, "total"))}
 WORKER_SLOTS = tuple((key, SLOT[part]) for key, part in WORKER_PARTS.items())
 QUEUE, HOP, BROKER, OTHER, TOTAL = (SLOT[p] for p in ("queue", "hop", "broker", "other", "total"))
+ZEROS = (0.0,) * len(SLOT)
 
 
 class _Round:
@@ -123,11 +125,13 @@ class RoundTimes:
         parts[OTHER] += max(0.0, (t - r.started) - sum(parts))
         parts[TOTAL] = t - r.started
         sums = self.sums[key]
-        for i, seconds in enumerate(parts):
-            sums[i] += seconds
+        sums[:] = map(add, sums, parts)
         self.counts[key] += 1
         self.tokens[key] += tokens
-        self.open[rid] = _Round(t, first=False)
+        # the next round starts now, in the same record (zeroed in place: no new objects a round)
+        r.started = r.last = t
+        r.sent, r.first = 0.0, False
+        parts[:] = ZEROS
 
     def closed(self, rid: int) -> float:
         """A request left: forget it; returns its queue time (admission to its first task sent)."""
