@@ -80,7 +80,7 @@ def _checker(tp: Any) -> Checker:  # noqa: ANN401, C901
         inner = _checker(next(a for a in get_args(tp) if a is not type(None)))
         return lambda v, where, frames: None if v is None else inner(v, where, frames)
     if tp is TokenIds:
-        return lambda v, where, frames: token_ids(v, where)
+        return token_ids
     if tp is Tensor:
         return lambda v, where, frames: array(v, frames)
     if origin is list or tp is list:
@@ -166,10 +166,10 @@ def _head(raw: Any) -> dict | None:  # noqa: ANN401
     return head if ok and isinstance(head["kind"], str) else None
 
 
-def token_ids(value: Any, name: str) -> list[int]:  # noqa: ANN401
+def token_ids(value: Any, name: str, frames: list | None = None) -> list[int]:  # noqa: ANN401
     """``value`` if it is a list of token ids (whole numbers in int32's range, where tokens travel
     as tensors), else ``ProtocolError`` (the model's vocabulary is checked where it is known:
-    ``workers/tasks.py``)."""
+    ``workers/tasks.py``). ``frames``: unused (the signature of a ``Checker``)."""
     # (the types collected in C: a generator testing each id cost the broker ~1 us a round's result)
     if type(value) is not list or value and ({*map(type, value)} != _INT or min(value) < 0 or max(value) >= MAX_TOKEN_ID):
         raise malformed(f"{name} must be a list of token ids")
