@@ -176,8 +176,7 @@ class Scheduler:
         req.draft, req.q, req.runner_ups, req.chains = [], {}, [], []
         max_alts = self.policy.first_alternatives
         loaded = 0 < self.policy.disable_by_batch_size < len(self.requests) and not req.reproducible  # (__init__)
-        remaining = req.remaining
-        speculate = self.mode != "autoregressive" and remaining > 1 and not loaded
+        speculate = self.mode != "autoregressive" and req.remaining > 1 and not loaded
         req.drafter, explore, plan = routing.route(self, req, max_alts) if speculate and self.mode == "pooled" and self.drafters \
             else (None, False, None)
         if self.policy.adaptive_k:
@@ -188,11 +187,11 @@ class Scheduler:
             k = max(k, 1) if explore else k  # (a look at a drafter that drafts nothing shows nothing)
         else:
             k, alts = self.policy.k, max_alts
-        req.k = max(0, min(k, remaining - 1)) if speculate else 0
+        req.k = max(0, min(k, req.remaining - 1)) if speculate else 0
         req.alts = alts if req.k > 0 else 0
         # (a chain no longer than the tokens left, as the draft; with adaptive k only where it pays
         # for its rows, planned for a seeded sample from its own history, as its k)
-        req.fuse = min(self.policy.fuse_ngram, remaining - 1) if self.mode != "autoregressive" else 0
+        req.fuse = min(self.policy.fuse_ngram, req.remaining - 1) if self.mode != "autoregressive" else 0
         if req.fuse and self.policy.adaptive_k:
             req.fuse = speclen.choose_fuse(req.acceptance, req.k, req.alts, req.fuse, *self.costs_for(req, req.drafter),
                                            batch=self._verify_batch() if loaded else 1)
@@ -455,8 +454,7 @@ class Scheduler:
             if rid in seconds:  # (a second draft of a fused round: ``fusion``)
                 batch.append(fusion.commit(self, w, req))
                 continue
-            topic = self.topics[STAGE_TOPIC[w.stage]]
-            (topic if rid in topic else self.topics["target"]).remove(rid)
+            next(t for t in (self.topics[STAGE_TOPIC[w.stage]], self.topics["target"]) if rid in t).remove(rid)
             req.attempt += 1
             req.phase = ROUND if w.stage == "round" else req.phase  # (an elastic worker runs it as a whole round)
             w.inflight.add(rid)
@@ -470,9 +468,8 @@ class Scheduler:
     def task_holder_key(self, req: Request) -> str:
         """The ``holders`` key of the KV ``req``'s queued task needs (an elastic round's: its draft KV's;
         its target KV's is ``holders["target"]``)."""
-        if req.phase == DRAFT:
-            return holder_key("draft", req.drafter)
-        return "draft" if req.phase == ROUND and self.mode == "elastic" else PHASE_ROLE[req.phase]  # (no drafter's)
+        role = "draft" if req.phase == ROUND and self.mode == "elastic" else PHASE_ROLE[req.phase]
+        return holder_key(role, req.drafter) if req.phase == DRAFT else role  # (a drafter's own key: drafts only)
 
     def _holder(self, req: Request) -> int | None:
         return req.holders.get(self.task_holder_key(req), (None, 0))[0]
