@@ -39,6 +39,9 @@ class Calls:
     """Counts function calls (Python and C) while on, by function."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.total, self.by_function = 0, Counter()
 
     def __call__(self, frame, event: str, arg) -> None:  # noqa: ANN001
@@ -106,7 +109,7 @@ def run(mode: str, workers: int, concurrency: int, requests: int, max_new_tokens
         workers_turn()
     cpu, rounds0, sent, done = 0.0, broker.counters["rounds"], 0, 0
     if calls is not None:
-        calls.__init__()
+        calls.reset()  # (the warm-up's calls are not the rounds')
     while done < requests:
         while True:
             try:
