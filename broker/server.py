@@ -99,6 +99,7 @@ class Broker(Intake):
             self.access.secure(sock, accepts)
         self.clients.bind(self.opts.client_address)
         self.peers.bind(self.opts.worker_address)
+        self._last_beat = self._last_render = time.monotonic()  # (``step``'s heartbeats and metrics)
 
     def _send(self, sock: zmq.Socket, identity: bytes, msg: Msg) -> bool:
         if sock is self.clients:
@@ -394,10 +395,23 @@ class Broker(Intake):
             elif (mine := chunks.pop(identity, None)) is not None:
                 self._send_now(self.clients, identity, mine[0] if len(mine) == 1 else Chunks(mine))
 
+    def receive(self, socks: list[zmq.Socket], now: float) -> None:
+        """Handle what waits on ``socks`` (the worker socket, the client socket, or both)."""
+        for sock in socks:
+            handler = self.on_worker if sock is self.peers else self.on_client
+            for _ in range(1000):  # bounded, so one busy socket cannot starve the other
+                try:
+                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if len(frames) < 2:
+                    self.errors["malformed"] += 1
+                    continue
+                handler(frames[0].bytes, frames[1:], now)
+
     def run(self) -> int:
         token = metrics_token(self.opts) if self.opts.metrics_port is not None else None  # (refused before binding)
         self.bind()
-        self._last_beat = self._last_render = time.monotonic()
         if self.opts.metrics_port is not None:
             self.metrics = MetricsServer(self.opts.metrics_host, self.opts.metrics_port, token)
             log.info("metrics at http://%s:%d/metrics", self.opts.metrics_host, self.metrics.port)
@@ -412,17 +426,7 @@ class Broker(Intake):
         while True:
             events = dict(poller.poll(timeout=int(self.opts.heartbeat_s * 1000 / 2)))
             now = time.monotonic()
-            for sock, handler in ((self.peers, self.on_worker), (self.clients, self.on_client)):
-                if sock in events:
-                    for _ in range(1000):  # bounded, so one busy socket cannot starve the other
-                        try:
-                            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        if len(frames) < 2:
-                            self.errors["malformed"] += 1
-                            continue
-                        handler(frames[0].bytes, frames[1:], now)
+            self.receive([sock for sock in (self.peers, self.clients) if sock in events], now)
             if self.prompts.fd in events:
                 self._tokenized()
             self.step(now)

@@ -33,6 +33,7 @@ from nebula_flow.roles import MODES
 from nebula_flow.shards import fewest_workers
 
 TOKEN = 7  # what zero-cost workers draft and commit (not an EOS id of the tiny pair)
+ZERO_FACTS = {"path": "zero-cost", "device": "none", "vocab_size": 1 << 20, "max_model_len": 1 << 20}  # (its REGISTER)
 # Policy settings that keep a round's shape fixed: k draft tokens, nothing fused or branched.
 FIXED_POLICY = ["adaptive_k=false", "measure_costs=false", "first_alternatives=0", "fuse_ngram=0", "draft_ahead=0",
                 "max_forward_tokens=0", "disable_by_batch_size=0"]
@@ -57,8 +58,7 @@ async def zero_worker(ctx: zmq.asyncio.Context, address: str, role: str, name: s
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
-    facts = {"path": "zero-cost", "device": "none", "vocab_size": 1 << 20, "max_model_len": 1 << 20}
-    await sock.send_multipart(protocol.encode(Register(role, name, capacity, facts, pid=os.getpid())))
+    await sock.send_multipart(protocol.encode(Register(role, name, capacity, ZERO_FACTS, pid=os.getpid())))
     done, last = 0, time.monotonic()
     try:
         while not stop.is_set():

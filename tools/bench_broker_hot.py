@@ -25,7 +25,7 @@ from collections import Counter
 import zmq
 
 from nebula_flow import protocol
-from nebula_flow.bench_broker import FIXED_POLICY, answer, worker_roles
+from nebula_flow.bench_broker import FIXED_POLICY, ZERO_FACTS, answer, worker_roles
 from nebula_flow.cli.common import ensure_tiny_pair, with_settings
 from nebula_flow.client import build_submit
 from nebula_flow.deploy import free_port
@@ -60,14 +60,12 @@ def run(mode: str, workers: int, concurrency: int, requests: int, max_new_tokens
                          policy=with_settings(PolicyConfig(), FIXED_POLICY), liveness_s=60)
     broker = Broker(opts)
     broker.bind()
-    broker._last_beat = broker._last_render = time.monotonic()
     ctx = zmq.Context.instance()
-    facts = {"path": "zero-cost", "device": "none", "vocab_size": 1 << 20, "max_model_len": 1 << 20}
     socks = []
     for i, role in enumerate(worker_roles(mode, workers)):
         sock = ctx.socket(zmq.DEALER)
         sock.connect(opts.worker_address)
-        sock.send_multipart(protocol.encode(Register(role, f"zero-{i}", 32, facts, pid=os.getpid())))
+        sock.send_multipart(protocol.encode(Register(role, f"zero-{i}", 32, ZERO_FACTS, pid=os.getpid())))
         socks.append(sock)
     client = ctx.socket(zmq.DEALER)
     client.connect(opts.client_address)
@@ -78,13 +76,7 @@ def run(mode: str, workers: int, concurrency: int, requests: int, max_new_tokens
         if calls is not None:
             sys.setprofile(calls)
         start, now = time.thread_time(), time.monotonic()
-        for sock, handler in ((broker.peers, broker.on_worker), (broker.clients, broker.on_client)):
-            while True:
-                try:
-                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                handler(frames[0].bytes, frames[1:], now)
+        broker.receive([broker.peers, broker.clients], now)
         broker.step(now)
         cpu += time.thread_time() - start
         sys.setprofile(None)
