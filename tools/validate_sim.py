@@ -7,7 +7,7 @@
 3. Simulates the same configuration and workload, once with the scenario's own host costs and
    once with the measured hop, and prints request-round rates side by side.
 
-    python tools/validate_sim.py [--scenario configs/sim/emulated-2d2t.toml] [--repeats 5] [--json]
+    python tools/validate_sim.py [--scenario configs/sim/emulated-2d2t.toml] [--repeats 5] [--concurrency N] [--json]
 """
 
 from __future__ import annotations
@@ -54,9 +54,14 @@ def measure_hop_s(deploy: str, wl: BenchWorkload, repeats: int = 3) -> float:
 @click.option("--scenario", default=str(REPO / "configs" / "sim" / "emulated-2d2t.toml"), show_default=True)
 @click.option("--modes", default="pooled,paired,colocated,autoregressive", show_default=True)
 @click.option("--repeats", default=5, show_default=True, help="Live repeats per mode (medians).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=None,
+              help="Concurrent requests, and as many requests in all (default: the scenario's workload), "
+                   "e.g. 192 to saturate the emulated deployment.")
 @click.option("--json", "as_json", is_flag=True)
-def main(scenario: str, modes: str, repeats: int, as_json: bool) -> None:
+def main(scenario: str, modes: str, repeats: int, concurrency: int | None, as_json: bool) -> None:
     sc = load_scenario(scenario)
+    if concurrency is not None:  # (the live bench and the simulator get the same closed-loop workload)
+        sc = replace(sc, workload=replace(sc.workload, requests=concurrency, concurrency=concurrency))
     raw = read_toml(scenario, "scenario")
     deploy = str((Path(scenario).resolve().parent / raw["deploy"]).resolve())
     w = sc.workload
