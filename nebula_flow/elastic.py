@@ -9,13 +9,30 @@ forward costs little more for many rows than for one) while every device verifie
 where the time goes when verification is the bottleneck. Whether merging pays is read from the
 forward times each worker measured by batch rows (``BatchCosts``): on a CPU, where a forward
 grows with its rows, it does not, and rounds stay whole.
+
+Where a request's work goes (``home``, ``steal_cost``): each request has a home, the elastic worker
+it was bound to on arrival as colocated requests are (the least loaded), so every worker keeps a
+full pipeline of its own requests and their KV stays put. A worker merges only its own requests'
+drafts (another's draft KV would move there and back again). An idle worker with none of its own
+takes others' work only while moving their KV costs less than a verify batch, priced by the
+seconds per KV position the workers measured pulling (``observe_pulls``): on a fast link that
+rebalances, on a slow one (loopback TCP on a busy host) it would cost more than it saves. A
+request run as a whole round elsewhere makes that worker its home.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from nebula_flow.request import Request
+from nebula_flow import speclen
+from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
+from nebula_flow.roles import WorkerState
+
+if TYPE_CHECKING:
+    from nebula_flow.scheduler import Scheduler
 
 BUCKETS = tuple(1 << i for i in range(13))  # forwards priced by their new rows: 1, 2, 4, ... 4096
 WEIGHT = 0.2  # the newest forward's weight in its bucket's moving mean
@@ -124,3 +141,79 @@ def stage_of(drafts: list[Request], verifies: list[Request], rooms: tuple[int, i
     drafted = sum(1 for r in verifies if r.draft)
     return choose_stage([(max(1, len(r.prompt) + len(r.output) - held(r)), r.k) for r in drafts], drafted,
                         len(verifies) - drafted, rooms, draft_table, split_at)
+
+
+def home(req: Request, held: int | None, homes: Mapping[int, int], workers: Mapping[int, WorkerState]) -> int | None:
+    """The worker an elastic request's queued task stays with while that worker is busy: a draft
+    whose KV a draft-only worker holds stays with it (pooled drafting); a draft or round otherwise
+    with the request's home, the elastic worker it was bound to as colocated requests are (the
+    least loaded when it came, or the last to run it as a whole round), so every elastic worker
+    keeps a full pipeline of its own requests and their KV stays put; a verify with its target KV's
+    holder. ``held``: the holder of the KV the task needs."""
+    if req.phase == VERIFY or held is not None and held in workers and workers[held].role == "draft":
+        return held
+    return homes.get(req.slot, held) if req.slot is not None else held
+
+
+def _median_table(sched: Scheduler, w: WorkerState, role: str) -> list[float | None] | None:
+    """``w``'s forward times by batch rows for ``role``'s model, or the median worker's until it has some."""
+    return sched.batch_costs.get((w.worker_id, role)) or speclen.median_table(
+        [t for (_, r), t in sched.batch_costs.items() if r == role])
+
+
+def stage(sched: Scheduler, w: WorkerState, taken: set[int], choose: Callable[..., list[int]]) -> str | None:
+    """What an elastic worker's PULL is served this time (``choose_stage``), priced by its own draft
+    batch costs; ``choose``: the scheduler's pick of the queued tasks it could take from a topic."""
+    if w.role != "any":
+        return None
+    rooms = sched._room(w, "draft"), sched._room(w, "target")
+    drafts, verifies = ([sched.requests[rid] for rid in choose(w, room, False, taken, topic)]
+                        for room, topic in zip(rooms, ("draft", "target")))  # (verifies: and draft-less rounds)
+    chosen = stage_of(drafts, verifies, rooms, lambda r: r.holders.get(sched.task_holder_key(r), (None, 0))[1],
+                      _median_table(sched, w, "draft"), sched.policy.elastic_split)
+    # (drafts merge only its own: with none of its own, an idle worker may take others' whole rounds)
+    return chosen or ("round" if w.pull_idle and choose(w, rooms[1], False, taken, "round") else None)
+
+
+def unregister(sched: Scheduler, w: WorkerState) -> None:
+    """``w`` left: its requests have no home until a worker runs them as a round (or one takes its slot)."""
+    sched.homes = {slot: wid for slot, wid in sched.homes.items() if wid != w.worker_id}
+    sched.pull_rates.pop(w.worker_id, None)
+
+
+def observe_pulls(sched: Scheduler, worker_id: int, seconds: object, positions: object) -> None:
+    """A worker's KV pulls so far (its RESULT's ``kv.pull_s`` and ``kv.pulled``): what moving a position
+    to it costs (``steal_cost``). Anything but numbers, or no pulls yet: left as it was."""
+    if worker_id in sched.workers and type(positions) is int and positions > 0 and type(seconds) in (int, float):
+        sched.pull_rates[worker_id] = max(0.0, float(seconds)) / positions
+
+
+def steal_cost(sched: Scheduler, w: WorkerState, req: Request) -> float:
+    """Seconds of KV moves idle ``w`` would pay to take ``req``'s queued task from another live worker:
+    the positions held elsewhere that the task needs, at the seconds per position ``w`` measured
+    pulling (or the median worker's). Before any pull is measured, the whole ``steal_budget``: one
+    such task per batch, which measures the link. Infinite while results of ``w``'s own are still
+    to come (it is not short of work: its PULL overtook them); 0 for a worker that is not elastic."""
+    if w.role != "any":
+        return 0.0
+    if w.inflight:
+        return math.inf
+    rate = sched.pull_rates.get(w.worker_id) or (statistics.median(sched.pull_rates.values()) if sched.pull_rates else 0.0)
+    if not rate:
+        budget = steal_budget(sched, w)
+        return budget if budget < math.inf else 0.0
+    keys = {"target"} | ({sched.task_holder_key(req)} if req.phase in (DRAFT, ROUND) else set())  # (a draft topic's: a round)
+    return rate * sum(n for wid, n in (req.holders.get(key, (None, 0)) for key in keys) if wid is not None and wid != w.worker_id)
+
+
+def steal_budget(sched: Scheduler, w: WorkerState) -> float:
+    """The most seconds of KV moves an idle elastic worker takes on for one batch of others' tasks:
+    about one verify batch of its own (the forwards of the bucket below a full batch's rows), the
+    time the tasks would otherwise wait for their holders. A batch's pulls run one after another
+    before it starts, so on a fast link a rebalance pays, on a slow one it does not. Unmeasured:
+    no bound; not an elastic worker: no bound."""
+    if w.role != "any":
+        return math.inf
+    rows = w.capacity * (sched.policy.k + 1)
+    batch = estimate(_median_table(sched, w, "target"), 1 << (max(rows, 1).bit_length() - 1))
+    return math.inf if batch is None else batch

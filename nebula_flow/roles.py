@@ -57,8 +57,9 @@ def holder_key(role: str, drafter: str | None = None) -> str:
 
 def least_loaded_slot(mode: str, workers: Iterable[WorkerState], requests: Iterable[Request]) -> int | None:
     """Paired and colocated modes: the slot (pair, or colocated worker) that exists now with the
-    fewest requests bound to it (ties: the lowest), or None while there is none."""
-    role = MODES[mode][-1]
+    fewest requests bound to it (ties: the lowest), or None while there is none; elastic mode: the
+    elastic worker that is home to the fewest."""
+    role = "any" if mode == "elastic" else MODES[mode][-1]
     load = dict.fromkeys(sorted({w.slot for w in workers if w.role == role}), 0)
     for r in requests:
         if r.slot in load:

@@ -80,6 +80,8 @@ class Scheduler:
         self.ahead_stats = ahead.AheadStats()  # draft-ahead's pre-drafts (``nebula_flow/ahead.py``)
         self.fusion_stats = fusion.FusionStats()  # second drafts of fused rounds (``nebula_flow/fusion.py``)
         self.workers: dict[int, WorkerState] = {}
+        self.homes: dict[int, int] = {}  # elastic: slot -> its worker (a request's home: ``_holder``)
+        self.pull_rates: dict[int, float] = {}  # worker -> seconds per KV position it pulled (``elastic.observe_pulls``)
 
     # -- workers ---------------------------------------------------------------------------
     def register(self, worker_id: int, role: str, capacity: int, drafter: str | None = None,
@@ -98,6 +100,8 @@ class Scheduler:
                                               draft_capacity=draft_capacity if role == "any" else None)
         if drafter is not None:
             self.drafters[drafter] = self.drafters.get(drafter, 0) + 1
+        if role == "any":
+            self.homes[slot] = worker_id
         for req in self.requests.values():
             if req.slot is None:
                 self._bind(req)
@@ -115,6 +119,7 @@ class Scheduler:
                 del self.drafters[w.drafter]
                 self.drafter_costs.pop(w.drafter, None)
         fusion.unregister(self, w)
+        elastic.unregister(self, w)
         requeued = []
         for rid in sorted(w.inflight):
             req = self.requests.get(rid)
@@ -369,7 +374,7 @@ class Scheduler:
             w.stage = None if w.role == "any" else ROLE_TOPICS[w.role][0]
         for first_pass in ((True, False) if self.policy.locality else (False,)):
             for w in waiting:
-                w.stage = w.stage or self._stage(w, taken)
+                w.stage = w.stage or elastic.stage(self, w, taken, self._choose)
                 room = self._room(w, w.stage) - len(picks.get(w.worker_id, []))
                 if room > 0 and w.stage is not None:
                     got = self._choose(w, room, first_pass, taken)
@@ -392,44 +397,32 @@ class Scheduler:
     def _room(self, w: WorkerState, stage: str | None) -> int:
         return min(w.pull_credits, w.draft_capacity if stage == "draft" and w.draft_capacity else w.capacity)  # (round: verify's)
 
-    def _stage(self, w: WorkerState, taken: set[int]) -> str | None:
-        """What an elastic worker's PULL is served this time (``elastic.choose_stage``), priced by its
-        own draft batch costs (the median worker's until it has drafted)."""
-        table = self.batch_costs.get((w.worker_id, "draft")) or speclen.median_table(
-            [t for (_, r), t in self.batch_costs.items() if r == "draft"])
-        rooms = self._room(w, "draft"), self._room(w, "target")
-        drafts, verifies = ([self.requests[rid] for rid in self._choose(w, room, False, taken, topic)]
-                            for room, topic in zip(rooms, ("draft", "target")))  # (verifies: and draft-less rounds)
-        return elastic.stage_of(drafts, verifies, rooms, lambda r: r.holders.get(self.task_holder_key(r), (None, 0))[1],
-                                table, self.policy.elastic_split)
-
     def _choose(self, w: WorkerState, room: int, held_only: bool, taken: set[int], stage: str | None = None) -> list[int]:
         """Up to ``room`` queued tasks for ``w`` in queue order (not yet removed from the topic),
         from ``stage``'s topic (by default the one its PULL is served from)."""
         stage = stage or w.stage
-        chosen = self._choose_from(self.topics[STAGE_TOPIC[stage]], w, room, held_only, taken)
+        chosen = self._choose_from(self.topics[STAGE_TOPIC[stage]], w, stage, room, held_only, taken)
         if stage == "round" and len(chosen) < room:  # (a request's last, draft-less round: a round too)
-            chosen += self._choose_from(self.topics["target"], w, room - len(chosen), held_only, taken, bare=True)
+            chosen += self._choose_from(self.topics["target"], w, stage, room - len(chosen), held_only, taken, bare=True)
         return chosen
 
-    def _choose_from(self, topic: Topic, w: WorkerState, room: int, held_only: bool, taken: set[int],
+    def _choose_from(self, topic: Topic, w: WorkerState, stage: str, room: int, held_only: bool, taken: set[int],
                      bare: bool = False) -> list[int]:
-        """``_choose`` in one topic; ``bare``: only tasks without a draft. Whole rounds (elastic) stay with
-        their KV's holder unless it holds more than it can batch (a round moves both models' KV), so a
-        worker takes others' and new rounds only up to its share of the pool (over the elastic workers)."""
-        rounds = w.stage == "round"
-        busy_local = self.policy.locality and (not w.pull_idle or rounds) and not held_only
-        spill = {h for h in topic.holders() if h in self.workers and topic.held(h) > self.workers[h].capacity} if rounds else ()
+        """``_choose`` in one topic; ``bare``: only tasks without a draft. An idle elastic worker takes others'
+        tasks only while the KV moves pay (``elastic.steal_cost``), whole rounds up to its share of the pool;
+        the round's request makes it its home (``_commit``). Its merged draft batch, busy or idle, takes
+        its own requests' drafts and unheld ones: another's draft KV would move there and back again."""
+        rounds = stage == "round"
+        busy_local = self.policy.locality and (not w.pull_idle or stage == "draft" and w.role == "any") and not held_only
         share = -(-len(self.requests) // max(1, sum(o.role == "any" for o in self.workers.values()))) \
             - (self._room(w, "round") - room) - len(w.inflight) if rounds else room  # (less what it has and took)
         if held_only:
             candidates: Iterable[int] = topic.held_by([w.worker_id])
         elif busy_local:  # a prefetching worker: its own tasks, unheld ones, and those of departed holders
-            candidates = topic.held_by([h for h in topic.holders() if h is None or h == w.worker_id
-                                        or h not in self.workers or h in spill])
+            candidates = topic.held_by([h for h in topic.holders() if h is None or h == w.worker_id or h not in self.workers])
         else:
             candidates = topic
-        chosen = []
+        chosen, moving, budget = [], 0.0, elastic.steal_budget(self, w)
         for rid in candidates:  # stop at ``room``: a long topic costs nothing when its head is eligible
             if rid in taken or rid in w.second:  # (a worker never runs both drafts of a fused round)
                 continue
@@ -439,9 +432,11 @@ class Scheduler:
             holder = self._holder(req)  # checked again: the index is a hint, this is the rule
             if held_only and holder != w.worker_id:
                 continue
-            if busy_local and holder != w.worker_id and (holder in self.workers and holder not in spill
-                                                         or len(chosen) >= share):
-                continue  # leave it for its holder or an idle worker
+            moves = elastic.steal_cost(self, w, req) if holder != w.worker_id and holder in self.workers else 0.0
+            if holder != w.worker_id and (busy_local and holder in self.workers or rounds and len(chosen) >= share
+                                          or moving + moves > budget):
+                continue  # leave it for its holder or an idle worker (elastic: while the KV moves pay)
+            moving += moves
             chosen.append(rid)
             if len(chosen) == room:
                 break
@@ -456,7 +451,8 @@ class Scheduler:
                 continue
             next(t for t in (self.topics[STAGE_TOPIC[w.stage]], self.topics["target"]) if rid in t).remove(rid)
             req.attempt += 1
-            req.phase = ROUND if w.stage == "round" else req.phase  # (an elastic worker runs it as a whole round)
+            if w.stage == "round":  # (an elastic worker runs it as a whole round, and is its home from now)
+                req.phase, req.slot = ROUND, w.slot
             w.inflight.add(rid)
             batch.append(req)
         return batch
@@ -472,7 +468,10 @@ class Scheduler:
         return holder_key(role, req.drafter) if req.phase == DRAFT else role  # (a drafter's own key: drafts only)
 
     def _holder(self, req: Request) -> int | None:
-        return req.holders.get(self.task_holder_key(req), (None, 0))[0]
+        """The worker ``req``'s queued task stays with while it is busy (``locality``): the holder of the KV
+        it needs, or an elastic request's home (``elastic.home``)."""
+        held = req.holders.get(self.task_holder_key(req), (None, 0))[0]
+        return elastic.home(req, held, self.homes, self.workers) if self.mode == "elastic" else held
 
     def _eligible(self, req: Request, w: WorkerState) -> bool:
         if self.mode in ("paired", "colocated"):
@@ -491,8 +490,9 @@ class Scheduler:
         return req.phase != DRAFT or req.drafter is None or w.drafter == req.drafter or req.drafter not in self.drafters
 
     def _bind(self, req: Request) -> None:
-        """Paired/colocated: bind a request to the least-loaded slot that exists now."""
-        if self.mode in ("paired", "colocated"):
+        """Paired/colocated: bind a request to the least-loaded slot that exists now; elastic: its home,
+        unless draft-only workers draft new requests (a request's first round there runs as a round)."""
+        if self.mode in ("paired", "colocated") or self.mode == "elastic" and not self.drafters:
             slot = least_loaded_slot(self.mode, self.workers.values(), self.requests.values())
             req.slot = req.slot if slot is None else slot
 

@@ -136,23 +136,77 @@ def test_elastic_workers_mix_with_draft_only_and_target_only_ones() -> None:
         Scheduler("pooled").register(1, "any", 4)
 
 
-def test_whole_rounds_stay_with_their_holder_and_a_worker_takes_its_share_of_the_rest() -> None:
+def test_requests_get_balanced_homes_and_their_rounds_stay_there() -> None:
     s = Scheduler("elastic", PolicyConfig(k=4))
     s.register(1, "any", 8)
     s.register(2, "any", 8)
     for rid in range(4):
-        s.admit(req(rid))
+        s.admit(req(rid))  # each a home, as colocated binds: the least loaded
+    assert [s.requests[rid].slot for rid in range(4)] == [0, 1, 0, 1]
     s.pull(1, 8, True, now=0.0)
-    [(_, first)] = s.dispatch()  # its share of the pool: 4 requests over 2 workers
-    assert [r.rid for r in first] == [0, 1] and all(r.phase == ROUND for r in first)
+    [(_, first)] = s.dispatch()  # an idle worker runs its own; the others' are theirs
+    assert [r.rid for r in first] == [0, 2] and all(r.phase == ROUND for r in first)
     for r in first:
         s.end_round(r, 1, [5, 6])
     s.pull(2, 8, True, now=1.0)
-    [(_, second)] = s.dispatch()  # the new ones; worker 1's rounds stay with worker 1 (their KV is there)
-    assert [r.rid for r in second] == [2, 3]
+    [(_, second)] = s.dispatch()
+    assert [r.rid for r in second] == [1, 3]
     s.pull(1, 8, True, now=2.0)
     [(_, again)] = s.dispatch()
-    assert [r.rid for r in again] == [0, 1]
+    assert [r.rid for r in again] == [0, 2]
+
+
+def _homed_at_worker_1(n: int) -> Scheduler:
+    """``n`` requests that ran a round on worker 1 (their home, their KV) and a second elastic
+    worker that joined after, each with a measured verify batch of 0.01 s."""
+    s = Scheduler("elastic", PolicyConfig(k=4))
+    s.register(1, "any", 8)
+    for rid in range(n):
+        s.admit(req(rid))
+    s.pull(1, 8, True, now=0.0)
+    [(_, batch)] = s.dispatch()
+    for r in batch:
+        s.end_round(r, 1, [5, 6])  # 5 positions of each model's KV held by worker 1
+    s.register(2, "any", 8)
+    for wid in (1, 2):
+        s.observe_costs(wid, "target", [0.01] * 8, by_batch=True)
+    return s
+
+
+def test_an_idle_elastic_worker_takes_anothers_rounds_only_while_moving_their_kv_pays() -> None:
+    # unmeasured link: one round, which measures it
+    s = _homed_at_worker_1(4)
+    s.pull(2, 8, True, now=1.0)
+    [(wid, [probe])] = s.dispatch()
+    assert wid == 2 and probe.phase == ROUND and probe.slot == s.workers[2].slot  # its new home
+    # a slow link: 10 KV positions (both models' 5) would take 0.1 s, longer than a verify batch
+    s = _homed_at_worker_1(4)
+    elastic.observe_pulls(s, 2, 1.0, 100)
+    s.pull(2, 8, True, now=1.0)
+    assert s.dispatch() == []
+    # a fast one: up to its share of the pool (4 requests over 2 workers)
+    s = _homed_at_worker_1(4)
+    elastic.observe_pulls(s, 2, 1e-5, 100)
+    s.pull(2, 8, True, now=1.0)
+    [(_, moved)] = s.dispatch()
+    assert [r.rid for r in moved] == [0, 1]
+    # never while its own results are still to come (its PULL overtook them)
+    s.end_round(moved[0], 2, [5, 6])
+    s.pull(2, 8, True, now=2.0)
+    [(_, mine)] = s.dispatch()
+    assert [r.rid for r in mine] == [0]  # its own again, none of worker 1's: one of its results is still out
+
+
+def test_a_workers_pull_counters_price_its_link_and_bad_ones_are_ignored() -> None:
+    s = _homed_at_worker_1(1)
+    for seconds, positions in (("1", 10), (1.0, "10"), (1.0, 0), (1.0, -3), (None, 10), (1.0, True)):
+        elastic.observe_pulls(s, 2, seconds, positions)
+    assert s.pull_rates == {}
+    elastic.observe_pulls(s, 2, 0.5, 100)
+    elastic.observe_pulls(s, 9, 0.5, 100)  # (no such worker)
+    assert s.pull_rates == {2: 0.005}
+    s.unregister(2)
+    assert s.pull_rates == {} and 2 not in s.homes.values()
 
 
 def test_a_dead_elastic_workers_tasks_go_back_to_their_topics() -> None:
@@ -180,6 +234,23 @@ def test_measured_batch_costs_are_each_workers_own_and_leave_with_it() -> None:
 
 
 # -- the simulator -----------------------------------------------------------------------------
+def test_elastic_keeps_its_requests_home_where_kv_moves_slowly() -> None:
+    """The emulated deployment (KV over loopback at ~1 GB/s) at 192 concurrent requests: elastic
+    workers keep balanced homes, so none idles while others hold the work (before: one sat idle for
+    most of the run, and merged drafts moved 2.5 GB of KV), and they move almost no KV."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from nebula_flow.sim.engine import simulate
+    from nebula_flow.sim.scenario import load_scenario
+
+    sc = load_scenario(Path(__file__).resolve().parent.parent / "configs" / "sim" / "emulated-2d2t.toml")
+    sc = replace(sc, workload=replace(sc.workload, requests=192, concurrency=192))
+    el, co = simulate(sc, "elastic"), simulate(sc, "colocated")
+    assert el["round_rate"] >= co["round_rate"] and el["kv_bytes"] < 100e6
+    assert min(el["utilization_by_role"].values()) > 0.85
+
+
 def test_elastic_beats_every_fixed_arrangement_of_the_papers_deployment_at_saturation() -> None:
     """4x RTX 4090, Qwen3-0.6B -> 8B, 512 requests at once: every device verifies while drafts are
     merged into batches of 64. (The figures and the other loads: docs/benchmarks.md.)"""

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from nebula_flow import ahead, fusion
+from nebula_flow import ahead, elastic, fusion
 from nebula_flow.budget import plan_forward
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.elastic import BatchCosts
@@ -188,6 +188,7 @@ class Simulator:
             for role, costs in sender.batch_costs.items():
                 if costs.seconds:
                     self.policy.observe_costs(wid, role, costs.table(), by_batch=True)
+        elastic.observe_pulls(self.policy, wid, sender.pull_s, sender.pulled)  # (a live RESULT's ``kv`` counters)
         for task, outcome in results:
             if task.kind == AHEAD:  # (a pre-draft's branches: the broker's _predrafted)
                 req = ahead.accepts(self.policy, wid, task.req.rid, task.attempt)
@@ -269,6 +270,8 @@ class Simulator:
                 if theirs > have:
                     nbytes = (theirs - have) * w.costs[model_role].kv_bytes_per_token
                     transfer += self.sc.link.transfer_s(nbytes)
+                    w.pull_s += self.sc.link.transfer_s(nbytes)
+                    w.pulled += theirs - have
                     w.kv_bytes += nbytes
                     w.pulls += 1
                     w.caches[model_role][t.req.rid] = theirs

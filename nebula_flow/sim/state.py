@@ -64,4 +64,6 @@ class SimWorker:
     batches: int = 0
     kv_bytes: int = 0
     pulls: int = 0
+    pulled: int = 0  # KV positions received from peers ...
+    pull_s: float = 0.0  # ... and the link time they took (a live worker's ``kv.pulled``, ``kv.pull_s``)
     recomputed: int = 0  # positions computed again because no peer held them
