@@ -10,7 +10,7 @@ where the time goes when verification is the bottleneck. Whether merging pays is
 forward times each worker measured by batch rows (``BatchCosts``): on a CPU, where a forward
 grows with its rows, it does not, and rounds stay whole.
 
-Where a request's work goes (``home``, ``steal_cost``): each request has a home, the elastic worker
+Where a request's work goes (``home``, ``Steals``): each request has a home, the elastic worker
 it was bound to on arrival as colocated requests are (the least loaded), so every worker keeps a
 full pipeline of its own requests and their KV stays put. A worker merges only its own requests'
 drafts (another's draft KV would move there and back again). An idle worker with none of its own
@@ -183,37 +183,41 @@ def unregister(sched: Scheduler, w: WorkerState) -> None:
 
 def observe_pulls(sched: Scheduler, worker_id: int, seconds: object, positions: object) -> None:
     """A worker's KV pulls so far (its RESULT's ``kv.pull_s`` and ``kv.pulled``): what moving a position
-    to it costs (``steal_cost``). Anything but numbers, or no pulls yet: left as it was."""
+    to it costs (``Steals``). Anything but numbers, or no pulls yet: left as it was."""
     if worker_id in sched.workers and type(positions) is int and positions > 0 and type(seconds) in (int, float):
         sched.pull_rates[worker_id] = max(0.0, float(seconds)) / positions
 
 
-def steal_cost(sched: Scheduler, w: WorkerState, req: Request) -> float:
-    """Seconds of KV moves idle ``w`` would pay to take ``req``'s queued task from another live worker:
-    the positions held elsewhere that the task needs, at the seconds per position ``w`` measured
-    pulling (or the median worker's). Before any pull is measured, the whole ``steal_budget``: one
-    such task per batch, which measures the link. Infinite while results of ``w``'s own are still
-    to come (it is not short of work: its PULL overtook them); 0 for a worker that is not elastic."""
-    if w.role != "any":
-        return 0.0
-    if w.inflight:
-        return math.inf
-    rate = sched.pull_rates.get(w.worker_id) or (statistics.median(sched.pull_rates.values()) if sched.pull_rates else 0.0)
-    if not rate:
-        budget = steal_budget(sched, w)
-        return budget if budget < math.inf else 0.0
-    keys = {"target"} | ({sched.task_holder_key(req)} if req.phase in (DRAFT, ROUND) else set())  # (a draft topic's: a round)
-    return rate * sum(n for wid, n in (req.holders.get(key, (None, 0)) for key in keys) if wid is not None and wid != w.worker_id)
+class Steals:
+    """What idle elastic worker ``w`` may take of others' queued tasks in one batch: tasks whose KV
+    another live worker holds, while the moves add up to no more than one verify batch of its own
+    (the forwards of the bucket below a full batch's rows), about what the tasks would otherwise
+    wait for their holders. A batch's pulls run one after another before it starts, so on a fast
+    link a rebalance pays, on a slow one it does not. A move costs the positions held elsewhere
+    that the task needs, at the seconds per position ``w`` measured pulling (or the median
+    worker's); before any pull is measured, the whole budget: one such task per batch, which
+    measures the link. None while results of ``w``'s own are still to come (it is not short of
+    work: its PULL overtook them). No measured verify batch: no bound."""
 
+    def __init__(self, sched: Scheduler, w: WorkerState) -> None:
+        self.sched, self.w, self.moving = sched, w, 0.0
+        rows = w.capacity * (sched.policy.k + 1)
+        batch = estimate(_median_table(sched, w, "target"), 1 << (max(rows, 1).bit_length() - 1))
+        self.budget = math.inf if batch is None else batch
+        pulls = sched.pull_rates
+        self.rate = pulls.get(w.worker_id) or (statistics.median(pulls.values()) if pulls else 0.0)
 
-def steal_budget(sched: Scheduler, w: WorkerState) -> float:
-    """The most seconds of KV moves an idle elastic worker takes on for one batch of others' tasks:
-    about one verify batch of its own (the forwards of the bucket below a full batch's rows), the
-    time the tasks would otherwise wait for their holders. A batch's pulls run one after another
-    before it starts, so on a fast link a rebalance pays, on a slow one it does not. Unmeasured:
-    no bound; not an elastic worker: no bound."""
-    if w.role != "any":
-        return math.inf
-    rows = w.capacity * (sched.policy.k + 1)
-    batch = estimate(_median_table(sched, w, "target"), 1 << (max(rows, 1).bit_length() - 1))
-    return math.inf if batch is None else batch
+    def take(self, req: Request) -> bool:
+        """Whether ``w`` takes ``req``'s task, held by another live worker (its moves are then counted)."""
+        if self.w.inflight:
+            return False
+        if not self.rate:
+            moves = self.budget if self.budget < math.inf else 0.0
+        else:
+            keys = {"target"} | ({self.sched.task_holder_key(req)} if req.phase in (DRAFT, ROUND) else set())  # (a round)
+            moves = self.rate * sum(n for wid, n in (req.holders.get(key, (None, 0)) for key in keys)
+                                    if wid is not None and wid != self.w.worker_id)
+        if self.moving + moves > self.budget:
+            return False
+        self.moving += moves
+        return True

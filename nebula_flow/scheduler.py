@@ -409,7 +409,7 @@ class Scheduler:
     def _choose_from(self, topic: Topic, w: WorkerState, stage: str, room: int, held_only: bool, taken: set[int],
                      bare: bool = False) -> list[int]:
         """``_choose`` in one topic; ``bare``: only tasks without a draft. An idle elastic worker takes others'
-        tasks only while the KV moves pay (``elastic.steal_cost``), whole rounds up to its share of the pool;
+        tasks only while the KV moves pay (``elastic.Steals``), whole rounds up to its share of the pool;
         the round's request makes it its home (``_commit``). Its merged draft batch, busy or idle, takes
         its own requests' drafts and unheld ones: another's draft KV would move there and back again."""
         rounds = stage == "round"
@@ -422,7 +422,7 @@ class Scheduler:
             candidates = topic.held_by([h for h in topic.holders() if h is None or h == w.worker_id or h not in self.workers])
         else:
             candidates = topic
-        chosen, moving, budget = [], 0.0, elastic.steal_budget(self, w)
+        chosen, steals = [], elastic.Steals(self, w) if w.role == "any" and not held_only else None
         for rid in candidates:  # stop at ``room``: a long topic costs nothing when its head is eligible
             if rid in taken or rid in w.second:  # (a worker never runs both drafts of a fused round)
                 continue
@@ -432,11 +432,9 @@ class Scheduler:
             holder = self._holder(req)  # checked again: the index is a hint, this is the rule
             if held_only and holder != w.worker_id:
                 continue
-            moves = elastic.steal_cost(self, w, req) if holder != w.worker_id and holder in self.workers else 0.0
             if holder != w.worker_id and (busy_local and holder in self.workers or rounds and len(chosen) >= share
-                                          or moving + moves > budget):
+                                          or steals and holder in self.workers and not steals.take(req)):
                 continue  # leave it for its holder or an idle worker (elastic: while the KV moves pay)
-            moving += moves
             chosen.append(rid)
             if len(chosen) == room:
                 break
