@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from nebula_flow import roles
 from nebula_flow.params import SamplingParams
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
@@ -89,6 +90,25 @@ def test_rounds_start_without_drafts_while_the_pool_is_bigger_than_the_limit() -
     assert seeded.k == 4 and unseeded.k == 0
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         Scheduler("pooled", PolicyConfig(k=4, disable_by_batch_size=-1))
+
+
+@pytest.mark.parametrize("mode, role", [("colocated", "colocated"), ("elastic", "any"), ("paired", None)])
+def test_requests_are_bound_by_the_work_they_bring_not_by_count(mode: str, role: str | None) -> None:
+    s = Scheduler(mode, PolicyConfig(k=2))
+    workers = [(1, "draft"), (2, "draft"), (3, "target"), (4, "target")] if role is None else [(1, role), (2, role)]
+    for wid, r in workers:
+        s.register(wid, r, 8)
+    long = Request(0, "0", list(range(10, 4010)), SamplingParams(max_new_tokens=16), seed=0)
+    s.admit(long)  # 16 tokens to come and a 4,000-token prompt: 1,016 tokens' work at PROMPT_WEIGHT 0.25
+    assert roles.outstanding(long) == 16 + roles.PROMPT_WEIGHT * 4000
+    for rid in range(1, 5):  # 16 + 0.75 each: all four together weigh less than the long one
+        s.admit(req(rid))
+    assert [s.requests[rid].slot for rid in range(5)] == [0, 1, 1, 1, 1]
+    # a prompt whose KV a worker holds is work done: then the output to come is all a request weighs
+    long.holders["target"] = (3, 4000)
+    assert roles.outstanding(long) == 16
+    s.admit(req(5))
+    assert s.requests[5].slot == 0
 
 
 def test_paired_binds_requests_to_pairs() -> None:
