@@ -128,9 +128,10 @@ def test_elastic_workers_mix_with_draft_only_and_target_only_ones() -> None:
     assert wid == 1 and len(batch) == 2
     for r in batch:
         s.draft_done(r, 1, [5, 6], {})
-    s.pull(3, 4, True, now=0.2)
-    got = dict(s.dispatch())  # the verifies go to the waiting target-only worker (it asked first)
+    got = dict(s.dispatch())  # the verifies go to the waiting target-only worker
     assert list(got) == [2] and len(got[2]) == 2
+    s.pull(3, 4, True, now=0.2)
+    assert s.dispatch() == []  # (nothing left for the elastic one)
     # a worker of role any is refused outside elastic mode
     with pytest.raises(ValueError, match="no 'any' workers"):
         Scheduler("pooled").register(1, "any", 4)

@@ -111,6 +111,21 @@ def test_requests_are_bound_by_the_work_they_bring_not_by_count(mode: str, role:
     assert s.requests[5].slot == 0
 
 
+def test_of_several_idle_workers_the_one_idle_the_shortest_takes_the_task() -> None:
+    # (warm caches; on a CPU host it still holds the cores idle workers lend, nebula_flow/cores.py)
+    s = Scheduler("autoregressive", PolicyConfig(k=0))
+    for wid in (1, 2):
+        s.register(wid, "target", 4)
+    s.pull(1, 4, True, now=0.0)  # idle since the start
+    s.pull(2, 4, True, now=5.0)  # just finished a request
+    s.admit(req(0))
+    assert [wid for wid, _ in s.dispatch()] == [2]
+    s.pull(1, 4, False, now=6.0)  # busy workers' (prefetching) PULLs come after idle ones, by arrival
+    s.pull(2, 4, True, now=7.0)
+    s.admit(req(1))
+    assert [wid for wid, _ in s.dispatch()] == [2]
+
+
 def test_paired_binds_requests_to_pairs() -> None:
     s = Scheduler("paired", PolicyConfig(k=2))
     for wid, role in [(1, "draft"), (2, "draft"), (3, "target"), (4, "target")]:
