@@ -66,7 +66,9 @@ def outstanding(req: Request) -> float:
     may stop sooner) and its prompt positions no model's KV holds yet at ``PROMPT_WEIGHT`` each.
     Binding by requests alone left workers idle for the last sixth of a saturated replay of the
     Azure code trace (prompts of 100 to 8,000 tokens) while others still prefilled theirs."""
-    held = max((valid for _, valid in req.holders.values()), default=0)
+    held = 0
+    for _, valid in req.holders.values():  # (a loop, not max() over a generator: it runs per request per admission)
+        held = valid if valid > held else held
     return req.params.max_new_tokens - len(req.output) + PROMPT_WEIGHT * max(0, len(req.prompt) - held)
 
 

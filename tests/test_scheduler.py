@@ -105,6 +105,8 @@ def test_requests_are_bound_by_the_work_they_bring_not_by_count(mode: str, role:
         s.admit(req(rid))
     assert [s.requests[rid].slot for rid in range(5)] == [0, 1, 1, 1, 1]
     # a prompt whose KV a worker holds is work done: then the output to come is all a request weighs
+    long.holders["draft"], long.holders["target"] = (1, 1000), (3, 2000)  # (a chunked prefill half way)
+    assert roles.outstanding(long) == 16 + roles.PROMPT_WEIGHT * 2000
     long.holders["target"] = (3, 4000)
     assert roles.outstanding(long) == 16
     s.admit(req(5))
