@@ -37,9 +37,9 @@ from nebula_flow.roles import (
     PHASE_ROLE,
     ROLE_TOPICS,
     STAGE_TOPIC,
+    Binder,
     WorkerState,
     holder_key,
-    least_loaded_slot,
 )
 from nebula_flow.speclen import Acceptance
 from nebula_flow.topic import Topic
@@ -81,6 +81,7 @@ class Scheduler:
         self.fusion_stats = fusion.FusionStats()  # second drafts of fused rounds (``nebula_flow/fusion.py``)
         self.workers: dict[int, WorkerState] = {}
         self.homes: dict[int, int] = {}  # elastic: slot -> its worker (a request's home: ``_holder``)
+        self.binder = Binder()  # the work bound to each slot (paired, colocated, elastic)
         self.pull_rates: dict[int, float] = {}  # worker -> seconds per KV position it pulled (``elastic.observe_pulls``)
 
     # -- workers ---------------------------------------------------------------------------
@@ -102,9 +103,8 @@ class Scheduler:
             self.drafters[drafter] = self.drafters.get(drafter, 0) + 1
         if role == "any":
             self.homes[slot] = worker_id
-        for req in self.requests.values():
-            if req.slot is None:
-                self._bind(req)
+        self.binder.reset()
+        self._bind([req for req in self.requests.values() if req.slot is None])
         return slot
 
     def unregister(self, worker_id: int) -> list[int]:
@@ -120,6 +120,7 @@ class Scheduler:
                 self.drafter_costs.pop(w.drafter, None)
         fusion.unregister(self, w)
         elastic.unregister(self, w)
+        self.binder.reset()
         requeued = []
         for rid in sorted(w.inflight):
             req = self.requests.get(rid)
@@ -172,7 +173,7 @@ class Scheduler:
     # -- requests --------------------------------------------------------------------------
     def admit(self, req: Request) -> None:
         self.requests[req.rid] = req
-        self._bind(req)
+        self._bind([req])
         self.start_round(req)
 
     def start_round(self, req: Request) -> None:
@@ -489,12 +490,11 @@ class Scheduler:
         drafter's workers while it has any."""
         return req.phase != DRAFT or req.drafter is None or w.drafter == req.drafter or req.drafter not in self.drafters
 
-    def _bind(self, req: Request) -> None:
-        """Paired/colocated: bind a request to the least-loaded slot that exists now; elastic: its home,
-        unless draft-only workers draft new requests (a request's first round there runs as a round)."""
-        if self.mode in ("paired", "colocated") or self.mode == "elastic" and not self.drafters:
-            slot = least_loaded_slot(self.mode, self.workers.values(), self.requests.values())
-            req.slot = req.slot if slot is None else slot
+    def _bind(self, reqs: list[Request]) -> None:
+        """Paired/colocated: bind requests to the least-loaded slots that exist now (``roles.Binder``); elastic:
+        their homes, unless draft-only workers draft new requests (a request's first round there runs as a round)."""
+        if reqs and (self.mode in ("paired", "colocated") or self.mode == "elastic" and not self.drafters):
+            self.binder.bind(self.mode, self.workers.values(), self.requests.values(), reqs)
 
     def depth(self) -> dict[str, int]:
         return {role: len(q) for role, q in self.topics.items() if any(role in ROLE_TOPICS[r] for r in MODES[self.mode])}

@@ -113,6 +113,20 @@ def test_requests_are_bound_by_the_work_they_bring_not_by_count(mode: str, role:
     assert s.requests[5].slot == 0
 
 
+def test_a_backlog_is_bound_when_a_worker_registers_and_a_new_worker_gets_the_next_requests() -> None:
+    s = Scheduler("colocated", PolicyConfig(k=2))
+    for rid in range(10):
+        s.admit(req(rid))
+    assert all(r.slot is None for r in s.requests.values())  # (no worker yet: nothing to bind to)
+    s.register(1, "colocated", 8)
+    assert all(r.slot == 0 for r in s.requests.values())
+    s.register(2, "colocated", 8)  # (the counted work is counted again: a slot came)
+    for rid in range(10, 40):
+        s.admit(req(rid))
+    slots = [s.requests[rid].slot for rid in range(10, 40)]
+    assert slots[:10] == [1] * 10 and slots[10:] == [0, 1] * 10
+
+
 def test_of_several_idle_workers_the_one_idle_the_shortest_takes_the_task() -> None:
     # (warm caches; on a CPU host it still holds the cores idle workers lend, nebula_flow/cores.py)
     s = Scheduler("autoregressive", PolicyConfig(k=0))
