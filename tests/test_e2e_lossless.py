@@ -144,7 +144,9 @@ def test_bf16_target_speculative_output_equals_its_own_greedy_output(tiny_pair) 
             outs[mode] = asyncio.run(_run_all(dep.address, greedy_requests()))
             with Client(dep.address) as client:
                 workers = client.status()["workers"]
-        assert {w["device"].get("target_numerics") for w in workers if w["role"] == "target"} == {"bfloat16 batch-invariant"}
+        # (the target workers that computed: one that got no task has reported no numerics)
+        assert {w["device"].get("target_numerics") for w in workers if w["role"] == "target" and w["device"]} \
+            == {"bfloat16 batch-invariant"}
     for i, (spec, alone) in enumerate(zip(outs["pooled"], outs["autoregressive"])):
         assert spec.token_ids == alone.token_ids, f"request {i} differs"
     assert sum(len(o.token_ids) for o in outs["pooled"]) / sum(o.rounds for o in outs["pooled"]) > 1.3

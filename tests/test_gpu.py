@@ -111,15 +111,22 @@ def test_greedy_and_sampled_requests_end_to_end_on_cuda(tiny_pair) -> None:  # n
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_workers_land_on_two_devices(tiny_pair) -> None:  # noqa: ANN001
-    from nebula_flow.client import Client
+    import asyncio
+
+    from nebula_flow.client import AsyncClient, Client
     from nebula_flow.deploy import Deployment
     from tests.conftest import deploy_config
 
-    cfg = deploy_config(tiny_pair, "autoregressive", 0, 2)
+    async def two_at_once(address: str) -> list:
+        async with AsyncClient(address, timeout_s=120) as client:
+            return await asyncio.gather(*(client.generate(token_ids=[1, 2, 3 + i], max_new_tokens=16) for i in range(2)))
+
+    cfg = deploy_config(tiny_pair, "autoregressive", 0, 2, max_batch=1)
     cfg.target.device = "cuda"
     with Deployment(cfg) as dep, Client(dep.address) as client:
-        assert client.generate(token_ids=[1, 2, 3], max_new_tokens=4).token_ids
-        devices = {w["device"].get("device") for w in client.status()["workers"]}
+        # (two at once on workers of one task each: both compute; a worker reports its device with its results)
+        assert all(o.token_ids for o in asyncio.run(two_at_once(dep.address)))
+        devices = {w["device"].get("device") for w in client.status()["workers"] if w["device"]}
     assert devices == {"cuda:0", "cuda:1"}, devices
 
 

@@ -186,8 +186,8 @@ def test_a_single_stream_computes_on_the_cores_the_idle_worker_lends(tiny_pair) 
         outs = [client.generate(token_ids=p, max_new_tokens=24) for p in prompts]
         workers = client.status()["workers"]
     assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair / "target", p, 24) for p in prompts]
-    devices = [w["device"] for w in workers]
-    assert all(d["threads"] >= 1 for d in devices)
+    devices = [w["device"] for w in workers if w["device"]]  # (a worker that never computed reports nothing)
+    assert devices and all(d["threads"] >= 1 for d in devices)
     assert sum(d["borrowed_forwards"] for d in devices) > 0  # forwards ran on more than one core's share
 
 
