@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from nebula_flow import speclen
@@ -197,15 +198,22 @@ class Steals:
     that the task needs, at the seconds per position ``w`` measured pulling (or the median
     worker's); before any pull is measured, the whole budget: one such task per batch, which
     measures the link. None while results of ``w``'s own are still to come (it is not short of
-    work: its PULL overtook them). No measured verify batch: no bound."""
+    work: its PULL overtook them). No measured verify batch: no bound. The budget and the rate are
+    priced at the first task held elsewhere (most picks meet none)."""
 
     def __init__(self, sched: Scheduler, w: WorkerState) -> None:
         self.sched, self.w, self.moving = sched, w, 0.0
-        rows = w.capacity * (sched.policy.k + 1)
-        batch = estimate(_median_table(sched, w, "target"), 1 << (max(rows, 1).bit_length() - 1))
-        self.budget = math.inf if batch is None else batch
-        pulls = sched.pull_rates
-        self.rate = pulls.get(w.worker_id) or (statistics.median(pulls.values()) if pulls else 0.0)
+
+    @cached_property
+    def budget(self) -> float:
+        rows = self.w.capacity * (self.sched.policy.k + 1)
+        batch = estimate(_median_table(self.sched, self.w, "target"), 1 << (max(rows, 1).bit_length() - 1))
+        return math.inf if batch is None else batch
+
+    @cached_property
+    def rate(self) -> float:
+        pulls = self.sched.pull_rates
+        return pulls.get(self.w.worker_id) or (statistics.median(pulls.values()) if pulls else 0.0)
 
     def take(self, req: Request) -> bool:
         """Whether ``w`` takes ``req``'s task, held by another live worker (its moves are then counted)."""

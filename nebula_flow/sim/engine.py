@@ -269,8 +269,8 @@ class Simulator:
                 theirs = min(want[1], holder.caches[model_role].get(t.req.rid, 0)) if holder else 0
                 if theirs > have:
                     nbytes = (theirs - have) * w.costs[model_role].kv_bytes_per_token
-                    transfer += self.sc.link.transfer_s(nbytes)
-                    w.pull_s += self.sc.link.transfer_s(nbytes)
+                    took = self.sc.link.transfer_s(nbytes)
+                    transfer, w.pull_s = transfer + took, w.pull_s + took
                     w.pulled += theirs - have
                     w.kv_bytes += nbytes
                     w.pulls += 1
