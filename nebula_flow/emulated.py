@@ -79,6 +79,24 @@ def stand_in_next(prev: int, prev2: int, position: int, vocab: int) -> int:
     return splitmix64((prev * 1_000_003 + prev2) ^ (position << 20)) % min(STAND_IN_VOCAB, vocab)
 
 
+class EmulatedCache(KVCache):
+    """A cache of an emulated device: rows of the model's real size (transfers move real bytes)
+    whose contents no emulated forward reads. So growing it takes fresh rows without copying the
+    held ones: a GPU copies them on the device, not with the host's CPU, and on a 2-core host that
+    copy (with the page faults of the fresh rows) was most of an emulated worker's CPU (192
+    requests of an 8B model's ~150 positions: ~28 MB copied a request; docs/benchmarks.md,
+    "An emulated worker's host CPU")."""
+
+    def reserve(self, total: int) -> None:
+        if self.shared_path is not None or total <= self.buf.shape[0]:
+            super().reserve(total)  # (a cache in a shared file: its file's pool decides)
+            return
+        cap = self.buf.shape[0]
+        while cap < total:
+            cap *= 2
+        self.buf = torch.empty((cap, *self.row_shape), dtype=self.buf.dtype, device=self.buf.device)
+
+
 class EmulatedModel:
     """Duck-types ``CausalLM`` for the runner: same ``forward`` contract, sleeps instead."""
 
@@ -107,7 +125,7 @@ class EmulatedModel:
         c = self.cfg
         # fp16 by default, as the emulated GPU would hold it: transfers move the real byte count.
         dtype = getattr(torch, self.profile.get("kv_dtype", "float16"))
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, dtype=dtype, capacity=capacity)
+        return EmulatedCache(c.num_layers, c.num_kv_heads, c.head_dim, dtype=dtype, capacity=capacity)
 
     def _logit_row(self, context: list[int]) -> torch.Tensor:
         pos = len(context)

@@ -50,6 +50,18 @@ def test_latency_model_and_draft_agreement_rate() -> None:
     assert 0.4 < second / (2000 - agree) < 0.6  # where it disagrees, its second choice is right half the time
 
 
+def test_an_emulated_cache_grows_to_real_size_rows_keeping_its_tokens() -> None:
+    model = EmulatedModel(dict(PROFILE, latency={}), "target")
+    cache = model.new_cache(capacity=16)
+    model([cache], [list(range(1, 13))], [1])
+    assert cache.tokens == list(range(1, 13)) and cache.buf.shape[0] == 16
+    model([cache], [list(range(13, 41))], [1])  # (grows past 16 positions, then past 32)
+    row = PROFILE["model"]["num_layers"] * 2 * PROFILE["model"]["num_kv_heads"] * PROFILE["model"]["head_dim"] * 2
+    assert cache.tokens == list(range(1, 41)) and cache.buf.shape[0] == 64 and cache.row_bytes == row  # fp16 rows
+    rows = cache.export(8, 40)  # what a peer pulling positions 8..40 is sent: real-size rows
+    assert rows.shape == (32, 4, 2, 2, 16) and rows.is_contiguous() and rows.dtype.itemsize == 2
+
+
 def test_drafters_of_different_salts_disagree_with_the_target_at_independent_positions() -> None:
     target = EmulatedModel(dict(PROFILE, latency={}), "target")
     a, b, c = (EmulatedModel(dict(PROFILE, acceptance=0.6, latency={}, salt=salt), "draft") for salt in (0, 1, 0))
