@@ -82,10 +82,10 @@ def stand_in_next(prev: int, prev2: int, position: int, vocab: int) -> int:
 class EmulatedCache(KVCache):
     """A cache of an emulated device: rows of the model's real size (transfers move real bytes)
     whose contents no emulated forward reads. So growing it takes fresh rows without copying the
-    held ones: a GPU copies them on the device, not with the host's CPU, and on a 2-core host that
-    copy (with the page faults of the fresh rows) was most of an emulated worker's CPU (192
-    requests of an 8B model's ~150 positions: ~28 MB copied a request; docs/benchmarks.md,
-    "An emulated worker's host CPU")."""
+    held ones, and a fork copies none: a GPU copies rows on the device, not with the host's CPU,
+    and on a 2-core host these copies (with the page faults of fresh rows) were most of an emulated
+    worker's CPU (at 192 requests, ~28 MB copied per request of an 8B model's ~150 positions;
+    docs/benchmarks.md, "An emulated worker's host CPU")."""
 
     def reserve(self, total: int) -> None:
         if self.shared_path is not None or total <= self.buf.shape[0]:
@@ -95,6 +95,9 @@ class EmulatedCache(KVCache):
         while cap < total:
             cap *= 2
         self.buf = torch.empty((cap, *self.row_shape), dtype=self.buf.dtype, device=self.buf.device)
+
+    def copy_rows(self, source: KVCache, start: int, end: int) -> None:
+        """(A fork's rows, e.g. a pre-drafted branch's: a copy on the device, rows no forward reads.)"""
 
 
 class EmulatedModel:

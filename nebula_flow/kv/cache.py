@@ -221,6 +221,12 @@ class KVCache:
                     self.tokens[position + j] = self.tokens[slot]
         del self.tokens[position + len(slots):]
 
+    def copy_rows(self, source: KVCache, start: int, end: int) -> None:
+        """Positions ``start..end`` of ``source`` (another cache of the same model) into this
+        cache's rows, which must have room for them (``reserve``)."""
+        with torch.inference_mode():  # (a buffer grown inside a forward is an inference tensor)
+            self.buf[start:end] = source.buf[start:end]
+
     def common_prefix(self, tokens: np.ndarray) -> int:
         """How many leading positions of ``tokens`` this cache already holds."""
         n = min(len(tokens), self.length)

@@ -283,7 +283,6 @@ def _copy_rows(source: KVCache, dest: KVCache, tokens: np.ndarray, have: int) ->
     if upto <= have:
         return have
     dest.reserve(upto)
-    with torch.inference_mode():  # (a buffer grown inside a forward is an inference tensor)
-        dest.buf[have:upto] = source.buf[have:upto]
+    dest.copy_rows(source, have, upto)
     dest.tokens.extend(tokens[have:upto].tolist())
     return upto
