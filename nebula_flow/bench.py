@@ -8,6 +8,7 @@ against the first mode measured in the same run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import subprocess
@@ -20,7 +21,8 @@ from typing import Any
 
 from nebula_flow.client import AsyncClient, Client, Completion, RequestError
 from nebula_flow.config import DeployConfig
-from nebula_flow.deploy import Deployment
+from nebula_flow.deploy import Deployment, is_broker
+from nebula_flow.process import cpu_seconds
 from nebula_flow.round_times import PARTS, breakdown, summary
 from nebula_flow.stats import percentiles
 
@@ -114,15 +116,28 @@ def _kv_bytes(state: dict[str, Any]) -> float:
     return sum((w["kv"] or {}).get("bytes_pulled", 0) for w in state["workers"])
 
 
-def run_once(address: str, wl: BenchWorkload, api: str | None = None) -> dict[str, Any]:
+def host_cpu_s(pids: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of a deployment's processes on this host, by kind (``pids``: kind -> pids);
+    a process that is gone, or a host without ``/proc``, counts nothing."""
+    seconds = dict.fromkeys(pids, 0.0)
+    for kind, group in pids.items():
+        for pid in group:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                seconds[kind] += cpu_seconds(pid)
+    return seconds
+
+
+def run_once(address: str, wl: BenchWorkload, api: str | None = None, pids: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """``wl`` once against the deployment at ``address``; ``pids``: its processes on this host by kind
+    (``broker``, ``workers``), whose CPU time per request-round the result then carries."""
     with Client(address) as c:
         s0 = c.status()
-        busy0, kv0 = _busy(s0), _kv_bytes(s0)
+        busy0, kv0, cpu0 = _busy(s0), _kv_bytes(s0), host_cpu_s(pids or {})
         t0 = time.monotonic()
         outs = asyncio.run(_closed_loop(address, wl, api))
         wall = time.monotonic() - t0
         s1 = c.status()
-        busy1 = _busy(s1)
+        busy1, cpu1 = _busy(s1), host_cpu_s(pids or {})
     tokens = sum(len(o.token_ids) for o in outs)
     rounds = sum(o.rounds for o in outs)
     util = {wid: (busy1[wid] - busy0.get(wid, 0.0)) / wall for wid in busy1}
@@ -143,6 +158,9 @@ def run_once(address: str, wl: BenchWorkload, api: str | None = None) -> dict[st
             # fused drafters: second drafts, fused rounds, tokens their chains won; the share of rounds fused
             "fusion": fused, "fused_rate": fused.get("rounds", 0) / max(rounds, 1),
             "tokens_per_s": tokens / wall, "round_rate": rounds / wall,
+            # host CPU per request-round of the broker(s) and of the workers (each process's own
+            # seconds: what a bigger host or a GPU's host would pay, apart from this one's wall clock)
+            "cpu_per_round_s": {kind: (cpu1[kind] - cpu0[kind]) / max(rounds, 1) for kind in cpu0},
             "tokens_per_round": tokens / max(rounds, 1),
             "utilization": statistics.mean(util.values()) if util else 0.0, "workers": workers,
             "kv_bytes": _kv_bytes(s1) - kv0, "forwards": forwards,
@@ -164,6 +182,8 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
     runs: dict[str, list[dict[str, Any]]] = {via: [] for via in vias}
     with Deployment(cfg) as dep:
         url = dep.start_api("127.0.0.1", 0, model_name="bench") if "api" in vias else None
+        pids = {"broker": [p.pid for name, p in dep.procs if is_broker(name)],
+                "workers": [p.pid for name, p in dep.procs if not is_broker(name) and name != "api"]}
         with Client(dep.address) as c:  # warm-up: first-call allocations, page faults
             try:
                 c.generate(wl.prompts[0], max_new_tokens=8)
@@ -171,7 +191,7 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
                 raise RuntimeError(f"{mode}: warm-up failed: {exc}") from None
         for r in range(repeats):
             for via in vias[::-1] if r % 2 else vias:  # (turns: drift of a noisy machine falls on both)
-                res = run_once(dep.address, wl, url if via == "api" else None)
+                res = run_once(dep.address, wl, url if via == "api" else None, pids)
                 hits = f", {res['ahead_hit_rate']:.0%} of rounds pre-drafted" if res["draft_ahead"].get("tasks") else ""
                 if res["fused_rate"]:
                     hits += f", {res['fused_rate']:.0%} of rounds fused"
@@ -189,6 +209,8 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**_medians(runs), "utilization": med("utilization"),
             "kv_bytes": med("kv_bytes"), "emulated_overrun_per_forward_s": med("emulated_overrun_per_forward_s"),
             "ahead_hit_rate": med("ahead_hit_rate"), "fused_rate": med("fused_rate"),
+            "cpu_per_round_s": {kind: statistics.median(r["cpu_per_round_s"][kind] for r in runs)
+                                for kind in runs[0]["cpu_per_round_s"]},
             "breakdown": _median_breakdown([r["breakdown"] for r in runs]),
             "first_breakdown": _median_breakdown([r["first_breakdown"] for r in runs]), "repeats": runs}
 
@@ -268,11 +290,12 @@ def overhead_share(b: dict[str, Any]) -> float:
 
 def breakdown_table(results: dict[str, dict[str, Any]]) -> str:
     """Per mode, milliseconds per decode round by part (medians over repeats), the round's total,
-    its time per token, and the overhead's share (all but the forwards and the queue)."""
+    its time per token, the overhead's share (all but the forwards and the queue), and the CPU time
+    per request-round (every round, prefills too) of the broker and of the workers on this host."""
     parts = [p for p in PARTS if any(r["breakdown"]["per_round_s"].get(p, 0.0) >= 5e-5 for r in results.values())]
     m = max(15, *(len(name) + 2 for name in results))
     head = f"{'ms per round':<{m}}" + "".join(f"{p:>{max(9, len(p) + 1)}}" for p in parts)
-    rows = [head + f"{'total':>9}{'per token':>10}{'overhead':>9}"]
+    rows = [head + f"{'total':>9}{'per token':>10}{'overhead':>9}{'broker CPU':>11}{'worker CPU':>11}"]
     for mode, r in results.items():
         b = r["breakdown"]
         if not b["rounds"]:
@@ -281,8 +304,10 @@ def breakdown_table(results: dict[str, dict[str, Any]]) -> str:
             continue
         per = b["per_round_s"]
         cells = "".join(f"{per.get(p, 0.0) * 1000:>{max(9, len(p) + 1)}.2f}" for p in parts)
+        cpu = r.get("cpu_per_round_s", {})
         rows.append(f"{mode:<{m}}{cells}{per['total'] * 1000:>9.2f}{b['per_token_s'] * 1000:>10.2f}"
-                    f"{overhead_share(b) * 100:>8.1f}%")
+                    f"{overhead_share(b) * 100:>8.1f}%" + "".join(f"{cpu[k] * 1000:>11.2f}" if k in cpu else f"{'-':>11}"
+                                                                  for k in ("broker", "workers")))
     return "\n".join(rows)
 
 

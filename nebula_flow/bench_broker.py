@@ -28,6 +28,7 @@ import zmq.asyncio
 from nebula_flow import protocol
 from nebula_flow.client import AsyncClient, Client, NebulaError
 from nebula_flow.deploy import free_port, http_answers
+from nebula_flow.process import cpu_seconds
 from nebula_flow.protocol import Heartbeat, Pull, Register, Result, TaskResult, Tasks, Welcome
 from nebula_flow.roles import MODES
 from nebula_flow.shards import fewest_workers
@@ -84,12 +85,6 @@ async def zero_worker(ctx: zmq.asyncio.Context, address: str, role: str, name: s
 def worker_roles(mode: str, workers: int) -> list[str]:
     """``workers`` per stage of ``mode`` (pooled, paired: draft and target; the others: their one role)."""
     return [role for role in MODES[mode] for _ in range(workers)]
-
-
-def cpu_seconds(pid: int) -> float:
-    """A process's user + system CPU seconds so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _drive(client_address: str, worker_addresses: list[str], mode: str, workers: int, capacity: int,

@@ -1,8 +1,10 @@
-"""What a child process of a deployment needs to know about its parent."""
+"""What a child process of a deployment needs to know about its parent, and what a parent reads of its
+children."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 PARENT_ENV = "NEBULA_FLOW_PARENT_PID"
 RESTARTS_ENV = "NEBULA_FLOW_RESTARTS"  # how many times the deployment has started this child again
@@ -22,3 +24,9 @@ def restarts() -> int:
         return max(0, int(os.environ.get(RESTARTS_ENV, "0")))
     except ValueError:
         return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

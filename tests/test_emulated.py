@@ -119,6 +119,8 @@ def test_bench_json_on_emulated_devices(tiny_pair, profiles, tmp_path) -> None: 
     assert set(modes) == {"pooled", "paired", "colocated", "autoregressive"}
     for m in modes.values():
         assert m["round_rate"] > 0 and m["tokens_per_s"] > 0 and 0 < m["utilization"] <= 1.0
+        # the deployment's own processes' CPU per request-round (read from /proc; ticks of 10 ms)
+        assert m["cpu_per_round_s"]["workers"] > 0 and m["cpu_per_round_s"]["broker"] >= 0
     assert modes["autoregressive"]["tokens_per_round"] == 1.0
 
 

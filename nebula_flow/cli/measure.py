@@ -48,7 +48,8 @@ from nebula_flow.roles import MODES
               "docstring): answers that repeat their prompt's code, where an n-gram drafter pays (pooled+ngram).")
 @click.option("--breakdown", is_flag=True, help="Also print where a decode round's time goes, per mode: forward "
               "passes, KV, worker Python, hops, broker, queue (ms per round, medians over repeats; see "
-              "docs/operations.md). --json always carries it.")
+              "docs/operations.md), and the CPU time per round of the broker and of the workers. --json always "
+              "carries both.")
 @click.option("--via", default="zmq", show_default=True, help="Front doors to measure, comma-separated: zmq (the "
               "client library) and api (the OpenAI-compatible HTTP API, started with each deployment, streamed). "
               "Both: each repeat runs both on the same deployment, in turns; rows \"MODE via api\".")
