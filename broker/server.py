@@ -53,7 +53,7 @@ from nebula_flow_broker import results
 from nebula_flow_broker.access import Access, metrics_token
 from nebula_flow_broker.admission import Admission
 from nebula_flow_broker.intake import Intake
-from nebula_flow_broker.stats import BrokerStats, WorkerInfo
+from nebula_flow_broker.stats import BrokerStats, WorkerInfo, served
 from nebula_flow_broker.tasks import task_specs
 from nebula_flow_broker.tokenizing import PromptTokenizer
 
@@ -232,7 +232,7 @@ class Broker(Intake):
             raise ProtocolError("wrong_role", str(exc)) from None
         self.next_worker += 1
         self.workers[wid] = WorkerInfo(identity, msg.role, msg.name[:64], now, msg.kv_endpoint, pid=msg.pid,
-                                       restarts=msg.restarts, key=key)
+                                       restarts=msg.restarts, key=key, model=served(msg.model))
         self.by_identity[identity] = wid
         log.info("worker %d (%s, %s) joined in slot %d", wid, msg.name[:64], msg.role, slot)
         self._send(self.peers, identity, Welcome(wid, slot, self.opts.mode, {

@@ -25,6 +25,17 @@ class WorkerInfo:
     restarts: int = 0  # times its deployment started this worker again after a death
     key: str | None = None  # the CURVE public key it registered with (None without keys)
     batches: Counter[str] = field(default_factory=Counter)  # batches sent by stage (an elastic worker's: both)
+    model: dict[str, Any] = field(default_factory=dict)  # what it serves, where: from its REGISTER (``served``)
+
+
+SERVED_FACTS = {"path": str, "device": str, "vocab_size": int, "max_model_len": int}
+
+
+def served(facts: dict[str, Any]) -> dict[str, Any]:
+    """The model facts a worker registered with that ``status`` shows from the start (before its
+    first result brings its ``device`` counters): known keys of the right type, strings cut short."""
+    return {key: value[:200] if isinstance(value, str) else value for key, kind in SERVED_FACTS.items()
+            if isinstance(value := facts.get(key), kind) and not isinstance(value, bool)}
 
 
 TREE_COUNTERS = ("alternatives_proposed", "alternatives_contested", "alternatives_accepted", "fused_asked",
@@ -93,7 +104,7 @@ class BrokerStats:
             "workers": [{"id": wid, "role": w.role, "name": w.name, "drafter": scheduler.workers[wid].drafter,
                          "busy_s": w.busy_s, "tasks": w.tasks, "slot": scheduler.workers[wid].slot,
                          "kv_endpoint": w.kv_endpoint, "kv": w.kv, "device": w.device, "pid": w.pid,
-                         "restarts": w.restarts, "batches": dict(w.batches)}
+                         "restarts": w.restarts, "batches": dict(w.batches), "model": w.model}
                         for wid, w in workers.items()],
             "counters": dict(self.counters), "errors": dict(self.errors),
             # what adaptive k weighs now: draft step, verify row, round, in target decode steps

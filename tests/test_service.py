@@ -332,6 +332,10 @@ def test_cli_generate_json_and_status(live) -> None:  # noqa: ANN001
     assert len(out["token_ids"]) == 8 and out["rounds"] == len(out["tokens_per_round"])
     res = runner.invoke(main, ["status", "--broker", live.address])
     assert res.exit_code == 0 and "draft" in res.output and "target" in res.output
+    with Client(live.address) as c:  # every worker says what it serves from its registration on
+        workers = c.status()["workers"]
+    assert all(w["model"]["device"] == "cpu" and w["model"]["vocab_size"] > 0 for w in workers)
+    assert res.output.count(" on cpu ") == len(workers)
     # the workers' forward times came back with their results: the costs adaptive k would weigh
     assert "speculation costs in target decode steps: draft step" in res.output
     assert "verify blocks by rows: not measured yet" not in res.output

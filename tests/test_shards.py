@@ -191,13 +191,22 @@ def test_shards_with_curve_keys_behind_the_http_api(tiny_pair, tmp_path, monkeyp
         assert rounds == state["counters"]["rounds"]
 
 
+def test_a_workers_registered_model_facts_are_kept_only_where_well_formed() -> None:
+    from nebula_flow_broker.stats import served
+
+    facts = {"path": "/m/" + "x" * 500, "device": "cuda:0", "vocab_size": 151936, "max_model_len": True,
+             "secret": "no", "device_count": 8}
+    assert served(facts) == {"path": ("/m/" + "x" * 500)[:200], "device": "cuda:0", "vocab_size": 151936}
+    assert served({"device": 3, "vocab_size": "many"}) == {}
+
+
 def test_status_text_names_each_shard_and_a_workers_kv_pull_failures() -> None:
     from nebula_flow.cli.status_text import status_lines
 
     worker = {"id": 1, "role": "target", "slot": 0, "name": "target-1", "tasks": 9, "busy_s": 1.5, "restarts": 0,
-              "kv": {"pulls": 4, "pull_failures": 2}, "batches": {}}
+              "kv": {"pulls": 4, "pull_failures": 2}, "batches": {}, "model": {"device": "cuda:1"}}
     state = {"mode": "pooled", "uptime_s": 12, "pool": 3, "topics": {"draft": 1}, "roles": ["target"],
-             "workers": [worker, dict(worker, id=2, name="target-2", kv={"pulls": 4})],
+             "workers": [worker, dict(worker, id=2, name="target-2", kv={"pulls": 4}, model={})],
              "by_shard": [{"shard": 0, "pid": 10, "pool": 1, "workers": 2, "rounds": 5, "restarts": 0},
                           {"shard": 1, "pid": 11, "pool": 2, "workers": 2, "rounds": 7, "restarts": 1}],
              "counters": {"rounds": 12}, "errors": {}, "restarts": {"broker": 1, "workers": 0}}
@@ -206,4 +215,5 @@ def test_status_text_names_each_shard_and_a_workers_kv_pull_failures() -> None:
     assert "  shard 1: pid 11, 2 in the pool, 2 workers, 7 rounds, restarts 1" in lines
     workers = [line for line in lines if line.startswith("  worker")]
     assert workers[0].endswith("KV pull failures 2 (recomputed; see its log)") and "KV" not in workers[1]
+    assert " on cuda:1 " in workers[0] and " on ? " in workers[1]  # (its device from its registration, or unknown)
     assert lines[-1] == "counters {'rounds': 12}"
