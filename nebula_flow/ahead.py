@@ -40,12 +40,13 @@ if TYPE_CHECKING:
 MODES = ("pooled", "paired")  # where draft workers are idle while their rounds verify
 # Draft-ahead buys latency below saturation and costs throughput above it: a hit's verify goes out
 # ahead of its cohort's, splitting batches the targets then run half full (``merge_batches``), and
-# its pre-draft batch delays the drafts that arrive meanwhile. Measured 2026-12-02 on this 2-core
-# AVX-512 VM (configs/emulated-2d2t.toml: 2 draft + 2 target workers, pooled, draft_ahead = 6
-# against 0, closed loop, one run each): tokens/s 1.13x single stream, 1.16x at 4 concurrent
-# requests, 1.05x at 8, 0.88x at 16, ~0.6x at 32 and 64. So pre-drafts are made only while the pool
-# holds at most LIGHT_PER_TARGET requests per target worker.
-LIGHT_PER_TARGET = 2
+# its pre-draft batch delays the drafts that arrive meanwhile. Measured 2026-12-04 on a 2-core AMD
+# EPYC VM (AVX2; configs/emulated-2d2t.toml: 2 draft + 2 target workers, pooled, draft_ahead = 6
+# against 0, closed loop, no bound, two runs each, at 4957bb4: emulated caches no longer copy rows
+# on the host): tokens/s 1.20x and 1.07x at 4 concurrent requests, 1.13x and 1.04x at 8, 0.88x and
+# 0.95x at 16 (on 2026-12-02, before that fix: 1.05x at 8, 0.88x at 16, ~0.6x at 32 and 64). So
+# pre-drafts are made only while the pool holds at most LIGHT_PER_TARGET requests per target worker.
+LIGHT_PER_TARGET = 4
 
 
 @dataclass
