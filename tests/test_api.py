@@ -116,6 +116,62 @@ def test_seeded_sampling_and_stop_strings(served) -> None:  # noqa: ANN001
     assert stop not in "".join(e.choices[0].delta.content or "" for e in chat)
 
 
+def test_n_choices_and_prompt_batches_equal_single_requests(served) -> None:  # noqa: ANN001
+    """Each choice is a request of its own: choice j of a seeded request is the single request with
+    seed + j, token for token, and a batch's choices come prompt by prompt, n each."""
+    prompts = ["def fibonacci(n):", "import os\n\n"]
+    with Client(served.address) as c:
+        want = [c.generate(p, max_new_tokens=12, temperature=0.9, top_p=0.95, seed=77 + j) for p in prompts for j in range(2)]
+        greedy = c.generate(prompts[0], max_new_tokens=12)
+    assert want[0].token_ids != want[1].token_ids  # (the seeds differ, so do the choices)
+    client = oai(served)
+    body = {"model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 77,
+            "extra_body": {"return_token_ids": True}}
+    got = client.completions.create(**body)
+    assert [ch.index for ch in got.choices] == [0, 1, 2, 3]
+    assert [ch.model_extra["token_ids"] for ch in got.choices] == [w.token_ids for w in want]
+    assert [ch.text for ch in got.choices] == [w.text for w in want]
+    codec = TextCodec(served.cfg.target.model)
+    assert got.usage.prompt_tokens == sum(len(codec.encode(p)) for p in prompts)  # (each prompt once)
+    assert got.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    assert got.model_extra["speculative"]["rounds"] == sum(w.rounds for w in want)
+    # streamed: every chunk names its choice; each choice ends once; the usage comes last
+    ids: dict[int, list[int]] = {}
+    ends = []
+    events = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    for e in events:
+        for ch in e.choices:
+            ids.setdefault(ch.index, []).extend(ch.model_extra.get("token_ids", []))
+            if ch.finish_reason:
+                ends.append(ch.index)
+    assert [ids[i] for i in range(4)] == [w.token_ids for w in want] and sorted(ends) == [0, 1, 2, 3]
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == got.usage.completion_tokens
+    # greedy choices are all the target's own greedy output; chat streams a role for each choice
+    two = client.completions.create(model="tiny", prompt=prompts[0], n=2, max_tokens=12, temperature=0)
+    assert [ch.text for ch in two.choices] == [greedy.text] * 2
+    chat = list(client.chat.completions.create(model="tiny", messages=CONVERSATION, n=3, max_tokens=6, stream=True,
+                                               temperature=0))
+    roles = [ch.index for e in chat for ch in e.choices if ch.delta.role == "assistant"]
+    assert sorted(roles) == [0, 1, 2]
+    texts = ["".join(ch.delta.content or "" for e in chat for ch in e.choices if ch.index == i) for i in range(3)]
+    assert texts[0] and texts == [texts[0]] * 3
+
+
+def test_choices_past_the_admission_limit_are_refused_whole(strict) -> None:  # noqa: ANN001
+    """3 choices where 2 requests are admitted: a 429, and the admitted choices do not linger."""
+    body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    res = httpx.post(strict.http_url + "/v1/completions", json={**body, "n": 3}, timeout=30)
+    assert res.status_code == 429 and res.json()["error"]["type"] == "rate_limit_error"
+    with Client(strict.address) as c:
+        deadline = time.monotonic() + 5.0
+        while c.status()["pool"]:
+            assert time.monotonic() < deadline, "a refused answer's admitted choices still run"
+            time.sleep(0.05)
+    ok = httpx.post(strict.http_url + "/v1/completions", json={**body, "n": 2}, timeout=30)
+    assert ok.status_code == 200 and [ch["index"] for ch in ok.json()["choices"]] == [0, 1]
+    assert ok.json()["usage"]["completion_tokens"] == 8
+
+
 def test_raw_server_sent_events(served) -> None:  # noqa: ANN001
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "stream": True}
     with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=60,
@@ -178,14 +234,18 @@ LONG = " ".join(str(i) for i in range(3000))
 BAD = [
     ({"prompt": "x"}, 400, "model"),
     ({"model": "other", "prompt": "x"}, 404, "model"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "n": 129}, 400, "n"),
+    ({"model": "tiny", "prompt": ["x"] * 65, "n": 2}, 400, "n"),  # 130 choices
+    ({"model": "tiny", "prompt": ["x"] * 129}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of"),
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 5}, 400, "max_tokens"),  # over the limit of 4
     ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": ["a", ""]}, 400, "prompt[1]"),
+    ({"model": "tiny", "prompt": [[5, 6], "b", 7]}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({"model": "tiny", "prompt": "x", "stop": [1]}, 400, "stop"),
     ({"model": "tiny", "prompt": LONG}, 400, None),  # over the context: the limit is in the message

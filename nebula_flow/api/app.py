@@ -1,7 +1,8 @@
 """The gateway's ASGI application (Starlette) and its server (uvicorn).
 
-Each HTTP request becomes one request on the bus through one shared ``AsyncClient``; its
-chunks go out as server-sent events as the broker commits them. A client that goes away is
+Each choice of an HTTP request (``n`` for each prompt) becomes one request on the bus through one
+shared ``AsyncClient`` (``api/choices.py``); their chunks go out as server-sent events as the
+broker commits them. A client that goes away is
 noticed while its request runs (streamed or not) and the request is cancelled at the broker,
 which frees its KV. Errors answer in OpenAI's shape; the broker's BUSY is a 429 with
 ``Retry-After``.
@@ -26,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from nebula_flow.api import choices
 from nebula_flow.api.request import ApiError, Job, Served, parse_chat, parse_completion
 from nebula_flow.api.response import Shaper, sse
 from nebula_flow.api.telemetry import Telemetry
@@ -166,35 +168,38 @@ class Gateway:
 
     async def _run(self, request: Request, job: Job, model: str) -> Response:
         req_id = uuid.uuid4().hex
-        shaper = Shaper(req_id, model, job.chat, job.return_token_ids)
-        items = self.client.stream(job.prompt, token_ids=job.token_ids, messages=job.messages,
-                                   chat_options=job.chat_options, request_id=req_id, **job.params)
+        shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n)
+        asks = job.choices()
+        streams = [self.client.stream(request_id=req_id if len(asks) == 1 else f"{req_id}-{i}", **ask)
+                   for i, ask in enumerate(asks)]
         # The client may leave at any time, a long prefill included: watch for it from the start.
         gone = asyncio.ensure_future(_disconnected(request))
-        first = asyncio.ensure_future(anext(items))  # (a refusal is still an HTTP status, not an event)
+        first = asyncio.ensure_future(choices.heads(streams))  # (a refusal is still an HTTP status, not an event)
         if not await self._unless_gone(first, gone):
             return Response(status_code=499)
         try:
-            head = first.result()
+            heads = first.result()
         except NebulaError as exc:
             gone.cancel()
             raise from_broker(exc) from None
         except ValueError as exc:  # (parameters the client library refuses before sending)
             gone.cancel()
             raise ApiError(400, str(exc), code="invalid_value") from None
+        items = choices.merged(heads, streams)
         if job.stream:
             gone.cancel()  # (the event stream watches for it from here)
-            return EventStream(self._events(shaper, job, head, items), headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(_last(head, items))
+            return EventStream(self._events(shaper, job, len(streams), items), headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(choices.completions(items, len(streams)))
         if not await self._unless_gone(collect, gone):
             return Response(status_code=499)
         gone.cancel()
         try:
-            out = collect.result()
+            outs = collect.result()
         except NebulaError as exc:
             raise from_broker(exc) from None
-        self.telemetry.finished(out)
-        return JSONResponse(shaper.full(out))
+        for out in outs:
+            self.telemetry.finished(out)
+        return JSONResponse(shaper.full(outs))
 
     async def _unless_gone(self, work: asyncio.Future, gone: asyncio.Future) -> bool:
         """Wait for ``work``; False if the client left first (then ``work``, which reads the
@@ -208,37 +213,33 @@ class Gateway:
         self.telemetry.disconnects.inc()
         return False
 
-    async def _events(self, shaper: Shaper, job: Job, first: Chunk | Completion,
-                      items: AsyncIterator[Chunk | Completion]) -> AsyncIterator[bytes]:
-        finished = False
+    async def _events(self, shaper: Shaper, job: Job, count: int,
+                      items: AsyncIterator[tuple[int, Chunk | Completion]]) -> AsyncIterator[bytes]:
+        """The answer's events: each choice's chunks as they come (its role first, for chat), its
+        finish event when it ends, then the usage if asked."""
+        finished, outs = False, [None] * count
         try:
             if job.chat:
-                yield sse(shaper.chunk(None, role=True))
-            item = first
-            while not isinstance(item, Completion):
-                if item.text or item.token_ids:
-                    yield sse(shaper.chunk(item.text, token_ids=item.token_ids))
-                item = await anext(items)
+                for i in range(count):
+                    yield sse(shaper.chunk(None, role=True, index=i))
+            async for i, item in items:
+                if isinstance(item, Completion):
+                    outs[i] = item
+                    self.telemetry.finished(item)
+                    yield sse(shaper.last(item, i))
+                elif item.text or item.token_ids:
+                    yield sse(shaper.chunk(item.text, token_ids=item.token_ids, index=i))
             finished = True
-            self.telemetry.finished(item)
-            yield sse(shaper.last(item))
             if job.include_usage:
-                yield sse(shaper.usage_chunk(item))
+                yield sse(shaper.usage_chunk(outs))
         except NebulaError as exc:
             finished = True
             yield sse(from_broker(exc).body())
         finally:
             if not finished:
                 self.telemetry.disconnects.inc()
-            await items.aclose()  # (an unfinished request is cancelled at the broker)
+            await items.aclose()  # (unfinished requests are cancelled at the broker)
         yield sse("[DONE]")
-
-
-async def _last(first: Chunk | Completion, items: AsyncIterator[Chunk | Completion]) -> Completion:
-    item = first
-    while not isinstance(item, Completion):
-        item = await anext(items)
-    return item
 
 
 async def _disconnected(request: Request) -> None:

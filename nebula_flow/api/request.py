@@ -16,6 +16,7 @@ from typing import Any
 from nebula_flow.params import MAX_SEED, MAX_STOP_LEN, MAX_STOP_STRINGS, MIN_TEMPERATURE
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 128  # choices in one answer (n for each prompt of a batch): OpenAI's most for n
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_MESSAGES = 4096
 # Fields OpenAI defines that the gateway does not build: refused when they ask for anything.
@@ -58,18 +59,26 @@ class Served:
 
 @dataclass
 class Job:
-    """One request for the broker: exactly one of ``prompt``, ``token_ids`` and ``messages``;
-    ``params`` are ``AsyncClient.stream``'s keyword arguments."""
+    """What one HTTP request asks of the broker: ``n`` choices for each of ``inputs`` (each
+    ``AsyncClient.stream``'s ``prompt=``, ``token_ids=`` or ``messages=`` and ``chat_options=``),
+    every choice a request of its own at the broker; ``params`` are the rest of its keyword
+    arguments."""
 
     chat: bool
     params: dict[str, Any]
-    prompt: str | None = None
-    token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
-    chat_options: dict[str, Any] | None = None
+    inputs: list[dict[str, Any]]
+    n: int = 1
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+
+    def choices(self) -> list[dict[str, Any]]:
+        """Each choice's keyword arguments for ``AsyncClient.stream``, in the order of the choices'
+        indexes (prompt by prompt, ``n`` each). Choice j of a seeded request draws with ``seed + j``
+        (as vLLM's do): the choices differ, and each is reproducible on its own, on any placement."""
+        seed = self.params.get("seed")
+        return [{**given, **self.params, **({"seed": (seed + j) % (MAX_SEED + 1)} if seed is not None and j else {})}
+                for given in self.inputs for j in range(self.n)]
 
 
 def _is_int(v: Any) -> bool:  # noqa: ANN401
@@ -103,8 +112,8 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         raise ApiError(404, f"the model {model[:200]!r} does not exist; this server serves {served.name!r}",
                        param="model", code="model_not_found")
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise ApiError(400, f"only n=1 is supported, got {n!r}", param="n", code="unsupported_parameter")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
+        raise invalid("n", f"n must be an integer from 1 to {MAX_CHOICES}, got {n!r}")
     if not isinstance(body.get("user", ""), str) or not isinstance(body.get("metadata") or {}, dict):
         raise invalid("user", "user must be a string and metadata an object")
     params: dict[str, Any] = {}
@@ -183,24 +192,37 @@ def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
     return True, options.get("include_usage", False)
 
 
-def parse_completion(body: Any, served: Served) -> Job:  # noqa: ANN401
-    """``POST /v1/completions``: one prompt (a string, or token ids)."""
-    params = _common(body, served, chat=False)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # (a batch of one)
-    stream, usage = _streaming(body)
-    ids = body.get("return_token_ids", False)
+def _choices(body: dict[str, Any], prompts: int) -> int:
+    """``n``, checked against the prompts it multiplies."""
+    n = body.get("n") or 1
+    if n * prompts > MAX_CHOICES:
+        raise invalid("n", f"n ({n}) times the prompts ({prompts}) must be at most {MAX_CHOICES} choices")
+    return n
+
+
+def _prompt(prompt: Any, where: str) -> dict[str, Any]:  # noqa: ANN401
+    """One prompt of a completion request: a string or token ids."""
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid("prompt", "the prompt is empty")
-        return Job(False, params, prompt=prompt, stream=stream, include_usage=usage, return_token_ids=ids)
+            raise invalid(where, f"{where} is empty")
+        return {"prompt": prompt}
     if isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t < 1 << 31 for t in prompt):
-        return Job(False, params, token_ids=list(prompt), stream=stream, include_usage=usage, return_token_ids=ids)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-        raise ApiError(400, "one prompt per request: batches of prompts are not supported", param="prompt",
-                       code="unsupported_parameter")
-    raise invalid("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
+        return {"token_ids": list(prompt)}
+    raise invalid(where, f"{where} must be a non-empty string or a non-empty list of token ids")
+
+
+def parse_completion(body: Any, served: Served) -> Job:  # noqa: ANN401
+    """``POST /v1/completions``: a prompt (a string, or token ids), or a batch of them (a list of
+    strings or of token-id lists); each prompt's choices come in the batch's order."""
+    params = _common(body, served, chat=False)
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, str | list) for p in prompt)
+    if batch and len(prompt) > MAX_CHOICES:
+        raise invalid("prompt", f"at most {MAX_CHOICES} prompts in one request, got {len(prompt)}")
+    inputs = [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)] if batch else [_prompt(prompt, "prompt")]
+    stream, usage = _streaming(body)
+    return Job(False, params, inputs, _choices(body, len(inputs)), stream=stream, include_usage=usage,
+               return_token_ids=body.get("return_token_ids", False))
 
 
 def _message(i: int, m: Any) -> dict[str, str]:  # noqa: ANN401
@@ -234,8 +256,9 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
     if options is not None and not isinstance(options, dict):
         raise invalid("chat_template_kwargs", "chat_template_kwargs must be an object")
     stream, usage = _streaming(body)
-    return Job(True, params, messages=[_message(i, m) for i, m in enumerate(messages)], chat_options=options or None,
-               stream=stream, include_usage=usage, return_token_ids=body.get("return_token_ids", False))
+    inputs = [{"messages": [_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
+    return Job(True, params, inputs, _choices(body, 1), stream=stream, include_usage=usage,
+               return_token_ids=body.get("return_token_ids", False))
 
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",

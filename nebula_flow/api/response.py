@@ -20,62 +20,75 @@ def finish_reason(out: Completion) -> str:
     return out.finish_reason if out.finish_reason in FINISH_REASONS else "stop"
 
 
-def usage(out: Completion) -> dict[str, int]:
-    prompt = int(out.stats.get("prompt_tokens", 0))
-    return {"prompt_tokens": prompt, "completion_tokens": len(out.token_ids),
-            "total_tokens": prompt + len(out.token_ids)}
+def usage(outs: list[Completion], n: int = 1) -> dict[str, int]:
+    """The answer's usage: each prompt counted once (``n`` choices each), every choice's output."""
+    prompt = sum(int(out.stats.get("prompt_tokens", 0)) for out in outs[::n])
+    completion = sum(len(out.token_ids) for out in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def speculative(out: Completion) -> dict[str, Any]:
-    return {"rounds": out.rounds, "tokens_per_round": out.tokens_per_round,
-            "mean_tokens_per_round": round(out.mean_tokens_per_round, 4),
-            "draft_tokens_proposed": out.stats.get("proposed", 0), "draft_tokens_accepted": out.stats.get("accepted", 0)}
+def speculative(outs: list[Completion]) -> dict[str, Any]:
+    """The answer's rounds (every choice's, in the order of their indexes) and draft tokens."""
+    rounds = sum(out.rounds for out in outs)
+    tokens = sum(len(out.token_ids) for out in outs)
+    return {"rounds": rounds, "tokens_per_round": [n for out in outs for n in out.tokens_per_round],
+            "mean_tokens_per_round": round(tokens / rounds if rounds else 0.0, 4),
+            "draft_tokens_proposed": sum(out.stats.get("proposed", 0) for out in outs),
+            "draft_tokens_accepted": sum(out.stats.get("accepted", 0) for out in outs)}
 
 
 class Shaper:
-    """Builds one request's objects: ``chat`` (``chat.completion``) or text (``text_completion``)."""
+    """Builds one answer's objects: ``chat`` (``chat.completion``) or text (``text_completion``),
+    of one choice or several (``n`` for each prompt; a choice's ``index`` is its place)."""
 
-    def __init__(self, req_id: str, model: str, chat: bool, token_ids: bool = False) -> None:
+    def __init__(self, req_id: str, model: str, chat: bool, token_ids: bool = False, n: int = 1) -> None:
         self.id = ("chatcmpl-" if chat else "cmpl-") + req_id
-        self.model, self.chat, self.created = model, chat, int(time.time())
+        self.model, self.chat, self.created, self.n = model, chat, int(time.time()), n
         self.token_ids = token_ids  # (the return_token_ids extension)
         self.object = "chat.completion" if chat else "text_completion"
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, out: Completion) -> dict[str, Any]:
-        """The non-streamed answer."""
+    def _choice(self, index: int, out: Completion) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+            choice = {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
                       "finish_reason": finish_reason(out)}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out)}
+            choice = {"index": index, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out)}
         if self.token_ids:
             choice["token_ids"] = out.token_ids
-        return {**self._head(self.object), "choices": [choice], "usage": usage(out), "speculative": speculative(out)}
+        return choice
+
+    def full(self, outs: list[Completion]) -> dict[str, Any]:
+        """The non-streamed answer: every choice, in order."""
+        return {**self._head(self.object), "choices": [self._choice(i, out) for i, out in enumerate(outs)],
+                "usage": usage(outs, self.n), "speculative": speculative(outs)}
 
     def chunk(self, text: str | None, reason: str | None = None, role: bool = False,
-              token_ids: list[int] | None = None) -> dict[str, Any]:
-        """One streamed event: ``text`` (a delta) and its ``token_ids``, and at the end the finish ``reason``."""
+              token_ids: list[int] | None = None, index: int = 0) -> dict[str, Any]:
+        """One streamed event of choice ``index``: ``text`` (a delta) and its ``token_ids``, and at
+        the end the finish ``reason``."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None and not role:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
         if self.token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         return {**self._head("chat.completion.chunk" if self.chat else self.object), "choices": [choice]}
 
-    def last(self, out: Completion) -> dict[str, Any]:
-        """The event that ends the stream's choices: the finish reason and the speculative stats."""
-        return {**self.chunk(None if self.chat else "", finish_reason(out)), "speculative": speculative(out)}
+    def last(self, out: Completion, index: int = 0) -> dict[str, Any]:
+        """The event that ends choice ``index``: its finish reason and speculative stats."""
+        return {**self.chunk(None if self.chat else "", finish_reason(out), index=index),
+                "speculative": speculative([out])}
 
-    def usage_chunk(self, out: Completion) -> dict[str, Any]:
+    def usage_chunk(self, outs: list[Completion]) -> dict[str, Any]:
         """``stream_options.include_usage``: an event with no choices and the usage."""
-        return {**self._head("chat.completion.chunk" if self.chat else self.object), "choices": [], "usage": usage(out)}
+        return {**self._head("chat.completion.chunk" if self.chat else self.object), "choices": [],
+                "usage": usage(outs, self.n)}
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:
