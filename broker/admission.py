@@ -79,7 +79,7 @@ class Admission:
             return False
         if req.detok is None:
             req.detok = self.codec.incremental()
-        final, pending = req.detok.extend(req.output)
+        final, pending = req.detok.extend(shown(req))
         text = req.text + final
         if req.params.stop and (final or pending):
             start = max(0, len(req.text) - max(map(len, req.params.stop)) + 1)
@@ -91,7 +91,16 @@ class Admission:
         return False
 
     def final_text(self, req: Request) -> str:
-        return apply_stop(self.codec.decode(req.output), req.params.stop)[0] if self.codec else ""
+        return apply_stop(self.codec.decode(shown(req)), req.params.stop)[0] if self.codec else ""
+
+
+def shown(req: Request) -> list[int]:
+    """The output tokens its text shows: all but a stop token id that ended it (as vLLM: the id is
+    in the output, its text is not)."""
+    out, ids = req.output, req.params.stop_token_ids
+    if ids and req.finish_reason == "stop" and out and out[-1] in ids:
+        return out[:-1]
+    return out
 
 
 def apply_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:

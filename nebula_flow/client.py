@@ -95,7 +95,8 @@ def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, c
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids and messages")
     sp = SamplingParams(stop=tuple([params.pop("stop")] if isinstance(params.get("stop"), str)
-                                    else params.pop("stop", None) or ()), **params)
+                                    else params.pop("stop", None) or ()),
+                        stop_token_ids=tuple(params.pop("stop_token_ids", None) or ()), **params)
     sp.validate()
     return Submit(req_id, sp.to_wire(), prompt, None if token_ids is None else np.asarray(token_ids, dtype=np.int32),
                   chat, session, messages, chat_options)

@@ -10,6 +10,7 @@ MIN_TEMPERATURE = 1e-5  # below it sampling is greedy in all but name, and numer
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_SEED = 2**63 - 1
+MAX_STOP_TOKEN_IDS = 64
 
 
 class InvalidParams(ValueError):
@@ -22,7 +23,8 @@ class SamplingParams:
 
     ``top_k == 0`` and ``top_p == 1.0`` disable those filters. ``seed`` fixes every random
     number the request uses (see ``specdec.uniform``); the broker draws one when it is absent,
-    so a request's randomness never depends on which worker runs it.
+    so a request's randomness never depends on which worker runs it. ``stop_token_ids`` end the
+    output like EOS (the token kept, ``finish_reason`` "stop"), whether or not ``ignore_eos``.
     """
 
     max_new_tokens: int = 64
@@ -32,6 +34,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
 
     @property
@@ -45,6 +48,7 @@ class SamplingParams:
         if wire is None:
             wire = {f: getattr(self, f) for f in self.__dataclass_fields__}
             wire["stop"] = list(self.stop)
+            wire["stop_token_ids"] = list(self.stop_token_ids)
             object.__setattr__(self, "_wire", wire)  # (a frozen dataclass: a cache beside its fields)
         return wire
 
@@ -61,7 +65,10 @@ class SamplingParams:
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidParams("stop must be a string or a list of non-empty strings")
-        params = cls(stop=tuple(stop), **raw)
+        ids = raw.pop("stop_token_ids", ()) or ()
+        if not isinstance(ids, (list, tuple)):
+            raise InvalidParams("stop_token_ids must be a list of token ids")
+        params = cls(stop=tuple(stop), stop_token_ids=tuple(ids), **raw)
         params.validate()
         return params
 
@@ -87,5 +94,8 @@ class SamplingParams:
             raise InvalidParams(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):
             raise InvalidParams(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
+                is_int(t) and 0 <= t < 1 << 31 for t in self.stop_token_ids):
+            raise InvalidParams(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0)")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.fit_context, bool):
             raise InvalidParams("ignore_eos and fit_context must be booleans")

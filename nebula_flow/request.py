@@ -91,11 +91,15 @@ class Request:
         return self.params.max_new_tokens - len(self.output)
 
     def commit(self, committed: list[int], eos_ids: tuple[int, ...]) -> list[int]:
-        """Append a verify's tokens, cut at EOS and max_new_tokens; returns what was kept."""
+        """Append a verify's tokens, cut at EOS (unless ignored), a stop token id and
+        max_new_tokens; returns what was kept."""
         kept = committed[: self.remaining]
-        if not self.params.ignore_eos:
+        stops = () if self.params.ignore_eos else eos_ids
+        if self.params.stop_token_ids:
+            stops = (*stops, *self.params.stop_token_ids)
+        if stops:
             for i, t in enumerate(kept):
-                if t in eos_ids:
+                if t in stops:
                     kept = kept[: i + 1]
                     self.finish_reason = "stop"
                     break

@@ -172,6 +172,28 @@ def test_choices_past_the_admission_limit_are_refused_whole(strict) -> None:  # 
     assert ok.json()["usage"]["completion_tokens"] == 8
 
 
+def test_stop_token_ids_end_the_output_and_leave_its_text(served) -> None:  # noqa: ANN001
+    """vLLM's ``stop_token_ids``: the output ends at the first of them (kept among the ids, not in
+    the text, ``finish_reason`` "stop"), with ``ignore_eos`` or not; the client library and the
+    HTTP API agree."""
+    prompt = "def fibonacci(n):"
+    codec = TextCodec(served.cfg.target.model)
+    with Client(served.address) as c:
+        greedy = c.generate(prompt, max_new_tokens=24, ignore_eos=True)
+        at = next(i for i in range(3, 24) if greedy.token_ids[i] not in greedy.token_ids[:i])
+        stop = greedy.token_ids[at]
+        cut = c.generate(prompt, max_new_tokens=24, ignore_eos=True, stop_token_ids=[stop, 1 << 30])
+    assert cut.token_ids == greedy.token_ids[:at + 1] and cut.finish_reason == "stop"
+    assert cut.text == codec.decode(greedy.token_ids[:at])
+    got = oai(served).completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                         extra_body={"stop_token_ids": [stop], "ignore_eos": True, "return_token_ids": True})
+    assert got.choices[0].model_extra["token_ids"] == cut.token_ids and got.choices[0].text == cut.text
+    assert got.choices[0].finish_reason == "stop"
+    events = list(oai(served).completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                                 extra_body={"stop_token_ids": [stop]}))
+    assert "".join(e.choices[0].text for e in events) == cut.text
+
+
 def test_raw_server_sent_events(served) -> None:  # noqa: ANN001
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "stream": True}
     with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=60,
@@ -248,6 +270,8 @@ BAD = [
     ({"model": "tiny", "prompt": [[5, 6], "b", 7]}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({"model": "tiny", "prompt": "x", "stop": [1]}, 400, "stop"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": 5}, 400, "stop_token_ids"),
     ({"model": "tiny", "prompt": LONG}, 400, None),  # over the context: the limit is in the message
 ]
 
@@ -278,7 +302,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-          "stop", "stream", "stream_options", "n", "logprobs", "user", "chat_template_kwargs", "ignore_eos"]
+          "stop", "stream", "stream_options", "n", "logprobs", "user", "chat_template_kwargs", "ignore_eos", "stop_token_ids"]
 VALUES = JSON | st.sampled_from(["tiny", "hi", 1, 4, 0.5, True, [{"role": "user", "content": "hi"}], [1, 2, 3]])
 PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
 OPTIONAL = {f: VALUES for f in FIELDS[3:]}

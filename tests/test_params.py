@@ -29,10 +29,26 @@ def test_defaults_are_greedy_and_valid() -> None:
     ({"stop": [""]}, "stop"),
     ({"stop": 5}, "stop"),
     ({"bogus": 1}, "unknown parameters"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
 ])
 def test_bad_parameters_are_rejected_with_a_clear_message(raw: dict, match: str) -> None:
     with pytest.raises(InvalidParams, match=match):
         SamplingParams.from_wire(raw)
+
+
+def test_stop_token_ids_end_the_output_even_with_ignore_eos() -> None:
+    from nebula_flow.request import Request
+
+    params = SamplingParams.from_wire({"max_new_tokens": 10, "ignore_eos": True, "stop_token_ids": [7, 9]})
+    assert params.stop_token_ids == (7, 9) and SamplingParams.from_wire(params.to_wire()) == params
+    req = Request(1, "r", [1, 2], params, seed=0)
+    assert req.commit([3, 2, 4], eos_ids=(2,)) == [3, 2, 4] and req.finish_reason is None  # (EOS ignored)
+    assert req.commit([5, 9, 7, 8], eos_ids=(2,)) == [5, 9] and req.finish_reason == "stop"
+    plain = Request(2, "s", [1], SamplingParams(max_new_tokens=10), seed=0)
+    assert plain.commit([3, 9, 2, 4], eos_ids=(2,)) == [3, 9, 2] and plain.finish_reason == "stop"
 
 
 def test_limit_on_max_new_tokens() -> None:

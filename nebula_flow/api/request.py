@@ -3,7 +3,7 @@
 Pure: no sockets, no HTTP. Every field OpenAI defines is either honoured or refused with a
 clear message naming it; fields it does not define are refused too (OpenAI does the same), so
 nothing a caller sends is silently ignored. Extensions, as vLLM spells them: ``top_k``,
-``ignore_eos``, ``chat_template_kwargs``, ``return_token_ids`` (each choice, and each streamed
+``ignore_eos``, ``stop_token_ids``, ``chat_template_kwargs``, ``return_token_ids`` (each choice, and each streamed
 chunk, carries the ids of its tokens).
 """
 
@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from nebula_flow.params import MAX_SEED, MAX_STOP_LEN, MAX_STOP_STRINGS, MIN_TEMPERATURE
+from nebula_flow.params import MAX_SEED, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # choices in one answer (n for each prompt of a batch): OpenAI's most for n
@@ -136,6 +136,11 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
             raise invalid("seed", f"seed must be a 64-bit integer, got {seed!r}")
         params["seed"] = seed % (MAX_SEED + 1)  # (OpenAI's seed is signed; ours is not)
     params["stop"] = _stop(body.get("stop"))
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t) and 0 <= t < 1 << 31 for t in ids):
+            raise invalid("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+        params["stop_token_ids"] = tuple(ids)
     for flag in ("ignore_eos", "return_token_ids"):
         if not isinstance(body.get(flag, False), bool):
             raise invalid(flag, f"{flag} must be a boolean")
@@ -262,6 +267,6 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
 
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-                 "n", "ignore_eos", "return_token_ids")
+                 "n", "ignore_eos", "stop_token_ids", "return_token_ids")
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs")

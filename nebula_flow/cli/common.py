@@ -235,6 +235,8 @@ GEN_OPTIONS = [
     click.option("--top-p", default=1.0, show_default=True),
     click.option("--seed", type=int, help="Fixes the output for sampled generation."),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
+                 help="End the output at this token id, kept among the ids but not in the text (repeatable)."),
     click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template."),
     click.option("--timeout-s", default=300.0, show_default=True),
 ]
