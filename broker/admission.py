@@ -10,6 +10,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import replace
 
+import numpy as np
+
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.protocol import ProtocolError, Submit
@@ -27,6 +29,7 @@ class Admission:
         self.max_model_len = facts.max_position_embeddings if facts else 1 << 30
         self.vocab_size = facts.vocab_size if facts else None
         self.max_new_tokens_limit = max_new_tokens_limit
+        self._token_texts: dict[int, str] = {}  # (logprobs: each token's text, decoded once)
 
     def tokenize(self, msg: Submit, unlocked: bool = False) -> list[int]:
         """A SUBMIT's prompt as token ids, or ``ProtocolError`` saying what is wrong with it.
@@ -89,6 +92,21 @@ class Admission:
                 return True
         req.text = text
         return False
+
+    def token_text(self, token: int) -> str:
+        """One token's text, decoded alone (special tokens too): what logprobs name it by."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self.codec.tok.decode([token], skip_special_tokens=False) if self.codec else ""
+            self._token_texts[token] = text
+        return text
+
+    def logprob_entries(self, kept: list[int], lp: np.ndarray, ids: np.ndarray) -> list[list]:
+        """``protocol.Tokens.logprobs`` for the ``kept`` tokens of a verify: each one's id, text and
+        log-probability, and the top tokens' (rows of ``results.logprobs``)."""
+        text = self.token_text
+        return [[t, text(t), row[0], [[i, text(i), v] for i, v in zip(top, row[1:])]]
+                for t, row, top in zip(kept, lp[:len(kept)].tolist(), ids[:len(kept)].tolist())]
 
     def final_text(self, req: Request) -> str:
         return apply_stop(self.codec.decode(shown(req)), req.params.stop)[0] if self.codec else ""

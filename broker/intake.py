@@ -67,7 +67,7 @@ class Intake:
             req.owner = identity
             self.inflight_by_owner[identity] += 1
             self.counters["requests_reattached"] += 1
-            self._send(self.clients, identity, Tokens(req_id, req.output, req.text, 0))
+            self._send(self.clients, identity, Tokens(req_id, req.output, req.text, 0, logprobs=req.logprobs))
             return
         if (waiting := self.prompts.waiting.get(req_id)) is not None:  # a retry while its prompt tokenizes
             self._release(waiting.identity)
@@ -148,7 +148,7 @@ class Intake:
             return
         self.counters[f"requests_{req.finish_reason}"] += 1
         done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason,
-                    {**req.stats(), "queue_s": queued})  # (queue_s: admission to its first task sent)
+                    {**req.stats(), "queue_s": queued}, req.logprobs)  # (queue_s: admission to its first task sent)
         self.finished[req.req_id] = (owner, done)
         while len(self.finished) > 4096:  # bounded: old results age out
             self.finished.popitem(last=False)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from nebula_flow import fusion
 from nebula_flow.ahead import Ahead, Branch
 from nebula_flow.protocol import ProtocolError, TaskResult
@@ -91,6 +93,24 @@ def verified(req: Request, out: TaskResult, vocab: int | None = None) -> Verifie
     fused = max((on_chain(c, committed) for c in chains), default=0) - max(taken, int(via_alt))
     return Verified(committed, draft, runner_ups, chains, taken, via_alt, max(0, fused),
                     on_chain(seconds[0], committed) if seconds else None)
+
+
+def logprobs(req: Request, out: TaskResult, vocab: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """A verify's log-probabilities of its committed tokens and of the top tokens beside each, as
+    the request asked for (``SamplingParams.logprobs``; None: not asked), copied out of the frames."""
+    top, lp, ids = req.params.logprobs, out.logprobs, out.logprob_ids
+    if top is None:
+        if lp is not None or ids is not None:
+            raise ProtocolError("malformed", "logprobs the request did not ask for")
+        return None
+    n = len(out.committed or [])
+    if lp is None or ids is None or lp.dtype != np.float32 or ids.dtype != np.int32 or lp.shape != (n, 1 + top) \
+            or ids.shape != (n, top) or not np.isfinite(lp).all() or (lp > 1e-3).any():
+        raise ProtocolError("malformed", f"logprobs must be float32 [{n}, {1 + top}] log-probabilities (finite, <= 0) "
+                                         f"and logprob_ids int32 [{n}, {top}]")
+    if top and vocab is not None and not 0 <= ids.min() <= ids.max() < vocab:
+        raise ProtocolError("malformed", f"logprob_ids hold token ids outside the vocabulary [0, {vocab})")
+    return lp.copy(), ids.copy()
 
 
 def on_chain(chain: list[int], committed: list[int]) -> int:

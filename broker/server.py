@@ -129,12 +129,12 @@ class Broker(Intake):
             req.finish_reason = req.finish_reason or reason
             self._close(req, error)
 
-    def _stream(self, req: Request, kept: list[int], delta: str, now: float) -> None:
+    def _stream(self, req: Request, kept: list[int], delta: str, now: float, logprobs: list | None = None) -> None:
         """Send what a verify committed (``delta``: the text it added, stop strings applied)."""
         if req.t_first is None:
             req.t_first = now
         self._send(self.clients, req.owner, Tokens(req.req_id, kept, delta, len(req.output) - len(kept),
-                                                   len(req.text) - len(delta)))
+                                                   len(req.text) - len(delta), logprobs))
 
     # -- workers ---------------------------------------------------------------------------
     def on_worker(self, identity: bytes, frames: list[Any], now: float) -> None:
@@ -296,6 +296,7 @@ class Broker(Intake):
             self.round_times.handled(req.rid, time.perf_counter())
             return
         v = results.verified(req, item, self.admission.vocab_size)
+        logprobs = results.logprobs(req, item, self.admission.vocab_size)
         if item.kind == ROUND:
             req.proposed += len(v.draft)
         req.alt_accepted += v.via_alt
@@ -306,7 +307,10 @@ class Broker(Intake):
                                         self.admission.eos_ids, self.admission.stop_text, v.second)
         self.counters["rounds"] += 1
         self.counters["tokens_out"] += len(kept)
-        self._stream(req, kept, req.text[len(text_before):], now)
+        entries = self.admission.logprob_entries(kept, *logprobs) if logprobs is not None else None
+        if entries is not None:
+            req.logprobs = (req.logprobs or []) + entries
+        self._stream(req, kept, req.text[len(text_before):], now, entries)
         self.round_times.ended(req.rid, time.perf_counter(), len(kept))
         if req.finish_reason:  # (end_round took it out of the pool)
             self._close(req)

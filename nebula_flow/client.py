@@ -61,6 +61,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     t_s: float  # seconds since the request was sent
+    logprobs: list | None = None  # asked for: per token [id, text, logprob, [[id, text, logprob], ...]]
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Completion:
     chunk_times_s: list[float] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each chunk, as chunk_times_s
+    logprobs: list | None = None  # asked for: each token's, as ``Chunk.logprobs``
 
     @property
     def mean_tokens_per_round(self) -> float:
@@ -83,7 +85,8 @@ class Completion:
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "rounds": self.rounds, "tokens_per_round": self.tokens_per_round,
-                "ttft_s": self.ttft_s, "latency_s": self.latency_s, "stats": self.stats}
+                "ttft_s": self.ttft_s, "latency_s": self.latency_s, "stats": self.stats,
+                **({"logprobs": self.logprobs} if self.logprobs is not None else {})}
 
 
 def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, session: str | None = None,
@@ -133,7 +136,8 @@ class _Collector:
         self.seen_text = 0
 
     def chunk(self, msg: Tokens) -> Chunk | None:
-        tokens = list(msg.token_ids[max(0, self.seen_tokens - msg.offset):])
+        skip = max(0, self.seen_tokens - msg.offset)
+        tokens = list(msg.token_ids[skip:])
         text = msg.text[max(0, self.seen_text - msg.text_offset):]
         if not tokens and not text:
             return None  # all of it was seen already
@@ -143,7 +147,7 @@ class _Collector:
         self.ttft = t if self.ttft is None else self.ttft
         self.times.append(t)
         self.counts.append(len(tokens))
-        return Chunk(tokens, text, t)
+        return Chunk(tokens, text, t, msg.logprobs[skip:] if msg.logprobs is not None else None)
 
     def finish(self, msg: Done) -> list[Chunk | Completion]:
         """The request's end: the text the stream held back, if any (a character still partial at
@@ -158,7 +162,7 @@ class _Collector:
         st = msg.stats
         return Completion(msg.text, msg.token_ids, msg.finish_reason, st.get("rounds", 0),
                           st.get("tokens_per_round", []), self.ttft if self.ttft is not None else latency,
-                          latency, self.times, st, self.counts)
+                          latency, self.times, st, self.counts, msg.logprobs)
 
 
 def _socket(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socket, zmq.Socket]:

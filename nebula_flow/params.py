@@ -11,6 +11,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_SEED = 2**63 - 1
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # most likely tokens reported beside each output token (OpenAI's top_logprobs limit)
 
 
 class InvalidParams(ValueError):
@@ -25,6 +26,9 @@ class SamplingParams:
     number the request uses (see ``specdec.uniform``); the broker draws one when it is absent,
     so a request's randomness never depends on which worker runs it. ``stop_token_ids`` end the
     output like EOS (the token kept, ``finish_reason`` "stop"), whether or not ``ignore_eos``.
+    ``logprobs`` (None: off): report each output token's log-probability under the target's own
+    distribution (its raw logits, before temperature, top-k and top-p, as vLLM does by default)
+    and this many most likely tokens beside it.
     """
 
     max_new_tokens: int = 64
@@ -35,6 +39,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
 
     @property
@@ -97,5 +102,7 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
                 is_int(t) and 0 <= t < 1 << 31 for t in self.stop_token_ids):
             raise InvalidParams(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0)")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidParams(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or null: off), got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.fit_context, bool):
             raise InvalidParams("ignore_eos and fit_context must be booleans")

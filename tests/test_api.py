@@ -194,6 +194,40 @@ def test_stop_token_ids_end_the_output_and_leave_its_text(served) -> None:  # no
     assert "".join(e.choices[0].text for e in events) == cut.text
 
 
+def test_logprobs_in_openai_shape_equal_the_client_librarys(served) -> None:  # noqa: ANN001
+    """``logprobs`` (completions: a count) and ``logprobs``/``top_logprobs`` (chat): each token's
+    log-probability and the top tokens beside it, as the client library gets them (the target's own:
+    ``test_e2e_lossless``), streamed or not."""
+    prompt = "def fibonacci(n):"
+    with Client(served.address) as c:
+        want = c.generate(prompt, max_new_tokens=10, logprobs=2)
+        chat_want = c.generate(messages=CONVERSATION, max_new_tokens=8, logprobs=3, temperature=0.7, seed=5)
+    client = oai(served)
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert lp.tokens == [e[1] for e in want.logprobs] and lp.token_logprobs == [e[2] for e in want.logprobs]
+    assert lp.top_logprobs == [{t[1]: t[2] for t in e[3]} for e in want.logprobs]
+    assert lp.text_offset == [sum(len(e[1]) for e in want.logprobs[:i]) for i in range(len(want.logprobs))]
+    events = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
+                                            stream=True))
+    streamed = [e.choices[0].logprobs for e in events if e.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    chat = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=8, temperature=0.7, seed=5,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [(t.token, t.logprob) for t in content] == [(e[1], e[2]) for e in chat_want.logprobs]
+    assert all(t.bytes == list(t.token.encode()) and len(t.top_logprobs) == 3 for t in content)
+    assert [[x.token for x in t.top_logprobs] for t in content] == [[x[1] for x in e[3]] for e in chat_want.logprobs]
+    plain = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=4, logprobs=True)
+    assert all(t.top_logprobs == [] for t in plain.choices[0].logprobs.content)  # (top_logprobs 0 by default)
+    assert client.completions.create(model="tiny", prompt=prompt, max_tokens=4).choices[0].logprobs is None
+    res = httpx.post(served.http_url + "/v1/chat/completions", headers={"Authorization": "Bearer sesame"},
+                     json={"model": "tiny", "messages": CONVERSATION, "top_logprobs": 2})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "top_logprobs"
+
+
 def test_raw_server_sent_events(served) -> None:  # noqa: ANN001
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "stream": True}
     with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=60,
@@ -260,7 +294,9 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "n": 129}, 400, "n"),
     ({"model": "tiny", "prompt": ["x"] * 65, "n": 2}, 400, "n"),  # 130 choices
     ({"model": "tiny", "prompt": ["x"] * 129}, 400, "prompt"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
     ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of"),
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),

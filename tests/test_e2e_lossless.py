@@ -2,6 +2,7 @@
 
 * Greedy output is token-for-token HF transformers' own greedy output, in every mode.
 * Seeded sampled output (temperature 0.8) is identical across modes and pool sizes.
+* Log-probabilities, where asked for, are the target's own (HF transformers' log-softmax), in every mode.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from nebula_flow.client import AsyncClient, Client
 from nebula_flow.deploy import Deployment
-from tests.conftest import deploy_config, hf_greedy
+from tests.conftest import _hf_model, deploy_config, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +26,21 @@ TOKEN_PROMPTS = [[5 + i, 40 + 3 * i, 7, 300 + i] for i in range(4)] + [[i + 1] f
 MAX_NEW = [24, 31, 40, 17, 28, 35, 22, 38]
 
 
+LOGPROBS = {0: 2, 3: 0, 9: 5}  # greedy requests that ask for log-probabilities: how many top tokens
+SAMPLED_LOGPROBS = {1: 3}
+
+
 def greedy_requests() -> list[dict]:
     reqs = [{"prompt": p, "max_new_tokens": MAX_NEW[i]} for i, p in enumerate(TEXT_PROMPTS)]
     reqs += [{"token_ids": p, "max_new_tokens": MAX_NEW[i]} for i, p in enumerate(TOKEN_PROMPTS)]
+    for i, top in LOGPROBS.items():
+        reqs[i]["logprobs"] = top
     return reqs
 
 
 def sampled_requests() -> list[dict]:
-    return [{"prompt": p, "max_new_tokens": 30, "temperature": 0.8, "seed": 1000 + i}
+    return [{"prompt": p, "max_new_tokens": 30, "temperature": 0.8, "seed": 1000 + i,
+             **({"logprobs": SAMPLED_LOGPROBS[i]} if i in SAMPLED_LOGPROBS else {})}
             for i, p in enumerate(TEXT_PROMPTS)]
 
 
@@ -120,6 +129,40 @@ def test_seeded_sampling_is_identical_across_modes_and_pool_sizes(runs, referenc
     assert base != [g[:30] for g in greedy]  # temperature 0.8 is not greedy
 
 
+def target_logprobs(tiny_pair, request: dict, output: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """The target's own log-softmax at each output position (HF transformers, the whole sequence at once)."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
+    prompt = request.get("token_ids") or tok(request["prompt"])["input_ids"]
+    with torch.no_grad():
+        logits = _hf_model(str(tiny_pair / "target"))(torch.tensor([prompt + output])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(output)]
+
+
+@pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
+def test_logprobs_are_the_targets_own_in_every_mode(tiny_pair, runs, mode: str) -> None:  # noqa: ANN001
+    """Each output token's log-probability (and the top tokens beside it) is the target's own raw
+    distribution at that position, whether a draft proposed the token or the target did; greedy
+    and seeded sampled requests; requests that did not ask get none."""
+    greedy, sampled = runs(mode, 2, 2)
+    asked = [(greedy_requests()[i], greedy[i], top) for i, top in LOGPROBS.items()]
+    asked += [(sampled_requests()[i], sampled[i], top) for i, top in SAMPLED_LOGPROBS.items()]
+    for request, out, top in asked:
+        ref = target_logprobs(tiny_pair, request, out.token_ids)
+        assert [e[0] for e in out.logprobs] == out.token_ids
+        mine = torch.tensor([e[2] for e in out.logprobs])
+        assert torch.allclose(mine, ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=1e-4), mode
+        for e, row in zip(out.logprobs, ref):
+            assert len(e[3]) == top and [t[2] for t in e[3]] == sorted((t[2] for t in e[3]), reverse=True)
+            if top:
+                best = torch.topk(row, top)
+                assert torch.allclose(torch.tensor([t[2] for t in e[3]]), best.values, atol=1e-4)
+                assert e[3][0][2] >= e[2] - 1e-6  # (the most likely token is at least as likely)
+        if not request.get("temperature"):  # greedy: the token is the most likely one
+            assert all(e[3][0][0] == e[0] for e in out.logprobs if e[3])
+    others = [o for i, o in enumerate(greedy) if i not in LOGPROBS]
+    assert all(o.logprobs is None for o in others)
+
+
 @pytest.mark.parametrize("mode", ["pooled", "paired"])
 def test_draft_ahead_keeps_greedy_and_seeded_output(runs, reference, mode: str) -> None:  # noqa: ANN001
     """Pre-drafting the next round while one verifies (draft-ahead) changes no token: greedy is HF's,
@@ -171,13 +214,16 @@ def test_token_tree_alternatives_stay_lossless_and_win_rounds(tiny_pair, referen
     cfg = deploy_config(tiny_pair, mode, 2, 2, max_batch=4)
     cfg.broker.policy = cfg.broker.policy.replace(first_alternatives=3)
     long = {"token_ids": [9, 8, 7], "max_new_tokens": 90}  # outgrows a cache's first buffer
+    greedy = [{**r, "logprobs": 1} for r in greedy_requests()]  # (a runner-up's row: on the tree's accepted path)
     with Deployment(cfg) as dep:
-        outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests()[:2] + [long]))
+        outs = asyncio.run(_run_all(dep.address, greedy + sampled_requests()[:2] + [long]))
         with Client(dep.address) as client:
             counters = client.status()["counters"]
     outs, longest = outs[:-1], outs[-1]
     for i, (out, ref) in enumerate(zip(outs, reference)):
         assert out.token_ids == ref, f"request {i} differs with alternatives in {mode} mode"
+        own = target_logprobs(tiny_pair, greedy[i], ref).gather(1, torch.tensor(ref)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor([e[2] for e in out.logprobs]), own, atol=1e-4), f"request {i}'s logprobs"
     assert longest.token_ids == hf_greedy(tiny_pair / "target", long["token_ids"], long["max_new_tokens"])
     counters["alternatives_proposed"] -= 3 * sum(k > 0 for k in longest.stats["k_per_round"])
     counters["alternatives_accepted"] -= longest.stats["alternatives_accepted"]

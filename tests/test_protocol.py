@@ -259,3 +259,35 @@ def test_a_clients_stream_chunks_of_one_step_travel_in_one_message() -> None:
         assert items[-1].token_ids == [7, 8]
     finally:
         server.close(linger=0)
+
+
+def test_logprobs_travel_as_tensor_frames_and_the_broker_checks_them() -> None:
+    """A verify's log-probabilities come back as [committed, 1 + top] and [committed, top] frames;
+    the broker takes exactly what the request asked for and refuses anything else."""
+    from nebula_flow.params import SamplingParams
+    from nebula_flow.request import Request
+    from nebula_flow_broker import results
+
+    lp = np.array([[-0.5, -0.5, -1.0], [-2.0, -0.1, -2.0]], np.float32)
+    ids = np.array([[7, 3], [4, 9]], np.int32)
+    out = TaskResult(1, "verify", 1, 1, committed=[7, 9], logprobs=lp, logprob_ids=ids)
+    [got] = roundtrip(Result([out])).results
+    assert got.logprobs.tolist() == lp.tolist() and got.logprob_ids.tolist() == ids.tolist()
+    asked = Request(1, "r", [1], SamplingParams(logprobs=2), seed=0)
+    checked = results.logprobs(asked, got, vocab=10)
+    assert checked[0].tolist() == lp.tolist() and checked[0].flags.writeable  # (a copy: it outlives the frames)
+    assert results.logprobs(Request(2, "s", [1], SamplingParams(), seed=0), TaskResult(2, "verify", 1, 1)) is None
+    bad = [
+        (SamplingParams(), lp, ids),  # not asked for
+        (SamplingParams(logprobs=3), lp, ids),  # another top count
+        (SamplingParams(logprobs=2), lp[:1], ids[:1]),  # not one row per committed token
+        (SamplingParams(logprobs=2), lp + 1.0, ids),  # not log-probabilities
+        (SamplingParams(logprobs=2), np.where(lp < -1, np.nan, lp).astype(np.float32), ids),
+        (SamplingParams(logprobs=2), lp, ids + 10),  # outside the vocabulary
+        (SamplingParams(logprobs=2), lp.astype(np.float64), ids),
+        (SamplingParams(logprobs=2), None, None),  # asked for, not sent
+    ]
+    for params, values, top_ids in bad:
+        item = TaskResult(1, "verify", 1, 1, committed=[7, 9], logprobs=values, logprob_ids=top_ids)
+        with pytest.raises(ProtocolError):
+            results.logprobs(Request(1, "r", [1], params, seed=0), item, vocab=10)

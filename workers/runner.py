@@ -26,6 +26,7 @@ from nebula_flow.speclen import StepCosts
 from nebula_flow.tree import TokenTree
 from nebula_flow_workers.draft_steps import DraftSteps
 from nebula_flow_workers.forward_clock import ForwardClock
+from nebula_flow_workers.logprobs import committed_logprobs
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Task:
     chains: list[list[int]] = field(default_factory=list)  # verify tasks: the fused chains (token tree)
     prefilled: int | None = None  # set by the runner: only a chunk of the prompt ran; the KV now held
     ahead: int = 0  # ahead tasks: the outcomes of the verify of ``draft`` to pre-draft the next round for
+    logprobs: tuple[np.ndarray, np.ndarray] | None = None  # set by verify when asked: ``workers/logprobs.py``
 
     def tree(self) -> TokenTree:
         """The token tree this verify scores: the draft, the alternatives and the fused chains."""
@@ -249,9 +251,11 @@ class ModelRunner:
                 continue
             committed = specdec.verify(logits[i], t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens),
                                        t.runner_ups, t.chains, best=best.get(i))
-            position = len(t.tokens)
+            position, path = len(t.tokens), tree.path(committed[:-1])
+            if t.params.logprobs is not None:
+                t.logprobs = committed_logprobs(logits[i], path, committed, t.params.logprobs)
             # keep the KV of the accepted path (moved into place when it is not the first chain's)
-            c.adopt([position + node for node in tree.path(committed[:-1])], position)
+            c.adopt([position + node for node in path], position)
             out.append(committed)
         self._finish(tasks)
         return out

@@ -254,7 +254,7 @@ class Worker:
                         if committed is None:
                             out.prefilled = t.prefilled
                             continue
-                        out.committed = committed
+                        out.committed, (out.logprobs, out.logprob_ids) = committed, t.logprobs or (None, None)
                         if t.chains and not t.draft:  # a chain the target looked up itself
                             out.chains = t.chains
                 elif kind == "round" and self.opts.role in BOTH_MODELS:
@@ -270,7 +270,8 @@ class Worker:
                         if committed is None:
                             out.prefilled = t.prefilled
                             continue
-                        out.committed, out.draft, out.runner_ups, out.chains = committed, t.draft, t.runner_ups, t.chains
+                        out.committed, out.draft, out.runner_ups = committed, t.draft, t.runner_ups
+                        out.chains, (out.logprobs, out.logprob_ids) = t.chains, t.logprobs or (None, None)
                 else:
                     raise ProtocolError("wrong_role", f"a {self.opts.role} worker cannot run {kind} tasks")
             except Exception as exc:  # fail these requests clearly rather than leave them hanging
@@ -302,8 +303,7 @@ class Worker:
                 self.stopping = True
             for link in self.links if self.stopping else ():
                 if link.pull_out is not None and link.registered:
-                    # Leaving: withdraw the PULL parked at the broker, so no new task is sent here
-                    # only to be re-queued when the BYE arrives.
+                    # Leaving: withdraw the PULL parked at the broker (no task sent here to be re-queued)
                     link.send(Pull(0, computing is None))
                     link.pull_out = None
             if self.stopping and computing is None:

@@ -228,7 +228,7 @@ class Gateway:
                     self.telemetry.finished(item)
                     yield sse(shaper.last(item, i))
                 elif item.text or item.token_ids:
-                    yield sse(shaper.chunk(item.text, token_ids=item.token_ids, index=i))
+                    yield sse(shaper.chunk(item.text, token_ids=item.token_ids, index=i, logprobs=item.logprobs))
             finished = True
             if job.include_usage:
                 yield sse(shaper.usage_chunk(outs))

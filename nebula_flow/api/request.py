@@ -13,7 +13,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from nebula_flow.params import MAX_SEED, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE
+from nebula_flow.params import (
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_TEMPERATURE,
+)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # choices in one answer (n for each prompt of a batch): OpenAI's most for n
@@ -21,7 +28,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 MAX_MESSAGES = 4096
 # Fields OpenAI defines that the gateway does not build: refused when they ask for anything.
 UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "parallel_tool_calls": (None,),
@@ -146,7 +153,27 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
             raise invalid(flag, f"{flag} must be a boolean")
     params["ignore_eos"] = body.get("ignore_eos", False)
     params.update(_max_tokens(body, served, chat))
+    if (top := _logprobs(body, chat)) is not None:
+        params["logprobs"] = top
     return params
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top tokens to report beside each output token's log-probability (None: none of
+    it): chat's ``logprobs`` (a boolean) and ``top_logprobs``; completions' ``logprobs`` (a count)."""
+    def count(name: str, v: Any) -> int:  # noqa: ANN401
+        if not _is_int(v) or not 0 <= v <= MAX_LOGPROBS:
+            raise invalid(name, f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {v!r}")
+        return v
+
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        return None if asked is None else count("logprobs", asked)
+    if asked is not None and not isinstance(asked, bool):
+        raise invalid("logprobs", "logprobs must be a boolean (top_logprobs says how many top tokens)")
+    if top is not None and not asked:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+    return (count("top_logprobs", top) if top is not None else 0) if asked else None
 
 
 def _stop(stop: Any) -> tuple[str, ...]:  # noqa: ANN401
@@ -268,5 +295,5 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids")
-COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt")
-CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs")
+COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs")
+CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs")

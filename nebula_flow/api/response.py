@@ -46,16 +46,33 @@ class Shaper:
         self.model, self.chat, self.created, self.n = model, chat, int(time.time()), n
         self.token_ids = token_ids  # (the return_token_ids extension)
         self.object = "chat.completion" if chat else "text_completion"
+        self.text_offsets: dict[int, int] = {}  # completions' logprobs: each choice's characters so far
+
+    def logprobs(self, entries: list | None, index: int) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` of a choice (or of a streamed chunk of it) from the broker's entries
+        (``protocol.Tokens.logprobs``: [id, text, logprob, [[id, text, logprob], ...]] per token)."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [{**_token(e), "top_logprobs": [_token(t) for t in e[3]]} for e in entries]}
+        offsets, at = [], self.text_offsets.get(index, 0)
+        for e in entries:
+            offsets.append(at)
+            at += len(e[1])
+        self.text_offsets[index] = at
+        return {"tokens": [e[1] for e in entries], "token_logprobs": [e[2] for e in entries],
+                "top_logprobs": [{t[1]: t[2] for t in e[3]} for e in entries], "text_offset": offsets}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def _choice(self, index: int, out: Completion) -> dict[str, Any]:
+        logprobs = self.logprobs(out.logprobs, index)
         if self.chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+            choice = {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
                       "finish_reason": finish_reason(out)}
         else:
-            choice = {"index": index, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out)}
+            choice = {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": finish_reason(out)}
         if self.token_ids:
             choice["token_ids"] = out.token_ids
         return choice
@@ -66,16 +83,17 @@ class Shaper:
                 "usage": usage(outs, self.n), "speculative": speculative(outs)}
 
     def chunk(self, text: str | None, reason: str | None = None, role: bool = False,
-              token_ids: list[int] | None = None, index: int = 0) -> dict[str, Any]:
-        """One streamed event of choice ``index``: ``text`` (a delta) and its ``token_ids``, and at
-        the end the finish ``reason``."""
+              token_ids: list[int] | None = None, index: int = 0, logprobs: list | None = None) -> dict[str, Any]:
+        """One streamed event of choice ``index``: ``text`` (a delta), its ``token_ids`` and
+        ``logprobs`` (the broker's entries), and at the end the finish ``reason``."""
+        shaped = self.logprobs(logprobs, index)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None and not role:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": shaped, "finish_reason": reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": reason}
         if self.token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         return {**self._head("chat.completion.chunk" if self.chat else self.object), "choices": [choice]}
@@ -89,6 +107,11 @@ class Shaper:
         """``stream_options.include_usage``: an event with no choices and the usage."""
         return {**self._head("chat.completion.chunk" if self.chat else self.object), "choices": [],
                 "usage": usage(outs, self.n)}
+
+
+def _token(entry: list) -> dict[str, Any]:
+    """A chat logprob's token: its text, log-probability and UTF-8 bytes."""
+    return {"token": entry[1], "logprob": entry[2], "bytes": list(entry[1].encode())}
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:

@@ -212,6 +212,9 @@ def print_completion(out, as_json: bool) -> None:  # noqa: ANN001
         click.echo("[rounds by drafter: " + ", ".join(f"{d} {n}" for d, n in sorted(drafters.items())) + "]", err=True)
     if out.stats.get("fused_accepted"):  # token trees: what fused prompt-lookup chains added beyond the drafts
         click.echo(f"[fused chains added {out.stats['fused_accepted']} tokens]", err=True)
+    for _, text, logprob, top in out.logprobs or ():
+        click.echo(f"  {text!r:>16} {logprob:9.4f}" + ("   top: " + ", ".join(f"{t!r} {v:.4f}" for _, t, v in top)
+                                                     if top else ""), err=True)
 
 
 def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  # noqa: ANN003
@@ -237,6 +240,9 @@ GEN_OPTIONS = [
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
                  help="End the output at this token id, kept among the ids but not in the text (repeatable)."),
+    click.option("--logprobs", type=click.IntRange(0, 20), default=None,
+                 help="Report each output token's log-probability (the target's own) and this many most likely "
+                      "tokens beside it: a line per token after the text, or \"logprobs\" in --json."),
     click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template."),
     click.option("--timeout-s", default=300.0, show_default=True),
 ]

@@ -1,0 +1,32 @@
+"""The log-probabilities a verify reports for the tokens it committed (``SamplingParams.logprobs``).
+
+Each committed token was predicted by one row of the verify's logits: the first by the row of the
+last committed token, each later one by the row of the tree node before it on the accepted path.
+Its log-probability is that row's log-softmax at the token, from the raw logits (before
+temperature, top-k and top-p: the model's own distribution, what vLLM reports by default), so it
+is the same whether the token was drafted and accepted or produced by the target itself, and the
+same as autoregressive decoding reports. Beside it, the row's ``top`` most likely tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FLOOR = -9999.0  # a token the model rules out (-inf) is reported at this (as vLLM's API does): JSON has no -inf
+
+
+def committed_logprobs(logits: torch.Tensor, path: list[int], committed: list[int], top: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(logprobs [n, 1 + top] float32, ids [n, top] int32)`` for the ``n`` committed tokens:
+    column 0 each token's own log-probability, then the ``top`` most likely tokens' (most likely
+    first) and their ids. ``logits``: the verify's rows of one sequence (row 0: the last committed
+    token's; row 1 + p: tree node p's); ``path``: the accepted path's nodes (``TokenTree.path``).
+    A target's logit columns are token ids (only a draft may have a reduced head)."""
+    rows = torch.tensor([0, *(1 + p for p in path)][:len(committed)], dtype=torch.long, device=logits.device)
+    scores = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1).clamp_min_(FLOOR)
+    chosen = scores.gather(1, torch.tensor(committed, device=scores.device)[:, None])
+    best = torch.topk(scores, top, dim=-1) if top else None
+    values = torch.cat([chosen, best.values], dim=1) if best is not None else chosen
+    ids = best.indices if best is not None else torch.zeros((len(committed), 0), dtype=torch.long, device=scores.device)
+    return values.cpu().numpy().astype(np.float32), ids.cpu().numpy().astype(np.int32)
+
