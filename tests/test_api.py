@@ -379,6 +379,9 @@ def test_api_key_models_metrics_and_health(served) -> None:  # noqa: ANN001
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     models = oai(served).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert oai(served).models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        oai(served).models.retrieve("other")
     oai(served).completions.create(model="tiny", prompt="def metrics():", max_tokens=6, temperature=0)
     text = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sesame"}).text
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}

@@ -137,10 +137,16 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)
-        served = await self.served()
-        return JSONResponse({"object": "list", "data": [{
-            "id": served.name, "object": "model", "created": 0, "owned_by": "nebula-flow",
-            "max_model_len": served.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [_model_card(await self.served())]})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}`` (the ``openai`` client's ``models.retrieve``)."""
+        self.authorize(request)
+        served, asked = await self.served(), request.path_params["model"]
+        if asked != served.name:
+            raise ApiError(404, f"the model {asked[:200]!r} does not exist; this server serves {served.name!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(_model_card(served))
 
     async def metrics(self, request: Request) -> Response:
         self.authorize(request)
@@ -242,6 +248,11 @@ class Gateway:
         yield sse("[DONE]")
 
 
+def _model_card(served: Served) -> dict[str, Any]:
+    return {"id": served.name, "object": "model", "created": 0, "owned_by": "nebula-flow",
+            "max_model_len": served.max_model_len}
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client closes its connection (the body was read already)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -276,6 +287,7 @@ def build_app(gateway: Gateway) -> Starlette:
         route("/v1/completions", gateway.completions, ["POST"]),
         route("/v1/chat/completions", gateway.chat, ["POST"]),
         route("/v1/models", gateway.models, ["GET"]),
+        route("/v1/models/{model:path}", gateway.model, ["GET"]),
         route("/health", gateway.health, ["GET"]),
         route("/metrics", gateway.metrics, ["GET"]),
     ], lifespan=gateway.lifespan)
