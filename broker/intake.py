@@ -22,6 +22,26 @@ from nebula_flow_broker.access import owner_of
 from nebula_flow_broker.tokenizing import INLINE_CHARS, prompt_chars
 
 log = logging.getLogger("nebula_flow.broker")
+# Stream chunks with logprobs are big (each token's top tokens): a re-attached client gets a request's
+# tokens again in messages of this many tokens, and a step's chunks for one client go in messages of at
+# most LOGPROB_ITEMS (a token or a top token each, ~100 bytes), far under protocol.MAX_HEADER_BYTES.
+RESEND_LOGPROB_TOKENS = 256
+LOGPROB_ITEMS = 4096
+
+
+def chunk_groups(mine: list[Tokens]) -> list[list[Tokens]]:
+    """A client's stream chunks of one step in as few messages as keep each one's logprobs under
+    ``LOGPROB_ITEMS`` (one message unless they carry many)."""
+    groups: list[list[Tokens]] = [[]]
+    items = 0
+    for t in mine:
+        n = sum(1 + len(e[3]) for e in t.logprobs) if t.logprobs else 0
+        if groups[-1] and items + n > LOGPROB_ITEMS:
+            groups.append([])
+            items = 0
+        groups[-1].append(t)
+        items += n
+    return groups
 
 
 class Intake:
@@ -67,7 +87,14 @@ class Intake:
             req.owner = identity
             self.inflight_by_owner[identity] += 1
             self.counters["requests_reattached"] += 1
-            self._send(self.clients, identity, Tokens(req_id, req.output, req.text, 0, logprobs=req.logprobs))
+            if req.logprobs is None:
+                self._send(self.clients, identity, Tokens(req_id, req.output, req.text, 0))
+                return
+            self.outbox_logprobs = True
+            for a in range(0, len(req.output), RESEND_LOGPROB_TOKENS):  # (each message's header stays small)
+                self._send(self.clients, identity, Tokens(req_id, req.output[a:a + RESEND_LOGPROB_TOKENS],
+                                                          "" if a else req.text, a, len(req.text) if a else 0,
+                                                          req.logprobs[a:a + RESEND_LOGPROB_TOKENS]))
             return
         if (waiting := self.prompts.waiting.get(req_id)) is not None:  # a retry while its prompt tokenizes
             self._release(waiting.identity)
@@ -148,7 +175,7 @@ class Intake:
             return
         self.counters[f"requests_{req.finish_reason}"] += 1
         done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason,
-                    {**req.stats(), "queue_s": queued}, req.logprobs)  # (queue_s: admission to its first task sent)
+                    {**req.stats(), "queue_s": queued})  # (queue_s: admission to its first task sent)
         self.finished[req.req_id] = (owner, done)
         while len(self.finished) > 4096:  # bounded: old results age out
             self.finished.popitem(last=False)

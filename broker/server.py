@@ -52,7 +52,7 @@ from nebula_flow.speclen import FIT_ROWS
 from nebula_flow_broker import results
 from nebula_flow_broker.access import Access, metrics_token
 from nebula_flow_broker.admission import Admission
-from nebula_flow_broker.intake import Intake
+from nebula_flow_broker.intake import Intake, chunk_groups
 from nebula_flow_broker.stats import BrokerStats, WorkerInfo, served
 from nebula_flow_broker.tasks import task_specs
 from nebula_flow_broker.tokenizing import PromptTokenizer
@@ -85,6 +85,7 @@ class Broker(Intake):
         self.started = time.monotonic()
         self.metrics = None
         self.client_outbox: list[tuple[bytes, Msg]] = []  # see _send
+        self.outbox_logprobs = False  # a chunk in it carries logprobs (``intake.chunk_groups``)
 
     # -- sockets ---------------------------------------------------------------------------
     def bind(self) -> None:
@@ -309,7 +310,9 @@ class Broker(Intake):
         self.counters["tokens_out"] += len(kept)
         entries = self.admission.logprob_entries(kept, *logprobs) if logprobs is not None else None
         if entries is not None:
-            req.logprobs = (req.logprobs or []) + entries
+            req.logprobs = req.logprobs or []
+            req.logprobs.extend(entries)
+            self.outbox_logprobs = True
         self._stream(req, kept, req.text[len(text_before):], now, entries)
         self.round_times.ended(req.rid, time.perf_counter(), len(kept))
         if req.finish_reason:  # (end_round took it out of the pool)
@@ -398,7 +401,9 @@ class Broker(Intake):
             if not isinstance(msg, Tokens):
                 self._send_now(self.clients, identity, msg)
             elif (mine := chunks.pop(identity, None)) is not None:
-                self._send_now(self.clients, identity, mine[0] if len(mine) == 1 else Chunks(mine))
+                for group in chunk_groups(mine) if self.outbox_logprobs else (mine,):
+                    self._send_now(self.clients, identity, group[0] if len(group) == 1 else Chunks(group))
+        self.outbox_logprobs = False
 
     def receive(self, socks: list[zmq.Socket], now: float) -> None:
         """Handle what waits on ``socks`` (the worker socket, the client socket, or both)."""

@@ -134,6 +134,7 @@ class _Collector:
         self.counts: list[int] = []
         self.seen_tokens = 0
         self.seen_text = 0
+        self.logprobs: list | None = None  # asked for: every token's, as the chunks brought them
 
     def chunk(self, msg: Tokens) -> Chunk | None:
         skip = max(0, self.seen_tokens - msg.offset)
@@ -147,7 +148,11 @@ class _Collector:
         self.ttft = t if self.ttft is None else self.ttft
         self.times.append(t)
         self.counts.append(len(tokens))
-        return Chunk(tokens, text, t, msg.logprobs[skip:] if msg.logprobs is not None else None)
+        logprobs = msg.logprobs[skip:] if msg.logprobs is not None else None
+        if logprobs:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(logprobs)
+        return Chunk(tokens, text, t, logprobs)
 
     def finish(self, msg: Done) -> list[Chunk | Completion]:
         """The request's end: the text the stream held back, if any (a character still partial at
@@ -162,7 +167,7 @@ class _Collector:
         st = msg.stats
         return Completion(msg.text, msg.token_ids, msg.finish_reason, st.get("rounds", 0),
                           st.get("tokens_per_round", []), self.ttft if self.ttft is not None else latency,
-                          latency, self.times, st, self.counts, msg.logprobs)
+                          latency, self.times, st, self.counts, self.logprobs)
 
 
 def _socket(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socket, zmq.Socket]:

@@ -156,7 +156,6 @@ class Done(Msg):
     text: str
     finish_reason: str
     stats: dict
-    logprobs: list | None = None  # asked for: every token's, as in ``Tokens``
 
 
 @dataclass

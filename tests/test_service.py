@@ -655,3 +655,43 @@ def test_only_the_owner_cancels_reattaches_or_replays_a_request(live) -> None:  
         assert again.token_ids == final.token_ids
         counters = owner.status()["counters"]
     assert counters["requests_not_owner"] == 2 and counters.get("requests_cancelled", 0) == cancelled
+
+
+def test_big_logprob_streams_travel_in_messages_under_the_header_limit(tiny_pair) -> None:  # noqa: ANN001
+    """With logprobs (each token's top tokens) a re-attached client's resend and one step's chunks
+    for a busy client are split into messages well under the header limit; the client library
+    puts the tokens and logprobs back together in order."""
+    from nebula_flow.client import _Collector
+    from nebula_flow.protocol import Chunks, Tokens
+    from nebula_flow_broker.intake import chunk_groups
+    from nebula_flow_broker.server import Broker, BrokerOptions
+
+    def entries(n: int, at: int) -> list:
+        return [[7, "tok", -1.0 - at - i, [[j, f"t{j}", -0.5] for j in range(20)]] for i in range(n)]
+
+    broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port(), model=str(tiny_pair / "target")))
+    broker.bind()
+    try:
+        broker.on_client(b"c", protocol.encode(Submit("big", {"max_new_tokens": 900, "logprobs": 20},
+                                                      prompt_tokens=np.array([1, 2], np.int32), session="s" * 32)), 0.0)
+        req = broker.scheduler.requests[broker.by_req_id["big"]]
+        req.output, req.text, req.logprobs = [7] * 700, "x" * 700, entries(700, 0)  # (as if 700 tokens were out)
+        broker.client_outbox.clear()
+        broker.on_client(b"c2", protocol.encode(Submit("big", {"max_new_tokens": 900, "logprobs": 20},
+                                                       prompt_tokens=np.array([1, 2], np.int32), session="s" * 32)), 1.0)
+        resent = [m for _, m in broker.client_outbox]
+        assert len(resent) == 3 and all(isinstance(m, Tokens) for m in resent)
+        collector = _Collector()
+        for m in resent:
+            frames = protocol.encode(m)
+            assert len(frames[1]) < protocol.MAX_HEADER_BYTES // 4
+            collector.chunk(protocol.decode(frames))
+        assert collector.seen_tokens == 700 and collector.logprobs == req.logprobs
+    finally:
+        broker.clients.close()
+        broker.peers.close()
+    step = [Tokens(f"r{i}", [7] * 5, "x" * 5, 0, 0, entries(5, i)) for i in range(100)]  # 10,500 logprob items
+    groups = chunk_groups(step)
+    assert len(groups) == 3 and [t for g in groups for t in g] == step
+    assert all(len(protocol.encode(Chunks(g))[1]) < protocol.MAX_HEADER_BYTES // 2 for g in groups)
+    assert chunk_groups(step[:3]) == [step[:3]] and chunk_groups([Tokens("a", [7], "x")] * 5) == [[Tokens("a", [7], "x")] * 5]

@@ -2,9 +2,8 @@
 
 Each choice of an HTTP request (``n`` for each prompt) becomes one request on the bus through one
 shared ``AsyncClient`` (``api/choices.py``); their chunks go out as server-sent events as the
-broker commits them. A client that goes away is
-noticed while its request runs (streamed or not) and the request is cancelled at the broker,
-which frees its KV. Errors answer in OpenAI's shape; the broker's BUSY is a 429 with
+broker commits them. A client that goes away is noticed while its request runs (streamed or not)
+and its requests are cancelled at the broker, which frees their KV. Errors answer in OpenAI's shape; the broker's BUSY is a 429 with
 ``Retry-After``.
 """
 
