@@ -27,8 +27,11 @@ class SamplingParams:
     so a request's randomness never depends on which worker runs it. ``stop_token_ids`` end the
     output like EOS (the token kept, ``finish_reason`` "stop"), whether or not ``ignore_eos``.
     ``logprobs`` (None: off): report each output token's log-probability under the target's own
-    distribution (its raw logits, before temperature, top-k and top-p, as vLLM does by default)
-    and this many most likely tokens beside it.
+    distribution (its raw logits, before penalties, temperature, top-k and top-p, as vLLM does by
+    default) and this many most likely tokens beside it. ``presence_penalty`` and
+    ``frequency_penalty`` (OpenAI's, -2..2, on the output's tokens) and ``repetition_penalty``
+    (vLLM's and HF's, > 0, on the prompt's and the output's) change the distribution the output
+    follows, greedy or sampled (``nebula_flow/penalties.py``).
     """
 
     max_new_tokens: int = 64
@@ -40,11 +43,19 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Penalties change the target's distribution (``nebula_flow/penalties.py``)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def to_wire(self) -> dict[str, Any]:
         """The parameters as they travel (made once: every task of the request carries them;
@@ -104,5 +115,12 @@ class SamplingParams:
             raise InvalidParams(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0)")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidParams(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or null: off), got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not -2 <= v <= 2:
+                raise InvalidParams(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r) or not 0 < r <= 10:
+            raise InvalidParams(f"repetition_penalty must be a number in (0, 10] (1: off), got {r!r}")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.fit_context, bool):
             raise InvalidParams("ignore_eos and fit_context must be booleans")

@@ -246,7 +246,8 @@ class TaskSpec(Proposes):
     runner-ups to the first draft token, ``runner_ups`` (verify tasks) carries them; ``fuse`` (draft/round tasks) asks
     for a prompt-lookup chain of up to that many tokens beside the draft, ``chains`` (verify tasks) carries the fused
     chains. ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal. ``target_holder``:
-    an elastic worker's round task's target KV (``holder``: its draft KV)."""
+    an elastic worker's round task's target KV (``holder``: its draft KV). ``prompt_len``: a penalized request's
+    (penalties count its output's tokens apart, ``nebula_flow/penalties.py``)."""
 
     rid: int
     kind: str
@@ -267,6 +268,7 @@ class TaskSpec(Proposes):
     chains: list[TokenIds] = field(default_factory=list)
     target_holder: Holder | None = None
     ahead: int = 0  # an ahead task (draft-ahead): pre-draft the next round for this many outcomes of draft's verify
+    prompt_len: int = 0
 
     def check(self) -> None:
         if self.kind not in TASK_KINDS:
@@ -286,6 +288,8 @@ class TaskSpec(Proposes):
             raise malformed(f"chains must be at most {MAX_FUSED_CHAINS} lists of 1..{MAX_DRAFT} token ids")
         if not 0 <= self.ahead <= MAX_DRAFT + 2 or (self.ahead > 0) != (self.kind == "ahead"):  # (draft-ahead)
             raise malformed(f"ahead (1..{MAX_DRAFT + 2} outcomes) is for ahead tasks, which need it")
+        if not 0 <= self.prompt_len <= len(self.tokens):
+            raise malformed("prompt_len must be in 0..len(tokens)")
 
 
 @dataclass

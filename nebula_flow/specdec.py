@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nebula_flow.params import SamplingParams
+from nebula_flow.penalties import Penalties
 from nebula_flow.tree import TokenTree
 
 STREAM_DRAFT = 1  # the draft's choice of a proposal token
@@ -110,6 +111,7 @@ def verify(
     logits: torch.Tensor, draft: list[int], q_idx: list[np.ndarray] | None,
     q_prob: list[np.ndarray] | None, params: SamplingParams, seed: int, position: int,
     runner_ups: list[int] = (), chains: list[list[int]] = (), best: list[int] | None = None,
+    penalties: Penalties | None = None,
 ) -> list[int]:
     """Decide the tokens a round commits: accepted drafts plus one correction/bonus token.
 
@@ -122,18 +124,35 @@ def verify(
     walks the tree. Greedy: along the target's own choices, committing the path it finds plus the
     target's token after it, still exactly the target's greedy output (``best``: the rows' argmax,
     where the caller took it for a whole batch at once). Sampling: see ``_sample_tree``; the output
-    still follows the target's distribution exactly.
+    still follows the target's distribution exactly. ``penalties``: each row's logits penalized for
+    the committed tokens and the tree's tokens on its path (``nebula_flow/penalties.py``).
     """
     tree = TokenTree([draft, *([a] for a in runner_ups), *chains])
     if params.greedy:
-        best = torch.argmax(logits, dim=-1).tolist() if best is None else best
+        if penalties is not None:  # (each row its own: its path's tokens count too)
+            def pick(node: int) -> int:
+                return int(torch.argmax(penalties.row(logits[node + 1], path_tokens(tree, node))))
+        else:
+            best = torch.argmax(logits, dim=-1).tolist() if best is None else best
+
+            def pick(node: int) -> int:
+                return best[node + 1]
         out, node = [], -1
-        while (child := tree.child(node, best[node + 1])) is not None:
+        while (child := tree.child(node, pick(node))) is not None:
             out.append(tree.tokens[child])
             node = child
-        out.append(best[node + 1])
+        out.append(pick(node))
         return out
-    return _sample_tree(TargetRows(logits, params), tree, len(draft), q_idx, q_prob, seed, position)
+    return _sample_tree(TargetRows(logits, params, penalties, tree), tree, len(draft), q_idx, q_prob, seed, position)
+
+
+def path_tokens(tree: TokenTree, node: int) -> list[int]:
+    """The tree's tokens from its root to ``node`` (-1: none), in order."""
+    out = []
+    while node >= 0:
+        out.append(tree.tokens[node])
+        node = tree.parents[node]
+    return out[::-1]
 
 
 class TargetRows:
@@ -141,14 +160,17 @@ class TargetRows:
     the host), each made when first read: a round's walk reads only the rows on its path, most
     rounds fewer than all (a row's values do not depend on the rows made with it)."""
 
-    def __init__(self, logits: torch.Tensor, params: SamplingParams) -> None:
-        self.logits, self.params = logits, params
+    def __init__(self, logits: torch.Tensor, params: SamplingParams, penalties: Penalties | None = None,
+                 tree: TokenTree | None = None) -> None:
+        self.logits, self.params, self.penalties, self.tree = logits, params, penalties, tree
         self.vocab = logits.shape[-1]
         self.made: dict[int, np.ndarray] = {}
 
     def __getitem__(self, row: int) -> np.ndarray:
         if row not in self.made:
-            self.made[row] = target_probs(self.logits[row], self.params).cpu().numpy()
+            scores = self.logits[row] if self.penalties is None else \
+                self.penalties.row(self.logits[row], path_tokens(self.tree, row - 1))
+            self.made[row] = target_probs(scores, self.params).cpu().numpy()
         return self.made[row]
 
 

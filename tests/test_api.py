@@ -228,6 +228,20 @@ def test_logprobs_in_openai_shape_equal_the_client_librarys(served) -> None:  # 
     assert res.status_code == 400 and res.json()["error"]["param"] == "top_logprobs"
 
 
+def test_penalties_reach_the_broker(served) -> None:  # noqa: ANN001
+    """OpenAI's presence and frequency penalties and vLLM's repetition_penalty: the HTTP API gives
+    what the client library gives (the penalized output itself: ``test_e2e_lossless``)."""
+    prompt, knobs = "def fibonacci(n):", {"presence_penalty": 0.6, "frequency_penalty": 0.3, "repetition_penalty": 1.4}
+    with Client(served.address) as c:
+        want = c.generate(prompt, max_new_tokens=16, **knobs)
+        plain = c.generate(prompt, max_new_tokens=16)
+    assert want.token_ids != plain.token_ids
+    got = oai(served).completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                         presence_penalty=0.6, frequency_penalty=0.3,
+                                         extra_body={"repetition_penalty": 1.4, "return_token_ids": True})
+    assert got.choices[0].model_extra["token_ids"] == want.token_ids
+
+
 def test_raw_server_sent_events(served) -> None:  # noqa: ANN001
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "stream": True}
     with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=60,
@@ -308,6 +322,9 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "stop": [1]}, 400, "stop"),
     ({"model": "tiny", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"model": "tiny", "prompt": "x", "stop_token_ids": 5}, 400, "stop_token_ids"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "frequency_penalty": "high"}, 400, "frequency_penalty"),
+    ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"model": "tiny", "prompt": LONG}, 400, None),  # over the context: the limit is in the message
 ]
 
@@ -338,7 +355,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-          "stop", "stream", "stream_options", "n", "logprobs", "user", "chat_template_kwargs", "ignore_eos", "stop_token_ids"]
+          "stop", "stream", "stream_options", "n", "logprobs", "user", "chat_template_kwargs", "ignore_eos", "stop_token_ids",
+          "presence_penalty", "repetition_penalty", "top_logprobs"]
 VALUES = JSON | st.sampled_from(["tiny", "hi", 1, 4, 0.5, True, [{"role": "user", "content": "hi"}], [1, 2, 3]])
 PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
 OPTIONAL = {f: VALUES for f in FIELDS[3:]}

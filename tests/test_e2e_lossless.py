@@ -38,6 +38,17 @@ def greedy_requests() -> list[dict]:
     return reqs
 
 
+def penalized_requests() -> list[dict]:
+    """Greedy with HF's repetition penalty, greedy with OpenAI's presence and frequency penalties,
+    and sampled with all three (seeded)."""
+    prompt = [5, 6, 7, 8, 5, 6]
+    return [{"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "repetition_penalty": 1.3},
+            {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "presence_penalty": 0.5,
+             "frequency_penalty": 0.4},
+            {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "presence_penalty": 0.5,
+             "frequency_penalty": 0.2, "repetition_penalty": 1.2, "temperature": 0.9, "seed": 4}]
+
+
 def sampled_requests() -> list[dict]:
     return [{"prompt": p, "max_new_tokens": 30, "temperature": 0.8, "seed": 1000 + i,
              **({"logprobs": SAMPLED_LOGPROBS[i]} if i in SAMPLED_LOGPROBS else {})}
@@ -60,6 +71,7 @@ def runs(tiny_pair):  # noqa: ANN001, ANN201
     """Run the greedy and sampled sets once per (mode, M, N); cached for the tests below."""
     cache: dict[tuple, tuple[list, list]] = {}
     batches: dict[tuple, list[dict]] = {}  # each worker's batches by stage
+    penalized: dict[tuple, list] = {}  # penalized_requests()' outputs
     ahead: dict[tuple, dict] = {}  # draft-ahead's counters
 
     def get(mode: str, m: int, n: int, fixed_drafts: bool = False, split: bool = False, draft_ahead: int = 0
@@ -74,16 +86,17 @@ def runs(tiny_pair):  # noqa: ANN001, ANN201
             cfg.draft.elastic = not fixed_drafts
             cfg.broker.policy = cfg.broker.policy.replace(elastic_split=1 if split else 0, draft_ahead=draft_ahead)
             with Deployment(cfg) as dep:
-                outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests(),
+                outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests() + penalized_requests(),
                                             2 if draft_ahead else None))
+                penalized[key] = outs[24:]
                 with Client(dep.address) as client:
                     state = client.status()
                     batches[key] = [{"role": w["role"], **w["batches"]} for w in state["workers"]]
                     ahead[key] = state["draft_ahead"]
-            cache[key] = (outs[:16], outs[16:])
+            cache[key] = (outs[:16], outs[16:24])
         return cache[key]
 
-    get.batches, get.ahead = batches, ahead
+    get.batches, get.ahead, get.penalized = batches, ahead, penalized
     return get
 
 
@@ -161,6 +174,43 @@ def test_logprobs_are_the_targets_own_in_every_mode(tiny_pair, runs, mode: str) 
             assert all(e[3][0][0] == e[0] for e in out.logprobs if e[3])
     others = [o for i, o in enumerate(greedy) if i not in LOGPROBS]
     assert all(o.logprobs is None for o in others)
+
+
+def penalized_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
+    """The reference for a penalized greedy request: HF transformers decoding one token at a time,
+    the penalties applied to each step's logits as ``nebula_flow/penalties.py`` defines them (for
+    the repetition penalty alone, HF's own ``generate(repetition_penalty=...)`` agrees)."""
+    model, prompt = _hf_model(str(tiny_pair / "target")), request["token_ids"]
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(request["max_new_tokens"]):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+            seen = torch.tensor(sorted(set(prompt + out)))
+            r = request.get("repetition_penalty", 1.0)
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / r, logits[seen] * r)
+            for t in set(out):
+                logits[t] -= out.count(t) * request.get("frequency_penalty", 0.0) + request.get("presence_penalty", 0.0)
+            out.append(int(torch.argmax(logits)))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
+def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, mode: str) -> None:  # noqa: ANN001
+    """Presence, frequency and repetition penalties: greedy output is the target's own penalized
+    greedy output (each row of a verify penalized for the tokens on its own path), in every mode;
+    seeded penalized sampling is the same in every speculative mode."""
+    runs(mode, 2, 2)
+    rep, freq, sampled = runs.penalized[(mode, 2, 2, False, False, 0)]
+    requests = penalized_requests()
+    model, prompt = _hf_model(str(tiny_pair / "target")), requests[0]["token_ids"]
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3,
+                        attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    assert rep.token_ids == hf == penalized_greedy(tiny_pair, requests[0])
+    assert freq.token_ids == penalized_greedy(tiny_pair, requests[1])
+    plain = hf_greedy(tiny_pair / "target", prompt, 40)
+    assert rep.token_ids != plain and freq.token_ids != plain  # (the penalties changed the output)
+    if mode != "autoregressive":  # (its sampled draws are its own: placement independence is across speculative modes)
+        assert sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][2].token_ids
 
 
 @pytest.mark.parametrize("mode", ["pooled", "paired"])

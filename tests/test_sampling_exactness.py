@@ -28,6 +28,7 @@ from nebula_flow import protocol, specdec
 from nebula_flow.deploy import free_port
 from nebula_flow.options import BrokerOptions
 from nebula_flow.params import SamplingParams
+from nebula_flow.penalties import Penalties
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.protocol import Register, Result, Submit, TaskResult, Tasks
 from nebula_flow.scheduler import Scheduler
@@ -44,7 +45,7 @@ BATCH = 1000  # tasks per worker batch (a TASKS message's header stays small)
 
 
 def serve_in_process(n: int, policy: PolicyConfig, plant: Callable[[Scheduler], None] | None = None,
-                     ) -> tuple[list[list[int]], Broker]:
+                     params: dict | None = None) -> tuple[list[list[int]], Broker]:
     """``n`` seeded sampled requests through a broker and one draft and one target worker, all in
     this process: the broker's own result handling and policy, tasks encoded and decoded as on
     the wire, the worker's runners. The target is the tiny-vocabulary model; the draft is the same
@@ -60,7 +61,7 @@ def serve_in_process(n: int, policy: PolicyConfig, plant: Callable[[Scheduler], 
         for identity, role in ((b"d", "draft"), (b"t", "target")):
             broker.on_worker(identity, protocol.encode(Register(role, role, BATCH, {})), 0.0)
         for i in range(n):
-            broker.on_client(b"c", protocol.encode(Submit(f"r{i}", dict(PARAMS, seed=i),
+            broker.on_client(b"c", protocol.encode(Submit(f"r{i}", dict(params or PARAMS, seed=i),
                                                           prompt_tokens=np.array(PROMPT, np.int32))), 0.0)
         requests = list(broker.scheduler.requests.values())
         assert len(requests) == n
@@ -95,17 +96,20 @@ def run_tasks(runner: ModelRunner, tasks: list) -> list[TaskResult]:
     return outs
 
 
-def transforms(outputs: list[list[int]], seed: int = 0) -> np.ndarray:
+def transforms(outputs: list[list[int]], seed: int = 0, raw: dict | None = None) -> np.ndarray:
     """Each output token's randomized probability integral transform under the target's own
-    distribution given the tokens before it (tokens ordered most likely first): i.i.d. uniform
-    for an exact sampler."""
+    distribution given the tokens before it (tokens ordered most likely first; with penalties,
+    the penalized distribution at each position): i.i.d. uniform for an exact sampler."""
     target = _tiny_vocab_model(1, 2)
-    params = SamplingParams(**PARAMS)
+    params = SamplingParams(**(raw or PARAMS))
     rng = np.random.default_rng(seed)
     values = []
     with torch.no_grad():
         for out in outputs:
             logits = target([target.new_cache()], [PROMPT + out[:-1]], [len(out)])[0]
+            if params.penalized:
+                logits = torch.stack([Penalties(params, np.array(PROMPT + out[:j]), len(PROMPT)).row(row, [])
+                                      for j, row in enumerate(logits)])
             for p, token in zip(specdec.target_probs(logits, params).numpy(), out):
                 order = np.argsort(-p, kind="stable")
                 before = p[order[:int(np.flatnonzero(order == token)[0])]].sum()
@@ -151,3 +155,15 @@ def test_multi_round_sampling_follows_the_target_and_the_test_sees_a_leak(plante
         assert statistic > 1.5 * critical, statistic
     else:
         assert statistic < critical, statistic
+
+
+def test_penalized_sampling_follows_the_penalized_target() -> None:
+    """The same test with presence, frequency and repetition penalties: the draft (the same model,
+    unpenalized) proposes from another distribution than the penalized target's, which every row
+    of a verify (each with its own path's tokens counted) must still follow exactly."""
+    raw = {**PARAMS, "presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.5}
+    outputs, broker = serve_in_process(2000, PolicyConfig(k=4, fuse_ngram=4), params=raw)
+    assert 0 < sum(broker.stats.accepted_by_position) < sum(broker.stats.proposed_by_position)
+    assert uniformity(transforms(outputs, raw=raw)) < chi2_critical(4)
+    # (and the penalties matter here: the unpenalized distribution does not fit these outputs)
+    assert uniformity(transforms(outputs)) > 2 * chi2_critical(4)

@@ -21,6 +21,7 @@ from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup
 from nebula_flow.models import staging
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
+from nebula_flow.penalties import Penalties
 from nebula_flow.protocol import Holder
 from nebula_flow.speclen import StepCosts
 from nebula_flow.tree import TokenTree
@@ -53,6 +54,7 @@ class Task:
     prefilled: int | None = None  # set by the runner: only a chunk of the prompt ran; the KV now held
     ahead: int = 0  # ahead tasks: the outcomes of the verify of ``draft`` to pre-draft the next round for
     logprobs: tuple[np.ndarray, np.ndarray] | None = None  # set by verify when asked: ``workers/logprobs.py``
+    prompt_len: int = 0  # a penalized request's (its output's tokens are penalized: ``nebula_flow/penalties.py``)
 
     def tree(self) -> TokenTree:
         """The token tree this verify scores: the draft, the alternatives and the fused chains."""
@@ -242,7 +244,7 @@ class ModelRunner:
                                              [0 if ends[i] is not None else 1 + len(trees[i]) for i in ran],
                                              [parents[i] for i in ran]))) if ran else {}
         best = dict(zip(ran, greedy_picks([logits[i] for i in ran], [ends[i] is None and tasks[i].params.greedy
-                                                                      for i in ran])))
+                                                                      and not tasks[i].params.penalized for i in ran])))
         out: list[list[int] | None] = []
         for i, (t, c, tree) in enumerate(zip(tasks, caches, trees)):
             if ends[i] is not None:
@@ -250,7 +252,8 @@ class ModelRunner:
                 out.append(None)
                 continue
             committed = specdec.verify(logits[i], t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens),
-                                       t.runner_ups, t.chains, best=best.get(i))
+                                       t.runner_ups, t.chains, best=best.get(i),
+                                       penalties=Penalties.of(t.params, t.tokens, t.prompt_len))
             position, path = len(t.tokens), tree.path(committed[:-1])
             if t.params.logprobs is not None:
                 t.logprobs = committed_logprobs(logits[i], path, committed, t.params.logprobs)

@@ -29,7 +29,8 @@ def runnable(spec: TaskSpec, vocab_size: int | None) -> Task:
     return Task(spec.rid, spec.kind, spec.round, spec.attempt, np.asarray(spec.tokens, dtype=np.int64), spec.k,
                 params, spec.seed, list(spec.draft), q_idx, q_prob, holder=spec.holder,
                 target_holder=spec.target_holder, alts=spec.alts,
-                runner_ups=list(spec.runner_ups), fuse=spec.fuse, chains=[list(c) for c in spec.chains], ahead=spec.ahead)
+                runner_ups=list(spec.runner_ups), fuse=spec.fuse, chains=[list(c) for c in spec.chains], ahead=spec.ahead,
+                prompt_len=spec.prompt_len)
 
 
 def sampling_params(raw: dict) -> SamplingParams:

@@ -3,8 +3,8 @@
 Pure: no sockets, no HTTP. Every field OpenAI defines is either honoured or refused with a
 clear message naming it; fields it does not define are refused too (OpenAI does the same), so
 nothing a caller sends is silently ignored. Extensions, as vLLM spells them: ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``chat_template_kwargs``, ``return_token_ids`` (each choice, and each streamed
-chunk, carries the ids of its tokens).
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``chat_template_kwargs``,
+``return_token_ids`` (each choice, and each streamed chunk, carries the ids of its tokens).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ UNSUPPORTED = {
     "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None,),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
 }
@@ -142,6 +142,13 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         if not _is_int(seed) or not -(MAX_SEED + 1) <= seed <= MAX_SEED:
             raise invalid("seed", f"seed must be a 64-bit integer, got {seed!r}")
         params["seed"] = seed % (MAX_SEED + 1)  # (OpenAI's seed is signed; ours is not)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if v := _number(body, name, 0.0, -2.0, 2.0):
+            params[name] = v
+    if (v := _number(body, "repetition_penalty", 1.0, 0.0, 10.0)) != 1.0:
+        if v <= 0:
+            raise invalid("repetition_penalty", "repetition_penalty must be in (0, 10] (1: off)")
+        params["repetition_penalty"] = v
     params["stop"] = _stop(body.get("stop"))
     ids = body.get("stop_token_ids")
     if ids is not None:
@@ -294,6 +301,7 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
 
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-                 "n", "ignore_eos", "stop_token_ids", "return_token_ids")
+                 "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs")

@@ -243,6 +243,12 @@ GEN_OPTIONS = [
     click.option("--logprobs", type=click.IntRange(0, 20), default=None,
                  help="Report each output token's log-probability (the target's own) and this many most likely "
                       "tokens beside it: a line per token after the text, or \"logprobs\" in --json."),
+    click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True,
+                 help="OpenAI's: lowers the logit of each token the output already holds."),
+    click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True,
+                 help="OpenAI's: lowers a token's logit by this much per time the output holds it."),
+    click.option("--repetition-penalty", type=click.FloatRange(0, 10, min_open=True), default=1.0, show_default=True,
+                 help="HF's and vLLM's: divides (multiplies, if negative) the logits of tokens in the prompt or output."),
     click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template."),
     click.option("--timeout-s", default=300.0, show_default=True),
 ]

@@ -1,0 +1,60 @@
+"""Repetition penalties on the target's logits, as OpenAI, vLLM and HF transformers define them.
+
+For the row that picks output token i (after ``prompt + output[:i]``):
+
+- ``repetition_penalty`` r (HF's ``RepetitionPenaltyLogitsProcessor``, vLLM's): the logit of every
+  token already in the prompt or the output is divided by r where positive, multiplied where not;
+- ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): the logit of each token that the
+  output holds c > 0 times drops by ``c * f + p`` (the prompt does not count).
+
+Temperature, top-k and top-p then apply to the penalized logits. In a verify the rows of a draft
+(or a token tree) each see the committed tokens plus the tree's tokens on the path to them, so
+every row is penalized exactly as the row a plain decode would compute at that position: greedy
+output is the penalized greedy output, and speculative sampling follows the penalized
+distribution exactly (the draft's proposal may be anything). Pure: torch and numpy only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nebula_flow.params import SamplingParams
+
+
+class Penalties:
+    """A request's penalties at the start of a verify: the tokens it has seen and its output's counts."""
+
+    def __init__(self, params: SamplingParams, tokens: np.ndarray, prompt_len: int) -> None:
+        self.params = params
+        self.seen = set(np.unique(tokens).tolist())  # prompt and output (repetition)
+        ids, counts = np.unique(tokens[prompt_len:], return_counts=True)
+        self.counts = dict(zip(ids.tolist(), counts.tolist()))  # the output's (frequency, presence)
+
+    @staticmethod
+    def of(params: SamplingParams, tokens: np.ndarray, prompt_len: int) -> Penalties | None:
+        return Penalties(params, tokens, prompt_len) if params.penalized else None
+
+    def row(self, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
+        """One row of logits penalized for the committed tokens plus ``path``: the tokens this row
+        follows beyond them (a draft's or a tree's, in order)."""
+        p = self.params
+        counts = self.counts
+        if path:
+            counts = dict(counts)
+            for t in path:
+                counts[t] = counts.get(t, 0) + 1
+        out = logits.double().clone()
+        vocab = out.shape[-1]
+        if p.repetition_penalty != 1.0:
+            seen = sorted(t for t in self.seen.union(path) if t < vocab)
+            if seen:
+                idx = torch.tensor(seen, device=out.device)
+                vals = out[idx]
+                out[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and counts:
+            ids = [t for t in counts if t < vocab]
+            idx = torch.tensor(ids, device=out.device)
+            c = torch.tensor([counts[t] for t in ids], dtype=out.dtype, device=out.device)
+            out[idx] -= c * p.frequency_penalty + p.presence_penalty
+        return out
