@@ -82,7 +82,7 @@ class Admission:
             return False
         if req.detok is None:
             req.detok = self.codec.incremental()
-        final, pending = req.detok.extend(shown(req))
+        final, pending = req.detok.extend(shown(req) if req.params.stop_token_ids else req.output)
         text = req.text + final
         if req.params.stop and (final or pending):
             start = max(0, len(req.text) - max(map(len, req.params.stop)) + 1)

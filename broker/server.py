@@ -297,7 +297,8 @@ class Broker(Intake):
             self.round_times.handled(req.rid, time.perf_counter())
             return
         v = results.verified(req, item, self.admission.vocab_size)
-        logprobs = results.logprobs(req, item, self.admission.vocab_size)
+        logprobs = results.logprobs(req, item, self.admission.vocab_size) \
+            if req.params.logprobs is not None or item.logprobs is not None or item.logprob_ids is not None else None
         if item.kind == ROUND:
             req.proposed += len(v.draft)
         req.alt_accepted += v.via_alt

@@ -52,10 +52,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def penalized(self) -> bool:
-        """Penalties change the target's distribution (``nebula_flow/penalties.py``)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+    def __post_init__(self) -> None:
+        # penalized: penalties change the target's distribution (``nebula_flow/penalties.py``); a plain
+        # attribute beside the fields, not a property: the broker reads it for every task it sends
+        object.__setattr__(self, "penalized", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                           or self.repetition_penalty != 1.0)
 
     def to_wire(self) -> dict[str, Any]:
         """The parameters as they travel (made once: every task of the request carries them;
