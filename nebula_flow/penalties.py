@@ -27,7 +27,8 @@ class Penalties:
 
     def __init__(self, params: SamplingParams, tokens: np.ndarray, prompt_len: int) -> None:
         self.params = params
-        self.seen = set(np.unique(tokens).tolist())  # prompt and output (repetition)
+        seen = np.unique(tokens)  # prompt and output (repetition), sorted
+        self.seen, self.seen_ids = set(seen.tolist()), torch.from_numpy(seen.astype(np.int64))
         ids, counts = np.unique(tokens[prompt_len:], return_counts=True)
         self.counts = dict(zip(ids.tolist(), counts.tolist()))  # the output's (frequency, presence)
 
@@ -47,11 +48,11 @@ class Penalties:
         out = logits.double().clone()
         vocab = out.shape[-1]
         if p.repetition_penalty != 1.0:
-            seen = sorted(t for t in self.seen.union(path) if t < vocab)
-            if seen:
-                idx = torch.tensor(seen, device=out.device)
-                vals = out[idx]
-                out[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            new = [t for t in dict.fromkeys(path) if t not in self.seen]
+            idx = torch.cat([self.seen_ids, torch.tensor(new, dtype=torch.long)]).to(out.device)
+            idx = idx[idx < vocab]
+            vals = out[idx]
+            out[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and counts:
             ids = [t for t in counts if t < vocab]
             idx = torch.tensor(ids, device=out.device)
