@@ -70,7 +70,10 @@ class Admission:
             raise ProtocolError("too_long", f"prompt ({len(prompt)} tokens) + max_new_tokens "
                                             f"({params.max_new_tokens}) exceeds the context ({self.max_model_len})")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now)
+        req = Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now)
+        if params.min_tokens:  # (the ids that would end it early, which its verifies must not pick)
+            req.suppress = sorted({*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids})
+        return req
 
     def stop_text(self, req: Request) -> bool:
         """Extend ``req.text`` with what its new tokens decode to (only those are decoded), cut
@@ -84,7 +87,7 @@ class Admission:
             req.detok = self.codec.incremental()
         final, pending = req.detok.extend(shown(req) if req.params.stop_token_ids else req.output)
         text = req.text + final
-        if req.params.stop and (final or pending):
+        if req.params.stop and (final or pending) and len(req.output) >= req.params.min_tokens:
             start = max(0, len(req.text) - max(map(len, req.params.stop)) + 1)
             window, hit = apply_stop((text + pending)[start:], req.params.stop)
             if hit:

@@ -44,6 +44,8 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
             task.fuse = req.fuse
         if req.params.penalized:  # (penalties count the output's tokens apart from the prompt's)
             task.prompt_len = len(req.prompt)
+            if len(req.output) < req.params.min_tokens:
+                task.suppress = req.suppress
         if req.q:  # (a sampled draft's proposal, flat as it came: checked when it arrived)
             task.q_idx, task.q_prob, task.q_len = req.q["q_idx"], req.q["q_prob"], req.q["q_len"]
         tasks.append(task)

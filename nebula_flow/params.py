@@ -31,7 +31,8 @@ class SamplingParams:
     default) and this many most likely tokens beside it. ``presence_penalty`` and
     ``frequency_penalty`` (OpenAI's, -2..2, on the output's tokens) and ``repetition_penalty``
     (vLLM's and HF's, > 0, on the prompt's and the output's) change the distribution the output
-    follows, greedy or sampled (``nebula_flow/penalties.py``).
+    follows, greedy or sampled (``nebula_flow/penalties.py``); so does ``min_tokens`` (vLLM's): no
+    EOS or stop token id, and no stop string, ends the output before it has this many tokens.
     """
 
     max_new_tokens: int = 64
@@ -46,6 +47,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
 
     @property
@@ -53,10 +55,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def __post_init__(self) -> None:
-        # penalized: penalties change the target's distribution (``nebula_flow/penalties.py``); a plain
-        # attribute beside the fields, not a property: the broker reads it for every task it sends
+        # penalized: penalties or min_tokens change the target's distribution (``nebula_flow/penalties.py``);
+        # a plain attribute beside the fields, not a property: the broker reads it for every task it sends
         object.__setattr__(self, "penalized", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                           or self.repetition_penalty != 1.0)
+                           or self.repetition_penalty != 1.0 or self.min_tokens != 0)
 
     def to_wire(self) -> dict[str, Any]:
         """The parameters as they travel (made once: every task of the request carries them;
@@ -123,5 +125,7 @@ class SamplingParams:
         r = self.repetition_penalty
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r) or not 0 < r <= 10:
             raise InvalidParams(f"repetition_penalty must be a number in (0, 10] (1: off), got {r!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidParams(f"min_tokens must be an integer from 0 to max_new_tokens, got {self.min_tokens!r}")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.fit_context, bool):
             raise InvalidParams("ignore_eos and fit_context must be booleans")

@@ -5,7 +5,10 @@ For the row that picks output token i (after ``prompt + output[:i]``):
 - ``repetition_penalty`` r (HF's ``RepetitionPenaltyLogitsProcessor``, vLLM's): the logit of every
   token already in the prompt or the output is divided by r where positive, multiplied where not;
 - ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): the logit of each token that the
-  output holds c > 0 times drops by ``c * f + p`` (the prompt does not count).
+  output holds c > 0 times drops by ``c * f + p`` (the prompt does not count);
+- ``min_tokens`` m (vLLM's): while the output holds fewer than m tokens, the ids that would end it
+  (EOS unless ignored, the stop token ids: the broker names them, ``Request.suppress``) cannot be
+  picked (their logits are -inf).
 
 Temperature, top-k and top-p then apply to the penalized logits. In a verify the rows of a draft
 (or a token tree) each see the committed tokens plus the tree's tokens on the path to them, so
@@ -25,16 +28,16 @@ from nebula_flow.params import SamplingParams
 class Penalties:
     """A request's penalties at the start of a verify: the tokens it has seen and its output's counts."""
 
-    def __init__(self, params: SamplingParams, tokens: np.ndarray, prompt_len: int) -> None:
-        self.params = params
+    def __init__(self, params: SamplingParams, tokens: np.ndarray, prompt_len: int, suppress: list[int] = ()) -> None:
+        self.params, self.suppress, self.output_len = params, list(suppress), len(tokens) - prompt_len
         seen = np.unique(tokens)  # prompt and output (repetition), sorted
         self.seen, self.seen_ids = set(seen.tolist()), torch.from_numpy(seen.astype(np.int64))
         ids, counts = np.unique(tokens[prompt_len:], return_counts=True)
         self.counts = dict(zip(ids.tolist(), counts.tolist()))  # the output's (frequency, presence)
 
     @staticmethod
-    def of(params: SamplingParams, tokens: np.ndarray, prompt_len: int) -> Penalties | None:
-        return Penalties(params, tokens, prompt_len) if params.penalized else None
+    def of(params: SamplingParams, tokens: np.ndarray, prompt_len: int, suppress: list[int] = ()) -> Penalties | None:
+        return Penalties(params, tokens, prompt_len, suppress) if params.penalized else None
 
     def row(self, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
         """One row of logits penalized for the committed tokens plus ``path``: the tokens this row
@@ -58,4 +61,6 @@ class Penalties:
             idx = torch.tensor(ids, device=out.device)
             c = torch.tensor([counts[t] for t in ids], dtype=out.dtype, device=out.device)
             out[idx] -= c * p.frequency_penalty + p.presence_penalty
+        if self.suppress and self.output_len + len(path) < p.min_tokens:
+            out[[t for t in self.suppress if t < vocab]] = float("-inf")
         return out

@@ -60,6 +60,7 @@ MAX_ALTERNATIVES = 8  # runner-ups to the first draft token
 MAX_FUSED_CHAINS = 4  # fused chains in one round's token tree
 MAX_DRAFT = 64  # tokens in a draft, and in a fused chain
 MAX_PULL_ITEMS = 4096  # requests in one KV exchange
+MAX_SUPPRESS = 128  # ids a task's min_tokens keeps from ending the output (EOS ids and stop token ids)
 TASK_KINDS = ("draft", "verify", "round", "ahead")  # (ahead: pre-drafting the next round, draft-ahead)
 KV_SCHEMES = ("tcp://", "ucx://", "shm://", "curve:")  # (curve: the KV server's public key, security.py)
 # -- the messages ------------------------------------------------------------------------------
@@ -269,6 +270,7 @@ class TaskSpec(Proposes):
     target_holder: Holder | None = None
     ahead: int = 0  # an ahead task (draft-ahead): pre-draft the next round for this many outcomes of draft's verify
     prompt_len: int = 0
+    suppress: TokenIds = field(default_factory=list)  # min_tokens: ids the verify must not pick yet
 
     def check(self) -> None:
         if self.kind not in TASK_KINDS:
@@ -288,8 +290,8 @@ class TaskSpec(Proposes):
             raise malformed(f"chains must be at most {MAX_FUSED_CHAINS} lists of 1..{MAX_DRAFT} token ids")
         if not 0 <= self.ahead <= MAX_DRAFT + 2 or (self.ahead > 0) != (self.kind == "ahead"):  # (draft-ahead)
             raise malformed(f"ahead (1..{MAX_DRAFT + 2} outcomes) is for ahead tasks, which need it")
-        if not 0 <= self.prompt_len <= len(self.tokens):
-            raise malformed("prompt_len must be in 0..len(tokens)")
+        if not 0 <= self.prompt_len <= len(self.tokens) or len(self.suppress) > MAX_SUPPRESS:
+            raise malformed(f"prompt_len must be in 0..len(tokens), suppress at most {MAX_SUPPRESS} ids")
 
 
 @dataclass

@@ -61,6 +61,7 @@ class Request:
     detok: Any = None  # the broker's incremental decoder of ``output`` (tokenizer.IncrementalText)
     finish_reason: str | None = None
     logprobs: list | None = None  # asked for: each output token's entry (``protocol.Tokens.logprobs``)
+    suppress: list[int] = field(default_factory=list)  # min_tokens: the ids that would end it (``penalties``)
     t_submit: float = 0.0
     t_first: float | None = None
     # ``tokens``' array, grown as the output grows (committed tokens never change), and how much of it is filled

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from nebula_flow.params import SamplingParams
+from nebula_flow.protocol import Submit
 from nebula_flow.request import Request
 from nebula_flow_broker.admission import Admission, apply_stop
 
@@ -132,3 +135,21 @@ def test_prompts_being_tokenized_count_against_the_pending_limit(tiny_pair) -> N
         broker.clients.close()
         broker.peers.close()
         broker.prompts.close()
+
+
+def test_min_tokens_defers_stop_strings_and_names_the_ids_a_verify_must_not_pick(tiny_pair) -> None:  # noqa: ANN001
+    """min_tokens: no stop string ends the output before it holds that many tokens, and the request
+    carries the ids that would end it (EOS unless ignored, its stop token ids) for its verifies."""
+    admission = Admission(str(tiny_pair / "target"), 4096)
+    ids = admission.codec.encode("ab ab ab ab")
+    early = Request(1, "r", [1], SamplingParams(stop=("ab",), min_tokens=len(ids) + 1), seed=0)
+    early.output = list(ids)
+    assert not admission.stop_text(early) and "ab" in early.text  # (too early to stop)
+    late = Request(2, "s", [1], SamplingParams(stop=("ab",)), seed=0)
+    late.output = list(ids)
+    assert admission.stop_text(late) and late.text == ""
+    msg = Submit("m", {"min_tokens": 3, "stop_token_ids": [9]}, prompt_tokens=np.array([1, 2], np.int32))
+    req = admission.request(1, msg, owner=b"c", now=0.0)
+    assert req.suppress == sorted({*admission.eos_ids, 9}) and admission.eos_ids
+    msg = Submit("n", {"min_tokens": 3, "ignore_eos": True}, prompt_tokens=np.array([1, 2], np.int32))
+    assert admission.request(2, msg, owner=b"c", now=0.0).suppress == []

@@ -325,6 +325,7 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"model": "tiny", "prompt": "x", "frequency_penalty": "high"}, 400, "frequency_penalty"),
     ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": "tiny", "prompt": "x", "min_tokens": -2}, 400, "min_tokens"),
     ({"model": "tiny", "prompt": LONG}, 400, None),  # over the context: the limit is in the message
 ]
 

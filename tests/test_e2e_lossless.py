@@ -40,13 +40,14 @@ def greedy_requests() -> list[dict]:
 
 def penalized_requests() -> list[dict]:
     """Greedy with HF's repetition penalty, greedy with OpenAI's presence and frequency penalties,
-    and sampled with all three (seeded)."""
+    sampled with all three (seeded), and greedy with min_tokens past where it would end."""
     prompt = [5, 6, 7, 8, 5, 6]
     return [{"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "repetition_penalty": 1.3},
             {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "presence_penalty": 0.5,
              "frequency_penalty": 0.4},
             {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "presence_penalty": 0.5,
-             "frequency_penalty": 0.2, "repetition_penalty": 1.2, "temperature": 0.9, "seed": 4}]
+             "frequency_penalty": 0.2, "repetition_penalty": 1.2, "temperature": 0.9, "seed": 4},
+            {"token_ids": [16, 17, 7], "max_new_tokens": 30, "min_tokens": 12}]  # (its greedy output ends at 6)
 
 
 def sampled_requests() -> list[dict]:
@@ -181,10 +182,13 @@ def penalized_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
     the penalties applied to each step's logits as ``nebula_flow/penalties.py`` defines them (for
     the repetition penalty alone, HF's own ``generate(repetition_penalty=...)`` agrees)."""
     model, prompt = _hf_model(str(tiny_pair / "target")), request["token_ids"]
+    eos = model.config.eos_token_id
     out: list[int] = []
     with torch.no_grad():
-        for _ in range(request["max_new_tokens"]):
+        while len(out) < request["max_new_tokens"] and (request.get("ignore_eos") or eos not in out):
             logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+            if len(out) < request.get("min_tokens", 0):
+                logits[eos] = float("-inf")
             seen = torch.tensor(sorted(set(prompt + out)))
             r = request.get("repetition_penalty", 1.0)
             logits[seen] = torch.where(logits[seen] > 0, logits[seen] / r, logits[seen] * r)
@@ -196,11 +200,11 @@ def penalized_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
 
 @pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
 def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, mode: str) -> None:  # noqa: ANN001
-    """Presence, frequency and repetition penalties: greedy output is the target's own penalized
+    """Presence, frequency and repetition penalties and min_tokens: greedy output is the target's own penalized
     greedy output (each row of a verify penalized for the tokens on its own path), in every mode;
     seeded penalized sampling is the same in every speculative mode."""
     runs(mode, 2, 2)
-    rep, freq, sampled = runs.penalized[(mode, 2, 2, False, False, 0)]
+    rep, freq, sampled, least = runs.penalized[(mode, 2, 2, False, False, 0)]
     requests = penalized_requests()
     model, prompt = _hf_model(str(tiny_pair / "target")), requests[0]["token_ids"]
     hf = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3,
@@ -209,6 +213,8 @@ def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, m
     assert freq.token_ids == penalized_greedy(tiny_pair, requests[1])
     plain = hf_greedy(tiny_pair / "target", prompt, 40)
     assert rep.token_ids != plain and freq.token_ids != plain  # (the penalties changed the output)
+    assert least.token_ids == penalized_greedy(tiny_pair, requests[3]) and len(least.token_ids) >= 12
+    assert len(hf_greedy(tiny_pair / "target", requests[3]["token_ids"], 30)) < 12  # (without it: EOS sooner)
     if mode != "autoregressive":  # (its sampled draws are its own: placement independence is across speculative modes)
         assert sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][2].token_ids
 

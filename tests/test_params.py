@@ -33,6 +33,10 @@ def test_defaults_are_greedy_and_valid() -> None:
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": [True]}, "stop_token_ids"),
     ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 65}, "min_tokens"),  # (more than max_new_tokens, 64)
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
 ])
 def test_bad_parameters_are_rejected_with_a_clear_message(raw: dict, match: str) -> None:
     with pytest.raises(InvalidParams, match=match):

@@ -55,6 +55,7 @@ class Task:
     ahead: int = 0  # ahead tasks: the outcomes of the verify of ``draft`` to pre-draft the next round for
     logprobs: tuple[np.ndarray, np.ndarray] | None = None  # set by verify when asked: ``workers/logprobs.py``
     prompt_len: int = 0  # a penalized request's (its output's tokens are penalized: ``nebula_flow/penalties.py``)
+    suppress: list[int] = field(default_factory=list)  # min_tokens: the ids it must not pick yet
 
     def tree(self) -> TokenTree:
         """The token tree this verify scores: the draft, the alternatives and the fused chains."""
@@ -253,7 +254,7 @@ class ModelRunner:
                 continue
             committed = specdec.verify(logits[i], t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens),
                                        t.runner_ups, t.chains, best=best.get(i),
-                                       penalties=Penalties.of(t.params, t.tokens, t.prompt_len))
+                                       penalties=Penalties.of(t.params, t.tokens, t.prompt_len, t.suppress))
             position, path = len(t.tokens), tree.path(committed[:-1])
             if t.params.logprobs is not None:
                 t.logprobs = committed_logprobs(logits[i], path, committed, t.params.logprobs)

@@ -3,7 +3,7 @@
 Pure: no sockets, no HTTP. Every field OpenAI defines is either honoured or refused with a
 clear message naming it; fields it does not define are refused too (OpenAI does the same), so
 nothing a caller sends is silently ignored. Extensions, as vLLM spells them: ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``chat_template_kwargs``,
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_tokens``, ``chat_template_kwargs``,
 ``return_token_ids`` (each choice, and each streamed chunk, carries the ids of its tokens).
 """
 
@@ -149,6 +149,11 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         if v <= 0:
             raise invalid("repetition_penalty", "repetition_penalty must be in (0, 10] (1: off)")
         params["repetition_penalty"] = v
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if not _is_int(min_tokens) or min_tokens < 0:
+            raise invalid("min_tokens", f"min_tokens must be an integer >= 0, got {min_tokens!r}")
+        params["min_tokens"] = min_tokens
     params["stop"] = _stop(body.get("stop"))
     ids = body.get("stop_token_ids")
     if ids is not None:
@@ -302,6 +307,6 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty")
+                 "repetition_penalty", "min_tokens")
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs")

@@ -249,6 +249,8 @@ GEN_OPTIONS = [
                  help="OpenAI's: lowers a token's logit by this much per time the output holds it."),
     click.option("--repetition-penalty", type=click.FloatRange(0, 10, min_open=True), default=1.0, show_default=True,
                  help="HF's and vLLM's: divides (multiplies, if negative) the logits of tokens in the prompt or output."),
+    click.option("--min-tokens", type=click.IntRange(0), default=0, show_default=True,
+                 help="No EOS, stop token id or stop string ends the output before it has this many tokens."),
     click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template."),
     click.option("--timeout-s", default=300.0, show_default=True),
 ]
