@@ -138,11 +138,10 @@ def verify(
             def pick(node: int) -> int:
                 return best[node + 1]
         out, node = [], -1
-        while (child := tree.child(node, pick(node))) is not None:
-            out.append(tree.tokens[child])
-            node = child
-        out.append(pick(node))
-        return out
+        while True:  # (each row's pick made once: a penalized one costs a pass over the vocabulary)
+            out.append(token := pick(node))
+            if (node := tree.child(node, token)) is None:
+                return out
     return _sample_tree(TargetRows(logits, params, penalties, tree), tree, len(draft), q_idx, q_prob, seed, position)
 
 
