@@ -58,4 +58,5 @@ def predraft(scheduler: Scheduler, req: Request, holder: HolderOf) -> TaskSpec:
     st = req.ahead
     return TaskSpec(req.rid, AHEAD, st.round, st.attempt, req.tokens, st.k, req.params.to_wire(), req.seed,
                     holder(req.holders.get(holder_key("draft", req.drafter), (0, 0))), draft=st.draft,
-                    alts=st.alts, fuse=st.fuse, ahead=scheduler.policy.draft_ahead)
+                    alts=st.alts, fuse=st.fuse, ahead=scheduler.policy.draft_ahead,
+                    prompt_len=len(req.prompt) if req.params.structured is not None else 0)

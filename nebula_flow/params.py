@@ -33,6 +33,9 @@ class SamplingParams:
     (vLLM's and HF's, > 0, on the prompt's and the output's) change the distribution the output
     follows, greedy or sampled (``nebula_flow/penalties.py``); so does ``min_tokens`` (vLLM's): no
     EOS or stop token id, and no stop string, ends the output before it has this many tokens.
+    ``structured`` (None: free text): the output follows a JSON schema, any JSON object, a regular
+    expression, one of some choices or a Lark grammar (``nebula_flow/structured.py``), greedy or
+    sampled; it ends with EOS once the grammar is complete, so it cannot ignore EOS.
     """
 
     max_new_tokens: int = 64
@@ -48,6 +51,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    structured: dict[str, Any] | None = field(default=None, hash=False)  # e.g. {"json": schema}, {"regex": "..."}
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
 
     @property
@@ -55,10 +59,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def __post_init__(self) -> None:
-        # penalized: penalties or min_tokens change the target's distribution (``nebula_flow/penalties.py``);
-        # a plain attribute beside the fields, not a property: the broker reads it for every task it sends
+        # penalized: penalties, min_tokens or a grammar change the target's distribution row by row
+        # (``nebula_flow/penalties.py``); a plain attribute beside the fields, not a property: the
+        # broker reads it for every task it sends
         object.__setattr__(self, "penalized", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                           or self.repetition_penalty != 1.0 or self.min_tokens != 0)
+                           or self.repetition_penalty != 1.0 or self.min_tokens != 0 or self.structured is not None)
 
     def to_wire(self) -> dict[str, Any]:
         """The parameters as they travel (made once: every task of the request carries them;
@@ -129,3 +134,9 @@ class SamplingParams:
             raise InvalidParams(f"min_tokens must be an integer from 0 to max_new_tokens, got {self.min_tokens!r}")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.fit_context, bool):
             raise InvalidParams("ignore_eos and fit_context must be booleans")
+        if self.structured is not None:
+            from nebula_flow import structured  # (llguidance: loaded only where a request asks for it)
+
+            structured.check(self.structured)
+            if self.ignore_eos:
+                raise InvalidParams("structured outputs cannot ignore EOS: a complete grammar ends with it")

@@ -8,7 +8,10 @@ For the row that picks output token i (after ``prompt + output[:i]``):
   output holds c > 0 times drops by ``c * f + p`` (the prompt does not count);
 - ``min_tokens`` m (vLLM's): while the output holds fewer than m tokens, the ids that would end it
   (EOS unless ignored, the stop token ids: the broker names them, ``Request.suppress``) cannot be
-  picked (their logits are -inf).
+  picked (their logits are -inf);
+- a grammar (``structured``, ``nebula_flow/structured.py``): only the ids it allows after
+  ``prompt + output[:i]`` can be picked (a ``guide`` gives them; the worker keeps it,
+  ``workers/guides.py``); where min_tokens' ids are all it allows (it is complete), it wins.
 
 Temperature, top-k and top-p then apply to the penalized logits. In a verify the rows of a draft
 (or a token tree) each see the committed tokens plus the tree's tokens on the path to them, so
@@ -19,6 +22,8 @@ distribution exactly (the draft's proposal may be anything). Pure: torch and num
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -26,18 +31,22 @@ from nebula_flow.params import SamplingParams
 
 
 class Penalties:
-    """A request's penalties at the start of a verify: the tokens it has seen and its output's counts."""
+    """A request's penalties at the start of a verify: the tokens it has seen, its output's counts
+    and its grammar's ``guide`` (``workers.guides.Guide``: ``allowed(path, avoid)``), if any."""
 
-    def __init__(self, params: SamplingParams, tokens: np.ndarray, prompt_len: int, suppress: list[int] = ()) -> None:
+    def __init__(self, params: SamplingParams, tokens: np.ndarray, prompt_len: int, suppress: list[int] = (),
+                 guide: Any = None) -> None:  # noqa: ANN401
         self.params, self.suppress, self.output_len = params, list(suppress), len(tokens) - prompt_len
+        self.guide = guide
         seen = np.unique(tokens)  # prompt and output (repetition), sorted
         self.seen, self.seen_ids = set(seen.tolist()), torch.from_numpy(seen.astype(np.int64))
         ids, counts = np.unique(tokens[prompt_len:], return_counts=True)
         self.counts = dict(zip(ids.tolist(), counts.tolist()))  # the output's (frequency, presence)
 
     @staticmethod
-    def of(params: SamplingParams, tokens: np.ndarray, prompt_len: int, suppress: list[int] = ()) -> Penalties | None:
-        return Penalties(params, tokens, prompt_len, suppress) if params.penalized else None
+    def of(params: SamplingParams, tokens: np.ndarray, prompt_len: int, suppress: list[int] = (),
+           guide: Any = None) -> Penalties | None:  # noqa: ANN401
+        return Penalties(params, tokens, prompt_len, suppress, guide) if params.penalized else None
 
     def row(self, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
         """One row of logits penalized for the committed tokens plus ``path``: the tokens this row
@@ -61,6 +70,10 @@ class Penalties:
             idx = torch.tensor(ids, device=out.device)
             c = torch.tensor([counts[t] for t in ids], dtype=out.dtype, device=out.device)
             out[idx] -= c * p.frequency_penalty + p.presence_penalty
-        if self.suppress and self.output_len + len(path) < p.min_tokens:
+        short = self.suppress and self.output_len + len(path) < p.min_tokens
+        if self.guide is not None:
+            allowed = self.guide.allowed(path, self.suppress if short else ())
+            out[:len(allowed)].masked_fill_(~allowed.to(out.device), float("-inf"))
+        elif short:
             out[[t for t in self.suppress if t < vocab]] = float("-inf")
         return out

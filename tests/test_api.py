@@ -242,6 +242,33 @@ def test_penalties_reach_the_broker(served) -> None:  # noqa: ANN001
     assert got.choices[0].model_extra["token_ids"] == want.token_ids
 
 
+def test_structured_outputs_through_the_openai_client(served) -> None:  # noqa: ANN001
+    """OpenAI's ``response_format`` (a JSON schema, streamed and not) and vLLM's ``structured_outputs``:
+    the HTTP API gives what the client library gives, and the JSON follows the schema (its
+    exactness in every mode: ``test_e2e_lossless``)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    client = oai(served)
+    with Client(served.address) as c:
+        want = c.generate(messages=CONVERSATION, max_new_tokens=30, structured={"json": schema})
+        choice = c.generate("The quick brown fox", max_new_tokens=8, structured={"choice": ["jumps", "sleeps"]})
+    got = client.chat.completions.create(
+        model="tiny", messages=CONVERSATION, max_completion_tokens=30, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "count", "schema": schema, "strict": True}})
+    assert got.choices[0].message.content == want.text and got.choices[0].finish_reason == "stop"
+    assert set(json.loads(want.text)) == {"n"}
+    streamed = client.chat.completions.create(
+        model="tiny", messages=CONVERSATION, max_completion_tokens=30, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "count", "schema": schema}})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want.text
+    picked = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["jumps", "sleeps"]}})
+    assert picked.choices[0].text == choice.text and choice.text in ("jumps", "sleeps")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"guided_regex": "[a-"})
+    assert err.value.body["param"] == "guided_regex" and "unclosed" in err.value.body["message"]
+
+
 def test_raw_server_sent_events(served) -> None:  # noqa: ANN001
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "stream": True}
     with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=60,

@@ -3,12 +3,17 @@
 * Greedy output is token-for-token HF transformers' own greedy output, in every mode.
 * Seeded sampled output (temperature 0.8) is identical across modes and pool sizes.
 * Log-probabilities, where asked for, are the target's own (HF transformers' log-softmax), in every mode.
+* Penalized and structured (grammar-bound) greedy output is HF transformers' under the same
+  penalties and llguidance's masks, in every mode.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import llguidance
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -50,6 +55,21 @@ def penalized_requests() -> list[dict]:
             {"token_ids": [16, 17, 7], "max_new_tokens": 30, "min_tokens": 12}]  # (its greedy output ends at 6)
 
 
+BOUNDED = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                          "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}
+
+
+def structured_requests() -> list[dict]:
+    """Greedy with a JSON schema, a regular expression and choices (with min_tokens past the
+    choices' end: the complete grammar wins), and seeded sampling of any JSON object."""
+    return [{"token_ids": [5, 6, 7, 8], "max_new_tokens": 40, "structured": {"json": BOUNDED}},
+            {"token_ids": [9, 10], "max_new_tokens": 30, "structured": {"regex": "[0-9]{3}-[a-z]{2,6}"}},
+            {"token_ids": [16, 17, 7], "max_new_tokens": 30, "min_tokens": 12,
+             "structured": {"choice": ["red", "green", "blue sky"]}},
+            {"token_ids": [9, 10, 11], "max_new_tokens": 30, "temperature": 0.9, "seed": 3,
+             "structured": {"json_object": True}}]
+
+
 def sampled_requests() -> list[dict]:
     return [{"prompt": p, "max_new_tokens": 30, "temperature": 0.8, "seed": 1000 + i,
              **({"logprobs": SAMPLED_LOGPROBS[i]} if i in SAMPLED_LOGPROBS else {})}
@@ -73,6 +93,7 @@ def runs(tiny_pair):  # noqa: ANN001, ANN201
     cache: dict[tuple, tuple[list, list]] = {}
     batches: dict[tuple, list[dict]] = {}  # each worker's batches by stage
     penalized: dict[tuple, list] = {}  # penalized_requests()' outputs
+    bound: dict[tuple, list] = {}  # structured_requests()' outputs
     ahead: dict[tuple, dict] = {}  # draft-ahead's counters
 
     def get(mode: str, m: int, n: int, fixed_drafts: bool = False, split: bool = False, draft_ahead: int = 0
@@ -87,9 +108,9 @@ def runs(tiny_pair):  # noqa: ANN001, ANN201
             cfg.draft.elastic = not fixed_drafts
             cfg.broker.policy = cfg.broker.policy.replace(elastic_split=1 if split else 0, draft_ahead=draft_ahead)
             with Deployment(cfg) as dep:
-                outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests() + penalized_requests(),
-                                            2 if draft_ahead else None))
-                penalized[key] = outs[24:]
+                outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests() + penalized_requests()
+                                            + structured_requests(), 2 if draft_ahead else None))
+                penalized[key], bound[key] = outs[24:28], outs[28:]
                 with Client(dep.address) as client:
                     state = client.status()
                     batches[key] = [{"role": w["role"], **w["batches"]} for w in state["workers"]]
@@ -97,7 +118,7 @@ def runs(tiny_pair):  # noqa: ANN001, ANN201
             cache[key] = (outs[:16], outs[16:24])
         return cache[key]
 
-    get.batches, get.ahead, get.penalized = batches, ahead, penalized
+    get.batches, get.ahead, get.penalized, get.structured = batches, ahead, penalized, bound
     return get
 
 
@@ -217,6 +238,55 @@ def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, m
     assert len(hf_greedy(tiny_pair / "target", requests[3]["token_ids"], 30)) < 12  # (without it: EOS sooner)
     if mode != "autoregressive":  # (its sampled draws are its own: placement independence is across speculative modes)
         assert sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][2].token_ids
+
+
+def structured_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
+    """The reference for a structured greedy request: HF transformers one token at a time, each
+    step's logits masked to what llguidance's own matcher allows after the output so far (EOS
+    suppressed while short of min_tokens, unless the grammar allows nothing else)."""
+    model, prompt = _hf_model(str(tiny_pair / "target")), request["token_ids"]
+    eos = model.config.eos_token_id
+    tokenizer = llguidance.LLTokenizer((tiny_pair / "target" / "tokenizer.json").read_text(), n_vocab=512, eos_token=eos)
+    spec = request["structured"]
+    kind, value = next(iter(spec.items()))
+    grammar = {"json": lambda: llguidance.LLMatcher.grammar_from_json_schema(value, defaults={"whitespace_flexible": False}),
+               "regex": lambda: llguidance.LLMatcher.grammar_from_regex(value),
+               "choice": lambda: llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, value)))}[kind]()
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < request["max_new_tokens"] and eos not in out:
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:512]
+            allowed = torch.from_numpy(bits.astype(bool))
+            if len(out) < request.get("min_tokens", 0) and allowed.sum() > allowed[eos]:
+                allowed[eos] = False
+            logits[~allowed] = float("-inf")
+            out.append(int(torch.argmax(logits)))
+            assert matcher.consume_token(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
+def test_structured_output_is_the_targets_own_output_under_the_grammar(tiny_pair, runs, mode: str) -> None:  # noqa: ANN001
+    """JSON schema, regex and choice: greedy output is the target's own greedy output under
+    llguidance's masks, in every mode; the drafts follow the grammar too (speculation still
+    commits several tokens a round); seeded sampled JSON is the same in every speculative mode
+    and parses."""
+    runs(mode, 2, 2)
+    outs = runs.structured[(mode, 2, 2, False, False, 0)]
+    requests = structured_requests()
+    for request, out in zip(requests[:3], outs[:3]):
+        assert out.token_ids == structured_greedy(tiny_pair, request), (mode, request["structured"])
+        assert out.finish_reason == "stop"  # (each grammar completes: EOS)
+    shape = json.loads(outs[0].text)
+    assert set(shape) == {"n", "ok"} and 0 <= shape["n"] <= 999
+    assert outs[2].text in ("red", "green", "blue sky")
+    if mode != "autoregressive":
+        assert sum(len(o.token_ids) for o in outs[:3]) > sum(o.rounds for o in outs[:3])
+        assert outs[3].token_ids == runs.structured[("pooled", 2, 2, False, False, 0)][3].token_ids
+    if outs[3].finish_reason == "stop":
+        assert isinstance(json.loads(outs[3].text), dict)
 
 
 @pytest.mark.parametrize("mode", ["pooled", "paired"])

@@ -27,6 +27,7 @@ from nebula_flow.speclen import StepCosts
 from nebula_flow.tree import TokenTree
 from nebula_flow_workers.draft_steps import DraftSteps
 from nebula_flow_workers.forward_clock import ForwardClock
+from nebula_flow_workers.guides import DraftMasks, Guide, Guides
 from nebula_flow_workers.logprobs import committed_logprobs
 
 
@@ -75,9 +76,11 @@ class ModelRunner:
     """One model plus its KV store. ``busy_s`` accumulates time spent in forward passes;
     ``step_costs`` times its forwards of one sequence by their new rows (what a round's draft
     steps and verify block cost on this device, for the policy's adaptive k). ``max_forward_tokens``:
-    the policy's token budget of one forward (0: none); past it, prompts are prefilled in chunks."""
+    the policy's token budget of one forward (0: none); past it, prompts are prefilled in chunks.
+    ``model_dir``: the checkpoint's folder, whose tokenizer a verify of a structured output reads."""
 
-    def __init__(self, model: CausalLM, *, proposal_top_k: int = 16, max_kv_bytes: int = 4 << 30) -> None:
+    def __init__(self, model: CausalLM, *, proposal_top_k: int = 16, max_kv_bytes: int = 4 << 30,
+                 model_dir: str | None = None) -> None:
         self.model = model
         self.store = KVStore(model, max_kv_bytes)
         self.proposal_top_k = proposal_top_k
@@ -88,6 +91,9 @@ class ModelRunner:
         self.max_forward_tokens = 0
         self.before_forward: Callable[[], object] | None = None  # (a worker's core lease claims its threads)
         self.clock = ForwardClock(model.lm_head.weight.device if isinstance(model, CausalLM) else torch.device("cpu"))
+        # a target's grammar matchers for structured outputs (``workers/guides.py``), from its
+        # checkpoint's tokenizer (None: it has none, or the model is emulated)
+        self.guides = Guides.of(model_dir, model.cfg.vocab_size) if model_dir and isinstance(model, CausalLM) else None
 
     def _forward(self, caches, new_tokens, rows, parents=None):  # noqa: ANN001, ANN202 - internal
         if self.before_forward is not None:
@@ -143,6 +149,7 @@ class ModelRunner:
         steps = DraftSteps(self.model.token_ids, self.proposal_top_k, [t.params for t in tasks], [t.seed for t in tasks],
                            [len(t.tokens) for t in tasks])
         feed: list[list[int]] | torch.Tensor = [new[i] for i in active + chunks]
+        masks = DraftMasks.of(self.guides, tasks, getattr(self.model, "head_token_ids", None))
         step = 0
         while active or chunks:
             logits = self._forward([caches[i] for i in active + chunks], feed, [1] * len(active) + [0] * len(chunks))
@@ -150,9 +157,13 @@ class ModelRunner:
             if not active:
                 break
             rows = torch.cat(logits[:len(active)])
+            if masks is not None:
+                masks.apply(rows, active)
             if step == 0:
                 steps.runner_ups(rows, active, [tasks[i].alts for i in active])
             picked = steps.choose(rows, active)
+            if masks is not None:
+                masks.picked(picked, active)
             step += 1
             going = [j for j, i in enumerate(active) if tasks[i].k > step]
             feed = picked if len(going) == len(active) else picked[staging.tensor(going, picked.device, torch.long)]
@@ -252,9 +263,10 @@ class ModelRunner:
                 t.prefilled = c.length
                 out.append(None)
                 continue
+            guide = None if t.params.structured is None else self._guide(t)
             committed = specdec.verify(logits[i], t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens),
                                        t.runner_ups, t.chains, best=best.get(i),
-                                       penalties=Penalties.of(t.params, t.tokens, t.prompt_len, t.suppress))
+                                       penalties=Penalties.of(t.params, t.tokens, t.prompt_len, t.suppress, guide))
             position, path = len(t.tokens), tree.path(committed[:-1])
             if t.params.logprobs is not None:
                 t.logprobs = committed_logprobs(logits[i], path, committed, t.params.logprobs)
@@ -263,6 +275,11 @@ class ModelRunner:
             out.append(committed)
         self._finish(tasks)
         return out
+
+    def _guide(self, t: Task) -> Guide:
+        if self.guides is None:  # (``tasks.runnable`` refuses such a task first)
+            raise ValueError("this worker's model has no tokenizer.json: it cannot follow a grammar")
+        return self.guides.guide(t.rid, t.params, t.tokens[t.prompt_len:].tolist())
 
 
 def greedy_picks(logits: list[torch.Tensor], greedy: list[bool]) -> list[list[int] | None]:

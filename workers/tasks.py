@@ -10,13 +10,17 @@ from nebula_flow.protocol import ProtocolError, Rejected, TaskResult, TaskSpec, 
 from nebula_flow_workers.runner import Task
 
 
-def runnable(spec: TaskSpec, vocab_size: int | None) -> Task:
+def runnable(spec: TaskSpec, vocab_size: int | None, guided: bool = True) -> Task:
     """The runner's task for ``spec``, or ``ProtocolError``. ``vocab_size``: the ids a task may hold
-    (None: any, an n-gram drafter)."""
+    (None: any, an n-gram drafter); ``guided``: this worker can follow a grammar in a verify
+    (``workers/guides.py``)."""
     try:
         params = sampling_params(spec.params)
     except (InvalidParams, TypeError) as exc:
         raise ProtocolError("invalid_params", str(exc)) from None
+    if params.structured is not None and not guided and spec.kind not in ("draft", "ahead"):
+        raise ProtocolError("invalid_params", "structured outputs need the target checkpoint's tokenizer.json "
+                            "at this worker (an emulated worker cannot follow a grammar)")
     if vocab_size is not None:
         if spec.tokens.max() >= vocab_size:
             raise malformed(f"task tokens must be ids below {vocab_size}")

@@ -132,7 +132,8 @@ class Worker:
         if opts.role == "draft":
             self.draft = self._draft_runner(opts.model, opts.profile)
         else:
-            self.target = ModelRunner(self._load(opts.model, opts.profile, "target"), max_kv_bytes=int(opts.max_kv_gb * (1 << 30)))
+            self.target = ModelRunner(self._load(opts.model, opts.profile, "target"), max_kv_bytes=int(opts.max_kv_gb * (1 << 30)),
+                                      model_dir=opts.model)
         if opts.role in BOTH_MODELS:
             self.draft = self._draft_runner(opts.draft_model, opts.draft_profile)
 
@@ -140,7 +141,7 @@ class Worker:
         ngram = parse_ngram(model) if self.opts.device != "emulated" else None
         if ngram is not None:
             return NgramRunner(*ngram)
-        return ModelRunner(self._load(model, profile, "draft"), max_kv_bytes=int(self.opts.max_kv_gb * (1 << 30)))
+        return ModelRunner(self._load(model, profile, "draft"), max_kv_bytes=int(self.opts.max_kv_gb * (1 << 30)), model_dir=model)
 
     def _load(self, model: str, profile: str | None, role: str):  # noqa: ANN202
         if self.opts.device != "emulated":
@@ -175,15 +176,14 @@ class Worker:
         link.registered, link.register_sent = False, time.monotonic()
 
     def _runnable(self, link: BrokerLink, msg: Tasks) -> list[Task]:
-        """A TASKS batch's runnable tasks. A task that is malformed or that this worker cannot run
-        is answered with an error result for its request (so the broker ends that request instead
-        of waiting); the good ones still run."""
-        tasks, failures, vocab = [], [], self._vocab_size()
+        """A TASKS batch's runnable tasks. One that is malformed or that this worker cannot run is
+        answered with an error result for its request (the broker ends it); the good ones still run."""
+        tasks, failures, vocab, guided = [], [], self._vocab_size(), getattr(self.target, "guides", None) is not None
         for item in msg.tasks:
             try:
                 if isinstance(item, Rejected):
                     raise item.error
-                tasks.append(runnable(item, vocab))
+                tasks.append(runnable(item, vocab, guided))
             except ProtocolError as exc:
                 result = failed(item, exc)
                 if result is None:  # (it names no task: the broker hears of it as an error)

@@ -4,7 +4,10 @@ Pure: no sockets, no HTTP. Every field OpenAI defines is either honoured or refu
 clear message naming it; fields it does not define are refused too (OpenAI does the same), so
 nothing a caller sends is silently ignored. Extensions, as vLLM spells them: ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_tokens``, ``chat_template_kwargs``,
-``return_token_ids`` (each choice, and each streamed chunk, carries the ids of its tokens).
+``return_token_ids`` (each choice, and each streamed chunk, carries the ids of its tokens),
+``structured_outputs`` (``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``) and the older
+``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``, beside OpenAI's
+``response_format`` (``nebula_flow/structured.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from nebula_flow import structured
 from nebula_flow.params import (
     MAX_LOGPROBS,
     MAX_SEED,
@@ -30,7 +34,7 @@ MAX_MESSAGES = 4096
 UNSUPPORTED = {
     "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
@@ -167,7 +171,52 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
     params.update(_max_tokens(body, served, chat))
     if (top := _logprobs(body, chat)) is not None:
         params["logprobs"] = top
+    if (spec := _structured(body)) is not None:
+        if params["ignore_eos"]:
+            raise invalid("ignore_eos", "structured outputs cannot ignore EOS: a complete grammar ends with it")
+        params["structured"] = spec
     return params
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
+    """What the output must follow (``nebula_flow/structured.py``), from OpenAI's ``response_format``,
+    vLLM's ``structured_outputs`` or its older ``guided_*`` fields: at most one of them."""
+    given: dict[str, dict[str, Any]] = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            schema = fmt.get("json_schema")
+            if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), dict):
+                raise invalid("response_format", "response_format.json_schema must be an object with a schema")
+            given["response_format"] = {"json": schema.get("schema", {})}
+        elif kind != "text":
+            raise invalid("response_format", "response_format.type must be text, json_object or json_schema")
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise invalid("structured_outputs", f"structured_outputs must be an object with one of {', '.join(structured.KINDS)}")
+        chosen = {k: v for k, v in outputs.items() if v is not None and v is not False}
+        if extra := sorted(set(chosen) - set(structured.KINDS)):
+            raise ApiError(400, f"structured_outputs: {', '.join(map(str, extra))[:200]} not supported",
+                           param="structured_outputs", code="unsupported_parameter")
+        given["structured_outputs"] = chosen
+    given.update({name: {kind: body[name]} for name, kind in GUIDED.items() if body.get(name) is not None})
+    if len(given) > 1:
+        raise invalid(sorted(given)[1], f"ask for one structured output, not {' and '.join(sorted(given))}")
+    if not given:
+        return None
+    (name, spec), = given.items()
+    try:
+        structured.check(spec)
+    except structured.InvalidStructure as exc:
+        raise invalid(name, f"{name}: {exc}") from None
+    return spec
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -307,6 +356,6 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens")
+                 "repetition_penalty", "min_tokens", "response_format", "structured_outputs", *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs")

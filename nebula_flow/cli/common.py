@@ -217,9 +217,29 @@ def print_completion(out, as_json: bool) -> None:  # noqa: ANN001
                                                      if top else ""), err=True)
 
 
+def structured_option(json_schema: str | None, json_object: bool, regex: str | None, choice: tuple[str, ...],
+                      grammar: str | None) -> dict | None:
+    """The ``structured`` parameter the CLI's structured-output options ask for (at most one)."""
+    given = {k: v for k, v in (("json", json_schema), ("json_object", json_object or None), ("regex", regex),
+                               ("choice", list(choice) or None), ("grammar", grammar)) if v is not None}
+    if len(given) > 1:
+        raise click.UsageError("use one of --json-schema, --json-object, --regex, --choice and --grammar")
+    for kind in ("json", "grammar"):  # (files, read here: a worker never reads the caller's files)
+        if kind in given:
+            try:
+                text = Path(given[kind]).read_text()
+                given[kind] = json.loads(text) if kind == "json" else text
+            except (OSError, ValueError) as exc:
+                raise click.BadParameter(str(exc), param_hint=f"--{'json-schema' if kind == 'json' else kind}") from None
+    return given or None
+
+
 def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  # noqa: ANN003
     from nebula_flow.client import Client, Completion, NebulaError
 
+    spec = structured_option(*(params.pop(k) for k in ("json_schema", "json_object", "regex", "choice", "grammar")))
+    if spec is not None:
+        params["structured"] = spec
     try:
         with Client(address, timeout_s=params.pop("timeout_s")) as client:
             for item in client.stream(prompt, **params):
@@ -251,6 +271,13 @@ GEN_OPTIONS = [
                  help="HF's and vLLM's: divides (multiplies, if negative) the logits of tokens in the prompt or output."),
     click.option("--min-tokens", type=click.IntRange(0), default=0, show_default=True,
                  help="No EOS, stop token id or stop string ends the output before it has this many tokens."),
+    click.option("--json-schema", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="The output is JSON that follows the JSON schema in this file (written compactly)."),
+    click.option("--json-object", is_flag=True, help="The output is a JSON object (any)."),
+    click.option("--regex", default=None, help="The output matches this regular expression (Rust regex syntax)."),
+    click.option("--choice", multiple=True, help="The output is one of these strings (repeatable)."),
+    click.option("--grammar", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="The output follows the Lark grammar in this file (llguidance's Lark)."),
     click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template."),
     click.option("--timeout-s", default=300.0, show_default=True),
 ]

@@ -1,0 +1,172 @@
+"""Structured outputs: specs and their errors, the worker's grammar matchers, the masks a verify
+row and a draft step get, and the API's and CLI's ways to ask (end to end: test_e2e_lossless.py,
+test_api.py)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+import llguidance
+import numpy as np
+import pytest
+import torch
+
+from nebula_flow import structured
+from nebula_flow.api.request import ApiError, Served, parse_chat, parse_completion
+from nebula_flow.cli.common import structured_option
+from nebula_flow.params import InvalidParams, SamplingParams
+from nebula_flow.penalties import Penalties
+from nebula_flow_workers.guides import DraftMasks, Guides
+from nebula_flow_workers.runner import Task
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+EOS = 0  # the tiny pair's
+
+
+@pytest.mark.parametrize("spec", [{"json": SCHEMA}, {"json": json.dumps(SCHEMA)}, {"json_object": True},
+                                  {"regex": "[0-9]{2}-[a-z]+"}, {"choice": ["yes", "no", 'say "hi"']},
+                                  {"grammar": 'start: "a" b\nb: "x" | "y"'}])
+def test_every_kind_compiles(spec: dict) -> None:
+    assert structured.grammar(spec)
+    assert SamplingParams(structured=spec).penalized  # (every verify row is masked, like a penalty)
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ({"regex": "[a-"}, "unclosed character class"),
+    ({"json": {"type": "objectx"}}, "objectx"),
+    ({"json": "{not json"}, "JSON schema"),
+    ({"json": [1]}, "JSON schema"),
+    ({"grammar": "start: foo"}, "unknown name"),
+    ({"choice": []}, "choice must be"),
+    ({"choice": ["a", 3]}, "choice must be"),
+    ({"json_object": False}, "json_object must be true"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+    ({"xml": "a"}, "exactly one of"),
+    ("json", "exactly one of"),
+    ({"regex": "a" * (structured.MAX_SPEC_CHARS + 1)}, "at most"),
+])
+def test_bad_specs_are_clear_errors(spec: object, says: str) -> None:
+    with pytest.raises(structured.InvalidStructure, match=None) as err:
+        structured.grammar(spec)
+    assert says in str(err.value)
+    with pytest.raises(InvalidParams):  # (where a request enters: the broker, the client library)
+        SamplingParams.from_wire({"structured": spec})
+
+
+def test_a_grammar_cannot_ignore_eos() -> None:
+    with pytest.raises(InvalidParams, match="cannot ignore EOS"):
+        SamplingParams.from_wire({"structured": {"regex": "a+"}, "ignore_eos": True})
+    params = SamplingParams.from_wire({"structured": {"regex": "a+"}})
+    assert SamplingParams.from_wire(params.to_wire()) == params
+
+
+@pytest.fixture(scope="module")
+def guides(tiny_pair) -> Guides:  # noqa: ANN001
+    return Guides.of(tiny_pair / "target", 512)
+
+
+def _ids(guides: Guides, text: str) -> list[int]:
+    return guides._llg_tokenizer().tokenize_str(text)
+
+
+def _fresh_mask(guides: Guides, spec: dict, output: list[int]) -> torch.Tensor:
+    """llguidance's own mask after ``output``, from a new matcher."""
+    m = llguidance.LLMatcher(guides._llg_tokenizer(), structured.grammar(spec))
+    assert m.consume_tokens(output)
+    bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[:512]
+    return torch.from_numpy(bits.astype(bool))
+
+
+def test_a_guide_follows_the_output_as_it_grows_and_is_cut_back(guides) -> None:  # noqa: ANN001
+    spec = {"json": SCHEMA}
+    params = SamplingParams(structured=spec)
+    text = _ids(guides, '{"n":12345}')
+    for output in (text[:2], text[:5], text[:3], text[:6], text[:1], text[:4]):  # (grows, is cut back, grows)
+        guide = guides.guide(7, params, output)
+        assert torch.equal(guide.allowed([]), _fresh_mask(guides, spec, output))
+        assert torch.equal(guide.allowed(text[len(output):len(output) + 2]), _fresh_mask(guides, spec, text[:len(output) + 2]))
+        assert torch.equal(guide.allowed([]), _fresh_mask(guides, spec, output))  # (a row's path is rolled back)
+    done = guides.guide(7, params, text)
+    assert done.allowed([]).nonzero().flatten().tolist() == [EOS]  # (complete: only EOS)
+    assert done.allowed([EOS, 5]).nonzero().flatten().tolist() == [EOS]  # (past its end: never output)
+    with pytest.raises(ValueError, match="breaks the grammar"):
+        guides.guide(7, params, text[:1]).allowed(_ids(guides, "x"))
+    with pytest.raises(ValueError, match="breaks its grammar"):
+        guides.guide(8, params, _ids(guides, "nope"))
+    other = guides.guide(7, SamplingParams(structured={"choice": ["ab"]}), [])  # (another grammar: a new matcher)
+    assert torch.equal(other.allowed([]), _fresh_mask(guides, {"choice": ["ab"]}, []))
+
+
+def test_a_verify_row_is_masked_and_a_complete_grammar_beats_min_tokens(guides) -> None:  # noqa: ANN001
+    params = SamplingParams(structured={"choice": ["ab"]}, min_tokens=10)
+    text = _ids(guides, "ab")
+    logits = torch.randn(512)
+    start = Penalties(params, np.array([1, 2, *text[:1]]), 2, [EOS], guides.guide(3, params, text[:1]))
+    row = start.row(logits, [])
+    allowed = _fresh_mask(guides, params.structured, text[:1])
+    assert torch.isinf(row[~allowed]).all() and torch.equal(row[allowed], logits.double()[allowed])
+    assert start.row(logits, text[1:]).isfinite().nonzero().flatten().tolist() == [EOS]  # (EOS, though short)
+
+
+def test_draft_steps_are_masked_per_structured_task(guides) -> None:  # noqa: ANN001
+    spec = {"regex": "[0-9]+"}
+    free, bound = (Task(rid, "draft", 0, 0, np.array([1, 2, 3]), 3, p, 0, prompt_len=3)
+                   for rid, p in ((1, SamplingParams()), (2, SamplingParams(structured=spec))))
+    masks = DraftMasks.of(guides, [free, bound], None)
+    logits = torch.zeros(2, 512)
+    masks.apply(logits, [0, 1])
+    assert logits[0].isfinite().all() and torch.equal(logits[1].isfinite(), _fresh_mask(guides, spec, []))
+    digit = _ids(guides, "7")
+    masks.picked(torch.tensor([5, digit[0]]), [0, 1])
+    assert masks.paths == {1: digit}
+    assert DraftMasks.of(guides, [free], None) is None and DraftMasks.of(None, [bound], None) is None
+
+
+SERVED = Served("tiny")
+
+
+@pytest.mark.parametrize(("extra", "spec"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+     {"json": SCHEMA}),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, {"regex": "[a-z]+"}),
+    ({"structured_outputs": {"choice": ["a", "b"], "json": None}}, {"choice": ["a", "b"]}),
+    ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}),
+    ({"guided_json": SCHEMA}, {"json": SCHEMA}),
+])
+def test_the_api_reads_every_way_to_ask(extra: dict, spec: dict | None) -> None:
+    chat = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **extra}, SERVED)
+    assert chat.params.get("structured") == spec
+    completion = parse_completion({"model": "tiny", "prompt": "hi", **extra}, SERVED)
+    assert completion.params.get("structured") == spec
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+    ({"guided_json": {"type": "objectx"}}, "guided_json"),
+    ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+])
+def test_the_api_refuses_bad_structures_by_name(extra: dict, param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_completion({"model": "tiny", "prompt": "hi", **extra}, SERVED)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def test_cli_options(tmp_path) -> None:  # noqa: ANN001
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMA))
+    assert structured_option(str(schema), False, None, (), None) == {"json": SCHEMA}
+    assert structured_option(None, False, None, ("a", "b"), None) == {"choice": ["a", "b"]}
+    assert structured_option(None, True, None, (), None) == {"json_object": True}
+    assert structured_option(None, False, None, (), None) is None
+    with pytest.raises(click.UsageError):
+        structured_option(None, True, "a+", (), None)
+    schema.write_text("{oops")
+    with pytest.raises(click.BadParameter):
+        structured_option(str(schema), False, None, (), None)
