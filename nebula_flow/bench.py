@@ -57,6 +57,14 @@ _EDIT_CODE = [
     "        if items[mid] < target:\n            low = mid + 1\n        else:\n            high = mid - 1\n"
     "    return -1\n",
 ]
+# Chat requests for JSON records (``--json-schema``, e.g. configs/schemas/person.json): structured outputs.
+DEFAULT_JSON_PROMPTS = [
+    "Make up a software engineer and describe them as JSON.", "Describe a fictional data scientist as JSON.",
+    "Invent a Python developer who maintains an open-source library; give their profile as JSON.",
+    "Describe a junior web developer as JSON.", "Make up a researcher who writes C++ and Rust; answer in JSON.",
+    "Describe a fictional game programmer as JSON.", "Invent a DevOps engineer and describe them as JSON.",
+    "Describe a retired COBOL programmer as JSON.",
+]
 _EDITS = ["Add type hints to this Python code. Reply with the whole code only.",
           "Add a docstring to this Python code. Reply with the whole code only."]
 DEFAULT_EDIT_PROMPTS = [f"{edit}\n\n```python\n{code}```" for edit in _EDITS for code in _EDIT_CODE]
@@ -90,6 +98,7 @@ class BenchWorkload:
     ignore_eos: bool = True  # fixed-length outputs keep modes comparable
     chat: bool = False  # send each prompt as a user message in the model's chat format
     top_p: float = 1.0  # nucleus sampling (with a temperature): 1 = the whole distribution
+    structured: dict[str, Any] | None = None  # every request's structured output (``nebula_flow/structured.py``)
 
 
 async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) -> list[Completion]:
@@ -103,7 +112,8 @@ async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) 
             while queue:
                 i, prompt = queue.pop(0)
                 outs.append(await client.generate(prompt, max_new_tokens=wl.max_new_tokens, temperature=wl.temperature,
-                                                  top_p=wl.top_p, seed=i, ignore_eos=wl.ignore_eos, chat=wl.chat))
+                                                  top_p=wl.top_p, seed=i, ignore_eos=wl.ignore_eos, chat=wl.chat,
+                                                  **({"structured": wl.structured} if wl.structured else {})))
         await asyncio.gather(*(user() for _ in range(max(1, wl.concurrency))))
     return outs
 

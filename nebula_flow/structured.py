@@ -51,7 +51,7 @@ def grammar(spec: Any) -> str:  # noqa: ANN401
         raise InvalidStructure(f"structured outputs take exactly one of {', '.join(KINDS)}, got "
                                f"{sorted(spec)[:5] if isinstance(spec, dict) else type(spec).__name__}")
     try:
-        text = json.dumps(spec, sort_keys=True, ensure_ascii=False)
+        text = json.dumps(spec, ensure_ascii=False)  # (not sorted: a schema's properties come in its order)
     except (TypeError, ValueError) as exc:
         raise InvalidStructure(f"structured outputs must be JSON: {exc}") from None
     if len(text) > MAX_SPEC_CHARS:

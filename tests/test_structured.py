@@ -123,6 +123,29 @@ def test_draft_steps_are_masked_per_structured_task(guides) -> None:  # noqa: AN
     assert DraftMasks.of(guides, [free], None) is None and DraftMasks.of(None, [bound], None) is None
 
 
+def test_a_reduced_draft_head_takes_a_forced_token_or_ends_the_draft(guides) -> None:  # noqa: ANN001
+    """A draft head of a subset of the vocabulary: masked by column; where it holds no token the
+    grammar allows, a greedy draft takes the one token the grammar forces, a sampled one ends."""
+    choice = {"choice": ["abc"]}  # (one answer: every token forced)
+    forced = _ids(guides, "abc")
+    columns = torch.tensor([t for t in range(512) if t != forced[0]])  # (the head lacks the first token)
+    greedy, sampled = (Task(rid, "draft", 0, 0, np.array([1, 2]), 3, p, 0, prompt_len=2)
+                       for rid, p in ((4, SamplingParams(structured=choice)),
+                                      (5, SamplingParams(structured=choice, temperature=1.0))))
+    masks = DraftMasks.of(guides, [greedy, sampled], columns)
+    logits = torch.zeros(2, len(columns))
+    masks.apply(logits, [0, 1])
+    assert logits.isfinite().all()  # (neither row masked: no column allowed)
+    picked = torch.tensor([7, 7])
+    masks.picked(picked, [0, 1])
+    assert picked[0] == forced[0] and masks.paths[0] == forced[:1] and masks.ends == {1: 0}
+    assert masks.cut(1, [7, 8], [np.ones(1)] * 2, None) == ([], [], None) and masks.cut(0, [1, 2]) == ([1, 2],)
+    if len(forced) > 1:  # (the next token is in the head: masked to it)
+        logits = torch.zeros(1, len(columns))
+        masks.apply(logits, [0])
+        assert logits[0].isfinite().nonzero().flatten().tolist() == [(columns == forced[1]).nonzero().item()]
+
+
 SERVED = Served("tiny")
 
 
@@ -170,3 +193,24 @@ def test_cli_options(tmp_path) -> None:  # noqa: ANN001
     schema.write_text("{oops")
     with pytest.raises(click.BadParameter):
         structured_option(str(schema), False, None, (), None)
+
+
+@pytest.mark.slow
+def test_bench_runs_json_schema_requests(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """``bench --json-schema``: chat requests for JSON records bound to the schema, in each mode;
+    speculation commits several tokens a round; the HF peers are refused (they follow no grammar)."""
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(f'mode = "pooled"\n[draft]\nmodel = "{tiny_pair / "draft"}"\nthreads = 1\n'
+                   f'[target]\nmodel = "{tiny_pair / "target"}"\nthreads = 1\n')
+    res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "pooled,autoregressive", "--json-schema",
+                                    "configs/schemas/person.json", "--requests", "2", "--max-new-tokens", "40",
+                                    "--repeats", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
+    assert modes["pooled"]["tokens_per_round"] > 1.2 and modes["autoregressive"]["tokens_per_round"] == 1.0
+    refused = CliRunner().invoke(main, ["bench", "--modes", "pooled,hf", "--json-schema", "configs/schemas/person.json"])
+    assert refused.exit_code != 0 and "cannot follow a JSON schema" in refused.output

@@ -165,14 +165,16 @@ class ModelRunner:
             if masks is not None:
                 masks.picked(picked, active)
             step += 1
-            going = [j for j, i in enumerate(active) if tasks[i].k > step]
+            going = [j for j, i in enumerate(active) if tasks[i].k > step and (masks is None or i not in masks.ends)]
             feed = picked if len(going) == len(active) else picked[staging.tensor(going, picked.device, torch.long)]
             active = [active[j] for j in going]
         drafts = []
-        for t, c, end, d in zip(tasks, caches, ends, steps.settle()):
+        for i, (t, c, end, d) in enumerate(zip(tasks, caches, ends, steps.settle())):
             if c.length > len(t.tokens):  # (the drafted tokens fed from the device, after the committed ones)
                 c.settle(len(t.tokens), d.fed[:c.length - len(t.tokens)])
-            drafts.append(Draft(d.tokens, d.q_idx, d.q_prob, d.runner_ups))
+            if masks is not None:
+                d.tokens, d.q_idx, d.q_prob = masks.cut(i, d.tokens, d.q_idx, d.q_prob)
+            drafts.append(Draft(d.tokens, d.q_idx, d.q_prob, d.runner_ups if d.tokens else []))
             if end is not None:
                 t.prefilled = c.length
             elif t.fuse and (chain := fused_ngram(t.tokens, t.fuse)):

@@ -25,7 +25,7 @@ import orjson
 from nebula_flow.client import Busy, Chunk, Completion, NebulaError, RequestError, completion_of
 
 PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-          "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos"}
+          "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "structured": "structured_outputs"}
 
 
 class HttpClient:

@@ -16,6 +16,7 @@ from nebula_flow.cli.common import (
     load_deploy,
     prepare_models,
     start_deployment,
+    structured_option,
     with_settings,
 )
 from nebula_flow.roles import MODES
@@ -46,6 +47,10 @@ from nebula_flow.roles import MODES
               "is used) instead of raw code and prose prompts.")
 @click.option("--edit", is_flag=True, help="Send chat requests to change a given function (add type hints, a "
               "docstring): answers that repeat their prompt's code, where an n-gram drafter pays (pooled+ngram).")
+@click.option("--json-schema", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Structured outputs: chat requests for JSON records, each answer bound to the JSON schema in this "
+              "file (e.g. configs/schemas/person.json); answers end when their JSON is complete (greedy, every mode "
+              "gives the same answers).")
 @click.option("--breakdown", is_flag=True, help="Also print where a decode round's time goes, per mode: forward "
               "passes, KV, worker Python, hops, broker, queue (ms per round, medians over repeats; see "
               "docs/operations.md), and the CPU time per round of the broker and of the workers. --json always "
@@ -55,11 +60,12 @@ from nebula_flow.roles import MODES
               "Both: each repeat runs both on the same deployment, in turns; rows \"MODE via api\".")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-          temperature, top_p, repeats, chat, edit, breakdown, via, as_json) -> None:  # noqa: ANN001
+          temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
         DEFAULT_CHAT_PROMPTS,
         DEFAULT_EDIT_PROMPTS,
+        DEFAULT_JSON_PROMPTS,
         DEFAULT_PROMPTS,
         BenchWorkload,
         bench_mode,
@@ -80,11 +86,17 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         raise click.BadParameter("zmq, api, or both (zmq,api)", param_hint="--via")
     if twice := sorted({m for m in names if names.count(m) > 1}):  # (results are keyed by mode)
         raise click.ClickException(f"modes given more than once: {', '.join(twice)}; a mode's runs are --repeats")
-    pool = DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
+    pool = DEFAULT_JSON_PROMPTS if json_schema else DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat \
+        else DEFAULT_PROMPTS
     if top_p < 1 and temperature == 0:
         raise click.BadParameter("top-p samples: give a --temperature above 0 too", param_hint="--top-p")
     wl = BenchWorkload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature,
-                       chat=chat or edit, top_p=top_p)
+                       chat=chat or edit or bool(json_schema), top_p=top_p)
+    if json_schema:
+        if peers := [m for m in names if m in PEERS]:
+            raise click.ClickException(f"{', '.join(peers)} cannot follow a JSON schema; bench them without --json-schema")
+        wl.structured = structured_option(json_schema, False, None, (), None)
+        wl.ignore_eos = False
     results = {}
     for name in names:
         if name in PEERS:
