@@ -94,6 +94,9 @@ def test_a_guide_follows_the_output_as_it_grows_and_is_cut_back(guides) -> None:
         guides.guide(7, params, text[:1]).allowed(_ids(guides, "x"))
     with pytest.raises(ValueError, match="breaks its grammar"):
         guides.guide(8, params, _ids(guides, "nope"))
+    a, b = (guides.guide(9, params, text[:n], own=True) for n in (2, 5))  # (a request's two branches at once)
+    assert torch.equal(a.allowed([]), _fresh_mask(guides, spec, text[:2]))
+    assert torch.equal(b.allowed([]), _fresh_mask(guides, spec, text[:5]))
     other = guides.guide(7, SamplingParams(structured={"choice": ["ab"]}), [])  # (another grammar: a new matcher)
     assert torch.equal(other.allowed([]), _fresh_mask(guides, {"choice": ["ab"]}, []))
 

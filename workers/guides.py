@@ -15,7 +15,7 @@ mask and rolls ``p`` back.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -87,8 +87,9 @@ class Guides:
                                           eos_token=self.eos or None)
         return self._tokenizer
 
-    def guide(self, rid: int, params: SamplingParams, output: Sequence[int]) -> Guide:
-        """Request ``rid``'s matcher advanced over ``output`` (its committed output tokens)."""
+    def guide(self, rid: int, params: SamplingParams, output: Sequence[int], own: bool = False) -> Guide:
+        """Request ``rid``'s matcher advanced over ``output`` (its committed output tokens); ``own``:
+        a copy of it (the next call for ``rid`` moves the matcher it keeps)."""
         from llguidance import LLMatcher
 
         grammar = structured.grammar(params.structured)
@@ -110,7 +111,7 @@ class Guides:
         self._matchers[rid] = (grammar, matcher, output)
         while len(self._matchers) > MAX_MATCHERS:
             self._matchers.popitem(last=False)
-        return Guide(matcher, self.vocab, self.eos)
+        return Guide(matcher.deep_copy() if own else matcher, self.vocab, self.eos)
 
 
 class DraftMasks:
@@ -126,10 +127,11 @@ class DraftMasks:
     def __init__(self, guides: Guides, tasks: Sequence, columns: torch.Tensor | None) -> None:
         self.columns = columns
         self.guides: dict[int, Guide] = {}
+        rids = Counter(t.rid for t in tasks if t.params.structured is not None)
         for i, t in enumerate(tasks):
             if t.params.structured is not None:
-                try:
-                    self.guides[i] = guides.guide(t.rid, t.params, t.tokens[t.prompt_len:].tolist())
+                try:  # (a request's several tasks, draft-ahead's branches: each its own matcher)
+                    self.guides[i] = guides.guide(t.rid, t.params, t.tokens[t.prompt_len:].tolist(), own=rids[t.rid] > 1)
                 except ValueError:
                     pass
         self.paths: dict[int, list[int]] = {i: [] for i in self.guides}

@@ -227,7 +227,7 @@ class ModelRunner:
             for b, assumed in enumerate(outcomes[:t.ahead]):
                 tokens = np.concatenate([t.tokens, np.asarray(assumed, dtype=t.tokens.dtype)])
                 subtasks.append(Task(t.rid, "draft", t.round, t.attempt, tokens, t.k, t.params, t.seed,
-                                     alts=t.alts, fuse=t.fuse))
+                                     alts=t.alts, fuse=t.fuse, prompt_len=t.prompt_len))
                 subcaches.append(cache if b == 0 else self.store.branch(t.rid, b, tokens))
                 owners.append((i, assumed))
         for (i, assumed), d in zip(owners, self._drafts(subtasks, subcaches, [None] * len(subtasks))):
