@@ -57,6 +57,8 @@ class Admission:
             params.validate(self.max_new_tokens_limit)
         except (InvalidParams, TypeError) as exc:
             raise ProtocolError("invalid_params", str(exc)) from None
+        if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
+            raise ProtocolError("invalid_params", f"logit_bias's token ids must be below {self.vocab_size}")
         return params
 
     def request(self, rid: int, msg: Submit, owner: bytes, now: float, prompt: list[int] | None = None) -> Request:

@@ -12,6 +12,7 @@ MAX_STOP_LEN = 256
 MAX_SEED = 2**63 - 1
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # most likely tokens reported beside each output token (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 1024  # token ids a request may bias
 
 
 class InvalidParams(ValueError):
@@ -33,6 +34,8 @@ class SamplingParams:
     (vLLM's and HF's, > 0, on the prompt's and the output's) change the distribution the output
     follows, greedy or sampled (``nebula_flow/penalties.py``); so does ``min_tokens`` (vLLM's): no
     EOS or stop token id, and no stop string, ends the output before it has this many tokens.
+    ``logit_bias`` (OpenAI's: token id -> a number from -100 to 100) is added to the target's logits
+    before the penalties (as vLLM applies it), so -100 all but bans a token and 100 all but forces it.
     ``structured`` (None: free text): the output follows a JSON schema, any JSON object, a regular
     expression, one of some choices or a Lark grammar (``nebula_flow/structured.py``), greedy or
     sampled; it ends with EOS once the grammar is complete, so it cannot ignore EOS.
@@ -51,6 +54,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
     structured: dict[str, Any] | None = field(default=None, hash=False)  # e.g. {"json": schema}, {"regex": "..."}
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
 
@@ -63,7 +67,8 @@ class SamplingParams:
         # (``nebula_flow/penalties.py``); a plain attribute beside the fields, not a property: the
         # broker reads it for every task it sends
         object.__setattr__(self, "penalized", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                           or self.repetition_penalty != 1.0 or self.min_tokens != 0 or self.structured is not None)
+                           or self.repetition_penalty != 1.0 or self.min_tokens != 0 or self.structured is not None
+                           or bool(self.logit_bias))
 
     def to_wire(self) -> dict[str, Any]:
         """The parameters as they travel (made once: every task of the request carries them;
@@ -73,6 +78,8 @@ class SamplingParams:
             wire = {f: getattr(self, f) for f in self.__dataclass_fields__}
             wire["stop"] = list(self.stop)
             wire["stop_token_ids"] = list(self.stop_token_ids)
+            if self.logit_bias is not None:  # (JSON's keys are strings)
+                wire["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}
             object.__setattr__(self, "_wire", wire)  # (a frozen dataclass: a cache beside its fields)
         return wire
 
@@ -92,7 +99,15 @@ class SamplingParams:
         ids = raw.pop("stop_token_ids", ()) or ()
         if not isinstance(ids, (list, tuple)):
             raise InvalidParams("stop_token_ids must be a list of token ids")
-        params = cls(stop=tuple(stop), stop_token_ids=tuple(ids), **raw)
+        bias = raw.pop("logit_bias", None)
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise InvalidParams("logit_bias must be an object of token ids to numbers")
+            try:
+                bias = {int(t): b for t, b in bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidParams("logit_bias's keys must be token ids") from None
+        params = cls(stop=tuple(stop), stop_token_ids=tuple(ids), logit_bias=bias, **raw)
         params.validate()
         return params
 
@@ -134,6 +149,12 @@ class SamplingParams:
             raise InvalidParams(f"min_tokens must be an integer from 0 to max_new_tokens, got {self.min_tokens!r}")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.fit_context, bool):
             raise InvalidParams("ignore_eos and fit_context must be booleans")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or not all(
+                    is_int(t) and 0 <= t < 1 << 31 and isinstance(b, (int, float)) and not isinstance(b, bool)
+                    and math.isfinite(b) and -100 <= b <= 100 for t, b in bias.items()):
+                raise InvalidParams(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]")
         if self.structured is not None:
             from nebula_flow import structured  # (llguidance: loaded only where a request asks for it)
 

@@ -2,6 +2,7 @@
 
 For the row that picks output token i (after ``prompt + output[:i]``):
 
+- ``logit_bias`` (OpenAI's): each listed token's logit gets its bias added, first (as vLLM);
 - ``repetition_penalty`` r (HF's ``RepetitionPenaltyLogitsProcessor``, vLLM's): the logit of every
   token already in the prompt or the output is divided by r where positive, multiplied where not;
 - ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): the logit of each token that the
@@ -38,6 +39,10 @@ class Penalties:
                  guide: Any = None) -> None:  # noqa: ANN401
         self.params, self.suppress, self.output_len = params, list(suppress), len(tokens) - prompt_len
         self.guide = guide
+        self.bias = None  # (ids, values) of the logit bias
+        if params.logit_bias:
+            items = sorted(params.logit_bias.items())
+            self.bias = (torch.tensor([t for t, _ in items]), torch.tensor([b for _, b in items], dtype=torch.float64))
         seen = np.unique(tokens)  # prompt and output (repetition), sorted
         self.seen, self.seen_ids = set(seen.tolist()), torch.from_numpy(seen.astype(np.int64))
         ids, counts = np.unique(tokens[prompt_len:], return_counts=True)
@@ -59,6 +64,10 @@ class Penalties:
                 counts[t] = counts.get(t, 0) + 1
         out = logits.double().clone()
         vocab = out.shape[-1]
+        if self.bias is not None:
+            ids, values = self.bias
+            keep = ids < vocab  # (the broker refuses others where it knows the vocabulary)
+            out[ids[keep].to(out.device)] += values[keep].to(out.device)
         if p.repetition_penalty != 1.0:
             new = [t for t in dict.fromkeys(path) if t not in self.seen]
             idx = torch.cat([self.seen_ids, torch.tensor(new, dtype=torch.long)]).to(out.device)

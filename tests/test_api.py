@@ -242,6 +242,23 @@ def test_penalties_reach_the_broker(served) -> None:  # noqa: ANN001
     assert got.choices[0].model_extra["token_ids"] == want.token_ids
 
 
+def test_logit_bias_through_the_openai_client(served) -> None:  # noqa: ANN001
+    """OpenAI's ``logit_bias`` (string keys): what the client library gives; +100 forces a token,
+    -100 bans one (its exactness in every mode: ``test_e2e_lossless``)."""
+    prompt, client = "def fibonacci(n):", oai(served)
+    with Client(served.address) as c:
+        plain = c.generate(prompt, max_new_tokens=12)
+        banned = plain.token_ids[0]
+        want = c.generate(prompt, max_new_tokens=12, logit_bias={banned: -100, 42: 3.0})
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                    logit_bias={str(banned): -100, "42": 3.0}, extra_body={"return_token_ids": True})
+    assert got.choices[0].model_extra["token_ids"] == want.token_ids != plain.token_ids
+    assert banned not in want.token_ids
+    forced = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_completion_tokens=5, temperature=0,
+                                            logit_bias={"42": 100}, extra_body={"return_token_ids": True})
+    assert forced.choices[0].model_extra["token_ids"] == [42] * 5
+
+
 def test_structured_outputs_through_the_openai_client(served) -> None:  # noqa: ANN001
     """OpenAI's ``response_format`` (a JSON schema, streamed and not) and vLLM's ``structured_outputs``:
     the HTTP API gives what the client library gives, and the JSON follows the schema (its
@@ -353,6 +370,11 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "frequency_penalty": "high"}, 400, "frequency_penalty"),
     ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"model": "tiny", "prompt": "x", "min_tokens": -2}, 400, "min_tokens"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}, 400, None),  # (past the vocabulary: the broker)
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, 400,
+     "response_format"),
     ({"model": "tiny", "prompt": LONG}, 400, None),  # over the context: the limit is in the message
 ]
 

@@ -45,14 +45,21 @@ def greedy_requests() -> list[dict]:
 
 def penalized_requests() -> list[dict]:
     """Greedy with HF's repetition penalty, greedy with OpenAI's presence and frequency penalties,
-    sampled with all three (seeded), and greedy with min_tokens past where it would end."""
+    sampled with all three (seeded), greedy with min_tokens past where it would end, and greedy
+    and sampled with a logit bias."""
     prompt = [5, 6, 7, 8, 5, 6]
     return [{"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "repetition_penalty": 1.3},
             {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "presence_penalty": 0.5,
              "frequency_penalty": 0.4},
             {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "presence_penalty": 0.5,
              "frequency_penalty": 0.2, "repetition_penalty": 1.2, "temperature": 0.9, "seed": 4},
-            {"token_ids": [16, 17, 7], "max_new_tokens": 30, "min_tokens": 12}]  # (its greedy output ends at 6)
+            {"token_ids": [16, 17, 7], "max_new_tokens": 30, "min_tokens": 12},  # (its greedy output ends at 6)
+            {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "logit_bias": BIAS},
+            {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "logit_bias": BIAS, "temperature": 0.9,
+             "seed": 5, "repetition_penalty": 1.1}]
+
+
+BIAS = {42: 2.5, 45: -100, 300: 1.5}  # (logit_bias: 45 is in the plain greedy output of the prompt below)
 
 
 BOUNDED = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -110,7 +117,7 @@ def runs(tiny_pair):  # noqa: ANN001, ANN201
             with Deployment(cfg) as dep:
                 outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests() + penalized_requests()
                                             + structured_requests(), 2 if draft_ahead else None))
-                penalized[key], bound[key] = outs[24:28], outs[28:]
+                penalized[key], bound[key] = outs[24:30], outs[30:]
                 with Client(dep.address) as client:
                     state = client.status()
                     batches[key] = [{"role": w["role"], **w["batches"]} for w in state["workers"]]
@@ -208,6 +215,8 @@ def penalized_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
     with torch.no_grad():
         while len(out) < request["max_new_tokens"] and (request.get("ignore_eos") or eos not in out):
             logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+            for t, b in request.get("logit_bias", {}).items():
+                logits[t] += b
             if len(out) < request.get("min_tokens", 0):
                 logits[eos] = float("-inf")
             seen = torch.tensor(sorted(set(prompt + out)))
@@ -221,11 +230,11 @@ def penalized_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
 
 @pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
 def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, mode: str) -> None:  # noqa: ANN001
-    """Presence, frequency and repetition penalties and min_tokens: greedy output is the target's own penalized
+    """Presence, frequency and repetition penalties, min_tokens and logit_bias: greedy output is the target's own penalized
     greedy output (each row of a verify penalized for the tokens on its own path), in every mode;
     seeded penalized sampling is the same in every speculative mode."""
     runs(mode, 2, 2)
-    rep, freq, sampled, least = runs.penalized[(mode, 2, 2, False, False, 0)]
+    rep, freq, sampled, least, biased, biased_sampled = runs.penalized[(mode, 2, 2, False, False, 0)]
     requests = penalized_requests()
     model, prompt = _hf_model(str(tiny_pair / "target")), requests[0]["token_ids"]
     hf = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3,
@@ -236,8 +245,11 @@ def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, m
     assert rep.token_ids != plain and freq.token_ids != plain  # (the penalties changed the output)
     assert least.token_ids == penalized_greedy(tiny_pair, requests[3]) and len(least.token_ids) >= 12
     assert len(hf_greedy(tiny_pair / "target", requests[3]["token_ids"], 30)) < 12  # (without it: EOS sooner)
+    assert biased.token_ids == penalized_greedy(tiny_pair, requests[4]) != plain and 45 in plain
+    assert 45 not in biased.token_ids and 45 not in biased_sampled.token_ids  # (-100: all but banned)
     if mode != "autoregressive":  # (its sampled draws are its own: placement independence is across speculative modes)
         assert sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][2].token_ids
+        assert biased_sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][5].token_ids
 
 
 def structured_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001

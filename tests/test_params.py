@@ -37,10 +37,24 @@ def test_defaults_are_greedy_and_valid() -> None:
     ({"min_tokens": 65}, "min_tokens"),  # (more than max_new_tokens, 64)
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": True}}, "logit_bias"),
+    ({"logit_bias": {"5": math.inf}}, "logit_bias"),
+    ({"logit_bias": [5]}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
 ])
 def test_bad_parameters_are_rejected_with_a_clear_message(raw: dict, match: str) -> None:
     with pytest.raises(InvalidParams, match=match):
         SamplingParams.from_wire(raw)
+
+
+def test_logit_bias_travels_with_string_keys_and_counts_as_a_penalty() -> None:
+    p = SamplingParams(logit_bias={5: 100, 7: -2.5})
+    assert p.to_wire()["logit_bias"] == {"5": 100, "7": -2.5}  # (JSON's keys)
+    assert SamplingParams.from_wire(p.to_wire()) == p and p.penalized
+    assert not SamplingParams(logit_bias={}).penalized
 
 
 def test_stop_token_ids_end_the_output_even_with_ignore_eos() -> None:

@@ -25,7 +25,8 @@ import orjson
 from nebula_flow.client import Busy, Chunk, Completion, NebulaError, RequestError, completion_of
 
 PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-          "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "structured": "structured_outputs"}
+          "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "structured": "structured_outputs",
+          "logit_bias": "logit_bias"}
 
 
 class HttpClient:
@@ -74,7 +75,8 @@ class HttpClient:
             if name not in PARAMS:
                 raise ValueError(f"the HTTP API takes no {name!r} here")
             if value is not None:
-                body[PARAMS[name]] = list(value) if name == "stop" else value
+                body[PARAMS[name]] = list(value) if name == "stop" else \
+                    {str(t): b for t, b in value.items()} if name == "logit_bias" else value
         if chat:
             path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
         else:

@@ -18,6 +18,7 @@ from typing import Any
 
 from nebula_flow import structured
 from nebula_flow.params import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_SEED,
     MAX_STOP_LEN,
@@ -33,7 +34,7 @@ MAX_MESSAGES = 4096
 # Fields OpenAI defines that the gateway does not build: refused when they ask for anything.
 UNSUPPORTED = {
     "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
@@ -171,11 +172,29 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
     params.update(_max_tokens(body, served, chat))
     if (top := _logprobs(body, chat)) is not None:
         params["logprobs"] = top
+    if bias := _logit_bias(body.get("logit_bias")):
+        params["logit_bias"] = bias
     if (spec := _structured(body)) is not None:
         if params["ignore_eos"]:
             raise invalid("ignore_eos", "structured outputs cannot ignore EOS: a complete grammar ends with it")
         params["structured"] = spec
     return params
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:  # noqa: ANN401
+    """OpenAI's ``logit_bias``: token ids (as JSON's string keys) to numbers in [-100, 100]."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise invalid("logit_bias", f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids to numbers")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdecimal() and int(key) < 1 << 31):
+            raise invalid("logit_bias", f"logit_bias's keys must be token ids, got {str(key)[:40]!r}")
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or not -100 <= value <= 100:
+            raise invalid("logit_bias", f"logit_bias's values must be numbers in [-100, 100], got {value!r}"[:200])
+        out[int(key)] = float(value)
+    return out
 
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -356,6 +375,6 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens", "response_format", "structured_outputs", *GUIDED)
+                 "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs")

@@ -240,6 +240,8 @@ def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  
     spec = structured_option(*(params.pop(k) for k in ("json_schema", "json_object", "regex", "choice", "grammar")))
     if spec is not None:
         params["structured"] = spec
+    if bias := params.pop("logit_bias", ()):
+        params["logit_bias"] = dict(bias)
     try:
         with Client(address, timeout_s=params.pop("timeout_s")) as client:
             for item in client.stream(prompt, **params):
@@ -250,6 +252,23 @@ def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  
     except (NebulaError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
+
+class TokenBias(click.ParamType):
+    """``ID=BIAS``: a token id and the number added to its logit."""
+
+    name = "ID=BIAS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, float]:  # noqa: ANN401
+        if isinstance(value, tuple):
+            return value
+        token, _, bias = str(value).partition("=")
+        try:
+            return int(token), float(bias)
+        except ValueError:
+            self.fail(f"{value!r} is not ID=BIAS (e.g. 198=-100)", param, ctx)
+
+
+TOKEN_BIAS = TokenBias()
 
 GEN_OPTIONS = [
     click.option("--max-new-tokens", default=64, show_default=True),
@@ -271,6 +290,8 @@ GEN_OPTIONS = [
                  help="HF's and vLLM's: divides (multiplies, if negative) the logits of tokens in the prompt or output."),
     click.option("--min-tokens", type=click.IntRange(0), default=0, show_default=True,
                  help="No EOS, stop token id or stop string ends the output before it has this many tokens."),
+    click.option("--logit-bias", type=TOKEN_BIAS, multiple=True, metavar="ID=BIAS",
+                 help="Add BIAS (-100 to 100) to token ID's logit (repeatable); -100 all but bans it."),
     click.option("--json-schema", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="The output is JSON that follows the JSON schema in this file (written compactly)."),
     click.option("--json-object", is_flag=True, help="The output is a JSON object (any)."),
