@@ -17,7 +17,7 @@ from nebula_flow.api.request import ApiError, Served, parse_chat, parse_completi
 from nebula_flow.cli.common import structured_option
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.penalties import Penalties
-from nebula_flow_workers.guides import DraftMasks, Guides
+from nebula_flow_workers.guides import DraftMasks, Guide, Guides
 from nebula_flow_workers.runner import Task
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
@@ -99,6 +99,23 @@ def test_a_guide_follows_the_output_as_it_grows_and_is_cut_back(guides) -> None:
     assert torch.equal(b.allowed([]), _fresh_mask(guides, spec, text[:5]))
     other = guides.guide(7, SamplingParams(structured={"choice": ["ab"]}), [])  # (another grammar: a new matcher)
     assert torch.equal(other.allowed([]), _fresh_mask(guides, {"choice": ["ab"]}, []))
+
+
+def test_a_grammar_the_vocabulary_cannot_continue_ends_the_output() -> None:
+    class DeadEnd:  # (a matcher whose mask allows nothing)
+        def try_consume_tokens(self, path: list[int]) -> int:
+            return len(path)
+
+        def is_stopped(self) -> bool:
+            return False
+
+        def compute_bitmask(self) -> bytes:
+            return bytes(64)
+
+        def rollback(self, n: int) -> bool:
+            return True
+
+    assert Guide(DeadEnd(), 512, [EOS]).allowed([3]).nonzero().flatten().tolist() == [EOS]
 
 
 def test_a_verify_row_is_masked_and_a_complete_grammar_beats_min_tokens(guides) -> None:  # noqa: ANN001

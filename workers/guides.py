@@ -50,6 +50,8 @@ class Guide:
             allowed = torch.from_numpy(bits.astype(bool))
         if took:
             m.rollback(took)
+        if not allowed.any():  # (a grammar this vocabulary cannot go on with: the output ends)
+            allowed[[t for t in self.eos if t < self.vocab]] = True
         if avoid:
             ids = torch.tensor([t for t in avoid if t < self.vocab], dtype=torch.long)
             kept = allowed.clone()
