@@ -30,8 +30,9 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
     for req in batch:
         if fusion.is_second(w, req):  # (a fused round's second draft: a plain draft of its own drafter's)
             s = req.second
-            tasks.append(TaskSpec(req.rid, DRAFT, req.round, s.attempt, req.tokens, s.k, req.params.to_wire(), req.seed,
-                                  holder(req.holders.get(holder_key("draft", s.drafter), (0, 0)))))
+            tasks.append(penalized(req, TaskSpec(req.rid, DRAFT, req.round, s.attempt, req.tokens, s.k,
+                                                 req.params.to_wire(), req.seed,
+                                                 holder(req.holders.get(holder_key("draft", s.drafter), (0, 0))))))
             continue
         task = TaskSpec(req.rid, req.phase, req.round, req.attempt, req.tokens, req.k, req.params.to_wire(),
                         req.seed, holder(req.holders.get(scheduler.task_holder_key(req), (0, 0))), draft=req.draft,
@@ -42,10 +43,7 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
             task.alts = req.alts
         if req.fuse and (req.phase != VERIFY or not req.draft):  # (without a draft the target looks it up)
             task.fuse = req.fuse
-        if req.params.penalized:  # (penalties count the output's tokens apart from the prompt's)
-            task.prompt_len = len(req.prompt)
-            if len(req.output) < req.params.min_tokens:
-                task.suppress = req.suppress
+        penalized(req, task)
         if req.q:  # (a sampled draft's proposal, flat as it came: checked when it arrived)
             task.q_idx, task.q_prob, task.q_len = req.q["q_idx"], req.q["q_prob"], req.q["q_len"]
         tasks.append(task)
@@ -56,7 +54,17 @@ def predraft(scheduler: Scheduler, req: Request, holder: HolderOf) -> TaskSpec:
     """The ``ahead`` task pre-drafting ``req``'s next round (``nebula_flow/ahead.py``): the committed
     tokens, the draft being verified, and what to draft for each outcome."""
     st = req.ahead
-    return TaskSpec(req.rid, AHEAD, st.round, st.attempt, req.tokens, st.k, req.params.to_wire(), req.seed,
-                    holder(req.holders.get(holder_key("draft", req.drafter), (0, 0))), draft=st.draft,
-                    alts=st.alts, fuse=st.fuse, ahead=scheduler.policy.draft_ahead,
-                    prompt_len=len(req.prompt) if req.params.structured is not None else 0)
+    return penalized(req, TaskSpec(req.rid, AHEAD, st.round, st.attempt, req.tokens, st.k, req.params.to_wire(), req.seed,
+                                   holder(req.holders.get(holder_key("draft", req.drafter), (0, 0))), draft=st.draft,
+                                   alts=st.alts, fuse=st.fuse, ahead=scheduler.policy.draft_ahead))
+
+
+def penalized(req: Request, task: TaskSpec) -> TaskSpec:
+    """``task`` with what its rows' rules need (``nebula_flow/penalties.py``), where ``req`` has
+    any: penalties count the output's tokens apart from the prompt's, min_tokens names the ids it
+    must not pick yet. Every task kind carries them: a draft follows the same rules as the verify."""
+    if req.params.penalized:
+        task.prompt_len = len(req.prompt)
+        if len(req.output) < req.params.min_tokens:
+            task.suppress = req.suppress
+    return task

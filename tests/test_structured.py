@@ -17,7 +17,8 @@ from nebula_flow.api.request import ApiError, Served, parse_chat, parse_completi
 from nebula_flow.cli.common import structured_option
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.penalties import Penalties
-from nebula_flow_workers.guides import DraftMasks, Guide, Guides
+from nebula_flow_workers.draft_rules import DraftRules
+from nebula_flow_workers.guides import Guide, Guides
 from nebula_flow_workers.runner import Task
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
@@ -133,14 +134,34 @@ def test_draft_steps_are_masked_per_structured_task(guides) -> None:  # noqa: AN
     spec = {"regex": "[0-9]+"}
     free, bound = (Task(rid, "draft", 0, 0, np.array([1, 2, 3]), 3, p, 0, prompt_len=3)
                    for rid, p in ((1, SamplingParams()), (2, SamplingParams(structured=spec))))
-    masks = DraftMasks.of(guides, [free, bound], None)
+    masks = DraftRules.of(guides, [free, bound], None, 512)
     logits = torch.zeros(2, 512)
     masks.apply(logits, [0, 1])
     assert logits[0].isfinite().all() and torch.equal(logits[1].isfinite(), _fresh_mask(guides, spec, []))
     digit = _ids(guides, "7")
     masks.picked(torch.tensor([5, digit[0]]), [0, 1])
     assert masks.paths == {1: digit}
-    assert DraftMasks.of(guides, [free], None) is None and DraftMasks.of(None, [bound], None) is None
+    assert DraftRules.of(guides, [free], None, 512) is None
+    unguided = DraftRules.of(None, [bound], None, 512)  # (no tokenizer here: the other rules only)
+    logits = torch.zeros(1, 512)
+    unguided.apply(logits, [0])
+    assert logits.isfinite().all()
+
+
+def test_draft_steps_follow_the_logit_bias_and_penalties(guides) -> None:  # noqa: ANN001
+    """A draft row is made as the verify row at that position: bias, then penalties on the draft so far."""
+    params = SamplingParams(logit_bias={5: 3.0}, presence_penalty=2.0)
+    task = Task(1, "draft", 0, 0, np.array([1, 2, 3]), 3, params, 0, prompt_len=2)
+    rules = DraftRules.of(None, [task], None, 512)
+    logits = torch.zeros(1, 512)
+    logits[0, 9] = 2.5
+    rules.apply(logits, [0])
+    assert int(logits[0].argmax()) == 5 and logits[0, 3] == -2.0  # (3 is in the output: presence)
+    rules.picked(torch.tensor([5]), [0])
+    logits = torch.zeros(1, 512)
+    logits[0, 9] = 2.5
+    rules.apply(logits, [0])
+    assert int(logits[0].argmax()) == 9  # (5 is in the draft's path now: 3 - 2 < 2.5)
 
 
 def test_a_reduced_draft_head_takes_a_forced_token_or_ends_the_draft(guides) -> None:  # noqa: ANN001
@@ -152,7 +173,7 @@ def test_a_reduced_draft_head_takes_a_forced_token_or_ends_the_draft(guides) -> 
     greedy, sampled = (Task(rid, "draft", 0, 0, np.array([1, 2]), 3, p, 0, prompt_len=2)
                        for rid, p in ((4, SamplingParams(structured=choice)),
                                       (5, SamplingParams(structured=choice, temperature=1.0))))
-    masks = DraftMasks.of(guides, [greedy, sampled], columns)
+    masks = DraftRules.of(guides, [greedy, sampled], columns, 512)
     logits = torch.zeros(2, len(columns))
     masks.apply(logits, [0, 1])
     assert logits.isfinite().all()  # (neither row masked: no column allowed)

@@ -15,7 +15,7 @@ mask and rolls ``p`` back.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -115,72 +115,3 @@ class Guides:
             self._matchers.popitem(last=False)
         return Guide(matcher.deep_copy() if own else matcher, self.vocab, self.eos)
 
-
-class DraftMasks:
-    """Drafting under grammars: each draft step of a structured task picks only what the grammar
-    allows after the task's output and the draft so far, so the draft does not spend verify rows
-    on tokens the target's grammar refuses. A draft is only a proposal: a task whose output its
-    matcher cannot follow (one that comes without its prompt's length) drafts freely, and
-    exactness never depends on this. ``columns``: the token id of each output-head row (a reduced
-    draft head; None: the identity). Where a reduced head holds none of the tokens the grammar
-    allows, a greedy draft takes the one it forces (JSON's punctuation between keys: often a token
-    the head lacks), else the draft ends there. Costs a read of the structured rows' picks per step."""
-
-    def __init__(self, guides: Guides, tasks: Sequence, columns: torch.Tensor | None) -> None:
-        self.columns = columns
-        self.guides: dict[int, Guide] = {}
-        rids = Counter(t.rid for t in tasks if t.params.structured is not None)
-        for i, t in enumerate(tasks):
-            if t.params.structured is not None:
-                try:  # (a request's several tasks, draft-ahead's branches: each its own matcher)
-                    self.guides[i] = guides.guide(t.rid, t.params, t.tokens[t.prompt_len:].tolist(), own=rids[t.rid] > 1)
-                except ValueError:
-                    pass
-        self.paths: dict[int, list[int]] = {i: [] for i in self.guides}
-        self.greedy = {i: tasks[i].params.greedy for i in self.guides}
-        self.forced: dict[int, int] = {}  # this step: rows whose token the grammar forces (``apply``)
-        self.ends: dict[int, int] = {}  # tasks whose draft must end before this many tokens
-
-    def cut(self, i: int, tokens: list, *proposal: list | None) -> tuple:
-        """Task ``i``'s draft tokens (and their proposals) up to where it must end."""
-        end = self.ends.get(i)
-        return (tokens, *proposal) if end is None else (tokens[:end], *(p if p is None else p[:end] for p in proposal))
-
-    @staticmethod
-    def of(guides: Guides | None, tasks: Sequence, columns: torch.Tensor | None) -> DraftMasks | None:
-        if guides is None or all(t.params.structured is None for t in tasks):
-            return None
-        masks = DraftMasks(guides, tasks, columns)
-        return masks if masks.guides else None
-
-    def apply(self, logits: torch.Tensor, active: list[int]) -> None:
-        """Mask, in place, the rows of ``logits`` (one per ``active`` task) of the structured tasks."""
-        self.forced: dict[int, int] = {}
-        for j, i in enumerate(active):
-            if i not in self.guides:
-                continue
-            try:
-                allowed = self.guides[i].allowed(self.paths[i])
-            except ValueError:  # (the draft went past the grammar's end: free from here)
-                del self.guides[i]
-                continue
-            if self.columns is not None:
-                full, allowed = allowed, allowed[self.columns]
-                if not allowed.any():  # (a reduced head holds no token the grammar allows)
-                    if self.greedy[i] and int(full.sum()) == 1:  # the grammar forces one: the draft takes it
-                        self.forced[j] = int(full.nonzero())
-                    else:  # (a sampled draft's proposal cannot hold it: its draft ends here)
-                        self.ends[i] = len(self.paths[i])
-                        del self.guides[i]
-                    continue
-            logits[j, :len(allowed)].masked_fill_(~allowed.to(logits.device), float("-inf"))
-
-    def picked(self, tokens: torch.Tensor, active: list[int]) -> None:
-        """Each structured task's token of this step (``tokens``, one per ``active`` task; a token
-        the grammar forces is written into it, where the head could not pick it)."""
-        for j, token in self.forced.items():
-            tokens[j] = token
-        places = [j for j, i in enumerate(active) if i in self.guides]
-        if places:
-            for j, token in zip(places, tokens[places].tolist()):
-                self.paths[active[j]].append(token)

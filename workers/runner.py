@@ -25,9 +25,10 @@ from nebula_flow.penalties import Penalties
 from nebula_flow.protocol import Holder
 from nebula_flow.speclen import StepCosts
 from nebula_flow.tree import TokenTree
+from nebula_flow_workers.draft_rules import DraftRules
 from nebula_flow_workers.draft_steps import DraftSteps
 from nebula_flow_workers.forward_clock import ForwardClock
-from nebula_flow_workers.guides import DraftMasks, Guide, Guides
+from nebula_flow_workers.guides import Guide, Guides
 from nebula_flow_workers.logprobs import committed_logprobs
 
 
@@ -149,7 +150,8 @@ class ModelRunner:
         steps = DraftSteps(self.model.token_ids, self.proposal_top_k, [t.params for t in tasks], [t.seed for t in tasks],
                            [len(t.tokens) for t in tasks])
         feed: list[list[int]] | torch.Tensor = [new[i] for i in active + chunks]
-        masks = DraftMasks.of(self.guides, tasks, getattr(self.model, "head_token_ids", None))
+        rules = DraftRules.of(self.guides, tasks, self.model.head_token_ids, self.model.cfg.vocab_size) \
+            if isinstance(self.model, CausalLM) else None  # (an emulated model's logits mean nothing)
         step = 0
         while active or chunks:
             logits = self._forward([caches[i] for i in active + chunks], feed, [1] * len(active) + [0] * len(chunks))
@@ -157,23 +159,23 @@ class ModelRunner:
             if not active:
                 break
             rows = torch.cat(logits[:len(active)])
-            if masks is not None:
-                masks.apply(rows, active)
+            if rules is not None:
+                rules.apply(rows, active)
             if step == 0:
                 steps.runner_ups(rows, active, [tasks[i].alts for i in active])
             picked = steps.choose(rows, active)
-            if masks is not None:
-                masks.picked(picked, active)
+            if rules is not None:
+                rules.picked(picked, active)
             step += 1
-            going = [j for j, i in enumerate(active) if tasks[i].k > step and (masks is None or i not in masks.ends)]
+            going = [j for j, i in enumerate(active) if tasks[i].k > step and (rules is None or i not in rules.ends)]
             feed = picked if len(going) == len(active) else picked[staging.tensor(going, picked.device, torch.long)]
             active = [active[j] for j in going]
         drafts = []
         for i, (t, c, end, d) in enumerate(zip(tasks, caches, ends, steps.settle())):
             if c.length > len(t.tokens):  # (the drafted tokens fed from the device, after the committed ones)
                 c.settle(len(t.tokens), d.fed[:c.length - len(t.tokens)])
-            if masks is not None:
-                d.tokens, d.q_idx, d.q_prob = masks.cut(i, d.tokens, d.q_idx, d.q_prob)
+            if rules is not None:
+                d.tokens, d.q_idx, d.q_prob = rules.cut(i, d.tokens, d.q_idx, d.q_prob)
             drafts.append(Draft(d.tokens, d.q_idx, d.q_prob, d.runner_ups if d.tokens else []))
             if end is not None:
                 t.prefilled = c.length
@@ -227,7 +229,7 @@ class ModelRunner:
             for b, assumed in enumerate(outcomes[:t.ahead]):
                 tokens = np.concatenate([t.tokens, np.asarray(assumed, dtype=t.tokens.dtype)])
                 subtasks.append(Task(t.rid, "draft", t.round, t.attempt, tokens, t.k, t.params, t.seed,
-                                     alts=t.alts, fuse=t.fuse, prompt_len=t.prompt_len))
+                                     alts=t.alts, fuse=t.fuse, prompt_len=t.prompt_len, suppress=t.suppress))
                 subcaches.append(cache if b == 0 else self.store.branch(t.rid, b, tokens))
                 owners.append((i, assumed))
         for (i, assumed), d in zip(owners, self._drafts(subtasks, subcaches, [None] * len(subtasks))):
