@@ -1,8 +1,9 @@
 """Admission: a SUBMIT becomes a ``Request`` (validated, tokenized) or a clear refusal; and the
 request's text as it grows, with stop strings applied.
 
-The broker's dispatch thread does this work, but for long prompts, which ``tokenizing`` tokenizes on
-a thread of its own; it owns the target's tokenizer (no torch).
+The broker's dispatch thread does this work, but for long prompts and structured outputs whose
+grammar is new (``slow``), which ``tokenizing`` prepares on a thread of its own; it owns the
+target's tokenizer (no torch).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from dataclasses import replace
 
 import numpy as np
 
+from nebula_flow import structured
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.protocol import ProtocolError, Submit
 from nebula_flow.request import Request
 from nebula_flow.tokenizer import TextCodec, eos_token_ids
+from nebula_flow_broker.tokenizing import INLINE_CHARS, prompt_chars
 
 
 class Admission:
@@ -50,16 +53,30 @@ class Admission:
             raise ProtocolError("invalid_prompt", "the prompt is empty")
         return prompt
 
-    def params(self, msg: Submit) -> SamplingParams:
-        """A SUBMIT's sampling parameters, validated (``ProtocolError`` otherwise)."""
+    def params(self, msg: Submit, grammar: bool = True) -> SamplingParams:
+        """A SUBMIT's sampling parameters, validated (``ProtocolError`` otherwise); ``grammar``:
+        a structured output's grammar compiled too (else its shape checked)."""
         try:
-            params = SamplingParams.from_wire(msg.params)
-            params.validate(self.max_new_tokens_limit)
+            params = SamplingParams.from_wire(msg.params, grammar)
+            params.validate(self.max_new_tokens_limit, grammar)
         except (InvalidParams, TypeError) as exc:
             raise ProtocolError("invalid_params", str(exc)) from None
         if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
             raise ProtocolError("invalid_params", f"logit_bias's token ids must be below {self.vocab_size}")
         return params
+
+    def prepare(self, msg: Submit) -> list[int]:
+        """The work a SUBMIT asks of the tokenizer thread (``tokenizing``): its grammar compiled, if
+        new, and its prompt tokenized; ``ProtocolError`` for either."""
+        self.params(msg)
+        return self.tokenize(msg, unlocked=True)
+
+    def slow(self, msg: Submit) -> bool:
+        """Whether a SUBMIT's work belongs on the tokenizer thread: a long prompt (to a tokenizer
+        this broker has), or a structured output whose grammar it has not compiled yet."""
+        spec = msg.params.get("structured") if isinstance(msg.params, dict) else None
+        return (prompt_chars(msg) > INLINE_CHARS and self.codec is not None) or (
+            spec is not None and not structured.compiled(spec))
 
     def request(self, rid: int, msg: Submit, owner: bytes, now: float, prompt: list[int] | None = None) -> Request:
         """The request a SUBMIT asks for, or ``ProtocolError`` saying what is wrong with it.

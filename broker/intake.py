@@ -19,7 +19,6 @@ from nebula_flow.protocol import Cancel, Done, ProtocolError, State, Status, Sub
 from nebula_flow.request import Request
 from nebula_flow.wire import req_id_of
 from nebula_flow_broker.access import owner_of
-from nebula_flow_broker.tokenizing import INLINE_CHARS, prompt_chars
 
 log = logging.getLogger("nebula_flow.broker")
 # Stream chunks with logprobs are big (each token's top tokens): a re-attached client gets a request's
@@ -110,8 +109,8 @@ class Intake:
             raise ProtocolError("shutting_down", "the broker is shutting down")
         if self.inflight_by_owner[identity] >= self.opts.max_inflight_per_client:
             raise ProtocolError("busy", f"this client already has {self.opts.max_inflight_per_client} requests in flight")
-        if prompt_chars(msg) > INLINE_CHARS and self.admission.codec is not None:  # (tokenizing.py)
-            self.admission.params(msg)  # (bad parameters are refused before the work)
+        if self.admission.slow(msg):  # (tokenizing.py)
+            self.admission.params(msg, grammar=False)  # (bad parameters are refused before the work)
             if len(self.scheduler.requests) + len(self.prompts.waiting) >= self.opts.max_pending:
                 raise ProtocolError("busy", f"{self.opts.max_pending} requests pending; retry later")
             self.owners[req_id] = owner

@@ -67,7 +67,7 @@ class Broker(Intake):
         policy = RecordingScheduler if opts.policy_log else Scheduler
         self.scheduler = policy(opts.mode, opts.policy)
         self.admission = Admission(opts.model, opts.max_new_tokens_limit)
-        self.prompts = PromptTokenizer(lambda msg: self.admission.tokenize(msg, unlocked=True))
+        self.prompts = PromptTokenizer(self.admission.prepare)
         self.stats = BrokerStats()
         self.round_times = RoundTimes()
         self.counters, self.errors = self.stats.counters, self.stats.errors

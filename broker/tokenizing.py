@@ -6,7 +6,9 @@ dispatch thread it holds every running request's next round that long. Here a pr
 than ``INLINE_CHARS`` goes to a thread of its own; the tokenizer's batch call releases the GIL
 (its single-text call does not: the dispatch loop stalled for 565 ms beside it, against 4 ms), so
 the broker keeps dispatching while it runs. Short prompts stay inline: a thread hop costs more
-than tokenizing them.
+than tokenizing them. A structured output whose grammar the broker has not compiled yet comes
+here too (a large JSON schema took ~70 ms; llguidance releases the GIL while it compiles): its
+grammar is compiled, its prompt tokenized, then it is admitted like any other.
 
 A prompt being tokenized is already the submitter's (its id is taken, it counts against the
 client's in-flight limit); a retry of it waits for the same result, a cancel drops it when it

@@ -84,7 +84,7 @@ class SamplingParams:
         return wire
 
     @classmethod
-    def from_wire(cls, raw: Any) -> SamplingParams:
+    def from_wire(cls, raw: Any, grammar: bool = True) -> SamplingParams:  # noqa: ANN401
         if not isinstance(raw, dict):
             raise InvalidParams("params must be an object")
         unknown = set(raw) - set(cls.__dataclass_fields__)
@@ -108,10 +108,12 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise InvalidParams("logit_bias's keys must be token ids") from None
         params = cls(stop=tuple(stop), stop_token_ids=tuple(ids), logit_bias=bias, **raw)
-        params.validate()
+        params.validate(grammar=grammar)
         return params
 
-    def validate(self, max_new_tokens_limit: int | None = None) -> None:
+    def validate(self, max_new_tokens_limit: int | None = None, grammar: bool = True) -> None:
+        """``InvalidParams`` unless every parameter is in range; ``grammar``: compile a structured
+        output's grammar too (else only its shape and size are checked)."""
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
@@ -158,6 +160,6 @@ class SamplingParams:
         if self.structured is not None:
             from nebula_flow import structured  # (llguidance: loaded only where a request asks for it)
 
-            structured.check(self.structured)
+            structured.check(self.structured, compile=grammar)
             if self.ignore_eos:
                 raise InvalidParams("structured outputs cannot ignore EOS: a complete grammar ends with it")

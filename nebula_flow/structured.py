@@ -24,7 +24,6 @@ so a bad one is a clear error before any worker sees it.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from typing import Any
 
 from nebula_flow.params import InvalidParams
@@ -32,6 +31,7 @@ from nebula_flow.params import InvalidParams
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 << 10  # a spec's size as JSON: every task of the request carries it
 MAX_CHOICES = 1024
+MAX_GRAMMARS = 256  # distinct specs whose grammar a process keeps
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
@@ -39,14 +39,48 @@ class InvalidStructure(InvalidParams):
     """A structured-output request that names no grammar llguidance can build."""
 
 
-def check(spec: Any) -> None:  # noqa: ANN401
+def check(spec: Any, compile: bool = True) -> None:  # noqa: ANN401
     """Raise ``InvalidStructure`` unless ``spec`` is one kind this module knows, with a grammar
-    that compiles."""
-    grammar(spec)
+    that compiles (``compile``; else of a size that may)."""
+    if compile:
+        grammar(spec)
+    else:
+        _text(spec)
+
+
+def compiled(spec: Any) -> bool:  # noqa: ANN401
+    """Whether ``spec``'s grammar is compiled here already (``grammar`` costs nothing then): a
+    broker compiles a new one on a thread of its own, as it tokenizes a long prompt (a large JSON
+    schema takes ~70 ms)."""
+    try:
+        return _text(spec) in _GRAMMARS
+    except InvalidStructure:
+        return True  # (refused at once: nothing to compile)
 
 
 def grammar(spec: Any) -> str:  # noqa: ANN401
     """The llguidance grammar of ``spec`` (compiled and checked once per distinct spec)."""
+    text = _text(spec)
+    if (built := _GRAMMARS.get(text)) is None:
+        built = _compile(text)
+        if len(_GRAMMARS) >= MAX_GRAMMARS:  # (a bound, not an LRU: a deployment serves few schemas)
+            _GRAMMARS.clear()
+        _GRAMMARS[text] = built
+    return built
+
+
+def grammar_of(params: Any) -> str:  # noqa: ANN401
+    """``grammar(params.structured)``, kept on ``params`` (a worker's tasks of one request share
+    one ``SamplingParams``: its spec is not serialized again every round)."""
+    built = params.__dict__.get("_grammar")
+    if built is None:
+        built = grammar(params.structured)
+        object.__setattr__(params, "_grammar", built)  # (a frozen dataclass: a cache beside its fields)
+    return built
+
+
+def _text(spec: Any) -> str:  # noqa: ANN401
+    """``spec`` checked for shape and size, as JSON text (the key of its grammar)."""
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
         raise InvalidStructure(f"structured outputs take exactly one of {', '.join(KINDS)}, got "
                                f"{sorted(spec)[:5] if isinstance(spec, dict) else type(spec).__name__}")
@@ -56,11 +90,13 @@ def grammar(spec: Any) -> str:  # noqa: ANN401
         raise InvalidStructure(f"structured outputs must be JSON: {exc}") from None
     if len(text) > MAX_SPEC_CHARS:
         raise InvalidStructure(f"a structured-output spec may be at most {MAX_SPEC_CHARS} characters as JSON")
-    return _compiled(text)
+    return text
 
 
-@lru_cache(maxsize=256)
-def _compiled(text: str) -> str:
+_GRAMMARS: dict[str, str] = {}  # spec as JSON -> its grammar (dicts are safe across threads for this use)
+
+
+def _compile(text: str) -> str:
     from llguidance import LLMatcher
 
     (kind, value), = json.loads(text).items()

@@ -109,6 +109,51 @@ def test_long_prompts_are_tokenized_beside_the_dispatch_loop(tiny_pair) -> None:
         broker.prompts.close()
 
 
+def test_a_new_grammar_compiles_off_the_dispatch_thread(tiny_pair) -> None:  # noqa: ANN001
+    """A structured output whose grammar the broker has not compiled waits on the tokenizer thread
+    while other requests run; then it is admitted (a bad one refused); the same grammar again is
+    compiled already and admitted at once."""
+    import select
+    import threading
+
+    import numpy as np
+
+    from nebula_flow import protocol
+    from nebula_flow.deploy import free_port
+    from nebula_flow.protocol import Error, Submit
+    from nebula_flow_broker.server import Broker, BrokerOptions
+
+    broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port(), model=str(tiny_pair / "target")))
+    gate, real = threading.Event(), broker.prompts.tokenize
+    broker.prompts.tokenize = lambda msg: (gate.wait(30), real(msg))[1]
+    schema = {"json": {"type": "object", "properties": {"unique_to_this_test": {"type": "integer"}}}}
+
+    def submit(req_id: str, **params) -> None:  # noqa: ANN003
+        broker.on_client(b"c", protocol.encode(Submit(req_id, {"max_new_tokens": 4, **params}, session="s" * 32,
+                                                      prompt_tokens=np.array([1, 2, 3], np.int32))), 0.0)
+
+    broker.bind()
+    try:
+        submit("json", structured=schema)
+        submit("bad", structured={"regex": "[a-"})
+        submit("shape", structured={"regex": "a", "choice": ["a"]})  # (refused at once: nothing to compile)
+        submit("plain")
+        assert [r.req_id for r in broker.scheduler.requests.values()] == ["plain"]
+        assert sorted(broker.prompts.waiting) == ["bad", "json"]
+        gate.set()
+        while broker.prompts.waiting and select.select([broker.prompts.fd], [], [], 30)[0]:
+            broker._tokenized()
+        submit("again", structured=schema)  # (compiled now: inline)
+        assert [r.req_id for r in broker.scheduler.requests.values()] == ["plain", "json", "again"]
+        errors = {m.req_id: m.code for _, m in broker.client_outbox if isinstance(m, Error)}
+        assert errors == {"bad": "invalid_params", "shape": "invalid_params"}
+    finally:
+        gate.set()
+        broker.clients.close()
+        broker.peers.close()
+        broker.prompts.close()
+
+
 def test_prompts_being_tokenized_count_against_the_pending_limit(tiny_pair) -> None:  # noqa: ANN001
     import threading
 

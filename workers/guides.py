@@ -94,7 +94,7 @@ class Guides:
         a copy of it (the next call for ``rid`` moves the matcher it keeps)."""
         from llguidance import LLMatcher
 
-        grammar = structured.grammar(params.structured)
+        grammar = structured.grammar_of(params)
         entry = self._matchers.pop(rid, None)
         output = list(output)
         if entry is None or entry[0] != grammar:

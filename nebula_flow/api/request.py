@@ -198,6 +198,7 @@ def _logit_bias(bias: Any) -> dict[int, float]:  # noqa: ANN401
 
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED})
 
 
 def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
