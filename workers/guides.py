@@ -26,6 +26,7 @@ from nebula_flow import structured
 from nebula_flow.params import SamplingParams
 
 MAX_MATCHERS = 1024  # requests whose matcher a worker keeps (least recently verified go first)
+MAX_GRAMMARS = 64  # grammars whose starting matcher a worker keeps
 
 
 class Guide:
@@ -70,6 +71,7 @@ class Guides:
         self.vocab, self.eos = vocab, list(eos)
         self._tokenizer = None
         self._matchers: OrderedDict[int, tuple[str, object, list[int]]] = OrderedDict()
+        self._fresh: dict[str, object] = {}  # grammar -> a matcher at its start, copied for each new request
 
     @staticmethod
     def of(model_dir: str | Path, vocab: int) -> Guides | None:
@@ -98,7 +100,11 @@ class Guides:
         entry = self._matchers.pop(rid, None)
         output = list(output)
         if entry is None or entry[0] != grammar:
-            entry = (grammar, LLMatcher(self._llg_tokenizer(), grammar, log_level=0), [])
+            if (fresh := self._fresh.get(grammar)) is None:  # (a large schema's matcher took ~64 ms, a copy 20 us)
+                if len(self._fresh) >= MAX_GRAMMARS:
+                    self._fresh.clear()
+                fresh = self._fresh[grammar] = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+            entry = (grammar, fresh.deep_copy(), [])
         _, matcher, seen = entry
         common = 0
         for a, b in zip(seen, output):

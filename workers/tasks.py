@@ -4,6 +4,7 @@ decoding) checked against this worker's model and turned into the runner's ``Tas
 from __future__ import annotations
 
 import numpy as np
+import orjson
 
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.protocol import ProtocolError, Rejected, TaskResult, TaskSpec, malformed
@@ -40,8 +41,12 @@ def runnable(spec: TaskSpec, vocab_size: int | None, guided: bool = True) -> Tas
 def sampling_params(raw: dict) -> SamplingParams:
     """``SamplingParams.from_wire(raw)``, made once per distinct parameters: every round of a
     request carries the same ones, and checking them cost ~10 us a task on the batch's critical
-    path. (Keyed by ``repr``: exact, 1, 1.0 and True apart; invalid ones raise every time.)"""
-    key = repr(raw)
+    path. (Keyed by their JSON: exact, 1, 1.0 and true apart, and ~10x quicker than ``repr``, which
+    took ~3 ms for a large JSON schema; invalid ones raise every time.)"""
+    try:
+        key = orjson.dumps(raw)
+    except TypeError:  # (not JSON: from_wire says what is wrong)
+        return SamplingParams.from_wire(raw)
     params = _PARAMS.get(key)
     if params is None:
         params = SamplingParams.from_wire(raw)
@@ -51,7 +56,7 @@ def sampling_params(raw: dict) -> SamplingParams:
     return params
 
 
-_PARAMS: dict[str, SamplingParams] = {}
+_PARAMS: dict[bytes, SamplingParams] = {}
 
 
 def failed(item: TaskSpec | Rejected, error: ProtocolError) -> TaskResult | None:
