@@ -360,6 +360,8 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 5}, 400, "max_tokens"),  # over the limit of 4
     ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options"),
     ({"model": "tiny", "prompt": ["a", ""]}, 400, "prompt[1]"),
     ({"model": "tiny", "prompt": [[5, 6], "b", 7]}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),

@@ -302,6 +302,10 @@ def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or not isinstance(
             options.get("include_usage", False), bool):
         raise invalid("stream_options", "stream_options takes include_usage (a boolean)")
+    if options.get("continuous_usage_stats") not in (None, False):  # (vLLM's usage in every event: not built)
+        raise ApiError(400, "stream_options.continuous_usage_stats is not supported by this server; include_usage "
+                       "gives the usage in an event after the last choice", param="stream_options",
+                       code="unsupported_parameter")
     return True, options.get("include_usage", False)
 
 
