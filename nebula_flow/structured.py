@@ -10,8 +10,8 @@ It becomes an llguidance grammar (``grammar``); the verify of every round masks 
 to the tokens the grammar allows after that row's path (``workers/guides.py``, beside the
 penalties in ``nebula_flow/penalties.py``), and once the grammar is complete only EOS is allowed.
 So greedy output is the target's own greedy output under the grammar, and sampled output follows
-the target's masked distribution exactly; the draft proposes freely (a proposal the grammar
-forbids is rejected like any other).
+the target's masked distribution exactly. The draft follows the grammar too, so that its
+proposals are worth verifying (``workers/draft_rules.py``); exactness never depends on it.
 
 JSON is written compactly by default, as ``json.dumps`` writes it (no free whitespace: a model
 cannot pad an object with spaces until ``max_tokens``); a schema's ``x-guidance`` options (e.g.

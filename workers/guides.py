@@ -91,28 +91,33 @@ class Guides:
                                           eos_token=self.eos or None)
         return self._tokenizer
 
+    def _start(self, grammar: str):  # noqa: ANN202
+        """A matcher of ``grammar`` at its start, kept to be copied (a large schema's took ~64 ms to
+        build, a copy 20 us)."""
+        if (fresh := self._fresh.get(grammar)) is None:
+            from llguidance import LLMatcher
+
+            if len(self._fresh) >= MAX_GRAMMARS:
+                self._fresh.clear()
+            fresh = self._fresh[grammar] = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        return fresh
+
     def guide(self, rid: int, params: SamplingParams, output: Sequence[int], own: bool = False) -> Guide:
         """Request ``rid``'s matcher advanced over ``output`` (its committed output tokens); ``own``:
         a copy of it (the next call for ``rid`` moves the matcher it keeps)."""
-        from llguidance import LLMatcher
-
         grammar = structured.grammar_of(params)
         entry = self._matchers.pop(rid, None)
         output = list(output)
         if entry is None or entry[0] != grammar:
-            if (fresh := self._fresh.get(grammar)) is None:  # (a large schema's matcher took ~64 ms, a copy 20 us)
-                if len(self._fresh) >= MAX_GRAMMARS:
-                    self._fresh.clear()
-                fresh = self._fresh[grammar] = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-            entry = (grammar, fresh.deep_copy(), [])
+            entry = (grammar, self._start(grammar).deep_copy(), [])
         _, matcher, seen = entry
         common = 0
         for a, b in zip(seen, output):
             if a != b:
                 break
             common += 1
-        if common < len(seen):
-            matcher.rollback(len(seen) - common)
+        if common < len(seen) and not matcher.rollback(len(seen) - common):  # (past what it can undo: anew)
+            matcher, common = self._start(grammar).deep_copy(), 0
         if common < len(output) and not matcher.consume_tokens(output[common:]):
             error = matcher.get_error()
             raise ValueError(f"request {rid}'s output breaks its grammar: {error}")
