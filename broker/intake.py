@@ -25,6 +25,9 @@ log = logging.getLogger("nebula_flow.broker")
 # tokens again in messages of this many tokens, and a step's chunks for one client go in messages of at
 # most LOGPROB_ITEMS (a token or a top token each, ~100 bytes), far under protocol.MAX_HEADER_BYTES.
 RESEND_LOGPROB_TOKENS = 256
+# finished requests' log-probabilities kept to replay them (the oldest go first; a replay without
+# them still gives the tokens and text)
+FINISHED_LOGPROB_TOKENS = 1 << 18
 LOGPROB_ITEMS = 4096
 
 
@@ -89,11 +92,7 @@ class Intake:
             if req.logprobs is None:
                 self._send(self.clients, identity, Tokens(req_id, req.output, req.text, 0))
                 return
-            self.outbox_logprobs = True
-            for a in range(0, len(req.output), RESEND_LOGPROB_TOKENS):  # (each message's header stays small)
-                self._send(self.clients, identity, Tokens(req_id, req.output[a:a + RESEND_LOGPROB_TOKENS],
-                                                          "" if a else req.text, a, len(req.text) if a else 0,
-                                                          req.logprobs[a:a + RESEND_LOGPROB_TOKENS]))
+            self._resend_logprobs(identity, req_id, req.output, req.text, req.logprobs)
             return
         if (waiting := self.prompts.waiting.get(req_id)) is not None:  # a retry while its prompt tokenizes
             self._release(waiting.identity)
@@ -103,7 +102,10 @@ class Intake:
             return
         if req_id in self.finished:
             self.counters["requests_replayed"] += 1
-            self._send(self.clients, identity, self.finished[req_id][1])
+            _, done, logprobs = self.finished[req_id]
+            if logprobs is not None:  # (its chunks may have been lost: they carried them)
+                self._resend_logprobs(identity, req_id, done.token_ids, done.text, logprobs)
+            self._send(self.clients, identity, done)
             return
         if self.draining_since is not None:
             raise ProtocolError("shutting_down", "the broker is shutting down")
@@ -119,6 +121,13 @@ class Intake:
             return
         self.inflight_by_owner[identity] += 1
         self._admit(msg, identity, owner, now, None)
+
+    def _resend_logprobs(self, identity: bytes, req_id: str, output: list[int], text: str, logprobs: list) -> None:
+        """A request's tokens so far with their log-probabilities, to a client that re-attached."""
+        self.outbox_logprobs = True
+        for a in range(0, len(output), RESEND_LOGPROB_TOKENS):  # (each message's header stays small)
+            self._send(self.clients, identity, Tokens(req_id, output[a:a + RESEND_LOGPROB_TOKENS], "" if a else text, a,
+                                                      len(text) if a else 0, logprobs[a:a + RESEND_LOGPROB_TOKENS]))
 
     def _admit(self, msg: Submit, identity: bytes, owner: str, now: float, prompt: list[int] | None) -> None:
         """Make a SUBMIT (counted in flight for its client already) a request of the pool."""
@@ -175,7 +184,15 @@ class Intake:
         self.counters[f"requests_{req.finish_reason}"] += 1
         done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason,
                     {**req.stats(), "queue_s": queued})  # (queue_s: admission to its first task sent)
-        self.finished[req.req_id] = (owner, done)
+        self.finished[req.req_id] = (owner, done, req.logprobs)
+        if req.logprobs is not None:  # (bounded apart: a token's entries are up to 21 ids and texts)
+            self.finished_logprobs.append((req.req_id, len(req.logprobs)))
+            self.finished_logprob_tokens += len(req.logprobs)
+            while self.finished_logprob_tokens > FINISHED_LOGPROB_TOKENS:
+                old, n = self.finished_logprobs.popleft()
+                self.finished_logprob_tokens -= n
+                if old in self.finished:
+                    self.finished[old] = self.finished[old][:2] + (None,)
         while len(self.finished) > 4096:  # bounded: old results age out
             self.finished.popitem(last=False)
         self._send(self.clients, req.owner, done)

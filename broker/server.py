@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Any
 
 import zmq
@@ -76,7 +76,9 @@ class Broker(Intake):
         # Client-chosen request ids (random, unique) make SUBMIT idempotent: a retry of a running
         # request re-attaches to it, a retry of a finished one gets its result again.
         self.by_req_id: dict[str, int] = {}
-        self.finished: OrderedDict[str, tuple[str, Done]] = OrderedDict()  # req_id -> (owner, result)
+        self.finished: OrderedDict[str, tuple[str, Done, list | None]] = OrderedDict()  # req_id -> (owner, result, logprobs)
+        self.finished_logprobs: deque[tuple[str, int]] = deque()  # finished requests holding logprobs, oldest first
+        self.finished_logprob_tokens = 0
         self.owners: dict[str, str] = {}  # running req_id -> its owner (see ``owner_of``)
         self.inflight_by_owner: Counter[bytes] = Counter()
         self.next_rid, self.next_worker = opts.shard + 1, 1  # (shards number requests apart: see _submit)

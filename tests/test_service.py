@@ -633,6 +633,45 @@ def test_while_draining_a_retry_reattaches_and_a_finished_one_replays_but_new_wo
         broker.peers.close()
 
 
+def test_a_finished_request_replays_with_its_logprobs_while_they_are_kept() -> None:
+    """A client that reconnects after its request finished gets the result again, and, if it asked
+    for log-probabilities, its tokens with them first (the chunks that carried them may be lost);
+    past the broker's budget the oldest are dropped and a replay gives tokens and text only."""
+    from nebula_flow_broker import intake
+    from nebula_flow_broker.server import Broker, BrokerOptions
+
+    broker = Broker(BrokerOptions(client_port=free_port(), worker_port=free_port()))
+    broker.bind()
+    try:
+        def submit(ident: bytes, req_id: str) -> None:
+            broker.on_client(ident, protocol.encode(Submit(req_id, {"max_new_tokens": 4, "logprobs": 1},
+                                                           prompt_tokens=np.array([1, 2], np.int32),
+                                                           session="c" * 32)), 0.0)
+
+        for req_id in ("old", "new"):
+            submit(b"c", req_id)
+            req = broker.scheduler.requests[broker.by_req_id[req_id]]
+            req.output, req.logprobs = [3, 4], [[3, "", -0.5, [[3, "", -0.5]]], [4, "", -0.25, [[4, "", -0.25]]]]
+            broker._finish(req.rid, "length")
+        broker.client_outbox.clear()
+        submit(b"c2", "new")
+        tokens, done = (m for _, m in broker.client_outbox)
+        assert isinstance(tokens, Tokens) and tokens.token_ids == [3, 4] and [e[2] for e in tokens.logprobs] == [-0.5, -0.25]
+        assert isinstance(done, Done) and done.token_ids == [3, 4]
+        intake.FINISHED_LOGPROB_TOKENS = 2  # (a budget of one request's: finishing another drops the oldest)
+        submit(b"c", "third")
+        req = broker.scheduler.requests[broker.by_req_id["third"]]
+        req.output, req.logprobs = [5], [[5, "", -1.0, [[5, "", -1.0]]]]
+        broker._finish(req.rid, "length")
+        broker.client_outbox.clear()
+        submit(b"c2", "old")
+        assert [type(m).__name__ for _, m in broker.client_outbox] == ["Done"]
+    finally:
+        intake.FINISHED_LOGPROB_TOKENS = 1 << 18
+        broker.clients.close()
+        broker.peers.close()
+
+
 def test_only_the_owner_cancels_reattaches_or_replays_a_request(live) -> None:  # noqa: ANN001
     """Without keys a request belongs to the session its client library drew: another client that
     knows (or guesses) the id can neither cancel it, nor re-attach to it, nor read its result."""
