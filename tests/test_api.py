@@ -286,6 +286,52 @@ def test_structured_outputs_through_the_openai_client(served) -> None:  # noqa: 
     assert err.value.body["param"] == "guided_regex" and "unclosed" in err.value.body["message"]
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"], "additionalProperties": False}}}]
+
+
+def test_tool_calls_through_the_openai_client(served) -> None:  # noqa: ANN001
+    """A named function and ``"required"``: the answer's message holds tool calls whose arguments
+    follow the tool's schema (its output is the structured output the client library gives for
+    that schema); streamed, the calls come whole in one delta; a conversation that carries calls
+    and their results goes on; ``"auto"`` is refused by name."""
+    client = oai(served)
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    weather = TOOLS[0]["function"]["parameters"]
+    with Client(served.address) as c:
+        want = c.generate(messages=ask, max_new_tokens=30, structured={"json": weather})
+    named = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=30, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == want.text
+    assert set(json.loads(call.function.arguments)) == {"city"} and named.choices[0].finish_reason == "stop"
+    assert named.choices[0].message.content is None
+    required = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False, max_completion_tokens=60, temperature=0)
+    assert required.choices[0].finish_reason == "tool_calls"
+    [call] = required.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+    stream = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=30,
+                                            temperature=0, stream=True,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    deltas = [c.choices[0] for c in stream if c.choices]
+    calls = [tc for d in deltas for tc in d.delta.tool_calls or ()]
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_weather", want.text)]
+    assert not any(d.delta.content for d in deltas) and deltas[-1].finish_reason == "stop"
+    turn = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model="tiny", messages=turn, tools=TOOLS, tool_choice="none",
+                                            max_completion_tokens=8, temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=4)
+    assert err.value.body["param"] == "tool_choice" and "auto" in err.value.body["message"]
+
+
 def test_raw_server_sent_events(served) -> None:  # noqa: ANN001
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "stream": True}
     with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=60,

@@ -176,7 +176,7 @@ class Gateway:
 
     async def _run(self, request: Request, job: Job, model: str) -> Response:
         req_id = uuid.uuid4().hex
-        shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n)
+        shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls)
         asks = job.choices()
         streams = [self.client.stream(request_id=req_id if len(asks) == 1 else f"{req_id}-{i}", **ask)
                    for i, ask in enumerate(asks)]
@@ -234,7 +234,11 @@ class Gateway:
                 if isinstance(item, Completion):
                     outs[i] = item
                     self.telemetry.finished(item)
+                    if job.calls is not None:  # (its calls come whole, when the output is complete)
+                        yield sse(shaper.held(item, i))
                     yield sse(shaper.last(item, i))
+                elif job.calls is not None:
+                    continue
                 elif item.text or item.token_ids:
                     yield sse(shaper.chunk(item.text, token_ids=item.token_ids, index=i, logprobs=item.logprobs))
             finished = True

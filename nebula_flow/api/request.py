@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nebula_flow import structured
+from nebula_flow.api import tools as tool_calls
+from nebula_flow.api.tools import ToolCalling, ToolError
 from nebula_flow.params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -29,14 +31,12 @@ from nebula_flow.params import (
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # choices in one answer (n for each prompt of a batch): OpenAI's most for n
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_MESSAGES = 4096
 # Fields OpenAI defines that the gateway does not build: refused when they ask for anything.
 UNSUPPORTED = {
     "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
+    "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
 }
@@ -83,6 +83,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    calls: ToolCalling | None = None  # chat with tools: the output is tool calls (``api/tools.py``)
 
     def choices(self) -> list[dict[str, Any]]:
         """Each choice's keyword arguments for ``AsyncClient.stream``, in the order of the choices'
@@ -198,7 +199,7 @@ def _logit_bias(bias: Any) -> dict[int, float]:  # noqa: ANN401
 
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED})
+STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", "tools", *GUIDED})
 
 
 def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -342,17 +343,33 @@ def parse_completion(body: Any, served: Served) -> Job:  # noqa: ANN401
                return_token_ids=body.get("return_token_ids", False))
 
 
-def _message(i: int, m: Any) -> dict[str, str]:  # noqa: ANN401
+def _message(i: int, m: Any) -> dict[str, Any]:  # noqa: ANN401, C901
     where = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise invalid(where, f"{where} must be an object with a role and content")
     if m["role"] not in ROLES:
-        raise ApiError(400, f"{where}: role {m['role'][:40]!r} is not supported (system, developer, user, assistant)",
-                       param=where, code="unsupported_parameter")
-    if extra := sorted(set(m) - {"role", "content", "name"}):
+        raise ApiError(400, f"{where}: role {m['role'][:40]!r} is not supported (system, developer, user, assistant, "
+                       "tool)", param=where, code="unsupported_parameter")
+    fields = {"role", "content", "name"} | ({"tool_calls"} if m["role"] == "assistant" else set()) | (
+        {"tool_call_id"} if m["role"] == "tool" else set())
+    if extra := sorted(set(m) - fields):
         raise ApiError(400, f"{where}: {', '.join(map(str, extra))[:200]} not supported", param=where,
                        code="unsupported_parameter")
-    content = m.get("content")
+    if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise invalid(where, f"{where}: a tool message needs the tool_call_id it answers")
+    if m.get("tool_calls") is not None:
+        calls = m["tool_calls"]
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments", ""), str) for c in calls):
+            raise invalid(where, f"{where}.tool_calls must be a list of {{\"id\", \"type\": \"function\", "
+                          "\"function\": {\"name\", \"arguments\"}}")
+        content = None if m.get("content") is None else _content(where, m["content"])  # (None: the calls alone)
+        return {**tool_calls.template_message(m), "role": "assistant", "content": content}
+    return {**{k: m[k] for k in ("tool_call_id",) if k in m}, "role": ROLES[m["role"]], "content": _content(where, m.get("content"))}
+
+
+def _content(where: str, content: Any) -> str:  # noqa: ANN401
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise ApiError(400, f"{where}: only text content parts are supported", param=where,
@@ -360,7 +377,7 @@ def _message(i: int, m: Any) -> dict[str, str]:  # noqa: ANN401
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise invalid(where, f"{where}.content must be a string or a list of text parts")
-    return {"role": ROLES[m["role"]], "content": content}
+    return content
 
 
 def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
@@ -373,13 +390,32 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
     if options is not None and not isinstance(options, dict):
         raise invalid("chat_template_kwargs", "chat_template_kwargs must be an object")
     stream, usage = _streaming(body)
+    try:
+        tools, calls, forced = tool_calls.parse(body)
+    except ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param,
+                       code="unsupported_parameter" if exc.unsupported else "invalid_value") from None
+    if forced is not None:
+        if "structured" in params:
+            raise invalid("tool_choice", "a tool_choice that forces a call cannot be combined with a structured output")
+        if "logprobs" in params:
+            raise ApiError(400, "logprobs with a tool_choice that forces a call are not supported", param="logprobs",
+                           code="unsupported_parameter")
+        try:
+            structured.check(forced)
+        except structured.InvalidStructure as exc:
+            raise invalid("tools", f"a tool's parameters: {exc}") from None
+        params["structured"] = forced
+    if tools is not None:
+        options = {**(options or {}), "tools": tools}
     inputs = [{"messages": [_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
     return Job(True, params, inputs, _choices(body, 1), stream=stream, include_usage=usage,
-               return_token_ids=body.get("return_token_ids", False))
+               return_token_ids=body.get("return_token_ids", False), calls=calls)
 
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs")
-CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs")
+CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs",
+               "tools", "tool_choice", "parallel_tool_calls")

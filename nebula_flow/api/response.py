@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from nebula_flow.api.tools import ToolCalling
 from nebula_flow.client import Completion
 
 FINISH_REASONS = ("stop", "length")
@@ -41,8 +42,10 @@ class Shaper:
     """Builds one answer's objects: ``chat`` (``chat.completion``) or text (``text_completion``),
     of one choice or several (``n`` for each prompt; a choice's ``index`` is its place)."""
 
-    def __init__(self, req_id: str, model: str, chat: bool, token_ids: bool = False, n: int = 1) -> None:
+    def __init__(self, req_id: str, model: str, chat: bool, token_ids: bool = False, n: int = 1,
+                 calls: ToolCalling | None = None) -> None:
         self.id = ("chatcmpl-" if chat else "cmpl-") + req_id
+        self.calls = calls  # chat with a tool_choice that forces calls: the output becomes them (``api/tools.py``)
         self.model, self.chat, self.created, self.n = model, chat, int(time.time()), n
         self.token_ids = token_ids  # (the return_token_ids extension)
         self.object = "chat.completion" if chat else "text_completion"
@@ -68,7 +71,10 @@ class Shaper:
 
     def _choice(self, index: int, out: Completion) -> dict[str, Any]:
         logprobs = self.logprobs(out.logprobs, index)
-        if self.chat:
+        if (called := self.tool_calls(out)) is not None:
+            choice = {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": called},
+                      "logprobs": logprobs, "finish_reason": self.calls.finish_reason}
+        elif self.chat:
             choice = {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
                       "finish_reason": finish_reason(out)}
         else:
@@ -98,10 +104,26 @@ class Shaper:
             choice["token_ids"] = token_ids
         return {**self._head("chat.completion.chunk" if self.chat else self.object), "choices": [choice]}
 
+    def tool_calls(self, out: Completion) -> list[dict[str, Any]] | None:
+        """The tool calls a finished output makes, where the request forced them (None: its text,
+        too, where it was cut short)."""
+        return self.calls.calls(out.text) if self.calls is not None and out.finish_reason != "length" else None
+
+    def held(self, out: Completion, index: int = 0) -> dict[str, Any]:
+        """A stream's one event of what a choice's chunks held back (the request forced tool calls:
+        its output is them, whole): the calls, or the text where there are none."""
+        called = self.tool_calls(out)
+        if called is None:
+            return self.chunk(out.text, index=index)
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(called)]}
+        return {**self._head("chat.completion.chunk"),
+                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+
     def last(self, out: Completion, index: int = 0) -> dict[str, Any]:
         """The event that ends choice ``index``: its finish reason and speculative stats."""
-        return {**self.chunk(None if self.chat else "", finish_reason(out), index=index),
-                "speculative": speculative([out])}
+        called = self.tool_calls(out) is not None
+        return {**self.chunk(None if self.chat else "", self.calls.finish_reason if called else finish_reason(out),
+                             index=index), "speculative": speculative([out])}
 
     def usage_chunk(self, outs: list[Completion]) -> dict[str, Any]:
         """``stream_options.include_usage``: an event with no choices and the usage."""

@@ -1,0 +1,127 @@
+"""Tool calling in the chat API (OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``),
+built on structured outputs (``nebula_flow/structured.py``). Pure: no sockets, no HTTP.
+
+The tools go to the chat template (as ``tools``: templates made for tool use render them), and:
+
+- ``tool_choice`` ``"none"``: the model answers in text;
+- a named function (``{"type": "function", "function": {"name": ...}}``): the output is that
+  function's arguments, JSON that follows its ``parameters`` schema (vLLM's way); the answer's
+  message holds one tool call, ``finish_reason`` ``stop`` (as OpenAI's for a forced function);
+- ``"required"``: the output is a JSON array of ``{"name", "parameters"}`` objects, one of the tools
+  each (one at most unless ``parallel_tool_calls``), vLLM's format; the message holds those calls,
+  ``finish_reason`` ``tool_calls``;
+- ``"auto"`` (the default with tools) needs a parser of the model's own tool-call format (vLLM's
+  ``--tool-call-parser``), which this server does not build: refused with a 400 that says so.
+
+An output cut short by ``max_tokens`` is no complete call: its text comes back as content, with
+``finish_reason`` ``length``. Every decision here is exact under speculation, as any grammar is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+MAX_TOOLS = 128
+NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+
+
+class ToolError(ValueError):
+    """A bad ``tools`` / ``tool_choice`` / ``parallel_tool_calls``: ``param`` names the field."""
+
+    def __init__(self, param: str, message: str, unsupported: bool = False) -> None:
+        super().__init__(message)
+        self.param, self.unsupported = param, unsupported
+
+
+@dataclass
+class ToolCalling:
+    """What a chat answer's output is: the arguments of ``forced`` (a named function), or an array of
+    calls (``forced`` None: ``"required"``)."""
+
+    forced: str | None
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.forced is not None else "tool_calls"
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """OpenAI's ``tool_calls`` from a finished output, or None when it is no complete call
+        (cut short by the token limit)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.forced is not None:
+            return [_call(self.forced, text)]
+        if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
+            return None
+        return [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolCalling | None, dict[str, Any] | None]:
+    """A chat request's tools (for the template), how its answer is shaped, and the structured
+    output it forces (``ToolError`` for a bad field)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolError("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ToolError("tool_choice", "tool_choice needs tools")
+        return None, None, None
+    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
+        raise ToolError("tools", f"tools must be a list of 1 to {MAX_TOOLS} function tools")
+    schemas = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise ToolError("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ToolError("tools", f"tools[{i}].function.name must be 1-64 letters, digits, _ or -")
+        if not isinstance(params, dict):
+            raise ToolError("tools", f"tools[{i}].function.parameters must be a JSON schema (an object)")
+        if name in schemas:
+            raise ToolError("tools", f"two tools are named {name!r}")
+        schemas[name] = params
+    choice = "auto" if choice is None else choice
+    if choice == "none":
+        return tools, None, None
+    if choice == "auto":
+        raise ToolError("tool_choice", 'tool_choice "auto" needs a parser of the model\'s own tool-call format, which '
+                        'this server does not have; use "required", a named function or "none"', unsupported=True)
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                  "required": ["name", "parameters"], "additionalProperties": False} for name, schema in schemas.items()]
+        array = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+        return tools, ToolCalling(None), {"json": array if parallel else {**array, "maxItems": 1}}
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if named is None:
+        raise ToolError("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                        '{"type": "function", "function": {"name": ...}}')
+    if named not in schemas:
+        raise ToolError("tool_choice", f"tool_choice names {str(named)[:64]!r}, which is not among the tools")
+    return tools, ToolCalling(named), {"json": schemas[named]}
+
+
+def template_message(m: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's ``tool_calls`` as chat templates read them: each call's arguments as
+    an object where they are JSON text (as vLLM hands them to templates)."""
+    calls = []
+    for call in m["tool_calls"]:
+        fn = dict(call["function"])
+        try:
+            fn["arguments"] = json.loads(fn["arguments"]) if isinstance(fn.get("arguments"), str) else fn.get("arguments")
+        except ValueError:
+            pass
+        calls.append({**call, "function": fn})
+    return {**m, "tool_calls": calls}

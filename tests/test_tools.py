@@ -1,0 +1,79 @@
+"""Tool calling's request side and answer shapes (``nebula_flow/api/tools.py``; through the real
+``openai`` client: test_api.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nebula_flow import structured
+from nebula_flow.api.request import ApiError, Served, parse_chat
+from nebula_flow.api.tools import ToolCalling
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time"}}]
+HI = [{"role": "user", "content": "hi"}]
+
+
+def chat(**body) -> object:  # noqa: ANN003
+    return parse_chat({"model": "tiny", "messages": HI, **body}, Served("tiny"))
+
+
+def test_a_named_function_forces_its_arguments() -> None:
+    job = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert job.params["structured"] == {"json": WEATHER} and job.calls == ToolCalling("get_weather")
+    assert job.inputs[0]["chat_options"] == {"tools": TOOLS}  # (the template renders them)
+    [call] = job.calls.calls('{"city": "Oslo"}')
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'} and call["id"].startswith("call_")
+    assert job.calls.finish_reason == "stop" and job.calls.calls('{"city": "Os') is None  # (cut short: no call)
+
+
+def test_required_forces_an_array_of_calls_and_parallel_false_one() -> None:
+    job = chat(tools=TOOLS, tool_choice="required")
+    spec = job.params["structured"]["json"]
+    assert spec["type"] == "array" and spec["minItems"] == 1 and "maxItems" not in spec
+    assert [c["properties"]["name"]["enum"] for c in spec["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    structured.check(job.params["structured"])
+    assert chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).params["structured"]["json"]["maxItems"] == 1
+    calls = job.calls.calls('[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Rome"}}]')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_time", {}), ("get_weather", {"city": "Rome"})]
+    assert job.calls.finish_reason == "tool_calls"
+
+
+def test_none_renders_the_tools_and_answers_in_text() -> None:
+    job = chat(tools=TOOLS, tool_choice="none")
+    assert job.calls is None and "structured" not in job.params and job.inputs[0]["chat_options"] == {"tools": TOOLS}
+
+
+def test_a_conversation_with_tool_calls_and_results_goes_to_the_template() -> None:
+    turn = HI + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    messages = chat(messages=turn, tools=TOOLS, tool_choice="none").inputs[0]["messages"]
+    assert messages[1]["content"] is None and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({"tools": TOOLS}, "tool_choice", "unsupported_parameter"),  # (auto, the default: no parser of the model's format)
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "invalid_value"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"}, "tools", "invalid_value"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools", "invalid_value"),
+    ({"tools": TOOLS * 2, "tool_choice": "none"}, "tools", "invalid_value"),
+    ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_value"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "invalid_value"),
+    ({"tools": TOOLS, "tool_choice": "required", "logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "invalid_value"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}]}, "messages[0]", "invalid_value"),
+])
+def test_bad_tool_requests_are_refused_by_name(body: dict, param: str, code: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_chat({"model": "tiny", "messages": HI, **body}, Served("tiny"))
+    assert (err.value.status, err.value.param, err.value.code) == (400, param, code), err.value.message
