@@ -31,10 +31,10 @@ CONVERSATION = [{"role": "system", "content": "You write Python."},
 
 @pytest.fixture(scope="module")
 def served(tiny_pair):  # noqa: ANN001, ANN201
-    """Pooled 1+1 with the gateway (an API key: callers must send it)."""
+    """Pooled 1+1 with the gateway (an API key: callers must send it; the hermes tool-call format)."""
     cfg = deploy_config(tiny_pair, "pooled", 1, 1)
     with Deployment(cfg) as dep:
-        dep.start_api("127.0.0.1", 0, api_key="sesame", model_name="tiny")
+        dep.start_api("127.0.0.1", 0, api_key="sesame", model_name="tiny", tool_parser="hermes")
         yield dep
 
 
@@ -293,11 +293,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
         "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"], "additionalProperties": False}}}]
 
 
-def test_tool_calls_through_the_openai_client(served) -> None:  # noqa: ANN001
+def test_tool_calls_through_the_openai_client(served, strict) -> None:  # noqa: ANN001
     """A named function and ``"required"``: the answer's message holds tool calls whose arguments
     follow the tool's schema (its output is the structured output the client library gives for
     that schema); streamed, the calls come whole in one delta; a conversation that carries calls
-    and their results goes on; ``"auto"`` is refused by name."""
+    and their results goes on; ``"auto"`` reads the model's own calls where the server knows their
+    format (this model makes none: its text is the content, streamed alike), and is refused by name
+    where it does not."""
     client = oai(served)
     ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
     weather = TOOLS[0]["function"]["parameters"]
@@ -327,9 +329,14 @@ def test_tool_calls_through_the_openai_client(served) -> None:  # noqa: ANN001
     answer = client.chat.completions.create(model="tiny", messages=turn, tools=TOOLS, tool_choice="none",
                                             max_completion_tokens=8, temperature=0)
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    auto = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=12, temperature=0)
+    assert auto.choices[0].message.content and auto.choices[0].message.tool_calls is None
+    stream = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=12,
+                                            temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == auto.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=4)
-    assert err.value.body["param"] == "tool_choice" and "auto" in err.value.body["message"]
+        oai(strict).chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=4)
+    assert err.value.body["param"] == "tool_choice" and "--tool-call-parser" in err.value.body["message"]
 
 
 def test_raw_server_sent_events(served) -> None:  # noqa: ANN001

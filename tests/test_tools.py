@@ -9,7 +9,7 @@ import pytest
 
 from nebula_flow import structured
 from nebula_flow.api.request import ApiError, Served, parse_chat
-from nebula_flow.api.tools import ToolCalling
+from nebula_flow.api.tools import CallStream, ToolCalling, hermes
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
@@ -25,9 +25,10 @@ def test_a_named_function_forces_its_arguments() -> None:
     job = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert job.params["structured"] == {"json": WEATHER} and job.calls == ToolCalling("get_weather")
     assert job.inputs[0]["chat_options"] == {"tools": TOOLS}  # (the template renders them)
-    [call] = job.calls.calls('{"city": "Oslo"}')
+    content, [call] = job.calls.split('{"city": "Oslo"}')
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'} and call["id"].startswith("call_")
-    assert job.calls.finish_reason == "stop" and job.calls.calls('{"city": "Os') is None  # (cut short: no call)
+    assert content is None and job.calls.finish_reason == "stop"
+    assert job.calls.split('{"city": "Os') == ('{"city": "Os', None)  # (cut short: no call, its text)
 
 
 def test_required_forces_an_array_of_calls_and_parallel_false_one() -> None:
@@ -37,7 +38,7 @@ def test_required_forces_an_array_of_calls_and_parallel_false_one() -> None:
     assert [c["properties"]["name"]["enum"] for c in spec["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
     structured.check(job.params["structured"])
     assert chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).params["structured"]["json"]["maxItems"] == 1
-    calls = job.calls.calls('[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Rome"}}]')
+    _, calls = job.calls.split('[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Rome"}}]')
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_time", {}), ("get_weather", {"city": "Rome"})]
     assert job.calls.finish_reason == "tool_calls"
@@ -55,6 +56,33 @@ def test_a_conversation_with_tool_calls_and_results_goes_to_the_template() -> No
     messages = chat(messages=turn, tools=TOOLS, tool_choice="none").inputs[0]["messages"]
     assert messages[1]["content"] is None and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+
+
+def test_auto_reads_the_models_own_calls_with_a_parser() -> None:
+    job = parse_chat({"model": "tiny", "messages": HI, "tools": TOOLS}, Served("tiny", tool_parser="hermes"))
+    assert job.calls == ToolCalling(None, auto=True) and "structured" not in job.params  # (the model decides)
+    content, calls = job.calls.split('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                                     '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}')  # (the last unended)
+    assert content == "Let me look." and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert job.calls.split("It is sunny.") == ("It is sunny.", None)
+
+
+@pytest.mark.parametrize("text", ["<tool_call>{not json}</tool_call>", '<tool_call>["get_time"]</tool_call>',
+                                  'x <tool_call>{"arguments": {}}</tool_call>'])
+def test_a_malformed_call_leaves_the_whole_output_content(text: str) -> None:
+    assert hermes(text) == (text, None)
+
+
+def test_a_stream_sends_text_until_a_call_begins() -> None:
+    gate, sent = CallStream(auto=True), []
+    for piece in ["Hello", " there <", "tool", "_call>{", '"name": "x"}</tool_call>']:
+        sent.append(gate.feed(piece))
+    assert sent == ["Hello", " there ", "", "", ""] and gate.sent == len("Hello there ")
+    words = CallStream(auto=True)
+    assert [words.feed(p) for p in ["a <", "b", "<tool", "s>"]] == ["a ", "<b", "", "<tools>"]  # (held, then let go)
+    forced = CallStream(auto=False)
+    assert forced.feed('{"city": "Oslo"}') == "" and forced.sent == 0
 
 
 @pytest.mark.parametrize(("body", "param", "code"), [

@@ -5,6 +5,7 @@ The gateway is a client of the bus like any other (``nebula_flow.client.AsyncCli
 touches the broker's state, and several gateways may share one broker. ``request`` turns an
 OpenAI body into what the client sends (or a 400 in OpenAI's error shape); ``response`` builds
 OpenAI's objects from the client's chunks and completion; ``app`` is the ASGI application
-(Starlette, served by uvicorn); ``telemetry`` holds the Prometheus histograms; ``http_client``
+(Starlette, served by uvicorn); ``telemetry`` holds the Prometheus histograms; ``tools`` shapes tool calling on structured
+outputs; ``http_client``
 speaks the API with ``AsyncClient``'s interface (what `bench --via api` and `replay --api` use).
 """

@@ -30,6 +30,7 @@ from nebula_flow.api import choices
 from nebula_flow.api.request import STRUCTURED_FIELDS, ApiError, Job, Served, parse_chat, parse_completion
 from nebula_flow.api.response import Shaper, sse
 from nebula_flow.api.telemetry import Telemetry
+from nebula_flow.api.tools import CallStream
 from nebula_flow.client import AsyncClient, Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout
 from nebula_flow.metrics import exposition, families
 
@@ -81,8 +82,8 @@ class Gateway:
     """The application's state: the broker client, what is served, the API key, the metrics."""
 
     def __init__(self, broker: str, keys: str | None = None, api_key: str | None = None,
-                 model_name: str | None = None, timeout_s: float = 600.0) -> None:
-        self.broker, self.keys, self.timeout_s = broker, keys, timeout_s
+                 model_name: str | None = None, timeout_s: float = 600.0, tool_parser: str | None = None) -> None:
+        self.broker, self.keys, self.timeout_s, self.tool_parser = broker, keys, timeout_s, tool_parser
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.model_name = model_name
         self.client: AsyncClient | None = None
@@ -116,7 +117,7 @@ class Gateway:
         state = await self.state()
         name = self.model_name or state.get("model") or "default"
         return Served(name, int(state.get("max_model_len") or 1 << 30),
-                      int(state.get("max_new_tokens_limit") or 4096))
+                      int(state.get("max_new_tokens_limit") or 4096), self.tool_parser)
 
     # -- the endpoints ---------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -226,6 +227,7 @@ class Gateway:
         """The answer's events: each choice's chunks as they come (its role first, for chat), its
         finish event when it ends, then the usage if asked."""
         finished, outs = False, [None] * count
+        gates = [CallStream(job.calls.auto) for _ in range(count)] if job.calls is not None else None
         try:
             if job.chat:
                 for i in range(count):
@@ -234,11 +236,12 @@ class Gateway:
                 if isinstance(item, Completion):
                     outs[i] = item
                     self.telemetry.finished(item)
-                    if job.calls is not None:  # (its calls come whole, when the output is complete)
-                        yield sse(shaper.held(item, i))
+                    if gates is not None and (held := shaper.held(item, i, gates[i].sent)) is not None:
+                        yield sse(held)  # (a choice's tool calls come whole, when its output is complete)
                     yield sse(shaper.last(item, i))
-                elif job.calls is not None:
-                    continue
+                elif gates is not None:  # (tools: text only until a call begins)
+                    if text := gates[i].feed(item.text):
+                        yield sse(shaper.chunk(text, index=i))
                 elif item.text or item.token_ids:
                     yield sse(shaper.chunk(item.text, token_ids=item.token_ids, index=i, logprobs=item.logprobs))
             finished = True

@@ -62,11 +62,13 @@ def invalid(param: str, message: str) -> ApiError:
 
 @dataclass
 class Served:
-    """What the gateway serves: the target's name, its context and the broker's output limit."""
+    """What the gateway serves: the target's name, its context, the broker's output limit and the
+    model's tool-call format."""
 
     name: str
     max_model_len: int = 1 << 30
     max_new_tokens_limit: int = 4096
+    tool_parser: str | None = None  # the model's tool-call format (``api/tools.PARSERS``): tool_choice "auto"
 
 
 @dataclass
@@ -391,7 +393,7 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
         raise invalid("chat_template_kwargs", "chat_template_kwargs must be an object")
     stream, usage = _streaming(body)
     try:
-        tools, calls, forced = tool_calls.parse(body)
+        tools, calls, forced = tool_calls.parse(body, served.tool_parser)
     except ToolError as exc:
         raise ApiError(400, str(exc), param=exc.param,
                        code="unsupported_parameter" if exc.unsupported else "invalid_value") from None

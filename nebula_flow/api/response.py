@@ -71,8 +71,9 @@ class Shaper:
 
     def _choice(self, index: int, out: Completion) -> dict[str, Any]:
         logprobs = self.logprobs(out.logprobs, index)
-        if (called := self.tool_calls(out)) is not None:
-            choice = {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": called},
+        content, called = self.tool_calls(out)
+        if called is not None:
+            choice = {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": called},
                       "logprobs": logprobs, "finish_reason": self.calls.finish_reason}
         elif self.chat:
             choice = {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
@@ -104,24 +105,26 @@ class Shaper:
             choice["token_ids"] = token_ids
         return {**self._head("chat.completion.chunk" if self.chat else self.object), "choices": [choice]}
 
-    def tool_calls(self, out: Completion) -> list[dict[str, Any]] | None:
-        """The tool calls a finished output makes, where the request forced them (None: its text,
-        too, where it was cut short)."""
-        return self.calls.calls(out.text) if self.calls is not None and out.finish_reason != "length" else None
+    def tool_calls(self, out: Completion) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """A finished output's content and the tool calls it makes, where the request has tools
+        (``api/tools.py``); no calls where it was cut short."""
+        if self.calls is None or out.finish_reason == "length":
+            return out.text, None
+        return self.calls.split(out.text)
 
-    def held(self, out: Completion, index: int = 0) -> dict[str, Any]:
-        """A stream's one event of what a choice's chunks held back (the request forced tool calls:
-        its output is them, whole): the calls, or the text where there are none."""
-        called = self.tool_calls(out)
+    def held(self, out: Completion, index: int, sent: int) -> dict[str, Any] | None:
+        """A stream's event of what a choice's chunks held back (``api/tools.CallStream``; ``sent``:
+        the characters that went out): its tool calls, whole, or the rest of its text."""
+        _, called = self.tool_calls(out)
         if called is None:
-            return self.chunk(out.text, index=index)
+            return self.chunk(out.text[sent:], index=index) if out.text[sent:] else None
         delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(called)]}
         return {**self._head("chat.completion.chunk"),
                 "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
 
     def last(self, out: Completion, index: int = 0) -> dict[str, Any]:
         """The event that ends choice ``index``: its finish reason and speculative stats."""
-        called = self.tool_calls(out) is not None
+        called = self.tool_calls(out)[1] is not None
         return {**self.chunk(None if self.chat else "", self.calls.finish_reason if called else finish_reason(out),
                              index=index), "speculative": speculative([out])}
 

@@ -10,8 +10,11 @@ The tools go to the chat template (as ``tools``: templates made for tool use ren
 - ``"required"``: the output is a JSON array of ``{"name", "parameters"}`` objects, one of the tools
   each (one at most unless ``parallel_tool_calls``), vLLM's format; the message holds those calls,
   ``finish_reason`` ``tool_calls``;
-- ``"auto"`` (the default with tools) needs a parser of the model's own tool-call format (vLLM's
-  ``--tool-call-parser``), which this server does not build: refused with a 400 that says so.
+- ``"auto"`` (the default with tools): the model decides, in its own format, which the server
+  must know (vLLM's ``--tool-call-parser``; here ``hermes``: ``<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>``, the format of Qwen2.5, Qwen3, Hermes and many others). Its calls are parsed
+  from the output (``finish_reason`` ``tool_calls``; the text before them is the content), and a
+  stream sends text until a call begins (``CallStream``). Without a parser: a 400 that says so.
 
 An output cut short by ``max_tokens`` is no complete call: its text comes back as content, with
 ``finish_reason`` ``length``. Every decision here is exact under speculation, as any grammar is.
@@ -37,38 +40,91 @@ class ToolError(ValueError):
         self.param, self.unsupported = param, unsupported
 
 
+PARSERS = ("hermes",)  # the tool-call formats ``"auto"`` reads (``--tool-call-parser``)
+TAG, END = "<tool_call>", "</tool_call>"  # hermes'
+
+
 @dataclass
 class ToolCalling:
-    """What a chat answer's output is: the arguments of ``forced`` (a named function), or an array of
-    calls (``forced`` None: ``"required"``)."""
+    """What a chat answer's output is: the arguments of ``forced`` (a named function), an array of
+    calls (``forced`` None: ``"required"``), or text with the model's own calls in it (``auto``)."""
 
     forced: str | None
+    auto: bool = False
 
     @property
     def finish_reason(self) -> str:
         return "stop" if self.forced is not None else "tool_calls"
 
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """OpenAI's ``tool_calls`` from a finished output, or None when it is no complete call
-        (cut short by the token limit)."""
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """A finished output's content and OpenAI's ``tool_calls`` (None: it makes none: cut
+        short by the token limit, or, ``auto``, the model answered in text)."""
+        if self.auto:
+            return hermes(text)
         try:
             value = json.loads(text)
         except ValueError:
-            return None
+            return text, None
         if self.forced is not None:
-            return [_call(self.forced, text)]
+            return None, [_call(self.forced, text)]
         if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
-            return None
-        return [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+            return text, None
+        return None, [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+
+
+def hermes(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """The content and calls of an output in the hermes format: ``<tool_call>{"name", "arguments"}
+    </tool_call>`` blocks after the content (a last block may lack its end tag: the output ended).
+    A block that is not such JSON makes the whole output content, as vLLM's parser does."""
+    at = text.find(TAG)
+    if at < 0:
+        return text, None
+    calls = []
+    for block in text[at:].split(TAG)[1:]:
+        raw = block.split(END, 1)[0].strip()
+        try:
+            call = json.loads(raw)
+        except ValueError:
+            return text, None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return text, None
+        args = call.get("arguments", {})
+        calls.append(_call(call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+    return text[:at].rstrip() or None, calls
+
+
+class CallStream:
+    """What of a streamed choice goes out as text: ``auto``, the text until its first call begins
+    (a piece that may start the tag is held until it shows it does not); else (a forced call)
+    none. ``sent``: the characters sent."""
+
+    def __init__(self, auto: bool) -> None:
+        self.text, self.sent, self.closed = "", 0, not auto
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.closed:
+            return ""
+        at = self.text.find(TAG, max(0, self.sent - len(TAG)))
+        if at >= 0:
+            self.closed = True
+            end = at
+        else:  # (hold back a tail that may be the tag's start)
+            end = len(self.text) - next((k for k in range(min(len(TAG) - 1, len(self.text)), 0, -1)
+                                         if self.text.endswith(TAG[:k])), 0)
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def parse(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolCalling | None, dict[str, Any] | None]:
+def parse(body: dict[str, Any], parser: str | None = None
+          ) -> tuple[list[dict[str, Any]] | None, ToolCalling | None, dict[str, Any] | None]:
     """A chat request's tools (for the template), how its answer is shaped, and the structured
-    output it forces (``ToolError`` for a bad field)."""
+    output it forces (``ToolError`` for a bad field); ``parser``: the model's tool-call format, if
+    the server knows it (``PARSERS``)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
@@ -96,8 +152,10 @@ def parse(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolCallin
     if choice == "none":
         return tools, None, None
     if choice == "auto":
-        raise ToolError("tool_choice", 'tool_choice "auto" needs a parser of the model\'s own tool-call format, which '
-                        'this server does not have; use "required", a named function or "none"', unsupported=True)
+        if parser is None:
+            raise ToolError("tool_choice", 'tool_choice "auto" needs the model\'s tool-call format: start the server with '
+                            '--tool-call-parser (hermes), or use "required", a named function or "none"', unsupported=True)
+        return tools, ToolCalling(None, auto=True), None
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
                   "required": ["name", "parameters"], "additionalProperties": False} for name, schema in schemas.items()]
