@@ -43,7 +43,8 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
             task.alts = req.alts
         if req.fuse and (req.phase != VERIFY or not req.draft):  # (without a draft the target looks it up)
             task.fuse = req.fuse
-        penalized(req, task)
+        if req.params.penalized:  # (checked here: this loop is the broker's hot path)
+            penalized(req, task)
         if req.q:  # (a sampled draft's proposal, flat as it came: checked when it arrived)
             task.q_idx, task.q_prob, task.q_len = req.q["q_idx"], req.q["q_prob"], req.q["q_len"]
         tasks.append(task)

@@ -224,8 +224,9 @@ class Gateway:
 
     async def _events(self, shaper: Shaper, job: Job, count: int,
                       items: AsyncIterator[tuple[int, Chunk | Completion]]) -> AsyncIterator[bytes]:
-        """The answer's events: each choice's chunks as they come (its role first, for chat), its
-        finish event when it ends, then the usage if asked."""
+        """The answer's events: each choice's chunks as they come (its role first, for chat; with
+        tools, its text until a call begins and then its calls whole), its finish event when it
+        ends, then the usage if asked."""
         finished, outs = False, [None] * count
         gates = [CallStream(job.calls.auto) for _ in range(count)] if job.calls is not None else None
         try:

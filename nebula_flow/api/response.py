@@ -45,7 +45,7 @@ class Shaper:
     def __init__(self, req_id: str, model: str, chat: bool, token_ids: bool = False, n: int = 1,
                  calls: ToolCalling | None = None) -> None:
         self.id = ("chatcmpl-" if chat else "cmpl-") + req_id
-        self.calls = calls  # chat with a tool_choice that forces calls: the output becomes them (``api/tools.py``)
+        self.calls = calls  # chat with tools (not "none"): the output's calls become tool calls (``api/tools.py``)
         self.model, self.chat, self.created, self.n = model, chat, int(time.time()), n
         self.token_ids = token_ids  # (the return_token_ids extension)
         self.object = "chat.completion" if chat else "text_completion"
