@@ -265,7 +265,7 @@ class Deployment:
         return moved
 
     def start_api(self, host: str, port: int, api_key: str | None = None, model_name: str | None = None,
-                  timeout_s: float = 60.0, tool_parser: str | None = None) -> str:
+                  timeout_s: float = 60.0, tool_parser: str | None = None, reasoning_parser: str | None = None) -> str:
         """Start the HTTP gateway (``nebula-flow api``) in front of the broker, supervised like the
         rest; returns its URL once ``/health`` answers."""
         port = port or free_port()
@@ -273,7 +273,8 @@ class Deployment:
         if api_key:
             self.child_env["api"] = {"NEBULA_FLOW_API_KEY": api_key}
         proc = self._spawn("api", ["api", "--broker", self.address, "--http-host", host, "--port", str(port),
-                                   "--served-model-name", name, *(["--tool-call-parser", tool_parser] if tool_parser else [])])
+                                   "--served-model-name", name, *(["--tool-call-parser", tool_parser] if tool_parser else []),
+                                   *(["--reasoning-parser", reasoning_parser] if reasoning_parser else [])])
         self.http_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         if http_answers(self.http_url, proc, timeout_s):
             return self.http_url

@@ -31,10 +31,11 @@ CONVERSATION = [{"role": "system", "content": "You write Python."},
 
 @pytest.fixture(scope="module")
 def served(tiny_pair):  # noqa: ANN001, ANN201
-    """Pooled 1+1 with the gateway (an API key: callers must send it; the hermes tool-call format)."""
+    """Pooled 1+1 with the gateway (an API key: callers must send it; the hermes tool-call format and
+    qwen3's thinking)."""
     cfg = deploy_config(tiny_pair, "pooled", 1, 1)
     with Deployment(cfg) as dep:
-        dep.start_api("127.0.0.1", 0, api_key="sesame", model_name="tiny", tool_parser="hermes")
+        dep.start_api("127.0.0.1", 0, api_key="sesame", model_name="tiny", tool_parser="hermes", reasoning_parser="qwen3")
         yield dep
 
 
@@ -337,6 +338,31 @@ def test_tool_calls_through_the_openai_client(served, strict) -> None:  # noqa: 
     with pytest.raises(openai.BadRequestError) as err:
         oai(strict).chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=4)
     assert err.value.body["param"] == "tool_choice" and "--tool-call-parser" in err.value.body["message"]
+
+
+def test_thinking_apart_from_the_answer(served) -> None:  # noqa: ANN001
+    """With a reasoning parser (qwen3 here) a chat answer carries the thinking as ``reasoning_content``
+    and the rest as ``content``, streamed alike, token ids riding along. (The tiny model is made to
+    think by a grammar in the thinking format; an answer that does not begin with <think> is all
+    content.)"""
+    client, ask = oai(served), [{"role": "user", "content": "Is it raining?"}]
+    think = {"regex": "<think>[a-z]{1,12}</think>\n(yes|no)"}
+    got = client.chat.completions.create(model="tiny", messages=ask, max_completion_tokens=40, temperature=0,
+                                         extra_body={"structured_outputs": think, "return_token_ids": True})
+    message = got.choices[0].message
+    with Client(served.address) as c:
+        want = c.generate(messages=ask, max_new_tokens=40, structured=think)
+    thinking, answer = want.text.split("</think>\n")
+    assert message.model_extra["reasoning_content"] == thinking[len("<think>"):] and message.content == answer
+    assert answer in ("yes", "no")
+    stream = client.chat.completions.create(model="tiny", messages=ask, max_completion_tokens=40, temperature=0,
+                                            stream=True, extra_body={"structured_outputs": think, "return_token_ids": True})
+    deltas = [c.choices[0] for c in stream if c.choices]
+    assert "".join(d.delta.model_extra.get("reasoning_content") or "" for d in deltas) == thinking[len("<think>"):]
+    assert "".join(d.delta.content or "" for d in deltas) == answer
+    assert [t for d in deltas for t in d.model_extra.get("token_ids") or ()] == want.token_ids
+    plain = client.chat.completions.create(model="tiny", messages=ask, max_completion_tokens=8, temperature=0)
+    assert plain.choices[0].message.model_extra["reasoning_content"] is None and plain.choices[0].message.content
 
 
 def test_raw_server_sent_events(served) -> None:  # noqa: ANN001

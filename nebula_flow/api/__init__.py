@@ -6,6 +6,6 @@ touches the broker's state, and several gateways may share one broker. ``request
 OpenAI body into what the client sends (or a 400 in OpenAI's error shape); ``response`` builds
 OpenAI's objects from the client's chunks and completion; ``app`` is the ASGI application
 (Starlette, served by uvicorn); ``telemetry`` holds the Prometheus histograms; ``tools`` shapes tool calling on structured
-outputs; ``http_client``
+outputs, ``reasoning`` a reasoning model's thinking apart from its answer; ``http_client``
 speaks the API with ``AsyncClient``'s interface (what `bench --via api` and `replay --api` use).
 """

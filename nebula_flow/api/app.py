@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nebula_flow.api import choices
+from nebula_flow.api.reasoning import ThinkingStream
 from nebula_flow.api.request import STRUCTURED_FIELDS, ApiError, Job, Served, parse_chat, parse_completion
 from nebula_flow.api.response import Shaper, sse
 from nebula_flow.api.telemetry import Telemetry
@@ -82,8 +83,10 @@ class Gateway:
     """The application's state: the broker client, what is served, the API key, the metrics."""
 
     def __init__(self, broker: str, keys: str | None = None, api_key: str | None = None,
-                 model_name: str | None = None, timeout_s: float = 600.0, tool_parser: str | None = None) -> None:
+                 model_name: str | None = None, timeout_s: float = 600.0, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.broker, self.keys, self.timeout_s, self.tool_parser = broker, keys, timeout_s, tool_parser
+        self.reasoning_parser = reasoning_parser
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.model_name = model_name
         self.client: AsyncClient | None = None
@@ -117,7 +120,7 @@ class Gateway:
         state = await self.state()
         name = self.model_name or state.get("model") or "default"
         return Served(name, int(state.get("max_model_len") or 1 << 30),
-                      int(state.get("max_new_tokens_limit") or 4096), self.tool_parser)
+                      int(state.get("max_new_tokens_limit") or 4096), self.tool_parser, self.reasoning_parser)
 
     # -- the endpoints ---------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -177,7 +180,7 @@ class Gateway:
 
     async def _run(self, request: Request, job: Job, model: str) -> Response:
         req_id = uuid.uuid4().hex
-        shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls)
+        shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls, job.reasoning)
         asks = job.choices()
         streams = [self.client.stream(request_id=req_id if len(asks) == 1 else f"{req_id}-{i}", **ask)
                    for i, ask in enumerate(asks)]
@@ -229,6 +232,7 @@ class Gateway:
         ends, then the usage if asked."""
         finished, outs = False, [None] * count
         gates = [CallStream(job.calls.auto) for _ in range(count)] if job.calls is not None else None
+        thinking = [ThinkingStream(job.reasoning) for _ in range(count)] if job.reasoning is not None else None
         try:
             if job.chat:
                 for i in range(count):
@@ -237,12 +241,15 @@ class Gateway:
                 if isinstance(item, Completion):
                     outs[i] = item
                     self.telemetry.finished(item)
+                    for event in _pieces(shaper, i, thinking[i].rest() if thinking else [], gates):
+                        yield sse(event)
                     if gates is not None and (held := shaper.held(item, i, gates[i].sent)) is not None:
                         yield sse(held)  # (a choice's tool calls come whole, when its output is complete)
                     yield sse(shaper.last(item, i))
-                elif gates is not None:  # (tools: text only until a call begins)
-                    if text := gates[i].feed(item.text):
-                        yield sse(shaper.chunk(text, index=i))
+                elif thinking is not None or gates is not None:  # (thinking apart; with tools, text until a call)
+                    pieces = thinking[i].feed(item.text) if thinking is not None else [("content", item.text)]
+                    for event in _pieces(shaper, i, pieces, gates, item.token_ids, item.logprobs):
+                        yield sse(event)
                 elif item.text or item.token_ids:
                     yield sse(shaper.chunk(item.text, token_ids=item.token_ids, index=i, logprobs=item.logprobs))
             finished = True
@@ -256,6 +263,24 @@ class Gateway:
                 self.telemetry.disconnects.inc()
             await items.aclose()  # (unfinished requests are cancelled at the broker)
         yield sse("[DONE]")
+
+
+def _pieces(shaper: Shaper, index: int, pieces: list[tuple[str, str]], gates: list[CallStream] | None,
+            token_ids: list[int] | None = None, logprobs: list | None = None) -> list[dict[str, Any]]:
+    """A streamed chunk's events when its text is split (thinking and answer: ``api/reasoning.py``;
+    an answer held from where a tool call begins: ``api/tools.py``); its token ids and logprobs
+    ride with the first event (one with an empty delta, when nothing of it goes out yet)."""
+    events = []
+    for kind, text in pieces:
+        if kind == "content" and gates is not None:
+            text = gates[index].feed(text)
+        if text:
+            first = not events
+            events.append(shaper.chunk(text, index=index, kind=kind, token_ids=token_ids if first else None,
+                                       logprobs=logprobs if first else None))
+    if not events and (token_ids or logprobs):
+        events.append(shaper.chunk(None, index=index, token_ids=token_ids, logprobs=logprobs))
+    return events
 
 
 def _model_card(served: Served) -> dict[str, Any]:

@@ -63,12 +63,13 @@ def invalid(param: str, message: str) -> ApiError:
 @dataclass
 class Served:
     """What the gateway serves: the target's name, its context, the broker's output limit and the
-    model's tool-call format."""
+    model's tool-call and thinking formats."""
 
     name: str
     max_model_len: int = 1 << 30
     max_new_tokens_limit: int = 4096
     tool_parser: str | None = None  # the model's tool-call format (``api/tools.PARSERS``): tool_choice "auto"
+    reasoning_parser: str | None = None  # the model's thinking format (``api/reasoning.PARSERS``)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Job:
     include_usage: bool = False
     return_token_ids: bool = False
     calls: ToolCalling | None = None  # chat with tools: the output is tool calls (``api/tools.py``)
+    reasoning: str | None = None  # chat: the reasoning parser that sets thinking apart (``api/reasoning.py``)
 
     def choices(self) -> list[dict[str, Any]]:
         """Each choice's keyword arguments for ``AsyncClient.stream``, in the order of the choices'
@@ -412,7 +414,7 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
         options = {**(options or {}), "tools": tools}
     inputs = [{"messages": [_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
     return Job(True, params, inputs, _choices(body, 1), stream=stream, include_usage=usage,
-               return_token_ids=body.get("return_token_ids", False), calls=calls)
+               return_token_ids=body.get("return_token_ids", False), calls=calls, reasoning=served.reasoning_parser)
 
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from nebula_flow.api import reasoning
 from nebula_flow.api.tools import ToolCalling
 from nebula_flow.client import Completion
 
@@ -43,8 +44,9 @@ class Shaper:
     of one choice or several (``n`` for each prompt; a choice's ``index`` is its place)."""
 
     def __init__(self, req_id: str, model: str, chat: bool, token_ids: bool = False, n: int = 1,
-                 calls: ToolCalling | None = None) -> None:
+                 calls: ToolCalling | None = None, reasoning: str | None = None) -> None:
         self.id = ("chatcmpl-" if chat else "cmpl-") + req_id
+        self.reasoning = reasoning  # chat: the reasoning parser, thinking apart from the answer (``api/reasoning.py``)
         self.calls = calls  # chat with tools (not "none"): the output's calls become tool calls (``api/tools.py``)
         self.model, self.chat, self.created, self.n = model, chat, int(time.time()), n
         self.token_ids = token_ids  # (the return_token_ids extension)
@@ -71,13 +73,13 @@ class Shaper:
 
     def _choice(self, index: int, out: Completion) -> dict[str, Any]:
         logprobs = self.logprobs(out.logprobs, index)
+        thinking, _ = self.answer(out)
         content, called = self.tool_calls(out)
-        if called is not None:
-            choice = {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": called},
-                      "logprobs": logprobs, "finish_reason": self.calls.finish_reason}
-        elif self.chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                      "finish_reason": finish_reason(out)}
+        if self.chat:
+            message = {"role": "assistant", "content": content, **({"tool_calls": called} if called is not None else {}),
+                       **({"reasoning_content": thinking} if self.reasoning is not None else {})}
+            choice = {"index": index, "message": message, "logprobs": logprobs,
+                      "finish_reason": self.calls.finish_reason if called is not None else finish_reason(out)}
         else:
             choice = {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": finish_reason(out)}
         if self.token_ids:
@@ -90,14 +92,16 @@ class Shaper:
                 "usage": usage(outs, self.n), "speculative": speculative(outs)}
 
     def chunk(self, text: str | None, reason: str | None = None, role: bool = False,
-              token_ids: list[int] | None = None, index: int = 0, logprobs: list | None = None) -> dict[str, Any]:
-        """One streamed event of choice ``index``: ``text`` (a delta), its ``token_ids`` and
-        ``logprobs`` (the broker's entries), and at the end the finish ``reason``."""
+              token_ids: list[int] | None = None, index: int = 0, logprobs: list | None = None,
+              kind: str = "content") -> dict[str, Any]:
+        """One streamed event of choice ``index``: ``text`` (a delta of the answer, or ``kind``
+        ``reasoning``: of the thinking), its ``token_ids`` and ``logprobs`` (the broker's entries),
+        and at the end the finish ``reason``."""
         shaped = self.logprobs(logprobs, index)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None and not role:
-                delta["content"] = text
+                delta["reasoning_content" if kind == "reasoning" else "content"] = text
             choice = {"index": index, "delta": delta, "logprobs": shaped, "finish_reason": reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": reason}
@@ -105,19 +109,28 @@ class Shaper:
             choice["token_ids"] = token_ids
         return {**self._head("chat.completion.chunk" if self.chat else self.object), "choices": [choice]}
 
+    def answer(self, out: Completion) -> tuple[str | None, str]:
+        """A finished output's thinking (None: none, or no reasoning parser) and its answer."""
+        if self.reasoning is None:
+            return None, out.text
+        thinking, answer = reasoning.split(out.text, self.reasoning)
+        return thinking, answer or ""
+
     def tool_calls(self, out: Completion) -> tuple[str | None, list[dict[str, Any]] | None]:
-        """A finished output's content and the tool calls it makes, where the request has tools
-        (``api/tools.py``); no calls where it was cut short."""
+        """A finished output's content (its answer) and the tool calls it makes, where the request
+        has tools (``api/tools.py``); no calls where it was cut short."""
+        _, text = self.answer(out)
         if self.calls is None or out.finish_reason == "length":
-            return out.text, None
-        return self.calls.split(out.text)
+            return (text or None) if self.reasoning is not None else text, None
+        return self.calls.split(text)
 
     def held(self, out: Completion, index: int, sent: int) -> dict[str, Any] | None:
         """A stream's event of what a choice's chunks held back (``api/tools.CallStream``; ``sent``:
-        the characters that went out): its tool calls, whole, or the rest of its text."""
+        the characters of its answer that went out): its tool calls, whole, or the rest of its answer."""
         _, called = self.tool_calls(out)
         if called is None:
-            return self.chunk(out.text[sent:], index=index) if out.text[sent:] else None
+            rest = self.answer(out)[1][sent:]
+            return self.chunk(rest, index=index) if rest else None
         delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(called)]}
         return {**self._head("chat.completion.chunk"),
                 "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import click
 
+from nebula_flow.api.reasoning import PARSERS as REASONING_PARSERS
 from nebula_flow.api.tools import PARSERS
 from nebula_flow.cli.common import broker_option
 
@@ -43,6 +44,9 @@ def http_options(f: Callable) -> Callable:
         click.option("--tool-call-parser", type=click.Choice(PARSERS), help="The model's own tool-call format, for "
                      "tool_choice \"auto\" (hermes: <tool_call>{...}</tool_call>, Qwen2.5, Qwen3, Hermes). Without it "
                      "\"auto\" is refused; a named function, \"required\" and \"none\" need none."),
+        click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), help="The model's thinking format: "
+                     "chat answers carry it apart as reasoning_content (qwen3: <think>...</think> first; deepseek_r1: "
+                     "thinking until </think>)."),
     ]):
         f = opt(f)
     return f
@@ -56,7 +60,7 @@ def http_options(f: Callable) -> Callable:
 @click.option("--timeout-s", default=600.0, show_default=True, help="Longest wait for the broker's next message.")
 @http_options
 def api(address: str, port: int, keys: str | None, timeout_s: float, http_host: str, api_key: str | None,
-        served_model_name: str | None, tool_call_parser: str | None) -> None:
+        served_model_name: str | None, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
     """Serve the OpenAI-compatible HTTP API in front of a broker, until Ctrl-C / SIGTERM.
 
     Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events
@@ -70,7 +74,8 @@ def api(address: str, port: int, keys: str | None, timeout_s: float, http_host: 
 
     check_exposure(http_host, api_key)
     gateway = Gateway(address, keys=keys or os.environ.get("NEBULA_FLOW_KEYS"), api_key=api_key,
-                      model_name=served_model_name, timeout_s=timeout_s, tool_parser=tool_call_parser)
+                      model_name=served_model_name, timeout_s=timeout_s, tool_parser=tool_call_parser,
+                      reasoning_parser=reasoning_parser)
     serve_api(gateway, http_host, port,
               ready=lambda p: click.echo(f"HTTP API on http://{http_host}:{p}/v1 (broker {address})", err=True))
 

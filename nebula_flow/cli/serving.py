@@ -30,7 +30,8 @@ from nebula_flow.cli.status_text import status_lines
               "port); see `nebula-flow api --help`.")
 @http_options
 def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
-          secure_local, shards, http_port, http_host, api_key, served_model_name, tool_call_parser) -> None:  # noqa: ANN001
+          secure_local, shards, http_port, http_host, api_key, served_model_name, tool_call_parser,  # noqa: ANN001
+          reasoning_parser) -> None:  # noqa: ANN001
     """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM.
 
     serve supervises what it started: a worker or the broker that dies is started again after a
@@ -49,7 +50,7 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     click.echo(dep.address)
     try:
         if http_port is not None:
-            start_http(dep, http_host, http_port, api_key, served_model_name, tool_call_parser)
+            start_http(dep, http_host, http_port, api_key, served_model_name, tool_call_parser, reasoning_parser)
         supervise_until_stopped(dep)
     finally:
         click.echo("stopping ...", err=True)
@@ -75,12 +76,12 @@ def supervise_until_stopped(dep) -> None:  # noqa: ANN001
 
 
 def start_http(dep, host: str, port: int, api_key: str | None, model_name: str | None,  # noqa: ANN001
-               tool_parser: str | None = None) -> str:
+               tool_parser: str | None = None, reasoning_parser: str | None = None) -> str:
     """Start the deployment's HTTP API; print its URL and a curl line to try it."""
     from nebula_flow.deploy import DeploymentError
 
     try:
-        url = dep.start_api(host, port, api_key, model_name, tool_parser=tool_parser)
+        url = dep.start_api(host, port, api_key, model_name, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
     except DeploymentError as exc:
         raise click.ClickException(str(exc)) from None
     name = model_name or dep.cfg.broker.model_name
