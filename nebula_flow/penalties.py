@@ -43,10 +43,14 @@ class Penalties:
         if params.logit_bias:
             items = sorted(params.logit_bias.items())
             self.bias = (torch.tensor([t for t, _ in items]), torch.tensor([b for _, b in items], dtype=torch.float64))
-        seen = np.unique(tokens)  # prompt and output (repetition), sorted
-        self.seen, self.seen_ids = set(seen.tolist()), torch.from_numpy(seen.astype(np.int64))
-        ids, counts = np.unique(tokens[prompt_len:], return_counts=True)
-        self.counts = dict(zip(ids.tolist(), counts.tolist()))  # the output's (frequency, presence)
+        # (each only where its penalty is on: a request with a grammar alone, or a bias, needs neither)
+        self.seen, self.seen_ids, self.counts = set(), None, {}
+        if params.repetition_penalty != 1.0:
+            seen = np.unique(tokens)  # prompt and output, sorted
+            self.seen, self.seen_ids = set(seen.tolist()), torch.from_numpy(seen.astype(np.int64))
+        if params.frequency_penalty or params.presence_penalty:
+            ids, counts = np.unique(tokens[prompt_len:], return_counts=True)
+            self.counts = dict(zip(ids.tolist(), counts.tolist()))  # the output's
 
     @staticmethod
     def of(params: SamplingParams, tokens: np.ndarray, prompt_len: int, suppress: list[int] = (),
@@ -57,12 +61,7 @@ class Penalties:
         """One row of logits penalized for the committed tokens plus ``path``: the tokens this row
         follows beyond them (a draft's or a tree's, in order)."""
         p = self.params
-        counts = self.counts
-        if path:
-            counts = dict(counts)
-            for t in path:
-                counts[t] = counts.get(t, 0) + 1
-        out = logits.double().clone()
+        out = logits.to(torch.float64, copy=True)
         vocab = out.shape[-1]
         if self.bias is not None:
             ids, values = self.bias
@@ -74,11 +73,16 @@ class Penalties:
             idx = idx[idx < vocab]
             vals = out[idx]
             out[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and counts:
-            ids = [t for t in counts if t < vocab]
-            idx = torch.tensor(ids, device=out.device)
-            c = torch.tensor([counts[t] for t in ids], dtype=out.dtype, device=out.device)
-            out[idx] -= c * p.frequency_penalty + p.presence_penalty
+        if p.frequency_penalty or p.presence_penalty:
+            counts = self.counts
+            if path:
+                counts = dict(counts)
+                for t in path:
+                    counts[t] = counts.get(t, 0) + 1
+            if ids := [t for t in counts if t < vocab]:
+                idx = torch.tensor(ids, device=out.device)
+                c = torch.tensor([counts[t] for t in ids], dtype=out.dtype, device=out.device)
+                out[idx] -= c * p.frequency_penalty + p.presence_penalty
         short = self.suppress and self.output_len + len(path) < p.min_tokens
         if self.guide is not None:
             allowed = self.guide.allowed(path, self.suppress if short else ())

@@ -179,11 +179,20 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         params["logprobs"] = top
     if bias := _logit_bias(body.get("logit_bias")):
         params["logit_bias"] = bias
-    if (spec := _structured(body)) is not None:
-        if params["ignore_eos"]:
-            raise invalid("ignore_eos", "structured outputs cannot ignore EOS: a complete grammar ends with it")
-        params["structured"] = spec
+    if (given := _structured(body)) is not None:
+        _bind(params, *given)
     return params
+
+
+def _bind(params: dict[str, Any], param: str, spec: dict[str, Any]) -> None:
+    """Set the structured output ``spec`` that field ``param`` asked for, checked."""
+    if params["ignore_eos"]:
+        raise invalid("ignore_eos", "structured outputs cannot ignore EOS: a complete grammar ends with it")
+    try:
+        structured.check(spec)
+    except structured.InvalidStructure as exc:
+        raise invalid(param, f"{param}: {exc}") from None
+    params["structured"] = spec
 
 
 def _logit_bias(bias: Any) -> dict[int, float]:  # noqa: ANN401
@@ -206,9 +215,10 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", "tools", *GUIDED})
 
 
-def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
-    """What the output must follow (``nebula_flow/structured.py``), from OpenAI's ``response_format``,
-    vLLM's ``structured_outputs`` or its older ``guided_*`` fields: at most one of them."""
+def _structured(body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The field that asks what the output must follow (``nebula_flow/structured.py``), and its
+    spec: OpenAI's ``response_format``, vLLM's ``structured_outputs`` or its older ``guided_*``
+    fields, at most one of them."""
     given: dict[str, dict[str, Any]] = {}
     fmt = body.get("response_format")
     if fmt is not None:
@@ -234,14 +244,7 @@ def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
     given.update({name: {kind: body[name]} for name, kind in GUIDED.items() if body.get(name) is not None})
     if len(given) > 1:
         raise invalid(sorted(given)[1], f"ask for one structured output, not {' and '.join(sorted(given))}")
-    if not given:
-        return None
-    (name, spec), = given.items()
-    try:
-        structured.check(spec)
-    except structured.InvalidStructure as exc:
-        raise invalid(name, f"{name}: {exc}") from None
-    return spec
+    return next(iter(given.items()), None)
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -405,11 +408,7 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
         if "logprobs" in params:
             raise ApiError(400, "logprobs with a tool_choice that forces a call are not supported", param="logprobs",
                            code="unsupported_parameter")
-        try:
-            structured.check(forced)
-        except structured.InvalidStructure as exc:
-            raise invalid("tools", f"a tool's parameters: {exc}") from None
-        params["structured"] = forced
+        _bind(params, "tools", forced)
     if tools is not None:
         options = {**(options or {}), "tools": tools}
     inputs = [{"messages": [_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
