@@ -27,9 +27,9 @@ lint: $(STAMP)
 
 # The wheels tools/gpu_check.sh installs on a GPU machine without a registry (its image's Python
 # 3.12 has torch and the rest), at the versions pyproject.toml pins.
-GPU_WHEELS := pyzmq orjson setproctitle starlette uvicorn uvloop httptools
+GPU_WHEELS := pyzmq orjson setproctitle starlette uvicorn uvloop httptools llguidance
 gpu-wheels: $(STAMP)
-	$(BIN)/pip download -q --only-binary=:all: --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+	$(BIN)/pip download -q --only-binary=:all: --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
 	    --python-version 3.12 --implementation cp --no-deps -d .gpu-wheels \
 	    $$($(BIN)/python -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; \
 	        print(*(d for d in deps if d.split("==")[0] in "$(GPU_WHEELS)".split()))')

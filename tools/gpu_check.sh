@@ -2,16 +2,49 @@
 # The GPU checks in one short run, on a machine with CUDA and a torch of its own but no package
 # registry (the device machines lent to some tasks): the wheels that machine's image lacks come
 # from .gpu-wheels (fill it beforehand with `make gpu-wheels` on a machine with the registries and
-# carry it along); then the gpu-marked tests, logged to OUT_DIR.
+# carry it along); then, each under a time limit of its own so one hang costs only its share:
+#   1. the gpu-marked tests                                        -> tests.log
+#   2. `profile --ops --device cuda`: a Qwen3-0.6B-shaped bf16 model's forwards, with CUDA graphs
+#      and eager                                                    -> ops.json (ops.log)
+#   3. `bench` of the tiny pair on the GPU, single stream and 8 at once, and 8 at once with CUDA
+#      graphs off -> bench-1.json, bench-8.json, bench-8-eager.json (progress in bench.log);
+#      the deployments' logs                                         -> logs.tgz
 #   tools/gpu_check.sh [OUT_DIR]     (default: $OUT, else /tmp/gpu-check)
+#   GPU_CHECK_STEPS="tests ops bench" picks steps, GPU_BENCHES="1 8 8-eager" the benches.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/gpu-check}}
 py=${PYTHON:-python3}
+steps=${GPU_CHECK_STEPS:-tests ops bench}
+tests=${GPU_TESTS:-tests/test_gpu.py}
 mkdir -p "$out"
+export PYTHONUNBUFFERED=1
 $py -m pip install -q --no-index --find-links .gpu-wheels .gpu-wheels/*.whl  # (what the Makefile's GPU_WHEELS names)
 $py -m pip install -q --no-deps --no-build-isolation -e .
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())"
+  lscpu | grep -E '^(Model name|CPU\(s\))'
 } 2>&1 | tee "$out/gpu.txt"
-PYTHONUNBUFFERED=1 timeout "${GPU_TESTS_TIMEOUT_S:-420}" $py -m pytest -q -p no:cacheprovider -m gpu -rs \
-    --durations=10 tests/test_gpu.py 2>&1 | tee "$out/gpu-tests.log"
+nf=$(dirname "$(command -v $py)")/nebula-flow
+[ -x "$nf" ] || nf="$py -m nebula_flow.cli"
+
+if [[ $steps == *tests* ]]; then
+  per_test=$($py -c "import pytest_timeout" 2>/dev/null && echo --timeout=100)  # (one hang costs one test)
+  timeout "${GPU_TESTS_TIMEOUT_S:-200}" $py -m pytest -q -p no:cacheprovider -m gpu -rs --durations=10 $per_test \
+      $tests 2>&1 | tee "$out/tests.log"
+fi
+if [[ $steps == *ops* ]]; then
+  timeout "${GPU_OPS_TIMEOUT_S:-60}" $nf profile --ops --device cuda --dtype bfloat16 \
+      >"$out/ops.json" 2>"$out/ops.log"; echo "ops rc=$?"; cat "$out/ops.json"
+fi
+if [[ $steps == *bench* ]]; then
+  for run in ${GPU_BENCHES:-1 8 8-eager}; do  # (concurrency, and -eager: with CUDA graphs off)
+    c=${run%-eager}; graphs=$([[ $run == *-eager ]] && echo 0 || echo 1)
+    echo "[bench] concurrency $c, CUDA graphs $graphs" >>"$out/bench.log"
+    NEBULA_FLOW_CUDA_GRAPHS=$graphs timeout "${GPU_BENCH_TIMEOUT_S:-90}" $nf bench --config configs/tiny-gpu.toml \
+        --modes pooled,colocated,autoregressive --concurrency $c --requests $((c == 1 ? 4 : 16)) \
+        --max-new-tokens 48 --repeats 3 --breakdown --json >"$out/bench-$run.json" 2>>"$out/bench.log"
+    echo "bench $run rc=$?"
+  done
+  grep -v USDT "$out/bench.log"
+  tar czf "$out/logs.tgz" /tmp/nebula-flow-logs-* 2>/dev/null
+fi

@@ -19,20 +19,24 @@ from nebula_flow.config import cache_dir
               "What a forward costs the host, each op a kernel launch on a GPU.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="--ops: the weights' dtype.")
+@click.option("--device", default="cpu", show_default=True, help="--ops: where the model runs (cpu, cuda, cuda:N); "
+              "on CUDA the times are the device's, with CUDA graphs and (\"eager\") without.")
 @click.option("--out", type=click.Path(), help="Profile JSON to write (default: print it).")
 @click.option("--batches", default="1,2,4,8", show_default=True)
 @click.option("--tokens", default="1,5", show_default=True, help="New tokens per sequence (1 = decode, k+1 = verify).")
 @click.option("--contexts", default="64,256", show_default=True, help="Context lengths.")
 @click.option("--threads", default=1, show_default=True)
 @click.option("--acceptance", type=float, help="Record a per-position acceptance rate (for draft profiles).")
-def profile(model, count_ops, dtype, out, batches, tokens, contexts, threads, acceptance) -> None:  # noqa: ANN001
+def profile(model, count_ops, dtype, device, out, batches, tokens, contexts, threads, acceptance) -> None:  # noqa: ANN001
     """Measure MODEL's forward latency over a grid and write a profile for --device emulated
     (or, with --ops, count the host work of a forward)."""
     from nebula_flow.emulated import measure_profile
 
     if count_ops:
-        click.echo(json.dumps(forward_ops_report(model, dtype, threads)))
+        click.echo(json.dumps(forward_ops_report(model, dtype, threads, device)))
         return
+    if device != "cpu":
+        raise click.UsageError("--device is for --ops (latency profiles for emulated devices are measured on the CPU)")
     if model is None:
         raise click.UsageError("--model is required (unless --ops)")
 
@@ -52,7 +56,7 @@ def profile(model, count_ops, dtype, out, batches, tokens, contexts, threads, ac
 
 
 
-def forward_ops_report(model: str | None, dtype: str, threads: int) -> dict:
+def forward_ops_report(model: str | None, dtype: str, threads: int, device: str = "cpu") -> dict:
     """``profile --ops``: aten ops and seconds per forward shape, on MODEL or a Qwen3-0.6B shape."""
     import torch
 
@@ -61,14 +65,24 @@ def forward_ops_report(model: str | None, dtype: str, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise click.UsageError(f"--device {device}: torch sees no CUDA device here")
     click.echo(f"building {'the model in ' + model if model else 'a Qwen3-0.6B-shaped model (random weights)'} "
-               f"({dtype}) ...", err=True)
-    net = load_model(model, dtype=torch_dtype) if model else random_model(QWEN3_0_6B, torch_dtype)
+               f"({dtype}, {device}) ...", err=True)
+    net = load_model(model, device=device, dtype=torch_dtype) if model else random_model(QWEN3_0_6B, torch_dtype, device=device)
     res, apart = count_ops(net), count_ops(net, group=False)
-    return {"model": model or "qwen3-0.6b-shape", "dtype": dtype, "threads": threads,
+    extra = {}
+    if net.step_graphs is not None:  # (CUDA: the same forwards launched op by op)
+        eager = count_ops(net, graphs=False)
+        extra = {"eager": {"ops": {k: v["ops"] for k, v in eager.items()},
+                           "seconds": {k: round(v["seconds"], 5) for k, v in eager.items()},
+                           "host_seconds": {k: round(v["host_seconds"], 5) for k, v in eager.items()}},
+                 "graphs_replayed": net.step_graphs.replays, "graphs_enabled": net.step_graphs.enabled}
+    return {"model": model or "qwen3-0.6b-shape", "dtype": dtype, "threads": threads, "device": device, **extra,
             "layers": net.cfg.num_layers, "batch_invariant": net.batch_invariant,
             "ops": {k: v["ops"] for k, v in res.items()},
             "seconds": {k: round(v["seconds"], 5) for k, v in res.items()},
+            "host_seconds": {k: round(v["host_seconds"], 5) for k, v in res.items()},
             # each sequence attending apart: how every forward ran before the grouped path (issue 27)
             "apart": {"ops": {k: v["ops"] for k, v in apart.items()},
                       "seconds": {k: round(v["seconds"], 5) for k, v in apart.items()}},

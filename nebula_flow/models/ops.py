@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from nebula_flow.models.config import ModelConfig
+from nebula_flow.models.graphs import StepGraphs
 from nebula_flow.models.llama import CausalLM
 
 # Qwen3-0.6B's shape (its config.json), the draft model of the deployments the issues measure.
@@ -26,13 +27,18 @@ QWEN3_0_6B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, 
 SHAPES = (("decode_1", 1, 1), ("decode_8", 8, 1), ("decode_16", 16, 1), ("verify_8x5", 8, 5), ("verify_16x5", 16, 5))
 
 
-def random_model(raw: dict[str, Any], dtype: torch.dtype = torch.float32, inference: bool = True) -> CausalLM:
-    """A model of ``raw``'s shape with random weights, prepared as the loader prepares one."""
+def random_model(raw: dict[str, Any], dtype: torch.dtype = torch.float32, inference: bool = True,
+                 device: str = "cpu") -> CausalLM:
+    """A model of ``raw``'s shape with random weights, prepared as the loader prepares one (on
+    CUDA with its decode steps and verify blocks replayed from graphs, as there)."""
     torch.manual_seed(0)
-    model = CausalLM(ModelConfig.from_dict(raw)).to(dtype).eval()
+    with torch.device(device):
+        model = CausalLM(ModelConfig.from_dict(raw)).to(dtype).eval()
     if inference:
         model.fuse_projections()
         model.pack_weights()
+    if torch.device(device).type == "cuda":
+        model.step_graphs = StepGraphs(model)
     return model
 
 
@@ -43,10 +49,17 @@ def forward_ops(model: CausalLM, sequences: int, rows: int, context: int = 128, 
     caches = [model.new_cache(capacity=context + rows + 1) for _ in range(sequences)]
     model(caches, [[1] * context for _ in caches], [0] * sequences)
 
+    device = model.lm_head.weight.device
+    launched: list[float] = []
+
     def step() -> None:
+        t0 = time.perf_counter()
         model(caches, [[2] * rows for _ in caches], [rows] * sequences)
         for cache in caches:
             cache.truncate(context)
+        launched.append(time.perf_counter() - t0)
+        if device.type == "cuda":  # (the device's time, not the launches')
+            torch.cuda.synchronize(device)
 
     step()  # (warm-up: first-call allocations)
     times = []
@@ -57,15 +70,20 @@ def forward_ops(model: CausalLM, sequences: int, rows: int, context: int = 128, 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
     ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
-    return {"ops": ops, "seconds": statistics.median(times)}
+    # host: until the forward returned (on a GPU, its launches queued); near ``seconds``, the host binds
+    return {"ops": ops, "seconds": statistics.median(times), "host_seconds": statistics.median(launched[1:1 + repeats])}
 
 
-def count_ops(model: CausalLM, context: int = 128, group: bool = True) -> dict[str, dict[str, Any]]:
+def count_ops(model: CausalLM, context: int = 128, group: bool = True, graphs: bool = True) -> dict[str, dict[str, Any]]:
     """``forward_ops`` for each of ``SHAPES``, with the batch's attention grouped into one call
     per layer (``models.batch``) or (``group`` False) each sequence attending apart, as every
-    forward did before the grouped path."""
+    forward did before the grouped path; on CUDA with or without CUDA graphs (``graphs``)."""
+    kept = model.step_graphs
     model.group_attention = group
+    if not (graphs and group):  # (a graph always attends grouped)
+        model.step_graphs = None
     try:
         return {name: forward_ops(model, sequences, rows, context) for name, sequences, rows in SHAPES}
     finally:
         del model.group_attention  # (back to the class's default)
+        model.step_graphs = kept
