@@ -51,37 +51,47 @@ def test_steps_through_fixed_inputs_give_the_eager_logits(window: int | None) ->
     caches = {m: [m.new_cache() for _ in prompts] for m in (plain, graphed)}
     for m in (plain, graphed):
         m(caches[m], prompts, [1] * 3)
-    steps = [([[5], [6], [7]], None), (torch.tensor([8, 9, 10]), None), ([[11], [12], [13]], None),
-             ([[1, 2, 3], [4, 5, 6], [7, 8, 9]], None), ([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[-1, 0, 0], None, [-1, -1, 1]])]
-    for step, parents in steps:
-        rows = [len(s) for s in step] if isinstance(step, list) else [1] * 3
+    steps = [([[5], [6], [7]], None, None), (torch.tensor([8, 9, 10]), None, None), ([[11], [12], [13]], None, None),
+             ([[1, 2, 3], [4, 5, 6], [7, 8, 9]], None, None),
+             ([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[-1, 0, 0], None, [-1, -1, 1]], None),
+             # ragged, padded to the widest: a round's first draft step (logits of each last row),
+             # verify blocks of mixed k, a tree beside a shorter chain, a sequence wanting no logits
+             ([[3, 4], [5], [6, 7, 8]], None, [1, 1, 1]), ([[1, 2, 3, 4], [5, 6], [7]], None, None),
+             ([[1, 2], [3], [4]], None, [2, 0, 1]), ([[1, 2, 3], [4, 5]], [[-1, -1, 0], None], None)]
+    for step, parents, rows in steps:
+        if len(step) == 2:  # (the third sequence sits this one out)
+            caches = {m: c[:2] for m, c in caches.items()}
+        rows = rows or ([len(s) for s in step] if isinstance(step, list) else [1] * len(step))
         want = plain(caches[plain], step, rows, parents)
         got = graphed(caches[graphed], step, rows, parents)
+        assert [len(g) for g in got] == rows
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert graphed.step_graphs.replays == 5
-    assert sorted(graphed.step_graphs.steps) == [(0, 3, 1, 256), (0, 3, 3, 256)]
+    assert graphed.step_graphs.replays == 1 + len(steps)  # (the prompts' prefill too: no wider than MAX_WIDTH)
+    assert sorted(graphed.step_graphs.steps) == [(0, 2, 3, 256), (0, 3, 1, 256), (0, 3, 2, 256), (0, 3, 3, 256),
+                                                 (0, 3, 4, 256), (0, 3, 13, 256)]
     for a, b in zip(caches[graphed], caches[plain]):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.buf[:a.length], b.buf[:b.length], rtol=1e-5, atol=1e-5)
 
 
-def test_only_steps_of_one_width_with_every_rows_logits_over_one_chunk_take_a_graph() -> None:
-    """Ragged prefills, a prefill wider than ``MAX_WIDTH``, rows without logits, sequences of
-    different widths and a batch-invariant model run eagerly; a draft's steps after its first
-    take graphs, and its drafts are the eager ones."""
+def test_steps_up_to_the_widest_graph_take_one_and_wider_or_invariant_ones_run_eagerly() -> None:
+    """A prefill wider than ``MAX_WIDTH`` and a batch-invariant model's steps run eagerly; ragged
+    steps up to it take a graph, so every step of a draft does (its first feeds each prompt,
+    padded to the longest), and its drafts are the eager ones; a step that pads reserves room
+    for the pad rows in every cache."""
     model = _model()
     model.step_graphs = StepGraphs(model, recorder=eager_recorder)
-    caches = [model.new_cache() for _ in range(2)]
-    model(caches, [[1, 2, 3], [4, 5]], [1, 1])
+    caches = [model.new_cache(), model.new_cache(capacity=4)]
     wide = list(range(1, graphs.MAX_WIDTH + 2))
-    model(caches, [wide, wide], [len(wide)] * 2)
-    model(caches, [[6], [8]], [1, 0])
-    model(caches, [[6, 7], [8]], [2, 1])
+    model(caches, [wide, wide[:15]], [len(wide), 15])
     assert model.step_graphs.replays == 0
+    assert caches[1].buf.shape[0] == 16  # (a lease's least)
+    model(caches, [[6, 7], [8]], [2, 1])
+    assert model.step_graphs.replays == 1 and caches[1].buf.shape[0] >= 15 + 2
     tasks = [Task(rid, "draft", 1, 1, np.arange(1, 6 + rid), 4, SamplingParams(max_new_tokens=8), rid) for rid in range(3)]
     drafts = ModelRunner(model).draft(tasks)
-    assert model.step_graphs.replays == 3  # (steps 2 to 4; the first feeds each prompt)
+    assert model.step_graphs.replays == 1 + 4
     assert [d.tokens for d in drafts] == [d.tokens for d in ModelRunner(_model()).draft(tasks)]
     model.batch_invariant = True
     assert model.step_graphs.step(caches, [1, 1], [1, 1], [[1], [2]], None) is None

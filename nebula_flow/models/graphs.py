@@ -3,13 +3,13 @@
 On a GPU a step of a small model is bound by the host: every op of the forward is a kernel launch
 from Python, and a draft step of a 0.6B model launches about as many kernels as a target's verify.
 A CUDA graph replays a recorded step's kernels with one launch. Graphs hold the steps whose shape
-repeats: every sequence adds the same number of rows (one for a decode step, k + 1 and any token
-tree's for a verify block, at most ``MAX_WIDTH``) and wants all their logits, and all attend in
-one call over one arena chunk (``models.batch``; the model not batch-invariant). That is every
-draft step after a round's first, a target's decoding, and verify blocks of one k. Prefills and
-ragged batches run eagerly.
+repeats: every sequence adds at most ``MAX_WIDTH`` rows (one for a decode step, k + 1 and any token
+tree's for a verify block, what it committed for a round's first draft step), those with fewer
+padded to the widest, and all attend in one call over one arena chunk (``models.batch``; the
+model not batch-invariant). That is every draft step, a target's decoding and its verify blocks,
+whatever each request's k. Prefills wider than ``MAX_WIDTH`` run eagerly.
 
-A graph is recorded per (arena chunk, batch size, rows per sequence, key bucket): its inputs are
+A graph is recorded per (arena chunk, batch size, widest rows per sequence, key bucket): its inputs are
 fixed tensors (token ids, positions, the slots the new KV goes to, the slots each sequence's keys
 come from, padded to the bucket, and the masks, a token tree's included), filled from the host
 before each replay without waiting for the device. Keys are padded to a power of two from
@@ -62,22 +62,29 @@ class StaticPlan:
 
     def fill(self, caches: list[KVCache], trees: list[TreeRows | None]) -> torch.Tensor:
         """Point the plan at ``caches``' slots for their next ``width`` positions (made on the host,
-        copied in); returns the rows' positions (a tree's rows sit at their depth)."""
+        copied in); returns the rows' positions (a tree's rows sit at their depth). A sequence with
+        fewer new rows is padded: its pad rows follow its last row as a chain would, their KV goes
+        to its own slots past its rows (the caller reserved them; never read as its keys, and
+        overwritten when its tokens come), and their logits are not read."""
         past = torch.tensor([c.length for c in caches])[:, None]
         base = torch.tensor([c.lease.base for c in caches])[:, None]
         row = torch.arange(self.width)[None, :]
         key = torch.arange(self.keys)[None, None, :]
         staging.copy_into(self.write, (base + past + row).flatten())  # (rows stored in order, as eagerly)
         staging.copy_into(self.gather, (base + torch.where(key[0] < past + self.width, key[0], 0)).flatten())
-        depth = torch.stack([row[0] if t is None else torch.tensor(t.depth) for t in trees])
+        depth = torch.stack([row[0] if t is None else torch.cat((torch.tensor(t.depth), row[0, len(t.depth):]))
+                             for t in trees])
         pos = (past + depth)[:, :, None]  # [size, width, 1]
+        # (causal: a row sees the keys before its slot; a real row never sees a pad row's slot, and
+        # every pad row sees some key, so no row's softmax is over nothing)
         causal = key <= (past + row)[:, :, None]
         for window, mask in self.masks.items():
             allowed = causal.clone() if window is None else causal & (pos - key < window)
             for b, (n, tree) in enumerate(zip(past[:, 0].tolist(), trees)):
                 if tree is not None:  # (its rows see the cached keys and their own path)
-                    allowed[b] = False
-                    allowed[b, :, :n + self.width] = tree.mask(n, window, torch.device("cpu"))
+                    m = len(tree.depth)
+                    allowed[b, :m] = False
+                    allowed[b, :m, :n + m] = tree.mask(n, window, torch.device("cpu"))
             staging.copy_into(mask, torch.zeros(allowed.shape, dtype=mask.dtype).masked_fill_(~allowed, float("-inf"))[:, None])
         return pos.flatten().float()
 
@@ -100,6 +107,7 @@ class FixedStep:
         self.model = model
         self.ids = torch.zeros(size * width, dtype=torch.long, device=device)
         self.positions = torch.zeros(size * width, dtype=torch.float32, device=device)
+        self.picked = torch.zeros(size * width, dtype=torch.long, device=device)  # (a ragged step's logit rows)
         self.plan = StaticPlan(chunk, size, width, keys, model.windows, chunk.dtype)
         self.replay: Callable[[], None] | None = None  # the recorded graph's replay, once recorded
         self.graph = None  # (the graph, kept alive with its step)
@@ -109,9 +117,20 @@ class FixedStep:
              trees: list[TreeRows | None]) -> None:
         if isinstance(new_tokens, torch.Tensor):
             self.ids.copy_(new_tokens)
-        else:
-            staging.copy_into(self.ids, torch.tensor([t for seq in new_tokens for t in seq]))
+        else:  # (pad rows feed token 0)
+            width = self.plan.width
+            staging.copy_into(self.ids, torch.tensor([t for seq in new_tokens for t in (*seq, *[0] * (width - len(seq)))]))
         staging.copy_into(self.positions, self.plan.fill(caches, trees))
+
+    def logits(self, lengths: list[int], logit_rows: list[int]) -> torch.Tensor:
+        """The replayed logits each sequence wants (its last ``logit_rows`` real rows), in order."""
+        width = self.plan.width
+        if all(n == width for n in lengths) and all(r == width for r in logit_rows):
+            return self.out.clone()  # (the next replay overwrites ``out``)
+        rows = [b * width + n - want + r for b, (n, want) in enumerate(zip(lengths, logit_rows)) for r in range(want)]
+        picked = self.picked[:len(rows)]
+        staging.copy_into(picked, torch.tensor(rows))
+        return self.out.index_select(0, picked)
 
     def run(self) -> torch.Tensor:
         return self.model.compute(self.ids, self.positions, _PlanOnly(self.plan), None)
@@ -145,11 +164,16 @@ class StepGraphs:
     def step(self, caches: list[KVCache], lengths: list[int], logit_rows: list[int],
              new_tokens: list[list[int]] | torch.Tensor, parents: list[list[int] | None] | None) -> torch.Tensor | None:
         """The logits of this forward from a graph ([rows, vocab]), or None where it does not
-        qualify (the caller runs it eagerly). The caches must have room for the new tokens."""
-        width = lengths[0]
-        if not self.enabled or self.model.batch_invariant or width > MAX_WIDTH or any(
-                n != width for n in lengths) or any(r != width for r in logit_rows):
+        qualify (the caller runs it eagerly). The caches must have room for the new tokens.
+        Sequences with fewer new rows than the widest are padded to its width (``StaticPlan.fill``),
+        so a round's first draft step (each request feeds what it committed) and verify blocks of
+        mixed k take a graph too."""
+        width = max(lengths)
+        if not self.enabled or self.model.batch_invariant or width > MAX_WIDTH or min(lengths) < 1:
             return None
+        if any(n < width for n in lengths):
+            for cache in caches:  # (room for the pad rows' KV: past each sequence's own rows)
+                cache.reserve(cache.length + width)
         lease = caches[0].lease
         if lease is None or any(c.lease is None or c.arena is not caches[0].arena or c.lease.chunk != lease.chunk
                                 for c in caches):
@@ -165,7 +189,7 @@ class StepGraphs:
             return None
         step.replay()
         self.replays += 1
-        return step.out.clone()  # (the next replay overwrites ``out``)
+        return step.logits(lengths, logit_rows)
 
     def _record(self, step: FixedStep) -> bool:
         """Record ``step``'s graph and check one replay against the eager step, bit for bit."""
