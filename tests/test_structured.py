@@ -255,3 +255,28 @@ def test_bench_runs_json_schema_requests(tiny_pair, tmp_path) -> None:  # noqa: 
     assert modes["pooled"]["tokens_per_round"] > 1.2 and modes["autoregressive"]["tokens_per_round"] == 1.0
     refused = CliRunner().invoke(main, ["bench", "--modes", "pooled,hf", "--json-schema", "configs/schemas/person.json"])
     assert refused.exit_code != 0 and "cannot follow a JSON schema" in refused.output
+
+
+def test_a_verify_that_breaks_one_requests_grammar_fails_that_request_alone(tiny_pair, guides) -> None:  # noqa: ANN001
+    """A verify batch where one request's committed output breaks its grammar: that task fails
+    (an error it carries, its cache back at its committed tokens), and the others in the batch
+    commit what they commit verified alone."""
+    from nebula_flow.models.loader import load_model
+    from nebula_flow_workers.runner import ModelRunner
+
+    model = load_model(tiny_pair / "target")
+    prompt = np.arange(1, 12)
+    bad_output = _ids(guides, "zz")  # (the grammar allows only digits)
+
+    def tasks() -> list[Task]:
+        return [Task(0, "verify", 1, 1, prompt, 2, SamplingParams(max_new_tokens=8), 0, draft=[5, 6]),
+                Task(1, "verify", 1, 1, np.concatenate([prompt, bad_output]), 2,
+                     SamplingParams(max_new_tokens=8, structured={"regex": "[0-9]+"}), 1, draft=[7, 8],
+                     prompt_len=len(prompt))]
+
+    batch = tasks()
+    runner = ModelRunner(model, model_dir=str(tiny_pair / "target"))
+    got = runner.verify(batch)
+    assert got[0] == ModelRunner(model).verify(tasks()[:1])[0] and batch[0].error is None
+    assert got[1] is None and batch[1].prefilled is None and "breaks its grammar" in batch[1].error
+    assert runner.store.caches[1].length == len(batch[1].tokens)

@@ -5,6 +5,7 @@ No sockets here: the worker loop hands it decoded tasks and sends back what it r
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from nebula_flow_workers.draft_steps import DraftSteps
 from nebula_flow_workers.forward_clock import ForwardClock
 from nebula_flow_workers.guides import Guide, Guides
 from nebula_flow_workers.logprobs import committed_logprobs
+
+log = logging.getLogger("nebula_flow.worker")
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Task:
     logprobs: tuple[np.ndarray, np.ndarray] | None = None  # set by verify when asked: ``workers/logprobs.py``
     prompt_len: int = 0  # a penalized request's (its output's tokens are penalized: ``nebula_flow/penalties.py``)
     suppress: list[int] = field(default_factory=list)  # min_tokens: the ids it must not pick yet
+    error: str | None = None  # set by the runner: this task alone failed, and why (its batch went on)
 
     def tree(self) -> TokenTree:
         """The token tree this verify scores: the draft, the alternatives and the fused chains."""
@@ -267,18 +271,28 @@ class ModelRunner:
                 t.prefilled = c.length
                 out.append(None)
                 continue
-            guide = None if t.params.structured is None else self._guide(t)
-            committed = specdec.verify(logits[i], t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens),
-                                       t.runner_ups, t.chains, best=best.get(i),
-                                       penalties=Penalties.of(t.params, t.tokens, t.prompt_len, t.suppress, guide))
-            position, path = len(t.tokens), tree.path(committed[:-1])
-            if t.params.logprobs is not None:
-                t.logprobs = committed_logprobs(logits[i], path, committed, t.params.logprobs)
-            # keep the KV of the accepted path (moved into place when it is not the first chain's)
-            c.adopt([position + node for node in path], position)
-            out.append(committed)
+            try:
+                out.append(self._commit(t, c, tree, logits[i], best.get(i)))
+            except Exception as exc:  # noqa: BLE001 - one request's failure (its grammar, say) fails it alone
+                log.warning("request %d's verify failed: %s", t.rid, exc)
+                t.error = f"{type(exc).__name__}: {exc}"
+                c.truncate(len(t.tokens))  # (its scored rows dropped: the cache holds what it committed before)
+                out.append(None)
         self._finish(tasks)
         return out
+
+    def _commit(self, t: Task, c: KVCache, tree: TokenTree, logits: torch.Tensor, best: list[int] | None) -> list[int]:
+        """What ``t``'s verify commits from its rows' ``logits``, the accepted path's KV kept."""
+        guide = None if t.params.structured is None else self._guide(t)
+        committed = specdec.verify(logits, t.draft, t.q_idx, t.q_prob, t.params, t.seed, len(t.tokens),
+                                   t.runner_ups, t.chains, best=best,
+                                   penalties=Penalties.of(t.params, t.tokens, t.prompt_len, t.suppress, guide))
+        position, path = len(t.tokens), tree.path(committed[:-1])
+        if t.params.logprobs is not None:
+            t.logprobs = committed_logprobs(logits, path, committed, t.params.logprobs)
+        # keep the KV of the accepted path (moved into place when it is not the first chain's)
+        c.adopt([position + node for node in path], position)
+        return committed
 
     def _guide(self, t: Task) -> Guide:
         if self.guides is None:  # (``tasks.runnable`` refuses such a task first)

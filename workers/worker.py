@@ -251,8 +251,8 @@ class Worker:
                             outs.append(TaskResult(t.rid, t.kind, t.round, t.attempt))
                 elif kind == "verify" and self.target and self.opts.role != "draft":
                     for out, t, committed in zip(outs, group, self.target.verify(group)):
-                        if committed is None:
-                            out.prefilled = t.prefilled
+                        if committed is None:  # (a chunk of its prompt, or it failed alone)
+                            out.prefilled, out.error = t.prefilled, t.error
                             continue
                         out.committed, (out.logprobs, out.logprob_ids) = committed, t.logprobs or (None, None)
                         if t.chains and not t.draft:  # a chain the target looked up itself
@@ -268,7 +268,7 @@ class Worker:
                             t.draft, t.q_idx, t.q_prob, t.runner_ups, t.chains = d.tokens, d.q_idx, d.q_prob, d.runner_ups, d.chains
                     for out, t, committed in zip(outs, group, self.target.verify(group, ends)):
                         if committed is None:
-                            out.prefilled = t.prefilled
+                            out.prefilled, out.error = t.prefilled, t.error
                             continue
                         out.committed, out.draft, out.runner_ups = committed, t.draft, t.runner_ups
                         out.chains, (out.logprobs, out.logprob_ids) = t.chains, t.logprobs or (None, None)
