@@ -124,13 +124,22 @@ def test_a_graph_that_does_not_match_turns_graphs_off(monkeypatch: pytest.Monkey
         caplog.clear()
 
 
-def test_no_more_than_the_cap_of_shapes_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_more_than_the_cap_of_shapes_is_kept_and_a_shape_seen_again_takes_the_oldest_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the cap is reached, a new shape runs eagerly the first time; seen again, it is
+    recorded in place of the shape used longest ago (which then waits its turn the same way)."""
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 1)
     model = _model()
     model.step_graphs = StepGraphs(model, recorder=eager_recorder)
+    sg = model.step_graphs
     one, two = [model.new_cache()], [model.new_cache() for _ in range(2)]
-    model(one, [[1, 2]], [1])
-    model(two, [[1, 2], [3]], [1, 1])
-    model(one, [[3]], [1])
-    model(two, [[4], [5]], [1, 1])  # (a second shape: eager)
-    assert len(model.step_graphs.steps) == 1 and model.step_graphs.replays == 1
+    model(one, [[1] * 20], [1])  # (prefills wider than a graph: eager)
+    model(two, [[1] * 20, [2] * 20], [1, 1])
+    model(one, [[3]], [1])  # (one sequence: recorded)
+    model(two, [[4], [5]], [1, 1])  # (a second shape while full: eager)
+    assert list(sg.steps) == [(0, 1, 1, 256)] and sg.replays == 1
+    model(two, [[6], [7]], [1, 1])  # (seen again: it takes the first one's place)
+    assert list(sg.steps) == [(0, 2, 1, 256)] and sg.replays == 2
+    model(one, [[8]], [1])  # (the first shape, now new again: eager once)
+    assert sg.status() == {"enabled": True, "graphs": 1, "replays": 2, "eager": 4, "recorded": 2, "evicted": 1}
+    assert model.runtime_status()["cuda_graphs"] == sg.status()  # (what a worker's status shows, per model)

@@ -466,12 +466,8 @@ class Worker:
                 out[key] = tables
                 self.costs_sent_at[key] = time.monotonic()
         for role, runner in (("draft", self.draft), ("target", self.target)):
-            if runner is not None and isinstance(runner.model, torch.nn.Module):
-                dtype = str(runner.model.lm_head.weight.dtype).removeprefix("torch.")
-                out[f"{role}_numerics"] = dtype + (" batch-invariant" if runner.model.batch_invariant else "")
-                out[f"{role}_packed_layers"] = runner.model.packed_layers  # models/packed.py
-                if runner.model.packed_from_rows:  # weight shape -> fewest rows on the packed kernel
-                    out[f"{role}_packed_from_rows"] = runner.model.packed_from_rows
+            if runner is not None and isinstance(runner.model, torch.nn.Module):  # (numerics, packing, CUDA graphs)
+                out.update({f"{role}_{key}": value for key, value in runner.model.runtime_status().items()})
         if self.lease is not None:  # (nebula_flow.cores: forwards on cores idle workers lent)
             out.update(self.lease.status())
         emulated = [r.model for r in self.runners if hasattr(r.model, "overrun_s")]

@@ -22,6 +22,7 @@ and every step runs eagerly as before.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -152,14 +153,25 @@ def record(step: FixedStep, pool: Any) -> Any:  # noqa: ANN401 - a CUDA graph me
 
 
 class StepGraphs:
-    """A model's recorded steps; ``step`` runs a forward from one when it qualifies."""
+    """A model's recorded steps; ``step`` runs a forward from one when it qualifies.
+
+    At most ``MAX_GRAPHS`` are kept. Batch sizes, widths and key buckets make far more shapes than
+    that over a deployment's life, so once full, a new shape seen a second time takes the place of
+    the one used longest ago (a shape seen once runs eagerly: recording costs a few eager steps,
+    so a one-off would cost more recorded than run)."""
 
     def __init__(self, model: Any, recorder: Callable[[FixedStep, Any], Any] = record) -> None:  # noqa: ANN401
         self.model, self.recorder = model, recorder
-        self.steps: dict[tuple[int, int, int, int], FixedStep] = {}
+        self.steps: OrderedDict[tuple[int, int, int, int], FixedStep] = OrderedDict()  # (least recently used first)
+        self.waiting: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()  # shapes seen once while full
         self.pool = None
         self.enabled = True
-        self.replays = 0
+        self.replays = self.recorded = self.evicted = self.eager = 0
+
+    def status(self) -> dict[str, Any]:
+        """What a worker reports: graphs kept, steps replayed and run eagerly, recordings, evictions."""
+        return {"enabled": self.enabled, "graphs": len(self.steps), "replays": self.replays, "eager": self.eager,
+                "recorded": self.recorded, "evicted": self.evicted}
 
     def step(self, caches: list[KVCache], lengths: list[int], logit_rows: list[int],
              new_tokens: list[list[int]] | torch.Tensor, parents: list[list[int] | None] | None) -> torch.Tensor | None:
@@ -169,7 +181,10 @@ class StepGraphs:
         so a round's first draft step (each request feeds what it committed) and verify blocks of
         mixed k take a graph too."""
         width = max(lengths)
-        if not self.enabled or self.model.batch_invariant or width > MAX_WIDTH or min(lengths) < 1:
+        if not self.enabled or self.model.batch_invariant:
+            return None
+        self.eager += 1  # (until it replays)
+        if width > MAX_WIDTH or min(lengths) < 1:
             return None
         if any(n < width for n in lengths):
             for cache in caches:  # (room for the pad rows' KV: past each sequence's own rows)
@@ -180,15 +195,27 @@ class StepGraphs:
             return None
         shape = (lease.chunk, len(caches), width, key_bucket(max(c.length for c in caches) + width))
         step = self.steps.get(shape)
-        if step is None:
+        if step is not None:
+            self.steps.move_to_end(shape)
+        else:
             if len(self.steps) >= MAX_GRAPHS:
-                return None
+                if shape not in self.waiting:  # (its first sighting while full: eagerly, remembered)
+                    self.waiting[shape] = None
+                    while len(self.waiting) > MAX_GRAPHS:
+                        self.waiting.popitem(last=False)
+                    return None
+                del self.waiting[shape]
+                self.steps.popitem(last=False)  # (the graph it frees goes back to the shared pool)
+                self.evicted += 1
             step = self.steps[shape] = FixedStep(self.model, caches[0].arena.chunk(lease), *shape[1:])
         step.fill(caches, new_tokens, [TreeRows.of(p) for p in parents] if parents else [None] * len(caches))
-        if step.replay is None and not self._record(step):
-            return None
+        if step.replay is None:
+            if not self._record(step):
+                return None
+            self.recorded += 1
         step.replay()
         self.replays += 1
+        self.eager -= 1
         return step.logits(lengths, logit_rows)
 
     def _record(self, step: FixedStep) -> bool:

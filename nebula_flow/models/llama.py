@@ -11,6 +11,7 @@ numerics). Module names mirror HuggingFace's so checkpoints load unchanged.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -352,6 +353,18 @@ class CausalLM(nn.Module):
     def token_ids(self, head_rows: torch.Tensor) -> torch.Tensor:
         """Map output-head rows to token ids (identity unless the head covers a subset)."""
         return head_rows if self.head_token_ids is None else self.head_token_ids[head_rows.long()]
+
+    def runtime_status(self) -> dict[str, Any]:
+        """How this model runs, for a worker's status: its numerics, the layers on packed weights
+        (``models.packed``; weight shape -> fewest rows on the packed kernel) and its CUDA graphs."""
+        out: dict[str, Any] = {"numerics": str(self.lm_head.weight.dtype).removeprefix("torch.")
+                               + (" batch-invariant" if self.batch_invariant else ""),
+                               "packed_layers": self.packed_layers}
+        if self.packed_from_rows:
+            out["packed_from_rows"] = self.packed_from_rows
+        if self.step_graphs is not None:
+            out["cuda_graphs"] = self.step_graphs.status()
+        return out
 
     def make_kv_arena(self, max_bytes: int = CHUNK_BYTES) -> None:
         """This model's caches from now on come from one arena of ``max_bytes`` (the worker's KV
