@@ -209,11 +209,12 @@ class StepGraphs:
                 self.evicted += 1
             step = self.steps[shape] = FixedStep(self.model, caches[0].arena.chunk(lease), *shape[1:])
         step.fill(caches, new_tokens, [TreeRows.of(p) for p in parents] if parents else [None] * len(caches))
-        if step.replay is None:
+        if step.replay is None:  # (recording replays it once: its logits are in ``out`` already)
             if not self._record(step):
                 return None
             self.recorded += 1
-        step.replay()
+        else:
+            step.replay()
         self.replays += 1
         self.eager -= 1
         return step.logits(lengths, logit_rows)
