@@ -38,7 +38,9 @@ class SamplingParams:
     before the penalties (as vLLM applies it), so -100 all but bans a token and 100 all but forces it.
     ``structured`` (None: free text): the output follows a JSON schema, any JSON object, a regular
     expression, one of some choices or a Lark grammar (``nebula_flow/structured.py``), greedy or
-    sampled; it ends with EOS once the grammar is complete, so it cannot ignore EOS.
+    sampled; it ends with EOS once the grammar is complete, so it cannot ignore EOS. With
+    ``think_first`` it binds only what follows the end of a reasoning model's thinking
+    (``</think>``, in the output or already in the prompt), as vLLM's reasoning parsers have it.
     """
 
     max_new_tokens: int = 64
@@ -56,6 +58,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     structured: dict[str, Any] | None = field(default=None, hash=False)  # e.g. {"json": schema}, {"regex": "..."}
+    think_first: bool = False  # the grammar binds only the answer, after a reasoning model's thinking (</think>)
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
 
     @property
@@ -149,8 +152,8 @@ class SamplingParams:
             raise InvalidParams(f"repetition_penalty must be a number in (0, 10] (1: off), got {r!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise InvalidParams(f"min_tokens must be an integer from 0 to max_new_tokens, got {self.min_tokens!r}")
-        if not isinstance(self.ignore_eos, bool) or not isinstance(self.fit_context, bool):
-            raise InvalidParams("ignore_eos and fit_context must be booleans")
+        if not all(isinstance(v, bool) for v in (self.ignore_eos, self.fit_context, self.think_first)):
+            raise InvalidParams("ignore_eos, fit_context and think_first must be booleans")
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or not all(

@@ -280,3 +280,52 @@ def test_a_verify_that_breaks_one_requests_grammar_fails_that_request_alone(tiny
     assert got[0] == ModelRunner(model).verify(tasks()[:1])[0] and batch[0].error is None
     assert got[1] is None and batch[1].prefilled is None and "breaks its grammar" in batch[1].error
     assert runner.store.caches[1].length == len(batch[1].tokens)
+
+
+@pytest.fixture(scope="module")
+def thinking_guides(tiny_pair, tmp_path_factory) -> Guides:  # noqa: ANN001
+    """The tiny tokenizer with a reasoning model's thinking markers added (ids 512 and 513)."""
+    folder = tmp_path_factory.mktemp("thinking")
+    spec = json.loads((tiny_pair / "target" / "tokenizer.json").read_text())
+    spec["added_tokens"] += [{"id": 512 + i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for i, text in enumerate(("<think>", "</think>"))]
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return Guides(folder, 514, [EOS])
+
+
+def test_a_reasoning_models_answer_begins_after_its_thinking(thinking_guides, guides) -> None:  # noqa: ANN001
+    START, END, a, b = 512, 513, 40, 41  # noqa: N806
+    begins = thinking_guides.answer_begins
+    assert begins([7, 8], [START, a, b]) is None  # (thinking, nothing ended yet)
+    assert begins([7, 8], []) is None  # (a model that thinks first: nothing bound before its </think>)
+    assert begins([7, 8], [START, a, END, b]) == 3
+    assert begins([7, START], [a, END, b]) == 2  # (the template opened the thinking)
+    assert begins([7, START, END, 9], [a, b]) == 0  # (thinking turned off: the template closed it)
+    assert begins([START, a, END, 7, START], [b]) is None  # (only the prompt's last thinking counts)
+    assert guides.answer_begins([7], []) == 0  # (a tokenizer without the markers: bound from the start)
+
+
+def test_a_think_first_grammar_binds_only_the_answer(thinking_guides) -> None:  # noqa: ANN001
+    START, END = 512, 513  # noqa: N806
+    params = SamplingParams(structured={"regex": "[0-9]+"}, think_first=True)
+    digit = _ids(thinking_guides, "7")
+    fresh = _fresh_mask(thinking_guides, params.structured, [])
+    thinking = thinking_guides.guide(1, params, [START, 40], prompt=[7, 8])
+    assert thinking.allowed([]).all() and thinking.allowed([41, 42]).all()  # (while thinking: anything)
+    assert torch.equal(thinking.allowed([41, END])[:512], fresh)  # (a path that ends the thinking: bound after it)
+    assert torch.equal(thinking.allowed([END, *digit])[:512], _fresh_mask(thinking_guides, params.structured, digit))
+    answering = thinking_guides.guide(1, params, [START, 40, END, *digit], prompt=[7, 8])
+    assert torch.equal(answering.allowed([])[:512], _fresh_mask(thinking_guides, params.structured, digit))
+    plain = thinking_guides.guide(2, SamplingParams(structured={"regex": "[0-9]+"}), [], prompt=[7, 8])
+    assert torch.equal(plain.allowed([])[:512], fresh) and not plain.allowed([])[START]  # (without it: bound at once)
+
+
+def test_the_api_lets_a_reasoning_model_think_before_a_structured_answer() -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}
+    assert parse_chat(body, Served("tiny", reasoning_parser="qwen3")).params["think_first"] is True
+    assert "think_first" not in parse_chat(body, SERVED).params
+    plain = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    assert "think_first" not in parse_chat(plain, Served("tiny", reasoning_parser="qwen3")).params
+    assert SamplingParams.from_wire(SamplingParams(structured={"regex": "a+"}, think_first=True).to_wire()).think_first
+    with pytest.raises(InvalidParams):
+        SamplingParams.from_wire({"think_first": "yes"}).validate()

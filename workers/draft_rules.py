@@ -40,7 +40,8 @@ class DraftRules:
             guide = None
             if t.params.structured is not None and guides is not None:
                 try:  # (a request's several tasks, draft-ahead's branches: each its own matcher)
-                    guide = guides.guide(t.rid, t.params, t.tokens[t.prompt_len:].tolist(), own=rids[t.rid] > 1)
+                    guide = guides.guide(t.rid, t.params, t.tokens[t.prompt_len:].tolist(), own=rids[t.rid] > 1,
+                                         prompt=t.tokens[:t.prompt_len])
                 except ValueError:
                     pass
             self.rules[i] = Penalties(t.params, t.tokens, t.prompt_len, t.suppress, guide)

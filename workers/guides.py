@@ -15,6 +15,7 @@ mask and rolls ``p`` back.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,21 +24,28 @@ import numpy as np
 import torch
 
 from nebula_flow import structured
+from nebula_flow.api import reasoning
 from nebula_flow.params import SamplingParams
 
 MAX_MATCHERS = 1024  # requests whose matcher a worker keeps (least recently verified go first)
 MAX_GRAMMARS = 64  # grammars whose starting matcher a worker keeps
+MARKER_WINDOW = 64  # the prompt's last tokens searched for thinking markers (a chat template's generation prompt)
 
 
 class Guide:
-    """One request's matcher, at its committed output."""
+    """One request's matcher, at its committed output. ``opener``: the grammar has not begun yet
+    (a reasoning model still thinking): it binds only what follows this token, anything before."""
 
-    def __init__(self, matcher: object, vocab: int, eos: Sequence[int]) -> None:
-        self.matcher, self.vocab, self.eos = matcher, vocab, eos
+    def __init__(self, matcher: object, vocab: int, eos: Sequence[int], opener: int | None = None) -> None:
+        self.matcher, self.vocab, self.eos, self.opener = matcher, vocab, eos, opener
 
     def allowed(self, path: Sequence[int], avoid: Sequence[int] = ()) -> torch.Tensor:
         """Boolean [vocab]: the ids the grammar allows after ``path``; without ``avoid`` (min_tokens'
         ids) unless that would leave nothing (a complete grammar allows only EOS: it wins)."""
+        if self.opener is not None:
+            if self.opener not in path:  # (still thinking: every id)
+                return self._avoiding(torch.ones(self.vocab, dtype=torch.bool), avoid)
+            path = list(path)[list(path).index(self.opener) + 1:]
         m = self.matcher
         took = m.try_consume_tokens(list(path)) if path else 0
         if took < len(path) and not m.is_stopped():
@@ -53,6 +61,9 @@ class Guide:
             m.rollback(took)
         if not allowed.any():  # (a grammar this vocabulary cannot go on with: the output ends)
             allowed[[t for t in self.eos if t < self.vocab]] = True
+        return self._avoiding(allowed, avoid)
+
+    def _avoiding(self, allowed: torch.Tensor, avoid: Sequence[int]) -> torch.Tensor:
         if avoid:
             ids = torch.tensor([t for t in avoid if t < self.vocab], dtype=torch.long)
             kept = allowed.clone()
@@ -72,6 +83,7 @@ class Guides:
         self._tokenizer = None
         self._matchers: OrderedDict[int, tuple[str, object, list[int]]] = OrderedDict()
         self._fresh: dict[str, object] = {}  # grammar -> a matcher at its start, copied for each new request
+        self._thinking: tuple[int | None, int | None] | None = None  # the ids of <think> and </think>, once read
 
     @staticmethod
     def of(model_dir: str | Path, vocab: int) -> Guides | None:
@@ -102,12 +114,41 @@ class Guides:
             fresh = self._fresh[grammar] = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         return fresh
 
-    def guide(self, rid: int, params: SamplingParams, output: Sequence[int], own: bool = False) -> Guide:
+    def _markers(self) -> tuple[int | None, int | None]:
+        """The ids of the thinking markers (``api/reasoning.py``) among the tokenizer's added tokens."""
+        if self._thinking is None:
+            added = {t.get("content"): t.get("id") for t in json.loads(self.path.read_text()).get("added_tokens", [])}
+            self._thinking = (added.get(reasoning.START), added.get(reasoning.END))
+        return self._thinking
+
+    def answer_begins(self, prompt: Sequence[int], output: Sequence[int]) -> int | None:
+        """Where a reasoning model's answer begins in ``output``: after the first end of thinking
+        since the prompt's last start of it (0: thinking ended in the prompt, as a chat template
+        writes it with thinking turned off, or this tokenizer has no such markers); None: it is
+        still thinking."""
+        start, end = self._markers()
+        if end is None:
+            return 0
+        prompt = list(prompt[-MARKER_WINDOW:])
+        opened = max((i for i, t in enumerate(prompt) if t == start), default=-1)
+        if end in prompt[opened + 1:]:
+            return 0
+        return output.index(end) + 1 if end in output else None
+
+    def guide(self, rid: int, params: SamplingParams, output: Sequence[int], own: bool = False,
+              prompt: Sequence[int] = ()) -> Guide:
         """Request ``rid``'s matcher advanced over ``output`` (its committed output tokens); ``own``:
-        a copy of it (the next call for ``rid`` moves the matcher it keeps)."""
+        a copy of it (the next call for ``rid`` moves the matcher it keeps). A ``think_first``
+        request's grammar binds only its answer, after its thinking (``answer_begins``, which
+        reads the ``prompt`` too)."""
         grammar = structured.grammar_of(params)
-        entry = self._matchers.pop(rid, None)
         output = list(output)
+        if params.think_first:
+            begins = self.answer_begins(prompt, output)
+            if begins is None:  # (still thinking: the grammar waits for its end)
+                return Guide(self._start(grammar).deep_copy(), self.vocab, self.eos, opener=self._markers()[1])
+            output = output[begins:]
+        entry = self._matchers.pop(rid, None)
         if entry is None or entry[0] != grammar:
             entry = (grammar, self._start(grammar).deep_copy(), [])
         _, matcher, seen = entry

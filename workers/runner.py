@@ -297,7 +297,7 @@ class ModelRunner:
     def _guide(self, t: Task) -> Guide:
         if self.guides is None:  # (``tasks.runnable`` refuses such a task first)
             raise ValueError("this worker's model has no tokenizer.json: it cannot follow a grammar")
-        return self.guides.guide(t.rid, t.params, t.tokens[t.prompt_len:].tolist())
+        return self.guides.guide(t.rid, t.params, t.tokens[t.prompt_len:].tolist(), prompt=t.tokens[:t.prompt_len])
 
 
 def greedy_picks(logits: list[torch.Tensor], greedy: list[bool]) -> list[list[int] | None]:

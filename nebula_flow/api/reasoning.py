@@ -11,9 +11,9 @@ Formats (``PARSERS``), as vLLM's parsers read them:
 
 Thinking without its ``</think>`` (cut short by ``max_tokens``) is all thinking, streamed or not.
 
-Only the answer is parsed for tool calls (``api/tools.py``). A structured output's grammar binds
-the whole output, thinking included (so the model cannot think first): ask for one without
-thinking.
+Only the answer is parsed for tool calls (``api/tools.py``). A chat request's structured output
+(``response_format``, a forced tool call, ...) binds only the answer: the model thinks freely
+first (``SamplingParams.think_first``; the worker finds where thinking ends, ``workers/guides.py``).
 """
 
 from __future__ import annotations

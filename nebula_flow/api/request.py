@@ -409,6 +409,8 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
             raise ApiError(400, "logprobs with a tool_choice that forces a call are not supported", param="logprobs",
                            code="unsupported_parameter")
         _bind(params, "tools", forced)
+    if "structured" in params and served.reasoning_parser is not None:  # (the model thinks first, freely)
+        params["think_first"] = True
     if tools is not None:
         options = {**(options or {}), "tools": tools}
     inputs = [{"messages": [_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
