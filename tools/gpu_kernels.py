@@ -1,7 +1,8 @@
 """Where a decode step's device time goes on a GPU: a Qwen3-0.6B-shaped bf16 model (random
 weights), one sequence and sixteen, steady-state step times replayed from CUDA graphs and eager
 (50 steps each after a warm-up, so the clocks are up), and the kernels one eager step launches
-(torch's profiler with CUDA activity): their count and the costliest.
+(torch's profiler with CUDA activity): their count and the costliest. JSON on stdout (progress on
+stderr).
 
     python tools/gpu_kernels.py [--context 128] [--top 12]
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -59,7 +61,7 @@ def main() -> None:
             "top": [(name[:90], len(ts), round(sum(ts), 1)) for name, ts in
                     sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:args.top]]}
         model.step_graphs = graphs
-        print(json.dumps({k: v for k, v in report.items() if not k.startswith("decode_")}), flush=True)
+        print(json.dumps({k: v for k, v in report.items() if not k.startswith("decode_")}), file=sys.stderr, flush=True)
     print(json.dumps(report, indent=1))
 
 
