@@ -36,14 +36,17 @@ def _corpus(limit_bytes: int = 2_000_000) -> list[str]:
     return texts or ["def f(x):\n    return x + 1\n"]
 
 
-def build_tokenizer(out: Path, vocab_size: int) -> None:
+THINKING = ("<think>", "</think>")  # a reasoning model's markers (``api/reasoning.py``): ids 1 and 2 with ``thinking``
+
+
+def build_tokenizer(out: Path, vocab_size: int, thinking: bool = False) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, *(THINKING if thinking else ())],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
@@ -88,11 +91,13 @@ def _save(model: CausalLM, raw_cfg: dict, out: Path, tokenizer_dir: Path) -> Non
         (out / f.name).write_bytes(f.read_bytes())
 
 
-def build_tiny_pair(out: str | Path, vocab_size: int = 512, target_layers: int = 4, seed: int = 0) -> Path:
-    """Write ``out/target`` and ``out/draft``; returns ``out``. Deterministic for a seed."""
+def build_tiny_pair(out: str | Path, vocab_size: int = 512, target_layers: int = 4, seed: int = 0,
+                    thinking: bool = False) -> Path:
+    """Write ``out/target`` and ``out/draft``; returns ``out``. Deterministic for a seed.
+    ``thinking``: the tokenizer has a reasoning model's thinking markers (``THINKING``)."""
     out = Path(out)
     tok_dir = out / "tokenizer"
-    build_tokenizer(tok_dir, vocab_size)
+    build_tokenizer(tok_dir, vocab_size, thinking)
     from transformers import AutoTokenizer
 
     eos_id = AutoTokenizer.from_pretrained(str(tok_dir)).convert_tokens_to_ids(EOS)

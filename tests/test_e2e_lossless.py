@@ -372,3 +372,63 @@ def test_token_tree_alternatives_stay_lossless_and_win_rounds(tiny_pair, referen
     assert 0 < counters["alternatives_accepted"] < rounds
     assert sum(o.stats["alternatives_accepted"] for o in outs) == counters["alternatives_accepted"]
     assert all(any(k > 0 for k in o.stats["k_per_round"]) for o in outs[16:])  # (so they proposed runner-ups)
+
+
+def think_first_greedy(pair, request: dict) -> list[int]:  # noqa: ANN001
+    """The reference for a think-first structured greedy request: HF transformers one token at a
+    time (logit_bias added), unbound until the thinking ends (``</think>`` in the output, or already
+    in the prompt after its last ``<think>``), then masked to what llguidance's own matcher allows."""
+    model, prompt = _hf_model(str(pair / "target")), request["token_ids"]
+    eos, (start, end) = model.config.eos_token_id, THINK_IDS
+    tokenizer = llguidance.LLTokenizer((pair / "target" / "tokenizer.json").read_text(), n_vocab=512, eos_token=eos)
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_regex(request["structured"]["regex"]))
+    last_start = max((i for i, t in enumerate(prompt) if t == start), default=-1)
+    bound = not request.get("think_first") or end in prompt[last_start + 1:]
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < request["max_new_tokens"] and eos not in out:
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+            for token, bias in request.get("logit_bias", {}).items():
+                logits[token] += bias
+            if bound:
+                bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:512]
+                logits[~torch.from_numpy(bits.astype(bool))] = float("-inf")
+            out.append(int(torch.argmax(logits)))
+            if bound:
+                assert matcher.consume_token(out[-1])
+            bound = bound or out[-1] == end
+    return out
+
+
+THINK_IDS = (1, 2)  # <think>, </think> in the tiny pair built with ``thinking`` (nebula_flow/tiny.py)
+
+
+def test_a_think_first_grammar_binds_only_what_follows_the_thinking(tmp_path) -> None:  # noqa: ANN001
+    """A reasoning model's structured output (``think_first``): greedy output is the target's own,
+    free until ``</think>`` and under the grammar after it, whether the output or the prompt ends
+    the thinking, pooled and colocated; without ``think_first`` the grammar binds from the first
+    token; seeded sampling is the same in both."""
+    from nebula_flow.tiny import build_tiny_pair
+
+    pair = build_tiny_pair(tmp_path, thinking=True)
+    start, end = THINK_IDS
+    regex = {"regex": "[0-9]{3}"}
+    requests = [  # (a small bias on </think> makes this random model end its thinking after a token)
+        {"token_ids": [5, 6, 7, start], "max_new_tokens": 30, "structured": regex, "think_first": True,
+         "logit_bias": {end: 2.0}},
+        {"token_ids": [5, 6, start, end], "max_new_tokens": 30, "structured": regex, "think_first": True},
+        {"token_ids": [5, 6, 7, start], "max_new_tokens": 30, "structured": regex, "logit_bias": {end: 2.0}}]
+    sampled = {"token_ids": [9, 10, start], "max_new_tokens": 30, "structured": regex, "think_first": True,
+               "logit_bias": {end: 2.0}, "temperature": 0.9, "seed": 5}
+    want = [think_first_greedy(pair, request) for request in requests]
+    seeded = []
+    for mode in ("pooled", "colocated"):
+        with Deployment(deploy_config(pair, mode, 1, 1, max_batch=4)) as dep:
+            outs = asyncio.run(_run_all(dep.address, [*requests, sampled]))
+        assert [o.token_ids for o in outs[:3]] == want, mode
+        seeded.append(outs[3].token_ids)
+    assert seeded[0] == seeded[1]  # (seeded: the same in either mode)
+    thought, closed, plain = want
+    # (the cases reach both phases: thinking, then </think>, then three digits and EOS; bound at once)
+    assert end in thought and thought.index(end) >= 1 and len(thought) == thought.index(end) + 1 + 4
+    assert len(closed) == len(plain) == 4 and end not in closed + plain
