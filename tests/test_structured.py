@@ -234,6 +234,11 @@ def test_cli_options(tmp_path) -> None:  # noqa: ANN001
     schema.write_text("{oops")
     with pytest.raises(click.BadParameter):
         structured_option(str(schema), False, None, (), None)
+    from nebula_flow.cli.common import generate_from
+
+    with pytest.raises(click.UsageError, match="think-first"):  # (refused before any connection)
+        generate_from("tcp://127.0.0.1:9", "hi", False, json_schema=None, json_object=False, regex=None, choice=(),
+                      grammar=None, think_first=True, timeout_s=1.0)
 
 
 @pytest.mark.slow

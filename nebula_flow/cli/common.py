@@ -240,6 +240,10 @@ def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  
     spec = structured_option(*(params.pop(k) for k in ("json_schema", "json_object", "regex", "choice", "grammar")))
     if spec is not None:
         params["structured"] = spec
+    if params.pop("think_first", False):
+        if spec is None:
+            raise click.UsageError("--think-first goes with a structured output (--json-schema, --regex, ...)")
+        params["think_first"] = True
     if bias := params.pop("logit_bias", ()):
         params["logit_bias"] = dict(bias)
     try:
@@ -299,6 +303,8 @@ GEN_OPTIONS = [
     click.option("--choice", multiple=True, help="The output is one of these strings (repeatable)."),
     click.option("--grammar", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="The output follows the Lark grammar in this file (llguidance's Lark)."),
+    click.option("--think-first", is_flag=True, help="A reasoning model thinks freely first: the structured output "
+                 "binds only what follows its </think> (or all of it where the prompt closed the thinking)."),
     click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template."),
     click.option("--timeout-s", default=300.0, show_default=True),
 ]
