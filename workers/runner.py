@@ -274,7 +274,7 @@ class ModelRunner:
             try:
                 out.append(self._commit(t, c, tree, logits[i], best.get(i)))
             except Exception as exc:  # noqa: BLE001 - one request's failure (its grammar, say) fails it alone
-                log.warning("request %d's verify failed: %s", t.rid, exc)
+                log.warning("request %d's verify failed: %s", t.rid, exc, exc_info=not isinstance(exc, ValueError))
                 t.error = f"{type(exc).__name__}: {exc}"
                 c.truncate(len(t.tokens))  # (its scored rows dropped: the cache holds what it committed before)
                 out.append(None)
