@@ -15,7 +15,6 @@ mask and rolls ``p`` back.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,7 +82,7 @@ class Guides:
         self._tokenizer = None
         self._matchers: OrderedDict[int, tuple[str, object, list[int]]] = OrderedDict()
         self._fresh: dict[str, object] = {}  # grammar -> a matcher at its start, copied for each new request
-        self._thinking: tuple[int | None, int | None] | None = None  # the ids of <think> and </think>, once read
+        self._thinking: tuple[int | None, int | None] | None = None  # the ids of <think> and </think>, once found
 
     @staticmethod
     def of(model_dir: str | Path, vocab: int) -> Guides | None:
@@ -115,10 +114,11 @@ class Guides:
         return fresh
 
     def _markers(self) -> tuple[int | None, int | None]:
-        """The ids of the thinking markers (``api/reasoning.py``) among the tokenizer's added tokens."""
+        """The ids of the thinking markers (``api/reasoning.py``), where each is one token of this
+        tokenizer (an added token, as Qwen3's and DeepSeek-R1's are)."""
         if self._thinking is None:
-            added = {t.get("content"): t.get("id") for t in json.loads(self.path.read_text()).get("added_tokens", [])}
-            self._thinking = (added.get(reasoning.START), added.get(reasoning.END))
+            ids = [self._llg_tokenizer().tokenize_str(marker) for marker in (reasoning.START, reasoning.END)]
+            self._thinking = tuple(i[0] if len(i) == 1 else None for i in ids)
         return self._thinking
 
     def answer_begins(self, prompt: Sequence[int], output: Sequence[int]) -> int | None:

@@ -62,7 +62,7 @@ class ThinkingStream:
         if self.state == "thinking":
             end = self.text.find(END, self.at)
             if end < 0:
-                keep = _partial_tail(self.text, END, self.at)
+                keep = partial_tail(self.text, END, self.at)
                 if len(self.text) - keep > self.at:
                     out.append(("reasoning", self.text[self.at:len(self.text) - keep]))
                     self.at = len(self.text) - keep
@@ -92,6 +92,6 @@ class ThinkingStream:
         return [(kind, piece)]
 
 
-def _partial_tail(text: str, tag: str, start: int) -> int:
+def partial_tail(text: str, tag: str, start: int) -> int:
     """How many characters at the end of ``text`` (from ``start``) may begin ``tag``."""
     return next((k for k in range(min(len(tag) - 1, len(text) - start), 0, -1) if text.endswith(tag[:k])), 0)

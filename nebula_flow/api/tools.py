@@ -28,6 +28,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from nebula_flow.api.reasoning import partial_tail
+
 MAX_TOOLS = 128
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
 
@@ -110,8 +112,7 @@ class CallStream:
             self.closed = True
             end = at
         else:  # (hold back a tail that may be the tag's start)
-            end = len(self.text) - next((k for k in range(min(len(TAG) - 1, len(self.text)), 0, -1)
-                                         if self.text.endswith(TAG[:k])), 0)
+            end = len(self.text) - partial_tail(self.text, TAG, self.sent)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
 

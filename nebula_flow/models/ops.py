@@ -43,9 +43,11 @@ def random_model(raw: dict[str, Any], dtype: torch.dtype = torch.float32, infere
 
 
 @torch.no_grad()
-def forward_ops(model: CausalLM, sequences: int, rows: int, context: int = 128, repeats: int = 3) -> dict[str, Any]:
+def forward_ops(model: CausalLM, sequences: int, rows: int, context: int = 128, repeats: int = 3,
+                kernels: bool = False) -> dict[str, Any]:
     """The aten ops (all, nested included) and the median wall time of one forward of ``sequences``
-    sequences of ``context`` cached positions, ``rows`` new rows each."""
+    sequences of ``context`` cached positions, ``rows`` new rows each; ``kernels``: also the GPU
+    kernels the profiled forward ran, (name, microseconds) each (none on a CPU)."""
     caches = [model.new_cache(capacity=context + rows + 1) for _ in range(sequences)]
     model(caches, [[1] * context for _ in caches], [0] * sequences)
 
@@ -67,11 +69,18 @@ def forward_ops(model: CausalLM, sequences: int, rows: int, context: int = 128, 
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if kernels and device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
         step()
     ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
     # host: until the forward returned (on a GPU, its launches queued); near ``seconds``, the host binds
-    return {"ops": ops, "seconds": statistics.median(times), "host_seconds": statistics.median(launched[1:1 + repeats])}
+    out = {"ops": ops, "seconds": statistics.median(times), "host_seconds": statistics.median(launched[1:1 + repeats])}
+    if kernels:
+        out["kernels"] = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                          if e.device_type == torch.autograd.DeviceType.CUDA]
+    return out
 
 
 def count_ops(model: CausalLM, context: int = 128, group: bool = True, graphs: bool = True) -> dict[str, dict[str, Any]]:
