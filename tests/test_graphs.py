@@ -11,7 +11,7 @@ import torch
 
 from nebula_flow.models import graphs
 from nebula_flow.models.config import ModelConfig
-from nebula_flow.models.graphs import FixedStep, StepGraphs, key_bucket
+from nebula_flow.models.graphs import FixedStep, StepGraphs, batch_bucket, key_bucket, width_bucket
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
 from nebula_flow.tiny import init_target, tiny_config
@@ -40,11 +40,17 @@ def test_key_buckets_are_powers_of_two_from_the_smallest() -> None:
     assert [key_bucket(n) for n in (1, 256, 257, 600, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
 
 
+def test_batches_and_widths_round_up_to_few_buckets() -> None:
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 8, 8, 16, 16, 24, 40]
+    assert [width_bucket(n) for n in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_steps_through_fixed_inputs_give_the_eager_logits(window: int | None) -> None:
     """Decode steps at ragged lengths (keys padded to the bucket and masked), tokens fed as ids or
     from the device, a verify block and a token tree, with and without a sliding window: the same
-    logits as the eager forward, and the caches then hold the same."""
+    logits as the eager forward, and the caches then hold the same. Batches and widths are
+    rounded up to the graphs' buckets, the extra sequences pads over a scratch range."""
     plain, graphed = _model(window), _model(window)
     graphed.step_graphs = StepGraphs(graphed, recorder=eager_recorder)
     prompts = [list(range(1, n)) for n in (9, 3, 14)]
@@ -68,8 +74,9 @@ def test_steps_through_fixed_inputs_give_the_eager_logits(window: int | None) ->
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert graphed.step_graphs.replays == 1 + len(steps)  # (the prompts' prefill too: no wider than MAX_WIDTH)
-    assert sorted(graphed.step_graphs.steps) == [(0, 2, 3, 256), (0, 3, 1, 256), (0, 3, 2, 256), (0, 3, 3, 256),
-                                                 (0, 3, 4, 256), (0, 3, 13, 256)]
+    # (three sequences run in graphs of four, a pad sequence beside them; widths round up to a power of two)
+    assert sorted(graphed.step_graphs.steps) == [(0, 2, 4, 256), (0, 4, 1, 256), (0, 4, 2, 256), (0, 4, 4, 256),
+                                                 (0, 4, 16, 256)]
     for a, b in zip(caches[graphed], caches[plain]):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.buf[:a.length], b.buf[:b.length], rtol=1e-5, atol=1e-5)
@@ -143,3 +150,23 @@ def test_no_more_than_the_cap_of_shapes_is_kept_and_a_shape_seen_again_takes_the
     model(one, [[8]], [1])  # (the first shape, now new again: eager once)
     assert sg.status() == {"enabled": True, "graphs": 1, "replays": 2, "eager": 4, "recorded": 2, "evicted": 1}
     assert model.runtime_status()["cuda_graphs"] == sg.status()  # (what a worker's status shows, per model)
+
+
+def test_a_worker_records_its_shapes_at_start_and_its_steps_then_replay_them() -> None:
+    """``capture`` records every batch bucket up to the worker's batch at every width over short
+    contexts, leaving the arena as it found it (the ranges it recorded over given back);
+    then a draft, a ragged verify block and a batch of five records nothing new, and their
+    logits are the eager ones."""
+    plain, model = _model(), _model()
+    model.step_graphs = sg = StepGraphs(model, recorder=eager_recorder)
+    model.make_kv_arena()
+    assert sg.capture(6) == 4 * len(graphs.WIDTHS) and sorted(sg.steps) == sorted(
+        (0, size, width, 256) for size in (1, 2, 4, 8) for width in graphs.WIDTHS)
+    assert sg.status() == {"enabled": True, "graphs": 20, "replays": 0, "eager": 0, "recorded": 20, "evicted": 0}
+    assert model.kv_arena.leased_rows == 0
+    caches = {m: [m.new_cache() for _ in range(5)] for m in (plain, model)}
+    for tokens, rows in (([[1, 2, 3]] * 5, [1] * 5), ([[4], [5, 6], [7, 8, 9], [1], [2]], [1, 2, 3, 1, 1])):
+        for a, b in zip(model(caches[model], tokens, rows), plain(caches[plain], tokens, rows)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert sg.recorded == 20 and sg.replays == 2
+    assert sg.scratch is not None and sg.scratch.lease.chunk == 0  # (the pad sequences' range, leased once)

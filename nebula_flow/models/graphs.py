@@ -9,19 +9,25 @@ padded to the widest, and all attend in one call over one arena chunk (``models.
 model not batch-invariant). That is every draft step, a target's decoding and its verify blocks,
 whatever each request's k. Prefills wider than ``MAX_WIDTH`` run eagerly.
 
-A graph is recorded per (arena chunk, batch size, widest rows per sequence, key bucket): its inputs are
+A graph is recorded per (arena chunk, batch size, widest rows per sequence, key bucket), each
+rounded up to a few buckets so that few graphs cover the steps a deployment meets, as vLLM's capture
+sizes do: batch sizes to a power of two up to 8, then to a multiple of 8 (``batch_bucket``), the
+extra sequences attending over a scratch range of their own that no request uses; rows per
+sequence to a power of two (``width_bucket``). Its inputs are
 fixed tensors (token ids, positions, the slots the new KV goes to, the slots each sequence's keys
 come from, padded to the bucket, and the masks, a token tree's included), filled from the host
 before each replay without waiting for the device. Keys are padded to a power of two from
-``MIN_KEYS`` and masked, so one graph serves a range of lengths. A graph is recorded on first use
-(warm-up on a side stream, capture, then one replay checked bit for bit against the same step run
-eagerly); a graph that fails to record or to match turns graphs off for the model with a warning,
-and every step runs eagerly as before.
+``MIN_KEYS`` and masked, so one graph serves a range of lengths. A worker records the shapes of
+short contexts at start (``StepGraphs.capture``), so its first requests do not pay for recording;
+other shapes are recorded on first use. Recording is a warm-up on a side stream, the capture, then
+one replay checked bit for bit against the same step run eagerly; a graph that fails to record or
+to match turns graphs off for the model with a warning, and every step runs eagerly as before.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -35,8 +41,9 @@ from nebula_flow.models.batch import TreeRows
 log = logging.getLogger("nebula_flow.models")
 
 MIN_KEYS = 256  # the smallest key bucket (a step attends to this many key slots or a power of two more)
-MAX_GRAPHS = 64  # recorded graphs per model; steps of further shapes run eagerly
+MAX_GRAPHS = 128  # recorded graphs per model (they share one memory pool); steps of further shapes run eagerly
 MAX_WIDTH = 16  # the most new rows per sequence a graph holds (a verify block with a token tree; not a prefill)
+WIDTHS = (1, 2, 4, 8, 16)  # the rows per sequence graphs are recorded for (``width_bucket``)
 
 
 def key_bucket(keys: int) -> int:
@@ -44,9 +51,22 @@ def key_bucket(keys: int) -> int:
     return max(MIN_KEYS, 1 << (keys - 1).bit_length())
 
 
+def width_bucket(rows: int) -> int:
+    """The rows per sequence of the graph that holds steps whose widest sequence adds ``rows``."""
+    return 1 << (rows - 1).bit_length()
+
+
+def batch_bucket(size: int) -> int:
+    """The sequences of the graph that holds steps of ``size`` sequences: a power of two up to 8,
+    then a multiple of 8 (at most 7 sequences' rows of waste, cheap next to a step's weights)."""
+    return 1 << (size - 1).bit_length() if size <= 8 else -(-size // 8) * 8
+
+
 class StaticPlan:
     """A step's ``GroupPlan`` in fixed tensors (``Attention._grouped`` reads either): ``size``
-    sequences of ``width`` new rows each, ``keys`` key slots each, the padding masked."""
+    sequences of ``width`` new rows each, ``keys`` key slots each, the padding masked. A step of
+    fewer sequences fills the rest with pad sequences: an empty cache at ``scratch`` (a range of
+    ``MAX_WIDTH`` rows of the chunk that only pad sequences write and read)."""
 
     padded = real = rows = None
 
@@ -61,14 +81,17 @@ class StaticPlan:
     def mask(self, window: int | None) -> torch.Tensor:
         return self.masks[window]
 
-    def fill(self, caches: list[KVCache], trees: list[TreeRows | None]) -> torch.Tensor:
+    def fill(self, caches: list[KVCache], trees: list[TreeRows | None], scratch: int | None) -> torch.Tensor:
         """Point the plan at ``caches``' slots for their next ``width`` positions (made on the host,
         copied in); returns the rows' positions (a tree's rows sit at their depth). A sequence with
         fewer new rows is padded: its pad rows follow its last row as a chain would, their KV goes
         to its own slots past its rows (the caller reserved them; never read as its keys, and
-        overwritten when its tokens come), and their logits are not read."""
-        past = torch.tensor([c.length for c in caches])[:, None]
-        base = torch.tensor([c.lease.base for c in caches])[:, None]
+        overwritten when its tokens come), and their logits are not read. Pad sequences (up to
+        ``size``) are empty caches at ``scratch``: all alike, so their shared slots get the same KV."""
+        pads = self.size - len(caches)
+        trees = trees + [None] * pads
+        past = torch.tensor([c.length for c in caches] + [0] * pads)[:, None]
+        base = torch.tensor([c.lease.base for c in caches] + [scratch] * pads)[:, None]
         row = torch.arange(self.width)[None, :]
         key = torch.arange(self.keys)[None, None, :]
         staging.copy_into(self.write, (base + past + row).flatten())  # (rows stored in order, as eagerly)
@@ -115,18 +138,22 @@ class FixedStep:
         self.out: torch.Tensor | None = None  # where a replay leaves the logits
 
     def fill(self, caches: list[KVCache], new_tokens: list[list[int]] | torch.Tensor,
-             trees: list[TreeRows | None]) -> None:
-        if isinstance(new_tokens, torch.Tensor):
-            self.ids.copy_(new_tokens)
-        else:  # (pad rows feed token 0)
+             trees: list[TreeRows | None], scratch: int | None = None) -> None:
+        """Fill the inputs for ``caches``' next rows (``StaticPlan.fill``); pad rows feed token 0."""
+        if isinstance(new_tokens, torch.Tensor):  # (one token per sequence: ``width`` is 1)
+            self.ids[:len(new_tokens)].copy_(new_tokens)
+            if len(new_tokens) < self.plan.size:
+                self.ids[len(new_tokens):].zero_()
+        else:
             width = self.plan.width
-            staging.copy_into(self.ids, torch.tensor([t for seq in new_tokens for t in (*seq, *[0] * (width - len(seq)))]))
-        staging.copy_into(self.positions, self.plan.fill(caches, trees))
+            ids = [t for seq in new_tokens for t in (*seq, *[0] * (width - len(seq)))]
+            staging.copy_into(self.ids, torch.tensor(ids + [0] * (self.ids.numel() - len(ids))))
+        staging.copy_into(self.positions, self.plan.fill(caches, trees, scratch))
 
     def logits(self, lengths: list[int], logit_rows: list[int]) -> torch.Tensor:
         """The replayed logits each sequence wants (its last ``logit_rows`` real rows), in order."""
         width = self.plan.width
-        if all(n == width for n in lengths) and all(r == width for r in logit_rows):
+        if len(lengths) == self.plan.size and all(n == width for n in lengths) and all(r == width for r in logit_rows):
             return self.out.clone()  # (the next replay overwrites ``out``)
         rows = [b * width + n - want + r for b, (n, want) in enumerate(zip(lengths, logit_rows)) for r in range(want)]
         picked = self.picked[:len(rows)]
@@ -155,7 +182,7 @@ def record(step: FixedStep, pool: Any) -> Any:  # noqa: ANN401 - a CUDA graph me
 class StepGraphs:
     """A model's recorded steps; ``step`` runs a forward from one when it qualifies.
 
-    At most ``MAX_GRAPHS`` are kept. Batch sizes, widths and key buckets make far more shapes than
+    At most ``MAX_GRAPHS`` are kept. Batch sizes, widths and key buckets make more shapes than
     that over a deployment's life, so once full, a new shape seen a second time takes the place of
     the one used longest ago (a shape seen once runs eagerly: recording costs a few eager steps,
     so a one-off would cost more recorded than run)."""
@@ -165,6 +192,8 @@ class StepGraphs:
         self.steps: OrderedDict[tuple[int, int, int, int], FixedStep] = OrderedDict()  # (least recently used first)
         self.waiting: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()  # shapes seen once while full
         self.pool = None
+        self.scratch: KVCache | None = None  # the pad sequences' range (in the arena's first chunk)
+        self.padding = True  # False once the scratch range could not be had there: batches keep their size
         self.enabled = True
         self.replays = self.recorded = self.evicted = self.eager = 0
 
@@ -173,19 +202,39 @@ class StepGraphs:
         return {"enabled": self.enabled, "graphs": len(self.steps), "replays": self.replays, "eager": self.eager,
                 "recorded": self.recorded, "evicted": self.evicted}
 
+    def capture(self, max_batch: int, widths: tuple[int, ...] = WIDTHS) -> int:
+        """Record the graphs of steps of up to ``max_batch`` sequences of each of ``widths`` rows
+        over short contexts (the smallest key bucket), as a worker starts, so that its first
+        requests replay them instead of waiting for recordings; the narrowest first, at most half
+        the cap (the rest is left for the longer contexts met later). Returns the graphs recorded."""
+        sizes = sorted({batch_bucket(n) for n in range(1, max_batch + 1)})
+        shapes = [(size, width) for width in widths for size in sizes][:MAX_GRAPHS // 2]
+        caches = [self.model.new_cache(capacity=MAX_WIDTH) for _ in range(max(sizes))]
+        before, counts = self.recorded, (self.replays, self.eager)
+        with torch.inference_mode():
+            for size, width in shapes:
+                if not self.enabled:
+                    break
+                self.step(caches[:size], [width] * size, [1] * size, [[0] * width] * size, None)
+        self.replays, self.eager = counts  # (recordings, not steps served)
+        for cache in caches:
+            cache.release()
+        return self.recorded - before
+
     def step(self, caches: list[KVCache], lengths: list[int], logit_rows: list[int],
              new_tokens: list[list[int]] | torch.Tensor, parents: list[list[int] | None] | None) -> torch.Tensor | None:
         """The logits of this forward from a graph ([rows, vocab]), or None where it does not
         qualify (the caller runs it eagerly). The caches must have room for the new tokens.
-        Sequences with fewer new rows than the widest are padded to its width (``StaticPlan.fill``),
+        Sequences with fewer new rows than the graph's width are padded to it (``StaticPlan.fill``),
         so a round's first draft step (each request feeds what it committed) and verify blocks of
-        mixed k take a graph too."""
-        width = max(lengths)
+        mixed k take a graph too; a batch of fewer sequences than the graph's is padded with pad
+        sequences."""
         if not self.enabled or self.model.batch_invariant:
             return None
         self.eager += 1  # (until it replays)
-        if width > MAX_WIDTH or min(lengths) < 1:
+        if max(lengths) > MAX_WIDTH or min(lengths) < 1:
             return None
+        width = width_bucket(max(lengths))
         if any(n < width for n in lengths):
             for cache in caches:  # (room for the pad rows' KV: past each sequence's own rows)
                 cache.reserve(cache.length + width)
@@ -193,7 +242,11 @@ class StepGraphs:
         if lease is None or any(c.lease is None or c.arena is not caches[0].arena or c.lease.chunk != lease.chunk
                                 for c in caches):
             return None
-        shape = (lease.chunk, len(caches), width, key_bucket(max(c.length for c in caches) + width))
+        size = batch_bucket(len(caches))
+        scratch = self._scratch(caches[0]) if size > len(caches) and lease.chunk == 0 else None
+        if scratch is None:
+            size = len(caches)
+        shape = (lease.chunk, size, width, key_bucket(max(c.length for c in caches) + width))
         step = self.steps.get(shape)
         if step is not None:
             self.steps.move_to_end(shape)
@@ -208,7 +261,7 @@ class StepGraphs:
                 self.steps.popitem(last=False)  # (the graph it frees goes back to the shared pool)
                 self.evicted += 1
             step = self.steps[shape] = FixedStep(self.model, caches[0].arena.chunk(lease), *shape[1:])
-        step.fill(caches, new_tokens, [TreeRows.of(p) for p in parents] if parents else [None] * len(caches))
+        step.fill(caches, new_tokens, [TreeRows.of(p) for p in parents] if parents else [None] * len(caches), scratch)
         if step.replay is None:  # (recording replays it once: its logits are in ``out`` already)
             if not self._record(step):
                 return None
@@ -218,6 +271,18 @@ class StepGraphs:
         self.replays += 1
         self.eager -= 1
         return step.logits(lengths, logit_rows)
+
+    def _scratch(self, like: KVCache) -> int | None:
+        """The first row of the pad sequences' range in the arena's first chunk, leased once (the
+        first step comes while the chunk has room); None if it landed elsewhere."""
+        if self.scratch is None and self.padding:
+            scratch = self.model.new_cache(capacity=MAX_WIDTH)
+            if scratch.arena is like.arena and scratch.lease.chunk == 0:
+                self.scratch = scratch
+            else:  # (the first chunk is full: batches run at their own size)
+                scratch.release()
+                self.padding = False
+        return None if self.scratch is None else self.scratch.lease.base
 
     def _record(self, step: FixedStep) -> bool:
         """Record ``step``'s graph and check one replay against the eager step, bit for bit."""
@@ -235,3 +300,15 @@ class StepGraphs:
         self.enabled = False
         self.steps.clear()
         return False
+
+
+def capture_at_start(model: Any, max_batch: int, name: str) -> None:  # noqa: ANN401 - a CausalLM, an emulated model or None
+    """Record ``model``'s graphs for short contexts now (``StepGraphs.capture``) where it replays
+    graphs, as a worker starts, saying how many and how long it took."""
+    graphs = getattr(model, "step_graphs", None)
+    if graphs is None or not graphs.enabled:
+        return
+    t0 = time.perf_counter()
+    count = graphs.capture(max_batch)
+    log.info("%s: recorded %d CUDA graphs (up to %d sequences of up to %d rows) in %.1f s%s", name, count,
+             batch_bucket(max_batch), MAX_WIDTH, time.perf_counter() - t0, "" if graphs.enabled else "; graphs are off")
