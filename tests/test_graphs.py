@@ -170,3 +170,9 @@ def test_a_worker_records_its_shapes_at_start_and_its_steps_then_replay_them() -
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert sg.recorded == 20 and sg.replays == 2
     assert sg.scratch is not None and sg.scratch.lease.chunk == 0  # (the pad sequences' range, leased once)
+    model.make_kv_arena(1 << 22)  # (a worker's KV store makes its own: graphs of the old one must not serve it)
+    caches = {m: [m.new_cache() for _ in range(3)] for m in (plain, model)}
+    for tokens, rows in (([[1, 2, 3]] * 3, [1] * 3), ([[4], [5], [6]], [1] * 3)):
+        for a, b in zip(model(caches[model], tokens, rows), plain(caches[plain], tokens, rows)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert sorted(sg.steps) == [(0, 4, 1, 256), (0, 4, 4, 256)] and sg.scratch.arena is model.kv_arena

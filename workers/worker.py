@@ -26,8 +26,8 @@ from nebula_flow import protocol
 from nebula_flow.cores import join_lease
 from nebula_flow.kv.transport import make_transport
 from nebula_flow.lookup import parse_ngram
-from nebula_flow.models.graphs import capture_at_start
 from nebula_flow.models.loader import load_model
+from nebula_flow.models.warmup import warm_up
 from nebula_flow.options import WorkerOptions
 from nebula_flow.process import orphaned, restarts
 from nebula_flow.protocol import (
@@ -138,7 +138,7 @@ class Worker:
         if opts.role in BOTH_MODELS:
             self.draft = self._draft_runner(opts.draft_model, opts.draft_profile)
         for name, runner, most in (("target", self.target, opts.capacity), ("draft", self.draft, opts.draft_capacity or opts.capacity)):
-            capture_at_start(getattr(runner, "model", None), most, name)  # (CUDA graphs, before the first request)
+            warm_up(getattr(runner, "model", None), most, name)  # (a GPU: kernels loaded, graphs recorded)
 
     def _draft_runner(self, model: str, profile: str | None):  # noqa: ANN202
         ngram = parse_ngram(model) if self.opts.device != "emulated" else None

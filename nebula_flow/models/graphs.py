@@ -27,7 +27,6 @@ to match turns graphs off for the model with a warning, and every step runs eage
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -192,6 +191,7 @@ class StepGraphs:
         self.steps: OrderedDict[tuple[int, int, int, int], FixedStep] = OrderedDict()  # (least recently used first)
         self.waiting: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()  # shapes seen once while full
         self.pool = None
+        self.arena = None  # the KV arena the graphs' chunks belong to
         self.scratch: KVCache | None = None  # the pad sequences' range (in the arena's first chunk)
         self.padding = True  # False once the scratch range could not be had there: batches keep their size
         self.enabled = True
@@ -242,6 +242,10 @@ class StepGraphs:
         if lease is None or any(c.lease is None or c.arena is not caches[0].arena or c.lease.chunk != lease.chunk
                                 for c in caches):
             return None
+        if caches[0].arena is not self.arena:  # (a new arena: the graphs read and wrote the old one's chunks)
+            self.steps.clear()
+            self.waiting.clear()
+            self.arena, self.scratch, self.padding = caches[0].arena, None, True
         size = batch_bucket(len(caches))
         scratch = self._scratch(caches[0]) if size > len(caches) and lease.chunk == 0 else None
         if scratch is None:
@@ -301,14 +305,3 @@ class StepGraphs:
         self.steps.clear()
         return False
 
-
-def capture_at_start(model: Any, max_batch: int, name: str) -> None:  # noqa: ANN401 - a CausalLM, an emulated model or None
-    """Record ``model``'s graphs for short contexts now (``StepGraphs.capture``) where it replays
-    graphs, as a worker starts, saying how many and how long it took."""
-    graphs = getattr(model, "step_graphs", None)
-    if graphs is None or not graphs.enabled:
-        return
-    t0 = time.perf_counter()
-    count = graphs.capture(max_batch)
-    log.info("%s: recorded %d CUDA graphs (up to %d sequences of up to %d rows) in %.1f s%s", name, count,
-             batch_bucket(max_batch), MAX_WIDTH, time.perf_counter() - t0, "" if graphs.enabled else "; graphs are off")

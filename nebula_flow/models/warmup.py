@@ -1,0 +1,45 @@
+"""A GPU worker's model warmed up before its first request, as vLLM's engine does at start.
+
+On CUDA the first forward of each shape pays for what later ones do not: the kernels it picks are
+loaded into the context on first use, and a step that replays a CUDA graph must first record it
+(``models.graphs``). Measured on an H200 with the tiny pair, 8 requests at once (2026-12-04,
+``tools/gpu_check.sh``): the first requests' time to first token was 0.99 s against 0.015 s for
+later ones, and a first bench repeat ran at a third of the others' rate. So a worker, before it
+registers, runs a few eager prefills of the sizes requests bring and records the graphs of short
+contexts; what it took goes to the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from nebula_flow.models.graphs import MAX_WIDTH, batch_bucket
+
+log = logging.getLogger("nebula_flow.models")
+
+PREFILLS = (17, 32, 64, 128, 256, 512)  # prompt lengths warmed up (one sequence each; then a batch of the shortest)
+
+
+def warm_up(model: Any, max_batch: int, name: str) -> None:  # noqa: ANN401 - a CausalLM, an emulated model or None
+    """Warm ``model`` up for batches of up to ``max_batch`` sequences where it runs on a GPU: eager
+    prefills of ``PREFILLS`` tokens, then its graphs for short contexts (``StepGraphs.capture``)."""
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if weight is None or weight.device.type != "cuda":
+        return
+    t0 = time.perf_counter()
+    longest = min(PREFILLS[-1], model.cfg.max_position_embeddings)
+    for tokens in [[[1] * min(n, longest)] for n in PREFILLS] + [[[1] * PREFILLS[0]] * min(max_batch, 8)]:
+        caches = [model.new_cache(capacity=len(t)) for t in tokens]
+        model(caches, tokens, [1] * len(tokens))
+        for cache in caches:
+            cache.release()
+    graphs = model.step_graphs
+    count = graphs.capture(max_batch) if graphs is not None and graphs.enabled else 0
+    torch.cuda.synchronize(weight.device)
+    log.info("%s: warmed up in %.1f s: prefills of up to %d tokens, %d CUDA graphs recorded (up to %d sequences "
+             "of up to %d rows)%s", name, time.perf_counter() - t0, longest, count, batch_bucket(max_batch), MAX_WIDTH,
+             "" if graphs is not None and graphs.enabled else "; CUDA graphs are off")
