@@ -269,16 +269,15 @@ def test_steps_replay_cuda_graphs_that_match_eager_steps(tiny_pair) -> None:  # 
 def test_graphs_recorded_at_start_serve_the_first_requests(tiny_pair) -> None:  # noqa: ANN001
     """A worker records its short-context graphs at start (``StepGraphs.capture``): real CUDA
     graphs, each checked against its eager step; a draft of five requests (padded to a graph of
-    eight) and a mixed-k verify then replay them without recording another, and give the eager
-    model's tokens."""
+    eight) then replays them without recording another, and gives the eager model's tokens."""
     from nebula_flow.params import SamplingParams
     from nebula_flow_workers.runner import ModelRunner, Task
 
     graphed, eager = (load_model(tiny_pair / "draft", device="cuda", dtype="float32") for _ in range(2))
     eager.step_graphs = None
-    graphed.make_kv_arena(1 << 28)
+    runner = ModelRunner(graphed)  # (its KV store makes the arena: a worker warms up after, as here)
     assert graphed.step_graphs.capture(6) == 4 * 5 and graphed.step_graphs.enabled
     tasks = [Task(rid, "draft", 1, 1, np.arange(1, 20 + 3 * rid), 6, SamplingParams(max_new_tokens=8), rid)
              for rid in range(5)]
-    assert [d.tokens for d in ModelRunner(graphed).draft(tasks)] == [d.tokens for d in ModelRunner(eager).draft(tasks)]
+    assert [d.tokens for d in runner.draft(tasks)] == [d.tokens for d in ModelRunner(eager).draft(tasks)]
     assert graphed.step_graphs.recorded == 20 and graphed.step_graphs.replays >= 5
