@@ -123,6 +123,11 @@ class ModelRunner:
         self.store.publish([t.rid for t in tasks])
         self.store.evict(protect={t.rid for t in tasks})
 
+    def forget_timings(self) -> None:
+        """Drop the forward times measured so far (a warm-up's, ``workers/warmup.py``)."""
+        self.busy_s, self.forwards = 0.0, 0
+        self.step_costs, self.batch_costs = StepCosts(), BatchCosts()
+
     def chunk_ends(self, tasks: list[Task], held: list[int] | None = None) -> list[int | None]:
         """Under the token budget, where each task's forward stops this time: None where it runs
         whole, else the position its prompt's prefill reaches (``budget.plan_forward``). ``held``:

@@ -27,7 +27,6 @@ from nebula_flow.cores import join_lease
 from nebula_flow.kv.transport import make_transport
 from nebula_flow.lookup import parse_ngram
 from nebula_flow.models.loader import load_model
-from nebula_flow.models.warmup import warm_up
 from nebula_flow.options import WorkerOptions
 from nebula_flow.process import orphaned, restarts
 from nebula_flow.protocol import (
@@ -53,6 +52,7 @@ from nebula_flow_workers.link import BrokerLink
 from nebula_flow_workers.ngram import NgramRunner
 from nebula_flow_workers.runner import ModelRunner, Task
 from nebula_flow_workers.tasks import failed, runnable
+from nebula_flow_workers.warmup import warm_up
 
 COSTS_EVERY_S = 1.0  # forward-time tables go to the broker at most this often
 log = logging.getLogger("nebula_flow.worker")
@@ -138,7 +138,7 @@ class Worker:
         if opts.role in BOTH_MODELS:
             self.draft = self._draft_runner(opts.draft_model, opts.draft_profile)
         for name, runner, most in (("target", self.target, opts.capacity), ("draft", self.draft, opts.draft_capacity or opts.capacity)):
-            warm_up(getattr(runner, "model", None), most, name)  # (a GPU: kernels loaded, graphs recorded)
+            warm_up(runner, most, name)  # (on a GPU: kernels loaded, graphs recorded, a round run)
 
     def _draft_runner(self, model: str, profile: str | None):  # noqa: ANN202
         ngram = parse_ngram(model) if self.opts.device != "emulated" else None

@@ -1,0 +1,39 @@
+"""A GPU worker's warm-up round (``workers/warmup.py``), run here on the CPU: it must leave no
+trace in what the worker then serves."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nebula_flow.models.loader import load_model
+from nebula_flow.params import SamplingParams
+from nebula_flow_workers.runner import ModelRunner, Task
+from nebula_flow_workers.warmup import warm_round, warm_up
+
+
+def _tasks() -> list[Task]:
+    kinds = [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=8, temperature=0.9, seed=3)]
+    return [Task(rid, "draft", 1, 1, np.arange(2, 30 + rid), 4, kinds[rid % 2], rid) for rid in range(3)]
+
+
+def test_a_warm_up_round_leaves_no_kv_and_no_timings_and_changes_no_draft(tiny_pair) -> None:  # noqa: ANN001
+    """After a warm-up round (a greedy and a sampled request drafted and verified) the runner holds
+    no KV and no forward times, and its drafts and verifies of real requests equal a fresh
+    runner's, greedy and sampled."""
+    warmed, fresh = (ModelRunner(load_model(tiny_pair / "target")) for _ in range(2))
+    warm_round(warmed)
+    assert not warmed.store.caches and warmed.model.kv_arena.leased_rows == 0
+    assert warmed.forwards == 0 and warmed.busy_s == 0 and warmed.step_costs.table() == fresh.step_costs.table()
+    drafts = [r.draft(_tasks()) for r in (warmed, fresh)]
+    assert [d.tokens for d in drafts[0]] == [d.tokens for d in drafts[1]]
+    verifies = [r.verify([Task(t.rid, "verify", 1, 1, t.tokens, len(d.tokens), t.params, t.seed, draft=d.tokens,
+                               q_idx=d.q_idx, q_prob=d.q_prob) for t, d in zip(_tasks(), drafts[1])]) for r in (warmed, fresh)]
+    assert verifies[0] == verifies[1]
+
+
+def test_only_a_model_on_a_gpu_is_warmed_up(tiny_pair) -> None:  # noqa: ANN001
+    """On the CPU (and for an n-gram drafter, which has no model) the worker's warm-up does nothing."""
+    runner = ModelRunner(load_model(tiny_pair / "draft"))
+    warm_up(runner, 8, "draft")
+    warm_up(None, 8, "draft")
+    assert runner.forwards == 0 and not runner.store.caches
