@@ -281,3 +281,16 @@ def test_graphs_recorded_at_start_serve_the_first_requests(tiny_pair) -> None:  
              for rid in range(5)]
     assert [d.tokens for d in runner.draft(tasks)] == [d.tokens for d in ModelRunner(eager).draft(tasks)]
     assert graphed.step_graphs.recorded == 20 and graphed.step_graphs.replays >= 5
+
+
+def test_rotary_embedding_on_cuda_turns_as_the_reference_does() -> None:
+    """On CUDA ``rotate`` takes three kernels (a roll, the sign in ``signed_sin``, one addcmul):
+    the same rotation as the reference's op order on the CPU."""
+    from nebula_flow.models.llama import rotate, signed_sin
+
+    g = torch.Generator().manual_seed(0)
+    x, angles = torch.randn(6, 5, 64, generator=g, dtype=torch.float64), torch.randn(6, 1, 32, generator=g, dtype=torch.float64)
+    emb = torch.cat((angles, angles), -1)
+    want = rotate(x, emb.cos(), signed_sin(emb.sin()))
+    got = rotate(x.cuda(), emb.cos().cuda(), signed_sin(emb.sin().cuda())).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

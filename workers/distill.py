@@ -251,21 +251,21 @@ class Student(nn.Module):
         self.m = model
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from nebula_flow.models.llama import _rotate_half
+        from nebula_flow.models.llama import rotate, signed_sin
 
         cfg, m = self.m.cfg, self.m
         B, L = ids.shape
         x = m.model.embed_tokens(ids)
         freqs = torch.arange(L, dtype=torch.float32)[:, None] * m.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), -1)
-        cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+        cos, sin = emb.cos()[None, :, None, :], signed_sin(emb.sin()[None, :, None, :])
         for layer in m.model.layers:
             a = layer.self_attn
             h = layer.input_layernorm(x)
             q = a.q_proj(h).view(B, L, cfg.num_heads, cfg.head_dim)
             k = a.k_proj(h).view(B, L, cfg.num_kv_heads, cfg.head_dim)
             v = a.v_proj(h).view(B, L, cfg.num_kv_heads, cfg.head_dim)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True)
             x = x + a.o_proj(o.transpose(1, 2).reshape(B, L, -1))
