@@ -168,3 +168,23 @@ def test_profile_ops_counts_the_host_work_of_a_forward(tiny_pair) -> None:  # no
     small = random_model(dict(QWEN3_0_6B, num_hidden_layers=2, vocab_size=1000))
     assert forward_ops(small, 2, 1, context=16, repeats=1)["ops"] > 0
     assert CliRunner().invoke(main, ["profile"]).exit_code == 2  # (--model is required without --ops)
+
+
+def reference_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding as transformers applies it (``apply_rotary_pos_emb``'s formula)."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    return x * cos + rotate_half(x) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_gives_transformers_bits(dtype: torch.dtype) -> None:
+    """``rotate`` rolls the halves and carries the sign in ``signed_sin`` (one kernel fewer on a
+    GPU than negate-and-concatenate): the same bits as transformers' rotation."""
+    from nebula_flow.models.llama import rotate, signed_sin
+
+    g = torch.Generator().manual_seed(0)
+    x, angles = torch.randn(16, 24, 128, generator=g).to(dtype), torch.randn(16, 1, 64, generator=g)
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    assert torch.equal(rotate(x, cos, signed_sin(sin)), reference_rotation(x, cos, sin))

@@ -133,25 +133,20 @@ def rope_attention_scaling(cfg: ModelConfig) -> float:
     return mscale(factor)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` turned by the rotary embedding. On CUDA in three kernels instead of five (a small
-    model's GPU step is bound by its kernel count): rotating half is a roll whose first half's sign
-    ``sin`` carries (``signed_sin``), and the product and sum are one ``addcmul``, rounded once. The
-    CPU keeps the reference's op order, for HF agreement and batch invariance."""
-    if x.is_cuda:
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
-    return x * cos + _rotate_half(x) * sin
+    """``x`` turned by the rotary embedding, ``sin`` in ``signed_sin``'s form. The reference's
+    ``x * cos + rotate_half(x) * sin``, where ``rotate_half`` negates the second half and swaps the
+    halves (two kernels on CUDA, where a small model's step is bound by its kernel count), becomes
+    a roll with the sign carried by ``sin``: each product and the sum round as the reference's do
+    (a negation is exact), so the bits are the reference's. (An ``addcmul`` would save one more
+    kernel, but its fused rounding differed between a CUDA graph's replay and the eager step.)"""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """What ``rotate`` takes as ``sin`` on CUDA: its first half negated (once per forward)."""
+    """What ``rotate`` takes as ``sin``: its first half negated (made once per forward)."""
     half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1) if sin.is_cuda else sin
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 class Attention(nn.Module):
