@@ -31,9 +31,15 @@ def test_a_warm_up_round_leaves_no_kv_and_no_timings_and_changes_no_draft(tiny_p
     assert verifies[0] == verifies[1]
 
 
-def test_only_a_model_on_a_gpu_is_warmed_up(tiny_pair) -> None:  # noqa: ANN001
-    """On the CPU (and for an n-gram drafter, which has no model) the worker's warm-up does nothing."""
-    runner = ModelRunner(load_model(tiny_pair / "draft"))
-    warm_up(runner, 8, "draft")
+def test_only_a_model_on_a_gpu_runs_warm_up_requests(tiny_pair) -> None:  # noqa: ANN001
+    """On the CPU (and for an n-gram drafter, which has no model) the worker's warm-up runs no
+    forward; a target's grammar engine still builds its tokenizer, on a thread of its own, so the
+    first structured request finds it built."""
+    runner = ModelRunner(load_model(tiny_pair / "target"), model_dir=str(tiny_pair / "target"))
+    built = []
+    runner.guides.prepare = lambda: built.append(type(runner.guides).prepare(runner.guides))
+    warm_up(runner, 8, "target")
     warm_up(None, 8, "draft")
     assert runner.forwards == 0 and not runner.store.caches
+    built[0].join(timeout=60)
+    assert runner.guides._tokenizer is not None

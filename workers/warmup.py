@@ -1,4 +1,5 @@
-"""A GPU worker's runners warmed up before it registers (``models/warmup.py`` for the model).
+"""A worker's runners warmed up before it registers: on a GPU (``models/warmup.py`` for the
+model), and a target's grammar engine anywhere.
 
 Beside the model's forwards (kernels loaded, CUDA graphs recorded), a request's first round meets
 what only a round does: the draft steps' sampling on the device, a verify's acceptance, pinned
@@ -27,7 +28,10 @@ RID = 1 << 62  # the warm-up requests' numbers (no broker hands out ids this lar
 
 def warm_up(runner: object, max_batch: int, name: str) -> None:
     """Warm ``runner`` up for batches of up to ``max_batch`` where its model runs on a GPU (an
-    n-gram runner, an emulated model and a CPU model need none)."""
+    n-gram runner, an emulated model and a CPU model need none). On every device a target's
+    grammar engine builds its tokenizer on a thread of its own (``Guides.prepare``)."""
+    if (guides := getattr(runner, "guides", None)) is not None:
+        guides.prepare()
     model = getattr(runner, "model", None)
     if not isinstance(runner, ModelRunner) or not isinstance(model, CausalLM) or model.lm_head.weight.device.type != "cuda":
         return
