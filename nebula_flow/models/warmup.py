@@ -2,33 +2,34 @@
 
 On CUDA the first forward of each shape pays for what later ones do not: the kernels it picks are
 loaded into the context on first use, and a step that replays a CUDA graph must first record it
-(``models.graphs``). Measured on an H200 with the tiny pair, 8 requests at once (2026-12-04,
-``tools/gpu_check.sh``): the first requests' time to first token was 0.99 s against 0.015 s for
-later ones, and a first bench repeat ran at a third of the others' rate. So a worker, before it
-registers, runs a few eager prefills of the sizes requests bring and records the graphs of short
-contexts; what it took goes to the log.
+(``models.graphs``). So a worker, before it registers, runs a few eager prefills of the sizes
+requests bring and records the graphs of short contexts; what it took goes to the log. Measured on
+an H200 with the tiny pair (2026-12-04, docs/benchmarks.md, "Graph buckets, warm-up at start"):
+8 requests at once, the first ones' time to first token went from 0.99 s to 0.12 s (later ones:
+0.015 s); a single stream's first speculative requests still take 55-110 ms against 7-17 ms,
+for a cause outside the forwards not yet found.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 
 from nebula_flow.models.graphs import MAX_WIDTH, batch_bucket
+from nebula_flow.models.llama import CausalLM
 
 log = logging.getLogger("nebula_flow.models")
 
 PREFILLS = (17, 32, 64, 128, 256, 512)  # prompt lengths warmed up (one sequence each; then a batch of the shortest)
 
 
-def warm_up(model: Any, max_batch: int, name: str) -> None:  # noqa: ANN401 - a CausalLM, an emulated model or None
+def warm_up(model: CausalLM, max_batch: int, name: str) -> None:
     """Warm ``model`` up for batches of up to ``max_batch`` sequences where it runs on a GPU: eager
     prefills of ``PREFILLS`` tokens, then its graphs for short contexts (``StepGraphs.capture``)."""
-    weight = getattr(getattr(model, "lm_head", None), "weight", None)
-    if weight is None or weight.device.type != "cuda":
+    weight = model.lm_head.weight
+    if weight.device.type != "cuda":
         return
     t0 = time.perf_counter()
     longest = min(PREFILLS[-1], model.cfg.max_position_embeddings)
