@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from nebula_flow.cli import main
 from nebula_flow.client import Client
@@ -297,7 +298,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 def test_tool_calls_through_the_openai_client(served, strict) -> None:  # noqa: ANN001
     """A named function and ``"required"``: the answer's message holds tool calls whose arguments
     follow the tool's schema (its output is the structured output the client library gives for
-    that schema); streamed, the calls come whole in one delta; a conversation that carries calls
+    that schema); streamed, a named function's arguments come as they are made (the client library
+    puts the same call together), ``"required"``'s calls whole; a conversation that carries calls
     and their results goes on; ``"auto"`` reads the model's own calls where the server knows their
     format (this model makes none: its text is the content, streamed alike), and is refused by name
     where it does not."""
@@ -317,13 +319,27 @@ def test_tool_calls_through_the_openai_client(served, strict) -> None:  # noqa: 
     assert required.choices[0].finish_reason == "tool_calls"
     [call] = required.choices[0].message.tool_calls
     assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+    stream = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, max_completion_tokens=60, temperature=0, stream=True)
+    streamed = [tc for c in stream if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [(call.function.name, call.function.arguments)]
     stream = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=30,
                                             temperature=0, stream=True,
                                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
     deltas = [c.choices[0] for c in stream if c.choices]
     calls = [tc for d in deltas for tc in d.delta.tool_calls or ()]
-    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_weather", want.text)]
+    # (the arguments as they are made: the first delta names the call, the rest add to its arguments)
+    assert len(calls) > 1 and calls[0].function.name == "get_weather" and calls[0].id and calls[0].type == "function"
+    assert all(tc.index == 0 and tc.id is None and tc.function.name is None for tc in calls[1:])
+    assert "".join(tc.function.arguments for tc in calls) == want.text
     assert not any(d.delta.content for d in deltas) and deltas[-1].finish_reason == "stop"
+    state = ChatCompletionStreamState()  # (the client library's own accumulation of a stream)
+    for chunk in client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=30,
+                                                temperature=0, stream=True, tool_choice={
+                                                    "type": "function", "function": {"name": "get_weather"}}):
+        state.handle_chunk(chunk)
+    [call] = state.get_final_completion().choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", want.text)
     turn = ask + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]

@@ -228,10 +228,10 @@ class Gateway:
     async def _events(self, shaper: Shaper, job: Job, count: int,
                       items: AsyncIterator[tuple[int, Chunk | Completion]]) -> AsyncIterator[bytes]:
         """The answer's events: each choice's chunks as they come (its role first, for chat; with
-        tools, its text until a call begins and then its calls whole), its finish event when it
-        ends, then the usage if asked."""
+        tools, a named function's arguments as they come, else its text until a call begins and
+        then its calls whole), its finish event when it ends, then the usage if asked."""
         finished, outs = False, [None] * count
-        gates = [CallStream(job.calls.auto) for _ in range(count)] if job.calls is not None else None
+        gates = [CallStream(job.calls.auto, job.calls.forced) for _ in range(count)] if job.calls is not None else None
         thinking = [ThinkingStream(job.reasoning) for _ in range(count)] if job.reasoning is not None else None
         try:
             if job.chat:
@@ -243,7 +243,7 @@ class Gateway:
                     self.telemetry.finished(item)
                     for event in _pieces(shaper, i, thinking[i].rest() if thinking else [], gates):
                         yield sse(event)
-                    if gates is not None and (held := shaper.held(item, i, gates[i].sent)) is not None:
+                    if gates is not None and (held := shaper.held(item, i, gates[i])) is not None:
                         yield sse(held)  # (a choice's tool calls come whole, when its output is complete)
                     yield sse(shaper.last(item, i))
                 elif thinking is not None or gates is not None:  # (thinking apart; with tools, text until a call)
@@ -272,6 +272,11 @@ def _pieces(shaper: Shaper, index: int, pieces: list[tuple[str, str]], gates: li
     ride with the first event (one with an empty delta, when nothing of it goes out yet)."""
     events = []
     for kind, text in pieces:
+        if kind == "content" and gates is not None and gates[index].forced is not None:
+            if (call := gates[index].arguments(text)) is not None:  # (a named function's arguments, as they grow)
+                first = not events
+                events.append(shaper.call_chunk(index, [call], logprobs if first else None, token_ids if first else None))
+            continue
         if kind == "content" and gates is not None:
             text = gates[index].feed(text)
         if text:

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from nebula_flow.api import reasoning
-from nebula_flow.api.tools import ToolCalling
+from nebula_flow.api.tools import CallStream, ToolCalling
 from nebula_flow.client import Completion
 
 FINISH_REASONS = ("stop", "length")
@@ -124,16 +124,26 @@ class Shaper:
             return (text or None) if self.reasoning is not None else text, None
         return self.calls.split(text)
 
-    def held(self, out: Completion, index: int, sent: int) -> dict[str, Any] | None:
-        """A stream's event of what a choice's chunks held back (``api/tools.CallStream``; ``sent``:
-        the characters of its answer that went out): its tool calls, whole, or the rest of its answer."""
+    def held(self, out: Completion, index: int, gate: CallStream) -> dict[str, Any] | None:
+        """A stream's event of what a choice's chunks held back (``gate``: what of its answer went
+        out): its tool calls, whole, or the rest of its answer (none for a named function, whose
+        arguments went out as they came)."""
         _, called = self.tool_calls(out)
+        if gate.forced is not None:
+            return None
         if called is None:
-            rest = self.answer(out)[1][sent:]
+            rest = self.answer(out)[1][gate.sent:]
             return self.chunk(rest, index=index) if rest else None
-        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(called)]}
-        return {**self._head("chat.completion.chunk"),
-                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        return self.call_chunk(index, [{"index": i, **call} for i, call in enumerate(called)])
+
+    def call_chunk(self, index: int, calls: list[dict[str, Any]], logprobs: list | None = None,
+                   token_ids: list[int] | None = None) -> dict[str, Any]:
+        """A chat stream's event of tool-call deltas for choice ``index``."""
+        choice = {"index": index, "delta": {"tool_calls": calls}, "logprobs": self.logprobs(logprobs, index),
+                  "finish_reason": None}
+        if self.token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def last(self, out: Completion, index: int = 0) -> dict[str, Any]:
         """The event that ends choice ``index``: its finish reason and speculative stats."""

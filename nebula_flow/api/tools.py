@@ -16,6 +16,9 @@ The tools go to the chat template (as ``tools``: templates made for tool use ren
   from the output (``finish_reason`` ``tool_calls``; the text before them is the content), and a
   stream sends text until a call begins (``CallStream``). Without a parser: a 400 that says so.
 
+Streamed, a named function's arguments go out as they are made (``CallStream.arguments``); the
+calls of ``"required"`` and ``"auto"`` go out whole when the output is complete.
+
 An output cut short by ``max_tokens`` is no complete call: its text comes back as content, with
 ``finish_reason`` ``length``. Every decision here is exact under speculation, as any grammar is.
 """
@@ -96,12 +99,16 @@ def hermes(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
 
 
 class CallStream:
-    """What of a streamed choice goes out as text: ``auto``, the text until its first call begins
-    (a piece that may start the tag is held until it shows it does not); else (a forced call)
-    none. ``sent``: the characters sent."""
+    """What of a streamed choice goes out as it comes: ``auto``, the text until its first call
+    begins (a piece that may start the tag is held until it shows it does not), its calls whole at
+    the end; a named function (``forced``), its arguments as they grow, as tool-call deltas (the
+    first names the call), as OpenAI streams them and as clients that build objects from partial
+    arguments read them; ``"required"``, its calls whole at the end. ``sent``: the characters sent."""
 
-    def __init__(self, auto: bool) -> None:
+    def __init__(self, auto: bool, forced: str | None = None) -> None:
         self.text, self.sent, self.closed = "", 0, not auto
+        self.forced = forced
+        self.call_id: str | None = None  # a named function's call, once its first delta went out
 
     def feed(self, piece: str) -> str:
         self.text += piece
@@ -115,6 +122,19 @@ class CallStream:
             end = len(self.text) - partial_tail(self.text, TAG, self.sent)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
+
+    def arguments(self, piece: str) -> dict[str, Any] | None:
+        """A named function's tool-call delta for ``piece`` of its arguments (None: nothing to
+        send); the first carries the call's id and name."""
+        self.text += piece
+        if not piece:
+            return None
+        self.sent += len(piece)
+        if self.call_id is not None:
+            return {"index": 0, "function": {"arguments": piece}}
+        first = _call(self.forced, piece)
+        self.call_id = first["id"]
+        return {"index": 0, **first}
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
