@@ -72,6 +72,7 @@ class PoolConfig:
     devices: list[str] | None = None  # GPUs for this pool's workers in order (["cuda:0", "cuda:0"]: two on one)
     dtype: str | None = None  # float32 | bfloat16 | float16 | auto (models.loader.auto_dtype); None: fp32 on CPU, bf16 on CUDA
     batch_invariant: bool | None = None  # bit-equal logits however a token is batched; None: on for bf16/fp16 CPU
+    cuda_graphs: bool = True  # CUDA: replay decode steps and verify blocks from graphs (false: eager, vLLM's enforce_eager)
     profile: str | None = None  # latency profile for device = "emulated"
     max_kv_gb: float = 4.0  # KV memory budget per worker model
     kv_pool_gb: float | None = None  # finished requests' shared KV files kept for reuse (None: max_kv_gb / 8)

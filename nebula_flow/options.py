@@ -80,6 +80,7 @@ class WorkerOptions:
     device: str = "cpu"
     dtype: str | None = None
     batch_invariant: bool | None = None  # see models.invariant; None: on for bf16/fp16 on CPU
+    cuda_graphs: bool = True  # CUDA: steps replayed from graphs (models/graphs.py); False: every forward eager
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0  # broker silence after which the worker reconnects (with backoff)
     max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted

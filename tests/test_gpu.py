@@ -295,3 +295,9 @@ def test_rotary_embedding_on_cuda_turns_as_the_reference_does() -> None:
         emb = torch.cat((angles, angles), -1)
         cos, sin = emb.cos().to(dtype).cuda(), emb.sin().to(dtype).cuda()
         assert torch.equal(rotate(x, cos, signed_sin(sin)), reference_rotation(x, cos, sin))
+
+
+def test_a_model_loaded_without_cuda_graphs_runs_eagerly(tiny_pair) -> None:  # noqa: ANN001
+    """``cuda_graphs=False`` (a pool's ``cuda_graphs = false``, a worker's ``--enforce-eager``)."""
+    assert load_model(tiny_pair / "draft", device="cuda").step_graphs is not None
+    assert load_model(tiny_pair / "draft", device="cuda", cuda_graphs=False).step_graphs is None

@@ -176,3 +176,21 @@ def test_a_worker_records_its_shapes_at_start_and_its_steps_then_replay_them() -
         for a, b in zip(model(caches[model], tokens, rows), plain(caches[plain], tokens, rows)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert sorted(sg.steps) == [(0, 4, 1, 256), (0, 4, 4, 256)] and sg.scratch.arena is model.kv_arena
+
+
+def test_a_pool_runs_eagerly_where_its_config_says_so(tmp_path) -> None:  # noqa: ANN001
+    """``cuda_graphs = false`` in a pool (vLLM's ``enforce_eager``) reaches that pool's workers
+    and no other's; a worker started by hand takes ``--enforce-eager``."""
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+    from nebula_flow.config import load_config
+    from nebula_flow.deploy import Deployment
+
+    path = tmp_path / "d.toml"
+    path.write_text('mode = "pooled"\n[draft]\nmodel = "/m/d"\n[target]\nmodel = "/m/t"\ncuda_graphs = false\n')
+    cfg = load_config(path)
+    dep = Deployment(cfg, log_dir=tmp_path / "logs")
+    assert dep.worker_options("target", cfg.target, "cuda:0", "t", 1).cuda_graphs is False
+    assert dep.worker_options("draft", cfg.draft, "cuda:0", "d", 1).cuda_graphs is True
+    assert "--enforce-eager" in CliRunner().invoke(main, ["worker", "--help"]).output

@@ -42,6 +42,9 @@ from nebula_flow.options import WorkerOptions, read_options
               help="Give a token's logits the same bits whatever it is batched with, so speculative output "
               "equals plain decoding exactly in reduced precision (costs a little speed). Default: on for "
               "bfloat16/float16 on CPU, off otherwise.")
+@click.option("--cuda-graphs/--enforce-eager", default=True, show_default=True,
+              help="On CUDA, replay decode steps and verify blocks from CUDA graphs recorded at start and on first "
+              "use (--enforce-eager: every forward eager, as vLLM's flag; slower, for debugging).")
 @click.option("--kv-transport", type=click.Choice(["auto", "ucx", "zmq", "shm", "shm+zmq", "none"]), default="auto",
               show_default=True,
               help="How KV moves between workers: auto = UCX on CUDA (if ucxx is installed, else ZeroMQ), shm+zmq "
@@ -59,7 +62,7 @@ from nebula_flow.options import WorkerOptions, read_options
 @click.option("--keys", type=click.Path(), help="CURVE key folder (or NEBULA_FLOW_KEYS).")
 def worker(options_file: str | None, role: str | None, model: str | None, draft_model: str | None, drafter: str | None, broker_addr: str, name: str,
            max_batch: int, draft_max_batch: int | None, threads: int, device: str, dtype: str | None, batch_invariant: bool | None,
-           kv_transport: str, kv_host: str, kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
+           cuda_graphs: bool, kv_transport: str, kv_host: str, kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
            kv_pool_gb: float | None, keys: str | None) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
@@ -84,7 +87,7 @@ def worker(options_file: str | None, role: str | None, model: str | None, draft_
     try:
         sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch, threads=threads,
                                             device=device, dtype=dtype, batch_invariant=batch_invariant,
-                                            kv_transport=kv_transport,
+                                            cuda_graphs=cuda_graphs, kv_transport=kv_transport,
                                             kv_host=kv_host,
                                             kv_overlap=kv_overlap, profile=profile, draft_profile=draft_profile,
                                             max_kv_gb=max_kv_gb, kv_pool_gb=kv_pool_gb, keys=keys,

@@ -148,7 +148,7 @@ class Worker:
 
     def _load(self, model: str, profile: str | None, role: str):  # noqa: ANN202
         if self.opts.device != "emulated":
-            loaded = load_model(model, self.opts.device, self.opts.dtype, self.opts.batch_invariant)
+            loaded = load_model(model, self.opts.device, self.opts.dtype, self.opts.batch_invariant, cuda_graphs=self.opts.cuda_graphs)
             if self.opts.dtype == "auto":  # (what it picked depends on the CPU or GPU: say so)
                 log.info("%s: dtype auto -> %s on %s", role, loaded.lm_head.weight.dtype, self.opts.device)
             if loaded.batch_invariant:

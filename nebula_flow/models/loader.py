@@ -77,15 +77,15 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None,
-               batch_invariant: bool | None = None, inference: bool = True) -> CausalLM:
+               batch_invariant: bool | None = None, inference: bool = True, cuda_graphs: bool = True) -> CausalLM:
     """Build the model described by ``path/config.json`` and load its safetensors weights.
 
     ``batch_invariant`` (see ``models.invariant``): None = on for bf16/fp16 on a CPU, where
     it costs little and keeps speculative output bit-equal to plain decoding; off otherwise.
     ``inference``: fused projections (``CausalLM.fuse_projections``) and weights packed for the
     CPU kernel (``CausalLM.pack_weights``); off for a model to train or whose state dict is read
-    by HF names. On CUDA, decode steps and verify blocks replay CUDA graphs (``models.graphs``) unless the model is
-    batch-invariant or the environment sets ``NEBULA_FLOW_CUDA_GRAPHS=0``."""
+    by HF names. On CUDA, decode steps and verify blocks replay CUDA graphs (``models.graphs``) unless
+    ``cuda_graphs`` is False, the model is batch-invariant or the environment sets ``NEBULA_FLOW_CUDA_GRAPHS=0``."""
     path = Path(path)
     if not path.is_dir():
         raise ModelConfigError(f"model directory not found: {path}")
@@ -121,7 +121,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype |
         batch_invariant = torch_dtype != torch.float32 and torch.device(device).type == "cpu"
     if batch_invariant:
         model.make_batch_invariant()
-    elif torch.device(device).type == "cuda" and os.environ.get("NEBULA_FLOW_CUDA_GRAPHS", "1") != "0":
+    elif cuda_graphs and torch.device(device).type == "cuda" and os.environ.get("NEBULA_FLOW_CUDA_GRAPHS", "1") != "0":
         model.step_graphs = StepGraphs(model)
     return model.eval()
 
