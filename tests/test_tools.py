@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nebula_flow import structured
 from nebula_flow.api.request import ApiError, Served, parse_chat
@@ -105,3 +107,58 @@ def test_bad_tool_requests_are_refused_by_name(body: dict, param: str, code: str
     with pytest.raises(ApiError) as err:
         parse_chat({"model": "tiny", "messages": HI, **body}, Served("tiny"))
     assert (err.value.status, err.value.param, err.value.code) == (400, param, code), err.value.message
+
+
+CALLS_TEXT = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo }", "at": {"day": 1}}}\n'
+              '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}')  # (the last unended)
+
+
+def _stream(text: str, cuts: list[int]) -> tuple[str, list[list[dict]], dict[int, tuple[str, str]]]:
+    """``text`` streamed through a ``CallStream`` in pieces cut at ``cuts``, then completed as the
+    gateway completes it: the content sent, the call deltas of each piece, and each call put
+    together from its deltas (name, arguments), as a client does."""
+    gate, content, per_piece = CallStream(auto=True), "", []
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        content += gate.feed(text[a:b])
+        per_piece.append(gate.calls())
+    per_piece.append(gate.rest(hermes(text)[1]))
+    calls: dict[int, tuple[str, str]] = {}
+    for delta in (d for piece in per_piece for d in piece):
+        name, args = calls.get(delta["index"], ("", ""))
+        calls[delta["index"]] = (name + delta["function"].get("name", ""), args + delta["function"]["arguments"])
+    return content, per_piece, calls
+
+
+@given(st.lists(st.integers(1, len(CALLS_TEXT) - 1), max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_auto_calls_stream_as_they_are_written_and_add_up_to_the_finished_calls(cuts: list[int]) -> None:
+    """However the text is cut into pieces, the streamed content is the text before the first call
+    and the calls put together from their deltas are the finished output's, arguments as the model
+    wrote them (a brace inside a string, nested objects, an unended last call)."""
+    content, _, calls = _stream(CALLS_TEXT, cuts)
+    want_content, want_calls = hermes(CALLS_TEXT)
+    assert content.rstrip() == want_content
+    assert list(calls.values()) == [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
+    assert [json.loads(a) for _, a in calls.values()] == [{"city": "Oslo }", "at": {"day": 1}}, {"tz": "CET"}]
+
+
+def test_a_call_is_named_before_it_ends_and_its_arguments_grow_piece_by_piece() -> None:
+    """Fed a character at a time: each call's name goes out once its head is written, long before
+    its end, and its arguments in many pieces; a call not written name first goes out whole at the
+    end, its arguments normalized."""
+    text = CALLS_TEXT
+    _, per_piece, _ = _stream(text, list(range(1, len(text))))
+    named = [i for i, piece in enumerate(per_piece) for d in piece if "name" in d["function"]]
+    assert named[0] < text.index("Oslo") and named[1] < text.index("CET")
+    assert sum(1 for piece in per_piece[:-1] for d in piece if d["function"]["arguments"]) > 20
+    late = '<tool_call>{"arguments": {"tz": "UTC"}, "name": "get_time"}</tool_call>'
+    _, per_piece, calls = _stream(late, list(range(1, len(late))))
+    assert not any(per_piece[:-1]) and calls == {0: ("get_time", '{"tz": "UTC"}')}
+
+
+def test_a_named_functions_arguments_stream_as_they_grow() -> None:
+    gate = CallStream(auto=False, forced="get_weather")
+    first, second = gate.arguments('{"city": '), gate.arguments('"Oslo"}')
+    assert first["function"] == {"name": "get_weather", "arguments": '{"city": '} and first["id"].startswith("call_")
+    assert second == {"index": 0, "function": {"arguments": '"Oslo"}'}} and gate.arguments("") is None

@@ -229,7 +229,8 @@ class Gateway:
                       items: AsyncIterator[tuple[int, Chunk | Completion]]) -> AsyncIterator[bytes]:
         """The answer's events: each choice's chunks as they come (its role first, for chat; with
         tools, a named function's arguments as they come, else its text until a call begins and
-        then its calls whole), its finish event when it ends, then the usage if asked."""
+        then its calls, as they come with ``auto``, whole with ``"required"``), its finish event
+        when it ends, then the usage if asked."""
         finished, outs = False, [None] * count
         gates = [CallStream(job.calls.auto, job.calls.forced) for _ in range(count)] if job.calls is not None else None
         thinking = [ThinkingStream(job.reasoning) for _ in range(count)] if job.reasoning is not None else None
@@ -277,12 +278,17 @@ def _pieces(shaper: Shaper, index: int, pieces: list[tuple[str, str]], gates: li
                 first = not events
                 events.append(shaper.call_chunk(index, [call], logprobs if first else None, token_ids if first else None))
             continue
+        calls = []
         if kind == "content" and gates is not None:
             text = gates[index].feed(text)
+            calls = gates[index].calls()  # (``auto``: the calls as far as the text shows them)
         if text:
             first = not events
             events.append(shaper.chunk(text, index=index, kind=kind, token_ids=token_ids if first else None,
                                        logprobs=logprobs if first else None))
+        if calls:
+            first = not events
+            events.append(shaper.call_chunk(index, calls, logprobs if first else None, token_ids if first else None))
     if not events and (token_ids or logprobs):
         events.append(shaper.chunk(None, index=index, token_ids=token_ids, logprobs=logprobs))
     return events

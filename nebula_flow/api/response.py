@@ -126,15 +126,16 @@ class Shaper:
 
     def held(self, out: Completion, index: int, gate: CallStream) -> dict[str, Any] | None:
         """A stream's event of what a choice's chunks held back (``gate``: what of its answer went
-        out): its tool calls, whole, or the rest of its answer (none for a named function, whose
-        arguments went out as they came)."""
+        out): the rest of its tool calls, or the rest of its answer (none for a named function,
+        whose arguments went out as they came, or where calls went out that the finished output
+        turns out not to make)."""
         _, called = self.tool_calls(out)
         if gate.forced is not None:
             return None
         if called is None:
             rest = self.answer(out)[1][gate.sent:]
-            return self.chunk(rest, index=index) if rest else None
-        return self.call_chunk(index, [{"index": i, **call} for i, call in enumerate(called)])
+            return self.chunk(rest, index=index) if rest and not gate.streamed else None
+        return self.call_chunk(index, deltas) if (deltas := gate.rest(called)) else None
 
     def call_chunk(self, index: int, calls: list[dict[str, Any]], logprobs: list | None = None,
                    token_ids: list[int] | None = None) -> dict[str, Any]:

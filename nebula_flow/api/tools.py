@@ -16,8 +16,9 @@ The tools go to the chat template (as ``tools``: templates made for tool use ren
   from the output (``finish_reason`` ``tool_calls``; the text before them is the content), and a
   stream sends text until a call begins (``CallStream``). Without a parser: a 400 that says so.
 
-Streamed, a named function's arguments go out as they are made (``CallStream.arguments``); the
-calls of ``"required"`` and ``"auto"`` go out whole when the output is complete.
+Streamed, a named function's arguments go out as they are made (``CallStream.arguments``), and so
+do ``"auto"``'s calls, each named first (``CallStream.calls``); ``"required"``'s go out whole when
+the output is complete.
 
 An output cut short by ``max_tokens`` is no complete call: its text comes back as content, with
 ``finish_reason`` ``length``. Every decision here is exact under speculation, as any grammar is.
@@ -47,6 +48,7 @@ class ToolError(ValueError):
 
 PARSERS = ("hermes",)  # the tool-call formats ``"auto"`` reads (``--tool-call-parser``)
 TAG, END = "<tool_call>", "</tool_call>"  # hermes'
+HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')  # a hermes call's start, name first
 
 
 @dataclass
@@ -94,21 +96,40 @@ def hermes(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return text, None
         args = call.get("arguments", {})
-        calls.append(_call(call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        raw = arguments_text(block.split(END, 1)[0])  # (the model's own text, as streamed; else normalized)
+        calls.append(_call(call["name"], raw if raw is not None else args if isinstance(args, str)
+                           else json.dumps(args, ensure_ascii=False)))
     return text[:at].rstrip() or None, calls
 
 
+def arguments_text(block: str) -> str | None:
+    """A complete hermes call's arguments as the model wrote them, where it wrote the name first
+    and the arguments as an object (what a stream sends piece by piece); else None."""
+    head = HEAD.match(block)
+    if head is None:
+        return None
+    try:
+        value, end = json.JSONDecoder().raw_decode(block, head.end())
+    except ValueError:
+        return None
+    return block[head.end():end] if isinstance(value, dict) and block[end:].strip() == "}" else None
+
+
 class CallStream:
-    """What of a streamed choice goes out as it comes: ``auto``, the text until its first call
-    begins (a piece that may start the tag is held until it shows it does not), its calls whole at
-    the end; a named function (``forced``), its arguments as they grow, as tool-call deltas (the
-    first names the call), as OpenAI streams them and as clients that build objects from partial
-    arguments read them; ``"required"``, its calls whole at the end. ``sent``: the characters sent."""
+    """What of a streamed choice goes out as it comes. ``auto``: the text until its first call
+    begins (a piece that may start the tag is held until it shows it does not), then each call as
+    the text shows it (``calls``): its name once known, its arguments as they grow (a tail that may
+    close the call rather than its arguments held back), as vLLM's hermes parser streams them; a
+    call not written name first goes out whole at the end. A named function (``forced``): its
+    arguments as they grow (``arguments``). ``"required"``: its calls whole at the end (``rest``).
+    ``sent``: the characters of content sent."""
 
     def __init__(self, auto: bool, forced: str | None = None) -> None:
         self.text, self.sent, self.closed = "", 0, not auto
-        self.forced = forced
+        self.auto, self.forced = auto, forced
         self.call_id: str | None = None  # a named function's call, once its first delta went out
+        self.calls_at: int | None = None  # auto: where the first call's tag begins
+        self.streamed: list[list] = []  # auto: each call announced so far: [its id, characters of its arguments sent]
 
     def feed(self, piece: str) -> str:
         self.text += piece
@@ -116,12 +137,54 @@ class CallStream:
             return ""
         at = self.text.find(TAG, max(0, self.sent - len(TAG)))
         if at >= 0:
-            self.closed = True
+            self.closed, self.calls_at = True, at
             end = at
         else:  # (hold back a tail that may be the tag's start)
             end = len(self.text) - partial_tail(self.text, TAG, self.sent)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
+
+    def calls(self) -> list[dict[str, Any]]:
+        """``auto``: the tool-call deltas that the text fed so far adds (``feed`` first)."""
+        if self.calls_at is None:
+            return []
+        deltas = []
+        for j, block in enumerate(self.text[self.calls_at + len(TAG):].split(TAG)):
+            body, complete = block.split(END, 1)[0], END in block
+            head = HEAD.match(body)
+            if head is None:  # (its head not written yet, or not name first: whole at the end)
+                break
+            if j == len(self.streamed):
+                call = _call(head.group(1), "")
+                self.streamed.append([call["id"], 0])
+                deltas.append({"index": j, **call})
+            if complete:
+                args = arguments_text(body)
+                if args is None:  # (not such a call after all: what went out stays; nothing more)
+                    break
+            else:  # (hold back what may close the call rather than its arguments, and the end tag's start)
+                args = body[head.end():]
+                args = args[:len(args) - partial_tail(args, END, 0)].rstrip(" \t\r\n}")
+            state = self.streamed[j]
+            if len(args) > state[1]:
+                deltas.append({"index": j, "function": {"arguments": args[state[1]:]}})
+                state[1] = len(args)
+            if not complete:
+                break
+        return deltas
+
+    def rest(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The deltas that complete ``calls`` (the finished output's) after what went out: the
+        rest of each streamed call's arguments, and the others whole."""
+        deltas = []
+        for j, call in enumerate(calls):
+            if j < len(self.streamed):
+                missing = call["function"]["arguments"][self.streamed[j][1]:]
+                if missing:
+                    deltas.append({"index": j, "function": {"arguments": missing}})
+            else:
+                deltas.append({"index": j, **call})
+        return deltas
 
     def arguments(self, piece: str) -> dict[str, Any] | None:
         """A named function's tool-call delta for ``piece`` of its arguments (None: nothing to
