@@ -129,7 +129,7 @@ class CallStream:
         self.auto, self.forced = auto, forced
         self.call_id: str | None = None  # a named function's call, once its first delta went out
         self.calls_at: int | None = None  # auto: where the first call's tag begins
-        self.streamed: list[list] = []  # auto: each call announced so far: [its id, characters of its arguments sent]
+        self.streamed: list[int] = []  # auto: each call announced so far: the characters of its arguments sent
 
     def feed(self, piece: str) -> str:
         self.text += piece
@@ -148,16 +148,17 @@ class CallStream:
         """``auto``: the tool-call deltas that the text fed so far adds (``feed`` first)."""
         if self.calls_at is None:
             return []
-        deltas = []
-        for j, block in enumerate(self.text[self.calls_at + len(TAG):].split(TAG)):
+        # (every call streamed before the last one ended and went out whole: read from the last one on)
+        deltas, first = [], max(0, len(self.streamed) - 1)
+        blocks = self.text[self.calls_at + len(TAG):].split(TAG)
+        for j, block in enumerate(blocks[first:], start=first):
             body, complete = block.split(END, 1)[0], END in block
             head = HEAD.match(body)
             if head is None:  # (its head not written yet, or not name first: whole at the end)
                 break
             if j == len(self.streamed):
-                call = _call(head.group(1), "")
-                self.streamed.append([call["id"], 0])
-                deltas.append({"index": j, **call})
+                self.streamed.append(0)
+                deltas.append({"index": j, **_call(head.group(1), "")})
             if complete:
                 args = arguments_text(body)
                 if args is None:  # (not such a call after all: what went out stays; nothing more)
@@ -165,10 +166,9 @@ class CallStream:
             else:  # (hold back what may close the call rather than its arguments, and the end tag's start)
                 args = body[head.end():]
                 args = args[:len(args) - partial_tail(args, END, 0)].rstrip(" \t\r\n}")
-            state = self.streamed[j]
-            if len(args) > state[1]:
-                deltas.append({"index": j, "function": {"arguments": args[state[1]:]}})
-                state[1] = len(args)
+            if len(args) > self.streamed[j]:
+                deltas.append({"index": j, "function": {"arguments": args[self.streamed[j]:]}})
+                self.streamed[j] = len(args)
             if not complete:
                 break
         return deltas
@@ -179,7 +179,7 @@ class CallStream:
         deltas = []
         for j, call in enumerate(calls):
             if j < len(self.streamed):
-                missing = call["function"]["arguments"][self.streamed[j][1]:]
+                missing = call["function"]["arguments"][self.streamed[j]:]
                 if missing:
                     deltas.append({"index": j, "function": {"arguments": missing}})
             else:
