@@ -299,7 +299,7 @@ def test_tool_calls_through_the_openai_client(served, strict) -> None:  # noqa: 
     """A named function and ``"required"``: the answer's message holds tool calls whose arguments
     follow the tool's schema (its output is the structured output the client library gives for
     that schema); streamed, a named function's arguments come as they are made (the client library
-    puts the same call together), ``"required"``'s calls whole; a conversation that carries calls
+    puts the same call together), and so do ``"required"``'s calls; a conversation that carries calls
     and their results goes on; ``"auto"`` reads the model's own calls where the server knows their
     format (this model makes none: its text is the content, streamed alike), and is refused by name
     where it does not."""
@@ -319,10 +319,13 @@ def test_tool_calls_through_the_openai_client(served, strict) -> None:  # noqa: 
     assert required.choices[0].finish_reason == "tool_calls"
     [call] = required.choices[0].message.tool_calls
     assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
-    stream = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, tool_choice="required",
-                                            parallel_tool_calls=False, max_completion_tokens=60, temperature=0, stream=True)
-    streamed = [tc for c in stream if c.choices for tc in c.choices[0].delta.tool_calls or ()]
-    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [(call.function.name, call.function.arguments)]
+    state = ChatCompletionStreamState()  # (the client library's own accumulation of a stream)
+    for chunk in client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, tool_choice="required",
+                                                parallel_tool_calls=False, max_completion_tokens=60, temperature=0,
+                                                stream=True):
+        state.handle_chunk(chunk)
+    [streamed] = state.get_final_completion().choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
     stream = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, max_completion_tokens=30,
                                             temperature=0, stream=True,
                                             tool_choice={"type": "function", "function": {"name": "get_weather"}})

@@ -162,3 +162,31 @@ def test_a_named_functions_arguments_stream_as_they_grow() -> None:
     first, second = gate.arguments('{"city": '), gate.arguments('"Oslo"}')
     assert first["function"] == {"name": "get_weather", "arguments": '{"city": '} and first["id"].startswith("call_")
     assert second == {"index": 0, "function": {"arguments": '"Oslo"}'}} and gate.arguments("") is None
+
+
+REQUIRED_TEXT = '[{"name": "get_weather", "parameters": {"city": "Oslo ]}"}}, {"name":"get_time","parameters":{}}]'
+
+
+@given(st.lists(st.integers(1, len(REQUIRED_TEXT) - 1), max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_required_calls_stream_as_they_are_written_and_add_up_to_the_finished_calls(cuts: list[int]) -> None:
+    """``"required"``'s JSON array, cut anywhere: no content, and the calls put together from their
+    deltas are the finished output's (parameters as written, a bracket inside a string)."""
+    gate, deltas = CallStream(auto=False), []
+    bounds = [0, *sorted(set(cuts)), len(REQUIRED_TEXT)]
+    for a, b in zip(bounds, bounds[1:]):
+        assert gate.feed(REQUIRED_TEXT[a:b]) == ""
+        deltas += gate.calls()
+    content, want = ToolCalling(None).split(REQUIRED_TEXT)
+    deltas += gate.rest(want)
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        calls.setdefault(d["index"], ["", ""])
+        calls[d["index"]][0] += d["function"].get("name", "")
+        calls[d["index"]][1] += d["function"]["arguments"]
+    assert content is None and [tuple(c) for c in calls.values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in want]
+    assert [json.loads(a) for _, a in calls.values()] == [{"city": "Oslo ]}"}, {}]
+    fed = CallStream(auto=False)  # (a character at a time: named long before the array ends)
+    named = [i for i in range(len(REQUIRED_TEXT)) for d in (fed.feed(REQUIRED_TEXT[i]), fed.calls())[1] if "name" in d["function"]]
+    assert named[0] < REQUIRED_TEXT.index("Oslo") and named[1] < REQUIRED_TEXT.index("{}")

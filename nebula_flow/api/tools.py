@@ -17,8 +17,7 @@ The tools go to the chat template (as ``tools``: templates made for tool use ren
   stream sends text until a call begins (``CallStream``). Without a parser: a 400 that says so.
 
 Streamed, a named function's arguments go out as they are made (``CallStream.arguments``), and so
-do ``"auto"``'s calls, each named first (``CallStream.calls``); ``"required"``'s go out whole when
-the output is complete.
+do ``"auto"``'s and ``"required"``'s calls, each named first (``CallStream.calls``).
 
 An output cut short by ``max_tokens`` is no complete call: its text comes back as content, with
 ``finish_reason`` ``length``. Every decision here is exact under speculation, as any grammar is.
@@ -49,6 +48,8 @@ class ToolError(ValueError):
 PARSERS = ("hermes",)  # the tool-call formats ``"auto"`` reads (``--tool-call-parser``)
 TAG, END = "<tool_call>", "</tool_call>"  # hermes'
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')  # a hermes call's start, name first
+ITEM = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"parameters"\s*:\s*')  # a "required" call's start
+CLOSE = re.compile(r"\s*\}")  # (what ends a "required" call after its parameters)
 
 
 @dataclass
@@ -76,7 +77,9 @@ class ToolCalling:
             return None, [_call(self.forced, text)]
         if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
             return text, None
-        return None, [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+        written = dict(enumerate(array_calls(text)))  # (the model's own text, as streamed; else normalized)
+        return None, [_call(c["name"], written[i][1] if written.get(i, ("",))[0] == c["name"]
+                            else json.dumps(c.get("parameters", {}), ensure_ascii=False)) for i, c in enumerate(value)]
 
 
 def hermes(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
@@ -115,14 +118,53 @@ def arguments_text(block: str) -> str | None:
     return block[head.end():end] if isinstance(value, dict) and block[end:].strip() == "}" else None
 
 
+def array_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of a ``"required"`` output (``[{"name": ..., "parameters": {...}}, ...]``) as far
+    as it is written: each one's name and its parameters as the model wrote them, the last one's
+    without what may close it rather than its parameters where it is not complete yet."""
+    calls, at = [], 0
+    while (head := ITEM.match(text, at)) is not None:
+        try:
+            value, end = json.JSONDecoder().raw_decode(text, head.end())
+        except ValueError:  # (not written to its end yet)
+            calls.append((head.group(1), text[head.end():].rstrip(" \t\r\n}],")))
+            break
+        close = CLOSE.match(text, end)
+        if not isinstance(value, dict) or close is None:
+            break
+        calls.append((head.group(1), text[head.end():end]))
+        at = close.end()
+    return calls
+
+
+def hermes_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of an ``"auto"`` output from its first tag (hermes) as far as they are written
+    name first: each one's name and its arguments as the model wrote them, the last one's without
+    what may close it rather than its arguments, or begin the end tag, where it has not ended."""
+    calls = []
+    for block in text.split(TAG)[1:]:
+        body, ended = block.split(END, 1)[0], END in block
+        head = HEAD.match(body)
+        if head is None:  # (its head not written yet, or not name first: whole at the end)
+            break
+        if not ended:
+            args = body[head.end():]
+            calls.append((head.group(1), args[:len(args) - partial_tail(args, END, 0)].rstrip(" \t\r\n}")))
+            break
+        if (args := arguments_text(body)) is None:  # (not such a call after all)
+            break
+        calls.append((head.group(1), args))
+    return calls
+
+
 class CallStream:
     """What of a streamed choice goes out as it comes. ``auto``: the text until its first call
     begins (a piece that may start the tag is held until it shows it does not), then each call as
     the text shows it (``calls``): its name once known, its arguments as they grow (a tail that may
     close the call rather than its arguments held back), as vLLM's hermes parser streams them; a
-    call not written name first goes out whole at the end. A named function (``forced``): its
-    arguments as they grow (``arguments``). ``"required"``: its calls whole at the end (``rest``).
-    ``sent``: the characters of content sent."""
+    call not written name first goes out whole at the end (``rest``). ``"required"``: its calls the
+    same way, from the JSON array. A named function (``forced``): its arguments as they grow
+    (``arguments``). ``sent``: the characters of content sent."""
 
     def __init__(self, auto: bool, forced: str | None = None) -> None:
         self.text, self.sent, self.closed = "", 0, not auto
@@ -145,32 +187,19 @@ class CallStream:
         return out
 
     def calls(self) -> list[dict[str, Any]]:
-        """``auto``: the tool-call deltas that the text fed so far adds (``feed`` first)."""
-        if self.calls_at is None:
+        """The tool-call deltas that the text fed so far adds (``feed`` first): ``auto``'s and
+        ``"required"``'s calls, each named once its head is written, its arguments as they grow."""
+        if self.forced is not None or (self.auto and self.calls_at is None):
             return []
-        # (every call streamed before the last one ended and went out whole: read from the last one on)
-        deltas, first = [], max(0, len(self.streamed) - 1)
-        blocks = self.text[self.calls_at + len(TAG):].split(TAG)
-        for j, block in enumerate(blocks[first:], start=first):
-            body, complete = block.split(END, 1)[0], END in block
-            head = HEAD.match(body)
-            if head is None:  # (its head not written yet, or not name first: whole at the end)
-                break
+        written = hermes_calls(self.text[self.calls_at:]) if self.auto else array_calls(self.text)
+        deltas = []
+        for j, (name, args) in enumerate(written):
             if j == len(self.streamed):
                 self.streamed.append(0)
-                deltas.append({"index": j, **_call(head.group(1), "")})
-            if complete:
-                args = arguments_text(body)
-                if args is None:  # (not such a call after all: what went out stays; nothing more)
-                    break
-            else:  # (hold back what may close the call rather than its arguments, and the end tag's start)
-                args = body[head.end():]
-                args = args[:len(args) - partial_tail(args, END, 0)].rstrip(" \t\r\n}")
+                deltas.append({"index": j, **_call(name, "")})
             if len(args) > self.streamed[j]:
                 deltas.append({"index": j, "function": {"arguments": args[self.streamed[j]:]}})
                 self.streamed[j] = len(args)
-            if not complete:
-                break
         return deltas
 
     def rest(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
