@@ -6,8 +6,8 @@ loaded into the context on first use, and a step that replays a CUDA graph must 
 requests bring and records the graphs of short contexts; what it took goes to the log. Measured on
 an H200 with the tiny pair (2026-12-04, docs/benchmarks.md, "Graph buckets, warm-up at start"):
 8 requests at once, the first ones' time to first token went from 0.99 s to 0.12 s (later ones:
-0.015 s); a single stream's first speculative requests still take 55-110 ms against 7-17 ms,
-for a cause outside the forwards not yet found.
+0.015 s). Each new prompt length's first prefill is still slow (20-48 ms against 2.5-4 ms), which
+warming up other lengths does not cure: likely cuDNN attention's plan per shape (docs/benchmarks.md).
 """
 
 from __future__ import annotations
