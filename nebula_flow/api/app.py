@@ -245,7 +245,7 @@ class Gateway:
                     for event in _pieces(shaper, i, thinking[i].rest() if thinking else [], gates):
                         yield sse(event)
                     if gates is not None and (held := shaper.held(item, i, gates[i])) is not None:
-                        yield sse(held)  # (a choice's tool calls come whole, when its output is complete)
+                        yield sse(held)  # (what of its calls or its answer was held back until it was complete)
                     yield sse(shaper.last(item, i))
                 elif thinking is not None or gates is not None:  # (thinking apart; with tools, text until a call)
                     pieces = thinking[i].feed(item.text) if thinking is not None else [("content", item.text)]

@@ -171,7 +171,7 @@ class CallStream:
         self.auto, self.forced = auto, forced
         self.call_id: str | None = None  # a named function's call, once its first delta went out
         self.calls_at: int | None = None  # auto: where the first call's tag begins
-        self.streamed: list[int] = []  # auto: each call announced so far: the characters of its arguments sent
+        self.streamed: list[int] = []  # auto, "required": each call announced so far: the characters of its arguments sent
 
     def feed(self, piece: str) -> str:
         self.text += piece
