@@ -59,6 +59,14 @@ def sampling_params(raw: dict) -> SamplingParams:
 _PARAMS: dict[bytes, SamplingParams] = {}
 
 
+def current(waiting: list[Task], frees: list[int]) -> list[Task]:
+    """The tasks ``waiting`` for a batch, less those of the requests a FREE that came after them
+    ends (cancelled while the task waited behind the batch computing): such a task's result would
+    be stale, and the KV it made would outlive its request, for no FREE comes again. (Only those
+    waiting: a broker that restarts numbers its requests afresh, so a later task may reuse a rid.)"""
+    return [t for t in waiting if t.rid not in frees] if frees else waiting
+
+
 def failed(item: TaskSpec | Rejected, error: ProtocolError) -> TaskResult | None:
     """The error result that fails a task this worker cannot run (None: it names no task)."""
     head = {"rid": item.rid, "kind": item.kind, "round": item.round, "attempt": item.attempt} \

@@ -51,7 +51,7 @@ from nebula_flow_workers.kv_prep import KVPrep
 from nebula_flow_workers.link import BrokerLink
 from nebula_flow_workers.ngram import NgramRunner
 from nebula_flow_workers.runner import ModelRunner, Task
-from nebula_flow_workers.tasks import failed, runnable
+from nebula_flow_workers.tasks import current, failed, runnable
 from nebula_flow_workers.warmup import warm_up
 
 COSTS_EVERY_S = 1.0  # forward-time tables go to the broker at most this often
@@ -215,13 +215,13 @@ class Worker:
         started = time.perf_counter()
         # (the batch waited from its decoding to now: behind the batch computing, then the handoff)
         timing = Timing(decode_s=clock.decode_s, queue_s=max(0.0, started - clock.arrived - clock.decode_s))
-        # Finished requests first: their shared files go back to the pool before this batch's
-        # new caches are made (a pooled file's pages are already in; a new one faults them in).
-        for store in self.stores:
-            store.free(frees)
         t0 = time.perf_counter()
         if prefetch is not None:  # the batch's network pulls started when it arrived; wait for the rest
             prefetch.result()
+        # Finished requests' shared files go back to the pool before this batch makes its caches (a
+        # pooled file's pages are in; a new one faults them in); a pull for one of them is dropped too.
+        for store in self.stores:
+            store.free(frees)
         # Same-host reads (shm) run here, not in the background: a copy of well under a
         # millisecond gains nothing from overlap and would cost a thread handoff and a second
         # busy thread beside the running batch. Without overlap, compute waits for every pull.
@@ -427,6 +427,7 @@ class Worker:
         elif isinstance(msg, Free):
             rids = [r for r in msg.rids if isinstance(r, int)]
             self.frees.extend(rids)
+            self.pending = current(self.pending, rids)  # (a waiting task that came before its request's FREE)
             for rid in rids:
                 if self.origin.get(rid) is link:
                     del self.origin[rid]
