@@ -273,15 +273,14 @@ def _pieces(shaper: Shaper, index: int, pieces: list[tuple[str, str]], gates: li
     ride with the first event (one with an empty delta, when nothing of it goes out yet)."""
     events = []
     for kind, text in pieces:
-        if kind == "content" and gates is not None and gates[index].forced is not None:
-            if (call := gates[index].arguments(text)) is not None:  # (a named function's arguments, as they grow)
-                first = not events
-                events.append(shaper.call_chunk(index, [call], logprobs if first else None, token_ids if first else None))
-            continue
         calls = []
         if kind == "content" and gates is not None:
-            text = gates[index].feed(text)
-            calls = gates[index].calls()  # (``auto``: the calls as far as the text shows them)
+            gate = gates[index]
+            if gate.forced is not None:  # (a named function's arguments, as they grow)
+                call = gate.arguments(text)
+                calls, text = [call] if call is not None else [], ""
+            else:  # (its text until a call begins, then the calls as far as the text shows them)
+                text, calls = gate.feed(text), gate.calls()
         if text:
             first = not events
             events.append(shaper.chunk(text, index=index, kind=kind, token_ids=token_ids if first else None,

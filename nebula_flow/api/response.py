@@ -129,9 +129,9 @@ class Shaper:
         out): the rest of its tool calls, or the rest of its answer (none for a named function,
         whose arguments went out as they came, or where calls went out that the finished output
         turns out not to make)."""
-        _, called = self.tool_calls(out)
         if gate.forced is not None:
             return None
+        _, called = self.tool_calls(out)
         if called is None:
             rest = self.answer(out)[1][gate.sent:]
             return self.chunk(rest, index=index) if rest and not gate.streamed else None

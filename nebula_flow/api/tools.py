@@ -77,8 +77,8 @@ class ToolCalling:
             return None, [_call(self.forced, text)]
         if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
             return text, None
-        written = dict(enumerate(array_calls(text)))  # (the model's own text, as streamed; else normalized)
-        return None, [_call(c["name"], written[i][1] if written.get(i, ("",))[0] == c["name"]
+        written = array_calls(text)  # (the model's own text, as streamed; else normalized)
+        return None, [_call(c["name"], written[i][1] if i < len(written) and written[i][0] == c["name"]
                             else json.dumps(c.get("parameters", {}), ensure_ascii=False)) for i, c in enumerate(value)]
 
 
@@ -99,8 +99,8 @@ def hermes(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return text, None
         args = call.get("arguments", {})
-        raw = arguments_text(block.split(END, 1)[0])  # (the model's own text, as streamed; else normalized)
-        calls.append(_call(call["name"], raw if raw is not None else args if isinstance(args, str)
+        written = arguments_text(raw)  # (the model's own text, as streamed; else normalized)
+        calls.append(_call(call["name"], written if written is not None else args if isinstance(args, str)
                            else json.dumps(args, ensure_ascii=False)))
     return text[:at].rstrip() or None, calls
 
@@ -169,7 +169,6 @@ class CallStream:
     def __init__(self, auto: bool, forced: str | None = None) -> None:
         self.text, self.sent, self.closed = "", 0, not auto
         self.auto, self.forced = auto, forced
-        self.call_id: str | None = None  # a named function's call, once its first delta went out
         self.calls_at: int | None = None  # auto: where the first call's tag begins
         self.streamed: list[int] = []  # auto, "required": each call announced so far: the characters of its arguments sent
 
@@ -221,12 +220,8 @@ class CallStream:
         self.text += piece
         if not piece:
             return None
-        self.sent += len(piece)
-        if self.call_id is not None:
-            return {"index": 0, "function": {"arguments": piece}}
-        first = _call(self.forced, piece)
-        self.call_id = first["id"]
-        return {"index": 0, **first}
+        first, self.sent = self.sent == 0, self.sent + len(piece)
+        return {"index": 0, **_call(self.forced, piece)} if first else {"index": 0, "function": {"arguments": piece}}
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
