@@ -99,8 +99,10 @@ class Guides:
     def prepare(self) -> threading.Thread:
         """Build the grammar engine's tokenizer now, on a thread of its own, so that the first
         structured request does not wait for it (~0.3 s for a 49k vocabulary): a worker calls this
-        as it starts. Returns the thread."""
-        thread = threading.Thread(target=self._llg_tokenizer, name="guides-tokenizer", daemon=True)
+        as it starts. Returns the thread. (Not a daemon: a worker that exits at once, refused by its
+        broker, must not finalize the interpreter under a thread inside llguidance's native code,
+        which crashed it; exiting waits for the build instead.)"""
+        thread = threading.Thread(target=self._llg_tokenizer, name="guides-tokenizer")
         thread.start()
         return thread
 
