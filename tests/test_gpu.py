@@ -82,6 +82,66 @@ def test_grouped_attention_on_cuda_matches_attending_apart(tiny_pair, monkeypatc
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_flash_attention_kernel_on_cuda_matches_its_reference() -> None:
+    """FlashAttention-2's varlen kernel as ``models/flash.py`` calls it, reading an arena chunk in
+    place (sequences out of slot order; decode rows, a verify block, a prefill, a prefill after
+    cached positions; a sliding window), against its contract computed by SDPA in fp32
+    (``reference_varlen``); the new rows' KV lands in their slots."""
+    from nebula_flow.models import flash
+    from tests.test_kv_arena import reference_varlen
+
+    device = torch.device("cuda")
+    assert flash.usable(device, torch.bfloat16, 64)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    chunk = torch.randn(4096, 2, 2, 3, 64, generator=g, device="cuda").bfloat16()  # [slots, layer, K/V, kv heads, dim]
+    bases, pasts, lengths = [2000, 100, 3000, 900, 50], [7, 3, 0, 40, 30], [5, 1, 64, 2, 17]
+    plan = flash.FlashPlan(chunk, bases, pasts, lengths, None, device)
+    rows = sum(lengths)
+    for window in (None, 8):
+        q = torch.randn(rows, 9, 64, generator=g, device="cuda").bfloat16()
+        k, v = (torch.randn(rows, 3, 64, generator=g, device="cuda").bfloat16() for _ in range(2))
+        got = flash.attend(plan, 1, window, q, k, v)
+        kv = chunk[:, 1]
+        assert torch.equal(kv[plan.write, 0], k) and torch.equal(kv[plan.write, 1], v)
+        want = reference_varlen(q.float(), kv[:, 0].float(), kv[:, 1].float(), plan.cu_q, plan.starts, plan.max_q,
+                                plan.max_k, 0.0, True, False, seqused_k=plan.used,
+                                window_size_left=None if window is None else window - 1, window_size_right=0)[0]
+        torch.testing.assert_close(got.float(), want.reshape(rows, -1), atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_model_on_cuda_attends_through_flash_attention_as_through_sdpa(tiny_pair, monkeypatch) -> None:  # noqa: ANN001
+    """The bf16 target on CUDA: prefills, then decodes, a verify block and a token tree in one
+    forward. Through FlashAttention (the chains in one call, the tree through the mask) the logits
+    are SDPA's within bf16's rounding, and the greedy picks agree."""
+    from nebula_flow.models import batch as batch_mod
+
+    model = load_model(tiny_pair / "target", device="cuda", dtype="bfloat16")
+    model.step_graphs = None
+    assert model.uses_flash() and model.runtime_status()["attention"] == "flash-attention-2"
+    plans = []
+    made = batch_mod.Batch.__init__
+
+    def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        made(self, *args, **kwargs)
+        plans.append([p.flash for p in self.plans])
+
+    monkeypatch.setattr(batch_mod.Batch, "__init__", spy)
+    prompts = [list(range(1, n)) for n in (30, 9, 17, 120)]
+    steps, parents = [[5], [6, 7, 8], [1, 2, 3, 4], [9]], [None, None, [-1, 0, 0, 1], None]
+
+    def run(use_flash: bool) -> list[torch.Tensor]:
+        model.flash_attention = use_flash
+        caches = [model.new_cache() for _ in prompts]
+        first = model(caches, prompts, [1] * 4)
+        return [x.float().cpu() for x in first + model(caches, steps, [len(s) for s in steps], parents)]
+
+    sdpa, flash = run(False), run(True)
+    assert plans[-2:] == [[True], [True]]  # (the tree attended apart: alone, it has no one to share a mask with)
+    for got, want in zip(flash, sdpa):
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
+
 def test_greedy_and_sampled_requests_end_to_end_on_cuda(tiny_pair) -> None:  # noqa: ANN001
     """A pooled deployment on the GPU (fp32, so greedy is comparable bit for bit with HF's on the
     CPU): greedy output is the target's own; sampled requests finish (logits cross to the host once)."""
@@ -227,16 +287,18 @@ def test_kv_copies_do_not_wait_behind_the_running_batch(tiny_pair) -> None:  # n
         client.close()
 
 
-def test_steps_replay_cuda_graphs_that_match_eager_steps(tiny_pair) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_replay_cuda_graphs_that_match_eager_steps(tiny_pair, dtype: str) -> None:  # noqa: ANN001
     """Decode steps and verify blocks on CUDA replay recorded graphs (``models/graphs.py``): each
     recorded graph passed its bit-for-bit check against the eager step (graphs stay on), a draft
     made through graphs equals one made with graphs off, greedy and sampled, and so do the
-    committed tokens of verify blocks and of token trees, of one k and of mixed k (padded)."""
+    committed tokens of verify blocks and of token trees, of one k and of mixed k (padded). In
+    fp32 attention is SDPA's; in bf16 FlashAttention's (token trees: SDPA's)."""
     from nebula_flow.params import SamplingParams
     from nebula_flow_workers.runner import ModelRunner, Task
 
-    graphed = load_model(tiny_pair / "draft", device="cuda", dtype="float32")
-    eager = load_model(tiny_pair / "draft", device="cuda", dtype="float32")
+    graphed = load_model(tiny_pair / "draft", device="cuda", dtype=dtype)
+    eager = load_model(tiny_pair / "draft", device="cuda", dtype=dtype)
     eager.step_graphs = None
     assert graphed.step_graphs is not None
     kinds = [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, seed=1)]
@@ -246,7 +308,7 @@ def test_steps_replay_cuda_graphs_that_match_eager_steps(tiny_pair) -> None:  # 
         want = ModelRunner(eager, proposal_top_k=8).draft(tasks)
         assert [d.tokens for d in got] == [d.tokens for d in want]
     assert graphed.step_graphs.enabled and graphed.step_graphs.replays >= 10
-    target, target_eager = (load_model(tiny_pair / "target", device="cuda", dtype="float32") for _ in range(2))
+    target, target_eager = (load_model(tiny_pair / "target", device="cuda", dtype=dtype) for _ in range(2))
     target_eager.step_graphs = None
 
     def rounds(model, runner_ups: list[int]) -> list:  # noqa: ANN001

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from nebula_flow.models import flash as flash_mod
 from nebula_flow.models import graphs
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.graphs import FixedStep, StepGraphs, batch_bucket, key_bucket, width_bucket
@@ -16,6 +17,7 @@ from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
 from nebula_flow.tiny import init_target, tiny_config
 from nebula_flow_workers.runner import ModelRunner, Task
+from tests.test_kv_arena import reference_varlen
 
 
 def _model(window: int | None = None) -> CausalLM:
@@ -45,13 +47,19 @@ def test_batches_and_widths_round_up_to_few_buckets() -> None:
     assert [width_bucket(n) for n in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
 
 
+@pytest.mark.parametrize("flash", [False, True], ids=["masked", "flash-plan"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_steps_through_fixed_inputs_give_the_eager_logits(window: int | None) -> None:
+def test_steps_through_fixed_inputs_give_the_eager_logits(window: int | None, flash: bool, monkeypatch) -> None:  # noqa: ANN001
     """Decode steps at ragged lengths (keys padded to the bucket and masked), tokens fed as ids or
     from the device, a verify block and a token tree, with and without a sliding window: the same
     logits as the eager forward, and the caches then hold the same. Batches and widths are
-    rounded up to the graphs' buckets, the extra sequences pads over a scratch range."""
+    rounded up to the graphs' buckets, the extra sequences pads over a scratch range. As on CUDA in
+    bf16 (``flash``: FlashAttention's contract run on this CPU), chains step through the fixed
+    FlashAttention plan and token trees through the masked one."""
     plain, graphed = _model(window), _model(window)
+    if flash:
+        monkeypatch.setattr(flash_mod, "kernel", reference_varlen)
+        plain.flash_attention = graphed.flash_attention = True
     graphed.step_graphs = StepGraphs(graphed, recorder=eager_recorder)
     prompts = [list(range(1, n)) for n in (9, 3, 14)]
     caches = {m: [m.new_cache() for _ in prompts] for m in (plain, graphed)}
@@ -75,8 +83,11 @@ def test_steps_through_fixed_inputs_give_the_eager_logits(window: int | None) ->
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert graphed.step_graphs.replays == 1 + len(steps)  # (the prompts' prefill too: no wider than MAX_WIDTH)
     # (three sequences run in graphs of four, a pad sequence beside them; widths round up to a power of two)
-    assert sorted(graphed.step_graphs.steps) == [(0, 2, 4, 256), (0, 4, 1, 256), (0, 4, 2, 256), (0, 4, 4, 256),
-                                                 (0, 4, 16, 256)]
+    assert sorted(graphed.step_graphs.steps) == ([(0, 2, 4, 256, False), (0, 4, 1, 256, True), (0, 4, 2, 256, True),
+                                                  (0, 4, 4, 256, False), (0, 4, 4, 256, True), (0, 4, 16, 256, True)]
+                                                 if flash else
+                                                 [(0, 2, 4, 256, False), (0, 4, 1, 256, False), (0, 4, 2, 256, False),
+                                                  (0, 4, 4, 256, False), (0, 4, 16, 256, False)])
     for a, b in zip(caches[graphed], caches[plain]):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.buf[:a.length], b.buf[:b.length], rtol=1e-5, atol=1e-5)
@@ -144,9 +155,9 @@ def test_no_more_than_the_cap_of_shapes_is_kept_and_a_shape_seen_again_takes_the
     model(two, [[1] * 20, [2] * 20], [1, 1])
     model(one, [[3]], [1])  # (one sequence: recorded)
     model(two, [[4], [5]], [1, 1])  # (a second shape while full: eager)
-    assert list(sg.steps) == [(0, 1, 1, 256)] and sg.replays == 1
+    assert list(sg.steps) == [(0, 1, 1, 256, False)] and sg.replays == 1
     model(two, [[6], [7]], [1, 1])  # (seen again: it takes the first one's place)
-    assert list(sg.steps) == [(0, 2, 1, 256)] and sg.replays == 2
+    assert list(sg.steps) == [(0, 2, 1, 256, False)] and sg.replays == 2
     model(one, [[8]], [1])  # (the first shape, now new again: eager once)
     assert sg.status() == {"enabled": True, "graphs": 1, "replays": 2, "eager": 4, "recorded": 2, "evicted": 1}
     assert model.runtime_status()["cuda_graphs"] == sg.status()  # (what a worker's status shows, per model)
@@ -161,7 +172,7 @@ def test_a_worker_records_its_shapes_at_start_and_its_steps_then_replay_them() -
     model.step_graphs = sg = StepGraphs(model, recorder=eager_recorder)
     model.make_kv_arena()
     assert sg.capture(6) == 4 * len(graphs.WIDTHS) and sorted(sg.steps) == sorted(
-        (0, size, width, 256) for size in (1, 2, 4, 8) for width in graphs.WIDTHS)
+        (0, size, width, 256, False) for size in (1, 2, 4, 8) for width in graphs.WIDTHS)
     assert sg.status() == {"enabled": True, "graphs": 20, "replays": 0, "eager": 0, "recorded": 20, "evicted": 0}
     assert model.kv_arena.leased_rows == 0
     caches = {m: [m.new_cache() for _ in range(5)] for m in (plain, model)}
@@ -175,7 +186,7 @@ def test_a_worker_records_its_shapes_at_start_and_its_steps_then_replay_them() -
     for tokens, rows in (([[1, 2, 3]] * 3, [1] * 3), ([[4], [5], [6]], [1] * 3)):
         for a, b in zip(model(caches[model], tokens, rows), plain(caches[plain], tokens, rows)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert sorted(sg.steps) == [(0, 4, 1, 256), (0, 4, 4, 256)] and sg.scratch.arena is model.kv_arena
+    assert sorted(sg.steps) == [(0, 4, 1, 256, False), (0, 4, 4, 256, False)] and sg.scratch.arena is model.kv_arena
 
 
 def test_a_pool_runs_eagerly_where_its_config_says_so(tmp_path) -> None:  # noqa: ANN001

@@ -14,6 +14,7 @@ from nebula_flow.kv import arena as arena_mod
 from nebula_flow.kv.arena import MIN_ROWS, KVArena
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.models import batch as batch_mod
+from nebula_flow.models import flash as flash_mod
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.models.ops import QWEN3_0_6B, forward_ops, random_model
@@ -102,19 +103,47 @@ def _model(**extra: object) -> CausalLM:
     return model
 
 
+def reference_varlen(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_q: torch.Tensor, starts: torch.Tensor,
+                     max_q: int, max_k: int, dropout: float, causal: bool, debug: bool, *, seqused_k: torch.Tensor,
+                     window_size_left: int | None = None, window_size_right: int | None = None,
+                     num_splits: int | None = None) -> tuple:
+    """What FlashAttention-2's varlen forward computes (``models/flash.py`` calls it on CUDA; the
+    GPU tests run the kernel itself), on a CPU: sequence b's queries are rows cu_q[b]..cu_q[b+1],
+    its keys the ``seqused_k[b]`` slots from ``starts[b]``, causal from the last key, windowed."""
+    assert causal and dropout == 0.0 and window_size_right in (None, 0)
+    out = torch.empty_like(q)
+    for b, used in enumerate(seqused_k.tolist()):
+        q0, q1, k0 = int(cu_q[b]), int(cu_q[b + 1]), int(starts[b])
+        assert q1 - q0 <= max_q and used <= max_k
+        pos, key = torch.arange(used - (q1 - q0), used)[:, None], torch.arange(used)[None, :]
+        allowed = (key <= pos) & (pos - key <= (window_size_left if window_size_left is not None else used))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1)[None], keys[k0:k0 + used].transpose(0, 1)[None],
+            values[k0:k0 + used].transpose(0, 1)[None], attn_mask=allowed, enable_gqa=True)
+        out[q0:q1] = o[0].transpose(0, 1)
+    return out, None, None, None, None
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["masked", "flash-plan"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen2-window-layers"])
-def test_one_attention_call_for_a_mixed_batch_scores_every_row_as_attending_alone(family: str, monkeypatch) -> None:  # noqa: ANN001
-    """Decodes, a verify block, a token tree, a prefill chunk and a long prefill (apart) in one
-    forward give the logits each sequence gets alone."""
+def test_one_attention_call_for_a_mixed_batch_scores_every_row_as_attending_alone(family: str, flash: bool,
+                                                                                  monkeypatch) -> None:  # noqa: ANN001
+    """Decodes, a verify block, a token tree, a prefill chunk and a long prefill in one forward give
+    the logits each sequence gets alone: attending in one masked call (the long prefill apart), or
+    as on CUDA in bf16, the chains in one FlashAttention call (``models.flash``, its kernel's
+    contract run on this CPU) and the tree apart."""
     extra = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1} \
         if family == "qwen2-window-layers" else {}
     model = _model(**extra)
+    if flash:
+        monkeypatch.setattr(flash_mod, "kernel", reference_varlen)
+        model.flash_attention = True
     plans = []
     made = batch_mod.Batch.__init__
 
     def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
         made(self, *args, **kwargs)
-        plans.append((self.plan, list(self.apart)))
+        plans.append((list(self.plans), list(self.apart)))
 
     monkeypatch.setattr(batch_mod.Batch, "__init__", spy)
     g = torch.Generator().manual_seed(1)
@@ -131,9 +160,14 @@ def test_one_attention_call_for_a_mixed_batch_scores_every_row_as_attending_alon
     together = model(caches, steps, [len(s) for s in steps], parents)
     for got, want in zip(together, alone):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    plan, apart = plans[-1]
-    assert plan is not None and plan.size == 4 and apart == [3]  # the long prefill attended apart
-    assert plans[len(prompts) * 2][0].size == len(prompts)  # the ragged prefills were one call
+    (plan,), apart = plans[-1]
+    prefills = plans[len(prompts) * 2][0][0]  # (the ragged prefills were one call)
+    if flash:  # (every chain in one call, the long prefill too; the tree apart)
+        assert plan.flash and plan.rows.tolist() == [0, 1, 2, 3] + list(range(8, 89)) and apart == [2]
+        assert prefills.flash and prefills.rows is None and prefills.max_q == 14
+    else:
+        assert not plan.flash and plan.size == 4 and apart == [3]  # the long prefill attended apart
+        assert prefills.size == len(prompts)
 
 
 def test_a_batchs_host_work_does_not_grow_with_its_sequences() -> None:

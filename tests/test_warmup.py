@@ -43,3 +43,35 @@ def test_only_a_model_on_a_gpu_runs_warm_up_requests(tiny_pair) -> None:  # noqa
     assert runner.forwards == 0 and not runner.store.caches
     built[0].join(timeout=60)
     assert runner.guides._tokenizer is not None
+
+
+def test_a_flash_attention_kernel_that_fails_or_disagrees_is_turned_off_before_serving(tiny_pair, monkeypatch, caplog) -> None:  # noqa: ANN001
+    """``check_flash`` (a GPU worker's first warm-up step) runs a ragged batch through the
+    FlashAttention plan and through SDPA: a kernel that keeps FlashAttention's contract (here its
+    reference, run on this CPU) stays on; one whose output is wrong, or that raises, is turned off
+    with a warning, and the model then serves through SDPA. No KV is left behind."""
+    from nebula_flow.models import flash
+    from nebula_flow.models.warmup import check_flash
+    from tests.test_kv_arena import reference_varlen
+
+    model = load_model(tiny_pair / "target")
+    model.flash_attention = True
+    monkeypatch.setattr(flash, "kernel", reference_varlen)
+    assert check_flash(model, "target") and model.flash_attention
+    assert model.kv_arena.leased_rows == 0
+
+    def wrong(q, *args, **kwargs) -> tuple:  # noqa: ANN001, ANN002, ANN003
+        return (reference_varlen(q, *args, **kwargs)[0].flip(0),)
+
+    def failing(*args, **kwargs) -> tuple:  # noqa: ANN002, ANN003
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+
+    for broken, said in ((wrong, "differ from SDPA's"), (failing, "Ampere")):
+        model.flash_attention = True
+        monkeypatch.setattr(flash, "kernel", broken)
+        caplog.clear()
+        assert not check_flash(model, "target") and model.flash_attention is False
+        assert "FlashAttention off" in caplog.text and said in caplog.text
+        assert model.kv_arena.leased_rows == 0
+    cache = model.new_cache()
+    assert model([cache], [[1, 2, 3]], [1])[0].shape[0] == 1  # (served through SDPA: the broken kernel is not called)

@@ -7,10 +7,13 @@ ranges of one arena chunk (``kv/arena.py``), the plan to attend to all of them i
 layer (``GroupPlan``): the slots where the new rows' KV goes, the slots each sequence's keys come
 from (padded to the longest), and one mask for the whole batch (causal, tree, window, padding).
 On a GPU each layer then costs a fixed handful of kernel launches whatever the batch; per sequence
-it cost a dozen per sequence per layer (``nebula-flow profile --ops`` counts them).
+it cost a dozen per sequence per layer (``nebula-flow profile --ops`` counts them). On CUDA in
+bf16/fp16 the sequences of the chunk that are not token trees attend through FlashAttention-2
+instead (``models.flash.FlashPlan``): keys read in place, no padding, no mask, prefills included.
 
 Rows that stay apart and attend per sequence: long prefill chunks (padding every sequence to
-their length would waste more than the launches cost) and caches outside the arena (shared files).
+their length would waste more than the launches cost; FlashAttention takes them) and caches
+outside the arena (shared files).
 A batch-invariant model (``models.invariant``) attends otherwise: each row as a problem of its own,
 rows of one problem size in one call (``models.rows``).
 """
@@ -23,6 +26,7 @@ import torch
 
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.models import staging
+from nebula_flow.models.flash import FlashPlan
 from nebula_flow.models.rows import RowPlan
 
 GROUP_MAX_ROWS = 64  # a sequence with more new rows than this attends apart (a prefill chunk)
@@ -95,6 +99,8 @@ class GroupPlan:
     ``padded``: for each of the B x ``width`` query slots, its row among the grouped rows (None:
     every sequence has ``width`` rows); ``real``: the query slots holding real rows, in order."""
 
+    flash = False
+
     def __init__(self, batch: Batch, seqs: list[int], chunk: torch.Tensor, device: torch.device) -> None:
         self.chunk = chunk  # the arena tensor [slots, layer, 2, kv_heads, head_dim]
         caches = [batch.caches[i] for i in seqs]
@@ -113,9 +119,7 @@ class GroupPlan:
         uniform = all(n == self.width for n in lengths)
         self.padded = None if uniform else staging.to_device(torch.where(real, (n_t.cumsum(0) - n_t)[:, None] + j[None, :], 0).flatten(), device)
         self.real = None if uniform else staging.to_device(real.flatten().nonzero().flatten(), device)
-        whole = len(seqs) == len(batch.caches)
-        self.rows = None if whole else staging.tensor([r for i in seqs for r in range(batch.starts[i], batch.starts[i] + batch.lengths[i])],
-                                                     device)
+        self.rows = batch.rows_of(seqs, device)
         self._plain = (pasts, lengths, trees, real)
         self._masks: dict[int | None, torch.Tensor | None] = {}
         self.device, self.dtype = device, chunk.dtype
@@ -145,39 +149,61 @@ class GroupPlan:
 
 
 class Batch:
-    """One forward's sequences: caches, new-row counts, trees, and the grouped attention plan."""
+    """One forward's sequences: caches, new-row counts, trees, and the plans by which groups of them
+    attend in one call per layer (``plans``; ``apart``: the sequences that attend one by one)."""
 
     def __init__(self, caches: list[KVCache], lengths: list[int], parents: list[list[int] | None] | None,
-                 device: torch.device, group: bool, invariant_windows: set[int | None] | None = None) -> None:
+                 device: torch.device, group: bool, invariant_windows: set[int | None] | None = None,
+                 flash: bool = False) -> None:
         """``invariant_windows``: the model's layers' windows, for a batch-invariant model (every row
-        attends as its own problem, ``models.rows``); else ``group``: attend in one call where possible."""
+        attends as its own problem, ``models.rows``); else ``group``: attend in one call where
+        possible, through FlashAttention (``flash``) where it applies."""
         self.caches, self.lengths = caches, lengths
         self.trees = [TreeRows.of(p) for p in parents] if parents else [None] * len(caches)
         self.starts, at = [], 0
         for n in lengths:
             self.starts.append(at)
             at += n
-        self.plan: GroupPlan | None = None
+        self.plans: list[GroupPlan | FlashPlan] = []
         self.rows: RowPlan | None = None
-        self.apart = list(range(len(caches)))  # sequences that attend one by one
+        self.apart = list(range(len(caches)))
         if invariant_windows is not None:
             self.rows, self.apart = RowPlan(caches, lengths, self.trees, self.starts, invariant_windows, device), []
         elif group:
-            self._group(device)
+            self._group(device, flash)
 
-    def _group(self, device: torch.device) -> None:
-        """Group the sequences whose caches share the arena chunk most of them are in."""
+    def rows_of(self, seqs: list[int], device: torch.device) -> torch.Tensor | None:
+        """The rows of sequences ``seqs`` among the forward's (None: all of them, in order)."""
+        if len(seqs) == len(self.caches):
+            return None
+        return staging.tensor([r for i in seqs for r in range(self.starts[i], self.starts[i] + self.lengths[i])], device)
+
+    def _group(self, device: torch.device, flash: bool) -> None:
+        """Group the sequences whose caches share the arena chunk most of them are in: through
+        FlashAttention the chains among them, through one masked call the rest (two or more)."""
         def where(c: KVCache) -> tuple[int, int]:
             return id(c.arena), c.lease.chunk
 
-        chunks = Counter(where(c) for c, n in zip(self.caches, self.lengths) if c.lease is not None and n <= GROUP_MAX_ROWS)
+        def fits(i: int) -> bool:
+            return self.caches[i].lease is not None and (
+                (flash and self.trees[i] is None) or self.lengths[i] <= GROUP_MAX_ROWS)
+
+        chunks = Counter(where(self.caches[i]) for i in range(len(self.caches)) if fits(i))
         if not chunks:
             return
-        chunk, count = chunks.most_common(1)[0]
-        if count < 2:
-            return
-        seqs = [i for i, (c, n) in enumerate(zip(self.caches, self.lengths))
-                if c.lease is not None and where(c) == chunk and n <= GROUP_MAX_ROWS]
-        self.plan = GroupPlan(self, seqs, self.caches[seqs[0]].arena.chunk(self.caches[seqs[0]].lease), device)
-        grouped = set(seqs)
+        chunk = chunks.most_common(1)[0][0]
+        seqs = [i for i in range(len(self.caches)) if fits(i) and where(self.caches[i]) == chunk]
+        cache = self.caches[seqs[0]]
+        tensor = cache.arena.chunk(cache.lease)
+        chains = [i for i in seqs if flash and self.trees[i] is None]
+        if chains:
+            self.plans.append(FlashPlan(tensor, [self.caches[i].lease.base for i in chains],
+                                        [self.caches[i].length for i in chains], [self.lengths[i] for i in chains],
+                                        self.rows_of(chains, device), device))
+        masked = [i for i in seqs if i not in chains and self.lengths[i] <= GROUP_MAX_ROWS]
+        if len(masked) >= 2:
+            self.plans.append(GroupPlan(self, masked, tensor, device))
+        else:
+            masked = []
+        grouped = set(chains + masked)
         self.apart = [i for i in range(len(self.caches)) if i not in grouped]

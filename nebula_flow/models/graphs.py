@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from nebula_flow.kv.cache import KVCache
-from nebula_flow.models import staging
+from nebula_flow.models import flash, staging
 from nebula_flow.models.batch import TreeRows
 
 log = logging.getLogger("nebula_flow.models")
@@ -68,6 +68,7 @@ class StaticPlan:
     ``MAX_WIDTH`` rows of the chunk that only pad sequences write and read)."""
 
     padded = real = rows = None
+    flash = False
 
     def __init__(self, chunk: torch.Tensor, size: int, width: int, keys: int, windows: set[int | None],
                  dtype: torch.dtype) -> None:
@@ -112,26 +113,55 @@ class StaticPlan:
         return pos.flatten().float()
 
 
+class StaticFlashPlan:
+    """A step's ``flash.FlashPlan`` in fixed tensors (no token trees): ``size`` sequences of
+    ``width`` rows each, padded as ``StaticPlan`` pads them; ``keys``, the most any has (the
+    kernel reads each sequence's own count from ``used``)."""
+
+    flash = True
+    rows = None
+
+    def __init__(self, chunk: torch.Tensor, size: int, width: int, keys: int) -> None:
+        device = chunk.device
+        self.chunk, self.size, self.width, self.max_q, self.max_k = chunk, size, width, width, keys
+        self.write = torch.zeros(size * width, dtype=torch.long, device=device)
+        self.cu_q = torch.arange(0, (size + 1) * width, width, dtype=torch.int32, device=device)
+        self.starts = torch.zeros(size + 1, dtype=torch.int32, device=device)
+        self.used = torch.zeros(size, dtype=torch.int32, device=device)
+
+    def fill(self, caches: list[KVCache], trees: list[TreeRows | None], scratch: int | None) -> torch.Tensor:
+        """``StaticPlan.fill`` for chains: every sequence's ``width`` rows are its keys' last."""
+        pads = self.size - len(caches)
+        past = torch.tensor([c.length for c in caches] + [0] * pads)
+        base = torch.tensor([c.lease.base for c in caches] + [scratch] * pads)
+        write, _, starts, used = flash.indices(base, past, torch.full_like(past, self.width))
+        for dest, src in ((self.write, write), (self.starts, starts), (self.used, used)):
+            staging.copy_into(dest, src)
+        return (past[:, None] + torch.arange(self.width)[None, :]).flatten().float()
+
+
 class _PlanOnly:
     """What ``DecoderLayer`` reads of a ``Batch`` when every sequence attends through one plan."""
 
     rows = None
     apart: list[int] = []
 
-    def __init__(self, plan: StaticPlan) -> None:
-        self.plan = plan
+    def __init__(self, plan: StaticPlan | StaticFlashPlan) -> None:
+        self.plans = [plan]
 
 
 class FixedStep:
     """One shape's fixed inputs and the step over them (``run``: eagerly; a graph replays it)."""
 
-    def __init__(self, model: Any, chunk: torch.Tensor, size: int, width: int, keys: int) -> None:  # noqa: ANN401 - a CausalLM
+    def __init__(self, model: Any, chunk: torch.Tensor, size: int, width: int, keys: int,  # noqa: ANN401 - a CausalLM
+                 flash_attention: bool = False) -> None:
         device = chunk.device
         self.model = model
         self.ids = torch.zeros(size * width, dtype=torch.long, device=device)
         self.positions = torch.zeros(size * width, dtype=torch.float32, device=device)
         self.picked = torch.zeros(size * width, dtype=torch.long, device=device)  # (a ragged step's logit rows)
-        self.plan = StaticPlan(chunk, size, width, keys, model.windows, chunk.dtype)
+        self.plan = StaticFlashPlan(chunk, size, width, keys) if flash_attention else \
+            StaticPlan(chunk, size, width, keys, model.windows, chunk.dtype)
         self.replay: Callable[[], None] | None = None  # the recorded graph's replay, once recorded
         self.graph = None  # (the graph, kept alive with its step)
         self.out: torch.Tensor | None = None  # where a replay leaves the logits
@@ -188,8 +218,8 @@ class StepGraphs:
 
     def __init__(self, model: Any, recorder: Callable[[FixedStep, Any], Any] = record) -> None:  # noqa: ANN401
         self.model, self.recorder = model, recorder
-        self.steps: OrderedDict[tuple[int, int, int, int], FixedStep] = OrderedDict()  # (least recently used first)
-        self.waiting: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()  # shapes seen once while full
+        self.steps: OrderedDict[tuple[int, int, int, int, bool], FixedStep] = OrderedDict()  # (least recently used first)
+        self.waiting: OrderedDict[tuple[int, int, int, int, bool], None] = OrderedDict()  # shapes seen once while full
         self.pool = None
         self.arena = None  # the KV arena the graphs' chunks belong to
         self.scratch: KVCache | None = None  # the pad sequences' range (in the arena's first chunk)
@@ -250,7 +280,9 @@ class StepGraphs:
         scratch = self._scratch(caches[0]) if size > len(caches) and lease.chunk == 0 else None
         if scratch is None:
             size = len(caches)
-        shape = (lease.chunk, size, width, key_bucket(max(c.length for c in caches) + width))
+        trees = [TreeRows.of(p) for p in parents] if parents else [None] * len(caches)
+        flash_attention = self.model.uses_flash() and all(t is None for t in trees)
+        shape = (lease.chunk, size, width, key_bucket(max(c.length for c in caches) + width), flash_attention)
         step = self.steps.get(shape)
         if step is not None:
             self.steps.move_to_end(shape)
@@ -265,7 +297,7 @@ class StepGraphs:
                 self.steps.popitem(last=False)  # (the graph it frees goes back to the shared pool)
                 self.evicted += 1
             step = self.steps[shape] = FixedStep(self.model, caches[0].arena.chunk(lease), *shape[1:])
-        step.fill(caches, new_tokens, [TreeRows.of(p) for p in parents] if parents else [None] * len(caches), scratch)
+        step.fill(caches, new_tokens, trees, scratch)
         if step.replay is None:  # (recording replays it once: its logits are in ``out`` already)
             if not self._record(step):
                 return None

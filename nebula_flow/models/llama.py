@@ -3,9 +3,9 @@
 One forward call takes a ragged batch: every sequence brings its own KV cache and its own
 number of new tokens (the whole prompt for a prefill, 1 for a decode step, k+1 for a verify).
 Projections and MLPs run once over all new tokens concatenated; attention runs once per layer for
-the batch, reading every cache through one slot index of the model's KV arena (``models.batch``),
-or per sequence where that does not apply (long prefills, shared-file caches, batch-invariant
-numerics). Module names mirror HuggingFace's so checkpoints load unchanged.
+the batch, reading every cache through one slot index of the model's KV arena (``models.batch``;
+on CUDA through FlashAttention-2, ``models.flash``), or per sequence where that does not apply
+(long prefills on a CPU, shared-file caches, batch-invariant numerics). Module names mirror HuggingFace's so checkpoints load unchanged.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from torch import nn
 
 from nebula_flow.kv.arena import CHUNK_BYTES, KVArena
 from nebula_flow.kv.cache import PENDING, KVCache
-from nebula_flow.models import invariant, packed, staging
+from nebula_flow.models import flash, invariant, packed, staging
 from nebula_flow.models.batch import Batch, GroupPlan, TreeRows, attention_mask
 from nebula_flow.models.config import ModelConfig
+from nebula_flow.models.flash import FlashPlan
 from nebula_flow.models.rows import attend as attend_rows
 
 
@@ -184,18 +185,24 @@ class Attention(nn.Module):
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if batch.rows is not None:  # batch-invariant: each row its own problem (``models.rows``)
             return self.o_proj(attend_rows(batch.rows, self.layer, self.window, q, k, v, heads, cfg.num_kv_heads))
-        plan = batch.plan
-        if plan is not None and not batch.apart:
-            return self.o_proj(self._grouped(plan, q, k, v))
+        plans = batch.plans
+        if len(plans) == 1 and plans[0].rows is None:  # (every sequence in one plan)
+            return self.o_proj(self._attend(plans[0], q, k, v))
         out = q.new_empty(T, cfg.num_heads * hd)
-        if plan is not None:
-            out.index_copy_(0, plan.rows, self._grouped(plan, q.index_select(0, plan.rows),
-                                                        k.index_select(0, plan.rows), v.index_select(0, plan.rows)))
+        for plan in plans:
+            out.index_copy_(0, plan.rows, self._attend(plan, q.index_select(0, plan.rows),
+                                                       k.index_select(0, plan.rows), v.index_select(0, plan.rows)))
         for i in batch.apart:
             start, n = batch.starts[i], batch.lengths[i]
             rows = slice(start, start + n)
             out[rows] = self._alone(q[rows], k[rows], v[rows], batch.caches[i], batch.trees[i])
         return self.o_proj(out)
+
+    def _attend(self, plan: GroupPlan | FlashPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention of a plan's rows: through FlashAttention or one masked SDPA."""
+        if plan.flash:
+            return flash.attend(plan, self.layer, self.window, q, k, v)
+        return self._grouped(plan, q, k, v)
 
     def _grouped(self, plan: GroupPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of the grouped sequences' rows (``GroupPlan``), in one call: their new KV
@@ -280,6 +287,7 @@ class CausalLM(nn.Module):
     batch_invariant = False
     kv_arena: KVArena | None = None  # every cache of this model is a range of it (made with the first)
     group_attention = True  # one attention call per layer for the batch (``models.batch``); False: per sequence
+    flash_attention: bool | None = None  # through FlashAttention-2 (``models.flash``); None: where it runs
     packed_layers = 0  # linear layers running on packed weights (``pack_weights``)
     weights_released = False  # the plain copies of packed weights were dropped (bf16)
     packed_from_rows: dict[str, int] = {}  # weight shape -> the fewest rows run on its packed copy
@@ -372,9 +380,17 @@ class CausalLM(nn.Module):
                                "packed_layers": self.packed_layers}
         if self.packed_from_rows:
             out["packed_from_rows"] = self.packed_from_rows
+        out["attention"] = "flash-attention-2" if self.uses_flash() and not self.batch_invariant else "sdpa"
         if self.step_graphs is not None:
             out["cuda_graphs"] = self.step_graphs.status()
         return out
+
+    def uses_flash(self) -> bool:
+        """Whether this model's grouped chains attend through FlashAttention-2 (``models.flash``)."""
+        if self.flash_attention is None:
+            p = self.lm_head.weight
+            self.flash_attention = flash.usable(p.device, p.dtype, self.cfg.head_dim)
+        return self.flash_attention
 
     def make_kv_arena(self, max_bytes: int = CHUNK_BYTES) -> None:
         """This model's caches from now on come from one arena of ``max_bytes`` (the worker's KV
@@ -441,7 +457,7 @@ class CausalLM(nn.Module):
             self._record(caches, new_tokens)
             return list(torch.split(logits, logit_rows))
         batch = Batch(caches, lengths, parents, device, group=self.group_attention,
-                      invariant_windows=self.windows if self.batch_invariant else None)
+                      invariant_windows=self.windows if self.batch_invariant else None, flash=self.uses_flash())
         ids = new_tokens.long() if on_device else staging.tensor([t for seq in new_tokens for t in seq], device, torch.long)
         # (positions and the picked rows made in Python, one tensor each: a few ops per sequence saved)
         positions = [c.length + d for c, n, tree in zip(caches, lengths, batch.trees)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from nebula_flow.models import flash
 from nebula_flow.models.config import ModelConfig, ModelConfigError
 from nebula_flow.models.graphs import StepGraphs
 from nebula_flow.models.llama import CausalLM, rope_inv_freq
@@ -114,6 +115,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | torch.dtype |
     model.load_state_dict(state, assign=True)
     # The rotary buffer was built on the meta device; rebuild it for real.
     model.inv_freq = rope_inv_freq(cfg).to(device)
+    flash.skip_cudnn_attention(torch.device(device))
     if inference:
         model.fuse_projections()
         model.pack_weights()

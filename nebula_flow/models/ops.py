@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nebula_flow.models import flash
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.graphs import StepGraphs
 from nebula_flow.models.llama import CausalLM
@@ -37,6 +38,7 @@ def random_model(raw: dict[str, Any], dtype: torch.dtype = torch.float32, infere
     if inference:
         model.fuse_projections()
         model.pack_weights()
+    flash.skip_cudnn_attention(torch.device(device))
     if torch.device(device).type == "cuda":
         model.step_graphs = StepGraphs(model)
     return model

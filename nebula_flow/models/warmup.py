@@ -6,8 +6,13 @@ loaded into the context on first use, and a step that replays a CUDA graph must 
 requests bring and records the graphs of short contexts; what it took goes to the log. Measured on
 an H200 with the tiny pair (2026-12-04, docs/benchmarks.md, "Graph buckets, warm-up at start"):
 8 requests at once, the first ones' time to first token went from 0.99 s to 0.12 s (later ones:
-0.015 s). Each new prompt length's first prefill is still slow (20-48 ms against 2.5-4 ms), which
-warming up other lengths does not cure: likely cuDNN attention's plan per shape (docs/benchmarks.md).
+0.015 s). Each new prompt length's first prefill was still slow (20-48 ms against 2.5-4 ms), which
+warming up other lengths did not cure: cuDNN attention's plan per shape, 43-46 ms a new shape
+(measured since; SDPA now skips cuDNN, ``flash.skip_cudnn_attention``).
+
+First of all, where the model attends through FlashAttention (``models.flash``), a small ragged
+batch runs through it and through SDPA: a kernel that fails or disagrees turns it off for the
+model, with a warning, before any request depends on it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def warm_up(model: CausalLM, max_batch: int, name: str) -> None:
     if weight.device.type != "cuda":
         return
     t0 = time.perf_counter()
+    if model.uses_flash():
+        check_flash(model, name)
     longest = min(PREFILLS[-1], model.cfg.max_position_embeddings)
     for tokens in [[[1] * min(n, longest)] for n in PREFILLS] + [[[1] * PREFILLS[0]] * min(max_batch, 8)]:
         caches = [model.new_cache(capacity=len(t)) for t in tokens]
@@ -44,3 +51,43 @@ def warm_up(model: CausalLM, max_batch: int, name: str) -> None:
     log.info("%s: warmed up in %.1f s: prefills of up to %d tokens, %d CUDA graphs recorded (up to %d sequences "
              "of up to %d rows)%s", name, time.perf_counter() - t0, longest, count, batch_bucket(max_batch), MAX_WIDTH,
              "" if graphs is not None and graphs.enabled else "; CUDA graphs are off")
+
+
+def check_flash(model: CausalLM, name: str) -> bool:
+    """Run prefills and then a decode, a verify block and a longer prefill in one batch through
+    FlashAttention and through SDPA; where the kernel fails, or its logits differ from SDPA's by
+    more than the dtype's rounding can explain, attend through SDPA from now on (with a warning).
+    Returns whether FlashAttention stays on."""
+    prompts, steps = [[1 + i % 50 for i in range(n)] for n in (9, 30, 3)], [[5], [6, 7, 8, 9], list(range(2, 40))]
+
+    def run() -> torch.Tensor:
+        caches = [model.new_cache(capacity=64) for _ in prompts]
+        try:
+            model(caches, prompts, [0] * len(prompts))
+            return torch.cat(model(caches, steps, [len(s) for s in steps]))
+        finally:
+            for cache in caches:
+                cache.release()
+
+    graphs, model.step_graphs = model.step_graphs, None  # (the eager kernels; graphs are checked as they record)
+    try:
+        try:
+            got = run()
+        except RuntimeError as exc:
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise
+            reason = f"it failed: {exc!r}"[:300]
+        else:
+            model.flash_attention = False
+            want = run()
+            model.flash_attention = True
+            scale = want.abs().max().item()
+            error = (got - want).abs().max().item()
+            if error <= 0.05 * scale:
+                return True
+            reason = f"its logits differ from SDPA's by {error:.3g} (largest logit {scale:.3g})"
+    finally:
+        model.step_graphs = graphs
+    log.warning("%s: FlashAttention off for this model, %s; attention runs through SDPA", name, reason)
+    model.flash_attention = False
+    return False
