@@ -142,6 +142,31 @@ def test_a_graph_that_does_not_match_turns_graphs_off(monkeypatch: pytest.Monkey
         caplog.clear()
 
 
+def test_a_flash_attention_graph_that_fails_turns_flash_attention_off_and_keeps_graphs(monkeypatch, caplog) -> None:  # noqa: ANN001
+    """A step through FlashAttention (as on CUDA in bf16; its contract run on this CPU) whose graph
+    fails to record: FlashAttention goes off for the model with a warning, graphs stay on, and that
+    step and the later ones are recorded with the masked plan, with the eager logits."""
+    monkeypatch.setattr(flash_mod, "kernel", reference_varlen)
+
+    def no_flash(step: FixedStep, pool: object) -> object:
+        if step.plan.flash:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return eager_recorder(step, pool)
+
+    plain, model = _model(), _model()
+    plain.flash_attention = model.flash_attention = True
+    model.step_graphs = sg = StepGraphs(model, recorder=no_flash)
+    caches = {m: [m.new_cache() for _ in range(2)] for m in (plain, model)}
+    for m in (plain, model):
+        m(caches[m], [[1, 2, 3], [4, 5]], [1, 1])
+    with caplog.at_level("WARNING", logger="nebula_flow.models"):
+        for step in ([[6], [7]], [[8], [9]]):
+            for a, b in zip(model(caches[model], step, [1, 1]), plain(caches[plain], step, [1, 1])):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert "FlashAttention off" in caplog.text and model.flash_attention is False
+    assert sg.enabled and list(sg.steps) == [(0, 2, 1, 256, False)] and sg.replays == 2
+
+
 def test_no_more_than_the_cap_of_shapes_is_kept_and_a_shape_seen_again_takes_the_oldest_place(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the cap is reached, a new shape runs eagerly the first time; seen again, it is

@@ -4,6 +4,8 @@
 # from .gpu-wheels (fill it beforehand with `make gpu-wheels` on a machine with the registries and
 # carry it along); then, each under a time limit of its own so one hang costs only its share:
 #   0. the device, the driver, torch                              -> steps.log (with each step's progress)
+#      and tools/gpu_attention_probe.py: FlashAttention's varlen kernel over an arena, in a graph,
+#      and each SDPA backend's first call of a new shape            -> steps.log (step "attention")
 #   1. the gpu-marked tests                                        -> tests.log
 #   2. `profile --ops --device cuda`: a Qwen3-0.6B-shaped bf16 model's forwards, with CUDA graphs
 #      and eager                                                    -> ops.json
@@ -13,11 +15,11 @@
 #      the deployments' logs                                         -> logs.tgz
 #   (8 files: what the device machines lent here send back at most)
 #   tools/gpu_check.sh [OUT_DIR]     (default: $OUT, else /tmp/gpu-check)
-#   GPU_CHECK_STEPS="tests ops kernels bench" picks steps, GPU_BENCHES="1 8 8-eager" the benches.
+#   GPU_CHECK_STEPS="attention tests ops kernels bench" picks steps, GPU_BENCHES="1 8 8-eager" the benches.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/gpu-check}}
 py=${PYTHON:-python3}
-steps=${GPU_CHECK_STEPS:-tests ops kernels bench}
+steps=${GPU_CHECK_STEPS:-attention tests ops kernels bench}
 tests=${GPU_TESTS:-tests/test_gpu.py}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -30,6 +32,9 @@ $py -m pip install -q --no-deps --no-build-isolation -e .
 nf=$(dirname "$(command -v $py)")/nebula-flow
 [ -x "$nf" ] || nf="$py -m nebula_flow.cli"
 
+if [[ $steps == *attention* ]]; then
+  timeout "${GPU_ATTENTION_TIMEOUT_S:-60}" $py tools/gpu_attention_probe.py 2>&1 | grep -v Warning | tee -a "$out/steps.log"
+fi
 if [[ $steps == *tests* ]]; then
   per_test=$($py -c "import pytest_timeout" 2>/dev/null && echo --timeout=100)  # (one hang costs one test)
   timeout "${GPU_TESTS_TIMEOUT_S:-200}" $py -m pytest -q -p no:cacheprovider -m gpu -rs --durations=10 $per_test \

@@ -321,7 +321,9 @@ class StepGraphs:
         return None if self.scratch is None else self.scratch.lease.base
 
     def _record(self, step: FixedStep) -> bool:
-        """Record ``step``'s graph and check one replay against the eager step, bit for bit."""
+        """Record ``step``'s graph and check one replay against the eager step, bit for bit. A
+        FlashAttention step that fails turns FlashAttention off for the model and graphs stay on
+        (their masked steps ran on GPUs before it); any other turns graphs off."""
         try:
             self.pool = self.recorder(step, self.pool)
             step.replay()
@@ -332,8 +334,11 @@ class StepGraphs:
             reason = "a replay's logits differ from the eager step's"
         except Exception as exc:  # noqa: BLE001 - any failure to record leaves eager steps, which always work
             reason = repr(exc)
+        self.steps.clear()
+        if step.plan.flash:
+            log.warning("FlashAttention off for this model: %s in a CUDA graph; attention runs through SDPA", reason)
+            self.model.flash_attention = False
+            return False
         log.warning("CUDA graphs off for this model: %s; decode steps run eagerly", reason)
         self.enabled = False
-        self.steps.clear()
         return False
-
