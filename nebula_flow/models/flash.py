@@ -85,4 +85,4 @@ def attend(plan: FlashPlan, layer: int, window: int | None, q: torch.Tensor, k: 
     out = kernel(
         q, kv[:, 0], kv[:, 1], plan.cu_q, plan.starts, plan.max_q, plan.max_k, 0.0, True, False,
         seqused_k=plan.used, **extra)[0]
-    return out.view(q.shape[0], -1)
+    return out.reshape(q.shape[0], -1)  # (a view, unless the kernel's grouped-query decode path left it strided)

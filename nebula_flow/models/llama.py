@@ -5,7 +5,8 @@ number of new tokens (the whole prompt for a prefill, 1 for a decode step, k+1 f
 Projections and MLPs run once over all new tokens concatenated; attention runs once per layer for
 the batch, reading every cache through one slot index of the model's KV arena (``models.batch``;
 on CUDA through FlashAttention-2, ``models.flash``), or per sequence where that does not apply
-(long prefills on a CPU, shared-file caches, batch-invariant numerics). Module names mirror HuggingFace's so checkpoints load unchanged.
+(long prefills on a CPU, shared-file caches, batch-invariant numerics). Module names mirror
+HuggingFace's so checkpoints load unchanged.
 """
 
 from __future__ import annotations
