@@ -109,6 +109,33 @@ def test_flash_attention_kernel_on_cuda_matches_its_reference() -> None:
         torch.testing.assert_close(got.float(), want.reshape(rows, -1), atol=2e-2, rtol=2e-2)
 
 
+def test_flash_attention_on_cuda_keeps_a_sequences_bits_in_batches_of_its_kind() -> None:
+    """What ``models/flash.py`` states of batch invariance on CUDA: a sequence's attention has the
+    bits it has alone in any batch of decode rows, and in any batch of multi-row blocks (verify
+    blocks, prefills); with the kernel's ``num_splits`` (PyTorch 2.12 on) in any batch at all."""
+    from nebula_flow.models import flash
+
+    device = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    chunk = torch.randn(8192, 1, 2, 2, 64, generator=g, device="cuda").bfloat16()
+    bases, pasts = [0, 1000, 2000, 3000, 4000, 5000], [5, 700, 40, 1500, 90, 3]
+
+    def attention(seqs: list[int], rows: list[int], q: torch.Tensor) -> torch.Tensor:
+        plan = flash.FlashPlan(chunk, [bases[i] for i in seqs], [pasts[i] for i in seqs], rows, None, device)
+        k = chunk[plan.write, 0, 0]  # (the rows' own KV again: the arena keeps its bits)
+        return flash.attend(plan, 0, None, q, k, chunk[plan.write, 0, 1])
+
+    kinds = [("decode", [1] * 6)] + [("verify", [5, 3, 5, 2, 5, 4])] + ([("mixed", [1, 40, 1, 3, 1, 200])] if flash.SPLITS_ARG else [])
+    for kind, rows in kinds:
+        q = torch.randn(sum(rows), 8, 64, generator=g, device="cuda").bfloat16()
+        together = attention(list(range(6)), rows, q)
+        start = 0
+        for i, n in enumerate(rows):
+            alone = attention([i], [n], q[start:start + n].contiguous())
+            assert torch.equal(alone, together[start:start + n]), f"{kind}: sequence {i}'s bits differ from alone"
+            start += n
+
+
 def test_bf16_model_on_cuda_attends_through_flash_attention_as_through_sdpa(tiny_pair, monkeypatch) -> None:  # noqa: ANN001
     """The bf16 target on CUDA: prefills, then decodes, a verify block and a token tree in one
     forward. Through FlashAttention (the chains in one call, the tree through the mask) the logits
