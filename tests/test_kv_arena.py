@@ -206,3 +206,42 @@ def test_batch_invariant_logits_keep_their_bits_wherever_the_arena_puts_a_cache(
     together = model([b, a], [[5], [6]], [1, 1])[1]
     assert torch.equal(together, model([alone], [[6]], [1])[0])
     del filler
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["masked", "flash-plan"])
+def test_a_batch_whose_caches_are_in_two_chunks_attends_in_a_call_per_chunk(flash: bool, monkeypatch) -> None:  # noqa: ANN001
+    """A worker's KV overflows into another chunk when its budget is full: the batch then attends
+    in one call per chunk (not per sequence), with the logits each sequence gets alone."""
+    model = _model()
+    if flash:
+        monkeypatch.setattr(flash_mod, "kernel", reference_varlen)
+        model.flash_attention = True
+    c = model.cfg
+    model.kv_arena = KVArena((c.num_layers, 2, c.num_kv_heads, c.head_dim), torch.float32, "cpu",
+                             chunk_bytes=256 * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4)  # (256 rows a chunk)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 3, 10, 5)]
+    steps = [[5], [6, 7, 8], [1, 2], [7]]
+    alone = []
+    for prompt, step in zip(prompts, steps):
+        cache = model.new_cache(16)
+        model([cache], [prompt], [1])
+        alone.append(model([cache], [step], [len(step)])[0])
+        cache.release()
+    filler = [model.new_cache(16) for _ in range(14)]  # (the first chunk's 16 ranges but two)
+    caches = [model.new_cache(16) for _ in prompts]  # (two there, two in a chunk of 32 rows made for them)
+    assert [cache.lease.chunk for cache in caches] == [0, 0, 1, 1]
+    model(caches, prompts, [1] * len(prompts))
+    plans = []
+    made = batch_mod.Batch.__init__
+
+    def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        made(self, *args, **kwargs)
+        plans.append((len(self.plans), list(self.apart)))
+
+    monkeypatch.setattr(batch_mod.Batch, "__init__", spy)
+    together = model(caches, steps, [len(s) for s in steps])
+    assert plans == [(2, [])]
+    for got, want in zip(together, alone):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    del filler

@@ -2,9 +2,9 @@
 
 A forward takes a ragged batch: each sequence brings its cache and its new rows (a prefill chunk,
 a decode step, a verify block, a token tree). ``Batch`` works out once per forward what every
-layer needs: the rows each sequence owns, its token tree (``TreeRows``), and, when the caches are
-ranges of one arena chunk (``kv/arena.py``), the plan to attend to all of them in one call per
-layer (``GroupPlan``): the slots where the new rows' KV goes, the slots each sequence's keys come
+layer needs: the rows each sequence owns, its token tree (``TreeRows``), and, for the caches that
+are ranges of one arena chunk (``kv/arena.py``; a plan per chunk), the plan to attend to all of
+them in one call per layer (``GroupPlan``): the slots where the new rows' KV goes, the slots each sequence's keys come
 from (padded to the longest), and one mask for the whole batch (causal, tree, window, padding).
 On a GPU each layer then costs a fixed handful of kernel launches whatever the batch; per sequence
 it cost a dozen per sequence per layer (``nebula-flow profile --ops`` counts them). On CUDA in
@@ -19,8 +19,6 @@ rows of one problem size in one call (``models.rows``).
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 import torch
 
@@ -179,31 +177,25 @@ class Batch:
         return staging.tensor([r for i in seqs for r in range(self.starts[i], self.starts[i] + self.lengths[i])], device)
 
     def _group(self, device: torch.device, flash: bool) -> None:
-        """Group the sequences whose caches share the arena chunk most of them are in: through
-        FlashAttention the chains among them, through one masked call the rest (two or more)."""
-        def where(c: KVCache) -> tuple[int, int]:
-            return id(c.arena), c.lease.chunk
-
-        def fits(i: int) -> bool:
-            return self.caches[i].lease is not None and (
-                (flash and self.trees[i] is None) or self.lengths[i] <= GROUP_MAX_ROWS)
-
-        chunks = Counter(where(self.caches[i]) for i in range(len(self.caches)) if fits(i))
-        if not chunks:
-            return
-        chunk = chunks.most_common(1)[0][0]
-        seqs = [i for i in range(len(self.caches)) if fits(i) and where(self.caches[i]) == chunk]
-        cache = self.caches[seqs[0]]
-        tensor = cache.arena.chunk(cache.lease)
-        chains = [i for i in seqs if flash and self.trees[i] is None]
-        if chains:
-            self.plans.append(FlashPlan(tensor, [self.caches[i].lease.base for i in chains],
-                                        [self.caches[i].length for i in chains], [self.lengths[i] for i in chains],
-                                        self.rows_of(chains, device), device))
-        masked = [i for i in seqs if i not in chains and self.lengths[i] <= GROUP_MAX_ROWS]
-        if len(masked) >= 2:
-            self.plans.append(GroupPlan(self, masked, tensor, device))
-        else:
-            masked = []
-        grouped = set(chains + masked)
+        """Group the sequences by the arena chunk their caches are in (a worker's KV overflows into
+        more chunks when its budget is full): in each, through FlashAttention the chains, through
+        one masked call the rest (two or more)."""
+        by_chunk: dict[tuple[int, int], list[int]] = {}
+        for i, (c, n, tree) in enumerate(zip(self.caches, self.lengths, self.trees)):
+            if c.lease is not None and ((flash and tree is None) or n <= GROUP_MAX_ROWS):
+                by_chunk.setdefault((id(c.arena), c.lease.chunk), []).append(i)
+        grouped: set[int] = set()
+        for seqs in by_chunk.values():
+            cache = self.caches[seqs[0]]
+            tensor = cache.arena.chunk(cache.lease)
+            chains = [i for i in seqs if flash and self.trees[i] is None]
+            if chains:
+                self.plans.append(FlashPlan(tensor, [self.caches[i].lease.base for i in chains],
+                                            [self.caches[i].length for i in chains], [self.lengths[i] for i in chains],
+                                            self.rows_of(chains, device), device))
+                grouped.update(chains)
+            masked = [i for i in seqs if i not in grouped and self.lengths[i] <= GROUP_MAX_ROWS]
+            if len(masked) >= 2:
+                self.plans.append(GroupPlan(self, masked, tensor, device))
+                grouped.update(masked)
         self.apart = [i for i in range(len(self.caches)) if i not in grouped]
