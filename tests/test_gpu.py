@@ -109,10 +109,11 @@ def test_flash_attention_kernel_on_cuda_matches_its_reference() -> None:
         torch.testing.assert_close(got.float(), want.reshape(rows, -1), atol=2e-2, rtol=2e-2)
 
 
-def test_flash_attention_on_cuda_keeps_a_sequences_bits_in_batches_of_its_kind() -> None:
-    """What ``models/flash.py`` states of batch invariance on CUDA: a sequence's attention has the
-    bits it has alone in any batch of decode rows, and in any batch of multi-row blocks (verify
-    blocks, prefills); with the kernel's ``num_splits`` (PyTorch 2.12 on) in any batch at all."""
+def test_flash_attention_on_cuda_keeps_a_sequences_bits_where_it_never_splits_keys() -> None:
+    """What ``models/flash.py`` states of batch invariance on CUDA: in batches of multi-row blocks
+    (verify blocks, prefills) and in windowed layers the kernel never splits keys, so a sequence's
+    attention has the bits it has alone (alone with more than one row too); with the kernel's
+    ``num_splits`` (PyTorch 2.12 on) in decode batches and mixed ones as well."""
     from nebula_flow.models import flash
 
     device = torch.device("cuda")
@@ -120,18 +121,21 @@ def test_flash_attention_on_cuda_keeps_a_sequences_bits_in_batches_of_its_kind()
     chunk = torch.randn(8192, 1, 2, 2, 64, generator=g, device="cuda").bfloat16()
     bases, pasts = [0, 1000, 2000, 3000, 4000, 5000], [5, 700, 40, 1500, 90, 3]
 
-    def attention(seqs: list[int], rows: list[int], q: torch.Tensor) -> torch.Tensor:
+    def attention(seqs: list[int], rows: list[int], q: torch.Tensor, window: int | None) -> torch.Tensor:
         plan = flash.FlashPlan(chunk, [bases[i] for i in seqs], [pasts[i] for i in seqs], rows, None, device)
-        k = chunk[plan.write, 0, 0]  # (the rows' own KV again: the arena keeps its bits)
-        return flash.attend(plan, 0, None, q, k, chunk[plan.write, 0, 1])
+        k, v = chunk[plan.write, 0, 0], chunk[plan.write, 0, 1]  # (the rows' own KV again: the arena keeps its bits)
+        return flash.attend(plan, 0, window, q, k, v)
 
-    kinds = [("decode", [1] * 6)] + [("verify", [5, 3, 5, 2, 5, 4])] + ([("mixed", [1, 40, 1, 3, 1, 200])] if flash.SPLITS_ARG else [])
-    for kind, rows in kinds:
+    kinds = [("verify blocks", [5, 3, 5, 2, 5, 4], None), ("decode rows, windowed", [1] * 6, 16),
+             ("mixed, windowed", [1, 40, 1, 3, 1, 200], 16)]
+    if flash.SPLITS_ARG:
+        kinds += [("decode rows", [1] * 6, None), ("mixed", [1, 40, 1, 3, 1, 200], None)]
+    for kind, rows, window in kinds:
         q = torch.randn(sum(rows), 8, 64, generator=g, device="cuda").bfloat16()
-        together = attention(list(range(6)), rows, q)
+        together = attention(list(range(6)), rows, q, window)
         start = 0
         for i, n in enumerate(rows):
-            alone = attention([i], [n], q[start:start + n].contiguous())
+            alone = attention([i], [n], q[start:start + n].contiguous(), window)
             assert torch.equal(alone, together[start:start + n]), f"{kind}: sequence {i}'s bits differ from alone"
             start += n
 

@@ -12,11 +12,15 @@ CUDA graph's in fixed tensors, ``models.graphs``).
 What it does not take: token trees (a row sees its own path, not every earlier row: they attend
 through a mask, ``models.batch.GroupPlan``), fp32 (the kernel is fp16/bf16 only), GPUs before
 Ampere. Batch invariance: a sequence's attention bits do not depend on its batch where the
-kernel takes ``num_splits`` (PyTorch 2.12 and later: one split). Before that, measured on an H200
-with PyTorch 2.11 (``tools/gpu_attention_probe.py``): in batches of decode rows, of verify blocks,
-and of mixed short blocks each sequence kept the bits it had alone, but beside a 200-row prefill
-one did not (likely the split over keys, which the kernel picks from the batch's shape). The matrix products
-around attention are not batch-invariant on CUDA either (``models.invariant`` makes them so).
+kernel takes ``num_splits`` (PyTorch 2.12 and later: one split). Before that, the kernel splits
+the keys of a decode batch (one row a sequence, grouped-query heads, no window) into a number of
+parts it picks from the batch size and the longest key count, so there a sequence's bits may
+depend on what it is batched with; batches with wider sequences (verify blocks, prefills) and
+windowed layers are never split, and a sequence keeps its bits among them. (An H200 with PyTorch
+2.11, ``tools/gpu_attention_probe.py``: 7 of 8 probed batch shapes kept each sequence's bits alone;
+the one that did not held a 200-row prefill, its decode row alone a decode batch of one.) The
+matrix products around attention are not batch-invariant on CUDA either (``models.invariant``
+makes them so).
 """
 
 from __future__ import annotations
