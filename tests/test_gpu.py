@@ -118,8 +118,8 @@ def test_flash_attention_on_cuda_keeps_a_sequences_bits_where_it_never_splits_ke
 
     device = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
-    chunk = torch.randn(8192, 1, 2, 2, 64, generator=g, device="cuda").bfloat16()
-    bases, pasts = [0, 1000, 2000, 3000, 4000, 5000], [5, 700, 40, 1500, 90, 3]
+    chunk = torch.randn(12288, 1, 2, 2, 64, generator=g, device="cuda").bfloat16()
+    bases, pasts = [0, 2000, 4000, 6000, 8000, 10000], [5, 700, 40, 1500, 90, 3]  # (ranges apart)
 
     def attention(seqs: list[int], rows: list[int], q: torch.Tensor, window: int | None) -> torch.Tensor:
         plan = flash.FlashPlan(chunk, [bases[i] for i in seqs], [pasts[i] for i in seqs], rows, None, device)

@@ -115,7 +115,7 @@ def reference_varlen(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     for b, used in enumerate(seqused_k.tolist()):
         q0, q1, k0 = int(cu_q[b]), int(cu_q[b + 1]), int(starts[b])
         assert q1 - q0 <= max_q and used <= max_k
-        pos, key = torch.arange(used - (q1 - q0), used)[:, None], torch.arange(used)[None, :]
+        pos, key = torch.arange(used - (q1 - q0), used, device=q.device)[:, None], torch.arange(used, device=q.device)[None, :]
         allowed = (key <= pos) & (pos - key <= (window_size_left if window_size_left is not None else used))
         o = torch.nn.functional.scaled_dot_product_attention(
             q[q0:q1].transpose(0, 1)[None], keys[k0:k0 + used].transpose(0, 1)[None],
