@@ -55,18 +55,11 @@ def test_pull_into_cuda_cache(tiny_pair, transport: str) -> None:  # noqa: ANN00
 def test_grouped_attention_on_cuda_matches_attending_apart(tiny_pair, monkeypatch) -> None:  # noqa: ANN001
     """The batch's one attention call per layer (models/batch.py) on CUDA: the same logits as each
     sequence attending apart, for prefills, decodes, a verify block and a token tree."""
-    from nebula_flow.models import batch as batch_mod
+    from tests.test_kv_arena import record_plans
 
     model = load_model(tiny_pair / "target", device="cuda", dtype="float32")
     model.step_graphs = None  # (the eager path's kernels; graphs replay them: test_steps_replay_cuda_graphs_...)
-    grouped = []
-    made = batch_mod.Batch.__init__
-
-    def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
-        made(self, *args, **kwargs)
-        grouped.append(bool(self.plans))
-
-    monkeypatch.setattr(batch_mod.Batch, "__init__", spy)
+    plans = record_plans(monkeypatch)
     prompts = [list(range(1, n)) for n in (30, 9, 17)]
     steps, parents = [[5], [6, 7, 8], [1, 2, 3, 4]], [None, None, [-1, 0, 0, 1]]
 
@@ -77,7 +70,7 @@ def test_grouped_attention_on_cuda_matches_attending_apart(tiny_pair, monkeypatc
         return [x.cpu() for x in first + model(caches, steps, [len(s) for s in steps], parents)]
 
     apart, together = run(False), run(True)
-    assert grouped[-2:] == [True, True]
+    assert [bool(made) for made, _ in plans[-2:]] == [True, True]
     for got, want in zip(together, apart):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -144,19 +137,12 @@ def test_bf16_model_on_cuda_attends_through_flash_attention_as_through_sdpa(tiny
     """The bf16 target on CUDA: prefills, then decodes, a verify block and a token tree in one
     forward. Through FlashAttention (the chains in one call, the tree through the mask) the logits
     are SDPA's within bf16's rounding, and the greedy picks agree."""
-    from nebula_flow.models import batch as batch_mod
+    from tests.test_kv_arena import record_plans
 
     model = load_model(tiny_pair / "target", device="cuda", dtype="bfloat16")
     model.step_graphs = None
     assert model.uses_flash() and model.runtime_status()["attention"] == "flash-attention-2"
-    plans = []
-    made = batch_mod.Batch.__init__
-
-    def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
-        made(self, *args, **kwargs)
-        plans.append([p.flash for p in self.plans])
-
-    monkeypatch.setattr(batch_mod.Batch, "__init__", spy)
+    plans = record_plans(monkeypatch)
     prompts = [list(range(1, n)) for n in (30, 9, 17, 120)]
     steps, parents = [[5], [6, 7, 8], [1, 2, 3, 4], [9]], [None, None, [-1, 0, 0, 1], None]
 
@@ -167,7 +153,8 @@ def test_bf16_model_on_cuda_attends_through_flash_attention_as_through_sdpa(tiny
         return [x.float().cpu() for x in first + model(caches, steps, [len(s) for s in steps], parents)]
 
     sdpa, flash = run(False), run(True)
-    assert plans[-2:] == [[True], [True]]  # (the tree attended apart: alone, it has no one to share a mask with)
+    # (the tree attended apart: alone, it has no one to share a mask with)
+    assert [[p.flash for p in made] for made, _ in plans[-2:]] == [[True], [True]]
     for got, want in zip(flash, sdpa):
         torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75

@@ -103,6 +103,18 @@ def _model(**extra: object) -> CausalLM:
     return model
 
 
+def record_plans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list, list[int]]]:
+    """Each ``Batch`` made from now on, as (its plans, the sequences that attend apart)."""
+    made, plans = batch_mod.Batch.__init__, []
+
+    def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        made(self, *args, **kwargs)
+        plans.append((list(self.plans), list(self.apart)))
+
+    monkeypatch.setattr(batch_mod.Batch, "__init__", spy)
+    return plans
+
+
 def reference_varlen(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_q: torch.Tensor, starts: torch.Tensor,
                      max_q: int, max_k: int, dropout: float, causal: bool, debug: bool, *, seqused_k: torch.Tensor,
                      window_size_left: int | None = None, window_size_right: int | None = None,
@@ -138,14 +150,7 @@ def test_one_attention_call_for_a_mixed_batch_scores_every_row_as_attending_alon
     if flash:
         monkeypatch.setattr(flash_mod, "kernel", reference_varlen)
         model.flash_attention = True
-    plans = []
-    made = batch_mod.Batch.__init__
-
-    def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
-        made(self, *args, **kwargs)
-        plans.append((list(self.plans), list(self.apart)))
-
-    monkeypatch.setattr(batch_mod.Batch, "__init__", spy)
+    plans = record_plans(monkeypatch)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 3, 14, 5, 2)]
     steps = [[5], [6, 7, 8], [1, 2, 3, 4], list(range(10, 90)), [7]]  # (80 rows: attends apart)
@@ -232,16 +237,9 @@ def test_a_batch_whose_caches_are_in_two_chunks_attends_in_a_call_per_chunk(flas
     caches = [model.new_cache(16) for _ in prompts]  # (two there, two in a chunk of 32 rows made for them)
     assert [cache.lease.chunk for cache in caches] == [0, 0, 1, 1]
     model(caches, prompts, [1] * len(prompts))
-    plans = []
-    made = batch_mod.Batch.__init__
-
-    def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
-        made(self, *args, **kwargs)
-        plans.append((len(self.plans), list(self.apart)))
-
-    monkeypatch.setattr(batch_mod.Batch, "__init__", spy)
+    plans = record_plans(monkeypatch)
     together = model(caches, steps, [len(s) for s in steps])
-    assert plans == [(2, [])]
+    assert [(len(made), apart) for made, apart in plans] == [(2, [])]
     for got, want in zip(together, alone):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     del filler
