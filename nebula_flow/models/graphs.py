@@ -17,7 +17,10 @@ sequence to a power of two (``width_bucket``). Its inputs are
 fixed tensors (token ids, positions, the slots the new KV goes to, the slots each sequence's keys
 come from, padded to the bucket, and the masks, a token tree's included), filled from the host
 before each replay without waiting for the device. Keys are padded to a power of two from
-``MIN_KEYS`` and masked, so one graph serves a range of lengths. A worker records the shapes of
+``MIN_KEYS`` and masked, so one graph serves a range of lengths. Where the model attends through
+FlashAttention (``models.flash``), a step without token trees holds its fixed plan instead:
+slots, where each sequence's keys start and how many it has (``StaticFlashPlan``); the key
+bucket then only bounds the keys the kernel plans for. A worker records the shapes of
 short contexts at start (``StepGraphs.capture``), so its first requests do not pay for recording;
 other shapes are recorded on first use. Recording is a warm-up on a side stream, the capture, then
 one replay checked bit for bit against the same step run eagerly; a graph that fails to record or
@@ -61,6 +64,14 @@ def batch_bucket(size: int) -> int:
     return 1 << (size - 1).bit_length() if size <= 8 else -(-size // 8) * 8
 
 
+def padded(caches: list[KVCache], size: int, scratch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached positions and first slots of ``caches``, then of the pad sequences up to ``size``
+    (empty caches at ``scratch``)."""
+    pads = size - len(caches)
+    return (torch.tensor([c.length for c in caches] + [0] * pads),
+            torch.tensor([c.lease.base for c in caches] + [scratch] * pads))
+
+
 class StaticPlan:
     """A step's ``GroupPlan`` in fixed tensors (``Attention._grouped`` reads either): ``size``
     sequences of ``width`` new rows each, ``keys`` key slots each, the padding masked. A step of
@@ -88,10 +99,8 @@ class StaticPlan:
         to its own slots past its rows (the caller reserved them; never read as its keys, and
         overwritten when its tokens come), and their logits are not read. Pad sequences (up to
         ``size``) are empty caches at ``scratch``: all alike, so their shared slots get the same KV."""
-        pads = self.size - len(caches)
-        trees = trees + [None] * pads
-        past = torch.tensor([c.length for c in caches] + [0] * pads)[:, None]
-        base = torch.tensor([c.lease.base for c in caches] + [scratch] * pads)[:, None]
+        trees = trees + [None] * (self.size - len(caches))
+        past, base = (t[:, None] for t in padded(caches, self.size, scratch))
         row = torch.arange(self.width)[None, :]
         key = torch.arange(self.keys)[None, None, :]
         staging.copy_into(self.write, (base + past + row).flatten())  # (rows stored in order, as eagerly)
@@ -131,9 +140,7 @@ class StaticFlashPlan:
 
     def fill(self, caches: list[KVCache], trees: list[TreeRows | None], scratch: int | None) -> torch.Tensor:
         """``StaticPlan.fill`` for chains: every sequence's ``width`` rows are its keys' last."""
-        pads = self.size - len(caches)
-        past = torch.tensor([c.length for c in caches] + [0] * pads)
-        base = torch.tensor([c.lease.base for c in caches] + [scratch] * pads)
+        past, base = padded(caches, self.size, scratch)
         write, _, starts, used = flash.indices(base, past, torch.full_like(past, self.width))
         for dest, src in ((self.write, write), (self.starts, starts), (self.used, used)):
             staging.copy_into(dest, src)

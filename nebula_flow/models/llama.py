@@ -381,17 +381,18 @@ class CausalLM(nn.Module):
                                "packed_layers": self.packed_layers}
         if self.packed_from_rows:
             out["packed_from_rows"] = self.packed_from_rows
-        out["attention"] = "flash-attention-2" if self.uses_flash() and not self.batch_invariant else "sdpa"
+        out["attention"] = "flash-attention-2" if self.uses_flash() else "sdpa"
         if self.step_graphs is not None:
             out["cuda_graphs"] = self.step_graphs.status()
         return out
 
     def uses_flash(self) -> bool:
-        """Whether this model's grouped chains attend through FlashAttention-2 (``models.flash``)."""
+        """Whether this model's grouped chains attend through FlashAttention-2 (``models.flash``;
+        a batch-invariant model's rows attend as problems of their own, ``models.rows``)."""
         if self.flash_attention is None:
             p = self.lm_head.weight
             self.flash_attention = flash.usable(p.device, p.dtype, self.cfg.head_dim)
-        return self.flash_attention
+        return self.flash_attention and not self.batch_invariant
 
     def make_kv_arena(self, max_bytes: int = CHUNK_BYTES) -> None:
         """This model's caches from now on come from one arena of ``max_bytes`` (the worker's KV

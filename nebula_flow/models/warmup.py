@@ -58,9 +58,24 @@ def check_flash(model: CausalLM, name: str) -> bool:
     FlashAttention and through SDPA; where the kernel fails, or its logits differ from SDPA's by
     more than the dtype's rounding can explain, attend through SDPA from now on (with a warning).
     Returns whether FlashAttention stays on."""
+    graphs, model.step_graphs = model.step_graphs, None  # (the eager kernels; graphs are checked as they record)
+    try:
+        reason = _flash_fault(model)
+    finally:
+        model.step_graphs = graphs
+    if reason is None:
+        return True
+    log.warning("%s: FlashAttention off for this model, %s; attention runs through SDPA", name, reason)
+    model.flash_attention = False
+    return False
+
+
+def _flash_fault(model: CausalLM) -> str | None:
+    """What is wrong with ``model``'s FlashAttention forwards against its SDPA ones (None: nothing)."""
     prompts, steps = [[1 + i % 50 for i in range(n)] for n in (9, 30, 3)], [[5], [6, 7, 8, 9], list(range(2, 40))]
 
-    def run() -> torch.Tensor:
+    def run(use_flash: bool) -> torch.Tensor:
+        model.flash_attention = use_flash
         caches = [model.new_cache(capacity=64) for _ in prompts]
         try:
             model(caches, prompts, [0] * len(prompts))
@@ -69,25 +84,13 @@ def check_flash(model: CausalLM, name: str) -> bool:
             for cache in caches:
                 cache.release()
 
-    graphs, model.step_graphs = model.step_graphs, None  # (the eager kernels; graphs are checked as they record)
     try:
-        try:
-            got = run()
-        except RuntimeError as exc:
-            if isinstance(exc, torch.OutOfMemoryError):
-                raise
-            reason = f"it failed: {exc!r}"[:300]
-        else:
-            model.flash_attention = False
-            want = run()
-            model.flash_attention = True
-            scale = want.abs().max().item()
-            error = (got - want).abs().max().item()
-            if error <= 0.05 * scale:
-                return True
-            reason = f"its logits differ from SDPA's by {error:.3g} (largest logit {scale:.3g})"
-    finally:
-        model.step_graphs = graphs
-    log.warning("%s: FlashAttention off for this model, %s; attention runs through SDPA", name, reason)
-    model.flash_attention = False
-    return False
+        got = run(True)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        return f"it failed: {exc!r}"[:300]
+    want = run(False)
+    model.flash_attention = True
+    scale, error = want.abs().max().item(), (got - want).abs().max().item()
+    return None if error <= 0.05 * scale else f"its logits differ from SDPA's by {error:.3g} (largest logit {scale:.3g})"
