@@ -88,9 +88,11 @@ def worker_roles(mode: str, workers: int) -> list[str]:
 
 
 async def _drive(client_address: str, worker_addresses: list[str], mode: str, workers: int, capacity: int,
-                 concurrency: int, requests: int, max_new_tokens: int, api: str | None = None) -> dict[str, Any]:
+                 concurrency: int, requests: int, max_new_tokens: int, api: str | None = None,
+                 pids: tuple[int, ...] = ()) -> dict[str, Any]:
     """The run: zero-cost workers, warm-up, then ``requests`` through the ZeroMQ client (or the
-    gateway at ``api``)."""
+    gateway at ``api``). The CPU seconds of the processes ``pids`` are read beside the status
+    snapshots that count the rounds, so start-up, registration and warm-up are in neither."""
     from nebula_flow.api.http_client import HttpClient
 
     ctx = zmq.asyncio.Context.instance()
@@ -120,13 +122,14 @@ async def _drive(client_address: str, worker_addresses: list[str], mode: str, wo
 
         await asyncio.gather(*(client.generate(token_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)
                                for _ in range(2 * len(worker_addresses))))  # (warm-up, every shard)
-        before, t0 = await client.status(), time.monotonic()
+        before, cpu0, t0 = await client.status(), [cpu_seconds(pid) for pid in pids], time.monotonic()
         await asyncio.gather(*(user() for _ in range(concurrency)))
         wall = time.monotonic() - t0
         after = await client.status()
+        cpu = [cpu_seconds(pid) - c0 for pid, c0 in zip(pids, cpu0)]
     stop.set()
     tasks = sum(await asyncio.gather(*pool))
-    return {"before": before, "after": after, "wall_s": wall, "tasks": tasks}
+    return {"before": before, "after": after, "wall_s": wall, "tasks": tasks, "cpu_s": cpu}
 
 
 def start_broker(args: list[str], out, profile: Path | None = None,  # noqa: ANN001
@@ -186,10 +189,9 @@ def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int =
             if api:
                 gateway, url = start_gateway(clients, out)
                 procs.append(gateway)  # (last: its CPU is the last measured)
-            cpu0 = [cpu_seconds(p.pid) for p in procs]
             run = asyncio.run(_drive(",".join(clients), worker_addresses, mode, workers, capacity,
-                                     concurrency, requests, max_new_tokens, url))
-            cpus = [cpu_seconds(p.pid) - c0 for p, c0 in zip(procs, cpu0)]
+                                     concurrency, requests, max_new_tokens, url, tuple(p.pid for p in procs)))
+            cpus = run["cpu_s"]
         finally:
             for proc in procs:
                 proc.terminate()
