@@ -178,6 +178,22 @@ class CoreLease:
             if locked:
                 fcntl.flock(self.locks[self.slot], fcntl.LOCK_UN)
 
+    @contextmanager
+    def every_core(self) -> Iterator[None]:
+        """Compute on all the host's cores for a while (a start-up check): every share's lock taken,
+        waiting, in slot order (so two workers starting at once take turns instead of both computing
+        on all cores, where OpenMP's spinning threads collapse: two workers checking at once took
+        ~10 s instead of well under one)."""
+        for slot in range(len(self.locks)):
+            fcntl.flock(self.locks[slot], fcntl.LOCK_EX)
+        self.mine["used"] = self.cores
+        try:
+            yield
+        finally:
+            self.mine["used"] = 0
+            for slot in range(len(self.locks)):
+                fcntl.flock(self.locks[slot], fcntl.LOCK_UN)
+
     def _take_own_share(self) -> bool:
         """Lock its own share, waiting out a borrower's forward on it for up to ``MOST_WAIT_S``
         (flock has no timeout: it polls each millisecond, and only while a borrower computes)."""
@@ -217,7 +233,9 @@ def join_lease(path: str, slot: int, share: int, runners: list[Any], set_threads
 
         invariant = [m for m in models if getattr(m, "batch_invariant", False)]
         # (ends at its share, as its torch started)
-        if not all(same_bits_across_threads(m, [lease.cores, share]) for m in invariant):
+        with lease.every_core():
+            same = all(same_bits_across_threads(m, [lease.cores, share]) for m in invariant)
+        if not same:
             log.warning("batch-invariant logits change with the thread count on this CPU: computing on "
                         "%d thread(s) only, never on the cores idle workers could lend", share)
             lease.most = share

@@ -158,12 +158,61 @@ def test_a_worker_whose_invariant_bits_change_with_threads_keeps_to_its_share(ti
             self.model, self.before_forward = model, None
 
     make_lease_file(tmp_path / "cores", 2)
+    probed_with_every_core: list[bool] = []
+
+    def probe(m, counts, same: bool) -> bool:  # noqa: ANN001
+        probed_with_every_core.append(all(not lock_free(tmp_path / f"cores.{i}.lock") for i in range(2)))
+        return same
+
     for same, most in ((True, 4), (False, 1)):
-        monkeypatch.setattr(invariant, "same_bits_across_threads", lambda m, counts, same=same: same)
+        monkeypatch.setattr(invariant, "same_bits_across_threads", lambda m, counts, same=same: probe(m, counts, same))
         monkeypatch.setattr("nebula_flow.cores.usable_cores", lambda: 4)
         runner = Runner()
         lease = join_lease(str(tmp_path / "cores"), 0, 1, [runner], lambda n: None)
         assert lease.most == most and runner.before_forward == lease.claim
+    assert probed_with_every_core == [True, True]  # (the probe computes on every core: no one else does meanwhile)
+    assert all(lock_free(tmp_path / f"cores.{i}.lock") for i in range(2))
+
+
+def lock_free(path) -> bool:  # noqa: ANN001
+    """Whether no one holds the ``flock`` on ``path`` (tried from a descriptor of its own)."""
+    import fcntl
+
+    with open(path, "a+b") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def test_start_up_probes_of_workers_starting_together_take_turns_on_every_core(tmp_path) -> None:  # noqa: ANN001
+    """``CoreLease.every_core`` (``join_lease``'s probe): it holds every share's lock, so a second
+    worker's probe waits for the first instead of both computing on all cores at once, and a worker
+    already running borrows nothing meanwhile."""
+    import threading
+
+    from nebula_flow.cores import CoreLease, make_lease_file
+
+    path = tmp_path / "cores"
+    make_lease_file(path, 3)
+    a, b, c = (CoreLease(str(path), i, 1, 3) for i in range(3))
+    order: list[str] = []
+
+    def b_probes() -> None:
+        with b.every_core():
+            order.append("b probes")
+
+    with a.every_core():
+        assert not any(lock_free(f"{path}.{i}.lock") for i in range(3)) and a.mine["used"][0] == 3
+        second = threading.Thread(target=b_probes)
+        second.start()
+        assert c.claim() == 1 and not c.held  # (a running worker borrows no share while a probe computes on all)
+        order.append("a probed")
+    second.join(10)
+    assert not second.is_alive() and order == ["a probed", "b probes"]
+    assert all(lock_free(f"{path}.{i}.lock") for i in range(3)) and a.mine["used"][0] == b.mine["used"][0] == 0
 
 
 @pytest.mark.slow
