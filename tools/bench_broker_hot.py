@@ -10,7 +10,7 @@ times slower (``tools/bench_codec.py --idle-ms 20``), so both figures are worth 
 ``--calls`` also counts the Python and C function calls the broker makes per round (a
 deterministic measure of its work, where this machine's timings wander by tens of percent).
 
-    PYTHONPATH=. .venv/bin/python tools/bench_broker_hot.py [--modes pooled,colocated] [--repeats 3] [--calls]
+    PYTHONPATH=. .venv/bin/python tools/bench_broker_hot.py [--modes pooled,colocated] [--repeats 3] [--calls] [--capacity 32]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Calls:
 
 
 def run(mode: str, workers: int, concurrency: int, requests: int, max_new_tokens: int,
-        calls: Calls | None) -> tuple[int, float]:
+        calls: Calls | None, capacity: int = 32) -> tuple[int, float]:
     """One run: the request-rounds the broker ended and its thread's CPU seconds in its handlers."""
     opts = BrokerOptions(mode=mode, client_port=free_port(), worker_port=free_port(), model=str(ensure_tiny_pair() / "target"),
                          policy=with_settings(PolicyConfig(), FIXED_POLICY), liveness_s=60)
@@ -65,7 +65,7 @@ def run(mode: str, workers: int, concurrency: int, requests: int, max_new_tokens
     for i, role in enumerate(worker_roles(mode, workers)):
         sock = ctx.socket(zmq.DEALER)
         sock.connect(opts.worker_address)
-        sock.send_multipart(protocol.encode(Register(role, f"zero-{i}", 32, ZERO_FACTS, pid=os.getpid())))
+        sock.send_multipart(protocol.encode(Register(role, f"zero-{i}", capacity, ZERO_FACTS, pid=os.getpid())))
         socks.append(sock)
     client = ctx.socket(zmq.DEALER)
     client.connect(opts.client_address)
@@ -91,7 +91,7 @@ def run(mode: str, workers: int, concurrency: int, requests: int, max_new_tokens
                 if isinstance(msg, Tasks):
                     sock.send_multipart(protocol.encode(Result([answer(t) for t in msg.tasks])))
                 if isinstance(msg, Welcome | Tasks):
-                    sock.send_multipart(protocol.encode(Pull(32, True)))
+                    sock.send_multipart(protocol.encode(Pull(capacity, True)))
 
     deadline = time.monotonic() + 10
     while len(broker.workers) < len(socks):
@@ -126,6 +126,8 @@ def main() -> None:
     ap.add_argument("--modes", default="pooled,colocated")
     ap.add_argument("--workers", type=int, default=4, help="zero-cost workers per stage")
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--capacity", type=int, default=32,
+                    help="each zero-cost worker's batch capacity (the broker's cost per round falls as batches grow)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -134,13 +136,13 @@ def main() -> None:
     for mode in args.modes.split(","):
         per_round = []
         for _ in range(args.repeats):
-            rounds, cpu = run(mode, args.workers, args.concurrency, args.requests, args.max_new_tokens, None)
+            rounds, cpu = run(mode, args.workers, args.concurrency, args.requests, args.max_new_tokens, None, args.capacity)
             per_round.append(cpu / rounds * 1e6)
         line = (f"{mode:<12} broker CPU, caches warm: {statistics.median(per_round):6.1f} us per request-round "
                 f"(median of {args.repeats}: {', '.join(f'{t:.1f}' for t in per_round)})")
         if args.calls:
             calls = Calls()
-            rounds, _ = run(mode, args.workers, args.concurrency, args.requests, args.max_new_tokens, calls)
+            rounds, _ = run(mode, args.workers, args.concurrency, args.requests, args.max_new_tokens, calls, args.capacity)
             line += f"; {calls.total / rounds:.1f} function calls per round"
         print(line, flush=True)
         if args.calls:
