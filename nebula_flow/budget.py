@@ -10,11 +10,30 @@ returns "prefilled up to here" and comes back for the next chunk, while the othe
 on (as vLLM's and SGLang's chunked prefill do). A task's draft or verify tree rows are not
 counted: they are bounded by the policy's k and trees, and splitting them off would only add a
 round trip.
+
+A request alone in its broker's pool prefills whole: a chunk is there to keep other requests'
+streams flowing, and there are none, so chunking it only added forwards and round trips (the
+bundled pair's chat prompts, single stream: 117 ms to the first token chunked by 16, 73 ms
+whole; docs/benchmarks.md). The broker marks such a task ``alone`` when it sends it; a forward
+whose every task is alone has no budget.
 """
 
 from __future__ import annotations
 
 MIN_CHUNK = 16  # a chunked prefill moves at least this far each forward, so a full budget never starves it
+
+
+def alone(pool: int) -> bool:
+    """Whether a task of a request that shares its broker's pool of ``pool`` requests (itself
+    included) goes out alone: its prompt then prefills whole."""
+    return pool == 1
+
+
+def forward_budget(budget: int, alone: list[bool]) -> int:
+    """The budget of a forward of tasks each ``alone`` or not (0: no bound): none where every task
+    of it is alone (with several brokers, a task alone in its own pool may share the forward with
+    another broker's)."""
+    return 0 if alone and all(alone) else budget
 
 
 def plan_forward(needs: list[int], deferrable: list[int], budget: int) -> list[int | None]:

@@ -271,6 +271,7 @@ class TaskSpec(Proposes):
     ahead: int = 0  # an ahead task (draft-ahead): pre-draft the next round for this many outcomes of draft's verify
     prompt_len: int = 0
     suppress: TokenIds = field(default_factory=list)  # min_tokens: ids the verify must not pick yet
+    alone: bool = False  # its request was the only one in the broker's pool: it prefills whole (``budget.alone``)
 
     def check(self) -> None:
         if self.kind not in TASK_KINDS:

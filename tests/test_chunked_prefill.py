@@ -20,8 +20,10 @@ BUDGET = 16
 
 
 def long_prompts() -> list[list[int]]:
-    """Prompts of 40-150 tokens (the tiny pair's vocabulary), beside short ones."""
-    return [[(7 * i + 3 * j) % 480 + 5 for j in range(n)] for i, n in enumerate((150, 40, 3, 97, 5, 64))]
+    """Prompts of 40-150 tokens (the tiny pair's vocabulary), beside short ones. (A short one first:
+    the 150-token prompt is sent while another request is in the pool, so it prefills in chunks;
+    a request alone in the pool prefills whole.)"""
+    return [[(7 * i + 3 * j) % 480 + 5 for j in range(n)] for i, n in enumerate((3, 150, 40, 97, 5, 64))]
 
 
 async def _generate(address: str, reqs: list[dict]) -> list:
@@ -66,6 +68,28 @@ def test_chunked_prefill_is_lossless_and_placement_independent(tiny_pair, mode: 
     assert report.identical, report.mismatches[:3]
 
 
+@pytest.mark.parametrize("mode", ["pooled", "elastic"])
+def test_a_request_alone_in_the_pool_prefills_whole(tiny_pair, mode: str) -> None:  # noqa: ANN001
+    """A chunk keeps other requests' streams flowing; with none in the pool a long prompt's
+    prefill runs in one forward (chunking it only added forwards and round trips), losslessly."""
+    cfg = deploy_config(tiny_pair, mode, 1, 1, max_batch=4)
+    cfg.broker.policy = cfg.broker.policy.replace(max_forward_tokens=BUDGET)
+    prompt = long_prompts()[1]
+    with Deployment(cfg) as dep, Client(dep.address) as c:
+        out = c.generate(token_ids=prompt, max_new_tokens=20)
+        counters = c.status()["counters"]
+    assert out.token_ids == hf_greedy(tiny_pair / "target", prompt, 20)
+    assert len(prompt) > BUDGET and counters.get("prefill_chunks", 0) == 0, counters
+
+
+def test_a_forward_of_tasks_all_alone_has_no_budget() -> None:
+    from nebula_flow.budget import alone, forward_budget
+
+    assert alone(1) and not alone(2)
+    assert forward_budget(16, [True]) == forward_budget(16, [True, True]) == 0
+    assert forward_budget(16, [True, False]) == forward_budget(16, [False]) == forward_budget(16, []) == 16
+
+
 @pytest.mark.parametrize("mode", ["pooled", "colocated", "autoregressive"])
 def test_the_simulator_prefills_in_chunks_with_the_live_policy(mode: str) -> None:
     wl = Workload(requests=12, output_tokens=32, prompt_tokens=(8, 2000), concurrency=6)
@@ -80,3 +104,8 @@ def test_the_simulator_prefills_in_chunks_with_the_live_policy(mode: str) -> Non
     plain = Simulator(base, mode, policy=policy_log.RecordingScheduler)
     plain.run()
     assert not any(r[0] == "prefilled" for r in plain.policy.records)
+    # one request at a time: each alone in the pool, so each prefills whole, as live
+    single = small_scenario(workload=Workload(requests=4, output_tokens=8, prompt_tokens=(1500, 2000), concurrency=1),
+                            max_forward_tokens=256)
+    lone = Simulator(single, mode, policy=policy_log.RecordingScheduler)
+    assert lone.run()["requests"] == 4 and not any(r[0] == "prefilled" for r in lone.policy.records)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from nebula_flow import specdec
-from nebula_flow.budget import plan_forward
+from nebula_flow.budget import forward_budget, plan_forward
 from nebula_flow.elastic import BatchCosts
 from nebula_flow.kv import device_copy
 from nebula_flow.kv.cache import KVCache
@@ -61,6 +61,7 @@ class Task:
     logprobs: tuple[np.ndarray, np.ndarray] | None = None  # set by verify when asked: ``workers/logprobs.py``
     prompt_len: int = 0  # a penalized request's (its output's tokens are penalized: ``nebula_flow/penalties.py``)
     suppress: list[int] = field(default_factory=list)  # min_tokens: the ids it must not pick yet
+    alone: bool = False  # its request was alone in its broker's pool when sent: it prefills whole
     error: str | None = None  # set by the runner: this task alone failed, and why (its batch went on)
 
     def tree(self) -> TokenTree:
@@ -132,11 +133,12 @@ class ModelRunner:
         """Under the token budget, where each task's forward stops this time: None where it runs
         whole, else the position its prompt's prefill reaches (``budget.plan_forward``). ``held``:
         the positions each task's cache keeps, where ``prepare`` has already cut them."""
-        if not self.max_forward_tokens:
+        budget = forward_budget(self.max_forward_tokens, [t.alone for t in tasks])
+        if not budget:
             return [None] * len(tasks)
         held = held if held is not None else [self.store.held(t.rid, t.tokens) for t in tasks]
         tails = [len(t.tokens) - h for t, h in zip(tasks, held)]
-        plan = plan_forward(tails, [n - 1 for n in tails], self.max_forward_tokens)
+        plan = plan_forward(tails, [n - 1 for n in tails], budget)
         return [None if chunk is None else h + chunk for chunk, h in zip(plan, held)]
 
     def draft(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[Draft]:

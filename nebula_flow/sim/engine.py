@@ -39,8 +39,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from nebula_flow import ahead, elastic, fusion
-from nebula_flow.budget import plan_forward
+from nebula_flow import ahead, budget, elastic, fusion
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.elastic import BatchCosts
 from nebula_flow.params import SamplingParams
@@ -135,10 +134,12 @@ class Simulator:
                                  r.holders.get(holder_key("draft", r.drafter)), r.ahead.alts, r.ahead.fuse, r.drafter,
                                  draft_len=len(r.ahead.draft), outcomes=self.policy.policy.draft_ahead) for r in batch]
             else:  # (a fused round's second draft: sim/fused.py)
+                alone = budget.alone(len(self.policy.requests))
                 tasks = [fused.second_task(r, self.policy.workers[wid]) or
                          SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
                                  r.holders.get(self.policy.task_holder_key(r)), r.alts, r.fuse, r.drafter,
-                                 r.holders.get("target") if r.phase == ROUND else None, second=fused.second_chain(r))
+                                 r.holders.get("target") if r.phase == ROUND else None, second=fused.second_chain(r),
+                                 alone=alone)
                          for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
 
@@ -319,13 +320,13 @@ class Simulator:
     def _chunk_ends(self, w: SimWorker, batch: list[SimTask]) -> dict[int, int]:
         """The tasks of a batch that only prefill a chunk of their prompt this time, by ``id``: the
         position it reaches (the live runner's ``chunk_ends``: the target's plan on a colocated worker)."""
-        budget = self.policy.policy.max_forward_tokens
-        if not budget:
+        most = budget.forward_budget(self.policy.policy.max_forward_tokens, [t.alone for t in batch])
+        if not most:
             return {}
         cache = w.caches["draft" if w.role == "draft" or batch[0].kind == DRAFT else "target"]
         have = [min(cache.get(t.req.rid, 0), t.length - 1) for t in batch]
-        plan = plan_forward([t.length - h for t, h in zip(batch, have)], [t.length - h - 1 for t, h in zip(batch, have)],
-                            budget)
+        plan = budget.plan_forward([t.length - h for t, h in zip(batch, have)], [t.length - h - 1 for t, h in zip(batch, have)],
+                            most)
         return {id(t): h + chunk for t, h, chunk in zip(batch, have, plan) if chunk is not None}
 
     @staticmethod

@@ -39,6 +39,7 @@ class SimTask:
     outcomes: int = 0  # a pre-draft: how many outcomes it covers
     second: tuple[str, int] | None = None  # a fused round's verify: the second chain's drafter and tokens
     second_accepted: int | None = None  # ... and its tokens the round committed (``sim/fused.py``)
+    alone: bool = False  # its request was alone in the pool when sent: it prefills whole (``budget.alone``)
 
 
 @dataclass
