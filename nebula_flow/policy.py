@@ -72,8 +72,8 @@ class PolicyConfig:
                                "pay for its verify rows; 2: every round (tests, benchmarks). 0: off.", lo=0, hi=2)
     max_forward_tokens: int = _knob(0, "The most uncached prompt (committed) tokens one forward pass computes: a "
                                     "longer prompt is prefilled in chunks beside the other requests' decode and "
-                                    "verify rows, which are not counted (chunked prefill, nebula_flow/budget.py). "
-                                    "0: no bound.", lo=0)
+                                    "verify rows, which are not counted (chunked prefill, nebula_flow/budget.py); a "
+                                    "request alone in the pool prefills whole. 0: no bound.", lo=0)
 
     def __post_init__(self) -> None:
         for f in fields(self):
