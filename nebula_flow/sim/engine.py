@@ -325,8 +325,8 @@ class Simulator:
             return {}
         cache = w.caches["draft" if w.role == "draft" or batch[0].kind == DRAFT else "target"]
         have = [min(cache.get(t.req.rid, 0), t.length - 1) for t in batch]
-        plan = budget.plan_forward([t.length - h for t, h in zip(batch, have)], [t.length - h - 1 for t, h in zip(batch, have)],
-                            most)
+        plan = budget.plan_forward([t.length - h for t, h in zip(batch, have)],
+                                   [t.length - h - 1 for t, h in zip(batch, have)], most)
         return {id(t): h + chunk for t, h, chunk in zip(batch, have, plan) if chunk is not None}
 
     @staticmethod
