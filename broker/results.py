@@ -80,6 +80,10 @@ def verified(req: Request, out: TaskResult, vocab: int | None = None) -> Verifie
                 in_vocab(chain, vocab, "a fused chain")
     committed = out.committed or []
     in_vocab(committed, vocab, "the committed tokens")
+    if req.steps > 1:  # a multi-step decode (``nebula_flow/steps.py``): no draft, up to that many tokens
+        if not 0 < len(committed) <= req.steps:
+            raise ProtocolError("malformed", f"{len(committed)} committed tokens by a decode of {req.steps} steps")
+        return Verified(committed, [], [], [], 0, False, 0)
     accepted = len(committed) - 1
     plain = not (runner_ups or chains or seconds)  # (a plain chain, most rounds: its tree is the draft, a path of it a prefix)
     if not committed or (committed[:-1] != draft[:accepted] if plain else

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nebula_flow import budget, fusion
+from nebula_flow import budget, fusion, steps
 from nebula_flow.protocol import Holder, TaskSpec
 from nebula_flow.request import AHEAD, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import holder_key
@@ -27,6 +27,7 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
     if w.stage == AHEAD:
         return [predraft(scheduler, req, holder) for req in batch]
     tasks, alone = [], budget.alone(len(scheduler.requests))
+    steps.assign(scheduler, batch)  # (multi-step decoding: a draft-less verify's ``steps``)
     for req in batch:
         if fusion.is_second(w, req):  # (a fused round's second draft: a plain draft of its own drafter's)
             s = req.second
@@ -48,6 +49,7 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
         if req.q:  # (a sampled draft's proposal, flat as it came: checked when it arrived)
             task.q_idx, task.q_prob, task.q_len = req.q["q_idx"], req.q["q_prob"], req.q["q_len"]
         task.alone = alone
+        task.steps = req.steps
         tasks.append(task)
     return tasks
 

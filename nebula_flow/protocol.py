@@ -60,6 +60,7 @@ MAX_ALTERNATIVES = 8  # runner-ups to the first draft token
 MAX_FUSED_CHAINS = 4  # fused chains in one round's token tree
 MAX_DRAFT = 64  # tokens in a draft, and in a fused chain
 MAX_PULL_ITEMS = 4096  # requests in one KV exchange
+MAX_DECODE_STEPS = 64  # tokens one draft-less verify may decode (multi-step decoding, ``nebula_flow/steps.py``)
 MAX_SUPPRESS = 128  # ids a task's min_tokens keeps from ending the output (EOS ids and stop token ids)
 TASK_KINDS = ("draft", "verify", "round", "ahead")  # (ahead: pre-drafting the next round, draft-ahead)
 KV_SCHEMES = ("tcp://", "ucx://", "shm://", "curve:")  # (curve: the KV server's public key, security.py)
@@ -272,6 +273,7 @@ class TaskSpec(Proposes):
     prompt_len: int = 0
     suppress: TokenIds = field(default_factory=list)  # min_tokens: ids the verify must not pick yet
     alone: bool = False  # its request was the only one in the broker's pool: it prefills whole (``budget.alone``)
+    steps: int = 1  # a draft-less verify (or round): the tokens it decodes, one forward each (``nebula_flow/steps.py``)
 
     def check(self) -> None:
         if self.kind not in TASK_KINDS:
@@ -291,6 +293,8 @@ class TaskSpec(Proposes):
             raise malformed(f"chains must be at most {MAX_FUSED_CHAINS} lists of 1..{MAX_DRAFT} token ids")
         if not 0 <= self.ahead <= MAX_DRAFT + 2 or (self.ahead > 0) != (self.kind == "ahead"):  # (draft-ahead)
             raise malformed(f"ahead (1..{MAX_DRAFT + 2} outcomes) is for ahead tasks, which need it")
+        if not 1 <= self.steps <= MAX_DECODE_STEPS or (self.steps > 1 and (self.draft or self.k or self.kind not in ("verify", "round"))):
+            raise malformed(f"steps (1..{MAX_DECODE_STEPS}) above 1 are for a verify or round without a draft")
         if not 0 <= self.prompt_len <= len(self.tokens) or len(self.suppress) > MAX_SUPPRESS:
             raise malformed(f"prompt_len must be in 0..len(tokens), suppress at most {MAX_SUPPRESS} ids")
 

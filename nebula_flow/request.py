@@ -34,6 +34,7 @@ class Request:
     round: int = 0
     attempt: int = 0
     k: int = 0  # draft tokens asked for in the current round
+    steps: int = 1  # tokens the current round's draft-less verify decodes (``nebula_flow/steps.py``)
     alts: int = 0  # runner-ups to the first draft token asked for in the current round (token tree)
     slot: int | None = None  # the pair / colocated worker a request is bound to, if any
     draft: list[int] = field(default_factory=list)

@@ -179,7 +179,7 @@ class Scheduler:
     def start_round(self, req: Request) -> None:
         """Queue the next round of ``req``: a draft, a draft-less verify, or a whole round."""
         req.round += 1
-        req.draft, req.q, req.runner_ups, req.chains = [], {}, [], []
+        req.draft, req.q, req.runner_ups, req.chains, req.steps = [], {}, [], [], 1
         max_alts = self.policy.first_alternatives
         loaded = 0 < self.policy.disable_by_batch_size < len(self.requests) and not req.reproducible  # (__init__)
         speculate = self.mode != "autoregressive" and req.remaining > 1 and not loaded
@@ -288,9 +288,9 @@ class Scheduler:
         ``fused``: the tokens a fused chain won beyond the draft (``broker/results.py``), None when
         the round verified none. ``second``: a fused round's second chain's tokens on the committed path
         (``fusion.verified``), None without one."""
-        req.accepted += accepted
-        if draft_accepted is None:
-            draft_accepted = 0 if via_alt else accepted
+        drafted = accepted if self.mode != "autoregressive" else 0  # (a multi-step decode's tokens: none drafted)
+        req.accepted += drafted
+        draft_accepted = (0 if via_alt else drafted) if draft_accepted is None else draft_accepted
         req.acceptance.update(req.k, draft_accepted)  # (a draft shorter than k counts as rejected where it stopped)
         req.acceptance.update_alternatives(req.alts, draft_accepted, via_alt)
         if self.policy.fuse_ngram and self.mode != "autoregressive" and (fused is not None or not req.fuse):

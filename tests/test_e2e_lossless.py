@@ -148,8 +148,8 @@ def test_greedy_output_equals_hf_transformers(runs, reference, mode: str) -> Non
     if mode == "elastic":  # workers of role any, running whole rounds (a CPU's draft gains nothing from merging)
         assert [w["role"] for w in runs.batches[("elastic", 2, 2, False, False, 0)]] == ["any"] * 4
         assert sum(w.get("round", 0) for w in runs.batches[("elastic", 2, 2, False, False, 0)]) > 0
-    if mode == "autoregressive":
-        assert all(o.rounds == len(o.token_ids) for o in greedy)
+    if mode == "autoregressive":  # one token a round, or a few where nothing waited (test_decode_steps.py)
+        assert all(o.rounds <= len(o.token_ids) for o in greedy)
     else:  # speculation commits more than one token per round on average
         assert sum(len(o.token_ids) for o in greedy) / sum(o.rounds for o in greedy) > 1.3
 

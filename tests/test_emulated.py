@@ -121,7 +121,8 @@ def test_bench_json_on_emulated_devices(tiny_pair, profiles, tmp_path) -> None: 
         assert m["round_rate"] > 0 and m["tokens_per_s"] > 0 and 0 < m["utilization"] <= 1.0
         # the deployment's own processes' CPU per request-round (read from /proc; ticks of 10 ms)
         assert m["cpu_per_round_s"]["workers"] > 0 and m["cpu_per_round_s"]["broker"] >= 0
-    assert modes["autoregressive"]["tokens_per_round"] == 1.0
+    # no draft: one token a round, up to decode_steps (4) where no task waited (nebula_flow/steps.py)
+    assert 1.0 <= modes["autoregressive"]["tokens_per_round"] <= 4.0
 
 
 def test_bench_table_columns_stay_apart_for_any_baseline_name() -> None:

@@ -66,7 +66,7 @@ def test_bench_breakdown_on_emulated_devices_accounts_for_the_forwards(tiny_pair
                    f'threads = 1\n[target]\nmodel = "{tiny_pair / "target"}"\ndevice = "emulated"\n'
                    f'profile = "{profiles[1]}"\nthreads = 1\n')
     res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "pooled,autoregressive",
-                                    "--requests", "2", "--max-new-tokens", "24", "--repeats", "1", "--json"])
+                                    "--requests", "2", "--max-new-tokens", "32", "--repeats", "1", "--json"])
     assert res.exit_code == 0, res.output
     modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
     for name, m in modes.items():

@@ -167,10 +167,11 @@ def test_token_tree_parameters_from_a_live_brokers_status(tmp_path) -> None:  # 
 # -- the engine -----------------------------------------------------------------------------
 def test_a_saturated_target_pool_runs_at_the_cost_models_rate() -> None:
     """Autoregressive, 1 worker, 10 ms per forward whatever the batch, 64 requests at once:
-    full batches of 8 back to back, so 8 rounds per 10 ms (plus the message round trips)."""
+    full batches of 8 back to back, so 8 rounds per 10 ms (plus the message round trips). (One
+    token a round: the last requests, with none waiting, would decode several; test_decode_steps.py.)"""
     sc = small_scenario(draft=Pool(1, 8, flat_profile(0.01)), target=Pool(1, 8, flat_profile(0.01)),
                         workload=Workload(requests=64, output_tokens=16, prompt_tokens=(4, 4)),
-                        host=HostCosts(message_latency_us=0.0))
+                        host=HostCosts(message_latency_us=0.0), decode_steps=1)
     res = simulate(sc, "autoregressive", 1, 0 + 1)
     # worker_plan gives autoregressive M + N target workers: 2 workers of 8 here.
     assert res["rounds"] == 64 * 16 and res["tokens_per_round"] == 1.0
@@ -322,7 +323,7 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
                                                "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS),
                                                "measure_costs": True, "first_alternatives": 0,
                                                "fuse_ngram": 0, "disable_by_batch_size": 0, "elastic_split": 0,
-                                               "draft_ahead": 0, "fuse_drafters": 0, "max_forward_tokens": 0}]
+                                               "draft_ahead": 0, "fuse_drafters": 0, "decode_steps": 4, "max_forward_tokens": 0}]
     # the workers' forward times are events too (the policy weighs them with adaptive k)
     assert {r[2] for r in records if r[0] == "step_costs"} == {"draft", "target"}
     sc = small_scenario(k=4, locality=True, measure_costs=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -62,6 +62,7 @@ class Task:
     prompt_len: int = 0  # a penalized request's (its output's tokens are penalized: ``nebula_flow/penalties.py``)
     suppress: list[int] = field(default_factory=list)  # min_tokens: the ids it must not pick yet
     alone: bool = False  # its request was alone in its broker's pool when sent: it prefills whole
+    steps: int = 1  # a draft-less verify: the tokens it decodes, one forward each (``nebula_flow/steps.py``)
     error: str | None = None  # set by the runner: this task alone failed, and why (its batch went on)
 
     def tree(self) -> TokenTree:
@@ -100,6 +101,7 @@ class ModelRunner:
         # a target's grammar matchers for structured outputs (``workers/guides.py``), from its
         # checkpoint's tokenizer (None: it has none, or the model is emulated)
         self.guides = Guides.of(model_dir, model.cfg.vocab_size) if model_dir and isinstance(model, CausalLM) else None
+        self.eos_ids = frozenset(getattr(model.cfg, "eos_token_ids", ()))  # (a multi-step decode stops there)
 
     def _forward(self, caches, new_tokens, rows, parents=None):  # noqa: ANN001, ANN202 - internal
         if self.before_forward is not None:
@@ -252,7 +254,30 @@ class ModelRunner:
         """Score each task's drafts (a chain, or a token tree: alternatives, fused chains) in one
         forward; returns the committed tokens per task. A task with an end (``chunk_ends``; by
         default this runner's budget) only prefills up to it, in the same forward: None for it
-        (``task.prefilled``)."""
+        (``task.prefilled``). A draft-less task of several ``steps`` then decodes on, a forward
+        of its batch's such tasks at a time, each pick the next forward's input, until it has
+        that many tokens or picked an id that ends its output (``nebula_flow/steps.py``)."""
+        out = self._verify(tasks, ends)
+        going = [i for i, (t, c) in enumerate(zip(tasks, out)) if c is not None and t.steps > 1 and not self._ends(t, c)]
+        while going:
+            steps = [replace(tasks[i], tokens=np.concatenate([tasks[i].tokens, np.asarray(out[i], dtype=np.int64)]),
+                             steps=1) for i in going]
+            for i, t, c in zip(going, steps, self._verify(steps)):
+                if c is None:  # (that step failed alone: the tokens before it stand)
+                    tasks[i].error = t.error
+                    continue
+                out[i] += c
+            going = [i for i in going if len(out[i]) < tasks[i].steps and not self._ends(tasks[i], out[i])]
+        return out
+
+    def _ends(self, t: Task, committed: list[int]) -> bool:
+        """Whether ``committed``'s last token ends ``t``'s output (an EOS id of the model's
+        config, unless ignored, or a stop token id): the broker cuts there anyway."""
+        last = committed[-1]
+        return last in t.params.stop_token_ids or (not t.params.ignore_eos and last in self.eos_ids)
+
+    def _verify(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[list[int] | None]:
+        """One forward of ``verify``'s."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
         for t in tasks:  # a round without a draft: the chain is looked up here
             if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse)):

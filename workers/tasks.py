@@ -35,7 +35,8 @@ def runnable(spec: TaskSpec, vocab_size: int | None, guided: bool = True) -> Tas
                 params, spec.seed, list(spec.draft), q_idx, q_prob, holder=spec.holder,
                 target_holder=spec.target_holder, alts=spec.alts,
                 runner_ups=list(spec.runner_ups), fuse=spec.fuse, chains=[list(c) for c in spec.chains], ahead=spec.ahead,
-                prompt_len=spec.prompt_len, suppress=list(spec.suppress), alone=spec.alone)
+                prompt_len=spec.prompt_len, suppress=list(spec.suppress), alone=spec.alone,
+                steps=spec.steps)
 
 
 def sampling_params(raw: dict) -> SamplingParams:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from nebula_flow import ahead, budget, elastic, fusion
+from nebula_flow import ahead, budget, elastic, fusion, steps
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.elastic import BatchCosts
 from nebula_flow.params import SamplingParams
@@ -135,11 +135,12 @@ class Simulator:
                                  draft_len=len(r.ahead.draft), outcomes=self.policy.policy.draft_ahead) for r in batch]
             else:  # (a fused round's second draft: sim/fused.py)
                 alone = budget.alone(len(self.policy.requests))
+                steps.assign(self.policy, batch)  # (multi-step decoding, as the broker's ``task_specs``)
                 tasks = [fused.second_task(r, self.policy.workers[wid]) or
                          SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
                                  r.holders.get(self.policy.task_holder_key(r)), r.alts, r.fuse, r.drafter,
                                  r.holders.get("target") if r.phase == ROUND else None, second=fused.second_chain(r),
-                                 alone=alone)
+                                 alone=alone, steps=r.steps)
                          for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
 
@@ -305,7 +306,8 @@ class Simulator:
         """A batch of drafts, verifies or rounds: its forwards' seconds and each task's result."""
         compute = 0.0
         verifies = [t for t in batch if t.kind in (VERIFY, ROUND)]
-        outcomes = {id(t): self._acceptance(t).tree_round(t.req.rid, t.round, t.k, t.alts, t.fuse) for t in verifies}
+        outcomes = {id(t): (t.steps - 1, False, 0, None) if t.steps > 1 else  # (a multi-step decode: its steps' tokens)
+                    self._acceptance(t).tree_round(t.req.rid, t.round, t.k, t.alts, t.fuse) for t in verifies}
         for t in verifies:
             if t.second:
                 outcomes[id(t)] = fused.outcome(self.acceptance.get(t.second[0], self.sc.acceptance), t, outcomes[id(t)])
@@ -371,7 +373,11 @@ class Simulator:
         for t in tasks:  # (rejected drafts rolled back; a chunk: the prompt as far as it reached)
             cache[t.req.rid] = ends[id(t)] if id(t) in ends else t.length + outcomes[id(t)][0]
         ran = sum(1 for n in new if n)
-        return self._forward_s(cost, ran, tokens, context, w.batch_costs["target"]) if ran else 0.0
+        total = self._forward_s(cost, ran, tokens, context, w.batch_costs["target"]) if ran else 0.0
+        for step in range(1, max(t.steps for t in tasks)):  # multi-step decodes: a forward of a row each per step
+            going = [t for t in tasks if t.steps > step and id(t) not in ends]
+            total += self._forward_s(cost, len(going), len(going), sum(t.length + step for t in going), w.batch_costs["target"])
+        return total
 
     def _step_table(self, cost: CostModel) -> list[float]:
         """What a live worker's ``StepCosts.table`` would show: one sequence's forward by new rows
