@@ -46,6 +46,18 @@ def uniform(seed: int, position: int, stream: int) -> float:
     return (h >> 11) * (1.0 / (1 << 53))
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest logit (the first of equal ones), as ``logits.argmax(-1)``.
+    On a CPU torch's argmax over a vocabulary-wide row is slow, and every greedy draft step and
+    verify takes one on a round's critical path: 3 rows of 49,152 logits took 148 us in fp32 and
+    366 us in bf16 where numpy's took 9 and 39 (the bf16 -> fp32 conversion, exact, included;
+    torch 2.13, 2 threads; docs/benchmarks.md, "argmax on a CPU"). On a GPU: torch's."""
+    if logits.device.type != "cpu":
+        return logits.argmax(-1)
+    rows = logits if logits.dtype == torch.float32 else logits.float()
+    return torch.from_numpy(np.asarray(rows.numpy().argmax(-1)))
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Rows of logits -> the sampling distribution (temperature, then top-k, then top-p), fp64."""
     scores = logits.double() / params.temperature
@@ -89,7 +101,7 @@ def propose(
     distribution cut to its ``proposal_top_k`` most likely tokens (fp32 on the wire).
     """
     if params.greedy:
-        return int(torch.argmax(logits)), None, None
+        return int(argmax(logits)), None, None
     p = target_probs(logits, params)
     top = torch.topk(p, min(proposal_top_k, p.shape[-1]))
     q_prob = top.values.float().cpu().numpy()  # (logits may live on a device: only the top-k cross to the host)
@@ -131,9 +143,9 @@ def verify(
     if params.greedy:
         if penalties is not None:  # (each row its own: its path's tokens count too)
             def pick(node: int) -> int:
-                return int(torch.argmax(penalties.row(logits[node + 1], path_tokens(tree, node))))
+                return int(argmax(penalties.row(logits[node + 1], path_tokens(tree, node))))
         else:
-            best = torch.argmax(logits, dim=-1).tolist() if best is None else best
+            best = argmax(logits).tolist() if best is None else best
 
             def pick(node: int) -> int:
                 return best[node + 1]

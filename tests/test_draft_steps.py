@@ -101,6 +101,14 @@ class Counted(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
+@pytest.fixture
+def device_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device's argmax, which stays on it (on a CPU ``specdec.argmax`` takes numpy's: a read of
+    host memory, which waits for nothing)."""
+    monkeypatch.setattr(specdec, "argmax", lambda logits: logits.argmax(-1))
+
+
+@pytest.mark.usefixtures("device_argmax")
 def test_the_host_reads_a_batchs_draft_once_whatever_its_k() -> None:
     """Logits on an emulated device: a batch's draft steps read nothing on the host until the
     last, and then once, for k = 1 and k = 6 alike (they read every step's token before: k
@@ -161,6 +169,7 @@ def test_draft_steps_of_no_rows_settle_to_empty_drafts() -> None:
     assert [(d.tokens, d.q_idx) for d in steps.settle()] == [([], None), ([], [])]
 
 
+@pytest.mark.usefixtures("device_argmax")
 def test_draft_ahead_reads_its_guesses_and_its_drafts_once_each() -> None:
     """Pre-drafting (``ModelRunner.predraft``) on an emulated device: the guesses of every
     outcome come to the host in one read, the outcomes' drafts in one more, whatever k."""

@@ -291,3 +291,17 @@ def test_the_host_contract_a_forwards_host_made_tensors_reach_the_device_without
     offenders = [f"{f.name}:{n}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1)
                  if waits.search(line)]
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_is_torch_s_first_of_equal_maxima_in_every_dtype(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 1000, generator=g).to(dtype)
+    logits[1, 17] = logits[1, 400] = logits[1].max() + 1  # ties: the first wins
+    logits[2] = 0.0  # a flat row: index 0
+    logits[3, 250] = float("inf")
+    logits[4, 9] = float("nan")  # (a NaN row: torch's argmax takes the NaN)
+    for rows in (logits, logits[::2], logits[:, 100:], logits[5]):  # strided views and one row
+        got = specdec.argmax(rows)
+        assert got.dtype == torch.long and torch.equal(got, rows.argmax(-1))
+    assert specdec.argmax(logits)[1] == 17

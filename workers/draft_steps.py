@@ -78,13 +78,13 @@ class DraftSteps:
         """The next tokens of ``rows`` (one logits row each, [len(rows), V]), left on the device."""
         greedy = [j for j, r in enumerate(rows) if self.params[r].greedy]
         if len(greedy) == len(rows):
-            tokens = self.token_ids(logits.argmax(-1))
+            tokens = self.token_ids(specdec.argmax(logits))
             self.steps.append(_Step(rows, tokens, [], None, None, None))
             return tokens
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if greedy:
             at = staging.tensor(greedy, logits.device)
-            tokens[at] = self.token_ids(logits.index_select(0, at).argmax(-1))
+            tokens[at] = self.token_ids(specdec.argmax(logits.index_select(0, at)))
         groups: dict[tuple, list[int]] = {}  # rows sampling alike share one call
         for j, r in enumerate(rows):
             if not self.params[r].greedy:

@@ -338,7 +338,7 @@ def greedy_picks(logits: list[torch.Tensor], greedy: list[bool]) -> list[list[in
     rows = [x for x, g in zip(logits, greedy) if g]
     if not rows:
         return [None] * len(logits)
-    flat = torch.cat(rows).argmax(-1).tolist()
+    flat = specdec.argmax(torch.cat(rows)).tolist()
     picks, start = [], 0
     for x, g in zip(logits, greedy):
         picks.append(flat[start:start + len(x)] if g else None)
