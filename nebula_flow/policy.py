@@ -70,11 +70,11 @@ class PolicyConfig:
                                "drafter at once, its draft verified beside the first as a chain of the round's token "
                                "tree (CoSine's fusion; nebula_flow/fusion.py). 1: where the expected tokens per cost "
                                "pay for its verify rows; 2: every round (tests, benchmarks). 0: off.", lo=0, hi=2)
-    decode_steps: int = _knob(4, "Autoregressive mode: when no other task waits for a worker, a round's verify "
-                              "decodes up to this many tokens, one forward each (multi-step decoding: the hops and "
-                              "the broker's work paid once for them; a request arriving meanwhile waits up to this "
-                              "many forwards). Penalized requests and those asking for logprobs decode one a round "
-                              "(nebula_flow/steps.py). 1: one token a round.", lo=1, hi=MAX_DECODE_STEPS)
+    decode_steps: int = _knob(4, "Autoregressive mode: a round's verify of a request alone in the pool decodes up "
+                              "to this many tokens, one forward each (multi-step decoding: the hops and the "
+                              "broker's work paid once for them; a request arriving meanwhile waits up to this "
+                              "many forwards). A first round, penalized requests and those asking for logprobs "
+                              "decode one (nebula_flow/steps.py). 1: one token a round.", lo=1, hi=MAX_DECODE_STEPS)
     max_forward_tokens: int = _knob(0, "The most uncached prompt (committed) tokens one forward pass computes: a "
                                     "longer prompt is prefilled in chunks beside the other requests' decode and "
                                     "verify rows, which are not counted (chunked prefill, nebula_flow/budget.py); a "

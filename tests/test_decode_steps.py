@@ -1,5 +1,5 @@
 """Multi-step decoding (``nebula_flow/steps.py``): in autoregressive mode a round's verify decodes
-several tokens, one forward each, when nothing else waits for a worker. Output stays the target's
+several tokens, one forward each, for a request alone in the broker's pool. Output stays the target's
 own, greedy and seeded-sampled, whatever the steps; a stop token ends it mid-steps; the broker
 refuses a result with more tokens than the steps it asked for."""
 
@@ -26,18 +26,18 @@ PROMPTS = [[(5 * i + 3 * j) % 400 + 7 for j in range(n)] for i, n in enumerate((
 NEW = 18
 
 
-def test_a_verify_decodes_several_tokens_only_where_nothing_waits_and_no_rule_is_kept() -> None:
+def test_a_verify_decodes_several_tokens_only_alone_and_where_no_rule_is_kept() -> None:
     plain = SamplingParams(max_new_tokens=50)
-    assert decode_steps(4, "autoregressive", 0, 50, plain) == 4
-    assert decode_steps(4, "autoregressive", 0, 3, plain) == 3  # (never past max_new_tokens)
-    assert decode_steps(4, "autoregressive", 1, 50, plain) == 1  # another task waits for a worker
-    assert decode_steps(1, "autoregressive", 0, 50, plain) == 1  # the knob off
-    assert decode_steps(4, "autoregressive", 0, 50, plain, first=True) == 1  # the prefill's round: its token at once
+    assert decode_steps(4, "autoregressive", 1, 50, plain) == 4
+    assert decode_steps(4, "autoregressive", 1, 3, plain) == 3  # (never past max_new_tokens)
+    assert decode_steps(4, "autoregressive", 2, 50, plain) == 1  # another request in the pool
+    assert decode_steps(1, "autoregressive", 1, 50, plain) == 1  # the knob off
+    assert decode_steps(4, "autoregressive", 1, 50, plain, first=True) == 1  # the prefill's round: its token at once
     for mode in ("pooled", "paired", "colocated", "elastic"):  # speculation replans every round
-        assert decode_steps(4, mode, 0, 50, plain) == 1
+        assert decode_steps(4, mode, 1, 50, plain) == 1
     for kept in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=3), SamplingParams(logprobs=2),
                  SamplingParams(logit_bias={"5": 1.0})):  # rules the broker keeps per token, or per-token logprobs
-        assert decode_steps(4, "autoregressive", 0, 50, kept) == 1
+        assert decode_steps(4, "autoregressive", 1, 50, kept) == 1
 
 
 def test_steps_travel_only_on_a_draft_less_verify_or_round() -> None:
@@ -63,7 +63,7 @@ def test_the_broker_refuses_more_tokens_than_the_steps_it_asked_for() -> None:
 
 
 def _run(pair, steps: int, stop: int) -> list:  # noqa: ANN001
-    """The requests one after another (each alone: nothing waits) on one target worker."""
+    """The requests one after another (each alone in the pool) on one target worker."""
     cfg = deploy_config(pair, "autoregressive", 0, 1, max_batch=4)
     cfg.broker.policy = cfg.broker.policy.replace(decode_steps=steps)
     with Deployment(cfg) as dep, Client(dep.address, timeout_s=120) as client:

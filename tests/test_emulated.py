@@ -121,7 +121,7 @@ def test_bench_json_on_emulated_devices(tiny_pair, profiles, tmp_path) -> None: 
         assert m["round_rate"] > 0 and m["tokens_per_s"] > 0 and 0 < m["utilization"] <= 1.0
         # the deployment's own processes' CPU per request-round (read from /proc; ticks of 10 ms)
         assert m["cpu_per_round_s"]["workers"] > 0 and m["cpu_per_round_s"]["broker"] >= 0
-    # no draft: one token a round, up to decode_steps (4) where no task waited (nebula_flow/steps.py)
+    # no draft: one token a round, up to decode_steps (4) for a request left alone (nebula_flow/steps.py)
     assert 1.0 <= modes["autoregressive"]["tokens_per_round"] <= 4.0
 
 

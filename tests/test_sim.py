@@ -168,7 +168,7 @@ def test_token_tree_parameters_from_a_live_brokers_status(tmp_path) -> None:  # 
 def test_a_saturated_target_pool_runs_at_the_cost_models_rate() -> None:
     """Autoregressive, 1 worker, 10 ms per forward whatever the batch, 64 requests at once:
     full batches of 8 back to back, so 8 rounds per 10 ms (plus the message round trips). (One
-    token a round: the last requests, with none waiting, would decode several; test_decode_steps.py.)"""
+    token a round: the last request, alone in the pool, would decode several; test_decode_steps.py.)"""
     sc = small_scenario(draft=Pool(1, 8, flat_profile(0.01)), target=Pool(1, 8, flat_profile(0.01)),
                         workload=Workload(requests=64, output_tokens=16, prompt_tokens=(4, 4)),
                         host=HostCosts(message_latency_us=0.0), decode_steps=1)
