@@ -49,9 +49,9 @@ def uniform(seed: int, position: int, stream: int) -> float:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest logit (the first of equal ones), as ``logits.argmax(-1)``.
     On a CPU torch's argmax over a vocabulary-wide row is slow, and every greedy draft step and
-    verify takes one on a round's critical path: 3 rows of 49,152 logits took 148 us in fp32 and
-    366 us in bf16 where numpy's took 9 and 39 (the bf16 -> fp32 conversion, exact, included;
-    torch 2.13, 2 threads; docs/benchmarks.md, "argmax on a CPU"). On a GPU: torch's."""
+    verify takes one on a round's critical path: 3 rows of 49,152 logits took 142 us in fp32 and
+    357 us in bf16 where numpy's took 10 and 41, the bf16 -> fp32 conversion (exact) included
+    (torch 2.13, 2 threads, warm; ``tools/bench_argmax.py``, docs/benchmarks.md). On a GPU: torch's."""
     if logits.device.type != "cpu":
         return logits.argmax(-1)
     rows = logits if logits.dtype == torch.float32 else logits.float()
