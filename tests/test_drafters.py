@@ -44,6 +44,31 @@ def test_ngram_lookup_prefers_the_longest_match_with_a_whole_continuation() -> N
     assert lookup(tokens, 3, 2, 2, alts=1) == ([3, 4, 5], [8]) and lookup(tokens, 3, 2, 2) == ([3, 4, 5], [])
 
 
+def _every_window_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int, alts: int) -> tuple[list[int], list[int]]:
+    """``lookup`` as it was written first: every window of every n compared with the last n tokens."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        hits = np.flatnonzero((sliding_window_view(tokens[:-1], n) == tokens[length - n:]).all(axis=1))
+        if len(hits):
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if len(full) else hits[0]) + n
+            draft = tokens[start:start + k].tolist()
+            others = dict.fromkeys(int(t) for t in tokens[hits[::-1] + n] if t != draft[0]) if alts else {}
+            return draft, list(others)[:alts]
+    return [], []
+
+
+def test_ngram_lookup_finds_what_comparing_every_window_finds() -> None:
+    rng = np.random.default_rng(7)
+    for trial in range(400):  # small alphabets repeat often: long and short matches, many places
+        tokens = rng.integers(0, int(rng.integers(2, 12)), size=int(rng.integers(1, 300)))
+        k, min_n, alts = int(rng.integers(1, 13)), int(rng.integers(1, 4)), int(rng.integers(0, 3))
+        max_n = min_n + int(rng.integers(0, 4))
+        assert lookup(tokens, k, min_n, max_n, alts) == _every_window_lookup(tokens, k, min_n, max_n, alts), trial
+
+
 def test_ngram_specs_and_drafter_names() -> None:
     assert parse_ngram("ngram") == (2, 4) and parse_ngram("ngram:3") == (2, 3)
     assert parse_ngram("ngram:1-6") == (1, 6) and parse_ngram("ngram:1") == (1, 1)
