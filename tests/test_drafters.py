@@ -7,13 +7,14 @@ import asyncio
 
 import numpy as np
 import pytest
+from numpy.lib.stride_tricks import sliding_window_view
 from transformers import AutoTokenizer
 
 from nebula_flow import protocol, routing
 from nebula_flow.client import AsyncClient, Client
 from nebula_flow.config import ConfigError, PoolConfig, load_config
 from nebula_flow.deploy import Deployment, free_port
-from nebula_flow.lookup import lookup, parse_ngram
+from nebula_flow.lookup import lookup, occurrences, parse_ngram
 from nebula_flow.params import SamplingParams
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.protocol import Register, Result, TaskResult
@@ -44,29 +45,14 @@ def test_ngram_lookup_prefers_the_longest_match_with_a_whole_continuation() -> N
     assert lookup(tokens, 3, 2, 2, alts=1) == ([3, 4, 5], [8]) and lookup(tokens, 3, 2, 2) == ([3, 4, 5], [])
 
 
-def _every_window_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int, alts: int) -> tuple[list[int], list[int]]:
-    """``lookup`` as it was written first: every window of every n compared with the last n tokens."""
-    from numpy.lib.stride_tricks import sliding_window_view
-
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        hits = np.flatnonzero((sliding_window_view(tokens[:-1], n) == tokens[length - n:]).all(axis=1))
-        if len(hits):
-            full = hits[hits + n + k <= length]
-            start = int(full[-1] if len(full) else hits[0]) + n
-            draft = tokens[start:start + k].tolist()
-            others = dict.fromkeys(int(t) for t in tokens[hits[::-1] + n] if t != draft[0]) if alts else {}
-            return draft, list(others)[:alts]
-    return [], []
-
-
-def test_ngram_lookup_finds_what_comparing_every_window_finds() -> None:
+def test_ngram_occurrences_are_every_window_equal_to_the_last_n_tokens() -> None:
     rng = np.random.default_rng(7)
-    for trial in range(400):  # small alphabets repeat often: long and short matches, many places
-        tokens = rng.integers(0, int(rng.integers(2, 12)), size=int(rng.integers(1, 300)))
-        k, min_n, alts = int(rng.integers(1, 13)), int(rng.integers(1, 4)), int(rng.integers(0, 3))
-        max_n = min_n + int(rng.integers(0, 4))
-        assert lookup(tokens, k, min_n, max_n, alts) == _every_window_lookup(tokens, k, min_n, max_n, alts), trial
+    for trial in range(400):  # small alphabets repeat often: many places, long and short
+        tokens = rng.integers(0, int(rng.integers(2, 12)), size=int(rng.integers(2, 300)))
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        for n in range(1, min(6, len(tokens) - 1) + 1):
+            every = np.flatnonzero((sliding_window_view(tokens[:-1], n) == tokens[len(tokens) - n:]).all(axis=1))
+            assert np.array_equal(occurrences(tokens, n, ends), every), (trial, n)
 
 
 def test_ngram_specs_and_drafter_names() -> None:
