@@ -293,7 +293,8 @@ class TaskSpec(Proposes):
             raise malformed(f"chains must be at most {MAX_FUSED_CHAINS} lists of 1..{MAX_DRAFT} token ids")
         if not 0 <= self.ahead <= MAX_DRAFT + 2 or (self.ahead > 0) != (self.kind == "ahead"):  # (draft-ahead)
             raise malformed(f"ahead (1..{MAX_DRAFT + 2} outcomes) is for ahead tasks, which need it")
-        if not 1 <= self.steps <= MAX_DECODE_STEPS or (self.steps > 1 and (self.draft or self.k or self.kind not in ("verify", "round"))):
+        draft_less = not self.draft and not self.k and self.kind in ("verify", "round")
+        if not 1 <= self.steps <= MAX_DECODE_STEPS or (self.steps > 1 and not draft_less):
             raise malformed(f"steps (1..{MAX_DECODE_STEPS}) above 1 are for a verify or round without a draft")
         if not 0 <= self.prompt_len <= len(self.tokens) or len(self.suppress) > MAX_SUPPRESS:
             raise malformed(f"prompt_len must be in 0..len(tokens), suppress at most {MAX_SUPPRESS} ids")

@@ -12,6 +12,7 @@ import pytest
 
 from nebula_flow.client import Client
 from nebula_flow.deploy import Deployment
+from nebula_flow.models.loader import load_model
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Holder, ProtocolError, TaskResult, TaskSpec
 from nebula_flow.request import Request
@@ -19,6 +20,7 @@ from nebula_flow.sim.engine import simulate
 from nebula_flow.sim.scenario import HostCosts, Workload
 from nebula_flow.steps import decode_steps
 from nebula_flow_broker import results
+from nebula_flow_workers.runner import ModelRunner, Task
 from tests.conftest import deploy_config, hf_greedy
 from tests.test_sim import small_scenario
 
@@ -101,3 +103,25 @@ def test_the_simulator_decodes_several_steps_with_the_live_policy() -> None:
     assert one["tokens"] == four["tokens"] == 6 * 24
     assert one["tokens_per_round"] == 1.0 and four["tokens_per_round"] == pytest.approx(24 / 7)  # (1 + 6 rounds)
     assert four["tokens_per_s"] > 1.05 * one["tokens_per_s"]
+
+
+def test_the_runner_s_steps_are_its_single_verifies_and_a_failed_step_ends_them(tiny_pair, monkeypatch) -> None:  # noqa: ANN001
+    """In one runner: a task of 5 steps commits what 5 verifies of a token each commit; a step that
+    fails alone (its grammar, say) stops the decode there, with the tokens before it kept."""
+    runner = ModelRunner(load_model(str(tiny_pair / "target")))
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    tokens = np.asarray(PROMPTS[1], dtype=np.int64)
+    one_by_one = []
+    for r in range(5):
+        one_by_one += runner.verify([Task(1, "verify", r, 0, np.concatenate([tokens, one_by_one]).astype(np.int64), 0,
+                                          params, 0)])[0]
+    assert runner.verify([Task(2, "verify", 0, 0, tokens, 0, params, 0, steps=5)])[0] == one_by_one
+    calls, verify_once = [], runner._verify
+
+    def failing_third(tasks, ends=None):  # noqa: ANN001, ANN202
+        calls.append(1)
+        return [None] * len(tasks) if len(calls) == 3 else verify_once(tasks, ends)
+
+    monkeypatch.setattr(runner, "_verify", failing_third)
+    assert runner.verify([Task(3, "verify", 0, 0, tokens, 0, params, 0, steps=5)])[0] == one_by_one[:2]
+    assert len(calls) == 3

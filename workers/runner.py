@@ -262,12 +262,14 @@ class ModelRunner:
         while going:
             steps = [replace(tasks[i], tokens=np.concatenate([tasks[i].tokens, np.asarray(out[i], dtype=np.int64)]),
                              steps=1) for i in going]
-            for i, t, c in zip(going, steps, self._verify(steps)):
-                if c is None:  # (that step failed alone: the tokens before it stand)
-                    tasks[i].error = t.error
-                    continue
-                out[i] += c
-            going = [i for i in going if len(out[i]) < tasks[i].steps and not self._ends(tasks[i], out[i])]
+            failed = set()
+            for i, c in zip(going, self._verify(steps)):
+                if c is None:  # (that step failed alone: it stops there, the tokens before it stand)
+                    failed.add(i)
+                else:
+                    out[i] += c
+            going = [i for i in going if i not in failed and len(out[i]) < tasks[i].steps
+                     and not self._ends(tasks[i], out[i])]
         return out
 
     def _ends(self, t: Task, committed: list[int]) -> bool:
