@@ -12,7 +12,7 @@ Modes (the same code, one switch):
 * ``paired``: draft worker i feeds target worker i only; a request is bound to one pair.
 * ``colocated``: a worker holds both models; a request is bound to one worker, which runs
   whole rounds (``round`` tasks) for it.
-* ``autoregressive``: target only; every round is a verify with no draft (one token).
+* ``autoregressive``: target only; every round is a verify with no draft (one token; several alone, ``steps``).
 * ``elastic``: a worker holding both models (role ``any``) takes whole rounds, a draft batch or a
   verify batch at each PULL (``elastic.choose_stage``); draft-only and target-only workers may join.
 
