@@ -49,3 +49,26 @@ def test_bench_broker_through_the_http_api_measures_the_gateway(tiny_pair) -> No
     # the same rounds as through the client library; the gateway (a process of its own) spent CPU on each token
     assert pooled["rounds"] == 12 * 5 and pooled["tokens_per_round"] == 4.0
     assert 0 < pooled["gateway_cpu_us_per_token"] < 100_000
+
+
+def test_a_process_s_cpu_seconds_count_every_thread_to_the_microsecond() -> None:
+    """``process.cpu_seconds``, what bench and bench-broker divide by rounds, read from another
+    process: a few milliseconds of work on a thread that has ended show (ticks of 10 ms read 0 for
+    such work, flaking a check)."""
+    import subprocess
+    import sys
+
+    from nebula_flow.process import cpu_seconds
+
+    script = ("import sys, threading, time\n"
+              "def spin():\n    end = time.thread_time() + 0.004\n    while time.thread_time() < end: pass\n"
+              "t = threading.Thread(target=spin); t.start(); t.join()\n"
+              "print(time.process_time(), flush=True); sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        own = float(child.stdout.readline())  # (the child's own clock, every thread, once its spin ended)
+        assert own >= 0.004
+        assert own <= cpu_seconds(child.pid) < own + 0.05  # (only its wait for stdin since)
+    finally:
+        child.stdin.close()
+        child.wait()
