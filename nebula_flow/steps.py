@@ -33,12 +33,17 @@ if TYPE_CHECKING:
     from nebula_flow.scheduler import Scheduler
 
 
+def possible(most: int, mode: str) -> bool:
+    """Whether ``mode`` under the policy's ``decode_steps`` (``most``) ever decodes several tokens a round."""
+    return most > 1 and mode == "autoregressive"
+
+
 def decode_steps(most: int, mode: str, pool: int, remaining: int, params: SamplingParams, first: bool = False) -> int:
     """The tokens a draft-less verify decodes, sent while its broker's pool holds ``pool``
     requests (itself included), for a request with ``remaining`` tokens to go and ``params``;
     ``most``: the policy's ``decode_steps`` (1: one token a round); ``first``: the request's
     first round, which carries its prefill (one token, streamed at once)."""
-    if most <= 1 or mode != "autoregressive" or not alone(pool) or first or remaining <= 1 or params.penalized \
+    if not possible(most, mode) or not alone(pool) or first or remaining <= 1 or params.penalized \
             or params.logprobs is not None:
         return 1
     return min(most, remaining)
@@ -46,7 +51,10 @@ def decode_steps(most: int, mode: str, pool: int, remaining: int, params: Sampli
 
 def assign(scheduler: Scheduler, batch: list[Request]) -> None:
     """Set ``steps`` on the draft-less verifies of a batch being sent (the broker's and the
-    simulator's dispatch)."""
+    simulator's dispatch). Where the mode or the knob never steps, ``start_round``'s 1 stands:
+    nothing is done per task on the broker's hot path."""
+    if not possible(scheduler.policy.decode_steps, scheduler.mode):
+        return
     for req in batch:
         if not req.draft and req.phase != DRAFT:
             req.steps = decode_steps(scheduler.policy.decode_steps, scheduler.mode, len(scheduler.requests),
