@@ -93,6 +93,9 @@ class DeployConfig:
     # CPU workers without a configured `threads` borrow idle workers' cores (nebula_flow.cores): a single
     # stream ~1.2x faster on 2 cores, no measured cost under load (docs/benchmarks.md, 2026-12-03).
     lend_cores: bool = True
+    # Ask the host to keep idle CPUs within this many microseconds of waking while the deployment
+    # runs (Linux PM QoS, nebula_flow/wake_latency.py; None: the host's own idle policy).
+    cpu_wake_latency_us: int | None = None
     source: str = "<defaults>"
 
     def validate(self) -> None:
@@ -135,6 +138,12 @@ class DeployConfig:
 
         if not isinstance(self.lend_cores, bool):
             raise ConfigError(f"lend_cores must be true or false, got {self.lend_cores!r}")
+        from nebula_flow import wake_latency
+
+        try:
+            wake_latency.check(self.cpu_wake_latency_us)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
         try:
@@ -209,7 +218,8 @@ def load_config(path: str | Path | None) -> DeployConfig:
     path = Path(path)
     raw = read_toml(path)
     base = path.resolve().parent.parent
-    unknown = set(raw) - {"mode", "kv_transport", "lend_cores", "policy", "broker", "draft", "target", "drafters", "supervise"}
+    unknown = set(raw) - {"mode", "kv_transport", "lend_cores", "cpu_wake_latency_us", "policy", "broker", "draft",
+                          "target", "drafters", "supervise"}
     if unknown:
         raise ConfigError(f"{path}: unknown sections {sorted(unknown)}")
     broker = dict(raw.get("broker", {}))
@@ -224,6 +234,7 @@ def load_config(path: str | Path | None) -> DeployConfig:
     cfg = DeployConfig(
         mode=raw.get("mode", "pooled"),
         kv_transport=raw.get("kv_transport", "auto"), lend_cores=raw.get("lend_cores", True),
+        cpu_wake_latency_us=raw.get("cpu_wake_latency_us"),
         broker=_build(BrokerOptions, broker, f"{path} [broker]"),
         draft=_build(PoolConfig, raw.get("draft", {}), f"{path} [draft]"),
         target=_build(PoolConfig, raw.get("target", {}), f"{path} [target]"),

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from nebula_flow import wake_latency
 from nebula_flow.client import Client, NebulaError
 from nebula_flow.config import ConfigError, DeployConfig, PoolConfig
 from nebula_flow.cores import make_lease_file, usable_cores
@@ -134,6 +135,7 @@ class Deployment:
         self.worker_changes = worker_changes or {}
         self.child_env: dict[str, dict[str, str]] = {}  # a child's own environment (the gateway's API key)
         self.http_url: str | None = None
+        self.wake_fd: int | None = None  # the CPU wake-up latency request held while this runs (wake_latency)
         b = cfg.broker
         self.auto_ports = b.client_port == 0 or b.worker_port == 0
         b.model = b.model or cfg.target.model
@@ -183,6 +185,8 @@ class Deployment:
         answers, and its imports take seconds the broker's start would otherwise add), then wait
         for every broker to answer and every worker to register."""
         plan = self.cfg.worker_plan()
+        if self.cfg.cpu_wake_latency_us is not None and self.wake_fd is None:
+            self.wake_fd = wake_latency.hold(self.cfg.cpu_wake_latency_us)
         if self.cfg.broker.keys:  # one key per worker, made on its first start (revocable alone)
             for i, (role, _) in enumerate(plan):
                 ensure_key(Path(self.cfg.broker.keys), "worker", worker_name(role, i))
@@ -362,6 +366,9 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.wake_fd is not None:
+            os.close(self.wake_fd)
+            self.wake_fd = None
 
     def __enter__(self) -> Deployment:
         try:

@@ -94,6 +94,7 @@ class Worker:
                                           torch.set_num_threads).result() if opts.core_lease else None
         self.drafter = drafter_name(opts.drafter, opts.model) if opts.role == "draft" else None
         self.runners = [r for r in (self.draft, self.target) if r is not None]
+        self.vocab = self._model_facts().get("vocab_size")  # (the ids a task may carry; n-gram drafters: any)
         self.stores = [r.store for r in self.runners if r.store is not None]  # (an n-gram drafter holds no KV)
         self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self.stall_s = 0.0
@@ -161,10 +162,6 @@ class Worker:
         return EmulatedModel(load_profile(profile), role)
 
     # -- protocol --------------------------------------------------------------------------
-    def _vocab_size(self) -> int | None:
-        runner = self.target or self.draft
-        return runner.model.cfg.vocab_size if runner.model is not None else None  # (n-gram: any ids)
-
     def _model_facts(self) -> dict[str, Any]:
         facts: dict[str, Any] = {"path": str(self.opts.model), "device": self.opts.device}
         runner = self.target or self.draft
@@ -181,7 +178,7 @@ class Worker:
     def _runnable(self, link: BrokerLink, msg: Tasks) -> list[Task]:
         """A TASKS batch's runnable tasks. One that is malformed or that this worker cannot run is
         answered with an error result for its request (the broker ends it); the good ones still run."""
-        tasks, failures, vocab, guided = [], [], self._vocab_size(), getattr(self.target, "guides", None) is not None
+        tasks, failures, vocab, guided = [], [], self.vocab, getattr(self.target, "guides", None) is not None
         for item in msg.tasks:
             try:
                 if isinstance(item, Rejected):

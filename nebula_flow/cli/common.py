@@ -197,6 +197,8 @@ def start_deployment(config: str | None, mode: str | None, draft_workers: int | 
         dep.stop()
         raise click.ClickException(str(exc)) from None
     click.echo(f"ready in {time.monotonic() - t0:.1f} s", err=True)
+    if dep.wake_fd is not None:
+        click.echo(f"idle CPUs held within {cfg.cpu_wake_latency_us} us of waking (cpu_wake_latency_us)", err=True)
     return dep
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from nebula_flow import wake_latency
 from nebula_flow.cli.common import (
     apply_overrides,
     broker_option,
@@ -98,35 +99,41 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         wl.structured = structured_option(json_schema, False, None, (), None)
         wl.ignore_eos = False
     results = {}
-    for name in names:
-        if name in PEERS:
+    # (held for the whole run, HF's modes too, so every mode wakes from idle alike; each deployment
+    # also holds it, as `serve` does)
+    wake_us = load_deploy(config).cpu_wake_latency_us
+    with wake_latency.held(wake_us) as held:
+        if held:
+            click.echo(f"[bench] idle CPUs held within {wake_us} us of waking (the config's cpu_wake_latency_us)", err=True)
+        for name in names:
+            if name in PEERS:
+                cfg = load_deploy(config)
+                prepare_models(cfg)
+                click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, one after another, "
+                           f"{repeats} repeats", err=True)
+                try:
+                    results[name] = bench_peer(cfg, name, wl, repeats, log=lambda m: click.echo(m, err=True))
+                except (ValueError, RuntimeError) as exc:
+                    raise click.ClickException(str(exc)) from None
+                continue
+            base, *settings = name.split("@")
+            mode, change, spec = base.partition("+") if "+" in base else base.partition("-")
             cfg = load_deploy(config)
-            prepare_models(cfg)
-            click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, one after another, "
-                       f"{repeats} repeats", err=True)
-            try:
-                results[name] = bench_peer(cfg, name, wl, repeats, log=lambda m: click.echo(m, err=True))
-            except (ValueError, RuntimeError) as exc:
-                raise click.ClickException(str(exc)) from None
-            continue
-        base, *settings = name.split("@")
-        mode, change, spec = base.partition("+") if "+" in base else base.partition("-")
-        cfg = load_deploy(config)
-        cfg.broker.policy = with_settings(cfg.broker.policy, settings, name)
-        if change == "-":
-            from nebula_flow.routing import drafter_name
+            cfg.broker.policy = with_settings(cfg.broker.policy, settings, name)
+            if change == "-":
+                from nebula_flow.routing import drafter_name
 
-            kept = [p for p in cfg.drafters if drafter_name(p.drafter, p.model) != spec]
-            if len(kept) == len(cfg.drafters):
-                raise click.ClickException(f"{name}: the config has no [[drafters]] pool named {spec!r}")
-            cfg.drafters = kept
-        cfg = apply_overrides(cfg, mode, draft_workers, target_workers, None, (spec,) if change == "+" else ())
-        prepare_models(cfg)
-        click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, concurrency {concurrency}, "
-                   f"{repeats} repeats", err=True)
-        for door, res in bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True), label=name,
-                                    vias=vias).items():
-            results[name if vias == ("zmq",) else f"{name} via {door}"] = res
+                kept = [p for p in cfg.drafters if drafter_name(p.drafter, p.model) != spec]
+                if len(kept) == len(cfg.drafters):
+                    raise click.ClickException(f"{name}: the config has no [[drafters]] pool named {spec!r}")
+                cfg.drafters = kept
+            cfg = apply_overrides(cfg, mode, draft_workers, target_workers, None, (spec,) if change == "+" else ())
+            prepare_models(cfg)
+            click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, concurrency {concurrency}, "
+                       f"{repeats} repeats", err=True)
+            for door, res in bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True), label=name,
+                                        vias=vias).items():
+                results[name if vias == ("zmq",) else f"{name} via {door}"] = res
     if as_json:
         click.echo(json.dumps({"modes": results}))
     else:
