@@ -2,8 +2,10 @@
 ping-pong over loopback, ZeroMQ (DEALER/ROUTER-like REQ/REP, as the bus) and raw TCP, back to back
 and after a sleep before each round trip (an idle core must wake: what the breakdown's ``hop``
 pays on every trip). Prints the median and 90th percentile round trip in microseconds.
+``--wake-latency-us N`` measures each row again with a CPU wake-up latency request of N us held
+(``nebula_flow.wake_latency``, the config's ``cpu_wake_latency_us``): what it changes on this host.
 
-    .venv/bin/python tools/bench_wakeup.py [--trips 200] [--idle-ms 5]
+    PYTHONPATH=. .venv/bin/python tools/bench_wakeup.py [--trips 200] [--idle-ms 5[,20...]] [--wake-latency-us 0]
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 import time
 
 import zmq
+
+from nebula_flow import wake_latency
 
 
 def echo(kind: str, address: str, trips: int) -> None:
@@ -72,14 +76,22 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trips", type=int, default=200)
-    ap.add_argument("--idle-ms", type=float, default=5.0)
+    ap.add_argument("--idle-ms", default="5", help="idle pauses to measure after (ms, comma-separated; 0 is always measured)")
     ap.add_argument("--port", type=int, default=5601)
+    ap.add_argument("--wake-latency-us", type=int, default=None,
+                    help="also measure each row with this CPU wake-up latency request held")
     args = ap.parse_args()
+    idles = [0.0, *(float(ms) / 1000 for ms in args.idle_ms.split(",") if float(ms) > 0)]
     for kind, address in (("zmq", f"tcp://127.0.0.1:{args.port}"), ("tcp", f"127.0.0.1:{args.port + 1}")):
-        for idle in (0.0, args.idle_ms / 1000):
-            times = sorted(measure(kind, address, args.trips, idle))
-            print(f"{kind:<4} after {idle * 1000:4.1f} ms idle: round trip median {statistics.median(times) * 1e6:7.0f} us, "
-                  f"p90 {times[int(0.9 * len(times))] * 1e6:7.0f} us")
+        for idle in idles:
+            for us in (None, args.wake_latency_us) if args.wake_latency_us is not None else (None,):
+                with wake_latency.held(us) as held:
+                    if us is not None and not held:
+                        raise SystemExit(f"this host refused the request ({wake_latency.PM_QOS_DEVICE}): nothing to compare")
+                    times = sorted(measure(kind, address, args.trips, idle))
+                label = "" if us is None else f", {us} us request held"
+                print(f"{kind:<4} after {idle * 1000:4.1f} ms idle{label}: round trip median "
+                      f"{statistics.median(times) * 1e6:7.0f} us, p90 {times[int(0.9 * len(times))] * 1e6:7.0f} us")
 
 
 if __name__ == "__main__":
