@@ -152,6 +152,7 @@ class Broker(Intake):
                 raise ProtocolError("unknown_worker", "register first")
             self.workers[wid].last_seen = now
             if isinstance(msg, Pull):
+                self.counters["pulls"] += 1
                 self.scheduler.pull(wid, min(msg.credits, protocol.MAX_CAPACITY), msg.idle, now)
             elif isinstance(msg, Result):
                 self._results(wid, identity, msg, now, arrived)
@@ -191,6 +192,9 @@ class Broker(Intake):
             self._result(wid, item, now, arrived, msg.timing)
         for (rid, attempt), items in predrafts.items():
             self._predrafted(wid, rid, attempt, items)
+        w = self.scheduler.workers.get(wid)
+        if msg.idle and w is not None and w.pull_credits and not w.pull_idle and not w.inflight:
+            self.scheduler.pull(wid, w.pull_credits, True, now)  # (its busy PULL is an idle worker's now)
 
     def _predrafted(self, wid: int, rid: int, attempt: int, items: list[TaskResult]) -> None:
         """A pre-draft's branches (draft-ahead). A bad one is counted and the pre-draft dropped: a

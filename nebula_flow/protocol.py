@@ -350,7 +350,8 @@ class Result(Msg):
     movement counters; ``device``: forwards, numerics, and ``step_costs`` (per role, forward
     seconds for one sequence by new rows [1, 2, ...], null where not seen, at most once a second,
     which adaptive k weighs; malformed ones are counted and left out); ``timing``: where the
-    batch's time went on the worker."""
+    batch's time went on the worker; ``idle``: nothing waits at the worker after this batch, so a
+    PULL it left parked while computing now counts as an idle worker's (no second PULL to say so)."""
 
     KIND: ClassVar[str] = "RESULT"
     results: list[TaskResult] = field(default_factory=list, metadata={"isolate": True})
@@ -358,6 +359,7 @@ class Result(Msg):
     kv: dict | None = None
     device: dict | None = None
     timing: Timing | None = None
+    idle: bool = False
 
 
 @dataclass

@@ -203,6 +203,7 @@ class Worker:
             result, ended = self._run_batch(tasks, frees, prefetch, clock)
         now = time.perf_counter()
         result.timing.handoff_s, result.timing.span_s = now - ended, now - clock.arrived
+        result.idle = not self.pending  # (as it stands: a batch arriving just after asks with a PULL of its own)
         self._send_result(result)
         if any(link.readable() for link in self.links):
             os.write(self.wake_w, b"m")
@@ -374,15 +375,17 @@ class Worker:
                 link.pull_out = "idle" if idle else "busy"
 
     def _send_result(self, result: Result) -> None:
-        """Each broker gets the results of its own tasks, with the batch's timing and counters."""
-        if len(self.links) == 1:
-            self.links[0].send(result)
-            return
-        by_link: dict[BrokerLink, list[TaskResult]] = {}
-        for r in result.results:
-            by_link.setdefault(self.origin.get(r.rid, self.links[0]), []).append(r)
+        """Each broker gets the results of its own tasks, with the batch's timing and counters; one
+        told ``idle`` counts the PULL parked there as an idle worker's, so none is sent to say so."""
+        by_link: dict[BrokerLink, list[TaskResult]] = {self.links[0]: result.results}
+        if len(self.links) > 1:
+            by_link = {}
+            for r in result.results:
+                by_link.setdefault(self.origin.get(r.rid, self.links[0]), []).append(r)
         for link, results in by_link.items():
-            link.send(replace(result, results=results))
+            link.send(result if results is result.results else replace(result, results=results))
+            if result.idle and link.pull_out == "busy":
+                link.pull_out = "idle"
 
     def _on_message(self, link: BrokerLink, frames: list[Any]) -> None:
         arrived = time.perf_counter()
