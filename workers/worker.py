@@ -47,6 +47,7 @@ from nebula_flow.protocol import (
 from nebula_flow.routing import drafter_name
 from nebula_flow.security import Identity, is_loopback, keys_dir
 from nebula_flow.shards import addresses as shard_addresses
+from nebula_flow_workers.device_stats import DeviceStats
 from nebula_flow_workers.kv_prep import KVPrep
 from nebula_flow_workers.link import BrokerLink
 from nebula_flow_workers.ngram import NgramRunner
@@ -54,7 +55,6 @@ from nebula_flow_workers.runner import ModelRunner, Task
 from nebula_flow_workers.tasks import current, failed, runnable
 from nebula_flow_workers.warmup import warm_up
 
-COSTS_EVERY_S = 1.0  # forward-time tables go to the broker at most this often
 log = logging.getLogger("nebula_flow.worker")
 ROLES = ("draft", "target", "colocated", "any")  # any: both models; rounds, a draft or a verify batch (elastic)
 BOTH_MODELS = ("colocated", "any")
@@ -125,7 +125,7 @@ class Worker:
         self.stopping = False
         self.exit_code = 0
         self.errors = 0
-        self.costs_sent_at: dict[str, float] = {}  # when each table of forward times last went with a RESULT
+        self.device_stats = DeviceStats()  # (each RESULT's device entry)
 
     def _load_models(self) -> None:
         opts = self.opts
@@ -287,7 +287,8 @@ class Worker:
         busy = timing.draft_s + timing.verify_s
         ended = time.perf_counter()
         timing.python_s = max(0.0, ended - started - timing.kv_s - busy)
-        return Result(results, busy, self.kv.stats(self.stall_s), self._device_stats(), timing), ended
+        device = self.device_stats.snapshot(self.draft, self.target, self.lease)
+        return Result(results, busy, self.kv.stats(self.stall_s), device, timing), ended
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> int:
@@ -333,7 +334,8 @@ class Worker:
             # sleeping a full interval let two beats lie up to twice the interval apart.
             due = min(link.last_sent for link in self.links) + self.heartbeat_s - time.monotonic()
             # (a socket's FD is edge-triggered: a message our own sends let in would not wake us)
-            waiting = any(link.readable() for link in self.links)
+            # (nor sleep past a finished batch: its thread wakes us only where there is work, _batch_done)
+            waiting = any(link.readable() for link in self.links) or computing is not None and computing.done()
             events = dict(poller.poll(timeout=0 if waiting else max(1, int(due * 1000) + 1)))
             if self.wake_r in events:
                 os.read(self.wake_r, 64)
@@ -360,9 +362,17 @@ class Worker:
         may have come; the rest run next, their KV already pulled)."""
         batch, self.pending = self.pending[:self.credits], self.pending[self.credits:]
         computing = self.executor.submit(self._compute, batch, self.frees, self.prefetch, self.clock)
-        computing.add_done_callback(lambda _f: os.write(self.wake_w, b"x"))
+        computing.add_done_callback(self._batch_done)
         self.frees, self.prefetch, self.clock = [], None, BatchClock(arrived=time.perf_counter())
         return computing
+
+    def _batch_done(self, _batch: Future) -> None:
+        """Wake the main thread where a finished batch leaves it work: tasks wait, it is stopping, or
+        a broker its RESULT did not reach still holds a busy PULL. Otherwise the wake-up (a second
+        busy core as the broker handles the RESULT) is skipped: the main thread sees the batch done
+        before it next sleeps, since the batch is done before this looks at what waits."""
+        if self.pending or self.stopping or any(link.pull_out == "busy" for link in self.links):
+            os.write(self.wake_w, b"x")
 
     def _pull(self, idle: bool) -> None:
         """Park a PULL at every broker none of whose tasks wait here. A worker that goes idle with
@@ -453,32 +463,6 @@ class Worker:
             self.stopping = True
         else:
             log.warning("broker error: %s", msg.message)
-
-    def _device_stats(self) -> dict[str, Any]:
-        """Forward passes run and each model's numerics; on emulated devices also how far the host
-        fell behind the profile."""
-        out: dict[str, Any] = {"forwards": sum(r.forwards for r in self.runners)}
-        # each model's forward seconds for one sequence by new rows (1, 2, ...; null: not seen): the
-        # policy's adaptive k weighs a round's draft steps and verify block with them. At most once
-        # per COSTS_EVERY_S: they move slowly, and the broker takes a median over workers per update.
-        for key in ("step_costs", "batch_costs"):  # (by a forward's rows in all: elastic workers weigh their stages)
-            if time.monotonic() - self.costs_sent_at.get(key, float("-inf")) < COSTS_EVERY_S:
-                continue
-            tables = {role: t for role, r in (("draft", self.draft), ("target", self.target))
-                      if r is not None and hasattr(r, key) and (t := getattr(r, key).table())}
-            if tables:
-                out[key] = tables
-                self.costs_sent_at[key] = time.monotonic()
-        for role, runner in (("draft", self.draft), ("target", self.target)):
-            if runner is not None and isinstance(runner.model, torch.nn.Module):  # (numerics, packing, CUDA graphs)
-                out.update({f"{role}_{key}": value for key, value in runner.model.runtime_status().items()})
-        if self.lease is not None:  # (nebula_flow.cores: forwards on cores idle workers lent)
-            out.update(self.lease.status())
-        emulated = [r.model for r in self.runners if hasattr(r.model, "overrun_s")]
-        if emulated:
-            out["emulated_predicted_s"] = sum(m.predicted_s for m in emulated)
-            out["emulated_overrun_s"] = sum(m.overrun_s for m in emulated)
-        return out
 
     def _complain(self, link: BrokerLink, exc: ProtocolError) -> None:
         """Count a malformed message and tell the broker that sent it, which counts it too."""
