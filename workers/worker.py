@@ -393,9 +393,9 @@ class Worker:
             for r in result.results:
                 by_link.setdefault(self.origin.get(r.rid, self.links[0]), []).append(r)
         for link, results in by_link.items():
+            with link.lock:  # (before the send, and atomic with the main thread taking TASKS: see _on_message)
+                link.pull_out = "idle" if result.idle and link.pull_out == "busy" else link.pull_out
             link.send(result if results is result.results else replace(result, results=results))
-            if result.idle and link.pull_out == "busy":
-                link.pull_out = "idle"
 
     def _on_message(self, link: BrokerLink, frames: list[Any]) -> None:
         arrived = time.perf_counter()
@@ -416,7 +416,8 @@ class Worker:
             # The broker judges liveness against its own interval: beat at that pace.
             self.heartbeat_s = float(settings.get("heartbeat_s", self.heartbeat_s))
         elif isinstance(msg, Tasks):
-            link.pull_out = None
+            with link.lock:  # (the compute thread may be marking the PULL this answers idle: _send_result)
+                link.pull_out = None
             for item in msg.tasks:
                 if isinstance(getattr(item, "rid", None), int):
                     self.origin[item.rid] = link
