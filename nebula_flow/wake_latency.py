@@ -4,9 +4,9 @@ Every request-round crosses processes four times (client or broker to a worker a
 pooled mode), and a process that waited a few milliseconds for its next message sleeps on a CPU
 that went idle. How long an idle CPU takes to wake is the host's choice: deep C-states on bare
 metal, a halted vCPU on a virtual machine. On the 2-core KVM guest the figures in
-``docs/benchmarks.md`` come from, a ZeroMQ ping-pong between two processes took 633 us after 20 ms
-idle and 146 us with a request of 0 us held (138 and 33 us back to back): the idle wake-ups, not
-the project's code, were most of a round's hops.
+``docs/benchmarks.md`` come from, a ZeroMQ ping-pong between two processes took 360-375 us after
+20 ms idle and 141-205 us with a request of 0 us held (``tools/bench_wakeup.py``; "Idle CPUs and
+the emulated overhead"): the idle wake-ups, not the project's code, were most of a round's hops.
 
 Linux lets a process ask for a bound on that latency: write a 32-bit number of microseconds to
 ``/dev/cpu_dma_latency`` and keep the file open; the kernel keeps idle CPUs in states that wake

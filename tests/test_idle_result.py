@@ -37,12 +37,15 @@ def _received(sock: zmq.Socket, broker: Broker, kind: type, timeout_s: float = 1
     raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
 
 
-def _turn(broker: Broker, turns: int = 20) -> None:
-    for _ in range(turns):
+def _turn_until(broker: Broker, done, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+    """Turn the broker's loop until ``done()`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the broker did not get there in time"
         now = time.monotonic()
         broker.receive([broker.peers, broker.clients], now)
         broker.step(now)
-        time.sleep(0.002)  # (the sockets' I/O threads deliver between turns; no ordering rests on it)
+        zmq.select([broker.peers], [], [], 0.01)  # (wait for its next message, or 10 ms)
 
 
 @pytest.mark.parametrize("idle", [True, False])
@@ -66,13 +69,13 @@ def test_an_idle_result_makes_the_parked_pull_an_idle_workers(tiny_pair: Path, i
                                                            ignore_eos=True)))
         draft = socks["draft"]
         tasks = _received(draft, broker, Tasks)
+        state = next(s for s in broker.scheduler.workers.values() if s.role == "draft")
+        assert state.pull_credits == 0  # (its PULL brought the task)
         draft.send_multipart(protocol.encode(Pull(4, False)))  # parked while it computes, as a worker does
-        _turn(broker)
-        wid = next(w for w, s in broker.scheduler.workers.items() if s.role == "draft")
-        state = broker.scheduler.workers[wid]
-        assert state.pull_credits == 4 and not state.pull_idle
+        _turn_until(broker, lambda: state.pull_credits == 4)
+        assert not state.pull_idle
         draft.send_multipart(protocol.encode(Result([answer(t) for t in tasks.tasks], idle=idle)))
-        _turn(broker)
+        _received(socks["target"], broker, Tasks)  # (the draft's result handled: its verify went out)
         assert state.pull_idle is idle and state.pull_credits == 4  # (told idle: its parked PULL is an idle worker's)
     finally:
         for sock in socks.values():
