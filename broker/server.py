@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from nebula_flow import ahead, elastic, fusion, protocol
+from nebula_flow import ahead, elastic, fusion, io_threads, protocol
 from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.options import BrokerOptions
@@ -472,6 +472,7 @@ class Broker(Intake):
 
 def serve_broker(opts: BrokerOptions) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
+    io_threads.pin_from_env()  # (before the first socket: the deployment's zmq_io_cpu)
     try:
         return Broker(opts).run()
     except SecurityError as exc:

@@ -96,6 +96,9 @@ class DeployConfig:
     # Ask the host to keep idle CPUs within this many microseconds of waking while the deployment
     # runs (Linux PM QoS, nebula_flow/wake_latency.py; None: the host's own idle policy).
     cpu_wake_latency_us: int | None = None
+    # Run every broker's and worker's ZeroMQ I/O thread on this CPU (nebula_flow/io_threads.py;
+    # None: where the kernel puts them).
+    zmq_io_cpu: int | None = None
     source: str = "<defaults>"
 
     def validate(self) -> None:
@@ -138,10 +141,11 @@ class DeployConfig:
 
         if not isinstance(self.lend_cores, bool):
             raise ConfigError(f"lend_cores must be true or false, got {self.lend_cores!r}")
-        from nebula_flow import wake_latency
+        from nebula_flow import io_threads, wake_latency
 
         try:
             wake_latency.check(self.cpu_wake_latency_us)
+            io_threads.check(self.zmq_io_cpu)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.kv_transport not in TRANSPORTS:
@@ -218,8 +222,8 @@ def load_config(path: str | Path | None) -> DeployConfig:
     path = Path(path)
     raw = read_toml(path)
     base = path.resolve().parent.parent
-    unknown = set(raw) - {"mode", "kv_transport", "lend_cores", "cpu_wake_latency_us", "policy", "broker", "draft",
-                          "target", "drafters", "supervise"}
+    unknown = set(raw) - {"mode", "kv_transport", "lend_cores", "cpu_wake_latency_us", "zmq_io_cpu", "policy", "broker",
+                          "draft", "target", "drafters", "supervise"}
     if unknown:
         raise ConfigError(f"{path}: unknown sections {sorted(unknown)}")
     broker = dict(raw.get("broker", {}))
@@ -234,7 +238,7 @@ def load_config(path: str | Path | None) -> DeployConfig:
     cfg = DeployConfig(
         mode=raw.get("mode", "pooled"),
         kv_transport=raw.get("kv_transport", "auto"), lend_cores=raw.get("lend_cores", True),
-        cpu_wake_latency_us=raw.get("cpu_wake_latency_us"),
+        cpu_wake_latency_us=raw.get("cpu_wake_latency_us"), zmq_io_cpu=raw.get("zmq_io_cpu"),
         broker=_build(BrokerOptions, broker, f"{path} [broker]"),
         draft=_build(PoolConfig, raw.get("draft", {}), f"{path} [draft]"),
         target=_build(PoolConfig, raw.get("target", {}), f"{path} [target]"),

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from nebula_flow import wake_latency
+from nebula_flow import io_threads, wake_latency
 from nebula_flow.client import Client, NebulaError
 from nebula_flow.config import ConfigError, DeployConfig, PoolConfig
 from nebula_flow.cores import make_lease_file, usable_cores
@@ -165,6 +165,8 @@ class Deployment:
                       RESTARTS_ENV: str(restarts)})
         if self.cfg.broker.keys:  # every party of the deployment authenticates with CURVE
             env["NEBULA_FLOW_KEYS"] = str(self.cfg.broker.keys)
+        if self.cfg.zmq_io_cpu is not None:  # (brokers and workers put their ZeroMQ I/O thread there)
+            env[io_threads.ENV] = str(self.cfg.zmq_io_cpu)
         env.update(self.child_env.get(name, {}))
         path = self.log_dir / f"{name}.log"
         with open(path, "ab" if restarts else "wb") as log:  # (a restart keeps the death's log)

@@ -4,13 +4,16 @@ and after a sleep before each round trip (an idle core must wake: what the break
 pays on every trip). Prints the median and 90th percentile round trip in microseconds.
 ``--wake-latency-us N`` measures each row again with a CPU wake-up latency request of N us held
 (``nebula_flow.wake_latency``, the config's ``cpu_wake_latency_us``): what it changes on this host.
+``--io-cpu N`` runs both processes' ZeroMQ I/O threads on CPU N (``nebula_flow.io_threads``, the
+config's ``zmq_io_cpu``): run it with and without to compare.
 
-    PYTHONPATH=. .venv/bin/python tools/bench_wakeup.py [--trips 200] [--idle-ms 5[,20...]] [--wake-latency-us 0]
+    PYTHONPATH=. .venv/bin/python tools/bench_wakeup.py [--trips 200] [--idle-ms 5[,20...]] [--wake-latency-us 0] [--io-cpu 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import subprocess
@@ -19,7 +22,7 @@ import time
 
 import zmq
 
-from nebula_flow import wake_latency
+from nebula_flow import io_threads, wake_latency
 
 
 def echo(kind: str, address: str, trips: int) -> None:
@@ -72,6 +75,7 @@ def measure(kind: str, address: str, trips: int, idle_s: float) -> list[float]:
 
 def main() -> None:
     if sys.argv[1:2] == ["--echo"]:
+        io_threads.pin_from_env()  # (the measuring side's --io-cpu, through the environment)
         echo(sys.argv[2], sys.argv[3], int(sys.argv[4]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,7 +84,12 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=5601)
     ap.add_argument("--wake-latency-us", type=int, default=None,
                     help="also measure each row with this CPU wake-up latency request held")
+    ap.add_argument("--io-cpu", type=int, default=None, help="run both sides' ZeroMQ I/O threads on this CPU")
     args = ap.parse_args()
+    if args.io_cpu is not None:
+        os.environ[io_threads.ENV] = str(args.io_cpu)
+        if io_threads.pin_from_env() is None:
+            raise SystemExit(f"CPU {args.io_cpu} is not one this process may use")
     idles = [0.0, *(float(ms) / 1000 for ms in args.idle_ms.split(",") if float(ms) > 0)]
     for kind, address in (("zmq", f"tcp://127.0.0.1:{args.port}"), ("tcp", f"127.0.0.1:{args.port + 1}")):
         for idle in idles:
