@@ -343,9 +343,9 @@ def greedy_picks(logits: list[torch.Tensor], greedy: list[bool]) -> list[list[in
     if not rows:
         return [None] * len(logits)
     if rows[0].device.type == "cpu":
-        flat = [pick for x in rows for pick in specdec.argmax(x).tolist()]
+        flat = [pick for x in rows for pick in specdec.argmax_ids(x)]
     else:
-        flat = specdec.argmax(torch.cat(rows)).tolist()
+        flat = specdec.argmax_ids(torch.cat(rows))
     picks, start = [], 0
     for x, g in zip(logits, greedy):
         picks.append(flat[start:start + len(x)] if g else None)
