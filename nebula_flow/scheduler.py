@@ -190,7 +190,7 @@ class Scheduler:
                 costs, verify = self.costs_for(req, req.drafter)
                 plan = speclen.choose_round(req.acceptance, self.policy.k, costs, max_alts, verify)
             k, alts = plan
-            k = max(k, 1) if explore else k  # (a look at a drafter that drafts nothing shows nothing)
+            k = max(k, 1) if explore or req.round % speclen.RECHECK_EVERY == 0 else k  # (a look: speclen.RECHECK_EVERY)
         else:
             k, alts = self.policy.k, max_alts
         req.k = max(0, min(k, req.remaining - 1)) if speculate else 0

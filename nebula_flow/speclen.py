@@ -48,6 +48,12 @@ RELAX = 0.9  # per round without drafts, the counts move this slowly back toward
 PRIOR = (1.0, 1.0)  # (acceptances, rejections) every request starts with
 FUSED_PRIOR = (2.0, 1.0)  # (tokens won, rounds) of a fused chain every request starts with
 DEFAULT_COSTS = (0.073, 0.03, 1.1)  # draft step, verify row, round: in target decode steps
+# A request whose plan is no draft still drafts (k = 1) every this many rounds: the measured costs
+# that ruled drafting out are refreshed only by drafts (as a routed look at a drafter that would
+# draft nothing drafts one token). (A deployment's first draft forwards on a
+# CPU took 14-34 ms against ~3 ms later, and with no draft after them the policy kept k = 0 for
+# good: pooled on the bundled pair ran at ~41 tokens/s instead of ~52 in 2 of 5 starts.)
+RECHECK_EVERY = 16
 FIT_ROWS = 16  # forwards of more new rows (prefills) do not inform a round's costs
 FIT_WEIGHT = 0.2  # the newest forward's weight in its row count's moving mean
 
@@ -229,6 +235,7 @@ def measured_costs(draft: list[float | None] | None, target: list[float | None] 
     forwards by rows in decode steps. The verify row beyond them is the mean step over the rows
     measured; what is not measured, and the round's fixed cost (its messages), stay ``base``'s."""
     draft_step, verify_row, round_cost = base
+    draft, target = _no_dearer_than_more_rows(draft), _no_dearer_than_more_rows(target)
     decode = _one_row(target)
     if decode is None:
         return (float(draft_step), float(verify_row), float(round_cost)), ()
@@ -239,6 +246,20 @@ def measured_costs(draft: list[float | None] | None, target: list[float | None] 
     if rows > 1:
         verify_row = max(0.0, (verify[rows - 1] - 1) / (rows - 1))
     return (float(draft_step), float(verify_row), float(round_cost)), verify
+
+
+def _no_dearer_than_more_rows(seconds: list[float | None] | None) -> list[float | None] | None:
+    """A ``StepCosts.table`` with no forward dearer than one of more rows measured: a forward never
+    costs less for more rows, so such a time is a cold outlier (a deployment's first draft steps on
+    a CPU, right after its thread count changed, took 26-90 ms against ~3.7 ms for steps of 2 to 6
+    rows), which the moving mean keeps until fresh forwards of that row count wash it out."""
+    if seconds is None:
+        return None
+    out, cheapest = list(seconds), float("inf")
+    for i in reversed(range(len(out))):
+        if out[i] is not None:
+            cheapest = out[i] = min(out[i], cheapest)
+    return out
 
 
 def _one_row(seconds: list[float | None] | None) -> float | None:

@@ -9,6 +9,7 @@ from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DRAFT, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.speclen import (
+    RECHECK_EVERY,
     Acceptance,
     StepCosts,
     choose_fuse,
@@ -192,3 +193,32 @@ def test_the_policy_takes_measured_costs_and_token_tree_choices() -> None:
     assert (r.k, r.alts) == (3, 2)
     with pytest.raises(ValueError, match="first_alternatives"):
         Scheduler("pooled", PolicyConfig(k=3, first_alternatives=9))
+
+
+def test_a_cold_outlier_in_the_measured_costs_does_not_rule_drafting_out() -> None:
+    """A deployment's first draft step on a CPU, right after its thread count changed, took 90 ms
+    where steps of more rows took 6 ms: no forward is dearer than one of more rows."""
+    costs, verify = measured_costs([0.090, None, None, None, None, None, 0.0058], [0.025, 0.060, 0.030, 0.031])
+    assert costs[0] == pytest.approx(0.0058 / 0.025)  # the draft step: at most its 7-row forward
+    assert verify[1] == pytest.approx(0.030 / 0.025) and verify[3] == pytest.approx(0.031 / 0.025)
+    assert verify[0] == 1.0
+
+
+def test_a_request_planned_without_drafts_drafts_now_and_then() -> None:
+    """Measured costs that rule drafting out are refreshed only by drafts: a request whose plan is
+    no draft drafts one token every ``RECHECK_EVERY`` rounds, and plans afresh from what that shows."""
+    s = Scheduler("pooled", PolicyConfig(k=4, adaptive_k=True, measure_costs=True))
+    s.register(1, "draft", 4)
+    s.register(2, "target", 4)
+    s.observe_costs(2, "target", [0.025, 0.026, 0.027, 0.028, 0.029])
+    s.observe_costs(1, "draft", [0.090])  # a draft step of 3.6 decode steps: drafting never pays
+    r = Request(0, "0", [1, 2], SamplingParams(max_new_tokens=500), seed=0)
+    s.admit(r)
+    ks = [r.k]
+    while len(ks) < 2 * RECHECK_EVERY:
+        _round(s, r, 0 if r.k == 0 else r.k)
+        ks.append(r.k)
+    assert [i + 1 for i, k in enumerate(ks) if k] == [RECHECK_EVERY, 2 * RECHECK_EVERY] and max(ks) == 1
+    s.observe_costs(1, "draft", [0.0025])  # what those drafts measured
+    _round(s, r, 1)
+    assert r.k > 1
