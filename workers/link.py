@@ -9,6 +9,8 @@ protocol with one broker, as a worker of a one-broker deployment speaks it.
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 import time
 from typing import Any
@@ -26,13 +28,13 @@ class BrokerLink:
     and how long to wait before reconnecting to a silent broker.
 
     Two threads use the socket: the main thread, and the compute thread, which sends each batch's
-    RESULT itself the moment the batch ends (handing it to the main thread cost a thread wake-up on
-    every round's critical path). A ZeroMQ socket may change threads behind a full memory barrier:
-    every use holds ``lock``. So that the main thread never waits inside the socket while the
-    compute thread needs it, it polls the socket's ``ZMQ_FD`` rather than the socket: that file
-    descriptor only says "look again" (edge-triggered), so whoever used the socket last checks
-    ``readable`` (``ZMQ_EVENTS``) before anyone sleeps; the compute thread wakes the main thread
-    when its send left a message waiting."""
+    RESULT itself the moment the batch ends and, while it has no batch, waits for the next TASKS
+    itself (``workers/worker.py``: a thread handoff cost a wake-up on every round's critical path).
+    A ZeroMQ socket may change threads behind a full memory barrier: every use holds ``lock``. The
+    threads poll the socket's ``ZMQ_FD`` (``wait``) rather than the socket, so neither ever waits
+    inside it: that file descriptor only says "look again" (edge-triggered), so whoever used the
+    socket last checks ``readable`` (``ZMQ_EVENTS``) before the thread listening sleeps, and wakes
+    it when a message waits."""
 
     def __init__(self, address: str, identity: Identity | None) -> None:
         self.address, self.identity = address, identity
@@ -46,11 +48,10 @@ class BrokerLink:
         self.backoff = 1.0
         self.worker_id = 0  # this worker's number at that broker (WELCOME)
 
-    def connect(self, poller: zmq.Poller) -> None:
+    def connect(self) -> None:
         """A fresh DEALER (a new identity: the broker sees a new worker); the caller registers."""
         with self.lock:
             if self.sock is not None:
-                poller.unregister(self.fd)
                 self.sock.close(linger=0)
             self.sock = zmq.Context.instance().socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 2000)
@@ -58,7 +59,6 @@ class BrokerLink:
                 make_client(self.sock, self.identity)
             self.sock.connect(self.address)
             self.fd = self.sock.getsockopt(zmq.FD)
-            poller.register(self.fd, zmq.POLLIN)
         self.last_heard = time.monotonic()
         self.registered, self.pull_out = False, None
 
@@ -88,3 +88,14 @@ class BrokerLink:
         with self.lock:
             if self.sock is not None:
                 self.sock.close()
+
+
+def wait(links: list[BrokerLink], wake_fd: int, timeout_s: float) -> None:
+    """Sleep until ``wake_fd`` is written or a message may wait on one of ``links`` (none: only
+    the former), ``timeout_s`` at most. The caller checks ``readable`` first (edge-triggered)."""
+    poll = select.poll()
+    poll.register(wake_fd, select.POLLIN)
+    for link in links:
+        poll.register(link.fd, select.POLLIN)
+    if any(fd == wake_fd for fd, _ in poll.poll(max(1, int(timeout_s * 1000) + 1))):
+        os.read(wake_fd, 64)
