@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from nebula_flow import ahead, elastic, fusion, io_threads, protocol
+from nebula_flow import ahead, elastic, fusion, io_threads, protocol, zmq_frames
 from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.options import BrokerOptions
@@ -115,7 +115,7 @@ class Broker(Intake):
 
     def _send_now(self, sock: zmq.Socket, identity: bytes, msg: Msg) -> bool:
         try:
-            sock.send_multipart([identity, *protocol.encode(msg)], flags=zmq.NOBLOCK, copy=False)
+            zmq_frames.send(sock, [identity, *protocol.encode(msg)], zmq_frames.NOBLOCK)
             return True
         except zmq.ZMQError:
             self.counters["send_failures"] += 1
@@ -418,7 +418,7 @@ class Broker(Intake):
             handler = self.on_worker if sock is self.peers else self.on_client
             for _ in range(1000):  # bounded, so one busy socket cannot starve the other
                 try:
-                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    frames = zmq_frames.recv(sock, zmq_frames.NOBLOCK)
                 except zmq.Again:
                     break
                 if len(frames) < 2:

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from nebula_flow import protocol
+from nebula_flow import protocol, zmq_frames
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Cancel, Chunks, Done, Error, Msg, ProtocolError, State, Status, Submit, Tokens
 from nebula_flow.shards import addresses as shard_addresses
@@ -260,7 +260,7 @@ class Client:
 
     def _send(self, conn: _Conn, msg: Msg, block: bool = True) -> None:
         try:
-            conn.sock.send_multipart(protocol.encode(msg), copy=False, flags=0 if block else zmq.NOBLOCK)
+            zmq_frames.send(conn.sock, protocol.encode(msg), 0 if block else zmq_frames.NOBLOCK)
         except zmq.Again:
             if block:
                 raise RequestTimeout(f"cannot reach {conn.address} (not running, or keys refused)") from None
@@ -277,7 +277,7 @@ class Client:
             if conn.monitor in events and conn.link.event(conn.monitor.recv_multipart()):
                 return None
             if conn.sock in events:
-                msg = protocol.decode(conn.sock.recv_multipart(copy=False))
+                msg = protocol.decode(zmq_frames.recv(conn.sock))
                 if not isinstance(msg, Chunks):
                     return msg
                 conn.backlog = list(msg.chunks)

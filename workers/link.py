@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from nebula_flow import protocol
+from nebula_flow import protocol, zmq_frames
 from nebula_flow.protocol import Msg
 from nebula_flow.security import Identity, make_client
 
@@ -65,7 +65,7 @@ class BrokerLink:
     def send(self, msg: Msg) -> None:
         frames = protocol.encode(msg)
         with self.lock:
-            self.sock.send_multipart(frames, copy=False)
+            zmq_frames.send(self.sock, frames)
         self.last_sent = time.monotonic()
 
     def readable(self) -> bool:
@@ -78,7 +78,7 @@ class BrokerLink:
         out = []
         with self.lock:
             while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                out.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                out.append(zmq_frames.recv(self.sock, zmq_frames.NOBLOCK))
         return out
 
     def silent_for(self, now: float) -> float:

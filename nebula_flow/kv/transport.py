@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import zmq
 
-from nebula_flow import protocol
+from nebula_flow import protocol, zmq_frames
 from nebula_flow.kv import device_copy
 from nebula_flow.protocol import Error, KvData, KvPull, KvRows, ProtocolError
 from nebula_flow.security import (
@@ -136,7 +136,7 @@ class ZmqTransport(KVTransport):
         while not self._stop.is_set():
             if not sock.poll(200):
                 continue
-            ident, *frames = sock.recv_multipart(copy=False)
+            ident, *frames = zmq_frames.recv(sock)
             try:
                 if self.authorized is not None and not self.authorized.allowed("workers", user_id(frames[0])):
                     raise ProtocolError("unauthorized", "this key was revoked")  # (connected before it was)
@@ -156,7 +156,7 @@ class ZmqTransport(KVTransport):
                 self.errors += 1
                 reply = Error(exc.code, exc.message)
             try:
-                sock.send_multipart([ident, *protocol.encode(reply)], copy=False, flags=zmq.NOBLOCK)
+                zmq_frames.send(sock, [ident, *protocol.encode(reply)], zmq_frames.NOBLOCK)
             except zmq.ZMQError:
                 self.errors += 1
         sock.close()
@@ -180,14 +180,14 @@ class ZmqTransport(KVTransport):
             return [None] * len(items)  # (with keys, a holder that names no key cannot be verified)
         sock = self._peer(endpoint, server_key)
         seq = next(self.seq)
-        sock.send_multipart(protocol.encode(KvPull(seq, [[rid, role, start, end] for rid, role, start, end, _ in items])))
+        zmq_frames.send(sock, protocol.encode(KvPull(seq, [[rid, role, start, end] for rid, role, start, end, _ in items])))
         while True:
             if not sock.poll(int(PULL_TIMEOUT_S * 1000)):
                 # The peer is gone or stuck: drop the socket so a late reply cannot confuse us.
                 self.peers.pop(endpoint).close()
                 return [None] * len(items)
             try:
-                reply = protocol.decode(sock.recv_multipart(copy=False))
+                reply = protocol.decode(zmq_frames.recv(sock))
             except ProtocolError:
                 continue
             if getattr(reply, "seq", None) == seq:
