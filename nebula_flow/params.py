@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MIN_TEMPERATURE = 1e-5  # below it sampling is greedy in all but name, and numerically unsafe
+# The least repetition penalty: a positive logit is divided by it, then by the temperature, and a
+# tinier one (fp32 rounds 1e-56 to 0) made logits infinite and the probabilities NaN, failing the
+# request inside a worker (found by tests/test_api.py's fuzzer); at this one they stay finite.
+MIN_REPETITION_PENALTY = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_SEED = 2**63 - 1
@@ -148,8 +152,9 @@ class SamplingParams:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not -2 <= v <= 2:
                 raise InvalidParams(f"{name} must be a number in [-2, 2], got {v!r}")
         r = self.repetition_penalty
-        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r) or not 0 < r <= 10:
-            raise InvalidParams(f"repetition_penalty must be a number in (0, 10] (1: off), got {r!r}")
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r) \
+                or not MIN_REPETITION_PENALTY <= r <= 10:
+            raise InvalidParams(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 10] (1: off), got {r!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise InvalidParams(f"min_tokens must be an integer from 0 to max_new_tokens, got {self.min_tokens!r}")
         if not all(isinstance(v, bool) for v in (self.ignore_eos, self.fit_context, self.think_first)):

@@ -19,6 +19,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from nebula_flow.cli import main
 from nebula_flow.client import Client
 from nebula_flow.deploy import Deployment
+from nebula_flow.params import MIN_REPETITION_PENALTY
 from nebula_flow.tokenizer import TextCodec
 from tests.conftest import SAMPLE_TRACE, deploy_config
 
@@ -242,6 +243,16 @@ def test_penalties_reach_the_broker(served) -> None:  # noqa: ANN001
                                          presence_penalty=0.6, frequency_penalty=0.3,
                                          extra_body={"repetition_penalty": 1.4, "return_token_ids": True})
     assert got.choices[0].model_extra["token_ids"] == want.token_ids
+
+
+def test_the_least_repetition_penalty_samples_through_both_pools(served) -> None:  # noqa: ANN001
+    """At ``MIN_REPETITION_PENALTY`` (a positive logit divided by it, then by the temperature) a
+    sampled request's draft proposals and verify stay finite: it completes through the OpenAI client
+    (a tinier penalty, 0 in fp32, failed inside the draft worker with a server error; now refused)."""
+    got = oai(served).completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=16, temperature=1.0,
+                                         seed=3, extra_body={"repetition_penalty": MIN_REPETITION_PENALTY,
+                                                             "ignore_eos": True, "return_token_ids": True})
+    assert got.choices[0].finish_reason == "length" and len(got.choices[0].model_extra["token_ids"]) == 16
 
 
 def test_logit_bias_through_the_openai_client(served) -> None:  # noqa: ANN001
@@ -469,6 +480,7 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"model": "tiny", "prompt": "x", "frequency_penalty": "high"}, 400, "frequency_penalty"),
     ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": "tiny", "prompt": "hi", "repetition_penalty": 1.2559881381636063e-56}, 400, "repetition_penalty"),  # (was a 500)
     ({"model": "tiny", "prompt": "x", "min_tokens": -2}, 400, "min_tokens"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"five": 1}}, 400, "logit_bias"),

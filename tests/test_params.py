@@ -37,6 +37,8 @@ def test_defaults_are_greedy_and_valid() -> None:
     ({"min_tokens": 65}, "min_tokens"),  # (more than max_new_tokens, 64)
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 1.2559881381636063e-56}, "repetition_penalty"),  # (0 in fp32: logits / 0)
+    ({"repetition_penalty": 1e-6}, "repetition_penalty"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"-5": 1}}, "logit_bias"),

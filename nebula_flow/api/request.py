@@ -26,6 +26,7 @@ from nebula_flow.params import (
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,
     MIN_TEMPERATURE,
 )
 
@@ -155,9 +156,7 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
     for name in ("presence_penalty", "frequency_penalty"):
         if v := _number(body, name, 0.0, -2.0, 2.0):
             params[name] = v
-    if (v := _number(body, "repetition_penalty", 1.0, 0.0, 10.0)) != 1.0:
-        if v <= 0:
-            raise invalid("repetition_penalty", "repetition_penalty must be in (0, 10] (1: off)")
+    if (v := _number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, 10.0)) != 1.0:
         params["repetition_penalty"] = v
     min_tokens = body.get("min_tokens")
     if min_tokens is not None:
