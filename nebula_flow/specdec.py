@@ -118,11 +118,19 @@ def propose(
     return int(q_idx[pick]), q_idx, q_prob
 
 
+def not_finite(model: str) -> ValueError:
+    """A request's sampling distribution that is none (NaN or infinite logits): it fails alone, with this."""
+    return ValueError(f"the {model} model's probabilities are not finite (NaN or infinite logits: the model "
+                      "overflows in its dtype, or the sampling parameters push its logits past fp32's range)")
+
+
 def draw(q_idx: np.ndarray, q_prob: np.ndarray, seed: int, position: int) -> tuple[int, np.ndarray, np.ndarray]:
     """The draft's draw from its proposal as shipped (``q_prob`` fp32, most likely first): the
     entries that stay (the positive ones), and the place among them of the token drawn with
     ``uniform(seed, position, STREAM_DRAFT)``."""
     keep = q_prob > 0
+    if not keep.any():  # (NaN probabilities compare false)
+        raise not_finite("draft")
     q_prob, q_idx = q_prob[keep], q_idx[keep]
     return sample_index(normalize_proposal(q_prob), uniform(seed, position, STREAM_DRAFT)), q_idx, q_prob
 
@@ -189,7 +197,9 @@ class TargetRows:
         if row not in self.made:
             scores = self.logits[row] if self.penalties is None else \
                 self.penalties.row(self.logits[row], path_tokens(self.tree, row - 1))
-            self.made[row] = target_probs(scores, self.params).cpu().numpy()
+            made = self.made[row] = target_probs(scores, self.params).cpu().numpy()
+            if not made.sum() > 0.5:  # (a softmax sums to 1; NaN compares false)
+                raise not_finite("target")
         return self.made[row]
 
 

@@ -152,6 +152,22 @@ def test_a_draw_the_host_does_not_repeat_ends_the_draft_before_it(monkeypatch: p
     assert runner.store.held(0, np.concatenate([task.tokens, want[0]])) == 10
 
 
+def test_a_step_without_a_distribution_ends_that_draft_alone() -> None:
+    """A sampled row whose logits turn NaN (a model overflowing in its dtype) has no proposal: its
+    draft ends before that step (the verify decides the round, as after any short draft), and the
+    other sequences of the batch draft as they would alone."""
+    steps = DraftSteps(lambda rows: rows, 8, [WARM, WARM], [1, 2], [3, 4])
+    g = torch.Generator().manual_seed(2)
+    for step in range(3):
+        logits = torch.randn(2, 16, generator=g)
+        if step == 1:
+            logits[0] = torch.nan
+        steps.choose(logits, [0, 1])
+    broken, fine = steps.settle()
+    assert len(broken.tokens) == len(broken.q_idx) == 1 and broken.tokens == broken.fed[:1]
+    assert len(fine.tokens) == len(fine.q_prob) == 3 and fine.tokens == fine.fed
+
+
 def test_device_draw_is_the_hosts_draw() -> None:
     """The device's inverse-CDF draw picks the place ``specdec.draw`` picks, zeros and all."""
     g = torch.Generator().manual_seed(4)

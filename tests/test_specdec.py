@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -66,6 +68,20 @@ def test_top_p_keeps_the_smallest_set_over_p_whichever_sort_runs(top_k: int) -> 
     full = scores.softmax(-1)
     assert ((full * kept).sum(-1) > 0.9).all()  # the kept tokens hold at least p, the most likely of them
     assert all(full[r][kept[r]].min() >= full[r][~kept[r]].max() for r in range(6))
+
+
+def test_a_sampled_verify_of_non_finite_logits_fails_with_a_clear_error() -> None:
+    """No distribution, no output: a NaN or infinite target row fails its request (alone, in the
+    worker) with what went wrong, not with an index error deep in the sampler."""
+    params = SamplingParams(temperature=1.0)
+    for bad in (math.nan, math.inf):
+        logits = torch.zeros(2, 10)
+        logits[0, 3] = bad
+        with pytest.raises(ValueError, match="target model's probabilities are not finite"):
+            specdec.verify(logits, [3], None, None, params, 0, 0)
+    draft = np.full(4, np.nan, dtype=np.float32)
+    with pytest.raises(ValueError, match="draft model's probabilities are not finite"):
+        specdec.draw(np.arange(4, dtype=np.int32), draft, 0, 0)
 
 
 def test_greedy_verify_accepts_the_matching_prefix_and_corrects() -> None:

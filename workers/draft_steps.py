@@ -58,7 +58,8 @@ def device_draw(q_prob: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     q = q_prob.double()
     cdf = (q / q.sum(-1, keepdim=True)).cumsum(-1)
     picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    return torch.minimum(picks, (q_prob > 0).sum(-1) - 1)  # (never past the last positive entry)
+    # (never past the last positive entry; a row with none, NaN, picks 0: the host ends its draft there)
+    return torch.minimum(picks, (q_prob > 0).sum(-1) - 1).clamp_(min=0)
 
 
 class DraftSteps:
@@ -160,6 +161,8 @@ class DraftSteps:
         with each kept token's proposal as shipped (its positive entries)."""
         tokens, q_idx, q_prob = [], [], []
         for step, (token, idx, prob, pick) in enumerate(zip(d.fed, d.q_idx, d.q_prob, d.picks)):
+            if not (prob > 0).any():  # no distribution (NaN logits): the draft ends before it, the verify decides
+                break
             place, kept_idx, kept_prob = specdec.draw(idx, prob, self.seeds[r], self.starts[r] + step)
             if place != pick:
                 break
