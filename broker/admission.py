@@ -46,9 +46,10 @@ class Admission:
             except ValueError as exc:
                 raise ProtocolError("invalid_prompt", str(exc)) from None
         else:
-            prompt = msg.prompt_tokens.tolist()
-            if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in prompt):
+            ids = msg.prompt_tokens
+            if self.vocab_size is not None and len(ids) and not 0 <= ids.min() <= ids.max() < self.vocab_size:
                 raise ProtocolError("invalid_prompt", f"token ids must be in [0, {self.vocab_size})")
+            prompt = ids.tolist()
         if not prompt:
             raise ProtocolError("invalid_prompt", "the prompt is empty")
         return prompt

@@ -46,6 +46,8 @@ _D = BrokerOptions()
 @click.option("--shards", type=int, default=None,
               help=f"Brokers sharing the requests; clients and workers are given every shard's address. "
               f"[default: {_D.shards}]")
+@click.option("--full-tokens", is_flag=True, default=None, help="Send every task its request's whole tokens (by "
+              "default a task carries only the tokens its worker lacks): to measure what that saves.")
 @click.option("--policy-log", type=click.Path(), help="At exit, write every scheduling event and decision here "
               "(JSONL), for `nebula-flow simulate --check-policy-log`.")
 @click.option("--print-options", is_flag=True, help="Print the settings this broker would run with (JSON, the "

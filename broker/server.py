@@ -42,6 +42,7 @@ from nebula_flow.protocol import (
     Timing,
     Tokens,
     Welcome,
+    lacked_tokens,
 )
 from nebula_flow.request import AHEAD, DRAFT, ROUND, Request
 from nebula_flow.roles import MODEL_ROLES, MODES
@@ -49,7 +50,7 @@ from nebula_flow.round_times import RoundTimes
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.security import SecurityError, user_id
 from nebula_flow.speclen import FIT_ROWS
-from nebula_flow_broker import results
+from nebula_flow_broker import known, results
 from nebula_flow_broker.access import Access, metrics_token
 from nebula_flow_broker.admission import Admission
 from nebula_flow_broker.intake import Intake, chunk_groups
@@ -183,6 +184,10 @@ class Broker(Intake):
                 if item.head is not None:  # its request ends with a clear error, never a hang
                     self._fail_result(wid, item.head, item.error.message)
                 continue
+            if lacked_tokens(item.error) and (req := self.scheduler.requests.get(item.rid)) is not None:
+                req.known.pop(wid, None)  # (it lacked tokens it was sent before: its next task carries them all)
+                req.resent += 1
+                self.counters["tokens_resent"] += 1
             if item.kind == AHEAD:
                 predrafts.setdefault((item.rid, item.attempt), []).append(item)
                 continue
@@ -263,6 +268,8 @@ class Broker(Intake):
             return
         self.workers[wid].tasks += 1
         self.round_times.returned(req.rid, arrived, timing)
+        if lacked_tokens(item.error) and req.resent <= known.MAX_RESENDS:  # (no failure: it goes again, whole)
+            return self.scheduler.retry(req, wid)
         if item.error:
             self._finish(req.rid, "error", ("worker_error", item.error[:500]))
             return
@@ -345,7 +352,10 @@ class Broker(Intake):
         stage = self.scheduler.workers[wid].stage  # (the topic: an elastic worker's changes batch by batch)
         self.stats.batch_sizes.setdefault(stage, Counter())[len(batch)] += 1
         self.workers[wid].batches[stage] += 1
-        tasks = task_specs(self.scheduler, wid, batch, self.workers)
+        tasks = task_specs(self.scheduler, wid, batch, self.workers, self.opts.full_tokens)
+        # (tokens the tasks carry, and the positions they cover: what sending only new ones saves)
+        self.counters["task_tokens"] += sum(len(t.tokens) for t in tasks)
+        self.counters["task_positions"] += sum(t.base + len(t.tokens) for t in tasks)
         sent = time.perf_counter()  # (before the send: the worker may start before this process runs again)
         if not self._send(self.peers, self.workers[wid].identity, Tasks(tasks)):
             self._drop_worker(wid, "unreachable")

@@ -12,32 +12,38 @@ from nebula_flow.protocol import Holder, TaskSpec
 from nebula_flow.request import AHEAD, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import holder_key
 from nebula_flow.scheduler import Scheduler
+from nebula_flow_broker.known import tokens_for
 
 HolderOf = Callable[[tuple[int, int]], Holder]  # (worker, valid) -> with its KV endpoint
 
 
-def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Mapping[int, Any]) -> list[TaskSpec]:
+def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Mapping[int, Any],
+               full_tokens: bool = False) -> list[TaskSpec]:
     """The tasks of a batch worker ``wid``'s PULL is served (from its stage's topic); ``workers``: the
-    broker's, whose ``kv_endpoint`` each holder names."""
+    broker's, whose ``kv_endpoint`` each holder names. Each carries the tokens ``wid`` lacks of its
+    request (``full_tokens``: all of them; ``broker/known.py``)."""
     def holder(held: tuple[int, int]) -> Holder:
         info = workers.get(held[0])
         return Holder(*held, info.kv_endpoint if info is not None else None)
 
     w = scheduler.workers[wid]
     if w.stage == AHEAD:
-        return [predraft(scheduler, req, holder) for req in batch]
+        return [predraft(scheduler, req, holder, tokens_for(req, wid, full_tokens)) for req in batch]
     tasks, alone = [], budget.alone(len(scheduler.requests))
     steps.assign(scheduler, batch)  # (multi-step decoding: a draft-less verify's ``steps``)
     for req in batch:
+        tokens, base, crc = tokens_for(req, wid, full_tokens)
         if fusion.is_second(w, req):  # (a fused round's second draft: a plain draft of its own drafter's)
             s = req.second
-            tasks.append(penalized(req, TaskSpec(req.rid, DRAFT, req.round, s.attempt, req.tokens, s.k,
+            tasks.append(penalized(req, TaskSpec(req.rid, DRAFT, req.round, s.attempt, tokens, s.k,
                                                  req.params.to_wire(), req.seed,
-                                                 holder(req.holders.get(holder_key("draft", s.drafter), (0, 0))))))
+                                                 holder(req.holders.get(holder_key("draft", s.drafter), (0, 0))),
+                                                 base=base, base_crc=crc)))
             continue
-        task = TaskSpec(req.rid, req.phase, req.round, req.attempt, req.tokens, req.k, req.params.to_wire(),
+        task = TaskSpec(req.rid, req.phase, req.round, req.attempt, tokens, req.k, req.params.to_wire(),
                         req.seed, holder(req.holders.get(scheduler.task_holder_key(req), (0, 0))), draft=req.draft,
-                        runner_ups=req.runner_ups if req.draft else [], chains=[*req.chains, *fusion.chains(req)] if req.draft else [])
+                        runner_ups=req.runner_ups if req.draft else [], chains=[*req.chains, *fusion.chains(req)] if req.draft else [],
+                        base=base, base_crc=crc)
         if req.phase == ROUND and "target" in req.holders:  # (an elastic round: its target KV's holder too)
             task.target_holder = holder(req.holders["target"])
         if req.alts and req.phase in (DRAFT, ROUND):
@@ -54,13 +60,13 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
     return tasks
 
 
-def predraft(scheduler: Scheduler, req: Request, holder: HolderOf) -> TaskSpec:
+def predraft(scheduler: Scheduler, req: Request, holder: HolderOf, tokens: tuple[Any, int, int]) -> TaskSpec:
     """The ``ahead`` task pre-drafting ``req``'s next round (``nebula_flow/ahead.py``): the committed
-    tokens, the draft being verified, and what to draft for each outcome."""
-    st = req.ahead
-    return penalized(req, TaskSpec(req.rid, AHEAD, st.round, st.attempt, req.tokens, st.k, req.params.to_wire(), req.seed,
+    tokens (``tokens``: what ``tokens_for`` gives), the draft being verified, and what to draft for each outcome."""
+    st, (rest, base, crc) = req.ahead, tokens
+    return penalized(req, TaskSpec(req.rid, AHEAD, st.round, st.attempt, rest, st.k, req.params.to_wire(), req.seed,
                                    holder(req.holders.get(holder_key("draft", req.drafter), (0, 0))), draft=st.draft,
-                                   alts=st.alts, fuse=st.fuse, ahead=scheduler.policy.draft_ahead))
+                                   alts=st.alts, fuse=st.fuse, ahead=scheduler.policy.draft_ahead, base=base, base_crc=crc))
 
 
 def penalized(req: Request, task: TaskSpec) -> TaskSpec:

@@ -82,6 +82,11 @@ async def zero_worker(ctx: zmq.asyncio.Context, address: str, role: str, name: s
     return done
 
 
+def prompt(i: int, length: int) -> list[int]:
+    """Request ``i``'s prompt of ``length`` token ids (distinct requests, ids every tokenizer has)."""
+    return [5, 6, 7, 8, i % 50 + 10][:length] + [(i + j) % 50 + 10 for j in range(length - 5)]
+
+
 def worker_roles(mode: str, workers: int) -> list[str]:
     """``workers`` per stage of ``mode`` (pooled, paired: draft and target; the others: their one role)."""
     return [role for role in MODES[mode] for _ in range(workers)]
@@ -89,7 +94,7 @@ def worker_roles(mode: str, workers: int) -> list[str]:
 
 async def _drive(client_address: str, worker_addresses: list[str], mode: str, workers: int, capacity: int,
                  concurrency: int, requests: int, max_new_tokens: int, api: str | None = None,
-                 pids: tuple[int, ...] = ()) -> dict[str, Any]:
+                 pids: tuple[int, ...] = (), prompt_tokens: int = 5) -> dict[str, Any]:
     """The run: zero-cost workers, warm-up, then ``requests`` through the ZeroMQ client (or the
     gateway at ``api``). The CPU seconds of the processes ``pids`` are read beside the status
     snapshots that count the rounds, so start-up, registration and warm-up are in neither."""
@@ -106,10 +111,10 @@ async def _drive(client_address: str, worker_addresses: list[str], mode: str, wo
             (HttpClient(api, timeout_s=120) if api else contextlib.nullcontext()) as http:
         while fewest_workers(state := await client.status()) < len(worker_roles(mode, workers)):
             await asyncio.sleep(0.05)
-        if max_new_tokens + 5 > state["max_model_len"]:
+        if max_new_tokens + prompt_tokens > state["max_model_len"]:
             stop.set()
             raise ValueError(f"max_new_tokens {max_new_tokens} does not fit the model's context of "
-                             f"{state['max_model_len']} tokens (with the 5-token prompts)")
+                             f"{state['max_model_len']} tokens (with the {prompt_tokens}-token prompts)")
 
         front = http or client  # (requests through the gateway carry its ids, not ours)
 
@@ -117,7 +122,7 @@ async def _drive(client_address: str, worker_addresses: list[str], mode: str, wo
             while queue:
                 i = queue.pop()
                 ids = {} if api else {"request_id": f"bench-{i}"}  # (ids: the same shards every run)
-                await front.generate(token_ids=[5, 6, 7, 8, i % 50 + 10], max_new_tokens=max_new_tokens,
+                await front.generate(token_ids=prompt(i, prompt_tokens), max_new_tokens=max_new_tokens,
                                      ignore_eos=True, **ids)
 
         await asyncio.gather(*(client.generate(token_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)
@@ -168,11 +173,14 @@ def start_gateway(brokers: list[str], out) -> tuple[subprocess.Popen, str]:  # n
 
 def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int = 32, concurrency: int = 64,
                  requests: int = 256, max_new_tokens: int = 128, k: int = 4, profile: Path | None = None,
-                 log=print, shards: int = 1, api: bool = False) -> dict[str, Any]:  # noqa: ANN001
+                 log=print, shards: int = 1, api: bool = False, prompt_tokens: int = 5,
+                 full_tokens: bool = False) -> dict[str, Any]:  # noqa: ANN001
     """``shards`` brokers (one, unless sharded) in ``mode`` under zero-cost workers; their CPU per
     request-round (over all shards, and each shard's own) and rates. ``profile``: run the (first)
     broker under cProfile and write its stats there. ``api``: the requests go through an HTTP
-    gateway in front of the brokers, and its CPU per token streamed is measured too."""
+    gateway in front of the brokers, and its CPU per token streamed is measured too.
+    ``prompt_tokens``: each request's prompt length; ``full_tokens``: the brokers send every task
+    the request's whole tokens (``BrokerOptions.full_tokens``), not only what its worker lacks."""
     procs, clients, worker_addresses = [], [], []
     url = None
     with tempfile.TemporaryFile() as out:
@@ -181,7 +189,8 @@ def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int =
                 client_port, worker_port = free_port(), free_port()
                 args = ["--mode", mode, "--client-port", str(client_port), "--worker-port", str(worker_port),
                         "--k", str(k), "--liveness-s", "30", "--shard", str(shard), "--shards", str(shards),
-                        *(["--model", model] if model else []), *(f"--set={s}" for s in FIXED_POLICY)]
+                        *(["--model", model] if model else []), *(f"--set={s}" for s in FIXED_POLICY),
+                        *(["--full-tokens"] if full_tokens else [])]
                 proc, address = start_broker(args, out, profile if shard == 0 else None)
                 procs.append(proc)
                 clients.append(address)
@@ -190,7 +199,8 @@ def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int =
                 gateway, url = start_gateway(clients, out)
                 procs.append(gateway)  # (last: its CPU is the last measured)
             run = asyncio.run(_drive(",".join(clients), worker_addresses, mode, workers, capacity,
-                                     concurrency, requests, max_new_tokens, url, tuple(p.pid for p in procs)))
+                                     concurrency, requests, max_new_tokens, url, tuple(p.pid for p in procs),
+                                     prompt_tokens))
             cpus = run["cpu_s"]
         finally:
             for proc in procs:

@@ -38,6 +38,9 @@ def families(state: dict[str, Any]) -> list[Metric]:
             if k.startswith("requests_") and k != "requests_submitted"])
     family("nebula_rounds_total", "counter", "Completed request-rounds.", [(c.get("rounds", 0), None)])
     family("nebula_output_tokens_total", "counter", "Committed output tokens.", [(c.get("tokens_out", 0), None)])
+    family("nebula_task_tokens_total", "counter", "Token ids the broker sent in tasks (each carries what its worker "
+           "lacks), the positions those tasks covered, and tasks sent again whole because their worker lacked the rest.",
+           [(c.get(kind, 0), {"kind": kind}) for kind in ("task_tokens", "task_positions", "tokens_resent")])
     family("nebula_draft_tokens_proposed_total", "counter", "Draft tokens proposed, by position in the draft.",
            [(v, {"position": i + 1}) for i, v in enumerate(state.get("proposed_by_position", []))])
     family("nebula_draft_tokens_accepted_total", "counter", "Draft tokens accepted, by position in the draft.",

@@ -38,6 +38,9 @@ class BrokerOptions:
     policy_log: str | None = None  # write every policy event and decision here (JSONL) at exit; see policy_log.py
     shard: int = 0  # this broker's slice of the requests: request numbers shard+1, shard+1+shards, ... (see deploy)
     shards: int = 1  # brokers sharing the deployment's requests (each with its own ports; no coordination)
+    # every task carries its request's whole tokens, not only those its worker lacks (``broker/known.py``):
+    # what the broker did before protocol version 6, kept to measure what the deltas save
+    full_tokens: bool = False
 
     def check(self) -> None:
         """Refuse timing that declares healthy workers dead: a worker beats once per heartbeat_s,

@@ -17,6 +17,7 @@ Records are JSON arrays, one per line (JSONL)::
     ["admit", rid, prompt_len, max_new_tokens, greedy, seeded]
     ["draft_done", rid, worker, n_draft]
     ["prefilled", rid, worker, valid]    (a chunk of a prompt computed; the task queued again)
+    ["retry", rid, worker]               (the worker lacked the task's tokens: the task queued again)
     ["end_round", rid, worker, committed, via_alt, draft_accepted, fused, ended, hit, second]
                                          (committed: tokens the verify committed; ended: the request
                                          finished there, by EOS, length or a stop string; hit: the
@@ -116,6 +117,10 @@ class RecordingScheduler(Scheduler):
         self.records.append(["draft_done", req.rid, worker_id, len(draft)])
         super().draft_done(req, worker_id, draft, q)
 
+    def retry(self, req: Request, worker_id: int) -> None:
+        self.records.append(["retry", req.rid, worker_id])
+        super().retry(req, worker_id)
+
     def prefilled(self, req: Request, worker_id: int, valid: int) -> None:
         self.records.append(["prefilled", req.rid, worker_id, valid])
         super().prefilled(req, worker_id, valid)
@@ -197,6 +202,8 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
             policy.draft_done(reqs[args[0]], args[1], [PLACEHOLDER] * args[2], {})
         elif kind == "prefilled":
             policy.prefilled(reqs[args[0]], args[1], args[2])
+        elif kind == "retry":
+            policy.retry(reqs[args[0]], args[1])
         elif kind == "end_round":
             rid, wid, committed, via_alt, draft_accepted, fused, ended, hit, second = (*args, None, None)[:9]  # (older: no hit)
             st = reqs[rid].ahead

@@ -48,8 +48,8 @@ from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of thi
     plain,
 )
 
-VERSION = 5  # 2: typed messages, runner-ups as "runner_ups"; 3: small integer tensors inline in the header; 4: CHUNKS;
-# 5: a message's small integer tensors packed in one frame per dtype
+VERSION = 6  # 2: typed messages, runner-ups as "runner_ups"; 3: small integer tensors inline in the header; 4: CHUNKS;
+# 5: a message's small integer tensors packed in one frame per dtype; 6: a task's tokens from its ``base`` on
 DRAFTER_CHARS = "A-Za-z0-9._:-"  # what a REGISTER's drafter name may hold (1-64 of them)
 DRAFTER_NAME = re.compile(f"[{DRAFTER_CHARS}]{{1,64}}")
 DRAFTER_RULE = "1-64 letters, digits or . _ - :"  # (what DRAFTER_NAME takes, for error messages)
@@ -63,6 +63,9 @@ MAX_PULL_ITEMS = 4096  # requests in one KV exchange
 MAX_DECODE_STEPS = 64  # tokens one draft-less verify may decode (multi-step decoding, ``nebula_flow/steps.py``)
 MAX_SUPPRESS = 128  # ids a task's min_tokens keeps from ending the output (EOS ids and stop token ids)
 TASK_KINDS = ("draft", "verify", "round", "ahead")  # (ahead: pre-drafting the next round, draft-ahead)
+# a worker's error for a task whose ``base`` it lacks the tokens before (``workers/token_book.py``): not a
+# failure, the broker sends that task again with all its tokens (``broker/known.py``)
+TOKENS_MISSING = "tokens_missing"
 KV_SCHEMES = ("tcp://", "ucx://", "shm://", "curve:")  # (curve: the KV server's public key, security.py)
 # -- the messages ------------------------------------------------------------------------------
 class Msg:
@@ -249,7 +252,11 @@ class TaskSpec(Proposes):
     for a prompt-lookup chain of up to that many tokens beside the draft, ``chains`` (verify tasks) carries the fused
     chains. ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal. ``target_holder``:
     an elastic worker's round task's target KV (``holder``: its draft KV). ``prompt_len``: a penalized request's
-    (penalties count its output's tokens apart, ``nebula_flow/penalties.py``)."""
+    (penalties count its output's tokens apart, ``nebula_flow/penalties.py``).
+
+    ``tokens`` start at position ``base``: the worker was sent the first ``base`` in earlier tasks
+    of the request, and ``base_crc`` is their CRC-32 (as int32 bytes), so it finds and checks them
+    in its own book (``workers/token_book.py``); base 0: the whole sequence."""
 
     rid: int
     kind: str
@@ -274,12 +281,17 @@ class TaskSpec(Proposes):
     suppress: TokenIds = field(default_factory=list)  # min_tokens: ids the verify must not pick yet
     alone: bool = False  # its request was the only one in the broker's pool: it prefills whole (``budget.alone``)
     steps: int = 1  # a draft-less verify (or round): the tokens it decodes, one forward each (``nebula_flow/steps.py``)
+    base: int = 0  # the position ``tokens`` start at (the worker has those before from earlier tasks)
+    base_crc: int = 0  # CRC-32 of the request's first ``base`` tokens as int32 bytes
 
     def check(self) -> None:
         if self.kind not in TASK_KINDS:
             raise malformed(f"unknown task kind {self.kind!r}")
-        if self.tokens.ndim != 1 or self.tokens.dtype.kind != "i" or len(self.tokens) == 0 or self.tokens.min() < 0:
+        if self.tokens.ndim != 1 or self.tokens.dtype.kind != "i" or len(self.tokens) + self.base == 0 \
+                or len(self.tokens) and self.tokens.min() < 0:
             raise malformed("task tokens must be a non-empty 1-d tensor of token ids")
+        if self.base < 0 or not 0 <= self.base_crc < 1 << 32:
+            raise malformed("base must be >= 0 and base_crc a CRC-32")
         if not 0 <= self.k <= MAX_DRAFT or len(self.draft) > MAX_DRAFT:
             raise malformed(f"k and draft length must be in 0..{MAX_DRAFT}")
         self.check_proposal()
@@ -296,7 +308,7 @@ class TaskSpec(Proposes):
         draft_less = not self.draft and not self.k and self.kind in ("verify", "round")
         if not 1 <= self.steps <= MAX_DECODE_STEPS or (self.steps > 1 and not draft_less):
             raise malformed(f"steps (1..{MAX_DECODE_STEPS}) above 1 are for a verify or round without a draft")
-        if not 0 <= self.prompt_len <= len(self.tokens) or len(self.suppress) > MAX_SUPPRESS:
+        if not 0 <= self.prompt_len <= self.base + len(self.tokens) or len(self.suppress) > MAX_SUPPRESS:
             raise malformed(f"prompt_len must be in 0..len(tokens), suppress at most {MAX_SUPPRESS} ids")
 
 
@@ -342,6 +354,11 @@ class TaskResult(Proposes):
             raise malformed(f"assumes (1..{MAX_DRAFT + 1} tokens) is for ahead results")
         if self.prefilled is not None and (self.prefilled < 0 or self.draft or self.committed is not None):
             raise malformed("a prefilled result is a position count >= 0 and carries no tokens")
+
+
+def lacked_tokens(error: str | None) -> bool:
+    """Whether a task's error (``TaskResult.error``) is ``TOKENS_MISSING``."""
+    return error is not None and error.startswith(TOKENS_MISSING + ":")
 
 
 @dataclass

@@ -43,6 +43,8 @@ class Request:
     fuse: int = 0  # the longest prompt-lookup chain to fuse beside this round's draft (a token tree)
     chains: list[list[int]] = field(default_factory=list)  # the chains fused beside the draft
     holders: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (worker, valid)
+    known: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker -> (tokens sent it, their CRC-32): broker/known.py
+    resent: int = 0  # its tasks sent again whole for a worker that lacked their tokens (broker/known.py)
     tokens_per_round: list[int] = field(default_factory=list)
     proposed: int = 0
     accepted: int = 0
@@ -71,11 +73,14 @@ class Request:
 
     @property
     def tokens(self) -> np.ndarray:
-        """Committed tokens, prompt first: what every task's KV must cover. Every task carries
-        them, so the array grows with the output (amortised) instead of being rebuilt each round."""
+        """Committed tokens, prompt first: what every task's KV must cover. Tasks carry what their
+        worker lacks of them (``broker/known.py``), so the array grows with the output instead of
+        being rebuilt each round."""
         n, have, buf = len(self.prompt) + len(self.output), self._token_len, self._token_buf
         if buf is None or n > len(buf) or n < have:
-            grown = np.empty(max(n, 2 * len(buf) if buf is not None else 0, 64), dtype=np.int32)
+            # (room for the whole output at once: filling in a prompt again costs ~13 us a 1,000 tokens)
+            grown = np.empty(max(n, 2 * len(buf) if buf is not None else len(self.prompt) + self.params.max_new_tokens, 64),
+                             dtype=np.int32)
             grown[:len(self.prompt)] = self.prompt
             buf, have = grown, len(self.prompt)
             self._token_buf = buf

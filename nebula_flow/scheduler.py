@@ -16,9 +16,6 @@ Modes (the same code, one switch):
 * ``elastic``: a worker holding both models (role ``any``) takes whole rounds, a draft batch or a
   verify batch at each PULL (``elastic.choose_stage``); draft-only and target-only workers may join.
 
-Worker-triggered batching: a worker's ``PULL`` waits here until tasks it may take exist;
-idle workers are served before workers that are prefetching behind a running batch.
-
 Several drafters (pooled mode): each round's draft goes to the drafter ``routing.choose_drafter``
 picks for the request, taken by any worker of that drafter (by any draft worker when none is
 left). Each drafter's KV is its own: a request's draft holder is kept per drafter (``holder_key``).
@@ -121,13 +118,9 @@ class Scheduler:
         fusion.unregister(self, w)
         elastic.unregister(self, w)
         self.binder.reset()
-        requeued = []
-        for rid in sorted(w.inflight):
-            req = self.requests.get(rid)
-            if req is not None and req.phase != DONE:
-                self._unround(req)
-                self.topics[PHASE_ROLE[req.phase]].appendleft(rid, self._holder(req))
-                requeued.append(rid)
+        requeued = [rid for rid in sorted(w.inflight) if rid in self.requests and self.requests[rid].phase != DONE]
+        for rid in requeued:
+            self._requeue(self.requests[rid])
         for req in self.requests.values():
             req.holders = {role: held for role, held in req.holders.items() if held[0] != worker_id}
         for topic in self.topics.values():
@@ -204,10 +197,7 @@ class Scheduler:
         if req.k == 0:
             req.drafter = None  # no draft this round
         req.ks.append(req.k)
-        if self.mode == "colocated":
-            req.phase = ROUND
-        else:
-            req.phase = DRAFT if req.k > 0 else VERIFY
+        req.phase = ROUND if self.mode == "colocated" else DRAFT if req.k > 0 else VERIFY
         if req.phase != DRAFT or not ahead.take(self, req):  # (a pre-drafted branch: its verify is queued)
             self.enqueue(req)
             fusion.plan(self, req)  # (a second drafter's chain beside the draft, where it pays)
@@ -270,12 +260,20 @@ class Scheduler:
         self.workers[worker_id].inflight.discard(req.rid)
         self.enqueue(req)
 
+    def retry(self, req: Request, worker_id: int) -> None:
+        """``req``'s task, whose tokens ``worker_id`` lacked (``broker/known.py``), back at the front of its topic."""
+        self.workers[worker_id].inflight.discard(req.rid)
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
+        self._unround(req)
+        self.topics[PHASE_ROLE[req.phase]].appendleft(req.rid, self._holder(req))
+
     def _unround(self, req: Request) -> bool:
         """An elastic worker's whole round going back to a topic: the draft (or draft-less verify) it was."""
-        if req.phase == ROUND and self.mode == "elastic":
+        if unround := req.phase == ROUND and self.mode == "elastic":
             req.phase = DRAFT if req.k > 0 else VERIFY
-            return True
-        return False
+        return unround
 
     def verify_done(self, req: Request, worker_id: int, accepted: int, via_alt: bool = False,
                     draft_accepted: int | None = None, fused: int | None = None, second: int | None = None) -> None:

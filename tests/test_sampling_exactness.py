@@ -36,6 +36,7 @@ from nebula_flow_broker.server import Broker
 from nebula_flow_broker.tasks import task_specs
 from nebula_flow_workers.runner import ModelRunner
 from nebula_flow_workers.tasks import runnable
+from nebula_flow_workers.token_book import TokenBook
 from tests.test_specdec import _tiny_vocab_model, chi2_critical, chi_square
 
 VOCAB = 8
@@ -65,13 +66,13 @@ def serve_in_process(n: int, policy: PolicyConfig, plant: Callable[[Scheduler], 
                                                           prompt_tokens=np.array(PROMPT, np.int32))), 0.0)
         requests = list(broker.scheduler.requests.values())
         assert len(requests) == n
-        now = 1.0
+        now, books = 1.0, {identity: TokenBook() for identity in runners}  # (each worker's: tasks carry new tokens)
         while broker.scheduler.requests:
             for identity, runner in runners.items():
                 broker.scheduler.pull(broker.by_identity[identity], BATCH, True, now)
                 for wid, batch in broker.scheduler.dispatch():
                     specs = task_specs(broker.scheduler, wid, batch, broker.workers)
-                    tasks = [runnable(s, VOCAB) for s in protocol.decode(protocol.encode(Tasks(specs))).tasks]
+                    tasks = [runnable(s, VOCAB, books[identity]) for s in protocol.decode(protocol.encode(Tasks(specs))).tasks]
                     broker.on_worker(identity, protocol.encode(Result(run_tasks(runner, tasks))), now)
                     now += 1.0
         assert not broker.errors, broker.errors

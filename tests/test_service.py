@@ -460,6 +460,9 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
         after = caught_up(c)
     assert after["nebula_rounds_total"] - before["nebula_rounds_total"] == out.rounds
     assert after["nebula_output_tokens_total"] - before["nebula_output_tokens_total"] == 12
+    sent, covered = (after[f'nebula_task_tokens_total{{kind="{k}"}}'] - before.get(f'nebula_task_tokens_total{{kind="{k}"}}', 0)
+                     for k in ("task_tokens", "task_positions"))
+    assert 0 < sent < covered  # (after its first tasks a request's tasks carry only its new tokens)
     assert after['nebula_requests_total{outcome="length"}'] >= before.get('nebula_requests_total{outcome="length"}', 0) + 1
     assert after['nebula_draft_tokens_proposed_total{position="1"}'] > before.get('nebula_draft_tokens_proposed_total{position="1"}', 0)
     busy = [k for k in after if k.startswith("nebula_worker_busy_seconds_total")]

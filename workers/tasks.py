@@ -9,12 +9,13 @@ import orjson
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.protocol import ProtocolError, Rejected, TaskResult, TaskSpec, malformed
 from nebula_flow_workers.runner import Task
+from nebula_flow_workers.token_book import TokenBook
 
 
-def runnable(spec: TaskSpec, vocab_size: int | None, guided: bool = True) -> Task:
+def runnable(spec: TaskSpec, vocab_size: int | None, book: TokenBook, guided: bool = True) -> Task:
     """The runner's task for ``spec``, or ``ProtocolError``. ``vocab_size``: the ids a task may hold
-    (None: any, an n-gram drafter); ``guided``: this worker can follow a grammar in a verify
-    (``workers/guides.py``)."""
+    (None: any, an n-gram drafter); ``book``: the tokens earlier tasks brought (``spec`` carries those
+    after its ``base``); ``guided``: this worker can follow a grammar in a verify (``workers/guides.py``)."""
     try:
         params = sampling_params(spec.params)
     except (InvalidParams, TypeError) as exc:
@@ -23,7 +24,7 @@ def runnable(spec: TaskSpec, vocab_size: int | None, guided: bool = True) -> Tas
         raise ProtocolError("invalid_params", "structured outputs need the target checkpoint's tokenizer.json "
                             "at this worker (an emulated worker cannot follow a grammar)")
     if vocab_size is not None:
-        if spec.tokens.max() >= vocab_size:
+        if len(spec.tokens) and spec.tokens.max() >= vocab_size:  # (those before its base: checked as they came)
             raise malformed(f"task tokens must be ids below {vocab_size}")
         for name, ids in (("draft", spec.draft), ("runner_ups", spec.runner_ups), *(("chains", c) for c in spec.chains)):
             if ids and max(ids) >= vocab_size:
@@ -31,12 +32,32 @@ def runnable(spec: TaskSpec, vocab_size: int | None, guided: bool = True) -> Tas
     if spec.draft and not params.greedy and spec.q_len is None:
         raise malformed("a sampled draft needs its proposal q")
     q_idx, q_prob = spec.proposal() if spec.q_len is not None else (None, None)
-    return Task(spec.rid, spec.kind, spec.round, spec.attempt, np.asarray(spec.tokens, dtype=np.int64), spec.k,
+    return Task(spec.rid, spec.kind, spec.round, spec.attempt, book.tokens(spec).astype(np.int64), spec.k,
                 params, spec.seed, list(spec.draft), q_idx, q_prob, holder=spec.holder,
                 target_holder=spec.target_holder, alts=spec.alts,
                 runner_ups=list(spec.runner_ups), fuse=spec.fuse, chains=[list(c) for c in spec.chains], ahead=spec.ahead,
                 prompt_len=spec.prompt_len, suppress=list(spec.suppress), alone=spec.alone,
                 steps=spec.steps)
+
+
+def runnable_batch(items: list[TaskSpec | Rejected], vocab_size: int | None, book: TokenBook,
+                   guided: bool) -> tuple[list[Task], list[TaskResult], list[ProtocolError]]:
+    """A TASKS batch's runnable tasks (``runnable``), the error results of those that are not (one
+    malformed or that this worker cannot run: the broker ends its request; ``tokens_missing``: it
+    sends the task again whole), and the errors of items that name no task."""
+    tasks, failures, unnamed = [], [], []
+    for item in items:
+        try:
+            if isinstance(item, Rejected):
+                raise item.error
+            tasks.append(runnable(item, vocab_size, book, guided))
+        except ProtocolError as exc:
+            result = failed(item, exc)
+            if result is None:
+                unnamed.append(exc)
+            else:
+                failures.append(result)
+    return tasks, failures, unnamed
 
 
 def sampling_params(raw: dict) -> SamplingParams:

@@ -41,7 +41,6 @@ from nebula_flow.protocol import (
     ProtocolError,
     Pull,
     Register,
-    Rejected,
     Result,
     TaskResult,
     Tasks,
@@ -57,7 +56,8 @@ from nebula_flow_workers.kv_prep import KVPrep
 from nebula_flow_workers.link import BrokerLink, wait
 from nebula_flow_workers.ngram import NgramRunner
 from nebula_flow_workers.runner import ModelRunner, Task
-from nebula_flow_workers.tasks import current, failed, runnable
+from nebula_flow_workers.tasks import current, runnable_batch
+from nebula_flow_workers.token_book import TokenBook
 from nebula_flow_workers.warmup import warm_up
 
 log = logging.getLogger("nebula_flow.worker")
@@ -128,6 +128,7 @@ class Worker:
         self.listener, self.busy, self.main_listens = "main", False, True
         self.links = [BrokerLink(address, self.identity) for address in shard_addresses(opts.broker)]
         self.origin: dict[int, BrokerLink] = {}  # request number -> the broker that sent its tasks
+        self.book = TokenBook()  # each request's tokens its tasks brought (a task carries only the new ones)
         self.pending: list[Task] = []  # tasks received, waiting for the batch computing now
         self.prefetch: Future | None = None  # the pending tasks' KV pulls
         self.clock = BatchClock()  # the pending batch's
@@ -188,19 +189,10 @@ class Worker:
     def _runnable(self, link: BrokerLink, msg: Tasks) -> list[Task]:
         """A TASKS batch's runnable tasks. One that is malformed or that this worker cannot run is
         answered with an error result for its request (the broker ends it); the good ones still run."""
-        tasks, failures, vocab, guided = [], [], self.vocab, getattr(self.target, "guides", None) is not None
-        for item in msg.tasks:
-            try:
-                if isinstance(item, Rejected):
-                    raise item.error
-                tasks.append(runnable(item, vocab, guided))
-            except ProtocolError as exc:
-                result = failed(item, exc)
-                if result is None:  # (it names no task: the broker hears of it as an error)
-                    self._complain(link, exc)
-                    continue
-                self.errors += 1
-                failures.append(result)
+        tasks, failures, unnamed = runnable_batch(msg.tasks, self.vocab, self.book, getattr(self.target, "guides", None) is not None)
+        for exc in unnamed:  # (it names no task: the broker hears of it as an error)
+            self._complain(link, exc)
+        self.errors += sum(not protocol.lacked_tokens(r.error) for r in failures)  # (a task sent again whole is no error)
         if failures:
             link.send(Result(failures))
         return tasks
@@ -447,6 +439,7 @@ class Worker:
         elif isinstance(msg, Free):
             rids = [r for r in msg.rids if isinstance(r, int)]
             self.frees.extend(rids)
+            self.book.forget(rids)
             self.pending = current(self.pending, rids)  # (a waiting task that came before its request's FREE)
             for rid in rids:
                 if self.origin.get(rid) is link:

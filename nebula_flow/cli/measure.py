@@ -220,6 +220,12 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
 @click.option("--k", default=4, show_default=True, help="Draft tokens per round (fixed: no adaptive k).")
 @click.option("--model", type=click.Path(), help="The target whose tokenizer the broker loads (default: the tiny "
               "pair's, built into the cache if missing).")
+@click.option("--prompt-tokens", default=5, show_default=True, type=click.IntRange(1),
+              help="Each request's prompt length: a task carries what its worker lacks of the request's tokens, "
+              "so this shows what long contexts cost the broker (the tiny pair holds 1,024 tokens; give --model a "
+              "longer-context target for more).")
+@click.option("--full-tokens", is_flag=True, help="The broker sends every task its request's whole tokens, as before "
+              "protocol version 6 (the broker's --full-tokens): to measure what sending only the new ones saves.")
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False), help="Also run each broker under "
               "cProfile: write MODE.prof here and print its hottest functions.")
 @click.option("--shards", "shard_counts", default="1", show_default=True, metavar="N[,N...]",
@@ -233,8 +239,8 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
               "front of the brokers, streamed) and also print the gateway's CPU time per token it streamed.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}, \"shards\": {count: {...}}} "
               "as JSON (modes: at the first shard count; shards: the first mode at each count).")
-def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new_tokens, k, model, profile_dir,
-                     shard_counts, scale_load, api, as_json) -> None:  # noqa: ANN001
+def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new_tokens, k, model, prompt_tokens,
+                     full_tokens, profile_dir, shard_counts, scale_load, api, as_json) -> None:  # noqa: ANN001
     """Measure the broker alone: a real broker under zero-cost workers (forwards of 0 s, all in one
     light process) and clients; request-rounds/s, tasks/s and the broker's CPU time per
     request-round (its own user + system seconds over the rounds it ended: the figure that holds on
@@ -257,8 +263,9 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
         for shards in counts:
             scale = shards if scale_load else 1
             click.echo(f"[bench-broker] {mode}, {shards} shard(s): {workers} zero-cost workers per stage, "
-                       f"{n_requests * scale} requests x {max_new_tokens} tokens, {concurrency * scale} in flight, "
-                       f"k = {k}", err=True)
+                       f"{n_requests * scale} requests of {prompt_tokens} + {max_new_tokens} tokens, "
+                       f"{concurrency * scale} in flight, k = {k}" + (", whole tokens in every task" if full_tokens else ""),
+                       err=True)
             prof = Path(profile_dir) / (f"{mode}.prof" if shards == 1 else f"{mode}-{shards}-shards.prof") \
                 if profile_dir else None
             if prof is not None:
@@ -266,7 +273,8 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
             try:
                 results[mode, shards] = bench_broker(mode, model, workers, max_batch, concurrency * scale,
                                                      n_requests * scale, max_new_tokens, k, prof,
-                                                     log=lambda m: click.echo(m, err=True), shards=shards, api=api)
+                                                     log=lambda m: click.echo(m, err=True), shards=shards, api=api,
+                                                     prompt_tokens=prompt_tokens, full_tokens=full_tokens)
             except (RuntimeError, ValueError) as exc:
                 raise click.ClickException(str(exc)) from None
             if prof is not None and not as_json:
