@@ -216,12 +216,16 @@ def bench_broker(mode: str, model: str | None, workers: int = 4, capacity: int =
            "round_rate": rounds / run["wall_s"], "tasks_per_s": run["tasks"] / run["wall_s"],
            "broker_cpu_s": sum(cpus[:shards]), "broker_cpu_us_per_round": sum(cpus[:shards]) / max(rounds, 1) * 1e6,
            "shard_rounds": shard_rounds, "shard_cpu_us_per_round": per_shard,
-           "tokens_per_round": (tokens := after.get("tokens_out", 0) - before.get("tokens_out", 0)) / max(rounds, 1)}
+           "tokens_per_round": (tokens := after.get("tokens_out", 0) - before.get("tokens_out", 0)) / max(rounds, 1),
+           # token ids the broker sent in tasks per round (each task: what its worker lacks), and the positions they covered
+           "task_tokens_per_round": (after.get("task_tokens", 0) - before.get("task_tokens", 0)) / max(rounds, 1),
+           "task_positions_per_round": (after.get("task_positions", 0) - before.get("task_positions", 0)) / max(rounds, 1)}
     if api:
         res["gateway_cpu_us_per_token"] = cpus[-1] / max(tokens, 1) * 1e6
     log(f"  {mode}, {shards} shard{'s' if shards > 1 else ''}: {rounds} request-rounds in {run['wall_s']:.1f} s "
         f"({res['round_rate']:.0f}/s, {res['tasks_per_s']:.0f} tasks/s), broker CPU "
-        f"{res['broker_cpu_us_per_round']:.0f} us per request-round"
+        f"{res['broker_cpu_us_per_round']:.0f} us per request-round, {res['task_tokens_per_round']:.1f} token ids sent "
+        f"in tasks a round (of {res['task_positions_per_round']:.0f} covered)"
         + (f" (per shard: {', '.join(f'{c:.0f}' for c in per_shard)})" if shards > 1 else "")
         + (f"; gateway CPU {res['gateway_cpu_us_per_token']:.0f} us per token" if api else ""))
     return res

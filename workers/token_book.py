@@ -17,7 +17,7 @@ import numpy as np
 
 from nebula_flow.protocol import TOKENS_MISSING, ProtocolError, TaskSpec
 
-BOOK_TOKENS = 1 << 23  # tokens kept in all (int32: 32 MiB), least recently sent dropped first
+BOOK_TOKENS = 1 << 25  # tokens kept in all (int32: at most 128 MiB), least recently sent dropped first
 
 
 class TokenBook:
