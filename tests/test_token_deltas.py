@@ -86,7 +86,7 @@ def test_a_book_rebuilds_the_sequence_and_refuses_a_base_it_lacks() -> None:
     for step in range(3):
         req.output += [100 + step, 200 + step]
         whole = book.tokens(_spec(1, tokens_for(req, 1)))
-        assert whole.tolist() == req.tokens.tolist() and whole.dtype == np.int32
+        assert whole.tolist() == req.tokens.tolist() and whole.dtype == np.int64 and not whole.flags.writeable
     # a base shorter than what the book holds (a task sent before a later one was lost): its prefix
     req.known[1] = (21, zlib.crc32(req.tokens[:21]))
     assert book.tokens(_spec(1, tokens_for(req, 1))).tolist() == req.tokens.tolist()

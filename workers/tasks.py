@@ -3,7 +3,6 @@ decoding) checked against this worker's model and turned into the runner's ``Tas
 
 from __future__ import annotations
 
-import numpy as np
 import orjson
 
 from nebula_flow.params import InvalidParams, SamplingParams
@@ -32,7 +31,7 @@ def runnable(spec: TaskSpec, vocab_size: int | None, book: TokenBook, guided: bo
     if spec.draft and not params.greedy and spec.q_len is None:
         raise malformed("a sampled draft needs its proposal q")
     q_idx, q_prob = spec.proposal() if spec.q_len is not None else (None, None)
-    return Task(spec.rid, spec.kind, spec.round, spec.attempt, book.tokens(spec).astype(np.int64), spec.k,
+    return Task(spec.rid, spec.kind, spec.round, spec.attempt, book.tokens(spec), spec.k,
                 params, spec.seed, list(spec.draft), q_idx, q_prob, holder=spec.holder,
                 target_holder=spec.target_holder, alts=spec.alts,
                 runner_ups=list(spec.runner_ups), fuse=spec.fuse, chains=[list(c) for c in spec.chains], ahead=spec.ahead,

@@ -17,11 +17,12 @@ import numpy as np
 
 from nebula_flow.protocol import TOKENS_MISSING, ProtocolError, TaskSpec
 
-BOOK_TOKENS = 1 << 25  # tokens kept in all (int32: at most 128 MiB), least recently sent dropped first
+BOOK_TOKENS = 1 << 24  # tokens kept in all (int64: at most 128 MiB), least recently sent dropped first
 
 
 class TokenBook:
-    """Per request, the int32 tokens last sent (a task's base and what came with it) and their CRC-32."""
+    """Per request, the tokens last sent (a task's base and what came with it; int64, as the runner
+    takes them) and their CRC-32 (of their int32 bytes, as the broker holds them)."""
 
     def __init__(self, max_tokens: int = BOOK_TOKENS) -> None:
         self.max_tokens = max_tokens
@@ -30,20 +31,23 @@ class TokenBook:
         self.missing = 0  # tasks whose base was not here (each went back to the broker)
 
     def tokens(self, spec: TaskSpec) -> np.ndarray:
-        """``spec``'s request's whole token sequence (int32, a fresh array), kept for its next task;
-        ``ProtocolError(TOKENS_MISSING)`` when this book lacks the first ``spec.base`` it names."""
+        """``spec``'s request's whole token sequence (int64, read-only: the book keeps it for the
+        request's next task); ``ProtocolError(TOKENS_MISSING)`` when this book lacks the first
+        ``spec.base`` it names."""
         rest, base = spec.tokens.astype(np.int32, copy=False), spec.base  # (the CRC is of int32 bytes)
         if base == 0:
-            whole = rest.copy()
-            crc = zlib.crc32(whole)
+            whole = rest.astype(np.int64)
+            crc = zlib.crc32(rest)
         else:
             held, held_crc = self.entries.get(spec.rid, (None, 0))
-            if held is None or len(held) < base or (held_crc if len(held) == base else zlib.crc32(held[:base])) != spec.base_crc:
+            if held is None or len(held) < base or \
+                    (held_crc if len(held) == base else zlib.crc32(held[:base].astype(np.int32))) != spec.base_crc:
                 self.missing += 1
                 raise ProtocolError(TOKENS_MISSING, f"this worker lacks the first {base} tokens of request {spec.rid} "
                                              f"(it holds {0 if held is None else len(held)}): send them all")
-            whole = np.concatenate([held[:base], rest])
+            whole = np.concatenate([held[:base], rest], dtype=np.int64)
             crc = zlib.crc32(rest, spec.base_crc)
+        whole.flags.writeable = False
         self._keep(spec.rid, whole, crc)
         return whole
 
