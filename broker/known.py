@@ -23,11 +23,14 @@ MAX_RESENDS = 8  # a request's tasks sent again whole at most this often: a work
 
 def tokens_for(req: Request, wid: int, full: bool = False) -> tuple[np.ndarray, int, int]:
     """The tokens of ``req`` to send worker ``wid`` with a task, their base position and the CRC-32
-    of the tokens before it; remembers that ``wid`` has them all now. ``full``: from position 0."""
+    of the tokens before it; remembers that ``wid`` has them all now. ``full``: all of them, and
+    nothing remembered (``BrokerOptions.full_tokens``)."""
     tokens = req.tokens
+    if full:
+        return tokens, 0, 0
     n = len(tokens)
     base, crc = req.known.get(wid, (0, 0))
-    if full or base > n:  # (``base > n``: never, committed tokens only grow; whole, to be safe)
+    if base > n:  # (never: committed tokens only grow; whole, to be safe)
         base, crc = 0, 0
     rest = tokens[base:]
     req.known[wid] = (n, zlib.crc32(rest, crc))

@@ -76,8 +76,8 @@ def test_the_broker_sends_each_worker_the_tokens_after_those_it_sent_it() -> Non
     assert tokens_for(req, 1)[0].tolist() == [] and tokens_for(req, 1)[1] == 7  # (nothing new: nothing sent)
     assert tokens_for(req, 2)[0].tolist() == [5, 6, 7, 8, 9, 10, 11]  # (another worker: all of them)
     req.output.append(12)
-    assert tokens_for(req, 2, full=True)[1] == 0  # (full_tokens: every task whole)
-    assert req.known[2] == (8, zlib.crc32(req.tokens))
+    assert tokens_for(req, 2, full=True)[1] == 0 and req.known[2][0] == 7  # (full_tokens: every task whole)
+    assert tokens_for(req, 2)[0].tolist() == [12] and req.known[2] == (8, zlib.crc32(req.tokens))
 
 
 def test_a_book_rebuilds_the_sequence_and_refuses_a_base_it_lacks() -> None:
