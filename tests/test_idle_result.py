@@ -4,8 +4,10 @@ second PULL to say it went idle (one PULL a batch at light load instead of two).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,23 +50,38 @@ def _turn_until(broker: Broker, done, timeout_s: float = 10.0) -> None:  # noqa:
         zmq.select([broker.peers], [], [], 0.01)  # (wait for its next message, or 10 ms)
 
 
-@pytest.mark.parametrize("idle", [True, False])
-def test_an_idle_result_makes_the_parked_pull_an_idle_workers(tiny_pair: Path, idle: bool) -> None:
-    opts = BrokerOptions(mode="pooled", client_port=free_port(), worker_port=free_port(), model=str(tiny_pair / "target"),
-                         policy=with_settings(PolicyConfig(), FIXED_POLICY), liveness_s=60)
-    broker = Broker(opts)
+@contextlib.contextmanager
+def stand_ins(tiny_pair: Path, **options: object) -> Iterator[tuple[Broker, dict[str, zmq.Socket]]]:
+    """A real pooled broker on free ports (rounds of a fixed shape), turned by the test itself, and
+    sockets by name: a stand-in draft and target worker, registered, each with an idle PULL of 4
+    sent, and a client; all closed afterwards."""
+    broker = Broker(BrokerOptions(mode="pooled", client_port=free_port(), worker_port=free_port(),
+                                  model=str(tiny_pair / "target"), policy=with_settings(PolicyConfig(), FIXED_POLICY),
+                                  liveness_s=60, **options))
     broker.bind()
-    ctx = zmq.Context.instance()
-    socks = {}
+    ctx, socks = zmq.Context.instance(), {}
     try:
         for role in ("draft", "target"):
             sock = socks[role] = ctx.socket(zmq.DEALER)
-            sock.connect(opts.worker_address)
+            sock.connect(broker.opts.worker_address)
             sock.send_multipart(protocol.encode(Register(role, f"{role}-0", 4, ZERO_FACTS, pid=os.getpid())))
             _received(sock, broker, Welcome)
             sock.send_multipart(protocol.encode(Pull(4, True)))
-        client = socks["client"] = ctx.socket(zmq.DEALER)
-        client.connect(opts.client_address)
+        socks["client"] = ctx.socket(zmq.DEALER)
+        socks["client"].connect(broker.opts.client_address)
+        yield broker, socks
+    finally:
+        for sock in socks.values():
+            sock.close(linger=0)
+        broker.clients.close(linger=0)
+        broker.peers.close(linger=0)
+        broker.prompts.close()
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_an_idle_result_makes_the_parked_pull_an_idle_workers(tiny_pair: Path, idle: bool) -> None:
+    with stand_ins(tiny_pair) as (broker, socks):
+        client = socks["client"]
         client.send_multipart(protocol.encode(build_submit("r", None, [5, 6, 7], False, max_new_tokens=16,
                                                            ignore_eos=True)))
         draft = socks["draft"]
@@ -77,12 +94,6 @@ def test_an_idle_result_makes_the_parked_pull_an_idle_workers(tiny_pair: Path, i
         draft.send_multipart(protocol.encode(Result([answer(t) for t in tasks.tasks], idle=idle)))
         _received(socks["target"], broker, Tasks)  # (the draft's result handled: its verify went out)
         assert state.pull_idle is idle and state.pull_credits == 4  # (told idle: its parked PULL is an idle worker's)
-    finally:
-        for sock in socks.values():
-            sock.close(linger=0)
-        broker.clients.close(linger=0)
-        broker.peers.close(linger=0)
-        broker.prompts.close()
 
 
 def test_a_worker_at_light_load_sends_one_pull_a_batch(tiny_pair: Path) -> None:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import zlib
@@ -24,13 +23,11 @@ import pytest
 import zmq
 
 from nebula_flow import policy_log, protocol
-from nebula_flow.bench_broker import FIXED_POLICY, ZERO_FACTS, answer
-from nebula_flow.cli.common import with_settings
+from nebula_flow.bench_broker import answer
 from nebula_flow.client import Client, build_submit
 from nebula_flow.deploy import Deployment, free_port
-from nebula_flow.options import BrokerOptions, WorkerOptions
+from nebula_flow.options import WorkerOptions
 from nebula_flow.params import SamplingParams
-from nebula_flow.policy import PolicyConfig
 from nebula_flow.protocol import (
     TOKENS_MISSING,
     Done,
@@ -47,12 +44,11 @@ from nebula_flow.protocol import (
 )
 from nebula_flow.request import Request
 from nebula_flow_broker.known import MAX_RESENDS, tokens_for
-from nebula_flow_broker.server import Broker
 from nebula_flow_workers.token_book import TokenBook
 from nebula_flow_workers.worker import Worker
 from tests.conftest import deploy_config, hf_greedy
 from tests.test_emulated import PROFILE
-from tests.test_idle_result import _received
+from tests.test_idle_result import stand_ins
 
 
 def _request(prompt: list[int], rid: int = 1) -> Request:
@@ -127,23 +123,9 @@ def test_a_worker_lacking_the_tokens_gets_the_task_again_whole(tiny_pair: Path, 
     the task it cannot rebuild comes again whole, and the request ends as if nothing happened (the
     policy log replays it). A ``broken`` draft worker says it lacks the tokens of every task, even
     whole ones: the request fails with a clear error after ``MAX_RESENDS``, no endless loop."""
-    opts = BrokerOptions(mode="pooled", client_port=free_port(), worker_port=free_port(), model=str(tiny_pair / "target"),
-                         policy=with_settings(PolicyConfig(), FIXED_POLICY), liveness_s=60,
-                         policy_log=str(tmp_path / "policy.jsonl"))
-    broker = Broker(opts)
-    broker.bind()
-    ctx = zmq.Context.instance()
-    socks, books = {}, {"draft": TokenBook(), "target": TokenBook()}
-    prompt, n = [5, 6, 7, 8, 9, 10], 20
-    try:
-        for role in ("draft", "target"):
-            sock = socks[role] = ctx.socket(zmq.DEALER)
-            sock.connect(opts.worker_address)
-            sock.send_multipart(protocol.encode(Register(role, f"{role}-0", 4, ZERO_FACTS, pid=os.getpid())))
-            _received(sock, broker, Welcome)
-            sock.send_multipart(protocol.encode(Pull(4, True)))
-        client = socks["client"] = ctx.socket(zmq.DEALER)
-        client.connect(opts.client_address)
+    books, prompt, n = {"draft": TokenBook(), "target": TokenBook()}, [5, 6, 7, 8, 9, 10], 20
+    with stand_ins(tiny_pair, policy_log=str(tmp_path / "policy.jsonl")) as (broker, socks):
+        client = socks["client"]
         client.send_multipart(protocol.encode(build_submit("r", None, prompt, False, max_new_tokens=n, ignore_eos=True)))
         committed, bases, resent, forgot, end = list(prompt), [], [], False, None
         deadline = time.monotonic() + 30
@@ -191,12 +173,6 @@ def test_a_worker_lacking_the_tokens_gets_the_task_again_whole(tiny_pair: Path, 
         records = broker.scheduler.records
         assert [r[0] for r in records].count("retry") == 1
         assert policy_log.replay(records, policy_log.policy_of(records)).identical
-    finally:
-        for sock in socks.values():
-            sock.close(linger=0)
-        broker.clients.close(linger=0)
-        broker.peers.close(linger=0)
-        broker.prompts.close()
 
 
 def test_a_real_worker_answers_a_base_it_lacks_with_tokens_missing(tmp_path: Path) -> None:
