@@ -28,11 +28,8 @@ def tokens_for(req: Request, wid: int, full: bool = False) -> tuple[np.ndarray, 
     tokens = req.tokens
     if full:
         return tokens, 0, 0
-    n = len(tokens)
-    base, crc = req.known.get(wid, (0, 0))
-    if base > n:  # (never: committed tokens only grow; whole, to be safe)
-        base, crc = 0, 0
+    base, crc = req.known.get(wid, (0, 0))  # (committed tokens only grow: what was sent is a prefix)
     rest = tokens[base:]
-    req.known[wid] = (n, zlib.crc32(rest, crc))
+    req.known[wid] = (len(tokens), zlib.crc32(rest, crc))
     return rest, base, crc
 
