@@ -1,7 +1,11 @@
 """Workers on other hosts: the broker and each worker in a network namespace of its own, joined by
 virtual links (a bridge in a namespace of their own, 1 ms of added delay where `tc netem` works),
 CURVE keys, a non-loopback broker address, and KV that moves over TCP between the "hosts".
-Skipped where network namespaces cannot be made (not root, or a sandbox that forbids them)."""
+Skipped where network namespaces cannot be made (not root, or a sandbox that forbids them).
+
+The target hosts' outgoing links are shaped to ``SHAPED_BITS`` bits/s (`tc tbf`), and the target
+KV pulls, which all cross them, are checked against the simulator's link model (``sim.costs.Link``:
+latency + bytes / bandwidth), its latency measured on the draft KV pulls, which cross none."""
 
 from __future__ import annotations
 
@@ -18,10 +22,20 @@ import pytest
 from nebula_flow.options import BrokerOptions, WorkerOptions, write_options
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.security import ensure_key, generate_keys
+from nebula_flow.sim.costs import Link
 from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.slow
-HOSTS = {"broker": "10.77.0.1", "draft-0": "10.77.0.2", "target-1": "10.77.0.3", "target-2": "10.77.0.4"}
+HOSTS = {"broker": "10.77.0.1", "draft-0": "10.77.0.2", "draft-1": "10.77.0.5", "target-1": "10.77.0.3",
+         "target-2": "10.77.0.4"}
+WORKERS = [host for host in HOSTS if host != "broker"]
+# Shaped hosts: with two workers a stage and ``migrate``, each round's KV crosses to the other one, so
+# every target pull crosses a shaped link and no draft pull does.
+SHAPED = ("target-1", "target-2")
+SHAPED_BITS = 4_000_000
+# What a payload byte costs on the shaped wire: tbf counts whole frames, and a full TCP segment of
+# 1,448 payload bytes (timestamps on) is a 1,514-byte Ethernet frame.
+FRAME_PER_PAYLOAD = 1514 / 1448
 
 
 def sh(*args: str) -> subprocess.CompletedProcess:
@@ -36,6 +50,7 @@ def hosts():  # noqa: ANN201
     bridge = f"{tag}br"
     if shutil.which("ip") is None or sh("ip", "netns", "add", bridge).returncode != 0:
         pytest.skip("network namespaces are not available here (`ip netns add` needs root and a kernel that allows it)")
+    shaped = []
     try:
         assert sh("ip", "-n", bridge, "link", "add", "br0", "type", "bridge").returncode == 0
         sh("ip", "-n", bridge, "link", "set", "br0", "up")
@@ -48,8 +63,13 @@ def hosts():  # noqa: ANN201
             sh("ip", "-n", ns, "addr", "add", f"{HOSTS[host]}/24", "dev", "eth0")
             sh("ip", "-n", ns, "link", "set", "eth0", "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "1ms")
-        yield names
+            # (the delay on the bridge's port: traffic into the host; the shaping on the host's own
+            # port: traffic out of it, so both can hold, each as its port's root)
+            sh("ip", "netns", "exec", bridge, "tc", "qdisc", "add", "dev", veth, "root", "netem", "delay", "1ms")
+            if host in SHAPED:  # (a bucket of 1,600 bytes: a burst of a frame, then the rate)
+                shaped.append(sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                            f"{SHAPED_BITS}bit", "burst", "1600", "latency", "2s").returncode == 0)
+        yield names, all(shaped)
     finally:
         for ns in [*names.values(), bridge]:
             sh("ip", "netns", "del", ns)
@@ -66,8 +86,9 @@ with Client(sys.argv[1], timeout_s=120) as c:
 
 
 def test_workers_on_other_hosts_with_keys_and_kv_over_tcp(hosts, tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    hosts, shaped = hosts
     keys = generate_keys(tmp_path / "keys")
-    for name in ("draft-0", "target-1", "target-2"):
+    for name in WORKERS:
         ensure_key(keys, "worker", name)
     broker = BrokerOptions(mode="pooled", host=HOSTS["broker"], client_port=5555, worker_port=5556,
                            model=str(tiny_pair / "target"), keys=str(keys),
@@ -83,19 +104,21 @@ def test_workers_on_other_hosts_with_keys_and_kv_over_tcp(hosts, tiny_pair, tmp_
 
     try:
         start("broker", ["broker", "--options", str(tmp_path / "broker.json")])
-        for name in ("draft-0", "target-1", "target-2"):
+        for name in WORKERS:
             role = name.split("-")[0]
             opts = WorkerOptions(role=role, broker=f"tcp://{HOSTS['broker']}:5556", name=name, capacity=4,
                                  model=str(tiny_pair / role), keys=str(keys), kv_host=HOSTS[name])
             write_options(opts, tmp_path / f"{name}.json")
             start(name, ["worker", "--options", str(tmp_path / f"{name}.json")])
-        prompts = [[3, 4, 5, 6], [9, 8, 7], [11, 12, 13, 14, 15]]
+        # (prompts of a few hundred tokens: the pull of a prompt's KV takes a second over the shaped
+        # link, a round's few positions tens of milliseconds, so the check sees both ends of the model)
+        prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((4, 160, 320))]
         deadline, out = time.monotonic() + 120, None
         while out is None and time.monotonic() < deadline:
             res = subprocess.run(["ip", "netns", "exec", hosts["broker"], sys.executable, "-c", CLIENT,
                                   f"tcp://{HOSTS['broker']}:5555", json.dumps(prompts)], capture_output=True,
                                  text=True, timeout=180, env=dict(os.environ, NEBULA_FLOW_KEYS=str(keys)))
-            if res.returncode == 0 and len(json.loads(res.stdout)["state"]["workers"]) == 3:
+            if res.returncode == 0 and len(json.loads(res.stdout)["state"]["workers"]) == len(WORKERS):
                 out = json.loads(res.stdout)
             else:
                 time.sleep(1)
@@ -106,5 +129,19 @@ def test_workers_on_other_hosts_with_keys_and_kv_over_tcp(hosts, tiny_pair, tmp_
         for p in procs:
             p.wait(timeout=30)
     assert out["outputs"] == [hf_greedy(tiny_pair / "target", p, 16) for p in prompts]  # lossless
-    kv = [w["kv"] for w in out["state"]["workers"] if w["role"] == "target"]
-    assert all(k["transport"] == "tcp" for k in kv) and sum(k["bytes_pulled"] for k in kv) > 0  # (ZeroMQ over TCP)
+    kv = {w["name"]: w["kv"] for w in out["state"]["workers"]}
+    assert all(k["transport"] == "tcp" for k in kv.values()) and all(k["bytes_pulled"] > 0 for k in kv.values())
+    if not shaped:
+        pytest.skip("lossless over TCP between hosts; the link model is not checked: `tc qdisc ... tbf` is not available")
+    # The simulator's link model against the pulls that crossed the shaped links (the targets'): its
+    # latency is what a pull that crossed none took (the drafts'), its bandwidth the shaped rate's payload.
+    def total(names: tuple[str, ...]) -> dict[str, float]:
+        return {key: sum(kv[n][key] for n in names) for key in ("transfers", "bytes_pulled", "pull_s")}
+
+    fast, slow = total(("draft-0", "draft-1")), total(SHAPED)
+    link = Link(bandwidth=SHAPED_BITS / 8 / FRAME_PER_PAYLOAD, latency_s=fast["pull_s"] / fast["transfers"])
+    predicted = link.transfers_s(slow["transfers"], slow["bytes_pulled"])
+    print(f"link model: {slow['transfers']} pulls of {slow['bytes_pulled']} bytes over {SHAPED_BITS / 1e6:g} Mbit/s "
+          f"took {slow['pull_s']:.3f} s, predicted {predicted:.3f} s (latency {link.latency_s * 1e3:.2f} ms from "
+          f"{fast['transfers']} pulls of {fast['bytes_pulled']} bytes in {fast['pull_s']:.3f} s)")
+    assert slow["pull_s"] == pytest.approx(predicted, rel=0.2)

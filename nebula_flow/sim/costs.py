@@ -103,3 +103,9 @@ class Link:
 
     def transfer_s(self, nbytes: int) -> float:
         return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth
+
+    def transfers_s(self, transfers: int, nbytes: int) -> float:
+        """What ``transfers`` transfers of ``nbytes`` bytes in all cost: the model is affine in
+        bytes, so how they split does not matter (checked against a live worker's ``kv.transfers``
+        and ``kv.bytes_pulled`` in ``tests/test_hosts.py``)."""
+        return 0.0 if transfers <= 0 else transfers * self.latency_s + nbytes / self.bandwidth
