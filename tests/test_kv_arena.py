@@ -56,6 +56,13 @@ def test_a_range_a_peer_was_served_from_is_not_reused_until_its_quarantine_ends(
     assert arena.lease(32).base == 0  # both halves free again, merged
 
 
+def test_the_quarantine_outlasts_the_pull_a_peer_waits_for_and_no_more() -> None:
+    from nebula_flow.kv.shm import POOL_QUARANTINE_S
+    from nebula_flow.kv.transport import PULL_TIMEOUT_S
+
+    assert PULL_TIMEOUT_S < arena_mod.QUARANTINE_S == POOL_QUARANTINE_S <= PULL_TIMEOUT_S + 1.0
+
+
 def test_a_budget_larger_than_memory_allows_gives_a_smaller_chunk_not_a_failure(monkeypatch) -> None:  # noqa: ANN001
     made = arena_mod.Chunk
 

@@ -25,11 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
+from nebula_flow.kv.transport import PULL_TIMEOUT_S
+
 MIN_ROWS = 16  # the smallest range handed out (positions)
 # A chunk's size unless the worker's KV budget sets it (``CausalLM.make_kv_arena``): the caches of a
 # batch must share a chunk to attend in one call. On a CPU untouched pages cost no memory.
 CHUNK_BYTES = 1 << 30
-QUARANTINE_S = 11.0  # (kv/shm.py POOL_QUARANTINE_S: the pull timeout plus a second)
+# (as kv/shm.py's POOL_QUARANTINE_S: a send still under way after the pull timeout goes to a puller
+# that has given up; it was 11 s here, longer than any puller waits, holding memory for nothing)
+QUARANTINE_S = PULL_TIMEOUT_S + 1.0
 
 
 def _order(rows: int) -> int:
