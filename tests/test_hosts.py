@@ -66,8 +66,8 @@ def hosts():  # noqa: ANN201
             # port: traffic out of it, so both can hold, each as its port's root)
             sh("ip", "netns", "exec", bridge, "tc", "qdisc", "add", "dev", veth, "root", "netem", "delay", "1ms")
             if host in SHAPED:  # (a bucket of 1,600 bytes: a burst of a frame, then the rate)
-                shaped.append(sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-                            f"{SHAPED_BITS}bit", "burst", "1600", "latency", "2s").returncode == 0)
+                shaped.append(sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
+                                 "rate", f"{SHAPED_BITS}bit", "burst", "1600", "latency", "2s").returncode == 0)
         yield names, all(shaped)
     finally:
         for ns in [*names.values(), bridge]:
