@@ -113,7 +113,9 @@ def _kv_run(cfg: DeployConfig, wl: BenchWorkload, overlap: bool, probe_out: Path
     # The raw transport under the same load, as the system uses it: paced pulls in a separate
     # process while this run goes on (in both modes, so that the probe's own load does not favour
     # either in the tokens/s they report); started with the deployment, pulling only during the run.
-    with paced_probe(transport, probe_out) as probe, Deployment(cfg, worker_changes={"kv_overlap": overlap}) as dep:
+    # (Every pull made: what is measured is the transport, not whether recomputing would win.)
+    changes = {"kv_overlap": overlap, "kv_skip_slow_pulls": False}
+    with paced_probe(transport, probe_out) as probe, Deployment(cfg, worker_changes=changes) as dep:
         with Client(dep.address) as c:
             c.generate(wl.prompts[0], max_new_tokens=8)
         before = _kv_totals(dep.address)

@@ -53,6 +53,10 @@ from nebula_flow.options import WorkerOptions, read_options
 @click.option("--kv-host", default="127.0.0.1", show_default=True, help="Interface the KV server binds and advertises.")
 @click.option("--kv-overlap/--no-kv-overlap", default=True, show_default=True,
               help="Pull a batch's KV while the previous batch computes (off: at the start of its compute).")
+@click.option("--kv-skip-slow-pulls/--kv-always-pull", default=True, show_default=True,
+              help="Recompute a request's positions here instead of pulling them where the holder's link, as "
+              "measured by earlier pulls, would take more than twice as long as this worker's forward of those "
+              "rows (status: pulls_skipped). Either way a pull is waited for as long as its link needs.")
 @click.option("--profile", type=click.Path(), help="Latency profile for --device emulated.")
 @click.option("--draft-profile", type=click.Path(), help="The draft's latency profile (colocated or any, + emulated).")
 @click.option("--max-kv-gb", default=4.0, show_default=True, help="KV memory budget per model (LRU eviction).")
@@ -62,7 +66,7 @@ from nebula_flow.options import WorkerOptions, read_options
 @click.option("--keys", type=click.Path(), help="CURVE key folder (or NEBULA_FLOW_KEYS).")
 def worker(options_file: str | None, role: str | None, model: str | None, draft_model: str | None, drafter: str | None, broker_addr: str, name: str,
            max_batch: int, draft_max_batch: int | None, threads: int, device: str, dtype: str | None, batch_invariant: bool | None,
-           cuda_graphs: bool, kv_transport: str, kv_host: str, kv_overlap: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
+           cuda_graphs: bool, kv_transport: str, kv_host: str, kv_overlap: bool, kv_skip_slow_pulls: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
            kv_pool_gb: float | None, keys: str | None) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
@@ -89,7 +93,8 @@ def worker(options_file: str | None, role: str | None, model: str | None, draft_
                                             device=device, dtype=dtype, batch_invariant=batch_invariant,
                                             cuda_graphs=cuda_graphs, kv_transport=kv_transport,
                                             kv_host=kv_host,
-                                            kv_overlap=kv_overlap, profile=profile, draft_profile=draft_profile,
+                                            kv_overlap=kv_overlap, kv_skip_slow_pulls=kv_skip_slow_pulls,
+                                            profile=profile, draft_profile=draft_profile,
                                             max_kv_gb=max_kv_gb, kv_pool_gb=kv_pool_gb, keys=keys,
                                             drafter=drafter, draft_capacity=draft_max_batch)))
     except (ModelConfigError, ValueError) as exc:

@@ -5,13 +5,17 @@ and the KV counters a worker reports."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from nebula_flow.elastic import estimate
+from nebula_flow.kv.link_fit import LinkFit
 from nebula_flow.kv.store import KVStore, add_by_size
 from nebula_flow.kv.transport import KVTransport
-from nebula_flow_workers.runner import Task
+from nebula_flow_workers.runner import ModelRunner, Task
 
 # A batch whose same-host reads go into new caches of this many bytes or more gets those caches
 # made on the prefetch thread while the previous batch computes: a new shared file's pages fault
@@ -27,10 +31,15 @@ Pulls = dict[tuple[str, str], list[tuple[int, np.ndarray, int]]]  # (holder endp
 class KVPrep:
     """This worker's KV that moves between workers (``served``: model role -> store; a draft or a
     target worker has its one, an elastic worker both, a colocated worker and an n-gram drafter none),
-    every store it holds (``stores``), and the transport KV moves over (None: no KV server)."""
+    every store it holds (``stores``), and the transport KV moves over (None: no KV server).
+    ``runners``: model role -> its runner, whose measured forward times a network pull is weighed
+    against (``kv/link_fit.py``)."""
 
-    def __init__(self, served: dict[str, KVStore], stores: list[KVStore], transport: KVTransport | None) -> None:
+    def __init__(self, served: dict[str, KVStore], stores: list[KVStore], transport: KVTransport | None,
+                 runners: dict[str, ModelRunner | None] | None = None) -> None:
         self.served, self.stores, self.transport = served, stores, transport
+        self.runners = runners or {}
+        self.links: dict[str, LinkFit] = {}  # network holders' endpoints -> what pulls from them take
         self.endpoint: str | None = None  # this worker's KV server (a holder that is us needs no pull)
 
     def lookup(self, rid: int, role: str, start: int, end: int):  # noqa: ANN201 - KV server thread
@@ -81,11 +90,18 @@ class KVPrep:
                 log.exception("preparing KV reads from %s failed", endpoint)
         for (endpoint, role), wanted in pulls.items():  # one exchange per holder and model for the whole batch
             store = self.served[role]
+            link = None if self.transport.reads_locally(endpoint) else self.links.setdefault(endpoint, LinkFit())
             try:
-                store.fetch_many(role, wanted, endpoint, self.transport)
+                store.fetch_many(role, wanted, endpoint, self.transport, link, self.recompute(role))
             except Exception:  # never let a transfer problem cost the batch: recompute instead
                 log.exception("KV pull from %s failed", endpoint)
                 store.stats.pull_failures += len(wanted)
+
+    def recompute(self, role: str) -> Callable[[int], float | None] | None:
+        """The seconds a forward of that many new rows of ``role``'s model takes here (None: not
+        measured yet): the batch costs its runner measured (``elastic.estimate``)."""
+        runner = self.runners.get(role)
+        return None if runner is None else lambda rows: estimate(runner.batch_costs.table(), rows)
 
     def stats(self, stall_s: float) -> dict[str, Any]:
         merged: dict[str, Any] = {}
@@ -102,4 +118,7 @@ class KVPrep:
         if hasattr(self.transport, "routes"):  # shm+zmq: items read from same-host files / asked over the network
             merged["routes"] = dict(self.transport.routes)
         merged["held_requests"] = sum(len(store.caches) for store in self.stores)
+        now = time.monotonic()  # (the links to holders pulled from lately, as measured)
+        merged["links"] = {next((p for p in endpoint.split(";") if p.startswith(("tcp://", "ucx://"))), endpoint): fit
+                           for endpoint, link in list(self.links.items()) if (fit := link.state(now)) is not None}
         return merged

@@ -112,7 +112,8 @@ class Worker:
         served = {role: r.store for role, r in (("draft", self.draft), ("target", self.target))
                   if r is not None and r.store is not None and opts.role in (role, "any")}
         self.transport = make_transport(opts.kv_transport, self.identity, opts.device) if served else None
-        self.kv = KVPrep(served, self.stores, self.transport)
+        self.kv = KVPrep(served, self.stores, self.transport,  # (runners: a pull slower than recomputing is not made)
+                         {"draft": self.draft, "target": self.target} if opts.kv_skip_slow_pulls else None)
         self.kv_endpoint = self.kv.endpoint = self.transport.serve(opts.kv_host, self.kv.lookup) if self.transport else None
         if self.transport is not None and self.transport.share_folder is not None:  # same-host peers read our files
             for role, runner in (("draft", self.draft), ("target", self.target)):

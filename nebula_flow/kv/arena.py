@@ -25,15 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-from nebula_flow.kv.transport import PULL_TIMEOUT_S
+from nebula_flow.kv.transport import MAX_PULL_S
 
 MIN_ROWS = 16  # the smallest range handed out (positions)
 # A chunk's size unless the worker's KV budget sets it (``CausalLM.make_kv_arena``): the caches of a
 # batch must share a chunk to attend in one call. On a CPU untouched pages cost no memory.
 CHUNK_BYTES = 1 << 30
-# (as kv/shm.py's POOL_QUARANTINE_S: a send still under way after the pull timeout goes to a puller
-# that has given up; it was 11 s here, longer than any puller waits, holding memory for nothing)
-QUARANTINE_S = PULL_TIMEOUT_S + 1.0
+# (as kv/shm.py's POOL_QUARANTINE_S: a send still under way after the longest a puller waits goes to
+# a puller that has given up)
+QUARANTINE_S = MAX_PULL_S + 1.0
 
 
 def _order(rows: int) -> int:

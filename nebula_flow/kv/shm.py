@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nebula_flow.kv.transport import PULL_TIMEOUT_S, KVTransport, Lookup, PullItem, endpoint_part
+from nebula_flow.kv.transport import MAX_PULL_S, PULL_TIMEOUT_S, KVTransport, Lookup, PullItem, endpoint_part
 
 MAGIC = 0x4E46_4B56_0003  # "NFKV" v3 (v2 added the state word, v3 the owner and pooled files)
 HEADER_BYTES = 64
@@ -157,7 +157,7 @@ class SharedRows:
         self.set_state(RETIRED)
 
 
-POOL_QUARANTINE_S = PULL_TIMEOUT_S + 1.0
+POOL_QUARANTINE_S = MAX_PULL_S + 1.0
 
 
 class FilePool:
@@ -165,7 +165,7 @@ class FilePool:
 
     A file a network peer was served from in the last ``POOL_QUARANTINE_S`` is not reused yet:
     the ZeroMQ and UCX servers send rows straight from the cache's memory, and a send still
-    under way after that long goes to a puller that has already given up (``PULL_TIMEOUT_S``).
+    under way after that long goes to a puller that has already given up (``MAX_PULL_S``).
     At most ``max_bytes`` are kept; the oldest files go first. Thread-safe: the compute and
     prefetch threads both make caches (and grow them).
     """
@@ -444,8 +444,8 @@ class ShmTransport(KVTransport):
             folder = self._folders[endpoint] = os.path.join(folder, "") if folder and os.path.isdir(folder) else ""
         return folder
 
-    def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
-        folder = self._folder(endpoint)
+    def pull_many(self, endpoint: str, items: list[PullItem], timeout_s: float = PULL_TIMEOUT_S) -> list[np.ndarray | None]:
+        folder = self._folder(endpoint)  # (a read of this host's memory: nothing to wait for)
         if not folder:
             return [None] * len(items)
         return [self.files.read(folder + kv_file_name(role, rid), rid, start, end, dest) for rid, role, start, end, dest in items]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,8 @@ import torch
 
 from nebula_flow.kv import device_copy
 from nebula_flow.kv.cache import KVCache
+from nebula_flow.kv.link_fit import LinkFit, worth_pulling
+from nebula_flow.kv.transport import PULL_TIMEOUT_S
 from nebula_flow.models.llama import CausalLM
 
 # Exchanges are counted by size class (upper bounds, bytes): a bandwidth is only comparable
@@ -49,6 +52,7 @@ class KVStats:
     pulls: int = 0  # requests whose positions were received
     transfers: int = 0  # exchanges with holders (one per holder per batch)
     pull_failures: int = 0  # holder unreachable / evicted / mismatched: recomputed instead
+    pulls_skipped: int = 0  # requests whose pull was predicted slower than recomputing (``kv/link_fit.py``): recomputed
     pull_s: float = 0.0  # time spent in pulls (prefetch thread; same-host reads at compute start)
     pull_cpu_s: float = 0.0  # CPU time of the pulling thread in them (the rest: waiting for a core, a peer, the wire)
     stall_s: float = 0.0  # time compute waited for pulls to finish
@@ -175,13 +179,17 @@ class KVStore:
         """``fetch_many`` for one request."""
         self.fetch_many(role, [(rid, tokens, valid)], endpoint, transport)
 
-    def fetch_many(self, role: str, wanted: list[tuple[int, np.ndarray, int]], endpoint: str, transport) -> None:  # noqa: ANN001
+    def fetch_many(self, role: str, wanted: list[tuple[int, np.ndarray, int]], endpoint: str, transport,  # noqa: ANN001
+                   link: LinkFit | None = None, recompute: Callable[[int], float | None] | None = None) -> None:
         """Pull the positions this store lacks, up to each ``valid``, of several requests held
         by the worker at ``endpoint``, in one exchange.
 
         Only the missing suffix travels: a cache that holds a prefix keeps it, a longer stale
         suffix (rejected drafts) is rolled back first. On any failure the cache is left at what
-        it verifiably holds and ``prepare`` recomputes the rest.
+        it verifiably holds and ``prepare`` recomputes the rest. With the holder's ``link`` (a
+        network pull), a request whose pull it predicts slower than ``recompute`` (seconds to
+        compute that many positions here) is recomputed instead, the pull is waited for as long
+        as the link says, and its time is learned (``kv/link_fit.py``).
         """
         plan = []
         for rid, tokens, valid in wanted:
@@ -194,11 +202,20 @@ class KVStore:
             if have < valid:
                 cache.reserve(valid)
                 plan.append((rid, tokens, have, valid, cache))
+        timeout = PULL_TIMEOUT_S
+        if link is not None and plan:
+            now = time.monotonic()
+            worth = [worth_pulling(link.predict((valid - have) * cache.row_bytes, now, extrapolate=False),
+                                   recompute(valid - have) if recompute is not None else None)
+                     for _, _, have, valid, cache in plan]
+            self.stats.pulls_skipped += worth.count(False)
+            plan = [p for p, w in zip(plan, worth) if w]
+            timeout = link.deadline(sum((valid - have) * cache.row_bytes for _, _, have, valid, cache in plan), now)
         if not plan:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
         got = transport.pull_many(endpoint, [(rid, role, have, valid, cache.buf[have:valid])
-                                             for rid, _, have, valid, cache in plan])
+                                             for rid, _, have, valid, cache in plan], timeout)
         took = time.perf_counter() - t0
         device = plan[0][4].buf.device
         ready = device_copy.copied(device) if device.type == "cuda" else None  # (copies still landing)
@@ -219,6 +236,8 @@ class KVStore:
             self.stats.pulled += valid - have
             pulled += (valid - have) * cache.row_bytes
         self.stats.bytes_pulled += pulled
+        if link is not None and (pulled or took >= timeout):  # (a pull given up at its deadline: a lower bound)
+            link.observe(time.monotonic(), pulled or asked, took, finished=bool(pulled))
         counts = self.stats.by_size.setdefault(size_class(asked), [0, 0, 0.0])
         counts[0] += 1
         counts[1] += asked  # (an item that failed is counted: its time was spent)

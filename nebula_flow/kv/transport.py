@@ -27,6 +27,7 @@ import ctypes
 import itertools
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +52,10 @@ from nebula_flow.security import (
 log = logging.getLogger("nebula_flow.kv")
 Lookup = Callable[[int, str, int, int], "tuple[np.ndarray, torch.Tensor] | None"]
 PullItem = tuple[int, str, int, int, torch.Tensor]  # rid, role, start, end, dest rows
-PULL_TIMEOUT_S = 2.0  # a holder slower than this is treated as gone: recomputing is cheaper
+PULL_TIMEOUT_S = 2.0  # a holder silent this long is treated as gone (a pull's deadline before its link is measured)
+# The longest a pull is waited for (its link measured slow, ``kv/link_fit.py``): holders keep rows
+# they served out of reuse a second longer, since a send may still be reading them until then.
+MAX_PULL_S = 8.0
 
 
 # The numpy dtype a tensor's rows travel as (``host_view``): a reply in any other is refused.
@@ -83,9 +87,10 @@ class KVTransport(ABC):
         """Start serving in the background; returns the endpoint peers should use."""
 
     @abstractmethod
-    def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
+    def pull_many(self, endpoint: str, items: list[PullItem], timeout_s: float = PULL_TIMEOUT_S) -> list[np.ndarray | None]:
         """Fill each item's ``dest`` (its rows start..end) from one peer; per item, the tokens
-        those positions hold, or None when the peer cannot serve it."""
+        those positions hold, or None when the peer cannot serve it (or all None when it has not
+        answered within ``timeout_s``)."""
 
     def pull(self, endpoint: str, rid: int, role: str, start: int, end: int, dest: torch.Tensor) -> np.ndarray | None:
         """One request's rows start..end into ``dest``; their tokens, or None."""
@@ -173,7 +178,7 @@ class ZmqTransport(KVTransport):
             self.peers[endpoint] = sock
         return sock
 
-    def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
+    def pull_many(self, endpoint: str, items: list[PullItem], timeout_s: float = PULL_TIMEOUT_S) -> list[np.ndarray | None]:
         server_key = server_key_of(endpoint)
         endpoint = endpoint_part(endpoint, "tcp://")
         if endpoint is None or (self.identity is not None and server_key is None):
@@ -181,8 +186,9 @@ class ZmqTransport(KVTransport):
         sock = self._peer(endpoint, server_key)
         seq = next(self.seq)
         zmq_frames.send(sock, protocol.encode(KvPull(seq, [[rid, role, start, end] for rid, role, start, end, _ in items])))
+        deadline = time.monotonic() + timeout_s  # (a late answer to an earlier pull does not extend it)
         while True:
-            if not sock.poll(int(PULL_TIMEOUT_S * 1000)):
+            if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 # The peer is gone or stuck: drop the socket so a late reply cannot confuse us.
                 self.peers.pop(endpoint).close()
                 return [None] * len(items)
@@ -229,14 +235,14 @@ class LocalFirstTransport(KVTransport):
     def serve(self, host: str, lookup: Lookup) -> str:
         return f"{self.local.serve(host, lookup)};{self.remote.serve(host, lookup)}"
 
-    def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
+    def pull_many(self, endpoint: str, items: list[PullItem], timeout_s: float = PULL_TIMEOUT_S) -> list[np.ndarray | None]:
         got: list[np.ndarray | None] = [None] * len(items)
         if self.local.reads_locally(endpoint):  # the holder is on this host
             got = self.local.pull_many(endpoint, items)
             self.routes["local"] += sum(g is not None for g in got)
         missing = [i for i, g in enumerate(got) if g is None]
         if missing and any(not part.startswith("shm://") for part in endpoint.split(";")):
-            for i, g in zip(missing, self.remote.pull_many(endpoint, [items[i] for i in missing])):
+            for i, g in zip(missing, self.remote.pull_many(endpoint, [items[i] for i in missing], timeout_s)):
                 got[i] = g
                 self.routes["remote"] += g is not None
         return got

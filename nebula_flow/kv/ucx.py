@@ -207,7 +207,7 @@ class UcxTransport(KVTransport):
                 got.append(head[HEAD:].astype(np.int32))
         return got
 
-    def pull_many(self, endpoint: str, items: list[PullItem]) -> list[np.ndarray | None]:
+    def pull_many(self, endpoint: str, items: list[PullItem], timeout_s: float = PULL_TIMEOUT_S) -> list[np.ndarray | None]:
         """One hand-off to the event loop and one round trip for the whole batch."""
         endpoint = endpoint_part(endpoint, "ucx://")
         if not items:
@@ -216,7 +216,7 @@ class UcxTransport(KVTransport):
             return [None] * len(items)
 
         try:
-            return self._call(asyncio.wait_for(self._pull_all(endpoint, items), PULL_TIMEOUT_S), PULL_TIMEOUT_S + 1)
+            return self._call(asyncio.wait_for(self._pull_all(endpoint, items), timeout_s), timeout_s + 1)
         except Exception as exc:  # peer gone, timeout, mismatch: the caller recomputes
             log.warning("UCX pull from %s failed: %r", endpoint, exc)
             ep = self.endpoints.pop(endpoint, None)

@@ -1,0 +1,93 @@
+"""What a pull from one holder costs, learned from the pulls made, and whether a pull is worth it.
+
+A pull over the network takes about ``latency + bytes / rate``. ``LinkFit`` keeps a holder's
+recent exchanges and fits the two by least squares (a round's pulls vary in size, a prompt's
+dwarf them; where sizes do not vary, all the time is taken as the bytes': the rate is then a lower
+bound). A pull that gave up at its deadline is kept as what it is, a lower bound of its time, so a
+link that keeps failing is learned in a few tries. Observations expire (``MEMORY_S``), so a holder
+that was slow or stuck a while ago is tried again. A fit is only trusted to skip a pull up to
+``EXTRAPOLATE`` times the largest exchange it has seen: a pull that is made is measured, a pull
+that is skipped teaches nothing, so a doubtful prediction errs towards pulling.
+
+Two decisions come from it (``kv/store.py``'s ``fetch_many``):
+
+* **Pull or recompute.** Recomputing a request's positions costs a forward of that many rows on
+  this worker (its measured batch costs, ``elastic.estimate``). A pull predicted to take more than
+  ``SKIP_FACTOR`` times that is not made: the positions are recomputed at once, instead of the
+  batch waiting for a pull that would have lost anyway (or, past the deadline, for nothing). The
+  factor credits the pull for running while the previous batch computes.
+* **How long to wait.** A pull's deadline is ``DEADLINE_FACTOR`` times its prediction, at least
+  ``PULL_TIMEOUT_S`` (a holder that says nothing that long is gone or stuck) and at most
+  ``MAX_PULL_S`` (holders keep served rows out of reuse that long, ``kv/arena.py``). Before there
+  is a fit, ``PULL_TIMEOUT_S``. A fixed 2 s failed every pull of more than 2 s of bytes (a long
+  prompt's KV over a slow link) and then recomputed, after the 2 s.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from nebula_flow.kv.transport import MAX_PULL_S, PULL_TIMEOUT_S
+
+WINDOW = 32  # exchanges kept per holder
+EXTRAPOLATE = 4.0  # a fit decides on pulls up to this many times its largest exchange
+MEMORY_S = 60.0  # an exchange older than this is forgotten
+SKIP_FACTOR = 2.0  # a pull predicted to take this many times its recompute is not made
+DEADLINE_FACTOR = 3.0  # a pull is given this many times its prediction
+
+
+class LinkFit:
+    """Recent exchanges with one holder: (when, bytes, seconds, finished)."""
+
+    def __init__(self) -> None:
+        self.seen: deque[tuple[float, int, float, bool]] = deque(maxlen=WINDOW)
+        self.connected = False  # (the first exchange also opened the connection: TCP and CURVE handshakes)
+
+    def observe(self, now: float, nbytes: int, seconds: float, finished: bool = True) -> None:
+        """An exchange of ``nbytes`` took ``seconds`` (``finished`` False: it gave up then). The
+        first that finished is not kept: its time is mostly the connection's setup."""
+        if finished and not self.connected:
+            self.connected = True
+        elif nbytes > 0 and seconds > 0:
+            self.seen.append((now, nbytes, seconds, finished))
+
+    def fit(self, now: float) -> tuple[float, float] | None:
+        """(latency s, rate bytes/s) from the exchanges of the last ``MEMORY_S``; None: none."""
+        while self.seen and self.seen[0][0] < now - MEMORY_S:
+            self.seen.popleft()
+        if not self.seen:
+            return None
+        sizes, times = [b for _, b, _, _ in self.seen], [s for _, _, s, _ in self.seen]
+        if max(sizes) >= 2 * min(sizes):  # (sizes that vary: the line through them)
+            mean_b, mean_s = sum(sizes) / len(sizes), sum(times) / len(times)
+            slope = (sum((b - mean_b) * (s - mean_s) for b, s in zip(sizes, times))
+                     / sum((b - mean_b) ** 2 for b in sizes))
+            if slope > 0:
+                return max(0.0, mean_s - slope * mean_b), 1.0 / slope
+        return 0.0, sum(sizes) / sum(times)
+
+    def predict(self, nbytes: int, now: float, extrapolate: bool = True) -> float | None:
+        """Seconds a pull of ``nbytes`` should take; None: nothing measured lately (or, without
+        ``extrapolate``, nothing within ``EXTRAPOLATE`` times smaller)."""
+        fit = self.fit(now)
+        if fit is None or (not extrapolate and nbytes > EXTRAPOLATE * max(b for _, b, _, _ in self.seen)):
+            return None
+        return fit[0] + nbytes / fit[1]
+
+    def deadline(self, nbytes: int, now: float) -> float:
+        """How long a pull of ``nbytes`` is waited for."""
+        predicted = self.predict(nbytes, now)
+        if predicted is None:
+            return PULL_TIMEOUT_S
+        return min(MAX_PULL_S, max(PULL_TIMEOUT_S, DEADLINE_FACTOR * predicted))
+
+    def state(self, now: float) -> dict[str, float] | None:
+        """The fit as status shows it (None: nothing measured lately)."""
+        fit = self.fit(now)
+        return None if fit is None else {"latency_ms": round(fit[0] * 1e3, 3), "mbit_s": round(fit[1] * 8e-6, 3)}
+
+
+def worth_pulling(predicted_s: float | None, recompute_s: float | None) -> bool:
+    """Whether a pull predicted to take ``predicted_s`` beats recomputing in ``recompute_s`` (either
+    unknown: pull, which is how both get measured)."""
+    return predicted_s is None or recompute_s is None or predicted_s <= SKIP_FACTOR * recompute_s

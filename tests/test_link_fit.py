@@ -1,0 +1,125 @@
+"""A holder's link as measured by the pulls from it: what a pull should take, how long to wait for
+it, and whether recomputing the positions is quicker (``kv/link_fit.py``, ``KVStore.fetch_many``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from nebula_flow.kv.link_fit import MEMORY_S, LinkFit, worth_pulling
+from nebula_flow.kv.store import KVStore
+from nebula_flow.kv.transport import MAX_PULL_S, PULL_TIMEOUT_S, ZmqTransport
+from nebula_flow.models.loader import load_model
+
+
+def test_the_fit_is_the_line_through_the_exchanges_and_skips_the_connections_setup() -> None:
+    link = LinkFit()
+    assert link.predict(1 << 20, 0.0) is None and link.deadline(1 << 20, 0.0) == PULL_TIMEOUT_S
+    link.observe(0, 1024, 0.05)  # the first exchange: opening the connection, mostly
+    assert link.fit(0.1) is None
+    for i, n in enumerate((1024, 2048, 4096, 1024, 2048, 1 << 20)):  # 2 ms of round trip, 1 MiB/s
+        link.observe(1 + i, n, 0.002 + n / (1 << 20))
+    latency, rate = link.fit(8)
+    assert latency == pytest.approx(0.002, rel=1e-6) and rate == pytest.approx(1 << 20, rel=1e-6)
+    assert link.predict(4 << 20, 8) == pytest.approx(4.002, rel=1e-6)
+    # waited three times the prediction, at least PULL_TIMEOUT_S, at most MAX_PULL_S
+    assert link.deadline(1 << 20, 8) == pytest.approx(3 * 1.002, rel=1e-6)
+    assert link.deadline(4096, 8) == PULL_TIMEOUT_S and link.deadline(64 << 20, 8) == MAX_PULL_S
+    assert link.state(8) == {"latency_ms": 2.0, "mbit_s": 8.389}
+    # far beyond the largest exchange seen, the fit is not trusted to skip a pull (only to wait for one)
+    assert link.predict(4 << 20, 8, extrapolate=False) == link.predict(4 << 20, 8)
+    assert link.predict(5 << 20, 8, extrapolate=False) is None
+
+
+def test_one_size_of_exchange_is_all_bandwidth_and_a_pull_given_up_bounds_the_link() -> None:
+    link = LinkFit()
+    link.observe(0.0, 4096, 0.05)  # (the connection's setup)
+    for i in range(3):
+        link.observe(1.0 + i, 4096, 0.004)
+    assert link.fit(4.0) == (0.0, pytest.approx(4096 / 0.004))  # (the rate a lower bound: latency unknown)
+    link.observe(4.0, 2 << 20, PULL_TIMEOUT_S, finished=False)  # gave up: slower than 1 MiB/s
+    assert link.predict(4 << 20, 5.0) >= 2 * PULL_TIMEOUT_S * 0.99
+    # a minute on, a holder that was slow (or stuck) is tried as if new
+    assert link.fit(4.0 + MEMORY_S + 0.1) is None and link.deadline(4 << 20, 4.0 + MEMORY_S + 0.1) == PULL_TIMEOUT_S
+
+
+def test_a_pull_is_made_unless_measured_slower_than_twice_the_recompute() -> None:
+    assert worth_pulling(None, 0.001) and worth_pulling(1.0, None)  # (unmeasured: pull, and so measure)
+    assert worth_pulling(0.019, 0.010) and not worth_pulling(0.021, 0.010)
+
+
+class RecordingZmq(ZmqTransport):
+    """A real ZeroMQ transport that notes the deadline of each pull it makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float] = []
+
+    def pull_many(self, endpoint, items, timeout_s=PULL_TIMEOUT_S):  # noqa: ANN001, ANN201
+        self.timeouts.append(timeout_s)
+        return super().pull_many(endpoint, items, timeout_s)
+
+
+def test_fetch_recomputes_what_the_link_says_is_slower_and_learns_from_what_it_pulls(tiny_pair) -> None:  # noqa: ANN001
+    model = load_model(tiny_pair / "target")
+    holder, puller = KVStore(model), KVStore(model)
+    server, client = ZmqTransport(), RecordingZmq()
+    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: holder.snapshot(rid, s, e))
+    tokens = np.arange(1, 41, dtype=np.int64)
+    for rid in (1, 2):
+        model([holder.prepare(rid, tokens)], [tokens[:-1].tolist()], [1])
+    try:
+        slow, now = LinkFit(), time.monotonic()
+        slow.observe(now, 1024, 0.05)  # (the connection's setup)
+        slow.observe(now, 1 << 20, 40.0)  # measured: 1 MiB took 40 s (~0.2 Mbit/s)
+        nbytes = 39 * puller.row_bytes
+        puller.fetch_many("target", [(1, tokens, 39)], endpoint, client, slow, lambda rows: 0.001 * rows)
+        # 39 positions of 1 kB at ~26 kB/s: ~1.5 s, against ~0.04 s to compute them here
+        assert puller.stats.pulls_skipped == 1 and puller.stats.pulls == 0 and server.served == 0
+        assert client.timeouts == [] and puller.caches[1].length == 0
+        puller.prepare(1, tokens)
+        assert puller.stats.computed == 39  # (what a skipped pull leaves: computed here, as after a failed one)
+        # The same link with a slow model to recompute on: the pull is made, waited for three times
+        # what the link predicts (not the fixed 2 s), and the link learns the exchange.
+        puller.fetch_many("target", [(2, tokens, 39)], endpoint, client, slow, lambda rows: 1.0)
+        assert puller.stats.pulls == 1 and server.served == 1 and len(slow.seen) == 2
+        assert client.timeouts == [pytest.approx(3 * nbytes * 40.0 / (1 << 20), rel=1e-3)]
+        assert client.timeouts[0] > PULL_TIMEOUT_S
+        assert slow.seen[1][1] == nbytes and slow.seen[1][3]
+    finally:
+        server.close()
+        client.close()
+
+
+def test_a_pull_from_a_holder_that_does_not_answer_gives_up_at_its_deadline(tiny_pair) -> None:  # noqa: ANN001
+    """The deadline a pull is given is the one kept (not the fixed 2 s), and the next pull, after the
+    holder answers again, is not confused by the late reply."""
+    model = load_model(tiny_pair / "target")
+    holder, puller = KVStore(model), KVStore(model)
+    tokens = np.arange(1, 41, dtype=np.int64)
+    model([holder.prepare(1, tokens)], [tokens[:-1].tolist()], [1])
+    answer = threading.Event()
+
+    def lookup(rid, role, s, e):  # noqa: ANN001, ANN202 - a holder stuck until ``answer`` is set
+        answer.wait(10)
+        return holder.snapshot(rid, s, e)
+
+    server, client = ZmqTransport(), ZmqTransport()
+    endpoint = server.serve("127.0.0.1", lookup)
+    try:
+        dest = puller.prepare(1, tokens)
+        dest.reserve(39)
+        t0 = time.perf_counter()
+        assert client.pull_many(endpoint, [(1, "target", 0, 39, dest.buf[:39])], timeout_s=0.3) == [None]
+        took = time.perf_counter() - t0
+        assert 0.25 <= took < PULL_TIMEOUT_S  # (given up at 0.3 s, give or take the poll's rounding)
+        answer.set()
+        got = client.pull_many(endpoint, [(1, "target", 0, 39, dest.buf[:39])], timeout_s=5.0)
+        assert got[0] is not None and got[0].tolist() == tokens[:39].tolist()
+    finally:
+        answer.set()
+        server.close()
+        client.close()
