@@ -57,9 +57,8 @@ def test_a_range_a_peer_was_served_from_is_not_reused_until_its_quarantine_ends(
 
 
 def test_the_quarantine_outlasts_the_pull_a_peer_waits_for_and_no_more() -> None:
-    from nebula_flow.kv.link_fit import LinkFit
+    from nebula_flow.kv.link_fit import MAX_PULL_S, PULL_TIMEOUT_S, LinkFit
     from nebula_flow.kv.shm import POOL_QUARANTINE_S
-    from nebula_flow.kv.transport import MAX_PULL_S, PULL_TIMEOUT_S
 
     assert PULL_TIMEOUT_S <= MAX_PULL_S < arena_mod.QUARANTINE_S == POOL_QUARANTINE_S <= MAX_PULL_S + 1.0
     # the longest a puller waits, whatever its link measured: a huge pull over a crawling link

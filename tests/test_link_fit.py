@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from nebula_flow.kv.link_fit import MEMORY_S, LinkFit, worth_pulling
+from nebula_flow.kv.link_fit import MAX_PULL_S, MEMORY_S, PULL_TIMEOUT_S, LinkFit, worth_pulling
 from nebula_flow.kv.store import KVStore
-from nebula_flow.kv.transport import MAX_PULL_S, PULL_TIMEOUT_S, ZmqTransport
+from nebula_flow.kv.transport import ZmqTransport
 from nebula_flow.models.loader import load_model
 
 

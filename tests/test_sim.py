@@ -268,6 +268,12 @@ def test_forced_migration_moves_kv_and_a_free_link_costs_nothing() -> None:
     free = simulate(small_scenario(migrate=True, locality=False, link=Link.free()), "pooled")
     assert slow["kv_stall_fraction"] > 0 and free["kv_stall_fraction"] == 0.0
     assert slow["round_rate"] < free["round_rate"]
+    # A link slower than twice computing the positions is not used: workers recompute, as live
+    # workers do with the links they measured (kv/link_fit.py); nothing waits on it.
+    crawl = simulate(small_scenario(migrate=True, locality=False, link=Link(1e4, 0.05)), "pooled")
+    assert crawl["kv_pulls"] == 0 and crawl["kv_stall_fraction"] == 0.0
+    assert crawl["kv_recomputed_positions"] > slow["kv_recomputed_positions"]
+    assert crawl["requests"] == 48 and crawl["round_rate"] > slow["round_rate"]
 
 
 def test_every_mode_finishes_every_request() -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nebula_flow.kv.transport import MAX_PULL_S
+from nebula_flow.kv.link_fit import MAX_PULL_S
 
 MIN_ROWS = 16  # the smallest range handed out (positions)
 # A chunk's size unless the worker's KV budget sets it (``CausalLM.make_kv_arena``): the caches of a

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from nebula_flow.kv.transport import MAX_PULL_S, PULL_TIMEOUT_S
-
+# (pure: the simulator makes the same decision, ``sim/costs.py``)
+PULL_TIMEOUT_S = 2.0  # a holder silent this long is treated as gone (a pull's deadline before its link is measured)
+# The longest a pull is waited for (its link measured slow): holders keep rows they served out of
+# reuse a second longer (``kv/arena.py``, ``kv/shm.py``), since a send may still be reading them.
+MAX_PULL_S = 8.0
 WINDOW = 32  # exchanges kept per holder
 EXTRAPOLATE = 4.0  # a fit decides on pulls up to this many times its largest exchange
 MEMORY_S = 60.0  # an exchange older than this is forgotten

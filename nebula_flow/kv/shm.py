@@ -53,7 +53,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nebula_flow.kv.transport import MAX_PULL_S, PULL_TIMEOUT_S, KVTransport, Lookup, PullItem, endpoint_part
+from nebula_flow.kv.link_fit import MAX_PULL_S, PULL_TIMEOUT_S
+from nebula_flow.kv.transport import KVTransport, Lookup, PullItem, endpoint_part
 
 MAGIC = 0x4E46_4B56_0003  # "NFKV" v3 (v2 added the state word, v3 the owner and pooled files)
 HEADER_BYTES = 64

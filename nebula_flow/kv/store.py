@@ -21,8 +21,7 @@ import torch
 
 from nebula_flow.kv import device_copy
 from nebula_flow.kv.cache import KVCache
-from nebula_flow.kv.link_fit import LinkFit, worth_pulling
-from nebula_flow.kv.transport import PULL_TIMEOUT_S
+from nebula_flow.kv.link_fit import PULL_TIMEOUT_S, LinkFit, worth_pulling
 from nebula_flow.models.llama import CausalLM
 
 # Exchanges are counted by size class (upper bounds, bytes): a bandwidth is only comparable

@@ -38,6 +38,7 @@ import zmq
 
 from nebula_flow import protocol, zmq_frames
 from nebula_flow.kv import device_copy
+from nebula_flow.kv.link_fit import PULL_TIMEOUT_S
 from nebula_flow.protocol import Error, KvData, KvPull, KvRows, ProtocolError
 from nebula_flow.security import (
     Identity,
@@ -52,10 +53,6 @@ from nebula_flow.security import (
 log = logging.getLogger("nebula_flow.kv")
 Lookup = Callable[[int, str, int, int], "tuple[np.ndarray, torch.Tensor] | None"]
 PullItem = tuple[int, str, int, int, torch.Tensor]  # rid, role, start, end, dest rows
-PULL_TIMEOUT_S = 2.0  # a holder silent this long is treated as gone (a pull's deadline before its link is measured)
-# The longest a pull is waited for (its link measured slow, ``kv/link_fit.py``): holders keep rows
-# they served out of reuse a second longer, since a send may still be reading them until then.
-MAX_PULL_S = 8.0
 
 
 # The numpy dtype a tensor's rows travel as (``host_view``): a reply in any other is refused.

@@ -41,8 +41,8 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import ucxx  # noqa: E402 - an ImportError here makes make_transport fall back to ZeroMQ
 from ucxx.exceptions import UCXMessageTruncatedError, UCXMsgTruncated  # noqa: E402
 
+from nebula_flow.kv.link_fit import PULL_TIMEOUT_S
 from nebula_flow.kv.transport import (
-    PULL_TIMEOUT_S,
     KVTransport,
     Lookup,
     PullItem,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nebula_flow.emulated import predict_seconds
+from nebula_flow.kv.link_fit import worth_pulling
 from nebula_flow.sim.hardware import Hardware, ModelSpec
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -103,6 +104,13 @@ class Link:
 
     def transfer_s(self, nbytes: int) -> float:
         return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth
+
+    def pull_s(self, nbytes: int, recompute_s: float) -> float | None:
+        """A pull's seconds, or None where a live worker recomputes instead: where the pull takes
+        more than twice computing those positions (``recompute_s``; ``kv/link_fit.py``, which a
+        live worker applies to its links as measured)."""
+        took = self.transfer_s(nbytes)
+        return took if worth_pulling(took, recompute_s) else None
 
     def transfers_s(self, transfers: int, nbytes: int) -> float:
         """What ``transfers`` transfers of ``nbytes`` bytes in all cost: the model is affine in

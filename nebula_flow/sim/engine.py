@@ -269,15 +269,15 @@ class Simulator:
                 holder = self.workers.get(want[0])
                 have = w.caches[model_role].get(t.req.rid, 0)
                 theirs = min(want[1], holder.caches[model_role].get(t.req.rid, 0)) if holder else 0
-                if theirs > have:
-                    nbytes = (theirs - have) * w.costs[model_role].kv_bytes_per_token
-                    took = self.sc.link.transfer_s(nbytes)
+                cost, nbytes = w.costs[model_role], (theirs - have) * w.costs[model_role].kv_bytes_per_token
+                took = self.sc.link.pull_s(nbytes, cost.forward_s(1, theirs - have, theirs)) if theirs > have else None
+                if took is not None:  # (None: the holder lacks them, or recomputing them is quicker)
                     transfer, w.pull_s = transfer + took, w.pull_s + took
                     w.pulled += theirs - have
                     w.kv_bytes += nbytes
                     w.pulls += 1
                     w.caches[model_role][t.req.rid] = theirs
-                elif theirs < want[1]:
+                elif want[1] > have:
                     w.recomputed += want[1] - have
         w.prefetch_free = max(self.now, w.prefetch_free) + transfer
         w.kv_ready = w.prefetch_free
