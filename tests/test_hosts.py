@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from nebula_flow.metrics import render
 from nebula_flow.options import BrokerOptions, WorkerOptions, write_options
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.security import ensure_key, generate_keys
@@ -143,6 +144,9 @@ def test_workers_on_other_hosts_with_keys_and_kv_over_tcp(hosts, tiny_pair, tmp_
     if not always_pull:  # pulls over the shaped links were measured slower than recomputing: some were not made
         print("pulls made, skipped:", {n: (kv[n]["pulls"], kv[n]["pulls_skipped"]) for n in kv})
         assert all(kv[n]["pulls_skipped"] > 0 for n in SHAPED), {n: kv[n]["pulls_skipped"] for n in kv}
+        metrics = render(out["state"])  # (what /metrics serves from this status)
+        assert all(f'nebula_kv_pulls_skipped_total{{role="target",worker="{n}"}} {float(kv[n]["pulls_skipped"])}'
+                   in metrics for n in SHAPED), metrics
         return
     # The simulator's link model against the pulls that crossed the shaped links (the targets'): its
     # latency is what a pull that crossed none took (the drafts'), its bandwidth the shaped rate's payload.

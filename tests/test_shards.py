@@ -200,13 +200,14 @@ def test_a_workers_registered_model_facts_are_kept_only_where_well_formed() -> N
     assert served({"device": 3, "vocab_size": "many"}) == {}
 
 
-def test_status_text_names_each_shard_and_a_workers_kv_pull_failures() -> None:
+def test_status_text_names_each_shard_and_a_workers_kv_pull_failures_and_skipped_pulls() -> None:
     from nebula_flow.cli.status_text import status_lines
 
     worker = {"id": 1, "role": "target", "slot": 0, "name": "target-1", "tasks": 9, "busy_s": 1.5, "restarts": 0,
               "kv": {"pulls": 4, "pull_failures": 2}, "batches": {}, "model": {"device": "cuda:1"}}
     state = {"mode": "pooled", "uptime_s": 12, "pool": 3, "topics": {"draft": 1}, "roles": ["target"],
-             "workers": [worker, dict(worker, id=2, name="target-2", kv={"pulls": 4}, model={})],
+             "workers": [worker, dict(worker, id=2, name="target-2", kv={"pulls": 4}, model={}),
+                         dict(worker, id=3, name="target-3", kv={"pulls": 4, "pulls_skipped": 5})],
              "by_shard": [{"shard": 0, "pid": 10, "pool": 1, "workers": 2, "rounds": 5, "restarts": 0},
                           {"shard": 1, "pid": 11, "pool": 2, "workers": 2, "rounds": 7, "restarts": 1}],
              "counters": {"rounds": 12}, "errors": {}, "restarts": {"broker": 1, "workers": 0}}
@@ -215,5 +216,6 @@ def test_status_text_names_each_shard_and_a_workers_kv_pull_failures() -> None:
     assert "  shard 1: pid 11, 2 in the pool, 2 workers, 7 rounds, restarts 1" in lines
     workers = [line for line in lines if line.startswith("  worker")]
     assert workers[0].endswith("KV pull failures 2 (recomputed; see its log)") and "KV" not in workers[1]
+    assert workers[2].endswith("KV pulls skipped 5 (recomputed: quicker than the link)")
     assert " on cuda:1 " in workers[0] and " on ? " in workers[1]  # (its device from its registration, or unknown)
     assert lines[-1] == "counters {'rounds': 12}"
