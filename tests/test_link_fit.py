@@ -29,9 +29,6 @@ def test_the_fit_is_the_line_through_the_exchanges_and_skips_the_connections_set
     assert link.deadline(1 << 20, 8) == pytest.approx(3 * 1.002, rel=1e-6)
     assert link.deadline(4096, 8) == PULL_TIMEOUT_S and link.deadline(64 << 20, 8) == MAX_PULL_S
     assert link.state(8) == {"latency_ms": 2.0, "mbit_s": 8.389}
-    # far beyond the largest exchange seen, the fit is not trusted to skip a pull (only to wait for one)
-    assert link.predict(4 << 20, 8, extrapolate=False) == link.predict(4 << 20, 8)
-    assert link.predict(5 << 20, 8, extrapolate=False) is None
 
 
 def test_one_size_of_exchange_is_all_bandwidth_and_a_pull_given_up_bounds_the_link() -> None:
@@ -49,6 +46,19 @@ def test_one_size_of_exchange_is_all_bandwidth_and_a_pull_given_up_bounds_the_li
 def test_a_pull_is_made_unless_measured_slower_than_twice_the_recompute() -> None:
     assert worth_pulling(None, 0.001) and worth_pulling(1.0, None)  # (unmeasured: pull, and so measure)
     assert worth_pulling(0.019, 0.010) and not worth_pulling(0.021, 0.010)
+    link = LinkFit()
+    assert link.worth([1 << 20, 1024], [1e-6, 1e-6], 0.0) == [True, True]  # (no fit yet: pulled, and measured)
+    link.observe(0, 1024, 0.05)  # (the connection's setup)
+    for i, n in enumerate((1024, 4096, 1 << 20)):  # 10 ms of round trip, 1 MiB/s
+        link.observe(1 + i, n, 0.010 + n / (1 << 20))
+    # each item on its own bytes (the latency is paid once for the exchange): 1 MiB takes 1 s
+    assert link.worth([1 << 20, 1 << 10], [0.4, 0.01], 5) == [False, True]
+    assert link.worth([1 << 20, 1 << 10], [0.6, 0.001], 5) == [True, True]  # (the small one rides along)
+    # a lone small item: 1 ms of bytes against 1 ms to compute, but 10 ms of latency to pay for it
+    assert link.worth([1 << 10], [0.001], 5) == [False]
+    assert link.worth([1 << 10, 1 << 10], [0.001, None], 5) == [True, True]  # (paid anyway: one is not known)
+    # beyond four times the largest exchange seen, not judged: pulled (and measured)
+    assert link.worth([5 << 20], [1e-6], 5) == [True] and link.worth([4 << 20], [1e-6], 5) == [False]
 
 
 class RecordingZmq(ZmqTransport):

@@ -11,11 +11,13 @@ that is skipped teaches nothing, so a doubtful prediction errs towards pulling.
 
 Two decisions come from it (``kv/store.py``'s ``fetch_many``):
 
-* **Pull or recompute.** Recomputing a request's positions costs a forward of that many rows on
-  this worker (its measured batch costs, ``elastic.estimate``). A pull predicted to take more than
-  ``SKIP_FACTOR`` times that is not made: the positions are recomputed at once, instead of the
-  batch waiting for a pull that would have lost anyway (or, past the deadline, for nothing). The
-  factor credits the pull for running while the previous batch computes.
+* **Pull or recompute** (``LinkFit.worth``). Recomputing a request's positions costs a forward of
+  that many rows on this worker (its measured batch costs, ``elastic.estimate``). A request whose
+  bytes take more than ``SKIP_FACTOR`` times that is not pulled, and an exchange is not made at
+  all when its latency plus its bytes take more than ``SKIP_FACTOR`` times recomputing all it
+  would bring: the positions are recomputed at once, instead of the batch waiting for a pull that
+  would have lost anyway (or, past the deadline, for nothing). The factor credits the pull for
+  running while the previous batch computes.
 * **How long to wait.** A pull's deadline is ``DEADLINE_FACTOR`` times its prediction, at least
   ``PULL_TIMEOUT_S`` (a holder that says nothing that long is gone or stuck) and at most
   ``MAX_PULL_S`` (holders keep served rows out of reuse that long, ``kv/arena.py``). Before there
@@ -69,13 +71,30 @@ class LinkFit:
                 return max(0.0, mean_s - slope * mean_b), 1.0 / slope
         return 0.0, sum(sizes) / sum(times)
 
-    def predict(self, nbytes: int, now: float, extrapolate: bool = True) -> float | None:
-        """Seconds a pull of ``nbytes`` should take; None: nothing measured lately (or, without
-        ``extrapolate``, nothing within ``EXTRAPOLATE`` times smaller)."""
+    def predict(self, nbytes: int, now: float) -> float | None:
+        """Seconds a pull of ``nbytes`` should take; None: nothing measured lately."""
         fit = self.fit(now)
-        if fit is None or (not extrapolate and nbytes > EXTRAPOLATE * max(b for _, b, _, _ in self.seen)):
-            return None
-        return fit[0] + nbytes / fit[1]
+        return None if fit is None else fit[0] + nbytes / fit[1]
+
+    def worth(self, sizes: list[int], recompute: list[float | None], now: float) -> list[bool]:
+        """Which items of one exchange to pull (``sizes``: their bytes; ``recompute``: the seconds to
+        compute each here, None: not known). An item whose bytes take more than ``SKIP_FACTOR``
+        times its recompute is left to compute; the others are pulled if the exchange, its latency
+        paid once, is worth it for them together. An item the fit cannot judge (none lately, or
+        more than ``EXTRAPOLATE`` times the largest exchange seen) or whose recompute is not known
+        is pulled: that is how both get measured."""
+        fit = self.fit(now)
+        if fit is None:
+            return [True] * len(sizes)
+        latency, rate = fit
+        largest = max(b for _, b, _, _ in self.seen)
+        known = [r is not None and b <= EXTRAPOLATE * largest for b, r in zip(sizes, recompute)]
+        keep = [not k or worth_pulling(b / rate, r) for b, r, k in zip(sizes, recompute, known)]
+        kept = [i for i, k in enumerate(keep) if k]
+        if kept and all(known[i] for i in kept) and not worth_pulling(
+                latency + sum(sizes[i] for i in kept) / rate, sum(recompute[i] for i in kept)):
+            return [False] * len(sizes)
+        return keep
 
     def deadline(self, nbytes: int, now: float) -> float:
         """How long a pull of ``nbytes`` is waited for."""

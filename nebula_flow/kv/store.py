@@ -21,7 +21,7 @@ import torch
 
 from nebula_flow.kv import device_copy
 from nebula_flow.kv.cache import KVCache
-from nebula_flow.kv.link_fit import PULL_TIMEOUT_S, LinkFit, worth_pulling
+from nebula_flow.kv.link_fit import PULL_TIMEOUT_S, LinkFit
 from nebula_flow.models.llama import CausalLM
 
 # Exchanges are counted by size class (upper bounds, bytes): a bandwidth is only comparable
@@ -204,9 +204,8 @@ class KVStore:
         timeout = PULL_TIMEOUT_S
         if link is not None and plan:
             now = time.monotonic()
-            worth = [worth_pulling(link.predict((valid - have) * cache.row_bytes, now, extrapolate=False),
-                                   recompute(valid - have) if recompute is not None else None)
-                     for _, _, have, valid, cache in plan]
+            worth = link.worth([(valid - have) * cache.row_bytes for _, _, have, valid, cache in plan],
+                               [recompute(valid - have) if recompute else None for _, _, have, valid, _ in plan], now)
             self.stats.pulls_skipped += worth.count(False)
             plan = [p for p, w in zip(plan, worth) if w]
             timeout = link.deadline(sum((valid - have) * cache.row_bytes for _, _, have, valid, cache in plan), now)
