@@ -31,13 +31,23 @@ def test_the_fit_is_the_line_through_the_exchanges_and_skips_the_connections_set
     assert link.state(8) == {"latency_ms": 2.0, "mbit_s": 8.389}
 
 
-def test_one_size_of_exchange_is_all_bandwidth_and_a_pull_given_up_bounds_the_link() -> None:
+def test_a_rate_the_exchanges_do_not_show_is_unknown_and_a_pull_given_up_bounds_the_link() -> None:
     link = LinkFit()
     link.observe(0.0, 4096, 0.05)  # (the connection's setup)
-    for i in range(3):
+    for i in range(3):  # one size: the time is a pull's, the rate not shown
         link.observe(1.0 + i, 4096, 0.004)
-    assert link.fit(4.0) == (0.0, pytest.approx(4096 / 0.004))  # (the rate a lower bound: latency unknown)
-    link.observe(4.0, 2 << 20, PULL_TIMEOUT_S, finished=False)  # gave up: slower than 1 MiB/s
+    assert link.fit(4.0) == (0.004, None) and link.predict(4 << 20, 4.0) == 0.004
+    assert link.deadline(4 << 20, 4.0) == PULL_TIMEOUT_S and link.state(4.0) == {"latency_ms": 4.0, "mbit_s": None}
+    assert link.worth([4096], [0.001], 4.0) == [False] and link.worth([4096], [0.003], 4.0) == [True]
+    # a round's few kB over a fast link: their times differ by noise, not by their sizes
+    noisy = LinkFit()
+    for i, (n, t) in enumerate(((1024, 0.0), (1024, 0.0013), (2048, 0.0016), (4096, 0.0012), (2048, 0.0014), (1024, 0.0015))):
+        noisy.observe(i, n, t or 0.05)
+    assert noisy.fit(6.0) == (0.0014, None)
+    # a pull given up at 2 s: slower than 1 MiB/s, the rate now shown
+    link.observe(4.0, 2 << 20, PULL_TIMEOUT_S, finished=False)
+    rate = ((2 << 20) - 4096) / (PULL_TIMEOUT_S - 0.004)  # (the line through both sizes)
+    assert link.fit(5.0) == (pytest.approx(0.004 - 4096 / rate), pytest.approx(rate))
     assert link.predict(4 << 20, 5.0) >= 2 * PULL_TIMEOUT_S * 0.99
     # a minute on, a holder that was slow (or stuck) is tried as if new
     assert link.fit(4.0 + MEMORY_S + 0.1) is None and link.deadline(4 << 20, 4.0 + MEMORY_S + 0.1) == PULL_TIMEOUT_S
@@ -84,7 +94,8 @@ def test_fetch_recomputes_what_the_link_says_is_slower_and_learns_from_what_it_p
     try:
         slow, now = LinkFit(), time.monotonic()
         slow.observe(now, 1024, 0.05)  # (the connection's setup)
-        slow.observe(now, 1 << 20, 40.0)  # measured: 1 MiB took 40 s (~0.2 Mbit/s)
+        for n in (1 << 19, 1 << 20, 1 << 21):  # measured: 40 s a MiB (~0.2 Mbit/s)
+            slow.observe(now, n, 40.0 * n / (1 << 20))
         nbytes = 39 * puller.row_bytes
         puller.fetch_many("target", [(1, tokens, 39)], endpoint, client, slow, lambda rows: 0.001 * rows)
         # 39 positions of 1 kB at ~26 kB/s: ~1.5 s, against ~0.04 s to compute them here
@@ -95,10 +106,10 @@ def test_fetch_recomputes_what_the_link_says_is_slower_and_learns_from_what_it_p
         # The same link with a slow model to recompute on: the pull is made, waited for three times
         # what the link predicts (not the fixed 2 s), and the link learns the exchange.
         puller.fetch_many("target", [(2, tokens, 39)], endpoint, client, slow, lambda rows: 1.0)
-        assert puller.stats.pulls == 1 and server.served == 1 and len(slow.seen) == 2
+        assert puller.stats.pulls == 1 and server.served == 1 and len(slow.seen) == 4
         assert client.timeouts == [pytest.approx(3 * nbytes * 40.0 / (1 << 20), rel=1e-3)]
         assert client.timeouts[0] > PULL_TIMEOUT_S
-        assert slow.seen[1][1] == nbytes and slow.seen[1][3]
+        assert slow.seen[-1][1] == nbytes and slow.seen[-1][3]
     finally:
         server.close()
         client.close()

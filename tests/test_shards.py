@@ -208,7 +208,8 @@ def test_status_text_names_each_shard_and_a_workers_kv_pull_failures_and_skipped
     state = {"mode": "pooled", "uptime_s": 12, "pool": 3, "topics": {"draft": 1}, "roles": ["target"],
              "workers": [worker, dict(worker, id=2, name="target-2", kv={"pulls": 4}, model={}),
                          dict(worker, id=3, name="target-3", kv={"pulls": 4, "pulls_skipped": 5, "links": {
-                             "tcp://10.0.0.2:5000": {"latency_ms": 1.5, "mbit_s": 3.8}}})],
+                             "tcp://10.0.0.2:5000": {"latency_ms": 1.5, "mbit_s": 3.8},
+                             "tcp://10.0.0.3:5000": {"latency_ms": 1.25, "mbit_s": None}}})],
              "by_shard": [{"shard": 0, "pid": 10, "pool": 1, "workers": 2, "rounds": 5, "restarts": 0},
                           {"shard": 1, "pid": 11, "pool": 2, "workers": 2, "rounds": 7, "restarts": 1}],
              "counters": {"rounds": 12}, "errors": {}, "restarts": {"broker": 1, "workers": 0}}
@@ -218,6 +219,7 @@ def test_status_text_names_each_shard_and_a_workers_kv_pull_failures_and_skipped
     workers = [line for line in lines if line.startswith("  worker")]
     assert workers[0].endswith("KV pull failures 2 (recomputed; see its log)") and "KV" not in workers[1]
     assert workers[2].endswith("KV pulls skipped 5 (recomputed: quicker than the link)")
-    assert lines[lines.index(workers[2]) + 1] == "      KV links: tcp://10.0.0.2:5000 3.8 Mbit/s 1.5 ms"
+    assert lines[lines.index(workers[2]) + 1] == ("      KV links: tcp://10.0.0.2:5000 3.8 Mbit/s 1.5 ms, "
+                                                  "tcp://10.0.0.3:5000 rate not shown yet 1.25 ms")
     assert " on cuda:1 " in workers[0] and " on ? " in workers[1]  # (its device from its registration, or unknown)
     assert lines[-1] == "counters {'rounds': 12}"

@@ -40,6 +40,7 @@ class KVPrep:
         self.served, self.stores, self.transport = served, stores, transport
         self.runners = runners or {}
         self.links: dict[str, LinkFit] = {}  # network holders' endpoints -> what pulls from them take
+        self.slow: set[str] = set()  # holders whose pulls were first skipped (logged once)
         self.endpoint: str | None = None  # this worker's KV server (a holder that is us needs no pull)
 
     def lookup(self, rid: int, role: str, start: int, end: int):  # noqa: ANN201 - KV server thread
@@ -91,11 +92,19 @@ class KVPrep:
         for (endpoint, role), wanted in pulls.items():  # one exchange per holder and model for the whole batch
             store = self.served[role]
             link = None if self.transport.reads_locally(endpoint) else self.links.setdefault(endpoint, LinkFit())
+            skipped = store.stats.pulls_skipped
             try:
                 store.fetch_many(role, wanted, endpoint, self.transport, link, self.recompute(role))
             except Exception:  # never let a transfer problem cost the batch: recompute instead
                 log.exception("KV pull from %s failed", endpoint)
                 store.stats.pull_failures += len(wanted)
+            if store.stats.pulls_skipped > skipped and endpoint not in self.slow:  # (said once a holder)
+                self.slow.add(endpoint)
+                fit = (link.state(time.monotonic()) if link is not None else None) or {}
+                seen = f"{fit.get('latency_ms')} ms latency, " + (f"{fit['mbit_s']} Mbit/s" if fit.get("mbit_s") else
+                                                                "its rate not shown yet")
+                log.info("KV from %s is recomputed where pulling it is slower (its link measured: %s); status "
+                         "counts these as pulls_skipped", endpoint.split(";curve:")[0], seen)
 
     def recompute(self, role: str) -> Callable[[int], float | None] | None:
         """The seconds a forward of that many new rows of ``role``'s model takes here (None: not

@@ -27,8 +27,9 @@ def status_lines(state: dict[str, Any]) -> list[str]:
                    f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}{restarted}{kv}")
         links = (w.get("kv") or {}).get("links") or {}  # (its network pulls' holders, as it measured them lately)
         if links:
-            out.append("      KV links: " + ", ".join(f"{addr} {fit['mbit_s']:g} Mbit/s {fit['latency_ms']:g} ms"
-                                                    for addr, fit in sorted(links.items())))
+            out.append("      KV links: " + ", ".join(
+                f"{addr} " + (f"{fit['mbit_s']:g} Mbit/s" if fit["mbit_s"] else "rate not shown yet") + f" {fit['latency_ms']:g} ms"
+                for addr, fit in sorted(links.items())))
     if len(state.get("drafters", {})) > 1:  # several drafters: how routing shares the rounds out
         for name, d in state["drafters"].items():
             rates = ", ".join(f"{kind} {rate:.2f}" for kind, rate in d.get("acceptance", {}).items())

@@ -2,8 +2,8 @@
 
 A pull over the network takes about ``latency + bytes / rate``. ``LinkFit`` keeps a holder's
 recent exchanges and fits the two by least squares (a round's pulls vary in size, a prompt's
-dwarf them; where sizes do not vary, all the time is taken as the bytes': the rate is then a lower
-bound). A pull that gave up at its deadline is kept as what it is, a lower bound of its time, so a
+dwarf them); where the sizes do not show a rate above the times' noise, the rate is taken as
+unknown and a pull as its latency alone, which errs towards pulling. A pull that gave up at its deadline is kept as what it is, a lower bound of its time, so a
 link that keeps failing is learned in a few tries. Observations expire (``MEMORY_S``), so a holder
 that was slow or stuck a while ago is tried again. A fit is only trusted to skip a pull up to
 ``EXTRAPOLATE`` times the largest exchange it has seen: a pull that is made is measured, a pull
@@ -56,25 +56,31 @@ class LinkFit:
         elif nbytes > 0 and seconds > 0:
             self.seen.append((now, nbytes, seconds, finished))
 
-    def fit(self, now: float) -> tuple[float, float] | None:
-        """(latency s, rate bytes/s) from the exchanges of the last ``MEMORY_S``; None: none."""
+    def fit(self, now: float) -> tuple[float, float | None] | None:
+        """(latency s, rate bytes/s) from the exchanges of the last ``MEMORY_S``; None: none lately.
+        The rate is None where the exchanges do not show it: fewer than three, or sizes whose times
+        differ by no more than their noise (the line's slope within two standard errors of flat,
+        as a round's pulls of a few kB over a fast link are); the latency is then their median."""
         while self.seen and self.seen[0][0] < now - MEMORY_S:
             self.seen.popleft()
         if not self.seen:
             return None
         sizes, times = [b for _, b, _, _ in self.seen], [s for _, _, s, _ in self.seen]
-        if max(sizes) >= 2 * min(sizes):  # (sizes that vary: the line through them)
-            mean_b, mean_s = sum(sizes) / len(sizes), sum(times) / len(times)
-            slope = (sum((b - mean_b) * (s - mean_s) for b, s in zip(sizes, times))
-                     / sum((b - mean_b) ** 2 for b in sizes))
-            if slope > 0:
-                return max(0.0, mean_s - slope * mean_b), 1.0 / slope
-        return 0.0, sum(sizes) / sum(times)
+        n, mean_b, mean_s = len(sizes), sum(sizes) / len(sizes), sum(times) / len(times)
+        spread = sum((b - mean_b) ** 2 for b in sizes)
+        if n >= 3 and spread > 0:
+            slope = sum((b - mean_b) * (s - mean_s) for b, s in zip(sizes, times)) / spread
+            intercept = mean_s - slope * mean_b
+            noise = sum((s - intercept - slope * b) ** 2 for b, s in zip(sizes, times)) / (n - 2)
+            if slope > 0 and slope * slope > 4 * noise / spread:
+                return max(0.0, intercept), 1.0 / slope
+        return sorted(times)[n // 2], None
 
     def predict(self, nbytes: int, now: float) -> float | None:
-        """Seconds a pull of ``nbytes`` should take; None: nothing measured lately."""
+        """Seconds a pull of ``nbytes`` should take (its latency alone where the rate is not
+        known); None: nothing measured lately."""
         fit = self.fit(now)
-        return None if fit is None else fit[0] + nbytes / fit[1]
+        return None if fit is None else fit[0] + (nbytes / fit[1] if fit[1] else 0.0)
 
     def worth(self, sizes: list[int], recompute: list[float | None], now: float) -> list[bool]:
         """Which items of one exchange to pull (``sizes``: their bytes; ``recompute``: the seconds to
@@ -89,10 +95,11 @@ class LinkFit:
         latency, rate = fit
         largest = max(b for _, b, _, _ in self.seen)
         known = [r is not None and b <= EXTRAPOLATE * largest for b, r in zip(sizes, recompute)]
-        keep = [not k or worth_pulling(b / rate, r) for b, r, k in zip(sizes, recompute, known)]
+        spent = [b / rate if rate else 0.0 for b in sizes]  # (each item's bytes; the latency is the exchange's)
+        keep = [not k or worth_pulling(t, r) for t, r, k in zip(spent, recompute, known)]
         kept = [i for i, k in enumerate(keep) if k]
         if kept and all(known[i] for i in kept) and not worth_pulling(
-                latency + sum(sizes[i] for i in kept) / rate, sum(recompute[i] for i in kept)):
+                latency + sum(spent[i] for i in kept), sum(recompute[i] for i in kept)):
             return [False] * len(sizes)
         return keep
 
@@ -103,10 +110,11 @@ class LinkFit:
             return PULL_TIMEOUT_S
         return min(MAX_PULL_S, max(PULL_TIMEOUT_S, DEADLINE_FACTOR * predicted))
 
-    def state(self, now: float) -> dict[str, float] | None:
-        """The fit as status shows it (None: nothing measured lately)."""
+    def state(self, now: float) -> dict[str, float | None] | None:
+        """The fit as status shows it (None: nothing measured lately; ``mbit_s`` None: not shown yet)."""
         fit = self.fit(now)
-        return None if fit is None else {"latency_ms": round(fit[0] * 1e3, 3), "mbit_s": round(fit[1] * 8e-6, 3)}
+        return None if fit is None else {"latency_ms": round(fit[0] * 1e3, 3),
+                                         "mbit_s": round(fit[1] * 8e-6, 3) if fit[1] else None}
 
 
 def worth_pulling(predicted_s: float | None, recompute_s: float | None) -> bool:
