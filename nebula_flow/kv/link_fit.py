@@ -3,8 +3,9 @@
 A pull over the network takes about ``latency + bytes / rate``. ``LinkFit`` keeps a holder's
 recent exchanges and fits the two by least squares (a round's pulls vary in size, a prompt's
 dwarf them); where the sizes do not show a rate above the times' noise, the rate is taken as
-unknown and a pull as its latency alone, which errs towards pulling. A pull that gave up at its deadline is kept as what it is, a lower bound of its time, so a
-link that keeps failing is learned in a few tries. Observations expire (``MEMORY_S``), so a holder
+unknown and a pull as its latency alone, which errs towards pulling. A pull that gave up at its
+deadline is kept as what it is, a lower bound of its time, so a link that keeps failing is
+learned in a few tries. Observations expire (``MEMORY_S``), so a holder
 that was slow or stuck a while ago is tried again. A fit is only trusted to skip a pull up to
 ``EXTRAPOLATE`` times the largest exchange it has seen: a pull that is made is measured, a pull
 that is skipped teaches nothing, so a doubtful prediction errs towards pulling.
@@ -27,6 +28,7 @@ Two decisions come from it (``kv/store.py``'s ``fetch_many``):
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 # (pure: the simulator makes the same decision, ``sim/costs.py``)
@@ -42,29 +44,44 @@ DEADLINE_FACTOR = 3.0  # a pull is given this many times its prediction
 
 
 class LinkFit:
-    """Recent exchanges with one holder: (when, bytes, seconds, finished)."""
+    """Recent exchanges with one holder: (when, bytes, seconds, finished). Thread-safe: the prefetch
+    thread pulls and learns, the compute thread reports the fit with each batch's result."""
 
     def __init__(self) -> None:
         self.seen: deque[tuple[float, int, float, bool]] = deque(maxlen=WINDOW)
         self.connected = False  # (the first exchange also opened the connection: TCP and CURVE handshakes)
+        self.observed = 0  # exchanges kept so far: the fit is made again only when they change
+        # (exchanges seen, kept) -> (the fit, the largest exchange it saw)
+        self._fit: tuple[tuple[int, int], tuple[float, float | None] | None, int] = ((-1, -1), None, 0)
+        self.lock = threading.Lock()
 
     def observe(self, now: float, nbytes: int, seconds: float, finished: bool = True) -> None:
         """An exchange of ``nbytes`` took ``seconds`` (``finished`` False: it gave up then). The
         first that finished is not kept: its time is mostly the connection's setup."""
-        if finished and not self.connected:
-            self.connected = True
-        elif nbytes > 0 and seconds > 0:
-            self.seen.append((now, nbytes, seconds, finished))
+        with self.lock:
+            if finished and not self.connected:
+                self.connected = True
+            elif nbytes > 0 and seconds > 0:
+                self.seen.append((now, nbytes, seconds, finished))
+                self.observed += 1
 
     def fit(self, now: float) -> tuple[float, float | None] | None:
         """(latency s, rate bytes/s) from the exchanges of the last ``MEMORY_S``; None: none lately.
         The rate is None where the exchanges do not show it: fewer than three, or sizes whose times
         differ by no more than their noise (the line's slope within two standard errors of flat,
         as a round's pulls of a few kB over a fast link are); the latency is then their median."""
-        while self.seen and self.seen[0][0] < now - MEMORY_S:
-            self.seen.popleft()
-        if not self.seen:
-            return None
+        return self._current(now)[1]
+
+    def _current(self, now: float) -> tuple[tuple[int, int], tuple[float, float | None] | None, int]:
+        with self.lock:
+            while self.seen and self.seen[0][0] < now - MEMORY_S:
+                self.seen.popleft()
+            key = (self.observed, len(self.seen))  # (status asks with every batch's result: once per change)
+            if key != self._fit[0]:
+                self._fit = key, self._line() if self.seen else None, max((b for _, b, _, _ in self.seen), default=0)
+            return self._fit
+
+    def _line(self) -> tuple[float, float | None]:
         sizes, times = [b for _, b, _, _ in self.seen], [s for _, _, s, _ in self.seen]
         n, mean_b, mean_s = len(sizes), sum(sizes) / len(sizes), sum(times) / len(times)
         spread = sum((b - mean_b) ** 2 for b in sizes)
@@ -89,11 +106,10 @@ class LinkFit:
         paid once, is worth it for them together. An item the fit cannot judge (none lately, or
         more than ``EXTRAPOLATE`` times the largest exchange seen) or whose recompute is not known
         is pulled: that is how both get measured."""
-        fit = self.fit(now)
+        _, fit, largest = self._current(now)
         if fit is None:
             return [True] * len(sizes)
         latency, rate = fit
-        largest = max(b for _, b, _, _ in self.seen)
         known = [r is not None and b <= EXTRAPOLATE * largest for b, r in zip(sizes, recompute)]
         spent = [b / rate if rate else 0.0 for b in sizes]  # (each item's bytes; the latency is the exchange's)
         keep = [not k or worth_pulling(t, r) for t, r, k in zip(spent, recompute, known)]
