@@ -50,7 +50,9 @@ def test_a_rate_the_exchanges_do_not_show_is_unknown_and_a_pull_given_up_bounds_
     assert link.fit(5.0) == (pytest.approx(0.004 - 4096 / rate), pytest.approx(rate))
     assert link.predict(4 << 20, 5.0) >= 2 * PULL_TIMEOUT_S * 0.99
     # a minute on, a holder that was slow (or stuck) is tried as if new
+    assert not link.idle(4.0 + MEMORY_S) and link.idle(4.0 + MEMORY_S + 0.1)
     assert link.fit(4.0 + MEMORY_S + 0.1) is None and link.deadline(4 << 20, 4.0 + MEMORY_S + 0.1) == PULL_TIMEOUT_S
+    assert not LinkFit().idle(1e9)  # (not used yet: its first pull may be under way)
 
 
 def test_a_pull_is_made_unless_measured_slower_than_twice_the_recompute() -> None:

@@ -127,7 +127,10 @@ class KVPrep:
         if hasattr(self.transport, "routes"):  # shm+zmq: items read from same-host files / asked over the network
             merged["routes"] = dict(self.transport.routes)
         merged["held_requests"] = sum(len(store.caches) for store in self.stores)
-        now = time.monotonic()  # (the links to holders pulled from lately, as measured)
-        merged["links"] = {next((p for p in endpoint.split(";") if p.startswith(("tcp://", "ucx://"))), endpoint): fit
-                           for endpoint, link in list(self.links.items()) if (fit := link.state(now)) is not None}
+        now, merged["links"] = time.monotonic(), {}  # (the links to holders pulled from lately, as measured)
+        for endpoint, link in list(self.links.items()):
+            if link.idle(now):  # (forgotten: the links of holders gone do not pile up)
+                self.links.pop(endpoint, None)
+            elif (fit := link.state(now)) is not None:
+                merged["links"][next((p for p in endpoint.split(";") if p.startswith(("tcp://", "ucx://"))), endpoint)] = fit
         return merged

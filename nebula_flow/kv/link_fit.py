@@ -51,6 +51,7 @@ class LinkFit:
         self.seen: deque[tuple[float, int, float, bool]] = deque(maxlen=WINDOW)
         self.connected = False  # (the first exchange also opened the connection: TCP and CURVE handshakes)
         self.observed = 0  # exchanges kept so far: the fit is made again only when they change
+        self.last: float | None = None  # when the last exchange ended (None: none yet)
         # (exchanges seen, kept) -> (the fit, the largest exchange it saw)
         self._fit: tuple[tuple[int, int], tuple[float, float | None] | None, int] = ((-1, -1), None, 0)
         self.lock = threading.Lock()
@@ -59,6 +60,7 @@ class LinkFit:
         """An exchange of ``nbytes`` took ``seconds`` (``finished`` False: it gave up then). The
         first that finished is not kept: its time is mostly the connection's setup."""
         with self.lock:
+            self.last = now
             if finished and not self.connected:
                 self.connected = True
             elif nbytes > 0 and seconds > 0:
@@ -125,6 +127,10 @@ class LinkFit:
         if predicted is None:
             return PULL_TIMEOUT_S
         return min(MAX_PULL_S, max(PULL_TIMEOUT_S, DEADLINE_FACTOR * predicted))
+
+    def idle(self, now: float) -> bool:
+        """No exchange for ``MEMORY_S``: nothing of this link is known any more."""
+        return self.last is not None and self.last < now - MEMORY_S
 
     def state(self, now: float) -> dict[str, float | None] | None:
         """The fit as status shows it (None: nothing measured lately; ``mbit_s`` None: not shown yet)."""
