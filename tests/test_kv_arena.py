@@ -29,18 +29,24 @@ def _arena(rows: int = 256) -> KVArena:
 
 def test_leases_never_overlap_merge_back_and_overflow_into_a_new_chunk() -> None:
     arena = _arena(256)
-    leases = [arena.lease(n) for n in (1, 16, 17, 40, 100)]
-    assert [lease.rows for lease in leases] == [MIN_ROWS, 16, 32, 64, 128]  # powers of two, from MIN_ROWS
-    spans = sorted((lease.base, lease.base + lease.rows) for lease in leases)
-    assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:]))  # disjoint
-    assert {lease.chunk for lease in leases} == {0} and arena.leased_rows == 256
-    extra = arena.lease(8)  # chunk 0 is full: a second chunk
-    assert extra.chunk == 1
+    leases = [arena.lease(n) for n in (1, 16, 17, 40, 100, 60)]
+    assert [lease.rows for lease in leases] == [MIN_ROWS, 16, 32, 48, 112, 64]  # multiples of MIN_ROWS
+    spans = sorted((lease.base, lease.base + lease.rows) for lease in leases[:5])
+    assert spans == [(0, 16), (16, 32), (32, 64), (64, 112), (112, 224)]  # disjoint, lowest first
+    assert {lease.chunk for lease in leases[:5]} == {0} and arena.leased_rows == 224 + 64
+    assert leases[5].chunk == 1  # (64 rows: 32 were left in chunk 0, so a second chunk)
     huge = arena.lease(1000)  # more than a chunk: a chunk of its own
-    assert huge.rows == 1024 and huge.chunk == 2 and arena.chunks[2].buf.shape[0] == 1024
-    for lease in (*leases, extra, huge):
+    assert huge.rows == 1008 and huge.chunk == 2 and arena.chunks[2].buf.shape[0] == 1008
+    arena.give(leases[1])  # rows 16..32 free
+    arena.give(leases[3])  # rows 64..112 free
+    middle = arena.lease(20)
+    assert (middle.base, middle.rows) == (64, 32)  # the lowest free range long enough (16..32 is not)
+    arena.give(leases[2])  # rows 32..64: merged with 16..32 into one free range of 48 rows
+    merged = arena.lease(48)
+    assert (merged.chunk, merged.base) == (0, 16)  # (no other free range is that long)
+    for lease in (leases[0], leases[4], leases[5], huge, middle, merged):
         arena.give(lease)
-    assert arena.lease(256).chunk == 0  # the freed ranges merged back into one whole chunk
+    assert arena.lease(256).base == 0  # every range given back: one whole chunk again
     assert arena.chunks[1] is None and arena.chunks[2] is None  # emptied extra chunks gave their memory back
 
 
@@ -89,14 +95,20 @@ def test_a_cache_grows_in_the_arena_keeps_its_rows_and_gives_back_what_it_left()
     assert cache.lease is not None and cache.buf.shape[0] == 16
     cache.buf[:10] = torch.arange(10.0)[:, None, None, None, None]
     cache.tokens = list(range(10))
-    cache.reserve(100)
-    assert cache.buf.shape[0] == 128 and cache.buf.data_ptr() == arena.rows(cache.lease).data_ptr()
-    assert torch.equal(cache.buf[:10, 0, 0, 0, 0], torch.arange(10.0))
-    assert arena.leased_rows == 128  # the old range went back
+    where = cache.buf.data_ptr()
+    cache.reserve(100)  # (the rows after it are free: it grows where it is, nothing copied)
+    assert cache.buf.shape[0] == 128 and cache.buf.data_ptr() == where == arena.rows(cache.lease).data_ptr()
+    assert torch.equal(cache.buf[:10, 0, 0, 0, 0], torch.arange(10.0)) and arena.leased_rows == 128
+    neighbour = arena.lease(16)  # right after it: the next growth moves it
+    cache.reserve(200)
+    assert cache.buf.shape[0] == 256 and cache.lease.base == 144 and cache.buf.data_ptr() == arena.rows(cache.lease).data_ptr()
+    assert torch.equal(cache.buf[:10, 0, 0, 0, 0], torch.arange(10.0))  # (its rows copied over)
+    assert arena.leased_rows == 256 + 16  # the old range went back
+    arena.give(neighbour)
     cache.release()
     assert arena.leased_rows == 0 and cache.length == 0
     dropped = KVCache(*ROW[:1], ROW[2], ROW[3], capacity=40, arena=arena)
-    assert dropped.lease.rows == 64
+    assert dropped.lease.rows == 48
     del dropped  # never released (an evicted fork): its range comes back all the same
     gc.collect()
     assert arena.leased_rows == 0

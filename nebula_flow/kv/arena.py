@@ -8,8 +8,10 @@ batch, where per-request tensors needed a call per request per layer. A range st
 so a request's positions ``a..b`` are still one slice for the transports (a pull writes into it,
 a peer is served a view of it, a rollback is a length change).
 
-Ranges are handed out by a buddy allocator (sizes are powers of two from ``MIN_ROWS``, a freed
-range merges with its free twin), so a long-running worker does not fragment its chunk. A range
+Ranges are multiples of ``MIN_ROWS`` rows, the lowest free range that fits first; a range given back
+merges with the free ones beside it, and a cache that outgrows its range grows in place where the
+rows after it are free (no copy). (A buddy allocator, with ranges of powers of two, held a third
+more rows for the same requests: docs/benchmarks.md, "KV rows per position held".) A range
 whose rows were sent to a network peer lately is not reused for ``QUARANTINE_S`` (a send may still
 read it: the servers send straight from the cache's memory, as ``kv/shm.py``'s ``FilePool``).
 Thread-safe: the compute and prefetch threads both make and grow caches.
@@ -36,59 +38,68 @@ CHUNK_BYTES = 1 << 30
 QUARANTINE_S = MAX_PULL_S + 1.0
 
 
-def _order(rows: int) -> int:
-    """The power of two (exponent) of the smallest range holding ``rows``."""
-    return (max(rows, MIN_ROWS) - 1).bit_length()
+def _rounded(rows: int) -> int:
+    """The rows of the smallest range holding ``rows``: a multiple of ``MIN_ROWS``."""
+    return max(MIN_ROWS, -(-rows // MIN_ROWS) * MIN_ROWS)
 
 
 @dataclass
 class Lease:
-    """A range of rows of one chunk, held by one cache."""
+    """A range of ``rows`` rows of one chunk from ``base``, held by one cache (it may grow in place)."""
 
     chunk: int
     base: int
-    order: int
+    rows: int
     served_at: float = float("-inf")  # when a network peer was last sent rows from it (monotonic)
-
-    @property
-    def rows(self) -> int:
-        return 1 << self.order
 
 
 class Chunk:
-    """One tensor of ``rows`` rows (a multiple of ``MIN_ROWS``) and its buddy free lists: it starts
-    as one free range per bit of ``rows``, largest first (so each is aligned to its size)."""
+    """One tensor of ``rows`` rows (a multiple of ``MIN_ROWS``) and its free ranges, each kept by
+    where it starts and where it ends, so a range given back merges with the free ranges beside it."""
 
     def __init__(self, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         with torch.inference_mode(False):  # (made inside a forward or not: a normal tensor, writable anywhere)
             self.buf = torch.empty((rows, *row_shape), dtype=dtype, device=device)
-        self.free: dict[int, set[int]] = {}  # order -> bases of free ranges
-        base = 0
-        for order in reversed(range(rows.bit_length())):
-            if rows >> order & 1:
-                self.free[order] = {base}
-                base += 1 << order
-        self.order = rows.bit_length() - 1  # the largest range it can hand out
+        self.starts: dict[int, int] = {0: rows}  # free range: base -> rows
+        self.ends: dict[int, int] = {rows: 0}  # free range: end -> base
         self.used = 0  # rows handed out
 
-    def take(self, order: int) -> int | None:
-        have = next((o for o in range(order, self.order + 1) if self.free.get(o)), None)
-        if have is None:
-            return None
-        base = min(self.free[have])  # (the lowest first: pages already in stay in use)
-        self.free[have].discard(base)
-        while have > order:  # split, keeping the upper halves free
-            have -= 1
-            self.free.setdefault(have, set()).add(base + (1 << have))
-        self.used += 1 << order
+    def _cut(self, base: int, rows: int) -> None:
+        """Take the first ``rows`` rows of the free range at ``base``."""
+        size = self.starts.pop(base)
+        if size > rows:
+            self.starts[base + rows] = size - rows
+            self.ends[base + size] = base + rows
+        else:
+            del self.ends[base + size]
+        self.used += rows
+
+    def take(self, rows: int) -> int | None:
+        """The base of a new range of ``rows`` rows (the lowest that fits: pages already in stay in
+        use), or None where no free range is that long."""
+        base = min((b for b, size in self.starts.items() if size >= rows), default=None)
+        if base is not None:
+            self._cut(base, rows)
         return base
 
-    def give(self, base: int, order: int) -> None:
-        self.used -= 1 << order
-        while order < self.order and (buddy := base ^ (1 << order)) in self.free.get(order, ()):
-            self.free[order].discard(buddy)
-            base, order = min(base, buddy), order + 1
-        self.free.setdefault(order, set()).add(base)
+    def extend(self, base: int, rows: int, more: int) -> bool:
+        """Grow the range ``base``, ``rows`` long, by ``more`` rows in place, if they are free."""
+        if self.starts.get(base + rows, 0) < more:
+            return False
+        self._cut(base + rows, more)
+        return True
+
+    def give(self, base: int, rows: int) -> None:
+        self.used -= rows
+        end = base + rows
+        if end in self.starts:  # (merged with the free range after it ...)
+            size = self.starts.pop(end)
+            del self.ends[end + size]
+            end += size
+        if base in self.ends:  # (... and the one before it)
+            base = self.ends.pop(base)
+            del self.starts[base]
+        self.starts[base], self.ends[end] = end - base, base
 
 
 class KVArena:
@@ -106,19 +117,29 @@ class KVArena:
 
     def lease(self, rows: int) -> Lease:
         """A range of at least ``rows`` rows."""
-        order = _order(rows)
+        rows = _rounded(rows)
         with self.lock:
             self._release_waiting()
             for i, chunk in enumerate(self.chunks):
-                if chunk is not None and order <= chunk.order and (base := chunk.take(order)) is not None:
-                    return Lease(i, base, order)
+                if chunk is not None and (base := chunk.take(rows)) is not None:
+                    return Lease(i, base, rows)
             # (the first chunk is the whole budget; one made when it is full, by fragmentation or a
             # cache larger than it, only an eighth of it or that cache: a bounded overshoot, freed when empty)
-            rows = self.chunk_rows if not self.chunks else max(1 << order, self.chunk_rows // 8 // MIN_ROWS * MIN_ROWS)
-            chunk = self._chunk(max(1 << order, rows), 1 << order)
+            size = self.chunk_rows if not self.chunks else max(rows, self.chunk_rows // 8 // MIN_ROWS * MIN_ROWS)
+            chunk = self._chunk(max(rows, size), rows)
             i = next((i for i, c in enumerate(self.chunks) if c is None), len(self.chunks))
             self.chunks[i:i + 1] = [chunk]
-            return Lease(i, chunk.take(order), order)
+            return Lease(i, chunk.take(rows), rows)
+
+    def extend(self, lease: Lease, rows: int) -> bool:
+        """Grow ``lease`` to at least ``rows`` rows where it lies (its rows and their contents stay
+        put), if the rows after it are free; False: it cannot."""
+        rows = _rounded(rows)
+        with self.lock:
+            if rows > lease.rows and self.chunks[lease.chunk].extend(lease.base, lease.rows, rows - lease.rows):
+                lease.rows = rows
+                return True
+            return False
 
     def _chunk(self, rows: int, least: int) -> Chunk:
         """A chunk of ``rows`` rows, or as many as memory allows down to ``least`` (a budget larger
@@ -145,7 +166,7 @@ class KVArena:
 
     def _give(self, lease: Lease) -> None:
         chunk = self.chunks[lease.chunk]
-        chunk.give(lease.base, lease.order)
+        chunk.give(lease.base, lease.rows)
         if chunk.used == 0 and lease.chunk > 0:  # (an emptied extra chunk gives its memory back)
             self.chunks[lease.chunk] = None
 

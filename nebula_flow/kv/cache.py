@@ -121,7 +121,11 @@ class KVCache:
         if self.shared_path is not None and self._share_rows(cap):
             return
         if self.lease is not None:
-            self._take_lease(cap)
+            if self.arena.extend(self.lease, cap):  # (the rows after it were free: no copy)
+                with torch.inference_mode():
+                    self.buf = self.arena.rows(self.lease)
+            else:
+                self._take_lease(cap)
             return
         grown = torch.empty((cap, *self.row_shape), dtype=self.buf.dtype, device=self.buf.device)
         grown[: self.length] = self.buf[: self.length]
