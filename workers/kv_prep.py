@@ -14,7 +14,7 @@ import numpy as np
 from nebula_flow.elastic import estimate
 from nebula_flow.kv.link_fit import LinkFit
 from nebula_flow.kv.store import KVStore, add_by_size
-from nebula_flow.kv.transport import KVTransport
+from nebula_flow.kv.transport import KVTransport, endpoint_part
 from nebula_flow_workers.runner import ModelRunner, Task
 
 # A batch whose same-host reads go into new caches of this many bytes or more gets those caches
@@ -23,6 +23,10 @@ from nebula_flow_workers.runner import ModelRunner, Task
 ROOM_BYTES = 1 << 20
 log = logging.getLogger("nebula_flow.worker")
 
+
+def network_address(endpoint: str) -> str:
+    """The part of a holder's endpoint pulls go over the network to (not its shared folder or key)."""
+    return endpoint_part(endpoint, "tcp://") or endpoint_part(endpoint, "ucx://") or endpoint
 
 
 Pulls = dict[tuple[str, str], list[tuple[int, np.ndarray, int]]]  # (holder endpoint, model role) -> wanted
@@ -100,11 +104,11 @@ class KVPrep:
                 store.stats.pull_failures += len(wanted)
             if store.stats.pulls_skipped > skipped and endpoint not in self.slow:  # (said once a holder)
                 self.slow.add(endpoint)
-                fit = (link.state(time.monotonic()) if link is not None else None) or {}
+                fit = link.state(time.monotonic()) or {}  # (only a measured link skips a pull)
                 seen = f"{fit.get('latency_ms')} ms latency, " + (f"{fit['mbit_s']} Mbit/s" if fit.get("mbit_s") else
                                                                 "its rate not shown yet")
                 log.info("KV from %s is recomputed where pulling it is slower (its link measured: %s); status "
-                         "counts these as pulls_skipped", endpoint.split(";curve:")[0], seen)
+                         "counts these as pulls_skipped", network_address(endpoint), seen)
 
     def recompute(self, role: str) -> Callable[[int], float | None] | None:
         """The seconds a forward of that many new rows of ``role``'s model takes here (None: not
@@ -132,5 +136,5 @@ class KVPrep:
             if link.idle(now):  # (forgotten: the links of holders gone do not pile up)
                 self.links.pop(endpoint, None)
             elif (fit := link.state(now)) is not None:
-                merged["links"][next((p for p in endpoint.split(";") if p.startswith(("tcp://", "ucx://"))), endpoint)] = fit
+                merged["links"][network_address(endpoint)] = fit
         return merged
