@@ -66,11 +66,30 @@ class Admission:
             raise ProtocolError("invalid_params", f"logit_bias's token ids must be below {self.vocab_size}")
         return params
 
+    def prediction(self, msg: Submit, unlocked: bool = False) -> np.ndarray | None:
+        """A SUBMIT's prediction of its output as int32 token ids (None: it gives none), or
+        ``ProtocolError``. Text is tokenized as the output would be: no special tokens added."""
+        if msg.prediction is not None:
+            if self.codec is None:
+                raise ProtocolError("no_tokenizer", "this broker has no tokenizer; send prediction_tokens")
+            return np.asarray(self.codec.encode(msg.prediction, chat=False, unlocked=unlocked, special=False),
+                              dtype=np.int32)
+        ids = msg.prediction_tokens
+        if ids is None:
+            return None
+        if self.vocab_size is not None and len(ids) and not 0 <= ids.min() <= ids.max() < self.vocab_size:
+            raise ProtocolError("invalid_prediction", f"prediction token ids must be in [0, {self.vocab_size})")
+        return ids.astype(np.int32, copy=False)
+
     def prepare(self, msg: Submit) -> list[int]:
         """The work a SUBMIT asks of the tokenizer thread (``tokenizing``): its grammar compiled, if
-        new, and its prompt tokenized; ``ProtocolError`` for either."""
+        new, its prompt tokenized, and a prediction given as text turned into ``prediction_tokens``;
+        ``ProtocolError`` for any of them."""
         self.params(msg)
-        return self.tokenize(msg, unlocked=True)
+        prompt = self.tokenize(msg, unlocked=True)
+        if msg.prediction is not None:
+            msg.prediction_tokens, msg.prediction = self.prediction(msg, unlocked=True), None
+        return prompt
 
     def slow(self, msg: Submit) -> bool:
         """Whether a SUBMIT's work belongs on the tokenizer thread: a long prompt (to a tokenizer
@@ -90,7 +109,7 @@ class Admission:
             raise ProtocolError("too_long", f"prompt ({len(prompt)} tokens) + max_new_tokens "
                                             f"({params.max_new_tokens}) exceeds the context ({self.max_model_len})")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req = Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now)
+        req = Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now, prediction=self.prediction(msg))
         if params.min_tokens:  # (the ids that would end it early, which its verifies must not pick)
             req.suppress = sorted({*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids})
         return req

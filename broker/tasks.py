@@ -28,17 +28,17 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
 
     w = scheduler.workers[wid]
     if w.stage == AHEAD:
-        return [predraft(scheduler, req, holder, tokens_for(req, wid, full_tokens)) for req in batch]
+        return [predicted(req, predraft(scheduler, req, holder, tokens_for(req, wid, full_tokens))) for req in batch]
     tasks, alone = [], budget.alone(len(scheduler.requests))
     steps.assign(scheduler, batch)  # (multi-step decoding: a draft-less verify's ``steps``)
     for req in batch:
         tokens, base, crc = tokens_for(req, wid, full_tokens)
         if fusion.is_second(w, req):  # (a fused round's second draft: a plain draft of its own drafter's)
             s = req.second
-            tasks.append(penalized(req, TaskSpec(req.rid, DRAFT, req.round, s.attempt, tokens, s.k,
-                                                 req.params.to_wire(), req.seed,
-                                                 holder(req.holders.get(holder_key("draft", s.drafter), (0, 0))),
-                                                 base=base, base_crc=crc)))
+            tasks.append(predicted(req, penalized(req, TaskSpec(req.rid, DRAFT, req.round, s.attempt, tokens, s.k,
+                                                            req.params.to_wire(), req.seed,
+                                                            holder(req.holders.get(holder_key("draft", s.drafter), (0, 0))),
+                                                            base=base, base_crc=crc))))
             continue
         task = TaskSpec(req.rid, req.phase, req.round, req.attempt, tokens, req.k, req.params.to_wire(),
                         req.seed, holder(req.holders.get(scheduler.task_holder_key(req), (0, 0))), draft=req.draft,
@@ -54,6 +54,8 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
             penalized(req, task)
         if req.q:  # (a sampled draft's proposal, flat as it came: checked when it arrived)
             task.q_idx, task.q_prob, task.q_len = req.q["q_idx"], req.q["q_prob"], req.q["q_len"]
+        if req.prediction is not None:  # (checked here, as penalties are)
+            predicted(req, task)
         task.alone = alone
         task.steps = req.steps
         tasks.append(task)
@@ -67,6 +69,14 @@ def predraft(scheduler: Scheduler, req: Request, holder: HolderOf, tokens: tuple
     return penalized(req, TaskSpec(req.rid, AHEAD, st.round, st.attempt, rest, st.k, req.params.to_wire(), req.seed,
                                    holder(req.holders.get(holder_key("draft", req.drafter), (0, 0))), draft=st.draft,
                                    alts=st.alts, fuse=st.fuse, ahead=scheduler.policy.draft_ahead, base=base, base_crc=crc))
+
+
+def predicted(req: Request, task: TaskSpec) -> TaskSpec:
+    """``task`` with its request's prediction where it carries the request's tokens from the start:
+    the worker's book keeps it beside them for the request's later tasks (``workers/token_book.py``)."""
+    if req.prediction is not None and not task.base:
+        task.prediction = req.prediction
+    return task
 
 
 def penalized(req: Request, task: TaskSpec) -> TaskSpec:

@@ -30,9 +30,10 @@ INLINE_CHARS = 4096  # prompts (or conversations) up to this many characters are
 
 def prompt_chars(msg: Submit) -> int:
     """How much text a SUBMIT asks the broker to tokenize (0: it brings token ids)."""
+    predicted = len(msg.prediction) if msg.prediction is not None else 0
     if msg.messages is not None:
-        return sum(len(str(m.get("content", ""))) for m in msg.messages if isinstance(m, dict))
-    return len(msg.prompt) if msg.prompt is not None else 0
+        return predicted + sum(len(str(m.get("content", ""))) for m in msg.messages if isinstance(m, dict))
+    return predicted + (len(msg.prompt) if msg.prompt is not None else 0)
 
 
 @dataclass

@@ -91,18 +91,24 @@ class Completion:
 
 def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, session: str | None = None,
                  messages: list[dict[str, Any]] | None = None, chat_options: dict[str, Any] | None = None,
-                 **params: Any) -> Submit:
+                 prediction: str | list[int] | None = None, **params: Any) -> Submit:
     """The SUBMIT message for one request (parameters validated before they leave): ``prompt``
     (``chat``: as one user message), ``token_ids``, or ``messages`` (a conversation, with the chat
-    template's ``chat_options``)."""
+    template's ``chat_options``). ``prediction``: what the output is expected to be, as text or
+    token ids (OpenAI's Predicted Outputs): the output is the same, quicker where it matches."""
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids and messages")
     sp = SamplingParams(stop=tuple([params.pop("stop")] if isinstance(params.get("stop"), str)
                                     else params.pop("stop", None) or ()),
                         stop_token_ids=tuple(params.pop("stop_token_ids", None) or ()), **params)
     sp.validate()
+    if prediction is not None and not isinstance(prediction, str):
+        prediction = np.asarray(prediction, dtype=np.int32)
+        if prediction.ndim != 1:
+            raise ValueError("prediction must be text or a list of token ids")
     return Submit(req_id, sp.to_wire(), prompt, None if token_ids is None else np.asarray(token_ids, dtype=np.int32),
-                  chat, session, messages, chat_options)
+                  chat, session, messages, chat_options, prediction if isinstance(prediction, str) else None,
+                  prediction if isinstance(prediction, np.ndarray) else None)
 
 
 async def completion_of(items: AsyncIterator[Chunk | Completion]) -> Completion:

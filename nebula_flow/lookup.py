@@ -30,6 +30,37 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int, alts: int = 0) ->
     return [], []
 
 
+PREDICTION_MAX_N = 16  # the longest context matched in a prediction: a file's repeated lines need a long one
+
+
+def lookup_with(tokens: np.ndarray, prediction: np.ndarray | None, k: int, min_n: int, max_n: int,
+                alts: int = 0) -> tuple[list[int], list[int]]:
+    """``lookup``, but first in the client's ``prediction`` of the output (Predicted Outputs),
+    where it gave one: the tokens that follow the context's last n there (``predicted``)."""
+    if prediction is not None and len(prediction):
+        draft = predicted(tokens, prediction, k, min_n)
+        if draft:
+            return draft, []
+    return lookup(tokens, k, min_n, max_n, alts)
+
+
+def predicted(tokens: np.ndarray, prediction: np.ndarray, k: int, min_n: int) -> list[int]:
+    """Up to k tokens of ``prediction`` that follow an occurrence there of the last n tokens of
+    ``tokens`` (the longest n up to ``PREDICTION_MAX_N`` that occurs; its first occurrence with
+    tokens after it: a prediction is read from its start as the output grows), or []."""
+    most = min(PREDICTION_MAX_N, len(tokens))
+    if most < min_n or len(prediction) < 2:
+        return []
+    corpus = np.concatenate([prediction, tokens[-most:]])  # (the context's tail last, as ``occurrences`` wants)
+    ends = np.flatnonzero(prediction[:-1] == tokens[-1])  # (a window must end inside the prediction, before its end)
+    for n in range(most, min_n - 1, -1):
+        hits = occurrences(corpus, n, ends)
+        if len(hits):
+            start = int(hits[0]) + n
+            return prediction[start:start + k].tolist()
+    return []
+
+
 def occurrences(tokens: np.ndarray, n: int, ends: np.ndarray) -> np.ndarray:
     """The starts s (0 .. len - 1 - n, in order) of the earlier windows ``tokens[s:s + n]`` equal
     to the last n tokens. ``ends``: where the last token occurs before its own place, the only

@@ -85,7 +85,10 @@ class Submit(Msg):
     as the template's variables, e.g. ``{"enable_thinking": false}``). Idempotent: ``req_id`` is the client's
     (random, unique); resending a running request re-attaches to it, a finished one replays its
     ``Done``. Only its owner may do either, or cancel it: the client's CURVE key where keys are
-    on, else the ``session`` it sends (a secret the client library draws per client)."""
+    on, else the ``session`` it sends (a secret the client library draws per client).
+    ``prediction`` (text) or ``prediction_tokens``: what the client expects much of the output to
+    be (OpenAI's Predicted Outputs, e.g. a file being edited): rounds look up draft chains in it
+    as in the prompt; the output is the same with or without it, only quicker where it matches."""
 
     KIND: ClassVar[str] = "SUBMIT"
     req_id: str
@@ -96,14 +99,20 @@ class Submit(Msg):
     session: str | None = None
     messages: list[dict] | None = None
     chat_options: dict | None = None
+    prediction: str | None = None
+    prediction_tokens: Tensor | None = None
 
     def check(self) -> None:
         check_req_id(self.req_id)
         check_session(self.session)
         if sum(x is not None for x in (self.prompt, self.prompt_tokens, self.messages)) != 1:
             raise malformed("give exactly one of prompt, prompt_tokens and messages")
-        if self.prompt_tokens is not None and (self.prompt_tokens.ndim != 1 or self.prompt_tokens.dtype.kind != "i"):
-            raise malformed("prompt_tokens must be a 1-d integer tensor")
+        for name in ("prompt_tokens", "prediction_tokens"):
+            ids = getattr(self, name)
+            if ids is not None and (ids.ndim != 1 or ids.dtype.kind != "i"):
+                raise malformed(f"{name} must be a 1-d integer tensor")
+        if self.prediction is not None and self.prediction_tokens is not None:
+            raise malformed("give at most one of prediction and prediction_tokens")
 
 
 @dataclass
@@ -283,6 +292,7 @@ class TaskSpec(Proposes):
     steps: int = 1  # a draft-less verify (or round): the tokens it decodes, one forward each (``nebula_flow/steps.py``)
     base: int = 0  # the position ``tokens`` start at (the worker has those before from earlier tasks)
     base_crc: int = 0  # CRC-32 of the request's first ``base`` tokens as int32 bytes
+    prediction: Tensor | None = None  # the client's prediction of the output (int32), with a task of base 0 only
 
     def check(self) -> None:
         if self.kind not in TASK_KINDS:
@@ -310,6 +320,9 @@ class TaskSpec(Proposes):
             raise malformed(f"steps (1..{MAX_DECODE_STEPS}) above 1 are for a verify or round without a draft")
         if not 0 <= self.prompt_len <= self.base + len(self.tokens) or len(self.suppress) > MAX_SUPPRESS:
             raise malformed(f"prompt_len must be in 0..len(tokens), suppress at most {MAX_SUPPRESS} ids")
+        if self.prediction is not None and (self.base or self.prediction.ndim != 1 or self.prediction.dtype.kind != "i"
+                                            or len(self.prediction) and self.prediction.min() < 0):
+            raise malformed("a prediction is a 1-d tensor of token ids, with a task of base 0")
 
 
 @dataclass

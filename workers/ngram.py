@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup
+from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup_with
 from nebula_flow.speclen import StepCosts
 from nebula_flow_workers.runner import Draft, Task
 
@@ -39,7 +39,7 @@ class NgramRunner:
         out = []
         for t in tasks:
             t0 = time.perf_counter()
-            tokens, runner_ups = lookup(np.asarray(t.tokens), t.k, self.min_n, self.max_n, t.alts) if t.k > 0 else ([], [])
+            tokens, runner_ups = lookup_with(np.asarray(t.tokens), t.prediction, t.k, self.min_n, self.max_n, t.alts) if t.k > 0 else ([], [])
             took = time.perf_counter() - t0
             self.busy_s += took
             self.forwards += 1

@@ -18,7 +18,7 @@ from nebula_flow.elastic import BatchCosts
 from nebula_flow.kv import device_copy
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.kv.store import KVStore
-from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup
+from nebula_flow.lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, lookup_with
 from nebula_flow.models import staging
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
@@ -63,6 +63,7 @@ class Task:
     suppress: list[int] = field(default_factory=list)  # min_tokens: the ids it must not pick yet
     alone: bool = False  # its request was alone in its broker's pool when sent: it prefills whole
     steps: int = 1  # a draft-less verify: the tokens it decodes, one forward each (``nebula_flow/steps.py``)
+    prediction: np.ndarray | None = None  # the client's prediction of the output: lookup chains are found in it too
     error: str | None = None  # set by the runner: this task alone failed, and why (its batch went on)
 
     def tree(self) -> TokenTree:
@@ -192,7 +193,7 @@ class ModelRunner:
             drafts.append(Draft(d.tokens, d.q_idx, d.q_prob, d.runner_ups if d.tokens else []))
             if end is not None:
                 t.prefilled = c.length
-            elif t.fuse and (chain := fused_ngram(t.tokens, t.fuse)):
+            elif t.fuse and (chain := fused_ngram(t.tokens, t.fuse, t.prediction)):
                 drafts[-1].chains = [chain]
         return drafts
 
@@ -282,7 +283,7 @@ class ModelRunner:
         """One forward of ``verify``'s."""
         caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
         for t in tasks:  # a round without a draft: the chain is looked up here
-            if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse)):
+            if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse, t.prediction)):
                 t.chains = [chain]
         trees = [t.tree() for t in tasks]
         ends = self.chunk_ends(tasks, [c.length for c in caches]) if ends is None else ends
@@ -353,11 +354,12 @@ def greedy_picks(logits: list[torch.Tensor], greedy: list[bool]) -> list[list[in
     return picks
 
 
-def fused_ngram(tokens: np.ndarray, k: int) -> list[int]:
+def fused_ngram(tokens: np.ndarray, k: int, prediction: np.ndarray | None = None) -> list[int]:
     """An n-gram chain of up to k tokens to verify beside a round's draft (a token tree), or []
-    when the context has no match. It depends on the committed tokens alone, never on the draft:
+    when the context has no match (``lookup.lookup_with``: in the client's ``prediction`` too, where
+    it gave one). It depends on the committed tokens alone, never on the draft:
     a chain dropped for being a prefix of the draft (rejected tokens included) made the policy's
     next plan depend on draft draws the output never showed, and those draws come again at the
     same positions next round, which biases sampling. (A chain that is a prefix of the draft adds
     no row: the tree shares its nodes.)"""
-    return lookup(np.asarray(tokens), k, DEFAULT_MIN_N, DEFAULT_MAX_N)[0]
+    return lookup_with(np.asarray(tokens), prediction, k, DEFAULT_MIN_N, DEFAULT_MAX_N)[0]

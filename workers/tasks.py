@@ -31,12 +31,16 @@ def runnable(spec: TaskSpec, vocab_size: int | None, book: TokenBook, guided: bo
     if spec.draft and not params.greedy and spec.q_len is None:
         raise malformed("a sampled draft needs its proposal q")
     q_idx, q_prob = spec.proposal() if spec.q_len is not None else (None, None)
-    return Task(spec.rid, spec.kind, spec.round, spec.attempt, book.tokens(spec), spec.k,
+    if vocab_size is not None and spec.prediction is not None and len(spec.prediction) \
+            and spec.prediction.max() >= vocab_size:
+        raise malformed(f"a prediction must be token ids below {vocab_size}")
+    tokens = book.tokens(spec)
+    return Task(spec.rid, spec.kind, spec.round, spec.attempt, tokens, spec.k,
                 params, spec.seed, list(spec.draft), q_idx, q_prob, holder=spec.holder,
                 target_holder=spec.target_holder, alts=spec.alts,
                 runner_ups=list(spec.runner_ups), fuse=spec.fuse, chains=[list(c) for c in spec.chains], ahead=spec.ahead,
                 prompt_len=spec.prompt_len, suppress=list(spec.suppress), alone=spec.alone,
-                steps=spec.steps)
+                steps=spec.steps, prediction=book.prediction(spec.rid))
 
 
 def runnable_batch(items: list[TaskSpec | Rejected], vocab_size: int | None, book: TokenBook,

@@ -5,7 +5,8 @@ A task's ``tokens`` start at its ``base`` (``broker/known.py``): the worker take
 bytes). A request it lacks, or holds fewer or other tokens of (evicted from this bounded book, a
 lost message, a broker that restarted and numbered its requests afresh), is ``tokens_missing``:
 the broker sends that task again, whole. The book follows the requests the broker names: a FREE
-drops them.
+drops them. A request's prediction of its output (Predicted Outputs) comes with its tasks of base
+0 and is kept beside its tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class TokenBook:
     def __init__(self, max_tokens: int = BOOK_TOKENS) -> None:
         self.max_tokens = max_tokens
         self.entries: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()
+        self.predictions: dict[int, np.ndarray] = {}  # rid -> its prediction (int64), for requests in ``entries``
         self.held = 0  # tokens in ``entries``
         self.missing = 0  # tasks whose base was not here (each went back to the broker)
 
@@ -38,6 +40,10 @@ class TokenBook:
         if base == 0:
             whole = rest.astype(np.int64)
             crc = zlib.crc32(rest)
+            if spec.prediction is not None:
+                self.predictions[spec.rid] = spec.prediction.astype(np.int64)
+            else:
+                self.predictions.pop(spec.rid, None)
         else:
             held, held_crc = self.entries.get(spec.rid, (None, 0))
             if held is None or len(held) < base or \
@@ -56,11 +62,18 @@ class TokenBook:
         self.held += len(whole) - (len(old[0]) if old is not None else 0)
         self.entries[rid] = (whole, crc)
         while self.held > self.max_tokens and len(self.entries) > 1:
-            self.held -= len(self.entries.popitem(last=False)[1][0])
+            dropped, (tokens, _) = self.entries.popitem(last=False)
+            self.held -= len(tokens)
+            self.predictions.pop(dropped, None)
+
+    def prediction(self, rid: int) -> np.ndarray | None:
+        """The prediction of request ``rid``'s output its tasks brought (None: none)."""
+        return self.predictions.get(rid)
 
     def forget(self, rids: list[int]) -> None:
         """Requests that ended (a FREE): their tokens go."""
         for rid in rids:
             entry = self.entries.pop(rid, None)
+            self.predictions.pop(rid, None)
             if entry is not None:
                 self.held -= len(entry[0])
