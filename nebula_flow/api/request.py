@@ -38,7 +38,7 @@ MAX_MESSAGES = 4096
 UNSUPPORTED = {
     "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
     "web_search_options": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
 }
 IGNORED = {"user", "metadata"}  # accepted, no effect on the output (as OpenAI: for the caller's bookkeeping)
@@ -386,6 +386,17 @@ def _content(where: str, content: Any) -> str:  # noqa: ANN401
     return content
 
 
+def _prediction(prediction: Any) -> str | None:  # noqa: ANN401
+    """OpenAI's Predicted Outputs, ``{"type": "content", "content": text or text parts}``: what the
+    answer is expected to be, mostly (a file being edited). Drafts are looked up in it; the answer
+    is the same with or without it."""
+    if prediction is None:
+        return None
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or set(prediction) - {"type", "content"}:
+        raise invalid("prediction", 'prediction must be {"type": "content", "content": a string or text parts}')
+    return _content("prediction", prediction.get("content"))
+
+
 def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
     """``POST /v1/chat/completions``: a conversation through the target's chat template."""
     params = _common(body, served, chat=True)
@@ -412,6 +423,8 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
         params["think_first"] = True
     if tools is not None:
         options = {**(options or {}), "tools": tools}
+    if (prediction := _prediction(body.get("prediction"))) is not None:
+        params["prediction"] = prediction
     inputs = [{"messages": [_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
     return Job(True, params, inputs, _choices(body, 1), stream=stream, include_usage=usage,
                return_token_ids=body.get("return_token_ids", False), calls=calls, reasoning=served.reasoning_parser)
@@ -422,4 +435,4 @@ SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs",
-               "tools", "tool_choice", "parallel_tool_calls")
+               "tools", "tool_choice", "parallel_tool_calls", "prediction")

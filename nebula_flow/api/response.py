@@ -22,11 +22,20 @@ def finish_reason(out: Completion) -> str:
     return out.finish_reason if out.finish_reason in FINISH_REASONS else "stop"
 
 
-def usage(outs: list[Completion], n: int = 1) -> dict[str, int]:
-    """The answer's usage: each prompt counted once (``n`` choices each), every choice's output."""
+def usage(outs: list[Completion], n: int = 1) -> dict[str, Any]:
+    """The answer's usage: each prompt counted once (``n`` choices each), every choice's output;
+    with a prediction (Predicted Outputs), how many of its tokens the answers took (committed
+    from lookup chains) and how many they did not."""
     prompt = sum(int(out.stats.get("prompt_tokens", 0)) for out in outs[::n])
     completion = sum(len(out.token_ids) for out in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    predicted = [(int(o.stats["prediction_tokens"]), int(o.stats.get("prediction_accepted", 0)))
+                 for o in outs if "prediction_tokens" in o.stats]
+    if predicted:
+        accepted = sum(min(given, took) for given, took in predicted)
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": sum(given for given, _ in predicted) - accepted}
+    return out
 
 
 def speculative(outs: list[Completion]) -> dict[str, Any]:

@@ -94,9 +94,14 @@ def start_http(dep, host: str, port: int, api_key: str | None, model_name: str |
 @click.argument("prompt")
 @broker_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.option("--prediction-file", type=click.File("r"), help="What the output is expected to be, mostly (e.g. the "
+              "file an edit rewrites; OpenAI's Predicted Outputs): drafts are looked up in it, so matching stretches "
+              "come many tokens a round. The output is the same with or without it.")
 @gen_options
-def generate(prompt: str, address: str, as_json: bool, **params) -> None:  # noqa: ANN003
+def generate(prompt: str, address: str, as_json: bool, prediction_file, **params) -> None:  # noqa: ANN001, ANN003
     """Generate from PROMPT: stream the text, then print rounds, tokens/round, TTFT, latency."""
+    if prediction_file is not None:
+        params["prediction"] = prediction_file.read()
     generate_from(address, prompt, as_json, stop=tuple(params.pop("stop")), **params)
 
 
