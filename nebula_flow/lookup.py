@@ -31,6 +31,7 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int, alts: int = 0) ->
 
 
 PREDICTION_MAX_N = 16  # the longest context matched in a prediction: a file's repeated lines need a long one
+MAX_SKIP, RESYNC_N = 2, 4  # a prediction is taken up again past this many replaced tokens, after a context this long
 
 
 def lookup_with(tokens: np.ndarray, prediction: np.ndarray | None, k: int, min_n: int, max_n: int,
@@ -47,17 +48,25 @@ def lookup_with(tokens: np.ndarray, prediction: np.ndarray | None, k: int, min_n
 def predicted(tokens: np.ndarray, prediction: np.ndarray, k: int, min_n: int) -> list[int]:
     """Up to k tokens of ``prediction`` that follow an occurrence there of the last n tokens of
     ``tokens`` (the longest n up to ``PREDICTION_MAX_N`` that occurs; its first occurrence with
-    tokens after it: a prediction is read from its start as the output grows), or []."""
-    most = min(PREDICTION_MAX_N, len(tokens))
-    if most < min_n or len(prediction) < 2:
-        return []
-    corpus = np.concatenate([prediction, tokens[-most:]])  # (the context's tail last, as ``occurrences`` wants)
-    ends = np.flatnonzero(prediction[:-1] == tokens[-1])  # (a window must end inside the prediction, before its end)
-    for n in range(most, min_n - 1, -1):
-        hits = occurrences(corpus, n, ends)
-        if len(hits):
-            start = int(hits[0]) + n
-            return prediction[start:start + k].tolist()
+    tokens after it: a prediction is read from its start as the output grows), or [].
+
+    Where the output has just replaced a token or two of the prediction, its last tokens occur
+    nowhere there; the context before them (at least ``RESYNC_N`` tokens) is looked up instead and
+    the prediction is taken up as many tokens after it: after a substitution the chains go on at
+    once instead of waiting for n new tokens that match."""
+    for skip in range(MAX_SKIP + 1):
+        context = tokens[:len(tokens) - skip]
+        fewest = min_n if skip == 0 else max(min_n, RESYNC_N)
+        most = min(PREDICTION_MAX_N, len(context))
+        if most < fewest or len(prediction) < 2 + skip:
+            return []
+        corpus = np.concatenate([prediction, context[-most:]])  # (the context's tail last, as ``occurrences`` wants)
+        ends = np.flatnonzero(prediction[:-1 - skip] == context[-1])  # (a window must end inside the prediction, before its end)
+        for n in range(most, fewest - 1, -1):
+            hits = occurrences(corpus, n, ends)
+            if len(hits):
+                start = int(hits[0]) + n + skip
+                return prediction[start:start + k].tolist()
     return []
 
 

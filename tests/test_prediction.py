@@ -17,7 +17,7 @@ from nebula_flow.api.request import ApiError, Served, parse_chat, parse_completi
 from nebula_flow.api.response import usage
 from nebula_flow.client import Client, Completion, build_submit
 from nebula_flow.deploy import Deployment
-from nebula_flow.lookup import PREDICTION_MAX_N, lookup, lookup_with, predicted
+from nebula_flow.lookup import MAX_SKIP, PREDICTION_MAX_N, RESYNC_N, lookup, lookup_with, predicted
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Holder, ProtocolError, Submit, TaskSpec
 from nebula_flow.request import matched
@@ -37,7 +37,12 @@ def test_a_prediction_gives_what_follows_the_longest_matching_context() -> None:
     assert predicted(ids([6, 7]), prediction, 3, 2) == []  # at the prediction's end: nothing follows
     long = np.arange(100)
     assert predicted(long[:50], long, 4, 2) == [50, 51, 52, 53]
-    assert PREDICTION_MAX_N >= 8  # (a file's repeated lines need long contexts)
+    # the output replaced 50 (and then 51 too) by its own tokens: the prediction is taken up after them
+    assert predicted(np.append(long[:50], 500), long, 3, 2) == [51, 52, 53]
+    assert predicted(np.append(long[:50], [500, 501]), long, 3, 2) == [52, 53, 54]
+    assert predicted(np.append(long[:50], [500, 501, 502]), long, 3, 2) == []  # (more than MAX_SKIP: none)
+    assert predicted(ids([1, 2, 500]), long, 3, 2) == []  # (too short a context to take it up on: RESYNC_N)
+    assert PREDICTION_MAX_N >= 8 and (MAX_SKIP, RESYNC_N) == (2, 4)  # (a file's repeated lines need long contexts)
 
 
 def test_lookup_falls_back_to_the_context_without_a_match_in_the_prediction() -> None:
