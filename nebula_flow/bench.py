@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,14 @@ _EDITS = ["Add type hints to this Python code. Reply with the whole code only.",
 DEFAULT_EDIT_PROMPTS = [f"{edit}\n\n```python\n{code}```" for edit in _EDITS for code in _EDIT_CODE]
 
 
+def edit_prediction(prompt: str) -> str | None:
+    """An edit request's prediction of its answer (``--predict``): the code it asks to change,
+    as OpenAI's Predicted Outputs guide passes it (None: the prompt holds no code block)."""
+    start = prompt.find("```python\n")
+    end = prompt.find("```", start + 10) if start >= 0 else -1
+    return prompt[start + 10:end] if end >= 0 else None
+
+
 def with_context(prompts: list[str], context_tokens: int, model: str | Path) -> list[str]:
     """Each prompt after about ``context_tokens`` tokens of code to read first (a different
     stretch of the stdlib's sources per prompt, cut in tokens and decoded back to text): code
@@ -99,6 +107,7 @@ class BenchWorkload:
     chat: bool = False  # send each prompt as a user message in the model's chat format
     top_p: float = 1.0  # nucleus sampling (with a temperature): 1 = the whole distribution
     structured: dict[str, Any] | None = None  # every request's structured output (``nebula_flow/structured.py``)
+    predictions: list[str | None] | None = None  # each prompt's prediction of its answer (Predicted Outputs)
 
 
 async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) -> list[Completion]:
@@ -113,7 +122,8 @@ async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) 
                 i, prompt = queue.pop(0)
                 outs.append(await client.generate(prompt, max_new_tokens=wl.max_new_tokens, temperature=wl.temperature,
                                                   top_p=wl.top_p, seed=i, ignore_eos=wl.ignore_eos, chat=wl.chat,
-                                                  **({"structured": wl.structured} if wl.structured else {})))
+                                                  **({"structured": wl.structured} if wl.structured else {}),
+                                                  **({"prediction": wl.predictions[i]} if wl.predictions else {})))
         await asyncio.gather(*(user() for _ in range(max(1, wl.concurrency))))
     return outs
 
@@ -182,14 +192,17 @@ def run_once(address: str, wl: BenchWorkload, api: str | None = None, pids: dict
 
 
 def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, log=print, label: str | None = None,  # noqa: ANN001
-               vias: tuple[str, ...] = ("zmq",)) -> dict[str, dict[str, Any]]:
+               vias: tuple[str, ...] = ("zmq",), predict: bool = False) -> dict[str, dict[str, Any]]:
     """Run ``wl`` ``repeats`` times on a fresh deployment of ``cfg`` in ``mode``; medians, by front
     door (``vias``: ``zmq``, the client library; ``api``, the HTTP API, started with the deployment;
-    both: each repeat runs both on the same deployment, in turns). ``label``: the name progress lines
-    use (default: the mode)."""
+    both: each repeat runs both on the same deployment, in turns). ``predict``: each door also runs
+    ``wl`` with each edit request's prediction (``edit_prediction``), in turns, as ``DOOR predicted``.
+    ``label``: the name progress lines use (default: the mode)."""
     cfg.mode = mode
     cfg.broker.client_port = cfg.broker.worker_port = 0
-    runs: dict[str, list[dict[str, Any]]] = {via: [] for via in vias}
+    sides = [*vias, *(f"{via} predicted" for via in vias if predict)]
+    predicted = replace(wl, predictions=[edit_prediction(p) for p in wl.prompts]) if predict else wl
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     with Deployment(cfg) as dep:
         url = dep.start_api("127.0.0.1", 0, model_name="bench") if "api" in vias else None
         pids = {"broker": [p.pid for name, p in dep.procs if is_broker(name)],
@@ -200,16 +213,18 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
             except RequestError as exc:
                 raise RuntimeError(f"{mode}: warm-up failed: {exc}") from None
         for r in range(repeats):
-            for via in vias[::-1] if r % 2 else vias:  # (turns: drift of a noisy machine falls on both)
-                res = run_once(dep.address, wl, url if via == "api" else None, pids)
+            for side in sides[::-1] if r % 2 else sides:  # (turns: drift of a noisy machine falls on both)
+                via = side.split()[0]
+                res = run_once(dep.address, predicted if side.endswith("predicted") else wl,
+                               url if via == "api" else None, pids)
                 hits = f", {res['ahead_hit_rate']:.0%} of rounds pre-drafted" if res["draft_ahead"].get("tasks") else ""
                 if res["fused_rate"]:
                     hits += f", {res['fused_rate']:.0%} of rounds fused"
-                log(f"  {label or mode}{' via ' + via if len(vias) > 1 else ''} repeat {r + 1}/{repeats}: "
+                log(f"  {label or mode}{' via ' + side if len(sides) > 1 else ''} repeat {r + 1}/{repeats}: "
                     f"{res['tokens_per_s']:.1f} tokens/s, {res['round_rate']:.1f} rounds/s, "
                     f"{res['tokens_per_round']:.2f} tokens/round{hits}")
-                runs[via].append(res)
-    return {via: _median_run(done) for via, done in runs.items()}
+                runs[side].append(res)
+    return {side: _median_run(done) for side, done in runs.items()}
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -229,7 +244,7 @@ def bench_peer(cfg: DeployConfig, peer: str, wl: BenchWorkload, repeats: int, lo
     """``wl`` run ``repeats`` times by HF transformers (``hf_peer``: ``hf`` or ``hf-assisted``) in a
     process of its own, as a user would run it, on the config's target (and draft); medians, in the
     shape ``bench_mode`` returns (no utilization, KV or breakdown: one process, no pipeline)."""
-    from nebula_flow.hf_peer import PEERS
+    from nebula_flow.hf_peer import LOOKUP_TOKENS, PEERS
     from nebula_flow.lookup import is_ngram
     from nebula_flow.tokenizer import TextCodec
 
@@ -246,7 +261,8 @@ def bench_peer(cfg: DeployConfig, peer: str, wl: BenchWorkload, repeats: int, lo
     spec = {"target": str(cfg.target.model), "draft": str(cfg.draft.model) if assisted else None,
             "dtype": cfg.target.dtype, "prompts": [codec.encode(p, chat=wl.chat) for p in wl.prompts],
             "max_new_tokens": wl.max_new_tokens, "temperature": wl.temperature, "top_p": wl.top_p,
-            "ignore_eos": wl.ignore_eos, "repeats": repeats, "label": peer}
+            "ignore_eos": wl.ignore_eos, "repeats": repeats, "label": peer,
+            "lookup": LOOKUP_TOKENS if peer == "hf-lookup" else None}
     with tempfile.TemporaryDirectory(prefix="nebula-flow-hf-") as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))

@@ -1,6 +1,7 @@
 """The peers a user would otherwise pick, for ``nebula-flow bench --modes ...,hf,hf-assisted``:
-HF transformers' ``generate()`` of the target alone (``hf``), and its assisted generation with
-the deployment's draft as ``assistant_model`` (``hf-assisted``).
+HF transformers' ``generate()`` of the target alone (``hf``), its assisted generation with the
+deployment's draft as ``assistant_model`` (``hf-assisted``), and its prompt lookup decoding
+(``hf-lookup``: drafts copied from the prompt, what HF offers for edits that repeat their input).
 
 Each runs as a user would run it: one Python process (``python -m nebula_flow.hf_peer SPEC``)
 with torch's default threads, the same prompt token ids the broker would make, the same dtype,
@@ -18,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-PEERS = ("hf", "hf-assisted")
+PEERS = ("hf", "hf-assisted", "hf-lookup")
+LOOKUP_TOKENS = 10  # hf-lookup's prompt_lookup_num_tokens: HF's documented example value
 
 
 def _load_target(path: str, dtype: Any):  # noqa: ANN401, ANN202 - torch types load lazily
@@ -70,7 +72,7 @@ class _FirstToken:
 
 
 def run(spec: dict[str, Any], log=print) -> dict[str, Any]:  # noqa: ANN001
-    """``spec``: target, draft (hf-assisted) or null, dtype, prompts (token id lists),
+    """``spec``: target, draft (hf-assisted) or null, lookup (hf-lookup: tokens a draft copies) or null, dtype, prompts (token id lists),
     max_new_tokens, temperature, top_p, ignore_eos, repeats, label. Per repeat: tokens/s, target
     forwards (rounds), TTFT and latency of each request."""
     import torch
@@ -90,6 +92,8 @@ def run(spec: dict[str, Any], log=print) -> dict[str, Any]:  # noqa: ANN001
         kwargs["min_new_tokens"] = spec["max_new_tokens"]
     if draft is not None:
         kwargs["assistant_model"] = draft
+    if spec.get("lookup"):
+        kwargs["prompt_lookup_num_tokens"] = spec["lookup"]
 
     def one(ids: list[int], seed: int) -> tuple[int, float, float]:
         torch.manual_seed(seed)

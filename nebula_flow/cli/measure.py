@@ -31,9 +31,9 @@ from nebula_flow.roles import MODES
               "config's [[drafters]] pool of that drafter name (e.g. pooled-ngram on the bundled config): routing "
               "measured side by side. A mode may end in @KNOB=VALUE (repeatable) to set a [policy] knob for "
               "it alone, e.g. pooled@fuse_ngram=0,pooled@fuse_ngram=8. The peers a user would otherwise run: hf "
-              "(HF transformers' generate() of the target alone) and hf-assisted (its assisted generation with the "
-              "config's draft), each in a process of its own with torch's default threads, requests one after "
-              "another.")
+              "(HF transformers' generate() of the target alone), hf-assisted (its assisted generation with the "
+              "config's draft) and hf-lookup (its prompt lookup decoding), each in a process of its own with "
+              "torch's default threads, requests one after another.")
 @click.option("--draft-workers", type=int, help="Override M.")
 @click.option("--target-workers", type=int, help="Override N.")
 @click.option("--concurrency", default=1, show_default=True, help="Concurrent requests (1 = single stream).")
@@ -59,9 +59,12 @@ from nebula_flow.roles import MODES
 @click.option("--via", default="zmq", show_default=True, help="Front doors to measure, comma-separated: zmq (the "
               "client library) and api (the OpenAI-compatible HTTP API, started with each deployment, streamed). "
               "Both: each repeat runs both on the same deployment, in turns; rows \"MODE via api\".")
+@click.option("--predict", is_flag=True, help="With --edit: each deployment also runs every request with the code "
+              "it edits as its prediction (OpenAI's Predicted Outputs), in turns with the plain requests: rows "
+              "\"MODE predicted\" beside \"MODE\".")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-          temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, as_json) -> None:  # noqa: ANN001
+          temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, predict, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
         DEFAULT_CHAT_PROMPTS,
@@ -89,6 +92,9 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         raise click.ClickException(f"modes given more than once: {', '.join(twice)}; a mode's runs are --repeats")
     pool = DEFAULT_JSON_PROMPTS if json_schema else DEFAULT_EDIT_PROMPTS if edit else DEFAULT_CHAT_PROMPTS if chat \
         else DEFAULT_PROMPTS
+    if predict and not edit:
+        raise click.BadParameter("predictions are the code each edit request changes: give --edit too",
+                                 param_hint="--predict")
     if top_p < 1 and temperature == 0:
         raise click.BadParameter("top-p samples: give a --temperature above 0 too", param_hint="--top-p")
     wl = BenchWorkload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature,
@@ -131,9 +137,10 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
             prepare_models(cfg)
             click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, concurrency {concurrency}, "
                        f"{repeats} repeats", err=True)
-            for door, res in bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True), label=name,
-                                        vias=vias).items():
-                results[name if vias == ("zmq",) else f"{name} via {door}"] = res
+            for side, res in bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True), label=name,
+                                        vias=vias, predict=predict).items():
+                door, predicted = side.split()[0], side.endswith("predicted")
+                results[(name if vias == ("zmq",) else f"{name} via {door}") + (" predicted" if predicted else "")] = res
     if as_json:
         click.echo(json.dumps({"modes": results}))
     else:
