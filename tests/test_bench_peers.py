@@ -75,3 +75,21 @@ def test_bench_runs_the_hf_peers_beside_the_modes(tiny_pair, tmp_path) -> None: 
     for args, says in ((["--top-p", "0.5"], "--temperature above 0"), (["--top-p", "0"], "--top-p")):
         bad = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "hf", *args])
         assert bad.exit_code == 2 and says in bad.output, bad.output
+
+
+def test_bench_measures_predictions_beside_hfs_prompt_lookup(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """``--edit --predict``: each deployment runs the edit requests without and with their code as
+    the prediction, in turns (rows MODE and MODE predicted); hf-lookup is HF's prompt lookup decoding."""
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(f'mode = "pooled"\n[draft]\nmodel = "{tiny_pair / "draft"}"\nthreads = 1\n'
+                   f'[target]\nmodel = "{tiny_pair / "target"}"\nthreads = 1\n')
+    res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "pooled,hf-lookup", "--edit", "--predict",
+                                    "--requests", "2", "--max-new-tokens", "12", "--repeats", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
+    assert list(modes) == ["pooled", "pooled predicted", "hf-lookup"]
+    assert all(len(m["repeats"]) == 2 and m["repeats"][0]["tokens"] == 24 for m in modes.values())
+    assert modes["hf-lookup"]["tokens_per_round"] >= 1.0
+    assert "pooled via zmq predicted repeat 1/2" in res.output  # (progress names the side it ran)
+    bad = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "pooled", "--predict"])
+    assert bad.exit_code == 2 and "--edit" in bad.output, bad.output
