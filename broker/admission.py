@@ -109,7 +109,11 @@ class Admission:
             raise ProtocolError("too_long", f"prompt ({len(prompt)} tokens) + max_new_tokens "
                                             f"({params.max_new_tokens}) exceeds the context ({self.max_model_len})")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req = Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now, prediction=self.prediction(msg))
+        prediction = self.prediction(msg)
+        if prediction is not None and len(prediction) > self.max_model_len:  # (it guesses an output: one that fits)
+            raise ProtocolError("invalid_prediction", f"the prediction ({len(prediction)} tokens) is longer than "
+                                                      f"the context ({self.max_model_len})")
+        req = Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now, prediction=prediction)
         if params.min_tokens:  # (the ids that would end it early, which its verifies must not pick)
             req.suppress = sorted({*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids})
         return req

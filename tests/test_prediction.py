@@ -15,7 +15,7 @@ import pytest
 
 from nebula_flow.api.request import ApiError, Served, parse_chat, parse_completion
 from nebula_flow.api.response import usage
-from nebula_flow.client import Client, Completion, build_submit
+from nebula_flow.client import Client, Completion, RequestError, build_submit
 from nebula_flow.deploy import Deployment
 from nebula_flow.lookup import MAX_SKIP, PREDICTION_MAX_N, RESYNC_N, lookup, lookup_with, predicted
 from nebula_flow.params import SamplingParams
@@ -71,7 +71,7 @@ def test_the_token_book_keeps_a_prediction_for_the_requests_later_tasks() -> Non
     assert book.prediction(2) is None
     book.tokens(spec(3, [1, 2], prediction=[3]))
     book.tokens(spec(4, list(range(8))))  # (over the book's bound: the oldest request goes, its prediction too)
-    assert book.prediction(3) is None and 3 not in book.entries
+    assert book.prediction(3) is None and 3 not in book.entries and book.held == 8  # (predictions count)
 
 
 def test_the_wire_refuses_malformed_predictions() -> None:
@@ -91,6 +91,11 @@ def test_usage_counts_the_prediction_tokens_the_output_holds() -> None:
     assert matched(ids([1, 2, 3, 4]), [1, 2, 3, 4]) == 4
     assert matched(ids([1, 2, 3, 4, 5, 6]), [1, 2, 9, 9, 5, 6, 7]) == 4
     assert matched(ids([1, 2]), []) == 0
+    long = list(range(100, 400))
+    assert matched(ids(long), long[:150] + [1, 2, 3] + long[150:]) == 300  # (an insertion: taken up after it)
+    assert matched(ids(long), long[:100] + long[105:]) == 295  # (a deletion)
+    assert matched(ids(long), [t if i % 50 != 7 else 0 for i, t in enumerate(long)]) == 294  # (six replaced)
+    assert matched(ids(long), list(range(1000, 1300))) == 0
 
     def out(given: int, took: int) -> Completion:
         return Completion("", [0] * 10, "length", 3, [], 0.0, 0.0,
@@ -179,6 +184,14 @@ def test_the_openai_client_sends_a_prediction_and_reads_its_usage(tiny_pair) -> 
             dep_tokens(dep, text))
         assert got.model_extra["speculative"]["rounds"] < plain.model_extra["speculative"]["rounds"]
         assert plain.usage.completion_tokens_details is None  # (no prediction: no such details)
+        with pytest.raises(openai.BadRequestError) as err:  # (longer than the tiny pair's 1,024-token context)
+            api.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                        prediction={"type": "content", "content": "def f(x): return x\n" * 400})
+        assert err.value.body["param"] == "prediction" and "longer than the context" in err.value.body["message"]
+        with Client(dep.address) as client, pytest.raises(RequestError) as refused:
+            client.generate(token_ids=[5, 6], max_new_tokens=4, prediction=[1 << 20])
+        assert refused.value.code == "invalid_prediction"
+        assert client_ok(dep)  # (and the deployment serves on)
 
 
 def dep_tokens(dep: Deployment, text: str) -> list[int]:
@@ -186,3 +199,8 @@ def dep_tokens(dep: Deployment, text: str) -> list[int]:
     from nebula_flow.tokenizer import TextCodec
 
     return TextCodec(dep.cfg.target.model).encode(text, special=False)
+
+
+def client_ok(dep: Deployment) -> bool:
+    with Client(dep.address) as client:
+        return len(client.generate(token_ids=[5, 6], max_new_tokens=4, ignore_eos=True).token_ids) == 4

@@ -23,13 +23,12 @@ BOOK_TOKENS = 1 << 24  # tokens kept in all (int64: at most 128 MiB), least rece
 
 class TokenBook:
     """Per request, the tokens last sent (a task's base and what came with it; int64, as the runner
-    takes them) and their CRC-32 (of their int32 bytes, as the broker holds them)."""
+    takes them), their CRC-32 (of their int32 bytes, as the broker holds them) and its prediction."""
 
     def __init__(self, max_tokens: int = BOOK_TOKENS) -> None:
         self.max_tokens = max_tokens
-        self.entries: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()
-        self.predictions: dict[int, np.ndarray] = {}  # rid -> its prediction (int64), for requests in ``entries``
-        self.held = 0  # tokens in ``entries``
+        self.entries: OrderedDict[int, tuple[np.ndarray, int, np.ndarray | None]] = OrderedDict()
+        self.held = 0  # tokens in ``entries``, predictions included
         self.missing = 0  # tasks whose base was not here (each went back to the broker)
 
     def tokens(self, spec: TaskSpec) -> np.ndarray:
@@ -40,12 +39,9 @@ class TokenBook:
         if base == 0:
             whole = rest.astype(np.int64)
             crc = zlib.crc32(rest)
-            if spec.prediction is not None:
-                self.predictions[spec.rid] = spec.prediction.astype(np.int64)
-            else:
-                self.predictions.pop(spec.rid, None)
+            prediction = spec.prediction.astype(np.int64) if spec.prediction is not None else None
         else:
-            held, held_crc = self.entries.get(spec.rid, (None, 0))
+            held, held_crc, prediction = self.entries.get(spec.rid, (None, 0, None))
             if held is None or len(held) < base or \
                     (held_crc if len(held) == base else zlib.crc32(held[:base].astype(np.int32))) != spec.base_crc:
                 self.missing += 1
@@ -54,26 +50,32 @@ class TokenBook:
             whole = np.concatenate([held[:base], rest], dtype=np.int64)
             crc = zlib.crc32(rest, spec.base_crc)
         whole.flags.writeable = False
-        self._keep(spec.rid, whole, crc)
+        self._keep(spec.rid, (whole, crc, prediction))
         return whole
-
-    def _keep(self, rid: int, whole: np.ndarray, crc: int) -> None:
-        old = self.entries.pop(rid, None)
-        self.held += len(whole) - (len(old[0]) if old is not None else 0)
-        self.entries[rid] = (whole, crc)
-        while self.held > self.max_tokens and len(self.entries) > 1:
-            dropped, (tokens, _) = self.entries.popitem(last=False)
-            self.held -= len(tokens)
-            self.predictions.pop(dropped, None)
 
     def prediction(self, rid: int) -> np.ndarray | None:
         """The prediction of request ``rid``'s output its tasks brought (None: none)."""
-        return self.predictions.get(rid)
+        entry = self.entries.get(rid)
+        return entry[2] if entry is not None else None
+
+    def _keep(self, rid: int, entry: tuple[np.ndarray, int, np.ndarray | None]) -> None:
+        self._drop(rid)
+        self.held += _size(entry)
+        self.entries[rid] = entry
+        while self.held > self.max_tokens and len(self.entries) > 1:
+            self.held -= _size(self.entries.popitem(last=False)[1])
+
+    def _drop(self, rid: int) -> None:
+        entry = self.entries.pop(rid, None)
+        if entry is not None:
+            self.held -= _size(entry)
 
     def forget(self, rids: list[int]) -> None:
         """Requests that ended (a FREE): their tokens go."""
         for rid in rids:
-            entry = self.entries.pop(rid, None)
-            self.predictions.pop(rid, None)
-            if entry is not None:
-                self.held -= len(entry[0])
+            self._drop(rid)
+
+
+def _size(entry: tuple[np.ndarray, int, np.ndarray | None]) -> int:
+    """Tokens an entry holds: the request's, and its prediction's."""
+    return len(entry[0]) + (len(entry[2]) if entry[2] is not None else 0)

@@ -38,7 +38,7 @@ from nebula_flow.metrics import exposition, families
 log = logging.getLogger("nebula_flow.api")
 MAX_BODY_BYTES = 8 << 20
 STATUS_TTL_S = 0.5  # /health, /metrics and the served model's facts reuse a broker status this young
-BAD_REQUEST_CODES = ("invalid_params", "invalid_prompt", "too_long", "no_tokenizer", "malformed")
+BAD_REQUEST_CODES = ("invalid_params", "invalid_prompt", "invalid_prediction", "too_long", "no_tokenizer", "malformed")
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -53,7 +53,8 @@ def from_broker(exc: NebulaError) -> ApiError:
     if isinstance(exc, RequestTimeout):
         return ApiError(504, str(exc), code="timeout", kind="timeout_error")
     if isinstance(exc, RequestError) and exc.code in BAD_REQUEST_CODES:
-        return ApiError(400, exc.message, param="messages" if exc.code == "invalid_prompt" else None, code=exc.code)
+        return ApiError(400, exc.message, code=exc.code,
+                        param={"invalid_prompt": "messages", "invalid_prediction": "prediction"}.get(exc.code))
     if isinstance(exc, RequestError) and exc.code == "shutting_down":
         return ApiError(503, exc.message, code=exc.code, kind="service_unavailable", headers={"Retry-After": "5"})
     return ApiError(500, f"the request failed: {exc}", code=getattr(exc, "code", None), kind="server_error")
