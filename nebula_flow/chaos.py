@@ -111,13 +111,16 @@ def drill(dep: Deployment, prompts: list[str], max_new_tokens: int, kills: list[
                                  "t": time.monotonic()})
                     log(f"{time.strftime('%H:%M:%S')} killed {kill.name} (pid {pid})")
 
+            async def timed_load() -> tuple[list[Completion | str], float]:
+                """The load and when it ended (read in it: a done-callback's turn may come after ``await``)."""
+                outs = await _load(dep.address, prompts, max_new_tokens, chat, first_token)
+                return outs, time.monotonic()
+
             t_start = time.monotonic()
-            load = asyncio.ensure_future(_load(dep.address, prompts, max_new_tokens, chat, first_token))
-            ended: list[float] = []
-            load.add_done_callback(lambda _: ended.append(time.monotonic()))
+            load = asyncio.ensure_future(timed_load())
             await killer(load)  # (kills may go on after the load is done)
-            outs = await load
-            return outs, ended[0] - t_start
+            outs, ended = await load
+            return outs, ended - t_start
 
         outs, wall_s = asyncio.run(run())
         with Client(dep.address, timeout_s=5) as c:
