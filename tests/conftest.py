@@ -47,6 +47,14 @@ def deploy_config(pair: Path, mode: str, draft_workers: int = 1, target_workers:
     return cfg
 
 
+def tiny_config_file(pair: Path, folder: Path, mode: str = "pooled") -> Path:
+    """A deployment TOML for the tiny pair in ``mode`` (one thread a worker), written in ``folder``."""
+    path = folder / "tiny.toml"
+    path.write_text(f'mode = "{mode}"\n[draft]\nmodel = "{pair / "draft"}"\nthreads = 1\n'
+                    f'[target]\nmodel = "{pair / "target"}"\nthreads = 1\n')
+    return path
+
+
 # A trace of three requests: a text prompt, token ids sampled with a seed, and a prompt length (cut
 # from the tokenizer's corpus, clipped to the context); they generate 6, 5 and 4 tokens.
 SAMPLE_TRACE = "\n".join([

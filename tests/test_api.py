@@ -21,7 +21,7 @@ from nebula_flow.client import Client
 from nebula_flow.deploy import Deployment
 from nebula_flow.params import MIN_REPETITION_PENALTY
 from nebula_flow.tokenizer import TextCodec
-from tests.conftest import SAMPLE_TRACE, deploy_config
+from tests.conftest import SAMPLE_TRACE, deploy_config, tiny_config_file
 
 pytestmark = pytest.mark.slow
 
@@ -595,9 +595,7 @@ def test_replay_and_bench_through_the_api(served, tiny_pair, tmp_path) -> None: 
     assert summary["completed"] == 3 and summary["tokens"] == 15 and summary["tokens_per_round"] >= 1
     records = [json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").read_text().splitlines()]
     assert records[2]["prompt_tokens"] == 1024 - 4  # clipped to the context /v1/models gives
-    config = tmp_path / "tiny.toml"
-    config.write_text(f'mode = "colocated"\n[draft]\nmodel = "{tiny_pair / "draft"}"\nthreads = 1\n'
-                      f'[target]\nmodel = "{tiny_pair / "target"}"\nthreads = 1\n')
+    config = tiny_config_file(tiny_pair, tmp_path, "colocated")
     res = CliRunner().invoke(main, ["bench", "--config", str(config), "--modes", "colocated", "--via", "zmq,api",
                                     "--requests", "2", "--max-new-tokens", "6", "--repeats", "1", "--json"])
     assert res.exit_code == 0, res.output

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from nebula_flow.cli import main
 from nebula_flow.hf_peer import _load_draft
 from nebula_flow.models.loader import load_model
+from tests.conftest import tiny_config_file
 
 pytestmark = pytest.mark.slow
 
@@ -52,9 +53,7 @@ def test_a_reduced_head_draft_proposes_in_hf_what_it_proposes_here(tiny_pair, tm
 
 
 def test_bench_runs_the_hf_peers_beside_the_modes(tiny_pair, tmp_path) -> None:  # noqa: ANN001
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(f'mode = "pooled"\n[draft]\nmodel = "{tiny_pair / "draft"}"\nthreads = 1\n'
-                   f'[target]\nmodel = "{tiny_pair / "target"}"\nthreads = 1\n')
+    cfg = tiny_config_file(tiny_pair, tmp_path)
     res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "autoregressive,hf,hf-assisted",
                                     "--requests", "2", "--max-new-tokens", "12", "--repeats", "1", "--json"])
     assert res.exit_code == 0, res.output
@@ -80,9 +79,7 @@ def test_bench_runs_the_hf_peers_beside_the_modes(tiny_pair, tmp_path) -> None: 
 def test_bench_measures_predictions_beside_hfs_prompt_lookup(tiny_pair, tmp_path) -> None:  # noqa: ANN001
     """``--edit --predict``: each deployment runs the edit requests without and with their code as
     the prediction, in turns (rows MODE and MODE predicted); hf-lookup is HF's prompt lookup decoding."""
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(f'mode = "pooled"\n[draft]\nmodel = "{tiny_pair / "draft"}"\nthreads = 1\n'
-                   f'[target]\nmodel = "{tiny_pair / "target"}"\nthreads = 1\n')
+    cfg = tiny_config_file(tiny_pair, tmp_path)
     res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "pooled,hf-lookup", "--edit", "--predict",
                                     "--requests", "2", "--max-new-tokens", "12", "--repeats", "2", "--json"])
     assert res.exit_code == 0, res.output

@@ -20,6 +20,7 @@ from nebula_flow.penalties import Penalties
 from nebula_flow_workers.draft_rules import DraftRules
 from nebula_flow_workers.guides import Guide, Guides
 from nebula_flow_workers.runner import Task
+from tests.conftest import tiny_config_file
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
 EOS = 0  # the tiny pair's
@@ -249,9 +250,7 @@ def test_bench_runs_json_schema_requests(tiny_pair, tmp_path) -> None:  # noqa: 
 
     from nebula_flow.cli import main
 
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(f'mode = "pooled"\n[draft]\nmodel = "{tiny_pair / "draft"}"\nthreads = 1\n'
-                   f'[target]\nmodel = "{tiny_pair / "target"}"\nthreads = 1\n')
+    cfg = tiny_config_file(tiny_pair, tmp_path)
     res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "pooled,autoregressive", "--json-schema",
                                     "configs/schemas/person.json", "--requests", "2", "--max-new-tokens", "40",
                                     "--repeats", "1", "--json"])
