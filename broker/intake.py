@@ -182,8 +182,12 @@ class Intake:
             self._reject(self.clients, req.owner, error[0], error[1], req.req_id)
             return
         self.counters[f"requests_{req.finish_reason}"] += 1
-        done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason,
-                    {**req.stats(), "queue_s": queued})  # (queue_s: admission to its first task sent)
+        stats = {**req.stats(), "queue_s": queued}  # (queue_s: admission to its first task sent)
+        if "prediction_tokens" in stats:  # (Predicted Outputs: how much of the predictions the outputs held)
+            self.counters["prediction_requests"] += 1
+            self.counters["prediction_tokens_accepted"] += stats["prediction_accepted"]
+            self.counters["prediction_tokens_rejected"] += stats["prediction_tokens"] - stats["prediction_accepted"]
+        done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason, stats)
         self.finished[req.req_id] = (owner, done, req.logprobs)
         if req.logprobs is not None:  # (bounded apart: a token's entries are up to 21 ids and texts)
             self.finished_logprobs.append((req.req_id, len(req.logprobs)))

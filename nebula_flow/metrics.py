@@ -56,6 +56,10 @@ def families(state: dict[str, Any]) -> list[Metric]:
            "in rounds whose first draft token was rejected, and won; rounds that asked for a fused prompt-lookup "
            "chain, chains verified, rounds they won, and tokens they added beyond the draft.",
            [(c.get(kind, 0), {"kind": kind}) for kind in tree_counts])
+    family("nebula_prediction_tokens_total", "counter", "Predicted Outputs: requests that gave a prediction, and "
+           "its tokens their outputs held (accepted) or did not (rejected).",
+           [(c.get(f"prediction_{kind}", 0), {"kind": kind})
+            for kind in ("requests", "tokens_accepted", "tokens_rejected")])
     ahead = state.get("draft_ahead", {})
     family("nebula_draft_ahead_total", "counter", "Draft-ahead: pre-drafts made, outcomes drafted, rounds whose draft "
            "was one (late: after its verify), outcomes never used, pre-drafts cancelled, or skipped under load.",

@@ -192,6 +192,11 @@ def test_the_openai_client_sends_a_prediction_and_reads_its_usage(tiny_pair) -> 
             client.generate(token_ids=[5, 6], max_new_tokens=4, prediction=[1 << 20])
         assert refused.value.code == "invalid_prediction"
         assert client_ok(dep)  # (and the deployment serves on)
+        with Client(dep.address) as client:
+            counters = client.status()["counters"]
+        assert counters["prediction_requests"] == 1  # (the refused ones never entered the pool)
+        assert counters["prediction_tokens_accepted"] == details.accepted_prediction_tokens
+        assert counters["prediction_tokens_rejected"] == details.rejected_prediction_tokens
 
 
 def dep_tokens(dep: Deployment, text: str) -> list[int]:

@@ -479,6 +479,13 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
     verify = 'nebula_round_seconds_total{kind="decode",part="verify_forward"}'
     total = 'nebula_round_seconds_total{kind="decode",part="total"}'
     assert 0 < after[verify] - before.get(verify, 0) < after[total] - before.get(total, 0)
+    # Predicted Outputs: a request with a prediction, and how much of it its output held
+    with Client(live.address) as c:
+        c.generate("def metrics():", max_new_tokens=12, prediction=out.token_ids + [7, 7])
+        later = caught_up(c)
+    moved = {k: later[f'nebula_prediction_tokens_total{{kind="{k}"}}'] - after[f'nebula_prediction_tokens_total{{kind="{k}"}}']
+             for k in ("requests", "tokens_accepted", "tokens_rejected")}
+    assert moved == {"requests": 1, "tokens_accepted": 12, "tokens_rejected": 2}
 
 
 def test_resubmitting_a_request_id_is_idempotent(live) -> None:  # noqa: ANN001
