@@ -241,7 +241,7 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def bench_peer(cfg: DeployConfig, peer: str, wl: BenchWorkload, repeats: int, log=print) -> dict[str, Any]:  # noqa: ANN001
-    """``wl`` run ``repeats`` times by HF transformers (``hf_peer``: ``hf`` or ``hf-assisted``) in a
+    """``wl`` run ``repeats`` times by HF transformers (``hf_peer``: ``hf``, ``hf-assisted`` or ``hf-lookup``) in a
     process of its own, as a user would run it, on the config's target (and draft); medians, in the
     shape ``bench_mode`` returns (no utilization, KV or breakdown: one process, no pipeline)."""
     from nebula_flow.hf_peer import LOOKUP_TOKENS, PEERS

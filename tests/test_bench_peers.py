@@ -81,12 +81,14 @@ def test_bench_measures_predictions_beside_hfs_prompt_lookup(tiny_pair, tmp_path
     the prediction, in turns (rows MODE and MODE predicted); hf-lookup is HF's prompt lookup decoding."""
     cfg = tiny_config_file(tiny_pair, tmp_path)
     res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "pooled,hf-lookup", "--edit", "--predict",
-                                    "--requests", "2", "--max-new-tokens", "12", "--repeats", "2", "--json"])
+                                    "--via", "zmq,api", "--requests", "2", "--max-new-tokens", "12", "--repeats", "2",
+                                    "--json"])
     assert res.exit_code == 0, res.output
     modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
-    assert list(modes) == ["pooled", "pooled predicted", "hf-lookup"]
+    assert list(modes) == ["pooled via zmq", "pooled via api", "pooled via zmq predicted", "pooled via api predicted",
+                           "hf-lookup"]
     assert all(len(m["repeats"]) == 2 and m["repeats"][0]["tokens"] == 24 for m in modes.values())
     assert modes["hf-lookup"]["tokens_per_round"] >= 1.0
-    assert "pooled via zmq predicted repeat 1/2" in res.output  # (progress names the side it ran)
+    assert "pooled via api predicted repeat 1/2" in res.output  # (progress names the side it ran)
     bad = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "pooled", "--predict"])
     assert bad.exit_code == 2 and "--edit" in bad.output, bad.output

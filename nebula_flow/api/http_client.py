@@ -26,7 +26,7 @@ from nebula_flow.client import Busy, Chunk, Completion, NebulaError, RequestErro
 
 PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
           "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "structured": "structured_outputs",
-          "logit_bias": "logit_bias"}
+          "logit_bias": "logit_bias", "prediction": "prediction"}
 
 
 class HttpClient:
@@ -76,7 +76,8 @@ class HttpClient:
                 raise ValueError(f"the HTTP API takes no {name!r} here")
             if value is not None:
                 body[PARAMS[name]] = list(value) if name == "stop" else \
-                    {str(t): b for t, b in value.items()} if name == "logit_bias" else value
+                    {str(t): b for t, b in value.items()} if name == "logit_bias" else \
+                    {"type": "content", "content": value} if name == "prediction" else value
         if chat:
             path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
         else:
