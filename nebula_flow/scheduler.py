@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from nebula_flow import ahead, elastic, fusion, routing, speclen
-from nebula_flow.policy import MAX_FUSED, PolicyConfig
+from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import (
     DEFAULT_DRAFTER,
@@ -190,7 +190,7 @@ class Scheduler:
         req.alts = alts if req.k > 0 else 0
         # (a chain no longer than the tokens left, as the draft, and long where the client predicted the output;
         # with adaptive k only where it pays for its rows, planned for a seeded sample from its own history, as its k)
-        req.fuse = min(self.policy.fuse_ngram if req.prediction is None else max(self.policy.fuse_ngram, MAX_FUSED),
+        req.fuse = min(speclen.longest_chain(self.policy.fuse_ngram, req.prediction is not None, req.acceptance),
                        req.remaining - 1) if self.mode != "autoregressive" else 0
         if req.fuse and self.policy.adaptive_k:
             req.fuse = speclen.choose_fuse(req.acceptance, req.k, req.alts, req.fuse, *self.costs_for(req, req.drafter),

@@ -182,6 +182,22 @@ def fuse_pays(acc: Acceptance, k: int, alts: int, fused: int, costs: tuple[float
     return round_worth(acc, k, alts, costs, verify, fused) > round_worth(acc, k, alts, costs, verify)
 
 
+PREDICTED_CHAIN = 16  # the longest chain a request with a client's prediction fuses, whatever ``fuse_ngram`` says
+LONG_PREDICTED_CHAIN = 32  # ... and while its chains win nearly all of that (``LONG_CHAIN_GAIN`` of it)
+LONG_CHAIN_GAIN = 0.75
+
+
+def longest_chain(fuse_ngram: int, predicted: bool, acc: Acceptance) -> int:
+    """The longest fused chain a round may verify (``choose_fuse`` then weighs it): ``fuse_ngram``;
+    with a client's prediction (Predicted Outputs) at least ``PREDICTED_CHAIN``, and twice that
+    while the request's chains win nearly all of it (a prediction the output follows): long
+    chains pay there and only there, since past the next mismatch their rows are spent."""
+    if not predicted:
+        return fuse_ngram
+    long = acc.fused_gain >= LONG_CHAIN_GAIN * PREDICTED_CHAIN
+    return max(fuse_ngram, LONG_PREDICTED_CHAIN if long else PREDICTED_CHAIN)
+
+
 def choose_fuse(acc: Acceptance, k: int, alts: int, max_fused: int, costs: tuple[float, float, float] = DEFAULT_COSTS,
                 verify: tuple[float | None, ...] = (), batch: int = 1) -> int:
     """The longest fused chain that pays (``fuse_pays``) among ``max_fused`` and its halvings, or

@@ -21,6 +21,7 @@ from nebula_flow.lookup import MAX_SKIP, PREDICTION_MAX_N, RESYNC_N, lookup, loo
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Holder, ProtocolError, Submit, TaskSpec
 from nebula_flow.request import matched
+from nebula_flow.speclen import LONG_PREDICTED_CHAIN, PREDICTED_CHAIN, Acceptance, longest_chain
 from nebula_flow_workers.token_book import TokenBook
 from tests.conftest import deploy_config, hf_greedy
 
@@ -209,3 +210,15 @@ def dep_tokens(dep: Deployment, text: str) -> list[int]:
 def client_ok(dep: Deployment) -> bool:
     with Client(dep.address) as client:
         return len(client.generate(token_ids=[5, 6], max_new_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+def test_chains_grow_while_the_output_follows_the_prediction() -> None:
+    acc = Acceptance()
+    assert longest_chain(12, False, acc) == 12  # (no prediction: the policy's fuse_ngram)
+    assert longest_chain(0, True, acc) == PREDICTED_CHAIN and longest_chain(24, True, acc) == 24
+    for _ in range(10):  # chains that win 16 tokens a round beyond the draft
+        acc.update_fused(16)
+    assert longest_chain(0, True, acc) == LONG_PREDICTED_CHAIN
+    for _ in range(10):  # the output has left the prediction
+        acc.update_fused(1)
+    assert longest_chain(0, True, acc) == PREDICTED_CHAIN
