@@ -77,8 +77,8 @@ class Admission:
         ids = msg.prediction_tokens
         if ids is None:
             return None
-        if self.vocab_size is not None and len(ids) and not 0 <= ids.min() <= ids.max() < self.vocab_size:
-            raise ProtocolError("invalid_prediction", f"prediction token ids must be in [0, {self.vocab_size})")
+        if len(ids) and (ids.min() < 0 or self.vocab_size is not None and ids.max() >= self.vocab_size):
+            raise ProtocolError("invalid_prediction", f"prediction token ids must be in [0, {self.vocab_size or 'the vocabulary'})")
         return ids.astype(np.int32, copy=False)
 
     def prepare(self, msg: Submit) -> list[int]:
@@ -110,6 +110,8 @@ class Admission:
                                             f"({params.max_new_tokens}) exceeds the context ({self.max_model_len})")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         prediction = self.prediction(msg)
+        if prediction is not None and not len(prediction):  # (an empty prediction predicts nothing)
+            prediction = None
         if prediction is not None and len(prediction) > self.max_model_len:  # (it guesses an output: one that fits)
             raise ProtocolError("invalid_prediction", f"the prediction ({len(prediction)} tokens) is longer than "
                                                       f"the context ({self.max_model_len})")

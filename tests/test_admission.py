@@ -6,9 +6,10 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from nebula_flow.params import SamplingParams
-from nebula_flow.protocol import Submit
+from nebula_flow.protocol import ProtocolError, Submit
 from nebula_flow.request import Request
 from nebula_flow_broker.admission import Admission, apply_stop
 
@@ -198,3 +199,24 @@ def test_min_tokens_defers_stop_strings_and_names_the_ids_a_verify_must_not_pick
     assert req.suppress == sorted({*admission.eos_ids, 9}) and admission.eos_ids
     msg = Submit("n", {"min_tokens": 3, "ignore_eos": True}, prompt_tokens=np.array([1, 2], np.int32))
     assert admission.request(2, msg, owner=b"c", now=0.0).suppress == []
+
+
+def test_a_prediction_is_tokenized_as_output_and_checked(tiny_pair) -> None:  # noqa: ANN001
+    """Predicted Outputs at admission: text is tokenized without special tokens (as the output's
+    text would be), on the tokenizer thread too; ids must be in the vocabulary; an empty one is
+    none; one longer than the context is refused."""
+    admission = Admission(str(tiny_pair / "target"), 4096)
+    prompt = np.array([1, 2], np.int32)
+    text = Submit("a", {}, prompt_tokens=prompt, prediction="def f(x):\n    return x")
+    want = admission.codec.encode("def f(x):\n    return x", special=False)
+    assert admission.request(1, text, owner=b"c", now=0.0).prediction.tolist() == want
+    slow = Submit("b", {}, prompt_tokens=prompt, prediction="def f(x):\n    return x")
+    admission.prepare(slow)  # (the tokenizer thread's work: the text becomes ids)
+    assert slow.prediction is None and slow.prediction_tokens.tolist() == want
+    assert admission.request(2, slow, owner=b"c", now=0.0).prediction.tolist() == want
+    assert admission.request(3, Submit("c", {}, prompt_tokens=prompt, prediction=""), owner=b"c", now=0.0).prediction is None
+    for bad, says in ((np.array([-1], np.int32), "must be in"), (np.array([admission.vocab_size], np.int32), "must be in"),
+                      (np.zeros(admission.max_model_len + 1, np.int32), "longer than the context")):
+        with pytest.raises(ProtocolError, match=says) as err:
+            admission.request(4, Submit("d", {}, prompt_tokens=prompt, prediction_tokens=bad), owner=b"c", now=0.0)
+        assert err.value.code == "invalid_prediction"
