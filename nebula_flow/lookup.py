@@ -70,6 +70,66 @@ def predicted(tokens: np.ndarray, prediction: np.ndarray, k: int, min_n: int) ->
     return []
 
 
+ANCHOR = 8  # ``matched`` takes the prediction up again where the output's next this many tokens occur in it
+
+
+def matched(prediction: np.ndarray, output: list[int]) -> int:
+    """How many of a prediction's tokens the output holds, in order (usage's accepted prediction
+    tokens): runs where the two agree, read left to right; where they part, past up to ``MAX_SKIP``
+    replaced tokens (as ``predicted`` takes the prediction up again), else at the output's next
+    place whose ``ANCHOR`` tokens occur in the prediction (the first occurrence not before where
+    it was). Vectorized but for the places where the two part: the broker counts it on its thread as
+    a request ends, where difflib's exact matching blocks grow with the product of the lengths."""
+    pred, out = np.asarray(prediction, dtype=np.int64), np.asarray(output, dtype=np.int64)
+    pred_keys, out_keys = _window_keys(pred), _window_keys(out)
+    order = np.argsort(pred_keys, kind="stable")
+    sorted_keys = pred_keys[order]
+    anchorable = np.flatnonzero(np.isin(out_keys, pred_keys))  # (output places whose window may occur in the prediction)
+    held = p = i = 0
+    while i < len(out):
+        if p < len(pred) and out[i] == pred[p]:
+            span = min(len(out) - i, len(pred) - p)
+            differ = np.flatnonzero(out[i:i + span] != pred[p:p + span])
+            run = int(differ[0]) if len(differ) else span
+            held, i, p = held + run, i + run, p + run
+            continue
+        if sub := next((s for s in range(1, MAX_SKIP + 1) if _agree(out, pred, i + s, p + s, RESYNC_N)), 0):  # replaced
+            i, p = i + sub, p + sub
+            continue
+        i, p = _anchor(out, pred, out_keys, sorted_keys, order, anchorable, i, p)
+    return held
+
+
+def _window_keys(tokens: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each ``ANCHOR``-token window of ``tokens`` (in order; none if shorter)."""
+    if len(tokens) < ANCHOR:
+        return np.empty(0, dtype=np.uint64)
+    keys = np.zeros(len(tokens) - ANCHOR + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # (the hash wraps modulo 2**64)
+        for t in range(ANCHOR):
+            keys = keys * np.uint64(1_000_003) + tokens[t:len(tokens) - ANCHOR + 1 + t].astype(np.uint64)
+    return keys
+
+
+def _anchor(out: np.ndarray, pred: np.ndarray, out_keys: np.ndarray, sorted_keys: np.ndarray, order: np.ndarray,
+            anchorable: np.ndarray, i: int, p: int) -> tuple[int, int]:
+    """The next (output place, prediction place) at or after (i, p) whose windows are equal;
+    (the output's end, p) where there is none."""
+    for j in anchorable[np.searchsorted(anchorable, i):].tolist():
+        lo, hi = np.searchsorted(sorted_keys, out_keys[j], "left"), np.searchsorted(sorted_keys, out_keys[j], "right")
+        for c in np.sort(order[lo:hi]).tolist():
+            if c >= p and _agree(out, pred, j, c, ANCHOR):  # (checked: hashes may collide)
+                return j, c
+    return len(out), p
+
+
+def _agree(out: np.ndarray, pred: np.ndarray, i: int, p: int, most: int) -> bool:
+    """Whether the output from ``i`` and the prediction from ``p`` agree on their next ``most``
+    tokens (as many as both hold, at least one)."""
+    span = min(most, len(out) - i, len(pred) - p)
+    return span > 0 and bool((out[i:i + span] == pred[p:p + span]).all())
+
+
 def occurrences(tokens: np.ndarray, n: int, ends: np.ndarray) -> np.ndarray:
     """The starts s (0 .. len - 1 - n, in order) of the earlier windows ``tokens[s:s + n]`` equal
     to the last n tokens. ``ends``: where the last token occurs before its own place, the only

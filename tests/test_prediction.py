@@ -17,10 +17,9 @@ from nebula_flow.api.request import ApiError, Served, parse_chat, parse_completi
 from nebula_flow.api.response import usage
 from nebula_flow.client import Client, Completion, RequestError, build_submit
 from nebula_flow.deploy import Deployment
-from nebula_flow.lookup import MAX_SKIP, PREDICTION_MAX_N, RESYNC_N, lookup, lookup_with, predicted
+from nebula_flow.lookup import MAX_SKIP, PREDICTION_MAX_N, RESYNC_N, lookup, lookup_with, matched, predicted
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Holder, ProtocolError, Submit, TaskSpec
-from nebula_flow.request import matched
 from nebula_flow.speclen import LONG_PREDICTED_CHAIN, PREDICTED_CHAIN, Acceptance, longest_chain
 from nebula_flow_workers.token_book import TokenBook
 from tests.conftest import deploy_config, hf_greedy

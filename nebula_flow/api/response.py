@@ -25,7 +25,7 @@ def finish_reason(out: Completion) -> str:
 def usage(outs: list[Completion], n: int = 1) -> dict[str, Any]:
     """The answer's usage: each prompt counted once (``n`` choices each), every choice's output;
     with a prediction (Predicted Outputs), how many of its tokens the answers held, in order
-    (``request.matched``), and how many they did not."""
+    (``lookup.matched``), and how many they did not."""
     prompt = sum(int(out.stats.get("prompt_tokens", 0)) for out in outs[::n])
     completion = sum(len(out.token_ids) for out in outs)
     out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
