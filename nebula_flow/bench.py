@@ -78,10 +78,12 @@ def edit_prediction(prompt: str) -> str | None:
     return prompt[start + 10:end] if end >= 0 else None
 
 
-def with_context(prompts: list[str], context_tokens: int, model: str | Path) -> list[str]:
+def with_context(prompts: list[str], context_tokens: int, model: str | Path, shared: bool = False) -> list[str]:
     """Each prompt after about ``context_tokens`` tokens of code to read first (a different
     stretch of the stdlib's sources per prompt, cut in tokens and decoded back to text): code
-    completion with a file open, where the prompt's KV is most of the bytes that move."""
+    completion with a file open, where the prompt's KV is most of the bytes that move.
+    ``shared``: the same stretch for every prompt (a shared system prompt or document: what
+    the workers' prefix cache saves)."""
     if context_tokens <= 0:
         return list(prompts)
     from nebula_flow.corpus import corpus_files
@@ -92,9 +94,10 @@ def with_context(prompts: list[str], context_tokens: int, model: str | Path) -> 
     for f in corpus_files(None):
         # (a file's first 16k characters: fewer tokens than any model's context, so no warning)
         ids += codec.encode(f.read_text(errors="ignore")[:16_000], special=False)
-        if len(ids) >= context_tokens * len(prompts):
+        if len(ids) >= context_tokens * (1 if shared else len(prompts)):
             break
-    return [f"{codec.decode(ids[i * context_tokens:(i + 1) * context_tokens])}\n{p}" for i, p in enumerate(prompts)]
+    return [f"{codec.decode(ids[j * context_tokens:(j + 1) * context_tokens])}\n{p}"
+            for j, p in ((0 if shared else i, p) for i, p in enumerate(prompts))]
 
 
 @dataclass

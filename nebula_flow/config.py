@@ -76,6 +76,7 @@ class PoolConfig:
     profile: str | None = None  # latency profile for device = "emulated"
     max_kv_gb: float = 4.0  # KV memory budget per worker model
     kv_pool_gb: float | None = None  # finished requests' shared KV files kept for reuse (None: max_kv_gb / 8)
+    prefix_cache: bool = True  # a request starts from the longest prefix of its tokens another's KV holds (kv/store.py)
     drafter: str | None = None  # draft pools: the drafter name (routing.drafter_name: default from the model)
     elastic: bool = True  # elastic mode: false keeps this pool's workers to their own stage (e.g. small draft devices)
     name: str | None = None  # what clients call this model (the target's: /v1/models); default: ``model`` as written
@@ -119,8 +120,9 @@ class DeployConfig:
             # Colocated and autoregressive run M + N workers: one pool may be empty there.
             if pool.workers == 0 and self.mode in ("pooled", "paired"):
                 raise ConfigError(f"[{name}] workers must be >= 1 in {self.mode} mode")
-            if not isinstance(pool.elastic, bool):
-                raise ConfigError(f"[{name}] elastic must be true or false, got {pool.elastic!r}")
+            for flag in ("elastic", "prefix_cache"):
+                if not isinstance(getattr(pool, flag), bool):
+                    raise ConfigError(f"[{name}] {flag} must be true or false, got {getattr(pool, flag)!r}")
             if pool.max_kv_gb <= 0 or (pool.kv_pool_gb is not None and pool.kv_pool_gb < 0):
                 raise ConfigError(f"[{name}] max_kv_gb must be > 0 and kv_pool_gb >= 0")
             if pool.dtype not in (None, *DTYPE_CHOICES):

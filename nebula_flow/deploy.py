@@ -231,7 +231,7 @@ class Deployment:
             role=role, broker=",".join(o.worker_address for o in self.shards), model=str(pool.model), name=name,
             capacity=pool.max_batch, threads=threads, device=device, dtype=pool.dtype,
             batch_invariant=pool.batch_invariant, cuda_graphs=pool.cuda_graphs, max_kv_gb=pool.max_kv_gb,
-            kv_pool_gb=pool.kv_pool_gb,
+            kv_pool_gb=pool.kv_pool_gb, prefix_cache=pool.prefix_cache,
             kv_transport=self.cfg.kv_transport, profile=pool.profile,
             draft_model=str(self.cfg.draft.model) if colocated else None,
             draft_profile=self.cfg.draft.profile if colocated else None,

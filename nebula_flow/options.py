@@ -92,6 +92,7 @@ class WorkerOptions:
     kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
     kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
     kv_skip_slow_pulls: bool = True  # recompute where a pull is measured slower (kv/link_fit.py; off: always pull)
+    prefix_cache: bool = True  # copy the longest prefix another request's KV here holds (kv/store.py)
     keys: str | None = None  # CURVE key folder (or NEBULA_FLOW_KEYS): authenticate to the broker and peers
     profile: str | None = None  # latency profile when device == "emulated"
     draft_profile: str | None = None  # colocated + emulated: the draft's profile

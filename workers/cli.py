@@ -57,6 +57,11 @@ from nebula_flow.options import WorkerOptions, read_options
               help="Recompute a request's positions here instead of pulling them where the holder's link, as "
               "measured by earlier pulls, would take more than twice as long as this worker's forward of those "
               "rows (status: pulls_skipped). Either way a pull is waited for as long as its link needs.")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Keep finished requests' KV (within --max-kv-gb, least recently used dropped first) and start "
+              "each request from the longest prefix of its tokens this worker's KV holds, copied instead of "
+              "computed: a shared system prompt or a chat's earlier turns are computed once (status: prefix_hits, "
+              "prefix_reused).")
 @click.option("--profile", type=click.Path(), help="Latency profile for --device emulated.")
 @click.option("--draft-profile", type=click.Path(), help="The draft's latency profile (colocated or any, + emulated).")
 @click.option("--max-kv-gb", default=4.0, show_default=True, help="KV memory budget per model (LRU eviction).")
@@ -66,7 +71,7 @@ from nebula_flow.options import WorkerOptions, read_options
 @click.option("--keys", type=click.Path(), help="CURVE key folder (or NEBULA_FLOW_KEYS).")
 def worker(options_file: str | None, role: str | None, model: str | None, draft_model: str | None, drafter: str | None, broker_addr: str, name: str,
            max_batch: int, draft_max_batch: int | None, threads: int, device: str, dtype: str | None, batch_invariant: bool | None,
-           cuda_graphs: bool, kv_transport: str, kv_host: str, kv_overlap: bool, kv_skip_slow_pulls: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
+           cuda_graphs: bool, kv_transport: str, kv_host: str, kv_overlap: bool, kv_skip_slow_pulls: bool, prefix_cache: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
            kv_pool_gb: float | None, keys: str | None) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
     from nebula_flow.models.config import ModelConfigError
@@ -94,6 +99,7 @@ def worker(options_file: str | None, role: str | None, model: str | None, draft_
                                             cuda_graphs=cuda_graphs, kv_transport=kv_transport,
                                             kv_host=kv_host,
                                             kv_overlap=kv_overlap, kv_skip_slow_pulls=kv_skip_slow_pulls,
+                                            prefix_cache=prefix_cache,
                                             profile=profile, draft_profile=draft_profile,
                                             max_kv_gb=max_kv_gb, kv_pool_gb=kv_pool_gb, keys=keys,
                                             drafter=drafter, draft_capacity=draft_max_batch)))

@@ -88,9 +88,9 @@ class ModelRunner:
     ``model_dir``: the checkpoint's folder, whose tokenizer a verify of a structured output reads."""
 
     def __init__(self, model: CausalLM, *, proposal_top_k: int = 16, max_kv_bytes: int = 4 << 30,
-                 model_dir: str | None = None) -> None:
+                 model_dir: str | None = None, prefix_cache: bool = False) -> None:
         self.model = model
-        self.store = KVStore(model, max_kv_bytes)
+        self.store = KVStore(model, max_kv_bytes, prefix_cache)
         self.proposal_top_k = proposal_top_k
         self.busy_s = 0.0
         self.forwards = 0

@@ -50,5 +50,5 @@ def warm_round(runner: ModelRunner) -> None:
     drafts = runner.draft(tasks)
     runner.verify([replace(t, kind="verify", k=len(d.tokens), draft=d.tokens, q_idx=d.q_idx, q_prob=d.q_prob)
                    for t, d in zip(tasks, drafts)])
-    runner.store.free([t.rid for t in tasks])
+    runner.store.free([t.rid for t in tasks], keep=False)
     runner.forget_timings()

@@ -147,7 +147,7 @@ class Worker:
             self.draft = self._draft_runner(opts.model, opts.profile)
         else:
             self.target = ModelRunner(self._load(opts.model, opts.profile, "target"), max_kv_bytes=int(opts.max_kv_gb * (1 << 30)),
-                                      model_dir=opts.model)
+                                      model_dir=opts.model, prefix_cache=opts.prefix_cache)
         if opts.role in BOTH_MODELS:
             self.draft = self._draft_runner(opts.draft_model, opts.draft_profile)
         for name, runner, most in (("target", self.target, opts.capacity), ("draft", self.draft, opts.draft_capacity or opts.capacity)):
@@ -157,7 +157,8 @@ class Worker:
         ngram = parse_ngram(model) if self.opts.device != "emulated" else None
         if ngram is not None:
             return NgramRunner(*ngram)
-        return ModelRunner(self._load(model, profile, "draft"), max_kv_bytes=int(self.opts.max_kv_gb * (1 << 30)), model_dir=model)
+        return ModelRunner(self._load(model, profile, "draft"), max_kv_bytes=int(self.opts.max_kv_gb * (1 << 30)), model_dir=model,
+                           prefix_cache=self.opts.prefix_cache)
 
     def _load(self, model: str, profile: str | None, role: str):  # noqa: ANN202
         if self.opts.device != "emulated":

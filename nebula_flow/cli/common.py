@@ -97,6 +97,25 @@ def apply_overrides(cfg: DeployConfig, mode: str | None, draft_workers: int | No
     return cfg
 
 
+POOL_KNOBS = ("prefix_cache",)  # a bench mode's @KNOB=VALUE that sets its worker pools', not a [policy] knob
+
+
+def pool_settings(cfg: DeployConfig, settings: list[str], where: str) -> list[str]:
+    """Apply the ``KNOB=VALUE`` settings that name a worker pool's switch (``POOL_KNOBS``: 0 or 1)
+    to every pool of ``cfg``; returns the others (policy knobs)."""
+    rest = []
+    for setting in settings:
+        key, _, value = (part.strip() for part in setting.partition("="))
+        if key not in POOL_KNOBS:
+            rest.append(setting)
+        elif value not in ("0", "1"):
+            raise click.BadParameter(f"{key} is 0 or 1, got {value!r}", param_hint=where)
+        else:
+            for pool in (cfg.draft, cfg.target, *cfg.drafters):
+                setattr(pool, key, value == "1")
+    return rest
+
+
 def with_settings(policy: PolicyConfig, settings: tuple[str, ...] | list[str], where: str = "--set") -> PolicyConfig:
     """``policy`` with each ``KNOB=VALUE`` applied (``--set``, a bench mode's ``@KNOB=VALUE``)."""
     for setting in settings:

@@ -15,6 +15,7 @@ from nebula_flow.cli.common import (
     deploy_options,
     ensure_tiny_pair,
     load_deploy,
+    pool_settings,
     prepare_models,
     start_deployment,
     structured_option,
@@ -30,7 +31,8 @@ from nebula_flow.roles import MODES
               "with one more drafter (as --add-drafter MODEL, e.g. pooled+ngram), pooled-NAME pooled without the "
               "config's [[drafters]] pool of that drafter name (e.g. pooled-ngram on the bundled config): routing "
               "measured side by side. A mode may end in @KNOB=VALUE (repeatable) to set a [policy] knob for "
-              "it alone, e.g. pooled@fuse_ngram=0,pooled@fuse_ngram=8. The peers a user would otherwise run: hf "
+              "it alone, e.g. pooled@fuse_ngram=0,pooled@fuse_ngram=8; @prefix_cache=0 turns its workers' prefix "
+              "cache off (pooled,pooled@prefix_cache=0 with --shared-prefix: what it saves). The peers a user would otherwise run: hf "
               "(HF transformers' generate() of the target alone), hf-assisted (its assisted generation with the "
               "config's draft) and hf-lookup (its prompt lookup decoding), each in a process of its own with "
               "torch's default threads, requests one after another.")
@@ -62,9 +64,14 @@ from nebula_flow.roles import MODES
 @click.option("--predict", is_flag=True, help="With --edit: each deployment also runs every request with the code "
               "it edits as its prediction (OpenAI's Predicted Outputs), in turns with the plain requests: rows "
               "\"MODE predicted\" beside \"MODE\".")
+@click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True, metavar="TOKENS",
+              help="Every request's prompt starts with the same ~TOKENS tokens of code (cut from the stdlib's "
+              "sources): a shared system prompt or document, which the workers' prefix cache computes once; "
+              "compare MODE and MODE@prefix_cache=0.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-          temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, predict, as_json) -> None:  # noqa: ANN001
+          temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, predict, shared_prefix,
+          as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
         DEFAULT_CHAT_PROMPTS,
@@ -76,6 +83,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         bench_peer,
         breakdown_table,
         table,
+        with_context,
     )
     from nebula_flow.hf_peer import PEERS
 
@@ -97,7 +105,12 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
                                  param_hint="--predict")
     if top_p < 1 and temperature == 0:
         raise click.BadParameter("top-p samples: give a --temperature above 0 too", param_hint="--top-p")
-    wl = BenchWorkload([pool[i % len(pool)] for i in range(n_requests)], max_new_tokens, concurrency, temperature,
+    prompts = [pool[i % len(pool)] for i in range(n_requests)]
+    if shared_prefix:
+        first = load_deploy(config)
+        prepare_models(first)  # (its tokenizer cuts the prefix)
+        prompts = with_context(prompts, shared_prefix, first.target.model, shared=True)
+    wl = BenchWorkload(prompts, max_new_tokens, concurrency, temperature,
                        chat=chat or edit or bool(json_schema), top_p=top_p)
     if json_schema:
         if peers := [m for m in names if m in PEERS]:
@@ -125,6 +138,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
             base, *settings = name.split("@")
             mode, change, spec = base.partition("+") if "+" in base else base.partition("-")
             cfg = load_deploy(config)
+            settings = pool_settings(cfg, settings, name)
             cfg.broker.policy = with_settings(cfg.broker.policy, settings, name)
             if change == "-":
                 from nebula_flow.routing import drafter_name

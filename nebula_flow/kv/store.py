@@ -5,6 +5,12 @@ Three threads touch a store: the compute thread (``prepare``, ``evict``), the pr
 thread (``snapshot``: serves peers). A request is in at most one of a worker's batches at a
 time, so they never work on the same cache; the lock only guards the dictionary, and
 ``pinned`` keeps a fetched cache from being evicted before its batch runs.
+
+With ``prefix_cache`` a store also keeps finished requests' caches (least recently finished
+dropped first, before any live cache) and gives a request that lacks positions the longest
+prefix of its tokens another cache holds, copied (``prepare``): a shared system prompt, few-shot
+examples, the earlier turns of a chat are computed once per worker, as vLLM's and SGLang's prefix
+caches do. The copy is exact: KV at position i depends only on tokens 0..i, as pulls assume.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from nebula_flow.models.llama import CausalLM
 # with the raw transport's at the same size, and one exchange of a long prompt's whole KV moves
 # as many bytes as hundreds of a round's few new positions.
 SPARE_FORKS = 32  # finished requests' draft-ahead forks a store keeps for the next ones (``KVStore.branch``)
+# The shortest prefix of another request's worth reusing: a chat template's few tokens are not.
+MIN_SHARED = 16
+KEEP_FINISHED = 64  # finished requests' caches a prefix cache keeps at most (each is searched per new request)
 PULL_SIZE_CLASSES = {"<64kB": 64 << 10, "64kB-1MB": 1 << 20, "1-16MB": 16 << 20, ">=16MB": 1 << 62}
 
 
@@ -66,6 +75,8 @@ class KVStats:
     bytes_served: int = 0
     evicted: int = 0
     files_recycled: int = 0  # caches that got a finished request's shared file (pages already in)
+    prefix_hits: int = 0  # requests given a prefix another request's cache held (prefix cache)
+    prefix_reused: int = 0  # positions so copied instead of computed
     # size class -> [exchanges, bytes, seconds] (see PULL_SIZE_CLASSES)
     by_size: dict[str, list[float]] = field(default_factory=dict)
 
@@ -79,8 +90,8 @@ class KVStats:
 class KVStore:
     """Holds ``KVCache`` objects of one model; ``prepare`` rolls a cache back to what a task may reuse."""
 
-    def __init__(self, model: CausalLM, max_bytes: int = 4 << 30) -> None:
-        self.model, self.max_bytes = model, max_bytes
+    def __init__(self, model: CausalLM, max_bytes: int = 4 << 30, prefix_cache: bool = False) -> None:
+        self.model, self.max_bytes, self.prefix_cache = model, max_bytes, prefix_cache
         model.make_kv_arena(max_bytes)  # (the caches of a batch share it: one attention call per layer)
         self.row_bytes = model.new_cache(capacity=1).row_bytes  # bytes of one position's KV
         self.caches: OrderedDict[int, KVCache] = OrderedDict()
@@ -89,6 +100,8 @@ class KVStore:
         # forks of finished requests, for the next ones: a new buffer's pages fault in as the fork's
         # rows are copied, which costs more than the copy (``SPARE_FORKS`` at most)
         self.spare: list[KVCache] = []
+        self.finished: OrderedDict[int, KVCache] = OrderedDict()  # prefix cache: by when they finished
+        self._finishes = 0
         self.pinned: set[int] = set()
         self.lock = threading.Lock()
         self.stats = KVStats()
@@ -148,8 +161,34 @@ class KVStore:
         for other in self.branches.get(rid, {}).values():  # (a pre-drafted outcome that happened holds more)
             keep = max(keep, _copy_rows(other, cache, tokens, keep))
         self.stats.reused += keep
+        if self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
+            keep = self._shared_prefix(cache, tokens, keep)
         self.stats.computed += len(tokens) - 1 - keep
         return cache
+
+    def _shared_prefix(self, cache: KVCache, tokens: np.ndarray, keep: int) -> int:
+        """Copy into ``cache`` (holding ``keep`` positions of ``tokens``) the longest further prefix
+        of ``tokens`` that another request's cache holds, live or finished, if it is ``MIN_SHARED``
+        positions or more; returns the positions ``cache`` holds now."""
+        head = tokens[:MIN_SHARED].tolist()
+        # (held through the copy: the prefetch thread pins a cache, under this lock, before it
+        # changes it; a cache pinned now may be changing, so it is not read)
+        with self.lock:
+            best, most, done = None, max(keep, MIN_SHARED - 1), None
+            for rid, other in (*self.caches.items(), *(((None, key), c) for key, c in self.finished.items())):
+                if other is cache or rid in self.pinned or other.length <= most or other.tokens[:MIN_SHARED] != head:
+                    continue
+                if (n := min(other.common_prefix(tokens), len(tokens) - 1)) > most:
+                    best, most, done = other, n, rid
+            if best is None:
+                return keep
+            if isinstance(done, tuple):  # (a finished request's cache that served is kept longest)
+                self.finished.move_to_end(done[1])
+            best.await_rows()
+            held = _copy_rows(best, cache, tokens, keep)
+        self.stats.prefix_hits += 1
+        self.stats.prefix_reused += held - keep
+        return held
 
     def branch(self, rid: int, outcome: int, tokens: np.ndarray) -> KVCache:
         """A private cache of ``rid`` for a pre-drafted outcome (draft-ahead), holding the longest
@@ -261,12 +300,19 @@ class KVStore:
         with self.lock:
             self.pinned.difference_update(rids)
 
-    def free(self, rids: list[int]) -> None:
+    def free(self, rids: list[int], keep: bool = True) -> None:
+        """These requests are done here. With a prefix cache (and ``keep``), their caches stay
+        for later requests' prefixes, until memory or ``KEEP_FINISHED`` runs out."""
         with self.lock:
             for rid in rids:
                 self._retire_forks(rid)
                 cache = self.caches.pop(rid, None)
-                if cache is not None:
+                if cache is not None and keep and self.prefix_cache and cache.length >= MIN_SHARED:
+                    self._finishes += 1
+                    self.finished[self._finishes] = cache
+                    if len(self.finished) > KEEP_FINISHED:
+                        self.finished.popitem(last=False)[1].release()
+                elif cache is not None:
                     cache.release()
                 self.pinned.discard(rid)
 
@@ -282,8 +328,13 @@ class KVStore:
                 return sum(c.allocated_bytes for c in self.branches.get(rid, {}).values())
 
             held = sum(c.allocated_bytes + forks(rid) for rid, c in self.caches.items())
+            held += sum(c.allocated_bytes for c in self.finished.values())
             while self.spare and held + sum(c.allocated_bytes for c in self.spare) > self.max_bytes:
                 self.spare.pop(0)
+            while self.finished and held > self.max_bytes:  # (finished requests' caches go first of all)
+                cache = self.finished.popitem(last=False)[1]
+                held -= cache.allocated_bytes
+                cache.release()
             for rid in list(self.branches):  # (pre-drafted outcomes' forks go first: they only save a copy)
                 if held > self.max_bytes and rid not in protect:
                     held -= forks(rid)

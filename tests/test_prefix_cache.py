@@ -1,0 +1,168 @@
+"""The prefix cache: a request starts from the longest prefix of its tokens that another request's
+KV on the same worker holds (live, or finished and kept), copied instead of computed.
+
+The copy must be exact (KV at a position depends only on the tokens up to it), so output stays
+the target's own greedy output and a seeded sample stays a function of the request, whatever
+the placement and whether the cache is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from nebula_flow.client import AsyncClient, Client
+from nebula_flow.deploy import Deployment
+from nebula_flow.kv.store import KEEP_FINISHED, MIN_SHARED, KVStore
+from nebula_flow.models.loader import load_model
+from tests.conftest import deploy_config, hf_greedy
+
+SHARED = list(range(40, 140))  # a 100-token "system prompt" every request below starts with
+MAX_NEW = 12
+
+
+def test_a_request_copies_another_requests_prefix_and_gets_the_same_logits(tiny_pair) -> None:  # noqa: ANN001
+    """Bit-equal logits from a copied prefix and from a prefill of the whole prompt (batch
+    invariance on: the claim holds whatever the chunking of the prefill)."""
+    model = load_model(tiny_pair / "target", batch_invariant=True)
+    first, second = np.array(SHARED + [7, 8, 9]), np.array(SHARED + [300, 301, 302, 303])
+    store = KVStore(model, prefix_cache=True)
+    cache = store.prepare(1, first)
+    model([cache], [first[cache.length:].tolist()], [1])
+    copied = store.prepare(2, second)
+    assert copied.length == len(SHARED) and copied.tokens == SHARED
+    assert (store.stats.prefix_hits, store.stats.prefix_reused) == (1, len(SHARED))
+    assert store.stats.computed == (len(first) - 1) + (len(second) - 1 - len(SHARED))
+    got = model([copied], [second[copied.length:].tolist()], [4])[0]
+    alone = KVStore(model)  # (no prefix cache: the whole prompt computed)
+    fresh = alone.prepare(2, second)
+    assert fresh.length == 0
+    want = model([fresh], [second.tolist()], [4])[0]
+    assert torch.equal(got, want)
+    assert torch.equal(copied.buf[:len(second)], fresh.buf[:len(second)])
+
+
+def test_finished_requests_are_kept_for_their_prefixes_and_go_before_live_ones(tiny_pair) -> None:  # noqa: ANN001
+    model = load_model(tiny_pair / "target")
+    store = KVStore(model, prefix_cache=True)
+    done = store.prepare(1, np.array(SHARED + [5]))
+    model([done], [SHARED], [1])
+    store.free([1])
+    assert 1 not in store.caches and len(store.finished) == 1
+    turn2 = np.array(SHARED + [5, 6, 7])  # (a chat's next turn: the last one's tokens, then more)
+    assert store.prepare(2, turn2).length == len(SHARED)
+    # too short a shared prefix is not worth it, and a request's own KV is not counted twice
+    assert store.prepare(3, np.array(SHARED[:MIN_SHARED - 1] + [9] * 30)).length == 0
+    assert store.prepare(2, turn2).length == len(SHARED) and store.stats.prefix_hits == 1
+    # a cache the prefetch thread may be changing (pinned) is not read
+    store.free([2])
+    store.finished.clear()
+    live = store.prepare(4, np.array(SHARED + [1]))
+    model([live], [SHARED], [1])
+    store.pinned.add(4)
+    assert store.prepare(5, np.array(SHARED + [2])).length == 0
+    store.pinned.clear()
+    assert store.prepare(6, np.array(SHARED + [2])).length == len(SHARED)
+    # over the budget the finished ones go first, then the least recently used live ones
+    store.free([4])
+    assert len(store.finished) == 1
+    store.max_bytes = sum(c.allocated_bytes for c in store.caches.values())
+    store.evict(protect=set())
+    assert not store.finished and set(store.caches) == {3, 5, 6}
+    # a request freed without ``keep`` (a warm-up's) is not kept; nor more than KEEP_FINISHED
+    store.max_bytes = 4 << 30
+    store.free([5], keep=False)
+    assert not store.finished
+    for rid in range(10, 10 + KEEP_FINISHED + 3):
+        c = store.prepare(rid, np.array(SHARED + [rid]))
+        model([c], [np.array(SHARED + [rid])[c.length:].tolist()], [1])
+        store.free([rid])
+    assert len(store.finished) == KEEP_FINISHED
+
+
+def test_without_the_prefix_cache_nothing_is_kept_or_copied(tiny_pair) -> None:  # noqa: ANN001
+    model = load_model(tiny_pair / "target")
+    store = KVStore(model)
+    cache = store.prepare(1, np.array(SHARED + [5]))
+    model([cache], [SHARED], [1])
+    assert store.prepare(2, np.array(SHARED + [6])).length == 0
+    store.free([1, 2])
+    assert not store.finished and store.stats.prefix_hits == 0
+
+
+async def _at_once(address: str, prompts: list[list[int]]) -> list[list[int]]:
+    async with AsyncClient(address) as client:
+        outs = await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=MAX_NEW, ignore_eos=True)
+                                      for p in prompts))
+    return [o.token_ids for o in outs]
+
+
+def _prompts() -> list[list[int]]:
+    return [SHARED + [200 + i, 201 + i, 202 + i] for i in range(3)]
+
+
+@pytest.mark.parametrize("mode", ["pooled", "colocated", "elastic", "autoregressive"])
+def test_greedy_output_with_shared_prefixes_is_the_targets_own(tiny_pair, mode: str) -> None:  # noqa: ANN001
+    """Requests with a shared system prompt, one after another and at once, and a chat's second
+    turn: each output is HF's greedy output of the target alone, and the workers reused prefixes."""
+    prompts = _prompts()
+    cfg = deploy_config(tiny_pair, mode, 0 if mode in ("colocated", "autoregressive") else 1, 1)
+    with Deployment(cfg) as dep, Client(dep.address) as client:
+        outs = [client.generate(token_ids=p, max_new_tokens=MAX_NEW, ignore_eos=True).token_ids for p in prompts]
+        together = asyncio.run(_at_once(dep.address, prompts))
+        turn2 = prompts[0] + outs[0] + [9, 10, 11]
+        second = client.generate(token_ids=turn2, max_new_tokens=MAX_NEW, ignore_eos=True).token_ids
+        kv = [w["kv"] or {} for w in client.status()["workers"]]
+    for p, out in zip(prompts, outs):
+        ref = hf_greedy(tiny_pair / "target", p, MAX_NEW)
+        assert out[:len(ref)] == ref, mode
+    ref2 = hf_greedy(tiny_pair / "target", turn2, MAX_NEW)
+    assert second[:len(ref2)] == ref2, mode
+    assert together == outs
+    # every worker holding the target reused: the 2nd and 3rd requests' system prompt, the 2nd turn
+    assert sum(k.get("prefix_hits", 0) for k in kv) >= 3, kv
+    assert sum(k.get("prefix_reused", 0) for k in kv) >= 2 * len(SHARED) + len(prompts[0]) + MAX_NEW - 1, kv
+
+
+@pytest.mark.slow
+def test_seeded_samples_do_not_depend_on_the_prefix_cache_or_placement(tiny_pair) -> None:  # noqa: ANN001
+    outs = {}
+    prompts = _prompts()
+    for mode, m, n, on in (("pooled", 1, 1, False), ("pooled", 1, 1, True), ("pooled", 2, 2, True),
+                           ("elastic", 2, 2, True)):
+        cfg = deploy_config(tiny_pair, mode, m, n)
+        cfg.draft.prefix_cache = cfg.target.prefix_cache = on
+        with Deployment(cfg) as dep, Client(dep.address) as client:
+            outs[(mode, m, n, on)] = [client.generate(token_ids=p, max_new_tokens=MAX_NEW, ignore_eos=True,
+                                                      temperature=0.8, seed=3 + i).token_ids
+                                      for i, p in enumerate(prompts * 2)]
+            hits = sum((w["kv"] or {}).get("prefix_hits", 0) for w in client.status()["workers"])
+        assert (hits > 0) == on, (mode, m, n, on, hits)
+    first = next(iter(outs.values()))
+    assert len({tuple(t) for t in first[:3]}) == 3
+    assert all(o == first for o in outs.values()), outs
+
+
+def test_a_bench_mode_turns_the_prefix_cache_off_and_prompts_share_a_prefix(tiny_pair) -> None:  # noqa: ANN001
+    import click
+
+    from nebula_flow.bench import with_context
+    from nebula_flow.cli.common import pool_settings
+    from nebula_flow.config import ConfigError
+
+    cfg = deploy_config(tiny_pair, "pooled")
+    assert cfg.draft.prefix_cache and cfg.target.prefix_cache  # (on by default)
+    assert pool_settings(cfg, ["prefix_cache=0", "k=3"], "pooled@prefix_cache=0@k=3") == ["k=3"]
+    assert not cfg.draft.prefix_cache and not cfg.target.prefix_cache
+    with pytest.raises(click.BadParameter, match="0 or 1"):
+        pool_settings(cfg, ["prefix_cache=off"], "m")
+    cfg.target.prefix_cache = "yes"
+    with pytest.raises(ConfigError, match="prefix_cache must be true or false"):
+        cfg.validate()
+    shared = with_context(["a", "b"], 50, tiny_pair / "target", shared=True)
+    apart = with_context(["a", "b"], 50, tiny_pair / "target")
+    assert shared[0][:-1] == shared[1][:-1] and shared[0] != shared[1]
+    assert apart[0][:-1] != apart[1][:-1]
