@@ -297,6 +297,7 @@ class Broker(Intake):
             self._finish(req.rid, "error", ("worker_error", f"bad result from worker {wid}: {why}"))
 
     def _apply_result(self, wid: int, req: Request, item: TaskResult, now: float) -> None:
+        req.cached += item.cached
         if item.prefilled is not None:  # a chunk of the prompt (chunked prefill): the task goes round again
             self.scheduler.prefilled(req, wid, results.prefilled(req, item))
             self.counters["prefill_chunks"] += 1

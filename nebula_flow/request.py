@@ -51,6 +51,7 @@ class Request:
     accepted: int = 0
     alt_accepted: int = 0  # rounds an alternative to the first draft token won
     fused_accepted: int = 0  # tokens accepted from fused chains beyond what the draft had
+    cached: int = 0  # positions its target workers copied from other requests' KV (prefix cache): usage's cached_tokens
     prediction: np.ndarray | None = None  # the client's prediction of the output (int32): chains are looked up in it too
     acceptance: Acceptance = field(default_factory=Acceptance)  # decayed, for adaptive k (speclen): the drafter's in use
     drafter: str | None = None  # the drafter this round's draft is routed to (then: the one that drafted it)
@@ -132,6 +133,7 @@ class Request:
             "fused_accepted": self.fused_accepted,
             "drafter_rounds": self.drafter_rounds,
             "prompt_tokens": len(self.prompt),
+            "cached_tokens": max(0, min(self.cached, len(self.prompt) - 1)),
             "output_tokens": len(self.output),
             "seed": self.seed,
             **({"prediction_tokens": len(self.prediction), "prediction_accepted": matched(self.prediction, self.output)}

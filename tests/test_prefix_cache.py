@@ -111,10 +111,12 @@ def test_greedy_output_with_shared_prefixes_is_the_targets_own(tiny_pair, mode: 
     prompts = _prompts()
     cfg = deploy_config(tiny_pair, mode, 0 if mode in ("colocated", "autoregressive") else 1, 1)
     with Deployment(cfg) as dep, Client(dep.address) as client:
-        outs = [client.generate(token_ids=p, max_new_tokens=MAX_NEW, ignore_eos=True).token_ids for p in prompts]
+        done = [client.generate(token_ids=p, max_new_tokens=MAX_NEW, ignore_eos=True) for p in prompts]
+        outs = [o.token_ids for o in done]
         together = asyncio.run(_at_once(dep.address, prompts))
         turn2 = prompts[0] + outs[0] + [9, 10, 11]
-        second = client.generate(token_ids=turn2, max_new_tokens=MAX_NEW, ignore_eos=True).token_ids
+        follow_up = client.generate(token_ids=turn2, max_new_tokens=MAX_NEW, ignore_eos=True)
+        second = follow_up.token_ids
         kv = [w["kv"] or {} for w in client.status()["workers"]]
     for p, out in zip(prompts, outs):
         ref = hf_greedy(tiny_pair / "target", p, MAX_NEW)
@@ -125,6 +127,24 @@ def test_greedy_output_with_shared_prefixes_is_the_targets_own(tiny_pair, mode: 
     # every worker holding the target reused: the 2nd and 3rd requests' system prompt, the 2nd turn
     assert sum(k.get("prefix_hits", 0) for k in kv) >= 3, kv
     assert sum(k.get("prefix_reused", 0) for k in kv) >= 2 * len(SHARED) + len(prompts[0]) + MAX_NEW - 1, kv
+    # each request's usage says how much of its prompt the target's prefix cache held
+    assert [o.stats["cached_tokens"] for o in done] == [0, len(SHARED), len(SHARED)]
+    assert follow_up.stats["cached_tokens"] == len(prompts[0]) + MAX_NEW - 1  # (the last turn's KV, all but its last)
+
+
+@pytest.mark.slow
+def test_the_openai_client_reads_cached_prompt_tokens(tiny_pair) -> None:  # noqa: ANN001
+    import openai
+
+    system = "You review Python code. " + "def f(x):\n    return x * 2\n" * 20
+    with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep:
+        dep.start_api("127.0.0.1", 0, model_name="tiny")
+        api = openai.OpenAI(base_url=dep.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        asked = [api.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+            for question in ("What does f do?", "Is f pure?")]
+    first, second = (a.usage.prompt_tokens_details.cached_tokens for a in asked)
+    assert first == 0 and 100 < second < asked[1].usage.prompt_tokens, (first, second)
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ def run_kind(kind: str, group: list[Task], role: str, draft: Any, target: Any) -
                 outs.append(TaskResult(t.rid, t.kind, t.round, t.attempt))
     elif kind == "verify" and target and role != "draft":
         for out, t, committed in zip(outs, group, target.verify(group)):
+            out.cached = target.store.take_copied(t.rid)
             if committed is None:  # (a chunk of its prompt, or it failed alone)
                 out.prefilled, out.error = t.prefilled, t.error
                 continue
@@ -49,6 +50,7 @@ def run_kind(kind: str, group: list[Task], role: str, draft: Any, target: Any) -
                 t = group[i]
                 t.draft, t.q_idx, t.q_prob, t.runner_ups, t.chains = d.tokens, d.q_idx, d.q_prob, d.runner_ups, d.chains
         for out, t, committed in zip(outs, group, target.verify(group, ends)):
+            out.cached = target.store.take_copied(t.rid)
             if committed is None:
                 out.prefilled, out.error = t.prefilled, t.error
                 continue

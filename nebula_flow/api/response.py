@@ -23,12 +23,16 @@ def finish_reason(out: Completion) -> str:
 
 
 def usage(outs: list[Completion], n: int = 1) -> dict[str, Any]:
-    """The answer's usage: each prompt counted once (``n`` choices each), every choice's output;
+    """The answer's usage: each prompt counted once (``n`` choices each), with how many of its
+    tokens a worker's prefix cache held (``cached_tokens``, as OpenAI's prompt caching), every choice's output;
     with a prediction (Predicted Outputs), how many of its tokens the answers held, in order
     (``lookup.matched``), and how many they did not."""
     prompt = sum(int(out.stats.get("prompt_tokens", 0)) for out in outs[::n])
     completion = sum(len(out.token_ids) for out in outs)
-    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                           # (positions a worker copied from other requests' KV: the prefix cache)
+                           "prompt_tokens_details": {"cached_tokens": sum(int(o.stats.get("cached_tokens", 0))
+                                                                          for o in outs[::n])}}
     predicted = [(int(o.stats["prediction_tokens"]), int(o.stats.get("prediction_accepted", 0)))
                  for o in outs if "prediction_tokens" in o.stats]
     if predicted:

@@ -233,6 +233,9 @@ def print_completion(out, as_json: bool) -> None:  # noqa: ANN001
         click.echo("[rounds by drafter: " + ", ".join(f"{d} {n}" for d, n in sorted(drafters.items())) + "]", err=True)
     if out.stats.get("fused_accepted"):  # token trees: what fused prompt-lookup chains added beyond the drafts
         click.echo(f"[fused chains added {out.stats['fused_accepted']} tokens]", err=True)
+    if out.stats.get("cached_tokens"):  # the prefix cache: prompt positions copied from earlier requests' KV
+        click.echo(f"[prefix cache: {out.stats['cached_tokens']} of the prompt's {out.stats['prompt_tokens']} "
+                   "tokens]", err=True)
     if "prediction_tokens" in out.stats:  # Predicted Outputs: how much of the prediction the output holds
         click.echo(f"[prediction: {out.stats['prediction_accepted']} of its {out.stats['prediction_tokens']} tokens "
                    "in the output]", err=True)

@@ -102,6 +102,7 @@ class KVStore:
         self.spare: list[KVCache] = []
         self.finished: OrderedDict[int, KVCache] = OrderedDict()  # prefix cache: by when they finished
         self._finishes = 0
+        self.copied: dict[int, int] = {}  # request -> positions copied into its cache from others' (``take_copied``)
         self.pinned: set[int] = set()
         self.lock = threading.Lock()
         self.stats = KVStats()
@@ -145,10 +146,15 @@ class KVStore:
             return cache
 
     def held(self, rid: int, tokens: np.ndarray) -> int:
-        """How many positions of ``tokens`` ``prepare`` would keep for ``rid`` (changing nothing)."""
+        """How many positions of ``tokens`` ``prepare`` would keep for ``rid`` or copy from another
+        request's cache (changing nothing; pre-drafted outcomes aside)."""
         with self.lock:
             cache = self.caches.get(rid)
-        return min(cache.common_prefix(tokens), len(tokens) - 1) if cache is not None else 0
+        keep = min(cache.common_prefix(tokens), len(tokens) - 1) if cache is not None else 0
+        if self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
+            with self.lock:
+                keep = max(keep, self._longest_prefix(cache, tokens, keep)[1])
+        return keep
 
     def prepare(self, rid: int, tokens: np.ndarray) -> KVCache:
         """The cache for ``rid``, cut to the longest prefix of ``tokens`` it holds.
@@ -162,33 +168,46 @@ class KVStore:
             keep = max(keep, _copy_rows(other, cache, tokens, keep))
         self.stats.reused += keep
         if self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
-            keep = self._shared_prefix(cache, tokens, keep)
+            keep = self._shared_prefix(rid, cache, tokens, keep)
         self.stats.computed += len(tokens) - 1 - keep
         return cache
 
-    def _shared_prefix(self, cache: KVCache, tokens: np.ndarray, keep: int) -> int:
-        """Copy into ``cache`` (holding ``keep`` positions of ``tokens``) the longest further prefix
-        of ``tokens`` that another request's cache holds, live or finished, if it is ``MIN_SHARED``
-        positions or more; returns the positions ``cache`` holds now."""
+    def _longest_prefix(self, cache: KVCache | None, tokens: np.ndarray, keep: int) -> tuple[KVCache | None, int, object]:
+        """The other cache, live or finished, holding the longest prefix of ``tokens`` beyond
+        ``keep`` positions and of ``MIN_SHARED`` or more, how long that is (``keep`` where there is
+        none), and its key (a live request's id, or ``(None, key)`` of a finished one). Lock held."""
         head = tokens[:MIN_SHARED].tolist()
-        # (held through the copy: the prefetch thread pins a cache, under this lock, before it
-        # changes it; a cache pinned now may be changing, so it is not read)
+        best, most, key = None, max(keep, MIN_SHARED - 1), None
+        # (a cache pinned now may be changing on the prefetch thread: not read)
+        for rid, other in (*self.caches.items(), *(((None, k), c) for k, c in self.finished.items())):
+            if other is cache or rid in self.pinned or other.length <= most or other.tokens[:MIN_SHARED] != head:
+                continue
+            if (n := min(other.common_prefix(tokens), len(tokens) - 1)) > most:
+                best, most, key = other, n, rid
+        return best, most if best is not None else keep, key
+
+    def _shared_prefix(self, rid: int, cache: KVCache, tokens: np.ndarray, keep: int) -> int:
+        """Copy into ``cache`` (request ``rid``'s, holding ``keep`` positions of ``tokens``) the
+        longest further prefix of ``tokens`` another request's cache holds (``_longest_prefix``);
+        returns the positions ``cache`` holds now."""
+        # (held through the copy: the prefetch thread pins a cache, under this lock, before it changes it)
         with self.lock:
-            best, most, done = None, max(keep, MIN_SHARED - 1), None
-            for rid, other in (*self.caches.items(), *(((None, key), c) for key, c in self.finished.items())):
-                if other is cache or rid in self.pinned or other.length <= most or other.tokens[:MIN_SHARED] != head:
-                    continue
-                if (n := min(other.common_prefix(tokens), len(tokens) - 1)) > most:
-                    best, most, done = other, n, rid
+            best, _, key = self._longest_prefix(cache, tokens, keep)
             if best is None:
                 return keep
-            if isinstance(done, tuple):  # (a finished request's cache that served is kept longest)
-                self.finished.move_to_end(done[1])
+            if isinstance(key, tuple):  # (a finished request's cache that served is kept longest)
+                self.finished.move_to_end(key[1])
             best.await_rows()
             held = _copy_rows(best, cache, tokens, keep)
+            self.copied[rid] = self.copied.get(rid, 0) + held - keep
         self.stats.prefix_hits += 1
         self.stats.prefix_reused += held - keep
         return held
+
+    def take_copied(self, rid: int) -> int:
+        """The positions copied into ``rid``'s cache from other requests' since last asked."""
+        with self.lock:
+            return self.copied.pop(rid, 0)
 
     def branch(self, rid: int, outcome: int, tokens: np.ndarray) -> KVCache:
         """A private cache of ``rid`` for a pre-drafted outcome (draft-ahead), holding the longest
@@ -306,6 +325,7 @@ class KVStore:
         with self.lock:
             for rid in rids:
                 self._retire_forks(rid)
+                self.copied.pop(rid, None)
                 cache = self.caches.pop(rid, None)
                 if cache is not None and keep and self.prefix_cache and cache.length >= MIN_SHARED:
                     self._finishes += 1
