@@ -23,6 +23,7 @@ from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.options import BrokerOptions
 from nebula_flow.policy_log import RecordingScheduler
+from nebula_flow.prefixes import PrefixRoutes
 from nebula_flow.process import orphaned, restarts
 from nebula_flow.protocol import (
     Bye,
@@ -67,6 +68,8 @@ class Broker(Intake):
         self.opts = opts
         policy = RecordingScheduler if opts.policy_log else Scheduler
         self.scheduler = policy(opts.mode, opts.policy)
+        if opts.policy.prefix_affinity:  # (cache-aware placement: the prompts' tokens are real here)
+            self.scheduler.prefixes = PrefixRoutes()
         self.admission = Admission(opts.model, opts.max_new_tokens_limit)
         self.prompts = PromptTokenizer(self.admission.prepare)
         self.stats = BrokerStats()

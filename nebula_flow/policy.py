@@ -41,6 +41,9 @@ class PolicyConfig:
                            "off: NebulaSD's affinity-free batch reconstruction.")
     migrate: bool = _knob(False, "Never give a request the worker that ran its previous task of that role while "
                           "another exists: forces KV movement (tests, benchmarks).")
+    prefix_affinity: bool = _knob(True, "The broker places a new request where its prompt's start was last held, the "
+                                  "prefill a worker's prefix cache would save weighed against the load "
+                                  "(nebula_flow/prefixes.py; the simulator's prompts are blanks: no effect there).")
     merge_batches: bool = _knob(True, "Give a busy worker no small batch beside a bigger running one (two half batches "
                                 "would alternate for ever); the tasks join the returning ones instead.")
     adaptive_k: bool = _knob(False, "Choose each round's k in 0..k from the request's decayed acceptance, for the most "

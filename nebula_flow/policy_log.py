@@ -14,7 +14,9 @@ Records are JSON arrays, one per line (JSONL)::
     ["register", worker, role, capacity, slot, drafter, draft_capacity]
     ["unregister", worker, [requeued rids]]
     ["pull", worker, credits, idle, now]
-    ["admit", rid, prompt_len, max_new_tokens, greedy, seeded]
+    ["admit", rid, prompt_len, max_new_tokens, greedy, seeded, affinity]
+                                         (affinity: where its prompt's start was likely held,
+                                         {holder key: [worker, positions]}: ``prefixes.py``)
     ["draft_done", rid, worker, n_draft]
     ["prefilled", rid, worker, valid]    (a chunk of a prompt computed; the task queued again)
     ["retry", rid, worker]               (the worker lacked the task's tokens: the task queued again)
@@ -82,13 +84,15 @@ class RecordingScheduler(Scheduler):
         self.records.append(["pull", worker_id, credits, idle, now])
 
     def admit(self, req: Request) -> None:
-        self.records.append(["admit", req.rid, len(req.prompt), req.params.max_new_tokens, req.params.greedy,
-                             req.params.seed is not None])
+        record = ["admit", req.rid, len(req.prompt), req.params.max_new_tokens, req.params.greedy,
+                  req.params.seed is not None]
+        self.records.append(record)
         self._quiet = True  # admit starts the first round itself
         try:
             super().admit(req)
         finally:
             self._quiet = False
+        record.append({key: list(where) for key, where in req.affinity.items()})
 
     def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
                   draft_accepted: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
@@ -173,9 +177,24 @@ class ReplayReport:
         return not self.mismatches
 
 
+class Recalled:
+    """A replay's ``PrefixRoutes``: where each request's prefix was likely held, as recorded (a
+    record's token ids are placeholders)."""
+
+    def __init__(self) -> None:
+        self.next: dict[str, tuple[int, int]] = {}
+
+    def find(self, tokens: object, alive: object) -> dict[str, tuple[int, int]]:
+        return self.next
+
+    def learn(self, tokens: object, holders: object) -> None:
+        """(Nothing to learn: the record says where.)"""
+
+
 def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
     """Feed ``records`` to ``policy`` and compare each of its decisions with the recorded one."""
     events = n_decisions = 0
+    policy.prefixes = recalled = Recalled()
     mismatches: list[dict[str, Any]] = []
     for i, rec in enumerate(records):
         kind, args = rec[0], rec[1:]
@@ -194,7 +213,9 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
         elif kind == "pull":
             policy.pull(args[0], args[1], args[2], args[3])
         elif kind == "admit":
-            rid, prompt_len, max_new, greedy, seeded = (*args, True, False)[:5]  # (older logs lack the last two)
+            # (older logs lack the last three, or the last)
+            rid, prompt_len, max_new, greedy, seeded, affinity = (*args, *(True, False, {})[len(args) - 3:])
+            recalled.next = {key: tuple(where) for key, where in affinity.items()}
             # (the policy plans greedy, sampled and seeded requests apart: token trees, costs, routing)
             policy.admit(Request(rid, str(rid), [PLACEHOLDER] * prompt_len, SamplingParams(
                 max_new_tokens=max_new, temperature=0.0 if greedy else 1.0, seed=0 if seeded else None), seed=0))

@@ -86,6 +86,7 @@ class Binder:
 
     def __init__(self) -> None:
         self.load: dict[int, float] | None = None
+        self.role = ""  # the bound workers' role
         self.since = 0  # bindings since the work was counted
 
     def reset(self) -> None:
@@ -95,13 +96,16 @@ class Binder:
     def bind(self, mode: str, workers: Iterable[WorkerState], requests: Collection[Request], which: Iterable[Request]) -> None:
         """Bind each of ``which`` (already in ``requests``, unbound); no slot exists: left unbound."""
         if self.load is None or self.since * self.REFRESH >= len(requests):
-            role = "any" if mode == "elastic" else MODES[mode][-1]
+            self.role = role = "any" if mode == "elastic" else MODES[mode][-1]
             self.load, self.since = dict.fromkeys(sorted({w.slot for w in workers if w.role == role}), 0.0), 0
             for r in requests:
                 if r.slot in self.load:
                     self.load[r.slot] += outstanding(r)
         load = self.load
         for r in which if load else ():
-            r.slot = min(load, key=lambda s: (load[s], s))
-            load[r.slot] += outstanding(r)
+            cost, (near, saved) = outstanding(r), r.affinity.get("colocated" if mode == "colocated" else "target", (None, 0))
+            # (where its prompt's start is likely held (``prefixes.py``), it costs that much less prefill)
+            near = next((w.slot for w in workers if w.worker_id == near and w.role == self.role), None) if saved else None
+            r.slot = min(load, key=lambda s: (load[s] + cost - (PROMPT_WEIGHT * saved if s == near else 0.0), s))
+            load[r.slot] += cost - (PROMPT_WEIGHT * saved if r.slot == near else 0.0)
             self.since += 1

@@ -34,10 +34,12 @@ from typing import TYPE_CHECKING
 from nebula_flow import speclen
 from nebula_flow.lookup import is_ngram
 from nebula_flow.protocol import DRAFTER_CHARS
+from nebula_flow.request import DRAFT
 from nebula_flow.speclen import PRIOR, Acceptance
 
 if TYPE_CHECKING:
     from nebula_flow.request import Request
+    from nebula_flow.roles import WorkerState
     from nebula_flow.scheduler import Scheduler
 
 POOL_DECAY = 0.98  # per round, the pool's experience of a drafter (all requests' rounds: ~50 remembered)
@@ -121,3 +123,9 @@ def route(sched: Scheduler, req: Request, max_alts: int) -> tuple[str, bool, tup
         drafter, explore = choose_drafter(names, req.round, req.drafter_used, req.explore_gaps, worth)
     req.acceptance = req.by_drafter.setdefault(drafter, req.acceptance)
     return drafter, explore, plans.get(drafter)
+
+
+def routed_to(sched: Scheduler, req: Request, w: WorkerState) -> bool:
+    """Whether routing lets ``w`` take ``req``'s task: a draft routed to a drafter goes to that
+    drafter's workers while it has any."""
+    return req.phase != DRAFT or req.drafter is None or w.drafter == req.drafter or req.drafter not in sched.drafters

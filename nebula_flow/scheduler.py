@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 
 from nebula_flow import ahead, elastic, fusion, routing, speclen
 from nebula_flow.policy import PolicyConfig
+from nebula_flow.prefixes import PrefixRoutes
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import (
     DEFAULT_DRAFTER,
@@ -80,6 +81,7 @@ class Scheduler:
         self.homes: dict[int, int] = {}  # elastic: slot -> its worker (a request's home: ``_holder``)
         self.binder = Binder()  # the work bound to each slot (paired, colocated, elastic)
         self.pull_rates: dict[int, float] = {}  # worker -> seconds per KV position it pulled (``elastic.observe_pulls``)
+        self.prefixes: PrefixRoutes | None = None  # cache-aware placement (the broker's; a simulator's prompts are blanks)
 
     # -- workers ---------------------------------------------------------------------------
     def register(self, worker_id: int, role: str, capacity: int, drafter: str | None = None,
@@ -166,6 +168,7 @@ class Scheduler:
     # -- requests --------------------------------------------------------------------------
     def admit(self, req: Request) -> None:
         self.requests[req.rid] = req
+        req.affinity = self.prefixes.find(req.prompt, self.workers) if self.prefixes is not None else {}
         self._bind([req])
         self.start_round(req)
 
@@ -334,6 +337,8 @@ class Scheduler:
         req = self.requests.pop(rid, None)
         if req is None:
             return None
+        if self.prefixes is not None:  # (where its tokens' KV stays, for requests that start with them)
+            self.prefixes.learn(req.prompt + req.output, req.holders)
         ahead.forget(self, rid)
         fusion.forget(self, rid)
         if req.phase != DONE:
@@ -470,24 +475,20 @@ class Scheduler:
     def _holder(self, req: Request) -> int | None:
         """The worker ``req``'s queued task stays with while it is busy (``locality``): the holder of the KV
         it needs, or an elastic request's home (``elastic.home``)."""
-        held = req.holders.get(self.task_holder_key(req), (None, 0))[0]
+        key = self.task_holder_key(req)
+        held = (req.holders.get(key) or req.affinity.get(key) or (None, 0))[0]  # (new: where its prefix likely is)
         return elastic.home(req, held, self.homes, self.workers) if self.mode == "elastic" else held
 
     def _eligible(self, req: Request, w: WorkerState) -> bool:
         if self.mode in ("paired", "colocated"):
             return req.slot == w.slot
-        if not self._routed_to(req, w):
+        if not routing.routed_to(self, req, w):
             return False
         if self.policy.migrate and self._holder(req) == w.worker_id:
             topic = PHASE_ROLE[req.phase]
-            return not any(topic in ROLE_TOPICS[o.role] and o.worker_id != w.worker_id and self._routed_to(req, o)
+            return not any(topic in ROLE_TOPICS[o.role] and o.worker_id != w.worker_id and routing.routed_to(self, req, o)
                            for o in self.workers.values())
         return True
-
-    def _routed_to(self, req: Request, w: WorkerState) -> bool:
-        """Whether routing lets ``w`` take ``req``'s task: a draft routed to a drafter goes to that
-        drafter's workers while it has any."""
-        return req.phase != DRAFT or req.drafter is None or w.drafter == req.drafter or req.drafter not in self.drafters
 
     def _bind(self, reqs: list[Request]) -> None:
         """Paired/colocated: bind requests to the least-loaded slots that exist now (``roles.Binder``); elastic:

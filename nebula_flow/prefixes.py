@@ -1,0 +1,71 @@
+"""Which worker's prefix cache likely holds the start of a new request's tokens: cache-aware placement.
+
+A worker keeps finished requests' KV and starts a request from the longest prefix of its tokens
+it holds (``kv/store.py``), so a chat's next turn or another question about the same document
+costs a prefill only where it lands on the worker that computed the prefix. The scheduler learns,
+as each request ends, which worker holds its tokens' KV for each model, and asks, as each request
+arrives, where the longest prefix of its prompt is held: paired, colocated and elastic binding
+weigh the prefill that worker would save (``roles.Binder``), and a pooled request's first tasks
+stay with that worker while it is busy, as with any holder (``locality``), taken by any idle one.
+SGLang's router and vLLM's prefix-aware routing do the same across instances.
+
+Pure (no sockets, no clock). Tokens are hashed a block at a time, each block's hash chained to
+the one before it, so a key stands for a whole prefix. A finished request leaves keys at 1, 2, 4,
+8, ... blocks and at its last whole block (the next turn of a chat continues all of it); least
+recently learnt keys go first. A guess is never a rule: a worker that left, or one that has since
+evicted the KV, costs only the prefill the placement hoped to save.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Mapping, Sequence
+
+BLOCK = 16  # tokens per key step: the shortest prefix a worker reuses (kv/store.py MIN_SHARED)
+MAX_KEYS = 1 << 16  # (a few MB of the broker's memory)
+
+
+def _chain(tokens: Sequence[int], upto: int) -> list[int]:
+    """The key of each whole block of ``tokens[:upto]``: key i stands for the first (i + 1) blocks."""
+    keys, key = [], 0
+    for start in range(0, upto - BLOCK + 1, BLOCK):
+        key = hash((key, *tokens[start:start + BLOCK]))
+        keys.append(key)
+    return keys
+
+
+class PrefixRoutes:
+    """(holder key, prefix key) -> the worker that last held that prefix of that model's KV."""
+
+    def __init__(self, max_keys: int = MAX_KEYS) -> None:
+        self.where: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self.max_keys = max_keys
+
+    def learn(self, tokens: Sequence[int], holders: Mapping[str, tuple[int, int]]) -> None:
+        """A request ended holding ``tokens``' KV with ``holders`` (holder key -> (worker,
+        positions held), as ``Request.holders``)."""
+        for role, (worker, valid) in holders.items():
+            keys = _chain(tokens, valid)
+            marks = {len(keys) - 1, *(2 ** i - 1 for i in range(len(keys).bit_length()))}
+            for i in sorted(m for m in marks if m >= 0):
+                self.where[(role, keys[i])] = worker
+                self.where.move_to_end((role, keys[i]))
+        while len(self.where) > self.max_keys:
+            self.where.popitem(last=False)
+
+    def find(self, tokens: Sequence[int], alive: Collection[int],
+             roles: Sequence[str] = ("target", "draft", "colocated")) -> dict[str, tuple[int, int]]:
+        """Per holder key of ``roles``: the worker among ``alive`` whose KV likely holds the longest
+        prefix of ``tokens`` (all but the last, whose logits a request's first task computes), and
+        that prefix's length; keys with none known are left out (``Request.affinity``)."""
+        found: dict[str, tuple[int, int]] = {}
+        if not self.where:
+            return found
+        keys = _chain(tokens, len(tokens) - 1)
+        for role in roles:
+            for i in range(len(keys) - 1, -1, -1):
+                worker = self.where.get((role, keys[i]))
+                if worker is not None and worker in alive:
+                    found[role] = (worker, (i + 1) * BLOCK)
+                    break
+        return found
