@@ -181,10 +181,10 @@ def test_a_bench_mode_turns_the_prefix_cache_off_and_prompts_share_a_prefix(tiny
 
     cfg = deploy_config(tiny_pair, "pooled")
     assert cfg.draft.prefix_cache and cfg.target.prefix_cache  # (on by default)
-    assert pool_settings(cfg, ["prefix_cache=0", "k=3"], "pooled@prefix_cache=0@k=3") == ["k=3"]
+    assert pool_settings(cfg, ["prefix_cache=false", "k=3"], "pooled@prefix_cache=false@k=3") == ["k=3"]
     assert not cfg.draft.prefix_cache and not cfg.target.prefix_cache
-    with pytest.raises(click.BadParameter, match="0 or 1"):
-        pool_settings(cfg, ["prefix_cache=off"], "m")
+    with pytest.raises(click.BadParameter, match="true or false"):
+        pool_settings(cfg, ["prefix_cache=0"], "m")
     cfg.target.prefix_cache = "yes"
     with pytest.raises(ConfigError, match="prefix_cache must be true or false"):
         cfg.validate()

@@ -101,18 +101,18 @@ POOL_KNOBS = ("prefix_cache",)  # a bench mode's @KNOB=VALUE that sets its worke
 
 
 def pool_settings(cfg: DeployConfig, settings: list[str], where: str) -> list[str]:
-    """Apply the ``KNOB=VALUE`` settings that name a worker pool's switch (``POOL_KNOBS``: 0 or 1)
-    to every pool of ``cfg``; returns the others (policy knobs)."""
+    """Apply the ``KNOB=VALUE`` settings that name a worker pool's switch (``POOL_KNOBS``: true or
+    false, as a policy knob's) to every pool of ``cfg``; returns the others (policy knobs)."""
     rest = []
     for setting in settings:
         key, _, value = (part.strip() for part in setting.partition("="))
         if key not in POOL_KNOBS:
             rest.append(setting)
-        elif value not in ("0", "1"):
-            raise click.BadParameter(f"{key} is 0 or 1, got {value!r}", param_hint=where)
+        elif value not in ("true", "false"):
+            raise click.BadParameter(f"{key} must be true or false, got {value!r}", param_hint=where)
         else:
             for pool in (cfg.draft, cfg.target, *cfg.drafters):
-                setattr(pool, key, value == "1")
+                setattr(pool, key, value == "true")
     return rest
 
 

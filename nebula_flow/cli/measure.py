@@ -31,8 +31,9 @@ from nebula_flow.roles import MODES
               "with one more drafter (as --add-drafter MODEL, e.g. pooled+ngram), pooled-NAME pooled without the "
               "config's [[drafters]] pool of that drafter name (e.g. pooled-ngram on the bundled config): routing "
               "measured side by side. A mode may end in @KNOB=VALUE (repeatable) to set a [policy] knob for "
-              "it alone, e.g. pooled@fuse_ngram=0,pooled@fuse_ngram=8; @prefix_cache=0 turns its workers' prefix "
-              "cache off (pooled,pooled@prefix_cache=0 with --shared-prefix: what it saves). The peers a user would otherwise run: hf "
+              "it alone, e.g. pooled@fuse_ngram=0,pooled@fuse_ngram=8; @prefix_cache=false turns its workers' "
+              "prefix cache off (with --shared-prefix, pooled@prefix_cache=false@prefix_affinity=false,pooled: what "
+              "it saves). The peers a user would otherwise run: hf "
               "(HF transformers' generate() of the target alone), hf-assisted (its assisted generation with the "
               "config's draft) and hf-lookup (its prompt lookup decoding), each in a process of its own with "
               "torch's default threads, requests one after another.")
@@ -67,7 +68,7 @@ from nebula_flow.roles import MODES
 @click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True, metavar="TOKENS",
               help="Every request's prompt starts with the same ~TOKENS tokens of code (cut from the stdlib's "
               "sources): a shared system prompt or document, which the workers' prefix cache computes once; "
-              "compare MODE and MODE@prefix_cache=0.")
+              "compare MODE@prefix_cache=false@prefix_affinity=false and MODE.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
           temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, predict, shared_prefix,
