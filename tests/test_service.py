@@ -486,6 +486,18 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
     moved = {k: later[f'nebula_prediction_tokens_total{{kind="{k}"}}'] - after[f'nebula_prediction_tokens_total{{kind="{k}"}}']
              for k in ("requests", "tokens_accepted", "tokens_rejected")}
     assert moved == {"requests": 1, "tokens_accepted": 12, "tokens_rejected": 2}
+    # the prefix cache: a prompt that starts as the one before it did, on the draft and the target worker
+
+    def summed(samples: dict[str, float], family: str) -> float:
+        return sum(v for k, v in samples.items() if k.startswith(family + "{"))
+
+    head = "def metrics_prefix():\n" + "    total = total + 1\n" * 12
+    with Client(live.address) as c:
+        c.generate(head + "# a", max_new_tokens=4)
+        c.generate(head + "# b", max_new_tokens=4)
+        last = caught_up(c)
+    assert summed(last, "nebula_kv_prefix_hits_total") - summed(later, "nebula_kv_prefix_hits_total") >= 2
+    assert summed(last, "nebula_kv_prefix_reused_positions_total") - summed(later, "nebula_kv_prefix_reused_positions_total") >= 2 * 60
 
 
 def test_resubmitting_a_request_id_is_idempotent(live) -> None:  # noqa: ANN001
