@@ -17,6 +17,7 @@ MAX_SEED = 2**63 - 1
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # most likely tokens reported beside each output token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
+MAX_CACHE_SALT = 256  # characters of a cache_salt
 
 
 class InvalidParams(ValueError):
@@ -45,6 +46,9 @@ class SamplingParams:
     sampled; it ends with EOS once the grammar is complete, so it cannot ignore EOS. With
     ``think_first`` it binds only what follows the end of a reasoning model's thinking
     (``</think>``, in the output or already in the prompt), as vLLM's reasoning parsers have it.
+    ``cache_salt`` (vLLM's): the workers' prefix cache reuses KV only between requests with the
+    same salt (none: those without one), so a user cannot tell from its speed whether another
+    user's requests began as its own does (``kv/store.py``, ``prefixes.py``).
     """
 
     max_new_tokens: int = 64
@@ -64,6 +68,7 @@ class SamplingParams:
     structured: dict[str, Any] | None = field(default=None, hash=False)  # e.g. {"json": schema}, {"regex": "..."}
     think_first: bool = False  # the grammar binds only the answer, after a reasoning model's thinking (</think>)
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
+    cache_salt: str | None = None  # KV reused only among requests of the same salt (the prefix cache)
 
     @property
     def greedy(self) -> bool:
@@ -157,6 +162,9 @@ class SamplingParams:
             raise InvalidParams(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 10] (1: off), got {r!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise InvalidParams(f"min_tokens must be an integer from 0 to max_new_tokens, got {self.min_tokens!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT):
+            raise InvalidParams(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {self.cache_salt!r}")
         if not all(isinstance(v, bool) for v in (self.ignore_eos, self.fit_context, self.think_first)):
             raise InvalidParams("ignore_eos, fit_context and think_first must be booleans")
         if self.logit_bias is not None:

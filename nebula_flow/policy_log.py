@@ -184,10 +184,10 @@ class Recalled:
     def __init__(self) -> None:
         self.next: dict[str, tuple[int, int]] = {}
 
-    def find(self, tokens: object, alive: object) -> dict[str, tuple[int, int]]:
+    def find(self, req: Request, alive: object) -> dict[str, tuple[int, int]]:
         return self.next
 
-    def learn(self, tokens: object, holders: object) -> None:
+    def learn(self, req: Request) -> None:
         """(Nothing to learn: the record says where.)"""
 
 

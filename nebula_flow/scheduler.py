@@ -168,7 +168,7 @@ class Scheduler:
     # -- requests --------------------------------------------------------------------------
     def admit(self, req: Request) -> None:
         self.requests[req.rid] = req
-        req.affinity = self.prefixes.find(req.prompt, self.workers) if self.prefixes is not None else {}
+        req.affinity = self.prefixes.find(req, self.workers) if self.prefixes is not None else {}
         self._bind([req])
         self.start_round(req)
 
@@ -338,7 +338,7 @@ class Scheduler:
         if req is None:
             return None
         if self.prefixes is not None:  # (where its tokens' KV stays, for requests that start with them)
-            self.prefixes.learn(req.prompt + req.output, req.holders)
+            self.prefixes.learn(req)
         ahead.forget(self, rid)
         fusion.forget(self, rid)
         if req.phase != DONE:

@@ -63,6 +63,13 @@ def test_finished_requests_are_kept_for_their_prefixes_and_go_before_live_ones(t
     # too short a shared prefix is not worth it, and a request's own KV is not counted twice
     assert store.prepare(3, np.array(SHARED[:MIN_SHARED - 1] + [9] * 30)).length == 0
     assert store.prepare(2, turn2).length == len(SHARED) and store.stats.prefix_hits == 1
+    # a request with a cache_salt shares only with requests of its salt
+    assert store.held(7, turn2, "alice") == 0 and store.prepare(7, turn2, "alice").length == 0
+    salted = store.prepare(8, np.array(SHARED + [4]), "alice")
+    model([salted], [SHARED], [1])
+    assert store.held(9, turn2, "alice") == len(SHARED) and store.prepare(9, turn2, "alice").length == len(SHARED)
+    assert store.prepare(10, turn2, "bob").length == 0
+    store.free([7, 8, 9, 10], keep=False)
     # a cache the prefetch thread may be changing (pinned) is not read
     store.free([2])
     store.finished.clear()
@@ -123,6 +130,7 @@ def test_greedy_output_with_shared_prefixes_is_the_targets_own(tiny_pair, mode: 
         turn2 = prompts[0] + outs[0] + [9, 10, 11]
         follow_up = client.generate(token_ids=turn2, max_new_tokens=MAX_NEW, ignore_eos=True)
         second = follow_up.token_ids
+        salted = client.generate(token_ids=prompts[1], max_new_tokens=MAX_NEW, ignore_eos=True, cache_salt="other")
         kv = [w["kv"] or {} for w in client.status()["workers"]]
     for p, out in zip(prompts, outs):
         ref = hf_greedy(tiny_pair / "target", p, MAX_NEW)
@@ -136,6 +144,7 @@ def test_greedy_output_with_shared_prefixes_is_the_targets_own(tiny_pair, mode: 
     # each request's usage says how much of its prompt the target's prefix cache held
     assert [o.stats["cached_tokens"] for o in done] == [0, len(SHARED), len(SHARED)]
     assert follow_up.stats["cached_tokens"] == len(prompts[0]) + MAX_NEW - 1  # (the last turn's KV, all but its last)
+    assert salted.token_ids == outs[1] and salted.stats["cached_tokens"] == 0  # (another salt: nothing shared)
 
 
 @pytest.mark.slow
@@ -147,10 +156,17 @@ def test_the_openai_client_reads_cached_prompt_tokens(tiny_pair) -> None:  # noq
         dep.start_api("127.0.0.1", 0, model_name="tiny")
         api = openai.OpenAI(base_url=dep.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
         asked = [api.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=[
-            {"role": "system", "content": system}, {"role": "user", "content": question}])
-            for question in ("What does f do?", "Is f pure?")]
-    first, second = (a.usage.prompt_tokens_details.cached_tokens for a in asked)
-    assert first == 0 and 100 < second < asked[1].usage.prompt_tokens, (first, second)
+            {"role": "system", "content": system}, {"role": "user", "content": question}],
+            **({"extra_body": {"cache_salt": salt}} if salt else {}))
+            for question, salt in (("What does f do?", None), ("Is f pure?", None), ("Is f slow?", "tenant-b"),
+                                   ("Is f fast?", "tenant-b"))]
+        with pytest.raises(openai.BadRequestError) as err:
+            api.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                        extra_body={"cache_salt": ""})
+        assert err.value.body["param"] == "cache_salt"
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a in asked]
+    # the second shares the first's system prompt; the third, salted, shares nothing; the fourth, the third's
+    assert cached[0] == cached[2] == 0 and all(100 < cached[i] < asked[i].usage.prompt_tokens for i in (1, 3)), cached
 
 
 @pytest.mark.slow
@@ -195,24 +211,36 @@ def test_a_bench_mode_turns_the_prefix_cache_off_and_prompts_share_a_prefix(tiny
 
 
 # -- placement: where a new request's prompt start is likely held (nebula_flow/prefixes.py) ------------
-def _request(rid: int, prompt: list[int], max_new: int = 8) -> Request:
-    return Request(rid, str(rid), list(prompt), SamplingParams(max_new_tokens=max_new), seed=rid)
+def _request(rid: int, prompt: list[int], max_new: int = 8, salt: str | None = None) -> Request:
+    return Request(rid, str(rid), list(prompt), SamplingParams(max_new_tokens=max_new, cache_salt=salt), seed=rid)
+
+
+def _ended(tokens: list[int], holders: dict[str, tuple[int, int]], salt: str | None = None) -> Request:
+    """A request that ended holding ``tokens``' KV with these holders."""
+    req = _request(0, tokens, salt=salt)
+    req.holders = holders
+    return req
 
 
 def test_prefix_routes_find_the_worker_that_held_the_longest_prefix() -> None:
     routes = PrefixRoutes()
     doc = list(range(1000, 1300))
-    routes.learn(doc[:100], {"target": (7, 100), "draft": (3, 40)})
-    routes.learn(doc[:40] + [5] * 60, {"target": (8, 100)})  # (shares 2 blocks, learnt later)
-    assert routes.find(doc + [1], alive={3, 7, 8}) == {"target": (7, 96), "draft": (3, 32)}
-    assert routes.find(doc[:40] + [5] * 60 + [1], alive={7, 8}) == {"target": (8, 96)}
-    assert routes.find(doc + [1], alive={8}) == {"target": (8, 32)}  # (a worker gone: the next best)
-    assert routes.find(doc[:16], alive={7, 8}) == {}  # (all but the last token: less than a block)
-    assert routes.find(list(range(50)), alive={7, 8}) == {}
+    routes.learn(_ended(doc[:100], {"target": (7, 100), "draft": (3, 40)}))
+    routes.learn(_ended(doc[:40] + [5] * 60, {"target": (8, 100)}))  # (shares 2 blocks, learnt later)
+    assert routes.find(_request(1, doc + [1]), alive={3, 7, 8}) == {"target": (7, 96), "draft": (3, 32)}
+    assert routes.find(_request(1, doc[:40] + [5] * 60 + [1]), alive={7, 8}) == {"target": (8, 96)}
+    assert routes.find(_request(1, doc + [1]), alive={8}) == {"target": (8, 32)}  # (a worker gone: the next best)
+    assert routes.find(_request(1, doc[:16]), alive={7, 8}) == {}  # (all but the last token: less than a block)
+    assert routes.find(_request(1, list(range(50))), alive={7, 8}) == {}
+    # a cache_salt keeps requests apart: only those of the same salt look alike
+    routes.learn(_ended(doc[:100], {"target": (9, 100)}, salt="alice"))
+    assert routes.find(_request(1, doc + [1], salt="alice"), alive={7, 8, 9}) == {"target": (9, 96)}
+    assert routes.find(_request(1, doc + [1], salt="bob"), alive={7, 8, 9}) == {}
+    assert routes.find(_request(1, doc + [1]), alive={7, 8, 9})["target"] == (7, 96)
     few = PrefixRoutes(max_keys=4)
     for i in range(10):
-        few.learn([i] * 200, {"target": (1, 200)})
-    assert len(few.where) == 4 and few.find([9] * 201, {1}) and not few.find([0] * 201, {1})
+        few.learn(_ended([i] * 200, {"target": (1, 200)}))
+    assert len(few.where) == 4 and few.find(_request(1, [9] * 201), {1}) and not few.find(_request(1, [0] * 201), {1})
 
 
 def test_elastic_binds_a_request_where_its_prefix_is_unless_that_worker_is_much_busier() -> None:
@@ -222,7 +250,7 @@ def test_elastic_binds_a_request_where_its_prefix_is_unless_that_worker_is_much_
         s.register(2, "any", 4)
         if prefixes:
             s.prefixes = PrefixRoutes()
-            s.prefixes.learn(doc, {"target": (1, 400), "draft": (1, 400)})  # (worker 1: slot 0)
+            s.prefixes.learn(_ended(doc, {"target": (1, 400), "draft": (1, 400)}))  # (worker 1: slot 0)
         return s
 
     def bound(s: Scheduler, *prompts: tuple[list[int], int]) -> list[int | None]:
@@ -247,7 +275,7 @@ def test_a_busy_pooled_worker_leaves_a_request_to_the_worker_holding_its_prefix_
         for wid in (1, 2):
             s.register(wid, "draft", 4)
         s.register(3, "target", 4)
-        s.prefixes.learn(doc, {"draft": (2, 300)})
+        s.prefixes.learn(_ended(doc, {"draft": (2, 300)}))
         s.admit(_request(1, doc + [1]))
         return s
 
@@ -268,7 +296,7 @@ def test_a_policy_log_replays_placement_by_prefix() -> None:
     for wid in (1, 2):
         s.register(wid, "any", 4)
     doc = list(range(3000, 3200))
-    s.prefixes.learn(doc, {"target": (2, 200)})
+    s.prefixes.learn(_ended(doc, {"target": (2, 200)}))
     for rid in range(4):
         s.admit(_request(rid, doc + [rid] if rid % 2 else list(range(rid * 10, rid * 10 + 30))))
     for wid in (1, 2):

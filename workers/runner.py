@@ -139,7 +139,7 @@ class ModelRunner:
         budget = forward_budget(self.max_forward_tokens, [t.alone for t in tasks])
         if not budget:
             return [None] * len(tasks)
-        held = held if held is not None else [self.store.held(t.rid, t.tokens) for t in tasks]
+        held = held if held is not None else [self.store.held(t.rid, t.tokens, t.params.cache_salt) for t in tasks]
         tails = [len(t.tokens) - h for t, h in zip(tasks, held)]
         plan = plan_forward(tails, [n - 1 for n in tails], budget)
         return [None if chunk is None else h + chunk for chunk, h in zip(plan, held)]
@@ -148,7 +148,7 @@ class ModelRunner:
         """Propose ``task.k`` tokens per task, one forward per draft position for the batch. A task
         with an end (``chunk_ends``; by default this runner's budget) only prefills up to it, in
         the first forward, and proposes nothing (``task.prefilled``)."""
-        caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
+        caches = [self.store.prepare(t.rid, t.tokens, t.params.cache_salt) for t in tasks]
         ends = self.chunk_ends(tasks, [c.length for c in caches]) if ends is None else ends
         drafts = self._drafts(tasks, caches, ends)
         self._finish(tasks)
@@ -217,7 +217,7 @@ class ModelRunner:
         ready, caches, new = [], [], []
         for i, t in enumerate(tasks):
             full = np.concatenate([t.tokens, np.asarray(t.draft, dtype=t.tokens.dtype)])
-            cache = self.store.prepare(t.rid, full)
+            cache = self.store.prepare(t.rid, full, t.params.cache_salt)
             if cache.length + len(t.draft) + 1 < len(t.tokens):  # (the holder's KV did not come: not worth a prefill)
                 continue
             cache.truncate(min(cache.length, len(t.tokens) - 1))  # (the last committed token's row scores d1)
@@ -281,7 +281,7 @@ class ModelRunner:
 
     def _verify(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[list[int] | None]:
         """One forward of ``verify``'s."""
-        caches = [self.store.prepare(t.rid, t.tokens) for t in tasks]
+        caches = [self.store.prepare(t.rid, t.tokens, t.params.cache_salt) for t in tasks]
         for t in tasks:  # a round without a draft: the chain is looked up here
             if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse, t.prediction)):
                 t.chains = [chain]

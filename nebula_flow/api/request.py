@@ -20,6 +20,7 @@ from nebula_flow import structured
 from nebula_flow.api import tools as tool_calls
 from nebula_flow.api.tools import ToolCalling, ToolError
 from nebula_flow.params import (
+    MAX_CACHE_SALT,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_SEED,
@@ -163,6 +164,11 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         if not _is_int(min_tokens) or min_tokens < 0:
             raise invalid("min_tokens", f"min_tokens must be an integer >= 0, got {min_tokens!r}")
         params["min_tokens"] = min_tokens
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT:
+            raise invalid("cache_salt", f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters")
+        params["cache_salt"] = salt
     params["stop"] = _stop(body.get("stop"))
     ids = body.get("stop_token_ids")
     if ids is not None:
@@ -432,7 +438,8 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", *GUIDED)
+                 "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", "cache_salt",
+                 *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "prediction")

@@ -54,6 +54,7 @@ class KVCache:
             self.buf = torch.empty((capacity, *self.row_shape), dtype=dtype, device=device)
         self._row_bytes = self.buf.element_size() * int(np.prod(self.row_shape))
         self.tokens: list[int] = []
+        self.salt: str | None = None  # its request's cache_salt: only caches of the same salt share prefixes (kv/store.py)
         self.shared = None  # kv/shm.py SharedRows when peers on this host read this cache directly
         self.shared_path = None
         self.owner = 0  # the request id its shared file names

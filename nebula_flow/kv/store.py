@@ -11,6 +11,7 @@ dropped first, before any live cache) and gives a request that lacks positions t
 prefix of its tokens another cache holds, copied (``prepare``): a shared system prompt, few-shot
 examples, the earlier turns of a chat are computed once per worker, as vLLM's and SGLang's prefix
 caches do. The copy is exact: KV at position i depends only on tokens 0..i, as pulls assume.
+Only caches of requests with the same ``cache_salt`` share prefixes (none: those without one).
 """
 
 from __future__ import annotations
@@ -145,23 +146,25 @@ class KVStore:
             self.caches[rid] = cache
             return cache
 
-    def held(self, rid: int, tokens: np.ndarray) -> int:
+    def held(self, rid: int, tokens: np.ndarray, salt: str | None = None) -> int:
         """How many positions of ``tokens`` ``prepare`` would keep for ``rid`` or copy from another
-        request's cache (changing nothing; pre-drafted outcomes aside)."""
+        request's cache of the same ``salt`` (changing nothing; pre-drafted outcomes aside)."""
         with self.lock:
             cache = self.caches.get(rid)
         keep = min(cache.common_prefix(tokens), len(tokens) - 1) if cache is not None else 0
         if self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
             with self.lock:
-                keep = max(keep, self._longest_prefix(cache, tokens, keep)[1])
+                keep = max(keep, self._longest_prefix(cache, tokens, keep, salt)[1])
         return keep
 
-    def prepare(self, rid: int, tokens: np.ndarray) -> KVCache:
-        """The cache for ``rid``, cut to the longest prefix of ``tokens`` it holds.
+    def prepare(self, rid: int, tokens: np.ndarray, salt: str | None = None) -> KVCache:
+        """The cache for ``rid`` (of ``cache_salt`` ``salt``), cut to the longest prefix of ``tokens``
+        it holds, or that another request's cache of the same salt holds (the prefix cache).
 
         At least the last token is left to compute, because the step needs its logits.
         """
         cache = self._get(rid, len(tokens))
+        cache.salt = salt
         keep = min(cache.common_prefix(tokens), len(tokens) - 1)
         cache.truncate(keep)
         for other in self.branches.get(rid, {}).values():  # (a pre-drafted outcome that happened holds more)
@@ -172,15 +175,17 @@ class KVStore:
         self.stats.computed += len(tokens) - 1 - keep
         return cache
 
-    def _longest_prefix(self, cache: KVCache | None, tokens: np.ndarray, keep: int) -> tuple[KVCache | None, int, object]:
-        """The other cache, live or finished, holding the longest prefix of ``tokens`` beyond
-        ``keep`` positions and of ``MIN_SHARED`` or more, how long that is (``keep`` where there is
-        none), and its key (a live request's id, or ``(None, key)`` of a finished one). Lock held."""
+    def _longest_prefix(self, cache: KVCache | None, tokens: np.ndarray, keep: int,
+                        salt: str | None) -> tuple[KVCache | None, int, object]:
+        """The other cache of ``salt``, live or finished, holding the longest prefix of ``tokens``
+        beyond ``keep`` positions and of ``MIN_SHARED`` or more, how long that is (``keep`` where
+        there is none), and its key (a live request's id, or ``(None, key)`` of a finished one). Lock held."""
         head = tokens[:MIN_SHARED].tolist()
         best, most, key = None, max(keep, MIN_SHARED - 1), None
         # (a cache pinned now may be changing on the prefetch thread: not read)
         for rid, other in (*self.caches.items(), *(((None, k), c) for k, c in self.finished.items())):
-            if other is cache or rid in self.pinned or other.length <= most or other.tokens[:MIN_SHARED] != head:
+            if other is cache or rid in self.pinned or other.length <= most or other.salt != salt \
+                    or other.tokens[:MIN_SHARED] != head:
                 continue
             if (n := min(other.common_prefix(tokens), len(tokens) - 1)) > most:
                 best, most, key = other, n, rid
@@ -192,7 +197,7 @@ class KVStore:
         returns the positions ``cache`` holds now."""
         # (held through the copy: the prefetch thread pins a cache, under this lock, before it changes it)
         with self.lock:
-            best, _, key = self._longest_prefix(cache, tokens, keep)
+            best, _, key = self._longest_prefix(cache, tokens, keep, cache.salt)
             if best is None:
                 return keep
             if isinstance(key, tuple):  # (a finished request's cache that served is kept longest)
