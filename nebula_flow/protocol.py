@@ -342,8 +342,7 @@ class TaskResult(Proposes):
     of the task's uncached prompt (the policy's ``max_forward_tokens``) and now holds the KV of this many positions:
     the task comes back for the rest; ``error``: the task failed, and why; ``logprobs`` (float32 [committed, 1 + top])
     and ``logprob_ids`` (int32 [committed, top]): asked for, each committed token's log-probability and the top
-    tokens' (``workers/logprobs.py``); ``cached``: a verify or round task's positions its worker copied
-    from other requests' KV instead of computing them (the prefix cache, ``kv/store.py``)."""
+    tokens' (``workers/logprobs.py``)."""
 
     rid: int
     kind: str
@@ -361,11 +360,11 @@ class TaskResult(Proposes):
     assumes: TokenIds = field(default_factory=list)  # an ahead task's: one result per outcome (none: nothing made)
     logprobs: Tensor | None = None
     logprob_ids: Tensor | None = None
-    cached: int = 0
+    cached: int = 0  # a verify or round task's positions copied from other requests' KV (prefix cache, kv/store.py)
 
     def check(self) -> None:
         self.check_proposal()
-        if type(self.cached) is not int or self.cached < 0:
+        if self.cached < 0:
             raise malformed("cached is a position count >= 0")
         if len(self.assumes) > MAX_DRAFT + 1 or (self.assumes and self.kind != "ahead"):
             raise malformed(f"assumes (1..{MAX_DRAFT + 1} tokens) is for ahead results")

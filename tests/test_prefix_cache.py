@@ -328,3 +328,15 @@ def test_a_chats_next_turns_go_where_their_last_turns_kv_is(tiny_pair, mode: str
     assert len(workers) == 2  # (both workers served)
     for p, out, d in zip(firsts, turns, done):
         assert d.stats["cached_tokens"] == len(p) + len(out) - 1, [x.stats["cached_tokens"] for x in done]
+
+
+def test_the_wire_refuses_a_malformed_cached_count() -> None:
+    from nebula_flow import protocol
+    from nebula_flow.protocol import Rejected, Result, TaskResult
+
+    for bad, why in ((-1, "position count"), (True, "wrong type"), ("3", "wrong type")):
+        sent = Result([TaskResult(1, "verify", 1, 1, committed=[5], cached=bad)], 0.0, {}, None, None)
+        [got] = protocol.decode(protocol.encode(sent)).results
+        assert isinstance(got, Rejected) and why in str(got.error)
+    sent = Result([TaskResult(1, "verify", 1, 1, committed=[5], cached=40)], 0.0, {}, None, None)
+    assert protocol.decode(protocol.encode(sent)).results[0].cached == 40
