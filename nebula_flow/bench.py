@@ -111,6 +111,11 @@ class BenchWorkload:
     top_p: float = 1.0  # nucleus sampling (with a temperature): 1 = the whole distribution
     structured: dict[str, Any] | None = None  # every request's structured output (``nebula_flow/structured.py``)
     predictions: list[str | None] | None = None  # each prompt's prediction of its answer (Predicted Outputs)
+    turns: int = 1  # chat: each request a conversation of this many turns, each sent with the ones before it
+
+
+# A conversation's later turns (``BenchWorkload.turns``), each asked after the answers before it.
+FOLLOW_UPS = ["Now explain that in two sentences.", "Can you make it shorter?", "Add one test for it."]
 
 
 async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) -> list[Completion]:
@@ -123,11 +128,30 @@ async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) 
         async def user() -> None:
             while queue:
                 i, prompt = queue.pop(0)
+                if wl.turns > 1:
+                    outs.extend(await _conversation(client, wl, i, prompt))
+                    continue
                 outs.append(await client.generate(prompt, max_new_tokens=wl.max_new_tokens, temperature=wl.temperature,
                                                   top_p=wl.top_p, seed=i, ignore_eos=wl.ignore_eos, chat=wl.chat,
                                                   **({"structured": wl.structured} if wl.structured else {}),
                                                   **({"prediction": wl.predictions[i]} if wl.predictions else {})))
         await asyncio.gather(*(user() for _ in range(max(1, wl.concurrency))))
+    return outs
+
+
+async def _conversation(client: Any, wl: BenchWorkload, i: int, prompt: str) -> list[Completion]:  # noqa: ANN401
+    """Request ``i`` as a chat of ``wl.turns`` turns: ``prompt``, then ``FOLLOW_UPS``, each sent
+    with the conversation so far (what a chat user sends: the earlier turns' KV is what the
+    workers' prefix cache and the broker's placement by prefix keep)."""
+    history: list[dict[str, str]] = []
+    outs = []
+    for turn in range(wl.turns):
+        history.append({"role": "user", "content": prompt if turn == 0 else FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]})
+        out = await client.generate(messages=list(history), max_new_tokens=wl.max_new_tokens,
+                                    temperature=wl.temperature, top_p=wl.top_p, seed=i * wl.turns + turn,
+                                    ignore_eos=wl.ignore_eos)
+        history.append({"role": "assistant", "content": out.text})
+        outs.append(out)
     return outs
 
 
@@ -185,6 +209,9 @@ def run_once(address: str, wl: BenchWorkload, api: str | None = None, pids: dict
             # seconds: what a bigger host or a GPU's host would pay, apart from this one's wall clock)
             "cpu_per_round_s": {kind: (cpu1[kind] - cpu0[kind]) / max(rounds, 1) for kind in cpu0},
             "tokens_per_round": tokens / max(rounds, 1),
+            # the share of the prompts' tokens the workers' prefix cache held (copied, not computed)
+            "prompt_cached": sum(o.stats.get("cached_tokens", 0) for o in outs)
+            / max(1, sum(o.stats.get("prompt_tokens", 0) for o in outs)),
             "utilization": statistics.mean(util.values()) if util else 0.0, "workers": workers,
             "kv_bytes": _kv_bytes(s1) - kv0, "forwards": forwards,
             # emulated devices: mean time a forward ran past its profile (the host falling behind)
@@ -236,7 +263,7 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     return {**_medians(runs), "utilization": med("utilization"),
             "kv_bytes": med("kv_bytes"), "emulated_overrun_per_forward_s": med("emulated_overrun_per_forward_s"),
-            "ahead_hit_rate": med("ahead_hit_rate"), "fused_rate": med("fused_rate"),
+            "ahead_hit_rate": med("ahead_hit_rate"), "fused_rate": med("fused_rate"), "prompt_cached": med("prompt_cached"),
             "cpu_per_round_s": {kind: statistics.median(r["cpu_per_round_s"][kind] for r in runs)
                                 for kind in runs[0]["cpu_per_round_s"]},
             "breakdown": _median_breakdown([r["breakdown"] for r in runs]),
@@ -346,12 +373,14 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     w = max(20, len("tokens/s vs " + base_name) + 2)  # ratio columns fit the baseline's name
     m = max(15, *(len(name) + 2 for name in results))  # the mode column fits every mode's name
     rows = [f"{'mode':<{m}}{'tokens/s':>10}{'rounds/s':>10}{'tok/round':>10}{'util':>7}"
-            f"{'TTFT p50':>10}{'lat p50':>9}{'lat p90':>9}{'KV MB':>8}{'rounds/s vs ' + base_name:>{w}}"
+            f"{'TTFT p50':>10}{'lat p50':>9}{'lat p90':>9}{'cached':>8}{'KV MB':>8}{'rounds/s vs ' + base_name:>{w}}"
             f"{'tokens/s vs ' + base_name:>{w}}"]
     for mode, r in results.items():
         util = "-" if r["utilization"] is None else f"{r['utilization']:.2f}"  # (HF's peers: one process)
+        # (the share of the prompts' tokens the prefix cache held; HF's peers: none kept)
+        cached = "-" if r.get("prompt_cached") is None else f"{r['prompt_cached'] * 100:.0f}%"
         rows.append(f"{mode:<{m}}{r['tokens_per_s']:>10.1f}{r['round_rate']:>10.1f}{r['tokens_per_round']:>10.2f}"
                     f"{util:>7}{r['ttft_s']['p50'] * 1000:>8.0f}ms{r['latency_s']['p50']:>8.2f}s"
-                    f"{r['latency_s']['p90']:>8.2f}s{r['kv_bytes'] / 1e6:>8.1f}"
+                    f"{r['latency_s']['p90']:>8.2f}s{cached:>8}{r['kv_bytes'] / 1e6:>8.1f}"
                     f"{r['round_rate'] / base['round_rate']:>{w - 1}.2f}x{r['tokens_per_s'] / base['tokens_per_s']:>{w - 1}.2f}x")
     return "\n".join(rows)

@@ -340,3 +340,29 @@ def test_the_wire_refuses_a_malformed_cached_count() -> None:
         assert isinstance(got, Rejected) and why in str(got.error)
     sent = Result([TaskResult(1, "verify", 1, 1, committed=[5], cached=40)], 0.0, {}, None, None)
     assert protocol.decode(protocol.encode(sent)).results[0].cached == 40
+
+
+@pytest.mark.parametrize("api", [False, True])
+def test_a_bench_conversation_sends_each_turn_with_the_turns_before_it(tiny_pair, api: bool) -> None:  # noqa: ANN001
+    """``bench --turns``: each turn is the chat so far, answered as the target alone answers it, and
+    its prompt is mostly cached (the earlier turns' KV), through either front door."""
+    from nebula_flow.bench import FOLLOW_UPS, BenchWorkload, run_once
+    from nebula_flow.tokenizer import TextCodec
+
+    wl = BenchWorkload(["def fibonacci(n):"], max_new_tokens=6, chat=True, turns=3)
+    with Deployment(deploy_config(tiny_pair, "elastic")) as dep:
+        url = None
+        if api:
+            dep.start_api("127.0.0.1", 0, model_name="tiny")
+            url = dep.http_url
+        res = run_once(dep.address, wl, url)
+        with Client(dep.address) as client:  # (the conversation again, turn by turn, to check each answer)
+            history, codec = [], TextCodec(tiny_pair / "target")
+            for turn, question in enumerate(["def fibonacci(n):", *FOLLOW_UPS[:2]]):
+                history.append({"role": "user", "content": question})
+                out = client.generate(messages=list(history), max_new_tokens=6, seed=turn, ignore_eos=True)
+                ref = hf_greedy(tiny_pair / "target", codec.encode_chat(history), 6)
+                assert out.token_ids[:len(ref)] == ref
+                history.append({"role": "assistant", "content": out.text})
+    assert res["requests"] == 3 and res["tokens"] == 18
+    assert res["prompt_cached"] > 0.4, res["prompt_cached"]  # (turns 2 and 3: the chat so far, less the new question)

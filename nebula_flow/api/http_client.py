@@ -26,7 +26,7 @@ from nebula_flow.client import Busy, Chunk, Completion, NebulaError, RequestErro
 
 PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
           "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "structured": "structured_outputs",
-          "logit_bias": "logit_bias", "prediction": "prediction"}
+          "logit_bias": "logit_bias", "prediction": "prediction", "cache_salt": "cache_salt"}
 
 
 class HttpClient:
@@ -68,7 +68,9 @@ class HttpClient:
         return self.served
 
     async def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
-                     **params: Any) -> AsyncIterator[Chunk | Completion]:
+                     messages: list[dict[str, Any]] | None = None, **params: Any) -> AsyncIterator[Chunk | Completion]:
+        """As the client library's: a ``prompt`` (``chat``: as one user message), ``token_ids``, or
+        ``messages`` (a conversation, to chat completions)."""
         body: dict[str, Any] = {"model": (await self.served_model())["id"], "stream": True, "return_token_ids": True,
                                 "stream_options": {"include_usage": True}, "temperature": 0.0}
         for name, value in params.items():
@@ -78,8 +80,9 @@ class HttpClient:
                 body[PARAMS[name]] = list(value) if name == "stop" else \
                     {str(t): b for t, b in value.items()} if name == "logit_bias" else \
                     {"type": "content", "content": value} if name == "prediction" else value
-        if chat:
-            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        if chat or messages is not None:
+            chat, path = True, "/v1/chat/completions"
+            body["messages"] = messages if messages is not None else [{"role": "user", "content": prompt}]
         else:
             path, body["prompt"] = "/v1/completions", prompt if token_ids is None else list(token_ids)
         t0 = time.monotonic()
@@ -110,8 +113,10 @@ class HttpClient:
         if last is None or "reason" not in last:
             raise NebulaError(f"the stream from {self.url} ended without a finish")
         spec, latency = last.get("spec", {}), time.monotonic() - t0
-        stats = {"prompt_tokens": last.get("usage", {}).get("prompt_tokens", 0), "proposed":
-                 spec.get("draft_tokens_proposed", 0), "accepted": spec.get("draft_tokens_accepted", 0)}
+        usage = last.get("usage", {})
+        stats = {"prompt_tokens": usage.get("prompt_tokens", 0), "proposed": spec.get("draft_tokens_proposed", 0),
+                 "accepted": spec.get("draft_tokens_accepted", 0),
+                 "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
         yield Completion("".join(text), tokens, last["reason"], spec.get("rounds", 0), spec.get("tokens_per_round", []),
                          times[0] if times else latency, latency, times, stats, counts)
 

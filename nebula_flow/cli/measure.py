@@ -69,10 +69,14 @@ from nebula_flow.roles import MODES
               help="Every request's prompt starts with the same ~TOKENS tokens of code (cut from the stdlib's "
               "sources): a shared system prompt or document, which the workers' prefix cache computes once; "
               "compare MODE@prefix_cache=false@prefix_affinity=false and MODE.")
+@click.option("--turns", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --chat: each request is a conversation of this many turns (its prompt, then follow-up "
+              "questions), each turn sent with the turns before it, as a chat user's are: what the prefix cache and "
+              "placement by prefix keep. Figures count every turn.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
           temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, predict, shared_prefix,
-          as_json) -> None:  # noqa: ANN001
+          turns, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
         DEFAULT_CHAT_PROMPTS,
@@ -104,6 +108,11 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     if predict and not edit:
         raise click.BadParameter("predictions are the code each edit request changes: give --edit too",
                                  param_hint="--predict")
+    if turns > 1 and not chat or turns > 1 and (edit or json_schema or predict):
+        raise click.BadParameter("conversations are chat requests: give --chat (and no --edit, --json-schema or "
+                                 "--predict)", param_hint="--turns")
+    if turns > 1 and (peers := [m for m in names if m in PEERS]):
+        raise click.ClickException(f"{', '.join(peers)} run one prompt at a time; bench them without --turns")
     if top_p < 1 and temperature == 0:
         raise click.BadParameter("top-p samples: give a --temperature above 0 too", param_hint="--top-p")
     prompts = [pool[i % len(pool)] for i in range(n_requests)]
@@ -112,7 +121,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         prepare_models(first)  # (its tokenizer cuts the prefix)
         prompts = with_context(prompts, shared_prefix, first.target.model, shared=True)
     wl = BenchWorkload(prompts, max_new_tokens, concurrency, temperature,
-                       chat=chat or edit or bool(json_schema), top_p=top_p)
+                       chat=chat or edit or bool(json_schema), top_p=top_p, turns=turns)
     if json_schema:
         if peers := [m for m in names if m in PEERS]:
             raise click.ClickException(f"{', '.join(peers)} cannot follow a JSON schema; bench them without --json-schema")
@@ -150,7 +159,8 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
                 cfg.drafters = kept
             cfg = apply_overrides(cfg, mode, draft_workers, target_workers, None, (spec,) if change == "+" else ())
             prepare_models(cfg)
-            click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, concurrency {concurrency}, "
+            click.echo(f"[bench] {name}: {n_requests} " + (f"conversations of {turns} turns" if turns > 1 else "requests")
+                       + f" x {max_new_tokens} tokens, concurrency {concurrency}, "
                        f"{repeats} repeats", err=True)
             for side, res in bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True), label=name,
                                         vias=vias, predict=predict).items():
