@@ -96,8 +96,9 @@ def with_context(prompts: list[str], context_tokens: int, model: str | Path, sha
         ids += codec.encode(f.read_text(errors="ignore")[:16_000], special=False)
         if len(ids) >= context_tokens * (1 if shared else len(prompts)):
             break
-    return [f"{codec.decode(ids[j * context_tokens:(j + 1) * context_tokens])}\n{p}"
-            for j, p in ((0 if shared else i, p) for i, p in enumerate(prompts))]
+    heads = [codec.decode(ids[:context_tokens])] * len(prompts) if shared else \
+        [codec.decode(ids[i * context_tokens:(i + 1) * context_tokens]) for i in range(len(prompts))]
+    return [f"{head}\n{p}" for head, p in zip(heads, prompts)]
 
 
 @dataclass

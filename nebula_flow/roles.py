@@ -105,7 +105,8 @@ class Binder:
         for r in which if load else ():
             cost, (near, saved) = outstanding(r), r.affinity.get("colocated" if mode == "colocated" else "target", (None, 0))
             # (where its prompt's start is likely held (``prefixes.py``), it costs that much less prefill)
-            near = next((w.slot for w in workers if w.worker_id == near and w.role == self.role), None) if saved else None
-            r.slot = min(load, key=lambda s: (load[s] + cost - (PROMPT_WEIGHT * saved if s == near else 0.0), s))
-            load[r.slot] += cost - (PROMPT_WEIGHT * saved if r.slot == near else 0.0)
+            less = {w.slot: PROMPT_WEIGHT * saved for w in workers if w.worker_id == near and w.role == self.role} \
+                if saved else {}
+            r.slot = min(load, key=lambda s: (load[s] + cost - less.get(s, 0.0), s))
+            load[r.slot] += cost - less.get(r.slot, 0.0)
             self.since += 1

@@ -108,7 +108,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     if predict and not edit:
         raise click.BadParameter("predictions are the code each edit request changes: give --edit too",
                                  param_hint="--predict")
-    if turns > 1 and not chat or turns > 1 and (edit or json_schema or predict):
+    if turns > 1 and (not chat or edit or json_schema or predict):
         raise click.BadParameter("conversations are chat requests: give --chat (and no --edit, --json-schema or "
                                  "--predict)", param_hint="--turns")
     if turns > 1 and (peers := [m for m in names if m in PEERS]):

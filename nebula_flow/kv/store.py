@@ -151,11 +151,10 @@ class KVStore:
         request's cache of the same ``salt`` (changing nothing; pre-drafted outcomes aside)."""
         with self.lock:
             cache = self.caches.get(rid)
-        keep = min(cache.common_prefix(tokens), len(tokens) - 1) if cache is not None else 0
-        if self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
-            with self.lock:
-                keep = max(keep, self._longest_prefix(cache, tokens, keep, salt)[1])
-        return keep
+            keep = min(cache.common_prefix(tokens), len(tokens) - 1) if cache is not None else 0
+            if self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
+                keep = self._longest_prefix(cache, tokens, keep, salt)[1]
+            return keep
 
     def prepare(self, rid: int, tokens: np.ndarray, salt: str | None = None) -> KVCache:
         """The cache for ``rid`` (of ``cache_salt`` ``salt``), cut to the longest prefix of ``tokens``
