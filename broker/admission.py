@@ -25,13 +25,14 @@ from nebula_flow_broker.tokenizing import INLINE_CHARS, prompt_chars
 class Admission:
     """What the broker knows of the target model: tokenizer, EOS ids, context, vocabulary."""
 
-    def __init__(self, model: str | None, max_new_tokens_limit: int) -> None:
+    def __init__(self, model: str | None, max_new_tokens_limit: int, priorities: bool = False) -> None:
         self.codec = TextCodec(model) if model else None
         self.eos_ids = eos_token_ids(model, self.codec) if model else ()
         facts = ModelConfig.from_dir(model) if model else None
         self.max_model_len = facts.max_position_embeddings if facts else 1 << 30
         self.vocab_size = facts.vocab_size if facts else None
         self.max_new_tokens_limit = max_new_tokens_limit
+        self.priorities = priorities  # (the policy's priority_scheduling: else a priority other than 0 is refused)
         self._token_texts: dict[int, str] = {}  # (logprobs: each token's text, decoded once)
 
     def tokenize(self, msg: Submit, unlocked: bool = False) -> list[int]:
@@ -62,6 +63,9 @@ class Admission:
             params.validate(self.max_new_tokens_limit, grammar)
         except (InvalidParams, TypeError) as exc:
             raise ProtocolError("invalid_params", str(exc)) from None
+        if params.priority and not self.priorities:  # (vLLM's answer too: silently ignoring it would mislead)
+            raise ProtocolError("invalid_params", "priority must be 0: this broker schedules by arrival "
+                                                  "(priority scheduling is off: [policy] priority_scheduling)")
         if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
             raise ProtocolError("invalid_params", f"logit_bias's token ids must be below {self.vocab_size}")
         return params

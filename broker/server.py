@@ -70,7 +70,7 @@ class Broker(Intake):
         self.scheduler = policy(opts.mode, opts.policy)
         if opts.policy.prefix_affinity:  # (cache-aware placement: the prompts' tokens are real here)
             self.scheduler.prefixes = PrefixRoutes()
-        self.admission = Admission(opts.model, opts.max_new_tokens_limit)
+        self.admission = Admission(opts.model, opts.max_new_tokens_limit, opts.policy.priority_scheduling)
         self.prompts = PromptTokenizer(self.admission.prepare)
         self.stats = BrokerStats()
         self.round_times = RoundTimes()

@@ -117,7 +117,7 @@ def queue(sched: Scheduler, req: Request, worker_id: int) -> None:
     p = sched.policy
     # (attempts count over all pre-drafts: a result of a dropped one never passes for a later one)
     req.ahead = Ahead(req.round, list(req.draft), stats.tasks + 1, p.k, p.first_alternatives, p.fuse_ngram)
-    sched.topics["ahead"].append(req.rid, worker_id)
+    sched.topics["ahead"].append(req.rid, worker_id, req.params.priority)
     stats.tasks += 1
 
 

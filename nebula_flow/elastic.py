@@ -156,6 +156,21 @@ def home(req: Request, held: int | None, homes: Mapping[int, int], workers: Mapp
     return homes.get(req.slot, held) if req.slot is not None else held
 
 
+def choose_rounds(sched: Scheduler, w: WorkerState, room: int, held_only: bool, taken: set[int]) -> list[int]:
+    """Up to ``room`` queued whole rounds for elastic worker ``w``: with drafts (the draft topic's) and
+    draft-less (the target topic's: a request's last round, or one adaptive k leaves without a draft).
+    The draft-less go first, unless the others are more urgent (``priority_scheduling``): second, they
+    waited as long as drafts kept coming, a request's last token behind every other request's rounds."""
+    order = [(sched.topics["target"], True), (sched.topics["draft"], False)]
+    if order[1][0].head_priority() < order[0][0].head_priority():
+        order.reverse()
+    chosen: list[int] = []
+    for topic, draftless in order:
+        if len(chosen) < room and len(topic):
+            chosen += sched._choose_from(topic, w, "round", room - len(chosen), held_only, taken, bare=draftless)
+    return chosen
+
+
 def _median_table(sched: Scheduler, w: WorkerState, role: str) -> list[float | None] | None:
     """``w``'s forward times by batch rows for ``role``'s model, or the median worker's until it has some."""
     return sched.batch_costs.get((w.worker_id, role)) or speclen.median_table(

@@ -145,7 +145,7 @@ def plan(sched: Scheduler, req: Request) -> None:
     stats = sched.fusion_stats
     stats.tasks += 1
     req.second = Second(req.round, best, req.k, -stats.tasks)
-    sched.topics[TOPIC].append(req.rid, req.holders.get(holder_key("draft", best), (None, 0))[0])
+    sched.topics[TOPIC].append(req.rid, req.holders.get(holder_key("draft", best), (None, 0))[0], req.params.priority)
 
 
 def holds_verify(sched: Scheduler, req: Request) -> bool:
@@ -272,7 +272,7 @@ def _requeue(sched: Scheduler, req: Request, holder: int | None) -> None:
     needs) with a new attempt, so a result of the old one is stale."""
     sched.fusion_stats.tasks += 1
     req.second.worker, req.second.attempt = None, -sched.fusion_stats.tasks
-    sched.topics[TOPIC].appendleft(req.rid, holder)
+    sched.topics[TOPIC].appendleft(req.rid, holder, req.params.priority)
 
 
 def _drop(sched: Scheduler, req: Request) -> None:

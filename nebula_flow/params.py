@@ -18,6 +18,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # most likely tokens reported beside each output token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
 MAX_CACHE_SALT = 256  # characters of a cache_salt
+MAX_PRIORITY = 2**31 - 1  # a priority is in [-MAX_PRIORITY, MAX_PRIORITY]
 
 
 class InvalidParams(ValueError):
@@ -49,6 +50,8 @@ class SamplingParams:
     ``cache_salt`` (vLLM's): the workers' prefix cache reuses KV only between requests with the
     same salt (none: those without one), so a user cannot tell from its speed whether another
     user's requests began as its own does (``kv/store.py``, ``prefixes.py``).
+    ``priority`` (vLLM's): where the broker's ``priority`` policy is on, its queued tasks go before
+    those of requests with a higher one (lower first; equal ones by arrival); else only 0 is taken.
     """
 
     max_new_tokens: int = 64
@@ -69,6 +72,7 @@ class SamplingParams:
     think_first: bool = False  # the grammar binds only the answer, after a reasoning model's thinking (</think>)
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
     cache_salt: str | None = None  # KV reused only among requests of the same salt (the prefix cache)
+    priority: int = 0  # lower first (the broker's ``priority`` policy; nebula_flow/topic.py)
 
     @property
     def greedy(self) -> bool:
@@ -165,6 +169,8 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
                                             or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT):
             raise InvalidParams(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {self.cache_salt!r}")
+        if not is_int(self.priority) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise InvalidParams(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
         if not all(isinstance(v, bool) for v in (self.ignore_eos, self.fit_context, self.think_first)):
             raise InvalidParams("ignore_eos, fit_context and think_first must be booleans")
         if self.logit_bias is not None:

@@ -44,6 +44,9 @@ class PolicyConfig:
     prefix_affinity: bool = _knob(True, "The broker places a new request where its prompt's start was last held, the "
                                   "prefill a worker's prefix cache would save weighed against the load "
                                   "(nebula_flow/prefixes.py; the simulator's prompts are blanks: no effect there).")
+    priority_scheduling: bool = _knob(False, "Queued tasks go by their requests' priority (vLLM's request parameter and "
+                                      "--scheduling-policy priority: lower first, equal ones by arrival), each round "
+                                      "again; off: by arrival, and a priority other than 0 is refused.")
     merge_batches: bool = _knob(True, "Give a busy worker no small batch beside a bigger running one (two half batches "
                                 "would alternate for ever); the tasks join the returning ones instead.")
     adaptive_k: bool = _knob(False, "Choose each round's k in 0..k from the request's decayed acceptance, for the most "

@@ -92,7 +92,7 @@ class RecordingScheduler(Scheduler):
             super().admit(req)
         finally:
             self._quiet = False
-        record.append({key: list(where) for key, where in req.affinity.items()})
+        record += [{key: list(where) for key, where in req.affinity.items()}, req.params.priority]
 
     def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
                   draft_accepted: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
@@ -213,12 +213,13 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
         elif kind == "pull":
             policy.pull(args[0], args[1], args[2], args[3])
         elif kind == "admit":
-            # (older logs lack the last three, or the last)
-            rid, prompt_len, max_new, greedy, seeded, affinity = (*args, *(True, False, {})[len(args) - 3:])
+            # (older logs lack the last four, or the last two, or the last)
+            rid, prompt_len, max_new, greedy, seeded, affinity, priority = (*args, *(True, False, {}, 0)[len(args) - 3:])
             recalled.next = {key: tuple(where) for key, where in affinity.items()}
             # (the policy plans greedy, sampled and seeded requests apart: token trees, costs, routing)
-            policy.admit(Request(rid, str(rid), [PLACEHOLDER] * prompt_len, SamplingParams(
-                max_new_tokens=max_new, temperature=0.0 if greedy else 1.0, seed=0 if seeded else None), seed=0))
+            params = SamplingParams(max_new_tokens=max_new, temperature=0.0 if greedy else 1.0,
+                                    seed=0 if seeded else None, priority=priority)
+            policy.admit(Request(rid, str(rid), [PLACEHOLDER] * prompt_len, params, seed=0))
         elif kind == "draft_done":
             policy.draft_done(reqs[args[0]], args[1], [PLACEHOLDER] * args[2], {})
         elif kind == "prefilled":

@@ -271,7 +271,7 @@ class Scheduler:
 
     def _requeue(self, req: Request) -> None:
         self._unround(req)
-        self.topics[PHASE_ROLE[req.phase]].appendleft(req.rid, self._holder(req))
+        self.topics[PHASE_ROLE[req.phase]].appendleft(req.rid, self._holder(req), req.params.priority)
 
     def _unround(self, req: Request) -> bool:
         """An elastic worker's whole round going back to a topic: the draft (or draft-less verify) it was."""
@@ -363,10 +363,10 @@ class Scheduler:
         (its caches are warm and, on a CPU host, it still holds the cores idle workers lend: the
         longest idle took each new single-stream request on one core of two), then busy ones by arrival.
 
-        With ``locality`` on, a first pass gives every waiting worker the tasks whose KV it
-        already holds. In the second pass an idle worker takes any remaining task (a task is
-        never kept for its holder while a worker sits idle), but a busy worker that is only
-        prefetching takes no task another live worker holds: moving that KV would buy nothing.
+        With ``locality`` on, a first pass gives every waiting worker the tasks whose KV it already
+        holds (of the most urgent priority queued). In the second pass an idle worker takes any remaining
+        task in topic order (a task is never kept for its holder while a worker sits idle), but a busy worker
+        only prefetching takes no task another live worker holds: moving that KV would buy nothing.
 
         A busy worker is also not given a partial batch no larger than the one it is running
         (``merge_batches``): that would split its requests into two groups that alternate for
@@ -408,10 +408,9 @@ class Scheduler:
         """Up to ``room`` queued tasks for ``w`` in queue order (not yet removed from the topic),
         from ``stage``'s topic (by default the one its PULL is served from)."""
         stage = stage or w.stage
-        chosen = self._choose_from(self.topics[STAGE_TOPIC[stage]], w, stage, room, held_only, taken)
-        if stage == "round" and len(chosen) < room:  # (a request's last, draft-less round: a round too)
-            chosen += self._choose_from(self.topics["target"], w, stage, room - len(chosen), held_only, taken, bare=True)
-        return chosen
+        if stage == "round":  # (an elastic worker's: from two topics, ``elastic.choose_rounds``)
+            return elastic.choose_rounds(self, w, room, held_only, taken)
+        return self._choose_from(self.topics[STAGE_TOPIC[stage]], w, stage, room, held_only, taken)
 
     def _choose_from(self, topic: Topic, w: WorkerState, stage: str, room: int, held_only: bool, taken: set[int],
                      bare: bool = False) -> list[int]:
@@ -424,7 +423,7 @@ class Scheduler:
         share = -(-len(self.requests) // max(1, sum(o.role == "any" for o in self.workers.values()))) \
             - (self._room(w, "round") - room) - len(w.inflight) if rounds else room  # (less what it has and took)
         if held_only:
-            candidates: Iterable[int] = topic.held_by([w.worker_id])
+            candidates: Iterable[int] = topic.held_by([w.worker_id], most_urgent=True)
         elif busy_local:  # a prefetching worker: its own tasks, unheld ones, and those of departed holders
             candidates = topic.held_by([h for h in topic.holders() if h is None or h == w.worker_id or h not in self.workers])
         else:
@@ -464,7 +463,7 @@ class Scheduler:
 
     def enqueue(self, req: Request) -> None:
         """Queue ``req``'s next task on its phase's topic."""
-        self.topics[PHASE_ROLE[req.phase]].append(req.rid, self._holder(req))
+        self.topics[PHASE_ROLE[req.phase]].append(req.rid, self._holder(req), req.params.priority)
 
     def task_holder_key(self, req: Request) -> str:
         """The ``holders`` key of the KV ``req``'s queued task needs (an elastic round's: its draft KV's;

@@ -112,6 +112,29 @@ def test_a_round_going_back_to_a_topic_is_the_task_it_was() -> None:
     assert batch[0].phase == DRAFT and last.phase == VERIFY
 
 
+def test_a_draft_less_round_is_not_left_behind_the_drafts_queued_beside_it() -> None:
+    """A request's last round (or one adaptive k leaves without a draft) waits in the target topic;
+    taken only after the draft topic's rounds, it waited as long as they kept coming (here: for ever),
+    a request's last token behind every other request's rounds. It goes first, as more urgent ones do."""
+    s = Scheduler("elastic", PolicyConfig(k=4, priority_scheduling=True))
+    s.register(1, "any", 2)
+    reqs = [req(rid) for rid in range(3)] + [Request(9, "9", [1, 2, 3], SamplingParams(max_new_tokens=2), seed=9)]
+    for r in reqs:
+        s.admit(r)
+    for now in range(4):  # batches of two rounds, each committing one token
+        s.pull(1, 2, True, now=float(now))
+        [(_, batch)] = s.dispatch()
+        if reqs[3].phase == VERIFY:  # its last round was queued, draft-less, behind three drafts
+            assert reqs[3] in batch
+        for r in batch:
+            s.end_round(r, 1, [5])
+    assert reqs[3].finish_reason == "length"
+    s.admit(Request(5, "5", [1, 2, 3], SamplingParams(max_new_tokens=16, priority=-1), seed=5))
+    s.admit(Request(8, "8", [1, 2, 3], SamplingParams(max_new_tokens=1), seed=8))
+    s.pull(1, 1, True, now=9.0)
+    assert [r.rid for _, b in s.dispatch() for r in b] == [5]  # (a more urgent round with a draft: first still)
+
+
 def test_elastic_workers_mix_with_draft_only_and_target_only_ones() -> None:
     s = Scheduler("elastic", PolicyConfig(k=4))
     s.register(1, "draft", 4)

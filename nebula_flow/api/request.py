@@ -23,6 +23,7 @@ from nebula_flow.params import (
     MAX_CACHE_SALT,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_PRIORITY,
     MAX_SEED,
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,
@@ -169,6 +170,11 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT:
             raise invalid("cache_salt", f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters")
         params["cache_salt"] = salt
+    priority = body.get("priority")
+    if priority is not None:
+        if not _is_int(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+            raise invalid("priority", f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
+        params["priority"] = priority
     params["stop"] = _stop(body.get("stop"))
     ids = body.get("stop_token_ids")
     if ids is not None:
@@ -439,7 +445,7 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", "cache_salt",
-                 *GUIDED)
+                 "priority", *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "prediction")

@@ -1,0 +1,155 @@
+"""Priority scheduling (vLLM's request ``priority``, lower first): with the policy's
+``priority_scheduling`` on, queued tasks go by their requests' priority, then by arrival, every
+round again; off, a priority other than 0 is refused. It changes when a request's rounds run,
+never what they compute: outputs stay the target's own greedy output, and a seeded sample is the
+same whatever the priority.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nebula_flow import policy_log
+from nebula_flow.client import AsyncClient, Client, Completion, RequestError
+from nebula_flow.deploy import Deployment
+from nebula_flow.params import MAX_PRIORITY, InvalidParams, SamplingParams
+from nebula_flow.policy import PolicyConfig
+from nebula_flow.request import Request
+from nebula_flow.scheduler import Scheduler
+from nebula_flow.topic import Topic
+from tests.conftest import deploy_config, hf_greedy
+
+
+def _req(rid: int, priority: int = 0) -> Request:
+    return Request(rid, str(rid), [1, 2, 3], SamplingParams(max_new_tokens=16, priority=priority), seed=rid)
+
+
+def test_a_topic_serves_lower_priorities_first_and_arrival_within_each() -> None:
+    t = Topic()
+    for rid, holder, priority in ((1, 7, 0), (2, None, 5), (3, 7, -1), (4, 8, 0), (5, 7, -1)):
+        t.append(rid, holder, priority)
+    t.appendleft(6, 8, 0)  # (a re-queued task: first among its own priority, not before a lower one)
+    assert list(t) == [3, 5, 6, 1, 4, 2] and len(t) == 6
+    assert list(t.held_by([7])) == [3, 5, 1] and list(t.held_by([None, 8])) == [6, 4, 2]
+    assert t.held(7) == 3 and sorted(t.holders(), key=str) == [7, 8, None]
+    t.forget_holder(7)  # its tasks are held by no one, each still in its place
+    assert list(t.held_by([None])) == [3, 5, 1, 2] and 7 not in t.holders()
+    for rid in (3, 5):
+        t.remove(rid)
+    assert list(t) == [6, 1, 4, 2] and 3 not in t and 6 in t
+    t.append(7, None, -1)  # (a priority seen before, then emptied, comes back in its place)
+    assert list(t) == [7, 6, 1, 4, 2]
+
+
+@pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "elastic", "autoregressive"])
+def test_every_round_goes_to_the_most_urgent_requests_first(mode: str) -> None:
+    s = Scheduler(mode, PolicyConfig(k=4, priority_scheduling=True))
+    role = {"pooled": "target", "paired": "target", "colocated": "colocated", "elastic": "any",
+            "autoregressive": "target"}[mode]
+    if mode in ("pooled", "paired"):
+        s.register(1, "draft", 2)
+    s.register(2, role, 2)
+    low = [_req(rid, priority=3) for rid in range(4)]
+    for r in low:
+        s.admit(r)
+    s.admit(urgent := _req(9, priority=-2))
+    for now in range(6):  # every stage the requests pass through, a batch of two at a time
+        for wid in s.workers:
+            s.pull(wid, 2, idle=True, now=float(now))
+        batches = s.dispatch()
+        # the urgent task was taken wherever it was queued, while low ones wait
+        assert not any(urgent.rid in t for t in s.topics.values()), (mode, now)
+        assert any(r.rid in t for t in s.topics.values() for r in low), (mode, now)
+        for wid, batch in batches:
+            for r in batch:  # (the batch comes back: its tasks queue again behind the urgent one)
+                if r.phase == "draft":
+                    s.draft_done(r, wid, [5] * r.k, {})
+                else:
+                    s.end_round(r, wid, [5])
+                    s.start_round(r)
+
+
+def test_priority_is_checked_where_it_enters_and_a_policy_log_replays_it() -> None:
+    for bad in (1.5, True, "1", MAX_PRIORITY + 1):
+        with pytest.raises(InvalidParams, match="priority"):
+            SamplingParams(priority=bad).validate()
+    SamplingParams(priority=-MAX_PRIORITY).validate()
+    s = policy_log.RecordingScheduler("pooled", PolicyConfig(k=2, priority_scheduling=True))
+    s.register(1, "draft", 1)
+    for r in (_req(0, 1), _req(1, 0), _req(2, -1)):
+        s.admit(r)
+    s.pull(1, 1, idle=True, now=0.0)
+    assert [r.rid for _, b in s.dispatch() for r in b] == [2]
+    report = policy_log.replay(s.records, policy_log.policy_of(s.records))
+    assert report.decisions == 1 and report.identical, report.mismatches
+
+
+MAX_NEW = 48
+
+
+async def _contended(address: str, lows: list[list[int]], urgent: list[int], priority: int,
+                     **params: object) -> tuple[list[str], dict[str, Completion]]:
+    """The ``lows`` sent first, and under way, then ``urgent`` at ``priority``: the order they ended in, and
+    each result."""
+    order, done = [], {}
+    async with AsyncClient(address) as client:
+        async def one(name: str, prompt: list[int], started: asyncio.Event | None = None, **kw: object) -> None:
+            async for item in client.stream(token_ids=prompt, max_new_tokens=MAX_NEW, ignore_eos=True, **kw):
+                if started is not None:
+                    started.set()
+                if isinstance(item, Completion):
+                    order.append(name)
+                    done[name] = item
+        started = asyncio.Event()  # (one low request has committed a round; one socket: the broker has them all)
+        tasks = [asyncio.create_task(one(f"low{i}", p, started, **params)) for i, p in enumerate(lows)]
+        await started.wait()
+        await asyncio.gather(*tasks, one("urgent", urgent, priority=priority, **params))
+    return order, done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pooled", "elastic", "colocated"])
+def test_an_urgent_request_overtakes_a_full_pool_with_the_same_output(tiny_pair, mode: str) -> None:  # noqa: ANN001
+    """Twelve requests sent first, on workers with room for two a batch, then an urgent one as long:
+    with priority scheduling it ends first (it joins every batch it can; the twelve share what is left;
+    by arrival it ends among the last), and every output is the target's own greedy output. A seeded
+    sample is the same urgent, in company, as at priority 0 alone."""
+    lows = [[30 + i, 31 + i, 32 + i, 33 + i] for i in range(12)]
+    urgent = [42, 43, 44, 45]
+    cfg = deploy_config(tiny_pair, mode, 0 if mode == "colocated" else 1, 1, max_batch=2)
+    cfg.broker.policy = cfg.broker.policy.replace(priority_scheduling=True)
+    with Deployment(cfg) as dep:
+        order, done = asyncio.run(_contended(dep.address, lows, urgent, priority=-5))
+        sampled_order, sampled = asyncio.run(_contended(dep.address, lows, urgent, priority=-5, temperature=0.9, seed=11))
+        with Client(dep.address) as client:
+            alone = client.generate(token_ids=urgent, max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.9, seed=11)
+    assert order[0] == "urgent" and sampled_order[0] == "urgent", (order, sampled_order)
+    for name, prompt in (("urgent", urgent), ("low0", lows[0]), ("low11", lows[11])):
+        ref = hf_greedy(tiny_pair / "target", prompt, MAX_NEW)
+        assert done[name].token_ids[:len(ref)] == ref, name
+    assert sampled["urgent"].token_ids == alone.token_ids  # (the seed decides, not the priority or the company)
+
+
+@pytest.mark.slow
+def test_a_priority_is_refused_where_the_broker_schedules_by_arrival(tiny_pair) -> None:  # noqa: ANN001
+    """Priority scheduling off (the default, as vLLM's): a priority other than 0 is a clear error, through
+    the client library and as a 400 to the real ``openai`` client, which also has an out-of-range one named."""
+    import openai
+
+    with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep, Client(dep.address) as client:
+        with pytest.raises(RequestError, match="priority") as refused:
+            client.generate(token_ids=[7, 8, 9], max_new_tokens=4, priority=1)
+        assert refused.value.code == "invalid_params"
+        assert len(client.generate(token_ids=[7, 8, 9], max_new_tokens=4, ignore_eos=True, priority=0).token_ids) == 4
+        dep.start_api("127.0.0.1", 0, model_name="tiny")
+        api = openai.OpenAI(base_url=dep.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for priority, param in ((3, None), (2**40, "priority"), ("high", "priority")):
+            with pytest.raises(openai.BadRequestError, match="priority") as err:
+                api.completions.create(model="tiny", prompt="def f(x):", max_tokens=4, extra_body={"priority": priority})
+            assert err.value.body["param"] == param
+        answer = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=4, extra_body={"priority": 0})
+        assert answer.usage.completion_tokens >= 1
+        counters = client.status()["errors"]
+    assert counters.get("invalid_params", 0) >= 2, counters
