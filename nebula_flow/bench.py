@@ -113,14 +113,25 @@ class BenchWorkload:
     structured: dict[str, Any] | None = None  # every request's structured output (``nebula_flow/structured.py``)
     predictions: list[str | None] | None = None  # each prompt's prediction of its answer (Predicted Outputs)
     turns: int = 1  # chat: each request a conversation of this many turns, each sent with the ones before it
+    urgent_every: int = 0  # requests 0, N, 2N, ... are urgent: their latency is reported apart (``urgent_latency_s``)
+    urgent_priority: int = 0  # the priority urgent requests are sent at (-1 where the policy schedules by priority)
 
 
 # A conversation's later turns (``BenchWorkload.turns``), each asked after the answers before it.
 FOLLOW_UPS = ["Now explain that in two sentences.", "Can you make it shorter?", "Add one test for it."]
 
 
-async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) -> list[Completion]:
-    """``wl`` through the ZeroMQ client, or through the HTTP API at ``api``."""
+URGENT_KEYS = ("urgent_ttft_s", "urgent_latency_s", "other_ttft_s", "other_latency_s")
+
+
+def is_urgent(wl: BenchWorkload, i: int) -> bool:
+    return bool(wl.urgent_every) and i % wl.urgent_every == 0
+
+
+async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None,
+                       urgent: list[bool] | None = None) -> list[Completion]:
+    """``wl`` through the ZeroMQ client, or through the HTTP API at ``api``; ``urgent`` gets whether
+    each answer's request was urgent (``BenchWorkload.urgent_every``), in the answers' order."""
     from nebula_flow.api.http_client import HttpClient
 
     queue = list(enumerate(wl.prompts))
@@ -129,18 +140,24 @@ async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None) 
         async def user() -> None:
             while queue:
                 i, prompt = queue.pop(0)
+                priority = {"priority": wl.urgent_priority} if is_urgent(wl, i) and wl.urgent_priority else {}
                 if wl.turns > 1:
-                    outs.extend(await _conversation(client, wl, i, prompt))
-                    continue
-                outs.append(await client.generate(prompt, max_new_tokens=wl.max_new_tokens, temperature=wl.temperature,
+                    done = await _conversation(client, wl, i, prompt, **priority)
+                else:
+                    done = [await client.generate(prompt, max_new_tokens=wl.max_new_tokens, temperature=wl.temperature,
                                                   top_p=wl.top_p, seed=i, ignore_eos=wl.ignore_eos, chat=wl.chat,
                                                   **({"structured": wl.structured} if wl.structured else {}),
-                                                  **({"prediction": wl.predictions[i]} if wl.predictions else {})))
+                                                  **({"prediction": wl.predictions[i]} if wl.predictions else {}),
+                                                  **priority)]
+                outs.extend(done)
+                if urgent is not None:
+                    urgent.extend([is_urgent(wl, i)] * len(done))
         await asyncio.gather(*(user() for _ in range(max(1, wl.concurrency))))
     return outs
 
 
-async def _conversation(client: Any, wl: BenchWorkload, i: int, prompt: str) -> list[Completion]:  # noqa: ANN401
+async def _conversation(client: Any, wl: BenchWorkload, i: int, prompt: str,  # noqa: ANN401
+                        **params: Any) -> list[Completion]:  # noqa: ANN401
     """Request ``i`` as a chat of ``wl.turns`` turns: ``prompt``, then ``FOLLOW_UPS``, each sent
     with the conversation so far (what a chat user sends: the earlier turns' KV is what the
     workers' prefix cache and the broker's placement by prefix keep)."""
@@ -150,7 +167,7 @@ async def _conversation(client: Any, wl: BenchWorkload, i: int, prompt: str) -> 
         history.append({"role": "user", "content": prompt if turn == 0 else FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]})
         out = await client.generate(messages=list(history), max_new_tokens=wl.max_new_tokens,
                                     temperature=wl.temperature, top_p=wl.top_p, seed=i * wl.turns + turn,
-                                    ignore_eos=wl.ignore_eos)
+                                    ignore_eos=wl.ignore_eos, **params)
         history.append({"role": "assistant", "content": out.text})
         outs.append(out)
     return outs
@@ -182,7 +199,8 @@ def run_once(address: str, wl: BenchWorkload, api: str | None = None, pids: dict
         s0 = c.status()
         busy0, kv0, cpu0 = _busy(s0), _kv_bytes(s0), host_cpu_s(pids or {})
         t0 = time.monotonic()
-        outs = asyncio.run(_closed_loop(address, wl, api))
+        urgent: list[bool] = []
+        outs = asyncio.run(_closed_loop(address, wl, api, urgent))
         wall = time.monotonic() - t0
         s1 = c.status()
         busy1, cpu1 = _busy(s1), host_cpu_s(pids or {})
@@ -218,6 +236,9 @@ def run_once(address: str, wl: BenchWorkload, api: str | None = None, pids: dict
             # emulated devices: mean time a forward ran past its profile (the host falling behind)
             "emulated_overrun_per_forward_s": overrun / forwards if forwards else 0.0,
             "ttft_s": percentiles([o.ttft_s for o in outs]), "latency_s": percentiles([o.latency_s for o in outs]),
+            # (--urgent: the urgent requests' and the others' latency apart)
+            **({f"{who}_{what}_s": percentiles([getattr(o, f"{what}_s") for o, u in zip(outs, urgent) if u == (who == "urgent")])
+                for who in ("urgent", "other") for what in ("ttft", "latency")} if wl.urgent_every else {}),
             # where the rounds' time went (round_times): decode rounds, and first rounds (with the prefill)
             "breakdown": breakdown(s0, s1), "first_breakdown": breakdown(s0, s1, "first")}
 
@@ -231,6 +252,8 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
     ``label``: the name progress lines use (default: the mode)."""
     cfg.mode = mode
     cfg.broker.client_port = cfg.broker.worker_port = 0
+    # (urgent requests go at priority -1 where the policy schedules by priority; elsewhere they are only counted)
+    wl = replace(wl, urgent_priority=-1 if cfg.broker.policy.priority_scheduling else 0)
     sides = [*vias, *(f"{via} predicted" for via in vias if predict)]
     predicted = replace(wl, predictions=[edit_prediction(p) for p in wl.prompts]) if predict else wl
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
@@ -323,7 +346,7 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     the median over repeats."""
     return {**{k: statistics.median(r[k] for r in runs) for k in ("tokens_per_s", "round_rate", "tokens_per_round")},
             **{k: {p: statistics.median(r[k][p] for r in runs) for p in ("p50", "p90", "p99")}
-               for k in ("ttft_s", "latency_s")}}
+               for k in ("ttft_s", "latency_s", *URGENT_KEYS) if k in runs[0]}}
 
 
 def _median_breakdown(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -366,6 +389,14 @@ def breakdown_table(results: dict[str, dict[str, Any]]) -> str:
                     f"{overhead_share(b) * 100:>8.1f}%" + "".join(f"{cpu[k] * 1000:>11.2f}" if k in cpu else f"{'-':>11}"
                                                                   for k in ("broker", "workers")))
     return "\n".join(rows)
+
+
+def urgent_lines(results: dict[str, dict[str, Any]]) -> str:
+    """``--urgent``: each mode's urgent requests' latency beside the others'."""
+    return "\n".join(f"{mode}: urgent requests TTFT p50 {r['urgent_ttft_s']['p50'] * 1000:.0f} ms, latency p50 "
+                     f"{r['urgent_latency_s']['p50']:.2f} s, p90 {r['urgent_latency_s']['p90']:.2f} s; the others TTFT p50 "
+                     f"{r['other_ttft_s']['p50'] * 1000:.0f} ms, latency p50 {r['other_latency_s']['p50']:.2f} s, "
+                     f"p90 {r['other_latency_s']['p90']:.2f} s" for mode, r in results.items() if "urgent_latency_s" in r)
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:

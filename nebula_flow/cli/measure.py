@@ -73,10 +73,14 @@ from nebula_flow.roles import MODES
               help="With --chat: each request is a conversation of this many turns (its prompt, then follow-up "
               "questions), each turn sent with the turns before it, as a chat user's are: what the prefix cache and "
               "placement by prefix keep. Figures count every turn.")
+@click.option("--urgent", type=click.IntRange(min=2), default=None, metavar="N",
+              help="Requests 1, N+1, 2N+1, ... are urgent: sent at priority -1 where the mode schedules by priority "
+              "(MODE@priority_scheduling=true), at 0 elsewhere; their latency is printed beside the others'. "
+              "Compare MODE and MODE@priority_scheduling=true with --concurrency above what the workers batch.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
           temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, predict, shared_prefix,
-          turns, as_json) -> None:  # noqa: ANN001
+          turns, urgent, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
         DEFAULT_CHAT_PROMPTS,
@@ -88,6 +92,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         bench_peer,
         breakdown_table,
         table,
+        urgent_lines,
         with_context,
     )
     from nebula_flow.hf_peer import PEERS
@@ -115,13 +120,16 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         raise click.ClickException(f"{', '.join(peers)} run one prompt at a time; bench them without --turns")
     if top_p < 1 and temperature == 0:
         raise click.BadParameter("top-p samples: give a --temperature above 0 too", param_hint="--top-p")
+    if urgent is not None and (urgent > n_requests or any(m in PEERS for m in names)):
+        raise click.BadParameter("urgent requests need more requests than N, and a mode of ours (HF's peers run "
+                                 "one request at a time)", param_hint="--urgent")
     prompts = [pool[i % len(pool)] for i in range(n_requests)]
     if shared_prefix:
         first = load_deploy(config)
         prepare_models(first)  # (its tokenizer cuts the prefix)
         prompts = with_context(prompts, shared_prefix, first.target.model, shared=True)
     wl = BenchWorkload(prompts, max_new_tokens, concurrency, temperature,
-                       chat=chat or edit or bool(json_schema), top_p=top_p, turns=turns)
+                       chat=chat or edit or bool(json_schema), top_p=top_p, turns=turns, urgent_every=urgent or 0)
     if json_schema:
         if peers := [m for m in names if m in PEERS]:
             raise click.ClickException(f"{', '.join(peers)} cannot follow a JSON schema; bench them without --json-schema")
@@ -170,6 +178,8 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         click.echo(json.dumps({"modes": results}))
     else:
         click.echo(table(results))
+        if urgent:
+            click.echo(urgent_lines(results))
         if breakdown:
             click.echo(breakdown_table(results))
 
