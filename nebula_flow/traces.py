@@ -5,6 +5,7 @@ JSONL, one request per line::
     {"arrival_s": 0.5, "prompt": "def f(x):", "max_new_tokens": 64, "temperature": 0.8, "seed": 3}
     {"arrival_s": 1.0, "prompt_tokens": [1, 2, 3], "max_new_tokens": 16}
     {"arrival_s": 1.2, "prompt_len": 300, "max_new_tokens": 16}      # prompt cut from the corpus
+    {"arrival_s": 1.3, "prompt_len": 50, "max_new_tokens": 16, "priority": -1}  # (a broker with priority_scheduling)
 
 Azure CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``): arrivals relative to the first row;
 prompts of ``ContextTokens`` tokens are cut from a corpus (the Python standard library's
@@ -21,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "priority")
 
 
 class TraceError(ValueError):

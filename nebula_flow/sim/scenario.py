@@ -15,6 +15,8 @@
     concurrency = 512           # closed loop: at most this many in flight (default: all at once)
     submit_gap_us = 0           # closed loop: the client sends its first requests this far apart
     # poisson_rate = 40.0       # open loop: Poisson arrivals (requests/s) instead
+    # urgent_every = 4          # every 4th request urgent: priority -1 with [policy] priority_scheduling,
+    #                           # its latency reported apart (urgent_latency_s beside other_latency_s)
     # trace = "../../traces/azure_code.csv"   # replay formats; time_scale, limit, max_prompt_tokens,
     #                                         # max_new_tokens shape it as in `nebula-flow replay`
 
@@ -122,6 +124,7 @@ class Workload:
     limit: int | None = None
     max_prompt_tokens: int | None = None
     max_new_tokens: int | None = None
+    urgent_every: int = 0  # requests 0, N, 2N, ... are urgent (priority -1 where the policy schedules by priority)
 
     def scaled(self, factor: float) -> Workload:
         """The same load for ``factor`` times the workers (closed loop or all-at-once only)."""
@@ -277,8 +280,9 @@ def load_scenario(path: str | Path) -> Scenario:
     except TypeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     if workload.requests < 1 or workload.output_tokens < 1 or workload.prompt_tokens[0] < 1 \
-            or workload.prompt_tokens[0] > workload.prompt_tokens[1]:
-        raise ConfigError(f"{path} [workload]: requests, output_tokens >= 1 and 1 <= prompt_tokens lo <= hi")
+            or workload.prompt_tokens[0] > workload.prompt_tokens[1] or workload.urgent_every not in (0, *range(2, 1 << 31)):
+        raise ConfigError(f"{path} [workload]: requests, output_tokens >= 1, 1 <= prompt_tokens lo <= hi, "
+                          "urgent_every 0 (none) or >= 2")
     if not isinstance(host.broker_shards, int) or host.broker_shards < 1:
         raise ConfigError(f"{path} [host]: broker_shards must be an integer >= 1")
     sweep = raw.get("sweep", {})
