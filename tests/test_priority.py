@@ -153,3 +153,67 @@ def test_a_priority_is_refused_where_the_broker_schedules_by_arrival(tiny_pair) 
         assert answer.usage.completion_tokens >= 1
         counters = client.status()["errors"]
     assert counters.get("invalid_params", 0) >= 2, counters
+
+
+@pytest.mark.slow
+def test_bench_reports_urgent_requests_apart_and_sends_them_urgent_only_where_the_mode_takes_priorities(
+        tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """``bench --urgent 2``: the first and third of four requests are urgent. Sent at priority -1 to
+    the mode that schedules by priority and at 0 to the one that does not (which would refuse -1: the
+    run would fail); both report the urgent requests' latency and the others' apart."""
+    import json
+
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+    from tests.conftest import tiny_config_file
+
+    config = tiny_config_file(tiny_pair, tmp_path)
+    result = CliRunner().invoke(main, ["bench", "--config", str(config), "--modes", "pooled,pooled@priority_scheduling=true",
+                                       "--requests", "4", "--concurrency", "2", "--max-new-tokens", "4", "--repeats", "1",
+                                       "--urgent", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    modes = json.loads(result.output.strip().splitlines()[-1])["modes"]
+    for r in modes.values():
+        assert 0 < r["urgent_latency_s"]["p50"] and 0 < r["other_latency_s"]["p50"] and 0 < r["urgent_ttft_s"]["p50"]
+        assert r["repeats"][0]["requests"] == 4
+    refused = CliRunner().invoke(main, ["bench", "--config", str(config), "--requests", "2", "--urgent", "3"])
+    assert refused.exit_code != 0 and "--urgent" in refused.output
+
+
+def test_a_trace_carries_each_requests_priority(tmp_path) -> None:  # noqa: ANN001
+    from nebula_flow.traces import load_trace
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 0.0, "prompt": "a", "max_new_tokens": 4, "priority": -1}\n'
+                    '{"arrival_s": 0.1, "prompt": "b", "max_new_tokens": 4}\n')
+    first, second = load_trace(path)
+    assert first.params == {"priority": -1} and second.params == {}
+
+
+@pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "elastic"])
+def test_the_simulator_runs_urgent_requests_sooner_with_priority_scheduling(mode: str) -> None:
+    """The simulator drives the live policy: a saturated small scenario, every fourth request urgent.
+    By arrival the urgent ones wait as the rest do; by priority they end sooner and start at once,
+    the others paying for it, and the same tokens are made."""
+    from nebula_flow.sim.engine import simulate
+    from nebula_flow.sim.scenario import Workload
+    from tests.test_sim import small_scenario
+
+    workload = Workload(requests=96, output_tokens=24, prompt_tokens=(8, 24), urgent_every=4)
+    fcfs, prio = (simulate(small_scenario(priority_scheduling=on, workload=workload), mode) for on in (False, True))
+    assert fcfs["tokens"] == prio["tokens"] == 96 * 24
+    assert prio["urgent_latency_s"]["p50"] < 0.97 * fcfs["urgent_latency_s"]["p50"], (fcfs, prio)
+    assert prio["urgent_latency_s"]["p50"] < prio["other_latency_s"]["p50"]
+    assert prio["urgent_ttft_s"]["p50"] <= fcfs["urgent_ttft_s"]["p50"]
+
+
+def test_a_scenario_checks_urgent_every(tmp_path) -> None:  # noqa: ANN001
+    from nebula_flow.config import ConfigError
+    from nebula_flow.sim.scenario import load_scenario
+
+    path = tmp_path / "s.toml"
+    path.write_text('[workload]\nrequests = 8\nurgent_every = 1\n[draft]\nprofile = "configs/profiles/qwen3-0.6b-rtx4090.json"\n'
+                    '[target]\nprofile = "configs/profiles/qwen3-8b-rtx4090.json"\n')
+    with pytest.raises(ConfigError, match="urgent_every"):
+        load_scenario(path)

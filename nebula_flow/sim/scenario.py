@@ -279,8 +279,10 @@ def load_scenario(path: str | Path) -> Scenario:
         host = HostCosts(**raw.get("host", {}))
     except TypeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    urgent = workload.urgent_every
     if workload.requests < 1 or workload.output_tokens < 1 or workload.prompt_tokens[0] < 1 \
-            or workload.prompt_tokens[0] > workload.prompt_tokens[1] or workload.urgent_every not in (0, *range(2, 1 << 31)):
+            or workload.prompt_tokens[0] > workload.prompt_tokens[1] \
+            or type(urgent) is not int or urgent < 0 or urgent == 1:
         raise ConfigError(f"{path} [workload]: requests, output_tokens >= 1, 1 <= prompt_tokens lo <= hi, "
                           "urgent_every 0 (none) or >= 2")
     if not isinstance(host.broker_shards, int) or host.broker_shards < 1:
