@@ -8,6 +8,7 @@ same whatever the priority.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -217,3 +218,16 @@ def test_a_scenario_checks_urgent_every(tmp_path) -> None:  # noqa: ANN001
                     '[target]\nprofile = "configs/profiles/qwen3-8b-rtx4090.json"\n')
     with pytest.raises(ConfigError, match="urgent_every"):
         load_scenario(path)
+
+
+def test_simulate_urgent_prints_urgent_requests_apart() -> None:
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+
+    paper = Path(__file__).resolve().parents[1] / "configs" / "sim" / "paper-2d2t.toml"
+    result = CliRunner().invoke(main, ["simulate", str(paper), "--modes",
+                                       "pooled,pooled@priority_scheduling=true", "--urgent", "4"])
+    assert result.exit_code == 0, result.output
+    lines = [ln for ln in result.output.splitlines() if "urgent requests" in ln]
+    assert [ln.split(":")[0] for ln in lines] == ["pooled", "pooled@priority_scheduling=true"]

@@ -21,6 +21,9 @@ from nebula_flow.roles import MODES
               "pooled@draft_ahead=0,pooled@draft_ahead=6.")
 @click.option("--concurrency", type=click.IntRange(min=1), help="Override the workload's concurrency (closed loop: "
               "at most this many requests in flight), e.g. 1 for a single stream.")
+@click.option("--urgent", type=click.IntRange(min=2), metavar="N", help="Override the workload's urgent_every: "
+              "requests 1, N+1, 2N+1, ... are urgent (priority -1 in modes with priority_scheduling), their latency "
+              "printed beside the others', as in bench.")
 @click.option("--draft-workers", type=int, help="Override the draft pool size.")
 @click.option("--target-workers", type=int, help="Override the target pool size.")
 @click.option("--sweep", is_flag=True, help="Also scale both pools together (draft:target ratio kept) and "
@@ -41,7 +44,7 @@ from nebula_flow.roles import MODES
 @click.option("--check-policy-log", type=click.Path(exists=True, dir_okay=False),
               help="Instead of simulating: replay a broker's --policy-log into the simulator's policy and "
               "say whether every decision is identical.")
-def simulate(scenario, modes, concurrency, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, devices, loads, seed,
+def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers, sweep, sweep_workers, sweep_targets, devices, loads, seed,
              out, as_json, broker_shards, check_policy_log) -> None:  # noqa: ANN001
     """Simulate a deployment: the live scheduling policy on a virtual clock, with profiled or
     roofline device costs. SCENARIO is a TOML file (see configs/sim/)."""
@@ -61,7 +64,7 @@ def simulate(scenario, modes, concurrency, draft_workers, target_workers, sweep,
         raise click.UsageError("give a SCENARIO file (e.g. configs/sim/paper-2d2t.toml)")
     if loads and devices is None:
         raise click.UsageError("--loads plans devices: give --gpus N too")
-    from nebula_flow.bench import table
+    from nebula_flow.bench import table, urgent_lines
     from nebula_flow.sim import engine, report
     from nebula_flow.sim.acceptance import AcceptanceModel
     from nebula_flow.sim.scenario import describe, load_scenario
@@ -78,6 +81,8 @@ def simulate(scenario, modes, concurrency, draft_workers, target_workers, sweep,
         sc = replace(sc, host=replace(sc.host, broker_shards=broker_shards))
     if concurrency is not None:
         sc = replace(sc, workload=replace(sc.workload, concurrency=concurrency))
+    if urgent is not None:
+        sc = replace(sc, workload=replace(sc.workload, urgent_every=urgent))
     names = [m.strip() for m in modes.split(",") if m.strip()] if modes else sc.modes
     bad = [m for m in names if m.split("@")[0] not in MODES]
     if bad or not names:
@@ -139,6 +144,8 @@ def simulate(scenario, modes, concurrency, draft_workers, target_workers, sweep,
         click.echo(json.dumps(result))
         return
     click.echo(table(result["modes"]))
+    if sc.workload.urgent_every:
+        click.echo(urgent_lines(result["modes"]))
     if sweep:
         click.echo(report.sweep_table(result["sweep"]))
     if devices is not None:
