@@ -8,6 +8,7 @@ same whatever the priority.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,19 @@ def test_a_priority_is_refused_where_the_broker_schedules_by_arrival(tiny_pair) 
             client.generate(token_ids=[7, 8, 9], max_new_tokens=4, priority=1)
         assert refused.value.code == "invalid_params"
         assert len(client.generate(token_ids=[7, 8, 9], max_new_tokens=4, ignore_eos=True, priority=0).token_ids) == 4
+        from click.testing import CliRunner
+
+        from nebula_flow.cli import main
+
+        cli = ["generate", "def f(x):\n    return x * 2\n" * 8, "--broker", dep.address, "--max-new-tokens", "2", "--json"]
+        refused_cli = CliRunner().invoke(main, [*cli, "--priority", "2"])
+        assert refused_cli.exit_code != 0 and "priority must be 0" in refused_cli.output
+        cached = []  # (generate's --cache-salt: the second shares nothing with the first, the third all but its last)
+        for extra in ([], ["--cache-salt", "tenant-a"], ["--priority", "0"]):
+            out = CliRunner().invoke(main, [*cli, *extra])
+            assert out.exit_code == 0, out.output
+            cached.append(json.loads(out.output.strip().splitlines()[-1])["stats"]["cached_tokens"])
+        assert cached[0] == cached[1] == 0 < cached[2], cached
         dep.start_api("127.0.0.1", 0, model_name="tiny")
         api = openai.OpenAI(base_url=dep.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
         for priority, param in ((3, None), (2**40, "priority"), ("high", "priority")):
@@ -162,8 +176,6 @@ def test_bench_reports_urgent_requests_apart_and_sends_them_urgent_only_where_th
     """``bench --urgent 2``: the first and third of four requests are urgent. Sent at priority -1 to
     the mode that schedules by priority and at 0 to the one that does not (which would refuse -1: the
     run would fail); both report the urgent requests' latency and the others' apart."""
-    import json
-
     from click.testing import CliRunner
 
     from nebula_flow.cli import main

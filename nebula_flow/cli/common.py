@@ -333,6 +333,10 @@ GEN_OPTIONS = [
     click.option("--think-first", is_flag=True, help="A reasoning model thinks freely first: the structured output "
                  "binds only what follows its </think> (or all of it where the prompt closed the thinking)."),
     click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template."),
+    click.option("--priority", type=int, default=0, show_default=True, help="Lower goes first where the broker "
+                 "schedules by priority ([policy] priority_scheduling); elsewhere only 0 is taken."),
+    click.option("--cache-salt", default=None, help="Share prefix-cached KV only with requests of this salt "
+                 "(vLLM's cache_salt; none: with requests that give none)."),
     click.option("--timeout-s", default=300.0, show_default=True),
 ]
 
