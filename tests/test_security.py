@@ -224,7 +224,6 @@ def test_metrics_stay_on_loopback_by_default_and_need_a_token_off_it(tmp_path, m
 
 @pytest.mark.slow
 def test_serve_secure_local_puts_curve_on_loopback(tiny_pair, tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    from nebula_flow.deploy import free_port
 
     monkeypatch.delenv("NEBULA_FLOW_KEYS", raising=False)
     cfg = tmp_path / "cfg.toml"
@@ -232,7 +231,7 @@ def test_serve_secure_local_puts_curve_on_loopback(tiny_pair, tmp_path, monkeypa
                    'threads = 1\n')
     env = {k: v for k, v in os.environ.items() if k != "NEBULA_FLOW_KEYS"}
     proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(cfg), "--port",
-                             str(free_port()), "--log-dir", str(tmp_path / "logs"), "--secure-local"],
+                             "0", "--log-dir", str(tmp_path / "logs"), "--secure-local"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         address = proc.stdout.readline().strip()

@@ -17,7 +17,7 @@ import pytest
 from nebula_flow.chaos import Kill, default_kills
 from nebula_flow.client import AsyncClient, Client, Completion
 from nebula_flow.config import ConfigError, load_config
-from nebula_flow.deploy import Deployment, free_port
+from nebula_flow.deploy import Deployment
 from nebula_flow.supervisor import REFUSED_EXIT, ChildRecord, RestartPolicy, judge
 from tests.conftest import deploy_config, hf_greedy, workers_lost
 
@@ -69,7 +69,7 @@ def _serve(tiny_pair: Path, tmp_path: Path, draft_workers: int, target_workers: 
                    f'[draft]\nmodel = "{tiny_pair / "draft"}"\nworkers = {draft_workers}\nthreads = 1\n'
                    f'[target]\nmodel = "{tiny_pair / "target"}"\nworkers = {target_workers}\nthreads = 1\n')
     proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(cfg),
-                             "--port", str(free_port()), "--log-dir", str(tmp_path / "logs")],
+                             "--port", "0", "--log-dir", str(tmp_path / "logs")],  # (0: free ports, picked again if one is taken)
                             stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "w"), text=True,
                             env=dict(os.environ))
     address = proc.stdout.readline().strip()
