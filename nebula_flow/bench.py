@@ -24,7 +24,7 @@ from nebula_flow.config import DeployConfig
 from nebula_flow.deploy import Deployment, is_broker
 from nebula_flow.process import cpu_seconds
 from nebula_flow.round_times import PARTS, breakdown, summary
-from nebula_flow.stats import percentiles
+from nebula_flow.stats import is_urgent, percentiles
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):", "import os\n\ndef list_files(path):", "class Stack:\n    def __init__(self):",
@@ -124,10 +124,6 @@ FOLLOW_UPS = ["Now explain that in two sentences.", "Can you make it shorter?", 
 URGENT_KEYS = ("urgent_ttft_s", "urgent_latency_s", "other_ttft_s", "other_latency_s")
 
 
-def is_urgent(wl: BenchWorkload, i: int) -> bool:
-    return bool(wl.urgent_every) and i % wl.urgent_every == 0
-
-
 async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None,
                        urgent: list[bool] | None = None) -> list[Completion]:
     """``wl`` through the ZeroMQ client, or through the HTTP API at ``api``; ``urgent`` gets whether
@@ -140,7 +136,7 @@ async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None,
         async def user() -> None:
             while queue:
                 i, prompt = queue.pop(0)
-                priority = {"priority": wl.urgent_priority} if is_urgent(wl, i) and wl.urgent_priority else {}
+                priority = {"priority": wl.urgent_priority} if is_urgent(wl.urgent_every, i) and wl.urgent_priority else {}
                 if wl.turns > 1:
                     done = await _conversation(client, wl, i, prompt, **priority)
                 else:
@@ -151,7 +147,7 @@ async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None,
                                                   **priority)]
                 outs.extend(done)
                 if urgent is not None:
-                    urgent.extend([is_urgent(wl, i)] * len(done))
+                    urgent.extend([is_urgent(wl.urgent_every, i)] * len(done))
         await asyncio.gather(*(user() for _ in range(max(1, wl.concurrency))))
     return outs
 

@@ -73,8 +73,9 @@ class _Fifo:
 
 class Topic:
     """Queued request ids: the lowest ``priority`` first (vLLM's order: a request's ``priority``, 0 unless
-    the broker's ``priority`` policy lets it differ), each priority first in, first out, indexed by the
-    worker that holds each one's KV. With one priority (the usual case) it is one FIFO.
+    the policy's ``priority_scheduling`` lets it differ), each priority first in, first out, indexed by
+    the worker that holds each one's KV. With one priority (the usual case) it is one FIFO; with many
+    (at most one per pooled request), dispatch walks them in order.
     """
 
     def __init__(self, rids: Iterable[int] = ()) -> None:

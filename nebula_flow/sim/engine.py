@@ -49,10 +49,11 @@ from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim import fused, predraft
 from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.costs import CostModel
-from nebula_flow.sim.report import is_urgent, latencies
+from nebula_flow.sim.report import latencies
 from nebula_flow.sim.scenario import Scenario, Workload, cost_on
 from nebula_flow.sim.state import PLACEHOLDER, Outcome, Prefilled, SimTask, SimWorker
 from nebula_flow.speclen import FIT_ROWS
+from nebula_flow.stats import is_urgent
 
 COSTS_EVERY_S = 1.0  # as workers/worker.py: forward-time tables go to the broker at most this often
 
@@ -173,7 +174,7 @@ class Simulator:
     def _client_submit_index(self, i: int) -> None:
         self.next_req = max(self.next_req, i + 1)
         _, prompt_len, max_new = self.reqs[i]
-        urgent = -1 if self.policy.policy.priority_scheduling and is_urgent(self.workload, i) else 0
+        urgent = -1 if self.policy.policy.priority_scheduling and is_urgent(self.workload.urgent_every, i) else 0
         req = Request(i + 1, str(i + 1), [PLACEHOLDER] * prompt_len,
                       SamplingParams(max_new_tokens=max_new, ignore_eos=True, priority=urgent), seed=self.sc.seed)
         req.t_submit = self.now

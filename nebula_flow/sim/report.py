@@ -6,16 +6,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nebula_flow.stats import percentiles
+from nebula_flow.stats import is_urgent, percentiles
 
 if TYPE_CHECKING:
     from nebula_flow.request import Request
     from nebula_flow.sim.scenario import Workload
-
-
-def is_urgent(workload: Workload, i: int) -> bool:
-    """Whether the workload's request ``i`` (from 0) is urgent (``urgent_every``)."""
-    return bool(workload.urgent_every) and i % workload.urgent_every == 0
 
 
 def latencies(done: list[Request], t_done: Mapping[int, float], workload: Workload) -> dict[str, Any]:
@@ -23,8 +18,8 @@ def latencies(done: list[Request], t_done: Mapping[int, float], workload: Worklo
     requests' and the others' apart too (``urgent_ttft_s``, ``other_latency_s``, ...: as the bench's)."""
     groups = {"": done}
     if workload.urgent_every:  # (request i has rid i + 1)
-        groups["urgent_"] = [r for r in done if is_urgent(workload, r.rid - 1)]
-        groups["other_"] = [r for r in done if not is_urgent(workload, r.rid - 1)]
+        groups["urgent_"] = [r for r in done if is_urgent(workload.urgent_every, r.rid - 1)]
+        groups["other_"] = [r for r in done if not is_urgent(workload.urgent_every, r.rid - 1)]
     return {f"{who}{what}": percentiles([(r.t_first if what == "ttft_s" else t_done[r.rid]) - r.t_submit for r in reqs])
             for who, reqs in groups.items() for what in ("ttft_s", "latency_s")}
 
