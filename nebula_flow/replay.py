@@ -34,6 +34,7 @@ class Record:
     tokens_per_round: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    priority: int = 0  # the trace's (a broker with priority_scheduling orders rounds by it)
 
 
 class Progress:
@@ -63,7 +64,8 @@ async def replay(address: str, reqs: list[TraceRequest], prompts: PromptSource |
 
     cap = asyncio.Semaphore(concurrency) if concurrency else None
     bar = Progress(len(reqs), progress)
-    records = [Record(i, r.arrival_s, max_new_tokens=r.max_new_tokens) for i, r in enumerate(reqs)]
+    records = [Record(i, r.arrival_s, max_new_tokens=r.max_new_tokens, priority=r.params.get("priority", 0))
+               for i, r in enumerate(reqs)]
     t0 = time.monotonic()
 
     async with HttpClient(api, api_key, timeout_s) if api else AsyncClient(address, timeout_s=timeout_s) as client:
@@ -115,6 +117,12 @@ def summarize(records: list[Record], wall_s: float, report: dict[str, Any] | Non
         "round_rate": rounds / max(wall_s, 1e-9), "tokens_per_round": tokens / max(rounds, 1),
         "ttft_s": percentiles([r.ttft_s for r in ok]), "inter_chunk_s": percentiles(gaps),
         "latency_s": percentiles([r.latency_s for r in ok]), "shaping": report or {},
+        # (a trace of several priorities: each one's completed requests apart, most urgent first)
+        **({"by_priority": {str(p): {"completed": len(group), "ttft_s": percentiles([r.ttft_s for r in group]),
+                                     "latency_s": percentiles([r.latency_s for r in group])}
+                            for p in sorted({r.priority for r in records})
+                            for group in [[r for r in ok if r.priority == p]]}}
+           if len({r.priority for r in records}) > 1 else {}),
     }
 
 

@@ -135,6 +135,35 @@ def test_an_urgent_request_overtakes_a_full_pool_with_the_same_output(tiny_pair,
 
 
 @pytest.mark.slow
+def test_a_replayed_trace_sends_each_requests_priority_and_reports_each_priority_apart(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """Where the broker schedules by priority, every request completes and the summary has each priority
+    apart; where it schedules by arrival, the two urgent requests are refused (so they were sent urgent)."""
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"arrival_s": 0.01 * i, "prompt_tokens": [30 + i, 31, 32], "max_new_tokens": 8,
+                                           "ignore_eos": True, **({"priority": -1} if i % 4 == 0 else {})})
+                               for i in range(8)))
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1, max_batch=2)
+    cfg.broker.policy = cfg.broker.policy.replace(priority_scheduling=True)
+    with Deployment(cfg) as dep:
+        res = CliRunner().invoke(main, ["replay", str(trace), "--broker", dep.address, "--out", str(tmp_path / "out"),
+                                        "--json"])
+        plain = CliRunner().invoke(main, ["replay", str(trace), "--broker", dep.address, "--out", str(tmp_path / "o2")])
+    assert res.exit_code == 0 and plain.exit_code == 0, res.output + plain.output
+    summary = json.loads(res.output.strip().splitlines()[-1])
+    assert summary["errors"] == 0 and {p: g["completed"] for p, g in summary["by_priority"].items()} == {"-1": 2, "0": 6}
+    assert "priority   -1: 2 completed" in plain.output and "priority    0: 6 completed" in plain.output
+    with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep:  # (by arrival: the urgent two are refused)
+        res = CliRunner().invoke(main, ["replay", str(trace), "--broker", dep.address, "--out", str(tmp_path / "o3"),
+                                        "--json"])
+    summary = json.loads(res.output.strip().splitlines()[-1])
+    assert summary["errors"] == 2 and summary["by_priority"]["-1"]["completed"] == 0
+
+
+@pytest.mark.slow
 def test_a_priority_is_refused_where_the_broker_schedules_by_arrival(tiny_pair) -> None:  # noqa: ANN001
     """Priority scheduling off (the default, as vLLM's): a priority other than 0 is a clear error, through
     the client library and as a 400 to the real ``openai`` client, which also has an out-of-range one named."""

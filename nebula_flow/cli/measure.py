@@ -247,6 +247,9 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
     for key in ("ttft_s", "inter_chunk_s", "latency_s"):
         p = summary[key]
         click.echo(f"{key:<14} p50 {p['p50']:.3f}  p90 {p['p90']:.3f}  p99 {p['p99']:.3f}")
+    for priority, g in summary.get("by_priority", {}).items():  # (a trace of several priorities)
+        click.echo(f"priority {priority:>4}: {g['completed']} completed, TTFT p50 {g['ttft_s']['p50']:.3f}, "
+                   f"latency p50 {g['latency_s']['p50']:.3f}  p90 {g['latency_s']['p90']:.3f}")
     click.echo(f"wrote {out}/requests.jsonl, summary.json, " + ", ".join(p.name for p in paths))
 
 
