@@ -518,7 +518,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stream", "stream_options", "n", "logprobs", "user", "chat_template_kwargs", "ignore_eos", "stop_token_ids",
-          "presence_penalty", "repetition_penalty", "top_logprobs"]
+          "presence_penalty", "repetition_penalty", "top_logprobs", "priority", "cache_salt"]
 VALUES = JSON | st.sampled_from(["tiny", "hi", 1, 4, 0.5, True, [{"role": "user", "content": "hi"}], [1, 2, 3]])
 PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
 OPTIONAL = {f: VALUES for f in FIELDS[3:]}
