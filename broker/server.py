@@ -51,6 +51,7 @@ from nebula_flow.round_times import RoundTimes
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.security import SecurityError, user_id
 from nebula_flow.speclen import FIT_ROWS
+from nebula_flow.topic import queued_by_priority
 from nebula_flow_broker import known, results
 from nebula_flow_broker.access import Access, metrics_token
 from nebula_flow_broker.admission import Admission
@@ -376,6 +377,8 @@ class Broker(Intake):
             "shard": self.opts.shard, "shards": self.opts.shards,
             "draining": self.draining_since is not None,  # (SIGTERM: in-flight requests finish, new ones are refused)
             "pool": len(self.scheduler.requests), "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
+            **({"queued_by_priority": queued_by_priority(self.scheduler.topics.values())}
+               if self.opts.policy.priority_scheduling else {}),
             "model": self.opts.model_name, "max_model_len": self.admission.max_model_len,  # (what the HTTP API serves)
             "max_new_tokens_limit": self.opts.max_new_tokens_limit,
             **self.stats.state(self.scheduler, self.workers), "round_times": self.round_times.state(),

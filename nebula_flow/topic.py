@@ -144,3 +144,12 @@ class Topic:
 
     def __contains__(self, rid: object) -> bool:
         return rid in self._level_of
+
+
+def queued_by_priority(topics: Iterable[Topic]) -> dict[str, int]:
+    """Queued tasks by priority over ``topics``, most urgent first (the broker's status)."""
+    counts: dict[int, int] = {}
+    for topic in topics:
+        for priority, level in topic._levels.items():
+            counts[priority] = counts.get(priority, 0) + len(level)
+    return {str(p): n for p, n in sorted(counts.items())}

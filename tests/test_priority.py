@@ -127,6 +127,7 @@ def test_an_urgent_request_overtakes_a_full_pool_with_the_same_output(tiny_pair,
         sampled_order, sampled = asyncio.run(_contended(dep.address, lows, urgent, priority=-5, temperature=0.9, seed=11))
         with Client(dep.address) as client:
             alone = client.generate(token_ids=urgent, max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.9, seed=11)
+            assert client.status()["queued_by_priority"] == {}  # (all done: nothing queued, at any priority)
     assert order[0] == "urgent" and sampled_order[0] == "urgent", (order, sampled_order)
     for name, prompt in (("urgent", urgent), ("low0", lows[0]), ("low11", lows[11])):
         ref = hf_greedy(tiny_pair / "target", prompt, MAX_NEW)
@@ -172,7 +173,7 @@ def test_a_priority_is_refused_where_the_broker_schedules_by_arrival(tiny_pair) 
     with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep, Client(dep.address) as client:
         with pytest.raises(RequestError, match="priority") as refused:
             client.generate(token_ids=[7, 8, 9], max_new_tokens=4, priority=1)
-        assert refused.value.code == "invalid_params"
+        assert refused.value.code == "invalid_params" and "queued_by_priority" not in client.status()
         assert len(client.generate(token_ids=[7, 8, 9], max_new_tokens=4, ignore_eos=True, priority=0).token_ids) == 4
         from click.testing import CliRunner
 
@@ -272,3 +273,21 @@ def test_simulate_urgent_prints_urgent_requests_apart() -> None:
     assert result.exit_code == 0, result.output
     lines = [ln for ln in result.output.splitlines() if "urgent requests" in ln]
     assert [ln.split(":")[0] for ln in lines] == ["pooled", "pooled@priority_scheduling=true"]
+
+
+def test_status_shows_queued_tasks_by_priority_summed_over_shards() -> None:
+    from nebula_flow.cli.status_text import status_lines
+    from nebula_flow.shards import merge_states
+    from nebula_flow.topic import queued_by_priority
+
+    s = Scheduler("pooled", PolicyConfig(k=2, priority_scheduling=True))
+    for r in (_req(0, 3), _req(1, -1), _req(2, 3), _req(3, 0)):
+        s.admit(r)
+    queued = queued_by_priority(s.topics.values())
+    assert queued == {"-1": 1, "0": 1, "3": 2} and list(queued) == ["-1", "0", "3"]
+    base = {"mode": "pooled", "uptime_s": 1.0, "pool": 4, "topics": s.depth(), "workers": [], "roles": ["target"],
+            "counters": {}, "errors": {}}
+    merged = merge_states([{**base, "queued_by_priority": queued}, {**base, "queued_by_priority": {"-1": 2, "10": 1}}])
+    assert merged["queued_by_priority"] == {"-1": 3, "0": 1, "3": 2, "10": 1}
+    assert "  queued by priority: -1: 3, 0: 1, 3: 2, 10: 1" in status_lines(merged)
+    assert not any("queued by priority" in line for line in status_lines(base))  # (scheduling by arrival: no line)

@@ -10,6 +10,9 @@ def status_lines(state: dict[str, Any]) -> list[str]:
     out: list[str] = []
     out.append(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool, "
                f"topics {state['topics']}")
+    if "queued_by_priority" in state:  # (priority scheduling: queued tasks by priority, most urgent first)
+        queued = sorted(state["queued_by_priority"].items(), key=lambda kv: int(kv[0]))
+        out.append("  queued by priority: " + (", ".join(f"{p}: {n}" for p, n in queued) or "none"))
     for sh in state.get("by_shard", []):  # (a sharded deployment: its brokers one by one)
         out.append(f"  shard {sh['shard']}: pid {sh['pid']}, {sh['pool']} in the pool, {sh['workers']} workers, "
                    f"{sh['rounds']} rounds" + (f", restarts {sh['restarts']}" if sh["restarts"] else ""))
