@@ -114,12 +114,13 @@ async def _contended(address: str, lows: list[list[int]], urgent: list[int], pri
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pooled", "elastic", "colocated"])
 def test_an_urgent_request_overtakes_a_full_pool_with_the_same_output(tiny_pair, mode: str) -> None:  # noqa: ANN001
-    """Twelve requests sent first, on workers with room for two a batch, then an urgent one as long:
-    with priority scheduling it ends first (it joins every batch it can; the twelve share what is left;
-    by arrival it ends among the last), and every output is the target's own greedy output. A seeded
-    sample is the same urgent, in company, as at priority 0 alone."""
+    """Twelve requests sent first, on workers with room for two a batch, then an urgent twin of the
+    first of them (the same prompt, parameters and length: the same rounds to run). With priority
+    scheduling the twin sent last ends before the first (it joins every batch it can; the twelve share
+    what is left); by arrival it would end after it. Every output is the target's own greedy output,
+    and a seeded sample is the same urgent, in company, as at priority 0 alone."""
     lows = [[30 + i, 31 + i, 32 + i, 33 + i] for i in range(12)]
-    urgent = [42, 43, 44, 45]
+    urgent = list(lows[0])
     cfg = deploy_config(tiny_pair, mode, 0 if mode == "colocated" else 1, 1, max_batch=2)
     cfg.broker.policy = cfg.broker.policy.replace(priority_scheduling=True)
     with Deployment(cfg) as dep:
@@ -128,8 +129,10 @@ def test_an_urgent_request_overtakes_a_full_pool_with_the_same_output(tiny_pair,
         with Client(dep.address) as client:
             alone = client.generate(token_ids=urgent, max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.9, seed=11)
             assert client.status()["queued_by_priority"] == {}  # (all done: nothing queued, at any priority)
-    assert order[0] == "urgent" and sampled_order[0] == "urgent", (order, sampled_order)
-    for name, prompt in (("urgent", urgent), ("low0", lows[0]), ("low11", lows[11])):
+    for ended, out in ((order, done), (sampled_order, sampled)):
+        assert ended.index("urgent") < ended.index("low0"), ended
+        assert out["urgent"].token_ids == out["low0"].token_ids and out["urgent"].rounds == out["low0"].rounds
+    for name, prompt in (("urgent", urgent), ("low11", lows[11])):
         ref = hf_greedy(tiny_pair / "target", prompt, MAX_NEW)
         assert done[name].token_ids[:len(ref)] == ref, name
     assert sampled["urgent"].token_ids == alone.token_ids  # (the seed decides, not the priority or the company)
