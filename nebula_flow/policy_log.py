@@ -14,9 +14,10 @@ Records are JSON arrays, one per line (JSONL)::
     ["register", worker, role, capacity, slot, drafter, draft_capacity]
     ["unregister", worker, [requeued rids]]
     ["pull", worker, credits, idle, now]
-    ["admit", rid, prompt_len, max_new_tokens, greedy, seeded, affinity]
+    ["admit", rid, prompt_len, max_new_tokens, greedy, seeded, affinity, priority]
                                          (affinity: where its prompt's start was likely held,
-                                         {holder key: [worker, positions]}: ``prefixes.py``)
+                                         {holder key: [worker, positions]}: ``prefixes.py``;
+                                         priority: its ``SamplingParams.priority``)
     ["draft_done", rid, worker, n_draft]
     ["prefilled", rid, worker, valid]    (a chunk of a prompt computed; the task queued again)
     ["retry", rid, worker]               (the worker lacked the task's tokens: the task queued again)

@@ -121,7 +121,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     if top_p < 1 and temperature == 0:
         raise click.BadParameter("top-p samples: give a --temperature above 0 too", param_hint="--top-p")
     if urgent is not None and (urgent > n_requests or any(m in PEERS for m in names)):
-        raise click.BadParameter("urgent requests need more requests than N, and a mode of ours (HF's peers run "
+        raise click.BadParameter("urgent requests need at least N requests, and modes of ours (HF's peers run "
                                  "one request at a time)", param_hint="--urgent")
     prompts = [pool[i % len(pool)] for i in range(n_requests)]
     if shared_prefix:
