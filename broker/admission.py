@@ -120,6 +120,8 @@ class Admission:
             raise ProtocolError("invalid_prediction", f"the prediction ({len(prediction)} tokens) is longer than "
                                                       f"the context ({self.max_model_len})")
         req = Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now, prediction=prediction)
+        if params.prompt_logprobs is not None:  # (the first token's is null: nothing predicts it)
+            req.prompt_logprobs = [[prompt[0], self.token_text(prompt[0]), None, []]]
         if params.min_tokens:  # (the ids that would end it early, which its verifies must not pick)
             req.suppress = sorted({*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids})
         return req
@@ -159,6 +161,10 @@ class Admission:
         text = self.token_text
         return [[t, text(t), row[0], [[i, text(i), v] for i, v in zip(top, row[1:])]]
                 for t, row, top in zip(kept, lp[:len(kept)].tolist(), ids[:len(kept)].tolist())]
+
+    def prompt_text(self, req: Request) -> str:
+        """The prompt's text, special tokens too (``SamplingParams.echo``)."""
+        return self.codec.tok.decode(req.prompt, skip_special_tokens=False) if self.codec else ""
 
     def final_text(self, req: Request) -> str:
         return apply_stop(self.codec.decode(shown(req)), req.params.stop)[0] if self.codec else ""

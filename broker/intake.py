@@ -15,9 +15,10 @@ from typing import Any
 import zmq
 
 from nebula_flow import protocol
-from nebula_flow.protocol import Cancel, Done, ProtocolError, State, Status, Submit, Tokens
+from nebula_flow.protocol import Cancel, Done, ProtocolError, State, Status, Submit, TaskResult, Tokens
 from nebula_flow.request import Request
 from nebula_flow.wire import req_id_of
+from nebula_flow_broker import results
 from nebula_flow_broker.access import owner_of
 
 log = logging.getLogger("nebula_flow.broker")
@@ -38,6 +39,7 @@ def chunk_groups(mine: list[Tokens]) -> list[list[Tokens]]:
     items = 0
     for t in mine:
         n = sum(1 + len(e[3]) for e in t.logprobs) if t.logprobs else 0
+        n += sum(1 + len(e[3]) for e in t.prompt_logprobs) if t.prompt_logprobs else 0
         if groups[-1] and items + n > LOGPROB_ITEMS:
             groups.append([])
             items = 0
@@ -89,10 +91,12 @@ class Intake:
             req.owner = identity
             self.inflight_by_owner[identity] += 1
             self.counters["requests_reattached"] += 1
-            if req.logprobs is None:
+            if req.params.echo:
+                self._send(self.clients, identity, Tokens(req_id, [], "", prompt_text=self.admission.prompt_text(req)))
+            if req.logprobs is None and req.prompt_logprobs is None:
                 self._send(self.clients, identity, Tokens(req_id, req.output, req.text, 0))
                 return
-            self._resend_logprobs(identity, req_id, req.output, req.text, req.logprobs)
+            self._resend_logprobs(identity, req_id, req.output, req.text, req.logprobs, req.prompt_logprobs)
             return
         if (waiting := self.prompts.waiting.get(req_id)) is not None:  # a retry while its prompt tokenizes
             self._release(waiting.identity)
@@ -104,7 +108,7 @@ class Intake:
             self.counters["requests_replayed"] += 1
             _, done, logprobs = self.finished[req_id]
             if logprobs is not None:  # (its chunks may have been lost: they carried them)
-                self._resend_logprobs(identity, req_id, done.token_ids, done.text, logprobs)
+                self._resend_logprobs(identity, req_id, done.token_ids, done.text, *logprobs)
             self._send(self.clients, identity, done)
             return
         if self.draining_since is not None:
@@ -122,12 +126,35 @@ class Intake:
         self.inflight_by_owner[identity] += 1
         self._admit(msg, identity, owner, now, None)
 
-    def _resend_logprobs(self, identity: bytes, req_id: str, output: list[int], text: str, logprobs: list) -> None:
-        """A request's tokens so far with their log-probabilities, to a client that re-attached."""
+    def _resend_logprobs(self, identity: bytes, req_id: str, output: list[int], text: str, logprobs: list | None,
+                         prompt_logprobs: list | None) -> None:
+        """A request's tokens so far with their log-probabilities (and its prompt's, first), to a
+        client that re-attached."""
         self.outbox_logprobs = True
+        if prompt_logprobs is not None:
+            self._send_prompt_logprobs(identity, req_id, prompt_logprobs, 0)
         for a in range(0, len(output), RESEND_LOGPROB_TOKENS):  # (each message's header stays small)
-            self._send(self.clients, identity, Tokens(req_id, output[a:a + RESEND_LOGPROB_TOKENS], "" if a else text, a,
-                                                      len(text) if a else 0, logprobs[a:a + RESEND_LOGPROB_TOKENS]))
+            self._send(self.clients, identity, Tokens(
+                req_id, output[a:a + RESEND_LOGPROB_TOKENS], "" if a else text, a, len(text) if a else 0,
+                logprobs[a:a + RESEND_LOGPROB_TOKENS] if logprobs is not None else None))
+
+    def _send_prompt_logprobs(self, identity: bytes, req_id: str, entries: list, at: int) -> None:
+        """The prompt's tokens' log-probabilities ``entries``, the first at position ``at``, in
+        messages of their own (no tokens: before the first tokens; each header small)."""
+        self.outbox_logprobs = True
+        for a in range(0, len(entries), RESEND_LOGPROB_TOKENS):
+            self._send(self.clients, identity, Tokens(req_id, [], "", 0, 0, None, entries[a:a + RESEND_LOGPROB_TOKENS],
+                                                      at + a))
+
+    def _prompt_scored(self, req: Request, item: TaskResult) -> None:
+        """The prompt's log-probabilities a verify brings: those not had yet kept, and streamed."""
+        lp, ids, at = results.prompt_scores(req, item, self.admission.vocab_size)
+        have = len(req.prompt_logprobs)
+        new = self.admission.logprob_entries(req.prompt[at:at + len(lp)], lp, ids)[have - at:]
+        if new:
+            req.prompt_logprobs.extend(new)
+            sent = 0 if have == 1 else have  # (the first message has the first token's null too)
+            self._send_prompt_logprobs(req.owner, req.req_id, req.prompt_logprobs[sent:], sent)
 
     def _admit(self, msg: Submit, identity: bytes, owner: str, now: float, prompt: list[int] | None) -> None:
         """Make a SUBMIT (counted in flight for its client already) a request of the pool."""
@@ -145,6 +172,8 @@ class Intake:
         self.counters["requests_submitted"] += 1
         self.scheduler.admit(req)
         self.round_times.admitted(req.rid, time.perf_counter())
+        if req.params.echo:
+            self._send(self.clients, identity, Tokens(req.req_id, [], "", prompt_text=self.admission.prompt_text(req)))
 
     def _tokenized(self) -> None:
         """Admit the long prompts tokenized since the last look (even while draining: they were
@@ -188,10 +217,12 @@ class Intake:
             self.counters["prediction_tokens_accepted"] += stats["prediction_accepted"]
             self.counters["prediction_tokens_rejected"] += stats["prediction_tokens"] - stats["prediction_accepted"]
         done = Done(req.req_id, req.output, self.admission.final_text(req), req.finish_reason, stats)
-        self.finished[req.req_id] = (owner, done, req.logprobs)
-        if req.logprobs is not None:  # (bounded apart: a token's entries are up to 21 ids and texts)
-            self.finished_logprobs.append((req.req_id, len(req.logprobs)))
-            self.finished_logprob_tokens += len(req.logprobs)
+        scored = req.logprobs is not None or req.prompt_logprobs is not None
+        self.finished[req.req_id] = (owner, done, (req.logprobs, req.prompt_logprobs) if scored else None)
+        if scored:  # (bounded apart: a token's entries are up to 21 ids and texts)
+            n = len(req.logprobs or ()) + len(req.prompt_logprobs or ())
+            self.finished_logprobs.append((req.req_id, n))
+            self.finished_logprob_tokens += n
             while self.finished_logprob_tokens > FINISHED_LOGPROB_TOKENS:
                 old, n = self.finished_logprobs.popleft()
                 self.finished_logprob_tokens -= n

@@ -69,6 +69,8 @@ def proposal(out: TaskResult) -> dict[str, Any]:
 def verified(req: Request, out: TaskResult, vocab: int | None = None) -> Verified:
     """Check a verify or round result's committed tokens against the round's token tree (and
     the target's vocabulary: the last one is the target's own)."""
+    if req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt):
+        raise ProtocolError("malformed", "a verify committed tokens before it scored the prompt (prompt_logprobs)")
     seconds: list[list[int]] = []
     if out.kind == ROUND:  # (drafted and verified in one task: its draft comes with the result)
         draft, runner_ups, chains = drafted(req, out, vocab)
@@ -115,6 +117,25 @@ def logprobs(req: Request, out: TaskResult, vocab: int | None = None) -> tuple[n
     if top and vocab is not None and not 0 <= ids.min() <= ids.max() < vocab:
         raise ProtocolError("malformed", f"logprob_ids hold token ids outside the vocabulary [0, {vocab})")
     return lp.copy(), ids.copy()
+
+
+def prompt_scores(req: Request, out: TaskResult, vocab: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """The log-probabilities of the prompt's tokens a verify scored, from position ``scored_from``,
+    and of the top tokens beside each (``SamplingParams.prompt_logprobs``), copied out of the frames."""
+    top, lp, ids, at = req.params.prompt_logprobs, out.prompt_logprobs, out.prompt_logprob_ids, out.scored_from
+    if top is None or req.prompt_logprobs is None:
+        raise ProtocolError("malformed", "prompt logprobs the request did not ask for")
+    n = len(lp) if lp is not None else 0
+    if lp is None or ids is None or lp.dtype != np.float32 or ids.dtype != np.int32 or lp.shape != (n, 1 + top) \
+            or ids.shape != (n, top) or not np.isfinite(lp).all() or (lp > 1e-3).any():
+        raise ProtocolError("malformed", f"prompt_logprobs must be float32 [n, {1 + top}] log-probabilities (finite, "
+                                         f"<= 0) and prompt_logprob_ids int32 [n, {top}]")
+    if not 1 <= at <= len(req.prompt_logprobs) or at + n > len(req.prompt):
+        raise ProtocolError("malformed", f"prompt logprobs from position {at} ({n} of them) leave a gap or pass the "
+                                         f"prompt's end ({len(req.prompt_logprobs)} of {len(req.prompt)} scored)")
+    if top and n and vocab is not None and not 0 <= ids.min() <= ids.max() < vocab:
+        raise ProtocolError("malformed", f"prompt_logprob_ids hold token ids outside the vocabulary [0, {vocab})")
+    return lp.copy(), ids.copy(), at
 
 
 def on_chain(chain: list[int], committed: list[int]) -> int:

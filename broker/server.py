@@ -302,6 +302,8 @@ class Broker(Intake):
 
     def _apply_result(self, wid: int, req: Request, item: TaskResult, now: float) -> None:
         req.cached += item.cached
+        if item.prompt_logprobs is not None or item.prompt_logprob_ids is not None:  # (the prompt's, as asked)
+            self._prompt_scored(req, item)
         if item.prefilled is not None:  # a chunk of the prompt (chunked prefill): the task goes round again
             self.scheduler.prefilled(req, wid, results.prefilled(req, item))
             self.counters["prefill_chunks"] += 1

@@ -56,6 +56,8 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
             task.q_idx, task.q_prob, task.q_len = req.q["q_idx"], req.q["q_prob"], req.q["q_len"]
         if req.prediction is not None:  # (checked here, as penalties are)
             predicted(req, task)
+        if req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt) and req.phase != DRAFT:
+            task.score_from, task.prompt_len = len(req.prompt_logprobs), len(req.prompt)  # (the target scores it)
         task.alone = alone
         task.steps = req.steps
         tasks.append(task)

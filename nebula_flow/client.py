@@ -62,6 +62,8 @@ class Chunk:
     text: str
     t_s: float  # seconds since the request was sent
     logprobs: list | None = None  # asked for: per token [id, text, logprob, [[id, text, logprob], ...]]
+    prompt_logprobs: list | None = None  # asked for, on the first chunk: the prompt's tokens' (the first's: null)
+    prompt_text: str | None = None  # asked for (echo), on the first chunk: the prompt's text
 
 
 @dataclass
@@ -77,6 +79,8 @@ class Completion:
     stats: dict[str, Any] = field(default_factory=dict)
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each chunk, as chunk_times_s
     logprobs: list | None = None  # asked for: each token's, as ``Chunk.logprobs``
+    prompt_logprobs: list | None = None  # asked for: each prompt token's, as ``Chunk.prompt_logprobs``
+    prompt_text: str | None = None  # asked for (echo): the prompt's text
 
     @property
     def mean_tokens_per_round(self) -> float:
@@ -86,7 +90,9 @@ class Completion:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "rounds": self.rounds, "tokens_per_round": self.tokens_per_round,
                 "ttft_s": self.ttft_s, "latency_s": self.latency_s, "stats": self.stats,
-                **({"logprobs": self.logprobs} if self.logprobs is not None else {})}
+                **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+                **({"prompt_logprobs": self.prompt_logprobs} if self.prompt_logprobs is not None else {}),
+                **({"prompt_text": self.prompt_text} if self.prompt_text is not None else {})}
 
 
 def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, session: str | None = None,
@@ -141,8 +147,16 @@ class _Collector:
         self.seen_tokens = 0
         self.seen_text = 0
         self.logprobs: list | None = None  # asked for: every token's, as the chunks brought them
+        self.prompt_logprobs: list | None = None  # asked for: the prompt's tokens', as their chunks brought them
+        self.prompt_text: str | None = None  # asked for (echo)
 
     def chunk(self, msg: Tokens) -> Chunk | None:
+        if msg.prompt_text is not None:
+            self.prompt_text = msg.prompt_text
+        if msg.prompt_logprobs:  # (they come before the first tokens, in chunks of their own)
+            have, at = self.prompt_logprobs or [], msg.prompt_offset
+            if at <= len(have):
+                self.prompt_logprobs = have[:at] + msg.prompt_logprobs + have[at + len(msg.prompt_logprobs):]
         skip = max(0, self.seen_tokens - msg.offset)
         tokens = list(msg.token_ids[skip:])
         text = msg.text[max(0, self.seen_text - msg.text_offset):]
@@ -151,14 +165,15 @@ class _Collector:
         self.seen_tokens = max(self.seen_tokens, msg.offset + len(msg.token_ids))
         self.seen_text = max(self.seen_text, msg.text_offset + len(msg.text))
         t = time.monotonic() - self.t0
-        self.ttft = t if self.ttft is None else self.ttft
+        first = self.ttft is None
+        self.ttft = t if first else self.ttft
         self.times.append(t)
         self.counts.append(len(tokens))
         logprobs = msg.logprobs[skip:] if msg.logprobs is not None else None
         if logprobs:
             self.logprobs = self.logprobs if self.logprobs is not None else []
             self.logprobs.extend(logprobs)
-        return Chunk(tokens, text, t, logprobs)
+        return Chunk(tokens, text, t, logprobs, *((self.prompt_logprobs, self.prompt_text) if first else (None, None)))
 
     def finish(self, msg: Done) -> list[Chunk | Completion]:
         """The request's end: the text the stream held back, if any (a character still partial at
@@ -173,7 +188,7 @@ class _Collector:
         st = msg.stats
         return Completion(msg.text, msg.token_ids, msg.finish_reason, st.get("rounds", 0),
                           st.get("tokens_per_round", []), self.ttft if self.ttft is not None else latency,
-                          latency, self.times, st, self.counts, self.logprobs)
+                          latency, self.times, st, self.counts, self.logprobs, self.prompt_logprobs, self.prompt_text)
 
 
 def _socket(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socket, zmq.Socket]:

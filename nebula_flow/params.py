@@ -35,7 +35,10 @@ class SamplingParams:
     output like EOS (the token kept, ``finish_reason`` "stop"), whether or not ``ignore_eos``.
     ``logprobs`` (None: off): report each output token's log-probability under the target's own
     distribution (its raw logits, before penalties, temperature, top-k and top-p, as vLLM does by
-    default) and this many most likely tokens beside it. ``presence_penalty`` and
+    default) and this many most likely tokens beside it. ``prompt_logprobs`` (vLLM's; None: off):
+    the same for each prompt token after the first (the target scores the whole prompt, so such a
+    request does not read the prefix cache). ``echo``: the stream's first message carries the
+    prompt's text, as the broker's tokenizer decodes it (OpenAI's ``echo``). ``presence_penalty`` and
     ``frequency_penalty`` (OpenAI's, -2..2, on the output's tokens) and ``repetition_penalty``
     (vLLM's and HF's, > 0, on the prompt's and the output's) change the distribution the output
     follows, greedy or sampled (``nebula_flow/penalties.py``); so does ``min_tokens`` (vLLM's): no
@@ -63,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -71,6 +75,7 @@ class SamplingParams:
     structured: dict[str, Any] | None = field(default=None, hash=False)  # e.g. {"json": schema}, {"regex": "..."}
     think_first: bool = False  # the grammar binds only the answer, after a reasoning model's thinking (</think>)
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
+    echo: bool = False  # the stream's first message carries the prompt's text
     cache_salt: str | None = None  # KV reused only among requests of the same salt (the prefix cache)
     priority: int = 0  # lower first (the broker's ``priority`` policy; nebula_flow/topic.py)
 
@@ -154,8 +159,10 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
                 is_int(t) and 0 <= t < 1 << 31 for t in self.stop_token_ids):
             raise InvalidParams(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0)")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidParams(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or null: off), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise InvalidParams(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or null: off), got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not -2 <= v <= 2:
@@ -171,8 +178,8 @@ class SamplingParams:
             raise InvalidParams(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {self.cache_salt!r}")
         if not is_int(self.priority) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise InvalidParams(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
-        if not all(isinstance(v, bool) for v in (self.ignore_eos, self.fit_context, self.think_first)):
-            raise InvalidParams("ignore_eos, fit_context and think_first must be booleans")
+        if not all(isinstance(v, bool) for v in (self.ignore_eos, self.fit_context, self.think_first, self.echo)):
+            raise InvalidParams("ignore_eos, fit_context, think_first and echo must be booleans")
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or not all(

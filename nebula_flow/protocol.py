@@ -4,26 +4,22 @@ A message is a multipart ZeroMQ message::
 
     [kind, header, *tensor frames]
 
-``kind`` is the class's ``KIND``; ``header`` is an orjson object of the class's fields that
-always carries ``"v": VERSION``; tensors (token ids, proposal distributions, KV rows) travel as
-extra frames sent and received without copies, described in the header by ``{"f": frame index,
-"dtype", "shape"}``, except small integer vectors (token ids), which share one frame per dtype,
-each a slice ``{"p": dtype, "o": offset, "n": length}`` of the frame the header's ``"packs"``
-names (one send and one view for all of a batch's tokens). ``decode``
-turns frames into an instance of the kind's class, checking every field against the class's
-annotations (and its ``check``) on the way: decoding is the validation. Anything else raises
-``ProtocolError`` (with a stable ``code``); receivers answer that with an ``Error`` where there is
-a sender to answer, count it, and carry on. ``encode`` is the inverse. Unknown header fields are
-ignored (a newer peer may send more).
+``kind`` is the class's ``KIND``; ``header`` is an orjson object of the class's fields that always carries ``"v":
+VERSION``; tensors (token ids, proposal distributions, KV rows) travel as extra frames sent and received without
+copies, described in the header by ``{"f": frame index, "dtype", "shape"}``, except small integer vectors (token
+ids), which share one frame per dtype, each a slice ``{"p": dtype, "o": offset, "n": length}`` of the frame the
+header's ``"packs"`` names (one send and one view for all of a batch's tokens). ``decode`` turns frames into an
+instance of the kind's class, checking every field against the class's annotations (and its ``check``) on the way:
+decoding is the validation. Anything else raises ``ProtocolError`` (with a stable ``code``); receivers answer that
+with an ``Error`` where there is a sender to answer, count it, and carry on. ``encode`` is the inverse. Unknown
+header fields are ignored (a newer peer may send more).
 
-Client <-> broker (client socket, DEALER -> ROUTER): ``Submit``, ``Cancel``, ``Status`` from the
-client; ``Tokens`` (a stream chunk; several in one ``Chunks``), ``Done``, ``State`` from the broker;
-``Error`` either way. Worker <-> broker (worker socket, DEALER -> ROUTER): ``Register``, ``Pull``,
-``Result`` (of ``TaskResult`` items), ``Bye`` from a worker; ``Welcome``, ``Tasks`` (of
-``TaskSpec`` items), ``Free`` from the broker; ``Heartbeat`` and ``Error`` either way. Worker <->
-worker (KV server, ZeroMQ transport): ``KvPull`` and ``KvData`` (the UCX transport carries the
-same fields as int64 arrays of sizes both sides know, see ``nebula_flow/kv/ucx.py``).
-"""
+Client <-> broker (client socket, DEALER -> ROUTER): ``Submit``, ``Cancel``, ``Status`` from the client; ``Tokens``
+(a stream chunk; several in one ``Chunks``), ``Done``, ``State`` from the broker; ``Error`` either way. Worker <->
+broker (worker socket, DEALER -> ROUTER): ``Register``, ``Pull``, ``Result`` (of ``TaskResult`` items), ``Bye`` from
+a worker; ``Welcome``, ``Tasks`` (of ``TaskSpec`` items), ``Free`` from the broker; ``Heartbeat`` and ``Error``
+either way. Worker <-> worker (KV server, ZeroMQ transport): ``KvPull`` and ``KvData`` (the UCX transport carries
+the same fields as int64 arrays of sizes both sides know, see ``nebula_flow/kv/ucx.py``)."""
 
 from __future__ import annotations
 
@@ -37,6 +33,7 @@ from nebula_flow.proposal import Proposes
 from nebula_flow.round_times import Timing  # noqa: F401 - RESULT's timing: part of the schema
 from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of this module's API
     HEADER_OPTIONS,
+    TOKENS_MISSING,
     Frames,
     ProtocolError,
     Rejected,
@@ -44,6 +41,7 @@ from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of thi
     TokenIds,
     array,
     decode_fields,
+    lacked_tokens,
     malformed,
     plain,
 )
@@ -63,9 +61,6 @@ MAX_PULL_ITEMS = 4096  # requests in one KV exchange
 MAX_DECODE_STEPS = 64  # tokens one draft-less verify may decode (multi-step decoding, ``nebula_flow/steps.py``)
 MAX_SUPPRESS = 128  # ids a task's min_tokens keeps from ending the output (EOS ids and stop token ids)
 TASK_KINDS = ("draft", "verify", "round", "ahead")  # (ahead: pre-drafting the next round, draft-ahead)
-# a worker's error for a task whose ``base`` it lacks the tokens before (``workers/token_book.py``): not a
-# failure, the broker sends that task again with all its tokens (``broker/known.py``)
-TOKENS_MISSING = "tokens_missing"
 KV_SCHEMES = ("tcp://", "ucx://", "shm://", "curve:")  # (curve: the KV server's public key, security.py)
 # -- the messages ------------------------------------------------------------------------------
 class Msg:
@@ -79,16 +74,15 @@ class Msg:
 
 @dataclass
 class Submit(Msg):
-    """Client -> broker: a request. Exactly one of ``prompt`` (text; ``chat`` applies the
-    tokenizer's chat template to it as one user message), ``prompt_tokens`` and ``messages`` (a
-    conversation, ``{"role", "content"}`` objects, through the chat template with ``chat_options``
-    as the template's variables, e.g. ``{"enable_thinking": false}``). Idempotent: ``req_id`` is the client's
-    (random, unique); resending a running request re-attaches to it, a finished one replays its
-    ``Done``. Only its owner may do either, or cancel it: the client's CURVE key where keys are
-    on, else the ``session`` it sends (a secret the client library draws per client).
-    ``prediction`` (text) or ``prediction_tokens``: what the client expects much of the output to
-    be (OpenAI's Predicted Outputs, e.g. a file being edited): rounds look up draft chains in it
-    as in the prompt; the output is the same with or without it, only quicker where it matches."""
+    """Client -> broker: a request. Exactly one of ``prompt`` (text; ``chat`` applies the tokenizer's chat template to
+    it as one user message), ``prompt_tokens`` and ``messages`` (a conversation, ``{"role", "content"}`` objects,
+    through the chat template with ``chat_options`` as the template's variables, e.g. ``{"enable_thinking":
+    false}``). Idempotent: ``req_id`` is the client's (random, unique); resending a running request re-attaches to
+    it, a finished one replays its ``Done``. Only its owner may do either, or cancel it: the client's CURVE key
+    where keys are on, else the ``session`` it sends (a secret the client library draws per client). ``prediction``
+    (text) or ``prediction_tokens``: what the client expects much of the output to be (OpenAI's Predicted Outputs,
+    e.g. a file being edited): rounds look up draft chains in it as in the prompt; the output is the same with or
+    without it, only quicker where it matches."""
 
     KIND: ClassVar[str] = "SUBMIT"
     req_id: str
@@ -136,10 +130,12 @@ class Status(Msg):
 
 @dataclass
 class Tokens(Msg):
-    """Broker -> client: the tokens and text one verify committed (a stream chunk); ``offset`` =
-    tokens committed before this chunk, ``text_offset`` = characters of text sent before it (a
-    re-attached client gets everything again from 0; a request run again on a restarted broker
-    may cut its rounds elsewhere: the offsets let a client pass on only what it has not seen)."""
+    """Broker -> client: the tokens and text one verify committed (a stream chunk); ``offset`` = tokens committed
+    before this chunk, ``text_offset`` = characters of text sent before it (a re-attached client gets everything
+    again from 0; a request run again on a restarted broker may cut its rounds elsewhere: the offsets let a client
+    pass on only what it has not seen). Asked for, before the first tokens, in messages without tokens: the prompt's
+    ``prompt_text`` (``SamplingParams.echo``), and its tokens' ``prompt_logprobs`` (as ``logprobs``; position 0's
+    logprob null), the first at position ``prompt_offset``."""
 
     KIND: ClassVar[str] = "TOKENS"
     req_id: str
@@ -149,6 +145,9 @@ class Tokens(Msg):
     text_offset: int = 0
     # asked for (``SamplingParams.logprobs``): per token [id, text, logprob, [[id, text, logprob], ...] most likely first]
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    prompt_offset: int = 0
+    prompt_text: str | None = None
 
 
 @dataclass
@@ -192,10 +191,10 @@ class Error(Msg):
 
 @dataclass
 class Register(Msg):
-    """Worker -> broker: a worker joins: its role, name, batch capacity, model facts and KV
-    endpoint; a draft worker's drafter (the kind of draft model rounds are routed by); its process
-    id and how many times its deployment restarted it (both shown by ``status``); an elastic
-    worker's (role ``any``) most tasks in a draft batch, where more than ``capacity``."""
+    """Worker -> broker: a worker joins: its role, name, batch capacity, model facts and KV endpoint; a draft worker's
+    drafter (the kind of draft model rounds are routed by); its process id and how many times its deployment
+    restarted it (both shown by ``status``); an elastic worker's (role ``any``) most tasks in a draft batch, where
+    more than ``capacity``."""
 
     KIND: ClassVar[str] = "REGISTER"
     role: str
@@ -224,8 +223,8 @@ class Register(Msg):
 
 @dataclass
 class Welcome(Msg):
-    """Broker -> worker: registered: its id, slot (pair/colocated index), the mode, and settings
-    (``proposal_top_k``, ``heartbeat_s``)."""
+    """Broker -> worker: registered: its id, slot (pair/colocated index), the mode, and settings (``proposal_top_k``,
+    ``heartbeat_s``)."""
 
     KIND: ClassVar[str] = "WELCOME"
     worker_id: int
@@ -236,8 +235,7 @@ class Welcome(Msg):
 
 @dataclass
 class Pull(Msg):
-    """Worker -> broker: room for ``credits`` tasks (0 withdraws a waiting pull); ``idle``:
-    nothing is computing now."""
+    """Worker -> broker: room for ``credits`` tasks (0 withdraws a waiting pull); ``idle``: nothing is computing now."""
 
     KIND: ClassVar[str] = "PULL"
     credits: int
@@ -257,15 +255,15 @@ class Holder:
 class TaskSpec(Proposes):
     """One request's round half. ``tokens``: its committed tokens (prompt + output), int32; ``holder``: who has the KV
     for the task's role; ``k``: draft tokens wanted. A token tree: ``alts`` (draft/round tasks) asks for that many
-    runner-ups to the first draft token, ``runner_ups`` (verify tasks) carries them; ``fuse`` (draft/round tasks) asks
-    for a prompt-lookup chain of up to that many tokens beside the draft, ``chains`` (verify tasks) carries the fused
-    chains. ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal. ``target_holder``:
-    an elastic worker's round task's target KV (``holder``: its draft KV). ``prompt_len``: a penalized request's
-    (penalties count its output's tokens apart, ``nebula_flow/penalties.py``).
+    runner-ups to the first draft token, ``runner_ups`` (verify tasks) carries them; ``fuse`` (draft/round tasks)
+    asks for a prompt-lookup chain of up to that many tokens beside the draft, ``chains`` (verify tasks) carries the
+    fused chains. ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal.
+    ``target_holder``: an elastic worker's round task's target KV (``holder``: its draft KV). ``prompt_len``: a
+    penalized request's (penalties count its output's tokens apart, ``nebula_flow/penalties.py``).
 
-    ``tokens`` start at position ``base``: the worker was sent the first ``base`` in earlier tasks
-    of the request, and ``base_crc`` is their CRC-32 (as int32 bytes), so it finds and checks them
-    in its own book (``workers/token_book.py``); base 0: the whole sequence."""
+    ``tokens`` start at position ``base``: the worker was sent the first ``base`` in earlier tasks of the request,
+    and ``base_crc`` is their CRC-32 (as int32 bytes), so it finds and checks them in its own book
+    (``workers/token_book.py``); base 0: the whole sequence."""
 
     rid: int
     kind: str
@@ -293,6 +291,7 @@ class TaskSpec(Proposes):
     base: int = 0  # the position ``tokens`` start at (the worker has those before from earlier tasks)
     base_crc: int = 0  # CRC-32 of the request's first ``base`` tokens as int32 bytes
     prediction: Tensor | None = None  # the client's prediction of the output (int32), with a task of base 0 only
+    score_from: int = 0  # verify / round: the prompt's logprobs are wanted from this position (0: none)
 
     def check(self) -> None:
         if self.kind not in TASK_KINDS:
@@ -318,8 +317,10 @@ class TaskSpec(Proposes):
         draft_less = not self.draft and not self.k and self.kind in ("verify", "round")
         if not 1 <= self.steps <= MAX_DECODE_STEPS or (self.steps > 1 and not draft_less):
             raise malformed(f"steps (1..{MAX_DECODE_STEPS}) above 1 are for a verify or round without a draft")
-        if not 0 <= self.prompt_len <= self.base + len(self.tokens) or len(self.suppress) > MAX_SUPPRESS:
-            raise malformed(f"prompt_len must be in 0..len(tokens), suppress at most {MAX_SUPPRESS} ids")
+        if not 0 <= self.prompt_len <= self.base + len(self.tokens) or len(self.suppress) > MAX_SUPPRESS \
+                or not 0 <= self.score_from <= self.prompt_len:
+            raise malformed(f"prompt_len must be in 0..len(tokens), score_from in 0..prompt_len, suppress at most "
+                            f"{MAX_SUPPRESS} ids")
         if self.prediction is not None and (self.base or self.prediction.ndim != 1 or self.prediction.dtype.kind != "i"
                                             or len(self.prediction) and self.prediction.min() < 0):
             raise malformed("a prediction is a 1-d tensor of token ids, with a task of base 0")
@@ -337,12 +338,13 @@ class Tasks(Msg):
 @dataclass
 class TaskResult(Proposes):
     """A finished task: ``draft`` (+ its proposal ``q_*``) for a draft task; ``committed`` for a verify or round task
-    (a round task's ``draft``: the draft it verified); ``runner_ups`` and ``chains``: the runner-ups and fused chains a
-    draft or round task made (or a verify looked up itself); ``prefilled``: instead, the worker computed only a chunk
-    of the task's uncached prompt (the policy's ``max_forward_tokens``) and now holds the KV of this many positions:
-    the task comes back for the rest; ``error``: the task failed, and why; ``logprobs`` (float32 [committed, 1 + top])
-    and ``logprob_ids`` (int32 [committed, top]): asked for, each committed token's log-probability and the top
-    tokens' (``workers/logprobs.py``)."""
+    (a round task's ``draft``: the draft it verified); ``runner_ups`` and ``chains``: the runner-ups and fused
+    chains a draft or round task made (or a verify looked up itself); ``prefilled``: instead, the worker computed
+    only a chunk of the task's uncached prompt (the policy's ``max_forward_tokens``) and now holds the KV of this
+    many positions: the task comes back for the rest; ``error``: the task failed, and why; ``logprobs`` (float32
+    [committed, 1 + top]) and ``logprob_ids`` (int32 [committed, top]): asked for, each committed token's log-
+    probability and the top tokens' (``workers/logprobs.py``); ``prompt_logprobs`` and ``prompt_logprob_ids``: the
+    same for the prompt's tokens the task scored, from position ``scored_from``."""
 
     rid: int
     kind: str
@@ -361,30 +363,27 @@ class TaskResult(Proposes):
     logprobs: Tensor | None = None
     logprob_ids: Tensor | None = None
     cached: int = 0  # a verify or round task's positions copied from other requests' KV (prefix cache, kv/store.py)
+    prompt_logprobs: Tensor | None = None
+    prompt_logprob_ids: Tensor | None = None
+    scored_from: int = 0
 
     def check(self) -> None:
         self.check_proposal()
-        if self.cached < 0:
-            raise malformed("cached is a position count >= 0")
+        if self.cached < 0 or self.scored_from < 0:
+            raise malformed("cached and scored_from are position counts >= 0")
         if len(self.assumes) > MAX_DRAFT + 1 or (self.assumes and self.kind != "ahead"):
             raise malformed(f"assumes (1..{MAX_DRAFT + 1} tokens) is for ahead results")
         if self.prefilled is not None and (self.prefilled < 0 or self.draft or self.committed is not None):
             raise malformed("a prefilled result is a position count >= 0 and carries no tokens")
 
 
-def lacked_tokens(error: str | None) -> bool:
-    """Whether a task's error (``TaskResult.error``) is ``TOKENS_MISSING``."""
-    return error is not None and error.startswith(TOKENS_MISSING + ":")
-
-
 @dataclass
 class Result(Msg):
-    """Worker -> broker: finished tasks and the forward time they took (``busy_s``); ``kv``: KV
-    movement counters; ``device``: forwards, numerics, and ``step_costs`` (per role, forward
-    seconds for one sequence by new rows [1, 2, ...], null where not seen, at most once a second,
-    which adaptive k weighs; malformed ones are counted and left out); ``timing``: where the
-    batch's time went on the worker; ``idle``: nothing waits at the worker after this batch, so a
-    PULL it left parked while computing now counts as an idle worker's (no second PULL to say so)."""
+    """Worker -> broker: finished tasks and the forward time they took (``busy_s``); ``kv``: KV movement counters;
+    ``device``: forwards, numerics, and ``step_costs`` (per role, forward seconds for one sequence by new rows [1,
+    2, ...], null where not seen, at most once a second, which adaptive k weighs; malformed ones are counted and
+    left out); ``timing``: where the batch's time went on the worker; ``idle``: nothing waits at the worker after
+    this batch, so a PULL it left parked while computing now counts as an idle worker's (no second PULL to say so)."""
 
     KIND: ClassVar[str] = "RESULT"
     results: list[TaskResult] = field(default_factory=list, metadata={"isolate": True})
@@ -419,8 +418,8 @@ class Bye(Msg):
 
 @dataclass
 class KvPull(Msg):
-    """Puller -> holder: "send me these KV positions": ``items`` of [rid, role, start, end], every
-    request of a batch this holder has, in one exchange."""
+    """Puller -> holder: "send me these KV positions": ``items`` of [rid, role, start, end], every request of a batch
+    this holder has, in one exchange."""
 
     KIND: ClassVar[str] = "KV_PULL"
     seq: int
@@ -443,8 +442,8 @@ class KvRows:
 
 @dataclass
 class KvData(Msg):
-    """Holder -> puller: per asked item its ``KvRows``, or null when the holder no longer has them
-    (evicted, freed, shorter)."""
+    """Holder -> puller: per asked item its ``KvRows``, or null when the holder no longer has them (evicted, freed,
+    shorter)."""
 
     KIND: ClassVar[str] = "KV_DATA"
     seq: int

@@ -69,6 +69,7 @@ class Request:
     detok: Any = None  # the broker's incremental decoder of ``output`` (tokenizer.IncrementalText)
     finish_reason: str | None = None
     logprobs: list | None = None  # asked for: each output token's entry (``protocol.Tokens.logprobs``)
+    prompt_logprobs: list | None = None  # asked for: the prompt's tokens' entries so far (the first's logprob: null)
     suppress: list[int] = field(default_factory=list)  # min_tokens: the ids that would end it (``penalties``)
     t_submit: float = 0.0
     t_first: float | None = None

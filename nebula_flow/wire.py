@@ -40,6 +40,16 @@ class ProtocolError(Exception):
         self.code, self.message = code, message
 
 
+# a worker's error for a task whose ``base`` it lacks the tokens before (``workers/token_book.py``): not a
+# failure, the broker sends that task again with all its tokens (``broker/known.py``)
+TOKENS_MISSING = "tokens_missing"
+
+
+def lacked_tokens(error: str | None) -> bool:
+    """Whether a task's error (``TaskResult.error``) is ``TOKENS_MISSING``."""
+    return error is not None and error.startswith(TOKENS_MISSING + ":")
+
+
 def malformed(message: str) -> ProtocolError:
     return ProtocolError("malformed", message)
 

@@ -231,6 +231,46 @@ def test_logprobs_in_openai_shape_equal_the_client_librarys(served) -> None:  # 
     assert res.status_code == 400 and res.json()["error"]["param"] == "top_logprobs"
 
 
+def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(served) -> None:  # noqa: ANN001
+    """``echo`` (OpenAI's): the text begins with the prompt (a token-id prompt decoded by the broker),
+    and with ``logprobs`` the prompt's tokens come first, the first one's null: the request an
+    evaluation harness sends to score a continuation (token ids, ``max_tokens`` 1, ``logprobs`` 1).
+    Streamed, the prompt is the first event. The figures are the client library's (the target's
+    own: ``test_e2e_lossless``)."""
+    prompt = [5, 40, 7, 300, 12, 9, 81, 3]
+    with Client(served.address) as c:
+        want = c.generate(token_ids=prompt, max_new_tokens=1, prompt_logprobs=1, logprobs=1, echo=True)
+        text_want = c.generate("def fibonacci(n):", max_new_tokens=6)
+    client = oai(served)
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = got.choices[0]
+    assert want.prompt_text and choice.text == want.prompt_text + want.text
+    lp, entries = choice.logprobs, want.prompt_logprobs + want.logprobs
+    assert [e[0] for e in want.prompt_logprobs] == prompt and len(lp.tokens) == len(prompt) + 1
+    assert lp.tokens == [e[1] for e in entries] and lp.token_logprobs == [e[2] for e in entries]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.top_logprobs[1:] == [{t[1]: t[2] for t in e[3]} for e in entries[1:]]
+    assert got.usage.prompt_tokens == len(prompt) and got.usage.completion_tokens == 1
+    events = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                            echo=True, stream=True))
+    texts = [e.choices[0].text for e in events if e.choices]
+    assert texts[0] == want.prompt_text and "".join(texts) == choice.text
+    streamed = [e.choices[0].logprobs for e in events if e.choices and e.choices[0].logprobs]
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    # a text prompt is echoed as given; without logprobs none are computed
+    two = client.completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=6, temperature=0, echo=True,
+                                    n=2)
+    assert [c.text for c in two.choices] == ["def fibonacci(n):" + text_want.text] * 2
+    assert all(c.logprobs is None for c in two.choices)
+    for body, param in (({"echo": "yes"}, "echo"), ({"messages": CONVERSATION, "echo": True}, "echo")):
+        chat = "messages" in body
+        res = httpx.post(served.http_url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                         headers={"Authorization": "Bearer sesame"},
+                         json={"model": "tiny", **({} if chat else {"prompt": "x"}), **body})
+        assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
+
+
 def test_penalties_reach_the_broker(served) -> None:  # noqa: ANN001
     """OpenAI's presence and frequency penalties and vLLM's repetition_penalty: the HTTP API gives
     what the client library gives (the penalized output itself: ``test_e2e_lossless``)."""
@@ -463,7 +503,8 @@ BAD = [
     ({"model": "tiny", "prompt": ["x"] * 129}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": "tiny", "prompt": "x", "logprobs": True}, 400, "logprobs"),
-    ({"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
+    ({"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"model": "tiny", "prompt": "x", "echo": 1}, 400, "echo"),
     ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of"),
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),

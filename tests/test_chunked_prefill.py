@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from nebula_flow import policy_log
 from nebula_flow.client import AsyncClient, Client
 from nebula_flow.deploy import Deployment
 from nebula_flow.sim.engine import Simulator
 from nebula_flow.sim.scenario import Workload
-from tests.conftest import deploy_config, hf_greedy
+from tests.conftest import _hf_model, deploy_config, hf_greedy
 from tests.test_sim import small_scenario
 
 BUDGET = 16
@@ -109,3 +110,34 @@ def test_the_simulator_prefills_in_chunks_with_the_live_policy(mode: str) -> Non
                             max_forward_tokens=256)
     lone = Simulator(single, mode, policy=policy_log.RecordingScheduler)
     assert lone.run()["requests"] == 4 and not any(r[0] == "prefilled" for r in lone.policy.records)
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_come_whole_through_chunks_and_never_from_the_prefix_cache(tiny_pair) -> None:  # noqa: ANN001
+    """A request asking for its prompt's logprobs (``prompt_logprobs``) prefilled in chunks gets
+    every prompt position's, the target's own, although the worker holds the same prompt's KV in
+    its prefix cache (such a request computes its prompt, which a twin that does not ask copies)."""
+    prompt, short = long_prompts()[3], long_prompts()[0]
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1, max_batch=4)
+    cfg.broker.policy = cfg.broker.policy.replace(max_forward_tokens=BUDGET)
+    with Deployment(cfg) as dep:
+        first = asyncio.run(_generate(dep.address, [{"token_ids": prompt, "max_new_tokens": 4}]))[0]
+        with Client(dep.address) as c:
+            chunks_before = c.status()["counters"].get("prefill_chunks", 0)
+        _, scored, twin = asyncio.run(_generate(dep.address, [  # (a short one first: the pool is not one request)
+            {"token_ids": short, "max_new_tokens": 20},
+            {"token_ids": prompt, "max_new_tokens": 20, "prompt_logprobs": 1},
+            {"token_ids": prompt + [7], "max_new_tokens": 4}]))
+        with Client(dep.address) as c:
+            chunks = c.status()["counters"].get("prefill_chunks", 0) - chunks_before
+    assert first.prompt_logprobs is None and first.stats["cached_tokens"] == 0
+    assert scored.stats["cached_tokens"] == 0 and twin.stats["cached_tokens"] > 0
+    assert chunks >= (len(prompt) - 1) // BUDGET, chunks  # (the scored prompt ran in chunks)
+    assert scored.token_ids == hf_greedy(tiny_pair / "target", prompt, 20)
+    with torch.no_grad():
+        ref = torch.log_softmax(_hf_model(str(tiny_pair / "target"))(torch.tensor([prompt])).logits[0].float(), -1)
+    entries = scored.prompt_logprobs
+    assert [e[0] for e in entries] == prompt and entries[0][2] is None
+    mine = torch.tensor([e[2] for e in entries[1:]])
+    assert torch.allclose(mine, ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-4)
+    assert [e[3][0][0] for e in entries[1:]] == ref[:-1].argmax(-1).tolist()

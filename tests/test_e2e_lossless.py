@@ -33,6 +33,8 @@ MAX_NEW = [24, 31, 40, 17, 28, 35, 22, 38]
 
 LOGPROBS = {0: 2, 3: 0, 9: 5}  # greedy requests that ask for log-probabilities: how many top tokens
 SAMPLED_LOGPROBS = {1: 3}
+PROMPT_LOGPROBS = {2: 2, 9: 0}  # greedy requests that ask for their prompt's (a text and a token-id prompt)
+SAMPLED_PROMPT_LOGPROBS = {1: 4}
 
 
 def greedy_requests() -> list[dict]:
@@ -40,6 +42,8 @@ def greedy_requests() -> list[dict]:
     reqs += [{"token_ids": p, "max_new_tokens": MAX_NEW[i]} for i, p in enumerate(TOKEN_PROMPTS)]
     for i, top in LOGPROBS.items():
         reqs[i]["logprobs"] = top
+    for i, top in PROMPT_LOGPROBS.items():
+        reqs[i]["prompt_logprobs"] = top
     return reqs
 
 
@@ -79,7 +83,8 @@ def structured_requests() -> list[dict]:
 
 def sampled_requests() -> list[dict]:
     return [{"prompt": p, "max_new_tokens": 30, "temperature": 0.8, "seed": 1000 + i,
-             **({"logprobs": SAMPLED_LOGPROBS[i]} if i in SAMPLED_LOGPROBS else {})}
+             **({"logprobs": SAMPLED_LOGPROBS[i]} if i in SAMPLED_LOGPROBS else {}),
+             **({"prompt_logprobs": SAMPLED_PROMPT_LOGPROBS[i]} if i in SAMPLED_PROMPT_LOGPROBS else {})}
             for i, p in enumerate(TEXT_PROMPTS)]
 
 
@@ -171,13 +176,21 @@ def test_seeded_sampling_is_identical_across_modes_and_pool_sizes(runs, referenc
     assert base != [g[:30] for g in greedy]  # temperature 0.8 is not greedy
 
 
-def target_logprobs(tiny_pair, request: dict, output: list[int]) -> torch.Tensor:  # noqa: ANN001
-    """The target's own log-softmax at each output position (HF transformers, the whole sequence at once)."""
+def target_logprobs(tiny_pair, request: dict, output: list[int], of_prompt: bool = False) -> torch.Tensor:  # noqa: ANN001
+    """The target's own log-softmax at each output position (HF transformers, the whole sequence at
+    once); ``of_prompt``: at each prompt position after the first."""
     tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
     prompt = request.get("token_ids") or tok(request["prompt"])["input_ids"]
     with torch.no_grad():
         logits = _hf_model(str(tiny_pair / "target"))(torch.tensor([prompt + output])).logits[0].float()
+    if of_prompt:
+        return torch.log_softmax(logits, -1)[:len(prompt) - 1]
     return torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(output)]
+
+
+def prompt_of(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
+    return request.get("token_ids") or tok(request["prompt"])["input_ids"]
 
 
 @pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
@@ -203,6 +216,29 @@ def test_logprobs_are_the_targets_own_in_every_mode(tiny_pair, runs, mode: str) 
             assert all(e[3][0][0] == e[0] for e in out.logprobs if e[3])
     others = [o for i, o in enumerate(greedy) if i not in LOGPROBS]
     assert all(o.logprobs is None for o in others)
+
+
+@pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
+def test_prompt_logprobs_are_the_targets_own_in_every_mode(tiny_pair, runs, mode: str) -> None:  # noqa: ANN001
+    """Each prompt token's log-probability after the first (and the top tokens beside it) is the
+    target's own at that position (``prompt_logprobs``, vLLM's), the first one's null; greedy and
+    seeded sampled requests, their output unchanged by asking; requests that did not ask get none."""
+    greedy, sampled = runs(mode, 2, 2)
+    asked = [(greedy_requests()[i], greedy[i], top) for i, top in PROMPT_LOGPROBS.items()]
+    asked += [(sampled_requests()[i], sampled[i], top) for i, top in SAMPLED_PROMPT_LOGPROBS.items()]
+    for request, out, top in asked:
+        prompt, ref = prompt_of(tiny_pair, request), target_logprobs(tiny_pair, request, [], of_prompt=True)
+        entries = out.prompt_logprobs
+        assert [e[0] for e in entries] == prompt and entries[0][2] is None and entries[0][3] == []
+        mine = torch.tensor([e[2] for e in entries[1:]])
+        assert torch.allclose(mine, ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-4), mode
+        for e, row in zip(entries[1:], ref):
+            assert len(e[3]) == top
+            if top:
+                assert torch.allclose(torch.tensor([t[2] for t in e[3]]), torch.topk(row, top).values, atol=1e-4)
+                assert [t[0] for t in e[3]] == torch.topk(row, top).indices.tolist()
+    others = [o for i, o in enumerate(greedy) if i not in PROMPT_LOGPROBS]
+    assert all(o.prompt_logprobs is None for o in others)
 
 
 def penalized_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001

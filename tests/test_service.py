@@ -341,6 +341,16 @@ def test_cli_generate_json_and_status(live) -> None:  # noqa: ANN001
     assert "verify blocks by rows: not measured yet" not in res.output
     res = runner.invoke(main, ["generate", "--broker", live.address, "--temperature", "-1", "x"])
     assert res.exit_code != 0 and "temperature" in res.output
+    # the prompt's logprobs: every prompt token's after the first, in --json and as lines
+    with Client(live.address) as c:
+        prompt = c.generate("def f():", max_new_tokens=1, prompt_logprobs=2).prompt_logprobs
+    res = runner.invoke(main, ["generate", "--broker", live.address, "--json", "--max-new-tokens", "2",
+                               "--prompt-logprobs", "2", "def f():"])
+    assert res.exit_code == 0 and json.loads(res.output)["prompt_logprobs"] == prompt and len(prompt) > 2
+    res = runner.invoke(main, ["generate", "--broker", live.address, "--max-new-tokens", "2", "--prompt-logprobs", "1",
+                               "--logprobs", "0", "def f():"])
+    lines = res.output.splitlines()
+    assert res.exit_code == 0 and lines.index("[prompt logprobs]") + len(prompt) == lines.index("[output logprobs]")
 
 
 def free_port_pair() -> int:
@@ -748,6 +758,25 @@ def test_big_logprob_streams_travel_in_messages_under_the_header_limit(tiny_pair
             assert len(frames[1]) < protocol.MAX_HEADER_BYTES // 4
             collector.chunk(protocol.decode(frames))
         assert collector.seen_tokens == 700 and collector.logprobs == req.logprobs
+        # a long prompt's logprobs (and its text, echo) likewise, before the tokens, in messages of their own
+        prompt = (np.arange(700) % 400 + 5).astype(np.int32)
+        asks = {"max_new_tokens": 4, "prompt_logprobs": 20, "echo": True}
+        broker.client_outbox.clear()
+        broker.on_client(b"c", protocol.encode(Submit("long", asks, prompt_tokens=prompt, session="s" * 32)), 2.0)
+        req = broker.scheduler.requests[broker.by_req_id["long"]]
+        [(_, echo)] = broker.client_outbox
+        assert echo.prompt_text and not echo.token_ids and req.prompt_logprobs[0][:3] == [5, req.prompt_logprobs[0][1], None]
+        req.prompt_logprobs = req.prompt_logprobs + entries(699, 0)
+        broker.client_outbox.clear()
+        broker.on_client(b"c2", protocol.encode(Submit("long", asks, prompt_tokens=prompt, session="s" * 32)), 3.0)
+        resent = [m for _, m in broker.client_outbox]
+        assert len(resent) == 1 + 3 and resent[0].prompt_text == echo.prompt_text  # (echo, 3 of logprobs; no tokens yet)
+        collector = _Collector()
+        for m in resent:
+            frames = protocol.encode(m)
+            assert len(frames[1]) < protocol.MAX_HEADER_BYTES // 4
+            assert collector.chunk(protocol.decode(frames)) is None  # (no tokens yet: nothing to pass on)
+        assert collector.prompt_logprobs == req.prompt_logprobs and collector.prompt_text == echo.prompt_text
     finally:
         broker.clients.close()
         broker.peers.close()

@@ -34,10 +34,11 @@ def run_kind(kind: str, group: list[Task], role: str, draft: Any, target: Any) -
     elif kind == "verify" and target and role != "draft":
         for out, t, committed in zip(outs, group, target.verify(group)):
             out.cached = target.store.take_copied(t.rid)
+            scores(out, t)
             if committed is None:  # (a chunk of its prompt, or it failed alone)
                 out.prefilled, out.error = t.prefilled, t.error
                 continue
-            out.committed, (out.logprobs, out.logprob_ids) = committed, t.logprobs or (None, None)
+            out.committed = committed
             if t.chains and not t.draft:  # a chain the target looked up itself
                 out.chains = t.chains
     elif kind == "round" and role in BOTH_MODELS:
@@ -51,11 +52,19 @@ def run_kind(kind: str, group: list[Task], role: str, draft: Any, target: Any) -
                 t.draft, t.q_idx, t.q_prob, t.runner_ups, t.chains = d.tokens, d.q_idx, d.q_prob, d.runner_ups, d.chains
         for out, t, committed in zip(outs, group, target.verify(group, ends)):
             out.cached = target.store.take_copied(t.rid)
+            scores(out, t)
             if committed is None:
                 out.prefilled, out.error = t.prefilled, t.error
                 continue
-            out.committed, out.draft, out.runner_ups = committed, t.draft, t.runner_ups
-            out.chains, (out.logprobs, out.logprob_ids) = t.chains, t.logprobs or (None, None)
+            out.committed, out.draft, out.runner_ups, out.chains = committed, t.draft, t.runner_ups, t.chains
     else:
         raise ProtocolError("wrong_role", f"a {role} worker cannot run {kind} tasks")
     return outs
+
+
+def scores(out: TaskResult, t: Task) -> None:
+    """``out`` with the log-probabilities ``t``'s verify reported: its committed tokens' and its
+    prompt's (``workers/logprobs.py``)."""
+    out.logprobs, out.logprob_ids = t.logprobs or (None, None)
+    if t.prompt_scores is not None:
+        out.prompt_logprobs, out.prompt_logprob_ids, out.scored_from = t.prompt_scores

@@ -1,4 +1,5 @@
-"""The log-probabilities a verify reports for the tokens it committed (``SamplingParams.logprobs``).
+"""The log-probabilities a verify reports for the tokens it committed (``SamplingParams.logprobs``)
+and for the prompt's tokens it scored (``SamplingParams.prompt_logprobs``).
 
 Each committed token was predicted by one row of the verify's logits: the first by the row of the
 last committed token, each later one by the row of the tree node before it on the accepted path.
@@ -23,10 +24,16 @@ def committed_logprobs(logits: torch.Tensor, path: list[int], committed: list[in
     token's; row 1 + p: tree node p's); ``path``: the accepted path's nodes (``TokenTree.path``).
     A target's logit columns are token ids (only a draft may have a reduced head)."""
     rows = torch.tensor([0, *(1 + p for p in path)][:len(committed)], dtype=torch.long, device=logits.device)
-    scores = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1).clamp_min_(FLOOR)
-    chosen = scores.gather(1, torch.tensor(committed, device=scores.device)[:, None])
+    return scored(logits.index_select(0, rows), committed, top)
+
+
+def scored(logits: torch.Tensor, tokens: list[int] | np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(logprobs [n, 1 + top] float32, ids [n, top] int32)`` of ``tokens`` (n), token i as row i of
+    ``logits`` predicted it (a verify's committed tokens; a prompt's, ``SamplingParams.prompt_logprobs``):
+    column 0 its own log-probability, then the ``top`` most likely tokens' (most likely first)."""
+    scores = torch.log_softmax(logits.float(), dim=-1).clamp_min_(FLOOR)
+    chosen = scores.gather(1, torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=scores.device)[:, None])
     best = torch.topk(scores, top, dim=-1) if top else None
     values = torch.cat([chosen, best.values], dim=1) if best is not None else chosen
-    ids = best.indices if best is not None else torch.zeros((len(committed), 0), dtype=torch.long, device=scores.device)
+    ids = best.indices if best is not None else torch.zeros((len(tokens), 0), dtype=torch.long, device=scores.device)
     return values.cpu().numpy().astype(np.float32), ids.cpu().numpy().astype(np.int32)
-

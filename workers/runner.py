@@ -30,7 +30,7 @@ from nebula_flow_workers.draft_rules import DraftRules
 from nebula_flow_workers.draft_steps import DraftSteps
 from nebula_flow_workers.forward_clock import ForwardClock
 from nebula_flow_workers.guides import Guide, Guides
-from nebula_flow_workers.logprobs import committed_logprobs
+from nebula_flow_workers.logprobs import committed_logprobs, scored
 
 log = logging.getLogger("nebula_flow.worker")
 
@@ -59,6 +59,8 @@ class Task:
     prefilled: int | None = None  # set by the runner: only a chunk of the prompt ran; the KV now held
     ahead: int = 0  # ahead tasks: the outcomes of the verify of ``draft`` to pre-draft the next round for
     logprobs: tuple[np.ndarray, np.ndarray] | None = None  # set by verify when asked: ``workers/logprobs.py``
+    score_from: int = 0  # verify: the prompt's logprobs are wanted from this position on (0: none)
+    prompt_scores: tuple[np.ndarray, np.ndarray, int] | None = None  # set by verify: those scored, and from where
     prompt_len: int = 0  # a penalized request's (its output's tokens are penalized: ``nebula_flow/penalties.py``)
     suppress: list[int] = field(default_factory=list)  # min_tokens: the ids it must not pick yet
     alone: bool = False  # its request was alone in its broker's pool when sent: it prefills whole
@@ -139,7 +141,8 @@ class ModelRunner:
         budget = forward_budget(self.max_forward_tokens, [t.alone for t in tasks])
         if not budget:
             return [None] * len(tasks)
-        held = held if held is not None else [self.store.held(t.rid, t.tokens, t.params.cache_salt) for t in tasks]
+        held = held if held is not None else [self.store.held(t.rid, t.tokens, t.params.cache_salt, upto(t))
+                                              for t in tasks]
         tails = [len(t.tokens) - h for t, h in zip(tasks, held)]
         plan = plan_forward(tails, [n - 1 for n in tails], budget)
         return [None if chunk is None else h + chunk for chunk, h in zip(plan, held)]
@@ -262,7 +265,7 @@ class ModelRunner:
         going = [i for i, (t, c) in enumerate(zip(tasks, out)) if c is not None and t.steps > 1 and not self._ends(t, c)]
         while going:
             steps = [replace(tasks[i], tokens=np.concatenate([tasks[i].tokens, np.asarray(out[i], dtype=np.int64)]),
-                             steps=1) for i in going]
+                             steps=1, score_from=0) for i in going]
             failed = set()
             for i, c in zip(going, self._verify(steps)):
                 if c is None:  # (that step failed alone: it stops there, the tokens before it stand)
@@ -281,7 +284,7 @@ class ModelRunner:
 
     def _verify(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[list[int] | None]:
         """One forward of ``verify``'s."""
-        caches = [self.store.prepare(t.rid, t.tokens, t.params.cache_salt) for t in tasks]
+        caches = [self.store.prepare(t.rid, t.tokens, t.params.cache_salt, upto(t)) for t in tasks]
         for t in tasks:  # a round without a draft: the chain is looked up here
             if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse, t.prediction)):
                 t.chains = [chain]
@@ -295,9 +298,18 @@ class ModelRunner:
                    [*range(-1, len(n) - len(tree) - 1), *(len(n) - len(tree) + p for p in tree.parents)]
                    for tree, n, end in zip(trees, new, ends)]
         ran = [i for i, n in enumerate(new) if n]  # (a prompt whose chunk waits this time: not in the forward)
+        # rows of the prompt's tokens to score (``prompt_logprobs``): row j predicts position length + j + 1
+        scoring = {i: (caches[i].length + 1, n) for i in ran if tasks[i].score_from and (n := min(
+            len(tasks[i].tokens) if ends[i] is None else ends[i], tasks[i].prompt_len - 1) - caches[i].length) > 0}
         logits = dict(zip(ran, self._forward([caches[i] for i in ran], [new[i] for i in ran],
-                                             [0 if ends[i] is not None else 1 + len(trees[i]) for i in ran],
+                                             [len(new[i]) if i in scoring else 0 if ends[i] is not None
+                                              else 1 + len(trees[i]) for i in ran],
                                              [parents[i] for i in ran]))) if ran else {}
+        for i, (at, n) in scoring.items():
+            t = tasks[i]
+            t.prompt_scores = (*scored(logits[i][:n], t.tokens[at:at + n], t.params.prompt_logprobs), at)
+            if ends[i] is None:
+                logits[i] = logits[i][len(new[i]) - 1 - len(trees[i]):]  # (the verify's rows)
         best = dict(zip(ran, greedy_picks([logits[i] for i in ran], [ends[i] is None and tasks[i].params.greedy
                                                                       and not tasks[i].params.penalized for i in ran])))
         out: list[list[int] | None] = []
@@ -333,6 +345,12 @@ class ModelRunner:
         if self.guides is None:  # (``tasks.runnable`` refuses such a task first)
             raise ValueError("this worker's model has no tokenizer.json: it cannot follow a grammar")
         return self.guides.guide(t.rid, t.params, t.tokens[t.prompt_len:].tolist(), prompt=t.tokens[:t.prompt_len])
+
+
+def upto(t: Task) -> int | None:
+    """The positions of ``t``'s KV a forward may start from: those before the first prompt row it
+    must score (``KVStore.prepare``), or any (None)."""
+    return t.score_from - 1 if t.score_from else None
 
 
 def greedy_picks(logits: list[torch.Tensor], greedy: list[bool]) -> list[list[int] | None]:

@@ -40,7 +40,7 @@ def runnable(spec: TaskSpec, vocab_size: int | None, book: TokenBook, guided: bo
                 target_holder=spec.target_holder, alts=spec.alts,
                 runner_ups=list(spec.runner_ups), fuse=spec.fuse, chains=[list(c) for c in spec.chains], ahead=spec.ahead,
                 prompt_len=spec.prompt_len, suppress=list(spec.suppress), alone=spec.alone,
-                steps=spec.steps, prediction=book.prediction(spec.rid))
+                steps=spec.steps, prediction=book.prediction(spec.rid), score_from=spec.score_from)
 
 
 def runnable_batch(items: list[TaskSpec | Rejected], vocab_size: int | None, book: TokenBook,

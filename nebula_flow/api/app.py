@@ -181,7 +181,7 @@ class Gateway:
 
     async def _run(self, request: Request, job: Job, model: str) -> Response:
         req_id = uuid.uuid4().hex
-        shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls, job.reasoning)
+        shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls, job.reasoning, job.echoes())
         asks = job.choices()
         streams = [self.client.stream(request_id=req_id if len(asks) == 1 else f"{req_id}-{i}", **ask)
                    for i, ask in enumerate(asks)]
@@ -233,6 +233,7 @@ class Gateway:
         then its calls, as they come with ``auto``, whole with ``"required"``), its finish event
         when it ends, then the usage if asked."""
         finished, outs = False, [None] * count
+        echoed: set[int] = set()  # (echo: the choices whose prompt went out, before their first tokens)
         gates = [CallStream(job.calls.auto, job.calls.forced) for _ in range(count)] if job.calls is not None else None
         thinking = [ThinkingStream(job.reasoning) for _ in range(count)] if job.reasoning is not None else None
         try:
@@ -240,6 +241,9 @@ class Gateway:
                 for i in range(count):
                     yield sse(shaper.chunk(None, role=True, index=i))
             async for i, item in items:
+                if i not in echoed and (echo := shaper.echo(i, item)) is not None:
+                    echoed.add(i)
+                    yield sse(shaper.chunk(echo[0], index=i, logprobs=echo[1]))
                 if isinstance(item, Completion):
                     outs[i] = item
                     self.telemetry.finished(item)

@@ -38,7 +38,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 MAX_MESSAGES = 4096
 # Fields OpenAI defines that the gateway does not build: refused when they ask for anything.
 UNSUPPORTED = {
-    "echo": (None, False), "best_of": (None, 1),
+    "best_of": (None, 1),
     "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
     "web_search_options": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
@@ -91,6 +91,12 @@ class Job:
     return_token_ids: bool = False
     calls: ToolCalling | None = None  # chat with tools: the output is tool calls (``api/tools.py``)
     reasoning: str | None = None  # chat: the reasoning parser that sets thinking apart (``api/reasoning.py``)
+    echo: bool = False  # completions: each choice's text (and logprobs) begin with its prompt's
+
+    def echoes(self) -> list[str | None] | None:
+        """With ``echo``, each choice's prompt text where it was given as text (None: token ids, whose
+        text the broker decodes: ``SamplingParams.echo``)."""
+        return [given.get("prompt") for given in self.inputs for _ in range(self.n)] if self.echo else None
 
     def choices(self) -> list[dict[str, Any]]:
         """Each choice's keyword arguments for ``AsyncClient.stream``, in the order of the choices'
@@ -357,8 +363,17 @@ def parse_completion(body: Any, served: Served) -> Job:  # noqa: ANN401
         raise invalid("prompt", f"at most {MAX_CHOICES} prompts in one request, got {len(prompt)}")
     inputs = [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)] if batch else [_prompt(prompt, "prompt")]
     stream, usage = _streaming(body)
+    echo = body.get("echo", False)
+    if echo is None:
+        echo = False
+    if not isinstance(echo, bool):
+        raise invalid("echo", "echo must be a boolean")
+    if echo:  # (OpenAI's: the prompt's tokens' logprobs too, first null; a token-id prompt's text from the broker)
+        if "logprobs" in params:
+            params["prompt_logprobs"] = params["logprobs"]
+        inputs = [{**given, "echo": True} if "token_ids" in given else given for given in inputs]
     return Job(False, params, inputs, _choices(body, len(inputs)), stream=stream, include_usage=usage,
-               return_token_ids=body.get("return_token_ids", False))
+               return_token_ids=body.get("return_token_ids", False), echo=echo)
 
 
 def _message(i: int, m: Any) -> dict[str, Any]:  # noqa: ANN401, C901
@@ -446,6 +461,6 @@ SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", "cache_salt",
                  "priority", *GUIDED)
-COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs")
+COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs", "echo")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "prediction")

@@ -13,7 +13,7 @@ import orjson
 
 from nebula_flow.api import reasoning
 from nebula_flow.api.tools import CallStream, ToolCalling
-from nebula_flow.client import Completion
+from nebula_flow.client import Chunk, Completion
 
 FINISH_REASONS = ("stop", "length")
 
@@ -57,7 +57,8 @@ class Shaper:
     of one choice or several (``n`` for each prompt; a choice's ``index`` is its place)."""
 
     def __init__(self, req_id: str, model: str, chat: bool, token_ids: bool = False, n: int = 1,
-                 calls: ToolCalling | None = None, reasoning: str | None = None) -> None:
+                 calls: ToolCalling | None = None, reasoning: str | None = None,
+                 echoes: list[str | None] | None = None) -> None:
         self.id = ("chatcmpl-" if chat else "cmpl-") + req_id
         self.reasoning = reasoning  # chat: the reasoning parser, thinking apart from the answer (``api/reasoning.py``)
         self.calls = calls  # chat with tools (not "none"): the output's calls become tool calls (``api/tools.py``)
@@ -65,6 +66,8 @@ class Shaper:
         self.token_ids = token_ids  # (the return_token_ids extension)
         self.object = "chat.completion" if chat else "text_completion"
         self.text_offsets: dict[int, int] = {}  # completions' logprobs: each choice's characters so far
+        # completions' echo: each choice's prompt, as given (None: token ids, as the broker decoded them)
+        self.echoes = echoes
 
     def logprobs(self, entries: list | None, index: int) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` of a choice (or of a streamed chunk of it) from the broker's entries
@@ -79,13 +82,23 @@ class Shaper:
             at += len(e[1])
         self.text_offsets[index] = at
         return {"tokens": [e[1] for e in entries], "token_logprobs": [e[2] for e in entries],
-                "top_logprobs": [{t[1]: t[2] for t in e[3]} for e in entries], "text_offset": offsets}
+                "top_logprobs": [{t[1]: t[2] for t in e[3]} if e[2] is not None else None for e in entries],
+                "text_offset": offsets}  # (an echoed prompt's first token: no logprob, no top tokens, as OpenAI's)
+
+    def echo(self, index: int, item: Chunk | Completion) -> tuple[str, list | None] | None:
+        """With echo, choice ``index``'s prompt: its text and its tokens' logprob entries (None: not
+        asked), from the choice's first chunk or its completion."""
+        if self.echoes is None:
+            return None
+        given = self.echoes[index]
+        return (given if given is not None else item.prompt_text or ""), item.prompt_logprobs
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def _choice(self, index: int, out: Completion) -> dict[str, Any]:
-        logprobs = self.logprobs(out.logprobs, index)
+        prompt, scored = self.echo(index, out) or ("", None)
+        logprobs = self.logprobs(out.logprobs if scored is None else scored + (out.logprobs or []), index)
         thinking, _ = self.answer(out)
         content, called = self.tool_calls(out)
         if self.chat:
@@ -94,7 +107,7 @@ class Shaper:
             choice = {"index": index, "message": message, "logprobs": logprobs,
                       "finish_reason": self.calls.finish_reason if called is not None else finish_reason(out)}
         else:
-            choice = {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": finish_reason(out)}
+            choice = {"index": index, "text": prompt + out.text, "logprobs": logprobs, "finish_reason": finish_reason(out)}
         if self.token_ids:
             choice["token_ids"] = out.token_ids
         return choice

@@ -239,9 +239,12 @@ def print_completion(out, as_json: bool) -> None:  # noqa: ANN001
     if "prediction_tokens" in out.stats:  # Predicted Outputs: how much of the prediction the output holds
         click.echo(f"[prediction: {out.stats['prediction_accepted']} of its {out.stats['prediction_tokens']} tokens "
                    "in the output]", err=True)
-    for _, text, logprob, top in out.logprobs or ():
-        click.echo(f"  {text!r:>16} {logprob:9.4f}" + ("   top: " + ", ".join(f"{t!r} {v:.4f}" for _, t, v in top)
-                                                     if top else ""), err=True)
+    for name, entries in (("prompt", (out.prompt_logprobs or [])[1:]), ("output", out.logprobs or ())):
+        if out.prompt_logprobs is not None and entries:
+            click.echo(f"[{name} logprobs]", err=True)
+        for _, text, logprob, top in entries:
+            click.echo(f"  {text!r:>16} {logprob:9.4f}" + ("   top: " + ", ".join(f"{t!r} {v:.4f}" for _, t, v in top)
+                                                         if top else ""), err=True)
 
 
 def structured_option(json_schema: str | None, json_object: bool, regex: str | None, choice: tuple[str, ...],
@@ -313,6 +316,10 @@ GEN_OPTIONS = [
     click.option("--logprobs", type=click.IntRange(0, 20), default=None,
                  help="Report each output token's log-probability (the target's own) and this many most likely "
                       "tokens beside it: a line per token after the text, or \"logprobs\" in --json."),
+    click.option("--prompt-logprobs", type=click.IntRange(0, 20), default=None,
+                 help="The same for each prompt token after the first (vLLM's prompt_logprobs): lines before the "
+                      "output's, or \"prompt_logprobs\" in --json. Such a request computes its whole prompt (it "
+                      "does not read the prefix cache)."),
     click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True,
                  help="OpenAI's: lowers the logit of each token the output already holds."),
     click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True,

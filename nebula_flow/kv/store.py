@@ -146,26 +146,34 @@ class KVStore:
             self.caches[rid] = cache
             return cache
 
-    def held(self, rid: int, tokens: np.ndarray, salt: str | None = None) -> int:
+    def held(self, rid: int, tokens: np.ndarray, salt: str | None = None, upto: int | None = None) -> int:
         """How many positions of ``tokens`` ``prepare`` would keep for ``rid`` or copy from another
         request's cache of the same ``salt`` (changing nothing; pre-drafted outcomes aside)."""
         with self.lock:
             cache = self.caches.get(rid)
             keep = min(cache.common_prefix(tokens), len(tokens) - 1) if cache is not None else 0
+            if upto is not None:
+                return min(keep, upto)
             if self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
                 keep = self._longest_prefix(cache, tokens, keep, salt)[1]
             return keep
 
-    def prepare(self, rid: int, tokens: np.ndarray, salt: str | None = None) -> KVCache:
+    def prepare(self, rid: int, tokens: np.ndarray, salt: str | None = None, upto: int | None = None) -> KVCache:
         """The cache for ``rid`` (of ``cache_salt`` ``salt``), cut to the longest prefix of ``tokens``
         it holds, or that another request's cache of the same salt holds (the prefix cache).
+        ``upto``: it keeps at most this many positions of its own and copies none (the rows after
+        are computed again: a prompt's log-probabilities come from them).
 
         At least the last token is left to compute, because the step needs its logits.
         """
         cache = self._get(rid, len(tokens))
         cache.salt = salt
-        keep = min(cache.common_prefix(tokens), len(tokens) - 1)
+        keep = min(cache.common_prefix(tokens), len(tokens) - 1, len(tokens) if upto is None else upto)
         cache.truncate(keep)
+        if upto is not None:
+            self.stats.reused += keep
+            self.stats.computed += len(tokens) - 1 - keep
+            return cache
         for other in self.branches.get(rid, {}).values():  # (a pre-drafted outcome that happened holds more)
             keep = max(keep, _copy_rows(other, cache, tokens, keep))
         self.stats.reused += keep
