@@ -14,7 +14,10 @@ round trip.
 A request alone in its broker's pool prefills whole: a chunk is there to keep other requests'
 streams flowing, and there are none, so chunking it only added forwards and round trips (the
 bundled pair's chat prompts, single stream: 117 ms to the first token chunked by 16, 73 ms
-whole; docs/benchmarks.md). The broker marks such a task ``alone`` when it sends it; a forward
+whole; docs/benchmarks.md). So does every request of a pool where no output has begun (a burst
+of new requests; prompts scored for their log-probabilities with one output token, as an
+evaluation harness sends them: 16 prompts of 256 tokens, 4 at a time, were scored 1.95-2.13x
+faster whole: docs/benchmarks.md). The broker marks such a task ``alone`` when it sends it; a forward
 whose every task is alone has no budget.
 """
 
@@ -27,6 +30,12 @@ def alone(pool: int) -> bool:
     """Whether a task of a request that shares its broker's pool of ``pool`` requests (itself
     included) goes out alone: its prompt then prefills whole."""
     return pool == 1
+
+
+def prefills_whole(pool: int, streaming: int) -> bool:
+    """Whether a task sent while its broker's pool holds ``pool`` requests (its own included),
+    ``streaming`` of them with their output begun, goes out ``alone``: its prompt prefills whole."""
+    return pool == 1 or streaming == 0
 
 
 def forward_budget(budget: int, alone: list[bool]) -> int:

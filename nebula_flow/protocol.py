@@ -286,7 +286,7 @@ class TaskSpec(Proposes):
     ahead: int = 0  # an ahead task (draft-ahead): pre-draft the next round for this many outcomes of draft's verify
     prompt_len: int = 0
     suppress: TokenIds = field(default_factory=list)  # min_tokens: ids the verify must not pick yet
-    alone: bool = False  # its request was the only one in the broker's pool: it prefills whole (``budget.alone``)
+    alone: bool = False  # no other stream of its broker's pool flowed: it prefills whole (``budget.prefills_whole``)
     steps: int = 1  # a draft-less verify (or round): the tokens it decodes, one forward each (``nebula_flow/steps.py``)
     base: int = 0  # the position ``tokens`` start at (the worker has those before from earlier tasks)
     base_crc: int = 0  # CRC-32 of the request's first ``base`` tokens as int32 bytes

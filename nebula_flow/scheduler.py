@@ -47,18 +47,17 @@ class Scheduler:
     """Request pool + topics + workers for one mode; decides who runs what next."""
 
     def __init__(self, mode: str, policy: PolicyConfig | None = None) -> None:
-        """``policy``: every knob, its default and its meaning (``nebula_flow.policy``). Notes on how
-        the scheduler uses them:
+        """``policy``: every knob, its default and its meaning (``nebula_flow.policy``). Notes on how the scheduler
+        uses them:
 
-        ``locality`` never makes a task wait for a particular worker. ``measure_costs``: the draft
-        step and the verify blocks follow the forward times workers report (``observe_costs``);
-        ``spec_costs`` only starts them. ``first_alternatives`` and ``fuse_ngram`` build a token
-        tree per round; with ``adaptive_k`` only where its rows pay (``speclen.choose_round``,
-        ``speclen.choose_fuse``). A fused chain is looked up by the draft worker, or by the target
-        worker in a round without a draft, so rounds that ``disable_by_batch_size`` or adaptive k
-        leave without drafts still get it (not in autoregressive mode, the baseline).
-        ``disable_by_batch_size`` leaves seeded sampled requests speculating: their k decides which
-        sample they draw, and it must not depend on the load."""
+        ``locality`` never makes a task wait for a particular worker. ``measure_costs``: the draft step and the
+        verify blocks follow the forward times workers report (``observe_costs``); ``spec_costs`` only starts them.
+        ``first_alternatives`` and ``fuse_ngram`` build a token tree per round; with ``adaptive_k`` only where its
+        rows pay (``speclen.choose_round``, ``speclen.choose_fuse``). A fused chain is looked up by the draft
+        worker, or by the target worker in a round without a draft, so rounds that ``disable_by_batch_size`` or
+        adaptive k leave without drafts still get it (not in autoregressive mode, the baseline).
+        ``disable_by_batch_size`` leaves seeded sampled requests speculating: their k decides which sample they
+        draw, and it must not depend on the load."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         self.mode = mode
@@ -74,6 +73,7 @@ class Scheduler:
         self.drafter_acceptance: dict[tuple[str, bool], Acceptance] = {}  # (drafter, greedy) ->
         self.drafters: dict[str, int] = {}  # drafter -> live draft workers
         self.requests: dict[int, Request] = {}
+        self.streaming = 0  # requests of the pool whose output has begun (``budget.prefills_whole``)
         self.topics: dict[str, Topic] = {role: Topic() for role in ("draft", "target", "colocated", "ahead", fusion.TOPIC)}
         self.ahead_stats = ahead.AheadStats()  # draft-ahead's pre-drafts (``nebula_flow/ahead.py``)
         self.fusion_stats = fusion.FusionStats()  # second drafts of fused rounds (``nebula_flow/fusion.py``)
@@ -168,6 +168,7 @@ class Scheduler:
     # -- requests --------------------------------------------------------------------------
     def admit(self, req: Request) -> None:
         self.requests[req.rid] = req
+        self.streaming += len(req.output) > 0
         req.affinity = self.prefixes.find(req, self.workers) if self.prefixes is not None else {}
         self._bind([req])
         self.start_round(req)
@@ -283,13 +284,12 @@ class Scheduler:
                     draft_accepted: int | None = None, fused: int | None = None, second: int | None = None) -> None:
         """Record a verify's (or whole round's) outcome in the policy's state (``end_round`` calls it).
 
-        ``via_alt``: the accepted token was an alternative to the first draft token (a token
-        tree), not the draft: the draft's acceptance was 0, and the draft's KV ends before it.
-        ``draft_accepted``: the draft tokens accepted, where a fused chain won more than the draft had (the
-        draft's acceptance and its KV count only those); by default ``accepted`` (0 via_alt).
-        ``fused``: the tokens a fused chain won beyond the draft (``broker/results.py``), None when
-        the round verified none. ``second``: a fused round's second chain's tokens on the committed path
-        (``fusion.verified``), None without one."""
+        ``via_alt``: the accepted token was an alternative to the first draft token (a token tree), not the draft:
+        the draft's acceptance was 0, and the draft's KV ends before it. ``draft_accepted``: the draft tokens
+        accepted, where a fused chain won more than the draft had (the draft's acceptance and its KV count only
+        those); by default ``accepted`` (0 via_alt). ``fused``: the tokens a fused chain won beyond the draft
+        (``broker/results.py``), None when the round verified none. ``second``: a fused round's second chain's
+        tokens on the committed path (``fusion.verified``), None without one."""
         drafted = accepted if self.mode != "autoregressive" else 0  # (a multi-step decode's tokens: none drafted)
         req.accepted += drafted
         draft_accepted = (0 if via_alt else drafted) if draft_accepted is None else draft_accepted
@@ -324,6 +324,7 @@ class Scheduler:
         kept; ``req.finish_reason`` is set when the request ended (it has then left the pool)."""
         self.verify_done(req, worker_id, len(committed) - 1, via_alt, draft_accepted, fused, second)
         kept = req.commit(committed, eos_ids)
+        self.streaming += 0 < len(kept) == len(req.output)  # (its first tokens)
         if stop_text is not None and stop_text(req):
             req.finish_reason = "stop"
         if req.finish_reason:
@@ -337,6 +338,7 @@ class Scheduler:
         req = self.requests.pop(rid, None)
         if req is None:
             return None
+        self.streaming -= len(req.output) > 0
         if self.prefixes is not None:  # (where its tokens' KV stays, for requests that start with them)
             self.prefixes.learn(req)
         ahead.forget(self, rid)
@@ -359,20 +361,19 @@ class Scheduler:
 
     # -- the decision ----------------------------------------------------------------------
     def dispatch(self) -> list[tuple[int, list[Request]]]:
-        """Serve waiting PULLs from the topics: idle workers first, the one idle the shortest first
-        (its caches are warm and, on a CPU host, it still holds the cores idle workers lend: the
-        longest idle took each new single-stream request on one core of two), then busy ones by arrival.
+        """Serve waiting PULLs from the topics: idle workers first, the one idle the shortest first (its caches are
+        warm and, on a CPU host, it still holds the cores idle workers lend: the longest idle took each new single-
+        stream request on one core of two), then busy ones by arrival.
 
-        With ``locality`` on, a first pass gives every waiting worker the tasks whose KV it already
-        holds (of the most urgent priority queued). In the second pass an idle worker takes any remaining
-        task in topic order (a task is never kept for its holder while a worker sits idle), but a busy worker
-        only prefetching takes no task another live worker holds: moving that KV would buy nothing.
+        With ``locality`` on, a first pass gives every waiting worker the tasks whose KV it already holds (of the
+        most urgent priority queued). In the second pass an idle worker takes any remaining task in topic order (a
+        task is never kept for its holder while a worker sits idle), but a busy worker only prefetching takes no
+        task another live worker holds: moving that KV would buy nothing.
 
-        A busy worker is also not given a partial batch no larger than the one it is running
-        (``merge_batches``): that would split its requests into two groups that alternate for
-        ever, each paying a whole forward pass (on a GPU, a weight read) for half the work.
-        The tasks wait a moment and join the returning ones in one batch when it goes idle.
-        """
+        A busy worker is also not given a partial batch no larger than the one it is running (``merge_batches``):
+        that would split its requests into two groups that alternate for ever, each paying a whole forward pass (on
+        a GPU, a weight read) for half the work. The tasks wait a moment and join the returning ones in one batch
+        when it goes idle."""
         waiting = sorted((w for w in self.workers.values() if w.pull_credits > 0),
                          key=lambda w: (not w.pull_idle, -w.pull_since if w.pull_idle else w.pull_since, w.worker_id))
         picks: dict[int, list[int]] = {}  # (an elastic worker's stage: chosen at its turn, from the tasks left to it)

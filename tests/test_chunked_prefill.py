@@ -21,15 +21,23 @@ BUDGET = 16
 
 
 def long_prompts() -> list[list[int]]:
-    """Prompts of 40-150 tokens (the tiny pair's vocabulary), beside short ones. (A short one first:
-    the 150-token prompt is sent while another request is in the pool, so it prefills in chunks;
-    a request alone in the pool prefills whole.)"""
+    """Prompts of 40-150 tokens (the tiny pair's vocabulary), beside short ones."""
     return [[(7 * i + 3 * j) % 480 + 5 for j in range(n)] for i, n in enumerate((3, 150, 40, 97, 5, 64))]
 
 
-async def _generate(address: str, reqs: list[dict]) -> list:
+async def _generate(address: str, reqs: list[dict], beside_a_stream: bool = False) -> list:
+    """``reqs`` at once; ``beside_a_stream``: sent while another request's output streams (a chunk
+    is there to keep such streams flowing: with none, every prompt prefills whole), which is
+    cancelled once they are done."""
     async with AsyncClient(address, timeout_s=120) as client:
-        return await asyncio.gather(*(client.generate(**r) for r in reqs))
+        if not beside_a_stream:
+            return await asyncio.gather(*(client.generate(**r) for r in reqs))
+        stream = client.stream(token_ids=[9, 8, 7], max_new_tokens=400, ignore_eos=True)
+        await anext(stream)  # (its first tokens: a stream flows)
+        try:
+            return await asyncio.gather(*(client.generate(**r) for r in reqs))
+        finally:
+            await stream.aclose()
 
 
 def _requests() -> list[dict]:
@@ -53,7 +61,7 @@ def test_chunked_prefill_is_lossless_and_placement_independent(tiny_pair, mode: 
     cfg.broker.policy = cfg.broker.policy.replace(max_forward_tokens=BUDGET)
     cfg.broker.policy_log = str(tmp_path / "policy.jsonl")
     with Deployment(cfg) as dep:
-        outs = asyncio.run(_generate(dep.address, _requests()))
+        outs = asyncio.run(_generate(dep.address, _requests(), beside_a_stream=True))
         with Client(dep.address) as c:
             counters = c.status()["counters"]
     prompts = long_prompts()
@@ -72,28 +80,39 @@ def test_chunked_prefill_is_lossless_and_placement_independent(tiny_pair, mode: 
 @pytest.mark.parametrize("mode", ["pooled", "elastic"])
 def test_a_request_alone_in_the_pool_prefills_whole(tiny_pair, mode: str) -> None:  # noqa: ANN001
     """A chunk keeps other requests' streams flowing; with none in the pool a long prompt's
-    prefill runs in one forward (chunking it only added forwards and round trips), losslessly."""
+    prefill runs in one forward (chunking it only added forwards and round trips), losslessly;
+    so do the prompts of a burst that no flowing stream waits beside, but not the same prompts
+    sent while one flows."""
     cfg = deploy_config(tiny_pair, mode, 1, 1, max_batch=4)
     cfg.broker.policy = cfg.broker.policy.replace(max_forward_tokens=BUDGET)
-    prompt = long_prompts()[1]
+    prompt, burst = long_prompts()[1], [{"token_ids": p, "max_new_tokens": 20} for p in long_prompts()[1:4]]
     with Deployment(cfg) as dep, Client(dep.address) as c:
         out = c.generate(token_ids=prompt, max_new_tokens=20)
-        counters = c.status()["counters"]
+        alone = c.status()["counters"].get("prefill_chunks", 0)
+        outs = asyncio.run(_generate(dep.address, burst))
+        burst_chunks = c.status()["counters"].get("prefill_chunks", 0) - alone
+        salted = [{**r, "cache_salt": "another"} for r in burst]  # (not from the prefix cache: computed again)
+        beside = asyncio.run(_generate(dep.address, salted, beside_a_stream=True))
+        chunks_beside = c.status()["counters"].get("prefill_chunks", 0) - alone - burst_chunks
     assert out.token_ids == hf_greedy(tiny_pair / "target", prompt, 20)
-    assert len(prompt) > BUDGET and counters.get("prefill_chunks", 0) == 0, counters
+    assert [o.token_ids for o in outs] == [o.token_ids for o in beside] == [
+        hf_greedy(tiny_pair / "target", r["token_ids"], 20) for r in burst]
+    assert len(prompt) > BUDGET and alone == burst_chunks == 0 and chunks_beside >= (len(prompt) - 1) // BUDGET
 
 
 def test_a_forward_of_tasks_all_alone_has_no_budget() -> None:
-    from nebula_flow.budget import alone, forward_budget
+    from nebula_flow.budget import alone, forward_budget, prefills_whole
 
     assert alone(1) and not alone(2)
+    assert prefills_whole(1, 1) and prefills_whole(5, 0) and not prefills_whole(5, 1)
     assert forward_budget(16, [True]) == forward_budget(16, [True, True]) == 0
     assert forward_budget(16, [True, False]) == forward_budget(16, [False]) == forward_budget(16, []) == 16
 
 
 @pytest.mark.parametrize("mode", ["pooled", "colocated", "autoregressive"])
 def test_the_simulator_prefills_in_chunks_with_the_live_policy(mode: str) -> None:
-    wl = Workload(requests=12, output_tokens=32, prompt_tokens=(8, 2000), concurrency=6)
+    # (submissions 50 ms apart: prompts arrive beside flowing streams, which chunks are there for)
+    wl = Workload(requests=12, output_tokens=32, prompt_tokens=(8, 2000), concurrency=6, submit_gap_us=50_000)
     base = small_scenario(workload=wl)
     chunked = small_scenario(workload=wl, max_forward_tokens=256)
     sim = Simulator(chunked, mode, policy=policy_log.RecordingScheduler)
@@ -110,6 +129,11 @@ def test_the_simulator_prefills_in_chunks_with_the_live_policy(mode: str) -> Non
                             max_forward_tokens=256)
     lone = Simulator(single, mode, policy=policy_log.RecordingScheduler)
     assert lone.run()["requests"] == 4 and not any(r[0] == "prefilled" for r in lone.policy.records)
+    # a burst, all at once: no stream flows beside their prompts, so each prefills whole, as live
+    burst = small_scenario(workload=Workload(requests=6, output_tokens=8, prompt_tokens=(8, 2000), concurrency=6),
+                           max_forward_tokens=256)
+    together = Simulator(burst, mode, policy=policy_log.RecordingScheduler)
+    assert together.run()["requests"] == 6 and not any(r[0] == "prefilled" for r in together.policy.records)
 
 
 @pytest.mark.slow
@@ -124,10 +148,10 @@ def test_prompt_logprobs_come_whole_through_chunks_and_never_from_the_prefix_cac
         first = asyncio.run(_generate(dep.address, [{"token_ids": prompt, "max_new_tokens": 4}]))[0]
         with Client(dep.address) as c:
             chunks_before = c.status()["counters"].get("prefill_chunks", 0)
-        _, scored, twin = asyncio.run(_generate(dep.address, [  # (a short one first: the pool is not one request)
+        _, scored, twin = asyncio.run(_generate(dep.address, [
             {"token_ids": short, "max_new_tokens": 20},
             {"token_ids": prompt, "max_new_tokens": 20, "prompt_logprobs": 1},
-            {"token_ids": prompt + [7], "max_new_tokens": 4}]))
+            {"token_ids": prompt + [7], "max_new_tokens": 4}], beside_a_stream=True))
         with Client(dep.address) as c:
             chunks = c.status()["counters"].get("prefill_chunks", 0) - chunks_before
     assert first.prompt_logprobs is None and first.stats["cached_tokens"] == 0

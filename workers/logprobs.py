@@ -31,9 +31,12 @@ def scored(logits: torch.Tensor, tokens: list[int] | np.ndarray, top: int) -> tu
     """``(logprobs [n, 1 + top] float32, ids [n, top] int32)`` of ``tokens`` (n), token i as row i of
     ``logits`` predicted it (a verify's committed tokens; a prompt's, ``SamplingParams.prompt_logprobs``):
     column 0 its own log-probability, then the ``top`` most likely tokens' (most likely first)."""
-    scores = torch.log_softmax(logits.float(), dim=-1).clamp_min_(FLOOR)
-    chosen = scores.gather(1, torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=scores.device)[:, None])
-    best = torch.topk(scores, top, dim=-1) if top else None
-    values = torch.cat([chosen, best.values], dim=1) if best is not None else chosen
-    ids = best.indices if best is not None else torch.zeros((len(tokens), 0), dtype=torch.long, device=scores.device)
+    # (log-softmax is the logit less the row's log-sum-exp: taken only where it is reported, the
+    # rows are read twice and nothing of their size is written: a prompt's are thousands of rows)
+    logits = logits.float()
+    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = logits.gather(1, torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=logits.device)[:, None])
+    best = torch.topk(logits, top, dim=-1) if top else None
+    values = (torch.cat([chosen, best.values], dim=1) if best is not None else chosen).sub_(norm).clamp_min_(FLOOR)
+    ids = best.indices if best is not None else torch.zeros((len(tokens), 0), dtype=torch.long, device=logits.device)
     return values.cpu().numpy().astype(np.float32), ids.cpu().numpy().astype(np.int32)

@@ -63,7 +63,7 @@ class Task:
     prompt_scores: tuple[np.ndarray, np.ndarray, int] | None = None  # set by verify: those scored, and from where
     prompt_len: int = 0  # a penalized request's (its output's tokens are penalized: ``nebula_flow/penalties.py``)
     suppress: list[int] = field(default_factory=list)  # min_tokens: the ids it must not pick yet
-    alone: bool = False  # its request was alone in its broker's pool when sent: it prefills whole
+    alone: bool = False  # no other stream of its broker's pool flowed when sent: it prefills whole
     steps: int = 1  # a draft-less verify: the tokens it decodes, one forward each (``nebula_flow/steps.py``)
     prediction: np.ndarray | None = None  # the client's prediction of the output: lookup chains are found in it too
     error: str | None = None  # set by the runner: this task alone failed, and why (its batch went on)

@@ -135,7 +135,7 @@ class Simulator:
                                  r.holders.get(holder_key("draft", r.drafter)), r.ahead.alts, r.ahead.fuse, r.drafter,
                                  draft_len=len(r.ahead.draft), outcomes=self.policy.policy.draft_ahead) for r in batch]
             else:  # (a fused round's second draft: sim/fused.py)
-                alone = budget.alone(len(self.policy.requests))
+                alone = budget.prefills_whole(len(self.policy.requests), self.policy.streaming)
                 steps.assign(self.policy, batch)  # (multi-step decoding, as the broker's ``task_specs``)
                 tasks = [fused.second_task(r, self.policy.workers[wid]) or
                          SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,

@@ -39,7 +39,7 @@ class SimTask:
     outcomes: int = 0  # a pre-draft: how many outcomes it covers
     second: tuple[str, int] | None = None  # a fused round's verify: the second chain's drafter and tokens
     second_accepted: int | None = None  # ... and its tokens the round committed (``sim/fused.py``)
-    alone: bool = False  # its request was alone in the pool when sent: it prefills whole (``budget.alone``)
+    alone: bool = False  # no other stream of its pool flowed when sent: it prefills whole (``budget.prefills_whole``)
     steps: int = 1  # a draft-less verify: the tokens it decodes, a forward each (``nebula_flow/steps.py``)
 
 
