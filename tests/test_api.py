@@ -271,6 +271,31 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(served) -> None:  
         assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
 
 
+def test_an_evaluation_harness_scores_continuations_through_echo(served) -> None:  # noqa: ANN001
+    """lm-evaluation-harness's loglikelihood requests, as its ``local-completions`` sends them (a
+    batch of token-id prompts, context + continuation each, ``echo``, ``logprobs`` 1, ``max_tokens``
+    1, a seed) and read as it reads them: the continuation's log-likelihood is the sum of its
+    tokens' ``token_logprobs``, and it is greedy when each equals the best of its ``top_logprobs``.
+    The model's own greedy continuation is greedy; another is not, and is less likely."""
+    context = [5, 40, 7, 300, 12, 9]
+    with Client(served.address) as c:
+        greedy = c.generate(token_ids=context, max_new_tokens=4, ignore_eos=True).token_ids
+    other = [(t + 1) % 400 for t in greedy]
+    body = {"model": "tiny", "prompt": [context + greedy, context + other], "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True}
+    res = httpx.post(served.http_url + "/v1/completions", headers={"Authorization": "Bearer sesame"}, json=body,
+                     timeout=60)
+    assert res.status_code == 200, res.text
+    scored = []
+    for choice in sorted(res.json()["choices"], key=lambda ch: ch["index"]):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(context) + 4 + 1 and lp["token_logprobs"][0] is None
+        tokens, tops = lp["token_logprobs"][len(context):-1], lp["top_logprobs"][len(context):-1]
+        scored.append((sum(tokens), all(t == max(top.values()) for t, top in zip(tokens, tops))))
+    (greedy_ll, greedy_is_greedy), (other_ll, other_is_greedy) = scored
+    assert greedy_is_greedy and not other_is_greedy and greedy_ll > other_ll
+
+
 def test_penalties_reach_the_broker(served) -> None:  # noqa: ANN001
     """OpenAI's presence and frequency penalties and vLLM's repetition_penalty: the HTTP API gives
     what the client library gives (the penalized output itself: ``test_e2e_lossless``)."""
