@@ -296,6 +296,36 @@ def test_an_evaluation_harness_scores_continuations_through_echo(served) -> None
     assert greedy_is_greedy and not other_is_greedy and greedy_ll > other_ll
 
 
+def test_prompt_logprobs_as_vllm_answers_them(served) -> None:  # noqa: ANN001
+    """vLLM's ``prompt_logprobs`` extension: per prompt token after the first, by token id, its own
+    and the top tokens' log-probability, rank and text (a completion's on each choice, a chat's
+    beside the choices), as the client library gets them; beside echo's logprobs, each shows the
+    top tokens it asked for. Not streamed: a clear 400."""
+    prompt = [5, 40, 7, 300, 12, 9]
+    with Client(served.address) as c:
+        want = c.generate(token_ids=prompt, max_new_tokens=2, prompt_logprobs=3).prompt_logprobs
+        chat_want = c.generate(messages=CONVERSATION, max_new_tokens=2, prompt_logprobs=1).prompt_logprobs
+    url, auth = served.http_url, {"Authorization": "Bearer sesame"}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3,
+            "echo": True, "logprobs": 1}
+    choice = httpx.post(url + "/v1/completions", headers=auth, json=body, timeout=60).json()["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(prompt)
+    for entry, (token, text, logprob, top) in zip(got[1:], want[1:]):
+        assert entry[str(token)]["logprob"] == logprob and entry[str(token)]["decoded_token"] == text
+        assert [entry[str(t[0])]["rank"] for t in top] == [1, 2, 3]
+        assert entry[str(token)]["rank"] == next((r for r, t in enumerate(top, 1) if t[0] == token), None)
+        assert set(entry) == {str(token), *(str(t[0]) for t in top)}
+    assert all(len(t) <= 1 for t in choice["logprobs"]["top_logprobs"][1:])  # (echo's logprobs: 1 each)
+    chat = httpx.post(url + "/v1/chat/completions", headers=auth, timeout=60, json={
+        "model": "tiny", "messages": CONVERSATION, "max_tokens": 2, "prompt_logprobs": 1}).json()
+    assert "prompt_logprobs" not in chat["choices"][0] and len(chat["prompt_logprobs"]) == len(chat_want)
+    assert [next(iter(e.values()))["logprob"] for e in chat["prompt_logprobs"][1:]] == [e[2] for e in chat_want[1:]]
+    for extra, param in (({"stream": True}, "prompt_logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs")):
+        res = httpx.post(url + "/v1/completions", headers=auth, json={**body, **extra}, timeout=60)
+        assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
+
+
 def test_penalties_reach_the_broker(served) -> None:  # noqa: ANN001
     """OpenAI's presence and frequency penalties and vLLM's repetition_penalty: the HTTP API gives
     what the client library gives (the penalized output itself: ``test_e2e_lossless``)."""

@@ -181,7 +181,8 @@ class Gateway:
 
     async def _run(self, request: Request, job: Job, model: str) -> Response:
         req_id = uuid.uuid4().hex
-        shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls, job.reasoning, job.echoes())
+        shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls, job.reasoning, job.echoes(),
+                        (job.params.get("logprobs"), job.prompt_top))
         asks = job.choices()
         streams = [self.client.stream(request_id=req_id if len(asks) == 1 else f"{req_id}-{i}", **ask)
                    for i, ask in enumerate(asks)]

@@ -92,6 +92,7 @@ class Job:
     calls: ToolCalling | None = None  # chat with tools: the output is tool calls (``api/tools.py``)
     reasoning: str | None = None  # chat: the reasoning parser that sets thinking apart (``api/reasoning.py``)
     echo: bool = False  # completions: each choice's text (and logprobs) begin with its prompt's
+    prompt_top: int | None = None  # vLLM's prompt_logprobs: the prompt's, this many top tokens beside each
 
     def echoes(self) -> list[str | None] | None:
         """With ``echo``, each choice's prompt text where it was given as text (None: token ids, whose
@@ -373,7 +374,24 @@ def parse_completion(body: Any, served: Served) -> Job:  # noqa: ANN401
             params["prompt_logprobs"] = params["logprobs"]
         inputs = [{**given, "echo": True} if "token_ids" in given else given for given in inputs]
     return Job(False, params, inputs, _choices(body, len(inputs)), stream=stream, include_usage=usage,
-               return_token_ids=body.get("return_token_ids", False), echo=echo)
+               return_token_ids=body.get("return_token_ids", False), echo=echo,
+               prompt_top=_prompt_top(body, params, stream))
+
+
+def _prompt_top(body: dict[str, Any], params: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs`` (an extension): the prompt's tokens' log-probabilities and this
+    many top tokens beside each, in the answer (not streamed); the broker is asked for at least as
+    many top tokens as echo's logprobs want too."""
+    top = body.get("prompt_logprobs")
+    if top is None:
+        return None
+    if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+        raise invalid("prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
+    if stream:
+        raise ApiError(400, "prompt_logprobs are not streamed: ask without stream (or use echo with logprobs)",
+                       param="prompt_logprobs", code="unsupported_parameter")
+    params["prompt_logprobs"] = max(top, params.get("prompt_logprobs", 0))
+    return top
 
 
 def _message(i: int, m: Any) -> dict[str, Any]:  # noqa: ANN401, C901
@@ -454,13 +472,14 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
         params["prediction"] = prediction
     inputs = [{"messages": [_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
     return Job(True, params, inputs, _choices(body, 1), stream=stream, include_usage=usage,
-               return_token_ids=body.get("return_token_ids", False), calls=calls, reasoning=served.reasoning_parser)
+               return_token_ids=body.get("return_token_ids", False), calls=calls, reasoning=served.reasoning_parser,
+               prompt_top=_prompt_top(body, params, stream))
 
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", "cache_salt",
-                 "priority", *GUIDED)
+                 "priority", "prompt_logprobs", *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs", "echo")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "prediction")

@@ -58,7 +58,7 @@ class Shaper:
 
     def __init__(self, req_id: str, model: str, chat: bool, token_ids: bool = False, n: int = 1,
                  calls: ToolCalling | None = None, reasoning: str | None = None,
-                 echoes: list[str | None] | None = None) -> None:
+                 echoes: list[str | None] | None = None, tops: tuple[int | None, int | None] = (None, None)) -> None:
         self.id = ("chatcmpl-" if chat else "cmpl-") + req_id
         self.reasoning = reasoning  # chat: the reasoning parser, thinking apart from the answer (``api/reasoning.py``)
         self.calls = calls  # chat with tools (not "none"): the output's calls become tool calls (``api/tools.py``)
@@ -68,6 +68,9 @@ class Shaper:
         self.text_offsets: dict[int, int] = {}  # completions' logprobs: each choice's characters so far
         # completions' echo: each choice's prompt, as given (None: token ids, as the broker decoded them)
         self.echoes = echoes
+        # the top tokens each prompt token's entry shows: echo's (``logprobs``) and vLLM's ``prompt_logprobs``
+        # (the broker reports as many as the larger asks)
+        self.echo_top, self.prompt_top = tops
 
     def logprobs(self, entries: list | None, index: int) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` of a choice (or of a streamed chunk of it) from the broker's entries
@@ -90,8 +93,10 @@ class Shaper:
         asked), from the choice's first chunk or its completion."""
         if self.echoes is None:
             return None
-        given = self.echoes[index]
-        return (given if given is not None else item.prompt_text or ""), item.prompt_logprobs
+        given, entries = self.echoes[index], item.prompt_logprobs
+        if entries is not None and self.echo_top is not None:
+            entries = [[*e[:3], e[3][:self.echo_top]] for e in entries]
+        return (given if given is not None else item.prompt_text or ""), entries
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -110,12 +115,31 @@ class Shaper:
             choice = {"index": index, "text": prompt + out.text, "logprobs": logprobs, "finish_reason": finish_reason(out)}
         if self.token_ids:
             choice["token_ids"] = out.token_ids
+        if self.prompt_top is not None and not self.chat:
+            choice["prompt_logprobs"] = self.ranked(out.prompt_logprobs)
         return choice
 
     def full(self, outs: list[Completion]) -> dict[str, Any]:
-        """The non-streamed answer: every choice, in order."""
+        """The non-streamed answer: every choice, in order (chat: the prompt's logprobs beside them, as vLLM's)."""
+        prompt = {"prompt_logprobs": self.ranked(outs[0].prompt_logprobs)} if self.prompt_top is not None and self.chat \
+            else {}
         return {**self._head(self.object), "choices": [self._choice(i, out) for i, out in enumerate(outs)],
-                "usage": usage(outs, self.n), "speculative": speculative(outs)}
+                "usage": usage(outs, self.n), "speculative": speculative(outs), **prompt}
+
+    def ranked(self, entries: list | None) -> list | None:
+        """vLLM's ``prompt_logprobs``: null for the first token, then per token, by token id, its own
+        and the top tokens' ``logprob``, ``rank`` (1: the most likely; the prompt token's null where it
+        is not among the tokens reported) and ``decoded_token``."""
+        if entries is None:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for token, text, logprob, top in entries[1:]:
+            rank = next((r for r, t in enumerate(top, 1) if t[0] == token), None)
+            ranked = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": text}}
+            for r, (tid, t_text, value) in enumerate(top[:self.prompt_top], 1):
+                ranked.setdefault(str(tid), {"logprob": value, "rank": r, "decoded_token": t_text})
+            out.append(ranked)
+        return out
 
     def chunk(self, text: str | None, reason: str | None = None, role: bool = False,
               token_ids: list[int] | None = None, index: int = 0, logprobs: list | None = None,
