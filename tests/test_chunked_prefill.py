@@ -81,8 +81,9 @@ def test_chunked_prefill_is_lossless_and_placement_independent(tiny_pair, mode: 
 def test_a_request_alone_in_the_pool_prefills_whole(tiny_pair, mode: str) -> None:  # noqa: ANN001
     """A chunk keeps other requests' streams flowing; with none in the pool a long prompt's
     prefill runs in one forward (chunking it only added forwards and round trips), losslessly;
-    so do the prompts of a burst that no flowing stream waits beside, but not the same prompts
-    sent while one flows."""
+    the same prompts sent while a stream flows are chunked, and a burst of them without one is
+    lossless too. (Which of a live burst's tasks go out before another's output begins is timing:
+    the rule itself is checked in ``test_tasks_go_out_whole_until_an_output_begins``.)"""
     cfg = deploy_config(tiny_pair, mode, 1, 1, max_batch=4)
     cfg.broker.policy = cfg.broker.policy.replace(max_forward_tokens=BUDGET)
     prompt, burst = long_prompts()[1], [{"token_ids": p, "max_new_tokens": 20} for p in long_prompts()[1:4]]
@@ -97,7 +98,37 @@ def test_a_request_alone_in_the_pool_prefills_whole(tiny_pair, mode: str) -> Non
     assert out.token_ids == hf_greedy(tiny_pair / "target", prompt, 20)
     assert [o.token_ids for o in outs] == [o.token_ids for o in beside] == [
         hf_greedy(tiny_pair / "target", r["token_ids"], 20) for r in burst]
-    assert len(prompt) > BUDGET and alone == burst_chunks == 0 and chunks_beside >= (len(prompt) - 1) // BUDGET
+    assert len(prompt) > BUDGET and alone == 0 and chunks_beside >= (len(prompt) - 1) // BUDGET
+
+
+def test_tasks_go_out_whole_until_an_output_begins() -> None:
+    """The broker's rule (``budget.prefills_whole``, through the scheduler's count of the pool's
+    requests whose output has begun): every task goes out ``alone`` while no output has begun,
+    none once one has, and again once that request has left the pool."""
+    from nebula_flow.params import SamplingParams
+    from nebula_flow.policy import PolicyConfig
+    from nebula_flow.request import Request
+    from nebula_flow.scheduler import Scheduler
+    from nebula_flow_broker.tasks import task_specs
+
+    s = Scheduler("autoregressive", PolicyConfig(max_forward_tokens=BUDGET))
+    s.register(1, "target", 2)
+    reqs = [Request(i, str(i), long_prompts()[i], SamplingParams(max_new_tokens=4), seed=i) for i in (1, 2, 3)]
+    for r in reqs:
+        s.admit(r)
+
+    def sent() -> list:
+        s.pull(1, 2, True, 0.0)
+        batch = dict(s.dispatch())[1]
+        return [(r.rid, t.alone) for r, t in zip(batch, task_specs(s, 1, batch, {}))]
+
+    assert sent() == [(1, True), (2, True)] and s.streaming == 0  # (a burst: no output yet)
+    s.end_round(reqs[0], 1, [7])  # (request 1's first token)
+    s.end_round(reqs[1], 1, [7])
+    assert s.streaming == 2 and sent() == [(1, False), (2, False)]  # (their KV's worker: their next rounds first)
+    s.finish(1)
+    s.finish(2)  # (both end: no output flows)
+    assert s.streaming == 0 and sent() == [(3, True)]
 
 
 def test_a_forward_of_tasks_all_alone_has_no_budget() -> None:

@@ -298,9 +298,9 @@ class ModelRunner:
                    [*range(-1, len(n) - len(tree) - 1), *(len(n) - len(tree) + p for p in tree.parents)]
                    for tree, n, end in zip(trees, new, ends)]
         ran = [i for i, n in enumerate(new) if n]  # (a prompt whose chunk waits this time: not in the forward)
-        # rows of the prompt's tokens to score (``prompt_logprobs``): row j predicts position length + j + 1
-        scoring = {i: (caches[i].length + 1, n) for i in ran if tasks[i].score_from and (n := min(
-            len(tasks[i].tokens) if ends[i] is None else ends[i], tasks[i].prompt_len - 1) - caches[i].length) > 0}
+        # the prompt's tokens to score (``prompt_logprobs``): from the one after the cached, the first rows
+        scoring = {i: (caches[i].length + 1, n) for i in ran
+                   if (n := prompt_rows(tasks[i], caches[i].length, ends[i])) > 0}
         logits = dict(zip(ran, self._forward([caches[i] for i in ran], [new[i] for i in ran],
                                              [len(new[i]) if i in scoring else 0 if ends[i] is not None
                                               else 1 + len(trees[i]) for i in ran],
@@ -345,6 +345,15 @@ class ModelRunner:
         if self.guides is None:  # (``tasks.runnable`` refuses such a task first)
             raise ValueError("this worker's model has no tokenizer.json: it cannot follow a grammar")
         return self.guides.guide(t.rid, t.params, t.tokens[t.prompt_len:].tolist(), prompt=t.tokens[:t.prompt_len])
+
+
+def prompt_rows(t: Task, cached: int, end: int | None) -> int:
+    """How many of ``t``'s prompt tokens a forward from position ``cached`` (to ``end``; None: all
+    its tokens) scores: row j of it predicts position ``cached + j + 1``, and a prompt's last row
+    predicts the output's first token. 0 unless the broker asks (``score_from``)."""
+    if not t.score_from:
+        return 0
+    return min(len(t.tokens) if end is None else end, t.prompt_len - 1) - cached
 
 
 def upto(t: Task) -> int | None:

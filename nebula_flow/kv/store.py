@@ -170,14 +170,11 @@ class KVStore:
         cache.salt = salt
         keep = min(cache.common_prefix(tokens), len(tokens) - 1, len(tokens) if upto is None else upto)
         cache.truncate(keep)
-        if upto is not None:
-            self.stats.reused += keep
-            self.stats.computed += len(tokens) - 1 - keep
-            return cache
-        for other in self.branches.get(rid, {}).values():  # (a pre-drafted outcome that happened holds more)
+        copies = upto is None  # (from a pre-drafted outcome or another request: not where rows are scored again)
+        for other in self.branches.get(rid, {}).values() if copies else ():  # (an outcome that happened holds more)
             keep = max(keep, _copy_rows(other, cache, tokens, keep))
         self.stats.reused += keep
-        if self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
+        if copies and self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
             keep = self._shared_prefix(rid, cache, tokens, keep)
         self.stats.computed += len(tokens) - 1 - keep
         return cache
