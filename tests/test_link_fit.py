@@ -55,6 +55,43 @@ def test_a_rate_the_exchanges_do_not_show_is_unknown_and_a_pull_given_up_bounds_
     assert not LinkFit().idle(1e9)  # (not used yet: its first pull may be under way)
 
 
+@pytest.mark.parametrize("stalled", ["a prompt's pull", "a round's pull", "both"])
+def test_a_pull_that_stalled_under_load_does_not_bend_the_fit(stalled: str) -> None:
+    """A link of 3.8 Mbit/s as the hosts test shapes it: rounds' pulls of a few kB, prompts' of
+    100-300 kB. One pull descheduled under load took far longer than the link: left out, the fit is
+    the link's (plain least squares read 1.7 Mbit/s in a CI run), and the others are all kept."""
+    rate, latency = 475_000.0, 0.0008
+    rng = np.random.default_rng(7)
+    sizes = [2048, 4096, 3072, 100_000, 2048, 6144, 4096, 200_000, 3072, 2048, 300_000, 4096]
+    times = [latency + b / rate + float(rng.normal(0, 0.0004)) for b in sizes]
+    if stalled != "a round's pull":
+        times[7] *= 2.2  # (the 200 kB pull: a large pull's stall pulls plain least squares' line to it)
+    if stalled != "a prompt's pull":
+        times[5] += 0.4
+    link = LinkFit()
+    link.observe(0.0, 1024, 0.05)  # (the connection's setup)
+    for i, (b, t) in enumerate(zip(sizes, times)):
+        link.observe(1.0 + i, b, t)
+    got_latency, got_rate = link.fit(20.0)
+    assert got_rate == pytest.approx(rate, rel=0.05) and got_latency == pytest.approx(latency, abs=0.002)
+    clean = LinkFit()  # (the same pulls, none stalled: the fit keeps them all, and is the same)
+    clean.observe(0.0, 1024, 0.05)
+    for i, b in enumerate(sizes):
+        clean.observe(1.0 + i, b, latency + b / rate)
+    assert clean.fit(20.0) == (pytest.approx(latency, abs=1e-9), pytest.approx(rate, rel=1e-9))
+
+
+def test_a_pull_given_up_is_the_link_not_a_stall() -> None:
+    """A link that got slow: a pull that gave up at its deadline, far slower than the line through the
+    others, is never left out as a stall: it is what the link is now."""
+    link = LinkFit()
+    link.observe(0.0, 1024, 0.05)
+    for i, b in enumerate((2048, 4096, 100_000, 2048, 4096, 200_000, 2048, 4096)):  # 1 MB/s
+        link.observe(1.0 + i, b, 0.001 + b / 1e6)
+    link.observe(9.0, 500_000, PULL_TIMEOUT_S, finished=False)  # (0.5 s by the line)
+    assert link.fit(10.0)[1] < 0.5e6 and link.predict(500_000, 10.0) > 1.0
+
+
 def test_a_pull_is_made_unless_measured_slower_than_twice_the_recompute() -> None:
     assert worth_pulling(None, 0.001) and worth_pulling(1.0, None)  # (unmeasured: pull, and so measure)
     assert worth_pulling(0.019, 0.010) and not worth_pulling(0.021, 0.010)

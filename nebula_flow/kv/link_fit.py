@@ -2,7 +2,8 @@
 
 A pull over the network takes about ``latency + bytes / rate``. ``LinkFit`` keeps a holder's
 recent exchanges and fits the two by least squares (a round's pulls vary in size, a prompt's
-dwarf them); where the sizes do not show a rate above the times' noise, the rate is taken as
+dwarf them), leaving out an exchange that stalled (``_stall``: one slow pull under load halved a
+fitted rate, bending the line to itself); where the sizes do not show a rate above the times' noise, the rate is taken as
 unknown and a pull as its latency alone, which errs towards pulling. A pull that gave up at its
 deadline is kept as what it is, a lower bound of its time, so a link that keeps failing is
 learned in a few tries. Observations expire (``MEMORY_S``), so a holder
@@ -41,6 +42,11 @@ EXTRAPOLATE = 4.0  # a fit decides on pulls up to this many times its largest ex
 MEMORY_S = 60.0  # an exchange older than this is forgotten
 SKIP_FACTOR = 2.0  # a pull predicted to take this many times its recompute is not made
 DEADLINE_FACTOR = 3.0  # a pull is given this many times its prediction
+# A finished exchange that took longer than the line through the others predicts, by more than this
+# many times the exchanges' typical miss, stalled (descheduled, queued behind another send): it is
+# left out of the fit, one at a time, at most a quarter of them and only among this many or more.
+STALL_MISSES = 4.0
+MIN_TO_TRIM = 5
 
 
 class LinkFit:
@@ -84,16 +90,19 @@ class LinkFit:
             return self._fit
 
     def _line(self) -> tuple[float, float | None]:
-        sizes, times = [b for _, b, _, _ in self.seen], [s for _, _, s, _ in self.seen]
-        n, mean_b, mean_s = len(sizes), sum(sizes) / len(sizes), sum(times) / len(times)
-        spread = sum((b - mean_b) ** 2 for b in sizes)
-        if n >= 3 and spread > 0:
-            slope = sum((b - mean_b) * (s - mean_s) for b, s in zip(sizes, times)) / spread
-            intercept = mean_s - slope * mean_b
-            noise = sum((s - intercept - slope * b) ** 2 for b, s in zip(sizes, times)) / (n - 2)
+        kept = [(b, s, done) for _, b, s, done in self.seen]
+        for _ in range(len(kept) // 4 if len(kept) >= MIN_TO_TRIM else 0):
+            stall = _stall(kept)
+            if stall is None:
+                break
+            del kept[stall]
+        sizes, times = [b for b, _, _ in kept], [s for _, s, _ in kept]
+        line = _least_squares(sizes, times)
+        if line is not None:
+            slope, intercept, spread, noise = line
             if slope > 0 and slope * slope > 4 * noise / spread:
                 return max(0.0, intercept), 1.0 / slope
-        return sorted(times)[n // 2], None
+        return sorted(times)[len(times) // 2], None
 
     def predict(self, nbytes: int, now: float) -> float | None:
         """Seconds a pull of ``nbytes`` should take (its latency alone where the rate is not
@@ -137,6 +146,39 @@ class LinkFit:
         fit = self.fit(now)
         return None if fit is None else {"latency_ms": round(fit[0] * 1e3, 3),
                                          "mbit_s": round(fit[1] * 8e-6, 3) if fit[1] else None}
+
+
+def _least_squares(sizes: list[int], times: list[float]) -> tuple[float, float, float, float] | None:
+    """(slope, intercept, spread of the sizes, residual variance) of the line through the points;
+    None: fewer than three, or one size."""
+    n = len(sizes)
+    mean_b, mean_s = sum(sizes) / n, sum(times) / n
+    spread = sum((b - mean_b) ** 2 for b in sizes)
+    if n < 3 or spread <= 0:
+        return None
+    slope = sum((b - mean_b) * (s - mean_s) for b, s in zip(sizes, times)) / spread
+    intercept = mean_s - slope * mean_b
+    return slope, intercept, spread, sum((s - intercept - slope * b) ** 2 for b, s in zip(sizes, times)) / (n - 2)
+
+
+def _stall(points: list[tuple[int, float, bool]]) -> int | None:
+    """The index of the exchange that stalled most, if one did: a finished exchange slower than the
+    line through the others predicts (its deleted residual, so a large stalled pull cannot bend the
+    line to itself) by more than ``STALL_MISSES`` times the median miss. Only slower: a stall
+    only ever adds time, and a pull that gave up is what the link is, not a stall."""
+    sizes, times = [b for b, _, _ in points], [s for _, s, _ in points]
+    line = _least_squares(sizes, times)
+    if line is None:
+        return None
+    slope, intercept, spread, _ = line
+    n, mean_b = len(sizes), sum(sizes) / len(sizes)
+    misses = []
+    for b, s in zip(sizes, times):
+        leverage = 1 / n + (b - mean_b) ** 2 / spread
+        misses.append((s - intercept - slope * b) / max(1 - leverage, 1e-9))  # (the miss of the line without it)
+    typical = 1.4826 * sorted(abs(m) for m in misses)[n // 2]  # (the median miss, as a standard deviation)
+    worst = max((i for i in range(n) if points[i][2]), key=lambda i: misses[i], default=None)
+    return worst if worst is not None and typical > 0 and misses[worst] > STALL_MISSES * typical else None
 
 
 def worth_pulling(predicted_s: float | None, recompute_s: float | None) -> bool:
