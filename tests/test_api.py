@@ -271,6 +271,36 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(served) -> None:  
         assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
 
 
+def test_echo_with_max_tokens_0_is_the_prompt_alone_scored(served) -> None:  # noqa: ANN001
+    """``echo`` with ``max_tokens`` 0 (vLLM's, and older evaluation harnesses'): the answer is the
+    prompt alone, with its tokens' logprobs, ``finish_reason`` ``length`` and no completion tokens;
+    streamed, the prompt and then the end. Without echo, or on chat, 0 stays a 400."""
+    prompt = [5, 40, 7, 300, 12, 9, 81, 3]
+    with Client(served.address) as c:
+        want = c.generate(token_ids=prompt, max_new_tokens=1, prompt_logprobs=2, echo=True)
+    client = oai(served)
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, temperature=0, logprobs=2, echo=True)
+    choice = got.choices[0]
+    assert choice.text == want.prompt_text and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == [e[2] for e in want.prompt_logprobs]
+    assert choice.logprobs.tokens == [e[1] for e in want.prompt_logprobs]
+    assert got.usage.prompt_tokens == len(prompt) and got.usage.completion_tokens == 0
+    events = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=0, temperature=0, logprobs=2,
+                                            echo=True, stream=True))
+    choices = [e.choices[0] for e in events if e.choices]
+    assert "".join(ch.text for ch in choices) == want.prompt_text and choices[-1].finish_reason == "length"
+    assert [v for ch in choices if ch.logprobs for v in ch.logprobs.token_logprobs] == choice.logprobs.token_logprobs
+    texts = client.completions.create(model="tiny", prompt=["def f(x):", "import os"], max_tokens=0, echo=True, n=2)
+    assert sorted(ch.text for ch in texts.choices) == ["def f(x):"] * 2 + ["import os"] * 2
+    assert all(ch.logprobs is None and ch.finish_reason == "length" for ch in texts.choices)
+    for body in ({"prompt": "x", "max_tokens": 0}, {"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 1},
+                 {"messages": CONVERSATION, "max_tokens": 0, "echo": True}):
+        chat = "messages" in body
+        res = httpx.post(served.http_url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                         headers={"Authorization": "Bearer sesame"}, json={"model": "tiny", **body})
+        assert res.status_code == 400, res.text
+
+
 def test_an_evaluation_harness_scores_continuations_through_echo(served) -> None:  # noqa: ANN001
     """lm-evaluation-harness's loglikelihood requests, as its ``local-completions`` sends them (a
     batch of token-id prompts, context + continuation each, ``echo``, ``logprobs`` 1, ``max_tokens``

@@ -200,6 +200,8 @@ class Gateway:
             gone.cancel()
             raise ApiError(400, str(exc), code="invalid_value") from None
         items = choices.merged(heads, streams)
+        if job.echo_only:
+            items = choices.prompt_only(items)
         if job.stream:
             gone.cancel()  # (the event stream watches for it from here)
             return EventStream(self._events(shaper, job, len(streams), items), headers={"Cache-Control": "no-cache"})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 from nebula_flow.client import Chunk, Completion
@@ -93,3 +94,20 @@ async def completions(items: AsyncIterator[tuple[int, Item]], count: int) -> lis
         if isinstance(item, Completion):
             outs[i] = item
     return [out for out in outs if out is not None]
+
+
+async def prompt_only(items: AsyncIterator[tuple[int, Item]]) -> AsyncIterator[tuple[int, Item]]:
+    """Echo with ``max_tokens`` 0 (as vLLM's): each choice's items without the token its request made
+    (the prompt's text and log-probabilities, which come with the first item, stay), and its end
+    ``length``: no token was to be made. Closing this closes ``items``."""
+    try:
+        async for i, item in items:
+            if isinstance(item, Completion):
+                item = dataclasses.replace(item, text="", token_ids=[], finish_reason="length", rounds=0,
+                                           tokens_per_round=[], chunk_tokens=[], chunk_times_s=[],
+                                           logprobs=None if item.logprobs is None else [])
+            else:
+                item = dataclasses.replace(item, text="", token_ids=[], logprobs=None)
+            yield i, item
+    finally:
+        await items.aclose()

@@ -92,6 +92,7 @@ class Job:
     calls: ToolCalling | None = None  # chat with tools: the output is tool calls (``api/tools.py``)
     reasoning: str | None = None  # chat: the reasoning parser that sets thinking apart (``api/reasoning.py``)
     echo: bool = False  # completions: each choice's text (and logprobs) begin with its prompt's
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (a token is made, and left out)
     prompt_top: int | None = None  # vLLM's prompt_logprobs: the prompt's, this many top tokens beside each
 
     def echoes(self) -> list[str | None] | None:
@@ -306,8 +307,10 @@ def _max_tokens(body: dict[str, Any], served: Served, chat: bool) -> dict[str, A
             return {"max_new_tokens": min(served.max_new_tokens_limit, served.max_model_len), "fit_context": True}
         return {"max_new_tokens": min(COMPLETION_DEFAULT_MAX_TOKENS, served.max_new_tokens_limit)}
     name, value = next(iter(given.items()))
+    if value == 0 and _is_int(value) and not chat and body.get("echo") is True:
+        return {"max_new_tokens": 0}  # (echo alone: scores the prompt, ``parse_completion``)
     if not _is_int(value) or value < 1:
-        raise invalid(name, f"{name} must be a positive integer, got {value!r}")
+        raise invalid(name, f"{name} must be a positive integer (0 only with echo, on completions), got {value!r}")
     if value > served.max_new_tokens_limit:
         raise invalid(name, f"{name} {value} exceeds this server's limit of {served.max_new_tokens_limit}")
     if value >= served.max_model_len:
@@ -373,8 +376,15 @@ def parse_completion(body: Any, served: Served) -> Job:  # noqa: ANN401
         if "logprobs" in params:
             params["prompt_logprobs"] = params["logprobs"]
         inputs = [{**given, "echo": True} if "token_ids" in given else given for given in inputs]
+    # echo and max_tokens 0 (as vLLM's): the prompt alone, scored. The request runs for one token, which
+    # costs nothing more (the forward that computes the prompt picks it) and is left out of the answer.
+    echo_only = params["max_new_tokens"] == 0
+    if echo_only:
+        params["max_new_tokens"] = 1
+        if params.get("min_tokens"):
+            raise invalid("min_tokens", "min_tokens must be 0 when max_tokens is 0")
     return Job(False, params, inputs, _choices(body, len(inputs)), stream=stream, include_usage=usage,
-               return_token_ids=body.get("return_token_ids", False), echo=echo,
+               return_token_ids=body.get("return_token_ids", False), echo=echo, echo_only=echo_only,
                prompt_top=_prompt_top(body, params, stream))
 
 
