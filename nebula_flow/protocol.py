@@ -18,8 +18,9 @@ Client <-> broker (client socket, DEALER -> ROUTER): ``Submit``, ``Cancel``, ``S
 (a stream chunk; several in one ``Chunks``), ``Done``, ``State`` from the broker; ``Error`` either way. Worker <->
 broker (worker socket, DEALER -> ROUTER): ``Register``, ``Pull``, ``Result`` (of ``TaskResult`` items), ``Bye`` from
 a worker; ``Welcome``, ``Tasks`` (of ``TaskSpec`` items), ``Free`` from the broker; ``Heartbeat`` and ``Error``
-either way. Worker <-> worker (KV server, ZeroMQ transport): ``KvPull`` and ``KvData`` (the UCX transport carries
-the same fields as int64 arrays of sizes both sides know, see ``nebula_flow/kv/ucx.py``)."""
+either way. Worker <-> worker (KV server, ZeroMQ transport): ``KvPull`` and ``KvData``, defined in
+``nebula_flow/kv/messages.py`` (the UCX transport carries the same fields as int64 arrays of sizes both sides know,
+see ``nebula_flow/kv/ucx.py``). ``Msg``, every kind's base, is the codec's (``nebula_flow/wire.py``)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ from typing import Any, ClassVar
 
 import orjson
 
+from nebula_flow.kv.messages import MAX_PULL_ITEMS, KvData, KvPull, KvRows  # noqa: F401 - part of the schema
 from nebula_flow.proposal import Proposes
 from nebula_flow.round_times import Timing  # noqa: F401 - RESULT's timing: part of the schema
 from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of this module's API
     HEADER_OPTIONS,
     TOKENS_MISSING,
     Frames,
+    Msg,
     ProtocolError,
     Rejected,
     Tensor,
@@ -57,21 +60,11 @@ MAX_CAPACITY = 4096  # tasks a worker may take in one batch
 MAX_ALTERNATIVES = 8  # runner-ups to the first draft token
 MAX_FUSED_CHAINS = 4  # fused chains in one round's token tree
 MAX_DRAFT = 64  # tokens in a draft, and in a fused chain
-MAX_PULL_ITEMS = 4096  # requests in one KV exchange
 MAX_DECODE_STEPS = 64  # tokens one draft-less verify may decode (multi-step decoding, ``nebula_flow/steps.py``)
 MAX_SUPPRESS = 128  # ids a task's min_tokens keeps from ending the output (EOS ids and stop token ids)
 TASK_KINDS = ("draft", "verify", "round", "ahead")  # (ahead: pre-drafting the next round, draft-ahead)
 KV_SCHEMES = ("tcp://", "ucx://", "shm://", "curve:")  # (curve: the KV server's public key, security.py)
 # -- the messages ------------------------------------------------------------------------------
-class Msg:
-    """A message kind; subclasses are dataclasses whose fields are the header's."""
-
-    KIND: ClassVar[str] = ""
-
-    def check(self) -> None:
-        """Rules beyond each field's type; raise ``ProtocolError``."""
-
-
 @dataclass
 class Submit(Msg):
     """Client -> broker: a request. Exactly one of ``prompt`` (text; ``chat`` applies the tokenizer's chat template to
@@ -414,40 +407,6 @@ class Bye(Msg):
     """Worker -> broker: the worker leaves; its in-flight tasks go back to their topic."""
 
     KIND: ClassVar[str] = "BYE"
-
-
-@dataclass
-class KvPull(Msg):
-    """Puller -> holder: "send me these KV positions": ``items`` of [rid, role, start, end], every request of a batch
-    this holder has, in one exchange."""
-
-    KIND: ClassVar[str] = "KV_PULL"
-    seq: int
-    items: list[list]
-
-    def check(self) -> None:
-        if not 0 < len(self.items) <= MAX_PULL_ITEMS or not all(
-                len(it) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in (it[0], it[2], it[3]))
-                and isinstance(it[1], str) and 0 <= it[2] < it[3] for it in self.items):
-            raise malformed(f"items must be 1..{MAX_PULL_ITEMS} of [rid, role, start, end] with 0 <= start < end")
-
-
-@dataclass
-class KvRows:
-    """The KV one pull item asked for: its tokens (int32) and rows ([n, layers, 2, heads, dim])."""
-
-    tokens: Tensor
-    rows: Tensor
-
-
-@dataclass
-class KvData(Msg):
-    """Holder -> puller: per asked item its ``KvRows``, or null when the holder no longer has them (evicted, freed,
-    shorter)."""
-
-    KIND: ClassVar[str] = "KV_DATA"
-    seq: int
-    items: list[KvRows | None] = field(default_factory=list)
 
 
 KINDS: dict[str, type[Msg]] = {cls.KIND: cls for cls in (

@@ -16,7 +16,7 @@ import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, fields, is_dataclass
-from typing import Any, NewType, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, NewType, get_args, get_origin, get_type_hints
 
 import numpy as np
 import orjson
@@ -307,6 +307,15 @@ def tensor(obj: np.ndarray, frames: Frames) -> dict[str, Any]:
         return frames.pack(arr, name)
     frames.append(arr)
     return {"f": len(frames) - 1, "dtype": name, "shape": list(arr.shape)}
+
+
+class Msg:
+    """A message kind; subclasses are dataclasses whose fields are the header's (``protocol.py``)."""
+
+    KIND: ClassVar[str] = ""
+
+    def check(self) -> None:
+        """Rules beyond each field's type; raise ``ProtocolError``."""
 
 
 @functools.cache
