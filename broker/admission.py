@@ -16,7 +16,7 @@ import numpy as np
 from nebula_flow import structured
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.params import InvalidParams, SamplingParams
-from nebula_flow.protocol import ProtocolError, Submit
+from nebula_flow.protocol import ProtocolError, Submit, Tokenize, Tokenized
 from nebula_flow.request import Request
 from nebula_flow.tokenizer import TextCodec, eos_token_ids
 from nebula_flow_broker.tokenizing import INLINE_CHARS, prompt_chars
@@ -47,13 +47,35 @@ class Admission:
             except ValueError as exc:
                 raise ProtocolError("invalid_prompt", str(exc)) from None
         else:
-            ids = msg.prompt_tokens
-            if self.vocab_size is not None and len(ids) and not 0 <= ids.min() <= ids.max() < self.vocab_size:
-                raise ProtocolError("invalid_prompt", f"token ids must be in [0, {self.vocab_size})")
-            prompt = ids.tolist()
+            prompt = self._known(msg.prompt_tokens).tolist()
         if not prompt:
             raise ProtocolError("invalid_prompt", "the prompt is empty")
         return prompt
+
+    def _known(self, ids: np.ndarray) -> np.ndarray:
+        """``ids``, or ``ProtocolError`` where one is outside the vocabulary."""
+        if self.vocab_size is not None and len(ids) and not 0 <= ids.min() <= ids.max() < self.vocab_size:
+            raise ProtocolError("invalid_prompt", f"token ids must be in [0, {self.vocab_size})")
+        return ids
+
+    def answer(self, msg: Tokenize, unlocked: bool = False) -> Tokenized:
+        """A TOKENIZE's answer (``ProtocolError`` where it cannot be given): a text's ids, as a
+        SUBMIT's prompt would be tokenized, or given ids' text. ``unlocked``: as ``tokenize``."""
+        if self.codec is None:
+            raise ProtocolError("no_tokenizer", "this broker has no tokenizer")
+        text = None
+        if msg.token_ids is not None:
+            ids = self._known(msg.token_ids).tolist()
+            text = self.codec.tok.decode(ids, skip_special_tokens=False)
+        else:
+            try:
+                ids = (self.codec.encode(msg.prompt, special=msg.special, unlocked=unlocked) if msg.prompt is not None
+                       else self.codec.encode_chat(msg.messages, msg.chat_options, unlocked, msg.generation_prompt,
+                                                   msg.special))
+            except ValueError as exc:
+                raise ProtocolError("invalid_prompt", str(exc)) from None
+        pieces = [self.codec.tok.id_to_token(i) or "" for i in ids] if msg.pieces else None
+        return Tokenized(msg.req_id, np.asarray(ids, dtype=np.int32), self.max_model_len, text, pieces)
 
     def params(self, msg: Submit, grammar: bool = True) -> SamplingParams:
         """A SUBMIT's sampling parameters, validated (``ProtocolError`` otherwise); ``grammar``:

@@ -15,11 +15,12 @@ from typing import Any
 import zmq
 
 from nebula_flow import protocol
-from nebula_flow.protocol import Cancel, Done, ProtocolError, State, Status, Submit, TaskResult, Tokens
+from nebula_flow.protocol import Cancel, Done, ProtocolError, State, Status, Submit, TaskResult, Tokenize, Tokens
 from nebula_flow.request import Request
 from nebula_flow.wire import req_id_of
 from nebula_flow_broker import results
 from nebula_flow_broker.access import owner_of
+from nebula_flow_broker.tokenizing import INLINE_CHARS, tokenize_chars
 
 log = logging.getLogger("nebula_flow.broker")
 # Stream chunks with logprobs are big (each token's top tokens): a re-attached client gets a request's
@@ -68,6 +69,12 @@ class Intake:
                     self._finish(rid, "cancelled")
             elif isinstance(msg, Status):
                 self._send(self.clients, identity, State(self.state(now)))
+            elif isinstance(msg, Tokenize):  # (a long text on the tokenizer thread, as long prompts)
+                self.counters["tokenize_requests"] += 1
+                if tokenize_chars(msg) > INLINE_CHARS:
+                    self.prompts.answer(lambda: self.admission.answer(msg, unlocked=True), identity, msg.req_id)
+                else:
+                    self._send(self.clients, identity, self.admission.answer(msg))
             else:
                 raise ProtocolError("unexpected_kind", f"{msg.KIND} is not a client message")
         except ProtocolError as exc:
@@ -192,6 +199,11 @@ class Intake:
                 self._admit(msg, identity, waiting.owner, waiting.submitted, prompt)
             except ProtocolError as exc:
                 self._reject(self.clients, identity, exc.code, exc.message, msg.req_id)
+        for identity, req_id, answer in self.prompts.answers():
+            if isinstance(answer, ProtocolError):
+                self._reject(self.clients, identity, answer.code, answer.message, req_id)
+            else:
+                self._send(self.clients, identity, answer)
 
     def _release(self, identity: bytes) -> None:
         """One request fewer in flight for this client."""

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from nebula_flow.protocol import ProtocolError, Submit
+from nebula_flow.protocol import ProtocolError, Submit, Tokenize
 
 INLINE_CHARS = 4096  # prompts (or conversations) up to this many characters are tokenized inline
 
@@ -57,6 +57,7 @@ class PromptTokenizer:
         os.set_blocking(self.fd, False)
         self.waiting: dict[str, Waiting] = {}  # req_id -> its SUBMIT
         self._done: list[tuple[str, Future]] = []
+        self._answers: list[tuple[bytes, str, Future]] = []
 
     def start(self, msg: Submit, identity: bytes, owner: str, now: float) -> None:
         self.waiting[msg.req_id] = Waiting(msg, identity, owner, now)
@@ -67,6 +68,22 @@ class PromptTokenizer:
         self._done.append((req_id, future))  # (list.append is atomic under the GIL)
         os.write(self._wake, b"x")
 
+    def answer(self, work: Callable[[], Any], identity: bytes, req_id: str) -> None:
+        """A client's question that takes long (a TOKENIZE of a long text): ``work`` runs on the
+        thread, and its answer comes out of ``answers``."""
+        future = self.pool.submit(work)
+        future.add_done_callback(lambda f: self._answered(identity, req_id, f))
+
+    def _answered(self, identity: bytes, req_id: str, future: Future) -> None:  # (on the tokenizer thread)
+        self._answers.append((identity, req_id, future))
+        os.write(self._wake, b"x")
+
+    def answers(self) -> list[tuple[bytes, str, Any]]:
+        """The questions answered since the last call (after ``ready``, which reads the wake-up):
+        who asked, under which id, and the answer or its refusal."""
+        done, self._answers = self._answers, []
+        return [(identity, req_id, _outcome(future)) for identity, req_id, future in done]
+
     def ready(self) -> list[tuple[Waiting, list[int] | ProtocolError]]:
         """The prompts tokenized since the last call, each with its token ids or its refusal."""
         try:
@@ -74,18 +91,27 @@ class PromptTokenizer:
         except BlockingIOError:
             pass
         done, self._done = self._done, []
-        out: list[tuple[Waiting, Any]] = []
-        for req_id, future in done:
-            waiting = self.waiting.pop(req_id)
-            try:
-                out.append((waiting, future.result()))
-            except ProtocolError as exc:
-                out.append((waiting, exc))
-            except Exception as exc:  # noqa: BLE001 - a tokenizer bug costs this request, never the broker
-                out.append((waiting, ProtocolError("internal", f"tokenizing failed: {type(exc).__name__}: {exc}"[:300])))
-        return out
+        return [(self.waiting.pop(req_id), _outcome(future)) for req_id, future in done]
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         os.close(self.fd)
         os.close(self._wake)
+
+
+def _outcome(future: Future) -> Any:  # noqa: ANN401
+    """A finished future's result, or its ``ProtocolError`` (a tokenizer bug becomes one: it costs
+    that request, never the broker)."""
+    try:
+        return future.result()
+    except ProtocolError as exc:
+        return exc
+    except Exception as exc:  # noqa: BLE001
+        return ProtocolError("internal", f"tokenizing failed: {type(exc).__name__}: {exc}"[:300])
+
+
+def tokenize_chars(msg: Tokenize) -> int:
+    """How much text a TOKENIZE asks the broker to make or read (given ids count 4 characters each)."""
+    if msg.messages is not None:
+        return sum(len(str(m.get("content", ""))) for m in msg.messages if isinstance(m, dict))
+    return len(msg.prompt) if msg.prompt is not None else 4 * len(msg.token_ids)

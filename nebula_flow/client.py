@@ -19,7 +19,6 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,71 +27,13 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from nebula_flow import protocol, zmq_frames
+
+# (what the library hands back is part of its API)
+from nebula_flow.outputs import Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout, Tokenization  # noqa: F401
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Cancel, Chunks, Done, Error, Msg, ProtocolError, State, Status, Submit, Tokens
 from nebula_flow.shards import addresses as shard_addresses
 from nebula_flow.shards import merge_states, shard_of
-
-
-class NebulaError(Exception):
-    """Base class of the client's errors."""
-
-
-class RequestError(NebulaError):
-    """The broker rejected or failed a request. ``code`` says why (e.g. ``busy``, ``too_long``)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
-
-
-class Busy(RequestError):
-    """The broker is at its admission limit; retry later."""
-
-
-class RequestTimeout(NebulaError):
-    """No answer from the broker within the timeout."""
-
-
-@dataclass
-class Chunk:
-    """Tokens committed by one verify step, and their text."""
-
-    token_ids: list[int]
-    text: str
-    t_s: float  # seconds since the request was sent
-    logprobs: list | None = None  # asked for: per token [id, text, logprob, [[id, text, logprob], ...]]
-    prompt_logprobs: list | None = None  # asked for, on the first chunk: the prompt's tokens' (the first's: null)
-    prompt_text: str | None = None  # asked for (echo), on the first chunk: the prompt's text
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    rounds: int
-    tokens_per_round: list[int]
-    ttft_s: float
-    latency_s: float
-    chunk_times_s: list[float] = field(default_factory=list)
-    stats: dict[str, Any] = field(default_factory=dict)
-    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each chunk, as chunk_times_s
-    logprobs: list | None = None  # asked for: each token's, as ``Chunk.logprobs``
-    prompt_logprobs: list | None = None  # asked for: each prompt token's, as ``Chunk.prompt_logprobs``
-    prompt_text: str | None = None  # asked for (echo): the prompt's text
-
-    @property
-    def mean_tokens_per_round(self) -> float:
-        return len(self.token_ids) / self.rounds if self.rounds else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "rounds": self.rounds, "tokens_per_round": self.tokens_per_round,
-                "ttft_s": self.ttft_s, "latency_s": self.latency_s, "stats": self.stats,
-                **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
-                **({"prompt_logprobs": self.prompt_logprobs} if self.prompt_logprobs is not None else {}),
-                **({"prompt_text": self.prompt_text} if self.prompt_text is not None else {})}
 
 
 def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, session: str | None = None,
@@ -128,6 +69,24 @@ async def completion_of(items: AsyncIterator[Chunk | Completion]) -> Completion:
 def _raise_error(err: Error) -> None:
     cls = Busy if err.code == "busy" else RequestError
     raise cls(err.code, err.message)
+
+
+def build_tokenize(text: str | None = None, messages: list[dict[str, Any]] | None = None,
+                   chat_options: dict[str, Any] | None = None, token_ids: list[int] | None = None,
+                   special: bool | None = None, generation_prompt: bool = True, pieces: bool = False) -> protocol.Tokenize:
+    """A TOKENIZE of one of ``text``, ``messages`` (a conversation through the chat template) and
+    ``token_ids`` (to text); ``special``: the tokenizer's special tokens added (default: to a text,
+    not to a conversation, whose template writes its own, as vLLM's ``/tokenize``)."""
+    ids = None if token_ids is None else np.asarray(token_ids, dtype=np.int64)
+    if special is None:
+        special = messages is None
+    return protocol.Tokenize(uuid.uuid4().hex, text, messages, chat_options, ids, special, generation_prompt, pieces)
+
+
+def _tokenization(reply: Msg) -> Tokenization:
+    if isinstance(reply, Error):
+        _raise_error(reply)
+    return Tokenization(reply.token_ids.tolist(), reply.max_model_len, reply.text, reply.pieces)
 
 
 class _Collector:
@@ -356,6 +315,19 @@ class Client:
         """The broker's state (``nebula-flow status --json``); a sharded deployment's merged."""
         return merge_states([self._status(conn) for conn in self.conns])
 
+    def tokenize(self, text: str | None = None, **kwargs: Any) -> Tokenization:
+        """The broker's tokenizer at work, nothing run: ``text`` or ``messages=`` to token ids, or
+        ``token_ids=`` to text (``build_tokenize``'s arguments)."""
+        msg = build_tokenize(text, **kwargs)
+        conn = self.conns[shard_of(msg.req_id, len(self.conns))]
+        self._send(conn, msg)
+        while True:
+            reply = self._recv(conn)
+            if reply is None:  # (the connection was made again: ask again)
+                self._send(conn, msg)
+            elif getattr(reply, "req_id", None) == msg.req_id:
+                return _tokenization(reply)
+
     def _status(self, conn: _Conn) -> dict[str, Any]:
         self._send(conn, Status())
         while True:
@@ -486,6 +458,20 @@ class AsyncClient:
         """The broker's state; a sharded deployment's merged (``shards.merge_states``)."""
         self._start()
         return merge_states(list(await asyncio.gather(*(self._status(i, c) for i, c in enumerate(self.conns)))))
+
+    async def tokenize(self, text: str | None = None, **kwargs: Any) -> Tokenization:
+        """As ``Client.tokenize``."""
+        self._start()
+        msg = build_tokenize(text, **kwargs)
+        queue: asyncio.Queue[Msg] = self.queues.setdefault(msg.req_id, asyncio.Queue())
+        conn = self.conns[shard_of(msg.req_id, len(self.conns))]
+        self.inflight[msg.req_id] = (conn, msg)  # (asked again on a new connection too)
+        try:
+            await self._send(conn, msg)
+            return _tokenization(await self._next(queue))
+        finally:
+            self.queues.pop(msg.req_id, None)
+            self.inflight.pop(msg.req_id, None)
 
     async def _status(self, index: int, conn: _Conn) -> dict[str, Any]:
         key = f"__status__{index}"

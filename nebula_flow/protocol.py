@@ -14,8 +14,9 @@ decoding is the validation. Anything else raises ``ProtocolError`` (with a stabl
 with an ``Error`` where there is a sender to answer, count it, and carry on. ``encode`` is the inverse. Unknown
 header fields are ignored (a newer peer may send more).
 
-Client <-> broker (client socket, DEALER -> ROUTER): ``Submit``, ``Cancel``, ``Status`` from the client; ``Tokens``
-(a stream chunk; several in one ``Chunks``), ``Done``, ``State`` from the broker; ``Error`` either way. Worker <->
+Client <-> broker (client socket, DEALER -> ROUTER): ``Submit``, ``Cancel``, ``Status``, ``Tokenize`` from the client;
+``Tokens`` (a stream chunk; several in one ``Chunks``), ``Done``, ``State``, ``Tokenized`` from the broker; ``Error``
+either way. Worker <->
 broker (worker socket, DEALER -> ROUTER): ``Register``, ``Pull``, ``Result`` (of ``TaskResult`` items), ``Bye`` from
 a worker; ``Welcome``, ``Tasks`` (of ``TaskSpec`` items), ``Free`` from the broker; ``Heartbeat`` and ``Error``
 either way. Worker <-> worker (KV server, ZeroMQ transport): ``KvPull`` and ``KvData``, defined in
@@ -162,6 +163,46 @@ class Done(Msg):
     text: str
     finish_reason: str
     stats: dict
+
+
+@dataclass
+class Tokenize(Msg):
+    """Client -> broker: the broker's tokenizer at work, nothing run (the HTTP API's ``/tokenize`` and
+    ``/detokenize``). Exactly one of: ``prompt``, text, its ids as a SUBMIT's prompt would be with ``special``
+    (the tokenizer's special tokens added); ``messages``, a conversation through the chat template as a SUBMIT's
+    (``chat_options``), with the generation prompt where ``generation_prompt``, ``special`` added to the template's
+    text; ``token_ids``, turned back into text, special tokens kept. ``pieces``: each id's piece of the vocabulary
+    too. Answered with ``Tokenized`` (or an ``Error``) under the client's ``req_id``."""
+
+    KIND: ClassVar[str] = "TOKENIZE"
+    req_id: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    chat_options: dict | None = None
+    token_ids: Tensor | None = None
+    special: bool = True
+    generation_prompt: bool = True
+    pieces: bool = False
+
+    def check(self) -> None:
+        check_req_id(self.req_id)
+        if sum(x is not None for x in (self.prompt, self.messages, self.token_ids)) != 1:
+            raise malformed("give exactly one of prompt, messages and token_ids")
+        if self.token_ids is not None and (self.token_ids.ndim != 1 or self.token_ids.dtype.kind != "i"):
+            raise malformed("token_ids must be a 1-d integer tensor")
+
+
+@dataclass
+class Tokenized(Msg):
+    """Broker -> client: a ``Tokenize``'s answer: the ``token_ids`` (of a text; or those given), the ``text`` (of
+    given ids), each id's vocabulary piece where asked, and the model's context (``max_model_len``)."""
+
+    KIND: ClassVar[str] = "TOKENIZED"
+    req_id: str
+    token_ids: Tensor
+    max_model_len: int
+    text: str | None = None
+    pieces: list[str] | None = None
 
 
 @dataclass
@@ -410,8 +451,8 @@ class Bye(Msg):
 
 
 KINDS: dict[str, type[Msg]] = {cls.KIND: cls for cls in (
-    Submit, Cancel, Status, Tokens, Chunks, Done, State, Error, Register, Welcome, Pull, Tasks, Result, Free,
-    Heartbeat, Bye, KvPull, KvData)}
+    Submit, Cancel, Status, Tokenize, Tokenized, Tokens, Chunks, Done, State, Error, Register, Welcome, Pull, Tasks,
+    Result, Free, Heartbeat, Bye, KvPull, KvData)}
 
 
 # -- decoding: the annotations are the schema ---------------------------------------------------

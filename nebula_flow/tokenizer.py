@@ -66,12 +66,15 @@ class TextCodec:
         return self.tok.encode(text, add_special_tokens=special).ids
 
     def encode_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None,
-                    unlocked: bool = False) -> list[int]:
-        """Token ids of a conversation through the chat template, with the generation prompt."""
-        return self.encode(self.render_chat(messages, options), special=False, unlocked=unlocked)
+                    unlocked: bool = False, generation_prompt: bool = True, special: bool = False) -> list[int]:
+        """Token ids of a conversation through the chat template, with the generation prompt (the
+        template's text holds its special tokens: the tokenizer adds none unless ``special``)."""
+        return self.encode(self.render_chat(messages, options, generation_prompt), special=special, unlocked=unlocked)
 
-    def render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None) -> str:
-        """The chat template's text for ``messages``; ``options`` are the template's own variables
+    def render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None,
+                    generation_prompt: bool = True) -> str:
+        """The chat template's text for ``messages``, with the generation prompt (the assistant's
+        turn begun) where ``generation_prompt``; ``options`` are the template's own variables
         (e.g. ``enable_thinking``), as transformers passes ``apply_chat_template``'s extra keywords.
         ``ValueError`` when there is no template, an option would replace one of the template's
         inputs, or the template refuses the conversation."""
@@ -85,7 +88,7 @@ class TextCodec:
         try:
             if self._template is None:
                 self._template = _compile(self.chat_template)
-            return self._template.render(**options, messages=messages, add_generation_prompt=True,
+            return self._template.render(**options, messages=messages, add_generation_prompt=generation_prompt,
                                          **{k: v for k, v in self.special.items() if v is not None})
         except jinja2.TemplateError as exc:  # (a template's raise_exception, or a template that is broken)
             raise ValueError(f"the chat template refused this conversation: {exc}") from None

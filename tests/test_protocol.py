@@ -164,6 +164,18 @@ def test_kv_data_carries_missing_items_as_null() -> None:
     assert got.seq == 3 and got.items[0] is None and got.items[1].rows.shape == (2, 4)
 
 
+def test_a_tokenize_gives_one_source_and_its_answer_round_trips() -> None:
+    ask = roundtrip(protocol.Tokenize("t", messages=[{"role": "user", "content": "hi"}], special=False, pieces=True))
+    assert ask.messages == [{"role": "user", "content": "hi"}] and not ask.special and ask.generation_prompt
+    for bad in (protocol.Tokenize("t"), protocol.Tokenize("t", prompt="a", token_ids=np.arange(2)),
+                protocol.Tokenize("t", token_ids=np.ones((2, 2), np.int64)), protocol.Tokenize("", prompt="a")):
+        with pytest.raises(ProtocolError, match="malformed"):
+            roundtrip(bad)
+    back = roundtrip(protocol.Tokenized("t", np.arange(3, dtype=np.int32), 2048, "abc", ["a", "b", "c"]))
+    assert back.token_ids.tolist() == [0, 1, 2] and (back.max_model_len, back.text, back.pieces) == (2048, "abc",
+                                                                                                   ["a", "b", "c"])
+
+
 def test_every_kind_has_a_documented_class_and_round_trips_at_its_defaults() -> None:
     for kind, cls in protocol.KINDS.items():
         assert cls.__doc__ and cls.KIND == kind

@@ -31,6 +31,7 @@ from nebula_flow.api.reasoning import ThinkingStream
 from nebula_flow.api.request import STRUCTURED_FIELDS, ApiError, Job, Served, parse_chat, parse_completion
 from nebula_flow.api.response import Shaper, sse
 from nebula_flow.api.telemetry import Telemetry
+from nebula_flow.api.tokenize import parse_detokenize, parse_tokenize, tokenized
 from nebula_flow.api.tools import CallStream
 from nebula_flow.client import AsyncClient, Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout
 from nebula_flow.metrics import exposition, families
@@ -158,6 +159,33 @@ class Gateway:
         with contextlib.suppress(ApiError):  # (the gateway's own metrics even when the broker is away)
             text += exposition(families(await self.state()))
         return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokenizer(request, "tokenize", parse_tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokenizer(request, "detokenize", parse_detokenize)
+
+    async def _tokenizer(self, request: Request, endpoint: str, parse: Any) -> Response:  # noqa: ANN401
+        """``/tokenize`` and ``/detokenize`` (``api/tokenize.py``): the broker's tokenizer at work."""
+        try:
+            self.authorize(request)
+            asked = parse(await read_json(request), await self.served())
+            try:
+                got = await self.client.tokenize(**asked)
+            except RequestError as exc:
+                if exc.code not in BAD_REQUEST_CODES:
+                    raise
+                raise ApiError(400, exc.message, code=exc.code,
+                               param="tokens" if "token_ids" in asked else "messages" if "messages" in asked
+                               else "prompt") from None
+            except NebulaError as exc:
+                raise from_broker(exc) from None
+            response = JSONResponse(tokenized(got) if endpoint == "tokenize" else {"prompt": got.text})
+        except ApiError as exc:
+            response = error_response(exc)
+        self.telemetry.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completions", parse_completion)
@@ -341,6 +369,8 @@ def build_app(gateway: Gateway) -> Starlette:
         route("/v1/chat/completions", gateway.chat, ["POST"]),
         route("/v1/models", gateway.models, ["GET"]),
         route("/v1/models/{model:path}", gateway.model, ["GET"]),
+        route("/tokenize", gateway.tokenize, ["POST"]),
+        route("/detokenize", gateway.detokenize, ["POST"]),
         route("/health", gateway.health, ["GET"]),
         route("/metrics", gateway.metrics, ["GET"]),
     ], lifespan=gateway.lifespan)

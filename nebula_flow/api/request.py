@@ -404,7 +404,8 @@ def _prompt_top(body: dict[str, Any], params: dict[str, Any], stream: bool) -> i
     return top
 
 
-def _message(i: int, m: Any) -> dict[str, Any]:  # noqa: ANN401, C901
+def template_message(i: int, m: Any) -> dict[str, Any]:  # noqa: ANN401, C901
+    """Message ``i`` of a conversation, checked, as the chat template reads it."""
     where = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise invalid(where, f"{where} must be an object with a role and content")
@@ -480,7 +481,7 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
         options = {**(options or {}), "tools": tools}
     if (prediction := _prediction(body.get("prediction"))) is not None:
         params["prediction"] = prediction
-    inputs = [{"messages": [_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
+    inputs = [{"messages": [template_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
     return Job(True, params, inputs, _choices(body, 1), stream=stream, include_usage=usage,
                return_token_ids=body.get("return_token_ids", False), calls=calls, reasoning=served.reasoning_parser,
                prompt_top=_prompt_top(body, params, stream))
