@@ -29,7 +29,8 @@ class InvalidParams(ValueError):
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` means greedy (argmax).
 
-    ``top_k == 0`` and ``top_p == 1.0`` disable those filters. ``seed`` fixes every random
+    ``top_k == 0``, ``top_p == 1.0`` and ``min_p == 0`` disable those filters (``min_p``, vLLM's: a
+    token less likely than ``min_p`` times the most likely one is dropped; ``specdec.target_probs``). ``seed`` fixes every random
     number the request uses (see ``specdec.uniform``); the broker draws one when it is absent,
     so a request's randomness never depends on which worker runs it. ``stop_token_ids`` end the
     output like EOS (the token kept, ``finish_reason`` "stop"), whether or not ``ignore_eos``.
@@ -61,6 +62,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -152,6 +154,9 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p) or not 0 < p <= 1:
             raise InvalidParams(f"top_p must be in (0, 1], got {p!r}")
+        m = self.min_p
+        if not isinstance(m, (int, float)) or isinstance(m, bool) or not math.isfinite(m) or not 0 <= m <= 1:
+            raise InvalidParams(f"min_p must be in [0, 1] (0: off), got {m!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise InvalidParams(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):

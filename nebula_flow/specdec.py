@@ -18,6 +18,8 @@ state is involved, so the output is the same whatever worker, batch or mode runs
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -67,8 +69,12 @@ def argmax_ids(logits: torch.Tensor) -> list[int]:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Rows of logits -> the sampling distribution (temperature, then top-k, then top-p), fp64."""
+    """Rows of logits -> the sampling distribution (temperature, then min-p, then top-k, then top-p,
+    vLLM's order), fp64."""
     scores = logits.double() / params.temperature
+    if params.min_p > 0.0:  # (p < min_p * p_max is s < s_max + log(min_p): no softmax of its own)
+        cut = scores.max(dim=-1, keepdim=True).values + math.log(params.min_p)
+        scores = scores.masked_fill(scores < cut, float("-inf"))
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "priority")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "priority")
 
 
 class TraceError(ValueError):

@@ -562,6 +562,20 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(served) -> None:  # n
             time.sleep(0.05)
 
 
+def test_min_p_reaches_every_draft_and_verify(served) -> None:  # noqa: ANN001
+    """vLLM's ``min_p``: at 1 only the most likely token is left, so a sampled request's output is
+    the greedy one (drafts and verifies both cut); at 0.05 it samples still, seeded as any."""
+    prompt = "def fibonacci(n):"
+    client = oai(served)
+    greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, seed=1)
+    cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=1.5, seed=1,
+                                    extra_body={"min_p": 1.0})
+    assert cut.choices[0].text == greedy.choices[0].text
+    loose = [client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=1.5, seed=s,
+                                       extra_body={"min_p": 0.05}).choices[0].text for s in (1, 1, 2)]
+    assert loose[0] == loose[1] and greedy.choices[0].text not in loose
+
+
 def test_overload_answers_429_and_every_admitted_request_completes(strict) -> None:  # noqa: ANN001
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=strict.http_url, timeout=60) as http:
@@ -593,6 +607,7 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of"),
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 5}, 400, "max_tokens"),  # over the limit of 4
     ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,

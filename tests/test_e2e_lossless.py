@@ -83,6 +83,7 @@ def structured_requests() -> list[dict]:
 
 def sampled_requests() -> list[dict]:
     return [{"prompt": p, "max_new_tokens": 30, "temperature": 0.8, "seed": 1000 + i,
+             **({"min_p": 0.05} if i % 3 == 1 else {}),  # (vLLM's min-p on some: drafts and verifies cut alike)
              **({"logprobs": SAMPLED_LOGPROBS[i]} if i in SAMPLED_LOGPROBS else {}),
              **({"prompt_logprobs": SAMPLED_PROMPT_LOGPROBS[i]} if i in SAMPLED_PROMPT_LOGPROBS else {})}
             for i, p in enumerate(TEXT_PROMPTS)]

@@ -158,6 +158,17 @@ def test_multi_round_sampling_follows_the_target_and_the_test_sees_a_leak(plante
         assert statistic < critical, statistic
 
 
+def test_min_p_sampling_follows_the_cut_target() -> None:
+    """The same test with vLLM's min-p: the draft proposes from its whole distribution, the target's
+    is cut to the tokens at least ``min_p`` times as likely as its best, and the output follows the
+    cut one exactly (and not the uncut one: the test sees the difference)."""
+    raw = {**PARAMS, "min_p": 0.5}
+    outputs, broker = serve_in_process(2000, PolicyConfig(k=4, fuse_ngram=4), params=raw)
+    assert 0 < sum(broker.stats.accepted_by_position) < sum(broker.stats.proposed_by_position)
+    assert uniformity(transforms(outputs, raw=raw)) < chi2_critical(4)
+    assert uniformity(transforms(outputs)) > 2 * chi2_critical(4)
+
+
 def test_penalized_sampling_follows_the_penalized_target() -> None:
     """The same test with presence, frequency and repetition penalties: the draft (the same model,
     unpenalized) proposes from another distribution than the penalized target's, which every row

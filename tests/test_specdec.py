@@ -51,6 +51,25 @@ def test_target_probs_applies_temperature_top_k_top_p() -> None:
     assert cold[0, 0] > 0.99
 
 
+def test_min_p_drops_what_is_less_likely_than_min_p_times_the_best_before_top_k_and_top_p() -> None:
+    """vLLM's min-p: at the temperature, a token whose probability is below ``min_p`` times the most
+    likely one's is dropped; then top-k and top-p see what is left (vLLM's order)."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(2)) * 1.5
+    full = (logits.double() / 0.8).softmax(-1)
+    got = specdec.target_probs(logits, SamplingParams(temperature=0.8, min_p=0.1))
+    kept = full >= 0.1 * full.max(-1, keepdim=True).values
+    assert torch.equal(got > 0, kept) and 1 < int(kept.sum(-1).min()) < 300
+    assert torch.allclose(got, (full * kept) / (full * kept).sum(-1, keepdim=True))
+    both = specdec.target_probs(logits, SamplingParams(temperature=0.8, min_p=0.1, top_p=0.8))
+    renormed = (full * kept) / (full * kept).sum(-1, keepdim=True)  # (top-p over what min-p left)
+    for r in range(5):
+        order = torch.argsort(renormed[r], descending=True)
+        need = int((renormed[r][order].cumsum(0) < 0.8).sum()) + 1
+        assert set(torch.nonzero(both[r]).flatten().tolist()) == set(order[:need].tolist())
+    assert torch.equal(specdec.target_probs(logits, SamplingParams(temperature=0.8, min_p=1.0)) > 0,
+                       full == full.max(-1, keepdim=True).values)
+
+
 @pytest.mark.parametrize("top_k", [0, 50])
 def test_top_p_keeps_the_smallest_set_over_p_whichever_sort_runs(top_k: int) -> None:
     """On a CPU top-p sorts with numpy (faster there than torch): the rows are torch's sort's bit for bit."""
@@ -167,6 +186,7 @@ def _tiny_vocab_model(seed: int, layers: int) -> CausalLM:
     (SamplingParams(temperature=0.8, max_new_tokens=2), 4, 0),
     (SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_new_tokens=2), 4, 0),
     (SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_new_tokens=2), 0, 2),
+    (SamplingParams(temperature=1.0, min_p=0.2, max_new_tokens=2), 4, 2),
     (SamplingParams(temperature=0.8, max_new_tokens=2), 4, 2)])
 def test_speculative_sampling_with_real_models_follows_the_target(params: SamplingParams, fuse: int,
                                                                   alts: int) -> None:

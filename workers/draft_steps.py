@@ -90,7 +90,7 @@ class DraftSteps:
         for j, r in enumerate(rows):
             if not self.params[r].greedy:
                 p = self.params[r]
-                groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(j)
+                groups.setdefault((p.temperature, p.min_p, p.top_k, p.top_p), []).append(j)
         sampled, q_idx, q_prob, picks = [], [], [], []
         position = len(self.steps)
         for places in groups.values():

@@ -24,7 +24,7 @@ import orjson
 
 from nebula_flow.client import Busy, Chunk, Completion, NebulaError, RequestError, completion_of
 
-PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
           "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "structured": "structured_outputs",
           "logit_bias": "logit_bias", "prediction": "prediction", "cache_salt": "cache_salt",
           "priority": "priority"}

@@ -153,6 +153,8 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
     if top_p <= 0:
         raise invalid("top_p", "top_p must be in (0, 1]")
     params["top_p"] = top_p
+    if (min_p := _number(body, "min_p", 0.0, 0.0, 1.0)) > 0:
+        params["min_p"] = min_p
     top_k = body.get("top_k")
     if top_k is not None:
         if not _is_int(top_k) or top_k < -1:
@@ -487,7 +489,7 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
                prompt_top=_prompt_top(body, params, stream))
 
 
-SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", "cache_salt",
                  "priority", "prompt_logprobs", *GUIDED)

@@ -309,6 +309,8 @@ GEN_OPTIONS = [
     click.option("--temperature", default=0.0, show_default=True, help="0 = greedy."),
     click.option("--top-k", default=0, show_default=True, help="0 = off."),
     click.option("--top-p", default=1.0, show_default=True),
+    click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+                 help="vLLM's: drop tokens less likely than this times the most likely one (0 = off)."),
     click.option("--seed", type=int, help="Fixes the output for sampled generation."),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
