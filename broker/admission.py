@@ -70,8 +70,7 @@ class Admission:
         else:
             try:
                 ids = (self.codec.encode(msg.prompt, special=msg.special, unlocked=unlocked) if msg.prompt is not None
-                       else self.codec.encode_chat(msg.messages, msg.chat_options, unlocked, msg.generation_prompt,
-                                                   msg.special))
+                       else self.codec.encode_chat(msg.messages, msg.chat_options, unlocked, msg.special))
             except ValueError as exc:
                 raise ProtocolError("invalid_prompt", str(exc)) from None
         pieces = [self.codec.tok.id_to_token(i) or "" for i in ids] if msg.pieces else None

@@ -73,14 +73,14 @@ def _raise_error(err: Error) -> None:
 
 def build_tokenize(text: str | None = None, messages: list[dict[str, Any]] | None = None,
                    chat_options: dict[str, Any] | None = None, token_ids: list[int] | None = None,
-                   special: bool | None = None, generation_prompt: bool = True, pieces: bool = False) -> protocol.Tokenize:
+                   special: bool | None = None, pieces: bool = False) -> protocol.Tokenize:
     """A TOKENIZE of one of ``text``, ``messages`` (a conversation through the chat template) and
     ``token_ids`` (to text); ``special``: the tokenizer's special tokens added (default: to a text,
     not to a conversation, whose template writes its own, as vLLM's ``/tokenize``)."""
     ids = None if token_ids is None else np.asarray(token_ids, dtype=np.int64)
     if special is None:
         special = messages is None
-    return protocol.Tokenize(uuid.uuid4().hex, text, messages, chat_options, ids, special, generation_prompt, pieces)
+    return protocol.Tokenize(uuid.uuid4().hex, text, messages, chat_options, ids, special, pieces)
 
 
 def _tokenization(reply: Msg) -> Tokenization:

@@ -170,8 +170,8 @@ class Tokenize(Msg):
     """Client -> broker: the broker's tokenizer at work, nothing run (the HTTP API's ``/tokenize`` and
     ``/detokenize``). Exactly one of: ``prompt``, text, its ids as a SUBMIT's prompt would be with ``special``
     (the tokenizer's special tokens added); ``messages``, a conversation through the chat template as a SUBMIT's
-    (``chat_options``), with the generation prompt where ``generation_prompt``, ``special`` added to the template's
-    text; ``token_ids``, turned back into text, special tokens kept. ``pieces``: each id's piece of the vocabulary
+    (``chat_options``: the template's variables and ``tokenizer.RENDER_OPTIONS``), ``special`` added to the
+    template's text; ``token_ids``, turned back into text, special tokens kept. ``pieces``: each id's piece of the vocabulary
     too. Answered with ``Tokenized`` (or an ``Error``) under the client's ``req_id``."""
 
     KIND: ClassVar[str] = "TOKENIZE"
@@ -181,7 +181,6 @@ class Tokenize(Msg):
     chat_options: dict | None = None
     token_ids: Tensor | None = None
     special: bool = True
-    generation_prompt: bool = True
     pieces: bool = False
 
     def check(self) -> None:

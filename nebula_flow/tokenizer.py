@@ -21,8 +21,13 @@ from typing import Any
 from tokenizers import Tokenizer, processors
 
 # What a chat template reads besides its options: a conversation's options may not replace them.
-TEMPLATE_INPUTS = frozenset({"messages", "add_generation_prompt", "raise_exception", "strftime_now", "bos_token",
+TEMPLATE_INPUTS = frozenset({"messages", "raise_exception", "strftime_now", "bos_token",
                              "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"})
+# Options that are not the template's variables but, as transformers' ``apply_chat_template``'s keywords,
+# how it is rendered: the generation prompt (the assistant's turn begun; default true, false where the
+# final message is left open), and the final message left open for the model to continue (an answer
+# begun for it; default false).
+RENDER_OPTIONS = ("add_generation_prompt", "continue_final_message")
 
 
 class TextCodec:
@@ -66,34 +71,37 @@ class TextCodec:
         return self.tok.encode(text, add_special_tokens=special).ids
 
     def encode_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None,
-                    unlocked: bool = False, generation_prompt: bool = True, special: bool = False) -> list[int]:
-        """Token ids of a conversation through the chat template, with the generation prompt (the
-        template's text holds its special tokens: the tokenizer adds none unless ``special``)."""
-        return self.encode(self.render_chat(messages, options, generation_prompt), special=special, unlocked=unlocked)
+                    unlocked: bool = False, special: bool = False) -> list[int]:
+        """Token ids of a conversation through the chat template (the template's text holds its
+        special tokens: the tokenizer adds none unless ``special``)."""
+        return self.encode(self.render_chat(messages, options), special=special, unlocked=unlocked)
 
-    def render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None,
-                    generation_prompt: bool = True) -> str:
-        """The chat template's text for ``messages``, with the generation prompt (the assistant's
-        turn begun) where ``generation_prompt``; ``options`` are the template's own variables
-        (e.g. ``enable_thinking``), as transformers passes ``apply_chat_template``'s extra keywords.
-        ``ValueError`` when there is no template, an option would replace one of the template's
-        inputs, or the template refuses the conversation."""
+    def render_chat(self, messages: list[dict[str, Any]], options: dict[str, Any] | None = None) -> str:
+        """The chat template's text for ``messages``; ``options`` are the template's own variables
+        (e.g. ``enable_thinking``) and ``RENDER_OPTIONS``, as transformers takes
+        ``apply_chat_template``'s keywords. ``ValueError`` when there is no template, an option would
+        replace one of the template's inputs, or the template refuses the conversation."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; send the prompt without chat")
-        options = options or {}
+        options = dict(options or {})
         if taken := sorted(set(options) & TEMPLATE_INPUTS):
             raise ValueError(f"chat template options may not set {', '.join(taken)}")
+        open_end = options.pop(RENDER_OPTIONS[1], False)
+        generation_prompt = options.pop(RENDER_OPTIONS[0], open_end is not True)  # (a message left open: no new turn)
+        if not isinstance(generation_prompt, bool) or not isinstance(open_end, bool) or generation_prompt and open_end:
+            raise ValueError("add_generation_prompt and continue_final_message are booleans, not both true")
         import jinja2
 
         try:
             if self._template is None:
                 self._template = _compile(self.chat_template)
-            return self._template.render(**options, messages=messages, add_generation_prompt=generation_prompt,
+            text = self._template.render(**options, messages=messages, add_generation_prompt=generation_prompt,
                                          **{k: v for k, v in self.special.items() if v is not None})
         except jinja2.TemplateError as exc:  # (a template's raise_exception, or a template that is broken)
             raise ValueError(f"the chat template refused this conversation: {exc}") from None
         except (TypeError, AttributeError, KeyError) as exc:  # (a message of a shape the template cannot read)
             raise ValueError(f"the chat template cannot read this conversation: {exc}") from None
+        return _left_open(text, messages) if open_end else text
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -132,6 +140,20 @@ class IncrementalText:
             return "", new
         self.prefix, self.read = self.read, len(ids)
         return new, ""
+
+
+def _left_open(text: str, messages: list[dict[str, Any]]) -> str:
+    """``continue_final_message``: the rendered conversation cut right after the final message's
+    text, whatever the template writes to close it (as transformers does; some templates strip a
+    message's surrounding whitespace, so its stripped text is looked for too)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    for piece in (final, final.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[:at + len(piece)]
+    raise ValueError("continue_final_message: the chat template does not write the final message's text as given")
 
 
 def _content(token: Any) -> str | None:  # noqa: ANN401

@@ -36,7 +36,11 @@ def hf(tiny_pair):  # noqa: ANN001, ANN201
 
 
 def chat_ids(hf, generation_prompt: bool = True) -> list[int]:  # noqa: ANN001
-    return list(hf.apply_chat_template(CONVERSATION, add_generation_prompt=generation_prompt, tokenize=True,
+    return chat_ids_of(hf, CONVERSATION, generation_prompt)
+
+
+def chat_ids_of(hf, messages: list[dict], generation_prompt: bool = True) -> list[int]:  # noqa: ANN001
+    return list(hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
                                        return_dict=True)["input_ids"])
 
 
@@ -77,6 +81,27 @@ def test_tokenize_a_conversation_through_the_chat_template(served, hf) -> None: 
     assert bare["count"] < got["count"]
 
 
+def test_an_answer_begun_in_the_final_message_is_continued(served, hf) -> None:  # noqa: ANN001
+    """vLLM's ``continue_final_message`` (transformers' ``apply_chat_template`` keyword): the final
+    assistant message is left open, no new turn begun, so a chat completion continues the answer
+    the caller began (an assistant prefill); ``/tokenize`` gives the same ids as HF's."""
+    begun = [*CONVERSATION, {"role": "assistant", "content": "def add(a, b):\n    return"}]
+    want = list(hf.apply_chat_template(begun, continue_final_message=True, tokenize=True, return_dict=True)["input_ids"])
+    got = post(served, "/tokenize", {"messages": begun, "continue_final_message": True}).json()
+    assert got["tokens"] == want and hf.decode(want).endswith("    return")
+    api = openai.OpenAI(base_url=served.http_url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+    chat = api.chat.completions.create(model="tiny", messages=begun, max_tokens=12, temperature=0,
+                                       extra_body={"continue_final_message": True, "return_token_ids": True})
+    with Client(served.address) as c:
+        assert chat.choices[0].model_extra["token_ids"] == c.generate(token_ids=want, max_new_tokens=12).token_ids
+    assert chat.usage.prompt_tokens == len(want)
+    closed = post(served, "/tokenize", {"messages": begun}).json()["tokens"]  # (by default: a new turn after it)
+    assert closed == chat_ids_of(hf, begun) and len(closed) > len(want)
+    res = post(served, "/v1/chat/completions", {"model": "tiny", "messages": [*CONVERSATION, {"role": "assistant",
+                                                "content": "   "}], "continue_final_message": True})
+    assert res.status_code == 400 and "final message" in res.json()["error"]["message"], res.text
+
+
 def test_detokenize_and_the_client_library(served, hf) -> None:  # noqa: ANN001
     """Ids back to text (special tokens kept, as HF's ``decode``); the blocking and asyncio clients
     ask the broker the same."""
@@ -104,7 +129,9 @@ def test_detokenize_and_the_client_library(served, hf) -> None:  # noqa: ANN001
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
-    ("/tokenize", {"messages": CONVERSATION, "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", {"messages": CONVERSATION, "continue_final_message": True, "add_generation_prompt": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"messages": CONVERSATION, "continue_final_message": 1}, 400, "continue_final_message"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0]"),
     ("/tokenize", {"messages": CONVERSATION, "tools": [{"type": "nope"}]}, 400, "tools"),
     ("/tokenize", {"prompt": "x", "temperature": 0}, 400, "temperature"),

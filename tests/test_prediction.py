@@ -13,7 +13,8 @@ import numpy as np
 import openai
 import pytest
 
-from nebula_flow.api.request import ApiError, Served, parse_chat, parse_completion
+from nebula_flow.api.errors import ApiError
+from nebula_flow.api.request import Served, parse_chat, parse_completion
 from nebula_flow.api.response import usage
 from nebula_flow.client import Client, Completion, RequestError, build_submit
 from nebula_flow.deploy import Deployment

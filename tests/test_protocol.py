@@ -166,7 +166,7 @@ def test_kv_data_carries_missing_items_as_null() -> None:
 
 def test_a_tokenize_gives_one_source_and_its_answer_round_trips() -> None:
     ask = roundtrip(protocol.Tokenize("t", messages=[{"role": "user", "content": "hi"}], special=False, pieces=True))
-    assert ask.messages == [{"role": "user", "content": "hi"}] and not ask.special and ask.generation_prompt
+    assert ask.messages == [{"role": "user", "content": "hi"}] and not ask.special and ask.pieces
     for bad in (protocol.Tokenize("t"), protocol.Tokenize("t", prompt="a", token_ids=np.arange(2)),
                 protocol.Tokenize("t", token_ids=np.ones((2, 2), np.int64)), protocol.Tokenize("", prompt="a")):
         with pytest.raises(ProtocolError, match="malformed"):

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nebula_flow import structured
-from nebula_flow.api.request import ApiError, Served, parse_chat, parse_completion
+from nebula_flow.api.errors import ApiError
+from nebula_flow.api.request import Served, parse_chat, parse_completion
 from nebula_flow.cli.common import structured_option
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.penalties import Penalties

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nebula_flow import structured
-from nebula_flow.api.request import ApiError, Served, parse_chat
+from nebula_flow.api.errors import ApiError
+from nebula_flow.api.request import Served, parse_chat
 from nebula_flow.api.tools import CallStream, ToolCalling, hermes
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -27,8 +27,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nebula_flow.api import choices
+from nebula_flow.api.errors import ApiError
 from nebula_flow.api.reasoning import ThinkingStream
-from nebula_flow.api.request import STRUCTURED_FIELDS, ApiError, Job, Served, parse_chat, parse_completion
+from nebula_flow.api.request import STRUCTURED_FIELDS, Job, Served, parse_chat, parse_completion
 from nebula_flow.api.response import Shaper, sse
 from nebula_flow.api.telemetry import Telemetry
 from nebula_flow.api.tokenize import parse_detokenize, parse_tokenize, tokenized

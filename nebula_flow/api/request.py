@@ -18,6 +18,8 @@ from typing import Any
 
 from nebula_flow import structured
 from nebula_flow.api import tools as tool_calls
+from nebula_flow.api.conversation import MAX_MESSAGES, chat_options, message_text, template_message
+from nebula_flow.api.errors import ApiError, invalid
 from nebula_flow.api.tools import ToolCalling, ToolError
 from nebula_flow.params import (
     MAX_CACHE_SALT,
@@ -34,8 +36,6 @@ from nebula_flow.params import (
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # choices in one answer (n for each prompt of a batch): OpenAI's most for n
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-MAX_MESSAGES = 4096
 # Fields OpenAI defines that the gateway does not build: refused when they ask for anything.
 UNSUPPORTED = {
     "best_of": (None, 1),
@@ -44,23 +44,6 @@ UNSUPPORTED = {
     "web_search_options": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
 }
 IGNORED = {"user", "metadata"}  # accepted, no effect on the output (as OpenAI: for the caller's bookkeeping)
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def invalid(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param=param, code="invalid_value")
 
 
 @dataclass
@@ -406,44 +389,6 @@ def _prompt_top(body: dict[str, Any], params: dict[str, Any], stream: bool) -> i
     return top
 
 
-def template_message(i: int, m: Any) -> dict[str, Any]:  # noqa: ANN401, C901
-    """Message ``i`` of a conversation, checked, as the chat template reads it."""
-    where = f"messages[{i}]"
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise invalid(where, f"{where} must be an object with a role and content")
-    if m["role"] not in ROLES:
-        raise ApiError(400, f"{where}: role {m['role'][:40]!r} is not supported (system, developer, user, assistant, "
-                       "tool)", param=where, code="unsupported_parameter")
-    fields = {"role", "content", "name"} | ({"tool_calls"} if m["role"] == "assistant" else set()) | (
-        {"tool_call_id"} if m["role"] == "tool" else set())
-    if extra := sorted(set(m) - fields):
-        raise ApiError(400, f"{where}: {', '.join(map(str, extra))[:200]} not supported", param=where,
-                       code="unsupported_parameter")
-    if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
-        raise invalid(where, f"{where}: a tool message needs the tool_call_id it answers")
-    if m.get("tool_calls") is not None:
-        calls = m["tool_calls"]
-        if not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-                and isinstance(c["function"].get("arguments", ""), str) for c in calls):
-            raise invalid(where, f"{where}.tool_calls must be a list of {{\"id\", \"type\": \"function\", "
-                          "\"function\": {\"name\", \"arguments\"}}")
-        content = None if m.get("content") is None else _content(where, m["content"])  # (None: the calls alone)
-        return {**tool_calls.template_message(m), "role": "assistant", "content": content}
-    return {**{k: m[k] for k in ("tool_call_id",) if k in m}, "role": ROLES[m["role"]], "content": _content(where, m.get("content"))}
-
-
-def _content(where: str, content: Any) -> str:  # noqa: ANN401
-    if isinstance(content, list):  # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise ApiError(400, f"{where}: only text content parts are supported", param=where,
-                           code="unsupported_parameter")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise invalid(where, f"{where}.content must be a string or a list of text parts")
-    return content
-
-
 def _prediction(prediction: Any) -> str | None:  # noqa: ANN401
     """OpenAI's Predicted Outputs, ``{"type": "content", "content": text or text parts}``: what the
     answer is expected to be, mostly (a file being edited). Drafts are looked up in it; the answer
@@ -452,7 +397,7 @@ def _prediction(prediction: Any) -> str | None:  # noqa: ANN401
         return None
     if not isinstance(prediction, dict) or prediction.get("type") != "content" or set(prediction) - {"type", "content"}:
         raise invalid("prediction", 'prediction must be {"type": "content", "content": a string or text parts}')
-    return _content("prediction", prediction.get("content"))
+    return message_text("prediction", prediction.get("content"))
 
 
 def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
@@ -461,9 +406,7 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise invalid("messages", f"messages must be a non-empty list (at most {MAX_MESSAGES})")
-    options = body.get("chat_template_kwargs")
-    if options is not None and not isinstance(options, dict):
-        raise invalid("chat_template_kwargs", "chat_template_kwargs must be an object")
+    options = chat_options(body)
     stream, usage = _streaming(body)
     try:
         tools, calls, forced = tool_calls.parse(body, served.tool_parser)
@@ -494,5 +437,6 @@ SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", "cache_salt",
                  "priority", "prompt_logprobs", *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs", "echo")
-CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs",
+CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
+               "continue_final_message", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "prediction")

@@ -14,7 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from nebula_flow.api import tools as tool_calls
-from nebula_flow.api.request import MAX_MESSAGES, ApiError, Served, invalid, template_message
+from nebula_flow.api.conversation import MAX_MESSAGES, chat_options, flag, template_message
+from nebula_flow.api.errors import ApiError, invalid
+from nebula_flow.api.request import Served
 from nebula_flow.outputs import Tokenization
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
@@ -36,34 +38,20 @@ def _checked(body: Any, served: Served, known: frozenset[str]) -> dict[str, Any]
     return body
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(name, f"{name} must be a boolean")
-    return value
-
-
 def parse_tokenize(body: Any, served: Served) -> dict[str, Any]:  # noqa: ANN401
     """``POST /tokenize``'s body, checked: ``AsyncClient.tokenize``'s keyword arguments."""
     body = _checked(body, served, TOKENIZE_FIELDS)
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise invalid("prompt", "give exactly one of prompt and messages")
-    pieces = _flag(body, "return_token_strs", False)
+    pieces = flag(body, "return_token_strs", False)
     if prompt is not None:
         if not isinstance(prompt, str):
             raise invalid("prompt", "prompt must be a string")
-        return {"text": prompt, "special": _flag(body, "add_special_tokens", True), "pieces": pieces}
+        return {"text": prompt, "special": flag(body, "add_special_tokens", True), "pieces": pieces}
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise invalid("messages", f"messages must be a non-empty list (at most {MAX_MESSAGES})")
-    if _flag(body, "continue_final_message", False):
-        raise ApiError(400, "continue_final_message is not supported by this server", param="continue_final_message",
-                       code="unsupported_parameter")
-    options = body.get("chat_template_kwargs")
-    if options is not None and not isinstance(options, dict):
-        raise invalid("chat_template_kwargs", "chat_template_kwargs must be an object")
+    options = chat_options(body)
     try:  # (the tools as a chat request gives them to the template; how calls would be read does not matter here)
         tools, _, _ = tool_calls.parse({"tools": body.get("tools"), "tool_choice": "none"})
     except tool_calls.ToolError as exc:
@@ -71,8 +59,7 @@ def parse_tokenize(body: Any, served: Served) -> dict[str, Any]:  # noqa: ANN401
     if tools is not None:
         options = {**(options or {}), "tools": tools}
     return {"messages": [template_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None,
-            "special": _flag(body, "add_special_tokens", False),
-            "generation_prompt": _flag(body, "add_generation_prompt", True), "pieces": pieces}
+            "special": flag(body, "add_special_tokens", False), "pieces": pieces}
 
 
 def parse_detokenize(body: Any, served: Served) -> dict[str, Any]:  # noqa: ANN401
