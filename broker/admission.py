@@ -168,6 +168,18 @@ class Admission:
         req.text = text
         return False
 
+    def release(self, req: Request) -> tuple[str, int]:
+        """The text to stream after a round, and the character it starts at: what is new, less a
+        tail that may be the beginning of a stop string (were the string completed next round, the
+        text would be cut before it, and what went out could not be taken back; vLLM holds it back
+        too). A finished request's text goes out whole."""
+        end = len(req.text)
+        if req.params.stop and req.finish_reason is None:
+            end -= stop_prefix(req.text, req.params.stop)
+        at = req.sent
+        req.sent = max(at, end)
+        return req.text[at:end], at
+
     def token_text(self, token: int) -> str:
         """One token's text, decoded alone (special tokens too): what logprobs name it by."""
         text = self._token_texts.get(token)
@@ -198,6 +210,12 @@ def shown(req: Request) -> list[int]:
     if ids and req.finish_reason == "stop" and out and out[-1] in ids:
         return out[:-1]
     return out
+
+
+def stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """The length of the longest tail of ``text`` that begins a stop string (0: none)."""
+    return max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
+               default=0)
 
 
 def apply_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:

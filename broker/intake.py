@@ -101,9 +101,9 @@ class Intake:
             if req.params.echo:
                 self._send(self.clients, identity, Tokens(req_id, [], "", prompt_text=self.admission.prompt_text(req)))
             if req.logprobs is None and req.prompt_logprobs is None:
-                self._send(self.clients, identity, Tokens(req_id, req.output, req.text, 0))
+                self._send(self.clients, identity, Tokens(req_id, req.output, req.text[:req.sent], 0))
                 return
-            self._resend_logprobs(identity, req_id, req.output, req.text, req.logprobs, req.prompt_logprobs)
+            self._resend_logprobs(identity, req_id, req.output, req.text[:req.sent], req.logprobs, req.prompt_logprobs)
             return
         if (waiting := self.prompts.waiting.get(req_id)) is not None:  # a retry while its prompt tokenizes
             self._release(waiting.identity)

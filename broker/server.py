@@ -137,12 +137,11 @@ class Broker(Intake):
             req.finish_reason = req.finish_reason or reason
             self._close(req, error)
 
-    def _stream(self, req: Request, kept: list[int], delta: str, now: float, logprobs: list | None = None) -> None:
-        """Send what a verify committed (``delta``: the text it added, stop strings applied)."""
+    def _stream(self, req: Request, kept: list[int], delta: str, at: int, now: float, logprobs: list | None = None) -> None:
+        """Send what a verify committed (``delta``: the text released from character ``at``, ``Admission.release``)."""
         if req.t_first is None:
             req.t_first = now
-        self._send(self.clients, req.owner, Tokens(req.req_id, kept, delta, len(req.output) - len(kept),
-                                                   len(req.text) - len(delta), logprobs))
+        self._send(self.clients, req.owner, Tokens(req.req_id, kept, delta, len(req.output) - len(kept), at, logprobs))
 
     # -- workers ---------------------------------------------------------------------------
     def on_worker(self, identity: bytes, frames: list[Any], now: float) -> None:
@@ -324,7 +323,6 @@ class Broker(Intake):
         req.alt_accepted += v.via_alt
         req.fused_accepted += v.fused
         self.stats.count_round(v, req.fuse > 0, req.drafter if item.kind != ROUND else None)
-        text_before = req.text
         kept = self.scheduler.end_round(req, wid, v.committed, v.via_alt, v.draft_accepted, v.fused if v.chains else None,
                                         self.admission.eos_ids, self.admission.stop_text, v.second)
         self.counters["rounds"] += 1
@@ -334,7 +332,7 @@ class Broker(Intake):
             req.logprobs = req.logprobs or []
             req.logprobs.extend(entries)
             self.outbox_logprobs = True
-        self._stream(req, kept, req.text[len(text_before):], now, entries)
+        self._stream(req, kept, *self.admission.release(req), now, entries)
         self.round_times.ended(req.rid, time.perf_counter(), len(kept))
         if req.finish_reason:  # (end_round took it out of the pool)
             self._close(req)

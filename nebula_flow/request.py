@@ -66,6 +66,7 @@ class Request:
     second: Second | None = None  # fused drafters: this round's second draft (``nebula_flow/fusion.py``)
     second_gain: dict[str, Gain] = field(default_factory=dict)  # drafter -> what its second chains won beyond the first
     text: str = ""
+    sent: int = 0  # characters of ``text`` streamed (a tail that may begin a stop string waits: ``Admission.release``)
     detok: Any = None  # the broker's incremental decoder of ``output`` (tokenizer.IncrementalText)
     finish_reason: str | None = None
     logprobs: list | None = None  # asked for: each output token's entry (``protocol.Tokens.logprobs``)

@@ -28,7 +28,7 @@ def test_incremental_text_and_stop_strings_match_decoding_the_whole_output(tiny_
             at = rnd.randrange(5, len(full) - 5)
             stops = (full[at:at + rnd.randrange(1, 5)], "\x00never")
         req = Request(trial, f"r{trial}", [1], SamplingParams(max_new_tokens=4096, stop=stops), 0)
-        fed, want = 0, ""
+        fed, want, streamed = 0, "", ""
         while fed < len(ids):
             fed = min(len(ids), fed + rnd.randrange(1, 6))
             req.output = ids[:fed]
@@ -37,8 +37,13 @@ def test_incremental_text_and_stop_strings_match_decoding_the_whole_output(tiny_
             whole, want_hit = apply_stop(codec.decode(req.output), stops)
             want = whole if want_hit or not whole.endswith("\ufffd") else want
             assert (hit, req.text) == (want_hit, want), (trial, fed)
+            req.finish_reason = "stop" if hit else ("length" if fed == len(ids) else None)
+            delta, at = adm.release(req)
+            assert at == len(streamed) and want.startswith(streamed + delta), (trial, fed)  # (nothing taken back)
+            streamed += delta
             if hit:
                 break
+        assert streamed == req.text, trial  # (all of it, once it ends)
 
 
 def test_the_unlocked_tokenizer_call_gives_the_same_ids(tiny_pair) -> None:  # noqa: ANN001
