@@ -128,6 +128,8 @@ class Admission:
         ``prompt``: its token ids when tokenized already (``tokenize``)."""
         params = self.params(msg)
         prompt = self.tokenize(msg) if prompt is None else prompt
+        if params.truncate_prompt_tokens is not None:  # (vLLM's: the prompt's end, what a continuation depends on most)
+            prompt = prompt[-params.truncate_prompt_tokens:]
         if params.fit_context and len(prompt) < self.max_model_len:
             params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_model_len - len(prompt)))
         if len(prompt) + params.max_new_tokens > self.max_model_len:
@@ -161,7 +163,7 @@ class Admission:
         text = req.text + final
         if req.params.stop and (final or pending) and len(req.output) >= req.params.min_tokens:
             start = max(0, len(req.text) - max(map(len, req.params.stop)) + 1)
-            window, hit = apply_stop((text + pending)[start:], req.params.stop)
+            window, hit = apply_stop((text + pending)[start:], req.params.stop, req.params.include_stop_str_in_output)
             if hit:
                 req.text = text[:start] + window
                 return True
@@ -200,14 +202,15 @@ class Admission:
         return self.codec.tok.decode(req.prompt, skip_special_tokens=False) if self.codec else ""
 
     def final_text(self, req: Request) -> str:
-        return apply_stop(self.codec.decode(shown(req)), req.params.stop)[0] if self.codec else ""
+        return apply_stop(self.codec.decode(shown(req)), req.params.stop, req.params.include_stop_str_in_output)[0] \
+            if self.codec else ""
 
 
 def shown(req: Request) -> list[int]:
     """The output tokens its text shows: all but a stop token id that ended it (as vLLM: the id is
-    in the output, its text is not)."""
+    in the output, its text is not, unless ``include_stop_str_in_output``)."""
     out, ids = req.output, req.params.stop_token_ids
-    if ids and req.finish_reason == "stop" and out and out[-1] in ids:
+    if ids and req.finish_reason == "stop" and out and out[-1] in ids and not req.params.include_stop_str_in_output:
         return out[:-1]
     return out
 
@@ -218,7 +221,10 @@ def stop_prefix(text: str, stops: tuple[str, ...]) -> int:
                default=0)
 
 
-def apply_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """Cut ``text`` before the earliest stop string; says whether one was found."""
-    cuts = [at for at in (text.find(s) for s in stops) if at >= 0]
-    return (text[: min(cuts)], True) if cuts else (text, False)
+def apply_stop(text: str, stops: tuple[str, ...], include: bool = False) -> tuple[str, bool]:
+    """Cut ``text`` before the earliest stop string (after it where ``include``); says whether one was found."""
+    cuts = [(at, len(s)) for s, at in ((s, text.find(s)) for s in stops) if at >= 0]
+    if not cuts:
+        return text, False
+    at, n = min(cuts, key=lambda c: c[0])
+    return text[:at + n if include else at], True

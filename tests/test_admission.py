@@ -46,6 +46,25 @@ def test_incremental_text_and_stop_strings_match_decoding_the_whole_output(tiny_
         assert streamed == req.text, trial  # (all of it, once it ends)
 
 
+def test_a_stop_string_kept_in_the_text_and_a_prompt_truncated_to_its_end(tiny_pair) -> None:  # noqa: ANN001
+    """``include_stop_str_in_output``: the earliest stop string ends the text, kept (a stop string
+    listed first wins a tie at the same place); ``truncate_prompt_tokens``: the request runs the
+    prompt's last N tokens, and its context check counts only those."""
+    assert apply_stop("abc STOP def END", ("END", "STOP")) == ("abc ", True)
+    assert apply_stop("abc STOP def END", ("END", "STOP"), include=True) == ("abc STOP", True)
+    assert apply_stop("abc STOPPED", ("STOPPED", "STOP"), include=True) == ("abc STOPPED", True)
+    assert apply_stop("abc", ("x",), include=True) == ("abc", False)
+    adm = Admission(str(tiny_pair / "target"), 4096)
+    prompt = np.arange(5, adm.max_model_len + 5, dtype=np.int32) % 300  # (as long as the context)
+    msg = Submit("t", {"max_new_tokens": 8, "truncate_prompt_tokens": 10}, prompt_tokens=prompt)
+    req = adm.request(0, msg, b"c", 0.0)
+    assert req.prompt == prompt[-10:].tolist()
+    with pytest.raises(ProtocolError, match="too_long"):
+        adm.request(1, Submit("u", {"max_new_tokens": 8}, prompt_tokens=prompt), b"c", 0.0)
+    with pytest.raises(ProtocolError, match="truncate_prompt_tokens"):
+        adm.request(2, Submit("v", {"max_new_tokens": 8, "truncate_prompt_tokens": 0}, prompt_tokens=prompt), b"c", 0.0)
+
+
 def test_the_unlocked_tokenizer_call_gives_the_same_ids(tiny_pair) -> None:  # noqa: ANN001
     codec = Admission(str(tiny_pair / "target"), 4096).codec
     text = "def add(a, b):\n    return a + b  # héllo ✓ 日本語\n" * 50

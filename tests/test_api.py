@@ -4,6 +4,7 @@ httpx, disconnects, overload, bad and fuzzed bodies, the API key; against a serv
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import time
 
@@ -574,6 +575,45 @@ def test_min_p_reaches_every_draft_and_verify(served) -> None:  # noqa: ANN001
     loose = [client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=1.5, seed=s,
                                        extra_body={"min_p": 0.05}).choices[0].text for s in (1, 1, 2)]
     assert loose[0] == loose[1] and greedy.choices[0].text not in loose
+
+
+def test_vllm_extras_stop_strings_kept_prompts_truncated_tokens_named_by_id(served) -> None:  # noqa: ANN001
+    """vLLM's ``include_stop_str_in_output`` (the stop string, or stop token, stays in the text;
+    streamed alike), ``truncate_prompt_tokens`` (only the prompt's last N tokens run: the output is
+    that shorter prompt's, and echo shows it), ``return_tokens_as_token_ids`` (logprobs name tokens
+    "token_id:N") and ``GET /version``."""
+    client, prompt = oai(served), "import os\n"
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    text, ids = full.choices[0].text, full.choices[0].model_extra["token_ids"]
+    stop = next(text[i:i + 3] for i in range(6, len(text) - 3) if text[i:i + 3].strip() and text[i:i + 3] not in text[:i])
+    kept = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[:text.index(stop) + 3] and kept.choices[0].finish_reason == "stop"
+    events = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop],
+                                       stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(e.choices[0].text for e in events if e.choices) == kept.choices[0].text
+    with Client(served.address) as c:
+        by_id = c.generate(prompt, max_new_tokens=30, stop_token_ids=[ids[4]], include_stop_str_in_output=True)
+        plain = c.generate(prompt, max_new_tokens=30, stop_token_ids=[ids[4]])
+    cut = ids[:ids.index(ids[4]) + 1]
+    assert by_id.token_ids == plain.token_ids == cut and by_id.text.startswith(plain.text) and len(by_id.text) > len(plain.text)
+    long = [(7 * j) % 300 + 5 for j in range(20)]
+    short = client.completions.create(model="tiny", prompt=long, max_tokens=8, temperature=0, echo=True,
+                                      extra_body={"truncate_prompt_tokens": 6, "return_token_ids": True})
+    alone = client.completions.create(model="tiny", prompt=long[-6:], max_tokens=8, temperature=0, echo=True,
+                                      extra_body={"return_token_ids": True})
+    assert short.usage.prompt_tokens == 6 and short.choices[0].model_extra["token_ids"] == \
+        alone.choices[0].model_extra["token_ids"] and short.choices[0].text == alone.choices[0].text
+    named = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=2,
+                                      extra_body={"return_tokens_as_token_ids": True})
+    assert named.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids[:5]]
+    assert all(k.startswith("token_id:") for top in named.choices[0].logprobs.top_logprobs for k in top)
+    for body in ({"truncate_prompt_tokens": 0}, {"include_stop_str_in_output": "yes"}):
+        res = httpx.post(served.http_url + "/v1/completions", headers={"Authorization": "Bearer sesame"},
+                         json={"model": "tiny", "prompt": "x", **body})
+        assert res.status_code == 400 and res.json()["error"]["param"] == next(iter(body)), res.text
+    assert httpx.get(served.http_url + "/version").json() == {"version": importlib.metadata.version("nebula-flow")}
 
 
 def test_overload_answers_429_and_every_admitted_request_completes(strict) -> None:  # noqa: ANN001

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -188,6 +189,10 @@ class Gateway:
         self.telemetry.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
+    async def version(self, _request: Request) -> Response:
+        """``GET /version`` (vLLM's): the server's version."""
+        return JSONResponse({"version": importlib.metadata.version("nebula-flow")})
+
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completions", parse_completion)
 
@@ -212,6 +217,7 @@ class Gateway:
         req_id = uuid.uuid4().hex
         shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls, job.reasoning, job.echoes(),
                         (job.params.get("logprobs"), job.prompt_top))
+        shaper.tokens_as_ids = job.tokens_as_ids
         asks = job.choices()
         streams = [self.client.stream(request_id=req_id if len(asks) == 1 else f"{req_id}-{i}", **ask)
                    for i, ask in enumerate(asks)]
@@ -373,6 +379,7 @@ def build_app(gateway: Gateway) -> Starlette:
         route("/tokenize", gateway.tokenize, ["POST"]),
         route("/detokenize", gateway.detokenize, ["POST"]),
         route("/health", gateway.health, ["GET"]),
+        route("/version", gateway.version, ["GET"]),
         route("/metrics", gateway.metrics, ["GET"]),
     ], lifespan=gateway.lifespan)
 

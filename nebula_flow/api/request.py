@@ -77,11 +77,13 @@ class Job:
     echo: bool = False  # completions: each choice's text (and logprobs) begin with its prompt's
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (a token is made, and left out)
     prompt_top: int | None = None  # vLLM's prompt_logprobs: the prompt's, this many top tokens beside each
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N"
 
     def echoes(self) -> list[str | None] | None:
-        """With ``echo``, each choice's prompt text where it was given as text (None: token ids, whose
-        text the broker decodes: ``SamplingParams.echo``)."""
-        return [given.get("prompt") for given in self.inputs for _ in range(self.n)] if self.echo else None
+        """With ``echo``, each choice's prompt text where it is the text given (None: the broker's text
+        of the prompt it runs, token ids or a truncated prompt: ``SamplingParams.echo``)."""
+        return [None if given.get("echo") else given.get("prompt") for given in self.inputs for _ in range(self.n)] \
+            if self.echo else None
 
     def choices(self) -> list[dict[str, Any]]:
         """Each choice's keyword arguments for ``AsyncClient.stream``, in the order of the choices'
@@ -174,10 +176,16 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t) and 0 <= t < 1 << 31 for t in ids):
             raise invalid("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
         params["stop_token_ids"] = tuple(ids)
-    for flag in ("ignore_eos", "return_token_ids"):
+    for flag in ("ignore_eos", "return_token_ids", "include_stop_str_in_output", "return_tokens_as_token_ids"):
         if not isinstance(body.get(flag, False), bool):
             raise invalid(flag, f"{flag} must be a boolean")
     params["ignore_eos"] = body.get("ignore_eos", False)
+    if body.get("include_stop_str_in_output"):
+        params["include_stop_str_in_output"] = True
+    if (keep := body.get("truncate_prompt_tokens")) is not None:  # (vLLM's; -1: the context's length)
+        if not _is_int(keep) or keep == 0 or keep < -1:
+            raise invalid("truncate_prompt_tokens", f"truncate_prompt_tokens must be a positive integer or -1, got {keep!r}")
+        params["truncate_prompt_tokens"] = served.max_model_len if keep == -1 else keep
     params.update(_max_tokens(body, served, chat))
     if (top := _logprobs(body, chat)) is not None:
         params["logprobs"] = top
@@ -360,7 +368,9 @@ def parse_completion(body: Any, served: Served) -> Job:  # noqa: ANN401
     if echo:  # (OpenAI's: the prompt's tokens' logprobs too, first null; a token-id prompt's text from the broker)
         if "logprobs" in params:
             params["prompt_logprobs"] = params["logprobs"]
-        inputs = [{**given, "echo": True} if "token_ids" in given else given for given in inputs]
+        # (the broker's text of the prompt it runs: a token-id prompt's, or one it truncates)
+        inputs = [{**given, "echo": True} if "token_ids" in given or "truncate_prompt_tokens" in params else given
+                  for given in inputs]
     # echo and max_tokens 0 (as vLLM's): the prompt alone, scored. The request runs for one token, which
     # costs nothing more (the forward that computes the prompt picks it) and is left out of the answer.
     echo_only = params["max_new_tokens"] == 0
@@ -370,7 +380,7 @@ def parse_completion(body: Any, served: Served) -> Job:  # noqa: ANN401
             raise invalid("min_tokens", "min_tokens must be 0 when max_tokens is 0")
     return Job(False, params, inputs, _choices(body, len(inputs)), stream=stream, include_usage=usage,
                return_token_ids=body.get("return_token_ids", False), echo=echo, echo_only=echo_only,
-               prompt_top=_prompt_top(body, params, stream))
+               prompt_top=_prompt_top(body, params, stream), tokens_as_ids=body.get("return_tokens_as_token_ids") is True)
 
 
 def _prompt_top(body: dict[str, Any], params: dict[str, Any], stream: bool) -> int | None:
@@ -429,13 +439,14 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
     inputs = [{"messages": [template_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
     return Job(True, params, inputs, _choices(body, 1), stream=stream, include_usage=usage,
                return_token_ids=body.get("return_token_ids", False), calls=calls, reasoning=served.reasoning_parser,
-               prompt_top=_prompt_top(body, params, stream))
+               prompt_top=_prompt_top(body, params, stream), tokens_as_ids=body.get("return_tokens_as_token_ids") is True)
 
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", "cache_salt",
-                 "priority", "prompt_logprobs", *GUIDED)
+                 "priority", "prompt_logprobs", "include_stop_str_in_output", "truncate_prompt_tokens",
+                 "return_tokens_as_token_ids", *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs", "echo")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                "continue_final_message", "logprobs", "top_logprobs",

@@ -71,12 +71,15 @@ class Shaper:
         # the top tokens each prompt token's entry shows: echo's (``logprobs``) and vLLM's ``prompt_logprobs``
         # (the broker reports as many as the larger asks)
         self.echo_top, self.prompt_top = tops
+        self.tokens_as_ids = False  # (vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N")
 
     def logprobs(self, entries: list | None, index: int) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` of a choice (or of a streamed chunk of it) from the broker's entries
         (``protocol.Tokens.logprobs``: [id, text, logprob, [[id, text, logprob], ...]] per token)."""
         if entries is None:
             return None
+        if self.tokens_as_ids:
+            entries = [[e[0], f"token_id:{e[0]}", e[2], [[t[0], f"token_id:{t[0]}", t[2]] for t in e[3]]] for e in entries]
         if self.chat:
             return {"content": [{**_token(e), "top_logprobs": [_token(t) for t in e[3]]} for e in entries]}
         offsets, at = [], self.text_offsets.get(index, 0)
