@@ -158,8 +158,8 @@ class Admission:
         if self.codec is None:
             return False
         if req.detok is None:
-            req.detok = self.codec.incremental()
-        final, pending = req.detok.extend(shown(req) if req.params.stop_token_ids else req.output)
+            req.detok = self.codec.incremental(req.params.skip_special_tokens)
+        final, pending = req.detok.extend(self.shown(req))
         text = req.text + final
         if req.params.stop and (final or pending) and len(req.output) >= req.params.min_tokens:
             start = max(0, len(req.text) - max(map(len, req.params.stop)) + 1)
@@ -202,17 +202,19 @@ class Admission:
         return self.codec.tok.decode(req.prompt, skip_special_tokens=False) if self.codec else ""
 
     def final_text(self, req: Request) -> str:
-        return apply_stop(self.codec.decode(shown(req)), req.params.stop, req.params.include_stop_str_in_output)[0] \
-            if self.codec else ""
+        p = req.params
+        return apply_stop(self.codec.decode(self.shown(req), p.skip_special_tokens), p.stop,
+                          p.include_stop_str_in_output)[0] if self.codec else ""
 
-
-def shown(req: Request) -> list[int]:
-    """The output tokens its text shows: all but a stop token id that ended it (as vLLM: the id is
-    in the output, its text is not, unless ``include_stop_str_in_output``)."""
-    out, ids = req.output, req.params.stop_token_ids
-    if ids and req.finish_reason == "stop" and out and out[-1] in ids and not req.params.include_stop_str_in_output:
-        return out[:-1]
-    return out
+    def shown(self, req: Request) -> list[int]:
+        """The output tokens its text shows: all but a stop token id or EOS that ended it (as vLLM:
+        the id is in the output, its text is not, unless ``include_stop_str_in_output``; an EOS's
+        text only shows where special tokens are not skipped)."""
+        out, p = req.output, req.params
+        if req.finish_reason == "stop" and out and not p.include_stop_str_in_output and (
+                out[-1] in p.stop_token_ids or not p.ignore_eos and out[-1] in self.eos_ids):
+            return out[:-1]
+        return out
 
 
 def stop_prefix(text: str, stops: tuple[str, ...]) -> int:

@@ -81,6 +81,7 @@ class SamplingParams:
     cache_salt: str | None = None  # KV reused only among requests of the same salt (the prefix cache)
     priority: int = 0  # lower first (the broker's ``priority`` policy; nebula_flow/topic.py)
     include_stop_str_in_output: bool = False  # (vLLM's) the text keeps the stop string (or stop token) that ended it
+    skip_special_tokens: bool = True  # (vLLM's) special tokens' text left out of the output's text
     truncate_prompt_tokens: int | None = None  # (vLLM's) only the prompt's last this many tokens are kept
 
     @property
@@ -185,9 +186,9 @@ class SamplingParams:
             raise InvalidParams(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {self.cache_salt!r}")
         if not is_int(self.priority) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise InvalidParams(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
-        if not all(isinstance(v, bool) for v in (self.ignore_eos, self.fit_context, self.think_first, self.echo,
-                                                 self.include_stop_str_in_output)):
-            raise InvalidParams("ignore_eos, fit_context, think_first, echo and include_stop_str_in_output must be booleans")
+        flags = ("ignore_eos", "fit_context", "think_first", "echo", "include_stop_str_in_output", "skip_special_tokens")
+        if not all(isinstance(getattr(self, f), bool) for f in flags):
+            raise InvalidParams(f"{', '.join(flags)} must be booleans")
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
                                                         or self.truncate_prompt_tokens < 1):
             raise InvalidParams(f"truncate_prompt_tokens must be a positive integer, got {self.truncate_prompt_tokens!r}")

@@ -103,12 +103,12 @@ class TextCodec:
             raise ValueError(f"the chat template cannot read this conversation: {exc}") from None
         return _left_open(text, messages) if open_end else text
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
 
-    def incremental(self) -> IncrementalText:
+    def incremental(self, skip_special: bool = True) -> IncrementalText:
         """A decoder of one growing output that decodes only its new tokens each time."""
-        return IncrementalText(self.tok)
+        return IncrementalText(self.tok, skip_special)
 
     @property
     def vocab_size(self) -> int:
@@ -127,14 +127,14 @@ class IncrementalText:
     Text whose end is a partial character (its bytes not all there yet) is pending: given out
     once the character completes."""
 
-    def __init__(self, tok: Tokenizer) -> None:
-        self.tok = tok
+    def __init__(self, tok: Tokenizer, skip_special: bool = True) -> None:
+        self.tok, self.skip = tok, skip_special  # (skip_special: special tokens' text left out)
         self.prefix = self.read = 0  # ids[prefix:read]: the context; ids[read:]: not given out yet
 
     def extend(self, ids: list[int]) -> tuple[str, str]:
         """(the text given out now, the text pending after it) for ``ids``, the whole list so far."""
-        before = self.tok.decode(ids[self.prefix:self.read], skip_special_tokens=True)
-        after = self.tok.decode(ids[self.prefix:], skip_special_tokens=True)
+        before = self.tok.decode(ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        after = self.tok.decode(ids[self.prefix:], skip_special_tokens=self.skip)
         new = after[len(before):]
         if not new or after.endswith("\ufffd"):
             return "", new

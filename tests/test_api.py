@@ -616,6 +616,34 @@ def test_vllm_extras_stop_strings_kept_prompts_truncated_tokens_named_by_id(serv
     assert httpx.get(served.http_url + "/version").json() == {"version": importlib.metadata.version("nebula-flow")}
 
 
+def test_special_tokens_text_where_asked(served) -> None:  # noqa: ANN001
+    """vLLM's ``skip_special_tokens`` false: special tokens' text stays in the output (here EOS,
+    forced by a logit bias and not ending it with ``ignore_eos``); an EOS that ends the output is in
+    its token ids but not its text, unless ``include_stop_str_in_output``."""
+    codec = TextCodec(served.cfg.target.model)
+    eos = codec.eos_token_id
+    eos_text = codec.tok.decode([eos], skip_special_tokens=False)
+    assert eos_text and not codec.decode([eos])
+
+    def complete(**extra: object) -> dict:
+        body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 3, "temperature": 0, "return_token_ids": True,
+                "logit_bias": {str(eos): 100}, **extra}
+        res = httpx.post(served.http_url + "/v1/completions", headers={"Authorization": "Bearer sesame"}, json=body)
+        assert res.status_code == 200, res.text
+        return res.json()["choices"][0]
+
+    assert complete(ignore_eos=True)["text"] == ""
+    shown = complete(ignore_eos=True, skip_special_tokens=False)
+    assert shown["token_ids"] == [eos] * 3 and shown["text"] == eos_text * 3
+    ended = complete(skip_special_tokens=False)
+    assert ended["token_ids"] == [eos] and ended["text"] == "" and ended["finish_reason"] == "stop"
+    assert complete(skip_special_tokens=False, include_stop_str_in_output=True)["text"] == eos_text
+    events = oai(served).completions.create(model="tiny", prompt="def f(x):", max_tokens=3, temperature=0,
+                                            stream=True, extra_body={"logit_bias": {str(eos): 100}, "ignore_eos": True,
+                                                                     "skip_special_tokens": False})
+    assert "".join(e.choices[0].text for e in events if e.choices) == eos_text * 3
+
+
 def test_overload_answers_429_and_every_admitted_request_completes(strict) -> None:  # noqa: ANN001
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=strict.http_url, timeout=60) as http:

@@ -176,12 +176,15 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t) and 0 <= t < 1 << 31 for t in ids):
             raise invalid("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
         params["stop_token_ids"] = tuple(ids)
-    for flag in ("ignore_eos", "return_token_ids", "include_stop_str_in_output", "return_tokens_as_token_ids"):
+    for flag in ("ignore_eos", "return_token_ids", "include_stop_str_in_output", "return_tokens_as_token_ids",
+                 "skip_special_tokens"):
         if not isinstance(body.get(flag, False), bool):
             raise invalid(flag, f"{flag} must be a boolean")
     params["ignore_eos"] = body.get("ignore_eos", False)
     if body.get("include_stop_str_in_output"):
         params["include_stop_str_in_output"] = True
+    if body.get("skip_special_tokens") is False:
+        params["skip_special_tokens"] = False
     if (keep := body.get("truncate_prompt_tokens")) is not None:  # (vLLM's; -1: the context's length)
         if not _is_int(keep) or keep == 0 or keep < -1:
             raise invalid("truncate_prompt_tokens", f"truncate_prompt_tokens must be a positive integer or -1, got {keep!r}")
@@ -446,7 +449,7 @@ SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", "cache_salt",
                  "priority", "prompt_logprobs", "include_stop_str_in_output", "truncate_prompt_tokens",
-                 "return_tokens_as_token_ids", *GUIDED)
+                 "return_tokens_as_token_ids", "skip_special_tokens", *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs", "echo")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                "continue_final_message", "logprobs", "top_logprobs",
