@@ -89,6 +89,8 @@ class Admission:
                                                   "(priority scheduling is off: [policy] priority_scheduling)")
         if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
             raise ProtocolError("invalid_params", f"logit_bias's token ids must be below {self.vocab_size}")
+        if params.allowed_token_ids and self.vocab_size is not None and max(params.allowed_token_ids) >= self.vocab_size:
+            raise ProtocolError("invalid_params", f"allowed_token_ids must be below {self.vocab_size}")
         return params
 
     def prediction(self, msg: Submit, unlocked: bool = False) -> np.ndarray | None:
@@ -147,6 +149,9 @@ class Admission:
             req.prompt_logprobs = [[prompt[0], self.token_text(prompt[0]), None, []]]
         if params.min_tokens:  # (the ids that would end it early, which its verifies must not pick)
             req.suppress = sorted({*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids})
+            if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= set(req.suppress):
+                raise ProtocolError("invalid_params", "allowed_token_ids holds only ids that end the output, "
+                                                      "and min_tokens asks for more tokens than that")
         return req
 
     def stop_text(self, req: Request) -> bool:

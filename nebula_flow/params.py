@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_SEED = 2**63 - 1
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # ids in allowed_token_ids (vocabularies reach ~256k)
 MAX_LOGPROBS = 20  # most likely tokens reported beside each output token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
 MAX_CACHE_SALT = 256  # characters of a cache_salt
@@ -82,6 +83,8 @@ class SamplingParams:
     priority: int = 0  # lower first (the broker's ``priority`` policy; nebula_flow/topic.py)
     include_stop_str_in_output: bool = False  # (vLLM's) the text keeps the stop string (or stop token) that ended it
     skip_special_tokens: bool = True  # (vLLM's) special tokens' text left out of the output's text
+    # (vLLM's) only these ids may be picked: every other logit -inf in each verify and draft row (``penalties``)
+    allowed_token_ids: tuple[int, ...] | None = None
     truncate_prompt_tokens: int | None = None  # (vLLM's) only the prompt's last this many tokens are kept
 
     @property
@@ -94,7 +97,7 @@ class SamplingParams:
         # broker reads it for every task it sends
         object.__setattr__(self, "penalized", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                            or self.repetition_penalty != 1.0 or self.min_tokens != 0 or self.structured is not None
-                           or bool(self.logit_bias))
+                           or bool(self.logit_bias) or self.allowed_token_ids is not None)
 
     def to_wire(self) -> dict[str, Any]:
         """The parameters as they travel (made once: every task of the request carries them;
@@ -104,6 +107,8 @@ class SamplingParams:
             wire = {f: getattr(self, f) for f in self.__dataclass_fields__}
             wire["stop"] = list(self.stop)
             wire["stop_token_ids"] = list(self.stop_token_ids)
+            if self.allowed_token_ids is not None:
+                wire["allowed_token_ids"] = list(self.allowed_token_ids)
             if self.logit_bias is not None:  # (JSON's keys are strings)
                 wire["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}
             object.__setattr__(self, "_wire", wire)  # (a frozen dataclass: a cache beside its fields)
@@ -125,6 +130,11 @@ class SamplingParams:
         ids = raw.pop("stop_token_ids", ()) or ()
         if not isinstance(ids, (list, tuple)):
             raise InvalidParams("stop_token_ids must be a list of token ids")
+        allowed = raw.pop("allowed_token_ids", None)
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)):
+                raise InvalidParams("allowed_token_ids must be a list of token ids")
+            raw["allowed_token_ids"] = tuple(allowed)
         bias = raw.pop("logit_bias", None)
         if bias is not None:
             if not isinstance(bias, dict):
@@ -181,6 +191,9 @@ class SamplingParams:
             raise InvalidParams(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 10] (1: off), got {r!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise InvalidParams(f"min_tokens must be an integer from 0 to max_new_tokens, got {self.min_tokens!r}")
+        if self.allowed_token_ids is not None and (not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS or not all(
+                is_int(t) and 0 <= t < 1 << 31 for t in self.allowed_token_ids)):
+            raise InvalidParams(f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0)")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
                                             or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT):
             raise InvalidParams(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {self.cache_salt!r}")

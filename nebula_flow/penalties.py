@@ -10,6 +10,7 @@ For the row that picks output token i (after ``prompt + output[:i]``):
 - ``min_tokens`` m (vLLM's): while the output holds fewer than m tokens, the ids that would end it
   (EOS unless ignored, the stop token ids: the broker names them, ``Request.suppress``) cannot be
   picked (their logits are -inf);
+- ``allowed_token_ids`` (vLLM's): no other id can be picked (their logits are -inf);
 - a grammar (``structured``, ``nebula_flow/structured.py``): only the ids it allows after
   ``prompt + output[:i]`` can be picked (a ``guide`` gives them; the worker keeps it,
   ``workers/guides.py``); where min_tokens' ids are all it allows (it is complete), it wins.
@@ -40,6 +41,8 @@ class Penalties:
         self.params, self.suppress, self.output_len = params, list(suppress), len(tokens) - prompt_len
         self.guide = guide
         self.bias = None  # (ids, values) of the logit bias
+        self.allowed = None if params.allowed_token_ids is None else torch.tensor(sorted(set(params.allowed_token_ids)))
+        self._barred: torch.Tensor | None = None  # (allowed_token_ids: the mask of every other id, made once)
         if params.logit_bias:
             items = sorted(params.logit_bias.items())
             self.bias = (torch.tensor([t for t, _ in items]), torch.tensor([b for _, b in items], dtype=torch.float64))
@@ -89,4 +92,9 @@ class Penalties:
             out[:len(allowed)].masked_fill_(~allowed.to(out.device), float("-inf"))
         elif short:
             out[[t for t in self.suppress if t < vocab]] = float("-inf")
+        if self.allowed is not None:
+            if self._barred is None or len(self._barred) != vocab or self._barred.device != out.device:
+                self._barred = torch.ones(vocab, dtype=torch.bool, device=out.device)
+                self._barred[self.allowed[self.allowed < vocab].to(out.device)] = False
+            out.masked_fill_(self._barred, float("-inf"))
         return out

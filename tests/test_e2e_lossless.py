@@ -60,7 +60,12 @@ def penalized_requests() -> list[dict]:
             {"token_ids": [16, 17, 7], "max_new_tokens": 30, "min_tokens": 12},  # (its greedy output ends at 6)
             {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "logit_bias": BIAS},
             {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "logit_bias": BIAS, "temperature": 0.9,
-             "seed": 5, "repetition_penalty": 1.1}]
+             "seed": 5, "repetition_penalty": 1.1},
+            {"token_ids": prompt, "max_new_tokens": 30, "allowed_token_ids": ALLOWED},
+            {"token_ids": prompt, "max_new_tokens": 30, "allowed_token_ids": ALLOWED, "temperature": 0.9, "seed": 6}]
+
+
+ALLOWED = list(range(40, 90))  # (allowed_token_ids: the plain greedy output of the prompt below leaves them)
 
 
 BIAS = {42: 2.5, 45: -100, 300: 1.5}  # (logit_bias: 45 is in the plain greedy output of the prompt below)
@@ -123,7 +128,9 @@ def runs(tiny_pair):  # noqa: ANN001, ANN201
             with Deployment(cfg) as dep:
                 outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests() + penalized_requests()
                                             + structured_requests(), 2 if draft_ahead else None))
-                penalized[key], bound[key] = outs[24:30], outs[30:]
+                start = len(greedy_requests()) + len(sampled_requests())
+                end = start + len(penalized_requests())
+                penalized[key], bound[key] = outs[start:end], outs[end:]
                 with Client(dep.address) as client:
                     state = client.status()
                     batches[key] = [{"role": w["role"], **w["batches"]} for w in state["workers"]]
@@ -254,6 +261,10 @@ def penalized_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
             logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
             for t, b in request.get("logit_bias", {}).items():
                 logits[t] += b
+            if "allowed_token_ids" in request:
+                barred = torch.ones_like(logits, dtype=torch.bool)
+                barred[request["allowed_token_ids"]] = False
+                logits[barred] = float("-inf")
             if len(out) < request.get("min_tokens", 0):
                 logits[eos] = float("-inf")
             seen = torch.tensor(sorted(set(prompt + out)))
@@ -267,11 +278,11 @@ def penalized_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
 
 @pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
 def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, mode: str) -> None:  # noqa: ANN001
-    """Presence, frequency and repetition penalties, min_tokens and logit_bias: greedy output is the target's own penalized
+    """Presence, frequency and repetition penalties, min_tokens, logit_bias and allowed_token_ids: greedy output is the target's own penalized
     greedy output (each row of a verify penalized for the tokens on its own path), in every mode;
     seeded penalized sampling is the same in every speculative mode."""
     runs(mode, 2, 2)
-    rep, freq, sampled, least, biased, biased_sampled = runs.penalized[(mode, 2, 2, False, False, 0)]
+    rep, freq, sampled, least, biased, biased_sampled, only, only_sampled = runs.penalized[(mode, 2, 2, False, False, 0)]
     requests = penalized_requests()
     model, prompt = _hf_model(str(tiny_pair / "target")), requests[0]["token_ids"]
     hf = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3,
@@ -284,9 +295,12 @@ def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, m
     assert len(hf_greedy(tiny_pair / "target", requests[3]["token_ids"], 30)) < 12  # (without it: EOS sooner)
     assert biased.token_ids == penalized_greedy(tiny_pair, requests[4]) != plain and 45 in plain
     assert 45 not in biased.token_ids and 45 not in biased_sampled.token_ids  # (-100: all but banned)
+    assert only.token_ids == penalized_greedy(tiny_pair, requests[6]) and not set(plain) <= set(ALLOWED)
+    assert set(only.token_ids) | set(only_sampled.token_ids) <= set(ALLOWED) and len(only_sampled.token_ids) == 30
     if mode != "autoregressive":  # (its sampled draws are its own: placement independence is across speculative modes)
         assert sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][2].token_ids
         assert biased_sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][5].token_ids
+        assert only_sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][7].token_ids
 
 
 def structured_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001

@@ -2,9 +2,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
 
 from nebula_flow.params import InvalidParams, SamplingParams
+from nebula_flow.penalties import Penalties
 
 
 def test_defaults_are_greedy_and_valid() -> None:
@@ -46,6 +49,14 @@ def test_defaults_are_greedy_and_valid() -> None:
     ({"logit_bias": {"5": math.inf}}, "logit_bias"),
     ({"logit_bias": [5]}, "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"skip_special_tokens": "no"}, "booleans"),
+    ({"include_stop_str_in_output": 1}, "booleans"),
 ])
 def test_bad_parameters_are_rejected_with_a_clear_message(raw: dict, match: str) -> None:
     with pytest.raises(InvalidParams, match=match):
@@ -57,6 +68,13 @@ def test_logit_bias_travels_with_string_keys_and_counts_as_a_penalty() -> None:
     assert p.to_wire()["logit_bias"] == {"5": 100, "7": -2.5}  # (JSON's keys)
     assert SamplingParams.from_wire(p.to_wire()) == p and p.penalized
     assert not SamplingParams(logit_bias={}).penalized
+
+
+def test_allowed_token_ids_travel_as_a_list_and_bar_every_other_id() -> None:
+    p = SamplingParams(allowed_token_ids=(3, 9, 3))
+    assert p.to_wire()["allowed_token_ids"] == [3, 9, 3] and SamplingParams.from_wire(p.to_wire()) == p and p.penalized
+    row = Penalties(p, np.array([1, 2]), 2).row(torch.arange(12, dtype=torch.float32), [])
+    assert torch.isfinite(row).nonzero().flatten().tolist() == [3, 9] and row[9] == 9.0
 
 
 def test_stop_token_ids_end_the_output_even_with_ignore_eos() -> None:
