@@ -223,9 +223,18 @@ class Admission:
 
 
 def stop_prefix(text: str, stops: tuple[str, ...]) -> int:
-    """The length of the longest tail of ``text`` that begins a stop string (0: none)."""
-    return max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
-               default=0)
+    """The length of the longest tail of ``text`` that begins a stop string (0: none). Such a tail
+    starts with the string's first character: only those places in the last ``len(s) - 1``
+    characters are tried (usually none, one ``find`` per stop string)."""
+    longest = 0
+    for s in stops:
+        window = text[max(0, len(text) - len(s) + 1):] if len(s) > 1 else ""
+        at = window.find(s[0])
+        while at >= 0 and not s.startswith(window[at:]):
+            at = window.find(s[0], at + 1)
+        if at >= 0:
+            longest = max(longest, len(window) - at)
+    return longest
 
 
 def apply_stop(text: str, stops: tuple[str, ...], include: bool = False) -> tuple[str, bool]:

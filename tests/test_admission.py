@@ -11,7 +11,7 @@ import pytest
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import ProtocolError, Submit
 from nebula_flow.request import Request
-from nebula_flow_broker.admission import Admission, apply_stop
+from nebula_flow_broker.admission import Admission, apply_stop, stop_prefix
 
 
 def test_incremental_text_and_stop_strings_match_decoding_the_whole_output(tiny_pair) -> None:  # noqa: ANN001
@@ -44,6 +44,17 @@ def test_incremental_text_and_stop_strings_match_decoding_the_whole_output(tiny_
             if hit:
                 break
         assert streamed == req.text, trial  # (all of it, once it ends)
+
+
+def test_the_tail_held_back_is_the_longest_that_begins_a_stop_string() -> None:
+    """``stop_prefix`` (what ``release`` holds back) against trying every tail length of every stop string."""
+    rnd = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(rnd.choice("ab\n") for _ in range(rnd.randrange(0, 8)))
+        stops = tuple("".join(rnd.choice("ab\n") for _ in range(rnd.randrange(1, 6))) for _ in range(rnd.randrange(1, 3)))
+        want = max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
+                   default=0)
+        assert stop_prefix(text, stops) == want, (text, stops)
 
 
 def test_a_stop_string_kept_in_the_text_and_a_prompt_truncated_to_its_end(tiny_pair) -> None:  # noqa: ANN001
