@@ -91,7 +91,22 @@ class Admission:
             raise ProtocolError("invalid_params", f"logit_bias's token ids must be below {self.vocab_size}")
         if params.allowed_token_ids and self.vocab_size is not None and max(params.allowed_token_ids) >= self.vocab_size:
             raise ProtocolError("invalid_params", f"allowed_token_ids must be below {self.vocab_size}")
+        if params.bad_words:
+            params = replace(params, bad_words=(), bad_word_ids=(*params.bad_word_ids, *self.spellings(params.bad_words)))
         return params
+
+    def spellings(self, words: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """The token sequences that write each of ``words`` (vLLM's rule): the word as written (its
+        leading spaces dropped), and after a space where that is a sequence of the same length whose
+        first token differs (the word mid-text, as most BPE vocabularies spell it)."""
+        if self.codec is None:
+            raise ProtocolError("no_tokenizer", "this broker has no tokenizer; send bad_word_ids")
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.codec.encode(word.lstrip(), special=False))
+            spaced = tuple(self.codec.encode(" " + word.lstrip(), special=False))
+            out += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+        return out
 
     def prediction(self, msg: Submit, unlocked: bool = False) -> np.ndarray | None:
         """A SUBMIT's prediction of its output as int32 token ids (None: it gives none), or

@@ -16,6 +16,7 @@ MAX_STOP_LEN = 256
 MAX_SEED = 2**63 - 1
 MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # ids in allowed_token_ids (vocabularies reach ~256k)
+MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 64, 128  # bad_words: strings (and their token sequences), characters (tokens) each
 MAX_LOGPROBS = 20  # most likely tokens reported beside each output token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
 MAX_CACHE_SALT = 256  # characters of a cache_salt
@@ -85,6 +86,10 @@ class SamplingParams:
     skip_special_tokens: bool = True  # (vLLM's) special tokens' text left out of the output's text
     # (vLLM's) only these ids may be picked: every other logit -inf in each verify and draft row (``penalties``)
     allowed_token_ids: tuple[int, ...] | None = None
+    # (vLLM's) words the output may not write: the broker turns each into the token sequences that spell it
+    # (``bad_word_ids``: as written, and after a space), and no row may pick a sequence's last token after the rest
+    bad_words: tuple[str, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     truncate_prompt_tokens: int | None = None  # (vLLM's) only the prompt's last this many tokens are kept
 
     @property
@@ -97,7 +102,8 @@ class SamplingParams:
         # broker reads it for every task it sends
         object.__setattr__(self, "penalized", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                            or self.repetition_penalty != 1.0 or self.min_tokens != 0 or self.structured is not None
-                           or bool(self.logit_bias) or self.allowed_token_ids is not None)
+                           or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_word_ids)
+                           or bool(self.bad_words))
 
     def to_wire(self) -> dict[str, Any]:
         """The parameters as they travel (made once: every task of the request carries them;
@@ -130,6 +136,12 @@ class SamplingParams:
         ids = raw.pop("stop_token_ids", ()) or ()
         if not isinstance(ids, (list, tuple)):
             raise InvalidParams("stop_token_ids must be a list of token ids")
+        for name in ("bad_words", "bad_word_ids"):
+            given = raw.get(name) or ()
+            if not isinstance(given, (list, tuple)) or name == "bad_word_ids" and not all(
+                    isinstance(w, (list, tuple)) for w in given):
+                raise InvalidParams(f"{name} must be a list of " + ("strings" if name == "bad_words" else "id lists"))
+            raw[name] = tuple(tuple(w) if name == "bad_word_ids" else w for w in given)
         allowed = raw.pop("allowed_token_ids", None)
         if allowed is not None:
             if not isinstance(allowed, (list, tuple)):
@@ -194,6 +206,13 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS or not all(
                 is_int(t) and 0 <= t < 1 << 31 for t in self.allowed_token_ids)):
             raise InvalidParams(f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0)")
+        if len(self.bad_words) > MAX_BAD_WORDS or not all(isinstance(w, str) and 0 < len(w.strip()) and len(w) <=
+                                                          MAX_BAD_WORD_LEN for w in self.bad_words):
+            raise InvalidParams(f"bad_words must be at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_LEN} characters")
+        if len(self.bad_word_ids) > 2 * MAX_BAD_WORDS or not all(0 < len(w) <= MAX_BAD_WORD_LEN and all(
+                is_int(t) and 0 <= t < 1 << 31 for t in w) for w in self.bad_word_ids):
+            raise InvalidParams(f"bad_word_ids must be at most {2 * MAX_BAD_WORDS} sequences of 1 to "
+                                f"{MAX_BAD_WORD_LEN} token ids")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
                                             or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT):
             raise InvalidParams(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {self.cache_salt!r}")

@@ -11,6 +11,8 @@ For the row that picks output token i (after ``prompt + output[:i]``):
   (EOS unless ignored, the stop token ids: the broker names them, ``Request.suppress``) cannot be
   picked (their logits are -inf);
 - ``allowed_token_ids`` (vLLM's): no other id can be picked (their logits are -inf);
+- ``bad_word_ids`` (vLLM's ``bad_words``, as the broker spells them): where the output ends with all
+  but the last token of a sequence, its last token cannot be picked (a one-token word never can);
 - a grammar (``structured``, ``nebula_flow/structured.py``): only the ids it allows after
   ``prompt + output[:i]`` can be picked (a ``guide`` gives them; the worker keeps it,
   ``workers/guides.py``); where min_tokens' ids are all it allows (it is complete), it wins.
@@ -43,6 +45,9 @@ class Penalties:
         self.bias = None  # (ids, values) of the logit bias
         self.allowed = None if params.allowed_token_ids is None else torch.tensor(sorted(set(params.allowed_token_ids)))
         self._barred: torch.Tensor | None = None  # (allowed_token_ids: the mask of every other id, made once)
+        self.bad = params.bad_word_ids
+        # (bad words: the output's last tokens, as many as the longest word's head)
+        self.tail = tokens[max(prompt_len, len(tokens) - max(map(len, self.bad)) + 1):].tolist() if self.bad else []
         if params.logit_bias:
             items = sorted(params.logit_bias.items())
             self.bias = (torch.tensor([t for t, _ in items]), torch.tensor([b for _, b in items], dtype=torch.float64))
@@ -92,6 +97,12 @@ class Penalties:
             out[:len(allowed)].masked_fill_(~allowed.to(out.device), float("-inf"))
         elif short:
             out[[t for t in self.suppress if t < vocab]] = float("-inf")
+        if self.bad:
+            tail = self.tail + list(path)
+            for word in self.bad:
+                n = len(word) - 1
+                if word[-1] < vocab and (n == 0 or len(tail) >= n and tuple(tail[-n:]) == word[:-1]):
+                    out[word[-1]] = float("-inf")
         if self.allowed is not None:
             if self._barred is None or len(self._barred) != vocab or self._barred.device != out.device:
                 self._barred = torch.ones(vocab, dtype=torch.bool, device=out.device)

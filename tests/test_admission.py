@@ -76,6 +76,20 @@ def test_a_stop_string_kept_in_the_text_and_a_prompt_truncated_to_its_end(tiny_p
         adm.request(2, Submit("v", {"max_new_tokens": 8, "truncate_prompt_tokens": 0}, prompt_tokens=prompt), b"c", 0.0)
 
 
+def test_bad_words_are_spelled_as_written_and_after_a_space(tiny_pair) -> None:  # noqa: ANN001
+    """The broker turns ``bad_words`` into ``bad_word_ids`` (what workers read): each word's tokens
+    as written (leading spaces dropped) and, where that differs in its first token only, after a
+    space (vLLM's rule)."""
+    adm = Admission(str(tiny_pair / "target"), 4096)
+    params = adm.params(Submit("b", {"bad_words": ["Mdef", " and"], "bad_word_ids": [[3]]}, prompt="x"))
+    enc = adm.codec.encode
+    want = [(3,), tuple(enc("Mdef", special=False))]
+    if len(enc(" Mdef", special=False)) == len(want[1]) and enc(" Mdef", special=False)[0] != want[1][0]:
+        want.append(tuple(enc(" Mdef", special=False)))
+    assert params.bad_words == () and params.bad_word_ids[:len(want)] == tuple(want)
+    assert tuple(enc("and", special=False)) in params.bad_word_ids and params.penalized
+
+
 def test_the_unlocked_tokenizer_call_gives_the_same_ids(tiny_pair) -> None:  # noqa: ANN001
     codec = Admission(str(tiny_pair / "target"), 4096).codec
     text = "def add(a, b):\n    return a + b  # héllo ✓ 日本語\n" * 50

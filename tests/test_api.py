@@ -677,6 +677,8 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ({"model": "tiny", "prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"model": "tiny", "prompt": "x", "bad_words": [""]}, 400, "bad_words"),
+    ({"model": "tiny", "prompt": "x", "bad_words": "x"}, 400, "bad_words"),
     ({"model": "tiny", "prompt": "x", "allowed_token_ids": [1, "2"]}, 400, "allowed_token_ids"),
     ({"model": "tiny", "prompt": "x", "allowed_token_ids": [10 ** 6]}, 400, None),  # (the broker knows the vocabulary)
     ({"model": "tiny", "prompt": "x", "max_tokens": 5}, 400, "max_tokens"),  # over the limit of 4

@@ -62,10 +62,25 @@ def penalized_requests() -> list[dict]:
             {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "logit_bias": BIAS, "temperature": 0.9,
              "seed": 5, "repetition_penalty": 1.1},
             {"token_ids": prompt, "max_new_tokens": 30, "allowed_token_ids": ALLOWED},
-            {"token_ids": prompt, "max_new_tokens": 30, "allowed_token_ids": ALLOWED, "temperature": 0.9, "seed": 6}]
+            {"token_ids": prompt, "max_new_tokens": 30, "allowed_token_ids": ALLOWED, "temperature": 0.9, "seed": 6},
+            {"token_ids": prompt, "max_new_tokens": 30, "bad_words": BAD_WORDS},
+            {"token_ids": prompt, "max_new_tokens": 30, "bad_words": BAD_WORDS, "temperature": 0.9, "seed": 7}]
 
 
 ALLOWED = list(range(40, 90))  # (allowed_token_ids: the plain greedy output of the prompt below leaves them)
+BAD_WORDS = ["Mdef", "ith"]  # (bad_words: the plain greedy output of the prompt below writes both, as [45, 446] and [445])
+
+
+def bad_word_ids(tiny_pair, words: list[str]) -> list[list[int]]:  # noqa: ANN001
+    """vLLM's spellings of bad words, made here with HF's tokenizer: each word as written (leading
+    spaces dropped), and after a space where that spells it in as many tokens with another first."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
+    out = []
+    for word in words:
+        bare = tok(word.lstrip(), add_special_tokens=False)["input_ids"]
+        spaced = tok(" " + word.lstrip(), add_special_tokens=False)["input_ids"]
+        out += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+    return out
 
 
 BIAS = {42: 2.5, 45: -100, 300: 1.5}  # (logit_bias: 45 is in the plain greedy output of the prompt below)
@@ -261,6 +276,9 @@ def penalized_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
             logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
             for t, b in request.get("logit_bias", {}).items():
                 logits[t] += b
+            for word in bad_word_ids(tiny_pair, request.get("bad_words", [])):
+                if len(word) == 1 or len(out) >= len(word) - 1 and out[len(out) - len(word) + 1:] == word[:-1]:
+                    logits[word[-1]] = float("-inf")
             if "allowed_token_ids" in request:
                 barred = torch.ones_like(logits, dtype=torch.bool)
                 barred[request["allowed_token_ids"]] = False
@@ -278,11 +296,13 @@ def penalized_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
 
 @pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
 def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, mode: str) -> None:  # noqa: ANN001
-    """Presence, frequency and repetition penalties, min_tokens, logit_bias and allowed_token_ids: greedy output is the target's own penalized
+    """Presence, frequency and repetition penalties, min_tokens, logit_bias, allowed_token_ids and bad_words: greedy
+    output is the target's own penalized
     greedy output (each row of a verify penalized for the tokens on its own path), in every mode;
     seeded penalized sampling is the same in every speculative mode."""
     runs(mode, 2, 2)
-    rep, freq, sampled, least, biased, biased_sampled, only, only_sampled = runs.penalized[(mode, 2, 2, False, False, 0)]
+    rep, freq, sampled, least, biased, biased_sampled, only, only_sampled, clean, clean_sampled = \
+        runs.penalized[(mode, 2, 2, False, False, 0)]
     requests = penalized_requests()
     model, prompt = _hf_model(str(tiny_pair / "target")), requests[0]["token_ids"]
     hf = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3,
@@ -297,10 +317,14 @@ def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, m
     assert 45 not in biased.token_ids and 45 not in biased_sampled.token_ids  # (-100: all but banned)
     assert only.token_ids == penalized_greedy(tiny_pair, requests[6]) and not set(plain) <= set(ALLOWED)
     assert set(only.token_ids) | set(only_sampled.token_ids) <= set(ALLOWED) and len(only_sampled.token_ids) == 30
+    assert clean.token_ids == penalized_greedy(tiny_pair, requests[8]) != plain[:30] and 445 in plain and 446 in plain
+    for out in (clean.token_ids, clean_sampled.token_ids):  # (neither word written: [445] alone, 446 after 45)
+        assert 445 not in out and all(out[i:i + 2] != [45, 446] for i in range(len(out)))
     if mode != "autoregressive":  # (its sampled draws are its own: placement independence is across speculative modes)
         assert sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][2].token_ids
         assert biased_sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][5].token_ids
         assert only_sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][7].token_ids
+        assert clean_sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][9].token_ids
 
 
 def structured_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001

@@ -57,6 +57,10 @@ def test_defaults_are_greedy_and_valid() -> None:
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"skip_special_tokens": "no"}, "booleans"),
     ({"include_stop_str_in_output": 1}, "booleans"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"bad_words": "x"}, "bad_words"),
+    ({"bad_word_ids": [[]]}, "bad_word_ids"),
+    ({"bad_word_ids": [5]}, "bad_word_ids"),
 ])
 def test_bad_parameters_are_rejected_with_a_clear_message(raw: dict, match: str) -> None:
     with pytest.raises(InvalidParams, match=match):
@@ -75,6 +79,21 @@ def test_allowed_token_ids_travel_as_a_list_and_bar_every_other_id() -> None:
     assert p.to_wire()["allowed_token_ids"] == [3, 9, 3] and SamplingParams.from_wire(p.to_wire()) == p and p.penalized
     row = Penalties(p, np.array([1, 2]), 2).row(torch.arange(12, dtype=torch.float32), [])
     assert torch.isfinite(row).nonzero().flatten().tolist() == [3, 9] and row[9] == 9.0
+
+
+def test_a_bad_words_last_token_is_barred_after_the_rest_of_it_in_the_output() -> None:
+    """A one-token word is never picked; a longer one's last token not where the output (not the
+    prompt) plus the row's path ends with the rest of it."""
+    p = SamplingParams(bad_word_ids=((5,), (7, 8, 9)))
+    assert SamplingParams.from_wire(p.to_wire()) == p and p.penalized
+
+    def barred(tokens: list[int], prompt_len: int, path: list[int]) -> list[int]:
+        row = Penalties(p, np.array(tokens), prompt_len).row(torch.zeros(12), path)
+        return torch.isinf(row).nonzero().flatten().tolist()
+
+    assert barred([1, 2, 3, 7, 8], 3, []) == [5, 9]
+    assert barred([1, 2, 3, 7, 8], 3, [9, 7, 8]) == [5, 9] and barred([1, 2, 3, 7, 8], 3, [4]) == [5]
+    assert barred([1, 2, 3, 7], 3, [8]) == [5, 9] and barred([7, 8], 2, []) == [5]  # (the prompt does not count)
 
 
 def test_stop_token_ids_end_the_output_even_with_ignore_eos() -> None:

@@ -23,6 +23,8 @@ from nebula_flow.api.errors import ApiError, invalid
 from nebula_flow.api.tools import ToolCalling, ToolError
 from nebula_flow.params import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_LEN,
+    MAX_BAD_WORDS,
     MAX_CACHE_SALT,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -177,6 +179,13 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t) and 0 <= t < 1 << 31 for t in ids):
             raise invalid("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
         params["stop_token_ids"] = tuple(ids)
+    bad = body.get("bad_words")  # (vLLM's: the broker spells them in tokens)
+    if bad is not None:
+        if not isinstance(bad, list) or len(bad) > MAX_BAD_WORDS or not all(
+                isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_LEN for w in bad):
+            raise invalid("bad_words", f"bad_words must be a list of at most {MAX_BAD_WORDS} words of 1 to "
+                          f"{MAX_BAD_WORD_LEN} characters")
+        params["bad_words"] = tuple(bad)
     allowed = body.get("allowed_token_ids")  # (vLLM's)
     if allowed is not None:
         if not isinstance(allowed, list) or not 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS or not all(
@@ -456,7 +465,8 @@ SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  "n", "ignore_eos", "stop_token_ids", "return_token_ids", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", "cache_salt",
                  "priority", "prompt_logprobs", "include_stop_str_in_output", "truncate_prompt_tokens",
-                 "return_tokens_as_token_ids", "skip_special_tokens", "allowed_token_ids", *GUIDED)
+                 "return_tokens_as_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
+                 *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs", "echo")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                "continue_final_message", "logprobs", "top_logprobs",
