@@ -359,6 +359,18 @@ def test_cli_generate_json_and_status(live) -> None:  # noqa: ANN001
                                "--logprobs", "0", "def f():"])
     lines = res.output.splitlines()
     assert res.exit_code == 0 and lines.index("[prompt logprobs]") + len(prompt) == lines.index("[output logprobs]")
+    # vLLM's output rules from the command line: each option reaches the request as the library's keyword does
+    rules = {"min_p": 0.05, "include_stop_str_in_output": True, "skip_special_tokens": False, "bad_words": ("def",),
+             "allowed_token_ids": tuple(range(100, 200)), "truncate_prompt_tokens": 3}
+    with Client(live.address) as c:
+        want = c.generate("import os\ndef f():", max_new_tokens=6, temperature=0.9, seed=3, **rules)
+    res = runner.invoke(main, ["generate", "--broker", live.address, "--json", "--max-new-tokens", "6", "--temperature",
+                               "0.9", "--seed", "3", "--min-p", "0.05", "--include-stop-str-in-output",
+                               "--keep-special-tokens", "--bad-word", "def", "--truncate-prompt-tokens", "3",
+                               *[f"--allowed-token-id={t}" for t in range(100, 200)], "import os\ndef f():"])
+    got = json.loads(res.output)
+    assert res.exit_code == 0 and got["token_ids"] == want.token_ids and set(got["token_ids"]) <= set(range(100, 200))
+    assert got["stats"]["prompt_tokens"] == 3
 
 
 def free_port_pair() -> int:

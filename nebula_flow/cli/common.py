@@ -276,6 +276,7 @@ def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  
         params["think_first"] = True
     if bias := params.pop("logit_bias", ()):
         params["logit_bias"] = dict(bias)
+    params["allowed_token_ids"] = params.pop("allowed_token_ids", ()) or None
     try:
         with Client(address, timeout_s=params.pop("timeout_s")) as client:
             for item in client.stream(prompt, **params):
@@ -346,6 +347,16 @@ GEN_OPTIONS = [
                  "schedules by priority ([policy] priority_scheduling); elsewhere only 0 is taken."),
     click.option("--cache-salt", default=None, help="Share prefix-cached KV only with requests of this salt "
                  "(vLLM's cache_salt; none: with requests that give none)."),
+    click.option("--include-stop-str-in-output", is_flag=True,
+                 help="vLLM's: the text keeps the stop string (or stop token) that ended it."),
+    click.option("--keep-special-tokens", "skip_special_tokens", flag_value=False, default=True,
+                 help="vLLM's skip_special_tokens false: special tokens' text stays in the output."),
+    click.option("--allowed-token-id", "allowed_token_ids", type=click.IntRange(0), multiple=True,
+                 help="vLLM's allowed_token_ids: only these ids may be picked (repeatable)."),
+    click.option("--bad-word", "bad_words", multiple=True,
+                 help="vLLM's bad_words: a word the output may not write (repeatable)."),
+    click.option("--truncate-prompt-tokens", type=click.IntRange(1), default=None,
+                 help="vLLM's: only the prompt's last this many tokens run."),
     click.option("--timeout-s", default=300.0, show_default=True),
 ]
 
