@@ -186,9 +186,21 @@ class Admission:
             window, hit = apply_stop((text + pending)[start:], req.params.stop, req.params.include_stop_str_in_output)
             if hit:
                 req.text = text[:start] + window
+                self._end_at_stop(req)
                 return True
         req.text = text
         return False
+
+    def _end_at_stop(self, req: Request) -> None:
+        """The output ends with the token that completes the stop string, as decoding one token at a
+        time ends it (vLLM's too): a round may have committed more, but how many depends on how the
+        rounds fell, and the token ids (and their count, in the usage) must not. Only this round's
+        tokens can complete it (earlier rounds were searched), and none before ``min_tokens``."""
+        p = req.params
+        for n in range(max(p.min_tokens, len(req.output) - req.tokens_per_round[-1] + 1), len(req.output)):
+            if apply_stop(self.codec.decode(req.output[:n], p.skip_special_tokens), p.stop)[1]:
+                req.cut(n)
+                return
 
     def release(self, req: Request) -> tuple[str, int]:
         """The text to stream after a round, and the character it starts at: what is new, less a

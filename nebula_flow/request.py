@@ -105,6 +105,11 @@ class Request:
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.output)
 
+    def cut(self, n: int) -> None:
+        """Keep the first ``n`` output tokens (a stop string ends there), all of this round's."""
+        self.tokens_per_round[-1] -= len(self.output) - n
+        del self.output[n:]
+
     def commit(self, committed: list[int], eos_ids: tuple[int, ...]) -> list[int]:
         """Append a verify's tokens, cut at EOS (unless ignored), a stop token id and
         max_new_tokens; returns what was kept."""

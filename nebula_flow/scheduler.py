@@ -1,9 +1,8 @@
 """The scheduling policy: pure bookkeeping over the request pool, its topics and its workers.
 
-No sockets, no torch, no clock of its own (``now`` is passed in), so the live broker and a
-simulator drive the same object. The broker feeds it events (a worker registers, pulls,
-returns a result, dies; a request arrives or is cancelled) and sends what ``dispatch``
-decides.
+No sockets, no torch, no clock of its own (``now`` is passed in), so the live broker and a simulator drive the
+same object. The broker feeds it events (a worker registers, pulls, returns a result, dies; a request arrives or
+is cancelled) and sends what ``dispatch`` decides.
 
 Modes (the same code, one switch):
 
@@ -323,10 +322,10 @@ class Scheduler:
         ``committed``: the accepted draft tokens and the target's next token. Returns the tokens
         kept; ``req.finish_reason`` is set when the request ended (it has then left the pool)."""
         self.verify_done(req, worker_id, len(committed) - 1, via_alt, draft_accepted, fused, second)
-        kept = req.commit(committed, eos_ids)
+        before, kept = len(req.output), req.commit(committed, eos_ids)
         self.streaming += 0 < len(kept) == len(req.output)  # (its first tokens)
-        if stop_text is not None and stop_text(req):
-            req.finish_reason = "stop"
+        if stop_text is not None and stop_text(req):  # (which may end the output at the stop string's last token)
+            req.finish_reason, kept = "stop", req.output[before:]
         if req.finish_reason:
             self.finish(req.rid)
         else:

@@ -30,8 +30,10 @@ def test_incremental_text_and_stop_strings_match_decoding_the_whole_output(tiny_
         req = Request(trial, f"r{trial}", [1], SamplingParams(max_new_tokens=4096, stop=stops), 0)
         fed, want, streamed = 0, "", ""
         while fed < len(ids):
-            fed = min(len(ids), fed + rnd.randrange(1, 6))
+            step = min(len(ids) - fed, rnd.randrange(1, 6))
+            fed += step
             req.output = ids[:fed]
+            req.tokens_per_round.append(step)
             hit = adm.stop_text(req)
             # the reference: decode everything; text ending in a partial character waits
             whole, want_hit = apply_stop(codec.decode(req.output), stops)
@@ -41,7 +43,9 @@ def test_incremental_text_and_stop_strings_match_decoding_the_whole_output(tiny_
             delta, at = adm.release(req)
             assert at == len(streamed) and want.startswith(streamed + delta), (trial, fed)  # (nothing taken back)
             streamed += delta
-            if hit:
+            if hit:  # (the output ends with the token that completed the stop string)
+                assert not apply_stop(codec.decode(req.output[:-1]), stops)[1] and sum(req.tokens_per_round) == \
+                    len(req.output), trial
                 break
         assert streamed == req.text, trial  # (all of it, once it ends)
 
@@ -88,6 +92,31 @@ def test_bad_words_are_spelled_as_written_and_after_a_space(tiny_pair) -> None: 
         want.append(tuple(enc(" Mdef", special=False)))
     assert params.bad_words == () and params.bad_word_ids[:len(want)] == tuple(want)
     assert tuple(enc("and", special=False)) in params.bad_word_ids and params.penalized
+
+
+def test_a_round_that_completes_a_stop_string_ends_the_output_at_its_last_token(tiny_pair) -> None:  # noqa: ANN001
+    """A verify commits five tokens and the stop string ends inside the second: the output keeps two
+    (as decoding one token at a time would), the round counts two, and the tokens the scheduler
+    hands back to stream are those two. Token ids do not depend on how the rounds fell."""
+    from nebula_flow.policy import PolicyConfig
+    from nebula_flow.scheduler import Scheduler
+    from tests.test_ahead import drafted, verify_taken
+
+    adm = Admission(str(tiny_pair / "target"), 4096)
+    ids = adm.codec.encode("alpha beta gamma delta epsilon", special=False)[:5]
+    second = adm.codec.decode(ids[:2])
+    stop = second[-2:]  # (ends inside the second token's text, or at its end)
+    assert stop and stop not in adm.codec.decode(ids[:1])
+    s = Scheduler("pooled", PolicyConfig(k=4))
+    s.register(1, "draft", 4)
+    s.register(2, "target", 4)
+    r = Request(0, "0", [1, 2, 3], SamplingParams(max_new_tokens=32, stop=(stop,)), seed=0)
+    s.admit(r)
+    drafted(s, r, ids[:4])
+    verify_taken(s, r)
+    kept = s.end_round(r, 2, ids, stop_text=adm.stop_text)
+    assert kept == ids[:2] and r.output == ids[:2] and r.tokens_per_round == [2] and r.finish_reason == "stop"
+    assert r.text == second[:second.index(stop)] and adm.final_text(r) == r.text
 
 
 def test_the_unlocked_tokenizer_call_gives_the_same_ids(tiny_pair) -> None:  # noqa: ANN001
@@ -238,11 +267,11 @@ def test_min_tokens_defers_stop_strings_and_names_the_ids_a_verify_must_not_pick
     admission = Admission(str(tiny_pair / "target"), 4096)
     ids = admission.codec.encode("ab ab ab ab")
     early = Request(1, "r", [1], SamplingParams(stop=("ab",), min_tokens=len(ids) + 1), seed=0)
-    early.output = list(ids)
+    early.commit(list(ids), ())
     assert not admission.stop_text(early) and "ab" in early.text  # (too early to stop)
     late = Request(2, "s", [1], SamplingParams(stop=("ab",)), seed=0)
-    late.output = list(ids)
-    assert admission.stop_text(late) and late.text == ""
+    late.commit(list(ids), ())
+    assert admission.stop_text(late) and late.text == "" and late.output == ids[:1]  # ("ab": its first token)
     msg = Submit("m", {"min_tokens": 3, "stop_token_ids": [9]}, prompt_tokens=np.array([1, 2], np.int32))
     req = admission.request(1, msg, owner=b"c", now=0.0)
     assert req.suppress == sorted({*admission.eos_ids, 9}) and admission.eos_ids

@@ -64,7 +64,9 @@ def penalized_requests() -> list[dict]:
             {"token_ids": prompt, "max_new_tokens": 30, "allowed_token_ids": ALLOWED},
             {"token_ids": prompt, "max_new_tokens": 30, "allowed_token_ids": ALLOWED, "temperature": 0.9, "seed": 6},
             {"token_ids": prompt, "max_new_tokens": 30, "bad_words": BAD_WORDS},
-            {"token_ids": prompt, "max_new_tokens": 30, "bad_words": BAD_WORDS, "temperature": 0.9, "seed": 7}]
+            {"token_ids": prompt, "max_new_tokens": 30, "bad_words": BAD_WORDS, "temperature": 0.9, "seed": 7},
+            {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "stop": ["Mde"]},
+            {"token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "stop": ["e"], "temperature": 0.9, "seed": 8}]
 
 
 ALLOWED = list(range(40, 90))  # (allowed_token_ids: the plain greedy output of the prompt below leaves them)
@@ -301,8 +303,8 @@ def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, m
     greedy output (each row of a verify penalized for the tokens on its own path), in every mode;
     seeded penalized sampling is the same in every speculative mode."""
     runs(mode, 2, 2)
-    rep, freq, sampled, least, biased, biased_sampled, only, only_sampled, clean, clean_sampled = \
-        runs.penalized[(mode, 2, 2, False, False, 0)]
+    rep, freq, sampled, least, biased, biased_sampled, only, only_sampled, clean, clean_sampled, stopped, \
+        stopped_sampled = runs.penalized[(mode, 2, 2, False, False, 0)]
     requests = penalized_requests()
     model, prompt = _hf_model(str(tiny_pair / "target")), requests[0]["token_ids"]
     hf = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3,
@@ -325,6 +327,17 @@ def test_penalized_output_is_the_targets_own_penalized_output(tiny_pair, runs, m
         assert biased_sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][5].token_ids
         assert only_sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][7].token_ids
         assert clean_sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][9].token_ids
+        assert stopped_sampled.token_ids == runs.penalized[("pooled", 2, 2, False, False, 0)][11].token_ids
+    # a stop string: the output ends with the token that completes it, as decoding one token at a time
+    # ends it, however many more the round that completed it committed ("Mde": inside the token "def")
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair / "target"))
+    plain40 = hf_greedy(tiny_pair / "target", prompt, 40)
+    n = next(i for i in range(1, 41) if "Mde" in tok.decode(plain40[:i]))
+    assert stopped.token_ids == plain40[:n] and stopped.finish_reason == "stop" and n < 40
+    assert stopped.text == tok.decode(plain40[:n]).split("Mde")[0] and len(stopped.tokens_per_round) == stopped.rounds
+    assert sum(stopped.tokens_per_round) == n
+    assert stopped_sampled.finish_reason == "stop" and "e" in tok.decode(stopped_sampled.token_ids)
+    assert "e" not in tok.decode(stopped_sampled.token_ids[:-1])
 
 
 def structured_greedy(tiny_pair, request: dict) -> list[int]:  # noqa: ANN001
