@@ -1,6 +1,8 @@
 """The broker's text work per round as outputs grow: ``Admission.stop_text`` (incremental: only
 the new tokens decoded, stop strings searched in a bounded window) against the rule it replaced
-(the whole output decoded and searched every round), CPU time per round, medians of 3.
+(the whole output decoded and searched every round), CPU time per round, medians of 3; and
+``stop_text`` then ``Admission.release`` (the streamed text held back where it may begin a stop
+string), what the broker runs each round since 2026-12-05.
 
     .venv/bin/python tools/bench_detok.py [TOKENIZER_DIR]   (default: the bundled target)
 """
@@ -30,7 +32,8 @@ def whole(req: Request) -> bool:
 
 for n in (256, 1024, 4096):
     res = {}
-    for name, fn in (("whole", whole), ("incremental", adm.stop_text)):
+    for name, fn in (("whole", whole), ("incremental", adm.stop_text),
+                     ("released", lambda req: (adm.stop_text(req), adm.release(req)))):
         times = []
         for _ in range(3):
             req = Request(0, "r", [1], SamplingParams(max_new_tokens=1 << 20, stop=("<|never|>", "\n\n\n\n")), 0)
@@ -41,4 +44,6 @@ for n in (256, 1024, 4096):
                 rounds += 1
             times.append((time.process_time() - t0) / rounds * 1e6)
         res[name] = statistics.median(times)
-    print(f"output {n:5d} tokens, 3 per round: whole-output decode {res['whole']:.1f} us/round, incremental {res['incremental']:.1f} us/round ({res['whole']/res['incremental']:.1f}x)")
+    print(f"output {n:5d} tokens, 3 per round: whole-output decode {res['whole']:.1f} us/round, incremental "
+          f"{res['incremental']:.1f} us/round ({res['whole']/res['incremental']:.1f}x), with release "
+          f"{res['released']:.1f} us/round")
