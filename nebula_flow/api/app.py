@@ -16,7 +16,7 @@ import importlib.metadata
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import anyio
@@ -163,55 +163,53 @@ class Gateway:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
-        return await self._tokenizer(request, "tokenize", parse_tokenize)
+        return await self._counted("tokenize", self._tokenizer(request, parse_tokenize))
 
     async def detokenize(self, request: Request) -> Response:
-        return await self._tokenizer(request, "detokenize", parse_detokenize)
-
-    async def _tokenizer(self, request: Request, endpoint: str, parse: Any) -> Response:  # noqa: ANN401
-        """``/tokenize`` and ``/detokenize`` (``api/tokenize.py``): the broker's tokenizer at work."""
-        try:
-            self.authorize(request)
-            asked = parse(await read_json(request), await self.served())
-            try:
-                got = await self.client.tokenize(**asked)
-            except RequestError as exc:
-                if exc.code not in BAD_REQUEST_CODES:
-                    raise
-                raise ApiError(400, exc.message, code=exc.code,
-                               param="tokens" if "token_ids" in asked else "messages" if "messages" in asked
-                               else "prompt") from None
-            except NebulaError as exc:
-                raise from_broker(exc) from None
-            response = JSONResponse(tokenized(got) if endpoint == "tokenize" else {"prompt": got.text})
-        except ApiError as exc:
-            response = error_response(exc)
-        self.telemetry.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+        return await self._counted("detokenize", self._tokenizer(request, parse_detokenize))
 
     async def version(self, _request: Request) -> Response:
         """``GET /version`` (vLLM's): the server's version."""
         return JSONResponse({"version": importlib.metadata.version("nebula-flow")})
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completions", parse_completion)
+        return await self._counted("completions", self._generate(request, parse_completion))
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, "chat", parse_chat)
+        return await self._counted("chat", self._generate(request, parse_chat))
 
-    async def _generate(self, request: Request, endpoint: str, parse: Any) -> Response:  # noqa: ANN401
+    async def _counted(self, endpoint: str, answer: Awaitable[Response]) -> Response:
+        """An endpoint's answer (an ``ApiError`` answered in OpenAI's shape), counted by its status."""
         try:
-            self.authorize(request)
-            served = await self.served()
-            body = await read_json(request)
-            # (a structured output's new grammar compiles off the event loop: a large JSON schema takes ~70 ms)
-            job = await asyncio.to_thread(parse, body, served) if isinstance(body, dict) and STRUCTURED_FIELDS & body.keys() \
-                else parse(body, served)
-            response = await self._run(request, job, served.name)
+            response = await answer
         except ApiError as exc:
             response = error_response(exc)
         self.telemetry.requests.labels(endpoint, str(response.status_code)).inc()
         return response
+
+    async def _tokenizer(self, request: Request, parse: Any) -> Response:  # noqa: ANN401
+        """``/tokenize`` and ``/detokenize`` (``api/tokenize.py``): the broker's tokenizer at work."""
+        self.authorize(request)
+        asked = parse(await read_json(request), await self.served())
+        try:
+            got = await self.client.tokenize(**asked)
+        except RequestError as exc:
+            if exc.code not in BAD_REQUEST_CODES:
+                raise from_broker(exc) from None
+            raise ApiError(400, exc.message, code=exc.code, param="tokens" if "token_ids" in asked
+                           else "messages" if "messages" in asked else "prompt") from None
+        except NebulaError as exc:
+            raise from_broker(exc) from None
+        return JSONResponse(tokenized(got) if parse is parse_tokenize else {"prompt": got.text})
+
+    async def _generate(self, request: Request, parse: Any) -> Response:  # noqa: ANN401
+        self.authorize(request)
+        served = await self.served()
+        body = await read_json(request)
+        # (a structured output's new grammar compiles off the event loop: a large JSON schema takes ~70 ms)
+        job = await asyncio.to_thread(parse, body, served) if isinstance(body, dict) and STRUCTURED_FIELDS & body.keys() \
+            else parse(body, served)
+        return await self._run(request, job, served.name)
 
     async def _run(self, request: Request, job: Job, model: str) -> Response:
         req_id = uuid.uuid4().hex
