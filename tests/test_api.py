@@ -264,7 +264,7 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(served) -> None:  
                                     n=2)
     assert [c.text for c in two.choices] == ["def fibonacci(n):" + text_want.text] * 2
     assert all(c.logprobs is None for c in two.choices)
-    for body, param in (({"echo": "yes"}, "echo"), ({"messages": CONVERSATION, "echo": True}, "echo")):
+    for body, param in (({"echo": "yes"}, "echo"), ({"messages": CONVERSATION, "echo": "yes"}, "echo")):
         chat = "messages" in body
         res = httpx.post(served.http_url + ("/v1/chat/completions" if chat else "/v1/completions"),
                          headers={"Authorization": "Bearer sesame"},

@@ -95,6 +95,18 @@ def test_an_answer_begun_in_the_final_message_is_continued(served, hf) -> None: 
     with Client(served.address) as c:
         assert chat.choices[0].model_extra["token_ids"] == c.generate(token_ids=want, max_new_tokens=12).token_ids
     assert chat.usage.prompt_tokens == len(want)
+    # vLLM's chat echo: the answer begins with the final assistant message it continues (streamed first)
+    echoed = api.chat.completions.create(model="tiny", messages=begun, max_tokens=12, temperature=0,
+                                         extra_body={"continue_final_message": True, "echo": True})
+    assert echoed.choices[0].message.content == begun[-1]["content"] + chat.choices[0].message.content
+    events = api.chat.completions.create(model="tiny", messages=begun, max_tokens=12, temperature=0, stream=True,
+                                         extra_body={"continue_final_message": True, "echo": True})
+    deltas = [e.choices[0].delta.content for e in events if e.choices and e.choices[0].delta.content]
+    assert deltas[0] == begun[-1]["content"] and "".join(deltas) == echoed.choices[0].message.content
+    plain = api.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=6, temperature=0)
+    same = api.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=6, temperature=0,
+                                       extra_body={"echo": True})  # (the final message is the user's: nothing added)
+    assert same.choices[0].message.content == plain.choices[0].message.content
     closed = post(served, "/tokenize", {"messages": begun}).json()["tokens"]  # (by default: a new turn after it)
     assert closed == chat_ids_of(hf, begun) and len(closed) > len(want)
     res = post(served, "/v1/chat/completions", {"model": "tiny", "messages": [*CONVERSATION, {"role": "assistant",
@@ -136,6 +148,9 @@ def test_detokenize_and_the_client_library(served, hf) -> None:  # noqa: ANN001
     ("/tokenize", {"messages": CONVERSATION, "tools": [{"type": "nope"}]}, 400, "tools"),
     ("/tokenize", {"prompt": "x", "temperature": 0}, 400, "temperature"),
     ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CONVERSATION, "echo": True, "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "echo"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CONVERSATION, "echo": 1}, 400, "echo"),
     ("/detokenize", {"tokens": [1, -2]}, 400, "tokens"),
     ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
     ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),

@@ -215,7 +215,7 @@ class Gateway:
         req_id = uuid.uuid4().hex
         shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls, job.reasoning, job.echoes(),
                         (job.params.get("logprobs"), job.prompt_top))
-        shaper.tokens_as_ids = job.tokens_as_ids
+        shaper.tokens_as_ids, shaper.chat_echo = job.tokens_as_ids, job.chat_echo
         asks = job.choices()
         streams = [self.client.stream(request_id=req_id if len(asks) == 1 else f"{req_id}-{i}", **ask)
                    for i, ask in enumerate(asks)]
@@ -276,6 +276,8 @@ class Gateway:
             if job.chat:
                 for i in range(count):
                     yield sse(shaper.chunk(None, role=True, index=i))
+                    if job.chat_echo:
+                        yield sse(shaper.chunk(job.chat_echo, index=i))
             async for i, item in items:
                 if i not in echoed and (echo := shaper.echo(i, item)) is not None:
                     echoed.add(i)

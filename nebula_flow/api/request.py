@@ -18,7 +18,7 @@ from typing import Any
 
 from nebula_flow import structured
 from nebula_flow.api import tools as tool_calls
-from nebula_flow.api.conversation import MAX_MESSAGES, chat_options, message_text, template_message
+from nebula_flow.api.conversation import MAX_MESSAGES, chat_options, flag, message_text, template_message
 from nebula_flow.api.errors import ApiError, invalid
 from nebula_flow.api.tools import ToolCalling, ToolError
 from nebula_flow.params import (
@@ -81,6 +81,7 @@ class Job:
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (a token is made, and left out)
     prompt_top: int | None = None  # vLLM's prompt_logprobs: the prompt's, this many top tokens beside each
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N"
+    chat_echo: str | None = None  # chat's echo (vLLM's): the final assistant message's text, before each answer
 
     def echoes(self) -> list[str | None] | None:
         """With ``echo``, each choice's prompt text where it is the text given (None: the broker's text
@@ -192,11 +193,10 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
                 _is_int(t) and 0 <= t < 1 << 31 for t in allowed):
             raise invalid("allowed_token_ids", f"allowed_token_ids must be a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
         params["allowed_token_ids"] = tuple(allowed)
-    for flag in ("ignore_eos", "return_token_ids", "include_stop_str_in_output", "return_tokens_as_token_ids",
+    for name in ("ignore_eos", "return_token_ids", "include_stop_str_in_output", "return_tokens_as_token_ids",
                  "skip_special_tokens"):
-        if not isinstance(body.get(flag, False), bool):
-            raise invalid(flag, f"{flag} must be a boolean")
-    params["ignore_eos"] = body.get("ignore_eos", False)
+        flag(body, name, False)
+    params["ignore_eos"] = flag(body, "ignore_eos", False)
     if body.get("include_stop_str_in_output"):
         params["include_stop_str_in_output"] = True
     if body.get("skip_special_tokens") is False:
@@ -456,9 +456,14 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
     if (prediction := _prediction(body.get("prediction"))) is not None:
         params["prediction"] = prediction
     inputs = [{"messages": [template_message(i, m) for i, m in enumerate(messages)], "chat_options": options or None}]
+    echo = flag(body, "echo", False)  # (vLLM's: the answer begins with the final message, where it is the assistant's)
+    if echo and calls is not None:
+        raise ApiError(400, "echo with tools is not supported", param="echo", code="unsupported_parameter")
+    last = inputs[0]["messages"][-1]
     return Job(True, params, inputs, _choices(body, 1), stream=stream, include_usage=usage,
                return_token_ids=body.get("return_token_ids", False), calls=calls, reasoning=served.reasoning_parser,
-               prompt_top=_prompt_top(body, params, stream), tokens_as_ids=body.get("return_tokens_as_token_ids") is True)
+               prompt_top=_prompt_top(body, params, stream), tokens_as_ids=body.get("return_tokens_as_token_ids") is True,
+               chat_echo=(last["content"] or "") if echo and last["role"] == "assistant" else None)
 
 
 SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
@@ -469,5 +474,5 @@ SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs", "echo")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
-               "continue_final_message", "logprobs", "top_logprobs",
+               "continue_final_message", "echo", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "prediction")

@@ -72,6 +72,7 @@ class Shaper:
         # (the broker reports as many as the larger asks)
         self.echo_top, self.prompt_top = tops
         self.tokens_as_ids = False  # (vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N")
+        self.chat_echo: str | None = None  # (chat's echo: the final assistant message, before each answer)
 
     def logprobs(self, entries: list | None, index: int) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` of a choice (or of a streamed chunk of it) from the broker's entries
@@ -109,6 +110,8 @@ class Shaper:
         logprobs = self.logprobs(out.logprobs if scored is None else scored + (out.logprobs or []), index)
         thinking, _ = self.answer(out)
         content, called = self.tool_calls(out)
+        if self.chat_echo:
+            content = self.chat_echo + (content or "")
         if self.chat:
             message = {"role": "assistant", "content": content, **({"tool_calls": called} if called is not None else {}),
                        **({"reasoning_content": thinking} if self.reasoning is not None else {})}
