@@ -105,7 +105,8 @@ class Admission:
         for word in words:
             bare = tuple(self.codec.encode(word.lstrip(), special=False))
             spaced = tuple(self.codec.encode(" " + word.lstrip(), special=False))
-            out += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+            if bare:  # (a word the vocabulary writes with no token bars nothing)
+                out += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
         return out
 
     def prediction(self, msg: Submit, unlocked: bool = False) -> np.ndarray | None:

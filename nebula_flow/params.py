@@ -32,9 +32,9 @@ class SamplingParams:
     """How to pick tokens. ``temperature == 0`` means greedy (argmax).
 
     ``top_k == 0``, ``top_p == 1.0`` and ``min_p == 0`` disable those filters (``min_p``, vLLM's: a
-    token less likely than ``min_p`` times the most likely one is dropped; ``specdec.target_probs``). ``seed`` fixes every random
-    number the request uses (see ``specdec.uniform``); the broker draws one when it is absent,
-    so a request's randomness never depends on which worker runs it. ``stop_token_ids`` end the
+    token less likely than ``min_p`` times the most likely one is dropped; ``specdec.target_probs``).
+    ``seed`` fixes every random number the request uses (see ``specdec.uniform``); the broker draws
+    one when it is absent, so a request's randomness never depends on which worker runs it. ``stop_token_ids`` end the
     output like EOS (the token kept, ``finish_reason`` "stop"), whether or not ``ignore_eos``.
     ``logprobs`` (None: off): report each output token's log-probability under the target's own
     distribution (its raw logits, before penalties, temperature, top-k and top-p, as vLLM does by
