@@ -732,9 +732,12 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stream", "stream_options", "n", "logprobs", "user", "chat_template_kwargs", "ignore_eos", "stop_token_ids",
-          "presence_penalty", "repetition_penalty", "top_logprobs", "priority", "cache_salt"]
+          "presence_penalty", "repetition_penalty", "top_logprobs", "priority", "cache_salt", "min_p", "echo",
+          "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+          "return_tokens_as_token_ids", "continue_final_message", "add_generation_prompt", "prompt_logprobs",
+          "tokens", "add_special_tokens", "return_token_strs"]
 VALUES = JSON | st.sampled_from(["tiny", "hi", 1, 4, 0.5, True, [{"role": "user", "content": "hi"}], [1, 2, 3]])
-PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
 OPTIONAL = {f: VALUES for f in FIELDS[3:]}
 REQUESTS = (st.tuples(PATHS, st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=8) | JSON)
             | st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(  # (near-valid ones: some get answers)
