@@ -162,7 +162,7 @@ class Admission:
                                                       f"the context ({self.max_model_len})")
         req = Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now, prediction=prediction)
         if params.prompt_logprobs is not None:  # (the first token's is null: nothing predicts it)
-            req.prompt_logprobs = [[prompt[0], self.token_text(prompt[0]), None, []]]
+            req.prompt_logprobs = [[prompt[0], self.token_text(prompt[0]), None, [], None]]
         if params.min_tokens:  # (the ids that would end it early, which its verifies must not pick)
             req.suppress = sorted({*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids})
             if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= set(req.suppress):

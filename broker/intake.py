@@ -155,9 +155,10 @@ class Intake:
 
     def _prompt_scored(self, req: Request, item: TaskResult) -> None:
         """The prompt's log-probabilities a verify brings: those not had yet kept, and streamed."""
-        lp, ids, at = results.prompt_scores(req, item, self.admission.vocab_size)
+        lp, ids, rank, at = results.prompt_scores(req, item, self.admission.vocab_size)
         have = len(req.prompt_logprobs)
-        new = self.admission.logprob_entries(req.prompt[at:at + len(lp)], lp, ids)[have - at:]
+        scored = self.admission.logprob_entries(req.prompt[at:at + len(lp)], lp, ids)
+        new = [[*e, r] for e, r in zip(scored, rank.tolist())][have - at:]  # (vLLM's rank of each prompt token)
         if new:
             req.prompt_logprobs.extend(new)
             sent = 0 if have == 1 else have  # (the first message has the first token's null too)

@@ -119,10 +119,13 @@ def logprobs(req: Request, out: TaskResult, vocab: int | None = None) -> tuple[n
     return lp.copy(), ids.copy()
 
 
-def prompt_scores(req: Request, out: TaskResult, vocab: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+def prompt_scores(req: Request, out: TaskResult, vocab: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """The log-probabilities of the prompt's tokens a verify scored, from position ``scored_from``,
-    and of the top tokens beside each (``SamplingParams.prompt_logprobs``), copied out of the frames."""
+    of the top tokens beside each (``SamplingParams.prompt_logprobs``) and each token's rank, copied
+    out of the frames."""
     top, lp, ids, at = req.params.prompt_logprobs, out.prompt_logprobs, out.prompt_logprob_ids, out.scored_from
+    rank = out.prompt_logprob_ranks
     if top is None or req.prompt_logprobs is None:
         raise ProtocolError("malformed", "prompt logprobs the request did not ask for")
     n = len(lp) if lp is not None else 0
@@ -135,7 +138,10 @@ def prompt_scores(req: Request, out: TaskResult, vocab: int | None = None) -> tu
                                          f"prompt's end ({len(req.prompt_logprobs)} of {len(req.prompt)} scored)")
     if top and n and vocab is not None and not 0 <= ids.min() <= ids.max() < vocab:
         raise ProtocolError("malformed", f"prompt_logprob_ids hold token ids outside the vocabulary [0, {vocab})")
-    return lp.copy(), ids.copy(), at
+    if rank is None or rank.dtype != np.int32 or rank.shape != (n,) or n and not 1 <= rank.min() <= rank.max() <= \
+            (vocab or 1 << 31):
+        raise ProtocolError("malformed", "prompt_logprob_ranks must be int32 [n] ranks from 1 to the vocabulary's size")
+    return lp.copy(), ids.copy(), rank.copy(), at
 
 
 def on_chain(chain: list[int], committed: list[int]) -> int:

@@ -35,7 +35,9 @@ class Chunk:
     text: str
     t_s: float  # seconds since the request was sent
     logprobs: list | None = None  # asked for: per token [id, text, logprob, [[id, text, logprob], ...]]
-    prompt_logprobs: list | None = None  # asked for, on the first chunk: the prompt's tokens' (the first's: null)
+    # asked for, on the first chunk: the prompt's tokens', as ``logprobs`` and each token's rank after them (1: the
+    # most likely; vLLM's); the first token's logprob and rank null: nothing predicts it
+    prompt_logprobs: list | None = None
     prompt_text: str | None = None  # asked for (echo), on the first chunk: the prompt's text
 
 

@@ -128,8 +128,8 @@ class Tokens(Msg):
     before this chunk, ``text_offset`` = characters of text sent before it (a re-attached client gets everything
     again from 0; a request run again on a restarted broker may cut its rounds elsewhere: the offsets let a client
     pass on only what it has not seen). Asked for, before the first tokens, in messages without tokens: the prompt's
-    ``prompt_text`` (``SamplingParams.echo``), and its tokens' ``prompt_logprobs`` (as ``logprobs``; position 0's
-    logprob null), the first at position ``prompt_offset``."""
+    ``prompt_text`` (``SamplingParams.echo``), and its tokens' ``prompt_logprobs`` (as ``logprobs``, then its rank;
+    position 0's logprob and rank null), the first at position ``prompt_offset``."""
 
     KIND: ClassVar[str] = "TOKENS"
     req_id: str
@@ -377,7 +377,8 @@ class TaskResult(Proposes):
     many positions: the task comes back for the rest; ``error``: the task failed, and why; ``logprobs`` (float32
     [committed, 1 + top]) and ``logprob_ids`` (int32 [committed, top]): asked for, each committed token's log-
     probability and the top tokens' (``workers/logprobs.py``); ``prompt_logprobs`` and ``prompt_logprob_ids``: the
-    same for the prompt's tokens the task scored, from position ``scored_from``."""
+    same for the prompt's tokens the task scored, from position ``scored_from``, each token's rank (int32, 1: the
+    most likely) in ``prompt_logprob_ranks``."""
 
     rid: int
     kind: str
@@ -398,6 +399,7 @@ class TaskResult(Proposes):
     cached: int = 0  # a verify or round task's positions copied from other requests' KV (prefix cache, kv/store.py)
     prompt_logprobs: Tensor | None = None
     prompt_logprob_ids: Tensor | None = None
+    prompt_logprob_ranks: Tensor | None = None
     scored_from: int = 0
 
     def check(self) -> None:

@@ -342,11 +342,13 @@ def test_prompt_logprobs_as_vllm_answers_them(served) -> None:  # noqa: ANN001
     choice = httpx.post(url + "/v1/completions", headers=auth, json=body, timeout=60).json()["choices"][0]
     got = choice["prompt_logprobs"]
     assert got[0] is None and len(got) == len(prompt)
-    for entry, (token, text, logprob, top) in zip(got[1:], want[1:]):
+    for entry, (token, text, logprob, top, rank) in zip(got[1:], want[1:]):
         assert entry[str(token)]["logprob"] == logprob and entry[str(token)]["decoded_token"] == text
         assert [entry[str(t[0])]["rank"] for t in top] == [1, 2, 3]
-        assert entry[str(token)]["rank"] == next((r for r, t in enumerate(top, 1) if t[0] == token), None)
+        # (the prompt token's rank, as vLLM's: where it is among the top ones, its place there)
+        assert entry[str(token)]["rank"] == rank == next((r for r, t in enumerate(top, 1) if t[0] == token), rank)
         assert set(entry) == {str(token), *(str(t[0]) for t in top)}
+    assert any(e[4] > 3 for e in want[1:])  # (ranks past the tokens reported are given too)
     assert all(len(t) <= 1 for t in choice["logprobs"]["top_logprobs"][1:])  # (echo's logprobs: 1 each)
     chat = httpx.post(url + "/v1/chat/completions", headers=auth, timeout=60, json={
         "model": "tiny", "messages": CONVERSATION, "max_tokens": 2, "prompt_logprobs": 1}).json()

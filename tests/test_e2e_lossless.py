@@ -254,11 +254,13 @@ def test_prompt_logprobs_are_the_targets_own_in_every_mode(tiny_pair, runs, mode
     for request, out, top in asked:
         prompt, ref = prompt_of(tiny_pair, request), target_logprobs(tiny_pair, request, [], of_prompt=True)
         entries = out.prompt_logprobs
-        assert [e[0] for e in entries] == prompt and entries[0][2] is None and entries[0][3] == []
+        assert [e[0] for e in entries] == prompt and entries[0][2] is None and entries[0][3] == [] and entries[0][4] is None
         mine = torch.tensor([e[2] for e in entries[1:]])
         assert torch.allclose(mine, ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-4), mode
         for e, row in zip(entries[1:], ref):
             assert len(e[3]) == top
+            v = row[e[0]]  # (its rank: the logits above its own, plus one; within the numerics' 1e-4)
+            assert int((row > v + 1e-4).sum()) + 1 <= e[4] <= int((row > v - 1e-4).sum()) + 1, mode
             if top:
                 assert torch.allclose(torch.tensor([t[2] for t in e[3]]), torch.topk(row, top).values, atol=1e-4)
                 assert [t[0] for t in e[3]] == torch.topk(row, top).indices.tolist()

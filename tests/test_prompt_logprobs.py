@@ -38,17 +38,18 @@ def _asking(top: int | None, scored: int = 1) -> Request:
 def _result(at: int, n: int, top: int = 1, **changes: object) -> TaskResult:
     lp = np.full((n, 1 + top), -0.5, dtype=np.float32)
     out = TaskResult(1, "verify", 1, 1, prefilled=at + n, prompt_logprobs=lp,
-                     prompt_logprob_ids=np.zeros((n, top), dtype=np.int32), scored_from=at)
+                     prompt_logprob_ids=np.zeros((n, top), dtype=np.int32),
+                     prompt_logprob_ranks=np.arange(1, n + 1, dtype=np.int32), scored_from=at)
     for name, value in changes.items():
         setattr(out, name, value)
     return out
 
 
 def test_the_broker_takes_the_prompt_scores_a_verify_brings_and_refuses_bad_ones() -> None:
-    lp, ids, at = results.prompt_scores(_asking(1), _result(1, 3), vocab=100)
-    assert lp.shape == (3, 2) and ids.shape == (3, 1) and at == 1
+    lp, ids, rank, at = results.prompt_scores(_asking(1), _result(1, 3), vocab=100)
+    assert lp.shape == (3, 2) and ids.shape == (3, 1) and rank.tolist() == [1, 2, 3] and at == 1
     # positions already had come again (a task run again from an earlier position): taken, the broker keeps its own
-    assert results.prompt_scores(_asking(1, scored=3), _result(2, 4), vocab=100)[2] == 2
+    assert results.prompt_scores(_asking(1, scored=3), _result(2, 4), vocab=100)[3] == 2
     bad = [
         (_asking(None), _result(1, 2), "did not ask"),
         (_asking(1), _result(2, 2), "gap"),  # position 1 was never scored
@@ -59,6 +60,10 @@ def test_the_broker_takes_the_prompt_scores_a_verify_brings_and_refuses_bad_ones
         (_asking(1), _result(1, 2, prompt_logprobs=np.full((2, 2), 0.5, dtype=np.float32)), "<= 0"),
         (_asking(1), _result(1, 2, prompt_logprob_ids=np.full((2, 1), 100, dtype=np.int32)), "vocabulary"),
         (_asking(1), _result(1, 2, prompt_logprob_ids=None), "float32"),
+        (_asking(1), _result(1, 2, prompt_logprob_ranks=None), "ranks"),
+        (_asking(1), _result(1, 2, prompt_logprob_ranks=np.array([0, 1], dtype=np.int32)), "ranks"),
+        (_asking(1), _result(1, 2, prompt_logprob_ranks=np.array([1, 101], dtype=np.int32)), "ranks"),
+        (_asking(1), _result(1, 2, prompt_logprob_ranks=np.array([1, 2], dtype=np.int64)), "ranks"),
     ]
     for req, out, why in bad:
         with pytest.raises(ProtocolError, match=why):

@@ -67,4 +67,4 @@ def scores(out: TaskResult, t: Task) -> None:
     prompt's (``workers/logprobs.py``)."""
     out.logprobs, out.logprob_ids = t.logprobs or (None, None)
     if t.prompt_scores is not None:
-        out.prompt_logprobs, out.prompt_logprob_ids, out.scored_from = t.prompt_scores
+        out.prompt_logprobs, out.prompt_logprob_ids, out.prompt_logprob_ranks, out.scored_from = t.prompt_scores

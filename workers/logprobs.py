@@ -40,3 +40,11 @@ def scored(logits: torch.Tensor, tokens: list[int] | np.ndarray, top: int) -> tu
     values = (torch.cat([chosen, best.values], dim=1) if best is not None else chosen).sub_(norm).clamp_min_(FLOOR)
     ids = best.indices if best is not None else torch.zeros((len(tokens), 0), dtype=torch.long, device=logits.device)
     return values.cpu().numpy().astype(np.float32), ids.cpu().numpy().astype(np.int32)
+
+
+def ranks(logits: torch.Tensor, tokens: list[int] | np.ndarray) -> np.ndarray:
+    """Each token's rank in the row that predicted it (int32; 1: the most likely; ties share the
+    better rank, as vLLM counts: the logits above the token's, plus one). vLLM reports it with
+    each prompt token's log-probability, whether or not the token is among the top ones."""
+    chosen = logits.gather(1, torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=logits.device)[:, None])
+    return ((logits > chosen).sum(dim=-1) + 1).cpu().numpy().astype(np.int32)

@@ -30,7 +30,7 @@ from nebula_flow_workers.draft_rules import DraftRules
 from nebula_flow_workers.draft_steps import DraftSteps
 from nebula_flow_workers.forward_clock import ForwardClock
 from nebula_flow_workers.guides import Guide, Guides
-from nebula_flow_workers.logprobs import committed_logprobs, scored
+from nebula_flow_workers.logprobs import committed_logprobs, ranks, scored
 
 log = logging.getLogger("nebula_flow.worker")
 
@@ -60,7 +60,8 @@ class Task:
     ahead: int = 0  # ahead tasks: the outcomes of the verify of ``draft`` to pre-draft the next round for
     logprobs: tuple[np.ndarray, np.ndarray] | None = None  # set by verify when asked: ``workers/logprobs.py``
     score_from: int = 0  # verify: the prompt's logprobs are wanted from this position on (0: none)
-    prompt_scores: tuple[np.ndarray, np.ndarray, int] | None = None  # set by verify: those scored, and from where
+    # set by verify: the prompt's scored tokens' logprobs, top ids and ranks, and from where
+    prompt_scores: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None
     prompt_len: int = 0  # a penalized request's (its output's tokens are penalized: ``nebula_flow/penalties.py``)
     suppress: list[int] = field(default_factory=list)  # min_tokens: the ids it must not pick yet
     alone: bool = False  # no other stream of its broker's pool flowed when sent: it prefills whole
@@ -307,7 +308,8 @@ class ModelRunner:
                                              [parents[i] for i in ran]))) if ran else {}
         for i, (at, n) in scoring.items():
             t = tasks[i]
-            t.prompt_scores = (*scored(logits[i][:n], t.tokens[at:at + n], t.params.prompt_logprobs), at)
+            rows, tokens = logits[i][:n], t.tokens[at:at + n]
+            t.prompt_scores = (*scored(rows, tokens, t.params.prompt_logprobs), ranks(rows, tokens), at)
             if ends[i] is None:
                 logits[i] = logits[i][len(new[i]) - 1 - len(trees[i]):]  # (the verify's rows)
         best = dict(zip(ran, greedy_picks([logits[i] for i in ran], [ends[i] is None and tasks[i].params.greedy

@@ -134,13 +134,12 @@ class Shaper:
 
     def ranked(self, entries: list | None) -> list | None:
         """vLLM's ``prompt_logprobs``: null for the first token, then per token, by token id, its own
-        and the top tokens' ``logprob``, ``rank`` (1: the most likely; the prompt token's null where it
-        is not among the tokens reported) and ``decoded_token``."""
+        and the top tokens' ``logprob``, ``rank`` (1: the most likely; the prompt token's as the worker
+        counted it, among the top ones or not) and ``decoded_token``."""
         if entries is None:
             return None
         out: list[dict[str, Any] | None] = [None]
-        for token, text, logprob, top in entries[1:]:
-            rank = next((r for r, t in enumerate(top, 1) if t[0] == token), None)
+        for token, text, logprob, top, rank in entries[1:]:
             ranked = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": text}}
             for r, (tid, t_text, value) in enumerate(top[:self.prompt_top], 1):
                 ranked.setdefault(str(tid), {"logprob": value, "rank": r, "decoded_token": t_text})

@@ -242,9 +242,9 @@ def print_completion(out, as_json: bool) -> None:  # noqa: ANN001
     for name, entries in (("prompt", (out.prompt_logprobs or [])[1:]), ("output", out.logprobs or ())):
         if out.prompt_logprobs is not None and entries:
             click.echo(f"[{name} logprobs]", err=True)
-        for _, text, logprob, top in entries:
-            click.echo(f"  {text!r:>16} {logprob:9.4f}" + ("   top: " + ", ".join(f"{t!r} {v:.4f}" for _, t, v in top)
-                                                         if top else ""), err=True)
+        for _, text, logprob, top, *rank in entries:  # (a prompt token's entry ends with its rank)
+            click.echo(f"  {text!r:>16} {logprob:9.4f}" + (f"  rank {rank[0]}" if rank else "")
+                       + ("   top: " + ", ".join(f"{t!r} {v:.4f}" for _, t, v in top) if top else ""), err=True)
 
 
 def structured_option(json_schema: str | None, json_object: bool, regex: str | None, choice: tuple[str, ...],
