@@ -29,22 +29,32 @@ def committed_logprobs(logits: torch.Tensor, path: list[int], committed: list[in
 
 def scored(logits: torch.Tensor, tokens: list[int] | np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
     """``(logprobs [n, 1 + top] float32, ids [n, top] int32)`` of ``tokens`` (n), token i as row i of
-    ``logits`` predicted it (a verify's committed tokens; a prompt's, ``SamplingParams.prompt_logprobs``):
-    column 0 its own log-probability, then the ``top`` most likely tokens' (most likely first)."""
+    ``logits`` predicted it (a verify's committed tokens; a prompt's, ``prompt_scores``): column 0 its
+    own log-probability, then the ``top`` most likely tokens' (most likely first)."""
+    return _scored(logits.float(), tokens, top)
+
+
+def prompt_scores(logits: torch.Tensor, tokens: list[int] | np.ndarray, top: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``scored``'s, and each token's rank in its row (int32; 1: the most likely; the logits above
+    the token's, plus one, so ties share the better rank): vLLM reports it with each prompt token's
+    log-probability, among the top ones or not (``SamplingParams.prompt_logprobs``)."""
+    rows = logits.float()
+    values, ids = _scored(rows, tokens, top)
+    chosen = rows.gather(1, torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=rows.device)[:, None])
+    if rows.device.type == "cpu":  # (numpy a row at a time: a [rows, vocab] comparison at once took ~10x as long)
+        ranks = np.array([np.count_nonzero(r > c) + 1 for r, c in zip(rows.numpy(), chosen[:, 0].tolist())], np.int32)
+    else:
+        ranks = ((rows > chosen).sum(dim=-1) + 1).cpu().numpy().astype(np.int32)
+    return values, ids, ranks
+
+
+def _scored(logits: torch.Tensor, tokens: list[int] | np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
     # (log-softmax is the logit less the row's log-sum-exp: taken only where it is reported, the
     # rows are read twice and nothing of their size is written: a prompt's are thousands of rows)
-    logits = logits.float()
     norm = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen = logits.gather(1, torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=logits.device)[:, None])
     best = torch.topk(logits, top, dim=-1) if top else None
     values = (torch.cat([chosen, best.values], dim=1) if best is not None else chosen).sub_(norm).clamp_min_(FLOOR)
     ids = best.indices if best is not None else torch.zeros((len(tokens), 0), dtype=torch.long, device=logits.device)
     return values.cpu().numpy().astype(np.float32), ids.cpu().numpy().astype(np.int32)
-
-
-def ranks(logits: torch.Tensor, tokens: list[int] | np.ndarray) -> np.ndarray:
-    """Each token's rank in the row that predicted it (int32; 1: the most likely; ties share the
-    better rank, as vLLM counts: the logits above the token's, plus one). vLLM reports it with
-    each prompt token's log-probability, whether or not the token is among the top ones."""
-    chosen = logits.gather(1, torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=logits.device)[:, None])
-    return ((logits > chosen).sum(dim=-1) + 1).cpu().numpy().astype(np.int32)

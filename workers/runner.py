@@ -30,7 +30,7 @@ from nebula_flow_workers.draft_rules import DraftRules
 from nebula_flow_workers.draft_steps import DraftSteps
 from nebula_flow_workers.forward_clock import ForwardClock
 from nebula_flow_workers.guides import Guide, Guides
-from nebula_flow_workers.logprobs import committed_logprobs, ranks, scored
+from nebula_flow_workers.logprobs import committed_logprobs, prompt_scores
 
 log = logging.getLogger("nebula_flow.worker")
 
@@ -308,8 +308,7 @@ class ModelRunner:
                                              [parents[i] for i in ran]))) if ran else {}
         for i, (at, n) in scoring.items():
             t = tasks[i]
-            rows, tokens = logits[i][:n], t.tokens[at:at + n]
-            t.prompt_scores = (*scored(rows, tokens, t.params.prompt_logprobs), ranks(rows, tokens), at)
+            t.prompt_scores = (*prompt_scores(logits[i][:n], t.tokens[at:at + n], t.params.prompt_logprobs), at)
             if ends[i] is None:
                 logits[i] = logits[i][len(new[i]) - 1 - len(trees[i]):]  # (the verify's rows)
         best = dict(zip(ran, greedy_picks([logits[i] for i in ran], [ends[i] is None and tasks[i].params.greedy
