@@ -66,7 +66,7 @@ class Admission:
         text = None
         if msg.token_ids is not None:
             ids = self._known(msg.token_ids).tolist()
-            text = self.codec.tok.decode(ids, skip_special_tokens=False)
+            text = self.codec.decode(ids, skip_special=False)
         else:
             try:
                 ids = (self.codec.encode(msg.prompt, special=msg.special, unlocked=unlocked) if msg.prompt is not None
@@ -219,7 +219,7 @@ class Admission:
         """One token's text, decoded alone (special tokens too): what logprobs name it by."""
         text = self._token_texts.get(token)
         if text is None:
-            text = self.codec.tok.decode([token], skip_special_tokens=False) if self.codec else ""
+            text = self.codec.decode([token], skip_special=False) if self.codec else ""
             self._token_texts[token] = text
         return text
 
@@ -232,7 +232,7 @@ class Admission:
 
     def prompt_text(self, req: Request) -> str:
         """The prompt's text, special tokens too (``SamplingParams.echo``)."""
-        return self.codec.tok.decode(req.prompt, skip_special_tokens=False) if self.codec else ""
+        return self.codec.decode(req.prompt, skip_special=False) if self.codec else ""
 
     def final_text(self, req: Request) -> str:
         p = req.params

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nebula_flow.api import choices
-from nebula_flow.api.errors import ApiError
+from nebula_flow.api.errors import ApiError, no_such_model
 from nebula_flow.api.reasoning import ThinkingStream
 from nebula_flow.api.request import STRUCTURED_FIELDS, Job, Served, parse_chat, parse_completion
 from nebula_flow.api.response import Shaper, sse
@@ -151,8 +151,7 @@ class Gateway:
         self.authorize(request)
         served, asked = await self.served(), request.path_params["model"]
         if asked != served.name:
-            raise ApiError(404, f"the model {asked[:200]!r} does not exist; this server serves {served.name!r}",
-                           param="model", code="model_not_found")
+            raise no_such_model(asked, served.name)
         return JSONResponse(_model_card(served))
 
     async def metrics(self, request: Request) -> Response:

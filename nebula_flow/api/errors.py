@@ -20,3 +20,19 @@ class ApiError(Exception):
 
 def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
+
+
+def no_such_model(asked: str, served: str) -> ApiError:
+    """A request for another model than the one served (a 404, as OpenAI's)."""
+    return ApiError(404, f"the model {asked[:200]!r} does not exist; this server serves {served!r}", param="model",
+                    code="model_not_found")
+
+
+def fields_known(body: Any, known: set[str] | frozenset[str]) -> dict[str, Any]:  # noqa: ANN401
+    """``body`` if it is a JSON object of ``known`` fields only (OpenAI refuses others too), else a 400."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if unknown := sorted(set(body) - known):
+        raise ApiError(400, f"unrecognized request argument(s): {', '.join(map(str, unknown))[:200]}",
+                       param=str(unknown[0])[:64], code="unknown_parameter")
+    return body

@@ -19,7 +19,7 @@ from typing import Any
 from nebula_flow import structured
 from nebula_flow.api import tools as tool_calls
 from nebula_flow.api.conversation import MAX_MESSAGES, chat_options, flag, message_text, template_message
-from nebula_flow.api.errors import ApiError, invalid
+from nebula_flow.api.errors import ApiError, fields_known, invalid, no_such_model
 from nebula_flow.api.tools import ToolCalling, ToolError
 from nebula_flow.params import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -113,12 +113,7 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
 
 def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: ANN401, C901
     """The sampling parameters both endpoints share, checked."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    known = set(CHAT_FIELDS if chat else COMPLETION_FIELDS) | set(UNSUPPORTED) | IGNORED
-    if unknown := sorted(set(body) - known):
-        raise ApiError(400, f"unrecognized request argument(s): {', '.join(map(str, unknown))[:200]}",
-                       param=str(unknown[0])[:64], code="unknown_parameter")
+    fields_known(body, set(CHAT_FIELDS if chat else COMPLETION_FIELDS) | set(UNSUPPORTED) | IGNORED)
     for name, allowed in UNSUPPORTED.items():
         if name in body and not any(body[name] == a and type(body[name]) is type(a) for a in allowed):
             raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
@@ -126,8 +121,7 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
     if not isinstance(model, str):
         raise invalid("model", "model is required (a string: GET /v1/models lists it)")
     if model != served.name:
-        raise ApiError(404, f"the model {model[:200]!r} does not exist; this server serves {served.name!r}",
-                       param="model", code="model_not_found")
+        raise no_such_model(model, served.name)
     n = body.get("n")
     if n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
         raise invalid("n", f"n must be an integer from 1 to {MAX_CHOICES}, got {n!r}")

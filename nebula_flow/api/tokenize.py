@@ -15,7 +15,7 @@ from typing import Any
 
 from nebula_flow.api import tools as tool_calls
 from nebula_flow.api.conversation import MAX_MESSAGES, chat_options, flag, template_message
-from nebula_flow.api.errors import ApiError, invalid
+from nebula_flow.api.errors import fields_known, invalid, no_such_model
 from nebula_flow.api.request import Served
 from nebula_flow.outputs import Tokenization
 
@@ -26,15 +26,11 @@ MAX_TOKEN_IDS = 1 << 20  # ids in one /detokenize
 
 
 def _checked(body: Any, served: Served, known: frozenset[str]) -> dict[str, Any]:  # noqa: ANN401
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    if unknown := sorted(set(body) - known):
-        raise ApiError(400, f"unrecognized request argument(s): {', '.join(map(str, unknown))[:200]}",
-                       param=str(unknown[0])[:64], code="unknown_parameter")
+    """``body``'s fields known, and its ``model``, where given, the one served (optional, as vLLM's)."""
+    body = fields_known(body, known)
     model = body.get("model")
     if model is not None and model != served.name:
-        raise ApiError(404, f"the model {str(model)[:200]!r} does not exist; this server serves {served.name!r}",
-                       param="model", code="model_not_found")
+        raise no_such_model(str(model), served.name)
     return body
 
 
