@@ -737,16 +737,20 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "presence_penalty", "repetition_penalty", "top_logprobs", "priority", "cache_salt", "min_p", "echo",
           "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
           "return_tokens_as_token_ids", "continue_final_message", "add_generation_prompt", "prompt_logprobs",
-          "tokens", "add_special_tokens", "return_token_strs"]
+          "tokens", "add_special_tokens", "return_token_strs", "input", "instructions", "max_output_tokens", "store",
+          "previous_response_id", "text", "include", "tools", "tool_choice"]
 VALUES = JSON | st.sampled_from(["tiny", "hi", 1, 4, 0.5, True, [{"role": "user", "content": "hi"}], [1, 2, 3]])
-PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"])
 OPTIONAL = {f: VALUES for f in FIELDS[3:]}
 REQUESTS = (st.tuples(PATHS, st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=8) | JSON)
             | st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(  # (near-valid ones: some get answers)
                 {"model": st.just("tiny"), "prompt": st.sampled_from(["hi", [5, 6]])}, optional=OPTIONAL))
             | st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
                 {"model": st.just("tiny"), "messages": st.just([{"role": "user", "content": "hi"}])},
-                optional=OPTIONAL)))
+                optional=OPTIONAL))
+            | st.tuples(st.just("/v1/responses"), st.fixed_dictionaries(
+                {"model": st.just("tiny"), "input": st.sampled_from(["hi", [{"role": "user", "content": "hi"}]])},
+                optional={f: v for f, v in OPTIONAL.items() if f != "input"})))
 
 
 def test_fuzzed_bodies_never_break_the_gateway(strict) -> None:  # noqa: ANN001
@@ -762,6 +766,9 @@ def test_fuzzed_bodies_never_break_the_gateway(strict) -> None:  # noqa: ANN001
         assert res.status_code in (200, 400, 404, 429), (res.status_code, body, res.text[:300])
         if res.status_code != 200:
             assert res.json()["error"]["message"]
+        elif res.headers["content-type"].startswith("text/event-stream") and path == "/v1/responses":
+            assert res.text.startswith("event: response.created\n") and json.loads(
+                res.text.strip().split("\n")[-1][len("data: "):])["type"] in ("response.completed", "response.incomplete")
         elif res.headers["content-type"].startswith("text/event-stream"):
             assert res.text.endswith("data: [DONE]\n\n")
 

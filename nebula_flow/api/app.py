@@ -32,6 +32,9 @@ from nebula_flow.api.errors import ApiError, no_such_model
 from nebula_flow.api.reasoning import ThinkingStream
 from nebula_flow.api.request import STRUCTURED_FIELDS, Job, Served, parse_chat, parse_completion
 from nebula_flow.api.response import Shaper, sse
+from nebula_flow.api.response_items import ResponseShaper, ResponseStream, to_store
+from nebula_flow.api.responses import Ask, ResponseStore
+from nebula_flow.api.responses import parse as parse_responses
 from nebula_flow.api.telemetry import Telemetry
 from nebula_flow.api.tokenize import parse_detokenize, parse_tokenize, tokenized
 from nebula_flow.api.tools import CallStream
@@ -41,6 +44,8 @@ from nebula_flow.metrics import exposition, families
 log = logging.getLogger("nebula_flow.api")
 MAX_BODY_BYTES = 8 << 20
 STATUS_TTL_S = 0.5  # /health, /metrics and the served model's facts reuse a broker status this young
+# chat fields a Responses request names otherwise (``api/responses.py``)
+RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
 BAD_REQUEST_CODES = ("invalid_params", "invalid_prompt", "invalid_prediction", "too_long", "no_tokenizer", "malformed")
 
 
@@ -95,6 +100,7 @@ class Gateway:
         self.model_name = model_name
         self.client: AsyncClient | None = None
         self.telemetry = Telemetry()
+        self.stored = ResponseStore()  # (the Responses API's, for previous_response_id)
         self._state: tuple[float, dict[str, Any]] | None = None
         self._status_lock: asyncio.Lock | None = None
 
@@ -177,6 +183,19 @@ class Gateway:
     async def chat(self, request: Request) -> Response:
         return await self._counted("chat", self._generate(request, parse_chat))
 
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses`` (OpenAI's Responses API): run as the chat request that says the same."""
+        return await self._counted("responses", self._generate(request, parse_chat, responding=True))
+
+    async def stored_response(self, request: Request) -> Response:
+        """``GET`` and ``DELETE /v1/responses/{id}``: a response this gateway stored."""
+        self.authorize(request)
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            self.stored.delete(response_id)
+            return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+        return JSONResponse(self.stored.get(response_id).response)
+
     async def _counted(self, endpoint: str, answer: Awaitable[Response]) -> Response:
         """An endpoint's answer (an ``ApiError`` answered in OpenAI's shape), counted by its status."""
         try:
@@ -201,16 +220,26 @@ class Gateway:
             raise from_broker(exc) from None
         return JSONResponse(tokenized(got) if parse is parse_tokenize else {"prompt": got.text})
 
-    async def _generate(self, request: Request, parse: Any) -> Response:  # noqa: ANN401
+    async def _generate(self, request: Request, parse: Any, responding: bool = False) -> Response:  # noqa: ANN401
         self.authorize(request)
         served = await self.served()
         body = await read_json(request)
+        ask = None
+        if responding:  # (a Responses request: the chat request that says the same, ``api/responses.py``)
+            ask = parse_responses(body, self.stored)
+            body = ask.chat
         # (a structured output's new grammar compiles off the event loop: a large JSON schema takes ~70 ms)
-        job = await asyncio.to_thread(parse, body, served) if isinstance(body, dict) and STRUCTURED_FIELDS & body.keys() \
-            else parse(body, served)
-        return await self._run(request, job, served.name)
+        try:
+            job = await asyncio.to_thread(parse, body, served) if isinstance(body, dict) and STRUCTURED_FIELDS & body.keys() \
+                else parse(body, served)
+        except ApiError as exc:
+            if ask is not None and exc.param is not None:  # (named as the Responses request names it)
+                exc.param = RESPONSES_NAMES.get(exc.param.split("[")[0], exc.param)
+            raise
+        return await self._run(request, job, served.name, ask)
 
-    async def _run(self, request: Request, job: Job, model: str) -> Response:
+    async def _run(self, request: Request, job: Job, model: str, ask: Ask | None = None) -> Response:
+        """Run ``job`` and answer it: as a chat or text completion, or (``ask``) as a response."""
         req_id = uuid.uuid4().hex
         shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls, job.reasoning, job.echoes(),
                         (job.params.get("logprobs"), job.prompt_top))
@@ -236,7 +265,10 @@ class Gateway:
             items = choices.prompt_only(items)
         if job.stream:
             gone.cancel()  # (the event stream watches for it from here)
-            return EventStream(self._events(shaper, job, len(streams), items), headers={"Cache-Control": "no-cache"})
+            events = self._events(shaper, job, len(streams), items)
+            answer = _sse(events) if ask is None else ResponseStream(ResponseShaper(ask, model, req_id),
+                                                                     self._keeper(ask)).events(events)
+            return EventStream(answer, headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(choices.completions(items, len(streams)))
         if not await self._unless_gone(collect, gone):
             return Response(status_code=499)
@@ -247,7 +279,18 @@ class Gateway:
             raise from_broker(exc) from None
         for out in outs:
             self.telemetry.finished(out)
-        return JSONResponse(shaper.full(outs))
+        if ask is None:
+            return JSONResponse(shaper.full(outs))
+        response = ResponseShaper(ask, model, req_id).full(shaper.full(outs))
+        self._keeper(ask)(response)
+        return JSONResponse(response)
+
+    def _keeper(self, ask: Ask) -> Any:  # noqa: ANN401
+        """What to do with a finished response: keep it where the request asked to (``store``)."""
+        def keep(response: dict[str, Any]) -> None:
+            if ask.store:
+                self.stored.put(to_store(ask, response))
+        return keep
 
     async def _unless_gone(self, work: asyncio.Future, gone: asyncio.Future) -> bool:
         """Wait for ``work``; False if the client left first (then ``work``, which reads the
@@ -262,7 +305,7 @@ class Gateway:
         return False
 
     async def _events(self, shaper: Shaper, job: Job, count: int,
-                      items: AsyncIterator[tuple[int, Chunk | Completion]]) -> AsyncIterator[bytes]:
+                      items: AsyncIterator[tuple[int, Chunk | Completion]]) -> AsyncIterator[dict[str, Any] | str]:
         """The answer's events: each choice's chunks as they come (its role first, for chat; with
         tools, a named function's arguments as they come, else its text until a call begins and
         then its calls, as they come with ``auto``, whole with ``"required"``), its finish event
@@ -274,38 +317,47 @@ class Gateway:
         try:
             if job.chat:
                 for i in range(count):
-                    yield sse(shaper.chunk(None, role=True, index=i))
+                    yield shaper.chunk(None, role=True, index=i)
                     if job.chat_echo:
-                        yield sse(shaper.chunk(job.chat_echo, index=i))
+                        yield shaper.chunk(job.chat_echo, index=i)
             async for i, item in items:
                 if i not in echoed and (echo := shaper.echo(i, item)) is not None:
                     echoed.add(i)
-                    yield sse(shaper.chunk(echo[0], index=i, logprobs=echo[1]))
+                    yield shaper.chunk(echo[0], index=i, logprobs=echo[1])
                 if isinstance(item, Completion):
                     outs[i] = item
                     self.telemetry.finished(item)
                     for event in _pieces(shaper, i, thinking[i].rest() if thinking else [], gates):
-                        yield sse(event)
+                        yield event
                     if gates is not None and (held := shaper.held(item, i, gates[i])) is not None:
-                        yield sse(held)  # (what of its calls or its answer was held back until it was complete)
-                    yield sse(shaper.last(item, i))
+                        yield held  # (what of its calls or its answer was held back until it was complete)
+                    yield shaper.last(item, i)
                 elif thinking is not None or gates is not None:  # (thinking apart; with tools, text until a call)
                     pieces = thinking[i].feed(item.text) if thinking is not None else [("content", item.text)]
                     for event in _pieces(shaper, i, pieces, gates, item.token_ids, item.logprobs):
-                        yield sse(event)
+                        yield event
                 elif item.text or item.token_ids:
-                    yield sse(shaper.chunk(item.text, token_ids=item.token_ids, index=i, logprobs=item.logprobs))
+                    yield shaper.chunk(item.text, token_ids=item.token_ids, index=i, logprobs=item.logprobs)
             finished = True
             if job.include_usage:
-                yield sse(shaper.usage_chunk(outs))
+                yield shaper.usage_chunk(outs)
         except NebulaError as exc:
             finished = True
-            yield sse(from_broker(exc).body())
+            yield from_broker(exc).body()
         finally:
             if not finished:
                 self.telemetry.disconnects.inc()
             await items.aclose()  # (unfinished requests are cancelled at the broker)
-        yield sse("[DONE]")
+        yield "[DONE]"
+
+
+async def _sse(events: AsyncIterator[dict[str, Any] | str]) -> AsyncIterator[bytes]:
+    """A chat or text completion's events as server-sent events."""
+    try:
+        async for event in events:
+            yield sse(event)
+    finally:
+        await events.aclose()
 
 
 def _pieces(shaper: Shaper, index: int, pieces: list[tuple[str, str]], gates: list[CallStream] | None,
@@ -373,6 +425,8 @@ def build_app(gateway: Gateway) -> Starlette:
     return Starlette(routes=[
         route("/v1/completions", gateway.completions, ["POST"]),
         route("/v1/chat/completions", gateway.chat, ["POST"]),
+        route("/v1/responses", gateway.responses, ["POST"]),
+        route("/v1/responses/{response_id}", gateway.stored_response, ["GET", "DELETE"]),
         route("/v1/models", gateway.models, ["GET"]),
         route("/v1/models/{model:path}", gateway.model, ["GET"]),
         route("/tokenize", gateway.tokenize, ["POST"]),

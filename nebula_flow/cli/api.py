@@ -63,9 +63,10 @@ def api(address: str, port: int, keys: str | None, timeout_s: float, http_host: 
         served_model_name: str | None, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
     """Serve the OpenAI-compatible HTTP API in front of a broker, until Ctrl-C / SIGTERM.
 
-    Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events
-    with "stream": true), GET /v1/models, /health and /metrics (Prometheus). Several gateways may
-    share one broker. Try it:
+    Endpoints: POST /v1/completions, /v1/chat/completions and /v1/responses (streamed as
+    server-sent events with "stream": true; GET and DELETE /v1/responses/ID for stored responses),
+    GET /v1/models, /health and /metrics (Prometheus), POST /tokenize and /detokenize. Several
+    gateways may share one broker (each keeps its own stored responses). Try it:
 
         curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
           -d '{"model": "NAME", "prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
