@@ -115,6 +115,19 @@ def test_a_conversation_goes_on_from_a_stored_response(served) -> None:  # noqa:
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
         {"role": "user", "content": "And a colour."}])
     assert as_items.output_text == second.output_text
+    [asked] = client.responses.input_items.list(second.id).data  # (its own input, not the earlier turns')
+    assert (asked.type, asked.role, asked.content[0].type, asked.content[0].text) == (
+        "message", "user", "input_text", "And a colour.")
+    page = client.responses.input_items.list(as_items.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["Name a fruit.", first.output_text] and page.has_more
+    rest = client.responses.input_items.list(as_items.id, order="asc", after=page.last_id)
+    assert [i.content[0].text for i in rest.data] == ["And a colour."] and not rest.has_more
+    newest = client.responses.input_items.list(as_items.id, limit=1).data  # (newest first, as OpenAI lists them)
+    assert [i.id for i in newest] == [rest.data[0].id]
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=msg_x", "after"), ("page=2", "page")):
+        res = httpx.get(f"{served.http_url}/v1/responses/{as_items.id}/input_items?{query}", timeout=10,
+                        headers={"Authorization": "Bearer sesame"})
+        assert res.status_code == 400 and res.json()["error"]["param"] == param
     assert client.responses.retrieve(first.id).output_text == first.output_text
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):

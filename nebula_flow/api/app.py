@@ -33,7 +33,7 @@ from nebula_flow.api.reasoning import ThinkingStream
 from nebula_flow.api.request import STRUCTURED_FIELDS, Job, Served, parse_chat, parse_completion
 from nebula_flow.api.response import Shaper, sse
 from nebula_flow.api.response_items import ResponseShaper, ResponseStream, to_store
-from nebula_flow.api.responses import Ask, ResponseStore
+from nebula_flow.api.responses import Ask, ResponseStore, listed
 from nebula_flow.api.responses import parse as parse_responses
 from nebula_flow.api.telemetry import Telemetry
 from nebula_flow.api.tokenize import parse_detokenize, parse_tokenize, tokenized
@@ -195,6 +195,12 @@ class Gateway:
             self.stored.delete(response_id)
             return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
         return JSONResponse(self.stored.get(response_id).response)
+
+    async def input_items(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}/input_items``: a page of a stored response's input items."""
+        self.authorize(request)
+        return JSONResponse(listed(self.stored.get(request.path_params["response_id"]).inputs,
+                                   dict(request.query_params)))
 
     async def _counted(self, endpoint: str, answer: Awaitable[Response]) -> Response:
         """An endpoint's answer (an ``ApiError`` answered in OpenAI's shape), counted by its status."""
@@ -427,6 +433,7 @@ def build_app(gateway: Gateway) -> Starlette:
         route("/v1/chat/completions", gateway.chat, ["POST"]),
         route("/v1/responses", gateway.responses, ["POST"]),
         route("/v1/responses/{response_id}", gateway.stored_response, ["GET", "DELETE"]),
+        route("/v1/responses/{response_id}/input_items", gateway.input_items, ["GET"]),
         route("/v1/models", gateway.models, ["GET"]),
         route("/v1/models/{model:path}", gateway.model, ["GET"]),
         route("/tokenize", gateway.tokenize, ["POST"]),

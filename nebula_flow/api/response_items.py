@@ -194,7 +194,7 @@ def to_store(ask: Ask, response: dict[str, Any]) -> Stored:
     calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
              for i in response["output"] if i["type"] == "function_call"]
     turn = {"role": "assistant", "content": said if said or not calls else None, **({"tool_calls": calls} if calls else {})}
-    return Stored(response, [*ask.history, turn])
+    return Stored(response, [*ask.history, turn], ask.inputs)
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:

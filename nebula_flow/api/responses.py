@@ -11,6 +11,7 @@ vLLM's do. The answer's shape is ``api/response_items.py``'s.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ UNSUPPORTED = {"background": (None, False), "truncation": (None, "disabled"), "m
                "reasoning": (None, {})}
 ROLES = ("user", "assistant", "system", "developer")  # a message item's roles
 LOGPROBS = "message.output_text.logprobs"  # the one ``include`` built: each output text's tokens' logprobs
+ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 STORED = 1024  # responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (the oldest go first)
 
 
@@ -44,6 +46,7 @@ class Stored:
 
     response: dict[str, Any]
     messages: list[dict[str, Any]]
+    inputs: list[dict[str, Any]] = field(default_factory=list)  # its request's input items (``input_items``)
 
 
 class ResponseStore:
@@ -86,6 +89,7 @@ class Ask:
     chat: dict[str, Any]  # the chat completion request
     history: list[dict[str, Any]]  # the conversation before the output (chat messages, no instructions)
     echoed: dict[str, Any] = field(default_factory=dict)  # the request's fields a response object repeats
+    inputs: list[dict[str, Any]] = field(default_factory=list)  # ``input`` as items, each with an id
     store: bool = True
     logprobs: bool = False
 
@@ -133,7 +137,23 @@ def parse(body: Any, store: ResponseStore) -> Ask:  # noqa: ANN401
                   tools=body.get("tools") or [], tool_choice=body.get("tool_choice", "auto"),
                   parallel_tool_calls=body.get("parallel_tool_calls", True),
                   text=body.get("text") or {"format": {"type": "text"}}, top_logprobs=body.get("top_logprobs"))
-    return Ask(chat, history, echoed, keep, logprobs)
+    return Ask(chat, history, echoed, inputs=input_items(body["input"]), store=keep, logprobs=logprobs)
+
+
+def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``input`` (checked: ``input_messages``) as OpenAI lists a response's input items: each with
+    its id and status, a message's content as parts."""
+    items = []
+    for item in [{"role": "user", "content": given}] if isinstance(given, str) else given:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item["content"]
+            parts = [{"type": "input_text" if item["role"] != "assistant" else "output_text", "text": content}] \
+                if isinstance(content, str) else content
+            item = {"type": "message", "role": item["role"], "content": parts}
+        items.append({"id": item.get("id") or f"{ITEM_PREFIXES.get(kind, 'item')}_{secrets.token_hex(12)}",
+                      "status": "completed", **item})
+    return items
 
 
 def input_messages(given: Any) -> list[dict[str, Any]]:  # noqa: ANN401
@@ -247,3 +267,24 @@ def _logprobs(body: dict[str, Any], chat: dict[str, Any]) -> bool:
     elif body.get("top_logprobs") not in (None, 0):
         raise invalid("top_logprobs", f"top_logprobs needs include: [{LOGPROBS!r}]")
     return bool(include)
+
+
+def listed(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
+    """A page of a response's input items, as OpenAI lists them: ``order`` (``desc``, the default:
+    the last first; or ``asc``), at most ``limit`` (1-100, default 20), those after the item ``after``."""
+    order, after = query.get("order", "desc"), query.get("after")
+    limit = query.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise invalid("order", "order must be asc or desc")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise invalid("limit", "limit must be an integer from 1 to 100")
+    if unknown := sorted(set(query) - {"order", "limit", "after", "include"}):
+        raise invalid(unknown[0], f"unrecognized query parameter(s): {', '.join(unknown)[:200]}")
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    if after is not None and after not in ids:
+        raise invalid("after", f"no input item {after[:80]!r} in this response")
+    start = ids.index(after) + 1 if after is not None else 0
+    page = ordered[start:start + int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(ordered)}
