@@ -85,6 +85,7 @@ class ResponseStream:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being streamed
+        self.pieces: list[str] = []  # its text (or arguments) so far, joined when it ends
         self.logprobs: list = []
 
     def event(self, kind: str, **fields: Any) -> bytes:  # noqa: ANN401
@@ -128,12 +129,12 @@ class ResponseStream:
         delta, out = choice["delta"], []
         if text := delta.get("reasoning_content"):
             out += self._open("reasoning")
-            self.open["content"][0]["text"] += text
+            self.pieces.append(text)
             out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.output),
                                   content_index=0, delta=text))
         if text := delta.get("content"):
             out += self._open("message")
-            self.open["content"][0]["text"] += text
+            self.pieces.append(text)
             piece = _logprobs(choice) or []
             self.logprobs += piece
             out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
@@ -144,7 +145,7 @@ class ResponseStream:
                 out += self._close("completed")
                 out += self._open("function_call", call["id"], fn.get("name") or "")
             if fn.get("arguments"):
-                self.open["arguments"] += fn["arguments"]
+                self.pieces.append(fn["arguments"])
                 out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
                                       output_index=len(self.output), delta=fn["arguments"]))
         return out
@@ -157,7 +158,7 @@ class ResponseStream:
         shaper, at = self.shaper, len(self.output)
         self.open = shaper.reasoning("", "in_progress") if kind == "reasoning" else shaper.message(
             "", "in_progress", []) if kind == "message" else shaper.call(call_id, name, "", "in_progress")
-        out.append(self.event("response.output_item.added", output_index=at, item=_copy(self.open)))
+        out.append(self.event("response.output_item.added", output_index=at, item=self.open))  # (serialized now)
         if kind == "message":
             out.append(self.event("response.content_part.added", item_id=self.open["id"], output_index=at,
                                   content_index=0, part=shaper.part("", [])))
@@ -168,19 +169,22 @@ class ResponseStream:
         item, self.open = self.open, None
         if item is None:
             return []
-        at, out = len(self.output), []
+        at, out, text = len(self.output), [], "".join(self.pieces)
+        self.pieces = []
         item["status"] = status
         if item["type"] == "message":
-            part = self.shaper.part(item["content"][0]["text"], self.logprobs)
+            part = self.shaper.part(text, self.logprobs)
             item["content"] = [part]
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
                                   text=part["text"], logprobs=self.logprobs))
             out.append(self.event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
                                   part=part))
         elif item["type"] == "reasoning":
+            item["content"][0]["text"] = text
             out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
-                                  text=item["content"][0]["text"]))
+                                  text=text))
         else:
+            item["arguments"] = text
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
                                   name=item["name"], arguments=item["arguments"]))
         self.output.append(item)
@@ -195,11 +199,6 @@ def to_store(ask: Ask, response: dict[str, Any]) -> Stored:
              for i in response["output"] if i["type"] == "function_call"]
     turn = {"role": "assistant", "content": said if said or not calls else None, **({"tool_calls": calls} if calls else {})}
     return Stored(response, [*ask.history, turn], ask.inputs)
-
-
-def _copy(item: dict[str, Any]) -> dict[str, Any]:
-    """An item as it stands now (events hold a snapshot, the open item keeps growing)."""
-    return orjson.loads(orjson.dumps(item))
 
 
 def _logprobs(choice: dict[str, Any]) -> list | None:
