@@ -34,8 +34,10 @@ import orjson
 from nebula_flow.kv.messages import MAX_PULL_ITEMS, KvData, KvPull, KvRows  # noqa: F401 - part of the schema
 from nebula_flow.proposal import Proposes
 from nebula_flow.round_times import Timing  # noqa: F401 - RESULT's timing: part of the schema
+from nebula_flow.tokenize_messages import Tokenize, Tokenized  # noqa: F401 - part of the schema
 from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of this module's API
     HEADER_OPTIONS,
+    MAX_REQ_ID,
     TOKENS_MISSING,
     Frames,
     Msg,
@@ -44,6 +46,7 @@ from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of thi
     Tensor,
     TokenIds,
     array,
+    check_req_id,
     decode_fields,
     lacked_tokens,
     malformed,
@@ -56,7 +59,6 @@ DRAFTER_CHARS = "A-Za-z0-9._:-"  # what a REGISTER's drafter name may hold (1-64
 DRAFTER_NAME = re.compile(f"[{DRAFTER_CHARS}]{{1,64}}")
 DRAFTER_RULE = "1-64 letters, digits or . _ - :"  # (what DRAFTER_NAME takes, for error messages)
 MAX_HEADER_BYTES = 1 << 20
-MAX_REQ_ID = 128  # characters of a client's request id
 MAX_CAPACITY = 4096  # tasks a worker may take in one batch
 MAX_ALTERNATIVES = 8  # runner-ups to the first draft token
 MAX_FUSED_CHAINS = 4  # fused chains in one round's token tree
@@ -163,45 +165,6 @@ class Done(Msg):
     text: str
     finish_reason: str
     stats: dict
-
-
-@dataclass
-class Tokenize(Msg):
-    """Client -> broker: the broker's tokenizer at work, nothing run (the HTTP API's ``/tokenize`` and
-    ``/detokenize``). Exactly one of: ``prompt``, text, its ids as a SUBMIT's prompt would be with ``special``
-    (the tokenizer's special tokens added); ``messages``, a conversation through the chat template as a SUBMIT's
-    (``chat_options``: the template's variables and ``tokenizer.RENDER_OPTIONS``), ``special`` added to the
-    template's text; ``token_ids``, turned back into text, special tokens kept. ``pieces``: each id's piece of the vocabulary
-    too. Answered with ``Tokenized`` (or an ``Error``) under the client's ``req_id``."""
-
-    KIND: ClassVar[str] = "TOKENIZE"
-    req_id: str
-    prompt: str | None = None
-    messages: list[dict] | None = None
-    chat_options: dict | None = None
-    token_ids: Tensor | None = None
-    special: bool = True
-    pieces: bool = False
-
-    def check(self) -> None:
-        check_req_id(self.req_id)
-        if sum(x is not None for x in (self.prompt, self.messages, self.token_ids)) != 1:
-            raise malformed("give exactly one of prompt, messages and token_ids")
-        if self.token_ids is not None and (self.token_ids.ndim != 1 or self.token_ids.dtype.kind != "i"):
-            raise malformed("token_ids must be a 1-d integer tensor")
-
-
-@dataclass
-class Tokenized(Msg):
-    """Broker -> client: a ``Tokenize``'s answer: the ``token_ids`` (of a text; or those given), the ``text`` (of
-    given ids), each id's vocabulary piece where asked, and the model's context (``max_model_len``)."""
-
-    KIND: ClassVar[str] = "TOKENIZED"
-    req_id: str
-    token_ids: Tensor
-    max_model_len: int
-    text: str | None = None
-    pieces: list[str] | None = None
 
 
 @dataclass
@@ -482,11 +445,6 @@ def decode(frames: list[Any]) -> Msg:
 def check_session(session: str | None) -> None:
     if session is not None and not (isinstance(session, str) and 16 <= len(session) <= 128):
         raise malformed("session must be a string of 16 to 128 characters")
-
-
-def check_req_id(req_id: str) -> None:
-    if not 0 < len(req_id) <= MAX_REQ_ID:
-        raise malformed(f"req_id must have 1..{MAX_REQ_ID} characters")
 
 
 # -- encoding ------------------------------------------------------------------------------------

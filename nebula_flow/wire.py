@@ -54,6 +54,14 @@ def malformed(message: str) -> ProtocolError:
     return ProtocolError("malformed", message)
 
 
+MAX_REQ_ID = 128  # characters of a client's request id
+
+
+def check_req_id(req_id: str) -> None:
+    if not 0 < len(req_id) <= MAX_REQ_ID:
+        raise malformed(f"req_id must have 1..{MAX_REQ_ID} characters")
+
+
 @dataclass
 class Rejected:
     """An item of a batch (a task, a result) that failed to decode: what names it, if anything,
