@@ -98,8 +98,7 @@ class Intake:
             req.owner = identity
             self.inflight_by_owner[identity] += 1
             self.counters["requests_reattached"] += 1
-            if req.params.echo:
-                self._send(self.clients, identity, Tokens(req_id, [], "", prompt_text=self.admission.prompt_text(req)))
+            self._prompt_facts(identity, req)
             if req.logprobs is None and req.prompt_logprobs is None:
                 self._send(self.clients, identity, Tokens(req_id, req.output, req.text[:req.sent], 0))
                 return
@@ -180,8 +179,15 @@ class Intake:
         self.counters["requests_submitted"] += 1
         self.scheduler.admit(req)
         self.round_times.admitted(req.rid, time.perf_counter())
-        if req.params.echo:
-            self._send(self.clients, identity, Tokens(req.req_id, [], "", prompt_text=self.admission.prompt_text(req)))
+        self._prompt_facts(identity, req)
+
+    def _prompt_facts(self, identity: bytes, req: Request) -> None:
+        """What a request asked to know of its prompt before its first tokens: its text (echo) and its token count."""
+        p = req.params
+        if p.echo or p.prompt_count:
+            self._send(self.clients, identity, Tokens(req.req_id, [], "", prompt_text=self.admission.prompt_text(req)
+                                                      if p.echo else None,
+                                                      prompt_tokens=len(req.prompt) if p.prompt_count else None))
 
     def _tokenized(self) -> None:
         """Admit the long prompts tokenized since the last look (even while draining: they were

@@ -108,10 +108,13 @@ class _Collector:
         self.logprobs: list | None = None  # asked for: every token's, as the chunks brought them
         self.prompt_logprobs: list | None = None  # asked for: the prompt's tokens', as their chunks brought them
         self.prompt_text: str | None = None  # asked for (echo)
+        self.prompt_tokens: int | None = None  # asked for (prompt_count)
 
     def chunk(self, msg: Tokens) -> Chunk | None:
         if msg.prompt_text is not None:
             self.prompt_text = msg.prompt_text
+        if msg.prompt_tokens is not None:
+            self.prompt_tokens = msg.prompt_tokens
         if msg.prompt_logprobs:  # (they come before the first tokens, in chunks of their own)
             have, at = self.prompt_logprobs or [], msg.prompt_offset
             if at <= len(have):
@@ -132,7 +135,8 @@ class _Collector:
         if logprobs:
             self.logprobs = self.logprobs if self.logprobs is not None else []
             self.logprobs.extend(logprobs)
-        return Chunk(tokens, text, t, logprobs, *((self.prompt_logprobs, self.prompt_text) if first else (None, None)))
+        return Chunk(tokens, text, t, logprobs, *((self.prompt_logprobs, self.prompt_text, self.prompt_tokens) if first
+                                                  else (None, None, None)))
 
     def finish(self, msg: Done) -> list[Chunk | Completion]:
         """The request's end: the text the stream held back, if any (a character still partial at

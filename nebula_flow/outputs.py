@@ -39,6 +39,7 @@ class Chunk:
     # most likely; vLLM's); the first token's logprob and rank null: nothing predicts it
     prompt_logprobs: list | None = None
     prompt_text: str | None = None  # asked for (echo), on the first chunk: the prompt's text
+    prompt_tokens: int | None = None  # asked for (prompt_count), on the first chunk: the prompt's token count
 
 
 @dataclass

@@ -41,7 +41,8 @@ class SamplingParams:
     default) and this many most likely tokens beside it. ``prompt_logprobs`` (vLLM's; None: off):
     the same for each prompt token after the first (the target scores the whole prompt, so such a
     request does not read the prefix cache). ``echo``: the stream's first message carries the
-    prompt's text, as the broker's tokenizer decodes it (OpenAI's ``echo``). ``presence_penalty`` and
+    prompt's text, as the broker's tokenizer decodes it (OpenAI's ``echo``); ``prompt_count``: its
+    token count (``usage.prompt_tokens`` before the end: vLLM's ``continuous_usage_stats``). ``presence_penalty`` and
     ``frequency_penalty`` (OpenAI's, -2..2, on the output's tokens) and ``repetition_penalty``
     (vLLM's and HF's, > 0, on the prompt's and the output's) change the distribution the output
     follows, greedy or sampled (``nebula_flow/penalties.py``); so does ``min_tokens`` (vLLM's): no
@@ -80,6 +81,7 @@ class SamplingParams:
     think_first: bool = False  # the grammar binds only the answer, after a reasoning model's thinking (</think>)
     fit_context: bool = False  # cut max_new_tokens to what the context leaves after the prompt
     echo: bool = False  # the stream's first message carries the prompt's text
+    prompt_count: bool = False  # the stream's first message carries the prompt's token count
     cache_salt: str | None = None  # KV reused only among requests of the same salt (the prefix cache)
     priority: int = 0  # lower first (the broker's ``priority`` policy; nebula_flow/topic.py)
     include_stop_str_in_output: bool = False  # (vLLM's) the text keeps the stop string (or stop token) that ended it
@@ -218,7 +220,8 @@ class SamplingParams:
             raise InvalidParams(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {self.cache_salt!r}")
         if not is_int(self.priority) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise InvalidParams(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
-        flags = ("ignore_eos", "fit_context", "think_first", "echo", "include_stop_str_in_output", "skip_special_tokens")
+        flags = ("ignore_eos", "fit_context", "think_first", "echo", "prompt_count", "include_stop_str_in_output",
+                 "skip_special_tokens")
         if not all(isinstance(getattr(self, f), bool) for f in flags):
             raise InvalidParams(f"{', '.join(flags)} must be booleans")
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)

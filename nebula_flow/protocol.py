@@ -130,8 +130,9 @@ class Tokens(Msg):
     before this chunk, ``text_offset`` = characters of text sent before it (a re-attached client gets everything
     again from 0; a request run again on a restarted broker may cut its rounds elsewhere: the offsets let a client
     pass on only what it has not seen). Asked for, before the first tokens, in messages without tokens: the prompt's
-    ``prompt_text`` (``SamplingParams.echo``), and its tokens' ``prompt_logprobs`` (as ``logprobs``, then its rank;
-    position 0's logprob and rank null), the first at position ``prompt_offset``."""
+    ``prompt_text`` (``SamplingParams.echo``) and its token count ``prompt_tokens`` (``SamplingParams.prompt_count``),
+    and its tokens' ``prompt_logprobs`` (as ``logprobs``, then its rank; position 0's logprob and rank null), the
+    first at position ``prompt_offset``."""
 
     KIND: ClassVar[str] = "TOKENS"
     req_id: str
@@ -144,6 +145,7 @@ class Tokens(Msg):
     prompt_logprobs: list | None = None
     prompt_offset: int = 0
     prompt_text: str | None = None
+    prompt_tokens: int | None = None
 
 
 @dataclass

@@ -161,6 +161,34 @@ def test_n_choices_and_prompt_batches_equal_single_requests(served) -> None:  # 
     assert texts[0] and texts == [texts[0]] * 3
 
 
+def test_continuous_usage_stats_count_every_event(served) -> None:  # noqa: ANN001
+    """vLLM's ``continuous_usage_stats``: every streamed event carries its choice's usage so far (its
+    prompt's tokens as the answer's usage counts them, the tokens streamed to it until then), from a
+    chat's first event (the role, nothing made yet) to its end; the closing usage event is unchanged."""
+    client, prompts = oai(served), ["def fibonacci(n):", "import os\n\n"]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 7, "temperature": 0, "stream": True,
+            "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    events = list(client.completions.create(**body, stream_options=options))
+    counts = [client.completions.create(model="tiny", prompt=p, max_tokens=1).usage.prompt_tokens for p in prompts]
+    made = [0] * 4
+    for e in events[:-1]:
+        [ch] = e.choices
+        made[ch.index] += len(ch.model_extra.get("token_ids", []))
+        assert (e.usage.prompt_tokens, e.usage.completion_tokens, e.usage.total_tokens) == (
+            counts[ch.index // 2], made[ch.index], counts[ch.index // 2] + made[ch.index])
+    assert made == [7] * 4 and events[-1].choices == []
+    assert (events[-1].usage.prompt_tokens, events[-1].usage.completion_tokens) == (sum(counts), 28)
+    chat = list(client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=5, temperature=0,
+                                               stream=True, stream_options=options, extra_body={"ignore_eos": True}))
+    prompt = chat[-1].usage.prompt_tokens
+    assert chat[0].choices[0].delta.role == "assistant" and (chat[0].usage.prompt_tokens, chat[0].usage.completion_tokens) \
+        == (prompt, 0)
+    assert [e.usage.prompt_tokens for e in chat] == [prompt] * len(chat) and chat[-2].usage.completion_tokens == 5
+    plain = list(client.completions.create(**body, stream_options={"include_usage": True}))
+    assert all(e.usage is None for e in plain[:-1])  # (asked for only)
+
+
 def test_choices_past_the_admission_limit_are_refused_whole(strict) -> None:  # noqa: ANN001
     """3 choices where 2 requests are admitted: a 429, and the admitted choices do not linger."""
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -685,7 +713,7 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "allowed_token_ids": [10 ** 6]}, 400, None),  # (the broker knows the vocabulary)
     ({"model": "tiny", "prompt": "x", "max_tokens": 5}, 400, "max_tokens"),  # over the limit of 4
     ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+    ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, 400,
      "stream_options"),
     ({"model": "tiny", "prompt": ["a", ""]}, 400, "prompt[1]"),
     ({"model": "tiny", "prompt": [[5, 6], "b", 7]}, 400, "prompt"),

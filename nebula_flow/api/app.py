@@ -266,6 +266,10 @@ class Gateway:
         except ValueError as exc:  # (parameters the client library refuses before sending)
             gone.cancel()
             raise ApiError(400, str(exc), code="invalid_value") from None
+        if job.params.get("prompt_count"):  # (continuous_usage_stats: each choice's first item knows its prompt's count)
+            shaper.prompt_counts = [h.prompt_tokens if isinstance(h, Chunk) else int(h.stats.get("prompt_tokens", 0))
+                                    for h in heads]
+            shaper.made = [0] * len(heads)
         items = choices.merged(heads, streams)
         if job.echo_only:
             items = choices.prompt_only(items)
@@ -327,6 +331,8 @@ class Gateway:
                     if job.chat_echo:
                         yield shaper.chunk(job.chat_echo, index=i)
             async for i, item in items:
+                if shaper.prompt_counts is not None and isinstance(item, Chunk):
+                    shaper.made[i] += len(item.token_ids)
                 if i not in echoed and (echo := shaper.echo(i, item)) is not None:
                     echoed.add(i)
                     yield shaper.chunk(echo[0], index=i, logprobs=echo[1])

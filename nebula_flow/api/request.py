@@ -324,7 +324,10 @@ def _max_tokens(body: dict[str, Any], served: Served, chat: bool) -> dict[str, A
     return {"max_new_tokens": value}
 
 
-def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+def _streaming(body: dict[str, Any], params: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options``: whether the answer streams and ends with a usage event;
+    with ``continuous_usage_stats`` (vLLM's) every event carries its choice's usage so far, for which
+    the broker tells each request's prompt count before its first tokens (``params``' ``prompt_count``)."""
     stream, options = body.get("stream", False), body.get("stream_options")
     if stream is None:
         stream = False
@@ -334,13 +337,11 @@ def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
         return stream, False
     if not stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or not isinstance(
-            options.get("include_usage", False), bool):
-        raise invalid("stream_options", "stream_options takes include_usage (a boolean)")
-    if options.get("continuous_usage_stats") not in (None, False):  # (vLLM's usage in every event: not built)
-        raise ApiError(400, "stream_options.continuous_usage_stats is not supported by this server; include_usage "
-                       "gives the usage in an event after the last choice", param="stream_options",
-                       code="unsupported_parameter")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or not all(
+            isinstance(options.get(k, False), bool) for k in options):
+        raise invalid("stream_options", "stream_options takes include_usage and continuous_usage_stats (booleans)")
+    if options.get("continuous_usage_stats"):
+        params["prompt_count"] = True
     return True, options.get("include_usage", False)
 
 
@@ -372,7 +373,7 @@ def parse_completion(body: Any, served: Served) -> Job:  # noqa: ANN401
     if batch and len(prompt) > MAX_CHOICES:
         raise invalid("prompt", f"at most {MAX_CHOICES} prompts in one request, got {len(prompt)}")
     inputs = [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)] if batch else [_prompt(prompt, "prompt")]
-    stream, usage = _streaming(body)
+    stream, usage = _streaming(body, params)
     echo = body.get("echo", False)
     if echo is None:
         echo = False
@@ -430,7 +431,7 @@ def parse_chat(body: Any, served: Served) -> Job:  # noqa: ANN401
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise invalid("messages", f"messages must be a non-empty list (at most {MAX_MESSAGES})")
     options = chat_options(body)
-    stream, usage = _streaming(body)
+    stream, usage = _streaming(body, params)
     try:
         tools, calls, forced = tool_calls.parse(body, served.tool_parser)
     except ToolError as exc:

@@ -73,6 +73,9 @@ class Shaper:
         self.echo_top, self.prompt_top = tops
         self.tokens_as_ids = False  # (vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N")
         self.chat_echo: str | None = None  # (chat's echo: the final assistant message, before each answer)
+        # vLLM's continuous_usage_stats: each choice's prompt tokens (None: not asked) and its tokens so far
+        self.prompt_counts: list[int] | None = None
+        self.made: list[int] = []
 
     def logprobs(self, entries: list | None, index: int) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` of a choice (or of a streamed chunk of it) from the broker's entries
@@ -162,7 +165,16 @@ class Shaper:
             choice = {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": reason}
         if self.token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
-        return {**self._head("chat.completion.chunk" if self.chat else self.object), "choices": [choice]}
+        return self._counted({**self._head("chat.completion.chunk" if self.chat else self.object), "choices": [choice]},
+                             index)
+
+    def _counted(self, event: dict[str, Any], index: int) -> dict[str, Any]:
+        """A streamed event, with its choice's usage so far where every event carries it (vLLM's
+        ``continuous_usage_stats``)."""
+        if self.prompt_counts is not None:
+            prompt, made = self.prompt_counts[index], self.made[index]
+            event["usage"] = {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+        return event
 
     def answer(self, out: Completion) -> tuple[str | None, str]:
         """A finished output's thinking (None: none, or no reasoning parser) and its answer."""
@@ -199,7 +211,7 @@ class Shaper:
                   "finish_reason": None}
         if self.token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
-        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        return self._counted({**self._head("chat.completion.chunk"), "choices": [choice]}, index)
 
     def last(self, out: Completion, index: int = 0) -> dict[str, Any]:
         """The event that ends choice ``index``: its finish reason and speculative stats."""
