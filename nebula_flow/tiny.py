@@ -50,7 +50,9 @@ def build_tokenizer(out: Path, vocab_size: int, thinking: bool = False) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
-    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    fast.chat_template = (  # (as gpt-oss's: the reasoning effort a template variable names, in the system part)
+                          "{% if reasoning_effort is defined %}<|system|>\nReasoning: {{ reasoning_effort }}\n{% endif %}"
+                          "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
                           # (as Qwen3's: the thinking switch a template option turns off)
                           "{% if enable_thinking is defined and not enable_thinking %}<think></think>\n{% endif %}")

@@ -95,6 +95,13 @@ def test_chat_equals_the_zmq_client_and_passes_template_options(served) -> None:
                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert off.usage.prompt_tokens == len(codec.encode_chat(CONVERSATION, {"enable_thinking": False}))
     assert off.usage.prompt_tokens > got.usage.prompt_tokens and off.choices[0].message.content == quiet.text
+    # OpenAI's reasoning_effort is the template's variable (as vLLM hands it to gpt-oss's template)
+    low = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=2, reasoning_effort="low")
+    assert low.usage.prompt_tokens == len(codec.encode_chat(CONVERSATION, {"reasoning_effort": "low"})) > \
+        got.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=2, reasoning_effort="extreme")
+    assert err.value.body["param"] == "reasoning_effort"
     stream = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=20, temperature=0,
                                             stream=True)
     events = list(stream)

@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from nebula_flow.deploy import Deployment
+from nebula_flow.tokenizer import TextCodec
 from tests.conftest import deploy_config, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -68,6 +69,11 @@ def test_a_response_is_the_targets_greedy_output_and_the_chat_answer(served, tin
                                   extra_body={"ignore_eos": True})
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3
+    effort = client.responses.create(model="tiny", input="Add two numbers.", max_output_tokens=2,
+                                     reasoning={"effort": "high", "summary": "auto"})
+    codec = TextCodec(served.cfg.target.model)  # (the effort is the template's variable, as chat's reasoning_effort)
+    assert effort.usage.input_tokens == len(codec.encode_chat([{"role": "user", "content": "Add two numbers."}],
+                                                              {"reasoning_effort": "high"})) and effort.reasoning.effort == "high"
     done = client.responses.create(model="tiny", input="Add two numbers.", max_output_tokens=400, temperature=0)
     assert done.status == "completed" and done.incomplete_details is None  # (the tiny model ends before 400)
 
@@ -222,7 +228,8 @@ def test_seeded_sampling_is_the_same_on_any_placement(served, elsewhere) -> None
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"input": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({"input": "x", "background": True}, 400, "background"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, 400, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, 400, "reasoning"),
+    ({"input": "x", "reasoning": {"summary": "long"}}, 400, "reasoning"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, 400, "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input[0]"),
     ({"input": [{"role": "narrator", "content": "x"}]}, 400, "input[0]"),

@@ -45,7 +45,8 @@ log = logging.getLogger("nebula_flow.api")
 MAX_BODY_BYTES = 8 << 20
 STATUS_TTL_S = 0.5  # /health, /metrics and the served model's facts reuse a broker status this young
 # chat fields a Responses request names otherwise (``api/responses.py``)
-RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
+RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
+                   "reasoning_effort": "reasoning"}
 BAD_REQUEST_CODES = ("invalid_params", "invalid_prompt", "invalid_prediction", "too_long", "no_tokenizer", "malformed")
 
 

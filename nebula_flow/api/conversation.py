@@ -62,14 +62,22 @@ def flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's
+
+
 def chat_options(body: dict[str, Any]) -> dict[str, Any]:
-    """A conversation's ``chat_template_kwargs`` (the template's variables) and vLLM's
+    """A conversation's ``chat_template_kwargs`` (the template's variables; ``reasoning_effort``,
+    OpenAI's, is one, for templates that read it, as vLLM passes it: gpt-oss's) and vLLM's
     ``add_generation_prompt`` and ``continue_final_message`` (how it is rendered: an answer begun
     in the final message is continued, not a new turn; ``tokenizer.RENDER_OPTIONS``)."""
     options = body.get("chat_template_kwargs")
     if options is not None and not isinstance(options, dict):
         raise invalid("chat_template_kwargs", "chat_template_kwargs must be an object")
     options = dict(options or {})
+    if (effort := body.get("reasoning_effort")) is not None:  # (the template's variable, as vLLM hands it over)
+        if effort not in REASONING_EFFORTS:
+            raise invalid("reasoning_effort", f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
+        options.setdefault("reasoning_effort", effort)
     for name in RENDER_OPTIONS:
         if body.get(name) is not None:
             options[name] = flag(body, name, False)

@@ -43,7 +43,7 @@ MAX_CHOICES = 128  # choices in one answer (n for each prompt of a batch): OpenA
 UNSUPPORTED = {
     "best_of": (None, 1),
     "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
-    "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
+    "audio": (None,), "modalities": (None, ["text"]),
     "web_search_options": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
 }
 IGNORED = {"user", "metadata"}  # accepted, no effect on the output (as OpenAI: for the caller's bookkeeping)
@@ -469,5 +469,6 @@ SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs", "echo")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
+               "reasoning_effort",
                "continue_final_message", "echo", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "prediction")

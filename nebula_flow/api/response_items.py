@@ -38,7 +38,7 @@ class ResponseShaper:
         ``incomplete``: the output reached ``max_output_tokens``) and the chat usage, reshaped."""
         answer = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
                   "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                  "model": self.model, "output": output, "reasoning": {"effort": None, "summary": None},
+                  "model": self.model, "output": output,
                   "store": self.ask.store, "truncation": "disabled", "background": False,
                   "usage": None if usage is None else _usage(usage), **self.ask.echoed}
         answer["metadata"] = answer["metadata"] or {}

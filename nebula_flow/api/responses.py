@@ -31,8 +31,7 @@ PASSED = ("top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penal
           "include_stop_str_in_output", "allowed_token_ids", "chat_template_kwargs", "structured_outputs")
 # Fields OpenAI defines that the gateway does not build: refused unless they ask for nothing.
 UNSUPPORTED = {"background": (None, False), "truncation": (None, "disabled"), "max_tool_calls": (None,),
-               "prompt": (None,), "conversation": (None,), "service_tier": (None, "auto", "default"),
-               "reasoning": (None, {})}
+               "prompt": (None,), "conversation": (None,), "service_tier": (None, "auto", "default")}
 ROLES = ("user", "assistant", "system", "developer")  # a message item's roles
 LOGPROBS = "message.output_text.logprobs"  # the one ``include`` built: each output text's tokens' logprobs
 ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -127,6 +126,13 @@ def parse(body: Any, store: ResponseStore) -> Ask:  # noqa: ANN401
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if (fmt := _format(body.get("text"))) is not None:
         chat["response_format"] = fmt
+    if (reasoning := body.get("reasoning")) is not None:
+        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary"} or reasoning.get("summary") not in (
+                None, "auto", "concise", "detailed"):
+            raise invalid("reasoning", 'reasoning takes an effort (given to the chat template as reasoning_effort); '
+                          'a summary is not made apart')
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
     logprobs = _logprobs(body, chat)
     keep = body.get("store", True)
     if not isinstance(keep, bool):
@@ -136,7 +142,8 @@ def parse(body: Any, store: ResponseStore) -> Ask:  # noqa: ANN401
     echoed.update(temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
                   tools=body.get("tools") or [], tool_choice=body.get("tool_choice", "auto"),
                   parallel_tool_calls=body.get("parallel_tool_calls", True),
-                  text=body.get("text") or {"format": {"type": "text"}}, top_logprobs=body.get("top_logprobs"))
+                  text=body.get("text") or {"format": {"type": "text"}}, top_logprobs=body.get("top_logprobs"),
+                  reasoning={"effort": (reasoning or {}).get("effort"), "summary": None})
     return Ask(chat, history, echoed, inputs=input_items(body["input"]), store=keep, logprobs=logprobs)
 
 
