@@ -46,6 +46,8 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
                         base=base, base_crc=crc)
         if req.phase == ROUND and "target" in req.holders:  # (an elastic round: its target KV's holder too)
             task.target_holder = holder(req.holders["target"])
+        if req.affinity and scheduler.policy.prefix_pulls:  # (a new request: its prompt's start may be held elsewhere)
+            prefix_sources(req, task, wid, holder, scheduler.task_holder_key(req))
         if req.alts and req.phase in (DRAFT, ROUND):
             task.alts = req.alts
         if req.fuse and (req.phase != VERIFY or not req.draft):  # (without a draft the target looks it up)
@@ -62,6 +64,24 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
         task.steps = req.steps
         tasks.append(task)
     return tasks
+
+
+def prefix_sources(req: Request, task: TaskSpec, wid: int, holder: HolderOf, key: str) -> None:
+    """Where ``task`` has no holder of a model's KV (its own, ``key``; an elastic round's target KV too)
+    and another worker's likely holds its prompt's start (``Request.affinity``), name that worker and
+    the request whose KV it was: ``wid`` pulls those positions from there instead of computing them."""
+    def source(role: str) -> Holder | None:
+        where = req.affinity.get(role) if role in ("draft", "target") else None
+        if where is None or len(where) < 3 or where[0] == wid:  # (a replayed log's affinity names no request)
+            return None
+        found = holder(where[:2])
+        found.source = where[2]
+        return found
+
+    if task.holder.valid == 0 and (found := source(key)) is not None:
+        task.holder = found
+    if req.phase == ROUND and task.target_holder is None and (found := source("target")) is not None:
+        task.target_holder = found
 
 
 def predraft(scheduler: Scheduler, req: Request, holder: HolderOf, tokens: tuple[Any, int, int]) -> TaskSpec:

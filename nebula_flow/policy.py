@@ -44,6 +44,10 @@ class PolicyConfig:
     prefix_affinity: bool = _knob(True, "The broker places a new request where its prompt's start was last held, the "
                                   "prefill a worker's prefix cache would save weighed against the load "
                                   "(nebula_flow/prefixes.py; the simulator's prompts are blanks: no effect there).")
+    prefix_pulls: bool = _knob(True, "A new request's first task that goes to another worker than the one whose KV "
+                               "likely holds its prompt's start names that worker and the request whose KV it was: "
+                               "the task's worker pulls that prefix (as KV that follows a request) instead of "
+                               "computing it (nebula_flow/prefixes.py; no effect in the simulator).")
     priority_scheduling: bool = _knob(False, "Queued tasks go by their requests' priority (vLLM's request parameter and "
                                       "--scheduling-policy priority: lower first, equal ones by arrival), each round "
                                       "again; off: by arrival, and a priority other than 0 is refused.")

@@ -93,7 +93,7 @@ class RecordingScheduler(Scheduler):
             super().admit(req)
         finally:
             self._quiet = False
-        record += [{key: list(where) for key, where in req.affinity.items()}, req.params.priority]
+        record += [{key: list(where[:2]) for key, where in req.affinity.items()}, req.params.priority]  # (not the source request: KV, not policy)
 
     def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
                   draft_accepted: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),

@@ -42,10 +42,11 @@ def _chain(tokens: Sequence[int], upto: int, salt: str | None) -> list[int]:
 
 
 class PrefixRoutes:
-    """(holder key, prefix key) -> the worker that last held that prefix of that model's KV."""
+    """(holder key, prefix key) -> the worker that last held that prefix of that model's KV, and the
+    request whose KV it was (a worker that lacks it pulls it from there: ``broker/tasks.py``)."""
 
     def __init__(self, max_keys: int = MAX_KEYS) -> None:
-        self.where: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self.where: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
         self.max_keys = max_keys
 
     def learn(self, req: Request) -> None:
@@ -55,24 +56,25 @@ class PrefixRoutes:
             keys = _chain(tokens, valid, req.params.cache_salt)
             marks = {len(keys) - 1, *(2 ** i - 1 for i in range(len(keys).bit_length()))}
             for i in sorted(m for m in marks if m >= 0):
-                self.where[(role, keys[i])] = worker
+                self.where[(role, keys[i])] = (worker, req.rid)
                 self.where.move_to_end((role, keys[i]))
         while len(self.where) > self.max_keys:
             self.where.popitem(last=False)
 
     def find(self, req: Request, alive: Collection[int],
-             roles: Sequence[str] = ("target", "draft", "colocated")) -> dict[str, tuple[int, int]]:
+             roles: Sequence[str] = ("target", "draft", "colocated")) -> dict[str, tuple[int, int, int]]:
         """Per holder key of ``roles``: the worker among ``alive`` whose KV likely holds the longest
         prefix of ``req``'s prompt (all but its last token, whose logits its first task computes),
-        and that prefix's length; keys with none known are left out (``Request.affinity``)."""
-        found: dict[str, tuple[int, int]] = {}
+        that prefix's length and the request whose KV it was; keys with none known are left out
+        (``Request.affinity``)."""
+        found: dict[str, tuple[int, int, int]] = {}
         if not self.where:
             return found
         keys = _chain(req.prompt, len(req.prompt) - 1, req.params.cache_salt)
         for role in roles:
             for i in range(len(keys) - 1, -1, -1):
-                worker = self.where.get((role, keys[i]))
+                worker, rid = self.where.get((role, keys[i]), (None, 0))
                 if worker is not None and worker in alive:
-                    found[role] = (worker, (i + 1) * BLOCK)
+                    found[role] = (worker, (i + 1) * BLOCK, rid)
                     break
         return found

@@ -242,11 +242,14 @@ class Pull(Msg):
 
 @dataclass
 class Holder:
-    """Who holds a task's KV for its role: worker id, valid positions, KV endpoint."""
+    """Who holds a task's KV for its role: worker id, valid positions, KV endpoint; ``source``: the
+    request whose KV there holds this one's first ``valid`` positions, where it is another's (its
+    prompt's start: a prefix pull, ``nebula_flow/prefixes.py``)."""
 
     worker: int = 0
     valid: int = 0
     endpoint: str | None = None
+    source: int | None = None
 
 
 @dataclass

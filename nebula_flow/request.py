@@ -44,8 +44,9 @@ class Request:
     fuse: int = 0  # the longest prompt-lookup chain to fuse beside this round's draft (a token tree)
     chains: list[list[int]] = field(default_factory=list)  # the chains fused beside the draft
     holders: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (worker, valid)
-    # a new request: holder key -> (worker, positions) whose prefix cache likely holds its prompt's start (prefixes.py)
-    affinity: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # a new request: holder key -> (worker, positions, request) whose prefix cache likely holds its prompt's start, and
+    # the request whose KV it was (prefixes.py); the policy log's replays give the first two
+    affinity: dict[str, tuple[int, ...]] = field(default_factory=dict)
     known: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker -> (tokens sent it, their CRC-32): broker/known.py
     resent: int = 0  # its tasks sent again whole for a worker that lacked their tokens (broker/known.py)
     tokens_per_round: list[int] = field(default_factory=list)

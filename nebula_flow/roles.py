@@ -103,7 +103,7 @@ class Binder:
                     self.load[r.slot] += outstanding(r)
         load = self.load
         for r in which if load else ():
-            cost, (near, saved) = outstanding(r), r.affinity.get("colocated" if mode == "colocated" else "target", (None, 0))
+            cost, (near, saved) = outstanding(r), r.affinity.get("colocated" if mode == "colocated" else "target", (None, 0))[:2]
             # (where its prompt's start is likely held (``prefixes.py``), it costs that much less prefill)
             less = {w.slot: PROMPT_WEIGHT * saved for w in workers if w.worker_id == near and w.role == self.role} \
                 if saved else {}

@@ -215,9 +215,9 @@ def _request(rid: int, prompt: list[int], max_new: int = 8, salt: str | None = N
     return Request(rid, str(rid), list(prompt), SamplingParams(max_new_tokens=max_new, cache_salt=salt), seed=rid)
 
 
-def _ended(tokens: list[int], holders: dict[str, tuple[int, int]], salt: str | None = None) -> Request:
-    """A request that ended holding ``tokens``' KV with these holders."""
-    req = _request(0, tokens, salt=salt)
+def _ended(tokens: list[int], holders: dict[str, tuple[int, int]], salt: str | None = None, rid: int = 0) -> Request:
+    """A request (``rid``) that ended holding ``tokens``' KV with these holders."""
+    req = _request(rid, tokens, salt=salt)
     req.holders = holders
     return req
 
@@ -225,18 +225,19 @@ def _ended(tokens: list[int], holders: dict[str, tuple[int, int]], salt: str | N
 def test_prefix_routes_find_the_worker_that_held_the_longest_prefix() -> None:
     routes = PrefixRoutes()
     doc = list(range(1000, 1300))
-    routes.learn(_ended(doc[:100], {"target": (7, 100), "draft": (3, 40)}))
-    routes.learn(_ended(doc[:40] + [5] * 60, {"target": (8, 100)}))  # (shares 2 blocks, learnt later)
-    assert routes.find(_request(1, doc + [1]), alive={3, 7, 8}) == {"target": (7, 96), "draft": (3, 32)}
-    assert routes.find(_request(1, doc[:40] + [5] * 60 + [1]), alive={7, 8}) == {"target": (8, 96)}
-    assert routes.find(_request(1, doc + [1]), alive={8}) == {"target": (8, 32)}  # (a worker gone: the next best)
+    routes.learn(_ended(doc[:100], {"target": (7, 100), "draft": (3, 40)}, rid=10))
+    routes.learn(_ended(doc[:40] + [5] * 60, {"target": (8, 100)}, rid=11))  # (shares 2 blocks, learnt later)
+    # (the worker, the prefix's positions, and the request whose KV it was: a worker without it pulls it from there)
+    assert routes.find(_request(1, doc + [1]), alive={3, 7, 8}) == {"target": (7, 96, 10), "draft": (3, 32, 10)}
+    assert routes.find(_request(1, doc[:40] + [5] * 60 + [1]), alive={7, 8}) == {"target": (8, 96, 11)}
+    assert routes.find(_request(1, doc + [1]), alive={8}) == {"target": (8, 32, 11)}  # (a worker gone: the next best)
     assert routes.find(_request(1, doc[:16]), alive={7, 8}) == {}  # (all but the last token: less than a block)
     assert routes.find(_request(1, list(range(50))), alive={7, 8}) == {}
     # a cache_salt keeps requests apart: only those of the same salt look alike
-    routes.learn(_ended(doc[:100], {"target": (9, 100)}, salt="alice"))
-    assert routes.find(_request(1, doc + [1], salt="alice"), alive={7, 8, 9}) == {"target": (9, 96)}
+    routes.learn(_ended(doc[:100], {"target": (9, 100)}, salt="alice", rid=12))
+    assert routes.find(_request(1, doc + [1], salt="alice"), alive={7, 8, 9}) == {"target": (9, 96, 12)}
     assert routes.find(_request(1, doc + [1], salt="bob"), alive={7, 8, 9}) == {}
-    assert routes.find(_request(1, doc + [1]), alive={7, 8, 9})["target"] == (7, 96)
+    assert routes.find(_request(1, doc + [1]), alive={7, 8, 9})["target"] == (7, 96, 10)
     few = PrefixRoutes(max_keys=4)
     for i in range(10):
         few.learn(_ended([i] * 200, {"target": (1, 200)}))
@@ -366,3 +367,109 @@ def test_a_bench_conversation_sends_each_turn_with_the_turns_before_it(tiny_pair
                 history.append({"role": "assistant", "content": out.text})
     assert res["requests"] == 3 and res["tokens"] == 18
     assert res["prompt_cached"] > 0.4, res["prompt_cached"]  # (turns 2 and 3: the chat so far, less the new question)
+
+
+# -- prefix pulls: a prompt's start another worker's KV holds (Holder.source) --------------------------
+@pytest.mark.parametrize("transport", ["zmq", "shm+zmq"])
+def test_a_peer_pulls_a_prompt_start_from_a_finished_requests_kv(tiny_pair, transport: str) -> None:  # noqa: ANN001
+    """A holder keeps a finished request's KV for prefixes and serves it by that request's id; a puller
+    pulls a new request's prompt start from it into the new request's cache (counted as a prefix pull
+    and as cached positions), the rows equal to the holder's; a source it no longer holds reads as
+    missing (the puller computes those positions)."""
+    from nebula_flow.kv.transport import make_transport
+
+    model = load_model(tiny_pair / "target")
+    holder, puller = KVStore(model, prefix_cache=True), KVStore(model, prefix_cache=True)
+    server, client = make_transport(transport), make_transport(transport)
+    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: holder.snapshot(rid, s, e))
+    if transport == "shm+zmq":
+        holder.share_into(server.share_folder, "target")
+    done = np.array(SHARED + [7, 8, 9], dtype=np.int64)
+    try:
+        model([holder.prepare(1, done)], [done[:-1].tolist()], [1])
+        holder.publish([1])
+        holder.free([1])  # (finished: kept for prefixes, under its request's id for peers)
+        assert 1 not in holder.caches and holder.snapshot(1, 0, 96) is not None
+        new = np.array(SHARED + [200, 201], dtype=np.int64)
+        puller.fetch_many("target", [(5, new, 96, 1)], endpoint, client)
+        assert puller.caches[5].length == 96 and torch.equal(puller.caches[5].buf[:96], holder.finished[1].buf[:96])
+        assert (puller.stats.prefix_pulls, puller.stats.prefix_pulled, puller.take_copied(5)) == (1, 96, 96)
+        assert puller.prepare(5, new).length == 96  # (kept: only the rest is computed)
+        puller.fetch_many("target", [(6, new, 96, 3)], endpoint, client)  # (no request 3 there)
+        assert puller.caches[6].length == 0 and puller.stats.pull_failures == 1 and puller.stats.prefix_pulls == 1
+    finally:
+        server.close()
+        client.close()
+
+
+def test_a_new_requests_task_elsewhere_names_where_its_prompt_start_is() -> None:
+    """The broker's tasks (``broker/tasks.py``): a new request's task that goes to another worker than
+    the one whose KV likely holds its prompt's start names that worker and request; on that worker,
+    or with ``prefix_pulls`` off, or once the request's own KV is held somewhere, it names none."""
+    from types import SimpleNamespace
+
+    from nebula_flow_broker.tasks import task_specs
+
+    for pulls in (True, False):
+        sched = Scheduler("pooled", PolicyConfig(k=2, prefix_pulls=pulls))
+        for wid, role in ((3, "draft"), (1, "target"), (2, "target")):
+            sched.register(wid, role, 4)
+        req = _request(9, SHARED + [5])
+        sched.admit(req)
+        req.affinity = {"target": (1, 96, 4)}  # (worker 1 held it, as request 4's KV)
+        req.phase = "verify"
+        workers = {w: SimpleNamespace(kv_endpoint=f"tcp://w{w}") for w in (1, 2, 3)}
+        [elsewhere] = task_specs(sched, 2, [req], workers)
+        [there] = task_specs(sched, 1, [req], workers)
+        want = (1, 96, "tcp://w1", 4) if pulls else (0, 0, None, None)
+        h = elsewhere.holder
+        assert (h.worker, h.valid, h.endpoint, h.source) == want and there.holder.source is None
+        req.holders["target"] = (1, 104)
+        [later] = task_specs(sched, 2, [req], workers)
+        assert (later.holder.worker, later.holder.valid, later.holder.source) == (1, 104, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm+zmq", "zmq"])
+def test_a_prompt_start_another_worker_holds_is_pulled_and_output_is_unchanged(tiny_pair, transport: str) -> None:  # noqa: ANN001
+    """A first request leaves the shared system prompt's KV on the one target worker; a second target
+    worker joins; the next request's first verify goes to it (``migrate``: never the worker whose KV
+    the task would use), which pulls the prompt's start from the first request's KV on the other
+    instead of computing it (``Holder.source``), and reports those positions as cached. Every output
+    is HF's greedy output of the target alone; with ``prefix_pulls`` off the newcomer computes it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    prompts = [SHARED + [200 + i, 201 + i, 202 + i] for i in range(3)]
+    refs = [hf_greedy(tiny_pair / "target", p, MAX_NEW) for p in prompts]
+    for pulls in (True, False):
+        cfg = deploy_config(tiny_pair, "pooled", 1, 1, max_batch=1)
+        cfg.broker.policy = cfg.broker.policy.replace(prefix_pulls=pulls, migrate=True)
+        cfg.kv_transport = transport
+        with Deployment(cfg, worker_changes={"kv_skip_slow_pulls": False}) as dep, Client(dep.address) as client:
+            first = client.generate(token_ids=prompts[0], max_new_tokens=MAX_NEW, ignore_eos=True)
+            joined = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "worker", "--role", "target", "--model",
+                                       str(tiny_pair / "target"), "--broker", cfg.broker.worker_address, "--max-batch",
+                                       "1", "--kv-transport", transport, "--kv-always-pull", "--name", "newcomer"],
+                                      env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                deadline = time.monotonic() + 120
+                while sum(w["role"] == "target" for w in client.status()["workers"]) < 2:
+                    assert time.monotonic() < deadline and joined.poll() is None, "the second target worker never joined"
+                    time.sleep(0.1)
+                later = [client.generate(token_ids=p, max_new_tokens=MAX_NEW, ignore_eos=True) for p in prompts[1:]]
+                kv = {w["name"]: w["kv"] for w in client.status()["workers"] if w["role"] == "target"}
+            finally:
+                joined.terminate()
+                joined.wait(30)
+        for out, ref in zip([first, *later], refs):
+            assert out.token_ids[:len(ref)] == ref
+        newcomer = kv["newcomer"]
+        assert newcomer["pull_failures"] == 0, newcomer
+        if pulls:  # (whole blocks the placement knows of: prefixes.py keys 1, 2, 4, ... blocks and the last)
+            assert newcomer["prefix_pulls"] == 1 and newcomer["prefix_pulled"] == 64, newcomer
+            assert later[0].stats["cached_tokens"] == 64
+        else:
+            assert newcomer["prefix_pulls"] == 0 and later[0].stats["cached_tokens"] == 0, newcomer

@@ -9,11 +9,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from nebula_flow.elastic import estimate
 from nebula_flow.kv.link_fit import LinkFit
-from nebula_flow.kv.store import KVStore, add_by_size
+from nebula_flow.kv.store import KVStore, Wanted, add_by_size
 from nebula_flow.kv.transport import KVTransport, endpoint_part
 from nebula_flow_workers.runner import ModelRunner, Task
 
@@ -29,7 +27,7 @@ def network_address(endpoint: str) -> str:
     return endpoint_part(endpoint, "tcp://") or endpoint_part(endpoint, "ucx://") or endpoint
 
 
-Pulls = dict[tuple[str, str], list[tuple[int, np.ndarray, int]]]  # (holder endpoint, model role) -> wanted
+Pulls = dict[tuple[str, str], list[Wanted]]  # (holder endpoint, model role) -> wanted
 
 
 class KVPrep:
@@ -54,7 +52,9 @@ class KVPrep:
 
     def pulls(self, tasks: list[Task], local: bool | None = None) -> Pulls:
         """The KV this batch needs from peers: (holder endpoint, model role) -> [(rid, tokens, valid
-        length)]. ``local``: only holders read from this host's memory (True), only the others
+        length, the request whose KV holds them there)]. A new request's prompt start held by another
+        request's KV on a peer (``Holder.source``) is pulled unless this worker's prefix cache holds
+        as much. ``local``: only holders read from this host's memory (True), only the others
         (False), all (None)."""
         if self.transport is None:
             return {}
@@ -65,7 +65,11 @@ class KVPrep:
                 t.kind, [("draft", t.holder), ("target", t.target_holder)])
             for role, h in needs:
                 if role in self.served and h is not None and h.endpoint and h.endpoint != self.endpoint and h.valid > 0:
-                    by_holder.setdefault((h.endpoint, role), []).append((t.rid, t.tokens, h.valid))
+                    if h.source is not None and self.served[role].held(t.rid, t.tokens, t.params.cache_salt) >= min(
+                            h.valid, len(t.tokens) - 1):
+                        continue  # (a prefix this worker holds too)
+                    by_holder.setdefault((h.endpoint, role), []).append(
+                        (t.rid, t.tokens, h.valid, t.rid if h.source is None else h.source))
         if local is None:
             return by_holder
         return {key: w for key, w in by_holder.items() if self.transport.reads_locally(key[0]) == local}
@@ -77,7 +81,7 @@ class KVPrep:
                 if self.served[key[1]].share_folder is not None
                 and (new := [w for w in ws if w[0] not in self.served[key[1]].caches])}
         nbytes = sum(min(valid, len(tokens) - 1) * self.served[role].row_bytes
-                     for (_, role), ws in room.items() for _, tokens, valid in ws)
+                     for (_, role), ws in room.items() for _, tokens, valid, _ in ws)
         return room if nbytes >= ROOM_BYTES else {}
 
     def prefetch(self, pulls: Pulls, room: Pulls | None = None) -> None:
@@ -89,8 +93,8 @@ class KVPrep:
         for (endpoint, role), wanted in (room or {}).items():
             try:
                 self.served[role].make_room(wanted)
-                self.transport.prepare_reads(endpoint, [(rid, role, 0, min(valid, len(tokens) - 1))
-                                                        for rid, tokens, valid in wanted])
+                self.transport.prepare_reads(endpoint, [(source, role, 0, min(valid, len(tokens) - 1))
+                                                        for _, tokens, valid, source in wanted])
             except Exception:  # only a head start: the pull at compute start does what is left
                 log.exception("preparing KV reads from %s failed", endpoint)
         for (endpoint, role), wanted in pulls.items():  # one exchange per holder and model for the whole batch

@@ -37,6 +37,7 @@ from nebula_flow.models.llama import CausalLM
 SPARE_FORKS = 32  # finished requests' draft-ahead forks a store keeps for the next ones (``KVStore.branch``)
 # The shortest prefix of another request's worth reusing: a chat template's few tokens are not.
 MIN_SHARED = 16
+Wanted = tuple[int, np.ndarray, int, int]  # a pull: (request, its tokens, positions wanted, the request they are of there)
 KEEP_FINISHED = 64  # finished requests' caches a prefix cache keeps at most (each is searched per new request)
 PULL_SIZE_CLASSES = {"<64kB": 64 << 10, "64kB-1MB": 1 << 20, "1-16MB": 16 << 20, ">=16MB": 1 << 62}
 
@@ -78,6 +79,8 @@ class KVStats:
     files_recycled: int = 0  # caches that got a finished request's shared file (pages already in)
     prefix_hits: int = 0  # requests given a prefix another request's cache held (prefix cache)
     prefix_reused: int = 0  # positions so copied instead of computed
+    prefix_pulls: int = 0  # requests whose prompt's start was pulled from another request's KV on a peer
+    prefix_pulled: int = 0  # positions so pulled instead of computed
     # size class -> [exchanges, bytes, seconds] (see PULL_SIZE_CLASSES)
     by_size: dict[str, list[float]] = field(default_factory=dict)
 
@@ -102,6 +105,7 @@ class KVStore:
         # rows are copied, which costs more than the copy (``SPARE_FORKS`` at most)
         self.spare: list[KVCache] = []
         self.finished: OrderedDict[int, KVCache] = OrderedDict()  # prefix cache: by when they finished
+        self.finished_key: dict[int, int] = {}  # request -> its key in ``finished`` (a peer's prefix pull names it)
         self._finishes = 0
         self.copied: dict[int, int] = {}  # request -> positions copied into its cache from others' (``take_copied``)
         self.pinned: set[int] = set()
@@ -234,12 +238,12 @@ class KVStore:
         _copy_rows(own, cache, tokens, keep)
         return cache
 
-    def make_room(self, wanted: list[tuple[int, np.ndarray, int]]) -> None:
+    def make_room(self, wanted: list[Wanted]) -> None:
         """The caches a batch's pulls (``fetch_many``'s ``wanted``) go into that are not held
         yet, made now with the pages for the positions to come in: run on the prefetch thread
         while the previous batch computes, it leaves the pull at compute start only a copy.
         The caches are pinned until their batch has run (``unpin``)."""
-        for rid, tokens, valid in wanted:
+        for rid, tokens, valid, _ in wanted:
             with self.lock:
                 if rid in self.caches:
                     continue
@@ -248,12 +252,13 @@ class KVStore:
 
     def fetch(self, rid: int, role: str, tokens: np.ndarray, valid: int, endpoint: str, transport) -> None:  # noqa: ANN001
         """``fetch_many`` for one request."""
-        self.fetch_many(role, [(rid, tokens, valid)], endpoint, transport)
+        self.fetch_many(role, [(rid, tokens, valid, rid)], endpoint, transport)
 
-    def fetch_many(self, role: str, wanted: list[tuple[int, np.ndarray, int]], endpoint: str, transport,  # noqa: ANN001
+    def fetch_many(self, role: str, wanted: list[Wanted], endpoint: str, transport,  # noqa: ANN001
                    link: LinkFit | None = None, recompute: Callable[[int], float | None] | None = None) -> None:
         """Pull the positions this store lacks, up to each ``valid``, of several requests held
-        by the worker at ``endpoint``, in one exchange.
+        by the worker at ``endpoint``, in one exchange (each from the KV of its ``source`` there:
+        itself, or another request's whose KV holds its prompt's start, a prefix pull).
 
         Only the missing suffix travels: a cache that holds a prefix keeps it, a longer stale
         suffix (rejected drafts) is rolled back first. On any failure the cache is left at what
@@ -263,7 +268,7 @@ class KVStore:
         as the link says, and its time is learned (``kv/link_fit.py``).
         """
         plan = []
-        for rid, tokens, valid in wanted:
+        for rid, tokens, valid, source in wanted:
             valid = min(valid, len(tokens) - 1)
             cache = self._get(rid, len(tokens))
             with self.lock:
@@ -272,20 +277,20 @@ class KVStore:
             cache.truncate(have)
             if have < valid:
                 cache.reserve(valid)
-                plan.append((rid, tokens, have, valid, cache))
+                plan.append((source, tokens, have, valid, cache, rid if source != rid else None))
         timeout = PULL_TIMEOUT_S
         if link is not None and plan:
             now = time.monotonic()
-            worth = link.worth([(valid - have) * cache.row_bytes for _, _, have, valid, cache in plan],
-                               [recompute(valid - have) if recompute else None for _, _, have, valid, _ in plan], now)
+            worth = link.worth([(valid - have) * cache.row_bytes for _, _, have, valid, cache, _ in plan],
+                               [recompute(valid - have) if recompute else None for _, _, have, valid, _, _ in plan], now)
             self.stats.pulls_skipped += worth.count(False)
             plan = [p for p, w in zip(plan, worth) if w]
-            timeout = link.deadline(sum((valid - have) * cache.row_bytes for _, _, have, valid, cache in plan), now)
+            timeout = link.deadline(sum((valid - have) * cache.row_bytes for _, _, have, valid, cache, _ in plan), now)
         if not plan:
             return
         t0, c0 = time.perf_counter(), time.thread_time()
-        got = transport.pull_many(endpoint, [(rid, role, have, valid, cache.buf[have:valid])
-                                             for rid, _, have, valid, cache in plan], timeout)
+        got = transport.pull_many(endpoint, [(source, role, have, valid, cache.buf[have:valid])
+                                             for source, _, have, valid, cache, _ in plan], timeout)
         took = time.perf_counter() - t0
         device = plan[0][4].buf.device
         ready = device_copy.copied(device) if device.type == "cuda" else None  # (copies still landing)
@@ -294,7 +299,7 @@ class KVStore:
         self.stats.transfers += 1
         # (Python lists, not numpy, from here: between batches every numpy call costs tens of us)
         asked = pulled = 0
-        for (_, tokens, have, valid, cache), received in zip(plan, got):
+        for (_, tokens, have, valid, cache, prefixed), received in zip(plan, got):
             asked += (valid - have) * cache.row_bytes
             cache.ready = ready  # (a copy that came with the wrong tokens may be landing too)
             expected = tokens[have:valid].tolist()
@@ -304,6 +309,11 @@ class KVStore:
             cache.tokens.extend(expected)
             self.stats.pulls += 1
             self.stats.pulled += valid - have
+            if prefixed is not None:  # (from another request's KV: its prompt's start, as the prefix cache's copies)
+                self.stats.prefix_pulls += 1
+                self.stats.prefix_pulled += valid - have
+                with self.lock:
+                    self.copied[prefixed] = self.copied.get(prefixed, 0) + valid - have
             pulled += (valid - have) * cache.row_bytes
         self.stats.bytes_pulled += pulled
         if link is not None and (pulled or took >= timeout):  # (a pull given up at its deadline: a lower bound)
@@ -314,9 +324,12 @@ class KVStore:
         counts[2] += took
 
     def snapshot(self, rid: int, start: int, end: int) -> tuple[np.ndarray, torch.Tensor] | None:
-        """Tokens and KV rows ``start..end`` of ``rid`` for a peer, or None if not held."""
+        """Tokens and KV rows ``start..end`` of ``rid`` for a peer (running, or finished and kept for
+        prefixes: a peer pulls a new request's prompt start from it), or None if not held."""
         with self.lock:
             cache = self.caches.get(rid)
+            if cache is None and (key := self.finished_key.get(rid)) is not None:
+                cache = self.finished.get(key)
         if cache is None or cache.length < end:
             return None
         cache.served_at = time.monotonic()  # (its rows are sent from its memory: see FilePool)
@@ -339,6 +352,9 @@ class KVStore:
                 if cache is not None and keep and self.prefix_cache and cache.length >= MIN_SHARED:
                     self._finishes += 1
                     self.finished[self._finishes] = cache
+                    self.finished_key[rid] = self._finishes
+                    if len(self.finished_key) > 2 * KEEP_FINISHED:  # (those evicted since go)
+                        self.finished_key = {r: k for r, k in self.finished_key.items() if k in self.finished}
                     if len(self.finished) > KEEP_FINISHED:
                         self.finished.popitem(last=False)[1].release()
                 elif cache is not None:
