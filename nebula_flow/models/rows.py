@@ -55,11 +55,12 @@ class RowGroup:
         seen = torch.arange(keys)[None, :] < torch.tensor(lengths)[:, None]
         self.mask = staging.to_device(torch.zeros(len(rows), 1, 1, keys).masked_fill_(~seen[:, None, None, :], float("-inf")), device)
 
-    def kv(self, layer: int) -> torch.Tensor:
-        """[rows, keys, 2, kv_heads, head_dim] in fp32: each row's (padded) keys and values."""
-        rows = self.source[:, layer]
+    def kv(self, layer: int, wide: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+        """[rows, keys, 2, kv_heads, head_dim] in fp32: each row's (padded) keys and values (``wide``:
+        each (source, start)'s rows this layer's groups read as one view, made fp32 once)."""
         if self.gather is None:
-            return rows[self.start:self.start + self.keys].float()[None].expand(self.size, -1, -1, -1, -1)
+            return wide[id(self.source), self.start][:self.keys][None].expand(self.size, -1, -1, -1, -1)
+        rows = self.source[:, layer]
         return rows.index_select(0, self.gather).float().view(self.size, self.keys, *rows.shape[1:])
 
 
@@ -88,6 +89,16 @@ class RowPlan:
                        for source, slots, rows in sources.values()]
         self.total = sum(lengths)
         self.groups = {w: self._groups(w) for w in windows}
+        # per window, the rows of each (source, start) its groups read as one view, and how many: made fp32
+        # once a layer (a long prefill's groups read ever longer views of one sequence: converting each
+        # group's apart copied the prefix again for every 32 rows)
+        self.views: dict[int | None, dict[tuple[int, int], tuple[torch.Tensor, int, int]]] = {}
+        for w, groups in self.groups.items():
+            views = self.views[w] = {}
+            for g in groups:
+                if g.gather is None:
+                    key = (id(g.source), g.start)
+                    views[key] = (g.source, g.start, max(g.keys, views.get(key, (None, 0, 0))[2]))
 
     def _groups(self, window: int | None) -> list[RowGroup]:
         by_size: dict[tuple[int, int], list] = defaultdict(list)
@@ -126,8 +137,9 @@ def attend(plan: RowPlan, layer: int, window: int | None, q: torch.Tensor, k: to
     q32 = q.float()
     hd = q.shape[-1]
     out = q32.new_empty(plan.total, heads * hd)
+    wide = {key: source[start:start + keys, layer].float() for key, (source, start, keys) in plan.views[window].items()}
     for g in plan.groups[window]:
-        kv = g.kv(layer)
+        kv = g.kv(layer, wide)
         o = torch.nn.functional.scaled_dot_product_attention(
             q32.index_select(0, g.rows)[:, :, None], kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),
             attn_mask=g.mask, enable_gqa=heads != kv_heads)
