@@ -234,6 +234,7 @@ def test_seeded_sampling_is_the_same_on_any_placement(served, elsewhere) -> None
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input[0]"),
     ({"input": [{"role": "narrator", "content": "x"}]}, 400, "input[0]"),
     ({"input": ""}, 400, "input"),
+    ({}, 400, "input"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 10 ** 6}, 400, "max_output_tokens"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),

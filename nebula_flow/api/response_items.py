@@ -49,31 +49,32 @@ class ResponseShaper:
     def full(self, chat: dict[str, Any]) -> dict[str, Any]:
         """The response for a chat completion (``Shaper.full``'s) of one choice."""
         choice = chat["choices"][0]
-        message, length = choice["message"], choice["finish_reason"] == "length"
-        status = "incomplete" if length else "completed"
+        message = choice["message"]
         output = []
         if thinking := message.get("reasoning_content"):
-            output.append(self.reasoning(thinking, status))
+            output.append(self.reasoning(thinking, "completed"))
         calls = message.get("tool_calls") or []
         if message.get("content") or not calls:
-            output.append(self.message(message.get("content") or "", status, _logprobs(choice)))
+            output.append(self.message(message.get("content") or "", "completed", _logprobs(choice)))
         output += [self.call(c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls]
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        output[-1]["status"] = status  # (the item the limit cut, as a stream ends it)
         return self.response(output, status, chat["usage"], chat.get("speculative"))
 
-    def reasoning(self, text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
-        return {"type": "reasoning", "id": item_id or self.item_id("rs"), "summary": [], "status": status,
+    def reasoning(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.item_id("rs"), "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": text}]}
 
-    def message(self, text: str, status: str, logprobs: list | None, item_id: str | None = None) -> dict[str, Any]:
-        return {"type": "message", "id": item_id or self.item_id("msg"), "status": status, "role": "assistant",
+    def message(self, text: str, status: str, logprobs: list | None) -> dict[str, Any]:
+        return {"type": "message", "id": self.item_id("msg"), "status": status, "role": "assistant",
                 "content": [self.part(text, logprobs)]}
 
     def part(self, text: str, logprobs: list | None) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [],
                 **({"logprobs": logprobs or []} if self.ask.logprobs else {})}
 
-    def call(self, call_id: str, name: str, arguments: str, status: str, item_id: str | None = None) -> dict[str, Any]:
-        return {"type": "function_call", "id": item_id or self.item_id("fc"), "call_id": call_id, "name": name,
+    def call(self, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        return {"type": "function_call", "id": self.item_id("fc"), "call_id": call_id, "name": name,
                 "arguments": arguments, "status": status}
 
 

@@ -172,6 +172,8 @@ def input_messages(given: Any) -> list[dict[str, Any]]:  # noqa: ANN401
         if not given:
             raise invalid("input", "input is empty")
         return [{"role": "user", "content": given}]
+    if given is None:
+        raise invalid("input", "input is required: a string, or a list of messages, function calls and their outputs")
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(_list(given, "input")):
         where = f"input[{i}]"
