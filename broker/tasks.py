@@ -46,7 +46,8 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
                         base=base, base_crc=crc)
         if req.phase == ROUND and "target" in req.holders:  # (an elastic round: its target KV's holder too)
             task.target_holder = holder(req.holders["target"])
-        if req.affinity and scheduler.policy.prefix_pulls:  # (a new request: its prompt's start may be held elsewhere)
+        if req.affinity and (task.holder.valid == 0 or task.target_holder is None and req.phase == ROUND) \
+                and scheduler.policy.prefix_pulls:  # (no KV of its own yet: its prompt's start may be held elsewhere)
             prefix_sources(req, task, wid, holder, scheduler.task_holder_key(req))
         if req.alts and req.phase in (DRAFT, ROUND):
             task.alts = req.alts
