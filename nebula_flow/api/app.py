@@ -277,8 +277,8 @@ class Gateway:
         if job.stream:
             gone.cancel()  # (the event stream watches for it from here)
             events = self._events(shaper, job, len(streams), items)
-            answer = _sse(events) if ask is None else ResponseStream(ResponseShaper(ask, model, req_id),
-                                                                     self._keeper(ask)).events(events)
+            answer = _sse(events) if ask is None else ResponseStream(
+                ResponseShaper(ask, model, req_id), lambda response: self._keep(ask, response)).events(events)
             return EventStream(answer, headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(choices.completions(items, len(streams)))
         if not await self._unless_gone(collect, gone):
@@ -293,15 +293,13 @@ class Gateway:
         if ask is None:
             return JSONResponse(shaper.full(outs))
         response = ResponseShaper(ask, model, req_id).full(shaper.full(outs))
-        self._keeper(ask)(response)
+        self._keep(ask, response)
         return JSONResponse(response)
 
-    def _keeper(self, ask: Ask) -> Any:  # noqa: ANN401
-        """What to do with a finished response: keep it where the request asked to (``store``)."""
-        def keep(response: dict[str, Any]) -> None:
-            if ask.store:
-                self.stored.put(to_store(ask, response))
-        return keep
+    def _keep(self, ask: Ask, response: dict[str, Any]) -> None:
+        """A finished response, kept where its request asked to be (``store``)."""
+        if ask.store:
+            self.stored.put(to_store(ask, response))
 
     async def _unless_gone(self, work: asyncio.Future, gone: asyncio.Future) -> bool:
         """Wait for ``work``; False if the client left first (then ``work``, which reads the

@@ -97,8 +97,9 @@ class ResponseStream:
     async def events(self, chat: AsyncIterator[dict[str, Any] | str]) -> AsyncIterator[bytes]:
         shaper, usage, status, speculative = self.shaper, None, "completed", None
         try:
-            yield self.event("response.created", response=shaper.response([], "in_progress"))
-            yield self.event("response.in_progress", response=shaper.response([], "in_progress"))
+            begun = shaper.response([], "in_progress")
+            yield self.event("response.created", response=begun)
+            yield self.event("response.in_progress", response=begun)
             async for ev in chat:
                 if ev == "[DONE]":
                     break
@@ -142,8 +143,7 @@ class ResponseStream:
                                   content_index=0, delta=text, logprobs=piece))
         for call in delta.get("tool_calls") or ():
             fn = call.get("function") or {}
-            if call.get("id"):
-                out += self._close("completed")
+            if call.get("id"):  # (a new call: the item open before it ends)
                 out += self._open("function_call", call["id"], fn.get("name") or "")
             if fn.get("arguments"):
                 self.pieces.append(fn["arguments"])
