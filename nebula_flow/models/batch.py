@@ -152,10 +152,11 @@ class Batch:
 
     def __init__(self, caches: list[KVCache], lengths: list[int], parents: list[list[int] | None] | None,
                  device: torch.device, group: bool, invariant_windows: set[int | None] | None = None,
-                 flash: bool = False) -> None:
+                 flash: bool = False, invariant_block: int | None = None) -> None:
         """``invariant_windows``: the model's layers' windows, for a batch-invariant model (every row
-        attends as its own problem, ``models.rows``); else ``group``: attend in one call where
-        possible, through FlashAttention (``flash``) where it applies."""
+        attends as its own problem, ``models.rows``; ``invariant_block``: its runs' query blocks);
+        else ``group``: attend in one call where possible, through FlashAttention (``flash``) where
+        it applies."""
         self.caches, self.lengths = caches, lengths
         self.trees = [TreeRows.of(p) for p in parents] if parents else [None] * len(caches)
         self.starts, at = [], 0
@@ -166,7 +167,8 @@ class Batch:
         self.rows: RowPlan | None = None
         self.apart = list(range(len(caches)))
         if invariant_windows is not None:
-            self.rows, self.apart = RowPlan(caches, lengths, self.trees, self.starts, invariant_windows, device), []
+            self.rows, self.apart = RowPlan(caches, lengths, self.trees, self.starts, invariant_windows, device,
+                                              invariant_block), []
         elif group:
             self._group(device, flash)
 

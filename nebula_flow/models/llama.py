@@ -25,6 +25,7 @@ from nebula_flow.models.batch import Batch, GroupPlan, TreeRows, attention_mask
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.flash import FlashPlan
 from nebula_flow.models.rows import attend as attend_rows
+from nebula_flow.models.rows import run_block
 
 
 class Linear(nn.Linear):
@@ -286,6 +287,7 @@ class CausalLM(nn.Module):
     """Decoder plus output head. ``forward`` advances every cache by its new tokens."""
 
     batch_invariant = False
+    run_block: int | None = None  # a batch-invariant model's runs' query blocks (``models.rows``)
     kv_arena: KVArena | None = None  # every cache of this model is a range of it (made with the first)
     group_attention = True  # one attention call per layer for the batch (``models.batch``); False: per sequence
     flash_attention: bool | None = None  # through FlashAttention-2 (``models.flash``); None: where it runs
@@ -364,7 +366,11 @@ class CausalLM(nn.Module):
                     plans[key] = invariant.row_plan(m.weight, m.product)
                 m.row_plan = plans[key]
         self.batch_invariant = True
-        self.invariance = {"linears": {"x".join(map(str, s[:2])) + (" packed" if s[2] else ""): f"<= {p.chunk} rows" + (
+        cfg = self.cfg
+        self.run_block = run_block(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, str(self.lm_head.weight.device))
+        self.invariance = {"attention": "row by row" if self.run_block is None else
+                           f"prefills and verify blocks as matrix products, query blocks of >= {self.run_block} rows",
+                           "linears": {"x".join(map(str, s[:2])) + (" packed" if s[2] else ""): f"<= {p.chunk} rows" + (
             f", above {p.exact} padded to a multiple of {p.multiple}" if p.multiple > 1 else "")
             for s, p in sorted(plans.items())}}
         return self.invariance
@@ -459,7 +465,8 @@ class CausalLM(nn.Module):
             self._record(caches, new_tokens)
             return list(torch.split(logits, logit_rows))
         batch = Batch(caches, lengths, parents, device, group=self.group_attention,
-                      invariant_windows=self.windows if self.batch_invariant else None, flash=self.uses_flash())
+                      invariant_windows=self.windows if self.batch_invariant else None, flash=self.uses_flash(),
+                      invariant_block=self.run_block)
         ids = new_tokens.long() if on_device else staging.tensor([t for seq in new_tokens for t in seq], device, torch.long)
         # (positions and the picked rows made in Python, one tensor each: a few ops per sequence saved)
         positions = [c.length + d for c, n, tree in zip(caches, lengths, batch.trees)

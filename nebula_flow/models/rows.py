@@ -11,34 +11,155 @@ with the same code whatever the batch's size or thread count (checked bit for bi
 ``tests/test_batch_invariant.py``), so stacking changes no bit. Attention runs in fp32 (on CPUs
 a one-row fp32 call was ~5x faster than a bf16 one, and it is more exact).
 
-Rows of one sequence whose keys start at its first slot (a verify block's, a prefill's) read one
-view of its cache, broadcast over the rows (no copy; the padding past the sequence's end is zeroed
-once per forward so masked keys are finite); the other rows of a size (a batch of decodes, token
-trees, sliding windows) gather their keys into one call through one slot index.
+Runs: a prefill's or a verify block's rows (one sequence's rows whose keys run from its first
+slot) attend as matrix products, in calls of up to ``RUN_ROWS`` query rows against the keys of the
+call's last row, masked per row. Posed one row at a time, a 2,048-token prefill's attention was
+~6x HF's time on a CPU (GEMV shaped, at a few GFLOP/s). A row keeps its bits in a run because of
+what torch's CPU kernel does with shapes (measured with torch 2.13 on AVX-512):
+
+* it gives a row the same bits in any query block of at least 3 rows (6 for 128-wide heads);
+  blocks of 1 or 2 rows, and the 256-row blocks of a call of 768 rows or more, round otherwise;
+* masked keys past a row's own add nothing, except that the kernel takes keys in blocks of 512
+  and sums a block of more than 384 keys in two halves.
+
+So every call gives each row a query block of at least ``block`` rows (a lone row, or a call's
+last short block, is padded with zero queries), and a row whose last key is in the second half of
+a 512-key block has the whole block in its problem (``problem_keys``). :func:`run_block` finds the
+block size for the model's shapes at load and checks all of this; where no size keeps the bits,
+runs attend row by row (``RowPlan(block=None)``).
+
+Rows of one sequence whose keys start at its first slot read one view of its cache (no copy; the
+padding past the sequence's end is zeroed once per forward so masked keys are finite); the other
+rows of a size (a batch of decodes, token trees, sliding windows) gather their keys into one call
+through one slot index.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
+import torch.nn.functional as F
 
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.models import staging
 
 BUCKET = 32  # a row's keys are padded to a multiple of this (its problem's size)
+RUN_ROWS = 256  # query rows per call of a run (measured: fewer masked keys than with 512, as fast as 128)
+BLOCKS = range(2, 9)  # the query block sizes ``run_block`` tries (torch blocks a call's rows by 32 or 64)
+KEY_BLOCK = 512  # torch's kernel takes keys in blocks of 512, and sums a block of over 384 keys in two halves
 
 
 def padded(keys: int) -> int:
     return -(-keys // BUCKET) * BUCKET
 
 
+def problem_keys(keys: int, runs: bool) -> int:
+    """The keys of the problem of a row that sees ``keys`` keys. Row by row: ``keys`` padded to a
+    multiple of ``BUCKET``. Where runs attend as matrix products, a row whose last key is in the
+    second half of a ``KEY_BLOCK`` gets the whole block: in a call that gives its block all 512
+    keys, the kernel sums them in two halves, and the row's problem must sum them so too (a block
+    that ends in its first half is summed whole either way: the second half adds zeros)."""
+    if runs and (keys - 1) % KEY_BLOCK >= KEY_BLOCK // 2:
+        return -(-keys // KEY_BLOCK) * KEY_BLOCK
+    return padded(keys)
+
+
+def _short_block(rows: int, block: int) -> int:
+    """Zero query rows to add so a call of ``rows`` rows has no query block under ``block`` rows."""
+    left = rows % BUCKET
+    return block - left if 0 < left < block else 0
+
+
+def _mask(sees: torch.Tensor, keys: int) -> torch.Tensor:
+    """An additive mask over ``keys`` keys: row i sees its first ``sees[i]`` keys."""
+    seen = torch.arange(keys)[None, :] < sees[:, None]
+    return torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
+
+
+def attend_rows(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, block: int, gqa: bool) -> torch.Tensor:
+    """Rows as problems of their own: ``q`` [rows, heads, head_dim] fp32 against ``kv`` [rows, keys,
+    2, kv_heads, head_dim] with ``mask`` [rows, 1, 1, keys], each row in a query block of ``block``
+    rows (itself and zero rows). Returns [rows, heads * head_dim]."""
+    q = q[:, :, None]
+    if block > 1:
+        q = torch.cat((q, q.new_zeros(q.shape[0], q.shape[1], block - 1, q.shape[3])), 2)
+        mask = mask.expand(-1, -1, block, -1)
+    o = F.scaled_dot_product_attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),
+                                       attn_mask=mask, enable_gqa=gqa)
+    return o[:, :, 0].reshape(q.shape[0], -1)
+
+
+def attend_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """A run's call: ``q`` [rows, heads, head_dim] fp32, ``kv`` [keys, 2, kv_heads, head_dim], ``mask``
+    [1, 1, rows + pad, keys] (``_short_block``'s zero rows after them, which see the last row's keys).
+    Returns [rows, heads * head_dim]."""
+    rows = q.shape[0]
+    pad = mask.shape[2] - rows
+    q = q.transpose(0, 1)[None]
+    if pad:
+        q = torch.cat((q, q.new_zeros(1, q.shape[1], pad, q.shape[3])), 2)
+    o = F.scaled_dot_product_attention(q, kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None],
+                                       attn_mask=mask, enable_gqa=gqa)
+    return o[0, :, :rows].transpose(0, 1).reshape(rows, -1)
+
+
+def run_calls(past: int, n: int, block: int) -> list[tuple[int, int, torch.Tensor]]:
+    """A run of ``n`` new rows after ``past`` cached ones, as calls (first row, rows, mask) whose
+    query blocks have ``block`` rows or more."""
+    calls = []
+    for a in range(0, n, RUN_ROWS):
+        rows = min(RUN_ROWS, n - a)
+        sees = past + a + 1 + torch.arange(rows + _short_block(rows, block)).clamp_(max=rows - 1)
+        calls.append((a, rows, _mask(sees, problem_keys(past + a + rows, True))[None, None]))
+    return calls
+
+
+@functools.cache
+def run_block(heads: int, kv_heads: int, head_dim: int, device: str = "cpu") -> int | None:
+    """The fewest rows (of ``BLOCKS``) a query block needs for runs to attend as matrix products
+    with these shapes and every row keeping the bits of its own problem; None: no such size, runs
+    attend row by row. (Measured on AVX-512 with torch 2.13: 3 rows for 64-wide heads, 6 for
+    128-wide: the kernel rounds blocks of fewer another way.)"""
+    return next((b for b in BLOCKS if runs_keep_row_bits(heads, kv_heads, head_dim, b, device)), None)
+
+
+@torch.inference_mode()
+def runs_keep_row_bits(heads: int, kv_heads: int, head_dim: int, block: int, device: str = "cpu") -> bool:
+    """True when a run's calls (``attend_run``) give every row the bits its own problem
+    (``attend_rows``) gives it, in query blocks of at least ``block`` rows, on random inputs of
+    these shapes: prefills whose calls end in short blocks or cross 512 keys, verify blocks after
+    a cached prefix."""
+    gen = torch.Generator().manual_seed(0)
+    n = KEY_BLOCK + 212  # (calls of up to RUN_ROWS rows, and keys past 512)
+    q = staging.to_device(3 * torch.randn(n, heads, head_dim, generator=gen), device)
+    kv = torch.randn(KEY_BLOCK * 2, 2, kv_heads, head_dim, generator=gen) * torch.tensor([3.0, 1.0])[:, None, None]
+    kv = staging.to_device(kv, device)
+    gqa = heads != kv_heads
+    alone = q.new_empty(n, heads * head_dim)
+    by_keys: dict[int, list[int]] = defaultdict(list)
+    for p in range(n):
+        by_keys[problem_keys(p + 1, True)].append(p)
+    for keys, at in by_keys.items():
+        at = torch.tensor(at)
+        mask = staging.to_device(_mask(at + 1, keys)[:, None, None], device)
+        alone[at] = attend_rows(q[at], kv[:keys].expand(len(at), -1, -1, -1, -1), mask, block, gqa)
+    for past, rows in ((0, n), (0, 2), (0, 33), (0, 34), (0, 35), (37, 5), (600, 67), (90, 200), (n - 300, 300),
+                       (n - 9, 9)):
+        for a, m, mask in run_calls(past, rows, block):
+            got = attend_run(q[past + a:past + a + m], kv[:mask.shape[-1]], staging.to_device(mask, device), gqa)
+            if not torch.equal(got, alone[past + a:past + a + m]):
+                return False
+    return True
+
+
 class RowGroup:
     """Rows whose problems have ``keys`` padded keys and one source of KV rows, in one call."""
 
     def __init__(self, rows: list[int], keys: int, source: torch.Tensor, spans: list[tuple[int, int, list[int]]],
-                 own: list[int], first: int | None, device: torch.device) -> None:
-        self.keys, self.source, self.size = keys, source, len(rows)
+                 own: list[int], first: int | None, block: int, device: torch.device) -> None:
+        self.keys, self.source, self.size, self.block = keys, source, len(rows), block
         self.rows = staging.tensor(rows, device)
         lengths = [n + len(extra) for _, n, extra in spans]
         starts = {s for s, _, _ in spans}
@@ -52,8 +173,7 @@ class RowGroup:
                 index[i, :n] = torch.arange(s, s + n)
                 index[i, n:n + len(extra)] = torch.tensor(extra, dtype=torch.long)
             self.gather = staging.to_device(index.flatten(), device)
-        seen = torch.arange(keys)[None, :] < torch.tensor(lengths)[:, None]
-        self.mask = staging.to_device(torch.zeros(len(rows), 1, 1, keys).masked_fill_(~seen[:, None, None, :], float("-inf")), device)
+        self.mask = staging.to_device(_mask(torch.tensor(lengths), keys)[:, None, None], device)
 
     def kv(self, layer: int, wide: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
         """[rows, keys, 2, kv_heads, head_dim] in fp32: each row's (padded) keys and values (``wide``:
@@ -63,19 +183,37 @@ class RowGroup:
         rows = self.source[:, layer]
         return rows.index_select(0, self.gather).float().view(self.size, self.keys, *rows.shape[1:])
 
+    def __call__(self, q32: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor], gqa: bool) -> torch.Tensor:
+        return attend_rows(q32.index_select(0, self.rows), self.kv(layer, wide), self.mask, self.block, gqa)
+
+
+class RunCall:
+    """One call of a run (``run_calls``): ``size`` consecutive rows of a forward from ``first``,
+    against the first ``keys`` rows of one view."""
+
+    def __init__(self, source: torch.Tensor, base: int, first: int, mask: torch.Tensor, size: int,
+                 device: torch.device) -> None:
+        self.source, self.start, self.first, self.size, self.keys = source, base, first, size, mask.shape[-1]
+        self.rows = staging.tensor(range(first, first + size), device)
+        self.mask = staging.to_device(mask, device)
+
+    def __call__(self, q32: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor], gqa: bool) -> torch.Tensor:
+        return attend_run(q32[self.first:self.first + self.size], wide[id(self.source), self.start][:self.keys], self.mask, gqa)
+
 
 class RowPlan:
     """A batch-invariant forward's attention: where each sequence's new KV goes and each window's
-    row groups (built once per forward)."""
+    row groups and run calls (built once per forward). ``block``: the fewest rows of a query block
+    where runs attend as matrix products (``run_block`` on the model's shapes); None: row by row."""
 
     def __init__(self, caches: list[KVCache], lengths: list[int], trees: list, starts: list[int],
-                 windows: set[int | None], device: torch.device) -> None:
-        self.device = device
+                 windows: set[int | None], device: torch.device, block: int | None = None) -> None:
+        self.device, self.block = device, block
         self._seqs = []
         sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for i, (cache, n, tree) in enumerate(zip(caches, lengths, trees)):
             past = cache.length
-            reach = padded(past + n)  # (its keys are read up to here: rows past its end must be finite)
+            reach = problem_keys(past + n, block is not None)  # (its keys are read up to here: rows past its end must be finite)
             cache.reserve(reach)
             source, base = (cache.arena.chunk(cache.lease), cache.lease.base) if cache.lease is not None else (cache.buf, 0)
             with torch.inference_mode():
@@ -96,13 +234,19 @@ class RowPlan:
         for w, groups in self.groups.items():
             views = self.views[w] = {}
             for g in groups:
-                if g.gather is None:
+                if isinstance(g, RunCall) or g.gather is None:
                     key = (id(g.source), g.start)
                     views[key] = (g.source, g.start, max(g.keys, views.get(key, (None, 0, 0))[2]))
 
-    def _groups(self, window: int | None) -> list[RowGroup]:
+    def _groups(self, window: int | None) -> list[RowGroup | RunCall]:
         by_size: dict[tuple[int, int], list] = defaultdict(list)
+        calls: list[RowGroup | RunCall] = []
         for source, base, past, n, tree, start in self._seqs:
+            plain = tree is None or all(tree.sees[j] == list(range(j + 1)) for j in range(n))
+            if self.block and n > 1 and plain and (window is None or past + n <= window):
+                calls.extend(RunCall(source, base, start + a, mask, rows, self.device)
+                             for a, rows, mask in run_calls(past, n, self.block))
+                continue
             for j in range(n):
                 pos = past + (tree.depth[j] if tree else j)
                 begin = max(0, pos + 1 - window) if window else 0
@@ -110,8 +254,8 @@ class RowPlan:
                     span = (base + begin, pos + 1 - begin, [])
                 else:  # the cached prefix, then its path's rows
                     span = (base + begin, max(0, past - begin), [base + s for s in tree.path_slots(j, past, begin)])
-                by_size[id(source), padded(span[1] + len(span[2]))].append((start + j, span, base + past + j, source, base))
-        groups = []
+                by_size[id(source), problem_keys(span[1] + len(span[2]), self.block is not None)].append((start + j, span, base + past + j, source, base))
+        block = self.block or 1  # (a row's query block: as in a run's calls, or alone)
         for (_, keys), members in by_size.items():
             # a sequence with several rows of this size that read one run of its slots from its start
             # (a verify block, a prefill chunk) reads one view for them; the other rows (one per
@@ -122,26 +266,21 @@ class RowPlan:
             rest = [m for base, run in runs.items() if base < 0 or len(run) == 1 for m in run]
             for part in [run for base, run in runs.items() if base >= 0 and len(run) > 1] + ([rest] if rest else []):
                 bases = {m[4] for m in part}
-                groups.append(RowGroup([m[0] for m in part], keys, part[0][3], [m[1] for m in part],
-                                       [m[2] for m in part], bases.pop() if len(bases) == 1 else None, self.device))
-        return groups
+                calls.append(RowGroup([m[0] for m in part], keys, part[0][3], [m[1] for m in part],
+                                      [m[2] for m in part], bases.pop() if len(bases) == 1 else None, block, self.device))
+        return calls
 
 
 def attend(plan: RowPlan, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            heads: int, kv_heads: int) -> torch.Tensor:
     """The batch-invariant attention of every row of a forward at ``layer``: the new KV written,
-    then one fp32 call per row group. Returns [rows, heads * head_dim] in ``q``'s dtype."""
+    then one fp32 call per row group or run call. Returns [rows, heads * head_dim] in ``q``'s dtype."""
     new = torch.stack((k, v), 1)
     for source, slots, rows in plan.writes:
         source[:, layer].index_copy_(0, slots, new if rows is None else new.index_select(0, rows))
     q32 = q.float()
-    hd = q.shape[-1]
-    out = q32.new_empty(plan.total, heads * hd)
+    out = q32.new_empty(plan.total, heads * q.shape[-1])
     wide = {key: source[start:start + keys, layer].float() for key, (source, start, keys) in plan.views[window].items()}
     for g in plan.groups[window]:
-        kv = g.kv(layer, wide)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q32.index_select(0, g.rows)[:, :, None], kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),
-            attn_mask=g.mask, enable_gqa=heads != kv_heads)
-        out.index_copy_(0, g.rows, o.reshape(g.size, heads * hd))
+        out.index_copy_(0, g.rows, g(q32, layer, wide, heads != kv_heads))
     return out.to(q.dtype)

@@ -1,0 +1,92 @@
+"""Batch-invariant runs: a long prefill's and a verify block's rows attend as matrix products
+(``models.rows``), and every position keeps the bits plain decoding gives it, however the prompt
+is chunked, across the kernel's 256-key halves and 512-key blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from nebula_flow.models import rows
+from nebula_flow.models.loader import load_model
+
+
+@pytest.fixture(scope="module", params=[64, 128], ids=["64-wide-heads", "128-wide-heads"])
+def long_checkpoint(request, tmp_path_factory):  # noqa: ANN001, ANN201
+    """Random weights with head sizes whose kernels need query blocks of 3 and of 6 rows."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=256 // request.param, num_key_value_heads=1, max_position_embeddings=2048)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp(f"long{request.param}")
+    hf.save_pretrained(path)
+    return path
+
+
+def _ids(n: int) -> list[int]:
+    return torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_long_prompts_positions_keep_their_bits_however_it_is_computed(long_checkpoint, dtype: str) -> None:  # noqa: ANN001
+    model = load_model(long_checkpoint, dtype=dtype, batch_invariant=True)
+    ids = _ids(1100)  # (calls of 256 rows; keys past the 256-key half and the 512-key block)
+    whole = model([model.new_cache()], [ids], [len(ids)])[0]
+
+    cache, at, chunks = model.new_cache(), 0, []
+    for n in (1, 2, 250, 9, 258, 33, 1, 300, 246):  # awkward chunks: 1- and 2-row blocks, calls crossing 512 keys
+        chunks.append(model([cache], [ids[at:at + n]], [n])[0])
+        at += n
+    assert at == len(ids)
+    assert torch.equal(torch.cat(chunks), whole), f"a chunked prefill's logits differ from one prefill's in {dtype}"
+
+    for first in (250, 505, 770):  # decoding across 256 (a half), 512 (a block) and 768 keys
+        cache = model.new_cache()
+        model([cache], [ids[:first]], [1])
+        decoded = torch.cat([model([cache], [[t]], [1])[0] for t in ids[first:first + 12]])
+        assert torch.equal(decoded, whole[first:first + 12]), f"decoding from {first} differs from the prefill in {dtype}"
+
+    cache, other = model.new_cache(), model.new_cache()  # a verify block beside another sequence's decode
+    model([cache, other], [ids[:1020], ids[:300]], [1, 1])
+    block = model([other, cache], [ids[300:301], ids[1020:1026]], [1, 6])[1]
+    assert torch.equal(block, whole[1020:1026]), f"a verify block in a batch differs from the prefill in {dtype}"
+
+
+def test_runs_attend_as_matrix_products_here_and_row_by_row_when_the_probe_refuses(long_checkpoint) -> None:  # noqa: ANN001
+    """The model reports how it attends; the bits hold whichever it is."""
+    model = load_model(long_checkpoint, dtype="bfloat16", batch_invariant=True)
+    assert model.invariance["attention"] == ("row by row" if model.run_block is None else
+                                             f"prefills and verify blocks as matrix products, query blocks of >= "
+                                             f"{model.run_block} rows")
+    model.run_block = None  # (as where no block size keeps the bits)
+    ids = _ids(300)
+    row_by_row = model([model.new_cache()], [ids], [300])[0]
+    cache = model.new_cache()
+    model([cache], [ids[:290]], [1])
+    assert torch.equal(torch.cat([model([cache], [[t]], [1])[0] for t in ids[290:]]), row_by_row[290:])
+
+
+def test_the_probe_finds_the_fewest_rows_a_query_block_needs(monkeypatch) -> None:
+    """A kernel that rounds blocks of fewer than 4 query rows another way gets blocks of 4; one
+    that rounds calls of many rows another way gets no runs at all."""
+    kernel = F.scaled_dot_product_attention
+
+    def small_blocks_round_apart(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+        out = kernel(q, *args, **kwargs)
+        return out * (1 + 2 ** -20) if q.shape[-2] % rows.BUCKET in (1, 2, 3) else out
+
+    def long_calls_round_apart(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+        out = kernel(q, *args, **kwargs)
+        return out * (1 + 2 ** -20) if q.shape[-2] > 100 else out
+
+    probe = rows.run_block.__wrapped__
+    monkeypatch.setattr(rows.F, "scaled_dot_product_attention", small_blocks_round_apart)
+    assert probe(4, 2, 16) == 4
+    monkeypatch.setattr(rows.F, "scaled_dot_product_attention", long_calls_round_apart)
+    assert probe(4, 2, 16) is None
