@@ -36,7 +36,7 @@ def _ids(n: int) -> list[int]:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_long_prompts_positions_keep_their_bits_however_it_is_computed(long_checkpoint, dtype: str) -> None:  # noqa: ANN001
     model = load_model(long_checkpoint, dtype=dtype, batch_invariant=True)
-    ids = _ids(1100)  # (calls of 256 rows; keys past the 256-key half and the 512-key block)
+    ids = _ids(1100)  # (calls of 256 rows, calls cut at 384 keys and each 32 after, keys past 512)
     whole = model([model.new_cache()], [ids], [len(ids)])[0]
 
     cache, at, chunks = model.new_cache(), 0, []

@@ -13,20 +13,25 @@ a one-row fp32 call was ~5x faster than a bf16 one, and it is more exact).
 
 Runs: a prefill's or a verify block's rows (one sequence's rows whose keys run from its first
 slot) attend as matrix products, in calls of up to ``RUN_ROWS`` query rows against the keys of the
-call's last row, masked per row. Posed one row at a time, a 2,048-token prefill's attention was
-~6x HF's time on a CPU (GEMV shaped, at a few GFLOP/s). A row keeps its bits in a run because of
-what torch's CPU kernel does with shapes (measured with torch 2.13 on AVX-512):
+call's last row (padded), masked per row. Posed one row at a time, a 2,048-token prefill's
+attention was ~6x HF's time on a CPU (GEMV shaped, at a few GFLOP/s). A row keeps its bits in a
+run because of what torch's CPU kernel does with shapes (measured with torch 2.13 on AVX-512):
 
 * it gives a row the same bits in any query block of at least 3 rows (6 for 128-wide heads);
   blocks of 1 or 2 rows, and the 256-row blocks of a call of 768 rows or more, round otherwise;
 * masked keys past a row's own add nothing, except that the kernel takes keys in blocks of 512
-  and sums a block of more than 384 keys in two halves.
+  and sums a block of more than 384 keys in two halves (where they meet depends on the block's
+  size).
 
-So every call gives each row a query block of at least ``block`` rows (a lone row, or a call's
-last short block, is padded with zero queries), and a row whose last key is in the second half of
-a 512-key block has the whole block in its problem (``problem_keys``). :func:`run_block` finds the
-block size for the model's shapes at load and checks all of this; where no size keeps the bits,
-runs attend row by row (``RowPlan(block=None)``).
+So every call gives each row a query block of at least ``block`` rows (a row alone, with the heads
+that share its KV head, is padded with zero queries where they are fewer; a call's last short
+block too), and run calls are cut where a row's own problem would sum its last block otherwise
+(``_next_cut``): a row whose last key is in the first 384 of a 512-key block is in a call whose
+keys end there too (one pass, as in its problem); a row past them is in a call of its own
+``BUCKET`` of keys (the same block size, so the same halves) or one that fills its block (two
+halves of 256, as in its problem, which fills it too). :func:`run_block` finds the block size for
+the model's shapes at load and checks all of this; where no size keeps the bits, runs attend row
+by row (``RowPlan(block=None)``).
 
 Rows of one sequence whose keys start at its first slot read one view of its cache (no copy; the
 padding past the sequence's end is zeroed once per forward so masked keys are finite); the other
@@ -48,22 +53,22 @@ from nebula_flow.models import staging
 BUCKET = 32  # a row's keys are padded to a multiple of this (its problem's size)
 RUN_ROWS = 256  # query rows per call of a run (measured: fewer masked keys than with 512, as fast as 128)
 BLOCKS = range(2, 9)  # the query block sizes ``run_block`` tries (torch blocks a call's rows by 32 or 64)
-KEY_BLOCK = 512  # torch's kernel takes keys in blocks of 512, and sums a block of over 384 keys in two halves
+KEY_BLOCK = 512  # torch's kernel takes keys in blocks of this many
+WHOLE = 384  # the most keys of a block it sums in one pass (more: in two halves)
 
 
 def padded(keys: int) -> int:
     return -(-keys // BUCKET) * BUCKET
 
 
-def problem_keys(keys: int, runs: bool) -> int:
-    """The keys of the problem of a row that sees ``keys`` keys. Row by row: ``keys`` padded to a
-    multiple of ``BUCKET``. Where runs attend as matrix products, a row whose last key is in the
-    second half of a ``KEY_BLOCK`` gets the whole block: in a call that gives its block all 512
-    keys, the kernel sums them in two halves, and the row's problem must sum them so too (a block
-    that ends in its first half is summed whole either way: the second half adds zeros)."""
-    if runs and (keys - 1) % KEY_BLOCK >= KEY_BLOCK // 2:
-        return -(-keys // KEY_BLOCK) * KEY_BLOCK
-    return padded(keys)
+def _next_cut(position: int) -> int:
+    """The first position after ``position`` where a run's call must end: the end of a block's
+    first ``WHOLE`` keys, then each ``BUCKET`` of keys after them, up to the next block's ``WHOLE``."""
+    base, into = divmod(position, KEY_BLOCK)
+    if into < WHOLE:
+        return base * KEY_BLOCK + WHOLE
+    nxt = (into // BUCKET + 1) * BUCKET
+    return base * KEY_BLOCK + (nxt if nxt < KEY_BLOCK else KEY_BLOCK + WHOLE)
 
 
 def _short_block(rows: int, block: int) -> int:
@@ -78,17 +83,20 @@ def _mask(sees: torch.Tensor, keys: int) -> torch.Tensor:
     return torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
 
 
-def attend_rows(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, block: int, gqa: bool) -> torch.Tensor:
+def attend_rows(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, block: int) -> torch.Tensor:
     """Rows as problems of their own: ``q`` [rows, heads, head_dim] fp32 against ``kv`` [rows, keys,
-    2, kv_heads, head_dim] with ``mask`` [rows, 1, 1, keys], each row in a query block of ``block``
-    rows (itself and zero rows). Returns [rows, heads * head_dim]."""
-    q = q[:, :, None]
-    if block > 1:
-        q = torch.cat((q, q.new_zeros(q.shape[0], q.shape[1], block - 1, q.shape[3])), 2)
-        mask = mask.expand(-1, -1, block, -1)
+    2, kv_heads, head_dim] with ``mask`` [rows, 1, 1, keys]. A row is one query, so the heads that
+    share a KV head see the same keys: they are one query block, padded with zero queries to
+    ``block`` rows where fewer. Returns [rows, heads * head_dim]."""
+    rows, heads, head_dim = q.shape
+    kv_heads = kv.shape[3]
+    group = heads // kv_heads
+    q = q.view(rows, kv_heads, group, head_dim)
+    if group < block:
+        q = torch.cat((q, q.new_zeros(rows, kv_heads, block - group, head_dim)), 2)
     o = F.scaled_dot_product_attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),
-                                       attn_mask=mask, enable_gqa=gqa)
-    return o[:, :, 0].reshape(q.shape[0], -1)
+                                       attn_mask=mask.expand(-1, -1, q.shape[2], -1))
+    return o[:, :, :group].reshape(rows, heads * head_dim)
 
 
 def attend_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
@@ -107,12 +115,13 @@ def attend_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, gqa: bool)
 
 def run_calls(past: int, n: int, block: int) -> list[tuple[int, int, torch.Tensor]]:
     """A run of ``n`` new rows after ``past`` cached ones, as calls (first row, rows, mask) whose
-    query blocks have ``block`` rows or more."""
-    calls = []
-    for a in range(0, n, RUN_ROWS):
-        rows = min(RUN_ROWS, n - a)
+    query blocks have ``block`` rows or more, cut at ``_next_cut``."""
+    calls, a = [], 0
+    while a < n:
+        rows = min(RUN_ROWS, n - a, _next_cut(past + a) - past - a)
         sees = past + a + 1 + torch.arange(rows + _short_block(rows, block)).clamp_(max=rows - 1)
-        calls.append((a, rows, _mask(sees, problem_keys(past + a + rows, True))[None, None]))
+        calls.append((a, rows, _mask(sees, padded(past + a + rows))[None, None]))
+        a += rows
     return calls
 
 
@@ -132,7 +141,7 @@ def runs_keep_row_bits(heads: int, kv_heads: int, head_dim: int, block: int, dev
     these shapes: prefills whose calls end in short blocks or cross 512 keys, verify blocks after
     a cached prefix."""
     gen = torch.Generator().manual_seed(0)
-    n = KEY_BLOCK + 212  # (calls of up to RUN_ROWS rows, and keys past 512)
+    n = KEY_BLOCK + 212  # (calls of RUN_ROWS rows, cut calls, and keys past 512)
     q = staging.to_device(3 * torch.randn(n, heads, head_dim, generator=gen), device)
     kv = torch.randn(KEY_BLOCK * 2, 2, kv_heads, head_dim, generator=gen) * torch.tensor([3.0, 1.0])[:, None, None]
     kv = staging.to_device(kv, device)
@@ -140,13 +149,13 @@ def runs_keep_row_bits(heads: int, kv_heads: int, head_dim: int, block: int, dev
     alone = q.new_empty(n, heads * head_dim)
     by_keys: dict[int, list[int]] = defaultdict(list)
     for p in range(n):
-        by_keys[problem_keys(p + 1, True)].append(p)
+        by_keys[padded(p + 1)].append(p)
     for keys, at in by_keys.items():
         at = torch.tensor(at)
         mask = staging.to_device(_mask(at + 1, keys)[:, None, None], device)
-        alone[at] = attend_rows(q[at], kv[:keys].expand(len(at), -1, -1, -1, -1), mask, block, gqa)
-    for past, rows in ((0, n), (0, 2), (0, 33), (0, 34), (0, 35), (37, 5), (600, 67), (90, 200), (n - 300, 300),
-                       (n - 9, 9)):
+        alone[at] = attend_rows(q[at], kv[:keys].expand(len(at), -1, -1, -1, -1), mask, block)
+    for past, rows in ((0, n), (0, 2), (0, 33), (0, 34), (0, 35), (37, 5), (600, 67), (90, 200), (300, 150),
+                       (n - 300, 300), (n - 9, 9)):
         for a, m, mask in run_calls(past, rows, block):
             got = attend_run(q[past + a:past + a + m], kv[:mask.shape[-1]], staging.to_device(mask, device), gqa)
             if not torch.equal(got, alone[past + a:past + a + m]):
@@ -184,7 +193,7 @@ class RowGroup:
         return rows.index_select(0, self.gather).float().view(self.size, self.keys, *rows.shape[1:])
 
     def __call__(self, q32: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor], gqa: bool) -> torch.Tensor:
-        return attend_rows(q32.index_select(0, self.rows), self.kv(layer, wide), self.mask, self.block, gqa)
+        return attend_rows(q32.index_select(0, self.rows), self.kv(layer, wide), self.mask, self.block)
 
 
 class RunCall:
@@ -213,7 +222,7 @@ class RowPlan:
         sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for i, (cache, n, tree) in enumerate(zip(caches, lengths, trees)):
             past = cache.length
-            reach = problem_keys(past + n, block is not None)  # (its keys are read up to here: rows past its end must be finite)
+            reach = padded(past + n)  # (its keys are read up to here: rows past its end must be finite)
             cache.reserve(reach)
             source, base = (cache.arena.chunk(cache.lease), cache.lease.base) if cache.lease is not None else (cache.buf, 0)
             with torch.inference_mode():
@@ -254,7 +263,7 @@ class RowPlan:
                     span = (base + begin, pos + 1 - begin, [])
                 else:  # the cached prefix, then its path's rows
                     span = (base + begin, max(0, past - begin), [base + s for s in tree.path_slots(j, past, begin)])
-                by_size[id(source), problem_keys(span[1] + len(span[2]), self.block is not None)].append((start + j, span, base + past + j, source, base))
+                by_size[id(source), padded(span[1] + len(span[2]))].append((start + j, span, base + past + j, source, base))
         block = self.block or 1  # (a row's query block: as in a run's calls, or alone)
         for (_, keys), members in by_size.items():
             # a sequence with several rows of this size that read one run of its slots from its start
