@@ -186,7 +186,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if batch.rows is not None:  # batch-invariant: each row its own problem (``models.rows``)
-            return self.o_proj(attend_rows(batch.rows, self.layer, self.window, q, k, v, heads, cfg.num_kv_heads))
+            return self.o_proj(attend_rows(batch.rows, self.layer, self.window, q, k, v))
         plans = batch.plans
         if len(plans) == 1 and plans[0].rows is None:  # (every sequence in one plan)
             return self.o_proj(self._attend(plans[0], q, k, v))

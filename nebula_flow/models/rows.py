@@ -99,7 +99,7 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, block: in
     return o[:, :, :group].reshape(rows, heads * head_dim)
 
 
-def attend_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
+def attend_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A run's call: ``q`` [rows, heads, head_dim] fp32, ``kv`` [keys, 2, kv_heads, head_dim], ``mask``
     [1, 1, rows + pad, keys] (``_short_block``'s zero rows after them, which see the last row's keys).
     Returns [rows, heads * head_dim]."""
@@ -109,7 +109,7 @@ def attend_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, gqa: bool)
     if pad:
         q = torch.cat((q, q.new_zeros(1, q.shape[1], pad, q.shape[3])), 2)
     o = F.scaled_dot_product_attention(q, kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None],
-                                       attn_mask=mask, enable_gqa=gqa)
+                                       attn_mask=mask, enable_gqa=q.shape[1] != kv.shape[2])
     return o[0, :, :rows].transpose(0, 1).reshape(rows, -1)
 
 
@@ -145,7 +145,6 @@ def runs_keep_row_bits(heads: int, kv_heads: int, head_dim: int, block: int, dev
     q = staging.to_device(3 * torch.randn(n, heads, head_dim, generator=gen), device)
     kv = torch.randn(KEY_BLOCK * 2, 2, kv_heads, head_dim, generator=gen) * torch.tensor([3.0, 1.0])[:, None, None]
     kv = staging.to_device(kv, device)
-    gqa = heads != kv_heads
     alone = q.new_empty(n, heads * head_dim)
     by_keys: dict[int, list[int]] = defaultdict(list)
     for p in range(n):
@@ -157,7 +156,7 @@ def runs_keep_row_bits(heads: int, kv_heads: int, head_dim: int, block: int, dev
     for past, rows in ((0, n), (0, 2), (0, 33), (0, 34), (0, 35), (37, 5), (600, 67), (90, 200), (300, 150),
                        (n - 300, 300), (n - 9, 9)):
         for a, m, mask in run_calls(past, rows, block):
-            got = attend_run(q[past + a:past + a + m], kv[:mask.shape[-1]], staging.to_device(mask, device), gqa)
+            got = attend_run(q[past + a:past + a + m], kv[:mask.shape[-1]], staging.to_device(mask, device))
             if not torch.equal(got, alone[past + a:past + a + m]):
                 return False
     return True
@@ -192,7 +191,7 @@ class RowGroup:
         rows = self.source[:, layer]
         return rows.index_select(0, self.gather).float().view(self.size, self.keys, *rows.shape[1:])
 
-    def __call__(self, q32: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor], gqa: bool) -> torch.Tensor:
+    def __call__(self, q32: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
         return attend_rows(q32.index_select(0, self.rows), self.kv(layer, wide), self.mask, self.block)
 
 
@@ -206,8 +205,8 @@ class RunCall:
         self.rows = staging.tensor(range(first, first + size), device)
         self.mask = staging.to_device(mask, device)
 
-    def __call__(self, q32: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor], gqa: bool) -> torch.Tensor:
-        return attend_run(q32[self.first:self.first + self.size], wide[id(self.source), self.start][:self.keys], self.mask, gqa)
+    def __call__(self, q32: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+        return attend_run(q32[self.first:self.first + self.size], wide[id(self.source), self.start][:self.keys], self.mask)
 
 
 class RowPlan:
@@ -280,16 +279,17 @@ class RowPlan:
         return calls
 
 
-def attend(plan: RowPlan, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           heads: int, kv_heads: int) -> torch.Tensor:
-    """The batch-invariant attention of every row of a forward at ``layer``: the new KV written,
-    then one fp32 call per row group or run call. Returns [rows, heads * head_dim] in ``q``'s dtype."""
+def attend(plan: RowPlan, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor) -> torch.Tensor:
+    """The batch-invariant attention of every row of a forward at ``layer`` (``q`` [rows, heads,
+    head_dim]; ``k``, ``v`` [rows, kv_heads, head_dim]): the new KV written, then one fp32 call per
+    row group or run call. Returns [rows, heads * head_dim] in ``q``'s dtype."""
     new = torch.stack((k, v), 1)
     for source, slots, rows in plan.writes:
         source[:, layer].index_copy_(0, slots, new if rows is None else new.index_select(0, rows))
     q32 = q.float()
-    out = q32.new_empty(plan.total, heads * q.shape[-1])
+    out = q32.new_empty(plan.total, q.shape[1] * q.shape[2])
     wide = {key: source[start:start + keys, layer].float() for key, (source, start, keys) in plan.views[window].items()}
     for g in plan.groups[window]:
-        out.index_copy_(0, g.rows, g(q32, layer, wide, heads != kv_heads))
+        out.index_copy_(0, g.rows, g(q32, layer, wide))
     return out.to(q.dtype)
