@@ -21,7 +21,10 @@ Temperature, top-k and top-p then apply to the penalized logits. In a verify the
 (or a token tree) each see the committed tokens plus the tree's tokens on the path to them, so
 every row is penalized exactly as the row a plain decode would compute at that position: greedy
 output is the penalized greedy output, and speculative sampling follows the penalized
-distribution exactly (the draft's proposal may be anything). Pure: torch and numpy only.
+distribution exactly (the draft's proposal may be anything). Where the rules together leave no id
+(allowed_token_ids that a grammar, bad_words or min_tokens rule out), the row raises
+``NoTokenAllowed``: the request fails with that error (a greedy pick would take id 0 against every
+rule, a sampled one would draw from NaN). Pure: torch and numpy only.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ import numpy as np
 import torch
 
 from nebula_flow.params import SamplingParams
+
+
+class NoTokenAllowed(ValueError):
+    """A row in which a request's rules leave no token: its output cannot go on."""
 
 
 class Penalties:
@@ -108,4 +115,8 @@ class Penalties:
                 self._barred = torch.ones(vocab, dtype=torch.bool, device=out.device)
                 self._barred[self.allowed[self.allowed < vocab].to(out.device)] = False
             out.masked_fill_(self._barred, float("-inf"))
+        if bool(torch.isneginf(out).all()):
+            raise NoTokenAllowed(f"no token is allowed at output token {self.output_len + len(path) + 1}: this "
+                                 "request's allowed_token_ids, bad_words, min_tokens and grammar together rule out "
+                                 "every id")
         return out

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nebula_flow.params import InvalidParams, SamplingParams
-from nebula_flow.penalties import Penalties
+from nebula_flow.penalties import NoTokenAllowed, Penalties
 
 
 def test_defaults_are_greedy_and_valid() -> None:
@@ -79,6 +79,19 @@ def test_allowed_token_ids_travel_as_a_list_and_bar_every_other_id() -> None:
     assert p.to_wire()["allowed_token_ids"] == [3, 9, 3] and SamplingParams.from_wire(p.to_wire()) == p and p.penalized
     row = Penalties(p, np.array([1, 2]), 2).row(torch.arange(12, dtype=torch.float32), [])
     assert torch.isfinite(row).nonzero().flatten().tolist() == [3, 9] and row[9] == 9.0
+
+
+def test_rules_that_leave_no_token_raise_rather_than_pick_a_barred_one() -> None:
+    """allowed_token_ids that bad_words or min_tokens rule out leave a row of -inf, whose argmax is
+    id 0 (barred) and whose softmax is NaN: the row says so instead; one id left is enough."""
+    barred_word = SamplingParams(allowed_token_ids=(4,), bad_word_ids=((4,),))
+    only_eos = SamplingParams(allowed_token_ids=(2,), min_tokens=3)
+    with pytest.raises(NoTokenAllowed, match="no token is allowed at output token 1"):
+        Penalties(barred_word, np.array([1, 2]), 2).row(torch.zeros(12), [])
+    with pytest.raises(NoTokenAllowed, match="output token 3"):  # (the path counts: the row after a drafted token)
+        Penalties(only_eos, np.array([1, 5, 7]), 2, suppress=[2]).row(torch.zeros(12), [7])
+    row = Penalties(only_eos, np.array([1, 5, 7, 7, 7]), 2, suppress=[2]).row(torch.zeros(12), [])  # (3 made: EOS ends it)
+    assert torch.isfinite(row).nonzero().flatten().tolist() == [2]
 
 
 def test_a_bad_words_last_token_is_barred_after_the_rest_of_it_in_the_output() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from click.testing import CliRunner
 
 from nebula_flow import protocol
 from nebula_flow.cli import main
-from nebula_flow.client import Chunk, Client, Completion, RequestError, RequestTimeout
+from nebula_flow.client import AsyncClient, Chunk, Client, Completion, RequestError, RequestTimeout
 from nebula_flow.deploy import Deployment, free_port
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.protocol import (
@@ -110,6 +111,27 @@ def test_bad_requests_get_clear_errors(live, kwargs: dict, code: str) -> None:  
             c.generate(**kwargs)
         assert err.value.code == code
         assert c.generate("still fine", max_new_tokens=3).token_ids  # and the service goes on
+
+
+def test_rules_that_leave_no_token_fail_their_request_alone(live) -> None:  # noqa: ANN001
+    """allowed_token_ids whose one id a bad word bars ("ith" is the tiny pair's token 445): no token
+    is left for the first output token. Greedy used to take id 0 against every rule, sampling to
+    draw from NaN; the request now fails with an error that says why, and a request sent beside it
+    is unharmed. (Rules that leave nothing plainly, as only EOS allowed under min_tokens, the broker
+    refuses before they run.)"""
+    allowed = list(range(40, 90))
+
+    async def side_by_side(extra: dict) -> list:
+        async with AsyncClient(live.address) as ac:
+            return await asyncio.gather(
+                ac.generate(token_ids=[5, 6, 7], max_new_tokens=5, allowed_token_ids=[445], bad_words=["ith"], **extra),
+                ac.generate(token_ids=[5, 6, 7], max_new_tokens=5, allowed_token_ids=allowed, **extra),
+                return_exceptions=True)
+
+    for extra in ({}, {"temperature": 0.9, "seed": 1}):
+        doomed, fine = asyncio.run(side_by_side(extra))
+        assert isinstance(doomed, RequestError) and "no token is allowed at output token 1" in str(doomed), doomed
+        assert len(fine.token_ids) == 5 and set(fine.token_ids) <= set(allowed)
 
 
 def test_a_subnormal_temperature_gets_a_clear_error_and_harms_no_other_request(live) -> None:  # noqa: ANN001
