@@ -162,6 +162,11 @@ def runs_keep_row_bits(heads: int, kv_heads: int, head_dim: int, block: int, dev
     return True
 
 
+def _in_order(tree, j: int) -> bool:  # noqa: ANN001 - a models.batch TreeRows or None
+    """Whether row ``j`` of a sequence (of its token ``tree``, if any) sees exactly the rows before it."""
+    return tree is None or tree.sees[j] == list(range(j + 1))
+
+
 class RowGroup:
     """Rows whose problems have ``keys`` padded keys and one source of KV rows, in one call."""
 
@@ -250,15 +255,15 @@ class RowPlan:
         by_size: dict[tuple[int, int], list] = defaultdict(list)
         calls: list[RowGroup | RunCall] = []
         for source, base, past, n, tree, start in self._seqs:
-            plain = tree is None or all(tree.sees[j] == list(range(j + 1)) for j in range(n))
-            if self.block and n > 1 and plain and (window is None or past + n <= window):
+            if self.block and n > 1 and (window is None or past + n <= window) and all(
+                    _in_order(tree, j) for j in range(n)):
                 calls.extend(RunCall(source, base, start + a, mask, rows, self.device)
                              for a, rows, mask in run_calls(past, n, self.block))
                 continue
             for j in range(n):
                 pos = past + (tree.depth[j] if tree else j)
                 begin = max(0, pos + 1 - window) if window else 0
-                if tree is None or tree.sees[j] == list(range(j + 1)):  # its keys: one run of slots
+                if _in_order(tree, j):  # its keys: one run of slots
                     span = (base + begin, pos + 1 - begin, [])
                 else:  # the cached prefix, then its path's rows
                     span = (base + begin, max(0, past - begin), [base + s for s in tree.path_slots(j, past, begin)])
