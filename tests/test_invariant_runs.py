@@ -63,7 +63,7 @@ def test_runs_attend_as_matrix_products_here_and_row_by_row_when_the_probe_refus
     model = load_model(long_checkpoint, dtype="bfloat16", batch_invariant=True)
     assert model.invariance["attention"] == ("row by row" if model.run_block is None else
                                              f"prefills and verify blocks as matrix products, query blocks of >= "
-                                             f"{model.run_block} rows")
+                                             f"{model.run_block} rows") + f", in {str(model.attention_dtype)[6:]}"
     model.run_block = None  # (as where no block size keeps the bits)
     ids = _ids(300)
     row_by_row = model([model.new_cache()], [ids], [300])[0]
@@ -90,3 +90,37 @@ def test_the_probe_finds_the_fewest_rows_a_query_block_needs(monkeypatch) -> Non
     assert probe(4, 2, 16) == 4
     monkeypatch.setattr(rows.F, "scaled_dot_product_attention", long_calls_round_apart)
     assert probe(4, 2, 16) is None
+
+
+def test_in_bf16_the_probe_sees_a_sum_made_in_another_order(monkeypatch) -> None:
+    """bf16's rounding of the output hides most sums made in another order; the probe's inputs
+    whose sums cancel show them: a kernel that adds a small block's first two keys the other way
+    round gets blocks of 4. (Here the random inputs alone pass that kernel with blocks of 2.)"""
+    kernel = F.scaled_dot_product_attention
+
+    def small_blocks_sum_apart(q, k, v, attn_mask=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        if q.shape[-2] % rows.BUCKET in (1, 2, 3):  # (the same sum, its first two terms swapped)
+            order = torch.arange(k.shape[-2])
+            order[:2] = torch.tensor([1, 0])
+            return kernel(q, k[..., order, :], v[..., order, :], attn_mask=attn_mask[..., order], **kwargs)
+        return kernel(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    probe = rows.run_block.__wrapped__
+    monkeypatch.setattr(rows.F, "scaled_dot_product_attention", small_blocks_sum_apart)
+    assert probe(4, 2, 16, "cpu", torch.bfloat16) == 4
+
+
+def test_rows_attend_in_fp32_where_bf16_calls_keep_no_rows_bits(monkeypatch) -> None:
+    kernel = F.scaled_dot_product_attention
+
+    def long_bf16_calls_round_apart(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+        out = kernel(q, *args, **kwargs)
+        return out * (1 + 2 ** -6) if q.dtype == torch.bfloat16 and q.shape[-2] > 100 else out
+
+    monkeypatch.setattr(rows.F, "scaled_dot_product_attention", long_bf16_calls_round_apart)
+    rows.run_block.cache_clear()
+    try:
+        assert rows.attention_rules(4, 2, 16, "cpu", torch.bfloat16) == (torch.float32, rows.run_block(4, 2, 16))
+        assert rows.attention_rules(4, 2, 16, "cpu", torch.float32)[0] == torch.float32
+    finally:
+        rows.run_block.cache_clear()  # (no probe made under the fake kernel outlives the test)

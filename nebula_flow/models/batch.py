@@ -152,9 +152,11 @@ class Batch:
 
     def __init__(self, caches: list[KVCache], lengths: list[int], parents: list[list[int] | None] | None,
                  device: torch.device, group: bool, invariant_windows: set[int | None] | None = None,
-                 flash: bool = False, invariant_block: int | None = None) -> None:
+                 flash: bool = False, invariant_block: int | None = None,
+                 invariant_dtype: torch.dtype = torch.float32) -> None:
         """``invariant_windows``: the model's layers' windows, for a batch-invariant model (every row
-        attends as its own problem, ``models.rows``; ``invariant_block``: its runs' query blocks);
+        attends as its own problem, ``models.rows``; ``invariant_block``: its runs' query blocks,
+        ``invariant_dtype``: the dtype they attend in);
         else ``group``: attend in one call where possible, through FlashAttention (``flash``) where
         it applies."""
         self.caches, self.lengths = caches, lengths
@@ -168,7 +170,7 @@ class Batch:
         self.apart = list(range(len(caches)))
         if invariant_windows is not None:
             self.rows, self.apart = RowPlan(caches, lengths, self.trees, self.starts, invariant_windows, device,
-                                              invariant_block), []
+                                              invariant_block, invariant_dtype), []
         elif group:
             self._group(device, flash)
 

@@ -25,7 +25,7 @@ from nebula_flow.models.batch import Batch, GroupPlan, TreeRows, attention_mask
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.flash import FlashPlan
 from nebula_flow.models.rows import attend as attend_rows
-from nebula_flow.models.rows import run_block
+from nebula_flow.models.rows import attention_rules
 
 
 class Linear(nn.Linear):
@@ -288,6 +288,7 @@ class CausalLM(nn.Module):
 
     batch_invariant = False
     run_block: int | None = None  # a batch-invariant model's runs' query blocks (``models.rows``)
+    attention_dtype = torch.float32  # and the dtype its rows attend in
     kv_arena: KVArena | None = None  # every cache of this model is a range of it (made with the first)
     group_attention = True  # one attention call per layer for the batch (``models.batch``); False: per sequence
     flash_attention: bool | None = None  # through FlashAttention-2 (``models.flash``); None: where it runs
@@ -367,9 +368,12 @@ class CausalLM(nn.Module):
                 m.row_plan = plans[key]
         self.batch_invariant = True
         cfg = self.cfg
-        self.run_block = run_block(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, str(self.lm_head.weight.device))
-        self.invariance = {"attention": "row by row" if self.run_block is None else
-                           f"prefills and verify blocks as matrix products, query blocks of >= {self.run_block} rows",
+        weight = self.lm_head.weight
+        self.attention_dtype, self.run_block = attention_rules(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                               str(weight.device), weight.dtype)
+        self.invariance = {"attention": ("row by row" if self.run_block is None else
+                                         f"prefills and verify blocks as matrix products, query blocks of >= {self.run_block} rows")
+                           + f", in {str(self.attention_dtype).removeprefix('torch.')}",
                            "linears": {"x".join(map(str, s[:2])) + (" packed" if s[2] else ""): f"<= {p.chunk} rows" + (
             f", above {p.exact} padded to a multiple of {p.multiple}" if p.multiple > 1 else "")
             for s, p in sorted(plans.items())}}
@@ -466,7 +470,7 @@ class CausalLM(nn.Module):
             return list(torch.split(logits, logit_rows))
         batch = Batch(caches, lengths, parents, device, group=self.group_attention,
                       invariant_windows=self.windows if self.batch_invariant else None, flash=self.uses_flash(),
-                      invariant_block=self.run_block)
+                      invariant_block=self.run_block, invariant_dtype=self.attention_dtype)
         ids = new_tokens.long() if on_device else staging.tensor([t for seq in new_tokens for t in seq], device, torch.long)
         # (positions and the picked rows made in Python, one tensor each: a few ops per sequence saved)
         positions = [c.length + d for c, n, tree in zip(caches, lengths, batch.trees)

@@ -8,8 +8,13 @@ path's rows, in that order) padded with masked keys up to a multiple of ``BUCKET
 depends on the row alone. Rows whose padded key counts are equal are then stacked as the batch
 dimension of one attention call: the CPU kernel computes each (row, head) of a batch on its own,
 with the same code whatever the batch's size or thread count (checked bit for bit by
-``tests/test_batch_invariant.py``), so stacking changes no bit. Attention runs in fp32 (on CPUs
-a one-row fp32 call was ~5x faster than a bf16 one, and it is more exact).
+``tests/test_batch_invariant.py``), so stacking changes no bit.
+
+Attention runs in the model's dtype where the probe (:func:`attention_rules`) finds that its
+kernel keeps these rules there (bf16 on CPUs: ~2.3x faster than fp32 in a prefill's calls, and
+faster for decode rows too, where each row's query block is its heads that share a KV head), else
+in fp32 (bf16 rounds what it sums, so its probe poses problems whose sums cancel: a kernel that
+summed in another order would show it).
 
 Runs: a prefill's or a verify block's rows (one sequence's rows whose keys run from its first
 slot) attend as matrix products, in calls of up to ``RUN_ROWS`` query rows against the keys of the
@@ -84,8 +89,8 @@ def _mask(sees: torch.Tensor, keys: int) -> torch.Tensor:
 
 
 def attend_rows(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, block: int) -> torch.Tensor:
-    """Rows as problems of their own: ``q`` [rows, heads, head_dim] fp32 against ``kv`` [rows, keys,
-    2, kv_heads, head_dim] with ``mask`` [rows, 1, 1, keys]. A row is one query, so the heads that
+    """Rows as problems of their own: ``q`` [rows, heads, head_dim] against ``kv`` [rows, keys,
+    2, kv_heads, head_dim] with ``mask`` [rows, 1, 1, keys] (all in the attention's dtype). A row is one query, so the heads that
     share a KV head see the same keys: they are one query block, padded with zero queries to
     ``block`` rows where fewer. Returns [rows, heads * head_dim]."""
     rows, heads, head_dim = q.shape
@@ -100,7 +105,7 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, block: in
 
 
 def attend_run(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A run's call: ``q`` [rows, heads, head_dim] fp32, ``kv`` [keys, 2, kv_heads, head_dim], ``mask``
+    """A run's call: ``q`` [rows, heads, head_dim], ``kv`` [keys, 2, kv_heads, head_dim], ``mask``
     [1, 1, rows + pad, keys] (``_short_block``'s zero rows after them, which see the last row's keys).
     Returns [rows, heads * head_dim]."""
     rows = q.shape[0]
@@ -125,40 +130,74 @@ def run_calls(past: int, n: int, block: int) -> list[tuple[int, int, torch.Tenso
     return calls
 
 
+REDUCED = (torch.bfloat16, torch.float16)
+
+
+def attention_rules(heads: int, kv_heads: int, head_dim: int, device: str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> tuple[torch.dtype, int | None]:
+    """The dtype a batch-invariant model's rows attend in, and its runs' query blocks (``run_block``;
+    None: row by row): the model's own ``dtype`` where runs keep the rows' bits in it, else fp32."""
+    if dtype in REDUCED and (block := run_block(heads, kv_heads, head_dim, device, dtype)) is not None:
+        return dtype, block
+    return torch.float32, run_block(heads, kv_heads, head_dim, device)
+
+
 @functools.cache
-def run_block(heads: int, kv_heads: int, head_dim: int, device: str = "cpu") -> int | None:
+def run_block(heads: int, kv_heads: int, head_dim: int, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> int | None:
     """The fewest rows (of ``BLOCKS``) a query block needs for runs to attend as matrix products
-    with these shapes and every row keeping the bits of its own problem; None: no such size, runs
-    attend row by row. (Measured on AVX-512 with torch 2.13: 3 rows for 64-wide heads, 6 for
-    128-wide: the kernel rounds blocks of fewer another way.)"""
-    return next((b for b in BLOCKS if runs_keep_row_bits(heads, kv_heads, head_dim, b, device)), None)
+    with these shapes in ``dtype`` and every row keeping the bits of its own problem; None: no such
+    size. (Measured on AVX-512 with torch 2.13: in fp32 3 rows for 64-wide heads, 6 for 128-wide;
+    in bf16 2 for both: the kernel rounds blocks of fewer another way.)"""
+    return next((b for b in BLOCKS if runs_keep_row_bits(heads, kv_heads, head_dim, b, device, dtype)), None)
+
+
+def _probe_inputs(heads: int, kv_heads: int, head_dim: int, n: int, dtype: torch.dtype) -> list[tuple]:
+    """(q, kv) pairs for ``runs_keep_row_bits``: random ones; in a reduced dtype, whose rounding of
+    the output hides a sum made in another order, also q = 0 (every weight exactly 1) over values
+    that cancel, and q = 1 over keys whose dot products cancel, so such a sum shows."""
+    gen = torch.Generator().manual_seed(0)
+    q = 3 * torch.randn(n, heads, head_dim, generator=gen)
+    kv = torch.randn(KEY_BLOCK * 2, 2, kv_heads, head_dim, generator=gen) * torch.tensor([3.0, 1.0])[:, None, None]
+    inputs = [(q, kv)]
+    if dtype in REDUCED:
+        big_value = 2.0 ** (24 if dtype == torch.bfloat16 else 12)  # (adding a small one to it loses bits)
+        big = torch.rand(kv.shape[0], kv_heads, head_dim, generator=gen) < 0.1
+        sign = torch.where(torch.rand(big.shape, generator=gen) < 0.5, big_value, -big_value)
+        values = kv.clone()  # (q = 0: the values' sum, in whatever order the kernel adds them)
+        values[:, 1] = torch.where(big, sign, kv[:, 1])
+        half = head_dim // 2  # (q = 1: each key's +-big pairs cancel within its dot product)
+        keys, pairs, sign = kv.clone(), big[..., :half], sign[..., :half]
+        keys[:, 0, ..., :half] = torch.where(pairs, sign, kv[:, 0, ..., :half])
+        keys[:, 0, ..., half:2 * half] = torch.where(pairs, -sign, kv[:, 0, ..., half:2 * half])
+        inputs += [(torch.zeros_like(q), values), (torch.ones_like(q), keys)]
+    return [(q.to(dtype), kv.to(dtype)) for q, kv in inputs]
 
 
 @torch.inference_mode()
-def runs_keep_row_bits(heads: int, kv_heads: int, head_dim: int, block: int, device: str = "cpu") -> bool:
+def runs_keep_row_bits(heads: int, kv_heads: int, head_dim: int, block: int, device: str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> bool:
     """True when a run's calls (``attend_run``) give every row the bits its own problem
-    (``attend_rows``) gives it, in query blocks of at least ``block`` rows, on random inputs of
-    these shapes: prefills whose calls end in short blocks or cross 512 keys, verify blocks after
-    a cached prefix."""
-    gen = torch.Generator().manual_seed(0)
+    (``attend_rows``) gives it, in query blocks of at least ``block`` rows, on inputs of these
+    shapes in ``dtype`` (``_probe_inputs``): prefills whose calls end in short blocks or cross 512
+    keys, verify blocks after a cached prefix."""
     n = KEY_BLOCK + 212  # (calls of RUN_ROWS rows, cut calls, and keys past 512)
-    q = staging.to_device(3 * torch.randn(n, heads, head_dim, generator=gen), device)
-    kv = torch.randn(KEY_BLOCK * 2, 2, kv_heads, head_dim, generator=gen) * torch.tensor([3.0, 1.0])[:, None, None]
-    kv = staging.to_device(kv, device)
-    alone = q.new_empty(n, heads * head_dim)
     by_keys: dict[int, list[int]] = defaultdict(list)
     for p in range(n):
         by_keys[padded(p + 1)].append(p)
-    for keys, at in by_keys.items():
-        at = torch.tensor(at)
-        mask = staging.to_device(_mask(at + 1, keys)[:, None, None], device)
-        alone[at] = attend_rows(q[at], kv[:keys].expand(len(at), -1, -1, -1, -1), mask, block)
-    for past, rows in ((0, n), (0, 2), (0, 33), (0, 34), (0, 35), (37, 5), (600, 67), (90, 200), (300, 150),
-                       (n - 300, 300), (n - 9, 9)):
-        for a, m, mask in run_calls(past, rows, block):
-            got = attend_run(q[past + a:past + a + m], kv[:mask.shape[-1]], staging.to_device(mask, device))
-            if not torch.equal(got, alone[past + a:past + a + m]):
-                return False
+    for q, kv in _probe_inputs(heads, kv_heads, head_dim, n, dtype):
+        q, kv = staging.to_device(q, device), staging.to_device(kv, device)
+        alone = q.new_empty(n, heads * head_dim)
+        for keys, at in by_keys.items():
+            at = torch.tensor(at)
+            mask = staging.to_device(_mask(at + 1, keys)[:, None, None].to(dtype), device)
+            alone[at] = attend_rows(q[at], kv[:keys].expand(len(at), -1, -1, -1, -1), mask, block)
+        for past, rows in ((0, n), (0, 2), (0, 33), (0, 34), (0, 35), (37, 5), (600, 67), (90, 200), (300, 150),
+                           (n - 300, 300), (n - 9, 9)):
+            for a, m, mask in run_calls(past, rows, block):
+                got = attend_run(q[past + a:past + a + m], kv[:mask.shape[-1]], staging.to_device(mask.to(dtype), device))
+                if not torch.equal(got, alone[past + a:past + a + m]):
+                    return False
     return True
 
 
@@ -171,8 +210,8 @@ class RowGroup:
     """Rows whose problems have ``keys`` padded keys and one source of KV rows, in one call."""
 
     def __init__(self, rows: list[int], keys: int, source: torch.Tensor, spans: list[tuple[int, int, list[int]]],
-                 own: list[int], first: int | None, block: int, device: torch.device) -> None:
-        self.keys, self.source, self.size, self.block = keys, source, len(rows), block
+                 own: list[int], first: int | None, block: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.keys, self.source, self.size, self.block, self.dtype = keys, source, len(rows), block, dtype
         self.rows = staging.tensor(rows, device)
         lengths = [n + len(extra) for _, n, extra in spans]
         starts = {s for s, _, _ in spans}
@@ -186,18 +225,19 @@ class RowGroup:
                 index[i, :n] = torch.arange(s, s + n)
                 index[i, n:n + len(extra)] = torch.tensor(extra, dtype=torch.long)
             self.gather = staging.to_device(index.flatten(), device)
-        self.mask = staging.to_device(_mask(torch.tensor(lengths), keys)[:, None, None], device)
+        self.mask = staging.to_device(_mask(torch.tensor(lengths), keys)[:, None, None].to(dtype), device)
 
     def kv(self, layer: int, wide: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
-        """[rows, keys, 2, kv_heads, head_dim] in fp32: each row's (padded) keys and values (``wide``:
-        each (source, start)'s rows this layer's groups read as one view, made fp32 once)."""
+        """[rows, keys, 2, kv_heads, head_dim] in the attention's dtype: each row's (padded) keys and
+        values (``wide``: each (source, start)'s rows this layer's groups read as one view, in that
+        dtype)."""
         if self.gather is None:
             return wide[id(self.source), self.start][:self.keys][None].expand(self.size, -1, -1, -1, -1)
         rows = self.source[:, layer]
-        return rows.index_select(0, self.gather).float().view(self.size, self.keys, *rows.shape[1:])
+        return rows.index_select(0, self.gather).to(self.dtype).view(self.size, self.keys, *rows.shape[1:])
 
-    def __call__(self, q32: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
-        return attend_rows(q32.index_select(0, self.rows), self.kv(layer, wide), self.mask, self.block)
+    def __call__(self, q: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+        return attend_rows(q.index_select(0, self.rows), self.kv(layer, wide), self.mask, self.block)
 
 
 class RunCall:
@@ -205,23 +245,25 @@ class RunCall:
     against the first ``keys`` rows of one view."""
 
     def __init__(self, source: torch.Tensor, base: int, first: int, mask: torch.Tensor, size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype) -> None:
         self.source, self.start, self.first, self.size, self.keys = source, base, first, size, mask.shape[-1]
         self.rows = staging.tensor(range(first, first + size), device)
-        self.mask = staging.to_device(mask, device)
+        self.mask = staging.to_device(mask.to(dtype), device)
 
-    def __call__(self, q32: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
-        return attend_run(q32[self.first:self.first + self.size], wide[id(self.source), self.start][:self.keys], self.mask)
+    def __call__(self, q: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+        return attend_run(q[self.first:self.first + self.size], wide[id(self.source), self.start][:self.keys], self.mask)
 
 
 class RowPlan:
     """A batch-invariant forward's attention: where each sequence's new KV goes and each window's
     row groups and run calls (built once per forward). ``block``: the fewest rows of a query block
-    where runs attend as matrix products (``run_block`` on the model's shapes); None: row by row."""
+    where runs attend as matrix products; None: row by row; ``dtype``: the attention's (both from
+    ``attention_rules`` on the model's shapes)."""
 
     def __init__(self, caches: list[KVCache], lengths: list[int], trees: list, starts: list[int],
-                 windows: set[int | None], device: torch.device, block: int | None = None) -> None:
-        self.device, self.block = device, block
+                 windows: set[int | None], device: torch.device, block: int | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.device, self.block, self.dtype = device, block, dtype
         self._seqs = []
         sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for i, (cache, n, tree) in enumerate(zip(caches, lengths, trees)):
@@ -240,8 +282,8 @@ class RowPlan:
                        for source, slots, rows in sources.values()]
         self.total = sum(lengths)
         self.groups = {w: self._groups(w) for w in windows}
-        # per window, the rows of each (source, start) its groups read as one view, and how many: made fp32
-        # once a layer (a long prefill's groups read ever longer views of one sequence: converting each
+        # per window, the rows of each (source, start) its groups read as one view, and how many: in the
+        # attention's dtype once a layer (a long prefill's groups read ever longer views of one sequence: converting each
         # group's apart copied the prefix again for every 32 rows)
         self.views: dict[int | None, dict[tuple[int, int], tuple[torch.Tensor, int, int]]] = {}
         for w, groups in self.groups.items():
@@ -257,7 +299,7 @@ class RowPlan:
         for source, base, past, n, tree, start in self._seqs:
             if self.block and n > 1 and (window is None or past + n <= window) and all(
                     _in_order(tree, j) for j in range(n)):
-                calls.extend(RunCall(source, base, start + a, mask, rows, self.device)
+                calls.extend(RunCall(source, base, start + a, mask, rows, self.device, self.dtype)
                              for a, rows, mask in run_calls(past, n, self.block))
                 continue
             for j in range(n):
@@ -280,21 +322,22 @@ class RowPlan:
             for part in [run for base, run in runs.items() if base >= 0 and len(run) > 1] + ([rest] if rest else []):
                 bases = {m[4] for m in part}
                 calls.append(RowGroup([m[0] for m in part], keys, part[0][3], [m[1] for m in part],
-                                      [m[2] for m in part], bases.pop() if len(bases) == 1 else None, block, self.device))
+                                      [m[2] for m in part], bases.pop() if len(bases) == 1 else None, block, self.device,
+                                      self.dtype))
         return calls
 
 
 def attend(plan: RowPlan, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor,
            v: torch.Tensor) -> torch.Tensor:
     """The batch-invariant attention of every row of a forward at ``layer`` (``q`` [rows, heads,
-    head_dim]; ``k``, ``v`` [rows, kv_heads, head_dim]): the new KV written, then one fp32 call per
-    row group or run call. Returns [rows, heads * head_dim] in ``q``'s dtype."""
+    head_dim]; ``k``, ``v`` [rows, kv_heads, head_dim]): the new KV written, then one call per
+    row group or run call, in the plan's dtype. Returns [rows, heads * head_dim] in ``q``'s dtype."""
     new = torch.stack((k, v), 1)
     for source, slots, rows in plan.writes:
         source[:, layer].index_copy_(0, slots, new if rows is None else new.index_select(0, rows))
-    q32 = q.float()
-    out = q32.new_empty(plan.total, q.shape[1] * q.shape[2])
-    wide = {key: source[start:start + keys, layer].float() for key, (source, start, keys) in plan.views[window].items()}
+    qa = q.to(plan.dtype)
+    out = qa.new_empty(plan.total, q.shape[1] * q.shape[2])
+    wide = {key: source[start:start + keys, layer].to(plan.dtype) for key, (source, start, keys) in plan.views[window].items()}
     for g in plan.groups[window]:
-        out.index_copy_(0, g.rows, g(q32, layer, wide))
+        out.index_copy_(0, g.rows, g(qa, layer, wide))
     return out.to(q.dtype)
