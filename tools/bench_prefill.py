@@ -4,8 +4,8 @@ both on one thread in the dtype a deployment picks (bf16 where the CPU has it).
     PYTHONPATH=. .venv/bin/python tools/bench_prefill.py [--model DIR] [--lengths 512,1024,2048] [--repeats 3]
 
 Ours is batch-invariant on a CPU in bf16 (``models/invariant.py``, ``models/rows.py``): every query
-row attends as a problem of its own, in fp32, so a position's logits have the same bits in a
-prefill, a verify and a decode. Prints the median seconds of each and their ratio.
+row attends as the problem of its own (a prefill's rows in matrix products, in the dtype the kernel
+probe allows), so a position's logits have the same bits in a prefill, a verify and a decode. Prints the median seconds of each and their ratio.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
                 ours([cache], [ids.tolist()], [1])
                 times["ours"].append(time.perf_counter() - t)
                 t = time.perf_counter()
-                hf(torch.tensor([ids]), logits_to_keep=1)
+                hf(torch.from_numpy(ids)[None], logits_to_keep=1)
                 times["hf"].append(time.perf_counter() - t)
         mine, theirs = (statistics.median(times[k]) for k in ("ours", "hf"))
         print(f"{n} tokens: ours {mine:.2f} s, HF {theirs:.2f} s ({mine / theirs:.2f}x HF's time; medians of {args.repeats})")

@@ -10,8 +10,8 @@ dimension of one attention call: the CPU kernel computes each (row, head) of a b
 with the same code whatever the batch's size or thread count (checked bit for bit by
 ``tests/test_batch_invariant.py``), so stacking changes no bit.
 
-Attention runs in the model's dtype where the probe (:func:`attention_rules`) finds that its
-kernel keeps these rules there (bf16 on CPUs: ~2.3x faster than fp32 in a prefill's calls, and
+On a CPU, attention runs in the model's dtype where the probe (:func:`attention_rules`) finds that
+its kernel keeps these rules there (bf16 on CPUs: ~2.3x faster than fp32 in a prefill's calls, and
 faster for decode rows too, where each row's query block is its heads that share a KV head), else
 in fp32 (bf16 rounds what it sums, so its probe poses problems whose sums cancel: a kernel that
 summed in another order would show it).
@@ -136,8 +136,9 @@ REDUCED = (torch.bfloat16, torch.float16)
 def attention_rules(heads: int, kv_heads: int, head_dim: int, device: str = "cpu",
                     dtype: torch.dtype = torch.float32) -> tuple[torch.dtype, int | None]:
     """The dtype a batch-invariant model's rows attend in, and its runs' query blocks (``run_block``;
-    None: row by row): the model's own ``dtype`` where runs keep the rows' bits in it, else fp32."""
-    if dtype in REDUCED and (block := run_block(heads, kv_heads, head_dim, device, dtype)) is not None:
+    None: row by row): on a CPU the model's own ``dtype`` where runs keep the rows' bits in it, else
+    fp32. (On CUDA fp32, the attention whose invariance was shown on a GPU; bf16 there is untried.)"""
+    if dtype in REDUCED and device == "cpu" and (block := run_block(heads, kv_heads, head_dim, device, dtype)) is not None:
         return dtype, block
     return torch.float32, run_block(heads, kv_heads, head_dim, device)
 
