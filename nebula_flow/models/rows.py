@@ -298,12 +298,16 @@ class RowPlan:
         by_size: dict[tuple[int, int], list] = defaultdict(list)
         calls: list[RowGroup | RunCall] = []
         for source, base, past, n, tree, start in self._seqs:
-            if self.block and n > 1 and (window is None or past + n <= window) and all(
-                    _in_order(tree, j) for j in range(n)):
+            # its first rows that see exactly the rows before them, from its first slot, are a run (a
+            # prompt or a chain; a prompt before a draft's token tree too): the rest attend alone
+            run = n if tree is None else next((j for j in range(n) if not _in_order(tree, j)), n)
+            run = run if window is None else min(run, window - past)
+            if self.block and run > 1:
                 calls.extend(RunCall(source, base, start + a, mask, rows, self.device, self.dtype)
-                             for a, rows, mask in run_calls(past, n, self.block))
-                continue
-            for j in range(n):
+                             for a, rows, mask in run_calls(past, run, self.block))
+            else:
+                run = 0
+            for j in range(run, n):
                 pos = past + (tree.depth[j] if tree else j)
                 begin = max(0, pos + 1 - window) if window else 0
                 if _in_order(tree, j):  # its keys: one run of slots
