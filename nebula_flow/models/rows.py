@@ -13,8 +13,8 @@ with the same code whatever the batch's size or thread count (checked bit for bi
 On a CPU, attention runs in the model's dtype where the probe (:func:`attention_rules`) finds that
 its kernel keeps these rules there (bf16 on CPUs: ~2.3x faster than fp32 in a prefill's calls, and
 faster for decode rows too, where each row's query block is its heads that share a KV head), else
-in fp32 (bf16 rounds what it sums, so its probe poses problems whose sums cancel: a kernel that
-summed in another order would show it).
+in fp32. bf16's rounding of the output hides most sums made in another order, so in bf16 the
+probe also poses problems whose sums cancel, where such a sum shows.
 
 Runs: a prefill's or a verify block's rows (one sequence's rows whose keys run from its first
 slot) attend as matrix products, in calls of up to ``RUN_ROWS`` query rows against the keys of the
@@ -60,6 +60,7 @@ RUN_ROWS = 256  # query rows per call of a run (measured: fewer masked keys than
 BLOCKS = range(2, 9)  # the query block sizes ``run_block`` tries (torch blocks a call's rows by 32 or 64)
 KEY_BLOCK = 512  # torch's kernel takes keys in blocks of this many
 WHOLE = 384  # the most keys of a block it sums in one pass (more: in two halves)
+OWN_DTYPES = (torch.bfloat16,)  # attended in their own dtype where the probe allows (measured faster than fp32 on CPUs)
 
 
 def padded(keys: int) -> int:
@@ -90,9 +91,9 @@ def _mask(sees: torch.Tensor, keys: int) -> torch.Tensor:
 
 def attend_rows(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, block: int) -> torch.Tensor:
     """Rows as problems of their own: ``q`` [rows, heads, head_dim] against ``kv`` [rows, keys,
-    2, kv_heads, head_dim] with ``mask`` [rows, 1, 1, keys] (all in the attention's dtype). A row is one query, so the heads that
-    share a KV head see the same keys: they are one query block, padded with zero queries to
-    ``block`` rows where fewer. Returns [rows, heads * head_dim]."""
+    2, kv_heads, head_dim] with ``mask`` [rows, 1, 1, keys] (all in the attention's dtype). A row
+    is one query, so the heads that share a KV head see the same keys: they are one query block,
+    padded with zero queries to ``block`` rows where fewer. Returns [rows, heads * head_dim]."""
     rows, heads, head_dim = q.shape
     kv_heads = kv.shape[3]
     group = heads // kv_heads
@@ -128,9 +129,6 @@ def run_calls(past: int, n: int, block: int) -> list[tuple[int, int, torch.Tenso
         calls.append((a, rows, _mask(sees, padded(past + a + rows))[None, None]))
         a += rows
     return calls
-
-
-OWN_DTYPES = (torch.bfloat16,)  # attended in their own dtype where the probe allows (measured faster than fp32 on CPUs)
 
 
 def attention_rules(heads: int, kv_heads: int, head_dim: int, device: str = "cpu",
@@ -284,8 +282,8 @@ class RowPlan:
         self.total = sum(lengths)
         self.groups = {w: self._groups(w) for w in windows}
         # per window, the rows of each (source, start) its groups read as one view, and how many: in the
-        # attention's dtype once a layer (a long prefill's groups read ever longer views of one sequence: converting each
-        # group's apart copied the prefix again for every 32 rows)
+        # attention's dtype once a layer (a long prefill's groups read ever longer views of one
+        # sequence: converting each group's apart copied the prefix again for every 32 rows)
         self.views: dict[int | None, dict[tuple[int, int], tuple[torch.Tensor, int, int]]] = {}
         for w, groups in self.groups.items():
             views = self.views[w] = {}
