@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from nebula_flow.models import rows
+from nebula_flow.models.batch import Batch
 from nebula_flow.models.loader import load_model
 
 
@@ -129,8 +130,8 @@ def test_rows_attend_in_fp32_where_bf16_calls_keep_no_rows_bits(monkeypatch) -> 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_prompt_before_a_token_tree_attends_as_a_run_and_keeps_its_bits(long_checkpoint, dtype: str) -> None:  # noqa: ANN001
     """A first verify carries the prompt and the draft's token tree in one forward: the prompt's
-    rows attend as a run (not a 600-row problem each), and every row keeps the bits it has when
-    the prompt is prefilled first and the tree verified after."""
+    rows attend as a run (not each row as a problem of its own), and every row keeps the bits it
+    has when the prompt is prefilled first and the tree verified after."""
     model = load_model(long_checkpoint, dtype=dtype, batch_invariant=True)
     ids, tree = _ids(600), [7, 8, 9, 10, 11]
     tree_parents = [-1, 0, 0, 1, 2]  # (two branches after the prompt's last token)
@@ -142,7 +143,7 @@ def test_a_prompt_before_a_token_tree_attends_as_a_run_and_keeps_its_bits(long_c
     apart = model([cache], [tree], [5], [tree_parents])[0]
     assert torch.equal(together, torch.cat((prompt_last, apart))), f"a prompt with its tree differs from apart in {dtype}"
 
-    from nebula_flow.models.batch import Batch  # (and its prompt is one run of calls, not rows alone)
+    # (and its prompt is one run of calls, not rows alone)
     plan = Batch([model.new_cache()], [605], [list(range(-1, 599)) + [599, 600, 600, 601, 602]], torch.device("cpu"),
                  group=True, invariant_windows={None}, invariant_block=model.run_block or 2,
                  invariant_dtype=model.attention_dtype).rows
