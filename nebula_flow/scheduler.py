@@ -61,8 +61,7 @@ class Scheduler:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         self.mode = mode
         self.policy = policy = policy or PolicyConfig()
-        # what choose_round weighs now (measured, with measure_costs): the three costs, and verify
-        # forwards by rows in decode steps
+        # what choose_round weighs now (measured, with measure_costs): the three costs, verify forwards by rows
         self.costs, self.verify_costs = policy.spec_costs, ()
         self.step_costs: dict[tuple[int, str], list[float | None]] = {}  # (worker, role) -> seconds by rows
         self.batch_costs: dict[tuple[int, str], list[float | None]] = {}  # the same by batch rows (``elastic``)
@@ -160,8 +159,7 @@ class Scheduler:
                               for d in self.drafters} if len(self.drafters) > 1 else {}
 
     def pull(self, worker_id: int, credits: int, idle: bool, now: float) -> None:
-        w = self.workers[worker_id]
-        # credits 0 withdraws a waiting PULL: a worker about to leave takes no more tasks
+        w = self.workers[worker_id]  # (credits 0 withdraws a waiting PULL: a worker about to leave takes no more)
         w.pull_credits, w.pull_idle, w.pull_since = max(0, credits), idle, now
 
     # -- requests --------------------------------------------------------------------------
@@ -323,7 +321,10 @@ class Scheduler:
         kept; ``req.finish_reason`` is set when the request ended (it has then left the pool)."""
         self.verify_done(req, worker_id, len(committed) - 1, via_alt, draft_accepted, fused, second)
         before, kept = len(req.output), req.commit(committed, eos_ids)
-        self.streaming += 0 < len(kept) == len(req.output)  # (its first tokens)
+        if 0 < len(kept) == len(req.output):  # its first tokens: its prompt's KV is held now, so requests that
+            self.streaming += 1  # start alike are placed by it (``prefixes``) before this one ends, as after
+            if self.prefixes is not None:
+                self.prefixes.learn(req)
         if stop_text is not None and stop_text(req):  # (which may end the output at the stop string's last token)
             req.finish_reason, kept = "stop", req.output[before:]
         if req.finish_reason:

@@ -291,6 +291,24 @@ def test_a_busy_pooled_worker_leaves_a_request_to_the_worker_holding_its_prefix_
     assert [(wid, [r.rid for r in batch]) for wid, batch in s.dispatch()] == [(1, [1])]
 
 
+def test_a_running_requests_prompt_is_found_once_its_first_tokens_are_committed() -> None:
+    """Requests that start alike while the first still runs (a shared system prompt, questions about
+    one document arriving together) are placed by its KV once its prompt is held: from its first
+    committed tokens, not only once it ends."""
+    s = Scheduler("autoregressive", PolicyConfig(k=0))
+    s.prefixes = PrefixRoutes()
+    s.register(1, "target", 4)
+    doc = list(range(3000, 3200))
+    first = _request(1, doc + [1], max_new=32)
+    s.admit(first)
+    assert s.prefixes.find(_request(2, doc + [2]), {1}) == {}  # (nothing held yet)
+    s.pull(1, 4, idle=True, now=0.0)
+    [(_, [running])] = s.dispatch()
+    s.end_round(running, 1, [7])
+    assert running.rid in s.requests and running.output == [7]  # (still running)
+    assert s.prefixes.find(_request(2, doc + [2]), {1})["target"] == (1, 192, 1)
+
+
 def test_a_policy_log_replays_placement_by_prefix() -> None:
     s = policy_log.RecordingScheduler("elastic", PolicyConfig(k=2))
     s.prefixes = PrefixRoutes()
@@ -329,6 +347,33 @@ def test_a_chats_next_turns_go_where_their_last_turns_kv_is(tiny_pair, mode: str
     assert len(workers) == 2  # (both workers served)
     for p, out, d in zip(firsts, turns, done):
         assert d.stats["cached_tokens"] == len(p) + len(out) - 1, [x.stats["cached_tokens"] for x in done]
+
+
+@pytest.mark.parametrize("mode", ["elastic", "pooled"])
+def test_a_request_that_starts_like_a_running_one_starts_from_its_kv(tiny_pair, mode: str) -> None:  # noqa: ANN001
+    """A long request runs on one of two workers; a second that starts with the same 100 tokens
+    comes once the first has streamed its first tokens, and ends while the first still runs: it
+    starts from the first's KV (copied where it is bound beside it, pulled where it is bound to the
+    other worker), not from nothing, and its output is HF's greedy output of the target alone."""
+    first, second = SHARED + [7, 8, 9], SHARED + [300, 301, 302]
+
+    async def second_while_first_runs(address: str) -> tuple:  # noqa: ANN001
+        async with AsyncClient(address) as client:
+            later, order = None, []
+            async for _ in client.stream(token_ids=first, max_new_tokens=400, ignore_eos=True):
+                if later is None:  # (its first tokens are out: its prompt's KV is held)
+                    later = await client.generate(token_ids=second, max_new_tokens=MAX_NEW, ignore_eos=True)
+                    order.append("second")
+            order.append("first")
+            return later, order
+
+    cfg = deploy_config(tiny_pair, mode, *((1, 1) if mode == "elastic" else (1, 2)))
+    with Deployment(cfg, worker_changes={"kv_skip_slow_pulls": False}) as dep:
+        later, order = asyncio.run(second_while_first_runs(dep.address))
+    assert order == ["second", "first"]  # (the second ended while the first ran)
+    ref = hf_greedy(tiny_pair / "target", second, MAX_NEW)
+    assert later.token_ids[:len(ref)] == ref
+    assert later.stats["cached_tokens"] >= len(SHARED) - len(SHARED) % 16, later.stats  # (placement keys whole 16-token blocks)
 
 
 def test_the_wire_refuses_a_malformed_cached_count() -> None:
@@ -468,8 +513,9 @@ def test_a_prompt_start_another_worker_holds_is_pulled_and_output_is_unchanged(t
             assert out.token_ids[:len(ref)] == ref
         newcomer = kv["newcomer"]
         assert newcomer["pull_failures"] == 0, newcomer
-        if pulls:  # (whole blocks the placement knows of: prefixes.py keys 1, 2, 4, ... blocks and the last)
-            assert newcomer["prefix_pulls"] == 1 and newcomer["prefix_pulled"] == 64, newcomer
-            assert later[0].stats["cached_tokens"] == 64
+        if pulls:  # (whole blocks the placement knows of: prefixes.py keys 1, 2, 4, ... blocks and the last, learnt
+            # at the first request's first tokens too, when its tokens were its prompt's 6 whole blocks and 7 more)
+            assert newcomer["prefix_pulls"] == 1 and newcomer["prefix_pulled"] == 96, newcomer
+            assert later[0].stats["cached_tokens"] == 96
         else:
             assert newcomer["prefix_pulls"] == 0 and later[0].stats["cached_tokens"] == 0, newcomer
