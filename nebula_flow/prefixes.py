@@ -4,9 +4,9 @@ A worker keeps finished requests' KV and starts a request from the longest prefi
 it holds (``kv/store.py``), so a chat's next turn or another question about the same document
 costs a prefill only where it lands on the worker that computed the prefix. The scheduler learns,
 as each request's first tokens are committed (its prompt's KV is held: requests that start alike
-while it runs find it) and as it ends, which worker holds its tokens' KV for each model, and asks,
-as each request arrives, where the longest prefix of its prompt is held: paired, colocated and elastic binding
-weigh the prefill that worker would save (``roles.Binder``), and a pooled request's first tasks
+while it runs find it) and as it ends, which worker holds its tokens' KV for each model, and
+asks, as each request arrives, where the longest prefix of its prompt is held: paired, colocated
+and elastic binding weigh the prefill that worker would save (``roles.Binder``), and a pooled request's first tasks
 stay with that worker while it is busy, as with any holder (``locality``), taken by any idle one.
 SGLang's router and vLLM's prefix-aware routing do the same across instances.
 

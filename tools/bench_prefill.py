@@ -4,8 +4,9 @@ both on one thread in the dtype a deployment picks (bf16 where the CPU has it).
     PYTHONPATH=. .venv/bin/python tools/bench_prefill.py [--model DIR] [--lengths 512,1024,2048] [--repeats 3]
 
 Ours is batch-invariant on a CPU in bf16 (``models/invariant.py``, ``models/rows.py``): every query
-row attends as the problem of its own (a prefill's rows in matrix products, in the dtype the kernel
-probe allows), so a position's logits have the same bits in a prefill, a verify and a decode. Prints the median seconds of each and their ratio.
+row attends as a problem of its own (a prefill's rows in matrix products, in the dtype the kernel
+probe allows), so a position's logits have the same bits in a prefill, a verify and a decode.
+Prints the median seconds of each and their ratio.
 """
 
 from __future__ import annotations
