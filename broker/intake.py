@@ -178,6 +178,8 @@ class Intake:
         self.owners[msg.req_id] = owner
         self.counters["requests_submitted"] += 1
         self.scheduler.admit(req)
+        if req.waits_for is not None:  # (it waits for the request computing its prompt's start: prefixes.py)
+            self.counters["prefix_waits"] += 1
         self.round_times.admitted(req.rid, time.perf_counter())
         self._prompt_facts(identity, req)
 

@@ -38,6 +38,8 @@ def families(state: dict[str, Any]) -> list[Metric]:
             if k.startswith("requests_") and k != "requests_submitted"])
     family("nebula_rounds_total", "counter", "Completed request-rounds.", [(c.get("rounds", 0), None)])
     family("nebula_output_tokens_total", "counter", "Committed output tokens.", [(c.get("tokens_out", 0), None)])
+    family("nebula_prefix_waits_total", "counter", "Requests that waited for another request computing their "
+           "prompt's start, then started from its KV (policy knob wait_for_prefix).", [(c.get("prefix_waits", 0), None)])
     family("nebula_task_tokens_total", "counter", "Token ids the broker sent in tasks (each carries what its worker "
            "lacks), the positions those tasks covered, and tasks sent again whole because their worker lacked the rest.",
            [(c.get(kind, 0), {"kind": kind}) for kind in ("task_tokens", "task_positions", "tokens_resent")])

@@ -48,6 +48,13 @@ class PolicyConfig:
                                "likely holds its prompt's start names that worker and the request whose KV it was: "
                                "the task's worker pulls that prefix (as KV that follows a request) instead of "
                                "computing it (nebula_flow/prefixes.py; no effect in the simulator).")
+    wait_for_prefix: float = _knob(0.5, "With prefix_affinity: a new request whose prompt starts like that of a request "
+                                   "still computing its prompt (64 tokens or more, and at least this share of what that "
+                                   "request computes) waits for that request's first tokens, then starts from its KV, "
+                                   "copied or pulled, instead of computing the same tokens at the same time: a burst of "
+                                   "questions on a new document, n choices of a long prompt (SGLang's in-batch prefix "
+                                   "caching). 0: never waits (nebula_flow/prefixes.py; no effect in the simulator).",
+                                   lo=0.0, hi=1.0)
     priority_scheduling: bool = _knob(False, "Queued tasks go by their requests' priority (vLLM's request parameter and "
                                       "--scheduling-policy priority: lower first, equal ones by arrival), each round "
                                       "again; off: by arrival, and a priority other than 0 is refused.")

@@ -14,10 +14,12 @@ Records are JSON arrays, one per line (JSONL)::
     ["register", worker, role, capacity, slot, drafter, draft_capacity]
     ["unregister", worker, [requeued rids]]
     ["pull", worker, credits, idle, now]
-    ["admit", rid, prompt_len, max_new_tokens, greedy, seeded, affinity, priority]
+    ["admit", rid, prompt_len, max_new_tokens, greedy, seeded, affinity, priority, waits_for]
                                          (affinity: where its prompt's start was likely held,
                                          {holder key: [worker, positions]}: ``prefixes.py``;
-                                         priority: its ``SamplingParams.priority``)
+                                         priority: its ``SamplingParams.priority``; waits_for: [the
+                                         request computing its prompt's start that it waited for,
+                                         the tokens they share], or null)
     ["draft_done", rid, worker, n_draft]
     ["prefilled", rid, worker, valid]    (a chunk of a prompt computed; the task queued again)
     ["retry", rid, worker]               (the worker lacked the task's tokens: the task queued again)
@@ -93,7 +95,9 @@ class RecordingScheduler(Scheduler):
             super().admit(req)
         finally:
             self._quiet = False
-        record += [{key: list(where[:2]) for key, where in req.affinity.items()}, req.params.priority]  # (not the source request: KV, not policy)
+        waits = None if req.waits_for is None else [req.waits_for, dict(self.prefixes.followers[req.waits_for])[req.rid]]
+        # (not the source request: KV, not policy; a request that waits is placed as it starts)
+        record += [{key: list(where[:2]) for key, where in req.affinity.items()}, req.params.priority, waits]
 
     def end_round(self, req: Request, worker_id: int, committed: list[int], via_alt: bool = False,
                   draft_accepted: int | None = None, fused: int | None = None, eos_ids: tuple[int, ...] = (),
@@ -184,9 +188,14 @@ class Recalled:
 
     def __init__(self) -> None:
         self.next: dict[str, tuple[int, int]] = {}
+        self.waits: list[int] | None = None
+        self.followers: dict[int, list[tuple[int, int]]] = {}
 
-    def find(self, req: Request, alive: object) -> dict[str, tuple[int, int]]:
-        return self.next
+    def place(self, req: Request, alive: object, share: float) -> bool:
+        req.affinity, req.waits_for = dict(self.next), None if self.waits is None else self.waits[0]
+        if self.waits is not None:  # (placed as it starts: where the request it waited for holds their shared tokens)
+            self.followers.setdefault(self.waits[0], []).append((req.rid, self.waits[1]))
+        return self.waits is not None
 
     def learn(self, req: Request) -> None:
         """(Nothing to learn: the record says where.)"""
@@ -214,9 +223,10 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
         elif kind == "pull":
             policy.pull(args[0], args[1], args[2], args[3])
         elif kind == "admit":
-            # (older logs lack the last four, or the last two, or the last)
-            rid, prompt_len, max_new, greedy, seeded, affinity, priority = (*args, *(True, False, {}, 0)[len(args) - 3:])
-            recalled.next = {key: tuple(where) for key, where in affinity.items()}
+            # (older logs lack some of the last five)
+            rid, prompt_len, max_new, greedy, seeded, affinity, priority, waits = \
+                (*args, *(True, False, {}, 0, None)[len(args) - 3:])
+            recalled.next, recalled.waits = {key: tuple(where) for key, where in affinity.items()}, waits
             # (the policy plans greedy, sampled and seeded requests apart: token trees, costs, routing)
             params = SamplingParams(max_new_tokens=max_new, temperature=0.0 if greedy else 1.0,
                                     seed=0 if seeded else None, priority=priority)

@@ -47,6 +47,7 @@ class Request:
     # a new request: holder key -> (worker, positions, request) whose prefix cache likely holds its prompt's start, and
     # the request whose KV it was (prefixes.py); the policy log's replays give the first two
     affinity: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    waits_for: int | None = None  # a new request: the request computing its prompt's start that it waits for (prefixes.py)
     known: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker -> (tokens sent it, their CRC-32): broker/known.py
     resent: int = 0  # its tasks sent again whole for a worker that lacked their tokens (broker/known.py)
     tokens_per_round: list[int] = field(default_factory=list)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 from nebula_flow import ahead, elastic, fusion, routing, speclen
 from nebula_flow.policy import PolicyConfig
-from nebula_flow.prefixes import PrefixRoutes
+from nebula_flow.prefixes import PrefixRoutes, learnt
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import (
     DEFAULT_DRAFTER,
@@ -166,8 +166,11 @@ class Scheduler:
     def admit(self, req: Request) -> None:
         self.requests[req.rid] = req
         self.streaming += len(req.output) > 0
-        req.affinity = self.prefixes.find(req, self.workers) if self.prefixes is not None else {}
-        self._bind([req])
+        if self.prefixes is None or not self.prefixes.place(req, self.workers, self.policy.wait_for_prefix):
+            self.start(req)  # (else it waits for the request computing its prompt's start: ``prefixes.learnt``)
+
+    def start(self, req: Request) -> None:
+        self._bind([req])  # (paired, colocated, elastic: the slot it is bound to)
         self.start_round(req)
 
     def start_round(self, req: Request) -> None:
@@ -219,8 +222,7 @@ class Scheduler:
         return self.drafter_costs.get(drafter, (self.costs, self.verify_costs)) if drafter else (self.costs, self.verify_costs)
 
     def draft_done(self, req: Request, worker_id: int, draft: list[int], q: dict) -> None:
-        """A draft arrived (it may hold fewer than ``req.k`` tokens: a drafter that has nothing
-        worth proposing, such as an n-gram drafter without a match)."""
+        """A draft arrived (it may be shorter than ``req.k``: e.g. an n-gram drafter without a match)."""
         self.use_draft(req, worker_id, draft, q)
 
     def use_draft(self, req: Request, worker_id: int, draft: list[int], q: dict, drafter: str | None = None) -> None:
@@ -323,8 +325,7 @@ class Scheduler:
         before, kept = len(req.output), req.commit(committed, eos_ids)
         if 0 < len(kept) == len(req.output):  # its first tokens: its prompt's KV is held now, so requests that
             self.streaming += 1  # start alike are placed by it (``prefixes``) before this one ends, as after
-            if self.prefixes is not None:
-                self.prefixes.learn(req)
+            learnt(self, req)
         if stop_text is not None and stop_text(req):  # (which may end the output at the stop string's last token)
             req.finish_reason, kept = "stop", req.output[before:]
         if req.finish_reason:
@@ -339,8 +340,7 @@ class Scheduler:
         if req is None:
             return None
         self.streaming -= len(req.output) > 0
-        if self.prefixes is not None:  # (where its tokens' KV stays, for requests that start with them)
-            self.prefixes.learn(req)
+        learnt(self, req)  # (where its tokens' KV stays, for requests that start with them)
         ahead.forget(self, rid)
         fusion.forget(self, rid)
         if req.phase != DONE:

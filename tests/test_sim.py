@@ -317,7 +317,9 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
     cfg = deploy_config(tiny_pair, "pooled", 2, 2, max_batch=4)
     log_path = tmp_path / "policy.jsonl"
     cfg.broker.policy_log = str(log_path)
-    shared = list(range(100, 140))  # (a second wave starts where the first's KV stays: the placement's prefixes.py)
+    # (a second wave starts where the first's KV stays: the placement's prefixes.py; in the first, requests
+    # wait for the one computing their shared start, ``wait_for_prefix``)
+    shared = list(range(100, 180))
 
     async def load(address: str) -> None:
         async with AsyncClient(address) as c:
@@ -329,14 +331,15 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
         asyncio.run(load(dep.address))
     records = policy_log.load(log_path)
     assert records[0] == ["policy", "pooled", {"k": 4, "locality": True, "migrate": False, "prefix_affinity": True,
-                                               "prefix_pulls": True, "priority_scheduling": False, "merge_batches": True,
-                                               "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS),
+                                               "prefix_pulls": True, "wait_for_prefix": 0.5, "priority_scheduling": False,
+                                               "merge_batches": True, "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS),
                                                "measure_costs": True, "first_alternatives": 0,
                                                "fuse_ngram": 0, "disable_by_batch_size": 0, "elastic_split": 0,
                                                "draft_ahead": 0, "fuse_drafters": 0, "decode_steps": 4, "max_forward_tokens": 0}]
     # the workers' forward times are events too (the policy weighs them with adaptive k)
     assert {r[2] for r in records if r[0] == "step_costs"} == {"draft", "target"}
     assert sum(bool(r[6]) for r in records if r[0] == "admit") >= 10  # (the second wave's: where their prefix was)
+    assert any(r[8] is not None for r in records if r[0] == "admit")  # (the first wave's: they waited)
     sc = small_scenario(k=4, locality=True, measure_costs=True)
     report = policy_log.replay(records, Simulator(sc, "pooled").policy)
     assert report.decisions >= 10 and report.identical, report.mismatches[:3]
