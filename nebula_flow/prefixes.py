@@ -22,7 +22,7 @@ A prompt is learnt only once its KV is held, so requests that arrive together (a
 on a new document, n choices of one long prompt) would each compute their shared start. So a new
 request whose prompt shares enough of the prompt of a request still being computed waits for that
 request's first tokens (``PrefixRoutes.leader``, the policy's ``wait_for_prefix``), then starts
-where that KV is held, copying or pulling it (``released``). SGLang's in-batch prefix caching does
+where that KV is held, copying or pulling it (``learnt``). SGLang's in-batch prefix caching does
 the same within one batch.
 """
 
@@ -89,7 +89,9 @@ class PrefixRoutes:
                     self.followers.setdefault(found[0], []).append((req.rid, shared))
                     return found[0]
                 break
-        if len(keys) * BLOCK - held >= MIN_WAIT:  # (what it computes: its prompt less what is held)
+        # (what it computes: its prompt less what is held; one that comes with output, resumed, is
+        # learnt only as it ends: none waits for it)
+        if len(keys) * BLOCK - held >= MIN_WAIT and not req.output:
             for key in keys:
                 self.computing.setdefault(key, (req.rid, len(req.prompt) - held, req.params.priority))
             self.computing_keys[req.rid] = keys

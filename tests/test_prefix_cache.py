@@ -309,11 +309,17 @@ def test_a_running_requests_prompt_is_found_once_its_first_tokens_are_committed(
     assert s.prefixes.find(_request(2, doc + [2]), {1})["target"] == (1, 192, 1)
 
 
-def test_a_policy_log_replays_placement_by_prefix() -> None:
+def _recording_elastic() -> policy_log.RecordingScheduler:
+    """A recorded elastic policy with placement by prefix, and two workers."""
     s = policy_log.RecordingScheduler("elastic", PolicyConfig(k=2))
     s.prefixes = PrefixRoutes()
     for wid in (1, 2):
         s.register(wid, "any", 4)
+    return s
+
+
+def test_a_policy_log_replays_placement_by_prefix() -> None:
+    s = _recording_elastic()
     doc = list(range(3000, 3200))
     s.prefixes.learn(_ended(doc, {"target": (2, 200)}))
     for rid in range(4):
@@ -583,10 +589,7 @@ def test_requests_that_arrive_together_wait_for_the_one_computing_their_shared_s
 
 
 def test_a_policy_log_replays_requests_that_waited_for_a_shared_start() -> None:
-    s = policy_log.RecordingScheduler("elastic", PolicyConfig(k=2))
-    s.prefixes = PrefixRoutes()
-    for wid in (1, 2):
-        s.register(wid, "any", 4)
+    s = _recording_elastic()
     doc = list(range(3000, 3200))
     for rid in range(4):
         s.admit(_request(rid, doc + [rid]))
