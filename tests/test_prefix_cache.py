@@ -580,6 +580,21 @@ def test_requests_that_arrive_together_wait_for_the_one_computing_their_shared_s
     s.admit(_request(1, doc + [1]))
     s.admit(_request(2, doc + [2]))
     assert s.requests[2].waits_for is None and _topics(s) == {1, 2}
+    # the first's worker dies while it computes: it runs again elsewhere, and those that waited start from there
+    s = pooled()
+    s.register(3, "target", 8)
+    s.admit(first := _request(1, doc + [1]))
+    s.admit(waiting := _request(2, doc + [2]))
+    s.pull(1, 8, idle=True, now=0.0)
+    [(_, [running])] = s.dispatch()
+    s.draft_done(running, 1, [7, 7], {})
+    s.pull(2, 8, idle=True, now=1.0)
+    [(_, [running])] = s.dispatch()
+    assert s.unregister(2) == [1] and waiting.waits_for == 1 and _topics(s) == {1}
+    s.pull(3, 8, idle=True, now=2.0)
+    [(_, [running])] = s.dispatch()
+    s.end_round(first, 3, [7, 7, 8])
+    assert waiting.waits_for is None and waiting.affinity["target"] == (3, 192, 1) and _topics(s) == {1, 2}
     # the first cancelled before its first tokens: the one that waited starts, placed as it arrived
     s = pooled()
     s.admit(_request(1, doc + [1]))
