@@ -83,6 +83,8 @@ def families(state: dict[str, Any]) -> list[Metric]:
     family("nebula_topic_depth", "gauge", "Tasks waiting per topic.",
            [(v, {"topic": t}) for t, v in state["topics"].items()])
     family("nebula_pool_requests", "gauge", "Requests in the pool.", [(state["pool"], None)])
+    family("nebula_requests_waiting_for_prefix", "gauge", "Requests of the pool waiting for another computing their "
+           "prompt's start (policy knob wait_for_prefix).", [(state.get("waiting_for_prefix", 0), None)])
     family("nebula_workers", "gauge", "Registered workers by role.",
            [(sum(1 for w in state["workers"] if w["role"] == r), {"role": r}) for r in state["roles"]])
     family("nebula_worker_busy_seconds_total", "counter", "Time each worker spent in forward passes.",

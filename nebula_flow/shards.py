@@ -14,7 +14,7 @@ import zlib
 from typing import Any
 
 # status fields that add up across shards (numbers, or dicts and lists of them)
-SUMMED = ("pool", "counters", "errors", "topics", "round_times", "tokens_per_round_hist", "batch_sizes",
+SUMMED = ("pool", "waiting_for_prefix", "counters", "errors", "topics", "round_times", "tokens_per_round_hist", "batch_sizes",
           "draft_ahead", "fusion", "proposed_by_position", "accepted_by_position", "queued_by_priority")
 
 

@@ -642,9 +642,12 @@ def test_requests_that_arrive_together_compute_their_shared_start_once(tiny_pair
                                                               **{k: v + i if k == "seed" else v for k, v in params.items()})
                                               for i, p in enumerate(prompts)))
 
-        with Deployment(cfg, worker_changes={"kv_skip_slow_pulls": False}) as dep:
+        with Deployment(cfg, worker_changes={"kv_skip_slow_pulls": False}) as dep, Client(dep.address) as client:
             done = asyncio.run(at_once(dep.address, prompts))
+            waits = client.status()["counters"].get("prefix_waits", 0)
             samples[share] = [d.token_ids for d in asyncio.run(at_once(dep.address, sampled, temperature=0.8, seed=3))]
+            state = client.status()
+        assert waits == (2 if share else 0) and state["waiting_for_prefix"] == 0  # (counted; none left waiting)
         for out, ref in zip(done, refs):
             assert out.token_ids[:len(ref)] == ref, (mode, share)
         cached = sorted(d.stats["cached_tokens"] for d in done)  # (at least the whole 16-token blocks placement keys)

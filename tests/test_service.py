@@ -525,6 +525,7 @@ def test_metrics_endpoint_counters_move(live) -> None:  # noqa: ANN001
     assert 0 < after[key] - before.get(key, 0) <= out.rounds
     assert {'nebula_token_tree_total{kind="fused_chains"}', 'nebula_token_tree_total{kind="alternatives_accepted"}'} <= set(after)
     assert after['nebula_fused_drafts_total{kind="rounds"}'] == 0  # (one drafter: nothing to fuse)
+    assert after["nebula_prefix_waits_total"] == 0 and after["nebula_requests_waiting_for_prefix"] == 0  # (one at a time)
     # where the rounds' time went: the decode rounds of this request (all but its first) and their parts
     rounds = 'nebula_round_times_rounds_total{kind="decode"}'
     assert after[rounds] - before.get(rounds, 0) == out.rounds - 1

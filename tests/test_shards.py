@@ -223,3 +223,7 @@ def test_status_text_names_each_shard_and_a_workers_kv_pull_failures_and_skipped
                                                   "tcp://10.0.0.3:5000 rate not shown yet 1.25 ms")
     assert " on cuda:1 " in workers[0] and " on ? " in workers[1]  # (its device from its registration, or unknown)
     assert lines[-1] == "counters {'rounds': 12}"
+    assert lines[0] == "mode pooled, up 12 s, 3 requests in the pool, topics {'draft': 1}"
+    # new requests waiting for one computing their prompt's start (wait_for_prefix) are named where there are some
+    assert status_lines(dict(state, waiting_for_prefix=2))[0] == ("mode pooled, up 12 s, 3 requests in the pool "
+                                                                  "(2 waiting for a shared prompt start), topics {'draft': 1}")

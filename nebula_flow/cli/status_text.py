@@ -8,8 +8,9 @@ from typing import Any
 def status_lines(state: dict[str, Any]) -> list[str]:
     """The lines `nebula-flow status` prints for a broker's (or a sharded deployment's merged) state."""
     out: list[str] = []
-    out.append(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool, "
-               f"topics {state['topics']}")
+    waiting = state.get("waiting_for_prefix", 0)  # (new requests waiting for one computing their prompt's start)
+    out.append(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool"
+               + (f" ({waiting} waiting for a shared prompt start)" if waiting else "") + f", topics {state['topics']}")
     if "queued_by_priority" in state:  # (priority scheduling: queued tasks by priority, most urgent first)
         queued = sorted(state["queued_by_priority"].items(), key=lambda kv: int(kv[0]))
         out.append("  queued by priority: " + (", ".join(f"{p}: {n}" for p, n in queued) or "none"))
