@@ -653,3 +653,28 @@ def test_requests_that_arrive_together_compute_their_shared_start_once(tiny_pair
         cached = sorted(d.stats["cached_tokens"] for d in done)  # (at least the whole 16-token blocks placement keys)
         assert (cached[0] == 0 and min(cached[1:]) >= 96 if share else cached == [0, 0, 0]), (mode, share, cached)
     assert samples[0.5] == samples[0.0] and len({tuple(t) for t in samples[0.5]}) == 3
+
+
+def test_wait_for_prefix_is_a_share_from_zero_to_one_wherever_it_is_set(tmp_path) -> None:  # noqa: ANN001
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+    from nebula_flow.config import ConfigError, load_config
+    from nebula_flow.policy import PolicyError
+
+    path = tmp_path / "c.toml"
+    base = 'mode = "pooled"\n[draft]\nmodel = "/m/d"\n[target]\nmodel = "/m/t"\n[policy]\n'
+    for value, want in (("0.25", 0.25), ("1", 1.0), ("0", 0.0)):
+        path.write_text(base + f"wait_for_prefix = {value}\n")
+        assert load_config(path).broker.policy.wait_for_prefix == want
+    for bad in ("1.5", "-0.1", "true", '"half"', "nan"):
+        path.write_text(base + f"wait_for_prefix = {bad}\n")
+        with pytest.raises(ConfigError, match="wait_for_prefix"):
+            load_config(path)
+    assert PolicyConfig().with_setting("wait_for_prefix=0.75").wait_for_prefix == 0.75
+    with pytest.raises(PolicyError, match="must be a number"):
+        PolicyConfig().with_setting("wait_for_prefix=true")
+    result = CliRunner().invoke(main, ["broker", "--wait-for-prefix", "0.25", "--print-options"])
+    assert result.exit_code == 0 and '"wait_for_prefix": 0.25' in result.output, result.output
+    result = CliRunner().invoke(main, ["broker", "--wait-for-prefix", "2", "--print-options"])
+    assert result.exit_code != 0 and "wait_for_prefix must be in 0.0..1.0" in result.output

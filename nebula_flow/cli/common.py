@@ -160,7 +160,7 @@ def policy_options(f: Callable) -> Callable:
             decl = click.option(f"--{flag}", fd.name, default=None, metavar="A,B,C",
                                 help=f"{text} [default: {','.join(map(str, value))}]")
         else:
-            decl = click.option(f"--{flag}", fd.name, type=int, default=None, help=f"{text} [default: {value}]")
+            decl = click.option(f"--{flag}", fd.name, type=type(value), default=None, help=f"{text} [default: {value}]")
         build = decl(build)
     return set_option(build)
 
