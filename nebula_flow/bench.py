@@ -78,12 +78,13 @@ def edit_prediction(prompt: str) -> str | None:
     return prompt[start + 10:end] if end >= 0 else None
 
 
-def with_context(prompts: list[str], context_tokens: int, model: str | Path, shared: bool = False) -> list[str]:
+def with_context(prompts: list[str], context_tokens: int, model: str | Path, shared: bool = False,
+                 stretch: int = 0) -> list[str]:
     """Each prompt after about ``context_tokens`` tokens of code to read first (a different
     stretch of the stdlib's sources per prompt, cut in tokens and decoded back to text): code
     completion with a file open, where the prompt's KV is most of the bytes that move.
     ``shared``: the same stretch for every prompt (a shared system prompt or document: what
-    the workers' prefix cache saves)."""
+    the workers' prefix cache saves), the ``stretch``-th (another document for each value)."""
     if context_tokens <= 0:
         return list(prompts)
     from nebula_flow.corpus import corpus_files
@@ -94,9 +95,9 @@ def with_context(prompts: list[str], context_tokens: int, model: str | Path, sha
     for f in corpus_files(None):
         # (a file's first 16k characters: fewer tokens than any model's context, so no warning)
         ids += codec.encode(f.read_text(errors="ignore")[:16_000], special=False)
-        if len(ids) >= context_tokens * (1 if shared else len(prompts)):
+        if len(ids) >= context_tokens * (stretch + 1 if shared else len(prompts)):
             break
-    heads = [codec.decode(ids[:context_tokens])] * len(prompts) if shared else \
+    heads = [codec.decode(ids[stretch * context_tokens:(stretch + 1) * context_tokens])] * len(prompts) if shared else \
         [codec.decode(ids[i * context_tokens:(i + 1) * context_tokens]) for i in range(len(prompts))]
     return [f"{head}\n{p}" for head, p in zip(heads, prompts)]
 
@@ -115,6 +116,8 @@ class BenchWorkload:
     turns: int = 1  # chat: each request a conversation of this many turns, each sent with the ones before it
     urgent_every: int = 0  # requests 0, N, 2N, ... are urgent: their latency is reported apart (``urgent_latency_s``)
     urgent_priority: int = 0  # the priority urgent requests are sent at (-1 where the policy schedules by priority)
+    # a shared start new to the deployment in each repeat (``--fresh-prefix``): the warm-up's prompts, then each repeat's
+    fresh: list[list[str]] | None = None
 
 
 # A conversation's later turns (``BenchWorkload.turns``), each asked after the answers before it.
@@ -259,14 +262,14 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
                 "workers": [p.pid for name, p in dep.procs if not is_broker(name) and name != "api"]}
         with Client(dep.address) as c:  # warm-up: first-call allocations, page faults
             try:
-                c.generate(wl.prompts[0], max_new_tokens=8)
+                c.generate(wl.fresh[0][0] if wl.fresh else wl.prompts[0], max_new_tokens=8)
             except RequestError as exc:
                 raise RuntimeError(f"{mode}: warm-up failed: {exc}") from None
         for r in range(repeats):
             for side in sides[::-1] if r % 2 else sides:  # (turns: drift of a noisy machine falls on both)
                 via = side.split()[0]
-                res = run_once(dep.address, predicted if side.endswith("predicted") else wl,
-                               url if via == "api" else None, pids)
+                res = run_once(dep.address, replace(wl, prompts=wl.fresh[r + 1]) if wl.fresh else
+                               predicted if side.endswith("predicted") else wl, url if via == "api" else None, pids)
                 hits = f", {res['ahead_hit_rate']:.0%} of rounds pre-drafted" if res["draft_ahead"].get("tasks") else ""
                 if res["fused_rate"]:
                     hits += f", {res['fused_rate']:.0%} of rounds fused"

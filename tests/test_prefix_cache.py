@@ -208,6 +208,31 @@ def test_a_bench_mode_turns_the_prefix_cache_off_and_prompts_share_a_prefix(tiny
     apart = with_context(["a", "b"], 50, tiny_pair / "target")
     assert shared[0][:-1] == shared[1][:-1] and shared[0] != shared[1]
     assert apart[0][:-1] != apart[1][:-1]
+    other = with_context(["a", "b"], 50, tiny_pair / "target", shared=True, stretch=1)  # (another document)
+    assert other[0][:-1] == other[1][:-1] and other[0][:-1] != shared[0][:-1]
+
+
+def test_bench_with_a_fresh_shared_start_each_repeat_measures_what_waiting_for_it_saves(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """``nebula-flow bench --shared-prefix N --fresh-prefix``: each repeat's requests arrive together on a
+    document the deployment has not seen; with ``wait_for_prefix`` the first computes it and the others
+    start from its KV (two of three prompts mostly cached), at 0 each computes it (nothing cached)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from nebula_flow.cli import main
+    from tests.conftest import tiny_config_file
+
+    config = tiny_config_file(tiny_pair, tmp_path)
+    args = ["bench", "--config", str(config), "--shared-prefix", "120", "--fresh-prefix", "--concurrency", "3",
+            "--requests", "3", "--max-new-tokens", "6", "--repeats", "2", "--json"]
+    res = CliRunner().invoke(main, [*args, "--modes", "pooled@wait_for_prefix=0,pooled"])
+    assert res.exit_code == 0, res.output
+    modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
+    assert [r["prompt_cached"] for r in modes["pooled@wait_for_prefix=0"]["repeats"]] == [0.0, 0.0]
+    assert all(0.5 < r["prompt_cached"] < 2 / 3 for r in modes["pooled"]["repeats"]), modes["pooled"]["repeats"]
+    bad = CliRunner().invoke(main, [*args[:3], "--fresh-prefix", "--modes", "pooled"])
+    assert bad.exit_code != 0 and "needs --shared-prefix" in bad.output
 
 
 # -- placement: where a new request's prompt start is likely held (nebula_flow/prefixes.py) ------------

@@ -69,6 +69,10 @@ from nebula_flow.roles import MODES
               help="Every request's prompt starts with the same ~TOKENS tokens of code (cut from the stdlib's "
               "sources): a shared system prompt or document, which the workers' prefix cache computes once; "
               "compare MODE@prefix_cache=false@prefix_affinity=false and MODE.")
+@click.option("--fresh-prefix", is_flag=True, help="With --shared-prefix: each repeat's requests share a start "
+              "the deployment has not seen (another stretch of code each repeat; the warm-up's its own), so the "
+              "first requests of a repeat arrive together on a new document, as a burst does: what the broker's "
+              "wait_for_prefix saves (compare MODE@wait_for_prefix=0 and MODE with --concurrency above 1).")
 @click.option("--turns", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --chat: each request is a conversation of this many turns (its prompt, then follow-up "
               "questions), each turn sent with the turns before it, as a chat user's are: what the prefix cache and "
@@ -80,7 +84,7 @@ from nebula_flow.roles import MODES
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
           temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, predict, shared_prefix,
-          turns, urgent, as_json) -> None:  # noqa: ANN001
+          fresh_prefix, turns, urgent, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
         DEFAULT_CHAT_PROMPTS,
@@ -123,13 +127,18 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     if urgent is not None and (urgent > n_requests or any(m in PEERS for m in names)):
         raise click.BadParameter("urgent requests need at least N requests, and modes of ours (HF's peers run "
                                  "one request at a time)", param_hint="--urgent")
-    prompts = [pool[i % len(pool)] for i in range(n_requests)]
+    if fresh_prefix and (not shared_prefix or len(vias) > 1 or predict or turns > 1):
+        raise click.BadParameter("a new shared start each repeat needs --shared-prefix, and one run a repeat (no "
+                                 "--via zmq,api, --predict or --turns)", param_hint="--fresh-prefix")
+    prompts, fresh = [pool[i % len(pool)] for i in range(n_requests)], None
     if shared_prefix:
         first = load_deploy(config)
         prepare_models(first)  # (its tokenizer cuts the prefix)
-        prompts = with_context(prompts, shared_prefix, first.target.model, shared=True)
-    wl = BenchWorkload(prompts, max_new_tokens, concurrency, temperature,
-                       chat=chat or edit or bool(json_schema), top_p=top_p, turns=turns, urgent_every=urgent or 0)
+        if fresh_prefix:  # (the warm-up's stretch, then one per repeat; HF's peers run the first repeat's)
+            fresh = [with_context(prompts, shared_prefix, first.target.model, True, i) for i in range(repeats + 1)]
+        prompts = fresh[1] if fresh else with_context(prompts, shared_prefix, first.target.model, shared=True)
+    wl = BenchWorkload(prompts, max_new_tokens, concurrency, temperature, chat=chat or edit or bool(json_schema),
+                       top_p=top_p, turns=turns, urgent_every=urgent or 0, fresh=fresh)
     if json_schema:
         if peers := [m for m in names if m in PEERS]:
             raise click.ClickException(f"{', '.join(peers)} cannot follow a JSON schema; bench them without --json-schema")
