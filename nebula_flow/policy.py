@@ -104,11 +104,12 @@ class PolicyConfig:
                 if not isinstance(value, bool):
                     raise PolicyError(f"{f.name} must be true or false, got {value!r}")
             elif f.type in ("int", int, "float", float):
-                if f.type in ("float", float) and isinstance(value, int | float) and not isinstance(value, bool) \
-                        and math.isfinite(value):
+                if f.type in ("float", float):  # (a share: any finite number, kept as a float)
+                    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                        raise PolicyError(f"{f.name} must be a number, got {value!r}")
                     object.__setattr__(self, f.name, value := float(value))
                 elif not isinstance(value, int) or isinstance(value, bool):
-                    raise PolicyError(f"{f.name} must be a {'whole ' if f.type in ('int', int) else ''}number, got {value!r}")
+                    raise PolicyError(f"{f.name} must be a whole number, got {value!r}")
                 lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
                 if (lo is not None and value < lo) or (hi is not None and value > hi):
                     raise PolicyError(f"{f.name} must be in {lo}..{'' if hi is None else hi}, got {value}")
