@@ -214,8 +214,9 @@ def test_a_bench_mode_turns_the_prefix_cache_off_and_prompts_share_a_prefix(tiny
 
 def test_bench_with_a_fresh_shared_start_each_repeat_measures_what_waiting_for_it_saves(tiny_pair, tmp_path) -> None:  # noqa: ANN001
     """``nebula-flow bench --shared-prefix N --fresh-prefix``: each repeat's requests arrive together on a
-    document the deployment has not seen; with ``wait_for_prefix`` the first computes it and the others
-    start from its KV (two of three prompts mostly cached), at 0 each computes it (nothing cached)."""
+    document the deployment has not seen, so in each repeat one computes it and the others start from its
+    KV (two of three prompts mostly cached: ``wait_for_prefix``); without ``--fresh-prefix`` the warm-up
+    has computed the shared start already and every request finds it (more than two thirds cached)."""
     import json
 
     from click.testing import CliRunner
@@ -224,13 +225,15 @@ def test_bench_with_a_fresh_shared_start_each_repeat_measures_what_waiting_for_i
     from tests.conftest import tiny_config_file
 
     config = tiny_config_file(tiny_pair, tmp_path)
-    args = ["bench", "--config", str(config), "--shared-prefix", "120", "--fresh-prefix", "--concurrency", "3",
-            "--requests", "3", "--max-new-tokens", "6", "--repeats", "2", "--json"]
-    res = CliRunner().invoke(main, [*args, "--modes", "pooled@wait_for_prefix=0,pooled"])
-    assert res.exit_code == 0, res.output
-    modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
-    assert [r["prompt_cached"] for r in modes["pooled@wait_for_prefix=0"]["repeats"]] == [0.0, 0.0]
-    assert all(0.5 < r["prompt_cached"] < 2 / 3 for r in modes["pooled"]["repeats"]), modes["pooled"]["repeats"]
+    args = ["bench", "--config", str(config), "--shared-prefix", "120", "--concurrency", "3", "--requests", "3",
+            "--max-new-tokens", "6", "--repeats", "2", "--json", "--modes", "pooled"]
+    cached = {}
+    for fresh in (["--fresh-prefix"], []):
+        res = CliRunner().invoke(main, [*args, *fresh])
+        assert res.exit_code == 0, res.output
+        cached[bool(fresh)] = [r["prompt_cached"] for r in json.loads(res.output.strip().splitlines()[-1])["modes"]
+                               ["pooled"]["repeats"]]
+    assert all(0.5 < c < 2 / 3 for c in cached[True]) and all(c > 2 / 3 for c in cached[False]), cached
     bad = CliRunner().invoke(main, [*args[:3], "--fresh-prefix", "--modes", "pooled"])
     assert bad.exit_code != 0 and "needs --shared-prefix" in bad.output
 
@@ -650,9 +653,9 @@ def test_a_policy_log_replays_requests_that_waited_for_a_shared_start() -> None:
 @pytest.mark.parametrize("mode", ["pooled", "elastic"])
 def test_requests_that_arrive_together_compute_their_shared_start_once(tiny_pair, mode: str) -> None:  # noqa: ANN001
     """Three requests with the same 100-token start sent at once to a fresh deployment: the first computes
-    it, the others start from its KV (their usage counts those positions as cached) and every output is
-    HF's greedy output of the target alone. With ``wait_for_prefix`` at 0 each computes it. Then three
-    seeded samples of another shared start, at once: the same tokens whether they waited or not."""
+    it, the others wait for it and start from its KV (their usage counts those positions as cached), and
+    every output is HF's greedy output of the target alone; with ``wait_for_prefix`` at 0 none waits. Then
+    three seeded samples of another shared start, at once: the same tokens whether they waited or not."""
     prompts = _prompts()
     sampled = [list(range(300, 400)) + [200 + i] for i in range(3)]
     refs = [hf_greedy(tiny_pair / "target", p, MAX_NEW) for p in prompts]
@@ -675,8 +678,12 @@ def test_requests_that_arrive_together_compute_their_shared_start_once(tiny_pair
         assert waits == (2 if share else 0) and state["waiting_for_prefix"] == 0  # (counted; none left waiting)
         for out, ref in zip(done, refs):
             assert out.token_ids[:len(ref)] == ref, (mode, share)
-        cached = sorted(d.stats["cached_tokens"] for d in done)  # (at least the whole 16-token blocks placement keys)
-        assert (cached[0] == 0 and min(cached[1:]) >= 96 if share else cached == [0, 0, 0]), (mode, share, cached)
+        # (at least the whole 16-token blocks placement keys. Without waiting, whether a later request finds
+        # the first's KV on its worker is timing; the scheduler's tests above say who waits, deterministically)
+        cached = sorted(d.stats["cached_tokens"] for d in done)
+        assert cached[0] == 0, (mode, share, cached)
+        if share:
+            assert min(cached[1:]) >= 96, (mode, cached)
     assert samples[0.5] == samples[0.0] and len({tuple(t) for t in samples[0.5]}) == 3
 
 
