@@ -61,6 +61,20 @@ def holder_key(role: str, drafter: str | None = None) -> str:
     return f"draft/{drafter}" if role == "draft" and drafter not in (None, DEFAULT_DRAFTER) else role
 
 
+def bound_work(req: Request, key: str, slots: dict[int, int], slot: int | None) -> float:
+    """The work ``req`` brings ``slot`` (``outstanding``), less the prefill its placement expects to save
+    there (where its prompt's start is likely held, ``prefixes.py``; holder ``key``; ``slots``: worker
+    -> slot). The same whether counted as it is bound or over the pool later: counted at full prompt
+    while it waits, a chat's next turn made its own worker look busier than the other by a prompt it
+    will not compute, and the next turn of another chat left the worker that held its KV."""
+    work = outstanding(req)
+    near, saved = req.affinity.get(key, (None, 0))[:2]
+    if saved and slot is not None and slots.get(near) == slot:
+        held = max((valid for _, valid in req.holders.values()), default=0)
+        work -= PROMPT_WEIGHT * max(0, min(saved, len(req.prompt)) - held)
+    return work
+
+
 def outstanding(req: Request) -> float:
     """The work a request still brings a worker, in output tokens: the output to come (at most; it
     may stop sooner) and its prompt positions no model's KV holds yet at ``PROMPT_WEIGHT`` each.
@@ -86,27 +100,27 @@ class Binder:
 
     def __init__(self) -> None:
         self.load: dict[int, float] | None = None
-        self.role = ""  # the bound workers' role
         self.since = 0  # bindings since the work was counted
 
     def reset(self) -> None:
         """The slots changed (a worker came or went): count again at the next binding."""
         self.load = None
 
-    def bind(self, mode: str, workers: Iterable[WorkerState], requests: Collection[Request], which: Iterable[Request]) -> None:
+    def bind(self, mode: str, workers: Collection[WorkerState], requests: Collection[Request], which: Iterable[Request]) -> None:
         """Bind each of ``which`` (already in ``requests``, unbound); no slot exists: left unbound."""
+        key = "colocated" if mode == "colocated" else "target"
+        role = "any" if mode == "elastic" else MODES[mode][-1]  # (the bound workers')
+        slots = {w.worker_id: w.slot for w in workers if w.role == role}  # (worker -> its slot)
         if self.load is None or self.since * self.REFRESH >= len(requests):
-            self.role = role = "any" if mode == "elastic" else MODES[mode][-1]
-            self.load, self.since = dict.fromkeys(sorted({w.slot for w in workers if w.role == role}), 0.0), 0
+            self.load, self.since = dict.fromkeys(sorted(set(slots.values())), 0.0), 0
             for r in requests:
                 if r.slot in self.load:
-                    self.load[r.slot] += outstanding(r)
+                    self.load[r.slot] += bound_work(r, key, slots, r.slot)
         load = self.load
         for r in which if load else ():
-            cost, (near, saved) = outstanding(r), r.affinity.get("colocated" if mode == "colocated" else "target", (None, 0))[:2]
-            # (where its prompt's start is likely held (``prefixes.py``), it costs that much less prefill)
-            less = {w.slot: PROMPT_WEIGHT * saved for w in workers if w.worker_id == near and w.role == self.role} \
-                if saved else {}
-            r.slot = min(load, key=lambda s: (load[s] + cost - less.get(s, 0.0), s))
-            load[r.slot] += cost - less.get(r.slot, 0.0)
+            near = slots.get(r.affinity.get(key, (None,))[0])
+            far = bound_work(r, key, slots, None)
+            here = bound_work(r, key, slots, near) if near is not None else far
+            r.slot = min(load, key=lambda s: (load[s] + (here if s == near else far), s))
+            load[r.slot] += here if r.slot == near else far
             self.since += 1

@@ -297,6 +297,27 @@ def test_elastic_binds_a_request_where_its_prefix_is_unless_that_worker_is_much_
     assert bound(elastic(True), big, near) == [0, 1]
 
 
+def test_a_next_turn_still_waiting_where_its_chat_is_counts_as_bound_when_the_pool_is_counted_again() -> None:
+    """Chats a and c were computed on worker 1 (slot 0), b and d on worker 2 (slot 1); their next turns
+    come together. d's is bound to slot 1 and still waits, c's runs on slot 0; then b's comes. Counted
+    again over the pool, d's turn weighs what it brings slot 1 (its prefill less its chat's KV held
+    there), as it did when it was bound, not its whole prompt: b's turn goes where its chat is."""
+    s = Scheduler("elastic", PolicyConfig(k=4))
+    s.prefixes = PrefixRoutes()
+    s.register(1, "any", 4)
+    s.register(2, "any", 4)
+    chats = {name: list(range(1000 + 200 * i, 1200 + 200 * i)) for i, name in enumerate("abcd")}
+    for name, chat in chats.items():
+        s.prefixes.learn(_ended(chat, {"target": (1 if name in "ac" else 2, 200)}))
+    turn = {name: _request(i, chat + [1, 2, 3]) for i, (name, chat) in enumerate(chats.items())}
+    s.admit(turn["d"])
+    s.admit(turn["c"])
+    assert (turn["d"].slot, turn["c"].slot) == (1, 0)
+    turn["c"].holders, turn["c"].output = {"target": (1, 202)}, [5]  # (c's turn runs: its prompt is held)
+    s.admit(turn["b"])
+    assert turn["b"].slot == 1
+
+
 def test_a_busy_pooled_worker_leaves_a_request_to_the_worker_holding_its_prefix_an_idle_one_does_not() -> None:
     def pooled() -> Scheduler:
         s = Scheduler("pooled", PolicyConfig(k=4))
@@ -366,8 +387,9 @@ def test_a_policy_log_replays_placement_by_prefix() -> None:
 def test_a_chats_next_turns_go_where_their_last_turns_kv_is(tiny_pair, mode: str) -> None:  # noqa: ANN001
     """Four conversations at once on two workers, then their next turns at once: each next turn is
     bound to the worker that holds its conversation so far, and starts from that KV (they come in
-    the other order: bound by load alone, they would go to the other worker)."""
-    firsts = [list(range(300 + 50 * i, 340 + 50 * i)) for i in range(4)]
+    the other order: bound by load alone, they would go to the other worker). The chats are long
+    enough that the prefill their KV saves outweighs how far the other turns have got, which is timing."""
+    firsts = [np.random.default_rng(i).integers(5, 500, 200).tolist() for i in range(4)]
     with Deployment(deploy_config(tiny_pair, mode, *((1, 1) if mode == "elastic" else (0, 2)))) as dep:
         turns = asyncio.run(_at_once(dep.address, firsts))
         nexts = [p + out + [7, 8, 9] for p, out in zip(firsts, turns)]
