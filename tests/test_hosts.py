@@ -122,7 +122,7 @@ def test_workers_on_other_hosts_with_keys_and_kv_over_tcp(hosts, tiny_pair, tmp_
             start(name, ["worker", "--options", str(tmp_path / f"{name}.json")])
         # (prompts of a few hundred tokens: the pull of a prompt's KV takes a second over the shaped
         # link, a round's few positions tens of milliseconds, so the check sees both ends of the model)
-        prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((4, 160, 320))]
+        prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((4, 160, 320, 40, 240))]
         res = subprocess.run(["ip", "netns", "exec", hosts["broker"], sys.executable, "-c", CLIENT,
                               f"tcp://{HOSTS['broker']}:5555", json.dumps(prompts), str(len(WORKERS))],
                              capture_output=True, text=True, timeout=300, env=dict(os.environ, NEBULA_FLOW_KEYS=str(keys)))
