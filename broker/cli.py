@@ -29,7 +29,8 @@ _D = BrokerOptions()
 @click.option("--proposal-top-k", type=int, default=None,
               help=f"Entries of the draft distribution q sent with each sampled draft token. [default: {_D.proposal_top_k}]")
 @click.option("--max-pending", type=int, default=None,
-              help=f"Admission limit; beyond it clients get BUSY. [default: {_D.max_pending}]")
+              help=f"Admission limit; beyond it clients get BUSY (with priority scheduling, a more urgent "
+                   f"request takes the place of the least urgent one not started). [default: {_D.max_pending}]")
 @click.option("--heartbeat-s", type=float, default=None, help=f"Heartbeat interval. [default: {_D.heartbeat_s}]")
 @click.option("--liveness-s", type=float, default=None,
               help=f"Silence after which a worker is declared dead. [default: {_D.liveness_s}]")

@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from nebula_flow import protocol
+from nebula_flow import displace, protocol
 from nebula_flow.protocol import Cancel, Done, ProtocolError, State, Status, Submit, TaskResult, Tokenize, Tokens
 from nebula_flow.request import Request
 from nebula_flow.wire import req_id_of
@@ -122,8 +122,9 @@ class Intake:
         if self.inflight_by_owner[identity] >= self.opts.max_inflight_per_client:
             raise ProtocolError("busy", f"this client already has {self.opts.max_inflight_per_client} requests in flight")
         if self.admission.slow(msg):  # (tokenizing.py)
-            self.admission.params(msg, grammar=False)  # (bad parameters are refused before the work)
-            if len(self.scheduler.requests) + len(self.prompts.waiting) >= self.opts.max_pending:
+            params = self.admission.params(msg, grammar=False)  # (bad parameters are refused before the work)
+            if len(self.scheduler.requests) + len(self.prompts.waiting) >= self.opts.max_pending \
+                    and not self._displace(params.priority):
                 raise ProtocolError("busy", f"{self.opts.max_pending} requests pending; retry later")
             self.owners[req_id] = owner
             self.inflight_by_owner[identity] += 1
@@ -167,7 +168,7 @@ class Intake:
         """Make a SUBMIT (counted in flight for its client already) a request of the pool."""
         try:
             req = self.admission.request(self.next_rid, msg, identity, now, prompt)
-            if len(self.scheduler.requests) >= self.opts.max_pending:
+            if len(self.scheduler.requests) >= self.opts.max_pending and not self._displace(req.params.priority):
                 raise ProtocolError("busy", f"{self.opts.max_pending} requests pending; retry later")
         except ProtocolError:
             self._release(identity)
@@ -182,6 +183,16 @@ class Intake:
             self.counters["prefix_waits"] += 1
         self.round_times.admitted(req.rid, time.perf_counter())
         self._prompt_facts(identity, req)
+
+    def _displace(self, priority: int) -> bool:
+        """The pool is full: turn its least urgent request not started away for a new one of
+        ``priority`` (``displace.py``); False: none is less urgent (the new one is refused)."""
+        if (away := displace.displaced_by(self.scheduler, priority)) is None:
+            return False
+        self.counters["displaced"] += 1
+        self._finish(away.rid, "error", ("busy", f"turned away from a full pool ({self.opts.max_pending} requests "
+                                                 f"pending) for a more urgent request; retry later"))
+        return True
 
     def _prompt_facts(self, identity: bytes, req: Request) -> None:
         """What a request asked to know of its prompt before its first tokens: its text (echo) and its token count."""

@@ -40,6 +40,9 @@ def families(state: dict[str, Any]) -> list[Metric]:
     family("nebula_output_tokens_total", "counter", "Committed output tokens.", [(c.get("tokens_out", 0), None)])
     family("nebula_prefix_waits_total", "counter", "Requests that waited for another request computing their "
            "prompt's start, then started from its KV (policy knob wait_for_prefix).", [(c.get("prefix_waits", 0), None)])
+    family("nebula_requests_displaced_total", "counter", "Requests not started that a full pool (max_pending) turned "
+           "away, with a busy error, for a more urgent request (priority scheduling; also counted as failed).",
+           [(c.get("displaced", 0), None)])
     family("nebula_task_tokens_total", "counter", "Token ids the broker sent in tasks (each carries what its worker "
            "lacks), the positions those tasks covered, and tasks sent again whole because their worker lacked the rest.",
            [(c.get(kind, 0), {"kind": kind}) for kind in ("task_tokens", "task_positions", "tokens_resent")])

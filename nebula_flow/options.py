@@ -25,7 +25,7 @@ class BrokerOptions:
     model_name: str | None = None  # what clients call the target (the config's model as written; /v1/models)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     proposal_top_k: int = 16  # entries of the draft distribution q sent with each sampled draft token
-    max_pending: int = 1024  # admission limit; beyond it clients get BUSY
+    max_pending: int = 1024  # admission limit; beyond it clients get BUSY (or, more urgent, displace one: displace.py)
     max_inflight_per_client: int = 256
     max_new_tokens_limit: int = 4096
     heartbeat_s: float = 1.0

@@ -57,7 +57,9 @@ class PolicyConfig:
                                    lo=0.0, hi=1.0)
     priority_scheduling: bool = _knob(False, "Queued tasks go by their requests' priority (vLLM's request parameter and "
                                       "--scheduling-policy priority: lower first, equal ones by arrival), each round "
-                                      "again; off: by arrival, and a priority other than 0 is refused.")
+                                      "again, and a full pool (max_pending) turns away its least urgent request not "
+                                      "started for a more urgent one; off: by arrival, and a priority other than 0 is "
+                                      "refused.")
     merge_batches: bool = _knob(True, "Give a busy worker no small batch beside a bigger running one (two half batches "
                                 "would alternate for ever); the tasks join the returning ones instead.")
     adaptive_k: bool = _knob(False, "Choose each round's k in 0..k from the request's decayed acceptance, for the most "

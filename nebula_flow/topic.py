@@ -127,6 +127,14 @@ class Topic:
         """How many queued tasks ``holder`` holds."""
         return sum(level.held(holder) for level in self._levels.values())
 
+    def least_urgent(self, than: int) -> Iterator[int]:
+        """Queued request ids of a priority number above ``than``: the least urgent first, each
+        priority's latest first (whom a full pool turns away for a more urgent request: ``displace``)."""
+        for level in reversed(self._levels.values()):
+            if level.priority <= than:
+                return
+            yield from reversed(level._seq)
+
     def head_priority(self) -> float:
         """The most urgent priority queued (infinity when none is)."""
         return next(iter(self._levels), math.inf)

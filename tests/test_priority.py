@@ -294,3 +294,80 @@ def test_status_shows_queued_tasks_by_priority_summed_over_shards() -> None:
     assert merged["queued_by_priority"] == {"-1": 3, "0": 1, "3": 2, "10": 1}
     assert "  queued by priority: -1: 3, 0: 1, 3: 2, 10: 1" in status_lines(merged)
     assert not any("queued by priority" in line for line in status_lines(base))  # (scheduling by arrival: no line)
+
+
+def test_a_full_pool_turns_away_its_least_urgent_unstarted_request_for_a_more_urgent_one() -> None:
+    from nebula_flow.displace import displaced_by
+    from nebula_flow.prefixes import PrefixRoutes
+
+    s = Scheduler("pooled", PolicyConfig(k=2, priority_scheduling=True))
+    s.prefixes = PrefixRoutes()
+    reqs = {rid: _req(rid, priority) for rid, priority in ((0, 5), (1, 5), (2, 3), (3, 9), (4, 0))}
+    for r in reqs.values():
+        s.admit(r)
+    assert list(s.topics["draft"].least_urgent(3)) == [3, 1, 0]  # (least urgent first, each priority's latest first)
+    assert displaced_by(s, 0) is reqs[3] and displaced_by(s, 8) is reqs[3]
+    reqs[3].holders = {"draft": (1, 2)}  # (its prompt's KV is computed somewhere: started, never turned away)
+    assert displaced_by(s, 0) is reqs[1]
+    reqs[1].output = [7]  # (started: it has output)
+    assert displaced_by(s, 0) is reqs[0] and displaced_by(s, 3) is reqs[0]
+    assert displaced_by(s, 5) is None and displaced_by(s, 9) is None  # (none less urgent than the new one)
+    # a request waiting for another computing its prompt's start is on no topic, and not started
+    late = _req(9, 7)
+    s.requests[late.rid] = late
+    s.prefixes.followers[4] = [(late.rid, 64)]
+    assert displaced_by(s, 0) is late and displaced_by(s, 6) is late and displaced_by(s, 7) is None
+
+
+def test_an_urgent_request_takes_the_place_of_the_last_queued_one_in_a_full_pool(tiny_pair) -> None:  # noqa: ANN001
+    """A pool of eight with its workers frozen (what reached them is not started: their results have
+    not come back), eight background requests, then an urgent one: the last background request is
+    turned away (busy) and the urgent one admitted; a ninth background request is refused itself.
+    Thawed, the urgent one and the seven others end with the target's own greedy output."""
+    import signal
+
+    from nebula_flow.client import Busy
+    from nebula_flow.deploy import is_broker
+    from nebula_flow.metrics import render
+
+    lows = [[30 + i, 31 + i, 32 + i] for i in range(9)]
+    urgent = [90, 91, 92]
+    cfg = deploy_config(tiny_pair, "elastic", 1, 1, max_batch=2)
+    cfg.broker.policy = cfg.broker.policy.replace(priority_scheduling=True)
+    cfg.broker.max_pending = 8
+
+    async def run(dep: Deployment, frozen: list[str]) -> tuple[dict[str, object], dict]:
+        out: dict[str, object] = {}
+        async with AsyncClient(dep.address) as client:
+            async def one(name: str, prompt: list[int], priority: int) -> None:
+                try:
+                    out[name] = await client.generate(token_ids=prompt, max_new_tokens=8, ignore_eos=True,
+                                                      priority=priority)
+                except Busy as exc:
+                    out[name] = exc
+            sent = [asyncio.create_task(one(f"low{i}", p, 5)) for i, p in enumerate(lows[:8])]
+            async with asyncio.timeout(60):
+                while (await client.status())["pool"] < 8:  # (all eight admitted before the urgent one comes)
+                    await asyncio.sleep(0.01)
+                sent.append(asyncio.create_task(one("urgent", urgent, 0)))
+                while not {"low7", "urgent"} & set(out):  # (an answer: the last one turned away, or the urgent refused)
+                    await asyncio.sleep(0.01)
+            await one("low8", lows[8], 5)  # (the pool is full of requests as urgent as it)
+            for name in frozen:
+                dep.kill(name, signal.SIGCONT)
+            await asyncio.gather(*sent)
+            return out, await client.status()
+
+    with Deployment(cfg) as dep:
+        frozen = [name for name, _ in dep.procs if not is_broker(name)]
+        for name in frozen:
+            dep.kill(name, signal.SIGSTOP)
+        out, state = asyncio.run(run(dep, frozen))
+    for name in ("low7", "low8"):
+        assert isinstance(out[name], Busy), out
+    assert "more urgent" in out["low7"].message and "more urgent" not in out["low8"].message
+    assert out["urgent"].token_ids == hf_greedy(tiny_pair / "target", urgent, 8)
+    for i in range(7):
+        assert out[f"low{i}"].token_ids == hf_greedy(tiny_pair / "target", lows[i], 8), i
+    assert state["counters"]["displaced"] == 1 and state["errors"]["busy"] == 2
+    assert "nebula_requests_displaced_total 1.0" in render(state)
