@@ -33,7 +33,7 @@ from nebula_flow.outputs import Busy, Chunk, Completion, NebulaError, RequestErr
 from nebula_flow.params import SamplingParams
 from nebula_flow.protocol import Cancel, Chunks, Done, Error, Msg, ProtocolError, State, Status, Submit, Tokens
 from nebula_flow.shards import addresses as shard_addresses
-from nebula_flow.shards import merge_states, shard_of
+from nebula_flow.shards import merge_states, route, shard_of
 
 
 def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, session: str | None = None,
@@ -271,10 +271,12 @@ class Client:
 
     def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
                **params: Any) -> Iterator[Chunk | Completion]:
-        """Yield a ``Chunk`` per verify step, then the final ``Completion``."""
+        """Yield a ``Chunk`` per verify step, then the final ``Completion``. Besides ``SamplingParams``:
+        ``request_id`` (default: a new one), ``prompt_cache_key`` (requests sharing one go to one
+        broker shard: ``shards.route``)."""
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
+        conn = self.conns[route(req_id, params.pop("prompt_cache_key", None), len(self.conns))]
         submit = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
-        conn = self.conns[shard_of(req_id, len(self.conns))]
         self._send(conn, submit)
         col = _Collector()
         finished, attempts = False, 0
@@ -415,10 +417,10 @@ class AsyncClient:
                      **params: Any) -> AsyncIterator[Chunk | Completion]:
         self._start()
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
+        conn = self.conns[route(req_id, params.pop("prompt_cache_key", None), len(self.conns))]
+        msg = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues[req_id] = queue
-        msg = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
-        conn = self.conns[shard_of(req_id, len(self.conns))]
         self.inflight[req_id] = (conn, msg)
         await self._send(conn, msg)
         col = _Collector()

@@ -1,7 +1,8 @@
 """Broker shards: several brokers, each owning a slice of a deployment's requests.
 
-A client sends each request to the shard its id hashes to (``shard_of``), so every message about
-that request (its tokens, a cancel, a re-attach) stays with one broker; workers serve every shard
+A client sends each request to the shard its id hashes to (``shard_of``), or its
+``prompt_cache_key`` where it has one (``route``), so every message about that request (its
+tokens, a cancel, a re-attach) stays with one broker; workers serve every shard
 (``workers/link.py``). Nothing is coordinated per round: a shard is a whole broker, and adding
 one adds dispatch capacity. Shard ``i`` of ``n`` numbers its requests ``i+1, i+1+n, ...``, so a
 worker's KV and FREEs never confuse two shards' requests. ``merge_states`` makes the status of
@@ -31,6 +32,17 @@ def addresses(value: str) -> list[str]:
 def shard_of(req_id: str, shards: int) -> int:
     """The shard that owns request ``req_id`` (a stable hash: any client finds the same one)."""
     return zlib.crc32(req_id.encode()) % shards if shards > 1 else 0
+
+
+def route(req_id: str, prompt_cache_key: str | None, shards: int) -> int:
+    """The shard a request goes to: its ``prompt_cache_key``'s where it has one (OpenAI's name for a
+    caching hint: requests that share one, a chat's turns or questions on one document, go to one
+    shard, whose placement by prefix knows where the earlier ones' KV is held), else its id's. A
+    shard knows only its own requests' prompts (``prefixes.py``), so by id alone a chat's next turn
+    found its last turn's KV on one shard in ``shards``."""
+    if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
+        raise ValueError(f"prompt_cache_key must be a string, got {type(prompt_cache_key).__name__}")
+    return shard_of(prompt_cache_key or req_id, shards)
 
 
 def _add(a: Any, b: Any) -> Any:

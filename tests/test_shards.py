@@ -227,3 +227,41 @@ def test_status_text_names_each_shard_and_a_workers_kv_pull_failures_and_skipped
     # new requests waiting for one computing their prompt's start (wait_for_prefix) are named where there are some
     assert status_lines(dict(state, waiting_for_prefix=2))[0] == ("mode pooled, up 12 s, 3 requests in the pool "
                                                                   "(2 waiting for a shared prompt start), topics {'draft': 1}")
+
+
+def test_requests_sharing_a_prompt_cache_key_go_to_one_shard_where_a_chats_next_turn_finds_its_kv(tiny_pair) -> None:  # noqa: ANN001
+    """OpenAI's ``prompt_cache_key``: requests that share one go to the shard it hashes to, whatever
+    their ids (the client library, and the real ``openai`` client through the HTTP API), so a chat's
+    next turn is placed by the shard that placed its last turn, and starts from that turn's KV."""
+    import openai
+
+    from nebula_flow.client import Client
+
+    key, ids = "chat-a", ["turn-1", "turn-3", "turn-4"]
+    mine = shard_of(key, 2)
+    turn1 = [(13 * j) % 400 + 20 for j in range(120)]
+    with Deployment(_sharded(tiny_pair, 2)) as dep:
+        with Client(dep.address) as c:
+            first = c.generate(token_ids=turn1, max_new_tokens=8, ignore_eos=True, request_id=ids[0],
+                               prompt_cache_key=key)
+            turn2 = turn1 + first.token_ids + [5, 6, 7]
+            nexts = [c.generate(token_ids=turn2, max_new_tokens=8, ignore_eos=True, request_id=i, prompt_cache_key=key)
+                     for i in ids[1:]]
+            with pytest.raises(ValueError, match="prompt_cache_key must be a string"):
+                c.generate(token_ids=turn1, max_new_tokens=2, prompt_cache_key=7)
+            by_client = c.status()["by_shard"]
+        url = dep.start_api("127.0.0.1", 0, model_name="tiny")
+        api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for i in range(4):
+            api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"def f{i}(x):"}],
+                                        max_tokens=4, temperature=0, prompt_cache_key=key, safety_identifier="u-1")
+        with pytest.raises(openai.BadRequestError, match="prompt_cache_key must be a string"):
+            api.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"prompt_cache_key": 7})
+        with Client(dep.address) as c:
+            by_api = c.status()["by_shard"]
+    assert {shard_of(i, 2) for i in ids} == {0, 1}  # (by id they would have gone to both shards)
+    assert by_client[mine]["rounds"] > 0 and by_client[1 - mine]["rounds"] == 0, by_client
+    assert by_api[1 - mine]["rounds"] == 0 and by_api[mine]["rounds"] > by_client[mine]["rounds"], by_api
+    for done in nexts:  # (placed where turn 1's KV is, and started from it)
+        assert done.stats["cached_tokens"] >= len(turn1) + len(first.token_ids) - 1, done.stats
+        assert done.token_ids == hf_greedy(tiny_pair / "target", turn2, 8)

@@ -46,7 +46,8 @@ UNSUPPORTED = {
     "audio": (None,), "modalities": (None, ["text"]),
     "web_search_options": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
 }
-IGNORED = {"user", "metadata"}  # accepted, no effect on the output (as OpenAI: for the caller's bookkeeping)
+IGNORED = {"user", "safety_identifier", "metadata"}  # accepted, no effect (as OpenAI: the caller's bookkeeping)
+MAX_KEY_CHARS = 1024  # a prompt_cache_key's (or user's, safety_identifier's) longest
 
 
 @dataclass
@@ -125,9 +126,14 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
     n = body.get("n")
     if n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
         raise invalid("n", f"n must be an integer from 1 to {MAX_CHOICES}, got {n!r}")
-    if not isinstance(body.get("user", ""), str) or not isinstance(body.get("metadata") or {}, dict):
-        raise invalid("user", "user must be a string and metadata an object")
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        if not isinstance(body.get(name, ""), str) or len(body.get(name, "")) > MAX_KEY_CHARS:
+            raise invalid(name, f"{name} must be a string of at most {MAX_KEY_CHARS} characters")
+    if not isinstance(body.get("metadata") or {}, dict):
+        raise invalid("metadata", "metadata must be an object")
     params: dict[str, Any] = {}
+    if body.get("prompt_cache_key"):  # (requests sharing one go to one broker shard: shards.route)
+        params["prompt_cache_key"] = body["prompt_cache_key"]
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     if 0 < temperature < MIN_TEMPERATURE:
         raise invalid("temperature", f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
@@ -466,7 +472,7 @@ SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  "repetition_penalty", "min_tokens", "logit_bias", "response_format", "structured_outputs", "cache_salt",
                  "priority", "prompt_logprobs", "include_stop_str_in_output", "truncate_prompt_tokens",
                  "return_tokens_as_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
-                 *GUIDED)
+                 "prompt_cache_key", *GUIDED)
 COMPLETION_FIELDS = (*SHARED_FIELDS, "prompt", "logprobs", "echo")
 CHAT_FIELDS = (*SHARED_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                "reasoning_effort",

@@ -111,7 +111,8 @@ def parse(body: Any, store: ResponseStore) -> Ask:  # noqa: ANN401
         raise invalid("instructions", "instructions must be a string")
     chat: dict[str, Any] = {"model": body.get("model"), "messages": ([{"role": "system", "content": instructions}]
                                                                      if instructions else []) + history}
-    for name in ("temperature", "top_p", "stream", "user", "metadata", "parallel_tool_calls", *PASSED):
+    for name in ("temperature", "top_p", "stream", "user", "safety_identifier", "prompt_cache_key", "metadata",
+                 "parallel_tool_calls", *PASSED):
         if body.get(name) is not None:
             chat[name] = body[name]
     if (limit := body.get("max_output_tokens")) is not None:
@@ -138,7 +139,7 @@ def parse(body: Any, store: ResponseStore) -> Ask:  # noqa: ANN401
     if not isinstance(keep, bool):
         raise invalid("store", "store must be a boolean")
     echoed = {name: body.get(name) for name in ("instructions", "max_output_tokens", "previous_response_id",
-                                                "metadata", "user")}
+                                                "metadata", "user", "safety_identifier", "prompt_cache_key")}
     echoed.update(temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
                   tools=body.get("tools") or [], tool_choice=body.get("tool_choice", "auto"),
                   parallel_tool_calls=body.get("parallel_tool_calls", True),
