@@ -192,8 +192,11 @@ def test_continuous_usage_stats_count_every_event(served) -> None:  # noqa: ANN0
     assert chat[0].choices[0].delta.role == "assistant" and (chat[0].usage.prompt_tokens, chat[0].usage.completion_tokens) \
         == (prompt, 0)
     assert [e.usage.prompt_tokens for e in chat] == [prompt] * len(chat) and chat[-2].usage.completion_tokens == 5
-    plain = list(client.completions.create(**body, stream_options={"include_usage": True}))
-    assert all(e.usage is None for e in plain[:-1])  # (asked for only)
+    plain = list(client.completions.create(**body, stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert all(e.usage is None for e in plain[:-1])  # (asked for only; no obfuscation, as asked)
+    quiet = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=2, verbosity="medium",
+                                           prompt_cache_key="c-1", safety_identifier="u-1")
+    assert quiet.usage.completion_tokens <= 2  # (OpenAI's newer fields, accepted where they ask nothing else)
 
 
 def test_choices_past_the_admission_limit_are_refused_whole(strict) -> None:  # noqa: ANN001
@@ -722,6 +725,12 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, 400,
      "stream_options"),
+    ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"include_obfuscation": True}}, 400,
+     "stream_options"),
+    ({"model": "tiny", "prompt": "x", "verbosity": "high"}, 400, "verbosity"),
+    ({"model": "tiny", "prompt": "x", "prompt_cache_key": 7}, 400, "prompt_cache_key"),
+    ({"model": "tiny", "prompt": "x", "prompt_cache_key": "k" * 1025}, 400, "prompt_cache_key"),
+    ({"model": "tiny", "prompt": "x", "safety_identifier": ["u"]}, 400, "safety_identifier"),
     ({"model": "tiny", "prompt": ["a", ""]}, 400, "prompt[1]"),
     ({"model": "tiny", "prompt": [[5, 6], "b", 7]}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
@@ -773,7 +782,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
           "return_tokens_as_token_ids", "continue_final_message", "add_generation_prompt", "prompt_logprobs",
           "tokens", "add_special_tokens", "return_token_strs", "input", "instructions", "max_output_tokens", "store",
-          "previous_response_id", "text", "include", "tools", "tool_choice"]
+          "previous_response_id", "text", "include", "tools", "tool_choice", "prompt_cache_key", "safety_identifier",
+          "verbosity"]
 VALUES = JSON | st.sampled_from(["tiny", "hi", 1, 4, 0.5, True, [{"role": "user", "content": "hi"}], [1, 2, 3]])
 PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"])
 OPTIONAL = {f: VALUES for f in FIELDS[3:]}

@@ -45,6 +45,7 @@ UNSUPPORTED = {
     "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]),
     "web_search_options": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
+    "verbosity": (None, "medium"),
 }
 IGNORED = {"user", "safety_identifier", "metadata"}  # accepted, no effect (as OpenAI: the caller's bookkeeping)
 MAX_KEY_CHARS = 1024  # a prompt_cache_key's (or user's, safety_identifier's) longest
@@ -343,9 +344,14 @@ def _streaming(body: dict[str, Any], params: dict[str, Any]) -> tuple[bool, bool
         return stream, False
     if not stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true")
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or not all(
-            isinstance(options.get(k, False), bool) for k in options):
-        raise invalid("stream_options", "stream_options takes include_usage and continuous_usage_stats (booleans)")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats", "include_obfuscation"} \
+            or not all(isinstance(options.get(k, False), bool) for k in options):
+        raise invalid("stream_options", "stream_options takes include_usage, continuous_usage_stats and "
+                      "include_obfuscation (booleans)")
+    if options.get("include_obfuscation"):  # (OpenAI's padding of each event against size side channels)
+        raise ApiError(400, "stream_options.include_obfuscation is not supported by this server (its events carry no "
+                       "obfuscation field): send false or leave it out", param="stream_options",
+                       code="unsupported_parameter")
     if options.get("continuous_usage_stats"):
         params["prompt_count"] = True
     return True, options.get("include_usage", False)
