@@ -38,8 +38,8 @@ def route(req_id: str, prompt_cache_key: str | None, shards: int) -> int:
     """The shard a request goes to: its ``prompt_cache_key``'s where it has one (OpenAI's name for a
     caching hint: requests that share one, a chat's turns or questions on one document, go to one
     shard, whose placement by prefix knows where the earlier ones' KV is held), else its id's. A
-    shard knows only its own requests' prompts (``prefixes.py``), so by id alone a chat's next turn
-    found its last turn's KV on one shard in ``shards``."""
+    shard knows only its own requests' prompts (``prefixes.py``): by id alone, a chat's next turn
+    reaches the shard that placed its last turn one time in ``shards``."""
     if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
         raise ValueError(f"prompt_cache_key must be a string, got {type(prompt_cache_key).__name__}")
     return shard_of(prompt_cache_key or req_id, shards)
