@@ -377,7 +377,7 @@ class Broker(Intake):
             "shard": self.opts.shard, "shards": self.opts.shards,
             "draining": self.draining_since is not None,  # (SIGTERM: in-flight requests finish, new ones are refused)
             "pool": len(self.scheduler.requests), "topics": self.scheduler.depth(), "roles": list(MODES[self.opts.mode]),
-            "waiting_for_prefix": sum(r.waits_for is not None for r in self.scheduler.requests.values()),  # (prefixes.py)
+            "waiting_for_prefix": self.scheduler.prefixes.waiting(self.scheduler.requests) if self.scheduler.prefixes else 0,
             **({"queued_by_priority": queued_by_priority(self.scheduler.topics.values())}
                if self.opts.policy.priority_scheduling else {}),
             "model": self.opts.model_name, "max_model_len": self.admission.max_model_len,  # (what the HTTP API serves)

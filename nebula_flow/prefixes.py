@@ -97,6 +97,11 @@ class PrefixRoutes:
             self.computing_keys[req.rid] = keys
         return None
 
+    def waiting(self, pool: Collection[int]) -> int:
+        """How many requests of ``pool`` (request ids) wait for another's first tokens (``leader``):
+        counted over the waiting, not the pool (status and /metrics ask it every scrape)."""
+        return sum(rid in pool for waiting in self.followers.values() for rid, _ in waiting)
+
     def learn(self, req: Request) -> None:
         """``req``'s holders (holder key -> (worker, positions held)) hold its tokens' KV: at its first
         tokens (its prompt's is held) and as it ends."""

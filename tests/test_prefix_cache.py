@@ -603,7 +603,9 @@ def test_requests_that_arrive_together_wait_for_the_one_computing_their_shared_s
         s.admit(r)
     assert [r.waits_for for r in (first, same, other, little, cancelled)] == [None, 1, None, None, 1]
     assert _topics(s) == {1, 3, 4}  # (the two that wait are in the pool, on no topic)
+    assert s.prefixes.waiting(s.requests) == 2
     s.finish(5)
+    assert s.prefixes.waiting(s.requests) == 1  # (the status counts those still in the pool)
     s.pull(1, 8, idle=True, now=0.0)
     [(_, drafts)] = s.dispatch()
     for r in drafts:
