@@ -159,14 +159,15 @@ async def _conversation(client: Any, wl: BenchWorkload, i: int, prompt: str,  # 
                         **params: Any) -> list[Completion]:  # noqa: ANN401
     """Request ``i`` as a chat of ``wl.turns`` turns: ``prompt``, then ``FOLLOW_UPS``, each sent
     with the conversation so far (what a chat user sends: the earlier turns' KV is what the
-    workers' prefix cache and the broker's placement by prefix keep)."""
+    workers' prefix cache and the broker's placement by prefix keep), under one ``prompt_cache_key``
+    (with broker shards, its turns go to one: ``shards.route``)."""
     history: list[dict[str, str]] = []
     outs = []
     for turn in range(wl.turns):
         history.append({"role": "user", "content": prompt if turn == 0 else FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]})
         out = await client.generate(messages=list(history), max_new_tokens=wl.max_new_tokens,
                                     temperature=wl.temperature, top_p=wl.top_p, seed=i * wl.turns + turn,
-                                    ignore_eos=wl.ignore_eos, **params)
+                                    ignore_eos=wl.ignore_eos, prompt_cache_key=f"conversation-{i}", **params)
         history.append({"role": "assistant", "content": out.text})
         outs.append(out)
     return outs

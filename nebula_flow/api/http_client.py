@@ -27,7 +27,7 @@ from nebula_flow.client import Busy, Chunk, Completion, NebulaError, RequestErro
 PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
           "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "structured": "structured_outputs",
           "logit_bias": "logit_bias", "prediction": "prediction", "cache_salt": "cache_salt",
-          "priority": "priority"}
+          "priority": "priority", "prompt_cache_key": "prompt_cache_key"}
 
 
 class HttpClient:
