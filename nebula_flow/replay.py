@@ -35,6 +35,7 @@ class Record:
     finish_reason: str | None = None
     error: str | None = None
     priority: int = 0  # the trace's (a broker with priority_scheduling orders rounds by it)
+    cached_tokens: int = 0  # of its prompt's, copied or pulled from other requests' KV (the prefix cache)
 
 
 class Progress:
@@ -78,7 +79,8 @@ async def replay(address: str, reqs: list[TraceRequest], prompts: PromptSource |
             if req.prompt is not None:
                 kwargs["prompt"] = req.prompt
             else:
-                kwargs["token_ids"] = req.prompt_tokens if req.prompt_tokens is not None else prompts.take(req.prompt_len)
+                kwargs["token_ids"] = req.prompt_tokens if req.prompt_tokens is not None else \
+                    prompts.blocks(req.blocks, req.prompt_len) if req.blocks else prompts.take(req.prompt_len)
                 rec.prompt_tokens = len(kwargs["token_ids"])
             bar.inflight += 1
             try:
@@ -89,6 +91,7 @@ async def replay(address: str, reqs: list[TraceRequest], prompts: PromptSource |
                         rec.tokens, rec.rounds = len(item.token_ids), item.rounds
                         rec.tokens_per_round, rec.finish_reason = item.tokens_per_round, item.finish_reason
                         rec.prompt_tokens = rec.prompt_tokens or item.stats.get("prompt_tokens", 0)
+                        rec.cached_tokens = int(item.stats.get("cached_tokens", 0))
                     else:
                         bar.tokens += len(item.token_ids)
             except (NebulaError, ValueError) as exc:
@@ -116,6 +119,7 @@ def summarize(records: list[Record], wall_s: float, report: dict[str, Any] | Non
         "tokens": tokens, "tokens_per_s": tokens / max(wall_s, 1e-9), "requests_per_s": len(ok) / max(wall_s, 1e-9),
         "round_rate": rounds / max(wall_s, 1e-9), "tokens_per_round": tokens / max(rounds, 1),
         "ttft_s": percentiles([r.ttft_s for r in ok]), "inter_chunk_s": percentiles(gaps),
+        "prompt_cached": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
         "latency_s": percentiles([r.latency_s for r in ok]), "shaping": report or {},
         # (a trace of several priorities: each one's completed requests apart, most urgent first)
         **({"by_priority": {str(p): {"completed": len(group), "ttft_s": percentiles([r.ttft_s for r in group]),

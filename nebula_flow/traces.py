@@ -10,6 +10,16 @@ JSONL, one request per line::
 Azure CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``): arrivals relative to the first row;
 prompts of ``ContextTokens`` tokens are cut from a corpus (the Python standard library's
 sources, tokenized with the served model's tokenizer), since the trace holds no text.
+
+Mooncake's JSONL (the traces of Kimi's serving, FAST '25; ``timestamp`` in milliseconds)::
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48, ...]}
+
+It holds no text either, but says which prompts share a start: each hash id stands for a block of
+``HASH_BLOCK`` tokens, and requests whose ``hash_ids`` begin alike begin with the same tokens. A
+prompt is its blocks' tokens (each id a stretch of the corpus of its own, the same for every
+request that names it), cut to ``input_length``: the prefix cache and placement by prefix see the
+sharing the trace records.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "priority")
+HASH_BLOCK = 512  # tokens a Mooncake trace's hash id stands for
 
 
 class TraceError(ValueError):
@@ -37,6 +48,7 @@ class TraceRequest:
     prompt_tokens: list[int] | None = None
     prompt_len: int | None = None  # synthesize a prompt of this many tokens
     params: dict[str, Any] = field(default_factory=dict)
+    blocks: list[int] | None = None  # with prompt_len: its prompt is these blocks' tokens (Mooncake's hash_ids)
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
@@ -56,15 +68,30 @@ def _load_jsonl(path: Path) -> list[TraceRequest]:
             continue
         try:
             raw = json.loads(line)
-            req = TraceRequest(float(raw.get("arrival_s", 0.0)), int(raw.get("max_new_tokens", 64)),
-                               raw.get("prompt"), raw.get("prompt_tokens"), raw.get("prompt_len"),
-                               {k: raw[k] for k in SAMPLING_KEYS if k in raw})
+            if "hash_ids" in raw:
+                req = _mooncake(raw)
+            else:
+                req = TraceRequest(float(raw.get("arrival_s", 0.0)), int(raw.get("max_new_tokens", 64)),
+                                   raw.get("prompt"), raw.get("prompt_tokens"), raw.get("prompt_len"),
+                                   {k: raw[k] for k in SAMPLING_KEYS if k in raw})
         except (ValueError, TypeError, AttributeError) as exc:
             raise TraceError(f"{path}:{n}: {exc}") from None
         if sum(x is not None for x in (req.prompt, req.prompt_tokens, req.prompt_len)) != 1:
             raise TraceError(f"{path}:{n}: give exactly one of prompt, prompt_tokens, prompt_len")
         out.append(req)
     return out
+
+
+def _mooncake(raw: dict[str, Any]) -> TraceRequest:
+    """A line of Mooncake's format: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``."""
+    if missing := [k for k in ("timestamp", "input_length", "output_length") if k not in raw]:
+        raise ValueError(f"a line with hash_ids (Mooncake's format) needs {', '.join(missing)} too")
+    blocks, length = raw["hash_ids"], raw["input_length"]
+    if not isinstance(blocks, list) or not blocks or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+        raise ValueError("hash_ids must be a non-empty list of integers")
+    if not isinstance(length, int) or not 0 < length <= len(blocks) * HASH_BLOCK:
+        raise ValueError(f"input_length must be from 1 to {HASH_BLOCK} x len(hash_ids), got {length!r}")
+    return TraceRequest(float(raw["timestamp"]) / 1000, int(raw["output_length"]), prompt_len=length, blocks=blocks)
 
 
 def _load_csv(path: Path) -> list[TraceRequest]:
@@ -140,6 +167,16 @@ class PromptSource:
             if len(ids) >= corpus_tokens:
                 break
         self.ids, self.rng = ids, random.Random(seed)
+
+    def blocks(self, ids: list[int], n: int) -> list[int]:
+        """The first ``n`` tokens of blocks ``ids``, each ``HASH_BLOCK`` tokens of the corpus that depend
+        on its id alone (a Mooncake trace's prompt: requests naming the same blocks share them)."""
+        corpus = self.ids if len(self.ids) >= HASH_BLOCK else self.ids * (HASH_BLOCK // len(self.ids) + 1)
+        out: list[int] = []
+        for block in ids[:-(-n // HASH_BLOCK)]:
+            start = random.Random(f"block {block}").randrange(0, len(corpus) - HASH_BLOCK + 1)
+            out.extend(corpus[start:start + HASH_BLOCK])
+        return out[:n]
 
     def take(self, n: int) -> list[int]:
         if n >= len(self.ids):

@@ -483,6 +483,44 @@ def test_replay_jsonl_and_azure_csv_write_records_summary_and_plots(live, tiny_p
     assert summary["requests"] == 2 and summary["completed"] == 2 and summary["tokens"] == 5
 
 
+MOONCAKE = "\n".join([  # (Mooncake's format: the second starts as the first, the third as the second, the fourth alone)
+    '{"timestamp": 0, "input_length": 300, "output_length": 4, "hash_ids": [1]}',
+    '{"timestamp": 400, "input_length": 400, "output_length": 4, "hash_ids": [1]}',
+    '{"timestamp": 800, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}',
+    '{"timestamp": 1200, "input_length": 200, "output_length": 4, "hash_ids": [3]}'])
+
+
+def test_replay_of_a_mooncake_trace_shares_the_prompt_starts_its_hash_ids_share(live, tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """Mooncake's traces hold no text but name each prompt's 512-token blocks: requests naming the
+    same first blocks begin with the same tokens, so each starts from the KV of the one before it
+    (the records' and summary's cached prompt tokens), and one of other blocks from nothing."""
+    from nebula_flow.traces import HASH_BLOCK, PromptSource, TraceError, load_trace
+
+    trace = tmp_path / "mooncake.jsonl"
+    trace.write_text(MOONCAKE)
+    reqs = load_trace(trace)
+    assert [(r.arrival_s, r.prompt_len, r.max_new_tokens, r.blocks) for r in reqs[:2]] == [(0.0, 300, 4, [1]), (0.4, 400, 4, [1])]
+    source = PromptSource(str(tiny_pair / "target"))
+    one, two = source.blocks([1, 2], 2 * HASH_BLOCK), source.blocks([1], 300)
+    assert len(one) == 2 * HASH_BLOCK and two == one[:300] and one[:HASH_BLOCK] != one[HASH_BLOCK:]
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["replay", str(trace), "--broker", live.address, "--tokenizer",
+                                    str(tiny_pair / "target"), "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output.strip().splitlines()[-1])
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert summary["completed"] == 4 and [r["prompt_tokens"] for r in records] == [300, 400, 600, 200]
+    cached = [r["cached_tokens"] for r in records]
+    assert cached[0] == 0 and cached[1] >= 288 and cached[2] >= 384 and cached[3] == 0, cached
+    assert summary["prompt_cached"] == sum(cached) / 1500
+    for bad, message in (('{"timestamp": 0, "input_length": 10, "output_length": 4, "hash_ids": []}', "hash_ids"),
+                         ('{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1]}', "input_length"),
+                         ('{"input_length": 10, "output_length": 4, "hash_ids": [1]}', "timestamp")):
+        trace.write_text(bad)
+        with pytest.raises(TraceError, match=message):
+            load_trace(trace)
+
+
 def _scrape(port: int) -> dict[str, float]:
     import urllib.request
 

@@ -218,7 +218,8 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
 @click.option("--api-key", envvar="NEBULA_FLOW_API_KEY", help="The HTTP API's key, where it wants one.")
 def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s, poisson, concurrency,
            max_prompt_tokens, max_new_tokens, out, as_json, seed, api_url, api_key) -> None:  # noqa: ANN001
-    """Replay TRACE (JSONL or Azure CSV) against a broker, open loop, at its arrival times."""
+    """Replay TRACE (JSONL, Mooncake's JSONL with hash_ids, or Azure CSV) against a broker, open loop, at its
+    arrival times."""
     import asyncio
 
     from nebula_flow.api.http_client import served_model
@@ -252,7 +253,8 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
         return
     click.echo(f"{summary['completed']}/{summary['requests']} completed, {summary['errors']} errors in {wall:.1f} s")
     click.echo(f"throughput {summary['tokens_per_s']:.1f} tokens/s, {summary['requests_per_s']:.2f} requests/s, "
-               f"{summary['round_rate']:.1f} rounds/s, {summary['tokens_per_round']:.2f} tokens/round")
+               f"{summary['round_rate']:.1f} rounds/s, {summary['tokens_per_round']:.2f} tokens/round, "
+               f"prompt tokens cached {summary['prompt_cached'] * 100:.0f}%")
     for key in ("ttft_s", "inter_chunk_s", "latency_s"):
         p = summary[key]
         click.echo(f"{key:<14} p50 {p['p50']:.3f}  p90 {p['p90']:.3f}  p99 {p['p99']:.3f}")
