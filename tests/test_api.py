@@ -851,6 +851,34 @@ def test_api_key_models_metrics_and_health(served) -> None:  # noqa: ANN001
     assert samples["nebula_rounds_total"] > 0  # and the broker's own families
 
 
+def test_a_spread_histogram_counts_as_many_single_observations_do() -> None:
+    """The inter-token histogram takes a chunk's gap for all its tokens in one call: the buckets and
+    count it exposes are those of prometheus_client's histogram given each token alone."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from nebula_flow.api.telemetry import TOKEN_GAP_BUCKETS, SpreadHistogram
+
+    one, spread = CollectorRegistry(), CollectorRegistry()
+    single = Histogram("gap_seconds", "x", buckets=TOKEN_GAP_BUCKETS, registry=one)
+    many = SpreadHistogram("gap_seconds", "x", TOKEN_GAP_BUCKETS, spread)
+    rng = random.Random(3)
+    for _ in range(300):  # (values on the bounds too: a bucket holds values up to its bound)
+        value, n = rng.choice([*TOKEN_GAP_BUCKETS, 0.0, 7.5, rng.random()]), rng.randint(1, 6)
+        for _ in range(n):
+            single.observe(value)
+        many.observe(value, n)
+
+    def lines(registry: CollectorRegistry) -> dict[str, float]:
+        return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in generate_latest(registry).decode().splitlines()
+                if ln.startswith("gap_seconds_") and "created" not in ln}
+
+    want, got = lines(one), lines(spread)
+    assert want.keys() == got.keys() and got["gap_seconds_count"] > 300
+    assert all(got[k] == pytest.approx(v) for k, v in want.items())
+
+
 def test_off_loopback_needs_an_api_key() -> None:
     res = CliRunner().invoke(main, ["api", "--http-host", "0.0.0.0", "--port", "0"], env={"NEBULA_FLOW_API_KEY": ""})
     assert res.exit_code == 2 and "--api-key" in res.output

@@ -15,7 +15,13 @@ Names (also in docs/operations.md):
 
 from __future__ import annotations
 
+import threading
+from bisect import bisect_left
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from nebula_flow.client import Completion
 
@@ -26,6 +32,33 @@ TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 
 ROUND_BUCKETS = tuple(float(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64))
 
 
+class SpreadHistogram(Collector):
+    """A histogram that takes many equal observations at once (``observe(value, count)``): a chunk's
+    gap spread over its tokens is one call, not one per token (per-token ``Histogram.observe`` calls
+    were ~5 % of the gateway's CPU). Exposed as a Prometheus histogram of the same name and buckets."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.bounds = name, documentation, list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # (the last: above every bound, +Inf)
+        self.sum = 0.0
+        self.lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        with self.lock:
+            self.counts[bisect_left(self.bounds, value)] += count  # (a bucket holds values <= its bound)
+            self.sum += value * count
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self.lock:
+            counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(str, self.bounds), "+Inf"], counts):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)
+
+
 class Telemetry:
     """One gateway's metrics, in a registry of its own (several gateways may share a process in tests)."""
 
@@ -34,8 +67,8 @@ class Telemetry:
         r = self.registry
         self.ttft = Histogram("nebula_api_time_to_first_token_seconds", "Request received to its first token sent.",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("nebula_api_inter_token_latency_seconds", "Time between output tokens (a chunk's gap "
-                             "spread over its tokens).", buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.itl = SpreadHistogram("nebula_api_inter_token_latency_seconds", "Time between output tokens (a chunk's "
+                                   "gap spread over its tokens).", TOKEN_GAP_BUCKETS, r)
         self.e2e = Histogram("nebula_api_e2e_request_latency_seconds", "Request received to its last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("nebula_api_queue_time_seconds", "The broker's wait from admission to the request's "
@@ -57,8 +90,8 @@ class Telemetry:
         self.queue.observe(float(out.stats.get("queue_s", 0.0)))
         previous = out.ttft_s
         for t, n in zip(out.chunk_times_s[1:], out.chunk_tokens[1:]):
-            for _ in range(n):
-                self.itl.observe((t - previous) / n)
+            if n:
+                self.itl.observe((t - previous) / n, n)
             previous = t
         for n in out.tokens_per_round:
             self.per_round.observe(n)
