@@ -265,3 +265,26 @@ def test_requests_sharing_a_prompt_cache_key_go_to_one_shard_where_a_chats_next_
     for done in nexts:  # (placed where turn 1's KV is, and started from it)
         assert done.stats["cached_tokens"] >= len(turn1) + len(first.token_ids) - 1, done.stats
         assert done.token_ids == hf_greedy(tiny_pair / "target", turn2, 8)
+
+
+def test_a_responses_conversation_stays_on_the_shard_of_its_first_turn(tiny_pair) -> None:  # noqa: ANN001
+    """A Responses API conversation chained by previous_response_id, without a prompt_cache_key: the
+    gateway routes each turn as the first turn ran (its request id as the key), so one shard places
+    them all and each starts from the turn before it."""
+    import openai
+
+    from nebula_flow.client import Client
+
+    with Deployment(_sharded(tiny_pair, 2)) as dep:
+        url = dep.start_api("127.0.0.1", 0, model_name="tiny")
+        api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        turn = api.responses.create(model="tiny", input="def fibonacci(n):", max_output_tokens=6, temperature=0)
+        cached = []
+        for question in ("and the next one?", "now in C", "add a test", "in Rust", "shorter", "explain it"):
+            turn = api.responses.create(model="tiny", input=question, previous_response_id=turn.id,
+                                        max_output_tokens=6, temperature=0)
+            cached.append(turn.usage.input_tokens_details.cached_tokens)
+        with Client(dep.address) as c:
+            rounds = [s["rounds"] for s in c.status()["by_shard"]]
+    assert sorted(rounds)[0] == 0 and sorted(rounds)[1] > 0, rounds  # (all seven turns on one shard; by id: 1 in 64)
+    assert all(n > 0 for n in cached), cached

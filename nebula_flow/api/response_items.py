@@ -199,7 +199,8 @@ def to_store(ask: Ask, response: dict[str, Any]) -> Stored:
     calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
              for i in response["output"] if i["type"] == "function_call"]
     turn = {"role": "assistant", "content": said if said or not calls else None, **({"tool_calls": calls} if calls else {})}
-    return Stored(response, [*ask.history, turn], ask.inputs)
+    return Stored(response, [*ask.history, turn], ask.inputs,
+                  ask.chat.get("prompt_cache_key") or response["id"].removeprefix("resp_"))  # (its request id)
 
 
 def _logprobs(choice: dict[str, Any]) -> list | None:

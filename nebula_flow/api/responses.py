@@ -46,6 +46,7 @@ class Stored:
     response: dict[str, Any]
     messages: list[dict[str, Any]]
     inputs: list[dict[str, Any]] = field(default_factory=list)  # its request's input items (``input_items``)
+    key: str | None = None  # the routing key of the shard it ran on (``shards.route``): the next turns go there too
 
 
 class ResponseStore:
@@ -104,7 +105,8 @@ def parse(body: Any, store: ResponseStore) -> Ask:  # noqa: ANN401
     if (previous := body.get("previous_response_id")) is not None:
         if not isinstance(previous, str):
             raise invalid("previous_response_id", "previous_response_id must be a response's id")
-        history = [dict(m) for m in store.get(previous, "previous_response_id").messages]
+        earlier = store.get(previous, "previous_response_id")
+        history = [dict(m) for m in earlier.messages]
     history += input_messages(body.get("input"))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -115,6 +117,8 @@ def parse(body: Any, store: ResponseStore) -> Ask:  # noqa: ANN401
                  "parallel_tool_calls", *PASSED):
         if body.get(name) is not None:
             chat[name] = body[name]
+    if previous is not None and body.get("prompt_cache_key") is None and earlier.key:
+        chat["prompt_cache_key"] = earlier.key  # (a conversation's turns go to one broker shard, which knows its KV)
     if (limit := body.get("max_output_tokens")) is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise invalid("max_output_tokens", f"max_output_tokens must be a positive integer, got {limit!r}")
