@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nebula_flow import budget, fusion, steps
+from nebula_flow.prefixes import ROLES
 from nebula_flow.protocol import Holder, TaskSpec
 from nebula_flow.request import AHEAD, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import holder_key
@@ -70,9 +71,10 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
 def prefix_sources(req: Request, task: TaskSpec, wid: int, holder: HolderOf, key: str) -> None:
     """Where ``task`` has no holder of a model's KV (its own, ``key``; an elastic round's target KV too)
     and another worker's likely holds its prompt's start (``Request.affinity``), name that worker and
-    the request whose KV it was: ``wid`` pulls those positions from there instead of computing them."""
+    the request whose KV it was: ``wid`` pulls those positions from there instead of computing them
+    (a colocated round's ``holder`` holds both models' KV)."""
     def source(role: str) -> Holder | None:
-        where = req.affinity.get(role) if role in ("draft", "target") else None
+        where = req.affinity.get(role) if role in ROLES else None
         if where is None or len(where) < 3 or where[0] == wid:  # (a replayed log's affinity names no request)
             return None
         found = holder(where[:2])

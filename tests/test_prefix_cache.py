@@ -530,6 +530,61 @@ def test_a_new_requests_task_elsewhere_names_where_its_prompt_start_is() -> None
         assert (later.holder.worker, later.holder.valid, later.holder.source) == (1, 104, None)
 
 
+def test_a_colocated_request_bound_elsewhere_names_the_colocated_worker_holding_its_prompt_start() -> None:
+    """A colocated round names the other colocated worker whose KV likely holds its prompt's start as
+    its one holder (both models' KV are there, under that request's id); on that worker, none."""
+    from types import SimpleNamespace
+
+    from nebula_flow_broker.tasks import task_specs
+
+    sched = Scheduler("colocated", PolicyConfig(k=2))
+    for wid in (1, 2):
+        sched.register(wid, "colocated", 4)
+    req = _request(9, SHARED + [5])
+    sched.admit(req)
+    req.affinity = {"colocated": (1, 96, 4)}
+    workers = {w: SimpleNamespace(kv_endpoint=f"tcp://w{w}") for w in (1, 2)}
+    [elsewhere] = task_specs(sched, 2, [req], workers)
+    [there] = task_specs(sched, 1, [req], workers)
+    h = elsewhere.holder
+    assert (h.worker, h.valid, h.endpoint, h.source) == (1, 96, "tcp://w1", 4) and elsewhere.target_holder is None
+    assert there.holder.valid == 0 and there.holder.source is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pulls", [True, False])
+def test_a_colocated_worker_pulls_a_prompt_start_the_other_colocated_worker_holds(tiny_pair, pulls: bool) -> None:  # noqa: ANN001
+    """Two colocated workers of one request at a time; the first request leaves the shared system
+    prompt's KV on one; of the next two, sent at once, the second is bound to the other worker (the
+    first worker's work counted is more than the prefill it would save), which pulls both models' KV
+    of the prompt's start from there instead of computing it. Output is HF's greedy output of the
+    target alone either way; with ``prefix_pulls`` off that request computes its prompt."""
+    max_new = 40  # (long enough that one request's work outweighs the prefill its placement saves)
+    prompts = [SHARED + [200 + i, 201 + i, 202 + i] for i in range(3)]
+    cfg = deploy_config(tiny_pair, "colocated", 0, 2, max_batch=1)
+    cfg.broker.policy = cfg.broker.policy.replace(prefix_pulls=pulls)
+    with Deployment(cfg, worker_changes={"kv_skip_slow_pulls": False}) as dep, Client(dep.address) as client:
+        first = client.generate(token_ids=prompts[0], max_new_tokens=max_new, ignore_eos=True)
+
+        async def both() -> list:  # noqa: ANN001
+            async with AsyncClient(dep.address) as aclient:
+                return await asyncio.gather(*(aclient.generate(token_ids=p, max_new_tokens=max_new, ignore_eos=True)
+                                              for p in prompts[1:]))
+        later = asyncio.run(both())
+        kv = [w["kv"] for w in client.status()["workers"]]
+    for out, p in zip([first, *later], prompts):
+        ref = hf_greedy(tiny_pair / "target", p, max_new)
+        assert out.token_ids[:len(ref)] == ref
+    assert all(k["pull_failures"] == 0 for k in kv), kv
+    pulled = sorted((k["prefix_pulls"], k["prefix_pulled"]) for k in kv)
+    if pulls:  # (the draft's KV and the target's: a pull of 96 positions each, the whole blocks placement knows)
+        assert pulled == [(0, 0), (2, 192)], kv
+        assert [o.stats["cached_tokens"] for o in later] == [len(SHARED), 96]  # (a copy there: to the token)
+    else:
+        assert pulled == [(0, 0), (0, 0)], kv
+        assert [o.stats["cached_tokens"] for o in later] == [len(SHARED), 0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm+zmq", "zmq"])
 def test_a_prompt_start_another_worker_holds_is_pulled_and_output_is_unchanged(tiny_pair, transport: str) -> None:  # noqa: ANN001

@@ -32,15 +32,17 @@ Pulls = dict[tuple[str, str], list[Wanted]]  # (holder endpoint, model role) -> 
 
 class KVPrep:
     """This worker's KV that moves between workers (``served``: model role -> store; a draft or a
-    target worker has its one, an elastic worker both, a colocated worker and an n-gram drafter none),
+    target worker has its one, an elastic or a colocated worker both, an n-gram drafter none),
     every store it holds (``stores``), and the transport KV moves over (None: no KV server).
     ``runners``: model role -> its runner, whose measured forward times a network pull is weighed
-    against (``kv/link_fit.py``)."""
+    against (``kv/link_fit.py``). ``one_holder``: a round task's ``holder`` holds both models' KV (a
+    colocated worker's: a prompt's start another colocated worker holds), not only the draft's."""
 
     def __init__(self, served: dict[str, KVStore], stores: list[KVStore], transport: KVTransport | None,
-                 runners: dict[str, ModelRunner | None] | None = None) -> None:
+                 runners: dict[str, ModelRunner | None] | None = None, one_holder: bool = False) -> None:
         self.served, self.stores, self.transport = served, stores, transport
         self.runners = runners or {}
+        self.one_holder = one_holder
         self.links: dict[str, LinkFit] = {}  # network holders' endpoints -> what pulls from them take
         self.slow: set[str] = set()  # holders whose pulls were first skipped (logged once)
         self.endpoint: str | None = None  # this worker's KV server (a holder that is us needs no pull)
@@ -62,7 +64,7 @@ class KVPrep:
         for t in tasks:
             # a task's KV by model: a draft's, a verify's, or both for a round (an elastic worker's)
             needs = {"draft": [("draft", t.holder)], "ahead": [("draft", t.holder)], "verify": [("target", t.holder)]}.get(
-                t.kind, [("draft", t.holder), ("target", t.target_holder)])
+                t.kind, [("draft", t.holder), ("target", t.holder if self.one_holder else t.target_holder)])
             for role, h in needs:
                 if role in self.served and h is not None and h.endpoint and h.endpoint != self.endpoint and h.valid > 0:
                     if h.source is not None and self.served[role].held(t.rid, t.tokens, t.params.cache_salt) >= min(

@@ -108,12 +108,14 @@ class Worker:
         # this worker's own keypair (workers/NAME in the key folder): to the broker and as a KV server
         self.identity = Identity.load(folder, "worker", self.name) if folder else None
         # (with CURVE keys, only ZeroMQ: UCX and shared folders have no authentication)
-        # the KV that moves between workers: a colocated worker's never does, an n-gram drafter holds none
+        # the KV peers pull from this worker (an n-gram drafter holds none): a colocated worker's own
+        # requests never move, but a new request bound elsewhere pulls its prompt's start from here
         served = {role: r.store for role, r in (("draft", self.draft), ("target", self.target))
-                  if r is not None and r.store is not None and opts.role in (role, "any")}
+                  if r is not None and r.store is not None and opts.role in (role, "any", "colocated")}
         self.transport = make_transport(opts.kv_transport, self.identity, opts.device) if served else None
         self.kv = KVPrep(served, self.stores, self.transport,  # (runners: a pull slower than recomputing is not made)
-                         {"draft": self.draft, "target": self.target} if opts.kv_skip_slow_pulls else None)
+                         {"draft": self.draft, "target": self.target} if opts.kv_skip_slow_pulls else None,
+                         one_holder=opts.role == "colocated")
         self.kv_endpoint = self.kv.endpoint = self.transport.serve(opts.kv_host, self.kv.lookup) if self.transport else None
         if self.transport is not None and self.transport.share_folder is not None:  # same-host peers read our files
             for role, runner in (("draft", self.draft), ("target", self.target)):
