@@ -43,17 +43,17 @@ class PolicyConfig:
                           "another exists: forces KV movement (tests, benchmarks).")
     prefix_affinity: bool = _knob(True, "The broker places a new request where its prompt's start was last held, the "
                                   "prefill a worker's prefix cache would save weighed against the load "
-                                  "(nebula_flow/prefixes.py; the simulator's prompts are blanks: no effect there).")
+                                  "(nebula_flow/prefixes.py; in the simulator where the workload's prompts share their start).")
     prefix_pulls: bool = _knob(True, "A new request's first task that goes to another worker than the one whose KV "
                                "likely holds its prompt's start names that worker and the request whose KV it was: "
                                "the task's worker pulls that prefix (as KV that follows a request) instead of "
-                               "computing it (nebula_flow/prefixes.py; no effect in the simulator).")
+                               "computing it (nebula_flow/prefixes.py; simulated where prompts share their start).")
     wait_for_prefix: float = _knob(0.5, "With prefix_affinity: a new request whose prompt starts like that of a request "
                                    "still computing its prompt (64 tokens or more, and at least this share of what that "
                                    "request computes) waits for that request's first tokens, then starts from its KV, "
                                    "copied or pulled, instead of computing the same tokens at the same time: a burst of "
                                    "questions on a new document, n choices of a long prompt (SGLang's in-batch prefix "
-                                   "caching). 0: never waits (nebula_flow/prefixes.py; no effect in the simulator).",
+                                   "caching). 0: never waits (nebula_flow/prefixes.py; simulated where prompts share their start).",
                                    lo=0.0, hi=1.0)
     priority_scheduling: bool = _knob(False, "Queued tasks go by their requests' priority (vLLM's request parameter and "
                                       "--scheduling-policy priority: lower first, equal ones by arrival), each round "

@@ -42,7 +42,7 @@ MIN_WAIT = 4 * BLOCK  # the shortest shared start worth waiting for (computing f
 ROLES = ("target", "draft", "colocated")  # the holder keys placement looks at
 
 
-def _chain(tokens: Sequence[int], upto: int, salt: str | None) -> list[int]:
+def chain(tokens: Sequence[int], upto: int, salt: str | None) -> list[int]:
     """The key of each whole block of ``tokens[:upto]``: key i stands for the first (i + 1) blocks
     (and ``salt``, the request's ``cache_salt``)."""
     keys, key = [], 0 if salt is None else hash(salt)
@@ -69,7 +69,7 @@ class PrefixRoutes:
         """A new request: where its prompt's start is likely held (``req.affinity``: ``find``), and the
         request whose prompt is being computed that it waits for (``req.waits_for``: ``leader``).
         Returns whether it waits."""
-        keys = _chain(req.prompt, len(req.prompt) - 1, req.params.cache_salt)
+        keys = chain(req.prompt, len(req.prompt) - 1, req.params.cache_salt)
         req.affinity = self.find(req, alive, keys=keys)
         req.waits_for = self.leader(req, share, keys)
         return req.waits_for is not None
@@ -110,7 +110,7 @@ class PrefixRoutes:
                 del self.computing[key]
         tokens = req.prompt + req.output
         for role, (worker, valid) in req.holders.items():
-            keys = _chain(tokens, valid, req.params.cache_salt)
+            keys = chain(tokens, valid, req.params.cache_salt)
             marks = {len(keys) - 1, *(2 ** i - 1 for i in range(len(keys).bit_length()))}
             for i in sorted(m for m in marks if m >= 0):
                 self.where[(role, keys[i])] = (worker, req.rid)
@@ -127,7 +127,7 @@ class PrefixRoutes:
         found: dict[str, tuple[int, int, int]] = {}
         if not self.where:
             return found
-        keys = keys if keys is not None else _chain(req.prompt, len(req.prompt) - 1, req.params.cache_salt)
+        keys = keys if keys is not None else chain(req.prompt, len(req.prompt) - 1, req.params.cache_salt)
         for role in roles:
             for i in range(len(keys) - 1, -1, -1):
                 worker, rid = self.where.get((role, keys[i]), (None, 0))

@@ -79,7 +79,7 @@ class Scheduler:
         self.homes: dict[int, int] = {}  # elastic: slot -> its worker (a request's home: ``_holder``)
         self.binder = Binder()  # the work bound to each slot (paired, colocated, elastic)
         self.pull_rates: dict[int, float] = {}  # worker -> seconds per KV position it pulled (``elastic.observe_pulls``)
-        self.prefixes: PrefixRoutes | None = None  # cache-aware placement (the broker's; a simulator's prompts are blanks)
+        self.prefixes: PrefixRoutes | None = None  # cache-aware placement (the broker's; a simulator's whose prompts share)
 
     # -- workers ---------------------------------------------------------------------------
     def register(self, worker_id: int, role: str, capacity: int, drafter: str | None = None,

@@ -280,7 +280,7 @@ def test_elastic_beats_every_fixed_arrangement_of_the_papers_deployment_at_satur
     merged into batches of 64. (The figures and the other loads: docs/benchmarks.md.)"""
     from pathlib import Path
 
-    from nebula_flow.sim.engine import plan
+    from nebula_flow.sim.planner import plan
     from nebula_flow.sim.scenario import load_scenario
 
     sc = load_scenario(Path(__file__).resolve().parent.parent / "configs" / "sim" / "paper-2d2t.toml")

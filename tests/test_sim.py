@@ -19,8 +19,9 @@ from nebula_flow.policy import PolicyConfig, knob_names
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.costs import Link, ProfileCost, RooflineCost
-from nebula_flow.sim.engine import Simulator, simulate, sweep
+from nebula_flow.sim.engine import Simulator, simulate
 from nebula_flow.sim.hardware import HARDWARE, MODELS, resolve_model
+from nebula_flow.sim.planner import sweep
 from nebula_flow.sim.scenario import Drafter, HostCosts, Pool, Scenario, Workload, load_scenario
 from nebula_flow.speclen import DEFAULT_COSTS
 from nebula_flow_broker.server import Broker, BrokerOptions
@@ -457,7 +458,7 @@ def test_trace_arrivals_drive_the_simulation(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_plan_tries_every_way_to_use_the_devices_best_first() -> None:
-    from nebula_flow.sim.engine import plan
+    from nebula_flow.sim.planner import plan
 
     rows = plan(small_scenario(link=Link.free()), 4)
     shapes = {(r["mode"], r["draft_workers"], r["target_workers"]) for r in rows}

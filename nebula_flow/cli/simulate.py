@@ -6,19 +6,24 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from nebula_flow.cli.common import with_settings
+from nebula_flow.cli.common import POOL_KNOBS, with_settings
 from nebula_flow.config import ConfigError
 from nebula_flow.roles import MODES
+
+if TYPE_CHECKING:
+    from nebula_flow.sim.scenario import Scenario
 
 
 @click.command()
 @click.argument("scenario", type=click.Path(), required=False)
 @click.option("--modes", help="Comma-separated modes (default: the scenario's); ratios are against the first. A mode "
               "may end in @KNOB=VALUE (repeatable) to set a [policy] knob for it alone, as in bench, e.g. "
-              "pooled@draft_ahead=0,pooled@draft_ahead=6.")
+              "pooled@draft_ahead=0,pooled@draft_ahead=6; @prefix_cache=false turns the workers' prefix cache off "
+              "(where the workload's prompts share their start: colocated@prefix_cache=false,colocated).")
 @click.option("--concurrency", type=click.IntRange(min=1), help="Override the workload's concurrency (closed loop: "
               "at most this many requests in flight), e.g. 1 for a single stream.")
 @click.option("--urgent", type=click.IntRange(min=2), metavar="N", help="Override the workload's urgent_every: "
@@ -65,7 +70,7 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
     if loads and devices is None:
         raise click.UsageError("--loads plans devices: give --gpus N too")
     from nebula_flow.bench import table, urgent_lines
-    from nebula_flow.sim import engine, report
+    from nebula_flow.sim import engine, planner, report
     from nebula_flow.sim.acceptance import AcceptanceModel
     from nebula_flow.sim.scenario import describe, load_scenario
 
@@ -96,7 +101,7 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
         t0 = time.monotonic()
         base, *settings = mode.split("@")
         try:
-            result["modes"][mode] = engine.simulate(replace(sc, policy=with_settings(sc.policy, settings, mode)), base,
+            result["modes"][mode] = engine.simulate(_with_mode_settings(sc, settings, mode), base,
                                                     draft_workers, target_workers)
         except (ValueError, RuntimeError) as exc:
             raise click.ClickException(f"{mode}: {exc}") from None
@@ -118,7 +123,7 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
             raise click.BadParameter("pool sizes must be >= 1")
         log(f"[simulate] sweep ({first}):")
         base, *settings = first.split("@")
-        result["sweep"] = engine.sweep(replace(sc, policy=with_settings(sc.policy, settings, first)), base, sizes,
+        result["sweep"] = planner.sweep(_with_mode_settings(sc, settings, first), base, sizes,
                                        log=log, targets=targets)
     if devices is not None:
         if devices < 2:
@@ -134,7 +139,7 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
             result["plan_by_load"] = plan_at_loads(sc, devices, names, log=log)
             result["plan"] = result["plan_by_load"]["saturated"]
         else:
-            result["plan"] = engine.plan(sc, devices, log=log)
+            result["plan"] = planner.plan(sc, devices, log=log)
     if out:
         folder = Path(out)
         paths = report.plot(folder, result["modes"], result.get("sweep"), sc.name)
@@ -159,3 +164,17 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
 
 
 COMMANDS = [simulate]
+
+
+def _with_mode_settings(sc: Scenario, settings: list[str], where: str) -> Scenario:
+    """``sc`` with a mode's ``@KNOB=VALUE`` settings: ``prefix_cache`` (the workers', as bench's
+    ``POOL_KNOBS``) and the policy's knobs."""
+    from dataclasses import replace
+
+    cache = [x for x in settings if x.partition("=")[0].strip() in POOL_KNOBS]
+    for setting in cache:
+        value = setting.partition("=")[2].strip()
+        if value not in ("true", "false"):
+            raise click.BadParameter(f"prefix_cache must be true or false, got {value!r}", param_hint=where)
+        sc = replace(sc, prefix_cache=value == "true")
+    return replace(sc, policy=with_settings(sc.policy, [x for x in settings if x not in cache], where))

@@ -16,6 +16,9 @@ Only the outside world is simulated:
   name, the policy routes each round, and a verify draws from the acceptance model of the
   drafter that drafted it;
 * each worker keeps per-request KV lengths; only missing positions are pulled or computed;
+  where prompts share their start (a trace's ``hash_ids``, a scenario's ``shared_prefix``), the
+  policy places by prefix as live and a worker starts a new request from its prefix cache or pulls
+  the start from the peer placement names (``sim/prefix_cache.py``);
   with the policy's ``max_forward_tokens``, a forward computes at most that many uncached prompt
   tokens and long prompts are prefilled in chunks beside the other rows (``budget.plan_forward``, as the
   live runner plans them), each chunk a result that sends the task round again;
@@ -36,19 +39,20 @@ from __future__ import annotations
 import heapq
 import statistics
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from nebula_flow import ahead, budget, elastic, fusion, steps
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.elastic import BatchCosts
 from nebula_flow.params import SamplingParams
+from nebula_flow.prefixes import PrefixRoutes
 from nebula_flow.request import AHEAD, DRAFT, ROUND, VERIFY, Request
 from nebula_flow.roles import MODEL_ROLES, holder_key
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim import fused, predraft
 from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.costs import CostModel
+from nebula_flow.sim.prefix_cache import SimPrefixCache, prompt_of
 from nebula_flow.sim.report import latencies
 from nebula_flow.sim.scenario import Scenario, Workload, cost_on
 from nebula_flow.sim.state import PLACEHOLDER, Outcome, Prefilled, SimTask, SimWorker
@@ -92,12 +96,18 @@ class Simulator:
         self.acceptance = {d.name: d.acceptance for d in sc.drafters}  # by drafter; else the scenario's
         self.rounds_by_drafter: dict[str, int] = {}
         self.reqs = self.workload.arrivals(sc.seed)
-        self.closed = all(t is None for t, _, _ in self.reqs)  # closed loop: a finish lets the next one in
+        self.closed = all(a.at is None for a in self.reqs)  # closed loop: a finish lets the next one in
+        if any(a.blocks for a in self.reqs):  # (prompts that share their start: placement by prefix, prefix caches)
+            if sc.policy.prefix_affinity:
+                self.policy.prefixes = PrefixRoutes()
+            for w in self.workers.values() if sc.prefix_cache else ():
+                w.prefixes = {role: SimPrefixCache() for role in w.costs}
         self.next_req = 0
         self.inflight = 0
         self.done: list[Request] = []
         self.t_done: dict[int, float] = {}
         self.rounds = self.tokens = self.stale = 0
+        self.cached_prompt = 0  # new requests' target positions found in a prefix cache or pulled
 
     # -- the event loop ----------------------------------------------------------------------
     def at(self, t: float, fn: Callable, *args: Any) -> None:
@@ -156,8 +166,8 @@ class Simulator:
             for i in range(n_now):
                 self.at(i * gap, self._client_submit)
         else:
-            for i, (t, _, _) in enumerate(self.reqs):
-                self.at(t, self._client_submit_index, i)
+            for i, a in enumerate(self.reqs):
+                self.at(a.at, self._client_submit_index, i)
         while self.heap:
             self.now, _, fn, args = heapq.heappop(self.heap)
             fn(*args)
@@ -173,10 +183,11 @@ class Simulator:
 
     def _client_submit_index(self, i: int) -> None:
         self.next_req = max(self.next_req, i + 1)
-        _, prompt_len, max_new = self.reqs[i]
+        a = self.reqs[i]
         urgent = -1 if self.policy.policy.priority_scheduling and is_urgent(self.workload.urgent_every, i) else 0
-        req = Request(i + 1, str(i + 1), [PLACEHOLDER] * prompt_len,
-                      SamplingParams(max_new_tokens=max_new, ignore_eos=True, priority=urgent), seed=self.sc.seed)
+        prompt = prompt_of(i + 1, a.prompt_tokens, a.blocks, a.shared) if a.blocks else [PLACEHOLDER] * a.prompt_tokens
+        req = Request(i + 1, str(i + 1), prompt,
+                      SamplingParams(max_new_tokens=a.output_tokens, ignore_eos=True, priority=urgent), seed=self.sc.seed)
         req.t_submit = self.now
         self.to_broker(self.policy.admit, req)
 
@@ -230,6 +241,7 @@ class Simulator:
             self.tokens += len(kept)
             if req.t_first is None:
                 req.t_first = self.now
+                self._hold_prefixes(req, ended=False)
             # what every copy of this request's KV is still good for (a draft's: its own tokens)
             valid = {"target": task.length + accepted, "draft": task.length + draft_accepted}
             for w in self.workers.values():
@@ -241,6 +253,7 @@ class Simulator:
             if req.finish_reason:  # (end_round took it out of the pool)
                 self.done.append(req)
                 self.t_done[req.rid] = self.now
+                self._hold_prefixes(req, ended=True)
                 for w in self.workers.values():  # FREE
                     for cache in w.caches.values():
                         cache.pop(req.rid, None)
@@ -262,6 +275,9 @@ class Simulator:
         w.pending = (w.pending or []) + tasks
         transfer = 0.0
         for t in tasks:  # start the pulls now, one at a time, while the current batch computes
+            for model_role in {DRAFT: ("draft",), AHEAD: ("draft",), VERIFY: ("target",)}.get(t.kind, ("draft", "target")) \
+                    if w.prefixes else ():
+                transfer += self._start_from_prefix(w, t, model_role)
             # a round's KV by model: a colocated worker holds both; an elastic one may pull both
             needs = {DRAFT: [("draft", t.holder)], AHEAD: [("draft", t.holder)], VERIFY: [("target", t.holder)]}.get(
                 t.kind, [("draft", t.holder), ("target", t.target_holder)] if w.role == "any" else [])
@@ -284,6 +300,45 @@ class Simulator:
         w.prefetch_free = max(self.now, w.prefetch_free) + transfer
         w.kv_ready = w.prefetch_free
         self._worker_step(w)
+
+    def _start_from_prefix(self, w: SimWorker, t: SimTask, role: str) -> float:
+        """A new request's ``role`` KV here starts from the longest prefix of its prompt this worker's
+        prefix cache holds, or, pulled, the longer one on the peer placement names (``prefix_pulls``;
+        where the link beats computing it, as a live worker judges). Returns the pull's link seconds."""
+        cache, rid = w.caches.get(role), t.req.rid
+        key = "colocated" if w.role == "colocated" else holder_key(role, t.req.drafter) if role == "draft" else role
+        if cache is None or role not in w.prefixes or rid in cache or t.req.holders.get(key, (0, 0))[1] > 0:
+            return 0.0  # (not new here: its KV is here, or held elsewhere, pulled as KV that follows a request)
+        have = cache[rid] = w.prefixes[role].held(t.req.prompt)
+        w.prefix_cached += have
+        if role == "target":  # (a request's cached prompt tokens are its target's, as live usage counts them)
+            self.cached_prompt += have
+        where = t.req.affinity.get("colocated" if w.role == "colocated" else role)  # (placement knows no drafter)
+        peer = self.workers.get(where[0]) if where and where[0] != w.wid and self.policy.policy.prefix_pulls else None
+        theirs = min(where[1], peer.prefixes[role].held(t.req.prompt)) if peer and role in (peer.prefixes or {}) else 0
+        cost = w.costs[role]
+        took = self.sc.link.pull_s((theirs - have) * cost.kv_bytes_per_token, cost.forward_s(1, theirs - have, theirs)) \
+            if theirs > have else None
+        if took is None:
+            return 0.0
+        w.prefix_pulled += theirs - have
+        w.kv_bytes += (theirs - have) * cost.kv_bytes_per_token
+        w.pull_s += took
+        cache[rid] = theirs
+        if role == "target":
+            self.cached_prompt += theirs - have
+        return took
+
+    def _hold_prefixes(self, req: Request, ended: bool) -> None:
+        """``req``'s tokens' KV, as far as each worker holds it, is in that worker's prefix cache
+        (at its first tokens: its prompt's is held then; as it ends: kept for prefixes)."""
+        tokens = req.prompt + req.output
+        for w in self.workers.values():
+            for role, prefixes in (w.prefixes or {}).items():
+                if (valid := w.caches[role].get(req.rid, 0)) > 0:
+                    prefixes.hold(req.rid, tokens, valid)
+                if ended:
+                    prefixes.finish(req.rid)
 
     def _acceptance(self, t: SimTask) -> AcceptanceModel:
         """The acceptance model of the drafter whose draft ``t`` verifies."""
@@ -423,6 +478,10 @@ class Simulator:
             "kv_bytes": sum(w.kv_bytes for w in self.workers.values()),
             "kv_pulls": sum(w.pulls for w in self.workers.values()),
             "kv_recomputed_positions": sum(w.recomputed for w in self.workers.values()),
+            "prefix_cached_positions": sum(w.prefix_cached for w in self.workers.values()),
+            "prefix_pulled_positions": sum(w.prefix_pulled for w in self.workers.values()),
+            "prompt_cached": self.cached_prompt / max(1, sum(len(r.prompt) for r in self.done))
+            if any(w.prefixes for w in self.workers.values()) else None,
             "kv_stall_fraction": sum(w.stall_s for w in self.workers.values()) / max(busy, 1e-12),
             "stale_results": self.stale, "broker_utilization": self.broker_busy_s / wall,
             "draft_ahead": self.policy.ahead_stats.to_dict(),
@@ -435,66 +494,3 @@ class Simulator:
 def simulate(sc: Scenario, mode: str, draft_workers: int | None = None, target_workers: int | None = None,
              workload: Workload | None = None) -> dict[str, Any]:
     return Simulator(sc, mode, draft_workers, target_workers, workload).run()
-
-
-def sweep(sc: Scenario, mode: str = "pooled", sizes: list[int] | None = None,
-          log: Callable[[str], None] | None = None, targets: list[int] | None = None) -> list[dict[str, Any]]:
-    """Capacity against pool sizes: draft pools of ``sizes`` with the scenario's draft:target
-    ratio kept, or, given ``targets``, every (draft, target) pair of the two lists (a grid).
-    ``proportional`` compares each row with the first, scaled by the total worker count."""
-    sizes = sizes or sc.sweep_draft_workers
-    ratio = sc.target.workers / sc.draft.workers
-    pairs = ([(d, t) for d in sizes for t in targets] if targets
-             else [(n, max(1, round(n * ratio))) for n in sizes])
-    out: list[dict[str, Any]] = []
-    for d, t in pairs:
-        wl = sc.workload.scaled(t / sc.target.workers) if sc.sweep_scale_workload else sc.workload
-        res = simulate(sc, mode, d, t, wl)
-        row = {"draft_workers": d, "target_workers": t, "requests": res["requests"], "round_rate": res["round_rate"],
-               "tokens_per_s": res["tokens_per_s"], "utilization": res["utilization"]}
-        base = out[0] if out else row
-        workers_ratio = (d + t) / (base["draft_workers"] + base["target_workers"])
-        row["proportional"] = row["round_rate"] / (base["round_rate"] * workers_ratio)
-        out.append(row)
-        if log:
-            log(f"  {d:>3} draft + {t:>3} target: {row['round_rate']:,.0f} rounds/s, "
-                f"{row['proportional']:.3f} of proportional")
-    return out
-
-
-def plan(sc: Scenario, devices: int, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Every way to run the scenario's workload on ``devices`` devices, best tokens/s first:
-    pooled with each draft/target split, paired as equal pairs, colocated, autoregressive and
-    elastic on all of them, and elastic beside each number of draft-only devices. Pools on two
-    kinds of hardware plan the scenario's own devices (the draft pool's, then the target pool's).
-    Both models fit on each device; the scenario's pools say what each costs where."""
-    if devices < 2:
-        raise ValueError("planning needs at least 2 devices")
-    half = devices // 2
-    options = [("pooled", d, devices - d, True) for d in range(1, devices)]
-    if devices % 2 == 0:
-        options.append(("paired", half, half, True))
-    options += [("colocated", half, devices - half, True), ("autoregressive", half, devices - half, True)]
-    # elastic: every device holds both models; draft-only devices beside elastic ones, each split
-    options += [("elastic", half, devices - half, True)] + [("elastic", d, devices - d, False) for d in range(1, devices)]
-    if sc.draft.hardware != sc.target.hardware:  # two kinds of device: the scenario's M + N, no other split
-        m, n = sc.draft.workers, sc.target.workers
-        if m + n != devices:
-            raise ValueError(f"the scenario's devices are {m} {sc.draft.hardware} + {n} {sc.target.hardware}: "
-                             f"plan {m + n}, not {devices}")
-        options = [(mode, m, n, True) for mode in ("pooled", "paired", "colocated", "autoregressive", "elastic")
-                   if mode != "paired" or m == n] + [("elastic", m, n, False)]
-    rows = []
-    for mode, d, t, all_elastic in options:
-        res = simulate(replace(sc, draft=replace(sc.draft, elastic=all_elastic)), mode, d, t)
-        shape = f"{d} draft + {t} target" if mode in ("pooled", "paired") else \
-            f"{d} draft + {t} elastic" if mode == "elastic" and not all_elastic else f"{devices} workers"
-        rows.append({"mode": mode, "draft_workers": d, "target_workers": t, "shape": shape,
-                     "round_rate": res["round_rate"], "tokens_per_s": res["tokens_per_s"],
-                     "requests": res["requests"], "wall_s": res["wall_s"],
-                     "latency_p50_s": res["latency_s"]["p50"], "latency_p99_s": res["latency_s"]["p99"],
-                     "utilization_by_role": res["utilization_by_role"]})
-        if log:
-            log(f"  {mode:<15}{shape:<22}{res['tokens_per_s']:>10,.0f} tokens/s  latency p50 {res['latency_s']['p50']:.2f} s, "
-                f"p99 {res['latency_s']['p99']:.2f} s")
-    return sorted(rows, key=lambda r: -r["tokens_per_s"])

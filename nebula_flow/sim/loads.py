@@ -42,9 +42,9 @@ def at_rate(sc: Scenario, rate: float | None) -> Workload:
 
 def plan_at_loads(sc: Scenario, devices: int, loads: list[str], log: Callable[[str], None] | None = None,
                   ) -> dict[str, Any]:
-    """``engine.plan`` at each load: {"capacity_rps", "capacity_from", "saturated": rows,
+    """``planner.plan`` at each load: {"capacity_rps", "capacity_from", "saturated": rows,
     "loads": {load: {"rate_rps", "rows"}}}."""
-    from nebula_flow.sim.engine import plan
+    from nebula_flow.sim.planner import plan
 
     if log:
         log("  saturation (the scenario's own workload):")

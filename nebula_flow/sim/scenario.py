@@ -19,6 +19,9 @@
     #                           # its latency reported apart (urgent_latency_s beside other_latency_s)
     # trace = "../../traces/azure_code.csv"   # replay formats; time_scale, limit, max_prompt_tokens,
     #                                         # max_new_tokens shape it as in `nebula-flow replay`
+    #                                         # (Mooncake's hash_ids: prompts that share their start)
+    # shared_prefix = 2048      # each prompt starts with these many tokens of one of `documents`
+    # documents = 4             #   (a system prompt, a document asked about): sim/prefix_cache.py
 
     [draft]             # one pool: workers, max_batch, a cost model [, elastic = false: in elastic mode,
                         # its workers keep to drafting (e.g. small devices); the rest hold both models]
@@ -45,6 +48,7 @@
 
     [kv]                # movement = "link" (the target hardware's interconnect) | "free"
     movement = "link"   # bandwidth_gbps / latency_us override the hardware's link
+    prefix_cache = true # the workers' prefix cache, where prompts share their start (as a worker's option)
 
     [host]              # costs outside the devices (defaults: 50 us messages, nothing else)
     message_latency_us = 50     # one way, broker <-> worker and broker <-> client
@@ -68,7 +72,7 @@ import json
 import random
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from nebula_flow.config import ConfigError, load_config, read_toml
 from nebula_flow.emulated import load_profile
@@ -78,7 +82,7 @@ from nebula_flow.roles import DEFAULT_DRAFTER, MODES
 from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.costs import CostModel, Link, ProfileCost, RooflineCost
 from nebula_flow.sim.hardware import GB, resolve_hardware, resolve_model
-from nebula_flow.traces import Shaping, load_trace, shape
+from nebula_flow.traces import HASH_BLOCK, Shaping, load_trace, shape
 
 
 @dataclass
@@ -98,6 +102,16 @@ def cost_on(model_pool: Pool, device_pool: Pool) -> CostModel:
     if isinstance(a, RooflineCost) and isinstance(b, RooflineCost) and a.hw != b.hw:
         return RooflineCost(a.model, b.hw)
     return a
+
+
+class Arrival(NamedTuple):
+    """A simulated request as its workload sends it."""
+
+    at: float | None  # arrival time (None: closed loop)
+    prompt_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...] = ()  # its prompt starts with these blocks' tokens (sim/prefix_cache.py) ...
+    shared: int = 0  # ... this many of them (the rest its own)
 
 
 @dataclass
@@ -125,6 +139,8 @@ class Workload:
     max_prompt_tokens: int | None = None
     max_new_tokens: int | None = None
     urgent_every: int = 0  # requests 0, N, 2N, ... are urgent (priority -1 where the policy schedules by priority)
+    shared_prefix: int = 0  # each prompt starts with this many tokens of one of ``documents`` (sim/prefix_cache.py)
+    documents: int = 1  # ... drawn uniformly per request, seeded
 
     def scaled(self, factor: float) -> Workload:
         """The same load for ``factor`` times the workers (closed loop or all-at-once only)."""
@@ -136,22 +152,29 @@ class Workload:
             w.poisson_rate = self.poisson_rate * factor
         return w
 
-    def arrivals(self, seed: int) -> list[tuple[float | None, int, int]]:
-        """(arrival time or None for closed loop, prompt tokens, output tokens) per request."""
+    def arrivals(self, seed: int) -> list[Arrival]:
+        """Each request's arrival, prompt and output tokens, and the start it shares with others."""
         rng = random.Random(seed)
         if self.trace:
             reqs, _ = shape(load_trace(self.trace), Shaping(self.time_scale, self.limit, max_prompt_tokens=self.max_prompt_tokens,
                                                             max_new_tokens=self.max_new_tokens, seed=seed), 1 << 30)
-            return [(r.arrival_s, r.prompt_len or len(r.prompt_tokens or []) or max(1, len(r.prompt or "") // 4),
-                     r.max_new_tokens) for r in reqs]
+            return [Arrival(r.arrival_s, n := r.prompt_len or len(r.prompt_tokens or []) or max(1, len(r.prompt or "") // 4),
+                            r.max_new_tokens, tuple(r.blocks or ()), n if r.blocks else 0) for r in reqs]
         lo, hi = self.prompt_tokens
         out, t = [], 0.0
+        docs = random.Random(f"documents {seed}")  # (apart: the other draws stay what they were without)
+        per_doc = -(-self.shared_prefix // HASH_BLOCK)
         for _ in range(self.requests):
             arrival = None
             if self.poisson_rate:
                 t += rng.expovariate(self.poisson_rate)
                 arrival = t
-            out.append((arrival, rng.randint(lo, hi), self.output_tokens))
+            blocks = ()
+            if self.shared_prefix:
+                first = docs.randrange(self.documents) * per_doc
+                blocks = tuple(range(first, first + per_doc))
+            out.append(Arrival(arrival, self.shared_prefix + rng.randint(lo, hi), self.output_tokens, blocks,
+                               self.shared_prefix))
         return out
 
 
@@ -183,6 +206,7 @@ class Scenario:
     sweep_draft_workers: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     sweep_scale_workload: bool = True
     source: str = "<built>"
+    prefix_cache: bool = True  # the workers' prefix cache ([kv]), where prompts share their start
 
 
 def _path(spec: str, base: Path) -> str:
@@ -279,22 +303,26 @@ def load_scenario(path: str | Path) -> Scenario:
         host = HostCosts(**raw.get("host", {}))
     except TypeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    urgent = workload.urgent_every
+    urgent, shared, docs = workload.urgent_every, workload.shared_prefix, workload.documents
     if workload.requests < 1 or workload.output_tokens < 1 or workload.prompt_tokens[0] < 1 \
             or workload.prompt_tokens[0] > workload.prompt_tokens[1] \
-            or type(urgent) is not int or urgent < 0 or urgent == 1:
+            or type(urgent) is not int or urgent < 0 or urgent == 1 \
+            or type(shared) is not int or shared < 0 or type(docs) is not int or docs < 1:
         raise ConfigError(f"{path} [workload]: requests, output_tokens >= 1, 1 <= prompt_tokens lo <= hi, "
-                          "urgent_every 0 (none) or >= 2")
+                          "urgent_every 0 (none) or >= 2, shared_prefix >= 0 and documents >= 1 (integers)")
     if not isinstance(host.broker_shards, int) or host.broker_shards < 1:
         raise ConfigError(f"{path} [host]: broker_shards must be an integer >= 1")
     sweep = raw.get("sweep", {})
+    prefix_cache = raw.get("kv", {}).get("prefix_cache", True)
+    if not isinstance(prefix_cache, bool):
+        raise ConfigError(f"{path} [kv]: prefix_cache must be true or false")
     return Scenario(
         name=raw.get("name", path.stem), draft=draft, target=target, acceptance=acceptance, drafters=drafters,
         link=_link(raw.get("kv", {}), target, f"{path} [kv]"), workload=workload, modes=list(modes),
         policy=policy,
         seed=seed, host=host,
         sweep_draft_workers=[int(n) for n in sweep.get("draft_workers", [1, 2, 4, 8, 16, 32, 64])],
-        sweep_scale_workload=bool(sweep.get("scale_workload", True)), source=str(path))
+        sweep_scale_workload=bool(sweep.get("scale_workload", True)), source=str(path), prefix_cache=prefix_cache)
 
 
 def _drafters(raw: Any, acceptance: AcceptanceModel, seed: int, base: Path, path: Path) -> list[Drafter]:  # noqa: ANN401

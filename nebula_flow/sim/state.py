@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from nebula_flow.elastic import BatchCosts
 from nebula_flow.request import Request
 from nebula_flow.sim.costs import CostModel
+from nebula_flow.sim.prefix_cache import SimPrefixCache
 
 PLACEHOLDER = 0  # simulated requests carry token counts, not token ids
 Outcome = tuple[int, bool, int, int | None]  # a verified round: accepted, via_alt, draft's own, fused gain
@@ -69,3 +70,6 @@ class SimWorker:
     pulled: int = 0  # KV positions received from peers ...
     pull_s: float = 0.0  # ... and the link time they took (a live worker's ``kv.pulled``, ``kv.pull_s``)
     recomputed: int = 0  # positions computed again because no peer held them
+    prefixes: dict[str, SimPrefixCache] | None = None  # model role -> its prefix cache (prompts that share a start)
+    prefix_cached: int = 0  # new requests' positions found in its prefix cache ...
+    prefix_pulled: int = 0  # ... and pulled from the peer placement named
