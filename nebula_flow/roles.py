@@ -61,17 +61,22 @@ def holder_key(role: str, drafter: str | None = None) -> str:
     return f"draft/{drafter}" if role == "draft" and drafter not in (None, DEFAULT_DRAFTER) else role
 
 
-def bound_work(req: Request, key: str, slots: dict[int, int], slot: int | None) -> float:
+def bound_work(req: Request, key: str, slots: dict[int, int], slot: int | None, elsewhere: float = 0.0) -> float:
     """The work ``req`` brings ``slot`` (``outstanding``), less the prefill its placement expects to save
     there (where its prompt's start is likely held, ``prefixes.py``; holder ``key``; ``slots``: worker
-    -> slot). The same whether counted as it is bound or over the pool later: counted at full prompt
-    while it waits, a chat's next turn made its own worker look busier than the other by a prompt it
-    will not compute, and the next turn of another chat left the worker that held its KV."""
+    -> slot): all of it on that worker, ``elsewhere`` of it on any other (pulled there: 1 less the
+    policy's ``prefix_pull_cost``; 0 without ``prefix_pulls``). Counted on the holder's worker alone,
+    every request on one document queued there while the other workers idled (docs/benchmarks.md,
+    "The simulator with shared prompt starts"). The same whether counted as it is bound or over the pool later:
+    counted at full prompt while it waits, a chat's next turn made its own worker look busier than
+    the other by a prompt it will not compute, and the next turn of another chat left the worker
+    that held its KV."""
     work = outstanding(req)
     near, saved = req.affinity.get(key, (None, 0))[:2]
-    if saved and slot is not None and slots.get(near) == slot:
+    share = 1.0 if slot is not None and slots.get(near) == slot else elsewhere
+    if saved and share:
         held = max((valid for _, valid in req.holders.values()), default=0)
-        work -= PROMPT_WEIGHT * max(0, min(saved, len(req.prompt)) - held)
+        work -= share * PROMPT_WEIGHT * max(0, min(saved, len(req.prompt)) - held)
     return work
 
 
@@ -106,8 +111,10 @@ class Binder:
         """The slots changed (a worker came or went): count again at the next binding."""
         self.load = None
 
-    def bind(self, mode: str, workers: Collection[WorkerState], requests: Collection[Request], which: Iterable[Request]) -> None:
-        """Bind each of ``which`` (already in ``requests``, unbound); no slot exists: left unbound."""
+    def bind(self, mode: str, workers: Collection[WorkerState], requests: Collection[Request], which: Iterable[Request],
+             elsewhere: float = 0.0) -> None:
+        """Bind each of ``which`` (already in ``requests``, unbound); no slot exists: left unbound.
+        ``elsewhere``: the share of a prompt start's prefill a slot that does not hold it saves (``bound_work``)."""
         key = "colocated" if mode == "colocated" else "target"
         role = "any" if mode == "elastic" else MODES[mode][-1]  # (the bound workers')
         slots = {w.worker_id: w.slot for w in workers if w.role == role}  # (worker -> its slot)
@@ -115,12 +122,12 @@ class Binder:
             self.load, self.since = dict.fromkeys(sorted(set(slots.values())), 0.0), 0
             for r in requests:
                 if r.slot in self.load:
-                    self.load[r.slot] += bound_work(r, key, slots, r.slot)
+                    self.load[r.slot] += bound_work(r, key, slots, r.slot, elsewhere)
         load = self.load
         for r in which if load else ():
             near = slots.get(r.affinity.get(key, (None,))[0])
-            far = bound_work(r, key, slots, None)
-            here = bound_work(r, key, slots, near) if near is not None else far
+            far = bound_work(r, key, slots, None, elsewhere)
+            here = bound_work(r, key, slots, near, elsewhere) if near is not None else far
             r.slot = min(load, key=lambda s: (load[s] + (here if s == near else far), s))
             load[r.slot] += here if r.slot == near else far
             self.since += 1

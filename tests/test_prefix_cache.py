@@ -272,9 +272,9 @@ def test_prefix_routes_find_the_worker_that_held_the_longest_prefix() -> None:
     assert len(few.where) == 4 and few.find(_request(1, [9] * 201), {1}) and not few.find(_request(1, [0] * 201), {1})
 
 
-def test_elastic_binds_a_request_where_its_prefix_is_unless_that_worker_is_much_busier() -> None:
-    def elastic(prefixes: bool) -> Scheduler:
-        s = Scheduler("elastic", PolicyConfig(k=4))
+def test_elastic_binds_a_request_where_its_prefix_is_unless_that_worker_is_busier_than_the_prefix_saves() -> None:
+    def elastic(prefixes: bool, **knobs: float) -> Scheduler:
+        s = Scheduler("elastic", PolicyConfig(k=4, **knobs))
         s.register(1, "any", 4)
         s.register(2, "any", 4)
         if prefixes:
@@ -289,12 +289,19 @@ def test_elastic_binds_a_request_where_its_prefix_is_unless_that_worker_is_much_
         return [r.slot for r in reqs]
 
     doc = list(range(1000, 1400))
-    plain, near, big = (list(range(20)), 8), (doc + [1, 2], 8), (list(range(5000, 5010)), 400)
-    # slot 0 holds more work already, but less than the prefill (400 x PROMPT_WEIGHT) its prefix saves
-    assert bound(elastic(True), plain, near) == [0, 0]
-    assert bound(elastic(False), plain, near) == [0, 1]  # (the simulator's policy: no prefixes)
-    # slot 0 holds much more work than that: the request goes to the idle slot and computes its prefix
-    assert bound(elastic(True), big, near) == [0, 1]
+    small, plain = (list(range(4)), 2), (list(range(20)), 8)  # (3 and 13 tokens' work)
+    near, big = (doc + [1, 2], 8), (list(range(5000, 5010)), 400)
+    # without prefix pulls: slot 0 holds more work already, but less than the prefill (400 x PROMPT_WEIGHT) its
+    # prefix saves there and nowhere else
+    assert bound(elastic(True, prefix_pulls=False), plain, near) == [0, 0]
+    assert bound(elastic(True, prefix_pull_cost=1.0), plain, near) == [0, 0]  # (a pull counted as dear as computing)
+    # with them, the other slot's worker pulls the prefix for prefix_pull_cost (0.1) of computing it (10 tokens'
+    # work here): the request stays with its prefix where slot 0's extra work is less than that, else goes and pulls
+    assert bound(elastic(True), small, near) == [0, 0]
+    assert bound(elastic(True), plain, near) == [0, 1]
+    assert bound(elastic(False), small, near) == [0, 1]  # (no prefixes known: load alone)
+    # slot 0 holds much more work than the prefix saves: the request goes to the idle slot and computes its prefix
+    assert bound(elastic(True, prefix_pulls=False), big, near) == [0, 1]
 
 
 def test_a_next_turn_still_waiting_where_its_chat_is_counts_as_bound_when_the_pool_is_counted_again() -> None:
@@ -388,8 +395,10 @@ def test_a_chats_next_turns_go_where_their_last_turns_kv_is(tiny_pair, mode: str
     """Four conversations at once on two workers, then their next turns at once: each next turn is
     bound to the worker that holds its conversation so far, and starts from that KV (they come in
     the other order: bound by load alone, they would go to the other worker). The chats are long
-    enough that the prefill their KV saves outweighs how far the other turns have got, which is timing."""
-    firsts = [np.random.default_rng(i).integers(5, 500, 200).tolist() for i in range(4)]
+    enough that the prefill their KV saves over pulling it to the other worker (``prefix_pull_cost``, 0.1,
+    of 640 prompt positions at ``PROMPT_WEIGHT``: 16 tokens' work) outweighs how far the other turns
+    have got (at most their 12 tokens), which is timing."""
+    firsts = [np.random.default_rng(i).integers(5, 500, 640).tolist() for i in range(4)]
     with Deployment(deploy_config(tiny_pair, mode, *((1, 1) if mode == "elastic" else (0, 2)))) as dep:
         turns = asyncio.run(_at_once(dep.address, firsts))
         nexts = [p + out + [7, 8, 9] for p, out in zip(firsts, turns)]
