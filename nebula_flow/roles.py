@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from nebula_flow.request import DRAFT, ROUND, VERIFY
 
 if TYPE_CHECKING:
+    from nebula_flow.policy import PolicyConfig
     from nebula_flow.request import Request
 
 # mode -> the worker roles it admits (any: holds both models and takes either stage; elastic)
@@ -112,10 +113,11 @@ class Binder:
         self.load = None
 
     def bind(self, mode: str, workers: Collection[WorkerState], requests: Collection[Request], which: Iterable[Request],
-             elsewhere: float = 0.0) -> None:
-        """Bind each of ``which`` (already in ``requests``, unbound); no slot exists: left unbound.
-        ``elsewhere``: the share of a prompt start's prefill a slot that does not hold it saves (``bound_work``)."""
+             policy: PolicyConfig) -> None:
+        """Bind each of ``which`` (already in ``requests``, unbound); no slot exists: left unbound."""
         key = "colocated" if mode == "colocated" else "target"
+        # (the share of a prompt start's prefill a slot whose worker does not hold it saves: ``bound_work``)
+        elsewhere = 1.0 - policy.prefix_pull_cost if policy.prefix_pulls else 0.0
         role = "any" if mode == "elastic" else MODES[mode][-1]  # (the bound workers')
         slots = {w.worker_id: w.slot for w in workers if w.role == role}  # (worker -> its slot)
         if self.load is None or self.since * self.REFRESH >= len(requests):

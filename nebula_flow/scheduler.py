@@ -494,8 +494,7 @@ class Scheduler:
         """Paired/colocated: bind requests to the least-loaded slots that exist now (``roles.Binder``); elastic:
         their homes, unless draft-only workers draft new requests (a request's first round there runs as a round)."""
         if reqs and (self.mode in ("paired", "colocated") or self.mode == "elastic" and not self.drafters):
-            pulled = 1.0 - self.policy.prefix_pull_cost if self.policy.prefix_pulls else 0.0  # (saved where pulled)
-            self.binder.bind(self.mode, self.workers.values(), self.requests.values(), reqs, pulled)
+            self.binder.bind(self.mode, self.workers.values(), self.requests.values(), reqs, self.policy)
 
     def depth(self) -> dict[str, int]:
         return {role: len(q) for role, q in self.topics.items() if any(role in ROLE_TOPICS[r] for r in MODES[self.mode])}
