@@ -48,12 +48,13 @@ class PolicyConfig:
                                "likely holds its prompt's start names that worker and the request whose KV it was: "
                                "the task's worker pulls that prefix (as KV that follows a request) instead of "
                                "computing it (nebula_flow/prefixes.py; simulated where prompts share their start).")
-    prefix_pull_cost: float = _knob(0.1, "With prefix_pulls: what paired, colocated and elastic binding counts a prompt's "
-                                    "start held on another worker to cost any other, as a share of computing it (a pull "
-                                    "takes ~1/13 of that over loopback, ~1/25 over PCIe), so requests on one document "
-                                    "spread over the workers instead of queueing on the one that holds it. 1: only that "
-                                    "worker saves it (workers that share one host's cores, where spreading adds no "
-                                    "compute: the bundled CPU config; nebula_flow/roles.py).", lo=0.0, hi=1.0)
+    prefix_pull_cost: float = _knob(1.0, "With prefix_pulls: what paired, colocated and elastic binding counts a prompt's "
+                                    "start held on another worker to cost any other, as a share of computing it. 1: only "
+                                    "the worker that holds it saves it, so requests on one document queue there while "
+                                    "others may idle; lower (a pull takes ~1/13 of computing over loopback, ~1/25 over "
+                                    "PCIe) spreads them, each pulling it: simulated on 4 GPUs 1.19x with one document, "
+                                    "live on the emulated 4-GPU host 0.81x (docs/benchmarks.md; nebula_flow/roles.py).",
+                                    lo=0.0, hi=1.0)
     wait_for_prefix: float = _knob(0.5, "With prefix_affinity: a new request whose prompt starts like that of a request "
                                    "still computing its prompt (64 tokens or more, and at least this share of what that "
                                    "request computes) waits for that request's first tokens, then starts from its KV, "

@@ -294,11 +294,11 @@ def test_elastic_binds_a_request_where_its_prefix_is_unless_that_worker_is_busie
     # without prefix pulls: slot 0 holds more work already, but less than the prefill (400 x PROMPT_WEIGHT) its
     # prefix saves there and nowhere else
     assert bound(elastic(True, prefix_pulls=False), plain, near) == [0, 0]
-    assert bound(elastic(True, prefix_pull_cost=1.0), plain, near) == [0, 0]  # (a pull counted as dear as computing)
-    # with them, the other slot's worker pulls the prefix for prefix_pull_cost (0.1) of computing it (10 tokens'
-    # work here): the request stays with its prefix where slot 0's extra work is less than that, else goes and pulls
-    assert bound(elastic(True), small, near) == [0, 0]
-    assert bound(elastic(True), plain, near) == [0, 1]
+    assert bound(elastic(True), plain, near) == [0, 0]  # (prefix_pull_cost 1: a pull counted as dear as computing)
+    # counted at 0.1 of computing it (10 tokens' work here), the request stays with its prefix where slot 0's extra
+    # work is less than that, else goes to the other slot, whose worker pulls it
+    assert bound(elastic(True, prefix_pull_cost=0.1), small, near) == [0, 0]
+    assert bound(elastic(True, prefix_pull_cost=0.1), plain, near) == [0, 1]
     assert bound(elastic(False), small, near) == [0, 1]  # (no prefixes known: load alone)
     # slot 0 holds much more work than the prefix saves: the request goes to the idle slot and computes its prefix
     assert bound(elastic(True, prefix_pulls=False), big, near) == [0, 1]
@@ -395,9 +395,9 @@ def test_a_chats_next_turns_go_where_their_last_turns_kv_is(tiny_pair, mode: str
     """Four conversations at once on two workers, then their next turns at once: each next turn is
     bound to the worker that holds its conversation so far, and starts from that KV (they come in
     the other order: bound by load alone, they would go to the other worker). The chats are long
-    enough that the prefill their KV saves over pulling it to the other worker (``prefix_pull_cost``, 0.1,
-    of 640 prompt positions at ``PROMPT_WEIGHT``: 16 tokens' work) outweighs how far the other turns
-    have got (at most their 12 tokens), which is timing."""
+    enough that the prefill their KV saves, even over pulling it to the other worker at 0.1 of computing
+    it (``prefix_pull_cost``; 640 prompt positions at ``PROMPT_WEIGHT``: 16 tokens' work), outweighs how
+    far the other turns have got (at most their 12 tokens), which is timing."""
     firsts = [np.random.default_rng(i).integers(5, 500, 640).tolist() for i in range(4)]
     with Deployment(deploy_config(tiny_pair, mode, *((1, 1) if mode == "elastic" else (0, 2)))) as dep:
         turns = asyncio.run(_at_once(dep.address, firsts))

@@ -332,7 +332,7 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
         asyncio.run(load(dep.address))
     records = policy_log.load(log_path)
     assert records[0] == ["policy", "pooled", {"k": 4, "locality": True, "migrate": False, "prefix_affinity": True,
-                                               "prefix_pulls": True, "prefix_pull_cost": 0.1, "wait_for_prefix": 0.5,
+                                               "prefix_pulls": True, "prefix_pull_cost": 1.0, "wait_for_prefix": 0.5,
                                                "priority_scheduling": False,
                                                "merge_batches": True, "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS),
                                                "measure_costs": True, "first_alternatives": 0,
