@@ -321,9 +321,9 @@ class Simulator:
             if theirs > have else None
         if took is None:
             return 0.0
-        w.prefix_pulled += theirs - have
+        w.prefix_pulled += theirs - have  # (and a pull as any: the live store counts both)
+        w.pulls, w.pulled, w.pull_s = w.pulls + 1, w.pulled + theirs - have, w.pull_s + took
         w.kv_bytes += (theirs - have) * cost.kv_bytes_per_token
-        w.pull_s += took
         cache[rid] = theirs
         if role == "target":
             self.cached_prompt += theirs - have

@@ -370,5 +370,5 @@ def describe(sc: Scenario) -> dict[str, Any]:
                          for d in sc.drafters},
             "kv_link": "free" if sc.link.bandwidth == float("inf") else
             {"gbps": sc.link.bandwidth / GB, "latency_us": sc.link.latency_s * 1e6},
-            "expected_tokens_per_round": sc.acceptance.expected_tokens_per_round(sc.policy.k),
+            "expected_tokens_per_round": sc.acceptance.expected_tokens_per_round(sc.policy.k), "prefix_cache": sc.prefix_cache,
             "workload": json.loads(json.dumps({f.name: getattr(sc.workload, f.name) for f in fields(sc.workload)}))}
