@@ -147,7 +147,8 @@ def run_block(heads: int, kv_heads: int, head_dim: int, device: str = "cpu",
     """The fewest rows (of ``BLOCKS``) a query block needs for runs to attend as matrix products
     with these shapes in ``dtype`` and every row keeping the bits of its own problem; None: no such
     size. (Measured on AVX-512 with torch 2.13: in fp32 3 rows for 64-wide heads, 6 for 128-wide;
-    in bf16 2 for both: the kernel rounds blocks of fewer another way.)"""
+    in bf16 2 for both: the kernel rounds blocks of fewer another way. On a 2-core AMD EPYC with
+    AVX2 only: None in both, so there a prefill's rows attend one by one.)"""
     return next((b for b in BLOCKS if runs_keep_row_bits(heads, kv_heads, head_dim, b, device, dtype)), None)
 
 
