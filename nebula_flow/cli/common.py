@@ -100,10 +100,10 @@ def apply_overrides(cfg: DeployConfig, mode: str | None, draft_workers: int | No
 POOL_KNOBS = ("prefix_cache",)  # a bench mode's @KNOB=VALUE that sets its worker pools', not a [policy] knob
 
 
-def pool_settings(cfg: DeployConfig, settings: list[str], where: str) -> list[str]:
-    """Apply the ``KNOB=VALUE`` settings that name a worker pool's switch (``POOL_KNOBS``: true or
-    false, as a policy knob's) to every pool of ``cfg``; returns the others (policy knobs)."""
-    rest = []
+def split_pool_settings(settings: list[str], where: str) -> tuple[dict[str, bool], list[str]]:
+    """The ``KNOB=VALUE`` settings that name a worker pool's switch (``POOL_KNOBS``: true or false,
+    as a policy knob's), and the others (policy knobs)."""
+    switches, rest = {}, []
     for setting in settings:
         key, _, value = (part.strip() for part in setting.partition("="))
         if key not in POOL_KNOBS:
@@ -111,8 +111,17 @@ def pool_settings(cfg: DeployConfig, settings: list[str], where: str) -> list[st
         elif value not in ("true", "false"):
             raise click.BadParameter(f"{key} must be true or false, got {value!r}", param_hint=where)
         else:
-            for pool in (cfg.draft, cfg.target, *cfg.drafters):
-                setattr(pool, key, value == "true")
+            switches[key] = value == "true"
+    return switches, rest
+
+
+def pool_settings(cfg: DeployConfig, settings: list[str], where: str) -> list[str]:
+    """Apply the pool switches among ``settings`` (``split_pool_settings``) to every pool of ``cfg``;
+    returns the others (policy knobs)."""
+    switches, rest = split_pool_settings(settings, where)
+    for key, on in switches.items():
+        for pool in (cfg.draft, cfg.target, *cfg.drafters):
+            setattr(pool, key, on)
     return rest
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from nebula_flow.cli.common import POOL_KNOBS, with_settings
+from nebula_flow.cli.common import split_pool_settings, with_settings
 from nebula_flow.config import ConfigError
 from nebula_flow.roles import MODES
 
@@ -171,10 +171,6 @@ def _with_mode_settings(sc: Scenario, settings: list[str], where: str) -> Scenar
     ``POOL_KNOBS``) and the policy's knobs."""
     from dataclasses import replace
 
-    cache = [x for x in settings if x.partition("=")[0].strip() in POOL_KNOBS]
-    for setting in cache:
-        value = setting.partition("=")[2].strip()
-        if value not in ("true", "false"):
-            raise click.BadParameter(f"prefix_cache must be true or false, got {value!r}", param_hint=where)
-        sc = replace(sc, prefix_cache=value == "true")
-    return replace(sc, policy=with_settings(sc.policy, [x for x in settings if x not in cache], where))
+    switches, rest = split_pool_settings(settings, where)
+    return replace(sc, prefix_cache=switches.get("prefix_cache", sc.prefix_cache),
+                   policy=with_settings(sc.policy, rest, where))

@@ -287,14 +287,9 @@ class Simulator:
                 holder = self.workers.get(want[0])
                 have = w.caches[model_role].get(t.req.rid, 0)
                 theirs = min(want[1], holder.caches[model_role].get(t.req.rid, 0)) if holder else 0
-                cost, nbytes = w.costs[model_role], (theirs - have) * w.costs[model_role].kv_bytes_per_token
-                took = self.sc.link.pull_s(nbytes, cost.forward_s(1, theirs - have, theirs)) if theirs > have else None
+                took = self._pull(w, model_role, t.req.rid, have, theirs)
                 if took is not None:  # (None: the holder lacks them, or recomputing them is quicker)
-                    transfer, w.pull_s = transfer + took, w.pull_s + took
-                    w.pulled += theirs - have
-                    w.kv_bytes += nbytes
-                    w.pulls += 1
-                    w.caches[model_role][t.req.rid] = theirs
+                    transfer += took
                 elif want[1] > have:
                     w.recomputed += want[1] - have
         w.prefetch_free = max(self.now, w.prefetch_free) + transfer
@@ -316,17 +311,23 @@ class Simulator:
         where = t.req.affinity.get("colocated" if w.role == "colocated" else role)  # (placement knows no drafter)
         peer = self.workers.get(where[0]) if where and where[0] != w.wid and self.policy.policy.prefix_pulls else None
         theirs = min(where[1], peer.prefixes[role].held(t.req.prompt)) if peer and role in (peer.prefixes or {}) else 0
-        cost = w.costs[role]
-        took = self.sc.link.pull_s((theirs - have) * cost.kv_bytes_per_token, cost.forward_s(1, theirs - have, theirs)) \
-            if theirs > have else None
+        took = self._pull(w, role, rid, have, theirs)
         if took is None:
             return 0.0
         w.prefix_pulled += theirs - have  # (and a pull as any: the live store counts both)
-        w.pulls, w.pulled, w.pull_s = w.pulls + 1, w.pulled + theirs - have, w.pull_s + took
-        w.kv_bytes += (theirs - have) * cost.kv_bytes_per_token
-        cache[rid] = theirs
         if role == "target":
             self.cached_prompt += theirs - have
+        return took
+
+    def _pull(self, w: SimWorker, role: str, rid: int, have: int, theirs: int) -> float | None:
+        """Pull positions ``have:theirs`` of ``rid``'s ``role`` KV to ``w`` where the link beats
+        computing them, as a live worker judges: the link's seconds, counted; None: not pulled."""
+        cost = w.costs[role]
+        nbytes = (theirs - have) * cost.kv_bytes_per_token
+        took = self.sc.link.pull_s(nbytes, cost.forward_s(1, theirs - have, theirs)) if theirs > have else None
+        if took is not None:
+            w.pulls, w.pulled, w.pull_s, w.kv_bytes = w.pulls + 1, w.pulled + theirs - have, w.pull_s + took, w.kv_bytes + nbytes
+            w.caches[role][rid] = theirs
         return took
 
     def _hold_prefixes(self, req: Request, ended: bool) -> None:
