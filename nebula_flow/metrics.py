@@ -102,7 +102,8 @@ def families(state: dict[str, Any]) -> list[Metric]:
                "stall_s": "nebula_kv_stall_seconds_total",
                "overlap_s": "nebula_kv_overlap_seconds_total", "computed": "nebula_kv_recomputed_positions_total",
                "prefix_hits": "nebula_kv_prefix_hits_total", "prefix_reused": "nebula_kv_prefix_reused_positions_total",
-               "prefix_pulls": "nebula_kv_prefix_pulls_total", "prefix_pulled": "nebula_kv_prefix_pulled_positions_total"}
+               "prefix_pulls": "nebula_kv_prefix_pulls_total", "prefix_pulled": "nebula_kv_prefix_pulled_positions_total",
+               "pull_saved": "nebula_kv_pull_saved_positions_total"}
     for key, name in kv_keys.items():
         family(name, "counter", f"Per-worker KV counter {key}.",
                [(w["kv"].get(key, 0), {"worker": w["name"], "role": w["role"]}) for w in state["workers"] if w.get("kv")])

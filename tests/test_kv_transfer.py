@@ -223,7 +223,7 @@ def test_local_first_reads_same_host_files_and_asks_the_network_for_the_rest(tin
             model([holder.prepare(rid, tokens)], [tokens[:-1].tolist()], [1])
         holder.publish([1, 2, 3, 4, 5])
         holder.caches[2].shared_path.unlink()  # rid 2's KV is private to the holder now
-        puller.fetch_many("target", [(1, tokens, 39, 1), (2, tokens, 39, 2)], endpoint, client)
+        puller.fetch_many("target", [(1, tokens, 39, 1, None), (2, tokens, 39, 2, None)], endpoint, client)
         assert client.routes == {"local": 1, "remote": 1} and puller.stats.pulls == 2
         # The holder on "another host": its folder is not visible here, so the network serves it.
         puller.fetch(3, "target", tokens, 39, elsewhere, client)
@@ -351,19 +351,19 @@ def test_room_for_a_large_same_host_read_is_made_ahead_and_kept_until_its_batch(
         holder.publish([5])
         endpoint = server.serve("127.0.0.1", None)
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        puller.make_room([(5, tokens, 1999, 5)])
+        puller.make_room([(5, tokens, 1999, 5, None)])
         made = puller.caches[5]
         faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
         assert faulted >= 1999 * made.row_bytes // 4096 * 0.9, faulted  # its pages are in, one call
         assert made.length == 0 and made.buf.shape[0] >= 1999 and 5 in puller.pinned
         puller.evict(protect=set())
         assert puller.caches.get(5) is made  # pinned: its batch has not run yet
-        puller.make_room([(5, tokens, 1999, 5)])  # held already: left as it is
+        puller.make_room([(5, tokens, 1999, 5, None)])  # held already: left as it is
         assert puller.caches[5] is made
         client.prepare_reads(endpoint, [(5, "target", 0, 1999)])  # the holder's file: mapped, pages in
         assert client.files.names  # (kept for the read)
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        puller.fetch_many("target", [(5, tokens, 1999, 5)], endpoint, client)
+        puller.fetch_many("target", [(5, tokens, 1999, 5, None)], endpoint, client)
         assert puller.caches[5] is made and made.length == 1999 and torch.equal(made.buf[:1999], cache.buf[:1999])
         # the copy found the pages on both sides already in
         # (without prepare_reads, reading the holder's file alone faults once per 16 pages)

@@ -136,7 +136,7 @@ def test_fetch_recomputes_what_the_link_says_is_slower_and_learns_from_what_it_p
         for n in (1 << 19, 1 << 20, 1 << 21):  # measured: 40 s a MiB (~0.2 Mbit/s)
             slow.observe(now, n, 40.0 * n / (1 << 20))
         nbytes = 39 * puller.row_bytes
-        puller.fetch_many("target", [(1, tokens, 39, 1)], endpoint, client, slow, lambda rows: 0.001 * rows)
+        puller.fetch_many("target", [(1, tokens, 39, 1, None)], endpoint, client, slow, lambda rows: 0.001 * rows)
         # 39 positions of 1 kB at ~26 kB/s: ~1.5 s, against ~0.04 s to compute them here
         assert puller.stats.pulls_skipped == 1 and puller.stats.pulls == 0 and server.served == 0
         assert client.timeouts == [] and puller.caches[1].length == 0
@@ -144,7 +144,7 @@ def test_fetch_recomputes_what_the_link_says_is_slower_and_learns_from_what_it_p
         assert puller.stats.computed == 39  # (what a skipped pull leaves: computed here, as after a failed one)
         # The same link with a slow model to recompute on: the pull is made, waited for three times
         # what the link predicts (not the fixed 2 s), and the link learns the exchange.
-        puller.fetch_many("target", [(2, tokens, 39, 2)], endpoint, client, slow, lambda rows: 1.0)
+        puller.fetch_many("target", [(2, tokens, 39, 2, None)], endpoint, client, slow, lambda rows: 1.0)
         assert puller.stats.pulls == 1 and server.served == 1 and len(slow.seen) == 4
         assert client.timeouts == [pytest.approx(3 * nbytes * 40.0 / (1 << 20), rel=1e-3)]
         assert client.timeouts[0] > PULL_TIMEOUT_S

@@ -507,12 +507,44 @@ def test_a_peer_pulls_a_prompt_start_from_a_finished_requests_kv(tiny_pair, tran
         holder.free([1])  # (finished: kept for prefixes, under its request's id for peers)
         assert 1 not in holder.caches and holder.snapshot(1, 0, 96) is not None
         new = np.array(SHARED + [200, 201], dtype=np.int64)
-        puller.fetch_many("target", [(5, new, 96, 1)], endpoint, client)
+        puller.fetch_many("target", [(5, new, 96, 1, None)], endpoint, client)
         assert puller.caches[5].length == 96 and torch.equal(puller.caches[5].buf[:96], holder.finished[1].buf[:96])
         assert (puller.stats.prefix_pulls, puller.stats.prefix_pulled, puller.take_copied(5)) == (1, 96, 96)
         assert puller.prepare(5, new).length == 96  # (kept: only the rest is computed)
-        puller.fetch_many("target", [(6, new, 96, 3)], endpoint, client)  # (no request 3 there)
+        puller.fetch_many("target", [(6, new, 96, 3, None)], endpoint, client)  # (no request 3 there)
         assert puller.caches[6].length == 0 and puller.stats.pull_failures == 1 and puller.stats.prefix_pulls == 1
+    finally:
+        server.close()
+        client.close()
+
+
+def test_a_request_that_moves_pulls_only_what_its_new_workers_prefix_cache_lacks(tiny_pair) -> None:  # noqa: ANN001
+    """A request's own KV that follows it to a worker whose prefix cache holds its prompt's start (a
+    finished request on the same document) travels from the end of that start on: the start is
+    copied there, the rows equal to the holder's, counted as ``pull_saved`` and not as the request's
+    cached prompt tokens (it computed its prompt where it began); a request of another
+    ``cache_salt`` is pulled whole (batch invariance on: rows of a prefill do not depend on its length)."""
+    from nebula_flow.kv.transport import make_transport
+
+    model = load_model(tiny_pair / "target", batch_invariant=True)
+    holder, puller = KVStore(model, prefix_cache=True), KVStore(model, prefix_cache=True)
+    server, client = make_transport("zmq"), make_transport("zmq")
+    endpoint = server.serve("127.0.0.1", lambda rid, role, s, e: holder.snapshot(rid, s, e))
+    moving = np.array(SHARED + [200, 201, 202, 203, 204, 205], dtype=np.int64)
+    try:
+        for rid in (5, 6):  # (the same request's tokens, one without and one with a salt)
+            model([holder.prepare(rid, moving)], [moving[:-1].tolist()], [1])
+        done = np.array(SHARED + [7, 8, 9], dtype=np.int64)
+        model([puller.prepare(1, done)], [done[:-1].tolist()], [1])
+        puller.free([1])  # (finished here: kept for prefixes)
+        puller.fetch_many("target", [(5, moving, 105, 5, None), (6, moving, 105, 6, "tenant-b")], endpoint, client)
+        for rid in (5, 6):
+            assert puller.caches[rid].length == 105
+            assert torch.equal(puller.caches[rid].buf[:105], holder.caches[rid].buf[:105])
+        assert puller.stats.pull_saved == 100  # (the document's 100 positions, request 5 alone)
+        assert puller.stats.pulled == 5 + 105 and puller.stats.pulls == 2
+        assert puller.stats.bytes_pulled == (5 + 105) * puller.caches[5].row_bytes
+        assert (puller.take_copied(5), puller.take_copied(6), puller.stats.prefix_pulls) == (0, 0, 0)
     finally:
         server.close()
         client.close()

@@ -57,6 +57,21 @@ def test_a_simulated_prefix_cache_finds_whole_blocks_and_keeps_the_latest_finish
         cache.finish(rid)
     assert cache.held(other) == 0 and cache.held(prompt_of(9, 200, (13,), 200)) == 144
     assert set(cache.finished) == {2, 3} and not cache.live
+    cache.hold(4, prompt_of(4, 200, (20,), 200), 150)  # (running: a pull's start copies only a finished one's)
+    assert cache.held(prompt_of(9, 200, (20,), 200)) == 144 and cache.held(prompt_of(9, 200, (20,), 200), True) == 0
+    assert cache.held(prompt_of(9, 200, (13,), 200), True) == 144
+
+
+def test_kv_that_follows_a_pooled_request_travels_from_where_the_new_workers_prefix_cache_ends() -> None:
+    """Pooled requests move between workers every few rounds; on a long shared document each move's
+    pull starts where a finished request's KV on the new worker ends, as a live store's does."""
+    sc = gpu_scenario(Workload(requests=192, output_tokens=32, prompt_tokens=(32, 64), concurrency=48,
+                               shared_prefix=1536, documents=1))
+    res = simulate(sc, "pooled")
+    document = 1536 * max(sc.draft.cost.kv_bytes_per_token, sc.target.cost.kv_bytes_per_token)
+    assert res["kv_pulls"] > 20 and res["kv_pull_saved_positions"] > 20 * 1536
+    assert res["kv_bytes"] / res["kv_pulls"] < 0.5 * document  # (each pull moved the document: ~0.95x)
+    assert simulate(replace(sc, prefix_cache=False), "pooled")["kv_pull_saved_positions"] == 0
 
 
 def test_a_shared_document_is_computed_once_a_worker_and_the_cache_off_computes_it_for_each() -> None:

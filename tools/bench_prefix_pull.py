@@ -60,7 +60,7 @@ def main() -> None:
                         puller = KVStore(model, prefix_cache=True)
                         t = time.perf_counter()
                         if way == "pulled":
-                            puller.fetch_many("target", [(1, prompt, n, n)], endpoint, client)
+                            puller.fetch_many("target", [(1, prompt, n, n, None)], endpoint, client)
                         cache = puller.prepare(1, prompt)
                         with torch.inference_mode():
                             model([cache], [prompt[cache.length:-1].tolist()], [0])

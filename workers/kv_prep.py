@@ -54,7 +54,7 @@ class KVPrep:
 
     def pulls(self, tasks: list[Task], local: bool | None = None) -> Pulls:
         """The KV this batch needs from peers: (holder endpoint, model role) -> [(rid, tokens, valid
-        length, the request whose KV holds them there)]. A new request's prompt start held by another
+        length, the request whose KV holds them there, its cache_salt)]. A new request's prompt start held by another
         request's KV on a peer (``Holder.source``) is pulled unless this worker's prefix cache holds
         as much. ``local``: only holders read from this host's memory (True), only the others
         (False), all (None)."""
@@ -71,7 +71,7 @@ class KVPrep:
                             h.valid, len(t.tokens) - 1):
                         continue  # (a prefix this worker holds too)
                     by_holder.setdefault((h.endpoint, role), []).append(
-                        (t.rid, t.tokens, h.valid, t.rid if h.source is None else h.source))
+                        (t.rid, t.tokens, h.valid, t.rid if h.source is None else h.source, t.params.cache_salt))
         if local is None:
             return by_holder
         return {key: w for key, w in by_holder.items() if self.transport.reads_locally(key[0]) == local}
@@ -83,7 +83,7 @@ class KVPrep:
                 if self.served[key[1]].share_folder is not None
                 and (new := [w for w in ws if w[0] not in self.served[key[1]].caches])}
         nbytes = sum(min(valid, len(tokens) - 1) * self.served[role].row_bytes
-                     for (_, role), ws in room.items() for _, tokens, valid, _ in ws)
+                     for (_, role), ws in room.items() for _, tokens, valid, _, _ in ws)
         return room if nbytes >= ROOM_BYTES else {}
 
     def prefetch(self, pulls: Pulls, room: Pulls | None = None) -> None:
@@ -96,7 +96,7 @@ class KVPrep:
             try:
                 self.served[role].make_room(wanted)
                 self.transport.prepare_reads(endpoint, [(source, role, 0, min(valid, len(tokens) - 1))
-                                                        for _, tokens, valid, source in wanted])
+                                                        for _, tokens, valid, source, _ in wanted])
             except Exception:  # only a head start: the pull at compute start does what is left
                 log.exception("preparing KV reads from %s failed", endpoint)
         for (endpoint, role), wanted in pulls.items():  # one exchange per holder and model for the whole batch

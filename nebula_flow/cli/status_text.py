@@ -30,6 +30,8 @@ def status_lines(state: dict[str, Any]) -> list[str]:
             kv += f" prefix cache {hits} hits, {w['kv']['prefix_reused']} positions reused"
         if pulls := (w.get("kv") or {}).get("prefix_pulls", 0):  # (prompt starts pulled from other requests' KV on peers)
             kv += f" prefixes pulled {pulls} ({w['kv']['prefix_pulled']} positions)"
+        if saved := (w.get("kv") or {}).get("pull_saved", 0):  # (pulled KV its own prefix cache held: copied here)
+            kv += f" {saved} positions not pulled (its prefix cache held them)"
         where = (w.get("model") or {}).get("device", "?")  # (registered: shown before it first computes)
         out.append(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} on {where:<9} "
                    f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}{restarted}{kv}")

@@ -37,7 +37,8 @@ from nebula_flow.models.llama import CausalLM
 SPARE_FORKS = 32  # finished requests' draft-ahead forks a store keeps for the next ones (``KVStore.branch``)
 # The shortest prefix of another request's worth reusing: a chat template's few tokens are not.
 MIN_SHARED = 16
-Wanted = tuple[int, np.ndarray, int, int]  # a pull: (request, its tokens, positions wanted, the request they are of there)
+# a pull: (request, its tokens, positions wanted, the request they are of there, its cache_salt)
+Wanted = tuple[int, np.ndarray, int, int, str | None]
 KEEP_FINISHED = 64  # finished requests' caches a prefix cache keeps at most (each is searched per new request)
 PULL_SIZE_CLASSES = {"<64kB": 64 << 10, "64kB-1MB": 1 << 20, "1-16MB": 16 << 20, ">=16MB": 1 << 62}
 
@@ -81,6 +82,7 @@ class KVStats:
     prefix_reused: int = 0  # positions so copied instead of computed
     prefix_pulls: int = 0  # requests whose prompt's start was pulled from another request's KV on a peer
     prefix_pulled: int = 0  # positions so pulled instead of computed
+    pull_saved: int = 0  # positions a pull did not move: a finished request's cache here held them (prefix cache)
     # size class -> [exchanges, bytes, seconds] (see PULL_SIZE_CLASSES)
     by_size: dict[str, list[float]] = field(default_factory=dict)
 
@@ -179,19 +181,25 @@ class KVStore:
             keep = max(keep, _copy_rows(other, cache, tokens, keep))
         self.stats.reused += keep
         if copies and self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
-            keep = self._shared_prefix(rid, cache, tokens, keep)
+            start, keep = keep, self._copy_prefix(cache, tokens, keep)
+            if keep > start:
+                self.stats.prefix_hits += 1
+                self.stats.prefix_reused += keep - start
+                self._count_copied(rid, keep - start)
         self.stats.computed += len(tokens) - 1 - keep
         return cache
 
     def _longest_prefix(self, cache: KVCache | None, tokens: np.ndarray, keep: int,
-                        salt: str | None) -> tuple[KVCache | None, int, object]:
-        """The other cache of ``salt``, live or finished, holding the longest prefix of ``tokens``
-        beyond ``keep`` positions and of ``MIN_SHARED`` or more, how long that is (``keep`` where
-        there is none), and its key (a live request's id, or ``(None, key)`` of a finished one). Lock held."""
+                        salt: str | None, finished_only: bool = False) -> tuple[KVCache | None, int, object]:
+        """The other cache of ``salt``, live or finished (``finished_only``: finished), holding the
+        longest prefix of ``tokens`` beyond ``keep`` positions and of ``MIN_SHARED`` or more, how long
+        that is (``keep`` where there is none), and its key (a live request's id, or ``(None, key)``
+        of a finished one). Lock held."""
         head = tokens[:MIN_SHARED].tolist()
         best, most, key = None, max(keep, MIN_SHARED - 1), None
+        live = () if finished_only else self.caches.items()
         # (a cache pinned now may be changing on the prefetch thread: not read)
-        for rid, other in (*self.caches.items(), *(((None, k), c) for k, c in self.finished.items())):
+        for rid, other in (*live, *(((None, k), c) for k, c in self.finished.items())):
             if other is cache or rid in self.pinned or other.length <= most or other.salt != salt \
                     or other.tokens[:MIN_SHARED] != head:
                 continue
@@ -199,23 +207,25 @@ class KVStore:
                 best, most, key = other, n, rid
         return best, most if best is not None else keep, key
 
-    def _shared_prefix(self, rid: int, cache: KVCache, tokens: np.ndarray, keep: int) -> int:
-        """Copy into ``cache`` (request ``rid``'s, holding ``keep`` positions of ``tokens``) the
-        longest further prefix of ``tokens`` another request's cache holds (``_longest_prefix``);
-        returns the positions ``cache`` holds now."""
+    def _copy_prefix(self, cache: KVCache, tokens: np.ndarray, keep: int, finished_only: bool = False) -> int:
+        """Copy into ``cache`` (holding ``keep`` positions of ``tokens``) the longest further prefix
+        of ``tokens`` another request's cache holds (``_longest_prefix``); returns the positions
+        ``cache`` holds now. ``finished_only``: from finished requests' caches alone, which nothing
+        writes any more (the prefetch thread's copies: the compute thread may be writing a live one)."""
         # (held through the copy: the prefetch thread pins a cache, under this lock, before it changes it)
         with self.lock:
-            best, _, key = self._longest_prefix(cache, tokens, keep, cache.salt)
+            best, _, key = self._longest_prefix(cache, tokens, keep, cache.salt, finished_only)
             if best is None:
                 return keep
             if isinstance(key, tuple):  # (a finished request's cache that served is kept longest)
                 self.finished.move_to_end(key[1])
             best.await_rows()
-            held = _copy_rows(best, cache, tokens, keep)
-            self.copied[rid] = self.copied.get(rid, 0) + held - keep
-        self.stats.prefix_hits += 1
-        self.stats.prefix_reused += held - keep
-        return held
+            return _copy_rows(best, cache, tokens, keep)
+
+    def _count_copied(self, rid: int, positions: int) -> None:
+        """``positions`` of ``rid``'s prompt came from other requests' KV (its usage's cached tokens)."""
+        with self.lock:
+            self.copied[rid] = self.copied.get(rid, 0) + positions
 
     def take_copied(self, rid: int) -> int:
         """The positions copied into ``rid``'s cache from other requests' since last asked."""
@@ -243,7 +253,7 @@ class KVStore:
         yet, made now with the pages for the positions to come in: run on the prefetch thread
         while the previous batch computes, it leaves the pull at compute start only a copy.
         The caches are pinned until their batch has run (``unpin``)."""
-        for rid, tokens, valid, _ in wanted:
+        for rid, tokens, valid, _, _ in wanted:
             with self.lock:
                 if rid in self.caches:
                     continue
@@ -252,7 +262,7 @@ class KVStore:
 
     def fetch(self, rid: int, role: str, tokens: np.ndarray, valid: int, endpoint: str, transport) -> None:  # noqa: ANN001
         """``fetch_many`` for one request."""
-        self.fetch_many(role, [(rid, tokens, valid, rid)], endpoint, transport)
+        self.fetch_many(role, [(rid, tokens, valid, rid, None)], endpoint, transport)
 
     def fetch_many(self, role: str, wanted: list[Wanted], endpoint: str, transport,  # noqa: ANN001
                    link: LinkFit | None = None, recompute: Callable[[int], float | None] | None = None) -> None:
@@ -268,13 +278,20 @@ class KVStore:
         as the link says, and its time is learned (``kv/link_fit.py``).
         """
         plan = []
-        for rid, tokens, valid, source in wanted:
+        for rid, tokens, valid, source, salt in wanted:
             valid = min(valid, len(tokens) - 1)
             cache = self._get(rid, len(tokens))
             with self.lock:
                 self.pinned.add(rid)
+            cache.salt = salt
             have = min(cache.common_prefix(tokens), valid)
             cache.truncate(have)
+            if self.prefix_cache and valid - have >= MIN_SHARED:  # (what a finished request here holds does not travel)
+                start = have
+                have = min(self._copy_prefix(cache, tokens, have, finished_only=True), valid)
+                self.stats.pull_saved += have - start
+                if source != rid:  # (a prompt's start: copied, not computed, as ``prepare`` counts it)
+                    self._count_copied(rid, have - start)
             if have < valid:
                 cache.reserve(valid)
                 plan.append((source, tokens, have, valid, cache, rid if source != rid else None))
@@ -312,8 +329,7 @@ class KVStore:
             if prefixed is not None:  # (from another request's KV: its prompt's start, as the prefix cache's copies)
                 self.stats.prefix_pulls += 1
                 self.stats.prefix_pulled += valid - have
-                with self.lock:
-                    self.copied[prefixed] = self.copied.get(prefixed, 0) + valid - have
+                self._count_copied(prefixed, valid - have)
             pulled += (valid - have) * cache.row_bytes
         self.stats.bytes_pulled += pulled
         if link is not None and (pulled or took >= timeout):  # (a pull given up at its deadline: a lower bound)

@@ -53,6 +53,7 @@ from nebula_flow.sim import fused, predraft
 from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.costs import CostModel
 from nebula_flow.sim.prefix_cache import SimPrefixCache, prompt_of
+from nebula_flow.sim.prefix_cache import report as prefix_report
 from nebula_flow.sim.report import latencies
 from nebula_flow.sim.scenario import Scenario, Workload, cost_on
 from nebula_flow.sim.state import PLACEHOLDER, Outcome, Prefilled, SimTask, SimWorker
@@ -287,6 +288,10 @@ class Simulator:
                 holder = self.workers.get(want[0])
                 have = w.caches[model_role].get(t.req.rid, 0)
                 theirs = min(want[1], holder.caches[model_role].get(t.req.rid, 0)) if holder else 0
+                if model_role in (w.prefixes or ()):  # (what a finished request here holds does not travel)
+                    start, have = have, max(have, min(theirs, w.prefixes[model_role].held(t.req.prompt, True)))
+                    if have > start:
+                        w.caches[model_role][t.req.rid], w.pull_saved = have, w.pull_saved + have - start
                 took = self._pull(w, model_role, t.req.rid, have, theirs)
                 if took is not None:  # (None: the holder lacks them, or recomputing them is quicker)
                     transfer += took
@@ -479,10 +484,7 @@ class Simulator:
             "kv_bytes": sum(w.kv_bytes for w in self.workers.values()),
             "kv_pulls": sum(w.pulls for w in self.workers.values()),
             "kv_recomputed_positions": sum(w.recomputed for w in self.workers.values()),
-            "prefix_cached_positions": sum(w.prefix_cached for w in self.workers.values()),
-            "prefix_pulled_positions": sum(w.prefix_pulled for w in self.workers.values()),
-            "prompt_cached": self.cached_prompt / max(1, sum(len(r.prompt) for r in self.done))
-            if any(w.prefixes for w in self.workers.values()) else None,
+            **prefix_report(list(self.workers.values()), self.cached_prompt, sum(len(r.prompt) for r in self.done)),
             "kv_stall_fraction": sum(w.stall_s for w in self.workers.values()) / max(busy, 1e-12),
             "stale_results": self.stale, "broker_utilization": self.broker_busy_s / wall,
             "draft_ahead": self.policy.ahead_stats.to_dict(),

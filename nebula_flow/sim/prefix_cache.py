@@ -41,6 +41,7 @@ class SimPrefixCache:
 
     def __init__(self, keep: int = KEEP_FINISHED) -> None:
         self.count: dict[int, int] = {}  # prefix key -> requests held here whose KV holds that prefix
+        self.done: dict[int, int] = {}  # ... of them, finished ones (a pull's start copies only from these)
         self.live: dict[int, list[int]] = {}  # running request -> its keys
         self.finished: OrderedDict[int, list[int]] = OrderedDict()  # kept for prefixes, oldest first
         self.keep = keep
@@ -57,24 +58,41 @@ class SimPrefixCache:
         keys = self.live.pop(rid, None)
         if keys:
             self.finished[rid] = keys
+            for key in keys:
+                self.done[key] = self.done.get(key, 0) + 1
             while len(self.finished) > self.keep:
-                self._drop(self.finished.popitem(last=False)[1])
+                gone = self.finished.popitem(last=False)[1]
+                self._drop(gone)
+                self._drop(gone, self.done)
 
-    def held(self, prompt: list[int]) -> int:
+    def held(self, prompt: list[int], finished_only: bool = False) -> int:
         """The positions of ``prompt`` (all but its last token, whose logits a task computes) that a
-        request held here holds: whole blocks."""
-        if not self.count:
+        request held here holds (``finished_only``: a finished one): whole blocks."""
+        count = self.done if finished_only else self.count
+        if not count:
             return 0
         keys = chain(prompt, len(prompt) - 1, None)
         for i in range(len(keys) - 1, -1, -1):
-            if keys[i] in self.count:
+            if keys[i] in count:
                 return (i + 1) * BLOCK
         return 0
 
-    def _drop(self, keys: list[int] | tuple) -> None:
+    def _drop(self, keys: list[int] | tuple, count: dict[int, int] | None = None) -> None:
+        count = self.count if count is None else count
         for key in keys:
-            left = self.count[key] - 1
+            left = count[key] - 1
             if left:
-                self.count[key] = left
+                count[key] = left
             else:
-                del self.count[key]
+                del count[key]
+
+
+def report(workers: list, cached_prompt: int, prompt_tokens: int) -> dict[str, float | int | None]:
+    """A result's prefix cache figures over its ``workers`` (``SimWorker``s): positions found in a
+    prefix cache and pulled as a prompt's start, positions of KV that follows a request not pulled
+    (a finished request's here held them), and the share of ``prompt_tokens`` cached (``cached_prompt``
+    positions; None without prefix caches)."""
+    return {"prefix_cached_positions": sum(w.prefix_cached for w in workers),
+            "prefix_pulled_positions": sum(w.prefix_pulled for w in workers),
+            "kv_pull_saved_positions": sum(w.pull_saved for w in workers),
+            "prompt_cached": cached_prompt / max(1, prompt_tokens) if any(w.prefixes for w in workers) else None}

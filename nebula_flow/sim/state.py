@@ -73,3 +73,4 @@ class SimWorker:
     prefixes: dict[str, SimPrefixCache] | None = None  # model role -> its prefix cache (prompts that share a start)
     prefix_cached: int = 0  # new requests' positions found in its prefix cache ...
     prefix_pulled: int = 0  # ... and pulled from the peer placement named
+    pull_saved: int = 0  # positions of KV that follows a request its prefix cache held (not pulled)
