@@ -12,8 +12,9 @@ SGLang's router and vLLM's prefix-aware routing do the same across instances.
 
 Pure (no sockets, no clock). Tokens are hashed a block at a time, each block's hash chained to
 the one before it, so a key stands for a whole prefix. A finished request leaves keys at 1, 2, 4,
-8, ... blocks and at its last whole block (the next turn of a chat continues all of it); least
-recently learnt keys go first. A request's ``cache_salt`` seeds its chain, so requests of different
+8, ... blocks, at every ``EVERY``-th block (a shared start is known to within that many blocks:
+a 1,500-token system prompt as 1,408 tokens, not 1,024) and at its last whole block (the next turn
+of a chat continues all of it); least recently learnt keys go first. A request's ``cache_salt`` seeds its chain, so requests of different
 salts never look alike here, as workers never share their KV (``kv/store.py``). A guess is never a
 rule: a worker that left, or one that has since evicted the KV, costs only the prefill the placement
 hoped to save.
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 BLOCK = 16  # tokens per key step: the shortest prefix a worker reuses (kv/store.py MIN_SHARED)
 MAX_KEYS = 1 << 16  # (a few MB of the broker's memory)
+EVERY = 8  # blocks between a request's keys past the first EVERY (besides those at 1, 2, 4, ... blocks)
 MIN_WAIT = 4 * BLOCK  # the shortest shared start worth waiting for (computing fewer tokens costs next to nothing)
 ROLES = ("target", "draft", "colocated")  # the holder keys placement looks at
 
@@ -111,7 +113,8 @@ class PrefixRoutes:
         tokens = req.prompt + req.output
         for role, (worker, valid) in req.holders.items():
             keys = chain(tokens, valid, req.params.cache_salt)
-            marks = {len(keys) - 1, *(2 ** i - 1 for i in range(len(keys).bit_length()))}
+            marks = {len(keys) - 1, *(2 ** i - 1 for i in range(len(keys).bit_length())),
+                     *range(EVERY - 1, len(keys), EVERY)}
             for i in sorted(m for m in marks if m >= 0):
                 self.where[(role, keys[i])] = (worker, req.rid)
                 self.where.move_to_end((role, keys[i]))

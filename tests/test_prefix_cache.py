@@ -21,7 +21,7 @@ from nebula_flow.kv.store import KEEP_FINISHED, MIN_SHARED, KVStore
 from nebula_flow.models.loader import load_model
 from nebula_flow.params import SamplingParams
 from nebula_flow.policy import PolicyConfig
-from nebula_flow.prefixes import BLOCK, PrefixRoutes
+from nebula_flow.prefixes import BLOCK, EVERY, PrefixRoutes
 from nebula_flow.request import Request
 from nebula_flow.scheduler import Scheduler
 from tests.conftest import deploy_config, hf_greedy
@@ -266,6 +266,11 @@ def test_prefix_routes_find_the_worker_that_held_the_longest_prefix() -> None:
     assert routes.find(_request(1, doc + [1], salt="alice"), alive={7, 8, 9}) == {"target": (9, 96, 12)}
     assert routes.find(_request(1, doc + [1], salt="bob"), alive={7, 8, 9}) == {}
     assert routes.find(_request(1, doc + [1]), alive={7, 8, 9})["target"] == (7, 96, 10)
+    # a long shared start is known to within EVERY blocks, not only at 1, 2, 4, ... blocks
+    system = list(range(2000, 3500))  # (1,500 tokens: 93 whole blocks)
+    routes.learn(_ended(system + [7] * 40, {"target": (7, 1540)}, rid=13))
+    found = routes.find(_request(1, system + [9] * 30), alive={7})["target"]
+    assert found == (7, (93 // EVERY) * EVERY * BLOCK, 13) and found[1] == 1408  # (was 1,024: 64 blocks)
     few = PrefixRoutes(max_keys=4)
     for i in range(10):
         few.learn(_ended([i] * 200, {"target": (1, 200)}))
