@@ -12,6 +12,7 @@ HuggingFace's so checkpoints load unchanged.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 
 from nebula_flow.kv.arena import CHUNK_BYTES, KVArena
 from nebula_flow.kv.cache import PENDING, KVCache
-from nebula_flow.models import flash, invariant, packed, staging
+from nebula_flow.models import flash, invariant, packed, probe_cache, staging
 from nebula_flow.models.batch import Batch, GroupPlan, TreeRows, attention_mask
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.flash import FlashPlan
@@ -363,8 +364,11 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 key = (*m.weight.shape, m.packed is not None)
-                if key not in plans:
-                    plans[key] = invariant.row_plan(m.weight, m.product)
+                if key not in plans:  # (probed once per kernel and shape on this machine: ``probe_cache``)
+                    inputs = {"shape": list(m.weight.shape), "dtype": str(m.weight.dtype), "packed": key[2],
+                              "packed_from_rows": m.packed_from_rows, "bias": m.bias is not None}
+                    plans[key] = invariant.RowPlan(**probe_cache.remember(
+                        "row_plan", inputs, m.weight.device, lambda m=m: asdict(invariant.row_plan(m.weight, m.product))))
                 m.row_plan = plans[key]
         self.batch_invariant = True
         cfg = self.cfg
