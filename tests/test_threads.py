@@ -164,14 +164,21 @@ def test_a_worker_whose_invariant_bits_change_with_threads_keeps_to_its_share(ti
         probed_with_every_core.append(all(not lock_free(tmp_path / f"cores.{i}.lock") for i in range(2)))
         return same
 
+    monkeypatch.setattr("nebula_flow.cores.usable_cores", lambda: 4)
+    monkeypatch.setenv("NEBULA_FLOW_PROBE_CACHE", "0")  # (each answer below probed, not remembered)
     for same, most in ((True, 4), (False, 1)):
         monkeypatch.setattr(invariant, "same_bits_across_threads", lambda m, counts, same=same: probe(m, counts, same))
-        monkeypatch.setattr("nebula_flow.cores.usable_cores", lambda: 4)
         runner = Runner()
         lease = join_lease(str(tmp_path / "cores"), 0, 1, [runner], lambda n: None)
         assert lease.most == most and runner.before_forward == lease.claim
     assert probed_with_every_core == [True, True]  # (the probe computes on every core: no one else does meanwhile)
     assert all(lock_free(tmp_path / f"cores.{i}.lock") for i in range(2))
+    # kept (``models/probe_cache.py``): the next worker of this model's shape on these kernels probes no more
+    monkeypatch.setenv("NEBULA_FLOW_PROBE_CACHE", "1")
+    monkeypatch.setenv("NEBULA_FLOW_CACHE", str(tmp_path / "cache"))
+    for _ in range(2):
+        assert join_lease(str(tmp_path / "cores"), 0, 1, [Runner()], lambda n: None).most == 1
+    assert len(probed_with_every_core) == 3
 
 
 def lock_free(path) -> bool:  # noqa: ANN001
