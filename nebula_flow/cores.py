@@ -235,7 +235,8 @@ def join_lease(path: str, slot: int, share: int, runners: list[Any], set_threads
         invariant = [m for m in models if getattr(m, "batch_invariant", False)]
         # (ends at its share, as its torch started; kept per model shape and kernels: ``probe_cache``)
         with lease.every_core():
-            same = all(probe_cache.remember("same_bits_across_threads", {**model_shape(m), "counts": [lease.cores, share]},
+            same = all(probe_cache.remember("same_bits_across_threads",
+                                            {**probe_cache.model_kernels(m), "counts": [lease.cores, share]},
                                             m.lm_head.weight.device,
                                             lambda m=m: same_bits_across_threads(m, [lease.cores, share]))
                        for m in invariant)
@@ -244,17 +245,6 @@ def join_lease(path: str, slot: int, share: int, runners: list[Any], set_threads
                         "%d thread(s) only, never on the cores idle workers could lend", share)
             lease.most = share
     return lease
-
-
-def model_shape(model: Any) -> dict[str, Any]:  # noqa: ANN401 - a CausalLM (torch is not imported here)
-    """What decides which kernels a batch-invariant ``model`` runs (not its weights' values): its
-    shapes, dtype, packed layers and what its load-time probes chose."""
-    cfg = model.cfg
-    shape = {k: getattr(cfg, k) for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                                          "num_heads", "num_kv_heads", "head_dim", "qkv_bias", "o_bias", "mlp_bias",
-                                          "qk_norm", "tie_word_embeddings", "draft_head_size")}
-    return {**shape, "dtype": str(model.lm_head.weight.dtype), "packed": model.packed_from_rows,
-            "invariance": model.invariance}
 
 
 def _alive(pid: int) -> bool:

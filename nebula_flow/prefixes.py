@@ -14,8 +14,9 @@ Pure (no sockets, no clock). Tokens are hashed a block at a time, each block's h
 the one before it, so a key stands for a whole prefix. A finished request leaves keys at 1, 2, 4,
 8, ... blocks, at every ``EVERY``-th block (a shared start is known to within that many blocks:
 a 1,500-token system prompt as 1,408 tokens, not 1,024) and at its last whole block (the next turn
-of a chat continues all of it); least recently learnt keys go first. A request's ``cache_salt`` seeds its chain, so requests of different
-salts never look alike here, as workers never share their KV (``kv/store.py``). A guess is never a
+of a chat continues all of it); least recently learnt keys go first. A request's ``cache_salt``
+seeds its chain, so requests of different salts never look alike here, as workers never share
+their KV (``kv/store.py``). A guess is never a
 rule: a worker that left, or one that has since evicted the KV, costs only the prefill the placement
 hoped to save.
 

@@ -54,9 +54,9 @@ class KVPrep:
 
     def pulls(self, tasks: list[Task], local: bool | None = None) -> Pulls:
         """The KV this batch needs from peers: (holder endpoint, model role) -> [(rid, tokens, valid
-        length, the request whose KV holds them there, its cache_salt)]. A new request's prompt start held by another
-        request's KV on a peer (``Holder.source``) is pulled unless this worker's prefix cache holds
-        as much. ``local``: only holders read from this host's memory (True), only the others
+        length, the request whose KV holds them there, its cache_salt)]. A new request's prompt start
+        held by another request's KV on a peer (``Holder.source``) is pulled unless this worker's
+        prefix cache holds as much. ``local``: only holders read from this host's memory (True), only the others
         (False), all (None)."""
         if self.transport is None:
             return {}

@@ -69,6 +69,18 @@ def machine(device: torch.device) -> dict[str, Any]:
             "env": {v: os.environ[v] for v in ISA_VARIABLES if v in os.environ}}
 
 
+def model_kernels(model: Any) -> dict[str, Any]:  # noqa: ANN401 - a CausalLM (not imported: it imports this module)
+    """What decides which kernels a batch-invariant ``model`` runs, not its weights' values: its
+    shapes, dtype, packed layers and what its load-time probes chose (a probe over the whole model,
+    such as ``invariant.same_bits_across_threads``, is keyed by this)."""
+    cfg = model.cfg
+    shape = {k: getattr(cfg, k) for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                          "num_heads", "num_kv_heads", "head_dim", "qkv_bias", "o_bias", "mlp_bias",
+                                          "qk_norm", "tie_word_embeddings", "draft_head_size")}
+    return {**shape, "dtype": str(model.lm_head.weight.dtype), "packed": model.packed_from_rows,
+            "invariance": model.invariance}
+
+
 def remember(kind: str, inputs: dict[str, Any], device: torch.device, probe: Callable[[], Any]) -> Any:  # noqa: ANN401
     """The result of ``probe()`` (JSON-able), a probe of ``kind`` on ``inputs`` on ``device``: kept
     from an earlier run with the same kernels, or probed now and kept."""
