@@ -3,9 +3,9 @@ virtual links (a bridge in a namespace of their own, 1 ms of added delay where `
 CURVE keys, a non-loopback broker address, and KV that moves over TCP between the "hosts".
 Skipped where network namespaces cannot be made (not root, or a sandbox that forbids them).
 
-The target hosts' outgoing links are shaped to ``SHAPED_BITS`` bits/s (`tc tbf`), and the target
-KV pulls, which all cross them, are checked against the simulator's link model (``sim.costs.Link``:
-latency + bytes / bandwidth), its latency measured on the draft KV pulls, which cross none."""
+The target hosts' outgoing links are shaped (`tc tbf`), and the target KV pulls, which all cross
+them, are checked against the simulator's link model (``sim.costs.Link``: latency + bytes /
+bandwidth), its latency measured on the draft KV pulls, which cross none."""
 
 from __future__ import annotations
 
@@ -32,7 +32,12 @@ WORKERS = [host for host in HOSTS if host != "broker"]
 # Shaped hosts: with two workers a stage and ``migrate``, each round's KV crosses to the other one, so
 # every target pull crosses a shaped link and no draft pull does.
 SHAPED = ("target-1", "target-2")
-SHAPED_BITS = 4_000_000
+# The shaped rate, bits/s: where every pull is made, a prompt's KV takes about a second; where slow
+# pulls are skipped, slow enough that pulling even two positions of the tiny target's KV (2 kB,
+# ~17 ms) clearly loses to recomputing them (a forward of a few ms), so each target skips some
+# of its rounds' pulls whichever target computed which prompt (at 4 Mbit/s only a prompt's pull,
+# which one target may never meet, or a 4-position pull, by a hair, were worth skipping).
+ALWAYS_PULL_BITS, SKIP_BITS = 4_000_000, 1_000_000
 # What a payload byte costs on the shaped wire: tbf counts whole frames, and a full TCP segment of
 # 1,448 payload bytes (timestamps on) is a 1,514-byte Ethernet frame.
 FRAME_PER_PAYLOAD = 1514 / 1448
@@ -43,8 +48,10 @@ def sh(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def hosts():  # noqa: ANN201
-    """One namespace per host, and their bridge; removed afterwards."""
+def hosts(request):  # noqa: ANN001, ANN201
+    """One namespace per host, and their bridge; removed afterwards (``request.param``: the
+    shaped hosts' rate, bits/s)."""
+    shaped_bits = request.param
     tag = f"nf{os.getpid() % 100000}"
     names = {host: f"{tag}h{i}" for i, host in enumerate(HOSTS)}
     bridge = f"{tag}br"
@@ -68,8 +75,8 @@ def hosts():  # noqa: ANN201
             sh("ip", "netns", "exec", bridge, "tc", "qdisc", "add", "dev", veth, "root", "netem", "delay", "1ms")
             if host in SHAPED:  # (a bucket of 1,600 bytes: a burst of a frame, then the rate)
                 shaped.append(sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
-                                 "rate", f"{SHAPED_BITS}bit", "burst", "1600", "latency", "2s").returncode == 0)
-        yield names, all(shaped)
+                                 "rate", f"{shaped_bits}bit", "burst", "1600", "latency", "2s").returncode == 0)
+        yield names, all(shaped), shaped_bits
     finally:
         for ns in [*names.values(), bridge]:
             sh("ip", "netns", "del", ns)
@@ -90,12 +97,13 @@ with Client(sys.argv[1], timeout_s=120) as c:
 """
 
 
-@pytest.mark.parametrize("always_pull", [True, False], ids=["always-pull", "skip-slow-pulls"])
+@pytest.mark.parametrize(("hosts", "always_pull"), [(ALWAYS_PULL_BITS, True), (SKIP_BITS, False)],
+                         ids=["always-pull", "skip-slow-pulls"], indirect=["hosts"])
 def test_workers_on_other_hosts_with_keys_and_kv_over_tcp(hosts, tiny_pair, tmp_path, always_pull: bool) -> None:  # noqa: ANN001
     """``always_pull``: every KV pull is made (``--kv-always-pull``), and their times are checked
     against the link model; else the workers recompute where the shaped link is measured slower
     (``kv/link_fit.py``; the tiny target computes a prompt in about a millisecond)."""
-    hosts, shaped = hosts
+    hosts, shaped, shaped_bits = hosts
     keys = generate_keys(tmp_path / "keys")
     for name in WORKERS:
         ensure_key(keys, "worker", name)
@@ -121,8 +129,10 @@ def test_workers_on_other_hosts_with_keys_and_kv_over_tcp(hosts, tiny_pair, tmp_
             write_options(opts, tmp_path / f"{name}.json")
             start(name, ["worker", "--options", str(tmp_path / f"{name}.json")])
         # (prompts of a few hundred tokens: the pull of a prompt's KV takes a second over the shaped
-        # link, a round's few positions tens of milliseconds, so the check sees both ends of the model)
-        prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((4, 160, 320, 40, 240))]
+        # link, a round's few positions tens of milliseconds, so the check sees both ends of the model;
+        # longer and longer, so a link's rate is measured before it carries a prompt that takes longer
+        # than a pull is waited for before (``PULL_TIMEOUT_S``))
+        prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((4, 40, 160, 240, 320))]
         res = subprocess.run(["ip", "netns", "exec", hosts["broker"], sys.executable, "-c", CLIENT,
                               f"tcp://{HOSTS['broker']}:5555", json.dumps(prompts), str(len(WORKERS))],
                              capture_output=True, text=True, timeout=300, env=dict(os.environ, NEBULA_FLOW_KEYS=str(keys)))
@@ -155,9 +165,9 @@ def test_workers_on_other_hosts_with_keys_and_kv_over_tcp(hosts, tiny_pair, tmp_
 
     fast, slow = total(("draft-0", "draft-1")), total(SHAPED)
     assert all(kv[n]["pulls_skipped"] == 0 for n in kv)
-    link = Link(bandwidth=SHAPED_BITS / 8 / FRAME_PER_PAYLOAD, latency_s=fast["pull_s"] / fast["transfers"])
+    link = Link(bandwidth=shaped_bits / 8 / FRAME_PER_PAYLOAD, latency_s=fast["pull_s"] / fast["transfers"])
     predicted = link.transfers_s(slow["transfers"], slow["bytes_pulled"])
-    print(f"link model: {slow['transfers']} pulls of {slow['bytes_pulled']} bytes over {SHAPED_BITS / 1e6:g} Mbit/s "
+    print(f"link model: {slow['transfers']} pulls of {slow['bytes_pulled']} bytes over {shaped_bits / 1e6:g} Mbit/s "
           f"took {slow['pull_s']:.3f} s, predicted {predicted:.3f} s (latency {link.latency_s * 1e3:.2f} ms from "
           f"{fast['transfers']} pulls of {fast['bytes_pulled']} bytes in {fast['pull_s']:.3f} s)")
     assert slow["pull_s"] == pytest.approx(predicted, rel=0.2)

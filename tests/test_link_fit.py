@@ -36,8 +36,12 @@ def test_a_rate_the_exchanges_do_not_show_is_unknown_and_a_pull_given_up_bounds_
     link.observe(0.0, 4096, 0.05)  # (the connection's setup)
     for i in range(3):  # one size: the time is a pull's, the rate not shown
         link.observe(1.0 + i, 4096, 0.004)
-    assert link.fit(4.0) == (0.004, None) and link.predict(4 << 20, 4.0) == 0.004
-    assert link.deadline(4 << 20, 4.0) == PULL_TIMEOUT_S and link.state(4.0) == {"latency_ms": 4.0, "mbit_s": None}
+    assert link.fit(4.0) == (0.004, None) and link.state(4.0) == {"latency_ms": 4.0, "mbit_s": None}
+    # a pull the size of the exchanges: their time; a larger one: its bytes at the slowest rate they
+    # allow (all of their 4 ms the bytes', 1 MB/s), waited for three times that, at most MAX_PULL_S
+    assert link.predict(4096, 4.0) == 0.004 and link.deadline(4096, 4.0) == PULL_TIMEOUT_S
+    assert link.predict(1 << 20, 4.0) == pytest.approx((1 << 20) / 4096 * 0.004)
+    assert link.deadline(1 << 20, 4.0) == pytest.approx(3 * 1.024) and link.deadline(4 << 20, 4.0) == MAX_PULL_S
     assert link.worth([4096], [0.001], 4.0) == [False] and link.worth([4096], [0.003], 4.0) == [True]
     # a round's few kB over a fast link: their times differ by noise, not by their sizes
     noisy = LinkFit()

@@ -24,7 +24,11 @@ Two decisions come from it (``kv/store.py``'s ``fetch_many``):
   ``PULL_TIMEOUT_S`` (a holder that says nothing that long is gone or stuck) and at most
   ``MAX_PULL_S`` (holders keep served rows out of reuse that long, ``kv/arena.py``). Before there
   is a fit, ``PULL_TIMEOUT_S``. A fixed 2 s failed every pull of more than 2 s of bytes (a long
-  prompt's KV over a slow link) and then recomputed, after the 2 s.
+  prompt's KV over a slow link) and then recomputed, after the 2 s. Where the exchanges do not
+  show a rate (a round's few positions, their times all latency), they still bound it from below:
+  an exchange's whole time taken as its bytes'. A pull larger than them is predicted at that
+  rate, so the first prompt pull over a slow link is waited for rather than given up at 2 s
+  (1 Mbit/s, measured by a few 2 kB pulls of ~9 ms: a 240 kB prompt took 2.1 s, failed).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class LinkFit:
         self.last: float | None = None  # when the last exchange ended (None: none yet)
         # (exchanges seen, kept) -> (the fit, the largest exchange it saw)
         self._fit: tuple[tuple[int, int], tuple[float, float | None] | None, int] = ((-1, -1), None, 0)
+        self._least_rate: float | None = None  # bytes/s: the rate is at least this (made with ``_fit``)
         self.lock = threading.Lock()
 
     def observe(self, now: float, nbytes: int, seconds: float, finished: bool = True) -> None:
@@ -87,6 +92,8 @@ class LinkFit:
             key = (self.observed, len(self.seen))  # (status asks with every batch's result: once per change)
             if key != self._fit[0]:
                 self._fit = key, self._line() if self.seen else None, max((b for _, b, _, _ in self.seen), default=0)
+                # (the slowest rate the exchanges allow: all of one's time its bytes')
+                self._least_rate = max((b / t for _, b, t, done in self.seen if done), default=None)
             return self._fit
 
     def _line(self) -> tuple[float, float | None]:
@@ -105,10 +112,18 @@ class LinkFit:
         return sorted(times)[len(times) // 2], None
 
     def predict(self, nbytes: int, now: float) -> float | None:
-        """Seconds a pull of ``nbytes`` should take (its latency alone where the rate is not
-        known); None: nothing measured lately."""
+        """Seconds a pull of ``nbytes`` should take at most; None: nothing measured lately. Where
+        the rate is not known: its latency, or its bytes at the slowest rate the exchanges allow
+        where that is longer (a pull larger than they were)."""
         fit = self.fit(now)
-        return None if fit is None else fit[0] + (nbytes / fit[1] if fit[1] else 0.0)
+        if fit is None:
+            return None
+        latency, rate = fit
+        if rate:
+            return latency + nbytes / rate
+        with self.lock:
+            least = self._least_rate
+        return max(latency, nbytes / least) if least else latency
 
     def worth(self, sizes: list[int], recompute: list[float | None], now: float) -> list[bool]:
         """Which items of one exchange to pull (``sizes``: their bytes; ``recompute``: the seconds to
