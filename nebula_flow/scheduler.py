@@ -15,9 +15,8 @@ Modes (the same code, one switch):
 * ``elastic``: a worker holding both models (role ``any``) takes whole rounds, a draft batch or a
   verify batch at each PULL (``elastic.choose_stage``); draft-only and target-only workers may join.
 
-Several drafters (pooled mode): each round's draft goes to the drafter ``routing.choose_drafter``
-picks for the request, taken by any worker of that drafter (by any draft worker when none is
-left). Each drafter's KV is its own: a request's draft holder is kept per drafter (``holder_key``).
+Several drafters (pooled mode): each round's draft goes to the drafter ``routing.choose_drafter`` picks for the
+request, taken by any worker of it (any draft worker when none is left); a request's draft KV is per drafter.
 """
 
 from __future__ import annotations
@@ -143,8 +142,7 @@ class Scheduler:
             self._update_costs()
 
     def _update_costs(self) -> None:
-        """The costs ``choose_round`` uses: per row count, the median worker's of each role (a
-        request may run on any)."""
+        """The costs ``choose_round`` uses: per row count, the median worker's of each role (a request may run on any)."""
         if not self.policy.measure_costs:
             return
 
@@ -418,20 +416,22 @@ class Scheduler:
         """``_choose`` in one topic; ``bare``: only tasks without a draft. An idle elastic worker takes others'
         tasks only while the KV moves pay (``elastic.Steals``), whole rounds up to its share of the pool;
         the round's request makes it its home (``_commit``). Its merged draft batch, busy or idle, takes
-        its own requests' drafts and unheld ones: another's draft KV would move there and back again."""
+        its own requests' drafts and unheld ones: another's draft KV would move there and back again. A task
+        more urgent than others queued waits for no holder, nor for moves to pay (``Topic.urgent_or_held_by``)."""
         rounds = stage == "round"
         busy_local = self.policy.locality and (not w.pull_idle or stage == "draft" and w.role == "any") and not held_only
         share = -(-len(self.requests) // max(1, sum(o.role == "any" for o in self.workers.values()))) \
             - (self._room(w, "round") - room) - len(w.inflight) if rounds else room  # (less what it has and took)
         if held_only:
             candidates: Iterable[int] = topic.held_by([w.worker_id], most_urgent=True)
-        elif busy_local:  # a prefetching worker: its own tasks, unheld ones, and those of departed holders
-            candidates = topic.held_by([h for h in topic.holders() if h is None or h == w.worker_id or h not in self.workers])
+        elif busy_local:  # a prefetching worker: urgent tasks, its own, unheld ones, and those of departed holders
+            candidates = topic.urgent_or_held_by([h for h in topic.holders() if h is None or h == w.worker_id
+                                                  or h not in self.workers])
         else:
             candidates = topic
-        chosen, steals = [], elastic.Steals(self, w) if w.role == "any" and not held_only else None
+        chosen, steals, tail = [], elastic.Steals(self, w) if w.role == "any" and not held_only else None, topic.tail_priority()
         for rid in candidates:  # stop at ``room``: a long topic costs nothing when its head is eligible
-            if rid in taken or rid in w.second:  # (a worker never runs both drafts of a fused round)
+            if rid in taken or rid in w.second or rid in chosen:  # (a worker never runs both drafts of a fused round)
                 continue
             req = self.requests[rid]
             if not self._eligible(req, w) or (bare and req.draft):
@@ -439,8 +439,8 @@ class Scheduler:
             holder = self._holder(req)  # checked again: the index is a hint, this is the rule
             if held_only and holder != w.worker_id:
                 continue
-            if holder != w.worker_id and (busy_local and holder in self.workers or rounds and len(chosen) >= share
-                                          or steals and holder in self.workers and not steals.take(req)):
+            if holder != w.worker_id and req.params.priority >= tail and (busy_local and holder in self.workers
+                    or rounds and len(chosen) >= share or steals and holder in self.workers and not steals.take(req)):
                 continue  # leave it for its holder or an idle worker (elastic: while the KV moves pay)
             chosen.append(rid)
             if len(chosen) == room:

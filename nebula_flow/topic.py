@@ -135,6 +135,16 @@ class Topic:
                 return
             yield from reversed(level._seq)
 
+    def urgent_or_held_by(self, holders: Iterable[int | None]) -> Iterator[int]:
+        """Queued tasks of every priority but the least urgent queued (none with one priority), then those
+        held by any of ``holders``, each in queue order (a task may come twice): with ``priority_scheduling``,
+        a task more urgent than others queued goes to the first worker with room, wherever its KV is."""
+        return chain(chain.from_iterable(list(self._levels.values())[:-1]), self.held_by(holders))
+
+    def tail_priority(self) -> float:
+        """The least urgent priority queued (minus infinity when none is)."""
+        return next(reversed(self._levels), -math.inf)
+
     def head_priority(self) -> float:
         """The most urgent priority queued (infinity when none is)."""
         return next(iter(self._levels), math.inf)

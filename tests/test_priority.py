@@ -73,6 +73,22 @@ def test_every_round_goes_to_the_most_urgent_requests_first(mode: str) -> None:
                     s.start_round(r)
 
 
+@pytest.mark.parametrize("urgent_priority", [-1, 2])
+def test_a_busy_worker_takes_an_urgent_task_another_busy_worker_holds(urgent_priority: int) -> None:
+    """Locality leaves a task held by a busy worker to it; a task more urgent than others queued waits
+    for no one: the first worker with room takes it (its KV moves), not the less urgent ones of others."""
+    s = Scheduler("pooled", PolicyConfig(k=4, locality=True, priority_scheduling=True))
+    s.register(1, "draft", 8)
+    s.register(2, "draft", 8)
+    urgent, own, others = _req(0, priority=urgent_priority), _req(1, priority=2), _req(2, priority=2)
+    urgent.holders["draft"] = others.holders["draft"] = (2, 3)  # worker 2 holds them and is busy
+    for r in (urgent, own, others):  # (holders are set before a task is queued)
+        s.admit(r)
+    s.pull(1, 8, idle=False, now=0.0)  # worker 1 is busy too, prefetching
+    taken = [r.rid for r in dict(s.dispatch())[1]]
+    assert taken == ([0, 1] if urgent_priority < 2 else [1])  # (as urgent as the rest: left to its holder)
+
+
 def test_priority_is_checked_where_it_enters_and_a_policy_log_replays_it() -> None:
     for bad in (1.5, True, "1", MAX_PRIORITY + 1):
         with pytest.raises(InvalidParams, match="priority"):
