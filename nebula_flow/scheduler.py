@@ -366,12 +366,12 @@ class Scheduler:
         With ``locality`` on, a first pass gives every waiting worker the tasks whose KV it already holds (of the
         most urgent priority queued). In the second pass an idle worker takes any remaining task in topic order (a
         task is never kept for its holder while a worker sits idle), but a busy worker only prefetching takes no
-        task another live worker holds: moving that KV would buy nothing.
+        task another live worker holds (unless more urgent than its own: ``Topic.overtaking_bar``): moving that KV
+        would buy nothing.
 
-        A busy worker is also not given a partial batch no larger than the one it is running (``merge_batches``):
-        that would split its requests into two groups that alternate for ever, each paying a whole forward pass (on
-        a GPU, a weight read) for half the work. The tasks wait a moment and join the returning ones in one batch
-        when it goes idle."""
+        A busy worker is also not given a partial batch no larger than the one it is running (``merge_batches``): that
+        would split its requests into two groups that alternate for ever, each paying a whole forward (a GPU's weight
+        read) for half the work. The tasks wait and join the returning ones when it goes idle."""
         waiting = sorted((w for w in self.workers.values() if w.pull_credits > 0),
                          key=lambda w: (not w.pull_idle, -w.pull_since if w.pull_idle else w.pull_since, w.worker_id))
         picks: dict[int, list[int]] = {}  # (an elastic worker's stage: chosen at its turn, from the tasks left to it)
@@ -414,10 +414,9 @@ class Scheduler:
     def _choose_from(self, topic: Topic, w: WorkerState, stage: str, room: int, held_only: bool, taken: set[int],
                      bare: bool = False) -> list[int]:
         """``_choose`` in one topic; ``bare``: only tasks without a draft. An idle elastic worker takes others'
-        tasks only while the KV moves pay (``elastic.Steals``), whole rounds up to its share of the pool;
-        the round's request makes it its home (``_commit``). Its merged draft batch, busy or idle, takes
-        its own requests' drafts and unheld ones: another's draft KV would move there and back again. A task
-        more urgent than others queued waits for no holder, nor for moves to pay (``Topic.urgent_or_held_by``)."""
+        tasks only while the KV moves pay (``elastic.Steals``), whole rounds up to its share of the pool; the round's
+        request makes it its home (``_commit``). Its merged draft batch, busy or idle, takes its own requests' drafts
+        and unheld ones: another's draft KV would move there and back again. Urgent ones: ``Topic.overtaking_bar``."""
         rounds = stage == "round"
         busy_local = self.policy.locality and (not w.pull_idle or stage == "draft" and w.role == "any") and not held_only
         share = -(-len(self.requests) // max(1, sum(o.role == "any" for o in self.workers.values()))) \
@@ -429,7 +428,8 @@ class Scheduler:
                                                   or h not in self.workers])
         else:
             candidates = topic
-        chosen, steals, tail = [], elastic.Steals(self, w) if w.role == "any" and not held_only else None, topic.tail_priority()
+        chosen, steals = [], elastic.Steals(self, w) if w.role == "any" and not held_only else None
+        bar = topic.overtaking_bar(w.worker_id, [self.requests[r].params.priority for r in w.inflight if r in self.requests])
         for rid in candidates:  # stop at ``room``: a long topic costs nothing when its head is eligible
             if rid in taken or rid in w.second or rid in chosen:  # (a worker never runs both drafts of a fused round)
                 continue
@@ -439,7 +439,7 @@ class Scheduler:
             holder = self._holder(req)  # checked again: the index is a hint, this is the rule
             if held_only and holder != w.worker_id:
                 continue
-            if holder != w.worker_id and req.params.priority >= tail and (busy_local and holder in self.workers
+            if holder != w.worker_id and req.params.priority >= bar and (busy_local and holder in self.workers
                     or rounds and len(chosen) >= share or steals and holder in self.workers and not steals.take(req)):
                 continue  # leave it for its holder or an idle worker (elastic: while the KV moves pay)
             chosen.append(rid)

@@ -137,13 +137,21 @@ class Topic:
 
     def urgent_or_held_by(self, holders: Iterable[int | None]) -> Iterator[int]:
         """Queued tasks of every priority but the least urgent queued (none with one priority), then those
-        held by any of ``holders``, each in queue order (a task may come twice): with ``priority_scheduling``,
-        a task more urgent than others queued goes to the first worker with room, wherever its KV is."""
+        held by any of ``holders``, each in queue order (a task may come twice): where priorities differ,
+        a task can be more urgent than what a worker would run otherwise (``overtaking_bar``)."""
         return chain(chain.from_iterable(list(self._levels.values())[:-1]), self.held_by(holders))
 
-    def tail_priority(self) -> float:
-        """The least urgent priority queued (minus infinity when none is)."""
-        return next(reversed(self._levels), -math.inf)
+    def overtaking_bar(self, holder: int, running: Iterable[int]) -> float:
+        """With ``priority_scheduling``, a task of a priority below this goes to worker ``holder`` (with
+        room) though another holds its KV: it is more urgent than some task queued, than every one
+        ``holder`` holds here and than all it runs (``running``: their priorities). So an urgent task
+        waits for no busy holder while a worker runs less urgent ones; one as urgent as a worker's own
+        stays with its holder (at a saturated pool's share of urgent requests, moving those too cost
+        more in KV moves than it gained; ``docs/benchmarks.md``, "Priority scheduling")."""
+        if len(self._levels) < 2:
+            return -math.inf
+        own = next((p for p, level in self._levels.items() if level.held(holder)), math.inf)
+        return min(next(reversed(self._levels)), own, min(running, default=math.inf))
 
     def head_priority(self) -> float:
         """The most urgent priority queued (infinity when none is)."""

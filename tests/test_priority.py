@@ -75,8 +75,9 @@ def test_every_round_goes_to_the_most_urgent_requests_first(mode: str) -> None:
 
 @pytest.mark.parametrize("urgent_priority", [-1, 2])
 def test_a_busy_worker_takes_an_urgent_task_another_busy_worker_holds(urgent_priority: int) -> None:
-    """Locality leaves a task held by a busy worker to it; a task more urgent than others queued waits
-    for no one: the first worker with room takes it (its KV moves), not the less urgent ones of others."""
+    """Locality leaves a task held by a busy worker to it; a task more urgent than a worker would run
+    otherwise waits for no one: the first worker with room takes it (its KV moves), not the less
+    urgent ones of others."""
     s = Scheduler("pooled", PolicyConfig(k=4, locality=True, priority_scheduling=True))
     s.register(1, "draft", 8)
     s.register(2, "draft", 8)
@@ -87,6 +88,12 @@ def test_a_busy_worker_takes_an_urgent_task_another_busy_worker_holds(urgent_pri
     s.pull(1, 8, idle=False, now=0.0)  # worker 1 is busy too, prefetching
     taken = [r.rid for r in dict(s.dispatch())[1]]
     assert taken == ([0, 1] if urgent_priority < 2 else [1])  # (as urgent as the rest: left to its holder)
+    if urgent_priority < 2:  # running an urgent one itself, it leaves another as urgent to its holder
+        again = _req(3, priority=urgent_priority)
+        again.holders["draft"] = (2, 3)
+        s.admit(again)
+        s.pull(1, 6, idle=False, now=1.0)
+        assert dict(s.dispatch()).get(1, []) == []
 
 
 def test_priority_is_checked_where_it_enters_and_a_policy_log_replays_it() -> None:
