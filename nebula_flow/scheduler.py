@@ -429,7 +429,7 @@ class Scheduler:
         else:
             candidates = topic
         chosen, steals = [], elastic.Steals(self, w) if w.role == "any" and not held_only else None
-        bar = topic.overtaking_bar(w.worker_id, [self.requests[r].params.priority for r in w.inflight if r in self.requests])
+        bar = topic.overtaking_bar(w.worker_id, (self.requests[r].params.priority for r in w.inflight if r in self.requests))
         for rid in candidates:  # stop at ``room``: a long topic costs nothing when its head is eligible
             if rid in taken or rid in w.second or rid in chosen:  # (a worker never runs both drafts of a fused round)
                 continue

@@ -144,7 +144,8 @@ class Topic:
     def overtaking_bar(self, holder: int, running: Iterable[int]) -> float:
         """With ``priority_scheduling``, a task of a priority below this goes to worker ``holder`` (with
         room) though another holds its KV: it is more urgent than some task queued, than every one
-        ``holder`` holds here and than all it runs (``running``: their priorities). So an urgent task
+        ``holder`` holds here and than all it runs (``running``: their priorities, read only where
+        priorities differ: the broker's hot path passes a generator). So an urgent task
         waits for no busy holder while a worker runs less urgent ones; one as urgent as a worker's own
         stays with its holder (at a saturated pool's share of urgent requests, moving those too cost
         more in KV moves than it gained; ``docs/benchmarks.md``, "Priority scheduling")."""
