@@ -195,21 +195,24 @@ def test_a_real_worker_answers_a_base_it_lacks_with_tokens_missing(tmp_path: Pat
 
     def stand_in() -> None:
         try:
-            pulls = 0
+            pulls, parked = 0, False  # (a PULL sent while computing waits; the batch's idle RESULT wakes it)
             while len(results) < 3:
                 assert router.poll(30_000), "the worker went silent"
                 identity, *frames = router.recv_multipart(copy=False)
                 msg = protocol.decode(frames)
                 if isinstance(msg, Register):
                     router.send_multipart([identity, *protocol.encode(Welcome(1, 0, "pooled", {"heartbeat_s": 5.0}))])
-                elif isinstance(msg, Pull) and msg.credits and msg.idle and pulls < 3:
+                    continue
+                if isinstance(msg, Result):
+                    results.extend(msg.results)
+                if isinstance(msg, Pull):
+                    parked = msg.credits > 0
+                if parked and isinstance(msg, (Pull, Result)) and msg.idle and pulls < 3:
                     rid, (tokens, base, crc) = (1, 1, 2)[pulls], sent[pulls]
                     spec = TaskSpec(rid, "verify", pulls + 1, 1, tokens, 0, SamplingParams(max_new_tokens=8).to_wire(),
                                     rid, Holder(), base=base, base_crc=crc)
                     router.send_multipart([identity, *protocol.encode(Tasks([spec]))])
-                    pulls += 1
-                elif isinstance(msg, Result):
-                    results.extend(msg.results)
+                    pulls, parked = pulls + 1, False
         finally:
             worker._stop()
 
