@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,9 +37,26 @@ ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_":
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, avoid: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """``count`` distinct loopback ports free now, none of them in ``avoid``. Every pick stays bound
+    until all are made: a port one pick has closed may be the next pick's (two broker shards once
+    got the same port, and the second's answer came from the first)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket()
+            held.append(s)  # (one in ``avoid`` stays bound too, so it is not picked again)
+            s.bind(("127.0.0.1", 0))
+            if (port := s.getsockname()[1]) not in avoid:
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
 
 
 def http_answers(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
@@ -140,18 +157,19 @@ class Deployment:
         self.auto_ports = b.client_port == 0 or b.worker_port == 0
         b.model = b.model or cfg.target.model
         b.model_name = b.model_name or cfg.target.name or b.model
-        self.shards = [self._shard_options(i) for i in range(b.shards)]  # (one, unless [broker] shards > 1)
+        picks = iter(free_ports(2 * b.shards) if self.auto_ports else [])  # (all shards' at once: distinct)
+        self.shards = [self._shard_options(i, picks) for i in range(b.shards)]  # (one, unless [broker] shards > 1)
         b.client_port, b.worker_port = self.shards[0].client_port, self.shards[0].worker_port
 
-    def _shard_options(self, shard: int) -> BrokerOptions:
-        """Shard ``shard``'s broker: the config's ports plus 2 per shard (free ones where the config
-        asks for any), its own metrics port and policy log beside the first's."""
+    def _shard_options(self, shard: int, picks: Iterator[int]) -> BrokerOptions:
+        """Shard ``shard``'s broker: the config's ports plus 2 per shard (free ones, from ``picks``,
+        where the config asks for any), its own metrics port and policy log beside the first's."""
         b = self.cfg.broker
         step = 2 * shard
         metrics = b.metrics_port + shard if b.metrics_port else b.metrics_port
         log = f"{b.policy_log}.{shard}" if b.policy_log and b.shards > 1 else b.policy_log
-        return replace(b, shard=shard, client_port=b.client_port + step if b.client_port else free_port(),
-                       worker_port=b.worker_port + step if b.worker_port else free_port(),
+        return replace(b, shard=shard, client_port=b.client_port + step if b.client_port else next(picks),
+                       worker_port=b.worker_port + step if b.worker_port else next(picks),
                        metrics_port=metrics, policy_log=log)
 
     @property
@@ -264,7 +282,9 @@ class Deployment:
             if not (self.auto_ports and "Address already in use" in tail) or attempt == attempts - 1:
                 raise DeploymentError(f"broker exited with code {proc.returncode}:\n{tail}")
             moved = True
-            self.shards[shard] = replace(opts, client_port=free_port(), worker_port=free_port())
+            taken = {port for o in self.shards for port in (o.client_port, o.worker_port)}  # (the other shards')
+            client_port, worker_port = free_ports(2, avoid=taken)
+            self.shards[shard] = replace(opts, client_port=client_port, worker_port=worker_port)
             if shard == 0:
                 self.cfg.broker.client_port, self.cfg.broker.worker_port = (self.shards[0].client_port,
                                                                             self.shards[0].worker_port)

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from nebula_flow.cli import main
 from nebula_flow.client import AsyncClient, Completion
 from nebula_flow.config import ConfigError, load_config
-from nebula_flow.deploy import Deployment
+from nebula_flow.deploy import Deployment, free_ports
 from nebula_flow.options import BrokerOptions
 from nebula_flow.shards import addresses, merge_states, shard_of
 from nebula_flow.supervisor import RestartPolicy
@@ -87,6 +87,16 @@ async def _outputs(address: str, ids: list[str], **params) -> list[list[int]]:  
     async with AsyncClient(address, timeout_s=120) as c:
         done = await asyncio.gather(*(c.generate(token_ids=p, request_id=i, **params) for p, i in zip(PROMPTS, ids)))
     return [d.token_ids for d in done]
+
+
+def test_shards_given_free_ports_each_get_their_own(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """Ports picked one after another can repeat (a closed pick is free again: a CI run once gave two
+    shards one client port, and the second shard's readiness check was answered by the first)."""
+    dep = Deployment(_sharded(tiny_pair, 4), log_dir=tmp_path)
+    ports = [port for o in dep.shards for port in (o.client_port, o.worker_port)]
+    assert len(set(ports)) == 8 and addresses(dep.address) == [o.client_address for o in dep.shards]
+    moved = free_ports(8, avoid=set(ports))  # (a shard that must move avoids the others' ports)
+    assert len(set(moved)) == 8 and not set(moved) & set(ports)
 
 
 def test_two_shards_are_lossless_and_sampled_output_does_not_depend_on_them(tiny_pair) -> None:  # noqa: ANN001
