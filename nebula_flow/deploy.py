@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def free_ports(count: int, avoid: frozenset[int] | set[int] = frozenset()) -> list[int]:
+def free_ports(count: int, avoid: AbstractSet[int] = frozenset()) -> list[int]:
     """``count`` distinct loopback ports free now, none of them in ``avoid``. Every pick stays bound
     until all are made: a port one pick has closed may be the next pick's (two broker shards once
     got the same port, and the second's answer came from the first)."""
