@@ -137,12 +137,18 @@ async def _contended(address: str, lows: list[list[int]], urgent: list[int], pri
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pooled", "elastic", "colocated"])
 def test_an_urgent_request_overtakes_a_full_pool_with_the_same_output(tiny_pair, mode: str) -> None:  # noqa: ANN001
-    """Twelve requests sent first, on workers with room for two a batch, then an urgent twin of the
-    first of them (the same prompt, parameters and length: the same rounds to run). With priority
-    scheduling the twin sent last ends before the first (it joins every batch it can; the twelve share
-    what is left); by arrival it would end after it. Every output is the target's own greedy output,
-    and a seeded sample is the same urgent, in company, as at priority 0 alone."""
-    lows = [[30 + i, 31 + i, 32 + i, 33 + i] for i in range(12)]
+    """Twelve requests a worker that runs rounds sent first, on workers with room for two a batch, then
+    an urgent twin of the first of them (the same prompt, parameters and length: the same rounds to
+    run). With priority scheduling the twin sent last ends before the first (it joins every batch it
+    can; the twelve share what is left); by arrival it would end after it. Every output is the
+    target's own greedy output, and a seeded sample is the same urgent, in company, as at priority 0
+    alone.
+
+    Twelve a worker: a worker runs a batch while the next is dispatched, so a request is in at most
+    every other batch, and the urgent one runs about 4x as often as each of twelve (two elastic
+    workers with twelve between them: only 2x, and a head start of low0's, with a slow spell, once
+    made it end first)."""
+    lows = [[30 + i, 31 + i, 32 + i, 33 + i] for i in range(24 if mode == "elastic" else 12)]
     urgent = list(lows[0])
     cfg = deploy_config(tiny_pair, mode, 0 if mode == "colocated" else 1, 1, max_batch=2)
     cfg.broker.policy = cfg.broker.policy.replace(priority_scheduling=True)
