@@ -148,6 +148,25 @@ def test_a_deployment_with_an_unknown_dtype_is_refused_before_any_worker_starts(
         cfg.validate()
 
 
+def test_loading_a_model_leaves_torch_compile_unimported(tmp_path) -> None:  # noqa: ANN001
+    """A model is built on the meta device and its weights assigned; torch's initialisation and
+    arithmetic there would import ``torch._dynamo`` (1.2-1.5 s of every worker's start on a 2-core
+    host). Load a YaRN-scaled Qwen3 in a fresh process: not imported, and the model's rotary
+    frequencies are those of the same model built on the CPU."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    AutoModelForCausalLM.from_config(Qwen3Config(**COMMON, head_dim=32, rope_scaling=rope)).save_pretrained(tmp_path)
+    code = ("import sys, torch; from nebula_flow.models.loader import load_model; "
+            "from nebula_flow.models.llama import CausalLM; from nebula_flow.models.config import ModelConfig; "
+            f"m = load_model({str(tmp_path)!r}); print('torch._dynamo' in sys.modules); "
+            f"print(torch.equal(m.inv_freq, CausalLM(ModelConfig.from_dir({str(tmp_path)!r})).inv_freq))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"], out
+
+
 def test_profile_ops_counts_the_host_work_of_a_forward(tiny_pair) -> None:  # noqa: ANN001
     import json
 
