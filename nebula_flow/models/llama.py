@@ -78,14 +78,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse rotary frequencies, with linear, Llama-3 or YaRN scaling applied, computed on the CPU
-    (where a model is built on the meta device, as the loader does, this arithmetic there would run
-    through torch's Python references, which import ``torch._dynamo``: seconds for each worker)."""
-    with torch.device("cpu"):
-        return _scaled_inv_freq(cfg)
-
-
-def _scaled_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse rotary frequencies, with linear, Llama-3 or YaRN scaling applied."""
     dim = cfg.head_dim
     theta = float(cfg.rope["rope_theta"])
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -284,13 +277,10 @@ class DecoderLayer(nn.Module):
 
 
 def embedding(num: int, dim: int) -> nn.Embedding:
-    """``nn.Embedding(num, dim)``, initialised as torch does (N(0, 1)) except on the meta device, where a
-    loaded checkpoint's weights replace it: there torch's own initialisation imports ``torch._dynamo``
-    (1.2-1.5 s of CPU on a 2-core host), which every worker paid at load, once per model it holds."""
+    """``nn.Embedding``, N(0, 1) as torch initialises it, but left empty on the meta device (a loaded
+    checkpoint replaces it), where torch's initialisation imports ``torch._dynamo``: 1.2-1.5 s a worker."""
     weight = torch.empty(num, dim)
-    if weight.device.type != "meta":
-        nn.init.normal_(weight)
-    return nn.Embedding(num, dim, _weight=weight)
+    return nn.Embedding(num, dim, _weight=weight if weight.is_meta else nn.init.normal_(weight))
 
 
 class Backbone(nn.Module):
@@ -320,7 +310,9 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.draft_head_size or cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(torch.get_default_device()), persistent=False)
+        with torch.device("cpu"):  # (on the meta device this arithmetic, too, would import torch._dynamo)
+            inv_freq = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
         self.rope_scaling = rope_attention_scaling(cfg)
         self.windows = {cfg.window(i) for i in range(cfg.num_layers)}  # (the layers' attention windows)
         head_ids = torch.zeros(cfg.draft_head_size, dtype=torch.long) if cfg.draft_head_size else None
