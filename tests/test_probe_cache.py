@@ -1,6 +1,7 @@
 """Kernel probes remembered across starts (``nebula_flow/models/probe_cache.py``): a model loaded in
 batch-invariant bf16 a second time takes the first load's row plans from the cache folder instead
-of probing, and gets the same logits; anything that may pick another kernel probes again."""
+of probing, and gets the same logits; an fp32 one the packed kernel's timings; anything that may
+pick another kernel probes again."""
 
 from __future__ import annotations
 
@@ -40,6 +41,25 @@ def test_a_second_load_takes_its_row_plans_from_the_cache_and_computes_the_same_
     tokens = list(range(5, 40))
     logits = [m([m.new_cache(64)], [tokens], [len(tokens)])[0] for m in (first, second)]
     assert torch.equal(logits[0], logits[1])
+
+
+def test_a_second_fp32_load_takes_the_packed_kernels_timings_from_the_cache(tiny_pair, cache, monkeypatch) -> None:  # noqa: ANN001
+    """fp32 layers run on the packed kernel from the rows where load-time timing found it faster
+    (``packed.first_faster_rows``); the timings are kept, and the rule applied to them at each load."""
+    from nebula_flow.models import packed
+
+    timed, measure = [], packed.ratios
+    monkeypatch.setattr(packed, "ratios", lambda w, p: timed.append(tuple(w.shape)) or measure(w, p))
+    first = load_model(tiny_pair / "target", dtype="float32")
+    shapes = len(timed)
+    assert shapes > 0 and len(json.loads(cache.read_text())) == shapes
+    second = load_model(tiny_pair / "target", dtype="float32")
+    assert len(timed) == shapes  # (none timed again)
+    assert second.packed_from_rows == first.packed_from_rows and second.packed_layers == first.packed_layers
+    kept = json.loads(cache.read_text())
+    monkeypatch.setattr(packed, "FASTER", 0.0)  # another rule: the same timings, another choice (none faster)
+    assert load_model(tiny_pair / "target", dtype="float32").packed_layers == 0 and len(timed) == shapes
+    assert json.loads(cache.read_text()) == kept
 
 
 def test_what_may_pick_another_kernel_probes_again(cache, monkeypatch) -> None:  # noqa: ANN001

@@ -14,7 +14,7 @@ takes twice as long (on an AVX-512 CPU here: the 576 -> 3072 projection 0.25 ms 
 the packed oneDNN kernel stays nearly flat (0.30 ms at 4 rows, 0.40 at 8; the head 8.1 and 9.2 ms):
 a verify block ran at the cost of a decode step and a half. So an fp32 layer keeps its plain
 weight and uses the packed one from the fewest rows where it is faster (timed at load for each
-weight shape, ``first_faster_rows``); a shape where it never is keeps only ``F.linear``. fp16
+weight shape and kept, ``first_faster_rows``); a shape where it never is keeps only ``F.linear``. fp16
 needs CPU features many machines lack. Anything else keeps ``F.linear``.
 
 At many rows the two kernels converge (on a 2-core AVX2 AMD EPYC VM, one thread: the 576 -> 1536
@@ -31,6 +31,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from nebula_flow.models import probe_cache
 
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 16)  # a decode step to a long verify block
 PROBE_REPEATS = 5
@@ -58,11 +60,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 def first_faster_rows(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
     """The fewest rows from which ``packed`` is the kernel to run for ``weight`` (``from_ratios``),
     or None if it never is. bf16: 1 (the plain kernel reorders its weight on every call); fp32:
-    timed, the two kernels alternating, medians of ``PROBE_REPEATS``."""
+    from the two kernels' timed ratios (``ratios``), kept per weight shape on this machine
+    (``probe_cache``: they took 1.5 s of the bundled target's 3.2 s load, at every worker's start)."""
     if weight.dtype == torch.bfloat16:
         return 1
+    inputs = {"shape": list(weight.shape), "dtype": str(weight.dtype), "rows": PROBE_ROWS, "repeats": PROBE_REPEATS}
+    kept = probe_cache.remember("packed_ratios", inputs, weight.device,
+                                lambda: {str(rows): r for rows, r in ratios(weight, packed).items()})
+    return from_ratios({int(rows): r for rows, r in kept.items()})
+
+
+def ratios(weight: torch.Tensor, packed: torch.Tensor) -> dict[int, float]:
+    """The packed kernel's time over the plain one's for ``weight``, per row count of ``PROBE_ROWS``:
+    the two alternating, medians of ``PROBE_REPEATS``."""
     kernels = (lambda x: F.linear(x, weight), lambda x: linear(x, packed, None))
-    ratios = {}
+    found = {}
     for rows in PROBE_ROWS:
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
         times: tuple[list[float], list[float]] = ([], [])
@@ -71,8 +83,8 @@ def first_faster_rows(weight: torch.Tensor, packed: torch.Tensor) -> int | None:
                 t0 = time.perf_counter()
                 kernel(x)
                 took.append(time.perf_counter() - t0)
-        ratios[rows] = statistics.median(times[1][1:]) / statistics.median(times[0][1:])
-    return from_ratios(ratios)
+        found[rows] = statistics.median(times[1][1:]) / statistics.median(times[0][1:])
+    return found
 
 
 def from_ratios(ratios: dict[int, float]) -> int | None:

@@ -8,7 +8,9 @@ probe finds depends only on the kernels and their inputs' shapes, so it is kept 
 the nebula-flow cache folder ($NEBULA_FLOW_CACHE, default ~/.cache/nebula-flow), keyed by
 everything that picks a kernel: torch's version, the CPU (its model and instruction-set flags) or
 GPU, the environment variables that cap oneDNN's and MKL's instruction sets, torch's thread
-count, and the probe's own inputs. ``NEBULA_FLOW_PROBE_CACHE=0`` probes every time.
+count, and the probe's own inputs. ``NEBULA_FLOW_PROBE_CACHE=0`` probes every time. fp32 layers'
+packed-kernel timings are kept the same way (``packed.first_faster_rows``: 1.5 s of the bundled
+target's load on that VM), the measured ratios rather than the choice, which each load makes.
 
 Workers of one host start together: the file is read whole and replaced atomically, so two that
 probe at once may each keep only their own finding (the other probes again next time), never a
