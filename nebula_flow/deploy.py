@@ -6,6 +6,7 @@ them start deployments the same way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -35,6 +36,7 @@ from nebula_flow.supervisor import ChildRecord, describe_exit, judge
 # settings keep them mapped (measured up to ~4x faster forwards on CPU).
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184",
                  "MALLOC_TOP_PAD_": "1073741824"}
+STOP_POLL_S = 0.1  # while stopping, how often the wait for a child checks whether to kill at once
 
 
 def free_port() -> int:
@@ -377,21 +379,28 @@ class Deployment:
             if n == name:
                 proc.send_signal(sig)
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM workers then the broker; SIGKILL whatever is still running after the timeout."""
-        for _, proc in sorted(self.procs, key=lambda p: is_broker(p[0])):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for _, proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    def stop(self, timeout_s: float = 15.0, now: threading.Event | None = None) -> None:
+        """SIGTERM workers then the broker; SIGKILL whatever is still running after the timeout,
+        once ``now`` is set (``serve``: Ctrl-C again), or on a ``KeyboardInterrupt`` while waiting.
+        No child outlives it (each runs in a session of its own, so a Ctrl-C never reaches them)."""
+        try:
+            for _, proc in sorted(self.procs, key=lambda p: is_broker(p[0])):
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for _, proc in self.procs:
+                while proc.poll() is None and time.monotonic() < deadline and not (now is not None and now.is_set()):
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(STOP_POLL_S)
+        finally:  # (a KeyboardInterrupt too: SIGKILL, then it goes on up)
+            for _, proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+            for _, proc in self.procs:
                 proc.wait()
-        if self.wake_fd is not None:
-            os.close(self.wake_fd)
-            self.wake_fd = None
+            if self.wake_fd is not None:
+                os.close(self.wake_fd)
+                self.wake_fd = None
 
     def __enter__(self) -> Deployment:
         try:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import orjson
@@ -261,7 +264,6 @@ def test_cancel_frees_kv_on_every_worker(tiny_pair) -> None:  # noqa: ANN001
 
 
 def test_broker_sigterm_finishes_in_flight_requests_and_refuses_new_ones(tiny_pair) -> None:  # noqa: ANN001
-    import signal
 
     from nebula_flow.client import RequestError
 
@@ -285,7 +287,6 @@ def test_broker_sigterm_finishes_in_flight_requests_and_refuses_new_ones(tiny_pa
 
 
 def test_worker_sigterm_hands_its_work_back(tiny_pair) -> None:  # noqa: ANN001
-    import signal
 
     prompts = [[i + 1, i + 2] for i in range(12)]
     refs = _ref_outputs(tiny_pair, prompts, 40)
@@ -316,19 +317,99 @@ def test_children_exit_when_the_deploying_process_dies(tiny_pair, tmp_path) -> N
     script.write_text(
         "import sys, time\nfrom pathlib import Path\nsys.path.insert(0, {!r})\n"
         "from tests.conftest import deploy_config\nfrom nebula_flow.deploy import Deployment\n"
-        "dep = Deployment(deploy_config(Path({!r}), 'pooled', 1, 1))\ndep.start()\n"
+        "dep = Deployment(deploy_config(Path({!r}), 'pooled', 1, 1))\ndep.start()\ndep.start_api('127.0.0.1', 0)\n"
         "print(' '.join(str(p.pid) for _, p in dep.procs), flush=True)\ntime.sleep(600)\n".format(str(__import__("pathlib").Path(__file__).resolve().parent.parent), str(tiny_pair)))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in proc.stdout.readline().split()]
-    assert len(pids) == 3
+    assert len(pids) == 4  # broker, two workers and the HTTP gateway
     proc.kill()  # the parent dies without stopping its deployment
     proc.wait()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and
-                                              open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids):
-        time.sleep(0.3)
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    alive = _wait_gone(pids, 30)
     assert not alive, f"orphans still running: {alive}"
+
+
+def test_a_second_interrupt_stops_serve_at_once_and_leaves_no_process(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """Ctrl-C while a request is in flight: serve tells every process to stop, and the broker waits
+    (its drain time) for the request, whose workers have left. Ctrl-C again: serve kills them all
+    and exits at once, with no process left behind. (The second Ctrl-C used to abort serve
+    itself, leaving the broker and the HTTP gateway running on their own.)"""
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    path = tmp_path / "cfg.toml"
+    path.write_text(f'mode = "pooled"\n[broker]\ndrain_s = 60\n'
+                    f'[draft]\nmodel = "{cfg.draft.model}"\n[target]\nmodel = "{cfg.target.model}"\n')
+    err = tmp_path / "serve.err"
+    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(path), "--port", "0",
+                             "--http-port", "0", "--log-dir", str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, stderr=open(err, "w"), text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (as a terminal's job)
+    try:
+        address = proc.stdout.readline().strip()
+        assert address.startswith("tcp://"), err.read_text()
+        deadline = time.monotonic() + 60
+        while "HTTP API" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        kids = {pid: _cmdline(pid) for pid in _children(proc.pid)}
+        assert sum("nebula_flow.cli api" in c for c in kids.values()) == 1 and len(kids) >= 4, kids
+        streaming = threading.Event()
+
+        def long_request() -> None:  # (~6 s of tokens: in flight when its workers leave)
+            with contextlib.suppress(Exception), Client(address, timeout_s=120) as c:
+                for _ in c.stream(token_ids=[5, 6, 7], max_new_tokens=900, ignore_eos=True):
+                    streaming.set()
+
+        threading.Thread(target=long_request, daemon=True).start()
+        assert streaming.wait(60)
+        proc.send_signal(signal.SIGINT)
+        while "stopping" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline + 60, err.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0, err.read_text()
+        left = [(pid, cmd) for pid, cmd in kids.items() if "worker-zygote" not in cmd and _wait_gone([pid], 0)]
+        assert not left, f"still running after serve exited: {left}\n{err.read_text()}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not _wait_gone(list(kids), 30)  # (the workers' zygote leaves once serve is gone)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass  # (gone meanwhile)
+    return kids
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Poll until none of ``pids`` runs (zombies count as gone) or the timeout; those still running."""
+    def running() -> list[int]:
+        alive = []
+        for p in pids:
+            try:
+                if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(p)
+            except OSError:
+                pass
+        return alive
+
+    deadline = time.monotonic() + timeout_s
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return running()
 
 
 def test_a_worker_the_broker_refuses_exits_with_a_clear_error(tiny_pair) -> None:  # noqa: ANN001

@@ -40,9 +40,11 @@ from nebula_flow.api.tokenize import parse_detokenize, parse_tokenize, tokenized
 from nebula_flow.api.tools import CallStream
 from nebula_flow.client import AsyncClient, Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout
 from nebula_flow.metrics import exposition, families
+from nebula_flow.process import orphaned
 
 log = logging.getLogger("nebula_flow.api")
 MAX_BODY_BYTES = 8 << 20
+ORPHAN_CHECK_S = 0.5  # how often the gateway checks that the deployment that started it is alive
 STATUS_TTL_S = 0.5  # /health, /metrics and the served model's facts reuse a broker status this young
 # chat fields a Responses request names otherwise (``api/responses.py``)
 RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
@@ -462,13 +464,24 @@ def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None) -> None
                             timeout_graceful_shutdown=5, lifespan="on", http="httptools")
     server = uvicorn.Server(config)
 
+    async def leave_when_orphaned() -> None:
+        # (the broker and the workers leave when the deployment that started them is gone; so must
+        # the gateway, or a killed `serve` leaves it holding its port, answering 503 for ever)
+        while not server.should_exit:
+            if orphaned():
+                log.warning("the deployment that started this gateway is gone: stopping")
+                server.should_exit = True
+            await asyncio.sleep(ORPHAN_CHECK_S)
+
     async def run() -> None:
         task = asyncio.ensure_future(server.serve())
+        watch = asyncio.ensure_future(leave_when_orphaned())
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
         if server.started and ready is not None:
             ready(server.servers[0].sockets[0].getsockname()[1])
         await task
+        watch.cancel()
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # (the loop uvicorn.run would pick)
         runner.run(run())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import threading
 
 import click
 
@@ -48,31 +50,41 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,
                            secure_local, shards)
     click.echo(dep.address)
+    again = threading.Event()
     try:
         if http_port is not None:
             start_http(dep, http_host, http_port, api_key, served_model_name, tool_call_parser, reasoning_parser)
-        supervise_until_stopped(dep)
+        supervise_until_stopped(dep, again)
     finally:
-        click.echo("stopping ...", err=True)
-        dep.stop()
+        stop_deployment(dep, again)
 
 
-def supervise_until_stopped(dep) -> None:  # noqa: ANN001
+def supervise_until_stopped(dep, again: threading.Event) -> None:  # noqa: ANN001
     """Supervise ``dep`` (restart what dies, print each event) until Ctrl-C or SIGTERM; a broker
-    given up ends it with its error."""
-    import signal
-    import threading
-
+    given up ends it with its error. A second Ctrl-C or SIGTERM sets ``again``: stop at once
+    (``stop_deployment``), where the first lets each process finish what it holds."""
     from nebula_flow.deploy import DeploymentError
 
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def on_signal(*_: object) -> None:  # (an event, never an exception: one can land anywhere, even in a finally)
+        (again if stop.is_set() else stop).set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
         dep.watch(stop, lambda event: click.echo(event, err=True), every_s=0.5)
-    except KeyboardInterrupt:
-        pass
     except DeploymentError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def stop_deployment(dep, again: threading.Event) -> None:  # noqa: ANN001
+    """Stop ``dep``: every process is told to stop and waited for (in-flight requests finish, up
+    to the broker's drain time), and killed once ``again`` is set (Ctrl-C again)."""
+    try:
+        click.echo("stopping ... (a Ctrl-C now stops at once)", err=True)
+    finally:  # (whatever interrupts the message, the deployment's processes never outlive serve)
+        dep.stop(now=again)
 
 
 def start_http(dep, host: str, port: int, api_key: str | None, model_name: str | None,  # noqa: ANN001
@@ -118,6 +130,7 @@ def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add
     prompts = prompts or ("def fibonacci(n):", "import os\n\ndef list_files(path):", "The quick brown fox")
     dep = start_deployment(config, mode, draft_workers, target_workers, 0 if port is None else port, log_dir,
                            add_drafters, settings)
+    again = threading.Event()
     try:
         url = start_http(dep, "127.0.0.1", http_port, None, None) if http_port is not None else None
         for prompt in prompts:
@@ -127,9 +140,9 @@ def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add
         if url is not None:
             name = dep.cfg.broker.model_name
             click.echo(f"\nserving the HTTP API on {url}/v1 until Ctrl-C; try:\n  {curl_line(url, name)}", err=True)
-            supervise_until_stopped(dep)
+            supervise_until_stopped(dep, again)
     finally:
-        dep.stop()
+        stop_deployment(dep, again)
 
 
 @click.command()
