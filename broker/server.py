@@ -73,6 +73,8 @@ class Broker(Intake):
             self.scheduler.prefixes = PrefixRoutes()
         self.admission = Admission(opts.model, opts.max_new_tokens_limit, opts.policy.priority_scheduling)
         self.prompts = PromptTokenizer(self.admission.prepare)
+        if self.admission.codec is not None:  # (on the tokenizer thread: the first chat request need not wait for it)
+            self.prompts.pool.submit(self.admission.codec.compile_chat_template)
         self.stats = BrokerStats()
         self.round_times = RoundTimes()
         self.counters, self.errors = self.stats.counters, self.stats.errors
