@@ -25,6 +25,7 @@ from nebula_flow import io_threads, wake_latency
 from nebula_flow.client import Client, NebulaError
 from nebula_flow.config import ConfigError, DeployConfig, PoolConfig
 from nebula_flow.cores import make_lease_file, usable_cores
+from nebula_flow.listen import listening_socket
 from nebula_flow.options import BrokerOptions, WorkerOptions, write_options
 from nebula_flow.process import PARENT_ENV, RESTARTS_ENV
 from nebula_flow.security import ensure_key
@@ -299,6 +300,10 @@ class Deployment:
         """Start the HTTP gateway (``nebula-flow api``) in front of the broker, supervised like the
         rest; returns its URL once ``/health`` answers."""
         port = port or free_port()
+        try:  # (a port that is taken is said plainly, and never mistaken for this gateway once another answers on it)
+            listening_socket(host, port).close()
+        except OSError as exc:
+            raise DeploymentError(str(exc)) from None
         name = model_name or self.cfg.broker.model_name or "default"
         if api_key:
             self.child_env["api"] = {"NEBULA_FLOW_API_KEY": api_key}

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import orjson
@@ -19,7 +20,7 @@ from click.testing import CliRunner
 from nebula_flow import protocol
 from nebula_flow.cli import main
 from nebula_flow.client import AsyncClient, Chunk, Client, Completion, RequestError, RequestTimeout
-from nebula_flow.deploy import Deployment, free_port
+from nebula_flow.deploy import Deployment, DeploymentError, free_port
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.protocol import (
     Done,
@@ -455,6 +456,37 @@ def test_serve_rejects_a_bad_config(tmp_path) -> None:  # noqa: ANN001
     cfg.write_text('mode = "elastic"\n[draft]\nmodel = "d"\nelastic = "no"\n[target]\nmodel = "t"\n')
     res = CliRunner().invoke(main, ["serve", "--config", str(cfg)])
     assert res.exit_code != 0 and "elastic must be true or false" in res.output, res.output
+
+
+def test_an_http_port_that_is_taken_is_one_clear_error(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """`serve --http-port P` and `api --port P` where P is taken: one line that names the address
+    and why, before any deployment starts (it was a traceback whose cause the log's tail cut off);
+    a deployment's gateway on a taken port is refused, never mistaken for whatever answers there."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        cfg = tmp_path / "cfg.toml"
+        cfg.write_text(f'mode = "pooled"\n[draft]\nmodel = "{tiny_pair / "draft"}"\n'
+                       f'[target]\nmodel = "{tiny_pair / "target"}"\n')
+        message = f"the HTTP API cannot listen on 127.0.0.1:{port}: address already in use"
+        res = CliRunner().invoke(main, ["serve", "--config", str(cfg), "--port", "0", "--http-port", str(port),
+                                        "--log-dir", str(tmp_path / "logs")])
+        assert res.exit_code == 1 and res.output.strip() == f"Error: {message}", res.output
+        assert not (tmp_path / "logs").exists()  # (nothing was started)
+        res = CliRunner().invoke(main, ["api", "--broker", "tcp://127.0.0.1:1", "--port", str(port)])
+        assert res.exit_code == 1 and res.output.strip() == f"Error: {message}", res.output
+        with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep:
+            with pytest.raises(DeploymentError, match=message):
+                dep.start_api("127.0.0.1", port)
+            url = dep.start_api("127.0.0.1", 0)  # (a free one: served, through the socket bound before uvicorn)
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as answer:
+                assert json.loads(answer.read())["status"] == "ok"
+    finally:
+        taken.close()
 
 
 def test_replay_jsonl_and_azure_csv_write_records_summary_and_plots(live, tiny_pair, tmp_path) -> None:  # noqa: ANN001

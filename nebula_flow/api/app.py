@@ -39,6 +39,7 @@ from nebula_flow.api.telemetry import Telemetry
 from nebula_flow.api.tokenize import parse_detokenize, parse_tokenize, tokenized
 from nebula_flow.api.tools import CallStream
 from nebula_flow.client import AsyncClient, Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout
+from nebula_flow.listen import listening_socket
 from nebula_flow.metrics import exposition, families
 from nebula_flow.process import orphaned
 
@@ -462,6 +463,7 @@ def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None) -> None
 
     config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on", http="httptools")
+    sock = listening_socket(host, port)  # (OSError: taken, or not this host's address)
     server = uvicorn.Server(config)
 
     async def leave_when_orphaned() -> None:
@@ -474,7 +476,7 @@ def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None) -> None
             await asyncio.sleep(ORPHAN_CHECK_S)
 
     async def run() -> None:
-        task = asyncio.ensure_future(server.serve())
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
         watch = asyncio.ensure_future(leave_when_orphaned())
         while not server.started and not task.done():
             await asyncio.sleep(0.01)

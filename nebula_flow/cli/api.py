@@ -12,6 +12,7 @@ import click
 from nebula_flow.api.reasoning import PARSERS as REASONING_PARSERS
 from nebula_flow.api.tools import PARSERS
 from nebula_flow.cli.common import broker_option
+from nebula_flow.listen import listening_socket
 
 API_KEY_ENV = "NEBULA_FLOW_API_KEY"  # (the key travels in the environment: argv is visible to every local user)
 
@@ -25,11 +26,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, api_key: str | None) -> None:
-    """Off loopback the gateway takes requests only with an API key."""
+def check_exposure(host: str, api_key: str | None, port: int | None = None) -> None:
+    """Off loopback the gateway takes requests only with an API key; ``port`` (``serve``, before
+    it starts a deployment): the gateway's, which must be free on ``host``."""
     if not is_loopback(host) and not api_key:
         raise click.UsageError(f"--http-host {host} is reachable from other hosts: give --api-key (or set "
                                f"{API_KEY_ENV}) so that only callers with the key get answers")
+    if port:
+        try:
+            listening_socket(host, port).close()
+        except OSError as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 def http_options(f: Callable) -> Callable:
@@ -77,8 +84,11 @@ def api(address: str, port: int, keys: str | None, timeout_s: float, http_host: 
     gateway = Gateway(address, keys=keys or os.environ.get("NEBULA_FLOW_KEYS"), api_key=api_key,
                       model_name=served_model_name, timeout_s=timeout_s, tool_parser=tool_call_parser,
                       reasoning_parser=reasoning_parser)
-    serve_api(gateway, http_host, port,
-              ready=lambda p: click.echo(f"HTTP API on http://{http_host}:{p}/v1 (broker {address})", err=True))
+    try:
+        serve_api(gateway, http_host, port,
+                  ready=lambda p: click.echo(f"HTTP API on http://{http_host}:{p}/v1 (broker {address})", err=True))
+    except OSError as exc:  # (its port: taken, or not this host's)
+        raise click.ClickException(str(exc)) from None
 
 
 def curl_line(url: str, model: str, api_key: str | None = None) -> str:

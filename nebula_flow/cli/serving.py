@@ -46,7 +46,7 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     line to try it is printed.
     """
     if http_port is not None:
-        check_exposure(http_host, api_key)
+        check_exposure(http_host, api_key, http_port)
     dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,
                            secure_local, shards)
     click.echo(dep.address)
