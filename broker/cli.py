@@ -73,5 +73,5 @@ def broker(options_file: str | None, print_options: bool, policy: PolicyConfig, 
         return
     try:
         sys.exit(serve_broker(opts))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # (a bad setting; a port that is taken)
         raise click.ClickException(str(exc)) from None

@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from nebula_flow import ahead, elastic, fusion, io_threads, protocol, zmq_frames
+from nebula_flow.listen import bind_zmq
 from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.options import BrokerOptions
@@ -99,16 +100,14 @@ class Broker(Intake):
     # -- sockets ---------------------------------------------------------------------------
     def bind(self) -> None:
         self.access = Access(self.opts)
-        ctx = zmq.Context.instance()
-        self.clients = ctx.socket(zmq.ROUTER)
-        self.peers = ctx.socket(zmq.ROUTER)
+        self.clients, self.peers = (zmq.Context.instance().socket(zmq.ROUTER) for _ in range(2))
         for sock, accepts in ((self.clients, "client"), (self.peers, "worker")):
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # learn about vanished peers instead of dropping silently
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
             self.access.secure(sock, accepts)
-        self.clients.bind(self.opts.client_address)
-        self.peers.bind(self.opts.worker_address)
+        for sock, address in ((self.clients, self.opts.client_address), (self.peers, self.opts.worker_address)):
+            bind_zmq(sock, address)  # (a port that is taken: one line, not a traceback)
         self._last_beat = self._last_render = time.monotonic()  # (``step``'s heartbeats and metrics)
 
     def _send(self, sock: zmq.Socket, identity: bytes, msg: Msg) -> bool:

@@ -1,10 +1,13 @@
-"""The HTTP gateway's listening socket, bound before the server starts: a port that cannot be
-bound is then one clear error (``OSError``: which address, and why) instead of uvicorn's log
-line and exit from inside its event loop, and ``serve`` can say so before starting a gateway."""
+"""Sockets a process listens on, bound with one clear error (``OSError``: which address, and why)
+where they cannot be: the HTTP gateway's, bound before uvicorn starts (whose own failure is a log
+line and an exit from inside its event loop), so ``serve`` can say so before starting anything;
+and the broker's."""
 
 from __future__ import annotations
 
 import socket
+
+import zmq
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -23,3 +26,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(f"the HTTP API cannot listen on {host}:{port}: {exc.strerror.lower()}") from None
     return sock
+
+
+def bind_zmq(sock: zmq.Socket, address: str) -> None:
+    """``sock.bind(address)``, or ``OSError`` naming the address and why (a broker's port that is
+    taken: one line instead of a traceback; ``deploy`` reads its "Address already in use" to pick
+    other ports)."""
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise OSError(f"cannot listen on {address}: {zmq.strerror(exc.errno)}") from None

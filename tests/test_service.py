@@ -458,10 +458,11 @@ def test_serve_rejects_a_bad_config(tmp_path) -> None:  # noqa: ANN001
     assert res.exit_code != 0 and "elastic must be true or false" in res.output, res.output
 
 
-def test_an_http_port_that_is_taken_is_one_clear_error(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+def test_a_port_that_is_taken_is_one_clear_error(tiny_pair, tmp_path) -> None:  # noqa: ANN001
     """`serve --http-port P` and `api --port P` where P is taken: one line that names the address
     and why, before any deployment starts (it was a traceback whose cause the log's tail cut off);
-    a deployment's gateway on a taken port is refused, never mistaken for whatever answers there."""
+    a deployment's gateway on a taken port is refused, never mistaken for whatever answers there.
+    A broker's port that is taken is one such line too."""
     import socket
 
     taken = socket.socket()
@@ -479,6 +480,9 @@ def test_an_http_port_that_is_taken_is_one_clear_error(tiny_pair, tmp_path) -> N
         assert not (tmp_path / "logs").exists()  # (nothing was started)
         res = CliRunner().invoke(main, ["api", "--broker", "tcp://127.0.0.1:1", "--port", str(port)])
         assert res.exit_code == 1 and res.output.strip() == f"Error: {message}", res.output
+        res = CliRunner().invoke(main, ["broker", "--client-port", str(port)])  # (the broker's ports alike)
+        assert res.exit_code == 1, res.output
+        assert res.output.strip() == f"Error: cannot listen on tcp://127.0.0.1:{port}: Address already in use", res.output
         with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep:
             with pytest.raises(DeploymentError, match=message):
                 dep.start_api("127.0.0.1", port)
