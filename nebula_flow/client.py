@@ -182,13 +182,14 @@ class _Link:
 
     def __init__(self) -> None:
         self.dropped = False
+        self.up = False  # (connected: its handshake done, not dropped since)
 
     def event(self, frames: list[bytes]) -> bool:
         kind = parse_monitor_message(frames)["event"]
         if kind == zmq.EVENT_DISCONNECTED:
-            self.dropped = True
+            self.dropped, self.up = True, False
             return False
-        back, self.dropped = self.dropped, False
+        back, self.dropped, self.up = self.dropped, False, True
         return back
 
 
@@ -241,6 +242,19 @@ class Client:
     def close(self) -> None:
         for conn in self.conns:
             conn.close()
+
+    def wait_connected(self, timeout_s: float) -> None:
+        """Wait until the connection to every broker is made; ``RequestTimeout`` naming one that is
+        not within ``timeout_s``. A request to an address where no broker runs would otherwise wait
+        its whole timeout in silence (the CLI's `generate` asks this first)."""
+        deadline = time.monotonic() + timeout_s
+        for conn in self.conns:
+            while not conn.link.up:
+                left = deadline - time.monotonic()
+                if left <= 0 or not conn.monitor.poll(int(left * 1000) + 1):
+                    raise RequestTimeout(f"cannot reach {conn.address} within {timeout_s:.0f} s (no broker "
+                                         "there, or it refused this client's keys)")
+                conn.link.event(conn.monitor.recv_multipart())
 
     def _send(self, conn: _Conn, msg: Msg, block: bool = True) -> None:
         try:

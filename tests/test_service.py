@@ -354,6 +354,17 @@ def test_the_broker_takes_workers_forward_times_and_counts_malformed_ones() -> N
     broker.peers.close()
 
 
+def test_cli_generate_says_at_once_when_no_broker_answers() -> None:
+    """`generate` to an address where no broker runs says so once the connection has had its
+    time, instead of waiting out the request's timeout (300 s by default) in silence."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    res = CliRunner().invoke(main, ["generate", "--broker", address, "--timeout-s", "2", "hi"])
+    assert res.exit_code == 1 and time.monotonic() - started < 30, res.output
+    assert res.output.strip() == (f"Error: cannot reach {address} within 2 s (no broker there, or it refused this "
+                                  "client's keys)"), res.output
+
+
 def test_cli_generate_json_and_status(live) -> None:  # noqa: ANN001
     runner = CliRunner()
     res = runner.invoke(main, ["generate", "--broker", live.address, "--json", "--max-new-tokens", "8", "def f():"])

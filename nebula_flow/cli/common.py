@@ -20,6 +20,7 @@ from nebula_flow.roles import MODES
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "default.toml"
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+CONNECT_WAIT_S = 10.0  # `generate`: how long the connection to the broker may take before it says none answers
 broker_option = click.option(
     "--broker", "address", default=DEFAULT_BROKER, show_default=True,
     help="The broker's client address (a sharded deployment's: every shard's, comma-separated, as `serve` prints it).")
@@ -288,6 +289,7 @@ def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  
     params["allowed_token_ids"] = params.pop("allowed_token_ids", ()) or None
     try:
         with Client(address, timeout_s=params.pop("timeout_s")) as client:
+            client.wait_connected(min(CONNECT_WAIT_S, client.timeout_s))
             for item in client.stream(prompt, **params):
                 if isinstance(item, Completion):
                     print_completion(item, as_json)
