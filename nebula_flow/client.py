@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from nebula_flow import protocol, zmq_frames
+from nebula_flow.broker_link import Conn
 
 # (what the library hands back is part of its API)
 from nebula_flow.outputs import Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout, Tokenization  # noqa: F401
@@ -154,61 +154,6 @@ class _Collector:
                           latency, self.times, st, self.counts, self.logprobs, self.prompt_logprobs, self.prompt_text)
 
 
-def _socket(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socket, zmq.Socket]:
-    """A DEALER to the broker (CURVE when a key folder is given, or NEBULA_FLOW_KEYS is set: the
-    client keypair named by NEBULA_FLOW_CLIENT_KEY, default "client") and a monitor of its
-    connection (see ``_Link``)."""
-    from nebula_flow.security import Identity, client_key_name, keys_dir, make_client
-
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    # ZMTP heartbeats: a broker that vanished without closing its connection (host down) still
-    # reads as a dropped connection within seconds
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
-    folder = keys_dir(keys)
-    if folder is not None:
-        make_client(sock, Identity.load(folder, "client", client_key_name()))
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    sock.connect(address)
-    return sock, monitor
-
-
-class _Link:
-    """Follows the connection to the broker from its monitor's events: ``event`` says True when
-    a connection that dropped is made again (a restarted broker, which knows nothing of this
-    client's requests): then the requests in flight are sent again at once (same ids: a broker
-    that still runs one re-attaches), not after a timeout."""
-
-    def __init__(self) -> None:
-        self.dropped = False
-        self.up = False  # (connected: its handshake done, not dropped since)
-
-    def event(self, frames: list[bytes]) -> bool:
-        kind = parse_monitor_message(frames)["event"]
-        if kind == zmq.EVENT_DISCONNECTED:
-            self.dropped, self.up = True, False
-            return False
-        back, self.dropped, self.up = self.dropped, False, True
-        return back
-
-
-class _Conn:
-    """One broker's socket (a shard's, in a sharded deployment), its monitor and its ``_Link``."""
-
-    def __init__(self, ctx: zmq.Context, address: str, keys: str | None) -> None:
-        self.address = address
-        self.sock, self.monitor = _socket(ctx, address, keys)
-        self.link = _Link()
-        self.poller: zmq.Poller | None = None  # (the blocking client's)
-        self.backlog: list[Msg] = []  # the rest of a ``Chunks`` the blocking client is reading through
-
-    def close(self) -> None:
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close()
-
-
 def _reproducible(params: dict[str, Any]) -> dict[str, Any]:
     """A sampled request needs a seed to come out the same when it is sent again (a retry, a
     restarted broker); pick one if none is given (a random seed samples the same distribution)."""
@@ -226,7 +171,7 @@ class Client:
         """``address``: the broker's, or a sharded deployment's shards' separated by commas."""
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
-        self.conns = [_Conn(zmq.Context.instance(), a, keys) for a in shard_addresses(address)]
+        self.conns = [Conn(zmq.Context.instance(), a, keys) for a in shard_addresses(address)]
         for conn in self.conns:
             conn.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # no broker to talk to: never block forever
             conn.poller = zmq.Poller()
@@ -249,21 +194,18 @@ class Client:
         its whole timeout in silence (the CLI's `generate` asks this first)."""
         deadline = time.monotonic() + timeout_s
         for conn in self.conns:
-            while not conn.link.up:
-                left = deadline - time.monotonic()
-                if left <= 0 or not conn.monitor.poll(int(left * 1000) + 1):
-                    raise RequestTimeout(f"cannot reach {conn.address} within {timeout_s:.0f} s (no broker "
-                                         "there, or it refused this client's keys)")
-                conn.link.event(conn.monitor.recv_multipart())
+            if not conn.wait_up(deadline):
+                raise RequestTimeout(f"cannot reach {conn.address} within {timeout_s:.0f} s (no broker there, or "
+                                     "it refused this client's keys)")
 
-    def _send(self, conn: _Conn, msg: Msg, block: bool = True) -> None:
+    def _send(self, conn: Conn, msg: Msg, block: bool = True) -> None:
         try:
             zmq_frames.send(conn.sock, protocol.encode(msg), 0 if block else zmq_frames.NOBLOCK)
         except zmq.Again:
             if block:
                 raise RequestTimeout(f"cannot reach {conn.address} (not running, or keys refused)") from None
 
-    def _recv(self, conn: _Conn, timeout_s: float | None = None) -> Msg | None:
+    def _recv(self, conn: Conn, timeout_s: float | None = None) -> Msg | None:
         """The next message from that broker; None when the connection to it was made again after
         dropping (the caller sends what it has in flight again)."""
         if conn.backlog:
@@ -348,7 +290,7 @@ class Client:
             elif getattr(reply, "req_id", None) == msg.req_id:
                 return _tokenization(reply)
 
-    def _status(self, conn: _Conn) -> dict[str, Any]:
+    def _status(self, conn: Conn) -> dict[str, Any]:
         self._send(conn, Status())
         while True:
             msg = self._recv(conn, min(self.timeout_s, 10.0))
@@ -367,9 +309,9 @@ class AsyncClient:
         """``address``: the broker's, or a sharded deployment's shards' separated by commas."""
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
-        self.conns = [_Conn(zmq.asyncio.Context.instance(), a, keys) for a in shard_addresses(address)]
+        self.conns = [Conn(zmq.asyncio.Context.instance(), a, keys) for a in shard_addresses(address)]
         self.queues: dict[str, asyncio.Queue[Msg]] = {}
-        self.inflight: dict[str, tuple[_Conn, Msg]] = {}  # sent again when a dropped connection is back
+        self.inflight: dict[str, tuple[Conn, Msg]] = {}  # sent again when a dropped connection is back
         self.tasks: list[asyncio.Task] = []  # each connection's reader and watcher
 
     async def __aenter__(self) -> AsyncClient:
@@ -389,7 +331,7 @@ class AsyncClient:
             for i, conn in enumerate(self.conns):
                 self.tasks += [asyncio.ensure_future(self._read(i, conn)), asyncio.ensure_future(self._watch(conn))]
 
-    async def _watch(self, conn: _Conn) -> None:
+    async def _watch(self, conn: Conn) -> None:
         """Send every request in flight to that broker again when its dropped connection is back."""
         while True:
             if conn.link.event(await conn.monitor.recv_multipart()):
@@ -397,7 +339,7 @@ class AsyncClient:
                     if to is conn:
                         await conn.sock.send_multipart(protocol.encode(msg), copy=False)
 
-    async def _read(self, index: int, conn: _Conn) -> None:
+    async def _read(self, index: int, conn: Conn) -> None:
         while True:
             frames = await conn.sock.recv_multipart(copy=False)
             try:
@@ -409,7 +351,7 @@ class AsyncClient:
                 if key in self.queues:
                     self.queues[key].put_nowait(one)
 
-    async def _send(self, conn: _Conn, msg: Msg) -> None:
+    async def _send(self, conn: Conn, msg: Msg) -> None:
         try:
             async with asyncio.timeout(self.timeout_s):
                 await conn.sock.send_multipart(protocol.encode(msg), copy=False)
@@ -493,7 +435,7 @@ class AsyncClient:
             self.queues.pop(msg.req_id, None)
             self.inflight.pop(msg.req_id, None)
 
-    async def _status(self, index: int, conn: _Conn) -> dict[str, Any]:
+    async def _status(self, index: int, conn: Conn) -> dict[str, Any]:
         key = f"__status__{index}"
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues[key] = queue

@@ -1,0 +1,78 @@
+"""The client library's connection to one broker (a shard's, in a sharded deployment): its DEALER
+socket, a monitor of the connection, and what the monitor's events say (``Link``): whether the
+connection is up, and when one that dropped is made again (a restarted broker)."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from nebula_flow.protocol import Msg
+
+
+def connect(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER to the broker (CURVE when a key folder is given, or NEBULA_FLOW_KEYS is set: the
+    client keypair named by NEBULA_FLOW_CLIENT_KEY, default "client") and a monitor of its
+    connection (see ``Link``)."""
+    from nebula_flow.security import Identity, client_key_name, keys_dir, make_client
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # ZMTP heartbeats: a broker that vanished without closing its connection (host down) still
+    # reads as a dropped connection within seconds
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+    folder = keys_dir(keys)
+    if folder is not None:
+        make_client(sock, Identity.load(folder, "client", client_key_name()))
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(address)
+    return sock, monitor
+
+
+class Link:
+    """Follows the connection to the broker from its monitor's events: ``event`` says True when
+    a connection that dropped is made again (a restarted broker, which knows nothing of this
+    client's requests): then the requests in flight are sent again at once (same ids: a broker
+    that still runs one re-attaches), not after a timeout."""
+
+    def __init__(self) -> None:
+        self.dropped = False
+        self.up = False  # (connected: its handshake done, not dropped since)
+
+    def event(self, frames: list[bytes]) -> bool:
+        kind = parse_monitor_message(frames)["event"]
+        if kind == zmq.EVENT_DISCONNECTED:
+            self.dropped, self.up = True, False
+            return False
+        back, self.dropped, self.up = self.dropped, False, True
+        return back
+
+
+class Conn:
+    """One broker's socket (a shard's, in a sharded deployment), its monitor and its ``Link``."""
+
+    def __init__(self, ctx: zmq.Context, address: str, keys: str | None) -> None:
+        self.address = address
+        self.sock, self.monitor = connect(ctx, address, keys)
+        self.link = Link()
+        self.poller: zmq.Poller | None = None  # (the blocking client's)
+        self.backlog: list[Msg] = []  # the rest of a ``Chunks`` the blocking client is reading through
+
+    def wait_up(self, deadline: float) -> bool:
+        """Wait until the connection is made (its handshake done), reading the monitor's events;
+        False if it is not by ``deadline`` (``time.monotonic()``). (The blocking client's: its
+        requests read the monitor too, so none is in flight.)"""
+        while not self.link.up:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.monitor.poll(int(left * 1000) + 1):
+                return False
+            self.link.event(self.monitor.recv_multipart())
+        return True
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close()
