@@ -108,9 +108,9 @@ class TextCodec:
         """Compile the chat template ahead of its first use, which otherwise pays jinja2's import
         and the compile (~50 ms for SmolLM2's) on the broker's dispatch thread. A template that
         does not compile is left to its first use to report."""
-        import jinja2
-
         if self.chat_template and self._template is None:
+            import jinja2
+
             with contextlib.suppress(jinja2.TemplateError):
                 self._template = _compile(self.chat_template)
 

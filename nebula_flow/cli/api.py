@@ -26,12 +26,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, api_key: str | None, port: int | None = None) -> None:
-    """Off loopback the gateway takes requests only with an API key; ``port`` (``serve``, before
-    it starts a deployment): the gateway's, which must be free on ``host``."""
+def check_exposure(host: str, api_key: str | None) -> None:
+    """Off loopback the gateway takes requests only with an API key."""
     if not is_loopback(host) and not api_key:
         raise click.UsageError(f"--http-host {host} is reachable from other hosts: give --api-key (or set "
                                f"{API_KEY_ENV}) so that only callers with the key get answers")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The gateway's port (0: any) can be bound on ``host``: what `serve` checks before it starts a
+    deployment, which it would otherwise start only to fail at the gateway."""
     if port:
         try:
             listening_socket(host, port).close()

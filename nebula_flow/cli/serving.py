@@ -8,7 +8,7 @@ import threading
 
 import click
 
-from nebula_flow.cli.api import check_exposure, curl_line, http_options
+from nebula_flow.cli.api import check_exposure, check_port_free, curl_line, http_options
 from nebula_flow.cli.common import (
     broker_option,
     deploy_options,
@@ -46,7 +46,8 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     line to try it is printed.
     """
     if http_port is not None:
-        check_exposure(http_host, api_key, http_port)
+        check_exposure(http_host, api_key)
+        check_port_free(http_host, http_port)
     dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,
                            secure_local, shards)
     click.echo(dep.address)
