@@ -45,10 +45,7 @@ def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, c
     token ids (OpenAI's Predicted Outputs): the output is the same, quicker where it matches."""
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids and messages")
-    sp = SamplingParams(stop=tuple([params.pop("stop")] if isinstance(params.get("stop"), str)
-                                    else params.pop("stop", None) or ()),
-                        stop_token_ids=tuple(params.pop("stop_token_ids", None) or ()), **params)
-    sp.validate()
+    sp = SamplingParams.from_wire(params)  # (the broker's own checks: a wrong type or an unknown name is InvalidParams)
     if prediction is not None and not isinstance(prediction, str):
         prediction = np.asarray(prediction, dtype=np.int32)
         if prediction.ndim != 1:

@@ -7,6 +7,9 @@ JSONL, one request per line::
     {"arrival_s": 1.2, "prompt_len": 300, "max_new_tokens": 16}      # prompt cut from the corpus
     {"arrival_s": 1.3, "prompt_len": 50, "max_new_tokens": 16, "priority": -1}  # (a broker with priority_scheduling)
 
+Every line is checked before a request is sent: a field not named here (OpenAI's ``max_tokens``,
+a typo) or a value the broker would refuse is a ``TraceError`` naming the line.
+
 Azure CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``): arrivals relative to the first row;
 prompts of ``ContextTokens`` tokens are cut from a corpus (the Python standard library's
 sources, tokenized with the served model's tokenizer), since the trace holds no text.
@@ -25,14 +28,19 @@ sharing the trace records.
 from __future__ import annotations
 
 import csv
+import difflib
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from nebula_flow.params import SamplingParams
+
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "priority")
+LINE_KEYS = frozenset({"arrival_s", "prompt", "prompt_tokens", "prompt_len", "max_new_tokens", *SAMPLING_KEYS})
 HASH_BLOCK = 512  # tokens a Mooncake trace's hash id stands for
 
 
@@ -68,18 +76,45 @@ def _load_jsonl(path: Path) -> list[TraceRequest]:
             continue
         try:
             raw = json.loads(line)
-            if "hash_ids" in raw:
-                req = _mooncake(raw)
-            else:
-                req = TraceRequest(float(raw.get("arrival_s", 0.0)), int(raw.get("max_new_tokens", 64)),
-                                   raw.get("prompt"), raw.get("prompt_tokens"), raw.get("prompt_len"),
-                                   {k: raw[k] for k in SAMPLING_KEYS if k in raw})
-        except (ValueError, TypeError, AttributeError) as exc:
+            if not isinstance(raw, dict):
+                raise ValueError(f"a line must be a JSON object, got {type(raw).__name__}")
+            out.append(_mooncake(raw) if "hash_ids" in raw else _request(raw))
+        except (ValueError, TypeError) as exc:  # (InvalidParams is a ValueError)
             raise TraceError(f"{path}:{n}: {exc}") from None
-        if sum(x is not None for x in (req.prompt, req.prompt_tokens, req.prompt_len)) != 1:
-            raise TraceError(f"{path}:{n}: give exactly one of prompt, prompt_tokens, prompt_len")
-        out.append(req)
     return out
+
+
+def _request(raw: dict[str, Any]) -> TraceRequest:
+    """A line of our own format, checked whole before anything is sent: a line the broker would refuse
+    (or a name it does not know, such as OpenAI's ``max_tokens``) stops the replay at its line number."""
+    if unknown := sorted(set(raw) - LINE_KEYS):
+        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, LINE_KEYS, 1, 0.6))
+                 else repr(k) for k in unknown]
+        raise ValueError(f"unknown field {', '.join(hints)}; known: {', '.join(sorted(LINE_KEYS))}")
+    arrival = raw.get("arrival_s", 0.0)
+    if not _number(arrival) or not 0 <= arrival < math.inf:
+        raise ValueError(f"arrival_s must be a number of seconds >= 0, got {arrival!r}")
+    req = TraceRequest(float(arrival), raw.get("max_new_tokens", 64), raw.get("prompt"), raw.get("prompt_tokens"),
+                       raw.get("prompt_len"), {k: raw[k] for k in SAMPLING_KEYS if k in raw})
+    if sum(x is not None for x in (req.prompt, req.prompt_tokens, req.prompt_len)) != 1:
+        raise ValueError("give exactly one of prompt, prompt_tokens, prompt_len")
+    if req.prompt is not None and (not isinstance(req.prompt, str) or not req.prompt):
+        raise ValueError(f"prompt must be a non-empty string, got {req.prompt!r:.60}")
+    if req.prompt_tokens is not None and (not isinstance(req.prompt_tokens, list) or not req.prompt_tokens or not all(
+            _count(t, 0) for t in req.prompt_tokens)):
+        raise ValueError("prompt_tokens must be a non-empty list of token ids (integers >= 0)")
+    if req.prompt_len is not None and not _count(req.prompt_len, 1):
+        raise ValueError(f"prompt_len must be an integer >= 1, got {req.prompt_len!r}")
+    SamplingParams.from_wire(dict(req.params, max_new_tokens=req.max_new_tokens), grammar=False)
+    return req
+
+
+def _number(v: Any) -> bool:  # noqa: ANN401
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v: Any, least: int) -> bool:  # noqa: ANN401
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
 def _mooncake(raw: dict[str, Any]) -> TraceRequest:
@@ -89,9 +124,14 @@ def _mooncake(raw: dict[str, Any]) -> TraceRequest:
     blocks, length = raw["hash_ids"], raw["input_length"]
     if not isinstance(blocks, list) or not blocks or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
         raise ValueError("hash_ids must be a non-empty list of integers")
-    if not isinstance(length, int) or not 0 < length <= len(blocks) * HASH_BLOCK:
+    if not _count(length, 1) or length > len(blocks) * HASH_BLOCK:
         raise ValueError(f"input_length must be from 1 to {HASH_BLOCK} x len(hash_ids), got {length!r}")
-    return TraceRequest(float(raw["timestamp"]) / 1000, int(raw["output_length"]), prompt_len=length, blocks=blocks)
+    stamp, output = raw["timestamp"], raw["output_length"]
+    if not _number(stamp) or not 0 <= stamp < math.inf:
+        raise ValueError(f"timestamp must be a number of milliseconds >= 0, got {stamp!r}")
+    if not _count(output, 0):
+        raise ValueError(f"output_length must be an integer >= 0, got {output!r}")
+    return TraceRequest(stamp / 1000, output, prompt_len=length, blocks=blocks)
 
 
 def _load_csv(path: Path) -> list[TraceRequest]:
@@ -101,9 +141,11 @@ def _load_csv(path: Path) -> list[TraceRequest]:
             try:
                 ts = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
                 t0 = t0 or ts
-                out.append(TraceRequest((ts - t0).total_seconds(), int(row["GeneratedTokens"]),
-                                        prompt_len=int(row["ContextTokens"])))
-            except (KeyError, ValueError) as exc:
+                prompt_len, output = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+                if prompt_len < 1 or output < 0:
+                    raise ValueError(f"ContextTokens {prompt_len} (must be >= 1), GeneratedTokens {output} (>= 0)")
+                out.append(TraceRequest((ts - t0).total_seconds(), output, prompt_len=prompt_len))
+            except (KeyError, ValueError, TypeError) as exc:
                 raise TraceError(f"{path}:{n}: expected TIMESTAMP,ContextTokens,GeneratedTokens ({exc})") from None
     return out
 
@@ -125,8 +167,12 @@ class Shaping:
 def shape(reqs: list[TraceRequest], s: Shaping, context: int) -> tuple[list[TraceRequest], dict[str, Any]]:
     if s.time_scale <= 0:
         raise TraceError("time scale must be > 0")
-    window = [r for r in reqs if r.arrival_s >= s.start_s and (s.end_s is None or r.arrival_s <= s.end_s)]
+    first = reqs[0].arrival_s if reqs else 0.0  # (the window is from the trace's first request, as its options say)
+    window = [r for r in reqs if r.arrival_s - first >= s.start_s and (s.end_s is None or r.arrival_s - first <= s.end_s)]
     window = window[: s.limit] if s.limit else window
+    if not window:
+        raise TraceError(f"no request of the trace's {len(reqs)} arrives from {s.start_s:g} s to "
+                         f"{'the end' if s.end_s is None else f'{s.end_s:g} s'} after its first")
     report = {"requests": len(window), "clipped_prompts": 0, "clipped_outputs": 0, "time_scale": s.time_scale}
     rng = random.Random(s.seed)
     t = 0.0

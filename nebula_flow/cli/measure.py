@@ -200,14 +200,17 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
 @click.option("--tokenizer", type=click.Path(), help="Tokenizer folder for traces without text (default: the "
               "target of --config or of the bundled config).")
 @click.option("--config", type=click.Path(), help="Deployment TOML whose target tokenizer to use.")
-@click.option("--time-scale", default=1.0, show_default=True, help="Divide arrival times by this (2 = twice as fast).")
-@click.option("--limit", type=int, help="Replay only the first N requests (after --start/--end).")
-@click.option("--start", "start_s", default=0.0, help="Window start, seconds from the trace's first request.")
-@click.option("--end", "end_s", type=float, help="Window end, seconds from the trace's first request.")
-@click.option("--poisson", type=float, help="Replace arrivals with a Poisson process of this many requests/s.")
-@click.option("--concurrency", type=int, help="At most this many requests in flight.")
-@click.option("--max-prompt-tokens", type=int, help="Clip longer prompts (the report counts them).")
-@click.option("--max-new-tokens", type=int, help="Clip longer outputs (the report counts them).")
+@click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Divide arrival times by this (2 = twice as fast).")
+@click.option("--limit", type=click.IntRange(1), help="Replay only the first N requests (after --start/--end).")
+@click.option("--start", "start_s", default=0.0, type=click.FloatRange(0),
+              help="Window start, seconds from the trace's first request.")
+@click.option("--end", "end_s", type=click.FloatRange(0), help="Window end, seconds from the trace's first request.")
+@click.option("--poisson", type=click.FloatRange(0, min_open=True),
+              help="Replace arrivals with a Poisson process of this many requests/s.")
+@click.option("--concurrency", type=click.IntRange(1), help="At most this many requests in flight.")
+@click.option("--max-prompt-tokens", type=click.IntRange(1), help="Clip longer prompts (the report counts them).")
+@click.option("--max-new-tokens", type=click.IntRange(1), help="Clip longer outputs (the report counts them).")
 @click.option("--out", type=click.Path(), default="runs/replay", show_default=True,
               help="Folder for requests.jsonl, summary.json and PNG plots.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
@@ -229,12 +232,13 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
     from nebula_flow.traces import PromptSource, Shaping, TraceError, load_trace, shape
 
     try:
+        loaded = load_trace(trace)  # (a trace that cannot be replayed says so before any server is asked)
         context = served_model(api_url, api_key).get("max_model_len") if api_url else None
         if context is None:
             with Client(address, timeout_s=5) as c:
                 context = c.status().get("max_model_len", 1 << 30)
-        reqs, report = shape(load_trace(trace), Shaping(time_scale, limit, start_s, end_s, poisson,
-                                                        max_prompt_tokens, max_new_tokens, seed), context)
+        reqs, report = shape(loaded, Shaping(time_scale, limit, start_s, end_s, poisson, max_prompt_tokens,
+                                             max_new_tokens, seed), context)
     except (TraceError, NebulaError) as exc:
         raise click.ClickException(str(exc)) from None
     prompts = None
