@@ -23,18 +23,18 @@ _D = BrokerOptions()
               help=f"Scheduling mode: pooled (M-for-N), paired, colocated, autoregressive, or elastic (workers of role any "
               f"take a draft or a verify batch at each pull). [default: {_D.mode}]")
 @click.option("--host", default=None, help=f"Interface to bind. [default: {_D.host}]")
-@click.option("--client-port", type=int, default=None, help=f"Port for clients. [default: {_D.client_port}]")
-@click.option("--worker-port", type=int, default=None, help=f"Port for workers. [default: {_D.worker_port}]")
+@click.option("--client-port", type=click.IntRange(0, 65535), default=None, help=f"Port for clients. [default: {_D.client_port}]")
+@click.option("--worker-port", type=click.IntRange(0, 65535), default=None, help=f"Port for workers. [default: {_D.worker_port}]")
 @click.option("--model", type=click.Path(), help="Target checkpoint directory: tokenizer, context length, EOS.")
-@click.option("--proposal-top-k", type=int, default=None,
+@click.option("--proposal-top-k", type=click.IntRange(1), default=None,
               help=f"Entries of the draft distribution q sent with each sampled draft token. [default: {_D.proposal_top_k}]")
-@click.option("--max-pending", type=int, default=None,
+@click.option("--max-pending", type=click.IntRange(1), default=None,
               help=f"Admission limit; beyond it clients get BUSY (with priority scheduling, a more urgent "
                    f"request takes the place of the least urgent one not started). [default: {_D.max_pending}]")
-@click.option("--heartbeat-s", type=float, default=None, help=f"Heartbeat interval. [default: {_D.heartbeat_s}]")
+@click.option("--heartbeat-s", type=click.FloatRange(0, min_open=True), default=None, help=f"Heartbeat interval. [default: {_D.heartbeat_s}]")
 @click.option("--liveness-s", type=float, default=None,
               help=f"Silence after which a worker is declared dead. [default: {_D.liveness_s}]")
-@click.option("--metrics-port", type=int, help="Serve Prometheus text at http://METRICS_HOST:PORT/metrics (0: a free "
+@click.option("--metrics-port", type=click.IntRange(0, 65535), help="Serve Prometheus text at http://METRICS_HOST:PORT/metrics (0: a free "
               "port).")
 @click.option("--metrics-host", default=None, help=f"Interface the metrics server binds; off loopback only with "
               f"--metrics-token-file. [default: {_D.metrics_host}]")
@@ -42,9 +42,9 @@ _D = BrokerOptions()
               help="A file holding the token scrapers must send (Authorization: Bearer TOKEN).")
 @click.option("--keys", type=click.Path(), help="CURVE key folder (`nebula-flow keys`); required off loopback. "
               "Also read from NEBULA_FLOW_KEYS.")
-@click.option("--shard", type=int, default=None,
+@click.option("--shard", type=click.IntRange(0), default=None,
               help=f"This broker's slice of a sharded deployment's requests (0..shards-1). [default: {_D.shard}]")
-@click.option("--shards", type=int, default=None,
+@click.option("--shards", type=click.IntRange(1), default=None,
               help=f"Brokers sharing the requests; clients and workers are given every shard's address. "
               f"[default: {_D.shards}]")
 @click.option("--full-tokens", is_flag=True, default=None, help="Send every task its request's whole tokens (by "

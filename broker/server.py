@@ -457,8 +457,8 @@ class Broker(Intake):
         poller = zmq.Poller()
         for sock in (self.clients, self.peers, self.prompts.fd):
             poller.register(sock, zmq.POLLIN)
-        log.info("broker (%s) clients at %s, workers at %s", self.opts.mode,
-                 self.opts.client_address, self.opts.worker_address)
+        log.info("broker (%s) clients at %s, workers at %s", self.opts.mode,  # (as bound: port 0 is a free one)
+                 *(s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in (self.clients, self.peers)))
         while True:
             events = dict(poller.poll(timeout=int(self.opts.heartbeat_s * 1000 / 2)))
             now = time.monotonic()

@@ -43,14 +43,23 @@ class BrokerOptions:
     full_tokens: bool = False
 
     def check(self) -> None:
-        """Refuse timing that declares healthy workers dead: a worker beats once per heartbeat_s,
-        so a liveness under two beats drops any worker whose beat is a little late."""
+        """Refuse settings out of range, and timing that declares healthy workers dead: a worker beats
+        once per heartbeat_s, so a liveness under two beats drops any worker whose beat is a little late."""
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if self.shards < 1:
             raise ValueError(f"shards must be >= 1, got {self.shards}")
         if not 0 <= self.shard < self.shards:
             raise ValueError(f"shard must be 0..{self.shards - 1} (of shards={self.shards}), got {self.shard}")
+        for name in ("client_port", "worker_port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be a port from 0 to 65535 (0: any free one), got {port}")
+        for name in ("proposal_top_k", "max_pending", "max_inflight_per_client", "max_new_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.drain_s < 0:
+            raise ValueError(f"drain_s must be >= 0, got {self.drain_s}")
         if self.liveness_s < 2 * self.heartbeat_s:
             raise ValueError(f"liveness_s ({self.liveness_s}) must be at least twice heartbeat_s "
                              f"({self.heartbeat_s})")

@@ -30,10 +30,10 @@ from nebula_flow.options import WorkerOptions, read_options
               help="The broker's worker address; a sharded deployment's every shard's, comma-separated (the worker "
               "serves them all).")
 @click.option("--name", default="", help="Name shown in status and logs.")
-@click.option("--max-batch", default=8, show_default=True, help="Tasks per batch (the credits of each PULL).")
-@click.option("--draft-max-batch", type=int, help="Role any: tasks per draft batch, where more than --max-batch (a small "
+@click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True, help="Tasks per batch (the credits of each PULL).")
+@click.option("--draft-max-batch", type=click.IntRange(1), help="Role any: tasks per draft batch, where more than --max-batch (a small "
               "draft model runs large batches for little more than small ones). [default: --max-batch]")
-@click.option("--threads", default=1, show_default=True, help="torch threads for this worker.")
+@click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="torch threads for this worker.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda, cuda:N, or emulated (forward passes take the time --profile predicts).")
 @click.option("--dtype", default=None, help="float32, bfloat16, float16, or auto: bf16 on CUDA and on CPUs that compute "
@@ -112,28 +112,28 @@ def worker(options_file: str | None, role: str | None, model: str | None, draft_
 @click.option("--target", required=True, type=click.Path(exists=True, file_okay=False), help="Target checkpoint directory.")
 @click.option("--out", required=True, type=click.Path(), help="Where the draft checkpoint goes (resumes if a checkpoint is there).")
 @click.option("--corpus", multiple=True, type=click.Path(exists=True), help="Text files/folders (*.py); default: the stdlib sources.")
-@click.option("--max-tokens", default=400_000, show_default=True, help="Corpus tokens to use.")
-@click.option("--seq-len", default=256, show_default=True)
-@click.option("--steps", default=1500, show_default=True)
-@click.option("--batch-size", default=16, show_default=True)
-@click.option("--lr", default=2e-3, show_default=True)
-@click.option("--hidden-size", default=256, show_default=True)
-@click.option("--layers", default=4, show_default=True)
-@click.option("--heads", default=4, show_default=True)
-@click.option("--kv-heads", default=2, show_default=True)
-@click.option("--intermediate-size", default=704, show_default=True)
-@click.option("--head-vocab", default=8192, show_default=True, help="Tokens the draft's output head scores (0 = all).")
+@click.option("--max-tokens", type=click.IntRange(1), default=400_000, show_default=True, help="Corpus tokens to use.")
+@click.option("--seq-len", type=click.IntRange(2), default=256, show_default=True)
+@click.option("--steps", type=click.IntRange(0), default=1500, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--lr", type=click.FloatRange(0, min_open=True), default=2e-3, show_default=True)
+@click.option("--hidden-size", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--layers", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--heads", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--kv-heads", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--intermediate-size", type=click.IntRange(1), default=704, show_default=True)
+@click.option("--head-vocab", type=click.IntRange(0), default=8192, show_default=True, help="Tokens the draft's output head scores (0 = all).")
 @click.option("--teacher-dtype", default="bfloat16", show_default=True, help="dtype of the cached teacher pass.")
-@click.option("--eval-tokens", default=48, show_default=True, help="Tokens per prompt in the acceptance evaluation.")
-@click.option("--generate-seqs", default=0, show_default=True,
+@click.option("--eval-tokens", type=click.IntRange(1), default=48, show_default=True, help="Tokens per prompt in the acceptance evaluation.")
+@click.option("--generate-seqs", type=click.IntRange(0), default=0, show_default=True,
               help="Also distil on this many sequences the target writes itself (its own style).")
-@click.option("--generate-len", default=192, show_default=True, help="Tokens per generated sequence.")
-@click.option("--generate-chat", default=0, show_default=True,
+@click.option("--generate-len", type=click.IntRange(1), default=192, show_default=True, help="Tokens per generated sequence.")
+@click.option("--generate-chat", type=click.IntRange(0), default=0, show_default=True,
               help="Also distil on the target's answers to this many code requests sent in its chat format "
               "(made from the corpus's documented functions): how an instruct model is used.")
 @click.option("--init-from", type=click.Path(exists=True, file_okay=False), help="Fine-tune this draft instead of "
               "starting from scratch.")
-@click.option("--seed", default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
               help="Seeds initialisation, batches and generation (a new seed writes new generated sequences).")
 def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
     """Distil a draft model for TARGET: cached teacher logits, resumable training, evaluation."""
@@ -151,7 +151,7 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
 @click.option("--target-dtype", default=None, help="The target's dtype as deployed (float32, bfloat16, or auto as "
               "workers pick it; default fp32 on CPU). bf16 runs batch-invariant, as workers run it.")
 @click.option("--ks", default="2,4,6", show_default=True, help="Speculation lengths to measure.")
-@click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=48, show_default=True, help="Tokens per prompt.")
 @click.option("--alternatives", default=0, show_default=True, type=click.IntRange(0, 8),
               help="Runner-ups to the first draft token verified beside the chain (a token tree; the broker's "
               "--first-alternatives).")

@@ -65,10 +65,10 @@ def http_options(f: Callable) -> Callable:
 
 @click.command()
 @broker_option
-@click.option("--port", default=8000, show_default=True, help="HTTP port (0: any free port, printed).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="HTTP port (0: any free port, printed).")
 @click.option("--keys", type=click.Path(file_okay=False), help="CURVE key folder, where the broker uses keys "
               "(default: $NEBULA_FLOW_KEYS).")
-@click.option("--timeout-s", default=600.0, show_default=True, help="Longest wait for the broker's next message.")
+@click.option("--timeout-s", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True, help="Longest wait for the broker's next message.")
 @http_options
 def api(address: str, port: int, keys: str | None, timeout_s: float, http_host: str, api_key: str | None,
         served_model_name: str | None, tool_call_parser: str | None, reasoning_parser: str | None) -> None:

@@ -180,7 +180,7 @@ DEPLOY_OPTIONS = [
     click.option("--mode", type=click.Choice(list(MODES)), help="Override the config's mode."),
     click.option("--draft-workers", type=int, help="Override the number of draft workers (M)."),
     click.option("--target-workers", type=int, help="Override the number of target workers (N)."),
-    click.option("--port", type=int, help="Client port (workers use port+1); 0 picks free ports."),
+    click.option("--port", type=click.IntRange(0, 65535), help="Client port (workers use port+1); 0 picks free ports."),
     click.option("--log-dir", type=click.Path(), help="Where child process logs go (default: a temp folder)."),
     click.option("--add-drafter", "add_drafters", multiple=True, metavar="MODEL",
                  help="Pooled mode: one more draft worker with this drafter (ngram, ngram:MAX, ngram:MIN-MAX, or a "
@@ -275,7 +275,7 @@ def structured_option(json_schema: str | None, json_object: bool, regex: str | N
 
 
 def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  # noqa: ANN003
-    from nebula_flow.client import Client, Completion, NebulaError
+    from nebula_flow.client import Client, Completion, NebulaError, build_submit
 
     spec = structured_option(*(params.pop(k) for k in ("json_schema", "json_object", "regex", "choice", "grammar")))
     if spec is not None:
@@ -288,7 +288,10 @@ def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  
         params["logit_bias"] = dict(bias)
     params["allowed_token_ids"] = params.pop("allowed_token_ids", ()) or None
     try:
-        with Client(address, timeout_s=params.pop("timeout_s")) as client:
+        timeout_s = params.pop("timeout_s")
+        checked = dict(params)  # (parameters the broker would refuse: said before any broker is asked)
+        build_submit("", prompt, None, checked.pop("chat", False), **checked)
+        with Client(address, timeout_s=timeout_s) as client:
             client.wait_connected(min(CONNECT_WAIT_S, client.timeout_s))
             for item in client.stream(prompt, **params):
                 if isinstance(item, Completion):
@@ -317,15 +320,15 @@ class TokenBias(click.ParamType):
 TOKEN_BIAS = TokenBias()
 
 GEN_OPTIONS = [
-    click.option("--max-new-tokens", default=64, show_default=True),
-    click.option("--temperature", default=0.0, show_default=True, help="0 = greedy."),
-    click.option("--top-k", default=0, show_default=True, help="0 = off."),
-    click.option("--top-p", default=1.0, show_default=True),
+    click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True),
+    click.option("--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True, help="0 = greedy."),
+    click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off."),
+    click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True),
     click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True,
                  help="vLLM's: drop tokens less likely than this times the most likely one (0 = off)."),
-    click.option("--seed", type=int, help="Fixes the output for sampled generation."),
+    click.option("--seed", type=click.IntRange(0, (1 << 63) - 1), help="Fixes the output for sampled generation."),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-    click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
+    click.option("--stop-token-id", "stop_token_ids", type=click.IntRange(0), multiple=True,
                  help="End the output at this token id, kept among the ids but not in the text (repeatable)."),
     click.option("--logprobs", type=click.IntRange(0, 20), default=None,
                  help="Report each output token's log-probability (the target's own) and this many most likely "
@@ -368,7 +371,7 @@ GEN_OPTIONS = [
                  help="vLLM's bad_words: a word the output may not write (repeatable)."),
     click.option("--truncate-prompt-tokens", type=click.IntRange(1), default=None,
                  help="vLLM's: only the prompt's last this many tokens run."),
-    click.option("--timeout-s", default=300.0, show_default=True),
+    click.option("--timeout-s", type=click.FloatRange(0, min_open=True), default=300.0, show_default=True),
 ]
 
 

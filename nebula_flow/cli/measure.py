@@ -39,14 +39,14 @@ from nebula_flow.roles import MODES
               "torch's default threads, requests one after another.")
 @click.option("--draft-workers", type=int, help="Override M.")
 @click.option("--target-workers", type=int, help="Override N.")
-@click.option("--concurrency", default=1, show_default=True, help="Concurrent requests (1 = single stream).")
-@click.option("--requests", "n_requests", default=8, show_default=True, help="Requests per repeat.")
-@click.option("--max-new-tokens", default=64, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True, help="Sampling temperature of every request (0: greedy).")
+@click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True, help="Concurrent requests (1 = single stream).")
+@click.option("--requests", "n_requests", type=click.IntRange(1), default=8, show_default=True, help="Requests per repeat.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True, help="Sampling temperature of every request (0: greedy).")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
               help="Nucleus sampling with --temperature > 0: each token drawn from the fewest most likely tokens "
               "whose probability reaches this (1: the whole distribution).")
-@click.option("--repeats", default=3, show_default=True, help="Repeats per mode; figures are medians.")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Repeats per mode; figures are medians.")
 @click.option("--chat", is_flag=True, help="Send code requests in the model's chat format (how an instruct model "
               "is used) instead of raw code and prose prompts.")
 @click.option("--edit", is_flag=True, help="Send chat requests to change a given function (add type hints, a "
@@ -214,7 +214,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
 @click.option("--out", type=click.Path(), default="runs/replay", show_default=True,
               help="Folder for requests.jsonl, summary.json and PNG plots.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
-@click.option("--seed", default=0, show_default=True, help="Seed for prompt cutting and Poisson arrivals.")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed for prompt cutting and Poisson arrivals.")
 @click.option("--api", "api_url", metavar="URL", help="Send the requests through the OpenAI-compatible HTTP API at URL "
               "(e.g. http://127.0.0.1:8000) instead of the client library; --broker is still asked for the context "
               "and may be left out when the API's /v1/models says it.")
@@ -271,13 +271,13 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
 
 @click.command("bench-broker")
 @click.option("--modes", default="pooled,colocated", show_default=True, help="Broker modes, comma-separated.")
-@click.option("--workers", default=4, show_default=True, help="Zero-cost workers per stage (pooled/paired: this many "
+@click.option("--workers", type=click.IntRange(1), default=4, show_default=True, help="Zero-cost workers per stage (pooled/paired: this many "
               "draft and this many target workers).")
-@click.option("--max-batch", default=32, show_default=True, help="Each worker's batch capacity.")
-@click.option("--concurrency", default=64, show_default=True, help="Requests in flight.")
-@click.option("--requests", "n_requests", default=256, show_default=True, help="Requests in all.")
-@click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--k", default=4, show_default=True, help="Draft tokens per round (fixed: no adaptive k).")
+@click.option("--max-batch", type=click.IntRange(1), default=32, show_default=True, help="Each worker's batch capacity.")
+@click.option("--concurrency", type=click.IntRange(1), default=64, show_default=True, help="Requests in flight.")
+@click.option("--requests", "n_requests", type=click.IntRange(1), default=256, show_default=True, help="Requests in all.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--k", type=click.IntRange(0), default=4, show_default=True, help="Draft tokens per round (fixed: no adaptive k).")
 @click.option("--model", type=click.Path(), help="The target whose tokenizer the broker loads (default: the tiny "
               "pair's, built into the cache if missing).")
 @click.option("--prompt-tokens", default=5, show_default=True, type=click.IntRange(1),
@@ -357,9 +357,9 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
               show_default=True, help="KV transport to measure (auto: what the workers' auto picks).")
 @click.option("--draft-workers", default=2, show_default=True)
 @click.option("--target-workers", default=2, show_default=True)
-@click.option("--concurrency", default=4, show_default=True)
-@click.option("--requests", "n_requests", default=8, show_default=True)
-@click.option("--max-new-tokens", default=48, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--requests", "n_requests", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=48, show_default=True)
 @click.option("--context-tokens", default=0, show_default=True, type=click.IntRange(0),
               help="Put about this many tokens of code (stdlib sources) before each prompt: long prompts, "
                    "whose KV moves in large pulls (code completion with a file open).")
@@ -391,8 +391,9 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
 
 @click.command()
 @deploy_options
-@click.option("--requests", "n_requests", default=16, show_default=True, help="Concurrent greedy requests.")
-@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--requests", "n_requests", type=click.IntRange(1), default=16, show_default=True,
+              help="Concurrent greedy requests.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--kill", "kills", multiple=True, metavar="NAME[@SECONDS]",
               help="SIGKILL this process (broker, draft-0, target-3, ...; `status` and the log folder name them) "
               "SECONDS after the first streamed token (default 0). Repeatable. Default: the last draft worker at "

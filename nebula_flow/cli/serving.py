@@ -28,7 +28,7 @@ from nebula_flow.cli.status_text import status_lines
               help="Brokers sharing the requests, each owning a slice by request id (for more request-rounds per "
               "second than one broker's core gives); shard i binds port+2i and port+2i+1, and the address printed "
               "lists them all, comma-separated. [default: the config's [broker] shards, 1]")
-@click.option("--http-port", type=int, help="Also serve the OpenAI-compatible HTTP API on this port (0: any free "
+@click.option("--http-port", type=click.IntRange(0, 65535), help="Also serve the OpenAI-compatible HTTP API on this port (0: any free "
               "port); see `nebula-flow api --help`.")
 @http_options
 def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
@@ -122,7 +122,7 @@ def generate(prompt: str, address: str, as_json: bool, prediction_file, **params
 @click.argument("prompts", nargs=-1)
 @deploy_options
 @gen_options
-@click.option("--http-port", type=int, help="Also start the OpenAI-compatible HTTP API on this port (0: any free "
+@click.option("--http-port", type=click.IntRange(0, 65535), help="Also start the OpenAI-compatible HTTP API on this port (0: any free "
               "port) and, after the demo, keep serving it until Ctrl-C, with a curl line to try it.")
 def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
         http_port, **params) -> None:  # noqa: ANN001, ANN003

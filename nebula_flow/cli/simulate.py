@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 @click.option("--urgent", type=click.IntRange(min=2), metavar="N", help="Override the workload's urgent_every: "
               "requests 1, N+1, 2N+1, ... are urgent (priority -1 in modes with priority_scheduling), their latency "
               "printed beside the others', as in bench.")
-@click.option("--draft-workers", type=int, help="Override the draft pool size.")
-@click.option("--target-workers", type=int, help="Override the target pool size.")
+@click.option("--draft-workers", type=click.IntRange(1), help="Override the draft pool size.")
+@click.option("--target-workers", type=click.IntRange(1), help="Override the target pool size.")
 @click.option("--sweep", is_flag=True, help="Also scale both pools together (draft:target ratio kept) and "
               "report capacity against worker count.")
 @click.option("--sweep-workers", help="Draft pool sizes for --sweep, e.g. 1,2,4,8 (default: the scenario's [sweep]).")
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 @click.option("--loads", help="With --gpus: plan at these loads (light, medium, saturation): saturation is the "
               "scenario's workload, light and medium open-loop arrivals at 30 % and 70 % of the best fixed "
               "arrangement's capacity (a trace: its arrivals time-scaled to that rate).")
-@click.option("--seed", type=int, help="Override the scenario's seed (acceptance draws, prompt lengths, arrivals).")
+@click.option("--seed", type=click.IntRange(0), help="Override the scenario's seed (acceptance draws, prompt lengths, arrivals).")
 @click.option("--out", type=click.Path(), help="Write result.json and PNG plots (modes, scaling) into this folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {...}, \"sweep\": [...]} as JSON.")
 @click.option("--broker-shards", type=click.IntRange(min=1), help="Override the scenario's [host] broker_shards: "

@@ -25,8 +25,8 @@ from nebula_flow.config import cache_dir
 @click.option("--batches", default="1,2,4,8", show_default=True)
 @click.option("--tokens", default="1,5", show_default=True, help="New tokens per sequence (1 = decode, k+1 = verify).")
 @click.option("--contexts", default="64,256", show_default=True, help="Context lengths.")
-@click.option("--threads", default=1, show_default=True)
-@click.option("--acceptance", type=float, help="Record a per-position acceptance rate (for draft profiles).")
+@click.option("--threads", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--acceptance", type=click.FloatRange(0, 1), help="Record a per-position acceptance rate (for draft profiles).")
 def profile(model, count_ops, dtype, device, out, batches, tokens, contexts, threads, acceptance) -> None:  # noqa: ANN001
     """Measure MODEL's forward latency over a grid and write a profile for --device emulated
     (or, with --ops, count the host work of a forward)."""

@@ -1,0 +1,83 @@
+"""Numbers out of range are one clear error from the command that took them, before anything starts:
+a port past 65535 was taken modulo 65536 (the HTTP API served on another port than the one
+printed), `bench --requests 0` and `--repeats 0` ended in tracebacks, a negative admission limit
+was accepted. A broker bound to port 0 logs the ports it got."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from nebula_flow.cli import main
+from nebula_flow.client import Client
+from nebula_flow.deploy import free_port
+from nebula_flow.options import BrokerOptions
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["serve", "--http-port", "99999"], "--http-port"),
+    (["serve", "--port", "-1"], "--port"),
+    (["api", "--port", "70000"], "--port"),
+    (["broker", "--client-port", "99999"], "--client-port"),
+    (["broker", "--max-pending", "-1"], "--max-pending"),
+    (["broker", "--metrics-port", "70000"], "--metrics-port"),
+    (["bench", "--requests", "0"], "--requests"),
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["bench", "--temperature", "-1"], "--temperature"),
+    (["bench-broker", "--workers", "0"], "--workers"),
+    (["generate", "--top-p", "0", "hi"], "--top-p"),
+    (["generate", "--seed", "-1", "hi"], "--seed"),
+    (["worker", "--max-batch", "0"], "--max-batch"),
+    (["simulate", "configs/sim/paper-2d2t.toml", "--draft-workers", "0"], "--draft-workers"),
+])
+def test_a_number_out_of_range_is_a_usage_error_naming_its_option(args: list[str], option: str) -> None:
+    started = time.monotonic()
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and f"Invalid value for '{option}'" in res.output, res.output
+    assert time.monotonic() - started < 5  # (said before anything started)
+
+
+def test_broker_options_out_of_range_are_refused_by_name() -> None:
+    for settings, message in (({"client_port": 65536}, "client_port must be a port from 0 to 65535"),
+                              ({"max_pending": 0}, "max_pending must be >= 1, got 0"),
+                              ({"proposal_top_k": 0}, "proposal_top_k must be >= 1"),
+                              ({"drain_s": -1.0}, "drain_s must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            BrokerOptions(**settings).check()
+    BrokerOptions(client_port=0, worker_port=0, metrics_port=0).check()
+
+
+def test_generate_names_a_parameter_the_broker_would_refuse_before_it_asks_any_broker() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"  # (nobody there: the check comes before the connection's wait)
+    started = time.monotonic()
+    res = CliRunner().invoke(main, ["generate", "--broker", address, "--max-new-tokens", "4", "--min-tokens", "9", "hi"])
+    assert res.exit_code == 1 and time.monotonic() - started < 5, res.output
+    assert res.output.strip() == "Error: min_tokens must be an integer from 0 to max_new_tokens, got 9"
+    res = CliRunner().invoke(main, ["generate", "--broker", address, "--stop=", "hi"])
+    assert res.output.strip() == "Error: stop must be a string or a list of non-empty strings", res.output
+
+
+def test_a_broker_on_port_zero_logs_the_ports_it_was_given(tmp_path) -> None:  # noqa: ANN001
+    log = tmp_path / "broker.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "broker", "--client-port", "0",
+                                 "--worker-port", "0"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not (found := re.search(r"clients at (tcp://127\.0\.0\.1:(\d+)), workers at tcp://127\.0\.0\.1:(\d+)",
+                                      log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        address, client_port, worker_port = found.groups()
+        assert int(client_port) > 0 and int(worker_port) > 0 and client_port != worker_port
+        with Client(address, timeout_s=10) as c:  # (the logged address is the broker's)
+            assert c.status()["workers"] == []
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
