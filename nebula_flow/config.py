@@ -218,14 +218,17 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
         raise ConfigError(f"{path}: {exc}") from None
 
 
+DEPLOY_SECTIONS = frozenset({"mode", "kv_transport", "lend_cores", "cpu_wake_latency_us", "zmq_io_cpu", "policy",
+                             "broker", "draft", "target", "drafters", "supervise"})  # (a deployment TOML's top level)
+
+
 def load_config(path: str | Path | None) -> DeployConfig:
     if path is None:
         return DeployConfig()
     path = Path(path)
     raw = read_toml(path)
     base = path.resolve().parent.parent
-    unknown = set(raw) - {"mode", "kv_transport", "lend_cores", "cpu_wake_latency_us", "zmq_io_cpu", "policy", "broker",
-                          "draft", "target", "drafters", "supervise"}
+    unknown = set(raw) - DEPLOY_SECTIONS
     if unknown:
         raise ConfigError(f"{path}: unknown sections {sorted(unknown)}")
     broker = dict(raw.get("broker", {}))

@@ -81,3 +81,9 @@ def test_a_broker_on_port_zero_logs_the_ports_it_was_given(tmp_path) -> None:  #
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_simulate_given_a_deployment_config_says_what_it_takes_instead() -> None:
+    res = CliRunner().invoke(main, ["simulate", "configs/tiny.toml"])
+    assert res.exit_code == 1 and res.output.startswith(
+        "Error: configs/tiny.toml is a deployment config, not a scenario: simulate takes a scenario"), res.output

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from nebula_flow.config import ConfigError, load_config, read_toml
+from nebula_flow.config import DEPLOY_SECTIONS, ConfigError, load_config, read_toml
 from nebula_flow.emulated import load_profile
 from nebula_flow.policy import PolicyConfig, PolicyError
 from nebula_flow.protocol import DRAFTER_NAME, DRAFTER_RULE
@@ -263,6 +263,10 @@ def load_scenario(path: str | Path) -> Scenario:
     known = {"name", "description", "modes", "seed", "deploy", "policy", "workload", "draft", "target",
              "drafters", "acceptance", "kv", "host", "sweep"}
     unknown = set(raw) - known
+    if unknown and unknown <= DEPLOY_SECTIONS and "workload" not in raw:
+        raise ConfigError(f"{path} is a deployment config, not a scenario: simulate takes a scenario "
+                          "(configs/sim/*.toml), which may name an emulated deployment with deploy = \"PATH\" (as "
+                          "configs/sim/emulated-2d2t.toml does)")
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
     base = path.resolve().parent
