@@ -8,6 +8,7 @@ import sys
 import click
 
 from nebula_flow.cli.common import policy_options
+from nebula_flow.hub import local_folder
 from nebula_flow.options import BrokerOptions, read_options
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.roles import MODES
@@ -25,7 +26,8 @@ _D = BrokerOptions()
 @click.option("--host", default=None, help=f"Interface to bind. [default: {_D.host}]")
 @click.option("--client-port", type=click.IntRange(0, 65535), default=None, help=f"Port for clients. [default: {_D.client_port}]")
 @click.option("--worker-port", type=click.IntRange(0, 65535), default=None, help=f"Port for workers. [default: {_D.worker_port}]")
-@click.option("--model", type=click.Path(), help="Target checkpoint directory: tokenizer, context length, EOS.")
+@click.option("--model", help="The target checkpoint (its tokenizer, context length, EOS), as a config names it: a "
+              "folder, a hub id (Qwen/Qwen3-0.6B) or cache:NAME; clients call the model by it as written.")
 @click.option("--proposal-top-k", type=click.IntRange(1), default=None,
               help=f"Entries of the draft distribution q sent with each sampled draft token. [default: {_D.proposal_top_k}]")
 @click.option("--max-pending", type=click.IntRange(1), default=None,
@@ -67,6 +69,12 @@ def broker(options_file: str | None, print_options: bool, policy: PolicyConfig, 
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
     else:
+        if spec := given.get("model"):  # (as a config names it: a hub id, cache:NAME, a folder)
+            try:
+                given["model"] = local_folder(str(spec), log=lambda m: click.echo(m, err=True))
+            except ValueError as exc:
+                raise click.ClickException(str(exc)) from None
+            given["model_name"] = spec  # (what clients call it, as written: /v1/models)
         opts = BrokerOptions(policy=policy, **given)
     if print_options:
         click.echo(json.dumps(opts.to_json(), indent=2))

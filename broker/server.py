@@ -108,6 +108,7 @@ class Broker(Intake):
             self.access.secure(sock, accepts)
         for sock, address in ((self.clients, self.opts.client_address), (self.peers, self.opts.worker_address)):
             bind_zmq(sock, address)  # (a port that is taken: one line, not a traceback)
+        self.endpoints = [sock.getsockopt(zmq.LAST_ENDPOINT).decode() for sock in (self.clients, self.peers)]  # (port 0)
         self._last_beat = self._last_render = time.monotonic()  # (``step``'s heartbeats and metrics)
 
     def _send(self, sock: zmq.Socket, identity: bytes, msg: Msg) -> bool:
@@ -384,7 +385,7 @@ class Broker(Intake):
             "model": self.opts.model_name, "max_model_len": self.admission.max_model_len,  # (what the HTTP API serves)
             "max_new_tokens_limit": self.opts.max_new_tokens_limit,
             **self.stats.state(self.scheduler, self.workers), "round_times": self.round_times.state(),
-            "metrics_port": self.metrics.port if self.metrics else None,
+            "metrics_port": self.metrics.port if self.metrics else None, "worker_address": self.endpoints[1],
             # times the deployment started the broker, and the workers registered now, again after a death
             "restarts": {"broker": restarts(), "workers": sum(w.restarts for w in self.workers.values())},
         }
@@ -458,7 +459,7 @@ class Broker(Intake):
         for sock in (self.clients, self.peers, self.prompts.fd):
             poller.register(sock, zmq.POLLIN)
         log.info("broker (%s) clients at %s, workers at %s", self.opts.mode,  # (as bound: port 0 is a free one)
-                 *(s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in (self.clients, self.peers)))
+                 *self.endpoints)
         while True:
             events = dict(poller.poll(timeout=int(self.opts.heartbeat_s * 1000 / 2)))
             now = time.monotonic()

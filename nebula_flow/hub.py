@@ -49,3 +49,12 @@ def resolve(spec: str, log: Callable[[str], None] = lambda _m: None) -> str:
                        f"and downloading it failed: {exc}") from None
     log(f"{spec}: {folder}")
     return folder
+
+
+def local_folder(spec: str, log: Callable[[str], None] = lambda _m: None) -> str:
+    """Where a model named as a config names it lives, for the commands that take one model
+    (``worker --model``, ``broker --model``): a hub id (from the cache, else downloaded),
+    ``cache:NAME`` (the nebula-flow cache folder) or a folder, as given."""
+    from nebula_flow.config import resolve_model_path
+
+    return resolve(spec, log) if is_hub_id(spec) else resolve_model_path(spec)

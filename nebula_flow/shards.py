@@ -84,6 +84,7 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     merged["workers"] = list(workers.values())
     merged["restarts"] = {"broker": sum(s.get("restarts", {}).get("broker", 0) for s in states),
                           "workers": max(s.get("restarts", {}).get("workers", 0) for s in states)}
+    merged["worker_address"] = ",".join(s["worker_address"] for s in states if "worker_address" in s)  # (all shards)
     merged["by_shard"] = [{"shard": s.get("shard", i), "pid": s.get("pid"), "pool": s.get("pool"),
                          "workers": len(s.get("workers", [])), "rounds": s.get("counters", {}).get("rounds", 0),
                          "restarts": s.get("restarts", {}).get("broker", 0), "metrics_port": s.get("metrics_port")}

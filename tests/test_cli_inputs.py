@@ -5,6 +5,7 @@ was accepted. A broker bound to port 0 logs the ports it got."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -63,24 +64,41 @@ def test_generate_names_a_parameter_the_broker_would_refuse_before_it_asks_any_b
     assert res.output.strip() == "Error: stop must be a string or a list of non-empty strings", res.output
 
 
-def test_a_broker_on_port_zero_logs_the_ports_it_was_given(tmp_path) -> None:  # noqa: ANN001
+def test_a_broker_on_port_zero_says_its_ports_and_a_worker_named_as_a_config_names_it_joins(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """The broker logs the ports it was given; `status` says where workers join; a worker started by
+    hand with the model as a config names it (cache:NAME) joins there and serves."""
     log = tmp_path / "broker.log"
+    env = dict(os.environ, NEBULA_FLOW_CACHE=str(tiny_pair.parent))
+    model = f"cache:{tiny_pair.name}/target"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "broker", "--client-port", "0",
-                                 "--worker-port", "0"], stdout=out, stderr=subprocess.STDOUT)
+        broker = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "broker", "--client-port", "0",
+                                   "--worker-port", "0", "--mode", "autoregressive", "--model", model],
+                                  stdout=out, stderr=subprocess.STDOUT, env=env)
+    worker = None
     try:
         deadline = time.monotonic() + 30
-        while not (found := re.search(r"clients at (tcp://127\.0\.0\.1:(\d+)), workers at tcp://127\.0\.0\.1:(\d+)",
+        while not (found := re.search(r"clients at (tcp://127\.0\.0\.1:(\d+)), workers at (tcp://127\.0\.0\.1:(\d+))",
                                       log.read_text())):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            assert broker.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
-        address, client_port, worker_port = found.groups()
+        address, client_port, worker_address, worker_port = found.groups()
         assert int(client_port) > 0 and int(worker_port) > 0 and client_port != worker_port
         with Client(address, timeout_s=10) as c:  # (the logged address is the broker's)
-            assert c.status()["workers"] == []
+            state = c.status()
+        assert state["worker_address"] == worker_address and state["model"] == model
+        res = CliRunner().invoke(main, ["status", "--broker", address])
+        assert f"workers join at {worker_address} (nebula-flow worker --broker {worker_address}" in res.output
+        worker = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "worker", "--role", "target", "--model",
+                                   model, "--broker", worker_address, "--name", "by-hand"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
+        with Client(address, timeout_s=60) as c:
+            out = c.generate(token_ids=[5, 6, 7], max_new_tokens=6, ignore_eos=True)
+            assert len(out.token_ids) == 6 and [w["name"] for w in c.status()["workers"]] == ["by-hand"]
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for proc in (worker, broker):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
 
 
 def test_simulate_given_a_deployment_config_says_what_it_takes_instead() -> None:

@@ -62,7 +62,7 @@ def test_merged_status_reads_as_one_broker() -> None:
                 "round_times": {"rounds": {"rounds": rounds, "tokens": 2 * rounds, "seconds": {"total": 0.5}}},
                 "workers": [{"name": "draft-0", "tasks": tasks, "batches": {"draft": tasks}},
                             {"name": "target-1", "tasks": tasks, "batches": {"verify": tasks}}],
-                "restarts": {"broker": shard, "workers": 1}}
+                "restarts": {"broker": shard, "workers": 1}, "worker_address": f"tcp://h:{6000 + shard}"}
 
     one = state(0, 5, 3)
     assert merge_states([one]) is one
@@ -74,6 +74,7 @@ def test_merged_status_reads_as_one_broker() -> None:
     assert [(w["name"], w["tasks"], w["batches"]) for w in merged["workers"]] == [
         ("draft-0", 7, {"draft": 7}), ("target-1", 7, {"verify": 7})]
     assert merged["restarts"] == {"broker": 1, "workers": 1}
+    assert merged["worker_address"] == "tcp://h:6000,tcp://h:6001"  # (a worker given it serves every shard)
     assert [(s["shard"], s["pid"], s["rounds"], s["workers"]) for s in merged["by_shard"]] == [(0, 100, 5, 2), (1, 101, 7, 2)]
 
 

@@ -17,11 +17,12 @@ from nebula_flow.options import WorkerOptions, read_options
 @click.option("--role", type=click.Choice(["draft", "target", "colocated", "any"]),
               help="Which topic to serve; colocated workers hold both models and run whole rounds; any (elastic "
               "mode) holds both models and takes a draft or a verify batch at each pull, as the broker decides.")
-@click.option("--model", type=click.Path(),
-              help="Checkpoint directory (the draft's for role draft). A draft may also be ngram, ngram:MAX or "
+@click.option("--model",
+              help="The checkpoint (the draft's for role draft), as a config names it: a folder, a hub id "
+              "(Qwen/Qwen3-0.6B) or cache:NAME (the nebula-flow cache folder, e.g. cache:tiny-pair/target). A draft may also be ngram, ngram:MAX or "
               "ngram:MIN-MAX: prompt lookup, no model (proposes what followed the context's last n tokens before; "
               "default n 2..4).")
-@click.option("--draft-model", type=click.Path(), help="Draft checkpoint (colocated and any workers only; ngram as for --model).")
+@click.option("--draft-model", help="Draft checkpoint (colocated and any workers only; named as --model, or ngram).")
 @click.option("--drafter", default=None, metavar="NAME",
               help="Draft workers: the drafter name the broker routes rounds by (several drafters: each round goes "
               "to the one that pays best for its request). Workers of one drafter must run the same model. "
@@ -74,6 +75,8 @@ def worker(options_file: str | None, role: str | None, model: str | None, draft_
            cuda_graphs: bool, kv_transport: str, kv_host: str, kv_overlap: bool, kv_skip_slow_pulls: bool, prefix_cache: bool, profile: str | None, draft_profile: str | None, max_kv_gb: float,
            kv_pool_gb: float | None, keys: str | None) -> None:
     """Run one worker: register, pull tasks, run them, return results."""
+    from nebula_flow.hub import local_folder
+    from nebula_flow.lookup import is_ngram
     from nebula_flow.models.config import ModelConfigError
     from nebula_flow.protocol import DRAFTER_NAME, DRAFTER_RULE
     from nebula_flow_workers.worker import serve_worker
@@ -94,6 +97,8 @@ def worker(options_file: str | None, role: str | None, model: str | None, draft_
                                  param_hint="--drafter")
 
     try:
+        model, draft_model = (m if m is None or is_ngram(m) else local_folder(m, log=lambda t: click.echo(t, err=True))
+                              for m in (model, draft_model))  # (as a config names them: hub ids, cache:NAME)
         sys.exit(serve_worker(WorkerOptions(role, broker_addr, model, draft_model, name, max_batch, threads=threads,
                                             device=device, dtype=dtype, batch_invariant=batch_invariant,
                                             cuda_graphs=cuda_graphs, kv_transport=kv_transport,

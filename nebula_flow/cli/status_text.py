@@ -11,6 +11,8 @@ def status_lines(state: dict[str, Any]) -> list[str]:
     waiting = state.get("waiting_for_prefix", 0)  # (new requests waiting for one computing their prompt's start)
     out.append(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool"
                + (f" ({waiting} waiting for a shared prompt start)" if waiting else "") + f", topics {state['topics']}")
+    if address := state.get("worker_address"):  # (how an operator adds a worker to this deployment)
+        out.append(f"  workers join at {address} (nebula-flow worker --broker {address} --role ROLE --model MODEL)")
     if "queued_by_priority" in state:  # (priority scheduling: queued tasks by priority, most urgent first)
         queued = sorted(state["queued_by_priority"].items(), key=lambda kv: int(kv[0]))
         out.append("  queued by priority: " + (", ".join(f"{p}: {n}" for p, n in queued) or "none"))
