@@ -139,6 +139,10 @@ def test_keys_cli_adds_and_revokes_and_refuses_bad_names(tmp_path) -> None:  # n
     folder = tmp_path / "k"
     runner = CliRunner()
     assert runner.invoke(main, ["keys", str(folder)]).exit_code == 0
+    broker_key = (folder / "broker.key_secret").read_bytes()
+    res = runner.invoke(main, ["keys", str(folder)])  # (again: nothing every peer trusts is replaced, and it says so)
+    assert res.exit_code == 0 and res.output.startswith(f"{folder} holds keys already: kept them"), res.output
+    assert (folder / "broker.key_secret").read_bytes() == broker_key
     res = runner.invoke(main, ["keys", str(folder), "add-client", "alice"])
     assert res.exit_code == 0 and (folder / "authorized" / "clients" / "alice.key").exists()
     res = runner.invoke(main, ["keys", str(folder), "add-client", "alice"])

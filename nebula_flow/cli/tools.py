@@ -104,9 +104,12 @@ def keys(folder: str, action: str | None, name: str | None) -> None:
 
     try:
         if action is None:
+            existed = (Path(folder) / "broker.key_secret").exists()  # (never replaced: every peer trusts it)
             path = generate_keys(folder)
-            click.echo(f"wrote the broker's keypair, worker key 'worker' and client key 'client' to {path}; "
-                       f"pass --keys {path} (or set NEBULA_FLOW_KEYS) on the broker, workers and clients")
+            click.echo((f"{path} holds keys already: kept them (made only what was missing of the broker's keypair, "
+                        "worker key 'worker' and client key 'client')" if existed else
+                        f"wrote the broker's keypair, worker key 'worker' and client key 'client' to {path}")
+                       + f"; pass --keys {path} (or set NEBULA_FLOW_KEYS) on the broker, workers and clients")
             return
         if not name:
             raise click.UsageError(f"{action} needs a NAME")
