@@ -120,6 +120,8 @@ def drill(dep: Deployment, prompts: list[str], max_new_tokens: int, kills: list[
             load = asyncio.ensure_future(timed_load())
             await killer(load)  # (kills may go on after the load is done)
             outs, ended = await load
+            for k in done:  # (a kill after the last request ended tested a restart, not a recovery mid-request)
+                k["during_load"] = k["t"] < ended
             return outs, ended - t_start
 
         outs, wall_s = asyncio.run(run())

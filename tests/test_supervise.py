@@ -245,8 +245,14 @@ def test_chaos_drill_reports_completions_recovery_and_equality(tiny_pair, tmp_pa
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["completed"] == 6 and report["equal_to_target_alone"] == 6 and not report["failures"]
     assert [k["name"] for k in report["kills"]] == ["draft-1", "broker"]
-    assert all(k["recovered_s"] is not None for k in report["kills"])
+    assert all(k["recovered_s"] is not None and k["during_load"] for k in report["kills"])
     assert report["restarts"]["broker"] == 1
+    # a kill after the load has ended is said to be one no request saw (a drill too small for its schedule)
+    res = subprocess.run([sys.executable, "-m", "nebula_flow.cli", "chaos", "--config", str(cfg), "--requests", "1",
+                          "--max-new-tokens", "2", "--kill", "draft-1@2", "--no-reference"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "killed draft-1 at 2.0 s: serving again" in res.stdout and "no request saw it" in res.stdout, res.stdout
     res = subprocess.run([sys.executable, "-m", "nebula_flow.cli", "chaos", "--config", str(cfg), "--kill", "draft-9"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode != 0 and "no process ['draft-9']" in res.stderr

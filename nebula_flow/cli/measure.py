@@ -442,7 +442,9 @@ def chaos(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
                   if "equal_to_target_alone" in report else ""))
     for k in report["kills"]:
         back = "not back" if k["recovered_s"] is None else f"serving again {k['recovered_s']:.1f} s later"
-        click.echo(f"  killed {k['name']} at {k['at_s']:.1f} s: {back}")
+        late = "" if k["during_load"] else (" (after the requests had ended: no request saw it; more --requests or "
+                                             "--max-new-tokens make a load that outlasts the kills)")
+        click.echo(f"  killed {k['name']} at {k['at_s']:.1f} s: {back}{late}")
     click.echo(f"restarts {report['restarts']}, counters {report['counters']}")
     for failure in report["failures"]:
         click.echo(f"  failed: {failure}")
