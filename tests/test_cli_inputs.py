@@ -105,3 +105,24 @@ def test_simulate_given_a_deployment_config_says_what_it_takes_instead() -> None
     res = CliRunner().invoke(main, ["simulate", "configs/tiny.toml"])
     assert res.exit_code == 1 and res.output.startswith(
         "Error: configs/tiny.toml is a deployment config, not a scenario: simulate takes a scenario"), res.output
+
+
+def test_the_http_api_with_no_broker_answers_503_saying_why(tmp_path) -> None:  # noqa: ANN001
+    import httpx
+
+    broker = f"tcp://127.0.0.1:{free_port()}"  # (nobody there)
+    log = tmp_path / "api.log"
+    with log.open("w") as out:
+        api = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "api", "--broker", broker, "--port", "0"],
+                               stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not (found := re.search(r"HTTP API on (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
+            assert api.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        res = httpx.get(found.group(1) + "/v1/models", timeout=30)
+        assert res.status_code == 503 and res.headers["retry-after"] == "5", res.text
+        assert res.json()["error"]["message"] == f"the broker at {broker} does not answer: no answer within 5 s"
+    finally:
+        api.terminate()
+        api.wait(timeout=30)

@@ -124,8 +124,9 @@ class Gateway:
             if self._state is None or time.monotonic() - self._state[0] > STATUS_TTL_S:
                 try:
                     state = await asyncio.wait_for(self.client.status(), 5.0)
-                except (NebulaError, TimeoutError) as exc:
-                    raise ApiError(503, f"the broker at {self.broker} does not answer: {exc}", code="broker_unreachable",
+                except (NebulaError, TimeoutError) as exc:  # (a wait that ran out says nothing of its own)
+                    why = str(exc) or "no answer within 5 s"
+                    raise ApiError(503, f"the broker at {self.broker} does not answer: {why}", code="broker_unreachable",
                                    kind="service_unavailable", headers={"Retry-After": "5"}) from None
                 self._state = (time.monotonic(), state)
             return self._state[1]
