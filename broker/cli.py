@@ -71,7 +71,7 @@ def broker(options_file: str | None, print_options: bool, policy: PolicyConfig, 
     else:
         if spec := given.get("model"):  # (as a config names it: a hub id, cache:NAME, a folder)
             try:
-                given["model"] = local_folder(str(spec), log=lambda m: click.echo(m, err=True))
+                given["model"] = local_folder(spec, log=lambda m: click.echo(m, err=True))
             except ValueError as exc:
                 raise click.ClickException(str(exc)) from None
             given["model_name"] = spec  # (what clients call it, as written: /v1/models)

@@ -38,14 +38,16 @@ from nebula_flow.shards import merge_states, route, shard_of
 
 def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, session: str | None = None,
                  messages: list[dict[str, Any]] | None = None, chat_options: dict[str, Any] | None = None,
-                 prediction: str | list[int] | None = None, **params: Any) -> Submit:
+                 prediction: str | list[int] | None = None, *, compile_grammar: bool = True, **params: Any) -> Submit:
     """The SUBMIT message for one request (parameters validated before they leave): ``prompt``
     (``chat``: as one user message), ``token_ids``, or ``messages`` (a conversation, with the chat
     template's ``chat_options``). ``prediction``: what the output is expected to be, as text or
-    token ids (OpenAI's Predicted Outputs): the output is the same, quicker where it matches."""
+    token ids (OpenAI's Predicted Outputs): the output is the same, quicker where it matches.
+    ``compile_grammar`` False: a structured output's grammar is checked in shape only (a check
+    ahead of the real submission, which compiles it)."""
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids and messages")
-    sp = SamplingParams.from_wire(params)  # (the broker's own checks: a wrong type or an unknown name is InvalidParams)
+    sp = SamplingParams.from_wire(params, grammar=compile_grammar)  # (the broker's checks: InvalidParams)
     if prediction is not None and not isinstance(prediction, str):
         prediction = np.asarray(prediction, dtype=np.int32)
         if prediction.ndim != 1:

@@ -23,6 +23,11 @@ MAX_CACHE_SALT = 256  # characters of a cache_salt
 MAX_PRIORITY = 2**31 - 1  # a priority is in [-MAX_PRIORITY, MAX_PRIORITY]
 
 
+def is_int(v: Any) -> bool:  # noqa: ANN401
+    """An integer, and not a bool (JSON's true is no token id or count)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class InvalidParams(ValueError):
     """A request's sampling parameters are out of range or of the wrong type."""
 
@@ -164,9 +169,6 @@ class SamplingParams:
     def validate(self, max_new_tokens_limit: int | None = None, grammar: bool = True) -> None:
         """``InvalidParams`` unless every parameter is in range; ``grammar``: compile a structured
         output's grammar too (else only its shape and size are checked)."""
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidParams(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:

@@ -37,7 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from nebula_flow.params import SamplingParams
+from nebula_flow.params import SamplingParams, is_int
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "priority")
 LINE_KEYS = frozenset({"arrival_s", "prompt", "prompt_tokens", "prompt_len", "max_new_tokens", *SAMPLING_KEYS})
@@ -114,7 +114,7 @@ def _number(v: Any) -> bool:  # noqa: ANN401
 
 
 def _count(v: Any, least: int) -> bool:  # noqa: ANN401
-    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+    return is_int(v) and v >= least
 
 
 def _mooncake(raw: dict[str, Any]) -> TraceRequest:
@@ -122,7 +122,7 @@ def _mooncake(raw: dict[str, Any]) -> TraceRequest:
     if missing := [k for k in ("timestamp", "input_length", "output_length") if k not in raw]:
         raise ValueError(f"a line with hash_ids (Mooncake's format) needs {', '.join(missing)} too")
     blocks, length = raw["hash_ids"], raw["input_length"]
-    if not isinstance(blocks, list) or not blocks or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+    if not isinstance(blocks, list) or not blocks or not all(is_int(b) for b in blocks):
         raise ValueError("hash_ids must be a non-empty list of integers")
     if not _count(length, 1) or length > len(blocks) * HASH_BLOCK:
         raise ValueError(f"input_length must be from 1 to {HASH_BLOCK} x len(hash_ids), got {length!r}")

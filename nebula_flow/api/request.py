@@ -35,6 +35,7 @@ from nebula_flow.params import (
     MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
     MIN_TEMPERATURE,
+    is_int,
 )
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -100,10 +101,6 @@ class Job:
                 for given in self.inputs for j in range(self.n)]
 
 
-def _is_int(v: Any) -> bool:  # noqa: ANN401
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     v = body.get(name)
     if v is None:
@@ -125,7 +122,7 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
     if model != served.name:
         raise no_such_model(model, served.name)
     n = body.get("n")
-    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
+    if n is not None and (not is_int(n) or not 1 <= n <= MAX_CHOICES):
         raise invalid("n", f"n must be an integer from 1 to {MAX_CHOICES}, got {n!r}")
     for name in ("user", "safety_identifier", "prompt_cache_key"):
         if not isinstance(body.get(name, ""), str) or len(body.get(name, "")) > MAX_KEY_CHARS:
@@ -147,12 +144,12 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         params["min_p"] = min_p
     top_k = body.get("top_k")
     if top_k is not None:
-        if not _is_int(top_k) or top_k < -1:
+        if not is_int(top_k) or top_k < -1:
             raise invalid("top_k", f"top_k must be an integer >= 0 (0 or -1: off), got {top_k!r}")
         params["top_k"] = max(0, top_k)
     seed = body.get("seed")
     if seed is not None:
-        if not _is_int(seed) or not -(MAX_SEED + 1) <= seed <= MAX_SEED:
+        if not is_int(seed) or not -(MAX_SEED + 1) <= seed <= MAX_SEED:
             raise invalid("seed", f"seed must be a 64-bit integer, got {seed!r}")
         params["seed"] = seed % (MAX_SEED + 1)  # (OpenAI's seed is signed; ours is not)
     for name in ("presence_penalty", "frequency_penalty"):
@@ -162,7 +159,7 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         params["repetition_penalty"] = v
     min_tokens = body.get("min_tokens")
     if min_tokens is not None:
-        if not _is_int(min_tokens) or min_tokens < 0:
+        if not is_int(min_tokens) or min_tokens < 0:
             raise invalid("min_tokens", f"min_tokens must be an integer >= 0, got {min_tokens!r}")
         params["min_tokens"] = min_tokens
     salt = body.get("cache_salt")
@@ -172,13 +169,13 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
         params["cache_salt"] = salt
     priority = body.get("priority")
     if priority is not None:
-        if not _is_int(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        if not is_int(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
             raise invalid("priority", f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         params["priority"] = priority
     params["stop"] = _stop(body.get("stop"))
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t) and 0 <= t < 1 << 31 for t in ids):
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(is_int(t) and 0 <= t < 1 << 31 for t in ids):
             raise invalid("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
         params["stop_token_ids"] = tuple(ids)
     bad = body.get("bad_words")  # (vLLM's: the broker spells them in tokens)
@@ -191,7 +188,7 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
     allowed = body.get("allowed_token_ids")  # (vLLM's)
     if allowed is not None:
         if not isinstance(allowed, list) or not 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS or not all(
-                _is_int(t) and 0 <= t < 1 << 31 for t in allowed):
+                is_int(t) and 0 <= t < 1 << 31 for t in allowed):
             raise invalid("allowed_token_ids", f"allowed_token_ids must be a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
         params["allowed_token_ids"] = tuple(allowed)
     for name in ("ignore_eos", "return_token_ids", "include_stop_str_in_output", "return_tokens_as_token_ids",
@@ -203,7 +200,7 @@ def _common(body: Any, served: Served, chat: bool) -> dict[str, Any]:  # noqa: A
     if body.get("skip_special_tokens") is False:
         params["skip_special_tokens"] = False
     if (keep := body.get("truncate_prompt_tokens")) is not None:  # (vLLM's; -1: the context's length)
-        if not _is_int(keep) or keep == 0 or keep < -1:
+        if not is_int(keep) or keep == 0 or keep < -1:
             raise invalid("truncate_prompt_tokens", f"truncate_prompt_tokens must be a positive integer or -1, got {keep!r}")
         params["truncate_prompt_tokens"] = served.max_model_len if keep == -1 else keep
     params.update(_max_tokens(body, served, chat))
@@ -283,7 +280,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """How many top tokens to report beside each output token's log-probability (None: none of
     it): chat's ``logprobs`` (a boolean) and ``top_logprobs``; completions' ``logprobs`` (a count)."""
     def count(name: str, v: Any) -> int:  # noqa: ANN401
-        if not _is_int(v) or not 0 <= v <= MAX_LOGPROBS:
+        if not is_int(v) or not 0 <= v <= MAX_LOGPROBS:
             raise invalid(name, f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {v!r}")
         return v
 
@@ -320,9 +317,9 @@ def _max_tokens(body: dict[str, Any], served: Served, chat: bool) -> dict[str, A
             return {"max_new_tokens": min(served.max_new_tokens_limit, served.max_model_len), "fit_context": True}
         return {"max_new_tokens": min(COMPLETION_DEFAULT_MAX_TOKENS, served.max_new_tokens_limit)}
     name, value = next(iter(given.items()))
-    if value == 0 and _is_int(value) and not chat and body.get("echo") is True:
+    if value == 0 and is_int(value) and not chat and body.get("echo") is True:
         return {"max_new_tokens": 0}  # (echo alone: scores the prompt, ``parse_completion``)
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise invalid(name, f"{name} must be a positive integer (0 only with echo, on completions), got {value!r}")
     if value > served.max_new_tokens_limit:
         raise invalid(name, f"{name} {value} exceeds this server's limit of {served.max_new_tokens_limit}")
@@ -371,7 +368,7 @@ def _prompt(prompt: Any, where: str) -> dict[str, Any]:  # noqa: ANN401
         if not prompt:
             raise invalid(where, f"{where} is empty")
         return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t < 1 << 31 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) and 0 <= t < 1 << 31 for t in prompt):
         return {"token_ids": list(prompt)}
     raise invalid(where, f"{where} must be a non-empty string or a non-empty list of token ids")
 
@@ -416,7 +413,7 @@ def _prompt_top(body: dict[str, Any], params: dict[str, Any], stream: bool) -> i
     top = body.get("prompt_logprobs")
     if top is None:
         return None
-    if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+    if not is_int(top) or not 0 <= top <= MAX_LOGPROBS:
         raise invalid("prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
     if stream:
         raise ApiError(400, "prompt_logprobs are not streamed: ask without stream (or use echo with logprobs)",

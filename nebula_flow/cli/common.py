@@ -289,8 +289,8 @@ def generate_from(address: str, prompt: str, as_json: bool, **params) -> None:  
     params["allowed_token_ids"] = params.pop("allowed_token_ids", ()) or None
     try:
         timeout_s = params.pop("timeout_s")
-        checked = dict(params)  # (parameters the broker would refuse: said before any broker is asked)
-        build_submit("", prompt, None, checked.pop("chat", False), **checked)
+        checked = dict(params)  # (parameters the broker would refuse: said before any broker is asked;
+        build_submit("", prompt, None, checked.pop("chat", False), compile_grammar=False, **checked)  # compiled once)
         with Client(address, timeout_s=timeout_s) as client:
             client.wait_connected(min(CONNECT_WAIT_S, client.timeout_s))
             for item in client.stream(prompt, **params):
