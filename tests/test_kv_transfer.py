@@ -22,7 +22,7 @@ TRANSPORTS = ["zmq", "shm", "shm+zmq", pytest.param("ucx", marks=pytest.mark.ski
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_incremental_pull_moves_only_missing_positions(tiny_pair, transport: str) -> None:  # noqa: ANN001
+def test_incremental_pull_moves_only_missing_positions(tiny_pair, transport: str, caplog) -> None:  # noqa: ANN001
     model = load_model(tiny_pair / "target")
     holder, puller = KVStore(model), KVStore(model)
     tokens = np.arange(1, 61, dtype=np.int64)
@@ -47,8 +47,11 @@ def test_incremental_pull_moves_only_missing_positions(tiny_pair, transport: str
         assert np.array_equal(puller.caches[7].buf[30:59].numpy(), holder.caches[7].buf[30:59].numpy())
         assert np.allclose(puller.caches[7].buf[:30].numpy(), holder.caches[7].buf[:30].numpy(), atol=1e-5)
         # A holder without the request answers "missing": nothing is pulled, recompute follows.
-        puller.fetch(8, "target", tokens, 59, endpoint, client)
+        with caplog.at_level("WARNING", logger="nebula_flow.kv"):
+            puller.fetch(8, "target", tokens, 59, endpoint, client)
         assert puller.stats.pull_failures == 1 and puller.stats.pulls == 1
+        (said,) = [r.getMessage() for r in caplog.records]  # (loud: the worker's log says it)
+        assert f"1 of 1 items not received (0 of {59 * row_bytes} bytes in " in said and said.endswith("; recomputed")
         # Logits after the pull equal those of a cache computed locally.
         got = model([puller.prepare(7, tokens)], [tokens[59:].tolist()], [1])[0]
         ref = model([model.new_cache()], [tokens.tolist()], [1])[0]

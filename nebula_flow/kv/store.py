@@ -16,6 +16,7 @@ Only caches of requests with the same ``cache_salt`` share prefixes (none: those
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -30,6 +31,8 @@ from nebula_flow.kv import device_copy
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.kv.link_fit import PULL_TIMEOUT_S, LinkFit
 from nebula_flow.models.llama import CausalLM
+
+log = logging.getLogger("nebula_flow.kv")
 
 # Exchanges are counted by size class (upper bounds, bytes): a bandwidth is only comparable
 # with the raw transport's at the same size, and one exchange of a long prompt's whole KV moves
@@ -315,13 +318,14 @@ class KVStore:
         self.stats.pull_cpu_s += time.thread_time() - c0
         self.stats.transfers += 1
         # (Python lists, not numpy, from here: between batches every numpy call costs tens of us)
-        asked = pulled = 0
+        asked = pulled = failed = 0
         for (_, tokens, have, valid, cache, prefixed), received in zip(plan, got):
             asked += (valid - have) * cache.row_bytes
             cache.ready = ready  # (a copy that came with the wrong tokens may be landing too)
             expected = tokens[have:valid].tolist()
             if received is None or received.tolist() != expected:
                 self.stats.pull_failures += 1
+                failed += 1
                 continue
             cache.tokens.extend(expected)
             self.stats.pulls += 1
@@ -332,6 +336,9 @@ class KVStore:
                 self._count_copied(prefixed, valid - have)
             pulled += (valid - have) * cache.row_bytes
         self.stats.bytes_pulled += pulled
+        if failed:  # (recomputed, never silent: status counts them, the log says when and how long it was waited for)
+            log.warning("KV pull from %s: %d of %d items not received (%d of %d bytes in %.2f s, waited at most "
+                        "%.2f s); recomputed", endpoint, failed, len(plan), pulled, asked, took, timeout)
         if link is not None and (pulled or took >= timeout):  # (a pull given up at its deadline: a lower bound)
             link.observe(time.monotonic(), pulled or asked, took, finished=bool(pulled))
         counts = self.stats.by_size.setdefault(size_class(asked), [0, 0, 0.0])
