@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from nebula_flow.options import BrokerOptions
+from nebula_flow.options import BrokerOptions, check_device
 from nebula_flow.policy import PolicyConfig, PolicyError, knob_names
 from nebula_flow.roles import MODES
 from nebula_flow.supervisor import RestartPolicy
@@ -127,6 +127,10 @@ class DeployConfig:
                 raise ConfigError(f"[{name}] max_kv_gb must be > 0 and kv_pool_gb >= 0")
             if pool.dtype not in (None, *DTYPE_CHOICES):
                 raise ConfigError(f"[{name}] dtype must be one of {', '.join(DTYPE_CHOICES)}, got {pool.dtype!r}")
+            try:
+                check_device(pool.device)
+            except ValueError as exc:
+                raise ConfigError(f"[{name}] {exc}") from None
             if pool.device == "emulated" and not pool.profile:
                 raise ConfigError(f"[{name}] device = \"emulated\" needs a profile")
             if pool.devices is not None and (not pool.devices or pool.device not in ("cuda", "cpu") or not all(

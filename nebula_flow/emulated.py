@@ -187,6 +187,10 @@ def measure_profile(model_dir: str, batches: list[int], tokens: list[int], conte
 
     torch.set_num_threads(threads)
     model = load_model(model_dir)
+    longest, limit = max(contexts) + max(tokens), model.cfg.max_position_embeddings
+    if longest > limit:
+        raise ValueError(f"a context of {max(contexts)} and {max(tokens)} new tokens is past the model's "
+                         f"{limit} positions")
     grid = []
     for ctx in contexts:
         for b in batches:

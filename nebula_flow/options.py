@@ -8,6 +8,7 @@ beside its log, and no setting is spelled twice as a command-line flag.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,23 @@ class WorkerOptions:
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> WorkerOptions:
         return cls(**_known(cls, raw))
+
+
+DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?|emulated")
+
+
+def check_device(device: object, *, present: bool = False) -> None:
+    """Refuse a device name that is none of ours (torch would say "Expected one of cpu, cuda, ipu,
+    ..." from deep in a model load); ``present``: also a CUDA device torch does not see here."""
+    if not isinstance(device, str) or not DEVICE_NAME.fullmatch(device):
+        raise ValueError(f"device must be cpu, cuda, cuda:N or emulated, got {device!r}")
+    if present and device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(device.partition(":")[2] or 0) >= count:
+            seen = f"{count} CUDA device(s), cuda:0..cuda:{count - 1}" if count else "no CUDA device"
+            raise ValueError(f"device {device}: torch {torch.__version__} sees {seen} here")
 
 
 def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:

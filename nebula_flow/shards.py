@@ -11,9 +11,11 @@ the shards read as one broker's.
 
 from __future__ import annotations
 
+import re
 import zlib
 from typing import Any
 
+ZMQ_ADDRESS = re.compile(r"tcp://[^\s/]+:\d{1,5}|ipc://\S+|inproc://\S+")  # ZeroMQ's own endpoint forms
 # status fields that add up across shards (numbers, or dicts and lists of them)
 SUMMED = ("pool", "waiting_for_prefix", "counters", "errors", "topics", "round_times", "tokens_per_round_hist", "batch_sizes",
           "draft_ahead", "fusion", "proposed_by_position", "accepted_by_position", "queued_by_priority")
@@ -24,6 +26,10 @@ def addresses(value: str) -> list[str]:
     found = [a.strip() for a in value.split(",") if a.strip()]
     if not found:
         raise ValueError("a broker address is needed (tcp://HOST:PORT; shards separated by commas)")
+    for address in found:
+        if not ZMQ_ADDRESS.fullmatch(address):
+            raise ValueError(f"{address!r} is not a broker address (tcp://HOST:PORT or ipc://PATH; shards "
+                             "separated by commas)")
     if len(set(found)) != len(found):
         raise ValueError(f"a broker address is named twice: {value}")
     return found

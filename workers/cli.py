@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from nebula_flow.cli.common import IntList, checked_addresses
 from nebula_flow.options import WorkerOptions, read_options
 
 
@@ -27,7 +28,7 @@ from nebula_flow.options import WorkerOptions, read_options
               help="Draft workers: the drafter name the broker routes rounds by (several drafters: each round goes "
               "to the one that pays best for its request). Workers of one drafter must run the same model. "
               "[default: the model folder's name; ngram for the n-gram drafter]")
-@click.option("--broker", "broker_addr", default="tcp://127.0.0.1:5556", show_default=True,
+@click.option("--broker", "broker_addr", default="tcp://127.0.0.1:5556", show_default=True, callback=checked_addresses,
               help="The broker's worker address; a sharded deployment's every shard's, comma-separated (the worker "
               "serves them all).")
 @click.option("--name", default="", help="Name shown in status and logs.")
@@ -142,10 +143,14 @@ def worker(options_file: str | None, role: str | None, model: str | None, draft_
               help="Seeds initialisation, batches and generation (a new seed writes new generated sequences).")
 def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
     """Distil a draft model for TARGET: cached teacher logits, resumable training, evaluation."""
+    from nebula_flow.models.config import ModelConfigError
     from nebula_flow_workers.distill import DistillConfig
     from nebula_flow_workers.distill import train_draft as run_training
 
-    report = run_training(DistillConfig(target=target, out=out, corpus=list(corpus) or None, **kw))
+    try:
+        report = run_training(DistillConfig(target=target, out=out, corpus=list(corpus) or None, **kw))
+    except (ModelConfigError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo(json.dumps({"held_out_loss": report["held_out_loss"], "acceptance": report["acceptance"],
                            "parameters": report["parameters"]}, indent=2))
 
@@ -155,7 +160,7 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
 @click.option("--draft", required=True, type=click.Path(exists=True, file_okay=False), help="Draft checkpoint directory.")
 @click.option("--target-dtype", default=None, help="The target's dtype as deployed (float32, bfloat16, or auto as "
               "workers pick it; default fp32 on CPU). bf16 runs batch-invariant, as workers run it.")
-@click.option("--ks", default="2,4,6", show_default=True, help="Speculation lengths to measure.")
+@click.option("--ks", type=IntList(), default="2,4,6", show_default=True, help="Speculation lengths to measure.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=48, show_default=True, help="Tokens per prompt.")
 @click.option("--alternatives", default=0, show_default=True, type=click.IntRange(0, 8),
               help="Runner-ups to the first draft token verified beside the chain (a token tree; the broker's "
@@ -172,15 +177,18 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
               help="With --temperature: samples of each prompt (each request draws from its own seed).")
 @click.option("--guesses", is_flag=True, help="Also report how often the draft's first, second and third choices "
               "are the target's greedy token (the second is what draft-ahead's pre-drafts bet on).")
-def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_new_tokens: int,
+def eval_draft(target: str, draft: str, target_dtype: str | None, ks: tuple[int, ...], max_new_tokens: int,
                alternatives: int, fuse_ngram: int, chat: bool, temperature: float, seeds: int, guesses: bool) -> None:
     """Committed tokens per round of a draft/target pair at each k, on the built-in code prompts
     (not from the training corpus). Greedy by default, checking the output equals the target
     alone; --temperature samples."""
     from nebula_flow.models.compat import IncompatiblePair, check_pair
     from nebula_flow.models.config import ModelConfigError
+    from nebula_flow.models.loader import DTYPE_CHOICES
     from nebula_flow_workers.evaluate import EVAL_CHAT_PROMPTS, EVAL_PROMPTS, evaluate_pair
 
+    if target_dtype is not None and target_dtype not in DTYPE_CHOICES:
+        raise click.BadParameter(f"{target_dtype!r} is not one of {', '.join(DTYPE_CHOICES)}", param_hint="--target-dtype")
     if guesses and temperature:
         raise click.UsageError("--guesses compares with the target's greedy output: not with --temperature")
     try:
@@ -190,7 +198,7 @@ def eval_draft(target: str, draft: str, target_dtype: str | None, ks: str, max_n
     click.echo(f"{len(EVAL_CHAT_PROMPTS if chat else EVAL_PROMPTS)} {'chat' if chat else 'code'} prompts x "
                f"{max_new_tokens} tokens, target {target_dtype or 'default dtype'}"
                + (f", sampled at temperature {temperature}, {seeds} seeds" if temperature else ""), err=True)
-    res = evaluate_pair(target, draft, max_new_tokens, tuple(int(k) for k in ks.split(",")), target_dtype,
+    res = evaluate_pair(target, draft, max_new_tokens, ks, target_dtype,
                         alternatives, chat, fuse_ngram, temperature, seeds, guesses)
     click.echo(json.dumps(res, indent=2))
 

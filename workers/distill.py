@@ -67,6 +67,25 @@ class DistillConfig:
     generate_chat: int = 0  # answers the target writes to code requests in its chat format, distilled too
     init_from: str | None = None  # fine-tune an existing draft instead of starting from PCA
 
+    def check(self, target: ModelConfig) -> None:
+        """Refuse, before any work, a draft shape the runtime cannot build or the target cannot teach."""
+        from nebula_flow.models.loader import DTYPES
+
+        if self.teacher_dtype not in DTYPES:
+            raise ValueError(f"teacher_dtype must be one of {', '.join(DTYPES)}, got {self.teacher_dtype!r}")
+        if self.seq_len > target.max_position_embeddings:
+            raise ValueError(f"seq_len {self.seq_len} is past the target's {target.max_position_embeddings} positions")
+        if self.init_from:  # (the draft's shape is the one being fine-tuned)
+            return
+        if self.hidden_size % self.heads or (self.hidden_size // self.heads) % 2:
+            raise ValueError(f"hidden_size {self.hidden_size} must split into {self.heads} heads of an even size "
+                             "(rotary embeddings rotate pairs)")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.hidden_size > min(target.hidden_size, target.vocab_size):
+            raise ValueError(f"hidden_size {self.hidden_size} is wider than the target's ({target.hidden_size}): "
+                             "the draft's embedding starts from a projection of the target's")
+
 
 
 
@@ -85,7 +104,9 @@ def tokenize_corpus(cfg: DistillConfig, codec: TextCodec) -> tuple[np.ndarray, d
         used += 1
     n = min(len(ids), cfg.max_tokens) // cfg.seq_len
     if n < 8:
-        raise ValueError(f"corpus too small: {len(ids)} tokens")
+        raise ValueError(f"the corpus gives {n} sequences of {cfg.seq_len} tokens (of {len(ids)} tokens, at most "
+                         f"max_tokens {cfg.max_tokens}); training needs 8 or more: add files, raise max_tokens "
+                         "or shorten seq_len")
     info = {"files_available": len(files), "files_used": used, "tokens": n * cfg.seq_len,
             "python": platform.python_version(), "roots": cfg.corpus or [str(stdlib_root())]}
     return np.asarray(ids[: n * cfg.seq_len], dtype=np.int32).reshape(n, cfg.seq_len), info
@@ -299,14 +320,15 @@ def _loss(student: Student, ids: torch.Tensor, t_idx: torch.Tensor, t_lp: torch.
 
 def train_draft(cfg: DistillConfig) -> dict:
     torch.manual_seed(cfg.seed)
+    target_raw = json.loads((Path(cfg.target) / "config.json").read_text())
+    tcfg = ModelConfig.from_dict(target_raw)
+    cfg.check(tcfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     codec = TextCodec(cfg.target)
     seqs, corpus_info = tokenize_corpus(cfg, codec)
     log(f"corpus: {corpus_info['files_used']} files, {corpus_info['tokens']} tokens")
     t_idx, t_lp = teacher_cache(cfg, seqs)
-    target_raw = json.loads((Path(cfg.target) / "config.json").read_text())
-    tcfg = ModelConfig.from_dict(target_raw)
     head = _head_vocab(seqs, t_idx, cfg.head_vocab or tcfg.vocab_size, tcfg.vocab_size,
                        [codec.eos_token_id, *tcfg.eos_token_ids])
     raw = draft_config(cfg, tcfg, target_raw)

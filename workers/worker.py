@@ -31,7 +31,7 @@ from nebula_flow.cores import join_lease
 from nebula_flow.kv.transport import make_transport
 from nebula_flow.lookup import parse_ngram
 from nebula_flow.models.loader import load_model
-from nebula_flow.options import WorkerOptions
+from nebula_flow.options import WorkerOptions, check_device
 from nebula_flow.process import orphaned, restarts
 from nebula_flow.protocol import (
     Bye,
@@ -489,6 +489,7 @@ class Worker:
 
 def serve_worker(opts: WorkerOptions) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {opts.role} %(levelname)s %(message)s")
+    check_device(opts.device, present=True)
     io_threads.pin_from_env()  # (before the first socket: the deployment's zmq_io_cpu)
     # The compute thread holds the GIL between torch ops; with the default 5 ms switch interval
     # a peer's KV request (KV server thread) or the next batch's pulls (prefetch thread) wait up

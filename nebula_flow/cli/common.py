@@ -21,8 +21,21 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "default.toml"
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 CONNECT_WAIT_S = 10.0  # `generate`: how long the connection to the broker may take before it says none answers
+
+
+def checked_addresses(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A ``--broker`` value as given, once each comma-separated address is one ZeroMQ connects to."""
+    from nebula_flow.shards import addresses
+
+    try:
+        addresses(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return value
+
+
 broker_option = click.option(
-    "--broker", "address", default=DEFAULT_BROKER, show_default=True,
+    "--broker", "address", default=DEFAULT_BROKER, show_default=True, callback=checked_addresses,
     help="The broker's client address (a sharded deployment's: every shard's, comma-separated, as `serve` prints it).")
 
 
@@ -318,6 +331,26 @@ class TokenBias(click.ParamType):
 
 
 TOKEN_BIAS = TokenBias()
+
+
+class IntList(click.ParamType):
+    """Comma-separated integers, each at least ``minimum`` (e.g. ``1,2,4``): a tuple, in order."""
+
+    name = "N[,N...]"
+
+    def __init__(self, minimum: int = 1) -> None:
+        self.minimum = minimum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:  # noqa: ANN401
+        if isinstance(value, tuple):
+            return value
+        try:
+            numbers = tuple(int(x) for x in str(value).split(","))
+        except ValueError:
+            numbers = ()
+        if not numbers or min(numbers) < self.minimum:
+            self.fail(f"{value!r} is not comma-separated integers >= {self.minimum} (e.g. 1,2,4)", param, ctx)
+        return numbers
 
 GEN_OPTIONS = [
     click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True),

@@ -10,6 +10,7 @@ import click
 
 from nebula_flow import wake_latency
 from nebula_flow.cli.common import (
+    IntList,
     apply_overrides,
     broker_option,
     deploy_options,
@@ -288,7 +289,7 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
               "protocol version 6 (the broker's --full-tokens): to measure what sending only the new ones saves.")
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False), help="Also run each broker under "
               "cProfile: write MODE.prof here and print its hottest functions.")
-@click.option("--shards", "shard_counts", default="1", show_default=True, metavar="N[,N...]",
+@click.option("--shards", "shard_counts", type=IntList(), default="1", show_default=True,
               help="Measure with this many brokers sharing the requests (comma-separated counts: each is a run of "
               "its own); with several shards the zero-cost workers serve them all and each shard's CPU per "
               "request-round of its own requests is printed too.")
@@ -310,12 +311,7 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
     names = [m.strip() for m in modes.split(",") if m.strip()]
     if bad := [m for m in names if m not in MODES or m == "elastic"]:
         raise click.BadParameter(f"unknown or unsupported modes {bad}", param_hint="--modes")
-    try:
-        counts = [int(c) for c in shard_counts.split(",")]
-    except ValueError:
-        counts = [0]
-    if not counts or min(counts) < 1:
-        raise click.BadParameter("shard counts >= 1, comma-separated (e.g. 1,2,4)", param_hint="--shards")
+    counts = list(shard_counts)
     if model is None:
         model = str(ensure_tiny_pair() / "target")
     results: dict[tuple[str, int], dict] = {}

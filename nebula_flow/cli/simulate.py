@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from nebula_flow.cli.common import split_pool_settings, with_settings
+from nebula_flow.cli.common import IntList, split_pool_settings, with_settings
 from nebula_flow.config import ConfigError
 from nebula_flow.roles import MODES
 
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 @click.option("--target-workers", type=click.IntRange(1), help="Override the target pool size.")
 @click.option("--sweep", is_flag=True, help="Also scale both pools together (draft:target ratio kept) and "
               "report capacity against worker count.")
-@click.option("--sweep-workers", help="Draft pool sizes for --sweep, e.g. 1,2,4,8 (default: the scenario's [sweep]).")
-@click.option("--sweep-targets", help="Target pool sizes: with it --sweep runs every draft x target pair (a grid) "
+@click.option("--sweep-workers", type=IntList(), help="Draft pool sizes for --sweep, e.g. 1,2,4,8 (default: the scenario's [sweep]).")
+@click.option("--sweep-targets", type=IntList(), help="Target pool sizes: with it --sweep runs every draft x target pair (a grid) "
               "instead of keeping the scenario's draft:target ratio.")
 @click.option("--gpus", "devices", type=int, help="Also plan N devices: pooled with every draft/target split, "
               "paired N/2 + N/2, colocated, autoregressive and elastic on all N, ranked by tokens/s.")
@@ -114,13 +114,8 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
     first = names[0]
     result["ratios"] = {m: r["round_rate"] / result["modes"][first]["round_rate"] for m, r in result["modes"].items()}
     if sweep:
-        try:
-            sizes = [int(x) for x in sweep_workers.split(",")] if sweep_workers else None
-            targets = [int(x) for x in sweep_targets.split(",")] if sweep_targets else None
-        except ValueError:
-            raise click.BadParameter("pool sizes are comma-separated integers, e.g. 1,2,4") from None
-        if any(n < 1 for n in (sizes or []) + (targets or [])):
-            raise click.BadParameter("pool sizes must be >= 1")
+        sizes = list(sweep_workers) if sweep_workers else None
+        targets = list(sweep_targets) if sweep_targets else None
         log(f"[simulate] sweep ({first}):")
         base, *settings = first.split("@")
         result["sweep"] = planner.sweep(_with_mode_settings(sc, settings, first), base, sizes,

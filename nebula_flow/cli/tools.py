@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from nebula_flow.cli.common import IntList
 from nebula_flow.config import cache_dir
 
 
@@ -22,9 +23,10 @@ from nebula_flow.config import cache_dir
 @click.option("--device", default="cpu", show_default=True, help="--ops: where the model runs (cpu, cuda, cuda:N); "
               "on CUDA the times are the device's, with CUDA graphs and (\"eager\") without.")
 @click.option("--out", type=click.Path(), help="Profile JSON to write (default: print it).")
-@click.option("--batches", default="1,2,4,8", show_default=True)
-@click.option("--tokens", default="1,5", show_default=True, help="New tokens per sequence (1 = decode, k+1 = verify).")
-@click.option("--contexts", default="64,256", show_default=True, help="Context lengths.")
+@click.option("--batches", type=IntList(), default="1,2,4,8", show_default=True, help="Sequences per forward.")
+@click.option("--tokens", type=IntList(), default="1,5", show_default=True, help="New tokens per sequence (1 = decode, k+1 = verify).")
+@click.option("--contexts", type=IntList(), default="64,256", show_default=True,
+              help="Context lengths (tokens before the new ones).")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--acceptance", type=click.FloatRange(0, 1), help="Record a per-position acceptance rate (for draft profiles).")
 def profile(model, count_ops, dtype, device, out, batches, tokens, contexts, threads, acceptance) -> None:  # noqa: ANN001
@@ -40,11 +42,11 @@ def profile(model, count_ops, dtype, device, out, batches, tokens, contexts, thr
     if model is None:
         raise click.UsageError("--model is required (unless --ops)")
 
-    def ints(s: str) -> list[int]:
-        return [int(x) for x in s.split(",") if x.strip()]
-
-    prof = measure_profile(model, ints(batches), ints(tokens), ints(contexts), threads,
-                           log=lambda m: click.echo(m, err=True))
+    try:
+        prof = measure_profile(model, list(batches), list(tokens), list(contexts), threads,
+                               log=lambda m: click.echo(m, err=True))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     if acceptance is not None:
         prof["acceptance"] = acceptance
     text = json.dumps(prof, indent=2)
@@ -62,11 +64,16 @@ def forward_ops_report(model: str | None, dtype: str, threads: int, device: str 
 
     from nebula_flow.models.loader import load_model
     from nebula_flow.models.ops import QWEN3_0_6B, count_ops, random_model
+    from nebula_flow.options import DEVICE_NAME, check_device
 
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise click.UsageError(f"--device {device}: torch sees no CUDA device here")
+    try:
+        if device == "emulated" or not DEVICE_NAME.fullmatch(device):
+            raise ValueError(f"--ops counts a real model's work: cpu, cuda or cuda:N, got {device!r}")
+        check_device(device, present=True)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--device") from None
     click.echo(f"building {'the model in ' + model if model else 'a Qwen3-0.6B-shaped model (random weights)'} "
                f"({dtype}, {device}) ...", err=True)
     net = load_model(model, device=device, dtype=torch_dtype) if model else random_model(QWEN3_0_6B, torch_dtype, device=device)
@@ -131,7 +138,10 @@ def tiny_pair(out: str | None) -> None:
     """Build the project's tiny draft/target pair (random weights) into OUT (default: the cache)."""
     from nebula_flow.tiny import build_tiny_pair
 
-    path = build_tiny_pair(out or cache_dir() / "tiny-pair")
+    try:
+        path = build_tiny_pair(out or cache_dir() / "tiny-pair")
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the pair there: {exc}") from None
     click.echo(f"wrote {path}/target and {path}/draft")
 
 

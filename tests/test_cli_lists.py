@@ -1,0 +1,98 @@
+"""What the tool commands take is checked before any work, each a one-line error naming the option:
+`eval-draft --ks 2,x`, `profile --tokens abc` and `--contexts -5` ended in tracebacks (a
+ValueError from int(), an IndexError deep in a forward), `--ks 0` printed `{}`; `--device gpu`
+and `--device cuda` where torch sees no GPU, `--broker garbage`, `train-draft` shapes the
+runtime cannot build and a corpus too small were tracebacks too."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from nebula_flow.cli import main
+from nebula_flow.config import ConfigError, load_config
+from nebula_flow.options import check_device
+from nebula_flow.shards import addresses
+
+
+@pytest.mark.parametrize(("args", "option", "said"), [
+    (["eval-draft", "--target", "{t}", "--draft", "{d}", "--ks", "2,x"], "--ks", "'2,x' is not comma-separated"),
+    (["eval-draft", "--target", "{t}", "--draft", "{d}", "--ks", "0"], "--ks", "integers >= 1"),
+    (["eval-draft", "--target", "{t}", "--draft", "{d}", "--target-dtype", "banana"], "--target-dtype",
+     "'banana' is not one of auto, float32"),
+    (["profile", "--model", "{t}", "--tokens", "abc"], "--tokens", "'abc' is not comma-separated"),
+    (["profile", "--model", "{t}", "--contexts", "64,-5"], "--contexts", "integers >= 1"),
+    (["profile", "--model", "{t}", "--batches", ""], "--batches", "'' is not comma-separated"),
+    (["profile", "--ops", "--device", "emulated"], "--device", "a real model's work: cpu, cuda or cuda:N"),
+    (["profile", "--ops", "--device", "cuda:99"], "--device", "sees"),
+    (["bench-broker", "--shards", "1,0"], "--shards", "'1,0' is not comma-separated"),
+    (["simulate", "configs/sim/paper-2d2t.toml", "--sweep", "--sweep-targets", "1,a"], "--sweep-targets", "'1,a'"),
+    (["status", "--broker", "garbage"], "--broker", "'garbage' is not a broker address"),
+    (["generate", "--broker", "tcp://127.0.0.1", "hi"], "--broker", "'tcp://127.0.0.1' is not a broker address"),
+    (["api", "--broker", "tcp://127.0.0.1:5555,nowhere"], "--broker", "'nowhere' is not a broker address"),
+    (["worker", "--role", "target", "--model", "{t}", "--broker", "127.0.0.1:5556"], "--broker", "not a broker"),
+])
+def test_a_bad_list_device_or_address_is_a_usage_error_naming_its_option(tiny_pair, args: list[str], option: str,
+                                                                         said: str) -> None:  # noqa: ANN001
+    args = [a.format(t=tiny_pair / "target", d=tiny_pair / "draft") for a in args]
+    started = time.monotonic()
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and option in res.output and said in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)  # (no traceback)
+    assert time.monotonic() - started < 10  # (said before any model ran)
+
+
+def test_a_worker_on_a_device_that_is_not_there_says_so_before_it_connects(tiny_pair) -> None:  # noqa: ANN001
+    for device, said in (("gpu", "device must be cpu, cuda, cuda:N or emulated, got 'gpu'"),
+                         ("cuda:99", "device cuda:99: torch ")):
+        res = CliRunner().invoke(main, ["worker", "--role", "target", "--model", str(tiny_pair / "target"),
+                                        "--device", device, "--broker", "tcp://127.0.0.1:9"])
+        assert res.exit_code == 1 and said in res.output, res.output
+    check_device("cuda:0")  # (the name alone is fine anywhere: a config may be written for another host)
+    with pytest.raises(ValueError, match="got 'cuda0'"):
+        check_device("cuda0")
+
+
+def test_a_config_pool_on_an_unknown_device_is_refused_by_name(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "c.toml"
+    path.write_text('[draft]\nmodel = "d"\n[target]\nmodel = "t"\ndevice = "gpu"\n')
+    with pytest.raises(ConfigError, match=r"\[target\] device must be cpu, cuda, cuda:N or emulated, got 'gpu'"):
+        load_config(path).validate()
+
+
+def test_broker_addresses_take_zeromq_endpoints_only() -> None:
+    assert addresses("tcp://10.0.0.2:5555, tcp://[::1]:5556,ipc:///tmp/b") == [
+        "tcp://10.0.0.2:5555", "tcp://[::1]:5556", "ipc:///tmp/b"]
+    for bad in ("localhost:5555", "tcp://host", "tcp://host:port", "http://127.0.0.1:5555"):
+        with pytest.raises(ValueError, match="is not a broker address"):
+            addresses(bad)
+
+
+def test_profile_past_the_models_positions_and_tiny_pair_to_an_unwritable_place_are_one_line(tiny_pair,
+                                                                                            tmp_path) -> None:  # noqa: ANN001
+    res = CliRunner().invoke(main, ["profile", "--model", str(tiny_pair / "target"), "--contexts", "100000",
+                                    "--batches", "1", "--tokens", "1"])
+    assert res.exit_code == 1 and "a context of 100000 and 1 new tokens is past the model's" in res.output, res.output
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    res = CliRunner().invoke(main, ["tiny-pair", str(blocker / "pair")])
+    assert res.exit_code == 1 and "Error: cannot write the pair there:" in res.output, res.output
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--kv-heads", "3"], "heads (4) must be a multiple of kv_heads (3)"),
+    (["--hidden-size", "36", "--heads", "4"], "hidden_size 36 must split into 4 heads of an even size"),
+    (["--hidden-size", "128"], "hidden_size 128 is wider than the target's (64)"),
+    (["--hidden-size", "32", "--teacher-dtype", "fp8"], "teacher_dtype must be one of float32, bfloat16, float16"),
+    (["--hidden-size", "32", "--seq-len", "5000"], "seq_len 5000 is past the target's 1024 positions"),
+    (["--hidden-size", "32", "--max-tokens", "300", "--seq-len", "64"], "training needs 8 or more"),
+])
+def test_train_draft_refuses_a_shape_it_cannot_build_before_the_teacher_runs(tiny_pair, tmp_path, monkeypatch,
+                                                                            args: list[str], said: str) -> None:  # noqa: ANN001
+    monkeypatch.setenv("NEBULA_FLOW_CACHE", str(tmp_path / "cache"))
+    res = CliRunner().invoke(main, ["train-draft", "--target", str(tiny_pair / "target"), "--out",
+                                    str(tmp_path / "out"), "--steps", "1", *args])
+    assert res.exit_code == 1 and said in res.output, res.output
+    assert not (tmp_path / "cache" / "teacher").exists()  # (nothing was computed)
