@@ -15,6 +15,7 @@ clock, from the moment the request is sent.
 from __future__ import annotations
 
 import asyncio
+import numbers
 import secrets
 import time
 import uuid
@@ -30,10 +31,30 @@ from nebula_flow.broker_link import Conn
 
 # (what the library hands back is part of its API)
 from nebula_flow.outputs import Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout, Tokenization  # noqa: F401
-from nebula_flow.params import SamplingParams
+from nebula_flow.params import SamplingParams, is_int
 from nebula_flow.protocol import Cancel, Chunks, Done, Error, Msg, ProtocolError, State, Status, Submit, Tokens
 from nebula_flow.shards import addresses as shard_addresses
 from nebula_flow.shards import merge_states, route, shard_of
+
+
+def token_array(ids: Any, name: str = "token_ids", what: str = "a list of token ids (ints >= 0)") -> np.ndarray:  # noqa: ANN401
+    """``ids`` (a list of token ids) as the wire's int32 array, refused in words where it is not
+    one: numpy would cut 1.5 to 1 in silence, and read "abc" as an error about int()."""
+    values = ids.tolist() if hasattr(ids, "tolist") else ids  # (a numpy array or a torch tensor)
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name} must be {what}, got {type(ids).__name__}")
+    for value in values:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 <= value < 2**31:
+            raise ValueError(f"{name} must be {what}, got {value!r} among them")
+    return np.asarray(values, dtype=np.int32)
+
+
+def check_client(timeout_s: float, retries: int) -> None:
+    """A client's settings, refused in words (zmq says "Invalid argument" to a negative timeout)."""
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    if not is_int(retries) or retries < 0:
+        raise ValueError(f"retries must be an int >= 0, got {retries!r}")
 
 
 def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, chat: bool, session: str | None = None,
@@ -47,12 +68,12 @@ def build_submit(req_id: str, prompt: str | None, token_ids: list[int] | None, c
     ahead of the real submission, which compiles it)."""
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, token_ids and messages")
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"prompt must be text, got {type(prompt).__name__} (token ids go in token_ids=)")
     sp = SamplingParams.from_wire(params, grammar=compile_grammar)  # (the broker's checks: InvalidParams)
     if prediction is not None and not isinstance(prediction, str):
-        prediction = np.asarray(prediction, dtype=np.int32)
-        if prediction.ndim != 1:
-            raise ValueError("prediction must be text or a list of token ids")
-    return Submit(req_id, sp.to_wire(), prompt, None if token_ids is None else np.asarray(token_ids, dtype=np.int32),
+        prediction = token_array(prediction, "prediction", "text or a list of token ids (ints >= 0)")
+    return Submit(req_id, sp.to_wire(), prompt, None if token_ids is None else token_array(token_ids),
                   chat, session, messages, chat_options, prediction if isinstance(prediction, str) else None,
                   prediction if isinstance(prediction, np.ndarray) else None)
 
@@ -76,7 +97,9 @@ def build_tokenize(text: str | None = None, messages: list[dict[str, Any]] | Non
     """A TOKENIZE of one of ``text``, ``messages`` (a conversation through the chat template) and
     ``token_ids`` (to text); ``special``: the tokenizer's special tokens added (default: to a text,
     not to a conversation, whose template writes its own, as vLLM's ``/tokenize``)."""
-    ids = None if token_ids is None else np.asarray(token_ids, dtype=np.int64)
+    if sum(x is not None for x in (text, messages, token_ids)) != 1:
+        raise ValueError("give exactly one of text, messages and token_ids")
+    ids = None if token_ids is None else token_array(token_ids).astype(np.int64)
     if special is None:
         special = messages is None
     return protocol.Tokenize(uuid.uuid4().hex, text, messages, chat_options, ids, special, pieces)
@@ -168,6 +191,7 @@ class Client:
 
     def __init__(self, address: str, timeout_s: float = 120.0, retries: int = 0, keys: str | None = None) -> None:
         """``address``: the broker's, or a sharded deployment's shards' separated by commas."""
+        check_client(timeout_s, retries)
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
         self.conns = [Conn(zmq.Context.instance(), a, keys) for a in shard_addresses(address)]
@@ -306,6 +330,7 @@ class AsyncClient:
 
     def __init__(self, address: str, timeout_s: float = 120.0, keys: str | None = None, retries: int = 0) -> None:
         """``address``: the broker's, or a sharded deployment's shards' separated by commas."""
+        check_client(timeout_s, retries)
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
         self.conns = [Conn(zmq.asyncio.Context.instance(), a, keys) for a in shard_addresses(address)]
