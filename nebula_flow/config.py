@@ -34,11 +34,13 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from nebula_flow.options import BrokerOptions, check_device
+from nebula_flow.params import is_int
 from nebula_flow.policy import PolicyConfig, PolicyError, knob_names
 from nebula_flow.roles import MODES
 from nebula_flow.supervisor import RestartPolicy
@@ -115,8 +117,8 @@ class DeployConfig:
         self._check_drafters()
         for name, pool in (("draft", self.draft), ("target", self.target),
                            *((f"drafters {i + 1}", p) for i, p in enumerate(self.drafters))):
-            if pool.workers < 0 or pool.max_batch < 1:
-                raise ConfigError(f"[{name}] workers must be >= 0 and max_batch >= 1")
+            if pool.workers < 0 or pool.max_batch < 1 or (pool.threads is not None and pool.threads < 1):
+                raise ConfigError(f"[{name}] workers must be >= 0, max_batch >= 1 and threads >= 1")
             # Colocated and autoregressive run M + N workers: one pool may be empty there.
             if pool.workers == 0 and self.mode in ("pooled", "paired"):
                 raise ConfigError(f"[{name}] workers must be >= 1 in {self.mode} mode")
@@ -203,11 +205,27 @@ class DeployConfig:
         return plan + [("target", self.target)] * self.target.workers
 
 
-def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
-    names = {f.name for f in fields(cls)}
-    unknown = set(raw) - names
+# What a TOML value of each annotated kind must be, and how an error names it (a string where a
+# number belongs reached a comparison as a TypeError; 1.5 workers' batches reached the broker).
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "int": ("a whole number", is_int),
+    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "str": ("text", lambda v: isinstance(v, str)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "list[str]": ("a list of text", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+}
+
+
+def build_table(cls: type, raw: dict[str, Any], where: str) -> Any:
+    """``cls`` from a TOML table: every key one of its fields, of the kind the field's annotation says."""
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(raw) - set(known)
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(names)})")
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    for name, value in raw.items():
+        kinds = [_KINDS[k] for k in str(known[name].type).replace(" ", "").split("|") if k in _KINDS]
+        if kinds and not any(fits(value) for _, fits in kinds):
+            raise ConfigError(f"{where}: {name} must be {' or '.join(said for said, _ in kinds)}, got {value!r}")
     return cls(**raw)
 
 
@@ -248,16 +266,16 @@ def load_config(path: str | Path | None) -> DeployConfig:
         mode=raw.get("mode", "pooled"),
         kv_transport=raw.get("kv_transport", "auto"), lend_cores=raw.get("lend_cores", True),
         cpu_wake_latency_us=raw.get("cpu_wake_latency_us"), zmq_io_cpu=raw.get("zmq_io_cpu"),
-        broker=_build(BrokerOptions, broker, f"{path} [broker]"),
-        draft=_build(PoolConfig, raw.get("draft", {}), f"{path} [draft]"),
-        target=_build(PoolConfig, raw.get("target", {}), f"{path} [target]"),
-        supervise=_build(RestartPolicy, raw.get("supervise", {}), f"{path} [supervise]"),
+        broker=build_table(BrokerOptions, broker, f"{path} [broker]"),
+        draft=build_table(PoolConfig, raw.get("draft", {}), f"{path} [draft]"),
+        target=build_table(PoolConfig, raw.get("target", {}), f"{path} [target]"),
+        supervise=build_table(RestartPolicy, raw.get("supervise", {}), f"{path} [supervise]"),
         source=str(path),
     )
     extra = raw.get("drafters", [])
     if not isinstance(extra, list) or not all(isinstance(t, dict) for t in extra):
         raise ConfigError(f"{path}: drafters must be an array of tables ([[drafters]])")
-    cfg.drafters = [_build(PoolConfig, t, f"{path} [[drafters]] {i + 1}") for i, t in enumerate(extra)]
+    cfg.drafters = [build_table(PoolConfig, t, f"{path} [[drafters]] {i + 1}") for i, t in enumerate(extra)]
     from nebula_flow.lookup import is_ngram
 
     for pool in (cfg.draft, cfg.target, *cfg.drafters):

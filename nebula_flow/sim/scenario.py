@@ -74,8 +74,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from nebula_flow.config import DEPLOY_SECTIONS, ConfigError, load_config, read_toml
+from nebula_flow.config import DEPLOY_SECTIONS, ConfigError, build_table, load_config, read_toml
 from nebula_flow.emulated import load_profile
+from nebula_flow.params import is_int
 from nebula_flow.policy import PolicyConfig, PolicyError
 from nebula_flow.protocol import DRAFTER_NAME, DRAFTER_RULE
 from nebula_flow.roles import DEFAULT_DRAFTER, MODES
@@ -225,9 +226,9 @@ def _pool(raw: dict[str, Any], where: str, base: Path) -> Pool:
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
-    workers, max_batch = int(raw.get("workers", 1)), int(raw.get("max_batch", 8))
-    if workers < 1 or max_batch < 1:
-        raise ConfigError(f"{where}: workers and max_batch must be >= 1")
+    workers, max_batch = raw.get("workers", 1), raw.get("max_batch", 8)
+    if not is_int(workers) or not is_int(max_batch) or workers < 1 or max_batch < 1:
+        raise ConfigError(f"{where}: workers and max_batch must be whole numbers >= 1, got {workers!r} and {max_batch!r}")
     elastic = raw.get("elastic", True)
     if not isinstance(elastic, bool):
         raise ConfigError(f"{where}: elastic must be true or false")
@@ -301,12 +302,14 @@ def load_scenario(path: str | Path) -> Scenario:
     if isinstance(wl_raw.get("prompt_tokens"), int):
         wl_raw["prompt_tokens"] = (wl_raw["prompt_tokens"], wl_raw["prompt_tokens"])
     elif "prompt_tokens" in wl_raw:
-        wl_raw["prompt_tokens"] = tuple(wl_raw["prompt_tokens"])
-    try:
-        workload = Workload(**wl_raw)
-        host = HostCosts(**raw.get("host", {}))
-    except TypeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        pair = wl_raw["prompt_tokens"]
+        if not isinstance(pair, list) or len(pair) != 2 or not all(is_int(n) for n in pair):
+            raise ConfigError(f"{path} [workload]: prompt_tokens must be N or [LO, HI], got {pair!r}")
+        wl_raw["prompt_tokens"] = tuple(pair)
+    workload = build_table(Workload, wl_raw, f"{path} [workload]")
+    host = build_table(HostCosts, raw.get("host", {}), f"{path} [host]")
+    if negative := [f.name for f in fields(HostCosts) if getattr(host, f.name) < 0]:
+        raise ConfigError(f"{path} [host]: {', '.join(negative)} must be >= 0")
     urgent, shared, docs = workload.urgent_every, workload.shared_prefix, workload.documents
     if workload.requests < 1 or workload.output_tokens < 1 or workload.prompt_tokens[0] < 1 \
             or workload.prompt_tokens[0] > workload.prompt_tokens[1] \

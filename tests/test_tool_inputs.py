@@ -1,12 +1,15 @@
-"""What the tool commands take is checked before any work, each a one-line error naming the option:
-`eval-draft --ks 2,x`, `profile --tokens abc` and `--contexts -5` ended in tracebacks (a
-ValueError from int(), an IndexError deep in a forward), `--ks 0` printed `{}`; `--device gpu`
-and `--device cuda` where torch sees no GPU, `--broker garbage`, `train-draft` shapes the
-runtime cannot build and a corpus too small were tracebacks too."""
+"""What the tool commands and the config files take is checked before any work, each a one-line
+error naming the option or key: `eval-draft --ks 2,x`, `profile --tokens abc` and `--contexts -5`
+ended in tracebacks (a ValueError from int(), an IndexError deep in a forward), `--ks 0` printed
+`{}`; `--device gpu` and `--device cuda` where torch sees no GPU, `--broker garbage`,
+`train-draft` shapes the runtime cannot build, a corpus too small, and config values of the
+wrong kind were tracebacks too, or were run."""
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -15,6 +18,8 @@ from nebula_flow.cli import main
 from nebula_flow.config import ConfigError, load_config
 from nebula_flow.options import check_device
 from nebula_flow.shards import addresses
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(("args", "option", "said"), [
@@ -96,3 +101,52 @@ def test_train_draft_refuses_a_shape_it_cannot_build_before_the_teacher_runs(tin
                                     str(tmp_path / "out"), "--steps", "1", *args])
     assert res.exit_code == 1 and said in res.output, res.output
     assert not (tmp_path / "cache" / "teacher").exists()  # (nothing was computed)
+
+
+BASE = '[draft]\nmodel = "d"\n[target]\nmodel = "t"\n'
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    ('workers = "2"', "[target]: workers must be a whole number, got '2'"),
+    ("max_batch = 1.5", "[target]: max_batch must be a whole number, got 1.5"),
+    ('max_kv_gb = "big"', "[target]: max_kv_gb must be a number, got 'big'"),
+    ("cuda_graphs = 1", "[target]: cuda_graphs must be true or false, got 1"),
+    ("name = 5", "[target]: name must be text, got 5"),
+    ('devices = ["cuda:0", 1]', "[target]: devices must be a list of text, got ['cuda:0', 1]"),
+    ("threads = 0", "[target] workers must be >= 0, max_batch >= 1 and threads >= 1"),
+    ('[broker]\nclient_port = "x"', "[broker]: client_port must be a whole number, got 'x'"),
+    ('[supervise]\nwindow_s = "long"', "[supervise]: window_s must be a number, got 'long'"),
+])
+def test_a_deployment_config_value_of_the_wrong_kind_is_refused_by_name(tmp_path, extra: str, said: str) -> None:  # noqa: ANN001
+    """`workers = "2"` and `max_kv_gb = "big"` were TypeError tracebacks; `max_batch = 1.5` started a
+    deployment whose target the broker then refused; `threads = 0` meant "a share of the cores"."""
+    path = tmp_path / "c.toml"
+    path.write_text(BASE + extra + "\n")
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config(path).validate()
+    path.write_text(BASE + "workers = 2\nmax_kv_gb = 1\nthreads = 1\n")
+    cfg = load_config(path)
+    cfg.validate()
+    assert (cfg.target.workers, cfg.target.max_kv_gb) == (2, 1)
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    (("workers = 2", 'workers = "2"'), "[draft]: workers and max_batch must be whole numbers >= 1, got '2' and 64"),
+    (("max_batch = 16", "max_batch = 1.5"), "got 2 and 1.5"),
+    (("requests = 512", 'requests = "lots"'), "[workload]: requests must be a whole number, got 'lots'"),
+    (("output_tokens = 128", "output_tokens = 12.5"), "output_tokens must be a whole number, got 12.5"),
+    (("prompt_tokens = [96, 144]", 'prompt_tokens = ["a", 96]'), "prompt_tokens must be N or [LO, HI]"),
+    (("message_latency_us = 50", "message_latency_us = -50"), "[host]: message_latency_us must be >= 0"),
+    (("message_latency_us = 50", "bogus = 1"), "[host]: unknown keys ['bogus']"),
+])
+def test_a_scenario_value_of_the_wrong_kind_is_refused_by_name(tmp_path, change: tuple[str, str], said: str) -> None:  # noqa: ANN001
+    """`requests = "lots"` was a TypeError traceback; `max_batch = 1.5` and a negative message
+    latency were simulated."""
+    from nebula_flow.sim.scenario import load_scenario
+
+    text = (REPO / "configs" / "sim" / "paper-2d2t.toml").read_text()
+    assert change[0] in text
+    path = tmp_path / "s.toml"
+    path.write_text(text.replace(change[0], change[1]))
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_scenario(path)
