@@ -138,6 +138,15 @@ def test_a_deployment_config_value_of_the_wrong_kind_is_refused_by_name(tmp_path
     (("prompt_tokens = [96, 144]", 'prompt_tokens = ["a", 96]'), "prompt_tokens must be N or [LO, HI]"),
     (("message_latency_us = 50", "message_latency_us = -50"), "[host]: message_latency_us must be >= 0"),
     (("message_latency_us = 50", "bogus = 1"), "[host]: unknown keys ['bogus']"),
+    (("seed = 0", 'seed = "x"'), "seed must be a whole number and name text, got 'x'"),
+    (('modes = ["pooled", "paired", "colocated", "autoregressive", "elastic"]', 'modes = "pooled"'),
+     "modes must be a list"),
+    (('movement = "link"', 'movement = "link"\nbandwidth_gbps = "x"'), "[kv]: bandwidth_gbps must be a number > 0"),
+    (('movement = "link"', 'movement = "lnk"'), '[kv]: movement must be "link" or "free"'),
+    (("movement = ", "moves = "), "[kv]: unknown keys ['moves']"),
+    (("draft_workers = [1, 2", 'draft_workers = ["a", 2'), "[sweep]: draft_workers must be a list of whole numbers"),
+    (("scale_workload = true", "scale_workoad = true"), "[sweep]: unknown keys ['scale_workoad']"),
+    (("rate = 0.75", 'rate = [0.9, "x"]'), "[acceptance]: float() argument"),
 ])
 def test_a_scenario_value_of_the_wrong_kind_is_refused_by_name(tmp_path, change: tuple[str, str], said: str) -> None:  # noqa: ANN001
     """`requests = "lots"` was a TypeError traceback; `max_batch = 1.5` and a negative message

@@ -280,6 +280,8 @@ def load_scenario(path: str | Path) -> Scenario:
     except PolicyError as exc:
         raise ConfigError(str(exc)) from None
     modes = raw.get("modes", list(MODES))
+    if not isinstance(modes, list):
+        raise ConfigError(f"{path}: modes must be a list, e.g. [\"pooled\", \"colocated\"], got {modes!r}")
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ConfigError(f"{path}: unknown modes {bad}; choose from {', '.join(MODES)}")
@@ -288,10 +290,12 @@ def load_scenario(path: str | Path) -> Scenario:
             raise ConfigError(f"{path}: [{name}] is required")
     draft = _pool(raw["draft"], f"{path} [draft]", base)
     target = _pool(raw["target"], f"{path} [target]", base)
-    seed = int(raw.get("seed", 0))
+    seed, name = raw.get("seed", 0), raw.get("name", path.stem)
+    if not is_int(seed) or not isinstance(name, str):
+        raise ConfigError(f"{path}: seed must be a whole number and name text, got {seed!r} and {name!r}")
     try:
         acceptance = AcceptanceModel.from_config(raw.get("acceptance", {}), seed, base)
-    except (ValueError, OSError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         raise ConfigError(f"{path} [acceptance]: {exc}") from None
     drafters = _drafters(raw.get("drafters", []), acceptance, seed, base, path)
     wl_raw = dict(raw.get("workload", {}))
@@ -319,17 +323,25 @@ def load_scenario(path: str | Path) -> Scenario:
                           "urgent_every 0 (none) or >= 2, shared_prefix >= 0 and documents >= 1 (integers)")
     if not isinstance(host.broker_shards, int) or host.broker_shards < 1:
         raise ConfigError(f"{path} [host]: broker_shards must be an integer >= 1")
-    sweep = raw.get("sweep", {})
-    prefix_cache = raw.get("kv", {}).get("prefix_cache", True)
+    sweep, kv = raw.get("sweep", {}), raw.get("kv", {})
+    for section, table, known in (("sweep", sweep, {"draft_workers", "scale_workload"}),
+                                  ("kv", kv, {"movement", "bandwidth_gbps", "latency_us", "prefix_cache"})):
+        if unknown := set(table) - known:
+            raise ConfigError(f"{path} [{section}]: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    sizes = sweep.get("draft_workers", [1, 2, 4, 8, 16, 32, 64])
+    if not isinstance(sizes, list) or not sizes or not all(is_int(n) and n >= 1 for n in sizes) \
+            or not isinstance(sweep.get("scale_workload", True), bool):
+        raise ConfigError(f"{path} [sweep]: draft_workers must be a list of whole numbers >= 1 and scale_workload "
+                          f"true or false, got {sizes!r} and {sweep.get('scale_workload')!r}")
+    prefix_cache = kv.get("prefix_cache", True)
     if not isinstance(prefix_cache, bool):
         raise ConfigError(f"{path} [kv]: prefix_cache must be true or false")
     return Scenario(
-        name=raw.get("name", path.stem), draft=draft, target=target, acceptance=acceptance, drafters=drafters,
-        link=_link(raw.get("kv", {}), target, f"{path} [kv]"), workload=workload, modes=list(modes),
+        name=name, draft=draft, target=target, acceptance=acceptance, drafters=drafters,
+        link=_link(kv, target, f"{path} [kv]"), workload=workload, modes=list(modes),
         policy=policy,
         seed=seed, host=host,
-        sweep_draft_workers=[int(n) for n in sweep.get("draft_workers", [1, 2, 4, 8, 16, 32, 64])],
-        sweep_scale_workload=bool(sweep.get("scale_workload", True)), source=str(path), prefix_cache=prefix_cache)
+        sweep_draft_workers=sizes, sweep_scale_workload=sweep.get("scale_workload", True), source=str(path), prefix_cache=prefix_cache)
 
 
 def _drafters(raw: Any, acceptance: AcceptanceModel, seed: int, base: Path, path: Path) -> list[Drafter]:  # noqa: ANN401
@@ -365,6 +377,8 @@ def _link(raw: dict[str, Any], target: Pool, where: str) -> Link:
     lat = raw.get("latency_us", hw.link_latency_s * 1e6 if hw else None)
     if bw is None or lat is None:
         raise ConfigError(f"{where}: with profile cost models give bandwidth_gbps and latency_us (or movement = \"free\")")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (bw, lat)) or bw <= 0 or lat < 0:
+        raise ConfigError(f"{where}: bandwidth_gbps must be a number > 0 and latency_us >= 0, got {bw!r} and {lat!r}")
     return Link(float(bw) * GB, float(lat) * 1e-6)
 
 
