@@ -773,6 +773,29 @@ def test_bad_chat_requests(strict) -> None:  # noqa: ANN001
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
 
 
+def test_a_field_sent_as_null_is_one_not_given(strict) -> None:  # noqa: ANN001
+    """The openai client sends `"user": null` where a caller passes user=None (a wrapper's default);
+    it was a 400 ("user must be a string"), as were parallel_tool_calls and others. vLLM's optional
+    fields take null as not given."""
+    client = oai(strict)
+    messages = [{"role": "user", "content": "hi"}]
+    nulls = dict(top_p=None, stop=None, seed=None, user=None, n=None, logprobs=None,
+                 parallel_tool_calls=None, tool_choice=None, response_format=None, metadata=None, store=None)
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0, **nulls)
+    want = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content and got.usage.completion_tokens == 3
+    text = client.completions.create(model="tiny", prompt="hi", max_tokens=None, echo=None, suffix=None, best_of=None,
+                                     user=None, temperature=None)
+    assert text.usage.completion_tokens == 4  # (no max_tokens: OpenAI's 16, capped by this broker's limit of 4)
+    answer = client.responses.create(model="tiny", input="hi", max_output_tokens=2, instructions=None,
+                                     previous_response_id=None, text=None, reasoning=None, truncation=None)
+    assert answer.usage.output_tokens == 2
+    res = httpx.post(strict.http_url + "/tokenize", json={"model": None, "prompt": "hi", "add_special_tokens": None})
+    assert res.status_code == 200 and res.json()["count"] >= 1
+    res = httpx.post(strict.http_url + "/v1/completions", json={"model": "tiny", "prompt": None})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "prompt"  # (a required one is still required)
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=12)

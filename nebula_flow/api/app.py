@@ -414,7 +414,8 @@ async def _disconnected(request: Request) -> None:
 
 
 async def read_json(request: Request) -> Any:  # noqa: ANN401
-    """The request's JSON body, at most ``MAX_BODY_BYTES``."""
+    """The request's JSON body, at most ``MAX_BODY_BYTES``. A field that is null is one not given,
+    as vLLM's optional fields (clients send `"temperature": null` for the default)."""
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="too_large")
     body = bytearray()
@@ -423,9 +424,10 @@ async def read_json(request: Request) -> Any:  # noqa: ANN401
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="too_large")
     try:
-        return orjson.loads(body)
+        parsed = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    return {k: v for k, v in parsed.items() if v is not None} if isinstance(parsed, dict) else parsed
 
 
 def build_app(gateway: Gateway) -> Starlette:
