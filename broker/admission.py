@@ -15,6 +15,7 @@ import numpy as np
 
 from nebula_flow import structured
 from nebula_flow.models.config import ModelConfig
+from nebula_flow.models.identity import differences, fingerprint
 from nebula_flow.params import InvalidParams, SamplingParams
 from nebula_flow.protocol import ProtocolError, Submit, Tokenize, Tokenized
 from nebula_flow.request import Request
@@ -26,6 +27,7 @@ class Admission:
     """What the broker knows of the target model: tokenizer, EOS ids, context, vocabulary."""
 
     def __init__(self, model: str | None, max_new_tokens_limit: int, priorities: bool = False) -> None:
+        self.model, self.fingerprint = model, fingerprint(model) if model else None
         self.codec = TextCodec(model) if model else None
         self.eos_ids = eos_token_ids(model, self.codec) if model else ()
         facts = ModelConfig.from_dir(model) if model else None
@@ -34,6 +36,17 @@ class Admission:
         self.max_new_tokens_limit = max_new_tokens_limit
         self.priorities = priorities  # (the policy's priority_scheduling: else a priority other than 0 is refused)
         self._token_texts: dict[int, str] = {}  # (logprobs: each token's text, decoded once)
+
+    def check_verifier(self, role: str, facts: dict) -> None:
+        """A worker that verifies must run this broker's target, or the output is no longer the
+        target's own (``models/identity.py``): else ``ProtocolError`` ``wrong_model``. A worker
+        with no fingerprint (an emulated device: no model files) has nothing to compare."""
+        if self.fingerprint is None or role == "draft" or "fingerprint" not in facts:
+            return
+        if differ := differences(self.fingerprint, facts["fingerprint"]):
+            raise ProtocolError("wrong_model", f"this worker's target ({str(facts.get('path'))[:200]}) is not the "
+                                f"broker's ({self.model}): their {' and '.join(differ)} differ, and its verifies "
+                                "would change the output")
 
     def tokenize(self, msg: Submit, unlocked: bool = False) -> list[int]:
         """A SUBMIT's prompt as token ids, or ``ProtocolError`` saying what is wrong with it.

@@ -152,8 +152,7 @@ class Broker(Intake):
         try:
             msg = protocol.decode(frames)
             if isinstance(msg, Register):
-                self._register(identity, msg, now, user_id(frames[0]))
-                return
+                return self._register(identity, msg, now, user_id(frames[0]))
             if wid is None:
                 raise ProtocolError("unknown_worker", "register first")
             self.workers[wid].last_seen = now
@@ -240,6 +239,7 @@ class Broker(Intake):
 
     def _register(self, identity: bytes, msg: Register, now: float, key: str | None) -> None:
         self.access.check_worker(msg, key)
+        self.admission.check_verifier(msg.role, msg.model)
         if identity in self.by_identity:
             self._drop_worker(self.by_identity[identity], "re-registered")
         wid = self.next_worker

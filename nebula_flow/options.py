@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_flow.policy import PolicyConfig
+from nebula_flow.roles import MODEL_ROLES
 
 
 @dataclass
@@ -113,6 +114,19 @@ class WorkerOptions:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def check(self) -> None:
+        """Refuse, in words, settings a worker cannot run with, before it loads anything."""
+        if self.role not in MODEL_ROLES:  # (any: both models; a draft or a verify batch at each pull, elastic)
+            raise ValueError(f"role must be one of {', '.join(MODEL_ROLES)}")
+        if self.draft_capacity is not None and not (self.role == "any" and self.draft_capacity >= 1):
+            raise ValueError("--draft-max-batch is for role any, and must be >= 1")
+        if self.max_kv_gb <= 0 or (self.kv_pool_gb is not None and self.kv_pool_gb < 0):
+            raise ValueError("--max-kv-gb must be > 0 and --kv-pool-gb >= 0")
+        both = len(MODEL_ROLES[self.role]) == 2
+        if self.device != "emulated" and (self.model is None or (both and self.draft_model is None)):
+            raise ValueError("--model is required (and --draft-model for a colocated or elastic worker)")
+        check_device(self.device, present=True)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> WorkerOptions:

@@ -30,8 +30,9 @@ from nebula_flow import io_threads, protocol
 from nebula_flow.cores import join_lease
 from nebula_flow.kv.transport import make_transport
 from nebula_flow.lookup import parse_ngram
+from nebula_flow.models.identity import fingerprint
 from nebula_flow.models.loader import load_model
-from nebula_flow.options import WorkerOptions, check_device
+from nebula_flow.options import WorkerOptions
 from nebula_flow.process import orphaned, restarts
 from nebula_flow.protocol import (
     Bye,
@@ -61,8 +62,7 @@ from nebula_flow_workers.token_book import TokenBook
 from nebula_flow_workers.warmup import warm_up
 
 log = logging.getLogger("nebula_flow.worker")
-ROLES = ("draft", "target", "colocated", "any")  # any: both models; rounds, a draft or a verify batch (elastic)
-REFUSALS = ("malformed", "wrong_role", "invalid_params", "unauthorized")  # REGISTER errors retrying cannot fix
+REFUSALS = ("malformed", "wrong_role", "wrong_model", "invalid_params", "unauthorized")  # REGISTER errors retrying cannot fix
 
 
 @dataclass
@@ -76,14 +76,7 @@ class BatchClock:
 
 class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
-        if opts.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}")
-        if opts.draft_capacity is not None and not (opts.role == "any" and opts.draft_capacity >= 1):
-            raise ValueError("--draft-max-batch is for role any, and must be >= 1")
-        if opts.max_kv_gb <= 0 or (opts.kv_pool_gb is not None and opts.kv_pool_gb < 0):
-            raise ValueError("--max-kv-gb must be > 0 and --kv-pool-gb >= 0")
-        if opts.device != "emulated" and (opts.model is None or (opts.role in BOTH_MODELS and opts.draft_model is None)):
-            raise ValueError("--model is required (and --draft-model for a colocated or elastic worker)")
+        opts.check()
         self.opts = opts
         # a PULL's credits: its batch's most tasks (an elastic worker's draft batches may hold more)
         self.credits = max(opts.capacity, opts.draft_capacity or 0) if opts.role == "any" else opts.capacity
@@ -98,7 +91,8 @@ class Worker:
                                           torch.set_num_threads).result() if opts.core_lease else None
         self.drafter = drafter_name(opts.drafter, opts.model) if opts.role == "draft" else None
         self.runners = [r for r in (self.draft, self.target) if r is not None]
-        self.vocab = self._model_facts().get("vocab_size")  # (the ids a task may carry; n-gram drafters: any)
+        self.facts = self._model_facts()  # (what REGISTER says of the model: read once, sent at every join)
+        self.vocab = self.facts.get("vocab_size")  # (the ids a task may carry; n-gram drafters: any)
         self.stores = [r.store for r in self.runners if r.store is not None]  # (an n-gram drafter holds no KV)
         self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self.stall_s = 0.0
@@ -182,10 +176,12 @@ class Worker:
         runner = self.target or self.draft
         if runner.model is not None:
             facts.update(vocab_size=runner.model.cfg.vocab_size, max_model_len=runner.model.cfg.max_position_embeddings)
+            if self.target is not None and self.opts.device != "emulated":  # (the broker refuses another target)
+                facts["fingerprint"] = fingerprint(self.opts.model)
         return facts
 
     def _register(self, link: BrokerLink) -> None:
-        msg = Register(self.opts.role, self.name, self.opts.capacity, self._model_facts(), self.kv_endpoint,
+        msg = Register(self.opts.role, self.name, self.opts.capacity, self.facts, self.kv_endpoint,
                        self.drafter, os.getpid(), restarts(), self.opts.draft_capacity if self.opts.role == "any" else None)
         link.send(msg)
         link.registered, link.register_sent = False, time.monotonic()
@@ -489,7 +485,6 @@ class Worker:
 
 def serve_worker(opts: WorkerOptions) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {opts.role} %(levelname)s %(message)s")
-    check_device(opts.device, present=True)
     io_threads.pin_from_env()  # (before the first socket: the deployment's zmq_io_cpu)
     # The compute thread holds the GIL between torch ops; with the default 5 ms switch interval
     # a peer's KV request (KV server thread) or the next batch's pulls (prefetch thread) wait up
