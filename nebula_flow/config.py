@@ -34,13 +34,11 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from nebula_flow.options import BrokerOptions, check_device
-from nebula_flow.params import is_int
+from nebula_flow.options import BrokerOptions, check_device, check_kinds
 from nebula_flow.policy import PolicyConfig, PolicyError, knob_names
 from nebula_flow.roles import MODES
 from nebula_flow.supervisor import RestartPolicy
@@ -205,27 +203,16 @@ class DeployConfig:
         return plan + [("target", self.target)] * self.target.workers
 
 
-# What a TOML value of each annotated kind must be, and how an error names it (a string where a
-# number belongs reached a comparison as a TypeError; 1.5 workers' batches reached the broker).
-_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "int": ("a whole number", is_int),
-    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-    "str": ("text", lambda v: isinstance(v, str)),
-    "bool": ("true or false", lambda v: isinstance(v, bool)),
-    "list[str]": ("a list of text", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
-}
-
-
 def build_table(cls: type, raw: dict[str, Any], where: str) -> Any:
     """``cls`` from a TOML table: every key one of its fields, of the kind the field's annotation says."""
-    known = {f.name: f for f in fields(cls)}
-    unknown = set(raw) - set(known)
+    known = {f.name for f in fields(cls)}
+    unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
-    for name, value in raw.items():
-        kinds = [_KINDS[k] for k in str(known[name].type).replace(" ", "").split("|") if k in _KINDS]
-        if kinds and not any(fits(value) for _, fits in kinds):
-            raise ConfigError(f"{where}: {name} must be {' or '.join(said for said, _ in kinds)}, got {value!r}")
+    try:
+        check_kinds(cls, raw)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     return cls(**raw)
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from nebula_flow.params import is_int
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.roles import MODEL_ROLES
 
@@ -150,15 +152,40 @@ def check_device(device: object, *, present: bool = False) -> None:
             raise ValueError(f"device {device}: torch {torch.__version__} sees {seen} here")
 
 
+# What a value of each annotated kind must be (from TOML or JSON), and how an error names it: a
+# string where a number belongs reached a comparison as a TypeError; 1.5 workers' batches the broker.
+KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "int": ("a whole number", is_int),
+    "float": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    "str": ("text", lambda v: isinstance(v, str)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "list[str]": ("a list of text", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+}
+
+
+def check_kinds(cls: type, raw: dict[str, Any]) -> None:
+    """Each of ``raw``'s values of the kind its field of ``cls`` is annotated with, else ``ValueError``
+    naming it (kinds not in ``KINDS``, e.g. ``policy``, are the caller's to check)."""
+    known = {f.name: f for f in fields(cls)}
+    for name, value in raw.items():
+        parts = str(known[name].type).replace(" ", "").split("|")
+        kinds = [KINDS[k] for k in parts if k in KINDS]
+        if kinds and not any(fits(value) for _, fits in kinds) and not (value is None and "None" in parts):
+            raise ValueError(f"{name} must be {' or '.join(said for said, _ in kinds)}, got {value!r}")
+
+
 def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw``'s fields of ``cls`` other than ``policy``; an unknown one is refused by name."""
+    """``raw``'s fields of ``cls`` other than ``policy``; an unknown one, or one of the wrong kind, is
+    refused by name."""
     if not isinstance(raw, dict):
         raise ValueError(f"{cls.__name__} options must be a JSON object")
     names = {f.name for f in fields(cls)}
     unknown = set(raw) - names
     if unknown:
         raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}")
-    return {k: v for k, v in raw.items() if k != "policy"}
+    kept = {k: v for k, v in raw.items() if k != "policy"}
+    check_kinds(cls, kept)
+    return kept
 
 
 def write_options(opts: BrokerOptions | WorkerOptions, path: Path) -> Path:
@@ -169,5 +196,5 @@ def write_options(opts: BrokerOptions | WorkerOptions, path: Path) -> Path:
 def read_options(cls: type[BrokerOptions] | type[WorkerOptions], path: str | Path) -> BrokerOptions | WorkerOptions:
     try:
         return cls.from_json(json.loads(Path(path).read_text()))
-    except (OSError, json.JSONDecodeError, TypeError) as exc:
+    except (OSError, ValueError, TypeError) as exc:
         raise ValueError(f"cannot read {cls.__name__} from {path}: {exc}") from None

@@ -159,3 +159,20 @@ def test_a_scenario_value_of_the_wrong_kind_is_refused_by_name(tmp_path, change:
     path.write_text(text.replace(change[0], change[1]))
     with pytest.raises(ConfigError, match=re.escape(said)):
         load_scenario(path)
+
+
+@pytest.mark.parametrize(("command", "text", "said"), [
+    ("worker", '{"role": "target", "broker": "tcp://127.0.0.1:9", "model": 5}', "model must be text, got 5"),
+    ("worker", '{"role": "target", "broker": "tcp://127.0.0.1:9", "capacity": "8"}', "capacity must be a whole number"),
+    ("broker", '{"client_port": "x"}', "client_port must be a whole number, got 'x'"),
+    ("broker", '{"client_port": 5555,', "cannot read BrokerOptions"),
+])
+def test_an_options_file_of_the_wrong_kinds_is_one_line_naming_the_file(tmp_path, command: str, text: str,
+                                                                        said: str) -> None:  # noqa: ANN001
+    """`--options FILE` (what `serve` writes; a user may write one): a model of 5 was a TypeError
+    from pathlib, a client port of "x" one from a comparison, a capacity of "8" reached the broker."""
+    path = tmp_path / "o.json"
+    path.write_text(text)
+    res = CliRunner().invoke(main, [command, "--options", str(path)])
+    assert res.exit_code == 1 and f"Error: cannot read {command.title()}Options from {path}" in res.output, res.output
+    assert said in res.output
