@@ -37,16 +37,25 @@ class Admission:
         self.priorities = priorities  # (the policy's priority_scheduling: else a priority other than 0 is refused)
         self._token_texts: dict[int, str] = {}  # (logprobs: each token's text, decoded once)
 
-    def check_verifier(self, role: str, facts: dict) -> None:
+    def check_verifier(self, role: str, facts: dict, others: list[dict]) -> None:
         """A worker that verifies must run this broker's target, or the output is no longer the
         target's own (``models/identity.py``): else ``ProtocolError`` ``wrong_model``. A worker
-        with no fingerprint (an emulated device: no model files) has nothing to compare."""
-        if self.fingerprint is None or role == "draft" or "fingerprint" not in facts:
+        with no fingerprint (an emulated device: no model files) has nothing to compare. And it must
+        compute as the other verifiers (``others``: the registered workers' ``served`` facts) do, in
+        the same dtype, batch invariance and kind of device, or a request's output would depend on
+        which worker verified its rounds: else ``wrong_numerics``."""
+        if role == "draft" or "fingerprint" not in facts:
             return
-        if differ := differences(self.fingerprint, facts["fingerprint"]):
+        if self.fingerprint is not None and (differ := differences(self.fingerprint, facts["fingerprint"])):
             raise ProtocolError("wrong_model", f"this worker's target ({str(facts.get('path'))[:200]}) is not the "
                                 f"broker's ({self.model}): their {' and '.join(differ)} differ, and its verifies "
                                 "would change the output")
+        theirs = {other["numerics"] for other in others if "numerics" in other}  # (one, as each was checked so)
+        if theirs and (numerics := facts.get("numerics")) not in theirs:
+            raise ProtocolError("wrong_numerics", f"this worker verifies in {str(numerics)[:100]}, the deployment's "
+                                f"other verifiers in {' and '.join(sorted(theirs))}: a request's output would depend on "
+                                "which worker verified it; start it with the others' --dtype, --batch-invariant and "
+                                "--device")
 
     def tokenize(self, msg: Submit, unlocked: bool = False) -> list[int]:
         """A SUBMIT's prompt as token ids, or ``ProtocolError`` saying what is wrong with it.

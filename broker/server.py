@@ -239,7 +239,7 @@ class Broker(Intake):
 
     def _register(self, identity: bytes, msg: Register, now: float, key: str | None) -> None:
         self.access.check_worker(msg, key)
-        self.admission.check_verifier(msg.role, msg.model)
+        self.admission.check_verifier(msg.role, msg.model, [w.model for w in self.workers.values() if w.identity != identity])
         if identity in self.by_identity:
             self._drop_worker(self.by_identity[identity], "re-registered")
         wid = self.next_worker

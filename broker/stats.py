@@ -28,7 +28,7 @@ class WorkerInfo:
     model: dict[str, Any] = field(default_factory=dict)  # what it serves, where: from its REGISTER (``served``)
 
 
-SERVED_FACTS = {"path": str, "device": str, "vocab_size": int, "max_model_len": int}
+SERVED_FACTS = {"path": str, "device": str, "numerics": str, "vocab_size": int, "max_model_len": int}
 
 
 def served(facts: dict[str, Any]) -> dict[str, Any]:

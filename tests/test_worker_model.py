@@ -1,7 +1,8 @@
 """A worker that verifies must run the broker's target. A target worker started by hand with
 another checkpoint (here the draft's folder) was registered and verified rounds, so the output
 was no longer the target's own, and differed by which worker a round landed on. Now the broker
-refuses it (``wrong_model``) and the worker exits 2 saying why; a copy of the target elsewhere joins."""
+refuses it (``wrong_model``) and the worker exits 2 saying why; a copy of the target elsewhere joins,
+unless it computes in another dtype than the deployment's verifiers (``wrong_numerics``)."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ def test_the_broker_refuses_a_verifier_of_another_model_and_takes_a_copy_of_its_
     with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep:
         worker_address = dep.shards[0].worker_address
 
-        def worker(model: str, name: str) -> subprocess.Popen:
+        def worker(model: str, name: str, *more: str) -> subprocess.Popen:
             return subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "worker", "--role", "target", "--model",
-                                     model, "--broker", worker_address, "--name", name],
+                                     model, "--broker", worker_address, "--name", name, *more],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
         rogue = worker(str(tiny_pair / "draft"), "rogue")
@@ -63,6 +64,17 @@ def test_the_broker_refuses_a_verifier_of_another_model_and_takes_a_copy_of_its_
                     assert twin.poll() is None and time.monotonic() < deadline, twin.stdout.read()
                     time.sleep(0.1)
                 assert state["errors"]["wrong_model"] == 1 and "rogue" not in names
+                # The same checkpoint in another dtype: its verifies round otherwise than the deployment's
+                ours = {w["model"]["numerics"] for w in state["workers"] if w["role"] == "target"}
+                assert ours == {"float32 on cpu"} or ours == {"bfloat16 batch-invariant on cpu"}, ours
+                other = "bfloat16" if ours == {"float32 on cpu"} else "float32"
+                unlike = worker(str(copy), "unlike", "--dtype", other)
+                out, _ = unlike.communicate(timeout=120)
+                assert unlike.returncode == 2, out
+                assert (f"this worker verifies in {'bfloat16 batch-invariant' if other == 'bfloat16' else 'float32'} "
+                        f"on cpu, the deployment's other verifiers in {ours.pop()}: a request's output would depend "
+                        "on which worker verified it") in out
+                assert c.status()["errors"]["wrong_numerics"] == 1
                 prompt = [5, 6, 7, 8]
                 outs = [c.generate(token_ids=prompt, max_new_tokens=12, ignore_eos=True).token_ids for _ in range(4)]
         finally:

@@ -62,7 +62,7 @@ from nebula_flow_workers.token_book import TokenBook
 from nebula_flow_workers.warmup import warm_up
 
 log = logging.getLogger("nebula_flow.worker")
-REFUSALS = ("malformed", "wrong_role", "wrong_model", "invalid_params", "unauthorized")  # REGISTER errors retrying cannot fix
+REFUSALS = ("malformed", "wrong_role", "wrong_model", "wrong_numerics", "invalid_params", "unauthorized")  # REGISTER errors retrying cannot fix
 
 
 @dataclass
@@ -177,7 +177,9 @@ class Worker:
         if runner.model is not None:
             facts.update(vocab_size=runner.model.cfg.vocab_size, max_model_len=runner.model.cfg.max_position_embeddings)
             if self.target is not None and self.opts.device != "emulated":  # (the broker refuses another target)
-                facts["fingerprint"] = fingerprint(self.opts.model)
+                facts["fingerprint"] = fingerprint(self.opts.model)  # (and numerics unlike its other verifiers')
+                model = self.target.model
+                facts["numerics"] = f"{model.runtime_status()['numerics']} on {model.lm_head.weight.device.type}"
         return facts
 
     def _register(self, link: BrokerLink) -> None:
