@@ -796,6 +796,20 @@ def test_a_field_sent_as_null_is_one_not_given(strict) -> None:  # noqa: ANN001
     assert res.status_code == 400 and res.json()["error"]["param"] == "prompt"  # (a required one is still required)
 
 
+def test_paths_and_methods_not_served_get_openai_errors(strict) -> None:  # noqa: ANN001
+    """Starlette answered them in plain text, which the openai client showed as a bare "Error code: 404"."""
+    with pytest.raises(openai.NotFoundError) as err:
+        oai(strict).embeddings.create(model="tiny", input="hi")
+    assert err.value.body["code"] == "not_found" and err.value.body["message"].startswith(
+        "Invalid URL (POST /v1/embeddings): this server serves /v1/completions, /v1/chat/completions, /v1/responses")
+    assert "/v1/models/{model}," in err.value.body["message"]
+    res = httpx.post(strict.http_url + "/v1/models")
+    assert res.status_code == 405 and res.headers["allow"] == "GET, HEAD"
+    assert res.json()["error"] == {"message": "POST /v1/models: this path takes GET, HEAD", "type": "invalid_request_error",
+                                   "param": None, "code": "method_not_allowed"}
+    assert httpx.get(strict.http_url + "/v1/chat/completions").json()["error"]["code"] == "method_not_allowed"
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=12)

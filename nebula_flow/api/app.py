@@ -23,12 +23,13 @@ import anyio
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nebula_flow.api import choices
-from nebula_flow.api.errors import ApiError, no_such_model
+from nebula_flow.api.errors import ApiError, no_such_model, unrouted
 from nebula_flow.api.reasoning import ThinkingStream
 from nebula_flow.api.request import STRUCTURED_FIELDS, Job, Served, parse_chat, parse_completion
 from nebula_flow.api.response import Shaper, sse
@@ -452,7 +453,7 @@ def build_app(gateway: Gateway) -> Starlette:
         route("/health", gateway.health, ["GET"]),
         route("/version", gateway.version, ["GET"]),
         route("/metrics", gateway.metrics, ["GET"]),
-    ], lifespan=gateway.lifespan)
+    ], lifespan=gateway.lifespan, exception_handlers={HTTPException: unrouted})
 
 
 def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None) -> None:  # noqa: ANN401

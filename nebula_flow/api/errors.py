@@ -36,3 +36,22 @@ def fields_known(body: Any, known: set[str] | frozenset[str]) -> dict[str, Any]:
         raise ApiError(400, f"unrecognized request argument(s): {', '.join(map(str, unknown))[:200]}",
                        param=str(unknown[0])[:64], code="unknown_parameter")
     return body
+
+
+async def unrouted(request: Any, exc: Any) -> Any:  # noqa: ANN401
+    """A path this gateway does not serve (404) or a method its path does not take (405), answered
+    in OpenAI's shape as every other error (Starlette's own is plain text, which the ``openai``
+    client shows as a bare ``Error code: 404``), naming what is served."""
+    from starlette.responses import JSONResponse  # (this module stays importable without the HTTP stack)
+
+    asked = f"{request.method} {request.url.path[:200]}"
+    if exc.status_code == 405:
+        allowed = ", ".join(sorted(filter(None, (exc.headers or {}).get("Allow", "").split(", "))))  # (a set's order)
+        error = ApiError(405, f"{asked}: this path takes {allowed or 'other methods'}", code="method_not_allowed",
+                         headers={"Allow": allowed} if allowed else None)
+    elif exc.status_code == 404:
+        paths = ", ".join(route.path.replace(":path", "") for route in request.app.routes)
+        error = ApiError(404, f"Invalid URL ({asked}): this server serves {paths}", code="not_found")
+    else:
+        error = ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
