@@ -383,7 +383,7 @@ class Broker(Intake):
             **({"queued_by_priority": queued_by_priority(self.scheduler.topics.values())}
                if self.opts.policy.priority_scheduling else {}),
             "model": self.opts.model_name, "max_model_len": self.admission.max_model_len,  # (what the HTTP API serves)
-            "max_new_tokens_limit": self.opts.max_new_tokens_limit,
+            "tokenizer": self.admission.model, "max_new_tokens_limit": self.opts.max_new_tokens_limit,  # (replay's prompts)
             **self.stats.state(self.scheduler, self.workers), "round_times": self.round_times.state(),
             "metrics_port": self.metrics.port if self.metrics else None, "worker_address": self.endpoints[1],
             # times the deployment started the broker, and the workers registered now, again after a death

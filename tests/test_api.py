@@ -924,8 +924,9 @@ def test_off_loopback_needs_an_api_key() -> None:
 def test_replay_and_bench_through_the_api(served, tiny_pair, tmp_path) -> None:  # noqa: ANN001
     trace = tmp_path / "t.jsonl"
     trace.write_text(SAMPLE_TRACE)
+    assert oai(served).models.retrieve("tiny").root == str(tiny_pair / "target")  # (vLLM's: replay's tokenizer)
     res = CliRunner().invoke(main, ["replay", str(trace), "--api", served.http_url, "--api-key", "sesame",
-                                    "--tokenizer", str(tiny_pair / "target"), "--out", str(tmp_path / "out"), "--json"])
+                                    "--out", str(tmp_path / "out"), "--json"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output.strip().splitlines()[-1])
     assert summary["completed"] == 3 and summary["tokens"] == 15 and summary["tokens_per_round"] >= 1

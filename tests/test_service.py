@@ -522,12 +522,13 @@ def test_replay_jsonl_and_azure_csv_write_records_summary_and_plots(live, tiny_p
     azure = tmp_path / "azure.csv"
     azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,40,3\n"
                      "2023-11-16 18:17:04.0319600,12,2\n2023-11-16 18:17:09.0319600,5000,3\n")
-    res = CliRunner().invoke(main, ["replay", str(azure), "--broker", live.address, "--tokenizer",
-                                    str(tiny_pair / "target"), "--out", str(out), "--json", "--time-scale", "10",
-                                    "--limit", "2"])
+    # (no --tokenizer: the broker's own, as its status names it; the bundled model's ids were refused here)
+    res = CliRunner().invoke(main, ["replay", str(azure), "--broker", live.address, "--out", str(out), "--json",
+                                    "--time-scale", "10", "--limit", "2"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output.strip().splitlines()[-1])
     assert summary["requests"] == 2 and summary["completed"] == 2 and summary["tokens"] == 5
+    assert [json.loads(line)["prompt_tokens"] for line in (out / "requests.jsonl").read_text().splitlines()] == [40, 12]
 
 
 MOONCAKE = "\n".join([  # (Mooncake's format: the second starts as the first, the third as the second, the fourth alone)

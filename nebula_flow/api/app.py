@@ -136,7 +136,8 @@ class Gateway:
         state = await self.state()
         name = self.model_name or state.get("model") or "default"
         return Served(name, int(state.get("max_model_len") or 1 << 30),
-                      int(state.get("max_new_tokens_limit") or 4096), self.tool_parser, self.reasoning_parser)
+                      int(state.get("max_new_tokens_limit") or 4096), self.tool_parser, self.reasoning_parser,
+                      state.get("tokenizer"))
 
     # -- the endpoints ---------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -405,7 +406,7 @@ def _pieces(shaper: Shaper, index: int, pieces: list[tuple[str, str]], gates: li
 
 def _model_card(served: Served) -> dict[str, Any]:
     return {"id": served.name, "object": "model", "created": 0, "owned_by": "nebula-flow",
-            "max_model_len": served.max_model_len}
+            "max_model_len": served.max_model_len, "root": served.root}  # (vLLM's: where the model lies)
 
 
 async def _disconnected(request: Request) -> None:

@@ -62,6 +62,7 @@ class Served:
     max_new_tokens_limit: int = 4096
     tool_parser: str | None = None  # the model's tool-call format (``api/tools.PARSERS``): tool_choice "auto"
     reasoning_parser: str | None = None  # the model's thinking format (``api/reasoning.PARSERS``)
+    root: str | None = None  # the broker's model folder (its tokenizer's: ``/v1/models``' ``root``, as vLLM's)
 
 
 @dataclass

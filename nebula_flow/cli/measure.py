@@ -199,7 +199,8 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False))
 @broker_option
 @click.option("--tokenizer", type=click.Path(), help="Tokenizer folder for traces without text (default: the "
-              "target of --config or of the bundled config).")
+              "target of --config, else the broker's own where its folder is on this host, else the bundled config's "
+              "target).")
 @click.option("--config", type=click.Path(), help="Deployment TOML whose target tokenizer to use.")
 @click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Divide arrival times by this (2 = twice as fast).")
@@ -234,17 +235,27 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
 
     try:
         loaded = load_trace(trace)  # (a trace that cannot be replayed says so before any server is asked)
-        context = served_model(api_url, api_key).get("max_model_len") if api_url else None
+        served = served_model(api_url, api_key) if api_url else {}
+        # (the broker's tokenizer folder: a trace without text is made into prompts of its token ids)
+        context, served_tokenizer = served.get("max_model_len"), served.get("root")
         if context is None:
             with Client(address, timeout_s=5) as c:
-                context = c.status().get("max_model_len", 1 << 30)
+                state = c.status()
+            context, served_tokenizer = state.get("max_model_len", 1 << 30), state.get("tokenizer")
         reqs, report = shape(loaded, Shaping(time_scale, limit, start_s, end_s, poisson, max_prompt_tokens,
                                              max_new_tokens, seed), context)
     except (TraceError, NebulaError) as exc:
         raise click.ClickException(str(exc)) from None
     prompts = None
     if any(r.prompt_len is not None for r in reqs):
-        tok_dir = tokenizer or load_deploy(config).target.model
+        tok_dir = tokenizer or (load_deploy(config).target.model if config else None)
+        if tok_dir is None and isinstance(served_tokenizer, str) and Path(served_tokenizer).is_dir():
+            tok_dir = served_tokenizer
+        elif tok_dir is None:  # (the broker's folder is not on this host, or the API hides it)
+            tok_dir = load_deploy(None).target.model
+            click.echo(f"note: the trace holds no text; its prompts are made with the bundled config's target's "
+                       f"tokenizer ({tok_dir}): give --tokenizer or --config where the server runs another model",
+                       err=True)
         prompts = PromptSource(tok_dir, seed)
     click.echo(f"replaying {len(reqs)} requests over {reqs[-1].arrival_s if reqs else 0:.1f} s "
                f"(time scale {time_scale}); clipped prompts {report['clipped_prompts']}, "
