@@ -36,3 +36,24 @@ def bind_zmq(sock: zmq.Socket, address: str) -> None:
         sock.bind(address)
     except zmq.ZMQError as exc:
         raise OSError(f"cannot listen on {address}: {zmq.strerror(exc.errno)}") from None
+
+
+def route_to(addresses: list[str]) -> str:
+    """The address of this host's interface that reaches the first of ``addresses`` (ZeroMQ
+    ``tcp://HOST:PORT``) off loopback: where a worker's KV server listens unless told, so that peers
+    on other hosts can reach it as they reach the broker; ``127.0.0.1`` where every address is on
+    loopback (or ``ipc://``). No packet is sent: a UDP socket's connect only picks the route.
+    ``OSError`` where the host cannot be resolved or routed to."""
+    for address in addresses:
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        host = host.strip("[]")
+        if not address.startswith("tcp://") or host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
+            continue
+        try:
+            family, _, _, _, where = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(where)
+                return probe.getsockname()[0]
+        except (OSError, ValueError) as exc:
+            raise OSError(f"cannot tell which interface reaches the broker at {address}: {exc}; give --kv-host") from None
+    return "127.0.0.1"

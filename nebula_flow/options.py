@@ -102,7 +102,7 @@ class WorkerOptions:
     max_kv_gb: float = 4.0  # KV memory budget per model; least recently used requests are evicted
     kv_pool_gb: float | None = None  # finished requests' shared KV files kept for reuse (None: max_kv_gb / 8)
     kv_transport: str = "auto"  # see kv.transport.resolve_transport
-    kv_host: str = "127.0.0.1"  # interface the KV server binds and advertises
+    kv_host: str | None = None  # interface the KV server binds and advertises (None: the one reaching the broker)
     kv_overlap: bool = True  # pull a batch's KV while the previous batch computes (off: pull at start)
     kv_skip_slow_pulls: bool = True  # recompute where a pull is measured slower (kv/link_fit.py; off: always pull)
     prefix_cache: bool = True  # copy the longest prefix another request's KV here holds (kv/store.py)
@@ -125,6 +125,9 @@ class WorkerOptions:
             raise ValueError("--draft-max-batch is for role any, and must be >= 1")
         if self.max_kv_gb <= 0 or (self.kv_pool_gb is not None and self.kv_pool_gb < 0):
             raise ValueError("--max-kv-gb must be > 0 and --kv-pool-gb >= 0")
+        if self.kv_host in ("0.0.0.0", "::", "*", ""):  # (bound, every interface; advertised, no address at all)
+            raise ValueError(f"--kv-host {self.kv_host!r} is no address peers can reach: give this host's address on "
+                             "the network its peers share (or leave it out: the interface that reaches the broker)")
         both = len(MODEL_ROLES[self.role]) == 2
         if self.device != "emulated" and (self.model is None or (both and self.draft_model is None)):
             raise ValueError("--model is required (and --draft-model for a colocated or elastic worker)")

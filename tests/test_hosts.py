@@ -123,8 +123,9 @@ def test_workers_on_other_hosts_with_keys_and_kv_over_tcp(hosts, tiny_pair, tmp_
         start("broker", ["broker", "--options", str(tmp_path / "broker.json")])
         for name in WORKERS:
             role = name.split("-")[0]
+            # (the drafts name no kv_host: their KV server listens where their host reaches the broker)
             opts = WorkerOptions(role=role, broker=f"tcp://{HOSTS['broker']}:5556", name=name, capacity=4,
-                                 model=str(tiny_pair / role), keys=str(keys), kv_host=HOSTS[name],
+                                 model=str(tiny_pair / role), keys=str(keys), kv_host=HOSTS[name] if role == "target" else None,
                                  kv_skip_slow_pulls=not always_pull)
             write_options(opts, tmp_path / f"{name}.json")
             start(name, ["worker", "--options", str(tmp_path / f"{name}.json")])
@@ -146,6 +147,7 @@ def test_workers_on_other_hosts_with_keys_and_kv_over_tcp(hosts, tiny_pair, tmp_
             p.wait(timeout=30)
     assert out["outputs"] == [hf_greedy(tiny_pair / "target", p, 16) for p in prompts]  # lossless
     kv = {w["name"]: w["kv"] for w in out["state"]["workers"]}
+    assert all(w["kv_endpoint"].startswith(f"tcp://{HOSTS[w['name']]}:") for w in out["state"]["workers"])
     print(f"the client's {len(prompts)} requests, one after another, took {out['elapsed_s']:.3f} s")
     assert all(k["transport"] == "tcp" for k in kv.values()) and all(k["bytes_pulled"] > 0 for k in kv.values())
     if not shaped:

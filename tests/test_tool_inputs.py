@@ -176,3 +176,20 @@ def test_an_options_file_of_the_wrong_kinds_is_one_line_naming_the_file(tmp_path
     res = CliRunner().invoke(main, [command, "--options", str(path)])
     assert res.exit_code == 1 and f"Error: cannot read {command.title()}Options from {path}" in res.output, res.output
     assert said in res.output
+
+
+def test_a_workers_kv_server_listens_where_its_host_reaches_the_broker() -> None:
+    """--kv-host used to default to 127.0.0.1 whatever the broker's address: a worker on another host
+    advertised a KV endpoint its peers could not reach, and every pull from it failed after seconds
+    and was recomputed. Left out, it is the interface that routes to the broker (tests/test_hosts.py
+    shows it between network namespaces); 0.0.0.0 binds but is no address to advertise."""
+    from nebula_flow.listen import route_to
+    from nebula_flow.options import WorkerOptions
+
+    assert route_to(["tcp://127.0.0.1:5556", "ipc:///tmp/x", "tcp://localhost:5558"]) == "127.0.0.1"
+    with pytest.raises(OSError, match=r"cannot tell which interface reaches the broker at tcp://no-such\.invalid:5556: "
+                                      r".*; give --kv-host"):
+        route_to(["tcp://no-such.invalid:5556"])
+    res = CliRunner().invoke(main, ["worker", "--role", "target", "--model", "x", "--kv-host", "0.0.0.0"])
+    assert res.exit_code == 1 and "--kv-host '0.0.0.0' is no address peers can reach" in res.output, res.output
+    assert WorkerOptions(role="draft", broker="tcp://127.0.0.1:5556").kv_host is None

@@ -52,7 +52,8 @@ from nebula_flow.options import WorkerOptions, read_options
               help="How KV moves between workers: auto = UCX on CUDA (if ucxx is installed, else ZeroMQ), shm+zmq "
               "on CPU; shm = peers on this host read the holder's KV files (CPU, one host); shm+zmq = shm with "
               "same-host peers, ZeroMQ with the others. With --keys: ZeroMQ (CURVE) only.")
-@click.option("--kv-host", default="127.0.0.1", show_default=True, help="Interface the KV server binds and advertises.")
+@click.option("--kv-host", help="Address of the interface the KV server binds and advertises to peers (default: "
+              "the one this host reaches the broker through; 127.0.0.1 with a broker on loopback).")
 @click.option("--kv-overlap/--no-kv-overlap", default=True, show_default=True,
               help="Pull a batch's KV while the previous batch computes (off: at the start of its compute).")
 @click.option("--kv-skip-slow-pulls/--kv-always-pull", default=True, show_default=True,

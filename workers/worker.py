@@ -29,6 +29,7 @@ import torch
 from nebula_flow import io_threads, protocol
 from nebula_flow.cores import join_lease
 from nebula_flow.kv.transport import make_transport
+from nebula_flow.listen import route_to
 from nebula_flow.lookup import parse_ngram
 from nebula_flow.models.identity import fingerprint
 from nebula_flow.models.loader import load_model
@@ -96,9 +97,9 @@ class Worker:
         self.stores = [r.store for r in self.runners if r.store is not None]  # (an n-gram drafter holds no KV)
         self.prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self.stall_s = 0.0
-        folder = keys_dir(opts.keys)
-        if folder is None and not is_loopback(opts.kv_host):
-            raise ValueError(f"a KV server on {opts.kv_host} (off loopback) requires CURVE keys (--keys DIR)")
+        folder, kv_host = keys_dir(opts.keys), opts.kv_host or route_to(shard_addresses(opts.broker))
+        if folder is None and not is_loopback(kv_host):
+            raise ValueError(f"a KV server on {kv_host} (off loopback) requires CURVE keys (--keys DIR)")
         # this worker's own keypair (workers/NAME in the key folder): to the broker and as a KV server
         self.identity = Identity.load(folder, "worker", self.name) if folder else None
         # (with CURVE keys, only ZeroMQ: UCX and shared folders have no authentication)
@@ -110,7 +111,7 @@ class Worker:
         self.kv = KVPrep(served, self.stores, self.transport,  # (runners: a pull slower than recomputing is not made)
                          {"draft": self.draft, "target": self.target} if opts.kv_skip_slow_pulls else None,
                          one_holder=opts.role == "colocated")
-        self.kv_endpoint = self.kv.endpoint = self.transport.serve(opts.kv_host, self.kv.lookup) if self.transport else None
+        self.kv_endpoint = self.kv.endpoint = self.transport.serve(kv_host, self.kv.lookup) if self.transport else None
         if self.transport is not None and self.transport.share_folder is not None:  # same-host peers read our files
             for role, runner in (("draft", self.draft), ("target", self.target)):
                 if runner is not None and runner.store is not None:
