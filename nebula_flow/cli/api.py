@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Callable
 
@@ -13,17 +12,9 @@ from nebula_flow.api.reasoning import PARSERS as REASONING_PARSERS
 from nebula_flow.api.tools import PARSERS
 from nebula_flow.cli.common import broker_option
 from nebula_flow.listen import listening_socket
+from nebula_flow.security import is_loopback
 
 API_KEY_ENV = "NEBULA_FLOW_API_KEY"  # (the key travels in the environment: argv is visible to every local user)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(host: str, api_key: str | None) -> None:
