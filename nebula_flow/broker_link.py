@@ -5,6 +5,7 @@ connection is up, and when one that dropped is made again (a restarted broker)."
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -59,7 +60,8 @@ class Conn:
         self.sock, self.monitor = connect(ctx, address, keys)
         self.link = Link()
         self.poller: zmq.Poller | None = None  # (the blocking client's)
-        self.backlog: list[Msg] = []  # the rest of a ``Chunks`` the blocking client is reading through
+        # the blocking client's messages by request id (or ``client.STATUS``), each read by its caller
+        self.boxes: dict[str, deque[Msg | None]] = {}
 
     def wait_up(self, deadline: float) -> bool:
         """Wait until the connection is made (its handshake done), reading the monitor's events;

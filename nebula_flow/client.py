@@ -7,8 +7,9 @@
         for chunk in c.stream("Once upon a time", max_new_tokens=32):
             print(chunk.text, end="", flush=True)
 
-A ``Client`` runs one request at a time (it is not thread-safe); ``AsyncClient`` runs any
-number concurrently over one socket. TTFT and latency are measured here, on the client's
+A ``Client`` may be shared by threads (each thread talks to the broker over a connection of its
+own, made at its first request) and streams interleaved in one thread; ``AsyncClient`` runs any
+number of requests concurrently over one socket. TTFT and latency are measured here, on the client's
 clock, from the moment the request is sent.
 """
 
@@ -17,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import numbers
 import secrets
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -30,11 +33,22 @@ from nebula_flow import protocol, zmq_frames
 from nebula_flow.broker_link import Conn
 
 # (what the library hands back is part of its API)
-from nebula_flow.outputs import Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout, Tokenization  # noqa: F401
+from nebula_flow.outputs import (  # noqa: F401
+    Busy,
+    Chunk,
+    Collector,
+    Completion,
+    NebulaError,
+    RequestError,
+    RequestTimeout,
+    Tokenization,
+)
 from nebula_flow.params import SamplingParams, is_int
 from nebula_flow.protocol import Cancel, Chunks, Done, Error, Msg, ProtocolError, State, Status, Submit, Tokens
 from nebula_flow.shards import addresses as shard_addresses
 from nebula_flow.shards import merge_states, route, shard_of
+
+STATUS = "(status)"  # the blocking client's mailbox for a broker's STATE (no request id: ids are hex)
 
 
 def token_array(ids: Any, name: str = "token_ids", what: str = "a list of token ids (ints >= 0)") -> np.ndarray:  # noqa: ANN401
@@ -111,71 +125,6 @@ def _tokenization(reply: Msg) -> Tokenization:
     return Tokenization(reply.token_ids.tolist(), reply.max_model_len, reply.text, reply.pieces)
 
 
-class _Collector:
-    """Turns TOKENS / DONE messages of one request into chunks and a ``Completion``.
-
-    Chunks carry the offsets of their first token and character, so after a re-send (a retry
-    re-attaches and gets everything again; a restarted broker runs the request again, with the
-    same output, greedy or seeded, but maybe other round boundaries) only what was not seen yet is
-    passed on.
-    """
-
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
-        self.ttft: float | None = None
-        self.times: list[float] = []
-        self.counts: list[int] = []
-        self.seen_tokens = 0
-        self.seen_text = 0
-        self.logprobs: list | None = None  # asked for: every token's, as the chunks brought them
-        self.prompt_logprobs: list | None = None  # asked for: the prompt's tokens', as their chunks brought them
-        self.prompt_text: str | None = None  # asked for (echo)
-        self.prompt_tokens: int | None = None  # asked for (prompt_count)
-
-    def chunk(self, msg: Tokens) -> Chunk | None:
-        if msg.prompt_text is not None:
-            self.prompt_text = msg.prompt_text
-        if msg.prompt_tokens is not None:
-            self.prompt_tokens = msg.prompt_tokens
-        if msg.prompt_logprobs:  # (they come before the first tokens, in chunks of their own)
-            have, at = self.prompt_logprobs or [], msg.prompt_offset
-            if at <= len(have):
-                self.prompt_logprobs = have[:at] + msg.prompt_logprobs + have[at + len(msg.prompt_logprobs):]
-        skip = max(0, self.seen_tokens - msg.offset)
-        tokens = list(msg.token_ids[skip:])
-        text = msg.text[max(0, self.seen_text - msg.text_offset):]
-        if not tokens and not text:
-            return None  # all of it was seen already
-        self.seen_tokens = max(self.seen_tokens, msg.offset + len(msg.token_ids))
-        self.seen_text = max(self.seen_text, msg.text_offset + len(msg.text))
-        t = time.monotonic() - self.t0
-        first = self.ttft is None
-        self.ttft = t if first else self.ttft
-        self.times.append(t)
-        self.counts.append(len(tokens))
-        logprobs = msg.logprobs[skip:] if msg.logprobs is not None else None
-        if logprobs:
-            self.logprobs = self.logprobs if self.logprobs is not None else []
-            self.logprobs.extend(logprobs)
-        return Chunk(tokens, text, t, logprobs, *((self.prompt_logprobs, self.prompt_text, self.prompt_tokens) if first
-                                                  else (None, None, None)))
-
-    def finish(self, msg: Done) -> list[Chunk | Completion]:
-        """The request's end: the text the stream held back, if any (a character still partial at
-        the last round: the final decode gives it out, as U+FFFD), then the ``Completion``, so
-        that a stream's pieces always add up to its text."""
-        rest = msg.text[self.seen_text:]
-        chunk = self.chunk(Tokens(msg.req_id, [], rest, len(msg.token_ids), self.seen_text)) if rest else None
-        return [chunk, self.done(msg)] if chunk is not None else [self.done(msg)]
-
-    def done(self, msg: Done) -> Completion:
-        latency = time.monotonic() - self.t0
-        st = msg.stats
-        return Completion(msg.text, msg.token_ids, msg.finish_reason, st.get("rounds", 0),
-                          st.get("tokens_per_round", []), self.ttft if self.ttft is not None else latency,
-                          latency, self.times, st, self.counts, self.logprobs, self.prompt_logprobs, self.prompt_text)
-
-
 def _reproducible(params: dict[str, Any]) -> dict[str, Any]:
     """A sampled request needs a seed to come out the same when it is sent again (a retry, a
     restarted broker); pick one if none is given (a random seed samples the same distribution)."""
@@ -192,14 +141,27 @@ class Client:
     def __init__(self, address: str, timeout_s: float = 120.0, retries: int = 0, keys: str | None = None) -> None:
         """``address``: the broker's, or a sharded deployment's shards' separated by commas."""
         check_client(timeout_s, retries)
-        self.address, self.timeout_s, self.retries = address, timeout_s, retries
+        self.address, self.timeout_s, self.retries, self.keys = address, timeout_s, retries, keys
         self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
-        self.conns = [Conn(zmq.Context.instance(), a, keys) for a in shard_addresses(address)]
-        for conn in self.conns:
-            conn.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # no broker to talk to: never block forever
-            conn.poller = zmq.Poller()
-            conn.poller.register(conn.sock, zmq.POLLIN)
-            conn.poller.register(conn.monitor, zmq.POLLIN)
+        # (a ZeroMQ socket is one thread's: each thread gets its own connections; two threads on one
+        # socket each took, and dropped, the other's messages, and both waited out their timeout)
+        self._local, self._opened, self._lock = threading.local(), [], threading.Lock()
+        self.conns  # noqa: B018 (this thread's, made now: a bad address is an error here)
+
+    @property
+    def conns(self) -> list[Conn]:
+        """The calling thread's connections, one per shard."""
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = [Conn(zmq.Context.instance(), a, self.keys) for a in shard_addresses(self.address)]
+            for conn in conns:
+                conn.sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))  # no broker: never block forever
+                conn.poller = zmq.Poller()
+                conn.poller.register(conn.sock, zmq.POLLIN)
+                conn.poller.register(conn.monitor, zmq.POLLIN)
+            with self._lock:
+                self._opened.extend(conns)
+        return conns
 
     def __enter__(self) -> Client:
         return self
@@ -208,8 +170,11 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        for conn in self.conns:
+        with self._lock:
+            opened, self._opened = self._opened, []
+        for conn in opened:  # (every thread's)
             conn.close()
+        self._local = threading.local()
 
     def wait_connected(self, timeout_s: float) -> None:
         """Wait until the connection to every broker is made; ``RequestTimeout`` naming one that is
@@ -228,24 +193,27 @@ class Client:
             if block:
                 raise RequestTimeout(f"cannot reach {conn.address} (not running, or keys refused)") from None
 
-    def _recv(self, conn: Conn, timeout_s: float | None = None) -> Msg | None:
-        """The next message from that broker; None when the connection to it was made again after
-        dropping (the caller sends what it has in flight again)."""
-        if conn.backlog:
-            return conn.backlog.pop(0)
+    def _recv(self, conn: Conn, key: str, timeout_s: float | None = None) -> Msg | None:
+        """The next message from that broker for ``key`` (a request id, or ``STATUS``), whose mailbox
+        the caller opened; None when the connection was made again after dropping (the caller sends
+        what it has in flight again). Messages for the thread's other open mailboxes (streams read
+        in turns) wait in theirs; those for none (an abandoned request's) are dropped."""
+        box = conn.boxes[key]
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
+        while not box and (left := deadline - time.monotonic()) > 0:
             events = dict(conn.poller.poll(int(left * 1000) + 1))
             if conn.monitor in events and conn.link.event(conn.monitor.recv_multipart()):
-                return None
+                for waiting in conn.boxes.values():
+                    waiting.append(None)
             if conn.sock in events:
                 msg = protocol.decode(zmq_frames.recv(conn.sock))
-                if not isinstance(msg, Chunks):
-                    return msg
-                conn.backlog = list(msg.chunks)
-                if conn.backlog:
-                    return conn.backlog.pop(0)
+                for item in msg.chunks if isinstance(msg, Chunks) else [msg]:
+                    to = getattr(item, "req_id", None) or (STATUS if isinstance(item, State) else None)
+                    for waiting in [conn.boxes[to]] if to in conn.boxes else conn.boxes.values() if to is None else []:
+                        waiting.append(item)  # (an error that names no request: every caller's)
+        if box:
+            return box.popleft()
         raise RequestTimeout(f"no answer from {conn.address} within {timeout_s:.0f} s")
 
     def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
@@ -256,13 +224,14 @@ class Client:
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
         conn = self.conns[route(req_id, params.pop("prompt_cache_key", None), len(self.conns))]
         submit = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
-        self._send(conn, submit)
-        col = _Collector()
+        conn.boxes[req_id] = deque()
+        col = Collector()
         finished, attempts = False, 0
         try:
+            self._send(conn, submit)
             while True:
                 try:
-                    msg = self._recv(conn)
+                    msg = self._recv(conn, req_id)
                 except RequestTimeout:
                     if attempts >= self.retries:
                         raise
@@ -286,6 +255,7 @@ class Client:
                     finished = True
                     _raise_error(msg)
         finally:
+            conn.boxes.pop(req_id, None)
             if not finished:  # abandoned (or timed out): the broker should stop working on it
                 self._send(conn, Cancel(req_id, self.session), block=False)
 
@@ -305,22 +275,30 @@ class Client:
         ``token_ids=`` to text (``build_tokenize``'s arguments)."""
         msg = build_tokenize(text, **kwargs)
         conn = self.conns[shard_of(msg.req_id, len(self.conns))]
-        self._send(conn, msg)
-        while True:
-            reply = self._recv(conn)
-            if reply is None:  # (the connection was made again: ask again)
-                self._send(conn, msg)
-            elif getattr(reply, "req_id", None) == msg.req_id:
-                return _tokenization(reply)
+        conn.boxes[msg.req_id] = deque()
+        try:
+            self._send(conn, msg)
+            while True:
+                reply = self._recv(conn, msg.req_id)
+                if reply is None:  # (the connection was made again: ask again)
+                    self._send(conn, msg)
+                elif getattr(reply, "req_id", None) == msg.req_id:
+                    return _tokenization(reply)
+        finally:
+            conn.boxes.pop(msg.req_id, None)
 
     def _status(self, conn: Conn) -> dict[str, Any]:
-        self._send(conn, Status())
-        while True:
-            msg = self._recv(conn, min(self.timeout_s, 10.0))
-            if msg is None:
-                self._send(conn, Status())
-            elif isinstance(msg, State):
-                return msg.state
+        conn.boxes[STATUS] = deque()
+        try:
+            self._send(conn, Status())
+            while True:
+                msg = self._recv(conn, STATUS, min(self.timeout_s, 10.0))
+                if msg is None:
+                    self._send(conn, Status())
+                elif isinstance(msg, State):
+                    return msg.state
+        finally:
+            conn.boxes.pop(STATUS, None)
 
 
 class AsyncClient:
@@ -403,7 +381,7 @@ class AsyncClient:
         self.queues[req_id] = queue
         self.inflight[req_id] = (conn, msg)
         await self._send(conn, msg)
-        col = _Collector()
+        col = Collector()
         finished, attempts = False, 0
         try:
             while True:

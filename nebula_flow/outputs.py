@@ -1,10 +1,14 @@
 """What the client library hands back (``nebula_flow/client.py``): stream chunks, completions,
-tokenizations and the errors it raises."""
+tokenizations and the errors it raises; and ``Collector``, which makes a request's chunks and
+completion of the broker's messages."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from nebula_flow.protocol import Done, Tokens
 
 
 class NebulaError(Exception):
@@ -81,3 +85,68 @@ class Tokenization:
     max_model_len: int
     text: str | None = None
     pieces: list[str] | None = None
+
+
+class Collector:
+    """Turns TOKENS / DONE messages of one request into chunks and a ``Completion``.
+
+    Chunks carry the offsets of their first token and character, so after a re-send (a retry
+    re-attaches and gets everything again; a restarted broker runs the request again, with the
+    same output, greedy or seeded, but maybe other round boundaries) only what was not seen yet is
+    passed on.
+    """
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.ttft: float | None = None
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self.seen_tokens = 0
+        self.seen_text = 0
+        self.logprobs: list | None = None  # asked for: every token's, as the chunks brought them
+        self.prompt_logprobs: list | None = None  # asked for: the prompt's tokens', as their chunks brought them
+        self.prompt_text: str | None = None  # asked for (echo)
+        self.prompt_tokens: int | None = None  # asked for (prompt_count)
+
+    def chunk(self, msg: Tokens) -> Chunk | None:
+        if msg.prompt_text is not None:
+            self.prompt_text = msg.prompt_text
+        if msg.prompt_tokens is not None:
+            self.prompt_tokens = msg.prompt_tokens
+        if msg.prompt_logprobs:  # (they come before the first tokens, in chunks of their own)
+            have, at = self.prompt_logprobs or [], msg.prompt_offset
+            if at <= len(have):
+                self.prompt_logprobs = have[:at] + msg.prompt_logprobs + have[at + len(msg.prompt_logprobs):]
+        skip = max(0, self.seen_tokens - msg.offset)
+        tokens = list(msg.token_ids[skip:])
+        text = msg.text[max(0, self.seen_text - msg.text_offset):]
+        if not tokens and not text:
+            return None  # all of it was seen already
+        self.seen_tokens = max(self.seen_tokens, msg.offset + len(msg.token_ids))
+        self.seen_text = max(self.seen_text, msg.text_offset + len(msg.text))
+        t = time.monotonic() - self.t0
+        first = self.ttft is None
+        self.ttft = t if first else self.ttft
+        self.times.append(t)
+        self.counts.append(len(tokens))
+        logprobs = msg.logprobs[skip:] if msg.logprobs is not None else None
+        if logprobs:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(logprobs)
+        return Chunk(tokens, text, t, logprobs, *((self.prompt_logprobs, self.prompt_text, self.prompt_tokens) if first
+                                                  else (None, None, None)))
+
+    def finish(self, msg: Done) -> list[Chunk | Completion]:
+        """The request's end: the text the stream held back, if any (a character still partial at
+        the last round: the final decode gives it out, as U+FFFD), then the ``Completion``, so
+        that a stream's pieces always add up to its text."""
+        rest = msg.text[self.seen_text:]
+        chunk = self.chunk(Tokens(msg.req_id, [], rest, len(msg.token_ids), self.seen_text)) if rest else None
+        return [chunk, self.done(msg)] if chunk is not None else [self.done(msg)]
+
+    def done(self, msg: Done) -> Completion:
+        latency = time.monotonic() - self.t0
+        st = msg.stats
+        return Completion(msg.text, msg.token_ids, msg.finish_reason, st.get("rounds", 0),
+                          st.get("tokens_per_round", []), self.ttft if self.ttft is not None else latency,
+                          latency, self.times, st, self.counts, self.logprobs, self.prompt_logprobs, self.prompt_text)

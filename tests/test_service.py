@@ -861,7 +861,7 @@ def test_big_logprob_streams_travel_in_messages_under_the_header_limit(tiny_pair
     """With logprobs (each token's top tokens) a re-attached client's resend and one step's chunks
     for a busy client are split into messages well under the header limit; the client library
     puts the tokens and logprobs back together in order."""
-    from nebula_flow.client import _Collector
+    from nebula_flow.outputs import Collector
     from nebula_flow.protocol import Chunks, Tokens
     from nebula_flow_broker.intake import chunk_groups
     from nebula_flow_broker.server import Broker, BrokerOptions
@@ -881,7 +881,7 @@ def test_big_logprob_streams_travel_in_messages_under_the_header_limit(tiny_pair
                                                        prompt_tokens=np.array([1, 2], np.int32), session="s" * 32)), 1.0)
         resent = [m for _, m in broker.client_outbox]
         assert len(resent) == 3 and all(isinstance(m, Tokens) for m in resent)
-        collector = _Collector()
+        collector = Collector()
         for m in resent:
             frames = protocol.encode(m)
             assert len(frames[1]) < protocol.MAX_HEADER_BYTES // 4
@@ -900,7 +900,7 @@ def test_big_logprob_streams_travel_in_messages_under_the_header_limit(tiny_pair
         broker.on_client(b"c2", protocol.encode(Submit("long", asks, prompt_tokens=prompt, session="s" * 32)), 3.0)
         resent = [m for _, m in broker.client_outbox]
         assert len(resent) == 1 + 3 and resent[0].prompt_text == echo.prompt_text  # (echo, 3 of logprobs; no tokens yet)
-        collector = _Collector()
+        collector = Collector()
         for m in resent:
             frames = protocol.encode(m)
             assert len(frames[1]) < protocol.MAX_HEADER_BYTES // 4

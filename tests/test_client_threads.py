@@ -1,0 +1,51 @@
+"""One blocking ``Client`` shared by threads, and streams of one thread read in turns. Both hung:
+every caller read the one socket and dropped the messages of requests not its own (as a late
+message of an abandoned request), so two of four threads' requests waited out their whole timeout
+(a ZeroMQ socket is not thread-safe either). Now each thread has its own connection, and a
+thread's messages for another of its streams wait in that stream's mailbox."""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from nebula_flow.client import Client, Completion
+from nebula_flow.deploy import Deployment
+from tests.conftest import deploy_config, hf_greedy
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_pair):  # noqa: ANN001, ANN201
+    with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep:
+        yield dep
+
+
+def test_threads_share_one_client(deployment, tiny_pair) -> None:  # noqa: ANN001
+    with Client(deployment.address, timeout_s=30) as client, ThreadPoolExecutor(4) as pool:
+        def run(prompt: list[int]) -> list[int]:
+            assert client.status()["mode"] == "pooled"  # (a STATE among the others' TOKENS: this thread's)
+            return client.generate(token_ids=prompt, max_new_tokens=10, ignore_eos=True).token_ids
+
+        outs = list(pool.map(run, PROMPTS * 2))
+        assert len(client._opened) >= 3  # (the threads did run side by side, each on its own connection)
+    assert outs == [hf_greedy(tiny_pair / "target", p, 10) for p in PROMPTS * 2]
+
+
+def test_streams_of_one_thread_read_in_turns(deployment, tiny_pair) -> None:  # noqa: ANN001
+    with Client(deployment.address, timeout_s=30) as client:
+        streams = [client.stream(token_ids=p, max_new_tokens=10, ignore_eos=True) for p in PROMPTS[:3]]
+        done, pieces = {}, {i: [] for i in range(3)}
+        for items in itertools.zip_longest(*streams):
+            for i, item in enumerate(items):
+                if isinstance(item, Completion):
+                    done[i] = item.token_ids
+                elif item is not None:
+                    pieces[i].extend(item.token_ids)
+        assert client.tokenize(token_ids=[5, 6]).token_ids == [5, 6]  # (after them: nothing left over)
+        assert client.status()["pool"] == 0
+    want = [hf_greedy(tiny_pair / "target", p, 10) for p in PROMPTS[:3]]
+    assert [done[i] for i in range(3)] == want and [pieces[i] for i in range(3)] == want
