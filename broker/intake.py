@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 
 from nebula_flow import displace, protocol
-from nebula_flow.protocol import Cancel, Done, ProtocolError, State, Status, Submit, TaskResult, Tokenize, Tokens
+from nebula_flow.protocol import Cancel, Done, Error, ProtocolError, State, Status, Submit, TaskResult, Tokenize, Tokens
 from nebula_flow.request import Request
 from nebula_flow.wire import req_id_of
 from nebula_flow_broker import results
@@ -132,6 +132,30 @@ class Intake:
             return
         self.inflight_by_owner[identity] += 1
         self._admit(msg, identity, owner, now, None)
+
+    def _reject(self, sock: zmq.Socket, identity: bytes, code: str, message: str, req_id: str | None = None) -> None:
+        self.errors[code] += 1
+        self._send(sock, identity, Error(code, message, req_id))
+
+    def reap_clients(self, now: float) -> None:
+        """End the requests of a client that went away (a send to it failed: its process was killed,
+        its socket closed) ``client_gone_s`` ago, that no retry from a new connection has taken over
+        since (its library sends them again at once from a new connection, as after a broker
+        restart: a retry re-attaches, and its requests' owner is then that connection): nobody would read
+        their output, and they held their devices' time until their last token. Each is counted in
+        ``requests_abandoned`` and forgotten, so a retry that comes later runs it again."""
+        for identity, since in list(self.gone.items()):
+            if now - since < self.opts.client_gone_s:
+                continue
+            del self.gone[identity]
+            for req in [r for r in self.scheduler.requests.values() if r.owner == identity]:
+                self.counters["requests_abandoned"] += 1
+                self._finish(req.rid, "cancelled")
+                self.finished.pop(req.req_id, None)
+            for waiting in self.prompts.waiting.values():
+                if waiting.identity == identity:
+                    self.counters["requests_abandoned"] += 1
+                    waiting.cancelled = True
 
     def _resend_logprobs(self, identity: bytes, req_id: str, output: list[int], text: str, logprobs: list | None,
                          prompt_logprobs: list | None) -> None:

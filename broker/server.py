@@ -90,7 +90,7 @@ class Broker(Intake):
         self.owners: dict[str, str] = {}  # running req_id -> its owner (see ``owner_of``)
         self.inflight_by_owner: Counter[bytes] = Counter()
         self.next_rid, self.next_worker = opts.shard + 1, 1  # (shards number requests apart: see _submit)
-        self.frees: list[int] = []
+        self.frees, self.gone = [], {}  # (requests whose KV workers may drop; clients a send failed to, since: reap_clients)
         self.draining_since: float | None = None
         self.started = time.monotonic()
         self.metrics = None
@@ -126,11 +126,9 @@ class Broker(Intake):
             return True
         except zmq.ZMQError:
             self.counters["send_failures"] += 1
+            if sock is self.clients:  # (gone: its requests end unless a retry takes them over, ``reap_clients``)
+                self.gone.setdefault(identity, time.monotonic())
             return False
-
-    def _reject(self, sock: zmq.Socket, identity: bytes, code: str, message: str, req_id: str | None = None) -> None:
-        self.errors[code] += 1
-        self._send(sock, identity, Error(code, message, req_id))
 
     def _finish(self, rid: int, reason: str, error: tuple[str, str] | None = None) -> None:
         """End a request the policy still holds (cancelled, failed, or the broker stopping)."""
@@ -404,6 +402,7 @@ class Broker(Intake):
             self.metrics.snapshot = render_metrics(self.state(now))
         if now - self._last_beat >= self.opts.heartbeat_s:
             self._last_beat = now
+            self.reap_clients(now)
             for wid, info in list(self.workers.items()):
                 if self.access.revoked(info.key):
                     self._drop_worker(wid, "revoked")  # its tasks go to others; it is told to stop

@@ -35,6 +35,7 @@ class BrokerOptions:
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0  # silence after which a worker is declared dead
     drain_s: float = 30.0  # on SIGTERM: how long in-flight requests may finish
+    client_gone_s: float = 10.0  # a client a send failed to: how long its requests wait for it (intake.reap_clients)
     metrics_port: int | None = None  # HTTP port for Prometheus /metrics (None: off, 0: any free port)
     metrics_host: str = "127.0.0.1"  # off loopback only with metrics_token_file
     metrics_token_file: str | None = None  # a file holding the token scrapers send (Authorization: Bearer ...)
@@ -62,8 +63,9 @@ class BrokerOptions:
         for name in ("proposal_top_k", "max_pending", "max_inflight_per_client", "max_new_tokens_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.drain_s < 0:
-            raise ValueError(f"drain_s must be >= 0, got {self.drain_s}")
+        for name in ("drain_s", "client_gone_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.liveness_s < 2 * self.heartbeat_s:
             raise ValueError(f"liveness_s ({self.liveness_s}) must be at least twice heartbeat_s "
                              f"({self.heartbeat_s})")

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nebula_flow import protocol
-from nebula_flow.client import AsyncClient, Busy, Client
+from nebula_flow.client import AsyncClient, Busy, Client, build_submit
 from nebula_flow.deploy import Deployment, free_port
 from tests.conftest import deploy_config, hf_greedy, workers_lost
 
@@ -445,3 +445,54 @@ def test_a_deployment_retries_when_its_chosen_port_is_taken_before_the_broker_bi
                 assert len(c.generate(token_ids=[4, 5, 6], max_new_tokens=4).token_ids) == 4
     finally:
         taken.close()
+
+
+GONE_CLIENT = """
+import asyncio, sys
+from nebula_flow.client import AsyncClient
+
+async def main():
+    async with AsyncClient(sys.argv[1]) as client:
+        streams = [client.stream(token_ids=[3 + i, 4, 5], max_new_tokens=1000, ignore_eos=True) for i in range(2)]
+        for stream in streams:
+            await stream.__anext__()
+        print("streaming", flush=True)
+        await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_the_requests_of_a_client_that_went_away_end_unless_it_comes_back(tiny_pair) -> None:  # noqa: ANN001
+    """A client process killed mid-stream: its requests ran to their last token, for nobody. Now they
+    end ``client_gone_s`` after a send to it fails (counted); a client whose connection drops and
+    that sends its request again from a new one within that time keeps it, whole."""
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    cfg.broker.client_gone_s, cfg.broker.heartbeat_s = 2.0, 0.25
+    with Deployment(cfg) as dep, Client(dep.address, timeout_s=60) as c:
+        gone = subprocess.Popen([sys.executable, "-c", GONE_CLIENT, dep.address], stdout=subprocess.PIPE, text=True)
+        assert gone.stdout.readline().strip() == "streaming"
+        gone.kill()
+        gone.wait()
+        deadline = time.monotonic() + 60
+        while (state := c.status())["pool"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        counters = state["counters"]
+        assert state["pool"] == 0 and counters["requests_abandoned"] == 2, counters
+        assert counters.get("requests_length", 0) == 0 and counters["tokens_out"] < 1500  # (not run to the end)
+
+        # A connection that drops (a raw socket, closed without a CANCEL) and a retry from another
+        session = "5e55" * 8
+        first = zmq.Context.instance().socket(zmq.DEALER)
+        first.connect(dep.address)
+        first.send_multipart(protocol.encode(build_submit("back", None, [3, 4, 5], False, session, max_new_tokens=300,
+                                                          ignore_eos=True)))
+        assert isinstance(protocol.decode(first.recv_multipart()), protocol.Tokens)
+        first.close(linger=0)
+        failures = c.status()["counters"].get("send_failures", 0)
+        while c.status()["counters"].get("send_failures", 0) == failures and time.monotonic() < deadline:
+            time.sleep(0.02)  # (until the broker has found the first connection gone)
+        c.session = session
+        out = c.generate(token_ids=[3, 4, 5], max_new_tokens=300, ignore_eos=True, request_id="back")
+        assert c.status()["counters"]["requests_abandoned"] == 2
+    assert out.token_ids == hf_greedy(tiny_pair / "target", [3, 4, 5], 300)
