@@ -124,9 +124,9 @@ class Broker(Intake):
         try:
             zmq_frames.send(sock, [identity, *protocol.encode(msg)], zmq_frames.NOBLOCK)
             return True
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             self.counters["send_failures"] += 1
-            if sock is self.clients:  # (gone: its requests end unless a retry takes them over, ``reap_clients``)
+            if sock is self.clients and exc.errno == zmq.EHOSTUNREACH:  # (gone, not slow: ``reap_clients``)
                 self.gone.setdefault(identity, time.monotonic())
             return False
 
