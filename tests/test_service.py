@@ -377,7 +377,8 @@ def test_cli_generate_json_and_status(live) -> None:  # noqa: ANN001
     with Client(live.address) as c:  # every worker says what it serves from its registration on
         workers = c.status()["workers"]
     assert all(w["model"]["device"] == "cpu" and w["model"]["vocab_size"] > 0 for w in workers)
-    assert res.output.count(" on cpu ") == len(workers)
+    assert res.output.count(" on cpu ") == len(workers)  # (and the target's numerics: the broker checks them)
+    assert res.output.count(" on cpu (float32) ") + res.output.count(" on cpu (bfloat16 batch-invariant) ") == 1
     # the workers' forward times came back with their results: the costs adaptive k would weigh
     assert "speculation costs in target decode steps: draft step" in res.output
     assert "verify blocks by rows: not measured yet" not in res.output

@@ -35,6 +35,8 @@ def status_lines(state: dict[str, Any]) -> list[str]:
         if saved := (w.get("kv") or {}).get("pull_saved", 0):  # (pulled KV its own prefix cache held: copied here)
             kv += f" {saved} positions not pulled (its prefix cache held them)"
         where = (w.get("model") or {}).get("device", "?")  # (registered: shown before it first computes)
+        if numerics := (w.get("model") or {}).get("numerics"):  # (a verifier's: the broker refuses others beside it)
+            where += f" ({numerics.rsplit(' on ', 1)[0]})"
         out.append(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} on {where:<9} "
                    f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}{restarted}{kv}")
         links = (w.get("kv") or {}).get("links") or {}  # (its network pulls' holders, as it measured them lately)
