@@ -329,6 +329,10 @@ class AsyncClient:
             conn.close()
 
     def _start(self) -> None:
+        if self.tasks and (before := self.tasks[0].get_loop()) is not asyncio.get_running_loop():
+            if before.is_running():  # (two loops would read one socket, each dropping the other's replies)
+                raise RuntimeError("this AsyncClient is in use on another event loop: give each loop its own")
+            self.tasks, self.queues, self.inflight = [], {}, {}  # (asyncio.run again: its readers ended with the last)
         if not self.tasks:
             for i, conn in enumerate(self.conns):
                 self.tasks += [asyncio.ensure_future(self._read(i, conn)), asyncio.ensure_future(self._watch(conn))]

@@ -2,7 +2,8 @@
 every caller read the one socket and dropped the messages of requests not its own (as a late
 message of an abandoned request), so two of four threads' requests waited out their whole timeout
 (a ZeroMQ socket is not thread-safe either). Now each thread has its own connection, and a
-thread's messages for another of its streams wait in that stream's mailbox."""
+thread's messages for another of its streams wait in that stream's mailbox. An ``AsyncClient``
+serves the event loop it is used on, one after another."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from nebula_flow.client import Client, Completion
+from nebula_flow.client import AsyncClient, Client, Completion
 from nebula_flow.deploy import Deployment
 from tests.conftest import deploy_config, hf_greedy
 
@@ -49,3 +50,18 @@ def test_streams_of_one_thread_read_in_turns(deployment, tiny_pair) -> None:  # 
         assert client.status()["pool"] == 0
     want = [hf_greedy(tiny_pair / "target", p, 10) for p in PROMPTS[:3]]
     assert [done[i] for i in range(3)] == want and [pieces[i] for i in range(3)] == want
+
+
+def test_an_async_client_serves_one_event_loop_after_another(deployment, tiny_pair) -> None:  # noqa: ANN001
+    """A module-level AsyncClient used by `asyncio.run` twice: its readers ended with the first loop,
+    and every request of the second waited out its timeout in silence."""
+    import asyncio
+
+    client = AsyncClient(deployment.address, timeout_s=30)
+
+    async def ask() -> list[int]:
+        return (await client.generate(token_ids=PROMPTS[0], max_new_tokens=6, ignore_eos=True)).token_ids
+
+    outs = [asyncio.run(ask()) for _ in range(2)]
+    asyncio.run(client.close())
+    assert outs == [hf_greedy(tiny_pair / "target", PROMPTS[0], 6)] * 2
