@@ -119,7 +119,7 @@ class Intake:
             return
         if self.draining_since is not None:
             raise ProtocolError("shutting_down", "the broker is shutting down")
-        if self.inflight_by_owner[identity] >= self.opts.max_inflight_per_client:
+        if self.opts.max_inflight_per_client is not None and self.inflight_by_owner[identity] >= self.opts.max_inflight_per_client:
             raise ProtocolError("busy", f"this client already has {self.opts.max_inflight_per_client} requests in flight")
         if self.admission.slow(msg):  # (tokenizing.py)
             params = self.admission.params(msg, grammar=False)  # (bad parameters are refused before the work)

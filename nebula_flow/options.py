@@ -30,7 +30,9 @@ class BrokerOptions:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     proposal_top_k: int = 16  # entries of the draft distribution q sent with each sampled draft token
     max_pending: int = 1024  # admission limit; beyond it clients get BUSY (or, more urgent, displace one: displace.py)
-    max_inflight_per_client: int = 256
+    # a limit of each client's own (None: none; max_pending bounds them all. An HTTP gateway is
+    # one client for all its callers, so a limit under max_pending refused HTTP load the pool had room for)
+    max_inflight_per_client: int | None = None
     max_new_tokens_limit: int = 4096
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0  # silence after which a worker is declared dead
@@ -61,7 +63,7 @@ class BrokerOptions:
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be a port from 0 to 65535 (0: any free one), got {port}")
         for name in ("proposal_top_k", "max_pending", "max_inflight_per_client", "max_new_tokens_limit"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("drain_s", "client_gone_s"):
             if getattr(self, name) < 0:

@@ -496,3 +496,46 @@ def test_the_requests_of_a_client_that_went_away_end_unless_it_comes_back(tiny_p
         out = c.generate(token_ids=[3, 4, 5], max_new_tokens=300, ignore_eos=True, request_id="back")
         assert c.status()["counters"]["requests_abandoned"] == 2
     assert out.token_ids == hf_greedy(tiny_pair / "target", [3, 4, 5], 300)
+
+
+@pytest.mark.parametrize(("per_client", "pending", "first", "admitted"),
+                         [(None, 300, 290, [290, 4]), (None, 10, 12, [10, 0]), (3, 10, 12, [3, 3])])
+def test_admission_bounds_the_pool_and_a_client_only_where_asked(tiny_pair, tmp_path, per_client, pending, first,  # noqa: ANN001
+                                                                 admitted) -> None:
+    """A broker (no workers: what it admits waits) of max_pending ``pending``; two clients, the
+    first sends ``first`` requests, the second 4. Each client's own limit used to be 256 by default,
+    under max_pending, so an HTTP gateway, one client for all its callers, was refused load the pool
+    had room for (the first case); now there is none unless configured, and then it bounds each
+    client apart."""
+    from nebula_flow.options import BrokerOptions, write_options
+
+    opts = BrokerOptions(client_port=free_port(), worker_port=free_port(), model=str(tiny_pair / "target"),
+                         max_pending=pending, max_inflight_per_client=per_client, drain_s=0)
+    broker = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "broker", "--options",
+                               str(write_options(opts, tmp_path / "broker.json"))], stderr=subprocess.DEVNULL)
+    socks = []
+    try:
+        with Client(opts.client_address) as c:
+            c.wait_connected(60)
+        refused = []
+        for n, name in ((first, "a"), (4, "b")):
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 30_000)
+            sock.connect(opts.client_address)
+            socks.append(sock)
+            for i in range(n):
+                sock.send_multipart(protocol.encode(build_submit(f"{name}{i}", None, [3, 4], False, max_new_tokens=4)))
+            sock.send_multipart(protocol.encode(protocol.Status()))
+            errors = []
+            while not isinstance(msg := protocol.decode(sock.recv_multipart()), protocol.State):
+                errors.append(msg)  # (the refusals come before the state that follows them)
+            assert all(isinstance(e, protocol.Error) and e.code == "busy" for e in errors), errors
+            refused.append(len(errors))
+            pool = msg.state["pool"]
+        assert [n - r for n, r in zip((first, 4), refused)] == admitted and pool == sum(admitted)
+    finally:
+        for sock in socks:
+            sock.close()
+        broker.terminate()
+        broker.wait(timeout=30)
