@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,8 +133,10 @@ class SamplingParams:
         if not isinstance(raw, dict):
             raise InvalidParams("params must be an object")
         unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise InvalidParams(f"unknown parameters: {sorted(unknown)}")
+        if unknown:  # (OpenAI's names, the closest of ours: max_tokens -> max_new_tokens)
+            near = {name: difflib.get_close_matches(name, cls.__dataclass_fields__, 1, 0.6) for name in sorted(unknown)}
+            hint = "; ".join(f"{name}: did you mean {near[name][0]}?" for name in near if near[name])
+            raise InvalidParams(f"unknown parameters: {sorted(unknown)}" + (f" ({hint})" if hint else ""))
         raw = dict(raw)
         stop = raw.pop("stop", ()) or ()
         if isinstance(stop, str):

@@ -75,7 +75,8 @@ def test_the_window_is_from_the_first_request_and_an_empty_one_is_an_error(tmp_p
     ({"stop": 3}, "stop must be a string or a list of non-empty strings"),
     ({"stop": ["a", 3]}, "stop must be a string or a list of non-empty strings"),
     ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
-    ({"temprature": 0.5}, "unknown parameters: ['temprature']"),
+    ({"temprature": 0.5}, "unknown parameters: ['temprature'] (temprature: did you mean temperature?)"),
+    ({"max_tokens": 5, "bogus": 1}, "unknown parameters: ['bogus', 'max_tokens'] (max_tokens: did you mean max_new_tokens?)"),
 ])
 def test_the_client_library_refuses_bad_parameters_as_the_broker_does(params: dict, message: str) -> None:
     with pytest.raises(InvalidParams) as caught:
