@@ -152,6 +152,8 @@ class Client:
     def conns(self) -> list[Conn]:
         """The calling thread's connections, one per shard."""
         conns = getattr(self._local, "conns", None)
+        if conns is None and self._local is None:
+            raise NebulaError("this client is closed")
         if conns is None:
             conns = self._local.conns = [Conn(zmq.Context.instance(), a, self.keys) for a in shard_addresses(self.address)]
             for conn in conns:
@@ -174,7 +176,7 @@ class Client:
             opened, self._opened = self._opened, []
         for conn in opened:  # (every thread's)
             conn.close()
-        self._local = threading.local()
+        self._local = None
 
     def wait_connected(self, timeout_s: float) -> None:
         """Wait until the connection to every broker is made; ``RequestTimeout`` naming one that is
@@ -192,6 +194,9 @@ class Client:
         except zmq.Again:
             if block:
                 raise RequestTimeout(f"cannot reach {conn.address} (not running, or keys refused)") from None
+        except zmq.ZMQError:  # (a CANCEL of a stream finalized after close(): nothing to cancel it on)
+            if block:
+                raise
 
     def _recv(self, conn: Conn, key: str, timeout_s: float | None = None) -> Msg | None:
         """The next message from that broker for ``key`` (a request id, or ``STATUS``), whose mailbox
@@ -315,6 +320,7 @@ class AsyncClient:
         self.queues: dict[str, asyncio.Queue[Msg]] = {}
         self.inflight: dict[str, tuple[Conn, Msg]] = {}  # sent again when a dropped connection is back
         self.tasks: list[asyncio.Task] = []  # each connection's reader and watcher
+        self.closed = False
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -327,8 +333,11 @@ class AsyncClient:
             task.cancel()
         for conn in self.conns:
             conn.close()
+        self.closed = True
 
     def _start(self) -> None:
+        if self.closed:
+            raise NebulaError("this client is closed")
         if self.tasks and (before := self.tasks[0].get_loop()) is not asyncio.get_running_loop():
             if before.is_running():  # (two loops would read one socket, each dropping the other's replies)
                 raise RuntimeError("this AsyncClient is in use on another event loop: give each loop its own")

@@ -1,7 +1,7 @@
 """The client library refuses what it cannot send, in words, before anything leaves: numpy cut
 token id 1.5 to 1 in silence and read "abc" as an error about int(); a negative timeout was zmq's
 "Invalid argument"; a prompt that was not text reached the broker, which counted it malformed;
-`tokenize()` with nothing to tokenize asked the broker too."""
+`tokenize()` with nothing to tokenize asked the broker too; a closed client was used again."""
 
 from __future__ import annotations
 
@@ -54,3 +54,24 @@ def test_a_client_with_no_time_to_wait_or_negative_retries_is_refused(cls: type)
                      (dict(retries=1.5), "retries must be an int >= 0, got 1.5")):
         with pytest.raises(ValueError, match=said):
             cls("tcp://127.0.0.1:9", **kw)
+
+
+def test_a_closed_client_says_so() -> None:
+    """A closed AsyncClient's next request was a ZMQError traceback ("Socket operation on
+    non-socket"); a closed Client quietly opened new sockets nobody would close."""
+    import asyncio
+
+    from nebula_flow.client import NebulaError
+
+    client = Client("tcp://127.0.0.1:9")
+    client.close()
+    with pytest.raises(NebulaError, match="this client is closed"):
+        client.status()
+
+    async def closed_async() -> None:
+        async with AsyncClient("tcp://127.0.0.1:9") as aclient:
+            pass
+        await aclient.generate(token_ids=[1, 2], max_new_tokens=2)
+
+    with pytest.raises(NebulaError, match="this client is closed"):
+        asyncio.run(closed_async())
