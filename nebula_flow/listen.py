@@ -43,7 +43,8 @@ def route_to(addresses: list[str]) -> str:
     ``tcp://HOST:PORT``) off loopback: where a worker's KV server listens unless told, so that peers
     on other hosts can reach it as they reach the broker; ``127.0.0.1`` where every address is on
     loopback (or ``ipc://``). No packet is sent: a UDP socket's connect only picks the route.
-    ``OSError`` where the host cannot be resolved or routed to."""
+    ``ValueError`` (what a worker's options say wrong, in words) where the host cannot be resolved
+    or routed to."""
     for address in addresses:
         host, _, port = address.removeprefix("tcp://").rpartition(":")
         host = host.strip("[]")
@@ -55,5 +56,5 @@ def route_to(addresses: list[str]) -> str:
                 probe.connect(where)
                 return probe.getsockname()[0]
         except (OSError, ValueError) as exc:
-            raise OSError(f"cannot tell which interface reaches the broker at {address}: {exc}; give --kv-host") from None
+            raise ValueError(f"cannot tell which interface reaches the broker at {address}: {exc}; give --kv-host") from None
     return "127.0.0.1"
