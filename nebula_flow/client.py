@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import numbers
+import os
 import secrets
 import threading
 import time
@@ -145,12 +146,15 @@ class Client:
         self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
         # (a ZeroMQ socket is one thread's: each thread gets its own connections; two threads on one
         # socket each took, and dropped, the other's messages, and both waited out their timeout)
-        self._local, self._opened, self._lock = threading.local(), [], threading.Lock()
+        self._local, self._opened, self._lock, self._pid = threading.local(), [], threading.Lock(), os.getpid()
         self.conns  # noqa: B018 (this thread's, made now: a bad address is an error here)
 
     @property
     def conns(self) -> list[Conn]:
         """The calling thread's connections, one per shard."""
+        if self._pid != os.getpid() and self._local is not None:
+            # (a forked child, e.g. multiprocessing's: its parent's sockets are not its own to use)
+            self._local, self._opened, self._lock, self._pid = threading.local(), [], threading.Lock(), os.getpid()
         conns = getattr(self._local, "conns", None)
         if conns is None and self._local is None:
             raise NebulaError("this client is closed")

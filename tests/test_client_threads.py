@@ -3,7 +3,8 @@ every caller read the one socket and dropped the messages of requests not its ow
 message of an abandoned request), so two of four threads' requests waited out their whole timeout
 (a ZeroMQ socket is not thread-safe either). Now each thread has its own connection, and a
 thread's messages for another of its streams wait in that stream's mailbox. An ``AsyncClient``
-serves the event loop it is used on, one after another."""
+serves the event loop it is used on, one after another. A process forked after a ``Client`` was
+made (multiprocessing) opens connections of its own."""
 
 from __future__ import annotations
 
@@ -65,3 +66,25 @@ def test_an_async_client_serves_one_event_loop_after_another(deployment, tiny_pa
     outs = [asyncio.run(ask()) for _ in range(2)]
     asyncio.run(client.close())
     assert outs == [hf_greedy(tiny_pair / "target", PROMPTS[0], 6)] * 2
+
+
+def test_a_forked_child_uses_the_parents_client(deployment, tiny_pair) -> None:  # noqa: ANN001
+    """multiprocessing (fork) workers calling a Client made before the fork: they used the parent's
+    sockets and hung until killed. A child now opens connections of its own."""
+    import multiprocessing
+
+    with Client(deployment.address, timeout_s=30) as client:
+        assert client.generate(token_ids=PROMPTS[0], max_new_tokens=6, ignore_eos=True).token_ids  # (parent's open)
+        global _FORKED
+        _FORKED = client
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            outs = pool.map_async(_generate_in_child, PROMPTS[:2]).get(timeout=60)  # (they hung for ever)
+        assert client.status()["pool"] == 0  # (the parent's connection still works)
+    assert outs == [hf_greedy(tiny_pair / "target", p, 6) for p in PROMPTS[:2]]
+
+
+_FORKED: Client | None = None
+
+
+def _generate_in_child(prompt: list[int]) -> list[int]:
+    return _FORKED.generate(token_ids=prompt, max_new_tokens=6, ignore_eos=True).token_ids
