@@ -8,10 +8,12 @@ broker's sockets, counters and policy through ``self``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any
 
+import orjson
 import zmq
 
 from nebula_flow import displace, protocol
@@ -49,6 +51,21 @@ def chunk_groups(mine: list[Tokens]) -> list[list[Tokens]]:
     return groups
 
 
+def submitted(msg: Submit) -> bytes:
+    """A digest of what a SUBMIT asks (its prompt, parameters and prediction; not its session, which
+    a client of the same key restarted has anew): a retry has the same one, another request under
+    the same id another."""
+    asked = [msg.prompt, msg.chat, msg.messages, msg.chat_options, msg.prediction, msg.params]
+    try:
+        text = orjson.dumps(asked, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # (what JSON cannot hold: its repr, which a retry repeats too)
+        text = repr(asked).encode()
+    digest = hashlib.blake2b(text, digest_size=16)
+    for ids in (msg.prompt_tokens, msg.prediction_tokens):
+        digest.update(b"none" if ids is None else ids.tobytes())
+    return digest.digest()
+
+
 class Intake:
     """``Broker``'s handling of client messages and of requests' ends (see the module docstring)."""
 
@@ -57,7 +74,7 @@ class Intake:
         try:
             msg = protocol.decode(frames)
             if isinstance(msg, Submit):
-                self._submit(identity, msg, now, owner_of(identity, frames[0], msg.session))
+                self._submit(identity, msg, now, owner_of(identity, frames[0], msg.session), submitted(msg))
             elif isinstance(msg, Cancel):
                 rid = self.by_req_id.get(msg.req_id)
                 if rid is None and msg.req_id not in self.prompts.waiting or \
@@ -86,11 +103,16 @@ class Intake:
         log.exception("internal error handling a message")
         self._reject(sock, identity, "internal", f"{type(exc).__name__}: {exc}"[:300], req_id)
 
-    def _submit(self, identity: bytes, msg: Submit, now: float, owner: str) -> None:
+    def _submit(self, identity: bytes, msg: Submit, now: float, owner: str, digest: bytes) -> None:
         req_id = msg.req_id
         if self.owners.get(req_id, owner) != owner or self.finished.get(req_id, (owner,))[0] != owner:
             self.counters["requests_not_owner"] += 1
             raise ProtocolError("request_id_taken", f"request {req_id!r} belongs to another client")
+        if self.digests.get(req_id, digest) != digest:  # (another request under the id of one of its own, not a retry)
+            if req_id in self.by_req_id or req_id in self.prompts.waiting:
+                raise ProtocolError("request_id_taken", f"request {req_id!r} is running with another prompt or "
+                                    "parameters: give each request an id of its own")
+            self.finished.pop(req_id, None)  # (a finished one's id: the new request runs, its result is not replayed)
         # (a retry re-attaches, or replays a result, even while draining: only new work is refused)
         if req_id in self.by_req_id:  # a retry: re-attach and resend what was committed so far
             req = self.scheduler.requests[self.by_req_id[req_id]]
@@ -119,6 +141,7 @@ class Intake:
             return
         if self.draining_since is not None:
             raise ProtocolError("shutting_down", "the broker is shutting down")
+        self._remember(req_id, digest)
         if self.opts.max_inflight_per_client is not None and self.inflight_by_owner[identity] >= self.opts.max_inflight_per_client:
             raise ProtocolError("busy", f"this client already has {self.opts.max_inflight_per_client} requests in flight")
         if self.admission.slow(msg):  # (tokenizing.py)
@@ -132,6 +155,14 @@ class Intake:
             return
         self.inflight_by_owner[identity] += 1
         self._admit(msg, identity, owner, now, None)
+
+    def _remember(self, req_id: str, digest: bytes) -> None:
+        """What a new request asked, under its id (``submitted``); kept for those running or finished,
+        the rest dropped now and then."""
+        self.digests[req_id] = digest
+        if len(self.digests) > 2 * (len(self.by_req_id) + len(self.prompts.waiting) + len(self.finished)) + 1024:
+            self.digests = {r: d for r, d in self.digests.items()
+                            if r in self.by_req_id or r in self.prompts.waiting or r in self.finished}
 
     def _reject(self, sock: zmq.Socket, identity: bytes, code: str, message: str, req_id: str | None = None) -> None:
         self.errors[code] += 1

@@ -88,6 +88,7 @@ class Broker(Intake):
         self.finished_logprobs: deque[tuple[str, int]] = deque()  # finished requests holding logprobs, oldest first
         self.finished_logprob_tokens = 0
         self.owners: dict[str, str] = {}  # running req_id -> its owner (see ``owner_of``)
+        self.digests: dict[str, bytes] = {}  # req_id -> what it asked (``intake.submitted``): a retry, or a new request?
         self.inflight_by_owner: Counter[bytes] = Counter()
         self.next_rid, self.next_worker = opts.shard + 1, 1  # (shards number requests apart: see _submit)
         self.frees, self.gone = [], {}  # (requests whose KV workers may drop; clients a send failed to, since: reap_clients)

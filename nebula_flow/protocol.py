@@ -74,7 +74,7 @@ class Submit(Msg):
     it as one user message), ``prompt_tokens`` and ``messages`` (a conversation, ``{"role", "content"}`` objects,
     through the chat template with ``chat_options`` as the template's variables, e.g. ``{"enable_thinking":
     false}``). Idempotent: ``req_id`` is the client's (random, unique); resending a running request re-attaches to
-    it, a finished one replays its ``Done``. Only its owner may do either, or cancel it: the client's CURVE key
+    it, a finished one replays its ``Done`` (another request under its id is no resend: ``broker/intake.submitted``). Only its owner may do either, or cancel it: the client's CURVE key
     where keys are on, else the ``session`` it sends (a secret the client library draws per client). ``prediction``
     (text) or ``prediction_tokens``: what the client expects much of the output to be (OpenAI's Predicted Outputs,
     e.g. a file being edited): rounds look up draft chains in it as in the prompt; the output is the same with or

@@ -4,7 +4,8 @@ message of an abandoned request), so two of four threads' requests waited out th
 (a ZeroMQ socket is not thread-safe either). Now each thread has its own connection, and a
 thread's messages for another of its streams wait in that stream's mailbox. An ``AsyncClient``
 serves the event loop it is used on, one after another. A process forked after a ``Client`` was
-made (multiprocessing) opens connections of its own."""
+made (multiprocessing) opens connections of its own. And a request id used again for another
+request is that request, not a retry of the first."""
 
 from __future__ import annotations
 
@@ -88,3 +89,25 @@ _FORKED: Client | None = None
 
 def _generate_in_child(prompt: list[int]) -> list[int]:
     return _FORKED.generate(token_ids=prompt, max_new_tokens=6, ignore_eos=True).token_ids
+
+
+def test_an_id_used_again_for_another_request_is_that_request(deployment, tiny_pair) -> None:  # noqa: ANN001
+    """A client that gave two requests the same id (a job id, say) got the first one's answer back
+    for the second, as if it were a retry. A retry (the same request again) still re-attaches or
+    replays; another request under a finished one's id runs; under a running one's it is refused."""
+    from nebula_flow.client import RequestError
+
+    with Client(deployment.address, timeout_s=30) as client:
+        first = client.generate(token_ids=PROMPTS[0], max_new_tokens=6, ignore_eos=True, request_id="job-1")
+        replayed = client.status()["counters"].get("requests_replayed", 0)
+        assert client.generate(token_ids=PROMPTS[0], max_new_tokens=6, ignore_eos=True,
+                               request_id="job-1").token_ids == first.token_ids
+        assert client.status()["counters"]["requests_replayed"] == replayed + 1
+        other = client.generate(token_ids=PROMPTS[1], max_new_tokens=8, ignore_eos=True, request_id="job-1")
+        running = client.stream(token_ids=PROMPTS[2], max_new_tokens=200, ignore_eos=True, request_id="job-2")
+        next(running)
+        with pytest.raises(RequestError, match="request 'job-2' is running with another prompt or parameters"):
+            client.generate(token_ids=PROMPTS[3], max_new_tokens=4, request_id="job-2")
+        running.close()
+    assert first.token_ids == hf_greedy(tiny_pair / "target", PROMPTS[0], 6)
+    assert other.token_ids == hf_greedy(tiny_pair / "target", PROMPTS[1], 8)

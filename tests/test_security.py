@@ -78,7 +78,8 @@ def test_each_socket_accepts_only_its_roles_keys(tiny_pair, tmp_path, monkeypatc
             assert len(first.token_ids) == 5
             state = c.status()
         with Client(dep.address, keys=str(keys)) as c:  # the same key owns the request: it may replay it
-            assert c.generate(token_ids=[1, 2], max_new_tokens=5, request_id="req-of-client").token_ids == first.token_ids
+            again = c.generate(token_ids=[1, 2], max_new_tokens=5, ignore_eos=True, request_id="req-of-client")
+            assert again.token_ids == first.token_ids and c.status()["counters"]["requests_replayed"] == 1
         add_key(keys, "client", "alice")
         monkeypatch.setenv(CLIENT_KEY_ENV, "alice")  # another client's key may not
         with Client(dep.address, keys=str(keys)) as c, pytest.raises(RequestError, match="request_id_taken"):
