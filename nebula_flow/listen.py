@@ -54,7 +54,10 @@ def route_to(addresses: list[str]) -> str:
             family, _, _, _, where = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
             with socket.socket(family, socket.SOCK_DGRAM) as probe:
                 probe.connect(where)
-                return probe.getsockname()[0]
+                local = probe.getsockname()[0]
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot tell which interface reaches the broker at {address}: {exc}; give --kv-host") from None
+        if family != socket.AF_INET:  # (the KV servers listen on IPv4)
+            raise ValueError(f"the broker at {address} is reached over IPv6: give --kv-host, an IPv4 address peers reach")
+        return local
     return "127.0.0.1"

@@ -190,6 +190,8 @@ def test_a_workers_kv_server_listens_where_its_host_reaches_the_broker() -> None
     with pytest.raises(ValueError, match=r"cannot tell which interface reaches the broker at tcp://no-such\.invalid:5556: "
                                       r".*; give --kv-host"):
         route_to(["tcp://no-such.invalid:5556"])
+    with pytest.raises(ValueError, match="give --kv-host"):  # (IPv6: the KV servers listen on IPv4; or no route there)
+        route_to(["tcp://[2001:db8::1]:5556"])
     res = CliRunner().invoke(main, ["worker", "--role", "target", "--model", "x", "--kv-host", "0.0.0.0"])
     assert res.exit_code == 1 and "--kv-host '0.0.0.0' is no address peers can reach" in res.output, res.output
     assert WorkerOptions(role="draft", broker="tcp://127.0.0.1:5556").kv_host is None
