@@ -219,8 +219,11 @@ class Client:
                 msg = protocol.decode(zmq_frames.recv(conn.sock))
                 for item in msg.chunks if isinstance(msg, Chunks) else [msg]:
                     to = getattr(item, "req_id", None) or (STATUS if isinstance(item, State) else None)
-                    for waiting in [conn.boxes[to]] if to in conn.boxes else conn.boxes.values() if to is None else []:
-                        waiting.append(item)  # (an error that names no request: every caller's)
+                    if to is None:  # (an error that names no request: every caller's)
+                        for waiting in conn.boxes.values():
+                            waiting.append(item)
+                    elif to in conn.boxes:
+                        conn.boxes[to].append(item)
         if box:
             return box.popleft()
         raise RequestTimeout(f"no answer from {conn.address} within {timeout_s:.0f} s")

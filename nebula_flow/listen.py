@@ -9,6 +9,8 @@ import socket
 
 import zmq
 
+from nebula_flow.security import is_loopback
+
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` (0: any free port), not yet listening; ``OSError``
@@ -48,7 +50,7 @@ def route_to(addresses: list[str]) -> str:
     for address in addresses:
         host, _, port = address.removeprefix("tcp://").rpartition(":")
         host = host.strip("[]")
-        if not address.startswith("tcp://") or host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
+        if not address.startswith("tcp://") or is_loopback(host):
             continue
         try:
             family, _, _, _, where = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]

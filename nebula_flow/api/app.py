@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nebula_flow.api import choices
-from nebula_flow.api.errors import ApiError, no_such_model, unrouted
+from nebula_flow.api.errors import ApiError, error_response, no_such_model, unrouted
 from nebula_flow.api.reasoning import ThinkingStream
 from nebula_flow.api.request import STRUCTURED_FIELDS, Job, Served, parse_chat, parse_completion
 from nebula_flow.api.response import Shaper, sse
@@ -52,10 +52,6 @@ STATUS_TTL_S = 0.5  # /health, /metrics and the served model's facts reuse a bro
 RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
                    "reasoning_effort": "reasoning"}
 BAD_REQUEST_CODES = ("invalid_params", "invalid_prompt", "invalid_prediction", "too_long", "no_tokenizer", "malformed")
-
-
-def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def from_broker(exc: NebulaError) -> ApiError:

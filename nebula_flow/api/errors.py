@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
 
 class ApiError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -16,6 +19,10 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def invalid(param: str, message: str) -> ApiError:
@@ -38,12 +45,10 @@ def fields_known(body: Any, known: set[str] | frozenset[str]) -> dict[str, Any]:
     return body
 
 
-async def unrouted(request: Any, exc: Any) -> Any:  # noqa: ANN401
+async def unrouted(request: Request, exc: Any) -> JSONResponse:  # noqa: ANN401
     """A path this gateway does not serve (404) or a method its path does not take (405), answered
     in OpenAI's shape as every other error (Starlette's own is plain text, which the ``openai``
     client shows as a bare ``Error code: 404``), naming what is served."""
-    from starlette.responses import JSONResponse  # (this module stays importable without the HTTP stack)
-
     asked = f"{request.method} {request.url.path[:200]}"
     if exc.status_code == 405:
         allowed = ", ".join(sorted(filter(None, (exc.headers or {}).get("Allow", "").split(", "))))  # (a set's order)
@@ -54,4 +59,4 @@ async def unrouted(request: Any, exc: Any) -> Any:  # noqa: ANN401
         error = ApiError(404, f"Invalid URL ({asked}): this server serves {paths}", code="not_found")
     else:
         error = ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    return error_response(error)
