@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from collections import Counter, OrderedDict, deque
 from typing import Any
@@ -25,7 +24,7 @@ from nebula_flow.metrics import render as render_metrics
 from nebula_flow.options import BrokerOptions
 from nebula_flow.policy_log import RecordingScheduler
 from nebula_flow.prefixes import PrefixRoutes
-from nebula_flow.process import orphaned, restarts
+from nebula_flow.process import orphaned, restarts, wake_on_stop_signals
 from nebula_flow.protocol import (
     Bye,
     Chunks,
@@ -55,6 +54,7 @@ from nebula_flow.speclen import FIT_ROWS
 from nebula_flow.topic import queued_by_priority
 from nebula_flow_broker import known, results
 from nebula_flow_broker.access import Access, metrics_token
+from nebula_flow_broker.activity import ActivityLog
 from nebula_flow_broker.admission import Admission
 from nebula_flow_broker.intake import Intake, chunk_groups
 from nebula_flow_broker.stats import BrokerStats, WorkerInfo, served
@@ -85,16 +85,15 @@ class Broker(Intake):
         # request re-attaches to it, a retry of a finished one gets its result again.
         self.by_req_id: dict[str, int] = {}
         self.finished: OrderedDict[str, tuple[str, Done, list | None]] = OrderedDict()  # req_id -> (owner, result, logprobs)
-        self.finished_logprobs: deque[tuple[str, int]] = deque()  # finished requests holding logprobs, oldest first
-        self.finished_logprob_tokens = 0
+        self.finished_logprobs, self.finished_logprob_tokens = deque[tuple[str, int]](), 0  # (logprobs kept: oldest first)
         self.owners: dict[str, str] = {}  # running req_id -> its owner (see ``owner_of``)
         self.digests: dict[str, bytes] = {}  # req_id -> what it asked (``intake.submitted``): a retry, or a new request?
         self.inflight_by_owner: Counter[bytes] = Counter()
         self.next_rid, self.next_worker = opts.shard + 1, 1  # (shards number requests apart: see _submit)
         self.frees, self.gone = [], {}  # (requests whose KV workers may drop; clients a send failed to, since: reap_clients)
         self.draining_since: float | None = None
-        self.started = time.monotonic()
-        self.metrics = None
+        self.started, self.metrics = time.monotonic(), None
+        self.activity = ActivityLog(opts.stats_log_s, self.started)  # (the log's line every stats_log_s)
         self.client_outbox: list[tuple[bytes, Msg]] = []  # see _send
         self.outbox_logprobs = False  # a chunk in it carries logprobs (``intake.chunk_groups``)
 
@@ -404,6 +403,7 @@ class Broker(Intake):
         if now - self._last_beat >= self.opts.heartbeat_s:
             self._last_beat = now
             self.reap_clients(now)
+            self.activity.log(now, self.counters, self.errors, len(self.scheduler.requests), self.scheduler.depth(), len(self.workers))
             for wid, info in list(self.workers.items()):
                 if self.access.revoked(info.key):
                     self._drop_worker(wid, "revoked")  # its tasks go to others; it is told to stop
@@ -452,11 +452,9 @@ class Broker(Intake):
         if self.opts.metrics_port is not None:
             self.metrics = MetricsServer(self.opts.metrics_host, self.opts.metrics_port, token)
             log.info("metrics at http://%s:%d/metrics", self.opts.metrics_host, self.metrics.port)
-        stop = []
-        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-        signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+        stop: list[int] = []
         poller = zmq.Poller()
-        for sock in (self.clients, self.peers, self.prompts.fd):
+        for sock in (self.clients, self.peers, self.prompts.fd, woken := wake_on_stop_signals(stop)):
             poller.register(sock, zmq.POLLIN)
         log.info("broker (%s) clients at %s, workers at %s", self.opts.mode,  # (as bound: port 0 is a free one)
                  *self.endpoints)
@@ -466,6 +464,8 @@ class Broker(Intake):
             self.receive([sock for sock in (self.peers, self.clients) if sock in events], now)
             if self.prompts.fd in events:
                 self._tokenized()
+            if woken.fileno() in events:  # (a signal: ``stop`` says it; the poller keys a socket by its fd)
+                woken.recv(64)
             self.step(now)
             if orphaned():  # the deployment that started us is gone
                 stop.append(1)

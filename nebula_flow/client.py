@@ -236,7 +236,7 @@ class Client:
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
         conn = self.conns[route(req_id, params.pop("prompt_cache_key", None), len(self.conns))]
         submit = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
-        conn.boxes[req_id] = deque()
+        conn.boxes[req_id] = deque()  # (its mailbox holds its own messages only: ``_recv``)
         col = Collector()
         finished, attempts = False, 0
         try:
@@ -253,8 +253,6 @@ class Client:
                 if msg is None:  # a new connection (a restarted broker): send it again
                     self._send(conn, submit)
                     continue
-                if getattr(msg, "req_id", None) not in (req_id, None):
-                    continue  # a late message of an earlier, abandoned request
                 if isinstance(msg, Tokens):
                     chunk = col.chunk(msg)
                     if chunk is not None:

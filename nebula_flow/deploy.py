@@ -26,6 +26,7 @@ from nebula_flow.client import Client, NebulaError
 from nebula_flow.config import ConfigError, DeployConfig, PoolConfig
 from nebula_flow.cores import make_lease_file, usable_cores
 from nebula_flow.listen import listening_socket
+from nebula_flow.log_relay import ACTIVITY_MARKER, LogRelay
 from nebula_flow.options import BrokerOptions, WorkerOptions, write_options
 from nebula_flow.process import PARENT_ENV, RESTARTS_ENV
 from nebula_flow.security import ensure_key
@@ -38,6 +39,7 @@ from nebula_flow.supervisor import ChildRecord, describe_exit, judge
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184",
                  "MALLOC_TOP_PAD_": "1073741824"}
 STOP_POLL_S = 0.1  # while stopping, how often the wait for a child checks whether to kill at once
+STOP_AFTER_DRAIN_S = 10.0  # stopping: what the workers get to leave after the brokers' drain time
 
 
 def free_port() -> int:
@@ -148,7 +150,14 @@ class Deployment:
         cfg.validate()
         self.cfg = cfg
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="nebula-flow-logs-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.log_dir.exists() and not self.log_dir.is_dir():
+                raise NotADirectoryError(20, "it is a file, not a folder")
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.log_dir, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable by this user")
+        except OSError as exc:  # (said before any process starts, not as a traceback)
+            raise DeploymentError(f"cannot keep the logs in {self.log_dir}: {exc.strerror}") from None
         self.procs: list[tuple[str, Child]] = []
         self.commands: dict[str, tuple[list[str], int]] = {}  # each child's arguments and threads
         self.records: dict[str, ChildRecord] = {}  # each child's restarts
@@ -164,6 +173,11 @@ class Deployment:
         picks = iter(free_ports(2 * b.shards) if self.auto_ports else [])  # (all shards' at once: distinct)
         self.shards = [self._shard_options(i, picks) for i in range(b.shards)]  # (one, unless [broker] shards > 1)
         b.client_port, b.worker_port = self.shards[0].client_port, self.shards[0].worker_port
+
+    @property
+    def drain_s(self) -> float:
+        """How long the brokers give requests in flight to finish once told to stop (their ``drain_s``)."""
+        return max(shard.drain_s for shard in self.shards)
 
     def _shard_options(self, shard: int, picks: Iterator[int]) -> BrokerOptions:
         """Shard ``shard``'s broker: the config's ports plus 2 per shard (free ones, from ``picks``,
@@ -296,7 +310,8 @@ class Deployment:
         return moved
 
     def start_api(self, host: str, port: int, api_key: str | None = None, model_name: str | None = None,
-                  timeout_s: float = 60.0, tool_parser: str | None = None, reasoning_parser: str | None = None) -> str:
+                  timeout_s: float = 60.0, tool_parser: str | None = None, reasoning_parser: str | None = None,
+                  allowed_origins: tuple[str, ...] = ()) -> str:
         """Start the HTTP gateway (``nebula-flow api``) in front of the broker, supervised like the
         rest; returns its URL once ``/health`` answers."""
         port = port or free_port()
@@ -308,8 +323,10 @@ class Deployment:
         if api_key:
             self.child_env["api"] = {"NEBULA_FLOW_API_KEY": api_key}
         proc = self._spawn("api", ["api", "--broker", self.address, "--http-host", host, "--port", str(port),
+                                   "--drain-s", str(self.drain_s + STOP_AFTER_DRAIN_S / 2),  # (the brokers' errors first)
                                    "--served-model-name", name, *(["--tool-call-parser", tool_parser] if tool_parser else []),
-                                   *(["--reasoning-parser", reasoning_parser] if reasoning_parser else [])])
+                                   *(["--reasoning-parser", reasoning_parser] if reasoning_parser else []),
+                                   *(arg for origin in allowed_origins for arg in ("--allowed-origins", origin))])
         self.http_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         if http_answers(self.http_url, proc, timeout_s):
             return self.http_url
@@ -347,6 +364,8 @@ class Deployment:
                 continue
             verdict = judge(self.cfg.supervise, record, proc.returncode, now)
             what = f"{name} {describe_exit(proc.returncode)}"
+            if proc.returncode >= 0 and (last := self.log_tail(name, 1)):  # (not a signal: its log says why)
+                what += f" (its log ends: {last.strip()[:300]})"
             if verdict.delay_s is not None:
                 self.due[name] = now + verdict.delay_s
                 events.append(f"{what}; starting it again in {verdict.delay_s:.0f} s ({verdict.reason})")
@@ -370,33 +389,46 @@ class Deployment:
 
     def watch(self, stop: threading.Event, log: Callable[[str], None], every_s: float = 0.2) -> None:
         """``supervise`` until ``stop`` is set, logging each event with its time (what ``serve``
-        runs); a broker given up raises ``DeploymentError``."""
+        runs), and each activity line its brokers log (``broker/activity.py``); a broker given up
+        raises ``DeploymentError``."""
+        relays = {name: LogRelay(self.log_dir / f"{name}.log", ACTIVITY_MARKER) for name, _ in self.procs if is_broker(name)}
         while not stop.wait(every_s):
             for event in self.supervise():
                 log(f"{time.strftime('%H:%M:%S')} {event}")
+            for name, relay in relays.items():
+                for line in relay.lines():
+                    log(f"{time.strftime('%H:%M:%S')} {name}: {line}")
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         for n, proc in self.procs:
             if n == name:
                 proc.send_signal(sig)
 
-    def stop(self, timeout_s: float = 15.0, now: threading.Event | None = None) -> None:
-        """SIGTERM workers then the broker; SIGKILL whatever is still running after the timeout,
-        once ``now`` is set (``serve``: Ctrl-C again), or on a ``KeyboardInterrupt`` while waiting.
-        No child outlives it (each runs in a session of its own, so a Ctrl-C never reaches them)."""
+    def stop(self, timeout_s: float | None = None, now: threading.Event | None = None) -> None:
+        """Stop so that in-flight requests finish: the HTTP gateway and the brokers first (they refuse
+        new requests and wait, up to the brokers' ``drain_s``, for those in flight, which the workers
+        go on computing), then the workers. SIGKILL whatever still runs after ``timeout_s`` (default:
+        the drain time and 10 s more), once ``now`` is set (``serve``: Ctrl-C again), or on a
+        ``KeyboardInterrupt`` while waiting. No child outlives it (each runs in a session of its
+        own, so a Ctrl-C never reaches them)."""
+        if timeout_s is None:
+            timeout_s = self.drain_s + STOP_AFTER_DRAIN_S
+        deadline = time.monotonic() + timeout_s
+        fronts = [proc for name, proc in self.procs if is_broker(name) or name == "api"]
         try:
-            for _, proc in sorted(self.procs, key=lambda p: is_broker(p[0])):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            for _, proc in self.procs:
-                while proc.poll() is None and time.monotonic() < deadline and not (now is not None and now.is_set()):
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(STOP_POLL_S)
+            for group in (fronts, [proc for _, proc in self.procs if proc not in fronts]):
+                for proc in group:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+                for proc in group:
+                    while proc.poll() is None and time.monotonic() < deadline and not (now is not None and now.is_set()):
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            proc.wait(STOP_POLL_S)
         finally:  # (a KeyboardInterrupt too: SIGKILL, then it goes on up)
             for _, proc in self.procs:
                 if proc.poll() is None:

@@ -37,6 +37,7 @@ class BrokerOptions:
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0  # silence after which a worker is declared dead
     drain_s: float = 30.0  # on SIGTERM: how long in-flight requests may finish
+    stats_log_s: float = 10.0  # a log line of what the last interval did, this often while serving (0: none)
     client_gone_s: float = 10.0  # a client a send failed to: how long its requests wait for it (intake.reap_clients)
     metrics_port: int | None = None  # HTTP port for Prometheus /metrics (None: off, 0: any free port)
     metrics_host: str = "127.0.0.1"  # off loopback only with metrics_token_file
@@ -65,7 +66,7 @@ class BrokerOptions:
         for name in ("proposal_top_k", "max_pending", "max_inflight_per_client", "max_new_tokens_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("drain_s", "client_gone_s"):
+        for name in ("drain_s", "client_gone_s", "stats_log_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.liveness_s < 2 * self.heartbeat_s:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,14 @@ def is_int(v: Any) -> bool:  # noqa: ANN401
 
 class InvalidParams(ValueError):
     """A request's sampling parameters are out of range or of the wrong type."""
+
+
+def did_you_mean(unknown: list[str], known: Iterable[str], cutoff: float) -> str:
+    """``"name: did you mean known_name?"`` for each of the first ``unknown`` names (a caller's,
+    cut short) that is close to a ``known`` one, joined by "; "; "" where none is."""
+    known = list(known)
+    near = {str(name)[:64]: difflib.get_close_matches(str(name), known, 1, cutoff) for name in unknown[:8]}
+    return "; ".join(f"{name}: did you mean {close[0]}?" for name, close in near.items() if close)
 
 
 @dataclass(frozen=True)
@@ -134,8 +143,7 @@ class SamplingParams:
             raise InvalidParams("params must be an object")
         unknown = set(raw) - set(cls.__dataclass_fields__)
         if unknown:  # (OpenAI's names, the closest of ours: max_tokens -> max_new_tokens)
-            near = {name: difflib.get_close_matches(name, cls.__dataclass_fields__, 1, 0.6) for name in sorted(unknown)}
-            hint = "; ".join(f"{name}: did you mean {near[name][0]}?" for name in near if near[name])
+            hint = did_you_mean(sorted(unknown), cls.__dataclass_fields__, 0.6)
             raise InvalidParams(f"unknown parameters: {sorted(unknown)}" + (f" ({hint})" if hint else ""))
         raw = dict(raw)
         stop = raw.pop("stop", ()) or ()

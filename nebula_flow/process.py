@@ -4,6 +4,8 @@ children."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import time
 from pathlib import Path
 
@@ -25,6 +27,21 @@ def restarts() -> int:
         return max(0, int(os.environ.get(RESTARTS_ENV, "0")))
     except ValueError:
         return 0
+
+
+def wake_on_stop_signals(stop: list[int]) -> socket.socket:
+    """SIGTERM and SIGINT append to ``stop`` and make the returned socket readable: a poll waiting
+    on it returns at once (else stopping waits out the poll's timeout). Read it to empty it."""
+    readable, writable = socket.socketpair()
+    readable.setblocking(False), writable.setblocking(False)
+    signal.set_wakeup_fd(writable.fileno(), warn_on_full_buffer=False)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(1))
+    _kept.append(writable)  # (closed, it would write nowhere)
+    return readable
+
+
+_kept: list[socket.socket] = []
 
 
 CPUCLOCK_SCHED = 2  # (Linux: the clock id of a process's CPU time is (~pid << 3) | 2, as clock_getcpuclockid(3) gives)

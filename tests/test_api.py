@@ -38,7 +38,8 @@ def served(tiny_pair):  # noqa: ANN001, ANN201
     qwen3's thinking)."""
     cfg = deploy_config(tiny_pair, "pooled", 1, 1)
     with Deployment(cfg) as dep:
-        dep.start_api("127.0.0.1", 0, api_key="sesame", model_name="tiny", tool_parser="hermes", reasoning_parser="qwen3")
+        dep.start_api("127.0.0.1", 0, api_key="sesame", model_name="tiny", tool_parser="hermes", reasoning_parser="qwen3",
+                      allowed_origins=("https://ui.example",))
         yield dep
 
 
@@ -748,6 +749,7 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, 400,
      "response_format"),
     ({"model": "tiny", "prompt": LONG}, 400, None),  # over the context: the limit is in the message
+    ({"model": "tiny", "prompt": [[1, 2], [99999]]}, 400, "prompt"),  # (past the vocabulary: the broker; was "messages")
 ]
 
 
@@ -758,6 +760,21 @@ def test_bad_requests_get_openai_errors(strict, body, status, param) -> None:  #
     assert res.status_code == status and err["param"] == param and err["message"], (res.status_code, err)
     if body.get("prompt") == LONG:
         assert "1024" in err["message"]  # the tiny target's context
+
+
+def test_a_misspelled_field_is_named_with_the_one_meant(strict) -> None:  # noqa: ANN001
+    res = httpx.post(strict.http_url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_token": 4,
+                                                                "frobnicate": 1}, timeout=30)
+    err = res.json()["error"]
+    assert res.status_code == 400 and err["code"] == "unknown_parameter" and err["param"] == "frobnicate"
+    assert err["message"] == ("unrecognized request argument(s): frobnicate, max_token (max_token: did you mean "
+                              "max_tokens?)")
+    chat = httpx.post(strict.http_url + "/v1/chat/completions", json={"model": "tiny", "top_logprob": 2,
+                                                                      "messages": [{"role": "user", "content": "x"}]})
+    assert "top_logprob: did you mean top_logprobs?" in chat.json()["error"]["message"]
+    bad = httpx.post(strict.http_url + "/v1/chat/completions", json={"model": "tiny", "messages": [
+        {"role": "user", "content": "x"}], "logit_bias": {"99999": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] is None  # (not the prompt's fault)
 
 
 def test_bad_chat_requests(strict) -> None:  # noqa: ANN001
@@ -886,6 +903,31 @@ def test_api_key_models_metrics_and_health(served) -> None:  # noqa: ANN001
         assert samples[f"nebula_api_{name}_count"] > 0, name
     assert samples['nebula_api_requests_total{endpoint="completions",status="200"}'] >= 1
     assert samples["nebula_rounds_total"] > 0  # and the broker's own families
+
+
+def test_browsers_of_the_allowed_origins_only_may_call_it(served, strict) -> None:  # noqa: ANN001
+    """CORS (--allowed-origins): a web page of an allowed origin gets its preflight answered without
+    the key (browsers send none) and may read the answers, errors included; another origin's
+    preflight is refused, and a gateway allowing none answers no page (it had no CORS at all, so a
+    browser UI could not call it)."""
+    asked = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    url = served.http_url + "/v1/chat/completions"
+    ok = httpx.options(url, headers={"Origin": "https://ui.example", **asked})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ui.example"
+    assert "POST" in ok.headers["access-control-allow-methods"] and "authorization" in ok.headers["access-control-allow-headers"]
+    other = httpx.options(url, headers={"Origin": "https://evil.example", **asked})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    answered = httpx.post(url, json=body, headers={"Origin": "https://ui.example", "Authorization": "Bearer sesame"}, timeout=60)
+    assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == "https://ui.example"
+    keyless = httpx.post(url, json=body, headers={"Origin": "https://ui.example"}, timeout=60)
+    assert keyless.status_code == 401 and keyless.headers["access-control-allow-origin"] == "https://ui.example"
+    assert "access-control-allow-origin" not in httpx.post(url, json=body, timeout=60, headers={
+        "Origin": "https://evil.example", "Authorization": "Bearer sesame"}).headers
+    closed = httpx.options(strict.http_url + "/v1/chat/completions", headers={"Origin": "https://ui.example", **asked})
+    assert closed.status_code == 405 and "access-control-allow-origin" not in closed.headers
+    models = httpx.get(strict.http_url + "/v1/models", headers={"Origin": "https://ui.example"})
+    assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
 
 
 def test_a_spread_histogram_counts_as_many_single_observations_do() -> None:

@@ -126,3 +126,14 @@ def test_the_http_api_with_no_broker_answers_503_saying_why(tmp_path) -> None:  
     finally:
         api.terminate()
         api.wait(timeout=30)
+
+
+def test_a_log_folder_that_cannot_be_one_is_said_before_anything_starts(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """serve --log-dir naming a file, or a folder under one, was a FileExistsError traceback."""
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'mode = "pooled"\n[draft]\nmodel = "{tiny_pair / "draft"}"\n[target]\nmodel = "{tiny_pair / "target"}"\n')
+    (tmp_path / "a-file").write_text("")
+    for log_dir, why in ((tmp_path / "a-file", "it is a file, not a folder"), (tmp_path / "a-file" / "logs", "Not a directory")):
+        res = CliRunner().invoke(main, ["serve", "--config", str(cfg), "--port", "0", "--log-dir", str(log_dir)])
+        assert res.exit_code == 1 and f"Error: cannot keep the logs in {log_dir}: {why}" in res.output, res.output
+        assert "starting" not in res.output

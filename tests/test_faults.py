@@ -329,26 +329,14 @@ def test_children_exit_when_the_deploying_process_dies(tiny_pair, tmp_path) -> N
 
 
 def test_a_second_interrupt_stops_serve_at_once_and_leaves_no_process(tiny_pair, tmp_path) -> None:  # noqa: ANN001
-    """Ctrl-C while a request is in flight: serve tells every process to stop, and the broker waits
-    (its drain time) for the request, whose workers have left. Ctrl-C again: serve kills them all
-    and exits at once, with no process left behind. (The second Ctrl-C used to abort serve
-    itself, leaving the broker and the HTTP gateway running on their own.)"""
-    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
-    path = tmp_path / "cfg.toml"
-    path.write_text(f'mode = "pooled"\n[broker]\ndrain_s = 60\n'
-                    f'[draft]\nmodel = "{cfg.draft.model}"\n[target]\nmodel = "{cfg.target.model}"\n')
-    err = tmp_path / "serve.err"
-    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(path), "--port", "0",
-                             "--http-port", "0", "--log-dir", str(tmp_path / "logs")],
-                            stdout=subprocess.PIPE, stderr=open(err, "w"), text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (as a terminal's job)
+    """Ctrl-C while a request is in flight: serve tells the broker and the gateway to stop, and the
+    broker waits (its drain time) for the request. Ctrl-C again: serve kills them all and exits at
+    once, with no process left behind. (The second Ctrl-C used to abort serve itself, leaving the
+    broker and the HTTP gateway running on their own.)"""
+    proc, address, err = _serve_with_gateway(tiny_pair, tmp_path, "drain_s = 60",
+                                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (as a terminal's job)
     try:
-        address = proc.stdout.readline().strip()
-        assert address.startswith("tcp://"), err.read_text()
         deadline = time.monotonic() + 60
-        while "HTTP API" not in err.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
-            time.sleep(0.1)
         kids = {pid: _cmdline(pid) for pid in _children(proc.pid)}
         assert sum("nebula_flow.cli api" in c for c in kids.values()) == 1 and len(kids) >= 4, kids
         streaming = threading.Event()
@@ -372,6 +360,87 @@ def test_a_second_interrupt_stops_serve_at_once_and_leaves_no_process(tiny_pair,
         if proc.poll() is None:
             proc.kill()
     assert not _wait_gone(list(kids), 30)  # (the workers' zygote leaves once serve is gone)
+
+
+def test_sigterm_to_serve_lets_in_flight_requests_finish_through_the_gateway_too(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """What an operator's SIGTERM (a rolling restart) must do: requests in flight, a client
+    library stream and an HTTP stream through the gateway, finish whole, as the workers keep
+    computing them, while new connections are refused; then serve exits 0. (The workers used to
+    be stopped with the broker, so both requests were cut off, the gateway's after 5 s.) serve's
+    terminal shows the broker's activity lines meanwhile."""
+    import openai
+
+    proc, address, err = _serve_with_gateway(tiny_pair, tmp_path, "stats_log_s = 1")
+    try:
+        deadline = time.monotonic() + 60
+        url = err.read_text().split("HTTP API (OpenAI-compatible) on ", 1)[1].split()[0].rstrip(",")
+        http = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
+        streaming = threading.Barrier(3, timeout=60)
+        finals: dict[str, tuple[int, str | None]] = {}
+
+        def library() -> None:
+            with Client(address, timeout_s=120) as c:
+                stream = c.stream(token_ids=[5, 6, 7], max_new_tokens=400, ignore_eos=True)
+                next(stream)
+                streaming.wait()
+                final = list(stream)[-1]
+                finals["library"] = (len(final.token_ids), final.finish_reason)
+
+        def gateway() -> None:
+            chunks = http.completions.create(model="tiny-target", prompt=[8, 9], max_tokens=400, stream=True,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+            ids: list[int] = []
+            for i, chunk in enumerate(chunks):
+                if i == 0:
+                    streaming.wait()
+                ids += chunk.choices[0].model_extra.get("token_ids") or []
+                reason = chunk.choices[0].finish_reason
+            finals["gateway"] = (len(ids), reason)
+
+        with Client(address, timeout_s=120) as c:  # serve shows the broker's activity as it serves (each second here)
+            while not (activity := [line for line in err.read_text().splitlines() if " broker: last " in line]):
+                assert time.monotonic() < deadline + 60, err.read_text()
+                c.generate(token_ids=[4], max_new_tokens=50, ignore_eos=True)
+        threads = [threading.Thread(target=f, daemon=True) for f in (library, gateway)]
+        for t in threads:
+            t.start()
+        streaming.wait()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, err.read_text()
+        for t in threads:
+            t.join(10)
+        assert finals == {"library": (400, "length"), "gateway": (400, "length")}, err.read_text()
+        assert activity and all(" tokens/s out, " in line and line.endswith("2 workers") for line in activity), activity
+        with pytest.raises(openai.APIConnectionError):  # (the gateway is gone with serve: nothing listens)
+            http.completions.create(model="tiny-target", prompt="a", max_tokens=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _serve_with_gateway(tiny_pair, tmp_path, broker_settings: str, **popen) -> tuple:  # noqa: ANN001, ANN003
+    """`serve --http-port 0` on the tiny pair (model "tiny-target"), its config's ``[broker]``
+    table holding ``broker_settings``; returned once its gateway answers, with its client address
+    and the file of what it printed."""
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    path = tmp_path / "cfg.toml"
+    path.write_text(f'mode = "pooled"\n[broker]\n{broker_settings}\n[draft]\nmodel = "{cfg.draft.model}"\n'
+                    f'[target]\nmodel = "{cfg.target.model}"\nname = "tiny-target"\n')
+    err = tmp_path / "serve.err"
+    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(path), "--port", "0",
+                             "--http-port", "0", "--log-dir", str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, stderr=open(err, "w"), text=True, **popen)
+    try:
+        address = proc.stdout.readline().strip()
+        assert address.startswith("tcp://"), err.read_text()
+        deadline = time.monotonic() + 60
+        while "HTTP API" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, address, err
 
 
 def _cmdline(pid: int) -> str:

@@ -238,6 +238,25 @@ def test_status_text_names_each_shard_and_a_workers_kv_pull_failures_and_skipped
     # new requests waiting for one computing their prompt's start (wait_for_prefix) are named where there are some
     assert status_lines(dict(state, waiting_for_prefix=2))[0] == ("mode pooled, up 12 s, 3 requests in the pool "
                                                                   "(2 waiting for a shared prompt start), topics {'draft': 1}")
+    assert status_lines(dict(state, draining=True))[0] == ("mode pooled, up 12 s, 3 requests in the pool, topics "
+                                                           "{'draft': 1}, draining: stopping, refuses new requests "
+                                                           "while those in flight finish")
+
+
+def test_status_text_counts_an_elastic_workers_whole_rounds_and_keeps_its_columns_in_line() -> None:
+    """An elastic worker's batches by kind, whole rounds included (it ran 69 rounds and the line
+    said "0 draft, 0 verify"); a verifier's numerics do not push its later columns out of line."""
+    from nebula_flow.cli.status_text import status_lines
+
+    any_worker = {"id": 1, "role": "any", "slot": 0, "name": "any-0", "tasks": 9, "busy_s": 1.5, "kv": {},
+                  "batches": {"round": 69, "target": 2}, "model": {"device": "cpu", "numerics": "float32 on cpu"}}
+    state = {"mode": "elastic", "uptime_s": 12, "pool": 0, "topics": {}, "roles": ["any"], "counters": {}, "errors": {},
+             "workers": [any_worker, dict(any_worker, id=2, role="draft", name="draft-1", model={"device": "cpu"})]}
+    workers = [line for line in status_lines(state) if line.startswith("  worker")]
+    assert "(batches: 69 round, 0 draft, 2 verify)" in workers[0]
+    assert " on cpu (float32) tasks" in workers[0] and " on cpu           tasks" in workers[1]
+    with_ahead = dict(state, workers=[dict(any_worker, batches={"round": 1, "ahead": 4})])
+    assert "(batches: 1 round, 0 draft, 0 verify, 4 pre-draft)" in status_lines(with_ahead)[-2]
 
 
 def test_requests_sharing_a_prompt_cache_key_go_to_one_shard_where_a_chats_next_turn_finds_its_kv(tiny_pair) -> None:  # noqa: ANN001

@@ -218,6 +218,24 @@ def test_a_crash_looping_worker_is_given_up_while_the_rest_serve(tiny_pair) -> N
         assert next(p for n, p in dep.procs if n == "draft-0").poll() is not None
 
 
+def test_a_worker_that_exits_by_itself_is_restarted_with_why_in_the_event(tiny_pair) -> None:  # noqa: ANN001
+    """A worker that exits rather than being killed (here stopped by a stray SIGTERM; a crash alike)
+    is started again, and the event carries its log's last line, so an operator reads why without
+    opening the log. (The event said only "exited with code N".)"""
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    cfg.supervise = RestartPolicy(backoff_s=0.1)
+    with Deployment(cfg) as dep:
+        dep.kill("draft-0", signal.SIGTERM)
+        events: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any("draft-0 started again" in e for e in events) and time.monotonic() < deadline:
+            events.extend(dep.supervise())
+            time.sleep(0.05)
+        exited = [e for e in events if e.startswith("draft-0 exited")]
+        assert exited and exited[0].startswith("draft-0 exited with code 0 (its log ends: ") and \
+            exited[0].split("; starting it again")[0].endswith("draft INFO draft-0 stopped)"), events
+
+
 def test_a_killed_worker_is_dropped_before_its_silence_runs_out(tiny_pair) -> None:  # noqa: ANN001
     """A killed worker's connection closes at once: the broker's next heartbeat to it fails and its
     tasks are re-queued then, not after liveness_s of silence (set long here)."""
@@ -238,8 +256,10 @@ def test_chaos_drill_reports_completions_recovery_and_equality(tiny_pair, tmp_pa
     cfg.write_text(f'mode = "pooled"\n[broker]\nheartbeat_s = 0.5\nliveness_s = 3.0\n'
                    f'[draft]\nmodel = "{tiny_pair / "draft"}"\nworkers = 2\nthreads = 1\n'
                    f'[target]\nmodel = "{tiny_pair / "target"}"\nthreads = 1\n')
+    # (64 tokens each: the load outlasts the broker's kill 0.2 s after the first token; with 24, a quiet
+    # machine finished it first, and that kill tested a restart, not a recovery mid-load)
     res = subprocess.run([sys.executable, "-m", "nebula_flow.cli", "chaos", "--config", str(cfg), "--requests", "6",
-                          "--max-new-tokens", "24", "--kill", "draft-1", "--kill", "broker@0.2", "--json"],
+                          "--max-new-tokens", "64", "--kill", "draft-1", "--kill", "broker@0.2", "--json"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout.strip().splitlines()[-1])

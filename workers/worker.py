@@ -329,6 +329,7 @@ class Worker:
             self.transport.close()
         for link in self.links:
             link.close()
+        log.info("%s stopped", self.name)
         return self.exit_code
 
     def _leave(self) -> bool:

@@ -16,7 +16,7 @@ import importlib.metadata
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import anyio
@@ -24,6 +24,8 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -54,8 +56,9 @@ RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tok
 BAD_REQUEST_CODES = ("invalid_params", "invalid_prompt", "invalid_prediction", "too_long", "no_tokenizer", "malformed")
 
 
-def from_broker(exc: NebulaError) -> ApiError:
-    """The HTTP answer to a broker's refusal or failure."""
+def from_broker(exc: NebulaError, prompt: str = "prompt") -> ApiError:
+    """The HTTP answer to a broker's refusal or failure; ``prompt``: the field that held the prompt
+    (``prompt``, a chat's ``messages``, a response's ``input``), named by a refused prompt's error."""
     if isinstance(exc, Busy):
         return ApiError(429, f"the server is at its admission limit, retry later ({exc.message})", code="busy",
                         kind="rate_limit_error", headers={"Retry-After": "1"})
@@ -63,7 +66,7 @@ def from_broker(exc: NebulaError) -> ApiError:
         return ApiError(504, str(exc), code="timeout", kind="timeout_error")
     if isinstance(exc, RequestError) and exc.code in BAD_REQUEST_CODES:
         return ApiError(400, exc.message, code=exc.code,
-                        param={"invalid_prompt": "messages", "invalid_prediction": "prediction"}.get(exc.code))
+                        param={"invalid_prompt": prompt, "invalid_prediction": "prediction"}.get(exc.code))
     if isinstance(exc, RequestError) and exc.code == "shutting_down":
         return ApiError(503, exc.message, code=exc.code, kind="service_unavailable", headers={"Retry-After": "5"})
     return ApiError(500, f"the request failed: {exc}", code=getattr(exc, "code", None), kind="server_error")
@@ -94,8 +97,9 @@ class Gateway:
 
     def __init__(self, broker: str, keys: str | None = None, api_key: str | None = None,
                  model_name: str | None = None, timeout_s: float = 600.0, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, allowed_origins: Sequence[str] = ()) -> None:
         self.broker, self.keys, self.timeout_s, self.tool_parser = broker, keys, timeout_s, tool_parser
+        self.allowed_origins = list(allowed_origins)  # (web pages that may call it from a browser: CORS)
         self.reasoning_parser = reasoning_parser
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.model_name = model_name
@@ -265,7 +269,7 @@ class Gateway:
             heads = first.result()
         except NebulaError as exc:
             gone.cancel()
-            raise from_broker(exc) from None
+            raise from_broker(exc, job.prompt_field(ask is not None)) from None
         except ValueError as exc:  # (parameters the client library refuses before sending)
             gone.cancel()
             raise ApiError(400, str(exc), code="invalid_value") from None
@@ -289,7 +293,7 @@ class Gateway:
         try:
             outs = collect.result()
         except NebulaError as exc:
-            raise from_broker(exc) from None
+            raise from_broker(exc, job.prompt_field(ask is not None)) from None
         for out in outs:
             self.telemetry.finished(out)
         if ask is None:
@@ -356,7 +360,7 @@ class Gateway:
                 yield shaper.usage_chunk(outs)
         except NebulaError as exc:
             finished = True
-            yield from_broker(exc).body()
+            yield from_broker(exc, job.prompt_field(False)).body()
         finally:
             if not finished:
                 self.telemetry.disconnects.inc()
@@ -450,11 +454,16 @@ def build_app(gateway: Gateway) -> Starlette:
         route("/health", gateway.health, ["GET"]),
         route("/version", gateway.version, ["GET"]),
         route("/metrics", gateway.metrics, ["GET"]),
-    ], lifespan=gateway.lifespan, exception_handlers={HTTPException: unrouted})
+    ], lifespan=gateway.lifespan, exception_handlers={HTTPException: unrouted}, middleware=[
+        # (preflights answered before a route's API key check: a browser sends them without it)
+        Middleware(CORSMiddleware, allow_origins=gateway.allowed_origins, allow_methods=["GET", "POST", "DELETE"],
+                   allow_headers=["*"], max_age=600)] if gateway.allowed_origins else [])
 
 
-def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None) -> None:  # noqa: ANN401
+def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None, drain_s: float = 35.0) -> None:  # noqa: ANN401
     """Run the gateway until SIGINT/SIGTERM (uvicorn's handlers); ``ready(port)`` once it listens.
+    Stopping, it takes no new connection and gives the requests in flight ``drain_s`` to finish
+    (more than the broker's drain time, whose shutting-down errors then still reach the callers).
 
     It runs on uvloop and parses HTTP with httptools (what ``uvicorn[standard]`` picks): each token
     chunk of each stream is a few event-loop turns here, and on a host whose cores the workers use,
@@ -463,7 +472,7 @@ def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None) -> None
     import uvloop
 
     config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on", http="httptools")
+                            timeout_graceful_shutdown=drain_s, lifespan="on", http="httptools")
     sock = listening_socket(host, port)  # (OSError: taken, or not this host's address)
     server = uvicorn.Server(config)
 

@@ -7,6 +7,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from nebula_flow.params import did_you_mean
+
 
 class ApiError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -40,8 +42,9 @@ def fields_known(body: Any, known: set[str] | frozenset[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if unknown := sorted(set(body) - known):
-        raise ApiError(400, f"unrecognized request argument(s): {', '.join(map(str, unknown))[:200]}",
-                       param=str(unknown[0])[:64], code="unknown_parameter")
+        hint = did_you_mean(unknown, known, 0.75)
+        raise ApiError(400, f"unrecognized request argument(s): {', '.join(map(str, unknown))[:200]}"
+                       + (f" ({hint})" if hint else ""), param=str(unknown[0])[:64], code="unknown_parameter")
     return body
 
 

@@ -87,6 +87,10 @@ class Job:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N"
     chat_echo: str | None = None  # chat's echo (vLLM's): the final assistant message's text, before each answer
 
+    def prompt_field(self, responding: bool) -> str:
+        """The request's field that held its prompt (a refused prompt's error names it)."""
+        return "input" if responding else "messages" if self.chat else "prompt"
+
     def echoes(self) -> list[str | None] | None:
         """With ``echo``, each choice's prompt text where it is the text given (None: the broker's text
         of the prompt it runs, token ids or a truncated prompt: ``SamplingParams.echo``)."""

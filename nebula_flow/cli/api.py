@@ -49,6 +49,9 @@ def http_options(f: Callable) -> Callable:
         click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), help="The model's thinking format: "
                      "chat answers carry it apart as reasoning_content (qwen3: <think>...</think> first; deepseek_r1: "
                      "thinking until </think>)."),
+        click.option("--allowed-origins", multiple=True, metavar="ORIGIN", help="Web pages of this origin (e.g. "
+                     "https://chat.example.com, or * for any) may call the API from a browser (CORS); repeatable. By "
+                     "default none may: a page the user opens could otherwise use a gateway on their own host."),
     ]):
         f = opt(f)
     return f
@@ -60,9 +63,13 @@ def http_options(f: Callable) -> Callable:
 @click.option("--keys", type=click.Path(file_okay=False), help="CURVE key folder, where the broker uses keys "
               "(default: $NEBULA_FLOW_KEYS).")
 @click.option("--timeout-s", type=click.FloatRange(0, min_open=True), default=600.0, show_default=True, help="Longest wait for the broker's next message.")
+@click.option("--drain-s", type=click.FloatRange(0), default=35.0, show_default=True, help="On Ctrl-C / SIGTERM: "
+              "how long requests in flight may finish (new connections are refused); above the broker's drain_s "
+              "(30 s by default), so that its shutting-down errors still reach the callers.")
 @http_options
-def api(address: str, port: int, keys: str | None, timeout_s: float, http_host: str, api_key: str | None,
-        served_model_name: str | None, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+def api(address: str, port: int, keys: str | None, timeout_s: float, drain_s: float, http_host: str,
+        api_key: str | None, served_model_name: str | None, tool_call_parser: str | None,
+        reasoning_parser: str | None, allowed_origins: tuple[str, ...]) -> None:
     """Serve the OpenAI-compatible HTTP API in front of a broker, until Ctrl-C / SIGTERM.
 
     Endpoints: POST /v1/completions, /v1/chat/completions and /v1/responses (streamed as
@@ -78,9 +85,9 @@ def api(address: str, port: int, keys: str | None, timeout_s: float, http_host: 
     check_exposure(http_host, api_key)
     gateway = Gateway(address, keys=keys or os.environ.get("NEBULA_FLOW_KEYS"), api_key=api_key,
                       model_name=served_model_name, timeout_s=timeout_s, tool_parser=tool_call_parser,
-                      reasoning_parser=reasoning_parser)
+                      reasoning_parser=reasoning_parser, allowed_origins=allowed_origins)
     try:
-        serve_api(gateway, http_host, port,
+        serve_api(gateway, http_host, port, drain_s=drain_s,
                   ready=lambda p: click.echo(f"HTTP API on http://{http_host}:{p}/v1 (broker {address})", err=True))
     except OSError as exc:  # (its port: taken, or not this host's)
         raise click.ClickException(str(exc)) from None

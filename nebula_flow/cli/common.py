@@ -222,7 +222,10 @@ def start_deployment(config: str | None, mode: str | None, draft_workers: int | 
         cfg.broker.shards = shards
     cfg = apply_overrides(cfg, mode, draft_workers, target_workers, port, add_drafters, settings)
     prepare_models(cfg)
-    dep = Deployment(cfg, log_dir)
+    try:
+        dep = Deployment(cfg, log_dir)
+    except DeploymentError as exc:
+        raise click.ClickException(str(exc)) from None
     if secure_local and not cfg.broker.keys:
         cfg.broker.keys = str(generate_keys(dep.log_dir / "keys"))
     if cfg.broker.keys:

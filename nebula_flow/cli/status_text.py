@@ -10,7 +10,9 @@ def status_lines(state: dict[str, Any]) -> list[str]:
     out: list[str] = []
     waiting = state.get("waiting_for_prefix", 0)  # (new requests waiting for one computing their prompt's start)
     out.append(f"mode {state['mode']}, up {state['uptime_s']:.0f} s, {state['pool']} requests in the pool"
-               + (f" ({waiting} waiting for a shared prompt start)" if waiting else "") + f", topics {state['topics']}")
+               + (f" ({waiting} waiting for a shared prompt start)" if waiting else "") + f", topics {state['topics']}"
+               + (", draining: stopping, refuses new requests while those in flight finish" if state.get("draining")
+                  else ""))
     if address := state.get("worker_address"):  # (how an operator adds a worker to this deployment)
         out.append(f"  workers join at {address} (nebula-flow worker --broker {address} --role ROLE --model MODEL)")
     if "queued_by_priority" in state:  # (priority scheduling: queued tasks by priority, most urgent first)
@@ -19,11 +21,15 @@ def status_lines(state: dict[str, Any]) -> list[str]:
     for sh in state.get("by_shard", []):  # (a sharded deployment: its brokers one by one)
         out.append(f"  shard {sh['shard']}: pid {sh['pid']}, {sh['pool']} in the pool, {sh['workers']} workers, "
                    f"{sh['rounds']} rounds" + (f", restarts {sh['restarts']}" if sh["restarts"] else ""))
-    for w in state["workers"]:
+    wheres = [_where(w) for w in state["workers"]]
+    width = max(map(len, wheres), default=0)  # (one column, whether or not a worker shows its numerics)
+    for w, where in zip(state["workers"], wheres):
         drafter = f" drafter {w['drafter']}" if w.get("drafter") and len(state.get("drafters", {})) > 1 else ""
         restarted = f" restarts {w['restarts']}" if w.get("restarts") else ""
         if w["role"] == "any":  # an elastic worker: how its batches split between the stages
-            restarted += f" (batches: {w['batches'].get('draft', 0)} draft, {w['batches'].get('target', 0)} verify)"
+            kinds = (("round", "round"), ("draft", "draft"), ("target", "verify"), ("ahead", "pre-draft"))
+            restarted += " (batches: " + ", ".join(f"{w['batches'].get(stage, 0)} {name}" for stage, name in kinds
+                                                   if stage != "ahead" or w["batches"].get(stage)) + ")"
         failed = (w.get("kv") or {}).get("pull_failures", 0)  # (KV it could not pull: recomputed, never silent)
         kv = f" KV pull failures {failed} (recomputed; see its log)" if failed else ""
         if skipped := (w.get("kv") or {}).get("pulls_skipped", 0):  # (a link measured slower than recomputing)
@@ -34,10 +40,7 @@ def status_lines(state: dict[str, Any]) -> list[str]:
             kv += f" prefixes pulled {pulls} ({w['kv']['prefix_pulled']} positions)"
         if saved := (w.get("kv") or {}).get("pull_saved", 0):  # (pulled KV its own prefix cache held: copied here)
             kv += f" {saved} positions not pulled (its prefix cache held them)"
-        where = (w.get("model") or {}).get("device", "?")  # (registered: shown before it first computes)
-        if numerics := (w.get("model") or {}).get("numerics"):  # (a verifier's: the broker refuses others beside it)
-            where += f" ({numerics.rsplit(' on ', 1)[0]})"
-        out.append(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} on {where:<9} "
+        out.append(f"  worker {w['id']:>3} {w['role']:<9} slot {w['slot']:<3} {w['name']:<16} on {where:<{width}} "
                    f"tasks {w['tasks']:<8} busy {w['busy_s']:.1f} s{drafter}{restarted}{kv}")
         links = (w.get("kv") or {}).get("links") or {}  # (its network pulls' holders, as it measured them lately)
         if links:
@@ -67,3 +70,11 @@ def status_lines(state: dict[str, Any]) -> list[str]:
     if state["errors"]:
         out.append(f"errors {state['errors']}")
     return out
+
+
+def _where(worker: dict[str, Any]) -> str:
+    """Where a worker computes: its device, and a verifier's numerics (the broker refuses others beside it)."""
+    where = (worker.get("model") or {}).get("device", "?")  # (registered: shown before it first computes)
+    if numerics := (worker.get("model") or {}).get("numerics"):
+        where += f" ({numerics.rsplit(' on ', 1)[0]})"
+    return where

@@ -1,0 +1,53 @@
+"""The broker's activity line: every ``stats_log_s`` while it serves, one log line of what the last
+interval did (as vLLM's and SGLang's engines log their throughput), so that an operator watching a
+deployment's log sees it work, or stall, without asking ``status``. Silent while idle."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from nebula_flow.log_relay import ACTIVITY_MARKER
+
+log = logging.getLogger("nebula_flow.broker")
+
+# counters whose change over an interval the line reports (``intake._close``: requests_<finish reason>)
+WATCHED = ("tokens_out", "rounds", "requests_length", "requests_stop", "requests_failed", "requests_cancelled")
+
+
+@dataclass
+class ActivityLog:
+    every_s: float  # 0: off
+    last: float  # when the last interval began
+    seen: dict[str, int] = field(default_factory=dict)  # the counters then
+    seen_errors: dict[str, int] = field(default_factory=dict)  # the errors by code then
+
+    def line(self, now: float, counters: Mapping[str, int], errors: Mapping[str, int], pool: int,
+             topics: Mapping[str, int], workers: int) -> str | None:
+        """The line for the interval that ends at ``now``, when one is due and anything happened (or
+        requests wait in the pool); None otherwise."""
+        if self.every_s <= 0 or now - self.last < self.every_s:
+            return None
+        now_seen = {name: counters.get(name, 0) for name in WATCHED}
+        delta = {name: value - self.seen.get(name, 0) for name, value in now_seen.items()}
+        # (refused messages by code: a client's request refused, or a worker's message after a broker restart)
+        refused = Counter({code: n - self.seen_errors.get(code, 0) for code, n in errors.items()}) - Counter()
+        span, self.last, self.seen, self.seen_errors = now - self.last, now, now_seen, dict(errors)
+        if not any(delta.values()) and not refused and not pool:
+            return None
+        per_round = f"{delta['tokens_out'] / delta['rounds']:.2f}" if delta["rounds"] else "-"
+        ended = [f"{delta['requests_length'] + delta['requests_stop']} finished"] + [
+            f"{delta[key]} {word}" for key, word in (("requests_cancelled", "cancelled"), ("requests_failed", "failed"))
+            if delta[key]]
+        queued = ", ".join(f"{topic} {depth}" for topic, depth in topics.items() if depth) or "none"
+        errors_text = ", ".join(f"{code} {n}" for code, n in refused.most_common(4))
+        return (f"last {span:.0f} s: {delta['tokens_out'] / span:.1f} tokens/s out, {per_round} tokens/round, "
+                f"requests {', '.join(ended)}; {pool} in the pool, tasks queued: {queued}; {workers} workers"
+                + (f"; errors: {errors_text}" if errors_text else ""))
+
+    def log(self, now: float, counters: Mapping[str, int], errors: Mapping[str, int], pool: int,
+            topics: Mapping[str, int], workers: int) -> None:
+        if text := self.line(now, counters, errors, pool, topics, workers):
+            log.info("%s%s", ACTIVITY_MARKER, text)
