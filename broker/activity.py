@@ -51,3 +51,16 @@ class ActivityLog:
             topics: Mapping[str, int], workers: int) -> None:
         if text := self.line(now, counters, errors, pool, topics, workers):
             log.info("%s%s", ACTIVITY_MARKER, text)
+
+    @staticmethod
+    def draining(now: float, in_flight: int, drain_s: float) -> float:
+        """Say that stopping began (whatever ``every_s``: serve relays it); returns ``now``."""
+        log.info("%sdraining: new requests are refused; %d in flight may finish within %g s", ACTIVITY_MARKER,
+                 in_flight, drain_s)
+        return now
+
+    @staticmethod
+    def stopped(cut_off: int, drain_s: float) -> None:
+        """Say how the drain ended: every request in flight finished, or ``cut_off`` did not in time."""
+        log.info("%sstopped: %s", ACTIVITY_MARKER, f"{cut_off} in flight did not finish within drain_s {drain_s:g} s "
+                 "(each fails with shutting_down)" if cut_off else "every request in flight finished")

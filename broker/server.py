@@ -470,10 +470,10 @@ class Broker(Intake):
             if orphaned():  # the deployment that started us is gone
                 stop.append(1)
             if stop and self.draining_since is None:
-                log.info("stopping: no new requests; %d in flight", len(self.scheduler.requests))
-                self.draining_since = now
+                self.draining_since = self.activity.draining(now, len(self.scheduler.requests), self.opts.drain_s)
             if self.draining_since is not None:
                 if not (self.scheduler.requests or self.prompts.waiting) or now - self.draining_since > self.opts.drain_s:
+                    self.activity.stopped(len(self.scheduler.requests) + len(self.prompts.waiting), self.opts.drain_s)
                     for rid in list(self.scheduler.requests):
                         self._finish(rid, "error", ("shutting_down", "the broker shut down before this request finished"))
                     for waiting in self.prompts.waiting.values():

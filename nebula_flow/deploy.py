@@ -68,6 +68,7 @@ def free_ports(count: int, avoid: AbstractSet[int] = frozenset()) -> list[int]:
 def http_answers(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
     """Wait until the HTTP gateway at ``url`` (run by ``proc``) answers ``/health``: False if it
     exits first or ``timeout_s`` passes."""
+    import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
@@ -75,6 +76,8 @@ def http_answers(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2):
                 return True
+        except urllib.error.HTTPError:  # (it answers: 503 while no worker can serve yet is the deployment's state)
+            return True
         except OSError:
             time.sleep(0.05)
     return False
@@ -161,6 +164,7 @@ class Deployment:
         self.procs: list[tuple[str, Child]] = []
         self.commands: dict[str, tuple[list[str], int]] = {}  # each child's arguments and threads
         self.records: dict[str, ChildRecord] = {}  # each child's restarts
+        self.relays: dict[str, LogRelay] = {}  # the brokers' activity lines, as relayed (``relay_activity``)
         self.due: dict[str, float] = {}  # dead children waiting out their backoff: when to start them
         self.worker_changes = worker_changes or {}
         self.child_env: dict[str, dict[str, str]] = {}  # a child's own environment (the gateway's API key)
@@ -234,6 +238,8 @@ class Deployment:
             raise DeploymentError(str(exc)) from None
         for shard in range(len(self.shards)):
             self._spawn_broker(shard)
+        self.relays = {name: LogRelay(self.log_dir / f"{name}.log", ACTIVITY_MARKER) for name, _ in self.procs
+                       if is_broker(name)}
         self._start_workers(plan, devices)
         moved = [self._await_broker(shard, timeout_s) for shard in range(len(self.shards))]  # (every shard awaited)
         if any(moved):
@@ -391,13 +397,16 @@ class Deployment:
         """``supervise`` until ``stop`` is set, logging each event with its time (what ``serve``
         runs), and each activity line its brokers log (``broker/activity.py``); a broker given up
         raises ``DeploymentError``."""
-        relays = {name: LogRelay(self.log_dir / f"{name}.log", ACTIVITY_MARKER) for name, _ in self.procs if is_broker(name)}
         while not stop.wait(every_s):
             for event in self.supervise():
                 log(f"{time.strftime('%H:%M:%S')} {event}")
-            for name, relay in relays.items():
-                for line in relay.lines():
-                    log(f"{time.strftime('%H:%M:%S')} {name}: {line}")
+            self.relay_activity(log)
+
+    def relay_activity(self, log: Callable[[str], None]) -> None:
+        """Log the activity lines the brokers wrote since the last call (the first: since they started)."""
+        for name, relay in self.relays.items():
+            for line in relay.lines():
+                log(f"{time.strftime('%H:%M:%S')} {name}: {line}")
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"
@@ -409,13 +418,15 @@ class Deployment:
             if n == name:
                 proc.send_signal(sig)
 
-    def stop(self, timeout_s: float | None = None, now: threading.Event | None = None) -> None:
+    def stop(self, timeout_s: float | None = None, now: threading.Event | None = None,
+             log: Callable[[str], None] | None = None) -> None:
         """Stop so that in-flight requests finish: the HTTP gateway and the brokers first (they refuse
         new requests and wait, up to the brokers' ``drain_s``, for those in flight, which the workers
         go on computing), then the workers. SIGKILL whatever still runs after ``timeout_s`` (default:
         the drain time and 10 s more), once ``now`` is set (``serve``: Ctrl-C again), or on a
         ``KeyboardInterrupt`` while waiting. No child outlives it (each runs in a session of its
-        own, so a Ctrl-C never reaches them)."""
+        own, so a Ctrl-C never reaches them). ``log``: where the brokers' activity lines go
+        meanwhile (``serve``: how the drain goes)."""
         if timeout_s is None:
             timeout_s = self.drain_s + STOP_AFTER_DRAIN_S
         deadline = time.monotonic() + timeout_s
@@ -429,6 +440,10 @@ class Deployment:
                     while proc.poll() is None and time.monotonic() < deadline and not (now is not None and now.is_set()):
                         with contextlib.suppress(subprocess.TimeoutExpired):
                             proc.wait(STOP_POLL_S)
+                        if log is not None:
+                            self.relay_activity(log)
+                if log is not None:  # (what they wrote last, as they stopped)
+                    self.relay_activity(log)
         finally:  # (a KeyboardInterrupt too: SIGKILL, then it goes on up)
             for _, proc in self.procs:
                 if proc.poll() is None:

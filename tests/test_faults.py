@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nebula_flow import protocol
-from nebula_flow.client import AsyncClient, Busy, Client, build_submit
+from nebula_flow.client import AsyncClient, Busy, Client, RequestError, build_submit
 from nebula_flow.deploy import Deployment, free_port
 from tests.conftest import deploy_config, hf_greedy, workers_lost
 
@@ -264,9 +264,6 @@ def test_cancel_frees_kv_on_every_worker(tiny_pair) -> None:  # noqa: ANN001
 
 
 def test_broker_sigterm_finishes_in_flight_requests_and_refuses_new_ones(tiny_pair) -> None:  # noqa: ANN001
-
-    from nebula_flow.client import RequestError
-
     cfg = deploy_config(tiny_pair, "pooled", 1, 1)
     with Deployment(cfg) as dep:
         broker = next(p for n, p in dep.procs if n == "broker")
@@ -410,9 +407,33 @@ def test_sigterm_to_serve_lets_in_flight_requests_finish_through_the_gateway_too
         for t in threads:
             t.join(10)
         assert finals == {"library": (400, "length"), "gateway": (400, "length")}, err.read_text()
+        said = err.read_text()  # (and serve's terminal showed how the drain went)
+        assert " broker: draining: new requests are refused; 2 in flight may finish within 30 s" in said, said
+        assert " broker: stopped: every request in flight finished" in said, said
         assert activity and all(" tokens/s out, " in line and line.endswith("2 workers") for line in activity), activity
         with pytest.raises(openai.APIConnectionError):  # (the gateway is gone with serve: nothing listens)
             http.completions.create(model="tiny-target", prompt="a", max_tokens=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_drain_that_runs_out_says_what_it_cut_off(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """SIGTERM with a request that outlasts drain_s: the request fails with shutting_down, and
+    serve's terminal says the drain began and that one request did not finish in time."""
+    proc, address, err = _serve_with_gateway(tiny_pair, tmp_path, "drain_s = 1")
+    try:
+        with Client(address, timeout_s=120) as c:
+            stream = c.stream(token_ids=[5, 6, 7], max_new_tokens=900, ignore_eos=True)
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(RequestError) as failed:
+                list(stream)
+        assert failed.value.code == "shutting_down"
+        assert proc.wait(60) == 0, err.read_text()
+        said = err.read_text()
+        assert " broker: draining: new requests are refused; 1 in flight may finish within 1 s" in said, said
+        assert " broker: stopped: 1 in flight did not finish within drain_s 1 s (each fails with shutting_down)" in said
     finally:
         if proc.poll() is None:
             proc.kill()

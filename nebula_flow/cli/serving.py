@@ -87,7 +87,7 @@ def stop_deployment(dep, again: threading.Event) -> None:  # noqa: ANN001
         click.echo(f"stopping: requests in flight may finish (drain_s {dep.drain_s:g} s) ... (a Ctrl-C now stops at "
                    "once)", err=True)
     finally:  # (whatever interrupts the message, the deployment's processes never outlive serve)
-        dep.stop(now=again)
+        dep.stop(now=again, log=lambda line: click.echo(line, err=True))  # (how the brokers' drain goes)
 
 
 def start_http(dep, host: str, port: int, api_key: str | None, model_name: str | None,  # noqa: ANN001
