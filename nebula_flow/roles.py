@@ -23,6 +23,14 @@ MODES: dict[str, tuple[str, ...]] = {
     "elastic": ("any", "draft", "target"),
 }
 PHASE_ROLE = {DRAFT: "draft", VERIFY: "target", ROUND: "colocated"}
+# mode -> each stage its rounds cannot do without, and the roles that take it (``unserved``)
+STAGES_NEEDED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "pooled": (("draft", ("draft",)), ("verify", ("target",))),
+    "paired": (("draft", ("draft",)), ("verify", ("target",))),
+    "colocated": (("round", ("colocated",)),),
+    "autoregressive": (("verify", ("target",)),),
+    "elastic": (("draft", ("any", "draft")), ("verify", ("any", "target"))),
+}
 # the topics a worker of each role takes tasks from, and the models it runs (whose costs it reports)
 ROLE_TOPICS = {"draft": ("draft",), "target": ("target",), "colocated": ("colocated",), "any": ("draft", "target")}
 # (elastic rounds: drafts; ahead: pre-drafts of the next round, draft-ahead)
@@ -55,6 +63,20 @@ class WorkerState:
     draft_capacity: int | None = None  # elastic workers: the most tasks of a draft batch (else ``capacity``)
     ahead: dict[int, int] = field(default_factory=dict)  # request -> attempt: the pre-drafts it runs (draft-ahead)
     second: dict[int, int] = field(default_factory=dict)  # request -> attempt: the second drafts it runs (fusion)
+
+
+def unserved(mode: str, workers: Iterable[tuple[str, int]]) -> str | None:
+    """Why requests of ``mode`` cannot progress with these registered ``workers`` (role, slot), or
+    None where they can: a stage no worker takes, or (paired) no draft and target of one slot. What
+    the HTTP API's ``/health`` answers 503 for and ``status`` warns of (all targets gone, say)."""
+    workers = list(workers)
+    roles = {role for role, _ in workers}
+    for stage, takers in STAGES_NEEDED.get(mode, ()):
+        if not roles & set(takers):
+            return f"no worker takes the {stage} stage (role {' or '.join(takers)}): requests wait until one registers"
+    if mode == "paired" and not {s for r, s in workers if r == "draft"} & {s for r, s in workers if r == "target"}:
+        return "no draft and target worker of one slot (a pair): requests wait until one registers"
+    return None
 
 
 def holder_key(role: str, drafter: str | None = None) -> str:

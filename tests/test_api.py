@@ -876,6 +876,36 @@ def test_fuzzed_bodies_never_break_the_gateway(strict) -> None:  # noqa: ANN001
     assert http.get("/health").json()["status"] == "ok"  # and it still answers
 
 
+def test_health_is_503_while_no_worker_can_verify_and_ok_once_one_is_back(tiny_pair) -> None:  # noqa: ANN001
+    """A load balancer must stop sending callers to a deployment whose every target worker is gone
+    (their requests would only wait): /health answers 503 with the reason and `status` says it;
+    both recover once the supervisor's restart of the worker registers. (It answered 200 "ok".)"""
+    import signal
+
+    from nebula_flow.cli.status_text import status_lines
+
+    with Deployment(deploy_config(tiny_pair, "pooled", 1, 1)) as dep:
+        url = dep.start_api("127.0.0.1", 0)
+        assert httpx.get(url + "/health").json() == {"status": "ok", "workers": 2}
+        dep.kill(next(name for name, _ in dep.procs if name.startswith("target")), signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while (answer := httpx.get(url + "/health")).status_code == 200:  # (until the broker has seen it leave)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        why = "no worker takes the verify stage (role target): requests wait until one registers"
+        assert (answer.status_code, answer.json()) == (503, {"status": "unavailable", "message": why, "workers": 1})
+        with Client(dep.address) as c:
+            assert f"  NOT SERVING: {why}" in status_lines(c.status())
+        while (answer := httpx.get(url + "/health")).status_code != 200:
+            assert time.monotonic() < deadline + 60, dep.log_tail("broker")
+            dep.supervise()  # (starts it again after its backoff)
+            time.sleep(0.1)
+        assert answer.json() == {"status": "ok", "workers": 2}
+        with Client(dep.address) as c:
+            assert not any("NOT SERVING" in line for line in status_lines(c.status()))
+            assert c.generate(token_ids=[3, 4], max_new_tokens=4, ignore_eos=True).finish_reason == "length"
+
+
 def test_api_key_models_metrics_and_health(served) -> None:  # noqa: ANN001
     url = served.http_url
     assert httpx.get(url + "/health").status_code == 200  # open: for load balancers

@@ -303,3 +303,18 @@ def test_topic_keeps_queue_order_across_holders_and_requeues() -> None:
     assert list(t.held_by([None])) == [0, 2, 4] and 8 not in t.holders()
     t.remove(3)
     assert list(t) == [0, 1, 2, 4] and 3 not in t and len(t) == 4 and list(t.held_by([7])) == [1]
+
+
+def test_unserved_names_the_stage_no_registered_worker_takes() -> None:
+    from nebula_flow.roles import unserved
+
+    assert unserved("pooled", [("draft", 0), ("target", 1)]) is None
+    assert unserved("pooled", [("draft", 0)]) == ("no worker takes the verify stage (role target): requests wait "
+                                                 "until one registers")
+    assert unserved("pooled", [("target", 0)]).startswith("no worker takes the draft stage (role draft)")
+    assert unserved("autoregressive", [("target", 0)]) is None and unserved("colocated", [("colocated", 3)]) is None
+    assert unserved("colocated", []).startswith("no worker takes the round stage (role colocated)")
+    assert unserved("elastic", [("any", 0)]) is None and unserved("elastic", [("draft", 0), ("target", 1)]) is None
+    assert unserved("elastic", [("draft", 0)]).startswith("no worker takes the verify stage (role any or target)")
+    assert unserved("paired", [("draft", 0), ("target", 0)]) is None
+    assert unserved("paired", [("draft", 0), ("target", 1)]).startswith("no draft and target worker of one slot")

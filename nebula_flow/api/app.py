@@ -38,7 +38,7 @@ from nebula_flow.api.response import Shaper, sse
 from nebula_flow.api.response_items import ResponseShaper, ResponseStream, to_store
 from nebula_flow.api.responses import Ask, ResponseStore, listed
 from nebula_flow.api.responses import parse as parse_responses
-from nebula_flow.api.telemetry import Telemetry
+from nebula_flow.api.telemetry import Telemetry, health
 from nebula_flow.api.tokenize import parse_detokenize, parse_tokenize, tokenized
 from nebula_flow.api.tools import CallStream
 from nebula_flow.client import AsyncClient, Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout
@@ -151,9 +151,8 @@ class Gateway:
             state = await self.state()
         except ApiError as exc:
             return error_response(exc)
-        if state.get("draining"):
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok", "workers": len(state.get("workers", []))})
+        status, body = health(state)
+        return JSONResponse(body, status_code=status)
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)

@@ -24,6 +24,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from nebula_flow.client import Completion
+from nebula_flow.roles import unserved
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0)
@@ -97,3 +98,15 @@ class Telemetry:
             self.per_round.observe(n)
         self.prompt_tokens.inc(int(out.stats.get("prompt_tokens", 0)))
         self.generation_tokens.inc(len(out.token_ids))
+
+
+def health(state: dict) -> tuple[int, dict]:
+    """``/health``'s status and body from the broker's state: 503 while it drains, or while its
+    requests cannot progress (no worker takes a stage they need: ``roles.unserved``), so that a
+    load balancer sends callers elsewhere; 200 otherwise."""
+    workers = state.get("workers", [])
+    if state.get("draining"):
+        return 503, {"status": "draining"}
+    if why := unserved(state["mode"], [(w["role"], w["slot"]) for w in workers]):
+        return 503, {"status": "unavailable", "message": why, "workers": len(workers)}
+    return 200, {"status": "ok", "workers": len(workers)}

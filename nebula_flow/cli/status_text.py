@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nebula_flow.roles import unserved
+
 
 def status_lines(state: dict[str, Any]) -> list[str]:
     """The lines `nebula-flow status` prints for a broker's (or a sharded deployment's merged) state."""
@@ -13,6 +15,8 @@ def status_lines(state: dict[str, Any]) -> list[str]:
                + (f" ({waiting} waiting for a shared prompt start)" if waiting else "") + f", topics {state['topics']}"
                + (", draining: stopping, refuses new requests while those in flight finish" if state.get("draining")
                   else ""))
+    if why := unserved(state["mode"], [(w["role"], w["slot"]) for w in state["workers"]]):  # (its /health says 503)
+        out.append(f"  NOT SERVING: {why}")
     if address := state.get("worker_address"):  # (how an operator adds a worker to this deployment)
         out.append(f"  workers join at {address} (nebula-flow worker --broker {address} --role ROLE --model MODEL)")
     if "queued_by_priority" in state:  # (priority scheduling: queued tasks by priority, most urgent first)
