@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from nebula_flow.log_relay import ACTIVITY_MARKER
+from nebula_flow.roles import WorkerState, unserved
 
 log = logging.getLogger("nebula_flow.broker")
 
@@ -21,13 +22,15 @@ WATCHED = ("tokens_out", "rounds", "requests_length", "requests_stop", "requests
 class ActivityLog:
     every_s: float  # 0: off
     last: float  # when the last interval began
+    mode: str  # the deployment's (which stages its rounds need: ``roles.unserved``)
     seen: dict[str, int] = field(default_factory=dict)  # the counters then
     seen_errors: dict[str, int] = field(default_factory=dict)  # the errors by code then
 
     def line(self, now: float, counters: Mapping[str, int], errors: Mapping[str, int], pool: int,
-             topics: Mapping[str, int], workers: int) -> str | None:
+             topics: Mapping[str, int], workers: Collection[WorkerState]) -> str | None:
         """The line for the interval that ends at ``now``, when one is due and anything happened (or
-        requests wait in the pool); None otherwise."""
+        requests wait in the pool); None otherwise. It says so where no registered worker takes a
+        stage the requests need (they wait: the HTTP API's /health answers 503 meanwhile)."""
         if self.every_s <= 0 or now - self.last < self.every_s:
             return None
         now_seen = {name: counters.get(name, 0) for name in WATCHED}
@@ -44,11 +47,12 @@ class ActivityLog:
         queued = ", ".join(f"{topic} {depth}" for topic, depth in topics.items() if depth) or "none"
         errors_text = ", ".join(f"{code} {n}" for code, n in refused.most_common(4))
         return (f"last {span:.0f} s: {delta['tokens_out'] / span:.1f} tokens/s out, {per_round} tokens/round, "
-                f"requests {', '.join(ended)}; {pool} in the pool, tasks queued: {queued}; {workers} workers"
-                + (f"; errors: {errors_text}" if errors_text else ""))
+                f"requests {', '.join(ended)}; {pool} in the pool, tasks queued: {queued}; {len(workers)} workers"
+                + (f"; errors: {errors_text}" if errors_text else "")
+                + (f"; NOT SERVING: {why}" if (why := unserved(self.mode, [(w.role, w.slot) for w in workers])) else ""))
 
     def log(self, now: float, counters: Mapping[str, int], errors: Mapping[str, int], pool: int,
-            topics: Mapping[str, int], workers: int) -> None:
+            topics: Mapping[str, int], workers: Collection[WorkerState]) -> None:
         if text := self.line(now, counters, errors, pool, topics, workers):
             log.info("%s%s", ACTIVITY_MARKER, text)
 

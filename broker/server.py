@@ -93,7 +93,7 @@ class Broker(Intake):
         self.frees, self.gone = [], {}  # (requests whose KV workers may drop; clients a send failed to, since: reap_clients)
         self.draining_since: float | None = None
         self.started, self.metrics = time.monotonic(), None
-        self.activity = ActivityLog(opts.stats_log_s, self.started)  # (the log's line every stats_log_s)
+        self.activity = ActivityLog(opts.stats_log_s, self.started, opts.mode)  # (the log's line every stats_log_s)
         self.client_outbox: list[tuple[bytes, Msg]] = []  # see _send
         self.outbox_logprobs = False  # a chunk in it carries logprobs (``intake.chunk_groups``)
 
@@ -403,7 +403,7 @@ class Broker(Intake):
         if now - self._last_beat >= self.opts.heartbeat_s:
             self._last_beat = now
             self.reap_clients(now)
-            self.activity.log(now, self.counters, self.errors, len(self.scheduler.requests), self.scheduler.depth(), len(self.workers))
+            self.activity.log(now, self.counters, self.errors, len(self.scheduler.requests), self.scheduler.depth(), self.scheduler.workers.values())
             for wid, info in list(self.workers.items()):
                 if self.access.revoked(info.key):
                     self._drop_worker(wid, "revoked")  # its tasks go to others; it is told to stop
