@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from nebula_flow import structured
+from nebula_flow.config import ConfigError
 from nebula_flow.models.config import ModelConfig
 from nebula_flow.models.identity import differences, fingerprint
 from nebula_flow.params import InvalidParams, SamplingParams
@@ -26,12 +27,18 @@ from nebula_flow_broker.tokenizing import INLINE_CHARS, prompt_chars
 class Admission:
     """What the broker knows of the target model: tokenizer, EOS ids, context, vocabulary."""
 
-    def __init__(self, model: str | None, max_new_tokens_limit: int, priorities: bool = False) -> None:
+    def __init__(self, model: str | None, max_new_tokens_limit: int, priorities: bool = False,
+                 max_model_len: int | None = None) -> None:
+        """``max_model_len``: the context served (prompt and output), at most the model's; None: the model's."""
         self.model, self.fingerprint = model, fingerprint(model) if model else None
         self.codec = TextCodec(model) if model else None
         self.eos_ids = eos_token_ids(model, self.codec) if model else ()
         facts = ModelConfig.from_dir(model) if model else None
         self.max_model_len = facts.max_position_embeddings if facts else 1 << 30
+        if max_model_len is not None and max_model_len > self.max_model_len:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context ({self.max_model_len} "
+                              f"positions: max_position_embeddings of {model})")
+        self.max_model_len = max_model_len or self.max_model_len
         self.vocab_size = facts.vocab_size if facts else None
         self.max_new_tokens_limit = max_new_tokens_limit
         self.priorities = priorities  # (the policy's priority_scheduling: else a priority other than 0 is refused)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import click
 
+from nebula_flow import io_threads
 from nebula_flow.cli.common import policy_options
+from nebula_flow.config import ConfigError
 from nebula_flow.hub import local_folder
 from nebula_flow.options import BrokerOptions, read_options
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.roles import MODES
+from nebula_flow.security import SecurityError
 
 _D = BrokerOptions()
 
@@ -58,8 +62,6 @@ _D = BrokerOptions()
 @policy_options
 def broker(options_file: str | None, print_options: bool, policy: PolicyConfig, **given: object) -> None:
     """Run the broker: the request pool, the draft and target topics, the two sockets."""
-    from nebula_flow_broker.server import serve_broker
-
     given = {name: value for name, value in given.items() if value is not None}
     if options_file:
         if given or policy != PolicyConfig():
@@ -83,3 +85,18 @@ def broker(options_file: str | None, print_options: bool, policy: PolicyConfig, 
         sys.exit(serve_broker(opts))
     except (ValueError, OSError) as exc:  # (a bad setting; a port that is taken)
         raise click.ClickException(str(exc)) from None
+
+
+def serve_broker(opts: BrokerOptions) -> int:
+    """Run a broker until it stops; its exit code. Keys or settings it cannot serve with (a
+    ``max_model_len`` beyond the model's, say) are an error in its log and exit code 2, which a
+    deployment's supervisor does not restart (restarting cannot help)."""
+    from nebula_flow_broker.server import Broker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
+    io_threads.pin_from_env()  # (before the first socket: the deployment's zmq_io_cpu)
+    try:
+        return Broker(opts).run()
+    except (SecurityError, ConfigError) as exc:
+        logging.getLogger("nebula_flow.broker").error("%s", exc)
+        return 2

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from nebula_flow import ahead, elastic, fusion, io_threads, protocol, zmq_frames
+from nebula_flow import ahead, elastic, fusion, protocol, zmq_frames
 from nebula_flow.listen import bind_zmq
 from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
@@ -49,7 +49,7 @@ from nebula_flow.request import AHEAD, DRAFT, ROUND, Request
 from nebula_flow.roles import MODEL_ROLES, MODES
 from nebula_flow.round_times import RoundTimes
 from nebula_flow.scheduler import Scheduler
-from nebula_flow.security import SecurityError, user_id
+from nebula_flow.security import user_id
 from nebula_flow.speclen import FIT_ROWS
 from nebula_flow.topic import queued_by_priority
 from nebula_flow_broker import known, results
@@ -72,7 +72,7 @@ class Broker(Intake):
         self.scheduler = policy(opts.mode, opts.policy)
         if opts.policy.prefix_affinity:  # (cache-aware placement: the prompts' tokens are real here)
             self.scheduler.prefixes = PrefixRoutes()
-        self.admission = Admission(opts.model, opts.max_new_tokens_limit, opts.policy.priority_scheduling)
+        self.admission = Admission(opts.model, opts.max_new_tokens_limit, opts.policy.priority_scheduling, opts.max_model_len)
         self.prompts = PromptTokenizer(self.admission.prepare)
         if self.admission.codec is not None:  # (on the tokenizer thread: the first chat request need not wait for it)
             self.prompts.pool.submit(self.admission.codec.compile_chat_template)
@@ -489,12 +489,3 @@ class Broker(Intake):
         self.access.close()
         return 0
 
-
-def serve_broker(opts: BrokerOptions) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
-    io_threads.pin_from_env()  # (before the first socket: the deployment's zmq_io_cpu)
-    try:
-        return Broker(opts).run()
-    except SecurityError as exc:
-        log.error("%s", exc)
-        return 2

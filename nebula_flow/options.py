@@ -34,6 +34,9 @@ class BrokerOptions:
     # one client for all its callers, so a limit under max_pending refused HTTP load the pool had room for)
     max_inflight_per_client: int | None = None
     max_new_tokens_limit: int = 4096
+    # the context served, prompt and output (vLLM's max_model_len): below the model's own to bound a
+    # request's KV (a 128k-token Llama prompt would not fit a worker's max_kv_gb); None: the model's
+    max_model_len: int | None = None
     heartbeat_s: float = 1.0
     liveness_s: float = 10.0  # silence after which a worker is declared dead
     drain_s: float = 30.0  # on SIGTERM: how long in-flight requests may finish
@@ -63,7 +66,7 @@ class BrokerOptions:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be a port from 0 to 65535 (0: any free one), got {port}")
-        for name in ("proposal_top_k", "max_pending", "max_inflight_per_client", "max_new_tokens_limit"):
+        for name in ("proposal_top_k", "max_pending", "max_inflight_per_client", "max_new_tokens_limit", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("drain_s", "client_gone_s", "stats_log_s"):

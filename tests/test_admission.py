@@ -298,3 +298,19 @@ def test_a_prediction_is_tokenized_as_output_and_checked(tiny_pair) -> None:  # 
         with pytest.raises(ProtocolError, match=says) as err:
             admission.request(4, Submit("d", {}, prompt_tokens=prompt, prediction_tokens=bad), owner=b"c", now=0.0)
         assert err.value.code == "invalid_prediction"
+
+
+def test_max_model_len_bounds_the_context_served_and_never_exceeds_the_models(tiny_pair) -> None:  # noqa: ANN001
+    from nebula_flow.config import ConfigError
+
+    model = str(tiny_pair / "target")
+    assert Admission(model, 4096).max_model_len == 1024  # (the model's max_position_embeddings)
+    adm = Admission(model, 4096, max_model_len=48)
+    assert adm.max_model_len == 48
+    fits = adm.request(1, Submit("a", {"max_new_tokens": 40}, prompt_tokens=np.full(8, 5, np.int32)), b"c", 0.0)
+    assert len(fits.prompt) + fits.params.max_new_tokens == 48
+    with pytest.raises(ProtocolError, match=r"exceeds the context \(48\)") as refused:
+        adm.request(2, Submit("b", {"max_new_tokens": 41}, prompt_tokens=np.full(8, 5, np.int32)), b"c", 0.0)
+    assert refused.value.code == "too_long"
+    with pytest.raises(ConfigError, match="max_model_len 2048 exceeds the model's context"):
+        Admission(model, 4096, max_model_len=2048)

@@ -18,6 +18,7 @@ from nebula_flow.cli import main
 from nebula_flow.client import Client
 from nebula_flow.deploy import free_port
 from nebula_flow.options import BrokerOptions
+from tests.conftest import tiny_config_file
 
 
 @pytest.mark.parametrize(("args", "option"), [
@@ -137,3 +138,32 @@ def test_a_log_folder_that_cannot_be_one_is_said_before_anything_starts(tiny_pai
         res = CliRunner().invoke(main, ["serve", "--config", str(cfg), "--port", "0", "--log-dir", str(log_dir)])
         assert res.exit_code == 1 and f"Error: cannot keep the logs in {log_dir}: {why}" in res.output, res.output
         assert "starting" not in res.output
+
+
+def test_max_model_len_bounds_what_a_deployment_serves_and_beyond_the_model_is_refused(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """vLLM's --max-model-len: the broker refuses a request longer than it (too_long; 400 over HTTP),
+    /v1/models says it; one beyond the target's own context stops serve at start with why (the
+    broker exits 2: restarting it cannot help)."""
+    import httpx
+
+    from nebula_flow.client import RequestError
+    from nebula_flow.deploy import Deployment
+    from tests.conftest import deploy_config
+
+    cfg = deploy_config(tiny_pair, "pooled", 1, 1)
+    cfg.broker.max_model_len = 48
+    with Deployment(cfg) as dep:
+        url = dep.start_api("127.0.0.1", 0)
+        assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 48
+        too_long = httpx.post(url + "/v1/completions", json={"model": cfg.target.model, "prompt": [5] * 8, "max_tokens": 41})
+        assert too_long.status_code == 400 and "exceeds the context (48)" in too_long.json()["error"]["message"]
+        with Client(dep.address) as c:
+            assert len(c.generate(token_ids=[5] * 8, max_new_tokens=40, ignore_eos=True).token_ids) == 40
+            with pytest.raises(RequestError) as refused:
+                c.generate(token_ids=[5] * 8, max_new_tokens=41)
+            assert refused.value.code == "too_long"
+    config = tiny_config_file(tiny_pair, tmp_path)
+    res = CliRunner().invoke(main, ["serve", "--config", str(config), "--port", "0", "--max-model-len", "2048",
+                                    "--log-dir", str(tmp_path / "logs")])
+    assert res.exit_code == 1, res.output
+    assert "max_model_len 2048 exceeds the model's context (1024 positions" in res.output

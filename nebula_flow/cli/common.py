@@ -209,17 +209,21 @@ def deploy_options(f: Callable) -> Callable:
 
 def start_deployment(config: str | None, mode: str | None, draft_workers: int | None, target_workers: int | None,
                      port: int | None, log_dir: str | None, add_drafters: tuple[str, ...] = (),
-                     settings: tuple[str, ...] = (), secure_local: bool = False, shards: int | None = None):  # noqa: ANN201
+                     settings: tuple[str, ...] = (), secure_local: bool = False, shards: int | None = None,
+                     max_model_len: int | None = None):  # noqa: ANN201
     """Start the deployment ``deploy_options`` describe, printing progress; returns it running.
     ``secure_local``: CURVE keys on loopback too (a private key folder in the log folder unless
     the config names one), for hosts whose other users must not reach the deployment. ``shards``:
-    brokers sharing the requests (the config's ``[broker] shards`` otherwise)."""
+    brokers sharing the requests (the config's ``[broker] shards`` otherwise); ``max_model_len``:
+    the context served (the config's ``[broker] max_model_len`` otherwise)."""
     from nebula_flow.deploy import Deployment, DeploymentError
     from nebula_flow.security import generate_keys
 
     cfg = load_deploy(config)
     if shards is not None:
         cfg.broker.shards = shards
+    if max_model_len is not None:
+        cfg.broker.max_model_len = max_model_len
     cfg = apply_overrides(cfg, mode, draft_workers, target_workers, port, add_drafters, settings)
     prepare_models(cfg)
     try:

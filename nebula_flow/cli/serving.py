@@ -28,11 +28,14 @@ from nebula_flow.cli.status_text import status_lines
               help="Brokers sharing the requests, each owning a slice by request id (for more request-rounds per "
               "second than one broker's core gives); shard i binds port+2i and port+2i+1, and the address printed "
               "lists them all, comma-separated. [default: the config's [broker] shards, 1]")
+@click.option("--max-model-len", type=click.IntRange(min=2), help="The context served, prompt and output (vLLM's): "
+              "longer requests are refused (400 over HTTP), which bounds a request's KV; at most the target's own. "
+              "[default: the config's [broker] max_model_len, else the target's max_position_embeddings]")
 @click.option("--http-port", type=click.IntRange(0, 65535), help="Also serve the OpenAI-compatible HTTP API on this port (0: any free "
               "port); see `nebula-flow api --help`.")
 @http_options
 def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
-          secure_local, shards, http_port, http_host, api_key, served_model_name, tool_call_parser,  # noqa: ANN001
+          secure_local, shards, max_model_len, http_port, http_host, api_key, served_model_name, tool_call_parser,  # noqa: ANN001
           reasoning_parser, allowed_origins) -> None:  # noqa: ANN001
     """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM.
 
@@ -49,7 +52,7 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
         check_exposure(http_host, api_key)
         check_port_free(http_host, http_port)
     dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,
-                           secure_local, shards)
+                           secure_local, shards, max_model_len)
     click.echo(dep.address)
     again = threading.Event()
     try:
