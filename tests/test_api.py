@@ -876,6 +876,27 @@ def test_fuzzed_bodies_never_break_the_gateway(strict) -> None:  # noqa: ANN001
     assert http.get("/health").json()["status"] == "ok"  # and it still answers
 
 
+def test_a_stream_sends_no_event_without_news(served) -> None:  # noqa: ANN001
+    """A round whose tokens end within a character's first bytes has no text to show yet: each such
+    round sent an event with an empty delta (content ""), and chat streams were full of them. None
+    now, unless token ids or logprobs were asked for: those ride on it."""
+    held = 0
+    for seed in range(3):
+        chat = [e.choices[0] for e in oai(served).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=32, seed=seed, stream=True,
+            stream_options={"include_usage": True}) if e.choices]
+        assert chat[0].delta.role == "assistant"
+        assert all(c.delta.content or (c.delta.model_extra or {}).get("reasoning_content") or c.delta.tool_calls
+                   or c.finish_reason for c in chat[1:]), chat
+        ask = {"model": "tiny", "prompt": "hi", "max_tokens": 32, "seed": seed, "stream": True}
+        assert all(e.choices[0].text or e.choices[0].finish_reason for e in oai(served).completions.create(**ask))
+        with_ids = [e.choices[0] for e in oai(served).completions.create(**ask, extra_body={"return_token_ids": True})]
+        held += sum(1 for c in with_ids if not c.text and c.model_extra.get("token_ids"))  # (ids, no text yet)
+        final = oai(served).completions.create(**dict(ask, stream=False), extra_body={"return_token_ids": True})
+        assert [t for c in with_ids for t in c.model_extra.get("token_ids") or []] == final.choices[0].model_extra["token_ids"]
+    assert held  # (some rounds did end within a character: the case was met)
+
+
 def test_health_is_503_while_no_worker_can_verify_and_ok_once_one_is_back(tiny_pair) -> None:  # noqa: ANN001
     """A load balancer must stop sending callers to a deployment whose every target worker is gone
     (their requests would only wait): /health answers 503 with the reason and `status` says it;

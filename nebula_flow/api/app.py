@@ -352,7 +352,7 @@ class Gateway:
                     pieces = thinking[i].feed(item.text) if thinking is not None else [("content", item.text)]
                     for event in _pieces(shaper, i, pieces, gates, item.token_ids, item.logprobs):
                         yield event
-                elif item.text or item.token_ids:
+                elif item.text or item.logprobs or shaper.token_ids and item.token_ids:  # (no event without news)
                     yield shaper.chunk(item.text, token_ids=item.token_ids, index=i, logprobs=item.logprobs)
             finished = True
             if job.include_usage:
@@ -380,7 +380,9 @@ def _pieces(shaper: Shaper, index: int, pieces: list[tuple[str, str]], gates: li
             token_ids: list[int] | None = None, logprobs: list | None = None) -> list[dict[str, Any]]:
     """A streamed chunk's events when its text is split (thinking and answer: ``api/reasoning.py``;
     an answer held from where a tool call begins: ``api/tools.py``); its token ids and logprobs
-    ride with the first event (one with an empty delta, when nothing of it goes out yet)."""
+    ride with the first event (one with an empty delta where they are asked for and nothing of it
+    goes out yet; otherwise no event: a chunk whose text is held back, a character's first bytes,
+    says nothing)."""
     events = []
     for kind, text in pieces:
         calls = []
@@ -398,7 +400,7 @@ def _pieces(shaper: Shaper, index: int, pieces: list[tuple[str, str]], gates: li
         if calls:
             first = not events
             events.append(shaper.call_chunk(index, calls, logprobs if first else None, token_ids if first else None))
-    if not events and (token_ids or logprobs):
+    if not events and (shaper.token_ids and token_ids or logprobs):
         events.append(shaper.chunk(None, index=index, token_ids=token_ids, logprobs=logprobs))
     return events
 
