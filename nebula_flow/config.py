@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_flow.options import BrokerOptions, check_device, check_kinds
+from nebula_flow.params import did_you_mean
 from nebula_flow.policy import PolicyConfig, PolicyError, knob_names
 from nebula_flow.roles import MODES
 from nebula_flow.supervisor import RestartPolicy
@@ -208,7 +209,9 @@ def build_table(cls: type, raw: dict[str, Any], where: str) -> Any:
     known = {f.name for f in fields(cls)}
     unknown = set(raw) - known
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+        hint = did_you_mean(sorted(unknown), known, 0.75)
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}" + (f" ({hint})" if hint else "")
+                          + f" (known: {sorted(known)})")
     try:
         check_kinds(cls, raw)
     except ValueError as exc:

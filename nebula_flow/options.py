@@ -66,9 +66,11 @@ class BrokerOptions:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be a port from 0 to 65535 (0: any free one), got {port}")
-        for name in ("proposal_top_k", "max_pending", "max_inflight_per_client", "max_new_tokens_limit", "max_model_len"):
+        for name in ("proposal_top_k", "max_pending", "max_inflight_per_client", "max_new_tokens_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:  # (a prompt token and an output token)
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         for name in ("drain_s", "client_gone_s", "stats_log_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from nebula_flow.params import did_you_mean
 from nebula_flow.protocol import MAX_ALTERNATIVES, MAX_DECODE_STEPS, MAX_DRAFT
 from nebula_flow.speclen import DEFAULT_COSTS
 
@@ -138,7 +139,9 @@ class PolicyConfig:
             raise PolicyError(f"{where} must be a table of knobs")
         unknown = set(raw) - set(knob_names())
         if unknown:
-            raise PolicyError(f"{where}: unknown knobs {sorted(unknown)} (known: {', '.join(knob_names())})")
+            hint = did_you_mean(sorted(unknown), knob_names(), 0.75)
+            raise PolicyError(f"{where}: unknown knobs {sorted(unknown)}" + (f" ({hint})" if hint else "")
+                              + f" (known: {', '.join(knob_names())})")
         try:
             return cls(**raw)
         except PolicyError as exc:

@@ -167,3 +167,22 @@ def test_max_model_len_bounds_what_a_deployment_serves_and_beyond_the_model_is_r
                                     "--log-dir", str(tmp_path / "logs")])
     assert res.exit_code == 1, res.output
     assert "max_model_len 2048 exceeds the model's context (1024 positions" in res.output
+
+
+@pytest.mark.parametrize(("table", "key", "meant"), [
+    ("broker", "max_model_lenght = 64", "max_model_lenght: did you mean max_model_len?"),
+    ("target", "max_batchs = 8", "max_batchs: did you mean max_batch?"),
+    ("policy", "adaptive_kk = true", "adaptive_kk: did you mean adaptive_k?"),
+])
+def test_a_misspelled_config_key_is_named_with_the_one_meant(tmp_path, table: str, key: str, meant: str) -> None:  # noqa: ANN001
+    from nebula_flow.config import ConfigError, load_config
+
+    path = tmp_path / "cfg.toml"
+    path.write_text(f'mode = "pooled"\n[{table}]\n{key}\n')
+    with pytest.raises(ConfigError, match=rf"\[{table}\]: unknown (keys|knobs) .* \({re.escape(meant)}\) \(known: "):
+        load_config(path)
+
+
+def test_a_max_model_len_under_two_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_model_len must be >= 2, got 1"):
+        BrokerOptions(max_model_len=1).check()
