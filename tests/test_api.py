@@ -899,8 +899,9 @@ def test_a_stream_sends_no_event_without_news(served) -> None:  # noqa: ANN001
 
 def test_health_is_503_while_no_worker_can_verify_and_ok_once_one_is_back(tiny_pair) -> None:  # noqa: ANN001
     """A load balancer must stop sending callers to a deployment whose every target worker is gone
-    (their requests would only wait): /health answers 503 with the reason and `status` says it;
-    both recover once the supervisor's restart of the worker registers. (It answered 200 "ok".)"""
+    (their requests would only wait): /health answers 503 with the reason, `status` says it and
+    `status --ready` exits 1; all recover once the supervisor's restart of the worker registers.
+    (/health answered 200 "ok".)"""
     import signal
 
     from nebula_flow.cli.status_text import status_lines
@@ -917,11 +918,15 @@ def test_health_is_503_while_no_worker_can_verify_and_ok_once_one_is_back(tiny_p
         assert (answer.status_code, answer.json()) == (503, {"status": "unavailable", "message": why, "workers": 1})
         with Client(dep.address) as c:
             assert f"  NOT SERVING: {why}" in status_lines(c.status())
+        probe = CliRunner().invoke(main, ["status", "--broker", dep.address, "--ready"])  # (a readiness probe's)
+        assert (probe.exit_code, probe.output) == (1, f"Error: not ready: {why}\n")
         while (answer := httpx.get(url + "/health")).status_code != 200:
             assert time.monotonic() < deadline + 60, dep.log_tail("broker")
             dep.supervise()  # (starts it again after its backoff)
             time.sleep(0.1)
         assert answer.json() == {"status": "ok", "workers": 2}
+        probe = CliRunner().invoke(main, ["status", "--broker", dep.address, "--ready"])
+        assert (probe.exit_code, probe.output) == (0, "")
         with Client(dep.address) as c:
             assert not any("NOT SERVING" in line for line in status_lines(c.status()))
             assert c.generate(token_ids=[3, 4], max_new_tokens=4, ignore_eos=True).finish_reason == "length"

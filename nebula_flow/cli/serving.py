@@ -156,15 +156,25 @@ def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add
 @click.command()
 @broker_option
 @click.option("--json", "as_json", is_flag=True, help="Print the raw state as JSON.")
-def status(address: str, as_json: bool) -> None:
+@click.option("--ready", is_flag=True, help="Print nothing and exit 0 if the deployment can take requests now, else "
+              "say why and exit 1 (no broker answers, it is draining, or no worker takes a stage its mode needs: what "
+              "the HTTP API's /health answers 503 for): a readiness probe for deployments without the HTTP API.")
+def status(address: str, as_json: bool, ready: bool) -> None:
     """Show the broker's workers, topics and counters."""
     from nebula_flow.client import Client, NebulaError
+    from nebula_flow.roles import unserved
 
     try:
         with Client(address, timeout_s=5) as client:
             state = client.status()
     except NebulaError as exc:
         raise click.ClickException(str(exc)) from None
+    if ready:
+        why = "draining: it is stopping and refuses new requests" if state.get("draining") else \
+            unserved(state["mode"], [(w["role"], w["slot"]) for w in state["workers"]])
+        if why:
+            raise click.ClickException(f"not ready: {why}")
+        return
     if as_json:
         click.echo(json.dumps(state, indent=2))
         return
