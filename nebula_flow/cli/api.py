@@ -74,8 +74,10 @@ def api(address: str, port: int, keys: str | None, timeout_s: float, drain_s: fl
 
     Endpoints: POST /v1/completions, /v1/chat/completions and /v1/responses (streamed as
     server-sent events with "stream": true; GET and DELETE /v1/responses/ID for stored responses),
-    GET /v1/models, /health and /metrics (Prometheus), POST /tokenize and /detokenize. Several
-    gateways may share one broker (each keeps its own stored responses). Try it:
+    GET /v1/models, /health and /metrics (Prometheus), POST /tokenize and /detokenize. /health
+    answers 503 while the broker does not answer, drains, or has no worker for a stage its mode
+    needs (a load balancer's readiness check). Several gateways may share one broker (each keeps
+    its own stored responses). Try it:
 
         curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
           -d '{"model": "NAME", "prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
