@@ -47,7 +47,7 @@ class ActivityLog:
         queued = ", ".join(f"{topic} {depth}" for topic, depth in topics.items() if depth) or "none"
         errors_text = ", ".join(f"{code} {n}" for code, n in refused.most_common(4))
         return (f"last {span:.0f} s: {delta['tokens_out'] / span:.1f} tokens/s out, {per_round} tokens/round, "
-                f"requests {', '.join(ended)}; {pool} in the pool, tasks queued: {queued}; {len(workers)} workers"
+                f"requests {', '.join(ended)}; {pool} in the pool, tasks queued: {queued}; {len(workers)} worker{'' if len(workers) == 1 else 's'}"
                 + (f"; errors: {errors_text}" if errors_text else "")
                 + (f"; NOT SERVING: {why}" if (why := unserved(self.mode, [(w.role, w.slot) for w in workers])) else ""))
 

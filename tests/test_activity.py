@@ -29,9 +29,9 @@ def test_a_line_each_interval_of_that_intervals_work_and_none_while_idle() -> No
     counters.update(tokens_out=30, rounds=10, requests_failed=1)
     assert activity.line(135.0, counters, errors, 1, topics, _targets(1)) == (
         "last 15 s: 2.0 tokens/s out, 3.00 tokens/round, requests 0 finished, 1 failed; 1 in the pool, tasks "
-        "queued: none; 1 workers")
+        "queued: none; 1 worker")
     assert activity.line(150.0, counters, errors, 1, topics, _targets(1)) == (
-        "last 15 s: 0.0 tokens/s out, - tokens/round, requests 0 finished; 1 in the pool, tasks queued: none; 1 workers")
+        "last 15 s: 0.0 tokens/s out, - tokens/round, requests 0 finished; 1 in the pool, tasks queued: none; 1 worker")
     errors.update(unknown_worker=17, too_long=2)  # (errors alone are worth a line: a restarted broker's, say)
     assert activity.line(160.0, counters, errors, 0, topics, _targets(2)) == (
         "last 10 s: 0.0 tokens/s out, - tokens/round, requests 0 finished; 0 in the pool, tasks queued: none; 2 workers; "
@@ -40,7 +40,7 @@ def test_a_line_each_interval_of_that_intervals_work_and_none_while_idle() -> No
     # requests that cannot progress (no worker takes a stage they need) are said to wait
     pooled = ActivityLog(10.0, last=0.0, mode="pooled")
     assert pooled.line(10.0, Counter(), Counter(), 3, topics, [WorkerState(1, "draft", 0, 8)]) == (
-        "last 10 s: 0.0 tokens/s out, - tokens/round, requests 0 finished; 3 in the pool, tasks queued: none; 1 workers; "
+        "last 10 s: 0.0 tokens/s out, - tokens/round, requests 0 finished; 3 in the pool, tasks queued: none; 1 worker; "
         "NOT SERVING: no worker takes the verify stage (role target): requests wait until one registers")
 
 
