@@ -209,9 +209,8 @@ def build_table(cls: type, raw: dict[str, Any], where: str) -> Any:
     known = {f.name for f in fields(cls)}
     unknown = set(raw) - known
     if unknown:
-        hint = did_you_mean(sorted(unknown), known, 0.75)
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}" + (f" ({hint})" if hint else "")
-                          + f" (known: {sorted(known)})")
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}{did_you_mean(sorted(unknown), known, 0.75)} "
+                          f"(known: {sorted(known)})")
     try:
         check_kinds(cls, raw)
     except ValueError as exc:

@@ -35,11 +35,13 @@ class InvalidParams(ValueError):
 
 
 def did_you_mean(unknown: list[str], known: Iterable[str], cutoff: float) -> str:
-    """``"name: did you mean known_name?"`` for each of the first ``unknown`` names (a caller's,
-    cut short) that is close to a ``known`` one, joined by "; "; "" where none is."""
+    """What follows an "unknown names" error: ``" (name: did you mean known_name?)"``, one clause for
+    each of the first ``unknown`` names (a caller's, cut short) close to a ``known`` one, joined by
+    "; "; "" where none is."""
     known = list(known)
     near = {str(name)[:64]: difflib.get_close_matches(str(name), known, 1, cutoff) for name in unknown[:8]}
-    return "; ".join(f"{name}: did you mean {close[0]}?" for name, close in near.items() if close)
+    hints = "; ".join(f"{name}: did you mean {close[0]}?" for name, close in near.items() if close)
+    return f" ({hints})" if hints else ""
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,8 @@ class SamplingParams:
             raise InvalidParams("params must be an object")
         unknown = set(raw) - set(cls.__dataclass_fields__)
         if unknown:  # (OpenAI's names, the closest of ours: max_tokens -> max_new_tokens)
-            hint = did_you_mean(sorted(unknown), cls.__dataclass_fields__, 0.6)
-            raise InvalidParams(f"unknown parameters: {sorted(unknown)}" + (f" ({hint})" if hint else ""))
+            raise InvalidParams(f"unknown parameters: {sorted(unknown)}"
+                                + did_you_mean(sorted(unknown), cls.__dataclass_fields__, 0.6))
         raw = dict(raw)
         stop = raw.pop("stop", ()) or ()
         if isinstance(stop, str):

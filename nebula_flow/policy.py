@@ -139,9 +139,8 @@ class PolicyConfig:
             raise PolicyError(f"{where} must be a table of knobs")
         unknown = set(raw) - set(knob_names())
         if unknown:
-            hint = did_you_mean(sorted(unknown), knob_names(), 0.75)
-            raise PolicyError(f"{where}: unknown knobs {sorted(unknown)}" + (f" ({hint})" if hint else "")
-                              + f" (known: {', '.join(knob_names())})")
+            raise PolicyError(f"{where}: unknown knobs {sorted(unknown)}{did_you_mean(sorted(unknown), knob_names(), 0.75)} "
+                              f"(known: {', '.join(knob_names())})")
         try:
             return cls(**raw)
         except PolicyError as exc:

@@ -4,9 +4,9 @@ the simulator and the deployment planner)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nebula_flow.request import DRAFT, ROUND, VERIFY
 
@@ -77,6 +77,11 @@ def unserved(mode: str, workers: Iterable[tuple[str, int]]) -> str | None:
     if mode == "paired" and not {s for r, s in workers if r == "draft"} & {s for r, s in workers if r == "target"}:
         return "no draft and target worker of one slot (a pair): requests wait until one registers"
     return None
+
+
+def unserved_in(state: Mapping[str, Any]) -> str | None:
+    """``unserved`` for a broker's status (``Client.status``: its mode and registered workers)."""
+    return unserved(state["mode"], [(w["role"], w["slot"]) for w in state.get("workers", [])])
 
 
 def holder_key(role: str, drafter: str | None = None) -> str:

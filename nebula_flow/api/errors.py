@@ -42,9 +42,8 @@ def fields_known(body: Any, known: set[str] | frozenset[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if unknown := sorted(set(body) - known):
-        hint = did_you_mean(unknown, known, 0.75)
         raise ApiError(400, f"unrecognized request argument(s): {', '.join(map(str, unknown))[:200]}"
-                       + (f" ({hint})" if hint else ""), param=str(unknown[0])[:64], code="unknown_parameter")
+                       + did_you_mean(unknown, known, 0.75), param=str(unknown[0])[:64], code="unknown_parameter")
     return body
 
 

@@ -24,7 +24,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from nebula_flow.client import Completion
-from nebula_flow.roles import unserved
+from nebula_flow.roles import unserved_in
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0)
@@ -107,6 +107,6 @@ def health(state: dict) -> tuple[int, dict]:
     workers = state.get("workers", [])
     if state.get("draining"):
         return 503, {"status": "draining"}
-    if why := unserved(state["mode"], [(w["role"], w["slot"]) for w in workers]):
+    if why := unserved_in(state):
         return 503, {"status": "unavailable", "message": why, "workers": len(workers)}
     return 200, {"status": "ok", "workers": len(workers)}

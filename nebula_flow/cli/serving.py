@@ -162,7 +162,7 @@ def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add
 def status(address: str, as_json: bool, ready: bool) -> None:
     """Show the broker's workers, topics and counters."""
     from nebula_flow.client import Client, NebulaError
-    from nebula_flow.roles import unserved
+    from nebula_flow.roles import unserved_in
 
     try:
         with Client(address, timeout_s=5) as client:
@@ -170,8 +170,7 @@ def status(address: str, as_json: bool, ready: bool) -> None:
     except NebulaError as exc:
         raise click.ClickException(str(exc)) from None
     if ready:
-        why = "draining: it is stopping and refuses new requests" if state.get("draining") else \
-            unserved(state["mode"], [(w["role"], w["slot"]) for w in state["workers"]])
+        why = "draining: it is stopping and refuses new requests" if state.get("draining") else unserved_in(state)
         if why:
             raise click.ClickException(f"not ready: {why}")
         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nebula_flow.roles import unserved
+from nebula_flow.roles import unserved_in
 
 
 def status_lines(state: dict[str, Any]) -> list[str]:
@@ -15,7 +15,7 @@ def status_lines(state: dict[str, Any]) -> list[str]:
                + (f" ({waiting} waiting for a shared prompt start)" if waiting else "") + f", topics {state['topics']}"
                + (", draining: stopping, refuses new requests while those in flight finish" if state.get("draining")
                   else ""))
-    if why := unserved(state["mode"], [(w["role"], w["slot"]) for w in state["workers"]]):  # (its /health says 503)
+    if why := unserved_in(state):  # (its /health says 503)
         out.append(f"  NOT SERVING: {why}")
     if address := state.get("worker_address"):  # (how an operator adds a worker to this deployment)
         out.append(f"  workers join at {address} (nebula-flow worker --broker {address} --role ROLE --model MODEL)")
