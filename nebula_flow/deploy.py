@@ -209,7 +209,9 @@ class Deployment:
             env[io_threads.ENV] = str(self.cfg.zmq_io_cpu)
         env.update(self.child_env.get(name, {}))
         path = self.log_dir / f"{name}.log"
-        with open(path, "ab" if restarts else "wb") as log:  # (a restart keeps the death's log)
+        if not restarts:  # (a restart keeps the death's log)
+            path.write_bytes(b"")
+        with open(path, "ab") as log:  # (appended to, as a forked worker's: cutting it, logrotate's copytruncate, is safe)
             if restarts:
                 log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} restart {restarts} ---\n".encode())
                 log.flush()
@@ -317,7 +319,7 @@ class Deployment:
 
     def start_api(self, host: str, port: int, api_key: str | None = None, model_name: str | None = None,
                   timeout_s: float = 60.0, tool_parser: str | None = None, reasoning_parser: str | None = None,
-                  allowed_origins: tuple[str, ...] = ()) -> str:
+                  allowed_origins: tuple[str, ...] = (), access_log: str = "errors") -> str:
         """Start the HTTP gateway (``nebula-flow api``) in front of the broker, supervised like the
         rest; returns its URL once ``/health`` answers."""
         port = port or free_port()
@@ -332,7 +334,8 @@ class Deployment:
                                    "--drain-s", str(self.drain_s + STOP_AFTER_DRAIN_S / 2),  # (the brokers' errors first)
                                    "--served-model-name", name, *(["--tool-call-parser", tool_parser] if tool_parser else []),
                                    *(["--reasoning-parser", reasoning_parser] if reasoning_parser else []),
-                                   *(arg for origin in allowed_origins for arg in ("--allowed-origins", origin))])
+                                   *(arg for origin in allowed_origins for arg in ("--allowed-origins", origin)),
+                                   "--access-log", access_log])
         self.http_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         if http_answers(self.http_url, proc, timeout_s):
             return self.http_url

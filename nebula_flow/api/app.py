@@ -1,10 +1,10 @@
-"""The gateway's ASGI application (Starlette) and its server (uvicorn).
+"""The gateway's ASGI application (Starlette).
 
 Each choice of an HTTP request (``n`` for each prompt) becomes one request on the bus through one
 shared ``AsyncClient`` (``api/choices.py``); their chunks go out as server-sent events as the
 broker commits them. A client that goes away is noticed while its request runs (streamed or not)
 and its requests are cancelled at the broker, which frees their KV. Errors answer in OpenAI's shape; the broker's BUSY is a 429 with
-``Retry-After``.
+``Retry-After``. Its server is ``api/server.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import hmac
 import importlib.metadata
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -31,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nebula_flow.api import choices
+from nebula_flow.api.access_log import AccessLog, Entry, entry_of
 from nebula_flow.api.errors import ApiError, error_response, no_such_model, unrouted
 from nebula_flow.api.reasoning import ThinkingStream
 from nebula_flow.api.request import STRUCTURED_FIELDS, Job, Served, parse_chat, parse_completion
@@ -42,13 +42,9 @@ from nebula_flow.api.telemetry import Telemetry, health
 from nebula_flow.api.tokenize import parse_detokenize, parse_tokenize, tokenized
 from nebula_flow.api.tools import CallStream
 from nebula_flow.client import AsyncClient, Busy, Chunk, Completion, NebulaError, RequestError, RequestTimeout
-from nebula_flow.listen import listening_socket
 from nebula_flow.metrics import exposition, families
-from nebula_flow.process import orphaned
 
-log = logging.getLogger("nebula_flow.api")
 MAX_BODY_BYTES = 8 << 20
-ORPHAN_CHECK_S = 0.5  # how often the gateway checks that the deployment that started it is alive
 STATUS_TTL_S = 0.5  # /health, /metrics and the served model's facts reuse a broker status this young
 # chat fields a Responses request names otherwise (``api/responses.py``)
 RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
@@ -97,7 +93,9 @@ class Gateway:
 
     def __init__(self, broker: str, keys: str | None = None, api_key: str | None = None,
                  model_name: str | None = None, timeout_s: float = 600.0, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, allowed_origins: Sequence[str] = ()) -> None:
+                 reasoning_parser: str | None = None, allowed_origins: Sequence[str] = (),
+                 access_log: str = "errors") -> None:
+        self.access_log = access_log  # (which requests get a line in the gateway's log: ``api/access_log.py``)
         self.broker, self.keys, self.timeout_s, self.tool_parser = broker, keys, timeout_s, tool_parser
         self.allowed_origins = list(allowed_origins)  # (web pages that may call it from a browser: CORS)
         self.reasoning_parser = reasoning_parser
@@ -146,12 +144,14 @@ class Gateway:
             raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key",
                            kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
-    async def health(self, _request: Request) -> Response:
+    async def health(self, request: Request) -> Response:
         try:
             state = await self.state()
         except ApiError as exc:
-            return error_response(exc)
+            return error_response(exc, request)
         status, body = health(state)
+        if status != 200 and (logged := entry_of(request.scope)) is not None:
+            logged.error = body.get("message", body["status"])
         return JSONResponse(body, status_code=status)
 
     async def models(self, request: Request) -> Response:
@@ -174,24 +174,24 @@ class Gateway:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
-        return await self._counted("tokenize", self._tokenizer(request, parse_tokenize))
+        return await self._counted(request, "tokenize", self._tokenizer(request, parse_tokenize))
 
     async def detokenize(self, request: Request) -> Response:
-        return await self._counted("detokenize", self._tokenizer(request, parse_detokenize))
+        return await self._counted(request, "detokenize", self._tokenizer(request, parse_detokenize))
 
     async def version(self, _request: Request) -> Response:
         """``GET /version`` (vLLM's): the server's version."""
         return JSONResponse({"version": importlib.metadata.version("nebula-flow")})
 
     async def completions(self, request: Request) -> Response:
-        return await self._counted("completions", self._generate(request, parse_completion))
+        return await self._counted(request, "completions", self._generate(request, parse_completion))
 
     async def chat(self, request: Request) -> Response:
-        return await self._counted("chat", self._generate(request, parse_chat))
+        return await self._counted(request, "chat", self._generate(request, parse_chat))
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses`` (OpenAI's Responses API): run as the chat request that says the same."""
-        return await self._counted("responses", self._generate(request, parse_chat, responding=True))
+        return await self._counted(request, "responses", self._generate(request, parse_chat, responding=True))
 
     async def stored_response(self, request: Request) -> Response:
         """``GET`` and ``DELETE /v1/responses/{id}``: a response this gateway stored."""
@@ -208,12 +208,12 @@ class Gateway:
         return JSONResponse(listed(self.stored.get(request.path_params["response_id"]).inputs,
                                    dict(request.query_params)))
 
-    async def _counted(self, endpoint: str, answer: Awaitable[Response]) -> Response:
+    async def _counted(self, request: Request, endpoint: str, answer: Awaitable[Response]) -> Response:
         """An endpoint's answer (an ``ApiError`` answered in OpenAI's shape), counted by its status."""
         try:
             response = await answer
         except ApiError as exc:
-            response = error_response(exc)
+            response = error_response(exc, request)
         self.telemetry.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
@@ -253,6 +253,8 @@ class Gateway:
     async def _run(self, request: Request, job: Job, model: str, ask: Ask | None = None) -> Response:
         """Run ``job`` and answer it: as a chat or text completion, or (``ask``) as a response."""
         req_id = uuid.uuid4().hex
+        if (logged := entry_of(request.scope)) is not None:
+            logged.req_id, logged.streamed, logged.n = req_id, job.stream, job.n
         shaper = Shaper(req_id, model, job.chat, job.return_token_ids, job.n, job.calls, job.reasoning, job.echoes(),
                         (job.params.get("logprobs"), job.prompt_top))
         shaper.tokens_as_ids, shaper.chat_echo = job.tokens_as_ids, job.chat_echo
@@ -262,7 +264,7 @@ class Gateway:
         # The client may leave at any time, a long prefill included: watch for it from the start.
         gone = asyncio.ensure_future(_disconnected(request))
         first = asyncio.ensure_future(choices.heads(streams))  # (a refusal is still an HTTP status, not an event)
-        if not await self._unless_gone(first, gone):
+        if not await self._unless_gone(first, gone, logged):
             return Response(status_code=499)
         try:
             heads = first.result()
@@ -281,12 +283,12 @@ class Gateway:
             items = choices.prompt_only(items)
         if job.stream:
             gone.cancel()  # (the event stream watches for it from here)
-            events = self._events(shaper, job, len(streams), items)
+            events = self._events(shaper, job, len(streams), items, logged)
             answer = _sse(events) if ask is None else ResponseStream(
                 ResponseShaper(ask, model, req_id), lambda response: self._keep(ask, response)).events(events)
             return EventStream(answer, headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(choices.completions(items, len(streams)))
-        if not await self._unless_gone(collect, gone):
+        if not await self._unless_gone(collect, gone, logged):
             return Response(status_code=499)
         gone.cancel()
         try:
@@ -295,6 +297,8 @@ class Gateway:
             raise from_broker(exc, job.prompt_field(ask is not None)) from None
         for out in outs:
             self.telemetry.finished(out)
+        if logged is not None:
+            logged.outputs = dict(enumerate(outs))
         if ask is None:
             return JSONResponse(shaper.full(outs))
         response = ResponseShaper(ask, model, req_id).full(shaper.full(outs))
@@ -306,7 +310,7 @@ class Gateway:
         if ask.store:
             self.stored.put(to_store(ask, response))
 
-    async def _unless_gone(self, work: asyncio.Future, gone: asyncio.Future) -> bool:
+    async def _unless_gone(self, work: asyncio.Future, gone: asyncio.Future, logged: Entry | None) -> bool:
         """Wait for ``work``; False if the client left first (then ``work``, which reads the
         request's stream, is cancelled, and with it the request at the broker)."""
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -316,10 +320,12 @@ class Gateway:
         with contextlib.suppress(asyncio.CancelledError, NebulaError):
             await work
         self.telemetry.disconnects.inc()
+        if logged is not None:
+            logged.left = True
         return False
 
-    async def _events(self, shaper: Shaper, job: Job, count: int,
-                      items: AsyncIterator[tuple[int, Chunk | Completion]]) -> AsyncIterator[dict[str, Any] | str]:
+    async def _events(self, shaper: Shaper, job: Job, count: int, items: AsyncIterator[tuple[int, Chunk | Completion]],
+                      logged: Entry | None = None) -> AsyncIterator[dict[str, Any] | str]:
         """The answer's events: each choice's chunks as they come (its role first, for chat; with
         tools, a named function's arguments as they come, else its text until a call begins and
         then its calls, as they come with ``auto``, whole with ``"required"``), its finish event
@@ -343,6 +349,8 @@ class Gateway:
                 if isinstance(item, Completion):
                     outs[i] = item
                     self.telemetry.finished(item)
+                    if logged is not None:
+                        logged.outputs[i] = item
                     for event in _pieces(shaper, i, thinking[i].rest() if thinking else [], gates):
                         yield event
                     if gates is not None and (held := shaper.held(item, i, gates[i])) is not None:
@@ -358,11 +366,15 @@ class Gateway:
             if job.include_usage:
                 yield shaper.usage_chunk(outs)
         except NebulaError as exc:
-            finished = True
-            yield from_broker(exc, job.prompt_field(False)).body()
+            finished, failure = True, from_broker(exc, job.prompt_field(False))
+            if logged is not None:
+                logged.failed(failure)
+            yield failure.body()
         finally:
             if not finished:
                 self.telemetry.disconnects.inc()
+                if logged is not None:
+                    logged.left = True
             await items.aclose()  # (unfinished requests are cancelled at the broker)
         yield "[DONE]"
 
@@ -439,7 +451,7 @@ def build_app(gateway: Gateway) -> Starlette:
             try:
                 return await handler(request)
             except ApiError as exc:
-                return error_response(exc)
+                return error_response(exc, request)
         return Route(path, guarded, methods=methods)
 
     return Starlette(routes=[
@@ -456,45 +468,7 @@ def build_app(gateway: Gateway) -> Starlette:
         route("/version", gateway.version, ["GET"]),
         route("/metrics", gateway.metrics, ["GET"]),
     ], lifespan=gateway.lifespan, exception_handlers={HTTPException: unrouted}, middleware=[
+        Middleware(AccessLog, level=gateway.access_log),  # (outermost: it times the whole answer)
         # (preflights answered before a route's API key check: a browser sends them without it)
-        Middleware(CORSMiddleware, allow_origins=gateway.allowed_origins, allow_methods=["GET", "POST", "DELETE"],
-                   allow_headers=["*"], max_age=600)] if gateway.allowed_origins else [])
-
-
-def serve_api(gateway: Gateway, host: str, port: int, ready: Any = None, drain_s: float = 35.0) -> None:  # noqa: ANN401
-    """Run the gateway until SIGINT/SIGTERM (uvicorn's handlers); ``ready(port)`` once it listens.
-    Stopping, it takes no new connection and gives the requests in flight ``drain_s`` to finish
-    (more than the broker's drain time, whose shutting-down errors then still reach the callers).
-
-    It runs on uvloop and parses HTTP with httptools (what ``uvicorn[standard]`` picks): each token
-    chunk of each stream is a few event-loop turns here, and on a host whose cores the workers use,
-    the gateway's CPU per chunk is what serving through it costs (``docs/benchmarks.md``)."""
-    import uvicorn
-    import uvloop
-
-    config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=drain_s, lifespan="on", http="httptools")
-    sock = listening_socket(host, port)  # (OSError: taken, or not this host's address)
-    server = uvicorn.Server(config)
-
-    async def leave_when_orphaned() -> None:
-        # (the broker and the workers leave when the deployment that started them is gone; so must
-        # the gateway, or a killed `serve` leaves it holding its port, answering 503 for ever)
-        while not server.should_exit:
-            if orphaned():
-                log.warning("the deployment that started this gateway is gone: stopping")
-                server.should_exit = True
-            await asyncio.sleep(ORPHAN_CHECK_S)
-
-    async def run() -> None:
-        task = asyncio.ensure_future(server.serve(sockets=[sock]))
-        watch = asyncio.ensure_future(leave_when_orphaned())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.01)
-        if server.started and ready is not None:
-            ready(server.servers[0].sockets[0].getsockname()[1])
-        await task
-        watch.cancel()
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # (the loop uvicorn.run would pick)
-        runner.run(run())
+        *([Middleware(CORSMiddleware, allow_origins=gateway.allowed_origins, allow_methods=["GET", "POST", "DELETE"],
+                      allow_headers=["*"], max_age=600)] if gateway.allowed_origins else [])])

@@ -7,6 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from nebula_flow.api.access_log import entry_of
 from nebula_flow.params import did_you_mean
 
 
@@ -23,7 +24,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def error_response(exc: ApiError) -> JSONResponse:
+def error_response(exc: ApiError, request: Request | None = None) -> JSONResponse:
+    """``exc`` answered in OpenAI's shape (and noted for the request log, ``api/access_log.py``)."""
+    if request is not None and (logged := entry_of(request.scope)) is not None:
+        logged.failed(exc)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
@@ -61,4 +65,4 @@ async def unrouted(request: Request, exc: Any) -> JSONResponse:  # noqa: ANN401
         error = ApiError(404, f"Invalid URL ({asked}): this server serves {paths}", code="not_found")
     else:
         error = ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
-    return error_response(error)
+    return error_response(error, request)

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
 import click
 
+from nebula_flow.api.access_log import LEVELS as ACCESS_LOG_LEVELS
 from nebula_flow.api.reasoning import PARSERS as REASONING_PARSERS
 from nebula_flow.api.tools import PARSERS
 from nebula_flow.cli.common import broker_option
@@ -49,6 +51,11 @@ def http_options(f: Callable) -> Callable:
         click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), help="The model's thinking format: "
                      "chat answers carry it apart as reasoning_content (qwen3: <think>...</think> first; deepseek_r1: "
                      "thinking until </think>)."),
+        click.option("--access-log", type=click.Choice(ACCESS_LOG_LEVELS), default="errors", show_default=True,
+                     help="Which requests get a line in the gateway's log when their answer ends (client, path, "
+                     "status, time, request id, tokens, finish reason or error): errors = those that failed (status "
+                     "400 and up, a stream that failed or whose client left), at most 20 lines a second; all = every "
+                     "request (health, metrics and version probes only when they fail); off = none."),
         click.option("--allowed-origins", multiple=True, metavar="ORIGIN", help="Web pages of this origin (e.g. "
                      "https://chat.example.com, or * for any) may call the API from a browser (CORS); repeatable. By "
                      "default none may: a page the user opens could otherwise use a gateway on their own host."),
@@ -69,7 +76,7 @@ def http_options(f: Callable) -> Callable:
 @http_options
 def api(address: str, port: int, keys: str | None, timeout_s: float, drain_s: float, http_host: str,
         api_key: str | None, served_model_name: str | None, tool_call_parser: str | None,
-        reasoning_parser: str | None, allowed_origins: tuple[str, ...]) -> None:
+        reasoning_parser: str | None, allowed_origins: tuple[str, ...], access_log: str) -> None:
     """Serve the OpenAI-compatible HTTP API in front of a broker, until Ctrl-C / SIGTERM.
 
     Endpoints: POST /v1/completions, /v1/chat/completions and /v1/responses (streamed as
@@ -82,12 +89,15 @@ def api(address: str, port: int, keys: str | None, timeout_s: float, drain_s: fl
         curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
           -d '{"model": "NAME", "prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
     """
-    from nebula_flow.api.app import Gateway, serve_api
+    from nebula_flow.api.app import Gateway
+    from nebula_flow.api.server import serve_api
 
     check_exposure(http_host, api_key)
     gateway = Gateway(address, keys=keys or os.environ.get("NEBULA_FLOW_KEYS"), api_key=api_key,
                       model_name=served_model_name, timeout_s=timeout_s, tool_parser=tool_call_parser,
-                      reasoning_parser=reasoning_parser, allowed_origins=allowed_origins)
+                      reasoning_parser=reasoning_parser, allowed_origins=allowed_origins, access_log=access_log)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s api %(levelname)s %(message)s")
+    logging.getLogger("nebula_flow.api").setLevel(logging.INFO)  # (the request log: ``api/access_log.py``)
     try:
         serve_api(gateway, http_host, port, drain_s=drain_s,
                   ready=lambda p: click.echo(f"HTTP API on http://{http_host}:{p}/v1 (broker {address})", err=True))

@@ -36,7 +36,7 @@ from nebula_flow.cli.status_text import status_lines
 @http_options
 def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
           secure_local, shards, max_model_len, http_port, http_host, api_key, served_model_name, tool_call_parser,  # noqa: ANN001
-          reasoning_parser, allowed_origins) -> None:  # noqa: ANN001
+          reasoning_parser, allowed_origins, access_log) -> None:  # noqa: ANN001
     """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM.
 
     serve supervises what it started: a worker or the broker that dies is started again after a
@@ -58,7 +58,7 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     try:
         if http_port is not None:
             start_http(dep, http_host, http_port, api_key, served_model_name, tool_call_parser, reasoning_parser,
-                       allowed_origins)
+                       allowed_origins, access_log)
         supervise_until_stopped(dep, again)
     finally:
         stop_deployment(dep, again)
@@ -95,13 +95,13 @@ def stop_deployment(dep, again: threading.Event) -> None:  # noqa: ANN001
 
 def start_http(dep, host: str, port: int, api_key: str | None, model_name: str | None,  # noqa: ANN001
                tool_parser: str | None = None, reasoning_parser: str | None = None,
-               allowed_origins: tuple[str, ...] = ()) -> str:
+               allowed_origins: tuple[str, ...] = (), access_log: str = "errors") -> str:
     """Start the deployment's HTTP API; print its URL and a curl line to try it."""
     from nebula_flow.deploy import DeploymentError
 
     try:
         url = dep.start_api(host, port, api_key, model_name, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
-                            allowed_origins=allowed_origins)
+                            allowed_origins=allowed_origins, access_log=access_log)
     except DeploymentError as exc:
         raise click.ClickException(str(exc)) from None
     name = model_name or dep.cfg.broker.model_name
