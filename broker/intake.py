@@ -92,6 +92,9 @@ class Intake:
                     self.prompts.answer(lambda: self.admission.answer(msg, unlocked=True), identity, msg.req_id)
                 else:
                     self._send(self.clients, identity, self.admission.answer(msg))
+            elif msg.KIND in protocol.WORKER_KINDS:
+                raise ProtocolError("wrong_address", "this is the broker's client address: workers connect to its "
+                                                     f"worker address, {self.endpoints[1]}")
             else:
                 raise ProtocolError("unexpected_kind", f"{msg.KIND} is not a client message")
         except ProtocolError as exc:

@@ -52,6 +52,7 @@ from nebula_flow.scheduler import Scheduler
 from nebula_flow.security import user_id
 from nebula_flow.speclen import FIT_ROWS
 from nebula_flow.topic import queued_by_priority
+from nebula_flow.wire import req_id_of
 from nebula_flow_broker import known, results
 from nebula_flow_broker.access import Access, metrics_token
 from nebula_flow_broker.activity import ActivityLog
@@ -151,6 +152,9 @@ class Broker(Intake):
             msg = protocol.decode(frames)
             if isinstance(msg, Register):
                 return self._register(identity, msg, now, user_id(frames[0]))
+            if wid is None and msg.KIND in protocol.CLIENT_KINDS:
+                raise ProtocolError("wrong_address", "this is the broker's worker address: clients connect to its "
+                                                     f"client address, {self.endpoints[0]}")
             if wid is None:
                 raise ProtocolError("unknown_worker", "register first")
             self.workers[wid].last_seen = now
@@ -165,8 +169,8 @@ class Broker(Intake):
                 self.errors[f"worker_reported_{msg.code}"] += 1
             elif not isinstance(msg, Heartbeat):
                 raise ProtocolError("unexpected_kind", f"{msg.KIND} is not a worker message")
-        except ProtocolError as exc:
-            self._reject(self.peers, identity, exc.code, exc.message)
+        except ProtocolError as exc:  # (with the request id of a client's message, which its request then raises)
+            self._reject(self.peers, identity, exc.code, exc.message, req_id_of(frames, protocol.MAX_REQ_ID))
         except Exception as exc:  # a bug must cost one message, never the broker
             self._internal(self.peers, identity, exc)
 

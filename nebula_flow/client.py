@@ -307,6 +307,8 @@ class Client:
                     self._send(conn, Status())
                 elif isinstance(msg, State):
                     return msg.state
+                elif isinstance(msg, Error):  # (e.g. this is a broker's worker address, not its client address)
+                    _raise_error(msg)
         finally:
             conn.boxes.pop(STATUS, None)
 
@@ -370,6 +372,10 @@ class AsyncClient:
                 key = getattr(one, "req_id", None) or (f"__status__{index}" if isinstance(one, State) else None)
                 if key in self.queues:
                     self.queues[key].put_nowait(one)
+                elif key is None and isinstance(one, Error):  # (an error that names no request: each one's of that broker)
+                    for waiting, (to, _) in list(self.inflight.items()):
+                        if to is conn and waiting in self.queues:
+                            self.queues[waiting].put_nowait(one)
 
     async def _send(self, conn: Conn, msg: Msg) -> None:
         try:
@@ -462,7 +468,9 @@ class AsyncClient:
         self.inflight[key] = (conn, Status())  # (asked again on a new connection too)
         try:
             await self._send(conn, Status())
-            return (await self._next(queue)).state
+            if isinstance(answer := await self._next(queue), Error):
+                _raise_error(answer)
+            return answer.state
         finally:
             self.queues.pop(key, None)
             self.inflight.pop(key, None)

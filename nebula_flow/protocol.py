@@ -422,6 +422,10 @@ class Bye(Msg):
 KINDS: dict[str, type[Msg]] = {cls.KIND: cls for cls in (
     Submit, Cancel, Status, Tokenize, Tokenized, Tokens, Chunks, Done, State, Error, Register, Welcome, Pull, Tasks,
     Result, Free, Heartbeat, Bye, KvPull, KvData)}
+# what only a client sends, and only a worker: either at the other's address is a process given the
+# wrong one (``nebula-flow worker --broker`` at the client port), told so instead of answered in riddles
+CLIENT_KINDS = frozenset(cls.KIND for cls in (Submit, Cancel, Status, Tokenize))
+WORKER_KINDS = frozenset(cls.KIND for cls in (Register, Pull, Result, Heartbeat, Bye))
 
 
 # -- decoding: the annotations are the schema ---------------------------------------------------

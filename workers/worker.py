@@ -63,7 +63,7 @@ from nebula_flow_workers.token_book import TokenBook
 from nebula_flow_workers.warmup import warm_up
 
 log = logging.getLogger("nebula_flow.worker")
-REFUSALS = ("malformed", "wrong_role", "wrong_model", "wrong_numerics", "invalid_params", "unauthorized")  # REGISTER errors retrying cannot fix
+REFUSALS = ("malformed", "wrong_role", "wrong_model", "wrong_numerics", "invalid_params", "unauthorized", "wrong_address")  # REGISTER errors retrying cannot fix
 
 
 @dataclass

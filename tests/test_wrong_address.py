@@ -1,0 +1,55 @@
+"""A process given the broker's other address is told which one it wants, at once. A worker started
+with the client port logged "REGISTER is not a client message", then "HEARTBEAT is not a client
+message" every second, for ever; a client at the worker port got "unknown_worker: register first"
+for a request, and `status` (and a gateway's /health) waited out its timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nebula_flow.client import AsyncClient, Client, RequestError
+from nebula_flow.deploy import Deployment
+from tests.conftest import deploy_config
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_pair):  # noqa: ANN001, ANN201
+    with Deployment(deploy_config(tiny_pair, "colocated", 0, 1)) as d:
+        yield d
+
+
+def test_a_client_at_the_worker_address_is_told_the_client_address(dep) -> None:  # noqa: ANN001
+    workers_at, told = dep.shards[0].worker_address, f"clients connect to its client address, {dep.address}"
+    started = time.monotonic()
+    with Client(workers_at, timeout_s=30) as c:
+        for ask in (lambda: c.generate("def f(x):", max_new_tokens=4), c.status):
+            with pytest.raises(RequestError, match=told) as err:
+                ask()
+            assert err.value.code == "wrong_address"
+
+    async def through_asyncio() -> None:
+        c = AsyncClient(workers_at, timeout_s=30)
+        try:
+            for ask in (lambda: c.generate("def f(x):", max_new_tokens=4), c.status):
+                with pytest.raises(RequestError, match=told):
+                    await ask()
+        finally:
+            await c.close()
+
+    asyncio.run(through_asyncio())
+    assert time.monotonic() - started < 15  # (answered, not waited out: each timeout is 30 s)
+    with Client(dep.address) as c:  # (and the broker serves on)
+        assert len(c.generate("def f(x):", max_new_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+def test_a_worker_at_the_client_address_stops_saying_so(dep, tiny_pair) -> None:  # noqa: ANN001
+    res = subprocess.run([sys.executable, "-m", "nebula_flow.cli", "worker", "--broker", dep.address, "--role", "target",
+                          "--model", str(tiny_pair / "target"), "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert f"workers connect to its worker address, {dep.shards[0].worker_address}" in res.stderr
+    assert "HEARTBEAT" not in res.stderr
