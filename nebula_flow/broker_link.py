@@ -12,6 +12,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from nebula_flow.protocol import Msg
 
+# what answers at the address, but not as a broker: an HTTP server (the HTTP API's port, say), or a
+# broker that refused this client's CURVE keys
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
 
 def connect(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socket, zmq.Socket]:
     """A DEALER to the broker (CURVE when a key folder is given, or NEBULA_FLOW_KEYS is set: the
@@ -28,7 +32,7 @@ def connect(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socke
     folder = keys_dir(keys)
     if folder is not None:
         make_client(sock, Identity.load(folder, "client", client_key_name()))
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
     sock.connect(address)
     return sock, monitor
 
@@ -42,9 +46,15 @@ class Link:
     def __init__(self) -> None:
         self.dropped = False
         self.up = False  # (connected: its handshake done, not dropped since)
+        self.refused: str | None = None  # why the last handshake failed (ZeroMQ retries it: nothing changes)
 
     def event(self, frames: list[bytes]) -> bool:
         kind = parse_monitor_message(frames)["event"]
+        if kind & HANDSHAKE_FAILED:
+            self.refused = "it refused this client's keys" if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH else \
+                "it answers, but its ZeroMQ handshake failed: not a nebula-flow broker (an HTTP port, such as the HTTP " \
+                "API's? HTTP clients go there), or one whose CURVE keys are not this client's"
+            return False
         if kind == zmq.EVENT_DISCONNECTED:
             self.dropped, self.up = True, False
             return False
@@ -65,14 +75,15 @@ class Conn:
 
     def wait_up(self, deadline: float) -> bool:
         """Wait until the connection is made (its handshake done), reading the monitor's events;
-        False if it is not by ``deadline`` (``time.monotonic()``). (The blocking client's: its
-        requests read the monitor too, so none is in flight.)"""
-        while not self.link.up:
+        False if it is not by ``deadline`` (``time.monotonic()``), or its handshake failed
+        (``Link.refused`` says why). (The blocking client's: its requests read the monitor too, so
+        none is in flight.)"""
+        while not self.link.up and self.link.refused is None:
             left = deadline - time.monotonic()
             if left <= 0 or not self.monitor.poll(int(left * 1000) + 1):
                 return False
             self.link.event(self.monitor.recv_multipart())
-        return True
+        return self.link.up
 
     def close(self) -> None:
         self.sock.disable_monitor()

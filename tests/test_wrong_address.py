@@ -11,7 +11,9 @@ import sys
 import time
 
 import pytest
+from click.testing import CliRunner
 
+from nebula_flow.cli import main
 from nebula_flow.client import AsyncClient, Client, RequestError
 from nebula_flow.deploy import Deployment
 from tests.conftest import deploy_config
@@ -20,6 +22,7 @@ from tests.conftest import deploy_config
 @pytest.fixture(scope="module")
 def dep(tiny_pair):  # noqa: ANN001, ANN201
     with Deployment(deploy_config(tiny_pair, "colocated", 0, 1)) as d:
+        d.start_api("127.0.0.1", 0, model_name="tiny")
         yield d
 
 
@@ -53,3 +56,15 @@ def test_a_worker_at_the_client_address_stops_saying_so(dep, tiny_pair) -> None:
     assert res.returncode == 2, res.stderr
     assert f"workers connect to its worker address, {dep.shards[0].worker_address}" in res.stderr
     assert "HEARTBEAT" not in res.stderr
+
+
+def test_the_cli_at_the_http_apis_port_says_it_is_no_broker(dep) -> None:  # noqa: ANN001
+    """It waited 10 s (generate) or 5 s (status) and said nothing reached or answered."""
+    http_port = dep.http_url.rsplit(":", 1)[1]
+    for args in (["generate", "hi"], ["status"]):
+        started = time.monotonic()
+        res = CliRunner().invoke(main, [*args, "--broker", f"tcp://127.0.0.1:{http_port}"])
+        assert res.exit_code == 1 and "its ZeroMQ handshake failed: not a nebula-flow broker (an HTTP port" in res.output
+        assert time.monotonic() - started < 4, res.output  # (told at the first handshake, not after the wait)
+    res = CliRunner().invoke(main, ["status", "--broker", f"tcp://127.0.0.1:{http_port}", "--ready"])
+    assert res.exit_code == 1

@@ -166,6 +166,7 @@ def status(address: str, as_json: bool, ready: bool) -> None:
 
     try:
         with Client(address, timeout_s=5) as client:
+            client.wait_connected(5)  # (no broker there, or not a broker: said as such)
             state = client.status()
     except NebulaError as exc:
         raise click.ClickException(str(exc)) from None
