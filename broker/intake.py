@@ -298,6 +298,9 @@ class Intake:
         self.frees.append(req.rid)
         if error is not None:
             self.counters["requests_failed"] += 1
+            if error[0] != "shutting_down" and (more := self.failure_log.admit()) is not None:  # (the drain says those)
+                log.warning("request %s (rid %d) failed after %d output tokens: %s: %s%s", req.req_id, req.rid,
+                            len(req.output), *error, more)
             self._reject(self.clients, req.owner, error[0], error[1], req.req_id)
             return
         self.counters[f"requests_{req.finish_reason}"] += 1

@@ -19,6 +19,7 @@ import zmq
 
 from nebula_flow import ahead, elastic, fusion, protocol, zmq_frames
 from nebula_flow.listen import bind_zmq
+from nebula_flow.log_cap import LogCap
 from nebula_flow.metrics import MetricsServer
 from nebula_flow.metrics import render as render_metrics
 from nebula_flow.options import BrokerOptions
@@ -94,6 +95,7 @@ class Broker(Intake):
         self.frees, self.gone = [], {}  # (requests whose KV workers may drop; clients a send failed to, since: reap_clients)
         self.draining_since: float | None = None
         self.started, self.metrics = time.monotonic(), None
+        self.failure_log = LogCap(10)  # (a line for each failed request: its client id beside its rid, which workers log)
         self.activity = ActivityLog(opts.stats_log_s, self.started, opts.mode)  # (the log's line every stats_log_s)
         self.client_outbox: list[tuple[bytes, Msg]] = []  # see _send
         self.outbox_logprobs = False  # a chunk in it carries logprobs (``intake.chunk_groups``)

@@ -96,7 +96,7 @@ def test_by_default_only_failures_are_logged_and_a_flood_of_them_is_capped(caplo
     app = AccessLog(Starlette(routes=[Route("/x", refuse)]))
     assert app.level == "errors"
     second = [100.0]
-    app.clock = lambda: second[0]
+    app.cap.clock = lambda: second[0]
 
     async def ask(n: int, query: str = "") -> None:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as http:
@@ -111,7 +111,7 @@ def test_by_default_only_failures_are_logged_and_a_flood_of_them_is_capped(caplo
     assert all('"GET /x" 400' in ln and "invalid_value (temperature): no" in ln for ln in lines)
     second[0] += 1  # (the next second: lines again, the first saying how many were left out)
     asyncio.run(ask(1))
-    assert caplog.records[-1].getMessage().endswith("[5 failed requests not logged before this]")
+    assert caplog.records[-1].getMessage().endswith("[5 more not logged before this]")
     with pytest.raises(ValueError, match="one of off, errors, all"):
         AccessLog(app, "some")
 
@@ -144,3 +144,19 @@ def test_a_request_that_hits_a_bug_is_logged_with_it(caplog) -> None:  # noqa: A
     assert asyncio.run(ask()).status_code == 500
     line = caplog.records[-1].getMessage()
     assert re.search(r'"GET /bug" 500 in \d+\.\d{3} s: internal error: RuntimeError: a bug$', line), line
+
+
+def test_a_failed_request_is_one_story_across_the_gateways_brokers_and_workers_logs(logged) -> None:  # noqa: ANN001
+    """A request whose rules leave no token (the one id allowed, "ith", is a bad word) fails at the
+    worker: the gateway's line names the broker's request id, the broker's line that id beside the
+    number workers know the request by, and the worker's line that number."""
+    res = httpx.post(logged.http_url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 5, "allowed_token_ids": [445], "bad_words": ["ith"]})
+    assert res.status_code == 500 and "no token is allowed" in res.json()["error"]["message"]
+    line = line_for(logged, '"POST /v1/completions" 500')
+    req_id = re.search(r"request (\w+), worker_error: the request failed: .*no token is allowed", line).group(1)
+    broker = re.search(rf"request {req_id} \(rid (\d+)\) failed after 0 output tokens: worker_error: .*no token is allowed",
+                       (logged.log_dir / "broker.log").read_text())
+    assert broker is not None, logged.log_tail("broker")
+    workers = [p.read_text() for p in logged.log_dir.glob("*.log") if p.stem not in ("api", "broker")]
+    assert any(f"request {broker.group(1)}'s" in text for text in workers), workers

@@ -9,8 +9,7 @@ The handlers note on the request (``entry_of``) what the answer was: the broker'
 choice's tokens and finish reason, the error. ``errors`` (the default) logs failed requests only
 (status 400 and up, and streams that failed or whose client left after the first event); ``all``
 every request, but a probe (``/health``, ``/metrics``, ``/version``) only when it fails; ``off``
-none. Failed requests log at most ``ERRORS_PER_S`` lines a second (a client sending bad requests in
-a loop must not fill the disk); what is left out is counted in the next line that is written.
+none. Failed requests log at most ``ERRORS_PER_S`` lines a second (``log_cap.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nebula_flow.log_cap import LogCap
 from nebula_flow.outputs import Completion
 
 LEVELS = ("off", "errors", "all")
@@ -76,8 +76,7 @@ class AccessLog:
         if level not in LEVELS:
             raise ValueError(f"access log level {level!r}: one of {', '.join(LEVELS)}")
         self.app, self.level = app, level
-        self.window, self.written, self.skipped = 0, 0, 0  # (failed requests' lines in the current second)
-        self.clock = time.monotonic
+        self.cap = LogCap(ERRORS_PER_S)  # (failed requests' lines)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:  # noqa: ANN401
         if scope["type"] != "http" or self.level == "off":
@@ -102,19 +101,12 @@ class AccessLog:
         failed = status >= 400 or entry.error is not None or entry.left
         if not failed and (self.level != "all" or scope["path"] in PROBES):
             return
-        if failed:
-            now = int(self.clock())
-            if now != self.window:
-                self.window, self.written = now, 0
-            if self.written >= ERRORS_PER_S:
-                self.skipped += 1
-                return
-            self.written += 1
+        skipped = self.cap.admit() if failed else ""
+        if skipped is None:
+            return
         client = scope.get("client")
         where = f"{client[0]}:{client[1]}" if client else "-"
         first = f" (first byte {head_s:.3f} s)" if entry.streamed and head_s is not None else ""
         details = entry.describe()
-        skipped = f" [{self.skipped} failed requests not logged before this]" if self.skipped else ""
-        self.skipped = 0
         log.info('%s "%s %s" %d in %.3f s%s%s%s', where, scope["method"], scope["path"][:200], status, took_s, first,
                  f": {details}" if details else "", skipped)
