@@ -16,7 +16,7 @@ from nebula_flow_workers.distill import DistillConfig, train_draft
 from tests.conftest import hf_greedy
 
 
-def test_train_draft_runs_end_to_end_and_evaluates(tiny_pair, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_train_draft_runs_end_to_end_and_evaluates(tiny_pair, tmp_path, monkeypatch, capsys) -> None:  # noqa: ANN001
     monkeypatch.setenv("NEBULA_FLOW_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "draft"
     cfg = DistillConfig(target=str(tiny_pair / "target"), out=str(out), max_tokens=12_000, seq_len=64, steps=40,
@@ -31,6 +31,8 @@ def test_train_draft_runs_end_to_end_and_evaluates(tiny_pair, tmp_path, monkeypa
         assert 1.0 <= res["tokens_per_round"] <= 7.0
     assert set(report["acceptance_chat"]) == {"k=2", "k=4", "k=6"}  # the tiny tokenizer has a chat template
     assert all(res["lossless"] is True for res in report["acceptance_chat"].values())
+    progress = capsys.readouterr().err  # (each evaluation's lines say which prompts: they looked alike)
+    assert all(f"eval k={k} on {which} prompts" in progress for k in (2, 4, 6) for which in ("code", "chat"))
     saved = json.loads((out / "training.json").read_text())
     assert saved["acceptance"] == report["acceptance"]
     assert not (out / "checkpoint.pt").exists()

@@ -109,7 +109,8 @@ def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[i
             continue
         same = None if sampled else outs == reference
         result[f"k={k}"] = {"tokens_per_round": sum(map(len, outs)) / rounds, "lossless": same}
-        log(f"eval k={k}: {result[f'k={k}']['tokens_per_round']:.2f} committed tokens per round, " +
+        log(f"eval k={k} on {'chat prompts' if chat else 'code prompts'}: "
+            f"{result[f'k={k}']['tokens_per_round']:.2f} committed tokens per round, " +
              (f"sampled at temperature {temperature} ({seeds} seeds of each prompt)" if sampled else
               f"output {'equals' if same else 'DIFFERS FROM'} the target's greedy output"))
     return result
