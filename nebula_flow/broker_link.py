@@ -46,14 +46,12 @@ class Link:
     def __init__(self) -> None:
         self.dropped = False
         self.up = False  # (connected: its handshake done, not dropped since)
-        self.refused: str | None = None  # why the last handshake failed (ZeroMQ retries it: nothing changes)
+        self.refused: int | None = None  # the last failed handshake's event (ZeroMQ retries it: nothing changes)
 
     def event(self, frames: list[bytes]) -> bool:
         kind = parse_monitor_message(frames)["event"]
         if kind & HANDSHAKE_FAILED:
-            self.refused = "it refused this client's keys" if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH else \
-                "it answers, but its ZeroMQ handshake failed: not a nebula-flow broker (an HTTP port, such as the HTTP " \
-                "API's? HTTP clients go there), or one whose CURVE keys are not this client's"
+            self.refused = kind
             return False
         if kind == zmq.EVENT_DISCONNECTED:
             self.dropped, self.up = True, False
@@ -66,7 +64,9 @@ class Conn:
     """One broker's socket (a shard's, in a sharded deployment), its monitor and its ``Link``."""
 
     def __init__(self, ctx: zmq.Context, address: str, keys: str | None) -> None:
-        self.address = address
+        from nebula_flow.security import keys_dir
+
+        self.address, self.secure = address, keys_dir(keys) is not None
         self.sock, self.monitor = connect(ctx, address, keys)
         self.link = Link()
         self.poller: zmq.Poller | None = None  # (the blocking client's)
@@ -84,6 +84,17 @@ class Conn:
                 return False
             self.link.event(self.monitor.recv_multipart())
         return self.link.up
+
+    def refusal(self) -> str | None:
+        """Why the connection's handshake failed (None: it did not), in words an operator can act on."""
+        if self.link.refused is None:
+            return None
+        if self.link.refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return "the broker refused this client's key (not in its key folder, or revoked)"
+        return "it answers, but its ZeroMQ handshake failed: " + (
+            "a broker whose key is not the one in this client's key folder, a broker without keys, or no broker"
+            if self.secure else "a broker that uses CURVE keys (give the client its key folder: --keys or "
+            "NEBULA_FLOW_KEYS), or no broker") + " (an HTTP port, such as the HTTP API's? HTTP clients go there)"
 
     def close(self) -> None:
         self.sock.disable_monitor()

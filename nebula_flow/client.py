@@ -188,8 +188,8 @@ class Client:
         its whole timeout in silence (the CLI's `generate` asks this first)."""
         deadline = time.monotonic() + timeout_s
         for conn in self.conns:
-            if not conn.wait_up(deadline) and conn.link.refused is not None:
-                raise RequestError("not_a_broker", f"cannot talk to {conn.address}: {conn.link.refused}")
+            if not conn.wait_up(deadline) and (why := conn.refusal()) is not None:
+                raise RequestError("handshake_failed", f"cannot talk to {conn.address}: {why}")
             if not conn.link.up:
                 raise RequestTimeout(f"cannot reach {conn.address} within {timeout_s:.0f} s (no broker there, or "
                                      "it refused this client's keys)")

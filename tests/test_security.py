@@ -245,6 +245,14 @@ def test_serve_secure_local_puts_curve_on_loopback(tiny_pair, tmp_path, monkeypa
         assert oct(keys.stat().st_mode & 0o777) == "0o700"
         with Client(address, timeout_s=1.5) as c, pytest.raises(RequestTimeout):  # a local user without the keys
             c.status()
+        with Client(address, timeout_s=30) as c, pytest.raises(RequestError, match="a broker that uses CURVE keys "
+                                                                 r"\(give the client its key folder"):
+            c.wait_connected(30)  # (said at the first failed handshake)
+        other = tmp_path / "other-keys"
+        assert CliRunner().invoke(main, ["keys", str(other)]).exit_code == 0
+        with Client(address, timeout_s=30, keys=str(other)) as c, pytest.raises(RequestError, match="a broker whose "
+                                                                                "key is not the one in this client's"):
+            c.wait_connected(30)
         with Client(address, keys=str(keys)) as c:
             assert len(c.generate(token_ids=[1, 2], max_new_tokens=5, ignore_eos=True).token_ids) == 5
     finally:

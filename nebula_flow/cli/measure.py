@@ -157,7 +157,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
                 cfg = load_deploy(config)
                 prepare_models(cfg)
                 click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, one after another, "
-                           f"{repeats} repeats", err=True)
+                           f"{repeats} repeat{'' if repeats == 1 else 's'}", err=True)
                 try:
                     results[name] = bench_peer(cfg, name, wl, repeats, log=lambda m: click.echo(m, err=True))
                 except (ValueError, RuntimeError) as exc:
@@ -179,7 +179,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
             prepare_models(cfg)
             click.echo(f"[bench] {name}: {n_requests} " + (f"conversations of {turns} turns" if turns > 1 else "requests")
                        + f" x {max_new_tokens} tokens, concurrency {concurrency}, "
-                       f"{repeats} repeats", err=True)
+                       f"{repeats} repeat{'' if repeats == 1 else 's'}", err=True)
             for side, res in bench_mode(cfg, mode, wl, repeats, log=lambda m: click.echo(m, err=True), label=name,
                                         vias=vias, predict=predict).items():
                 door, predicted = side.split()[0], side.endswith("predicted")
