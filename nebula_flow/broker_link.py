@@ -56,7 +56,7 @@ class Link:
         if kind == zmq.EVENT_DISCONNECTED:
             self.dropped, self.up = True, False
             return False
-        back, self.dropped, self.up = self.dropped, False, True
+        back, self.dropped, self.up, self.refused = self.dropped, False, True, None
         return back
 
 

@@ -463,6 +463,10 @@ class AsyncClient:
             self.queues.pop(msg.req_id, None)
             self.inflight.pop(msg.req_id, None)
 
+    def refusal(self) -> str | None:
+        """Why a broker's connection failed its handshake (``Conn.refusal``: keys, or no broker there), if one did."""
+        return next((f"{conn.address}: {why}" for conn in self.conns if (why := conn.refusal()) is not None), None)
+
     async def _status(self, index: int, conn: Conn) -> dict[str, Any]:
         key = f"__status__{index}"
         queue: asyncio.Queue[Msg] = asyncio.Queue()

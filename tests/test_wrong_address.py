@@ -6,13 +6,16 @@ for a request, and `status` (and a gateway's /health) waited out its timeout."""
 from __future__ import annotations
 
 import asyncio
+import struct
 import subprocess
 import sys
 import time
 
 import pytest
+import zmq
 from click.testing import CliRunner
 
+from nebula_flow.broker_link import Link
 from nebula_flow.cli import main
 from nebula_flow.client import AsyncClient, Client, RequestError
 from nebula_flow.deploy import Deployment
@@ -69,3 +72,17 @@ def test_the_cli_at_the_http_apis_port_says_it_is_no_broker(dep) -> None:  # noq
         assert time.monotonic() - started < 4, res.output  # (told at the first handshake, not after the wait)
     res = CliRunner().invoke(main, ["status", "--broker", f"tcp://127.0.0.1:{http_port}", "--ready"])
     assert res.exit_code == 1
+
+
+def test_a_handshake_that_succeeds_later_clears_the_refusal() -> None:
+    """ZeroMQ retries a failed handshake: once one succeeds (the broker restarted with the keys this
+    client has, say), nothing is refused any more."""
+    def event(kind: int) -> list[bytes]:
+        return [struct.pack("=HI", kind, 0), b"tcp://127.0.0.1:1"]
+
+    link = Link()
+    assert link.event(event(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)) is False
+    assert link.refused == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not link.up
+    link.event(event(zmq.EVENT_DISCONNECTED))
+    assert link.event(event(zmq.EVENT_HANDSHAKE_SUCCEEDED)) is True  # (made again: what is in flight goes again)
+    assert link.up and link.refused is None

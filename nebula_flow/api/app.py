@@ -122,9 +122,11 @@ class Gateway:
         async with self._status_lock:
             if self._state is None or time.monotonic() - self._state[0] > STATUS_TTL_S:
                 try:
+                    if refused := self.client.refusal():  # (a failed handshake: keys, or no broker there; said at once)
+                        raise NebulaError(refused)
                     state = await asyncio.wait_for(self.client.status(), 5.0)
                 except (NebulaError, TimeoutError) as exc:  # (a wait that ran out says nothing of its own)
-                    why = str(exc) or "no answer within 5 s"
+                    why = self.client.refusal() or str(exc) or "no answer within 5 s"
                     raise ApiError(503, f"the broker at {self.broker} does not answer: {why}", code="broker_unreachable",
                                    kind="service_unavailable", headers={"Retry-After": "5"}) from None
                 self._state = (time.monotonic(), state)
