@@ -37,6 +37,17 @@ def connect(ctx: zmq.Context, address: str, keys: str | None) -> tuple[zmq.Socke
     return sock, monitor
 
 
+def handshake_failed(kind: int, secure: bool, who: str) -> str:
+    """Why a connection to a broker failed its handshake (monitor event ``kind``; ``secure``: the
+    ``who`` (client, worker) has a key folder), in words an operator can act on."""
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"the broker refused this {who}'s key (not in its key folder, or revoked)"
+    return "it answers, but its ZeroMQ handshake failed: " + (
+        f"a broker whose key is not the one in this {who}'s key folder, a broker without keys, or no broker"
+        if secure else f"a broker that uses CURVE keys (give the {who} its key folder: --keys or NEBULA_FLOW_KEYS), "
+        "or no broker") + " (an HTTP port, such as the HTTP API's? HTTP clients go there)"
+
+
 class Link:
     """Follows the connection to the broker from its monitor's events: ``event`` says True when
     a connection that dropped is made again (a restarted broker, which knows nothing of this
@@ -87,14 +98,7 @@ class Conn:
 
     def refusal(self) -> str | None:
         """Why the connection's handshake failed (None: it did not), in words an operator can act on."""
-        if self.link.refused is None:
-            return None
-        if self.link.refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            return "the broker refused this client's key (not in its key folder, or revoked)"
-        return "it answers, but its ZeroMQ handshake failed: " + (
-            "a broker whose key is not the one in this client's key folder, a broker without keys, or no broker"
-            if self.secure else "a broker that uses CURVE keys (give the client its key folder: --keys or "
-            "NEBULA_FLOW_KEYS), or no broker") + " (an HTTP port, such as the HTTP API's? HTTP clients go there)"
+        return None if self.link.refused is None else handshake_failed(self.link.refused, self.secure, "client")
 
     def close(self) -> None:
         self.sock.disable_monitor()

@@ -86,3 +86,20 @@ def test_a_handshake_that_succeeds_later_clears_the_refusal() -> None:
     link.event(event(zmq.EVENT_DISCONNECTED))
     assert link.event(event(zmq.EVENT_HANDSHAKE_SUCCEEDED)) is True  # (made again: what is in flight goes again)
     assert link.up and link.refused is None
+
+
+def test_a_worker_at_an_http_port_says_why_it_hears_nothing(dep, tiny_pair) -> None:  # noqa: ANN001
+    """It logged "no word from the broker ... reconnecting" every time, the same whatever was there."""
+    http_port = dep.http_url.rsplit(":", 1)[1]
+    worker = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "worker", "--broker", f"tcp://127.0.0.1:{http_port}",
+                               "--role", "target", "--model", str(tiny_pair / "target"), "--threads", "1"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        for line in worker.stderr:  # (its first reconnect comes after ~10 s of silence)
+            if "no word from the broker" in line:
+                break
+        assert "(it answers, but its ZeroMQ handshake failed: a broker that uses CURVE keys (give the worker its key " \
+               "folder" in line and "an HTTP port, such as the HTTP API's?" in line, line
+    finally:
+        worker.kill()
+        worker.wait(30)

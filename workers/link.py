@@ -16,8 +16,10 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from nebula_flow import protocol, zmq_frames
+from nebula_flow.broker_link import HANDSHAKE_FAILED, handshake_failed
 from nebula_flow.protocol import Msg
 from nebula_flow.security import Identity, make_client
 
@@ -39,6 +41,8 @@ class BrokerLink:
     def __init__(self, address: str, identity: Identity | None) -> None:
         self.address, self.identity = address, identity
         self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None  # (failed handshakes: what a silent broker's address holds; main thread)
+        self.refused: int | None = None
         self.fd: int | None = None
         self.lock = threading.Lock()
         self.registered = False
@@ -51,12 +55,14 @@ class BrokerLink:
     def connect(self) -> None:
         """A fresh DEALER (a new identity: the broker sees a new worker); the caller registers."""
         with self.lock:
+            self._close_monitor()
             if self.sock is not None:
                 self.sock.close(linger=0)
             self.sock = zmq.Context.instance().socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 2000)
             if self.identity:
                 make_client(self.sock, self.identity)
+            self.monitor, self.refused = self.sock.get_monitor_socket(HANDSHAKE_FAILED), None
             self.sock.connect(self.address)
             self.fd = self.sock.getsockopt(zmq.FD)
         self.last_heard = time.monotonic()
@@ -84,8 +90,21 @@ class BrokerLink:
     def silent_for(self, now: float) -> float:
         return now - self.last_heard
 
+    def refusal(self) -> str:
+        """Why a silent broker's address failed this worker's handshakes, as " (...)" (else "")."""
+        while self.monitor is not None and self.monitor.poll(0):
+            self.refused = parse_monitor_message(self.monitor.recv_multipart())["event"]
+        return "" if self.refused is None else f" ({handshake_failed(self.refused, self.identity is not None, 'worker')})"
+
+    def _close_monitor(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
+
     def close(self) -> None:
         with self.lock:
+            self._close_monitor()
             if self.sock is not None:
                 self.sock.close()
 

@@ -356,8 +356,8 @@ class Worker:
                 link.send(Heartbeat())
             if link.silent_for(now) > liveness * (link.backoff if not link.registered else 1):
                 # That broker is gone (or never answered): reconnect, waiting longer each time.
-                log.warning("no word from the broker at %s for %.0f s: reconnecting", link.address,
-                            link.silent_for(now))
+                log.warning("no word from the broker at %s for %.0f s%s: reconnecting", link.address,
+                            link.silent_for(now), link.refusal())
                 link.connect()
                 self._register(link)
                 link.backoff = min(link.backoff * 2, 16.0)
