@@ -58,6 +58,7 @@ class Link:
         self.dropped = False
         self.up = False  # (connected: its handshake done, not dropped since)
         self.refused: int | None = None  # the last failed handshake's event (ZeroMQ retries it: nothing changes)
+        self.since = time.monotonic()  # when it last came up or went down
 
     def event(self, frames: list[bytes]) -> bool:
         kind = parse_monitor_message(frames)["event"]
@@ -65,8 +66,10 @@ class Link:
             self.refused = kind
             return False
         if kind == zmq.EVENT_DISCONNECTED:
+            self.since = self.since if not self.up else time.monotonic()
             self.dropped, self.up = True, False
             return False
+        self.since = self.since if self.up else time.monotonic()
         back, self.dropped, self.up, self.refused = self.dropped, False, True, None
         return back
 

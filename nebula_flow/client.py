@@ -329,6 +329,7 @@ class AsyncClient:
         self.queues: dict[str, asyncio.Queue[Msg]] = {}
         self.inflight: dict[str, tuple[Conn, Msg]] = {}  # sent again when a dropped connection is back
         self.tasks: list[asyncio.Task] = []  # each connection's reader and watcher
+        self.started = 0.0
         self.closed = False
 
     async def __aenter__(self) -> AsyncClient:
@@ -354,6 +355,7 @@ class AsyncClient:
         if not self.tasks:
             for i, conn in enumerate(self.conns):
                 self.tasks += [asyncio.ensure_future(self._read(i, conn)), asyncio.ensure_future(self._watch(conn))]
+            self.started = time.monotonic()  # (from here on the monitors are read: ``unreachable``)
 
     async def _watch(self, conn: Conn) -> None:
         """Send every request in flight to that broker again when its dropped connection is back."""
@@ -466,6 +468,18 @@ class AsyncClient:
     def refusal(self) -> str | None:
         """Why a broker's connection failed its handshake (``Conn.refusal``: keys, or no broker there), if one did."""
         return next((f"{conn.address}: {why}" for conn in self.conns if (why := conn.refusal()) is not None), None)
+
+    def unreachable(self, for_s: float) -> str | None:
+        """Why a broker is not connected, where it has not been for ``for_s`` (None: every one is, or it
+        is too soon to say: its connection is followed from the first call on): what ``/health`` answers
+        at once, where asking the broker would wait out a timeout."""
+        self._start()
+        now = time.monotonic()
+        for conn in self.conns:
+            if not conn.link.up and now - max(conn.link.since, self.started) >= for_s:
+                return f"{conn.address}: " + (conn.refusal() or f"not connected for {now - conn.link.since:.0f} s "
+                                              "(nothing listens there, or it is restarting)")
+        return None
 
     async def _status(self, index: int, conn: Conn) -> dict[str, Any]:
         key = f"__status__{index}"

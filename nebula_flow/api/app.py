@@ -45,6 +45,7 @@ from nebula_flow.client import AsyncClient, Busy, Chunk, Completion, NebulaError
 from nebula_flow.metrics import exposition, families
 
 MAX_BODY_BYTES = 8 << 20
+HEALTH_DOWN_S = 1.0  # /health answers 503 at once where the broker has not been connected this long
 STATUS_TTL_S = 0.5  # /health, /metrics and the served model's facts reuse a broker status this young
 # chat fields a Responses request names otherwise (``api/responses.py``)
 RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
@@ -111,19 +112,23 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         self.client = AsyncClient(self.broker, timeout_s=self.timeout_s, keys=self.keys, retries=1)
+        self.client.unreachable(HEALTH_DOWN_S)  # (its connections followed from now: the first probe answers at once too)
         self._status_lock = asyncio.Lock()
         try:
             yield
         finally:
             await self.client.close()
 
-    async def state(self) -> dict[str, Any]:
-        """The broker's status, at most ``STATUS_TTL_S`` old (one question in flight at a time)."""
+    async def state(self, at_once: bool = False) -> dict[str, Any]:
+        """The broker's status, at most ``STATUS_TTL_S`` old (one question in flight at a time);
+        ``at_once``: a 503 without asking where the broker has not been connected for ``HEALTH_DOWN_S``
+        (a request instead waits for it: a broker that restarts is back within seconds)."""
         async with self._status_lock:
             if self._state is None or time.monotonic() - self._state[0] > STATUS_TTL_S:
                 try:
-                    if refused := self.client.refusal():  # (a failed handshake: keys, or no broker there; said at once)
-                        raise NebulaError(refused)
+                    # (a failed handshake: keys, or no broker there, said at once)
+                    if why := self.client.unreachable(HEALTH_DOWN_S) if at_once else self.client.refusal():
+                        raise NebulaError(why)
                     state = await asyncio.wait_for(self.client.status(), 5.0)
                 except (NebulaError, TimeoutError) as exc:  # (a wait that ran out says nothing of its own)
                     why = self.client.refusal() or str(exc) or "no answer within 5 s"
@@ -148,7 +153,7 @@ class Gateway:
 
     async def health(self, request: Request) -> Response:
         try:
-            state = await self.state()
+            state = await self.state(at_once=True)  # (a load balancer's probe answered at once, not in 5 s)
         except ApiError as exc:
             return error_response(exc, request)
         status, body = health(state)
