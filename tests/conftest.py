@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from nebula_flow.config import DeployConfig, PoolConfig
+from nebula_flow.deploy import free_port
 from nebula_flow.tiny import build_tiny_pair
 
 
@@ -73,3 +80,25 @@ def workers_lost(state: dict) -> int:
 # Many processes share 2 cores in CI: keep torch in each to one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def gateway_health(broker: str, env: dict[str, str] | None = None) -> Iterator[tuple[int, httpx.Response]]:
+    """Start `nebula-flow api` in front of ``broker`` (a process of its own, on a free port); yield
+    its port and its first ``/health`` answer, whatever it is (e.g. 503: no broker answers); stop it."""
+    port = free_port()
+    gateway = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "api", "--broker", broker, "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # (until it listens)
+            try:
+                first = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline and gateway.poll() is None, "the gateway did not start"
+                time.sleep(0.1)
+        yield port, first
+    finally:
+        gateway.terminate()
+        gateway.wait(30)

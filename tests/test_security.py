@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from nebula_flow import protocol
 from nebula_flow.cli import main
 from nebula_flow.client import Client, RequestError, RequestTimeout
-from nebula_flow.deploy import Deployment, free_port
+from nebula_flow.deploy import Deployment
 from nebula_flow.kv.transport import endpoint_part
 from nebula_flow.protocol import KvPull, Register
 from nebula_flow.security import (
@@ -31,7 +31,7 @@ from nebula_flow.security import (
     server_key_of,
 )
 from nebula_flow.supervisor import REFUSED_EXIT
-from tests.conftest import deploy_config
+from tests.conftest import deploy_config, gateway_health
 
 
 def test_loopback_detection() -> None:
@@ -256,25 +256,11 @@ def test_serve_secure_local_puts_curve_on_loopback(tiny_pair, tmp_path, monkeypa
             c.wait_connected(30)
         with Client(address, keys=str(keys)) as c:
             assert len(c.generate(token_ids=[1, 2], max_new_tokens=5, ignore_eos=True).token_ids) == 5
-        port = free_port()  # a gateway started without the keys says why its /health is 503
-        gateway = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "api", "--broker", address, "--port",
-                                    str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        try:
-            deadline = time.monotonic() + 60
-            while True:  # (the first /health waits out its status question; the next ones say it at once)
-                try:
-                    res = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
-                    break
-                except httpx.ConnectError:
-                    assert time.monotonic() < deadline and gateway.poll() is None
-                    time.sleep(0.1)
+        with gateway_health(address, env) as (port, res):  # a gateway started without the keys says why it is 503
             assert res.status_code == 503 and "a broker that uses CURVE keys" in res.json()["error"]["message"]
             started = time.monotonic()
             assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 503
             assert time.monotonic() - started < 2
-        finally:
-            gateway.terminate()
-            gateway.wait(30)
     finally:
         proc.terminate()
         proc.wait(30)

@@ -20,7 +20,7 @@ from nebula_flow.broker_link import Link
 from nebula_flow.cli import main
 from nebula_flow.client import AsyncClient, Client, RequestError
 from nebula_flow.deploy import Deployment, free_port
-from tests.conftest import deploy_config
+from tests.conftest import deploy_config, gateway_health
 
 
 @pytest.fixture(scope="module")
@@ -106,25 +106,12 @@ def test_a_worker_at_an_http_port_says_why_it_hears_nothing(dep, tiny_pair) -> N
         worker.wait(30)
 
 
-def test_a_gateway_whose_broker_is_not_there_answers_its_probes_at_once(tmp_path) -> None:  # noqa: ANN001
+def test_a_gateway_whose_broker_is_not_there_answers_its_probes_at_once() -> None:
     """/health asked the broker and waited 5 s for nothing, each time: longer than a load balancer's probe waits."""
-    port, nobody = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    gateway = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "api", "--broker", nobody, "--port", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                first = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline and gateway.poll() is None
-                time.sleep(0.1)
+    nobody = f"tcp://127.0.0.1:{free_port()}"
+    with gateway_health(nobody) as (port, first):
         assert first.status_code == 503
         started = time.monotonic()
         res = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
         assert time.monotonic() - started < 2 and res.status_code == 503
         assert f"{nobody}: not connected for " in res.json()["error"]["message"]
-    finally:
-        gateway.terminate()
-        gateway.wait(30)
