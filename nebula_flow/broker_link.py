@@ -66,10 +66,12 @@ class Link:
             self.refused = kind
             return False
         if kind == zmq.EVENT_DISCONNECTED:
-            self.since = self.since if not self.up else time.monotonic()
+            if self.up:
+                self.since = time.monotonic()
             self.dropped, self.up = True, False
             return False
-        self.since = self.since if self.up else time.monotonic()
+        if not self.up:
+            self.since = time.monotonic()
         back, self.dropped, self.up, self.refused = self.dropped, False, True, None
         return back
 

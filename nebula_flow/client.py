@@ -188,11 +188,12 @@ class Client:
         its whole timeout in silence (the CLI's `generate` asks this first)."""
         deadline = time.monotonic() + timeout_s
         for conn in self.conns:
-            if not conn.wait_up(deadline) and (why := conn.refusal()) is not None:
+            if conn.wait_up(deadline):
+                continue
+            if (why := conn.refusal()) is not None:
                 raise RequestError("handshake_failed", f"cannot talk to {conn.address}: {why}")
-            if not conn.link.up:
-                raise RequestTimeout(f"cannot reach {conn.address} within {timeout_s:.0f} s (no broker there, or "
-                                     "it refused this client's keys)")
+            raise RequestTimeout(f"cannot reach {conn.address} within {timeout_s:.0f} s (no broker there, or "
+                                 "it refused this client's keys)")
 
     def _send(self, conn: Conn, msg: Msg, block: bool = True) -> None:
         try:
@@ -345,7 +346,9 @@ class AsyncClient:
             conn.close()
         self.closed = True
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Read this loop's connections from now on (each call does it when it must: a caller that needs
+        their state before its first request, as ``unreachable`` reports it, calls this first)."""
         if self.closed:
             raise NebulaError("this client is closed")
         if self.tasks and (before := self.tasks[0].get_loop()) is not asyncio.get_running_loop():
@@ -401,7 +404,7 @@ class AsyncClient:
 
     async def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
                      **params: Any) -> AsyncIterator[Chunk | Completion]:
-        self._start()
+        self.start()
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
         conn = self.conns[route(req_id, params.pop("prompt_cache_key", None), len(self.conns))]
         msg = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
@@ -448,12 +451,12 @@ class AsyncClient:
 
     async def status(self) -> dict[str, Any]:
         """The broker's state; a sharded deployment's merged (``shards.merge_states``)."""
-        self._start()
+        self.start()
         return merge_states(list(await asyncio.gather(*(self._status(i, c) for i, c in enumerate(self.conns)))))
 
     async def tokenize(self, text: str | None = None, **kwargs: Any) -> Tokenization:
         """As ``Client.tokenize``."""
-        self._start()
+        self.start()
         msg = build_tokenize(text, **kwargs)
         queue: asyncio.Queue[Msg] = self.queues.setdefault(msg.req_id, asyncio.Queue())
         conn = self.conns[shard_of(msg.req_id, len(self.conns))]
@@ -473,7 +476,7 @@ class AsyncClient:
         """Why a broker is not connected, where it has not been for ``for_s`` (None: every one is, or it
         is too soon to say: its connection is followed from the first call on): what ``/health`` answers
         at once, where asking the broker would wait out a timeout."""
-        self._start()
+        self.start()
         now = time.monotonic()
         for conn in self.conns:
             if not conn.link.up and now - max(conn.link.since, self.started) >= for_s:

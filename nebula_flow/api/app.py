@@ -112,7 +112,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         self.client = AsyncClient(self.broker, timeout_s=self.timeout_s, keys=self.keys, retries=1)
-        self.client.unreachable(HEALTH_DOWN_S)  # (its connections followed from now: the first probe answers at once too)
+        self.client.start()  # (its connections followed from now: the first probe answers at once too)
         self._status_lock = asyncio.Lock()
         try:
             yield
@@ -131,7 +131,7 @@ class Gateway:
                         raise NebulaError(why)
                     state = await asyncio.wait_for(self.client.status(), 5.0)
                 except (NebulaError, TimeoutError) as exc:  # (a wait that ran out says nothing of its own)
-                    why = self.client.refusal() or str(exc) or "no answer within 5 s"
+                    why = str(exc) or self.client.refusal() or "no answer within 5 s"
                     raise ApiError(503, f"the broker at {self.broker} does not answer: {why}", code="broker_unreachable",
                                    kind="service_unavailable", headers={"Retry-After": "5"}) from None
                 self._state = (time.monotonic(), state)
