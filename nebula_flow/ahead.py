@@ -3,13 +3,15 @@ that would otherwise idle pre-drafts round r + 1 for the verify outcomes most li
 Pure policy over the scheduler's state (no sockets, no clock), shared by the broker and the simulator.
 
 A round-r draft d1..dk commits d1..dj plus one token of the target's (0 <= j <= k). The pre-draft
-(an ``ahead`` task) covers up to ``draft_ahead`` outcomes, most likely first: the whole draft
-accepted plus the draft's own next token as its guess of the bonus token, then d1..dj plus the
-draft's best other token at position j + 1 as its guess of the target's correction, for j = 0,
-1, ..., k - 1, then the whole draft plus its second guess of the bonus token (k + 2 in all). For
-each outcome it drafts the round after it (``k`` tokens, with the policy's runner-ups and
-fused chain), exactly as a fresh round on those tokens would: every draw is ``uniform(seed,
-position, stream)``, so a pre-draft on the prefix that is then committed *is* that round's draft.
+(an ``ahead`` task) covers up to ``draft_ahead`` outcomes, most likely first (``outcome_plan``):
+the whole draft accepted plus the draft's own next token as its guess of the bonus token, then
+d1..dj plus the draft's best other token at position j + 1 as its guess of the target's
+correction, for j = 0, 1, ..., k - 1, then the whole draft plus its second guess of the bonus
+token (k + 2 in all); then the same with the draft's next guesses at each position (SwiftSpec's
+parallel tree of pre-drafts), up to ``AHEAD_GUESSES`` of the bonus token. For each outcome it
+drafts the round after it (``k`` tokens, with the policy's runner-ups and fused chain), exactly
+as a fresh round on those tokens would: every draw is ``uniform(seed, position, stream)``, so a
+pre-draft on the prefix that is then committed *is* that round's draft.
 
 When round r's verify commits an outcome that was pre-drafted, round r + 1 skips its draft: its
 verify is queued at once with that branch, and the next pre-draft is queued for it (``take``). A
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from nebula_flow.protocol import AHEAD_GUESSES
 from nebula_flow.request import DRAFT, Request
 
 if TYPE_CHECKING:
@@ -47,6 +50,18 @@ MODES = ("pooled", "paired")  # where draft workers are idle while their rounds 
 # 0.95x at 16 (on 2026-12-02, before that fix: 1.05x at 8, 0.88x at 16, ~0.6x at 32 and 64). So
 # pre-drafts are made only while the pool holds at most LIGHT_PER_TARGET requests per target worker.
 LIGHT_PER_TARGET = 4
+
+
+def outcome_plan(draft_len: int, wanted: int) -> list[tuple[int, int]]:
+    """The verify outcomes a pre-draft of a ``draft_len``-token draft covers, most likely first, as
+    (j, r): the first j draft tokens accepted, then the draft's r-th guess of the target's token
+    there (after a rejection its guesses are its best tokens other than the rejected one; after the
+    whole draft, its own next token first). Ordered by guess, then by accept length: each guess of
+    the draft is less likely right than the one before, wherever it is made."""
+    plan = [(draft_len, 1)]
+    for level in range(2, AHEAD_GUESSES + 1):
+        plan += [(j, level - 1) for j in range(draft_len)] + [(draft_len, level)]
+    return plan[:wanted]
 
 
 @dataclass

@@ -15,7 +15,8 @@ A profile is JSON::
      "latency": {"base_s": 0.02, "per_seq_s": 0.0002, "per_token_s": 0.0006, "per_ctx_token_s": 1e-7},
      "acceptance": 0.7,                     # drafts only
      "runner_up": 0.5,                      # drafts only, default 0.5: where the draft disagrees, the chance
-                                            # its second choice is the target's token (draft-ahead's guesses)
+                                            # its second choice is the target's token, and its third where the
+                                            # second is not, and so on (draft-ahead's guesses)
      "salt": 1,                             # drafts only, default 0: drafters of different salts disagree with
                                             # the target at independent positions (fused drafters); same salt: at
                                             # the same positions, as far as their rates allow
@@ -36,6 +37,8 @@ import torch
 
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.models.batch import TreeRows
+from nebula_flow.protocol import AHEAD_GUESSES
+from nebula_flow.sim.acceptance import guess_rank
 from nebula_flow.specdec import splitmix64
 
 RUNNER_UP = 0.5  # a profile's default "runner_up": a guess; the bundled CPU pair measures ~0.28 (eval-draft --guesses)
@@ -134,16 +137,22 @@ class EmulatedModel:
         pos = len(context)
         vocab = min(STAND_IN_VOCAB, self.cfg.vocab_size)
         nxt = stand_in_next(context[-1], context[-2] if pos > 1 else 0, pos, vocab)
-        second = (nxt + 1) % vocab
+        draft_choice, others = nxt, [(nxt + 1 + i) % vocab for i in range(AHEAD_GUESSES)]
         if self.role == "draft" and (splitmix64(pos * 7919 + context[-1] + self.salt) % 10_000) / 10_000 >= self.acceptance:
-            # this position disagrees with the target; its second choice is the target's token or not
-            nxt, second = second, nxt if (splitmix64(pos * 104_729 + context[-1]) % 10_000) / 10_000 < self.runner_up \
-                else (nxt + 2) % vocab
+            # this position disagrees with the target; its next choices are the target's token or not
+            rank = guess_rank((splitmix64(pos * 104_729 + context[-1]) % 10_000) / 10_000, self.runner_up,
+                              AHEAD_GUESSES - 1)
+            draft_choice, others = others[0], others[1:]
+            if rank:
+                others.insert(rank - 1, nxt)
         # Rows cover only the stand-in's ids: a full-vocabulary row (150k floats) per position
         # would cost more host time than the emulated GPU's forward takes.
         row = torch.full((vocab,), -10.0)
         if self.role == "draft":
-            row[second] = 0.0
+            for i, other in enumerate(others[:AHEAD_GUESSES - 1]):  # (its guesses after its choice, ranked)
+                row[other] = -float(i)
+            row[draft_choice] = 10.0
+            return row
         row[nxt] = 10.0
         return row
 

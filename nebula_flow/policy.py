@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from nebula_flow.params import did_you_mean
-from nebula_flow.protocol import MAX_ALTERNATIVES, MAX_DECODE_STEPS, MAX_DRAFT
+from nebula_flow.protocol import MAX_AHEAD, MAX_ALTERNATIVES, MAX_DECODE_STEPS
 from nebula_flow.speclen import DEFAULT_COSTS
 
 MAX_FUSED = 16  # the longest fused prompt-lookup chain
@@ -90,9 +90,10 @@ class PolicyConfig:
                                "draft costs say merging them pays (nebula_flow/elastic.py).", lo=0)
     draft_ahead: int = _knob(0, "Pooled and paired modes: while a round verifies, a draft worker that would otherwise "
                              "idle pre-drafts the next round for this many likely outcomes (the whole draft accepted "
-                             "plus its guess of the bonus token first, then a correction after 0, 1, ... accepted "
-                             "tokens, then the whole draft plus its second guess: k + 2 in all); a verify that commits "
-                             "one sends the next verify at once (nebula_flow/ahead.py). 0: off.", lo=0, hi=MAX_DRAFT + 2)
+                             "plus its guess of the bonus token first; then a correction after 0, 1, ... k - 1 "
+                             "accepted tokens and the whole draft plus a second guess: k + 2 in all; then the same "
+                             "with third and fourth guesses: 2k + 3, 3k + 4); a verify that commits one sends the "
+                             "next verify at once (nebula_flow/ahead.py). 0: off.", lo=0, hi=MAX_AHEAD)
     fuse_drafters: int = _knob(0, "Pooled mode with several model drafters: a round also goes to the next best model "
                                "drafter at once, its draft verified beside the first as a chain of the round's token "
                                "tree (CoSine's fusion; nebula_flow/fusion.py). 1: where the expected tokens per cost "

@@ -63,6 +63,8 @@ MAX_CAPACITY = 4096  # tasks a worker may take in one batch
 MAX_ALTERNATIVES = 8  # runner-ups to the first draft token
 MAX_FUSED_CHAINS = 4  # fused chains in one round's token tree
 MAX_DRAFT = 64  # tokens in a draft, and in a fused chain
+AHEAD_GUESSES = 4  # draft-ahead: guesses of the bonus token (one fewer of a correction) a pre-draft may cover
+MAX_AHEAD = 1 + (AHEAD_GUESSES - 1) * (MAX_DRAFT + 1)  # outcomes one pre-draft may cover (``ahead.outcome_plan``)
 MAX_DECODE_STEPS = 64  # tokens one draft-less verify may decode (multi-step decoding, ``nebula_flow/steps.py``)
 MAX_SUPPRESS = 128  # ids a task's min_tokens keeps from ending the output (EOS ids and stop token ids)
 TASK_KINDS = ("draft", "verify", "round", "ahead")  # (ahead: pre-drafting the next round, draft-ahead)
@@ -313,8 +315,8 @@ class TaskSpec(Proposes):
             raise malformed(f"fuse must be in 0..{MAX_DRAFT}")
         if len(self.chains) > MAX_FUSED_CHAINS or not all(0 < len(c) <= MAX_DRAFT for c in self.chains):
             raise malformed(f"chains must be at most {MAX_FUSED_CHAINS} lists of 1..{MAX_DRAFT} token ids")
-        if not 0 <= self.ahead <= MAX_DRAFT + 2 or (self.ahead > 0) != (self.kind == "ahead"):  # (draft-ahead)
-            raise malformed(f"ahead (1..{MAX_DRAFT + 2} outcomes) is for ahead tasks, which need it")
+        if not 0 <= self.ahead <= MAX_AHEAD or (self.ahead > 0) != (self.kind == "ahead"):  # (draft-ahead)
+            raise malformed(f"ahead (1..{MAX_AHEAD} outcomes) is for ahead tasks, which need it")
         draft_less = not self.draft and not self.k and self.kind in ("verify", "round")
         if not 1 <= self.steps <= MAX_DECODE_STEPS or (self.steps > 1 and not draft_less):
             raise malformed(f"steps (1..{MAX_DECODE_STEPS}) above 1 are for a verify or round without a draft")

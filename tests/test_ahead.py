@@ -15,11 +15,11 @@ from nebula_flow.ahead import Branch
 from nebula_flow.params import SamplingParams
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.policy_log import RecordingScheduler, policy_of, replay
-from nebula_flow.protocol import ProtocolError, TaskResult
+from nebula_flow.protocol import MAX_AHEAD, ProtocolError, TaskResult
 from nebula_flow.request import DRAFT, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim.engine import Simulator
-from nebula_flow.sim.predraft import FIRST_GUESS, SECOND_GUESS, outcomes
+from nebula_flow.sim.predraft import FIRST_GUESS, SECOND_GUESS, UNGUESSED, outcomes
 from nebula_flow.sim.scenario import load_scenario
 from nebula_flow_broker.results import predrafted
 
@@ -274,20 +274,25 @@ def test_the_broker_refuses_branches_that_assume_no_outcome_of_the_draft() -> No
 
 def test_pre_drafted_branches_are_the_drafts_fresh_rounds_make(tiny_pair) -> None:  # noqa: ANN001
     """On the real tiny pair: each outcome the runner pre-drafts is exactly the draft a fresh round
-    on those tokens makes (greedy and seeded sampling), and the outcomes cover the verify's often."""
+    on those tokens makes (greedy and seeded sampling), and the outcomes cover the verify's often:
+    more often with the draft's third and fourth guesses (16 outcomes at k = 4) than with k + 2."""
     from nebula_flow.models.loader import load_model
     from nebula_flow_workers.runner import ModelRunner, Task
 
     draft, target = (ModelRunner(load_model(str(tiny_pair / m))) for m in ("draft", "target"))
-    hits = 0
+    hits = {6: 0, 16: 0}
     for params in (SamplingParams(max_new_tokens=64), SamplingParams(max_new_tokens=64, temperature=0.8)):
         tokens = np.array([5, 40, 7, 300, 12, 17], dtype=np.int64)
         for rnd in range(12):
             d = draft.draft([Task(1, "draft", rnd, 1, tokens, 4, params, 7)])[0]
             committed = target.verify([Task(1, "verify", rnd, 1, tokens, 4, params, 7, draft=d.tokens,
                                             q_idx=d.q_idx, q_prob=d.q_prob)])[0]
-            made = draft.predraft([Task(1, "ahead", rnd, 1, tokens, 4, params, 7, draft=d.tokens, ahead=6)])[0]
-            assert len(made) == 6 and made[0][0][:4] == d.tokens and len({tuple(a) for a, _ in made}) == 6
+            made = draft.predraft([Task(1, "ahead", rnd, 1, tokens, 4, params, 7, draft=d.tokens, ahead=16)])[0]
+            assert len(made) == 16 and made[0][0][:4] == d.tokens and len({tuple(a) for a, _ in made}) == 16
+            # (the first k + 2 are those a pre-draft of 6 makes, in the same order)
+            six = draft.predraft([Task(1, "ahead", rnd, 1, tokens, 4, params, 7, draft=d.tokens, ahead=6)])[0]
+            assert [a for a, _ in six] == [a for a, _ in made[:6]]
+            assert [len(a) - 1 for a, _ in made] == [j for j, _ in ahead.outcome_plan(4, 16)]
             for assumed, branch in made:  # (a request of its own: nothing cached, computed from scratch)
                 fresh = draft.draft([Task(2, "draft", rnd, 1, np.concatenate([tokens, assumed]), 4, params, 7)])[0]
                 draft.store.free([2])
@@ -296,9 +301,11 @@ def test_pre_drafted_branches_are_the_drafts_fresh_rounds_make(tiny_pair) -> Non
                 assert branch.tokens == fresh.tokens and (branch.q_prob is None or all(
                     np.array_equal(a, b) for a, b in zip(branch.q_idx, fresh.q_idx)) and all(
                     np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(branch.q_prob, fresh.q_prob)))
-            hits += any(assumed == committed for assumed, _ in made)
+            for n in hits:
+                hits[n] += any(assumed == committed for assumed, _ in made[:n])
             tokens = np.concatenate([tokens, committed])
-    assert hits >= 4  # (the tiny pair: its draft's second choices catch the target's corrections now and then)
+    # (the tiny pair: its draft's next choices catch the target's corrections now and then)
+    assert hits[6] >= 4 and hits[16] > hits[6]
 
 
 # -- the simulator ------------------------------------------------------------------------
@@ -316,10 +323,12 @@ def emulated_sim(draft_ahead: int, concurrency: int, policy: type[Scheduler] = S
 def test_simulated_outcomes_are_the_live_runners_in_its_order() -> None:
     """The outcomes a simulated pre-draft bets on, most likely first, as ``ModelRunner.predraft``
     orders them: the whole draft and its guess, each shorter accept and its guess of the
-    correction, the whole draft and its second guess."""
+    correction, the whole draft and its second guess, then the next guesses likewise."""
     g, s = FIRST_GUESS, SECOND_GUESS
-    assert outcomes(2, 9) == [[0, 0, g], [g], [0, g], [0, 0, s]]
+    assert outcomes(2, 4) == [[0, 0, g], [g], [0, g], [0, 0, s]]
+    assert outcomes(2, 11) == [[0, 0, g], [g], [0, g], [0, 0, s], [s], [0, s], [0, 0, 3], [3], [0, 3], [0, 0, 4]]
     assert outcomes(3, 2) == [[0, 0, 0, g], [g]]
+    assert len(outcomes(4, MAX_AHEAD)) == 16 and UNGUESSED not in {o[-1] for o in outcomes(4, 16)}
 
 
 def test_the_simulator_models_draft_ahead_where_it_pays_and_the_policy_turns_it_off_under_load() -> None:

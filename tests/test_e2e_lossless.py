@@ -396,12 +396,12 @@ def test_draft_ahead_keeps_greedy_and_seeded_output(runs, reference, mode: str) 
     """Pre-drafting the next round while one verifies (draft-ahead) changes no token: greedy is HF's,
     seeded sampling (structured outputs too) the same as without it. (Hits on this CPU pair are few: its verify is as quick
     as the pre-draft; ``test_emulated`` runs draft-ahead where most rounds hit.)"""
-    greedy, sampled = runs(mode, 2, 2, draft_ahead=6)
+    greedy, sampled = runs(mode, 2, 2, draft_ahead=16)
     assert [o.token_ids for o in greedy] == reference
     assert [o.token_ids for o in sampled] == [o.token_ids for o in runs("pooled", 2, 2)[1]]
-    bound = runs.structured[(mode, 2, 2, False, False, 6)]  # (grammar-bound drafts, pre-drafted too)
+    bound = runs.structured[(mode, 2, 2, False, False, 16)]  # (grammar-bound drafts, pre-drafted too)
     assert [o.token_ids for o in bound] == [o.token_ids for o in runs.structured[("pooled", 2, 2, False, False, 0)]]
-    counters = runs.ahead[(mode, 2, 2, False, False, 6)]
+    counters = runs.ahead[(mode, 2, 2, False, False, 16)]
     assert counters["tasks"] > 0 and counters["branches"] > 0
     assert counters["hits"] + counters["wasted"] + counters["cancelled"] > 0
 

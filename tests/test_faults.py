@@ -40,7 +40,7 @@ def test_chaos_kill_a_draft_and_a_target_worker_during_a_replay(tiny_pair, mode:
     prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(2, 12))] for _ in range(64)]
     refs = _ref_outputs(tiny_pair, prompts, 24)
     cfg = deploy_config(tiny_pair, mode, 2, 2, max_batch=8)
-    cfg.broker.policy = cfg.broker.policy.replace(draft_ahead=6 if ahead else 0)
+    cfg.broker.policy = cfg.broker.policy.replace(draft_ahead=16 if ahead else 0)
     victims = ("draft-0", "target-3") if mode == "pooled" else ("any-0", "any-3")
     cfg.broker.liveness_s = 2.0
     cfg.broker.heartbeat_s = 0.5  # four beats per liveness window: a beat late on a loaded machine is no death

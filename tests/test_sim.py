@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,23 @@ def test_requests_differ_in_acceptance_around_the_configured_mean() -> None:
                         workload=Workload(requests=48, output_tokens=64, prompt_tokens=(8, 8)))
     res = simulate(sc, "pooled")
     assert res["requests"] == 48 and res["tokens"] == 48 * 64
+
+
+def test_the_draft_s_guesses_of_the_target_s_token_follow_their_rates() -> None:
+    """Draft-ahead's bets in the simulator: after a rejection the draft's r-th other guess is right
+    with ``alternative_rate`` where those before it were not; after the whole draft its own next
+    token is right as a draft token there is, then its next guesses likewise (as the emulated draft)."""
+    acc = AcceptanceModel(rates=[0.7], alternative_rate=0.4)
+    after_rejection = Counter(acc.guessed(rid, 3, 1, 4) for rid in range(20_000))
+    left = 20_000
+    for rank in (1, 2, 3):
+        assert after_rejection[rank] / left == pytest.approx(0.4, abs=0.02)
+        left -= after_rejection[rank]
+    assert set(after_rejection) == {0, 1, 2, 3} and after_rejection[0] == left
+    after_all = Counter(acc.guessed(rid, 3, 4, 4) for rid in range(20_000))
+    assert after_all[1] / 20_000 == pytest.approx(0.7, abs=0.02) and set(after_all) == {0, 1, 2, 3, 4}
+    assert after_all[2] / (20_000 - after_all[1]) == pytest.approx(0.4, abs=0.03)
+    assert [acc.guessed(rid, 3, 1, 4) for rid in range(50)] == [acc.guessed(rid, 3, 1, 4) for rid in range(50)]
 
 
 def test_token_tree_draws_follow_their_rates_and_are_reproducible() -> None:

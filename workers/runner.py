@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from nebula_flow import specdec
+from nebula_flow.ahead import outcome_plan
 from nebula_flow.budget import forward_budget, plan_forward
 from nebula_flow.elastic import BatchCosts
 from nebula_flow.kv import device_copy
@@ -23,7 +24,7 @@ from nebula_flow.models import staging
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.params import SamplingParams
 from nebula_flow.penalties import Penalties
-from nebula_flow.protocol import Holder
+from nebula_flow.protocol import AHEAD_GUESSES, Holder
 from nebula_flow.speclen import StepCosts
 from nebula_flow.tree import TokenTree
 from nebula_flow_workers.draft_rules import DraftRules
@@ -210,13 +211,13 @@ class ModelRunner:
         """Draft-ahead (``nebula_flow/ahead.py``): each task carries committed tokens and the draft
         d1..dk being verified now; returns, for up to ``task.ahead`` outcomes of that verify, the
         tokens it assumes committed and the next round's draft after them, exactly the draft a
-        round on those tokens makes. Outcomes, most likely first: d1..dk plus this model's own next
-        token (its guess of the bonus token), then d1..dj plus its best token other than d(j+1)
-        (its guess of the target's correction) for j = 0, 1, ..., k - 1, then d1..dk plus its
-        second guess of the bonus token. A first forward re-scores the draft (its rows give those
-        guesses), then the outcomes draft side by side in one batch, the first in the request's
-        cache, the others in caches forked from it (``KVStore.branch``). A task whose draft KV is
-        not here is skipped (no outcomes)."""
+        round on those tokens makes. Outcomes, most likely first (``ahead.outcome_plan``): d1..dk
+        plus this model's own next token (its guess of the bonus token), then d1..dj plus its best
+        token other than d(j+1) (its guess of the target's correction) for j = 0, 1, ..., k - 1,
+        then d1..dk plus its second guess of the bonus token, then its next guesses likewise. A
+        first forward re-scores the draft (its rows give those guesses), then the outcomes draft
+        side by side in one batch, the first in the request's cache, the others in caches forked
+        from it (``KVStore.branch``). A task whose draft KV is not here is skipped (no outcomes)."""
         out: list[list[tuple[list[int], Draft]]] = [[] for _ in tasks]
         ready, caches, new = [], [], []
         for i, t in enumerate(tasks):
@@ -231,20 +232,20 @@ class ModelRunner:
         if not ready:
             return out
         rows = self._forward(caches, new, [len(tasks[i].draft) + 1 for i in ready])
-        # every row's two most likely token ids, read on the host once for the batch
-        best = torch.topk(torch.cat(rows), min(2, rows[0].shape[-1])).indices
+        # every row's most likely token ids, read on the host once for the batch
+        best = torch.topk(torch.cat(rows), min(AHEAD_GUESSES, rows[0].shape[-1])).indices
         best = self.model.token_ids(best).tolist()
         subtasks, subcaches, owners, at = [], [], [], 0
         for i, cache, scores in zip(ready, caches, rows):
             t, d = tasks[i], list(tasks[i].draft)
             mine, at = best[at:at + len(d) + 1], at + len(d) + 1
             guess = mine[len(d)][0] if t.params.greedy else self._drawn(scores[len(d)], t, len(t.tokens) + len(d))
-
-            def other(j: int, but: int, mine: list[list[int]] = mine) -> list[int]:
-                return [x for x in mine[j] if x != but][:1]
-
-            outcomes = [d + [guess], *(d[:j] + other(j, d[j]) for j in range(len(d))), d + other(len(d), guess)]
-            for b, assumed in enumerate(outcomes[:t.ahead]):
+            # the draft's guesses of the target's token after j accepted: after a rejection its best
+            # tokens other than the rejected d(j+1); after the whole draft, its own next token first
+            guesses = [[x for x in mine[j] if x != d[j]] for j in range(len(d))]
+            guesses.append([guess, *(x for x in mine[len(d)] if x != guess)])
+            outcomes = [d[:j] + [guesses[j][r - 1]] for j, r in outcome_plan(len(d), t.ahead) if r <= len(guesses[j])]
+            for b, assumed in enumerate(outcomes):
                 tokens = np.concatenate([t.tokens, np.asarray(assumed, dtype=t.tokens.dtype)])
                 subtasks.append(Task(t.rid, "draft", t.round, t.attempt, tokens, t.k, t.params, t.seed,
                                      alts=t.alts, fuse=t.fuse, prompt_len=t.prompt_len, suppress=t.suppress))

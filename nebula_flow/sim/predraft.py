@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from nebula_flow.ahead import Branch
+from nebula_flow.ahead import Branch, outcome_plan
+from nebula_flow.protocol import AHEAD_GUESSES
 from nebula_flow.sim.acceptance import AcceptanceModel
 from nebula_flow.sim.state import PLACEHOLDER, Outcome, SimTask, SimWorker
 
-# The token a simulated round commits after its accepted drafts: the draft's first guess, its
-# second guess of a bonus token, or neither (also after a runner-up or a fused chain won: no
+# The token a simulated round commits after its accepted drafts: which of the draft's guesses it was
+# (1, 2, ...: ``AcceptanceModel.guessed``), or none (also after a runner-up or a fused chain won: no
 # pre-draft covers those paths).
-FIRST_GUESS, SECOND_GUESS, UNGUESSED = 1, 2, 3
+FIRST_GUESS, SECOND_GUESS, UNGUESSED = 1, 2, AHEAD_GUESSES + 1
 
 
 def last_token(acceptance: AcceptanceModel, task: SimTask, outcome: Outcome) -> int:
@@ -26,17 +27,14 @@ def last_token(acceptance: AcceptanceModel, task: SimTask, outcome: Outcome) -> 
     accepted, via_alt, _, fused = outcome
     if via_alt or fused:
         return UNGUESSED
-    guess = acceptance.guessed(task.req.rid, task.round, accepted, task.k)
-    return (UNGUESSED, FIRST_GUESS, SECOND_GUESS)[guess]
+    return acceptance.guessed(task.req.rid, task.round, accepted, task.k) or UNGUESSED
 
 
 def outcomes(draft_len: int, wanted: int) -> list[list[int]]:
     """The outcomes a pre-draft of a ``draft_len``-token draft covers, most likely first, as the live
-    runner orders them: the whole draft and its guess of the bonus, the first j tokens and its guess
-    of the correction (j = 0 .. draft_len - 1), the whole draft and its second guess of the bonus."""
-    whole = [PLACEHOLDER] * draft_len
-    return [whole + [FIRST_GUESS], *([PLACEHOLDER] * j + [FIRST_GUESS] for j in range(draft_len)),
-            whole + [SECOND_GUESS]][:wanted]
+    runner orders them (``ahead.outcome_plan``): placeholders for the accepted draft tokens, then the
+    rank of the draft's guess of the target's token after them."""
+    return [[PLACEHOLDER] * j + [rank] for j, rank in outcome_plan(draft_len, wanted)]
 
 
 Forward = Callable[..., float]  # Simulator._forward_s: (cost, batch, tokens, context, seen) -> seconds
