@@ -377,3 +377,23 @@ def test_simulate_sets_a_knob_per_mode_and_the_concurrency_from_the_command_line
     assert bad.exit_code != 0 and "no_such_knob" in bad.output
     bad = CliRunner().invoke(main, ["simulate", str(EMULATED_SIM), "--concurrency", "0"])
     assert bad.exit_code != 0 and "--concurrency" in bad.output
+
+
+def test_status_says_how_draft_ahead_and_fused_drafters_do_where_they_are_on() -> None:
+    from nebula_flow.cli.status_text import status_lines
+    from nebula_flow.fusion import FusionStats
+
+    state = {"mode": "pooled", "uptime_s": 3, "pool": 0, "topics": {}, "roles": ["target"], "workers": [],
+             "counters": {"rounds": 40}, "errors": {}, "draft_ahead": ahead.AheadStats().to_dict(),
+             "fusion": FusionStats().to_dict()}
+    assert not any(line.startswith(("draft-ahead", "fused")) for line in status_lines(state))  # (off: no lines)
+    state["draft_ahead"] = dict(state["draft_ahead"], tasks=36, branches=560, hits=30, late_hits=2, wasted=500,
+                                cancelled=1, skipped=4)
+    state["fusion"] = dict(state["fusion"], tasks=12, requeued=1, dropped=2, rounds=9, tokens_won=7,
+                           won_by={"small": 3, "big": 4})
+    lines = status_lines(state)
+    assert ("draft-ahead: 30 rounds took a pre-drafted draft (75% of rounds; 2 after their verify came back), "
+            "36 pre-drafts of 560 outcomes, 500 outcomes unused, 1 pre-drafts cancelled, 4 not made (the pool "
+            "too loaded)") in lines
+    assert ("fused drafters: 9 rounds fused, 7 tokens won beyond the first draft, 12 second drafts (1 re-queued, "
+            "2 dropped); rounds won by: big 4, small 3") in lines

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from nebula_flow.cli import main
+from nebula_flow.cli.status_text import status_lines
 from nebula_flow.client import Client
 from nebula_flow.deploy import Deployment
 from nebula_flow.emulated import EmulatedModel, predict_seconds, stand_in_next
@@ -102,11 +103,15 @@ def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profile
     prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
     with Deployment(cfg) as dep, Client(dep.address) as c:
         outs = [c.generate(token_ids=p, max_new_tokens=30, ignore_eos=True) for p in prompts]
-        counters = c.status()["draft_ahead"]
+        state = c.status()
+    counters = state["draft_ahead"]
     for p, out in zip(prompts, outs):
         assert out.token_ids == stand_in_reference(p, 30)
+    ahead_lines = [line for line in status_lines(state) if line.startswith("draft-ahead: ")]
+    assert len(ahead_lines) == ahead  # (`status` says how draft-ahead does, where it is on)
     if ahead:
         assert counters["hits"] >= 0.2 * sum(o.rounds for o in outs) and counters["wasted"] > 0
+        assert ahead_lines[0].startswith(f"draft-ahead: {counters['hits']} rounds took a pre-drafted draft (")
     if mode != "autoregressive":
         assert 1.5 < sum(len(o.token_ids) for o in outs) / sum(o.rounds for o in outs) < 4.5
 

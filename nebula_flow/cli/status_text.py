@@ -67,6 +67,7 @@ def status_lines(state: dict[str, Any]) -> list[str]:
         parts = ", ".join(f"{p} {v:.2f}" for p, v in sorted(per.items(), key=lambda kv: -kv[1])
                           if p != "total" and v >= 0.005)
         out.append(f"decode rounds: {rounds['rounds']}, {per['total']:.2f} ms each: {parts}")
+    out += _draft_ahead_lines(state) + _fusion_lines(state)
     if any(state.get("restarts", {}).values()):
         out.append(f"restarts after a death: broker {state['restarts']['broker']}, "
                    f"workers registered now {state['restarts']['workers']}")
@@ -82,3 +83,25 @@ def _where(worker: dict[str, Any]) -> str:
     if numerics := (worker.get("model") or {}).get("numerics"):
         where += f" ({numerics.rsplit(' on ', 1)[0]})"
     return where
+
+
+def _draft_ahead_lines(state: dict[str, Any]) -> list[str]:
+    """Draft-ahead at work, where it is on (``nebula_flow/ahead.py``): how many rounds a pre-draft
+    spared their draft, and what it cost in outcomes drafted for nothing."""
+    a = state.get("draft_ahead") or {}
+    if not (a.get("tasks") or a.get("skipped")):
+        return []
+    share = a["hits"] / max(state["counters"].get("rounds", 0), 1)
+    return [f"draft-ahead: {a['hits']} rounds took a pre-drafted draft ({share:.0%} of rounds; {a['late_hits']} "
+            f"after their verify came back), {a['tasks']} pre-drafts of {a['branches']} outcomes, {a['wasted']} "
+            f"outcomes unused, {a['cancelled']} pre-drafts cancelled, {a['skipped']} not made (the pool too loaded)"]
+
+
+def _fusion_lines(state: dict[str, Any]) -> list[str]:
+    """Fused model drafters at work, where they are on (``nebula_flow/fusion.py``)."""
+    f = state.get("fusion") or {}
+    if not f.get("tasks"):
+        return []
+    won = ", ".join(f"{name} {n}" for name, n in sorted((f.get("won_by") or {}).items())) or "none yet"
+    return [f"fused drafters: {f['rounds']} rounds fused, {f['tokens_won']} tokens won beyond the first draft, "
+            f"{f['tasks']} second drafts ({f['requeued']} re-queued, {f['dropped']} dropped); rounds won by: {won}"]
