@@ -63,6 +63,15 @@ def resolve_model_path(spec: str, base: Path | None = None) -> str:
     return str(p)
 
 
+def set_model(pool: PoolConfig, spec: str) -> None:
+    """Give ``pool`` the model ``spec`` names on a command line (``--target``, ``--draft``): a path
+    relative to the current folder, ``cache:NAME``, a hub id or ``ngram``; clients call it ``spec``."""
+    from nebula_flow.lookup import is_ngram
+
+    pool.name = spec
+    pool.model = spec if is_ngram(spec) else resolve_model_path(spec, Path.cwd())
+
+
 @dataclass
 class PoolConfig:
     model: str | None = None

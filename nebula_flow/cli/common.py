@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from nebula_flow.config import ConfigError, DeployConfig, PoolConfig, cache_dir, load_config
+from nebula_flow.config import ConfigError, DeployConfig, PoolConfig, cache_dir, load_config, set_model
 from nebula_flow.policy import PolicyConfig, PolicyError, knob_help, knob_names
 from nebula_flow.roles import MODES
 
@@ -70,11 +70,17 @@ def prepare_models(cfg: DeployConfig) -> None:
             ensure_tiny_pair()
         if Path(pool.model) == target_dir():
             prepare_target(log=lambda m: click.echo(m, err=True))
+    for role, pool in (("target", cfg.target), *(("draft", p) for p in drafts if cfg.mode != "autoregressive")):
+        if pool.model and not Path(pool.model).is_dir():
+            raise click.ClickException(f"{role} model {pool.model}: no such folder (give a checkpoint folder, a hub id "
+                                       "such as Qwen/Qwen3-8B, or cache:NAME)")
     for pool in drafts if cfg.mode != "autoregressive" else ():
         try:
             check_pair(pool.model, cfg.target.model)
         except (IncompatiblePair, ModelConfigError) as exc:
-            raise click.ClickException(f"draft {pool.model} cannot serve target {cfg.target.model}: {exc}") from None
+            raise click.ClickException(f"draft {pool.model} cannot serve target {cfg.target.model}: {exc} (name a "
+                                       "draft of the target's tokenizer: [draft] model or --draft, ngram for prompt "
+                                       "lookup, or run --mode autoregressive)") from None
 
 
 def ensure_tiny_pair() -> Path:
@@ -88,12 +94,34 @@ def ensure_tiny_pair() -> Path:
     return tiny
 
 
+def with_models(cfg: DeployConfig, target: str | None, draft: str | None) -> DeployConfig:
+    """``cfg`` with the command line's ``--target`` and ``--draft`` models, where given."""
+    for pool, spec in ((cfg.target, target), (cfg.draft, draft)):
+        if spec is not None:
+            set_model(pool, spec)
+    return cfg
+
+
+MODEL_OPTIONS = [
+    click.option("--target", "target_model", metavar="MODEL",
+                 help="The target model, in place of the config's [target] model: a checkpoint folder, a hub id "
+                 "(Qwen/Qwen3-8B: found in the hub cache, or downloaded), or cache:NAME; clients call it by this "
+                 "name (the HTTP API's /v1/models) unless --served-model-name says otherwise."),
+    click.option("--draft", "draft_model", metavar="MODEL",
+                 help="The draft model, in place of the config's [draft] model: as --target, or ngram (prompt "
+                 "lookup, no model). It must share the target's tokenizer (checked at start)."),
+]
+
+
 def apply_overrides(cfg: DeployConfig, mode: str | None, draft_workers: int | None,
                     target_workers: int | None, port: int | None, add_drafters: tuple[str, ...] = (),
-                    settings: tuple[str, ...] = ()) -> DeployConfig:
-    """The command line's changes to a deployment config (``settings``: ``KNOB=VALUE`` policy knobs)."""
+                    settings: tuple[str, ...] = (), *, target: str | None = None,
+                    draft: str | None = None) -> DeployConfig:
+    """The command line's changes to a deployment config (``settings``: ``KNOB=VALUE`` policy knobs;
+    ``target``, ``draft``: the models, in place of the config's)."""
     if mode:
         cfg.mode = mode
+    with_models(cfg, target, draft)
     for spec in add_drafters:  # one more draft pool (one worker) per spec: several drafters, routed
         cfg.drafters.append(PoolConfig(model=spec, workers=1, max_batch=cfg.draft.max_batch, dtype=cfg.draft.dtype,
                                        device=cfg.draft.device))
@@ -195,10 +223,18 @@ DEPLOY_OPTIONS = [
     click.option("--target-workers", type=int, help="Override the number of target workers (N)."),
     click.option("--port", type=click.IntRange(0, 65535), help="Client port (workers use port+1); 0 picks free ports."),
     click.option("--log-dir", type=click.Path(), help="Where child process logs go (default: a temp folder)."),
+    *MODEL_OPTIONS,
     click.option("--add-drafter", "add_drafters", multiple=True, metavar="MODEL",
                  help="Pooled mode: one more draft worker with this drafter (ngram, ngram:MAX, ngram:MIN-MAX, or a "
                  "draft checkpoint); each round goes to the drafter that pays best for its request. Repeatable."),
 ]
+
+
+def model_options(f: Callable) -> Callable:
+    """``--target`` and ``--draft``: the models, in place of the config's (``with_models``)."""
+    for opt in reversed(MODEL_OPTIONS):
+        f = opt(f)
+    return f
 
 
 def deploy_options(f: Callable) -> Callable:
@@ -210,7 +246,8 @@ def deploy_options(f: Callable) -> Callable:
 def start_deployment(config: str | None, mode: str | None, draft_workers: int | None, target_workers: int | None,
                      port: int | None, log_dir: str | None, add_drafters: tuple[str, ...] = (),
                      settings: tuple[str, ...] = (), secure_local: bool = False, shards: int | None = None,
-                     max_model_len: int | None = None):  # noqa: ANN201
+                     max_model_len: int | None = None, *, target: str | None = None,
+                     draft: str | None = None):  # noqa: ANN201
     """Start the deployment ``deploy_options`` describe, printing progress; returns it running.
     ``secure_local``: CURVE keys on loopback too (a private key folder in the log folder unless
     the config names one), for hosts whose other users must not reach the deployment. ``shards``:
@@ -224,7 +261,8 @@ def start_deployment(config: str | None, mode: str | None, draft_workers: int | 
         cfg.broker.shards = shards
     if max_model_len is not None:
         cfg.broker.max_model_len = max_model_len
-    cfg = apply_overrides(cfg, mode, draft_workers, target_workers, port, add_drafters, settings)
+    cfg = apply_overrides(cfg, mode, draft_workers, target_workers, port, add_drafters, settings, target=target,
+                          draft=draft)
     prepare_models(cfg)
     try:
         dep = Deployment(cfg, log_dir)

@@ -16,17 +16,21 @@ from nebula_flow.cli.common import (
     deploy_options,
     ensure_tiny_pair,
     load_deploy,
+    model_options,
     pool_settings,
     prepare_models,
     start_deployment,
     structured_option,
+    with_models,
     with_settings,
 )
+from nebula_flow.config import DeployConfig
 from nebula_flow.roles import MODES
 
 
 @click.command()
 @click.option("--config", type=click.Path(), help="Deployment TOML (default: the bundled one).")
+@model_options
 @click.option("--modes", default="pooled,paired,colocated,autoregressive", show_default=True,
               help="Comma-separated modes, measured in turn; ratios are against the first. pooled+MODEL is pooled "
               "with one more drafter (as --add-drafter MODEL, e.g. pooled+ngram), pooled-NAME pooled without the "
@@ -83,8 +87,8 @@ from nebula_flow.roles import MODES
               "(MODE@priority_scheduling=true), at 0 elsewhere; their latency is printed beside the others'. "
               "Compare MODE and MODE@priority_scheduling=true with --concurrency above what the workers batch.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
-def bench(config, modes, draft_workers, target_workers, concurrency, n_requests, max_new_tokens,
-          temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, predict, shared_prefix,
+def bench(config, target_model, draft_model, modes, draft_workers, target_workers, concurrency, n_requests,  # noqa: ANN001
+          max_new_tokens, temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, predict, shared_prefix,
           fresh_prefix, turns, urgent, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
@@ -101,6 +105,9 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
         with_context,
     )
     from nebula_flow.hf_peer import PEERS
+
+    def loaded() -> DeployConfig:  # (the config, with the command line's models)
+        return with_models(load_deploy(config), target_model, draft_model)
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
     bad = [m for m in names if (base := m.split("@")[0]) not in MODES and m not in PEERS
@@ -133,7 +140,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
                                  "--via zmq,api, --predict or --turns)", param_hint="--fresh-prefix")
     prompts, fresh = [pool[i % len(pool)] for i in range(n_requests)], None
     if shared_prefix:
-        first = load_deploy(config)
+        first = loaded()
         prepare_models(first)  # (its tokenizer cuts the prefix)
         if fresh_prefix:  # (the warm-up's stretch, then one per repeat; HF's peers run the first repeat's)
             fresh = [with_context(prompts, shared_prefix, first.target.model, True, i) for i in range(repeats + 1)]
@@ -148,13 +155,13 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
     results = {}
     # (held for the whole run, HF's modes too, so every mode wakes from idle alike; each deployment
     # also holds it, as `serve` does)
-    wake_us = load_deploy(config).cpu_wake_latency_us
+    wake_us = loaded().cpu_wake_latency_us
     with wake_latency.held(wake_us) as held:
         if held:
             click.echo(f"[bench] idle CPUs held within {wake_us} us of waking (the config's cpu_wake_latency_us)", err=True)
         for name in names:
             if name in PEERS:
-                cfg = load_deploy(config)
+                cfg = loaded()
                 prepare_models(cfg)
                 click.echo(f"[bench] {name}: {n_requests} requests x {max_new_tokens} tokens, one after another, "
                            f"{repeats} repeat{'' if repeats == 1 else 's'}", err=True)
@@ -165,7 +172,7 @@ def bench(config, modes, draft_workers, target_workers, concurrency, n_requests,
                 continue
             base, *settings = name.split("@")
             mode, change, spec = base.partition("+") if "+" in base else base.partition("-")
-            cfg = load_deploy(config)
+            cfg = loaded()
             settings = pool_settings(cfg, settings, name)
             cfg.broker.policy = with_settings(cfg.broker.policy, settings, name)
             if change == "-":
@@ -409,8 +416,8 @@ def bench_kv_cmd(config, transport, draft_workers, target_workers, concurrency, 
 @click.option("--no-reference", is_flag=True, help="Skip the reference run (the same prompts on the target "
               "alone, autoregressive mode) that the output is compared with.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-def chaos(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings, n_requests,  # noqa: ANN001
-          max_new_tokens, kills, chat, no_reference, as_json) -> None:  # noqa: ANN001
+def chaos(config, mode, draft_workers, target_workers, port, log_dir, target_model, draft_model, add_drafters,  # noqa: ANN001
+          settings, n_requests, max_new_tokens, kills, chat, no_reference, as_json) -> None:  # noqa: ANN001
     """Fault drill: a supervised deployment (as `serve` runs it) under load, processes killed on a
     schedule; prints what completed, how soon each killed process served again, and whether the
     output equals the target alone's."""
@@ -420,7 +427,9 @@ def chaos(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
 
     pool = DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
     prompts = [pool[i % len(pool)] for i in range(n_requests)]
-    plan = apply_overrides(load_deploy(config), mode, draft_workers, target_workers, port, add_drafters).worker_plan()
+    models = {"target": target_model, "draft": draft_model}
+    plan = apply_overrides(load_deploy(config), mode, draft_workers, target_workers, port, add_drafters,
+                           **models).worker_plan()
     names = ["broker", *(worker_name(role, i) for i, (role, _) in enumerate(plan))]
     try:
         schedule = [Kill.parse(k) for k in kills] or default_kills(names)
@@ -429,13 +438,14 @@ def chaos(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
     if unknown := [k.name for k in schedule if k.name not in names]:
         raise click.BadParameter(f"no process {unknown}; this deployment has {', '.join(names)}", param_hint="--kill")
     dep = start_deployment(config, mode, draft_workers, target_workers, 0 if port is None else port, log_dir,
-                           add_drafters, settings)
+                           add_drafters, settings, **models)
     try:
         report = drill(dep, prompts, max_new_tokens, schedule, chat, log=lambda m: click.echo(m, err=True))
     finally:
         dep.stop()
     if not no_reference:
-        cfg = apply_overrides(load_deploy(config), "autoregressive", 0, 1, 0)
+        cfg = apply_overrides(load_deploy(config), "autoregressive", 0, 1, 0, **models)
+        prepare_models(cfg)  # (a hub id found in the hub cache, as for the drill)
         click.echo("[chaos] reference: the same prompts on the target alone (autoregressive)", err=True)
         with Deployment(cfg) as ref_dep:
             ref = drill(ref_dep, prompts, max_new_tokens, [], chat, log=lambda m: click.echo(m, err=True))

@@ -34,8 +34,8 @@ from nebula_flow.cli.status_text import status_lines
 @click.option("--http-port", type=click.IntRange(0, 65535), help="Also serve the OpenAI-compatible HTTP API on this port (0: any free "
               "port); see `nebula-flow api --help`.")
 @http_options
-def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
-          secure_local, shards, max_model_len, http_port, http_host, api_key, served_model_name, tool_call_parser,  # noqa: ANN001
+def serve(config, mode, draft_workers, target_workers, port, log_dir, target_model, draft_model, add_drafters,  # noqa: ANN001
+          settings, secure_local, shards, max_model_len, http_port, http_host, api_key, served_model_name, tool_call_parser,  # noqa: ANN001
           reasoning_parser, allowed_origins, access_log) -> None:  # noqa: ANN001
     """Start a broker and its workers; print the client address; stop on Ctrl-C / SIGTERM.
 
@@ -52,7 +52,7 @@ def serve(config, mode, draft_workers, target_workers, port, log_dir, add_drafte
         check_exposure(http_host, api_key)
         check_port_free(http_host, http_port)
     dep = start_deployment(config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,
-                           secure_local, shards, max_model_len)
+                           secure_local, shards, max_model_len, target=target_model, draft=draft_model)
     click.echo(dep.address)
     again = threading.Event()
     try:
@@ -131,13 +131,13 @@ def generate(prompt: str, address: str, as_json: bool, prediction_file, **params
 @gen_options
 @click.option("--http-port", type=click.IntRange(0, 65535), help="Also start the OpenAI-compatible HTTP API on this port (0: any free "
               "port) and, after the demo, keep serving it until Ctrl-C, with a curl line to try it.")
-def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, add_drafters, settings,  # noqa: ANN001
-        http_port, **params) -> None:  # noqa: ANN001, ANN003
+def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, target_model, draft_model,  # noqa: ANN001
+        add_drafters, settings, http_port, **params) -> None:  # noqa: ANN001, ANN003
     """One-shot demo: start the deployment, generate from PROMPTS (a default set if none), stop
     (with --http-port: keep serving the HTTP API until Ctrl-C)."""
     prompts = prompts or ("def fibonacci(n):", "import os\n\ndef list_files(path):", "The quick brown fox")
     dep = start_deployment(config, mode, draft_workers, target_workers, 0 if port is None else port, log_dir,
-                           add_drafters, settings)
+                           add_drafters, settings, target=target_model, draft=draft_model)
     again = threading.Event()
     try:
         url = start_http(dep, "127.0.0.1", http_port, None, None) if http_port is not None else None
