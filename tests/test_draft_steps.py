@@ -188,20 +188,21 @@ def test_draft_steps_of_no_rows_settle_to_empty_drafts() -> None:
 @pytest.mark.usefixtures("device_argmax")
 def test_draft_ahead_reads_its_guesses_and_its_drafts_once_each() -> None:
     """Pre-drafting (``ModelRunner.predraft``) on an emulated device: the guesses of every
-    outcome come to the host in one read, the outcomes' drafts in one more, whatever k."""
-    def reads(k: int) -> int:
+    outcome come to the host in one read, the outcomes' drafts in one more, whatever k and however
+    many outcomes (up to the draft's fourth guesses: 3k + 4)."""
+    def reads(k: int, ahead: int = 6) -> int:
         model = _draft_model(40)
         runner = ModelRunner(model, proposal_top_k=8)
         tasks = [t for t in _tasks() if t.params.greedy]
         for t in tasks:
             t.k = k
         for t, d in zip(tasks, runner.draft(tasks)):
-            t.draft, t.ahead = d.tokens, 6
+            t.draft, t.ahead = d.tokens, ahead
         forward = model.forward
         model.forward = lambda *a, **kw: [x.as_subclass(Counted) for x in forward(*a, **kw)]
         Counted.reads = 0
         outcomes = runner.predraft(tasks)
-        assert all(len(o) == min(6, k + 2) and all(len(d.tokens) == k for _, d in o) for o in outcomes)
+        assert all(len(o) == min(ahead, 3 * k + 4) and all(len(d.tokens) == k for _, d in o) for o in outcomes)
         return Counted.reads
 
-    assert reads(2) == reads(5) == 2
+    assert reads(2) == reads(5) == reads(4, 16) == reads(2, 16) == 2
