@@ -114,7 +114,8 @@ def test_eval_draft_reports_how_often_the_drafts_choices_catch_the_targets_token
     assert res.exit_code == 0, res.output
     g = json.loads(res.stdout)["guesses"]
     assert g["positions"] == 10 * len(EVAL_PROMPTS)
-    assert all(0.0 <= g[key] <= 1.0 for key in ("first", "second_where_first_missed", "third_where_two_missed"))
+    keys = ("first", "second_where_first_missed", "third_where_two_missed", "fourth_where_three_missed")
+    assert all(0.0 <= g[key] <= 1.0 for key in keys) and set(g) == {"positions", *keys}
     same = json.loads(CliRunner().invoke(main, [*args, "--draft", str(tiny_pair / "target")]).stdout)["guesses"]
     assert same["first"] == 1.0  # the target drafting for itself: its first choice is always its own token
     assert CliRunner().invoke(main, [*args, "--draft", str(tiny_pair / "draft"), "--temperature", "0.5"]).exit_code != 0

@@ -176,8 +176,9 @@ def train_draft(target, out, corpus, **kw) -> None:  # noqa: ANN001, ANN003
               "only, there is no output to compare).")
 @click.option("--seeds", default=3, show_default=True, type=click.IntRange(1, 1000),
               help="With --temperature: samples of each prompt (each request draws from its own seed).")
-@click.option("--guesses", is_flag=True, help="Also report how often the draft's first, second and third choices "
-              "are the target's greedy token (the second is what draft-ahead's pre-drafts bet on).")
+@click.option("--guesses", is_flag=True, help="Also report how often the draft's first, second, third and fourth "
+              "choices are the target's greedy token (each where those before missed: the guesses draft-ahead's "
+              "pre-drafts bet on, the second first; what draft_ahead beyond k + 2 would catch).")
 def eval_draft(target: str, draft: str, target_dtype: str | None, ks: tuple[int, ...], max_new_tokens: int,
                alternatives: int, fuse_ngram: int, chat: bool, temperature: float, seeds: int, guesses: bool) -> None:
     """Committed tokens per round of a draft/target pair at each k, on the built-in code prompts

@@ -12,6 +12,7 @@ import torch
 from nebula_flow.models.llama import CausalLM
 from nebula_flow.models.loader import load_model
 from nebula_flow.params import SamplingParams
+from nebula_flow.protocol import AHEAD_GUESSES
 from nebula_flow.tokenizer import TextCodec, eos_token_ids
 from nebula_flow_workers.runner import ModelRunner, Task
 
@@ -120,18 +121,20 @@ def evaluate_pair(target: str, draft: str, max_new_tokens: int = 48, ks: tuple[i
 def guess_rates(draft: CausalLM, prompts: list[list[int]], answers: list[list[int]]) -> dict[str, float]:
     """Over the positions of the target's greedy ``answers``: how often the draft's first choice is
     the target's token (greedy acceptance), its second where the first missed (what draft-ahead's
-    pre-drafts bet on: ``nebula_flow/ahead.py``; the emulated profiles' ``runner_up``), and its
-    third where both missed."""
-    counts = [0, 0, 0, 0]  # the target's token ranked first, second, third, lower by the draft
+    pre-drafts bet on: ``nebula_flow/ahead.py``; the emulated profiles' ``runner_up``), its third
+    where both missed and its fourth where three did (the further guesses a pre-draft may cover)."""
+    counts = [0] * (AHEAD_GUESSES + 1)  # the target's token ranked first, second, ... or lower by the draft
     for prompt, answer in zip(prompts, answers):
         if not answer:
             continue
         cache = draft.new_cache(capacity=len(prompt) + len(answer) + 1)
         rows = draft([cache], [[*prompt, *answer[:-1]]], [len(answer)])[0]
-        top = draft.token_ids(torch.topk(rows.float(), 3, dim=-1).indices).tolist()
+        top = draft.token_ids(torch.topk(rows.float(), AHEAD_GUESSES, dim=-1).indices).tolist()
         for want, choices in zip(answer, top):
-            counts[choices.index(want) if want in choices else 3] += 1
-    missed = sum(counts[1:])
-    return {"positions": sum(counts), "first": counts[0] / max(sum(counts), 1),
-            "second_where_first_missed": counts[1] / max(missed, 1),
-            "third_where_two_missed": counts[2] / max(missed - counts[1], 1)}
+            counts[choices.index(want) if want in choices else AHEAD_GUESSES] += 1
+    out: dict[str, float] = {"positions": sum(counts), "first": counts[0] / max(sum(counts), 1)}
+    left = sum(counts[1:])
+    for rank, key in enumerate(("second_where_first_missed", "third_where_two_missed", "fourth_where_three_missed"), 1):
+        out[key] = counts[rank] / max(left, 1)
+        left -= counts[rank]
+    return out
