@@ -16,7 +16,8 @@ A profile is JSON::
      "acceptance": 0.7,                     # drafts only
      "runner_up": 0.5,                      # drafts only, default 0.5: where the draft disagrees, the chance
                                             # its second choice is the target's token, and its third where the
-                                            # second is not, and so on (draft-ahead's guesses)
+                                            # second is not, and so on (draft-ahead's guesses); or a list, rank
+                                            # by rank: [0.28, 0.19, 0.09] (its last repeated)
      "salt": 1,                             # drafts only, default 0: drafters of different salts disagree with
                                             # the target at independent positions (fused drafters); same salt: at
                                             # the same positions, as far as their rates allow
@@ -38,7 +39,7 @@ import torch
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.models.batch import TreeRows
 from nebula_flow.protocol import AHEAD_GUESSES
-from nebula_flow.sim.acceptance import guess_rank
+from nebula_flow.sim.acceptance import guess_rank, ranked_rates
 from nebula_flow.specdec import splitmix64
 
 RUNNER_UP = 0.5  # a profile's default "runner_up": a guess; the bundled CPU pair measures ~0.28 (eval-draft --guesses)
@@ -62,6 +63,10 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     if not all(isinstance(lat.get(k, 0.0), (int, float)) and lat.get(k, 0.0) >= 0
                for k in ("base_s", "per_seq_s", "per_token_s", "per_ctx_token_s")):
         raise ProfileError(f"{path}: latency coefficients must be numbers >= 0")
+    try:
+        ranked_rates(prof.get("runner_up", RUNNER_UP), "runner_up")
+    except ValueError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
     return prof
 
 
@@ -118,7 +123,7 @@ class EmulatedModel:
         self.cfg = _Cfg(profile["model"])
         self.latency = profile["latency"]
         self.acceptance = float(profile.get("acceptance", 1.0))
-        self.runner_up = float(profile.get("runner_up", RUNNER_UP))
+        self.runner_up = ranked_rates(profile.get("runner_up", RUNNER_UP), "runner_up")
         self.salt = int(profile.get("salt", 0)) << 40  # (above any position * 7919 + token id)
         # How faithfully this host emulates the device: forwards that took longer than the profile
         # says (host work or a late wake-up on a busy CPU) add up in ``overrun_s``.
@@ -140,8 +145,7 @@ class EmulatedModel:
         draft_choice, others = nxt, [(nxt + 1 + i) % vocab for i in range(AHEAD_GUESSES)]
         if self.role == "draft" and (splitmix64(pos * 7919 + context[-1] + self.salt) % 10_000) / 10_000 >= self.acceptance:
             # this position disagrees with the target; its next choices are the target's token or not
-            rank = guess_rank((splitmix64(pos * 104_729 + context[-1]) % 10_000) / 10_000, self.runner_up,
-                              AHEAD_GUESSES - 1)
+            rank = guess_rank((splitmix64(pos * 104_729 + context[-1]) % 10_000) / 10_000, self.runner_up)
             draft_choice, others = others[0], others[1:]
             if rank:
                 others.insert(rank - 1, nxt)

@@ -54,6 +54,24 @@ def test_latency_model_and_draft_agreement_rate() -> None:
     assert 0.4 < rank[1] / (2000 - agree) < 0.6
     assert 0.4 < rank[2] / (2000 - agree - rank[1]) < 0.6
     assert 0.35 < rank[3] / (2000 - agree - rank[1] - rank[2]) < 0.65
+    falling = EmulatedModel(dict(PROFILE, acceptance=0.6, runner_up=[0.5, 0.2, 0.0], latency={}), "draft")
+    rank = [0, 0, 0, 0]
+    for p in range(2, 2002):  # (the same positions disagree: only where the target's token ranks changes)
+        ctx = [p % 97, p]
+        row, want = falling._logit_row(ctx), int(target._logit_row(ctx).argmax())
+        ranked = row.topk(4).indices.tolist()
+        rank[ranked.index(want) if want in ranked else 0] += ranked[0] != want
+    assert 0.4 < rank[1] / (2000 - agree) < 0.6 and 0.1 < rank[2] / (2000 - agree - rank[1]) < 0.3 and rank[3] == 0
+
+
+def test_a_profile_s_runner_up_must_be_rates(tmp_path) -> None:  # noqa: ANN001
+    from nebula_flow.emulated import ProfileError, load_profile
+
+    for bad in (1.5, [0.5, 0.2, 0.1, 0.1], "half"):
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps(dict(PROFILE, runner_up=bad)))
+        with pytest.raises(ProfileError, match="runner_up must be a rate in"):
+            load_profile(path)
 
 
 def test_an_emulated_cache_grows_to_real_size_rows_keeping_its_tokens() -> None:

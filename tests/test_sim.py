@@ -142,6 +142,26 @@ def test_the_draft_s_guesses_of_the_target_s_token_follow_their_rates() -> None:
     assert after_all[1] / 20_000 == pytest.approx(0.7, abs=0.02) and set(after_all) == {0, 1, 2, 3, 4}
     assert after_all[2] / (20_000 - after_all[1]) == pytest.approx(0.4, abs=0.03)
     assert [acc.guessed(rid, 3, 1, 4) for rid in range(50)] == [acc.guessed(rid, 3, 1, 4) for rid in range(50)]
+    # rank by rank, as a real pair's fall (the bundled pair's on code: 0.28, 0.19, 0.09)
+    acc = AcceptanceModel.from_config({"rate": 0.7, "alternative_rate": 0.4, "guess_rates": [0.3, 0.2, 0.1]}, 0)
+    ranks, left = Counter(acc.guessed(rid, 3, 1, 4) for rid in range(20_000)), 20_000
+    for rank, rate in ((1, 0.3), (2, 0.2), (3, 0.1)):
+        assert ranks[rank] / left == pytest.approx(rate, abs=0.02)
+        left -= ranks[rank]
+    assert acc.alternative_rate == 0.4  # (runner-ups keep theirs)
+    assert AcceptanceModel.from_config({"rate": 0.7, "guess_rates": [0.3]}, 0).guess_rates == [0.3, 0.3, 0.3]
+    for bad in ([0.3, 0.2, 0.1, 0.05], [1.5], [], "high"):
+        with pytest.raises(ValueError, match="guess_rates must be a rate in"):
+            AcceptanceModel.from_config({"rate": 0.7, "guess_rates": bad}, 0)
+
+
+def test_a_model_with_another_seed_keeps_everything_else() -> None:
+    """``simulate --seed`` rebuilt the acceptance model from its rates and token-tree keys alone,
+    dropping the requests' spread (``concentration``)."""
+    acc = AcceptanceModel(rates=[0.6, 0.5], concentration=4.0, alternative_rate=0.3, guess_rates=[0.3, 0.2])
+    other = acc.with_seed(9)
+    assert (other.seed, other.concentration, other.guess_rates, other.rates) == (9, 4.0, [0.3, 0.2, 0.2], [0.6, 0.5])
+    assert acc.seed == 0 and [other.request_rates(r) for r in range(20)] != [acc.request_rates(r) for r in range(20)]
 
 
 def test_token_tree_draws_follow_their_rates_and_are_reproducible() -> None:

@@ -71,7 +71,6 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
         raise click.UsageError("--loads plans devices: give --gpus N too")
     from nebula_flow.bench import table, urgent_lines
     from nebula_flow.sim import engine, planner, report
-    from nebula_flow.sim.acceptance import AcceptanceModel
     from nebula_flow.sim.scenario import describe, load_scenario
 
     try:
@@ -79,9 +78,7 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     if seed is not None:
-        acc = sc.acceptance
-        sc = replace(sc, seed=seed, acceptance=AcceptanceModel(acc.rates, dict(acc.histogram) if acc.histogram else None, seed,
-                                                         **acc.tree()))
+        sc = replace(sc, seed=seed, acceptance=sc.acceptance.with_seed(seed))
     if broker_shards is not None:
         sc = replace(sc, host=replace(sc.host, broker_shards=broker_shards))
     if concurrency is not None:

@@ -25,7 +25,9 @@ scaled with it. The draw is a pure function of (seed, request), like every other
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +42,37 @@ STREAM_SIM_GUESS = 11  # whether the target's token was one the draft guessed (d
 TREE_KEYS = ("alternative_rate", "fused_match", "fused_win", "fused_gain")
 
 
-def guess_rank(u: float, rate: float, guesses: int) -> int:
-    """Which of ``guesses`` ranked guesses is right (1-based; 0: none), each right with ``rate``
-    where those before it were not, for a uniform draw ``u``: the first iff ``u < rate``. How the
-    simulator and the emulated draft model a draft's next choices where its first was wrong (the
-    bundled pair measures ~0.28 for the second and ~0.22 for the third: docs/benchmarks.md)."""
+def guess_rank(u: float, rates: Sequence[float]) -> int:
+    """Which of a draft's ranked guesses is right (1-based; 0: none) for a uniform draw ``u``, guess
+    r right with ``rates[r - 1]`` where those before it were not: the first iff ``u < rates[0]``.
+    How the simulator and the emulated draft model a draft's next choices where its first was
+    wrong (the bundled pair measures ~0.28, ~0.19 and ~0.09 on code: docs/benchmarks.md)."""
     missed = 1.0
-    for rank in range(1, guesses + 1):
+    for rank, rate in enumerate(rates, 1):
         missed *= 1.0 - rate
         if u < 1.0 - missed:
             return rank
     return 0
 
 
+def ranked_rates(rates: float | Sequence[float], where: str) -> list[float]:
+    """A draft's guess rates after its first choice (``AHEAD_GUESSES - 1`` of them) from one rate
+    for every rank or a list, its last repeated for the ranks it does not reach."""
+    given = [rates] if isinstance(rates, int | float) and not isinstance(rates, bool) else list(rates)
+    if not 1 <= len(given) <= AHEAD_GUESSES - 1 or not all(
+            isinstance(r, int | float) and not isinstance(r, bool) and 0.0 <= r <= 1.0 for r in given):
+        raise ValueError(f"{where} must be a rate in [0, 1] or a list of 1 to {AHEAD_GUESSES - 1} of them, got {rates!r}")
+    return [float(r) for r in given] + [float(given[-1])] * (AHEAD_GUESSES - 1 - len(given))
+
+
 class AcceptanceModel:
     def __init__(self, rates: list[float] | None = None, histogram: dict[int, float] | None = None,
                  seed: int = 0, alternative_rate: float = 0.0, fused_match: float = 0.0,
-                 fused_win: float = 0.0, fused_gain: float = 1.0, concentration: float = 0.0) -> None:
+                 fused_win: float = 0.0, fused_gain: float = 1.0, concentration: float = 0.0,
+                 guess_rates: Sequence[float] | None = None) -> None:
+        # draft-ahead's bets: the draft's guesses after its first choice, right with these rates
+        # rank by rank (default: alternative_rate at every rank, as a runner-up wins)
+        self.guess_rates = ranked_rates(alternative_rate if guess_rates is None else guess_rates, "guess_rates")
         if not all(0.0 <= x <= 1.0 for x in (alternative_rate, fused_match, fused_win)) or fused_gain < 1.0:
             raise ValueError("alternative_rate, fused_match and fused_win must be in [0, 1], fused_gain >= 1")
         self.alternative_rate, self.fused_match, self.fused_win = alternative_rate, fused_match, fused_win
@@ -98,12 +114,14 @@ class AcceptanceModel:
 
     @classmethod
     def from_config(cls, raw: dict[str, Any], seed: int, base: Path | None = None) -> AcceptanceModel:
-        unknown = set(raw) - {"status", "histogram", "per_position", "rate", "concentration", *TREE_KEYS}
+        unknown = set(raw) - {"status", "histogram", "per_position", "rate", "concentration", "guess_rates", *TREE_KEYS}
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)}")
-        tree = {key: float(raw[key]) for key in TREE_KEYS if key in raw}
+        tree: dict[str, Any] = {key: float(raw[key]) for key in TREE_KEYS if key in raw}
         if "concentration" in raw:
             tree["concentration"] = float(raw["concentration"])
+        if "guess_rates" in raw:
+            tree["guess_rates"] = ranked_rates(raw["guess_rates"], "guess_rates")
         if "status" in raw:
             p = Path(raw["status"])
             measured = cls.from_status(base / p if base and not p.is_absolute() else p, seed)
@@ -119,6 +137,12 @@ class AcceptanceModel:
     def tree(self) -> dict[str, float]:
         """The token-tree parameters (``TREE_KEYS``)."""
         return {key: getattr(self, key) for key in TREE_KEYS}
+
+    def with_seed(self, seed: int) -> AcceptanceModel:
+        """The same model drawing from ``seed``."""
+        other = copy.copy(self)
+        other.seed, other._by_request = seed, {}
+        return other
 
     def accepted(self, rid: int, round_: int, k: int, stream: int = STREAM_SIM) -> int:
         """Draft tokens accepted out of ``k`` in round ``round_`` of request ``rid`` (``stream``: a
@@ -179,16 +203,16 @@ class AcceptanceModel:
     def guessed(self, rid: int, round_: int, accepted: int, k: int) -> int:
         """Which of the draft's guesses the target's token after ``accepted`` of ``k`` draft tokens
         was (what a draft-ahead branch bets on; 0: none of them). After a rejection: its r-th best
-        other token, each guess right with ``alternative_rate`` where those before it were not (as
-        a runner-up is). After the whole draft: its own next token first (accepted as any draft
+        other token, right with ``guess_rates[r - 1]`` where those before it were not (default
+        ``alternative_rate`` at every rank, as a runner-up wins). After the whole draft: its own next token first (accepted as any draft
         token at that depth), then its next guesses likewise."""
         key = (self.seed * 1_000_003 + rid) & ((1 << 62) - 1)
         first, second = (uniform(key, round_ * 64 + i, STREAM_SIM_GUESS) for i in (0, 1))
         if accepted < k:
-            return guess_rank(first, self.alternative_rate, AHEAD_GUESSES - 1)
+            return guess_rank(first, self.guess_rates)
         if first < self.next_rate(rid, k):
             return 1
-        rank = guess_rank(second, self.alternative_rate, AHEAD_GUESSES - 1)
+        rank = guess_rank(second, self.guess_rates)
         return rank + 1 if rank else 0
 
     def next_rate(self, rid: int, depth: int) -> float:
