@@ -98,7 +98,8 @@ class AheadStats:
     """Counters for ``status`` and ``/metrics``: pre-draft tasks queued, branches made, rounds whose
     draft a branch was (``hits``; ``late_hits`` of them: the branch came after the verify), branches
     never used (``wasted``), pre-drafts dropped before they ran (``cancelled``) and those not made
-    because the pool was too loaded for them to pay (``skipped``)."""
+    because the pool was too loaded for them to pay (``skipped``); ``hits_by_outcome``: the hits by
+    the outcome's place in ``outcome_plan`` (how many outcomes ``draft_ahead`` needs to cover)."""
 
     tasks: int = 0
     branches: int = 0
@@ -107,9 +108,15 @@ class AheadStats:
     wasted: int = 0
     cancelled: int = 0
     skipped: int = 0
+    hits_by_outcome: list[int] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def hit(self, outcome: int) -> None:
+        self.hits += 1
+        self.hits_by_outcome += [0] * (outcome + 1 - len(self.hits_by_outcome))
+        self.hits_by_outcome[outcome] += 1
 
 
 def on(sched: Scheduler) -> bool:
@@ -248,7 +255,7 @@ def _last_committed(req: Request) -> list[int]:
 
 def _apply(sched: Scheduler, req: Request, st: Ahead, branch: Branch) -> None:
     """Round ``req.round``'s draft is ``branch``'s (its first ``req.k`` tokens)."""
-    sched.ahead_stats.hits += 1
+    sched.ahead_stats.hit(next(i for i, b in enumerate(st.branches) if b is branch))
     sched.ahead_stats.wasted += len(st.branches) - 1
     req.ahead = None
     draft = branch.draft[:req.k]

@@ -216,7 +216,7 @@ def run_once(address: str, wl: BenchWorkload, api: str | None = None, pids: dict
         overrun += d1.get("emulated_overrun_s", 0.0) - d0.get("emulated_overrun_s", 0.0)
     workers = [{"id": w["id"], "role": w["role"], "utilization": util[w["id"]], "tasks": w["tasks"] - tasks0.get(w["id"], 0)}
                for w in s1["workers"]]
-    ahead = {k: v - s0.get("draft_ahead", {}).get(k, 0) for k, v in s1.get("draft_ahead", {}).items()}
+    ahead = {k: since(v, s0.get("draft_ahead", {}).get(k)) for k, v in s1.get("draft_ahead", {}).items()}
     fused = {k: v - s0.get("fusion", {}).get(k, 0) for k, v in s1.get("fusion", {}).items() if k != "won_by"}
     return {"wall_s": wall, "requests": len(outs), "tokens": tokens, "rounds": rounds,
             # draft-ahead: its counters, and the share of rounds whose draft a pre-draft was
@@ -279,6 +279,15 @@ def bench_mode(cfg: DeployConfig, mode: str, wl: BenchWorkload, repeats: int, lo
                     f"{res['tokens_per_round']:.2f} tokens/round{hits}")
                 runs[side].append(res)
     return {side: _median_run(done) for side, done in runs.items()}
+
+
+def since(after: Any, before: Any) -> Any:  # noqa: ANN401
+    """A counter's growth between two status reads: ``after - before``, item by item for a list of
+    counters (draft-ahead's hits by outcome), a counter not there before counting from 0."""
+    if isinstance(after, list):
+        before = before or []
+        return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
+    return after - (before or 0)
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

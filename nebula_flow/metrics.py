@@ -70,6 +70,10 @@ def families(state: dict[str, Any]) -> list[Metric]:
            "was one (late: after its verify), outcomes never used, pre-drafts cancelled, or skipped under load.",
            [(ahead.get(kind, 0), {"kind": kind}) for kind in ("tasks", "branches", "hits", "late_hits", "wasted",
                                                                "cancelled", "skipped")])
+    family("nebula_draft_ahead_hits_by_outcome_total", "counter", "Draft-ahead: rounds whose draft was a "
+           "pre-drafted outcome, by the outcome's place, most likely first (0: the whole draft and its guess of the "
+           "bonus token; nebula_flow/ahead.py): how many outcomes draft_ahead needs to cover.",
+           [(n, {"outcome": str(i)}) for i, n in enumerate(ahead.get("hits_by_outcome", []))])
     fused = state.get("fusion", {})
     family("nebula_fused_drafts_total", "counter", "Fused model drafters: second drafts asked for, re-queued after "
            "their worker died, dropped (still queued when the first draft came back, or no worker of the drafter "

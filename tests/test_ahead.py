@@ -87,6 +87,7 @@ def test_a_hit_sends_the_next_verify_at_once_with_the_branch_as_its_draft() -> N
     assert list(s.topics["ahead"]) == [0] and r.ahead.round == 2  # the next pre-draft, for round 2's verify
     stats = s.ahead_stats
     assert (stats.tasks, stats.branches, stats.hits, stats.late_hits, stats.wasted) == (2, 3, 1, 0, 2)
+    assert stats.hits_by_outcome == [0, 0, 1]  # (the third outcome: what draft_ahead must cover)
 
 
 def test_a_refuted_pre_draft_is_dropped_and_the_round_drafts_as_usual() -> None:
@@ -395,5 +396,7 @@ def test_status_says_how_draft_ahead_and_fused_drafters_do_where_they_are_on() -
     assert ("draft-ahead: 30 rounds took a pre-drafted draft (75% of rounds; 2 after their verify came back), "
             "36 pre-drafts of 560 outcomes, 500 outcomes unused, 1 pre-drafts cancelled, 4 not made (the pool "
             "too loaded)") in lines
+    state["draft_ahead"]["hits_by_outcome"] = [20, 4, 0, 6]
+    assert status_lines(state)[-3].endswith("too loaded); hits by outcome, most likely first: [20, 4, 0, 6]")
     assert ("fused drafters: 9 rounds fused, 7 tokens won beyond the first draft, 12 second drafts (1 re-queued, "
             "2 dropped); rounds won by: big 4, small 3") in lines

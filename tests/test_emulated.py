@@ -13,6 +13,7 @@ from nebula_flow.cli.status_text import status_lines
 from nebula_flow.client import Client
 from nebula_flow.deploy import Deployment
 from nebula_flow.emulated import EmulatedModel, predict_seconds, stand_in_next
+from nebula_flow.metrics import render
 from tests.conftest import deploy_config
 
 pytestmark = pytest.mark.slow
@@ -130,6 +131,10 @@ def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profile
     if ahead:
         assert counters["hits"] >= 0.2 * sum(o.rounds for o in outs) and counters["wasted"] > 0
         assert ahead_lines[0].startswith(f"draft-ahead: {counters['hits']} rounds took a pre-drafted draft (")
+        assert sum(counters["hits_by_outcome"]) == counters["hits"] and len(counters["hits_by_outcome"]) <= 16
+        metrics = render(state)  # (what /metrics serves from this status)
+        assert all(f'nebula_draft_ahead_hits_by_outcome_total{{outcome="{i}"}} {float(n)}' in metrics
+                   for i, n in enumerate(counters["hits_by_outcome"]))
     if mode != "autoregressive":
         assert 1.5 < sum(len(o.token_ids) for o in outs) / sum(o.rounds for o in outs) < 4.5
 
@@ -139,12 +144,15 @@ def test_bench_json_on_emulated_devices(tiny_pair, profiles, tmp_path) -> None: 
     cfg.write_text(f'mode = "pooled"\nkv_transport = "zmq"\n[draft]\nmodel = "{tiny_pair / "draft"}"\ndevice = "emulated"\n'
                    f'profile = "{profiles[0]}"\nworkers = 2\n[target]\nmodel = "{tiny_pair / "target"}"\n'
                    f'device = "emulated"\nprofile = "{profiles[1]}"\nworkers = 2\n')
-    res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes", "pooled,paired,colocated,autoregressive",
+    res = CliRunner().invoke(main, ["bench", "--config", str(cfg), "--modes",
+                                    "pooled,paired,colocated,autoregressive,pooled@draft_ahead=16",
                                     "--requests", "4", "--concurrency", "4", "--max-new-tokens", "16",
                                     "--repeats", "1", "--json"])
     assert res.exit_code == 0, res.output
     modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
-    assert set(modes) == {"pooled", "paired", "colocated", "autoregressive"}
+    assert set(modes) == {"pooled", "paired", "colocated", "autoregressive", "pooled@draft_ahead=16"}
+    ahead = modes["pooled@draft_ahead=16"]["repeats"][0]["draft_ahead"]  # (this run's counters, hits by outcome too)
+    assert ahead["tasks"] > 0 and sum(ahead["hits_by_outcome"]) == ahead["hits"]
     for m in modes.values():
         assert m["round_rate"] > 0 and m["tokens_per_s"] > 0 and 0 < m["utilization"] <= 1.0
         # the deployment's own processes' CPU per request-round (read from /proc; ticks of 10 ms)

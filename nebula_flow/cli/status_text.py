@@ -94,7 +94,8 @@ def _draft_ahead_lines(state: dict[str, Any]) -> list[str]:
     share = a["hits"] / max(state["counters"].get("rounds", 0), 1)
     return [f"draft-ahead: {a['hits']} rounds took a pre-drafted draft ({share:.0%} of rounds; {a['late_hits']} "
             f"after their verify came back), {a['tasks']} pre-drafts of {a['branches']} outcomes, {a['wasted']} "
-            f"outcomes unused, {a['cancelled']} pre-drafts cancelled, {a['skipped']} not made (the pool too loaded)"]
+            f"outcomes unused, {a['cancelled']} pre-drafts cancelled, {a['skipped']} not made (the pool too loaded)"
+            + (f"; hits by outcome, most likely first: {a['hits_by_outcome']}" if a.get("hits_by_outcome") else "")]
 
 
 def _fusion_lines(state: dict[str, Any]) -> list[str]:
