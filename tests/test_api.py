@@ -1064,6 +1064,11 @@ def test_the_http_client_answers_like_the_zmq_client(served, strict) -> None:  #
         async with HttpClient(f"http://127.0.0.1:{free_port()}", timeout_s=5) as http:
             with pytest.raises(NebulaError, match="does not answer /v1/models"):
                 await http.generate("x", max_new_tokens=2)
+        # the broker's own (ZeroMQ) address given where the gateway's is: said as such, not as
+        # aiohttp's "Bad status line" and the greeting's raw bytes
+        async with HttpClient(served.address.replace("tcp://", "http://"), timeout_s=5) as http:
+            with pytest.raises(NebulaError, match="it answers in ZeroMQ, not HTTP: that is a broker's address"):
+                await http.generate("x", max_new_tokens=2)
 
     asyncio.run(run())
 

@@ -65,7 +65,8 @@ class HttpClient:
                 _check(res.status, content)
                 self.served = orjson.loads(content)["data"][0]
             except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError) as exc:
-                raise NebulaError(f"the HTTP API at {self.url} does not answer /v1/models: {exc}") from None
+                why = not_http(exc) or str(exc)
+                raise NebulaError(f"the HTTP API at {self.url} does not answer /v1/models: {why}") from None
         return self.served
 
     async def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = False,
@@ -141,6 +142,19 @@ def served_model(url: str, api_key: str | None = None) -> dict[str, Any]:
             return await client.served_model()
 
     return asyncio.run(ask())
+
+
+def not_http(exc: BaseException) -> str | None:
+    """What the server is, where its answer was not HTTP at all (aiohttp's "Bad status line"), from
+    the first bytes it sent; else None. A broker's ZeroMQ port opens with ZeroMQ's greeting (ZMTP:
+    0xFF, eight bytes, 0x7F), the usual mistake: its client address given where the gateway's is."""
+    message = str(getattr(exc, "message", ""))
+    if not isinstance(exc, aiohttp.ClientResponseError) or "Bad status line" not in message:
+        return None
+    if "\\xff" in message and "\\x7f" in message:
+        return ("it answers in ZeroMQ, not HTTP: that is a broker's address (give it to --broker, without --api; "
+                "the HTTP API is what `serve --http-port` or `nebula-flow api` starts)")
+    return "it does not answer in HTTP"
 
 
 def _check(status: int, content: bytes) -> None:
