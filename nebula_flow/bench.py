@@ -217,7 +217,7 @@ def run_once(address: str, wl: BenchWorkload, api: str | None = None, pids: dict
     workers = [{"id": w["id"], "role": w["role"], "utilization": util[w["id"]], "tasks": w["tasks"] - tasks0.get(w["id"], 0)}
                for w in s1["workers"]]
     ahead = {k: since(v, s0.get("draft_ahead", {}).get(k)) for k, v in s1.get("draft_ahead", {}).items()}
-    fused = {k: v - s0.get("fusion", {}).get(k, 0) for k, v in s1.get("fusion", {}).items() if k != "won_by"}
+    fused = {k: since(v, s0.get("fusion", {}).get(k)) for k, v in s1.get("fusion", {}).items() if k != "won_by"}
     return {"wall_s": wall, "requests": len(outs), "tokens": tokens, "rounds": rounds,
             # draft-ahead: its counters, and the share of rounds whose draft a pre-draft was
             "draft_ahead": ahead, "ahead_hit_rate": ahead.get("hits", 0) / max(rounds, 1),

@@ -19,7 +19,7 @@ from nebula_flow.protocol import MAX_AHEAD, ProtocolError, TaskResult
 from nebula_flow.request import DRAFT, VERIFY, Request
 from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim.engine import Simulator
-from nebula_flow.sim.predraft import FIRST_GUESS, SECOND_GUESS, UNGUESSED, outcomes
+from nebula_flow.sim.predraft import UNGUESSED, outcomes
 from nebula_flow.sim.scenario import load_scenario
 from nebula_flow_broker.results import predrafted
 
@@ -325,7 +325,7 @@ def test_simulated_outcomes_are_the_live_runners_in_its_order() -> None:
     """The outcomes a simulated pre-draft bets on, most likely first, as ``ModelRunner.predraft``
     orders them: the whole draft and its guess, each shorter accept and its guess of the
     correction, the whole draft and its second guess, then the next guesses likewise."""
-    g, s = FIRST_GUESS, SECOND_GUESS
+    g, s = 1, 2  # (a placeholder outcome's last token: the rank of the draft's guess it bets on)
     assert outcomes(2, 4) == [[0, 0, g], [g], [0, g], [0, 0, s]]
     assert outcomes(2, 11) == [[0, 0, g], [g], [0, g], [0, 0, s], [s], [0, s], [0, 0, 3], [3], [0, 3], [0, 0, 4]]
     assert outcomes(3, 2) == [[0, 0, 0, g], [g]]

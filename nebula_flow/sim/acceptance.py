@@ -70,12 +70,12 @@ class AcceptanceModel:
                  seed: int = 0, alternative_rate: float = 0.0, fused_match: float = 0.0,
                  fused_win: float = 0.0, fused_gain: float = 1.0, concentration: float = 0.0,
                  guess_rates: Sequence[float] | None = None) -> None:
-        # draft-ahead's bets: the draft's guesses after its first choice, right with these rates
-        # rank by rank (default: alternative_rate at every rank, as a runner-up wins)
-        self.guess_rates = ranked_rates(alternative_rate if guess_rates is None else guess_rates, "guess_rates")
         if not all(0.0 <= x <= 1.0 for x in (alternative_rate, fused_match, fused_win)) or fused_gain < 1.0:
             raise ValueError("alternative_rate, fused_match and fused_win must be in [0, 1], fused_gain >= 1")
         self.alternative_rate, self.fused_match, self.fused_win = alternative_rate, fused_match, fused_win
+        # draft-ahead's bets: the draft's guesses after its first choice, right with these rates
+        # rank by rank (default: alternative_rate at every rank, as a runner-up wins)
+        self.guess_rates = ranked_rates(alternative_rate if guess_rates is None else guess_rates, "guess_rates")
         self.fused_gain = fused_gain
         if (rates is None) == (histogram is None):
             raise ValueError("give acceptance rates or a histogram, not both")
@@ -120,8 +120,8 @@ class AcceptanceModel:
         tree: dict[str, Any] = {key: float(raw[key]) for key in TREE_KEYS if key in raw}
         if "concentration" in raw:
             tree["concentration"] = float(raw["concentration"])
-        if "guess_rates" in raw:
-            tree["guess_rates"] = ranked_rates(raw["guess_rates"], "guess_rates")
+        if "guess_rates" in raw:  # (checked by the model: one rate, or a list rank by rank)
+            tree["guess_rates"] = raw["guess_rates"]
         if "status" in raw:
             p = Path(raw["status"])
             measured = cls.from_status(base / p if base and not p.is_absolute() else p, seed)

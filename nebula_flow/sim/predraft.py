@@ -19,7 +19,7 @@ from nebula_flow.sim.state import PLACEHOLDER, Outcome, SimTask, SimWorker
 # The token a simulated round commits after its accepted drafts: which of the draft's guesses it was
 # (1, 2, ...: ``AcceptanceModel.guessed``), or none (also after a runner-up or a fused chain won: no
 # pre-draft covers those paths).
-FIRST_GUESS, SECOND_GUESS, UNGUESSED = 1, 2, AHEAD_GUESSES + 1
+UNGUESSED = AHEAD_GUESSES + 1
 
 
 def last_token(acceptance: AcceptanceModel, task: SimTask, outcome: Outcome) -> int:
