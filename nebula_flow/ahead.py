@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from nebula_flow import speclen
 from nebula_flow.protocol import AHEAD_GUESSES
 from nebula_flow.request import DRAFT, Request
+from nebula_flow.speclen import Acceptance
 
 if TYPE_CHECKING:
     from nebula_flow.roles import WorkerState
@@ -204,9 +206,12 @@ def done(sched: Scheduler, req: Request, worker_id: int, branches: list[Branch])
         sched.topics["draft"].remove(req.rid)
         sched.ahead_stats.late_hits += 1
         _apply(sched, req, st, branch)
+        _counted(sched, req, True)
         return
     sched.ahead_stats.wasted += len(branches)
     req.ahead = None
+    if len(req.ks) > st.round and req.ks[st.round] > 0:  # (the round after it drafted, or drafts, after its verify)
+        _counted(sched, req, False)
 
 
 def last_match(st: Ahead, branches: list[Branch], req: Request) -> int | None:
@@ -219,23 +224,44 @@ def last_match(st: Ahead, branches: list[Branch], req: Request) -> int | None:
 
 def take(sched: Scheduler, req: Request) -> bool:
     """Round ``req.round`` is starting with a draft: True when a pre-drafted branch is its draft
-    (its verify is then queued); else the pre-draft is dropped, unless it is still running."""
+    (its verify is then queued); else the pre-draft is dropped, unless it is still running (then
+    whether it hits is told when it returns: ``done``)."""
     st = req.ahead
     if st is None or st.round != req.round - 1:
-        return False
+        return _counted(sched, req, False)
     if st.branches is None:
-        if st.worker is None:  # still queued: too late to help
-            forget(sched, req.rid)
-            sched.ahead_stats.cancelled += 1
-            req.ahead = None
-        return False
+        if st.worker is not None:  # (running: it may still hit, late)
+            return False
+        forget(sched, req.rid)  # still queued: too late to help
+        sched.ahead_stats.cancelled += 1
+        req.ahead = None
+        return _counted(sched, req, False)
     branch = _match(req, st)
     if branch is None:
         sched.ahead_stats.wasted += len(st.branches)
         req.ahead = None
-        return False
+        return _counted(sched, req, False)
     _apply(sched, req, st, branch)
-    return True
+    return _counted(sched, req, True)
+
+
+def _counted(sched: Scheduler, req: Request, hit: bool) -> bool:
+    """``hit``, recorded in the request's rate of pre-drafted rounds (adaptive k plans with it:
+    ``planned_costs``) where draft-ahead is on (not for its first round: nothing came before it)."""
+    if on(sched) and req.round > 1:
+        req.acceptance.update_ahead(hit)
+    return hit
+
+
+def planned_costs(sched: Scheduler, req: Request, acc: Acceptance,
+                  costs: tuple[float, float, float]) -> tuple[float, float, float]:
+    """The costs adaptive k plans ``req``'s round with (``acc``: its acceptance of the drafter
+    weighed): under draft-ahead, a draft step weighs only as often as the request's rounds were not
+    pre-drafted (``speclen.hiding``). Not for a seeded sampled request: its k decides the sample it
+    draws, and whether a pre-draft hits depends on timing."""
+    if not on(sched) or req.reproducible:
+        return costs
+    return speclen.hiding(costs, acc.ahead_rate)
 
 
 def _match(req: Request, st: Ahead) -> Branch | None:

@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nebula_flow import speclen
+from nebula_flow import ahead, speclen
 from nebula_flow.lookup import is_ngram
 from nebula_flow.protocol import DRAFTER_CHARS
 from nebula_flow.request import DRAFT
@@ -115,6 +115,7 @@ def route(sched: Scheduler, req: Request, max_alts: int) -> tuple[str, bool, tup
             costs, verify = sched.costs_for(req, d)
             acc = shrunk(req.by_drafter[d], pools[d])
             if sched.policy.adaptive_k:
+                costs = ahead.planned_costs(sched, req, acc, costs)
                 worth, k, alts = speclen.best_round(acc, sched.policy.k, costs, max_alts, verify)
                 plans[d] = (k, alts)
                 return worth

@@ -132,8 +132,7 @@ class Scheduler:
 
     def observe_costs(self, worker_id: int, role: str, seconds: list[float | None], by_batch: bool = False) -> None:
         """A worker's forward times for its ``role``'s model by new rows of one sequence (``speclen.StepCosts.table``;
-        None where not seen), used with ``measure_costs``; ``by_batch``: by a forward's rows in all
-        (``elastic.BatchCosts.table``), from which elastic workers' draft costs say whether merging drafts pays."""
+        None where not seen); ``by_batch``: by a forward's rows in all (``elastic.BatchCosts.table``: elastic merging)."""
         if worker_id in self.workers and role in ("draft", "target") and any(t is not None for t in seconds):
             if by_batch:
                 self.batch_costs[(worker_id, role)] = list(seconds)
@@ -181,9 +180,10 @@ class Scheduler:
         req.drafter, explore, plan = routing.route(self, req, max_alts) if speculate and self.mode == "pooled" and self.drafters \
             else (None, False, None)
         if self.policy.adaptive_k:
-            if plan is None:
+            if plan is None:  # (planned_costs: draft-ahead takes drafts off the critical path)
                 costs, verify = self.costs_for(req, req.drafter)
-                plan = speclen.choose_round(req.acceptance, self.policy.k, costs, max_alts, verify)
+                plan = speclen.choose_round(req.acceptance, self.policy.k, ahead.planned_costs(self, req, req.acceptance, costs),
+                                            max_alts, verify)
             k, alts = plan
             k = max(k, 1) if explore or req.round % speclen.RECHECK_EVERY == 0 else k  # (a look: speclen.RECHECK_EVERY)
         else:

@@ -37,6 +37,12 @@ batched with other requests' rows, it must pay for the whole batch. ``choose_fus
 longest chain that pays among the most and its halvings. Its prior is hopeful (``FUSED_PRIOR``),
 so every request tries it, and rounds without it relax back toward the prior, so a request
 looks again later.
+
+Under draft-ahead (``nebula_flow/ahead.py``) a round whose draft a pre-draft made waits for none
+of its draft steps: they ran while the round before verified. So a request's rounds count how
+often that happened (``ahead_rate``, decayed like its acceptance, starting at none) and its k is
+planned with a draft step costing only the rest of the time (``hiding``): where most rounds hit,
+a longer draft costs verify rows alone, and the policy picks it.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ DECAY = 0.7  # weight of a round's evidence one round later
 RELAX = 0.9  # per round without drafts, the counts move this slowly back toward the prior
 PRIOR = (1.0, 1.0)  # (acceptances, rejections) every request starts with
 FUSED_PRIOR = (2.0, 1.0)  # (tokens won, rounds) of a fused chain every request starts with
+# (rounds whose draft a pre-draft was, rounds drafted on the critical path) every request starts with
+# under draft-ahead: none hidden until its own rounds show hits (``hiding``)
+AHEAD_PRIOR = (0.0, 1.0)
 DEFAULT_COSTS = (0.073, 0.03, 1.1)  # draft step, verify row, round: in target decode steps
 # A request whose plan is no draft still drafts (k = 1) every this many rounds: the measured costs
 # that ruled drafting out are refreshed only by drafts (as a routed look at a drafter that would
@@ -70,6 +79,9 @@ class Acceptance:
     # rounds that verified a fused prompt-lookup chain: the tokens it won beyond the draft, rounds
     fused_won: float = FUSED_PRIOR[0]
     fused_rounds: float = FUSED_PRIOR[1]
+    # draft-ahead: rounds whose draft was pre-drafted while the round before verified / drafted after it
+    ahead_hits: float = AHEAD_PRIOR[0]
+    ahead_misses: float = AHEAD_PRIOR[1]
 
     @property
     def rate(self) -> float:
@@ -84,6 +96,16 @@ class Acceptance:
     def fused_gain(self) -> float:
         """Mean tokens a fused chain won beyond the draft, in rounds that verified one."""
         return self.fused_won / self.fused_rounds
+
+    @property
+    def ahead_rate(self) -> float:
+        """How often a round's draft was pre-drafted (draft-ahead): off the critical path."""
+        return self.ahead_hits / (self.ahead_hits + self.ahead_misses)
+
+    def update_ahead(self, hit: bool) -> None:
+        """Record a drafted round under draft-ahead: its draft was a pre-draft's, or made after the verify."""
+        self.ahead_hits = self.ahead_hits * DECAY + hit
+        self.ahead_misses = self.ahead_misses * DECAY + (not hit)
 
     def update_fused(self, won: int | None) -> None:
         """Record a round's fused chain: ``won`` tokens beyond the draft, or None when the round
@@ -113,6 +135,14 @@ class Acceptance:
             return
         self.accepted = self.accepted * decay + accepted
         self.rejected = self.rejected * decay + (1.0 if accepted < proposed else 0.0)
+
+
+def hiding(costs: tuple[float, float, float], hidden: float) -> tuple[float, float, float]:
+    """``costs`` with a draft step on a round's critical path ``1 - hidden`` of the time: under
+    draft-ahead a round whose draft was pre-drafted while the round before verified waits for none
+    of its draft steps (SwiftSpec), so the longer draft such rounds can afford is weighed as such."""
+    draft_step, verify_row, round_cost = costs
+    return draft_step * (1.0 - hidden), verify_row, round_cost
 
 
 def expected_tokens(rate: float, k: int) -> float:

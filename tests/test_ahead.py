@@ -21,6 +21,7 @@ from nebula_flow.scheduler import Scheduler
 from nebula_flow.sim.engine import Simulator
 from nebula_flow.sim.predraft import UNGUESSED, outcomes
 from nebula_flow.sim.scenario import load_scenario
+from nebula_flow.speclen import Acceptance
 from nebula_flow_broker.results import predrafted
 
 
@@ -122,6 +123,48 @@ def test_a_pre_draft_too_late_for_its_round_is_wasted_and_a_queued_one_cancelled
     s.end_round(r, 2, [20, 30])
     # (both cancelled: the one still running when round 2 drafted, and this one)
     assert r.ahead is None and 0 not in s.topics["ahead"] and s.ahead_stats.cancelled == 2
+
+
+def test_a_request_s_rounds_count_how_often_their_draft_was_pre_drafted_and_plan_with_it() -> None:
+    """Adaptive k under draft-ahead: a round whose draft was pre-drafted waited for none of its draft
+    steps, so a request counts its hits (a late one too) and misses, decayed like its acceptance,
+    and plans its rounds with a draft step weighing only as often as it missed. A seeded sampled
+    request plans without it: whether a pre-draft hits depends on timing, and its k decides the
+    sample it draws."""
+    s = pooled()
+    r, _ = verifying(s)
+    assert r.acceptance.ahead_rate == 0.0  # (none hidden until its rounds show it)
+    s.predrafted(r, 1, branches([5, 6, 7, 8, 9]))
+    s.end_round(r, 2, [5, 6, 7, 8, 9])  # a hit
+    hit_once = r.acceptance.ahead_rate
+    assert hit_once == pytest.approx(1 / 1.7)
+    predraft_taken(s, r)
+    verify_taken(s, r)
+    s.end_round(r, 2, [50, 3])  # round 2's pre-draft still runs: whether it hits is told when it returns
+    assert r.acceptance.ahead_rate == hit_once
+    s.predrafted(r, 1, branches([40]))
+    assert r.phase == DRAFT and r.acceptance.ahead_rate == pytest.approx(0.7 / 2.19)  # (a miss)
+    costs = (0.9, 0.03, 1.1)
+    assert ahead.planned_costs(s, r, r.acceptance, costs) == pytest.approx((0.9 * (1 - 0.7 / 2.19), 0.03, 1.1))
+    seeded = Request(9, "9", [1, 2, 3], SamplingParams(max_new_tokens=8, temperature=1.0, seed=5), seed=5)
+    seeded.acceptance.update_ahead(True)
+    assert ahead.planned_costs(s, seeded, seeded.acceptance, costs) == costs
+    assert ahead.planned_costs(pooled(ahead=0), r, r.acceptance, costs) == costs  # (draft-ahead off)
+
+
+def test_adaptive_k_drafts_longer_where_rounds_were_pre_drafted() -> None:
+    """The policy's own plan: where a draft step is dear, a request that rounds hit drafts longer
+    than one whose rounds missed (its draft steps are off the critical path)."""
+    s = pooled(ahead=6, adaptive_k=True, measure_costs=False, spec_costs=(0.9, 0.03, 1.1))
+    ks = {}
+    for rid, hits in ((0, False), (1, True)):
+        r = req(rid)
+        r.acceptance = Acceptance(accepted=9.0, rejected=1.0)
+        for _ in range(4):
+            r.acceptance.update_ahead(hits)
+        s.admit(r)
+        ks[hits] = r.k
+    assert ks == {False: 1, True: 4}
 
 
 def test_pre_drafts_only_take_draft_capacity_that_would_idle() -> None:
