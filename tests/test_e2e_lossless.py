@@ -426,14 +426,24 @@ def test_bf16_target_speculative_output_equals_its_own_greedy_output(tiny_pair) 
 
 
 def test_adaptive_k_changes_k_per_round_and_stays_lossless(tiny_pair, reference) -> None:  # noqa: ANN001
-    cfg = deploy_config(tiny_pair, "pooled", 2, 2, k=6, max_batch=4)
-    cfg.broker.policy = cfg.broker.policy.replace(adaptive_k=True)
-    with Deployment(cfg) as dep:
-        outs = asyncio.run(_run_all(dep.address, greedy_requests()))
-    for i, (out, ref) in enumerate(zip(outs, reference)):
-        assert out.token_ids == ref, f"request {i} differs with adaptive k"
-    ks = [k for o in outs for k in o.stats["k_per_round"]]
-    assert len(set(ks)) > 2 and max(ks) <= 6, ks  # k really moved, within the limit
+    """Greedy output is HF's whatever k each round takes; with draft-ahead too (adaptive k then plans
+    with the draft steps pre-drafts hide, which seeded sampled requests ignore: their output is the
+    same with it and without)."""
+    sampled = {}
+    for draft_ahead in (0, 16):
+        cfg = deploy_config(tiny_pair, "pooled", 2, 2, k=6, max_batch=4)
+        cfg.broker.policy = cfg.broker.policy.replace(adaptive_k=True, draft_ahead=draft_ahead)
+        with Deployment(cfg) as dep:
+            outs = asyncio.run(_run_all(dep.address, greedy_requests() + sampled_requests(), 2 if draft_ahead else None))
+            with Client(dep.address) as client:
+                made = client.status()["draft_ahead"]["tasks"]
+        outs, sampled[draft_ahead] = outs[:16], [o.token_ids for o in outs[16:]]
+        for i, (out, ref) in enumerate(zip(outs, reference)):
+            assert out.token_ids == ref, f"request {i} differs with adaptive k (draft_ahead {draft_ahead})"
+        ks = [k for o in outs for k in o.stats["k_per_round"]]
+        assert len(set(ks)) > 2 and max(ks) <= 6, ks  # k really moved, within the limit
+        assert (made > 0) == (draft_ahead > 0)
+    assert sampled[16] == sampled[0]
 
 
 @pytest.mark.parametrize("mode", ["pooled", "colocated"])

@@ -103,11 +103,13 @@ def test_drafters_of_different_salts_disagree_with_the_target_at_independent_pos
 
 
 @pytest.mark.parametrize("mode", ["pooled", "colocated", "autoregressive", "elastic", "elastic+bundled",
-                                  "pooled+bundled+ahead", "paired+bundled+ahead"])
+                                  "pooled+bundled+ahead", "paired+bundled+ahead", "pooled+bundled+ahead+adaptive"])
 def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profiles, mode: str) -> None:  # noqa: ANN001
     """``+bundled``: the bundled profiles (Qwen3 on RTX 4090s: a vocabulary far larger than the tiny
     tokenizer's, whose ids the broker checks every token against). ``+ahead``: draft-ahead, single
-    stream, where a verify takes far longer than a pre-draft: most rounds' drafts are pre-drafted."""
+    stream, where a verify takes far longer than a pre-draft: most rounds' drafts are pre-drafted.
+    ``+adaptive``: with adaptive k, which plans each round with the draft steps pre-drafts hide."""
+    mode, adaptive = mode.removesuffix("+adaptive"), mode.endswith("+adaptive")
     mode, ahead = mode.removesuffix("+ahead"), mode.endswith("+ahead")
     mode, bundled = mode.removesuffix("+bundled"), mode.endswith("+bundled")
     cfg = deploy_config(tiny_pair, mode, 2, 2)
@@ -118,7 +120,8 @@ def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profile
         cfg.draft.profile, cfg.target.profile = str(folder / "qwen3-0.6b-rtx4090.json"), str(folder / "qwen3-8b-rtx4090.json")
     cfg.kv_transport = "zmq"
     # (token-tree rows go through the emulated model too)
-    cfg.broker.policy = cfg.broker.policy.replace(first_alternatives=2, draft_ahead=16 if ahead else 0)
+    cfg.broker.policy = cfg.broker.policy.replace(first_alternatives=2, draft_ahead=16 if ahead else 0,
+                                                  adaptive_k=adaptive, k=6 if adaptive else 4)
     prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
     with Deployment(cfg) as dep, Client(dep.address) as c:
         outs = [c.generate(token_ids=p, max_new_tokens=30, ignore_eos=True) for p in prompts]
@@ -137,6 +140,8 @@ def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profile
                    for i, n in enumerate(counters["hits_by_outcome"]))
     if mode != "autoregressive":
         assert 1.5 < sum(len(o.token_ids) for o in outs) / sum(o.rounds for o in outs) < 4.5
+    if adaptive:  # (k moved round by round, and rounds still took pre-drafted drafts)
+        assert len({k for o in outs for k in o.stats["k_per_round"]}) > 1
 
 
 def test_bench_json_on_emulated_devices(tiny_pair, profiles, tmp_path) -> None:  # noqa: ANN001
