@@ -93,7 +93,7 @@ def predraft(scheduler: Scheduler, req: Request, holder: HolderOf, tokens: tuple
     st, (rest, base, crc) = req.ahead, tokens
     return penalized(req, TaskSpec(req.rid, AHEAD, st.round, st.attempt, rest, st.k, req.params.to_wire(), req.seed,
                                    holder(req.holders.get(holder_key("draft", req.drafter), (0, 0))), draft=st.draft,
-                                   alts=st.alts, fuse=st.fuse, ahead=scheduler.policy.draft_ahead, base=base, base_crc=crc))
+                                   alts=st.alts, fuse=st.fuse, ahead=st.outcomes, base=base, base_crc=crc))
 
 
 def predicted(req: Request, task: TaskSpec) -> TaskSpec:

@@ -18,8 +18,10 @@ verify is queued at once with that branch, and the next pre-draft is queued for 
 pre-draft still running when the verify returns may still hit, as long as round r + 1's draft has
 not been handed to a worker (``done``). Pre-drafts are only handed to idle draft workers that got
 no draft task at that PULL (``dispatch``), so they never take a draft's place, and only made while
-the pool is light (``LIGHT_PER_TARGET``); those of an outcome that did not happen are dropped
-(``wasted``), and a queued one whose round ended is cancelled.
+the pool is light (``LIGHT_PER_TARGET``), covering fewer outcomes as each draft worker's share of
+the pool grows (``outcomes``); those of an outcome that did not happen are dropped (``wasted``), and
+a queued one whose round ended is cancelled. Adaptive k plans with the draft steps pre-drafts hide
+(``planned_costs``).
 
 A hit keeps the output identical to the same run without draft-ahead: the branch's draft is used
 only where round r + 1 would draft the same thing (same drafter, its ``k`` no longer than the
@@ -52,6 +54,13 @@ MODES = ("pooled", "paired")  # where draft workers are idle while their rounds 
 # 0.95x at 16 (on 2026-12-02, before that fix: 1.05x at 8, 0.88x at 16, ~0.6x at 32 and 64). So
 # pre-drafts are made only while the pool holds at most LIGHT_PER_TARGET requests per target worker.
 LIGHT_PER_TARGET = 4
+# A pre-draft batch runs to its end, so a draft that arrives meanwhile waits behind it; with more
+# requests per draft worker that happens more, and pre-drafts then cover fewer outcomes, so their
+# forwards hold fewer rows (and fewer requests' pre-drafts wait for a batch). Measured 2026-12-07 on
+# the 2-core AMD EPYC VM (AVX-512; configs/emulated-2d2t.toml, 8 requests in flight, tokens/s against
+# draft_ahead = 0): k = 6 with 22 outcomes 0.90x -> 0.95x live (0.93x -> 1.03x simulated); k = 4 with
+# 16 outcomes 1.18x -> 1.17x live (1.23x -> 1.22x simulated); at most 4 requests in flight, unchanged.
+FULL_COVER_PER_DRAFTER = 2
 
 
 def outcome_plan(draft_len: int, wanted: int) -> list[tuple[int, int]]:
@@ -83,7 +92,8 @@ class Branch:
 @dataclass
 class Ahead:
     """A request's pre-draft of the round after ``round`` (whose draft is ``draft``): queued, in
-    flight on ``worker``, or returned (``branches``); ``k``, ``alts``, ``fuse``: what it drafts."""
+    flight on ``worker``, or returned (``branches``); ``k``, ``alts``, ``fuse``: what it drafts, for
+    how many ``outcomes`` of the verify (``outcomes``, when it was queued)."""
 
     round: int
     draft: list[int]
@@ -91,6 +101,7 @@ class Ahead:
     k: int
     alts: int
     fuse: int
+    outcomes: int = 1
     worker: int | None = None
     branches: list[Branch] | None = None
 
@@ -140,9 +151,19 @@ def queue(sched: Scheduler, req: Request, worker_id: int) -> None:
         return
     p = sched.policy
     # (attempts count over all pre-drafts: a result of a dropped one never passes for a later one)
-    req.ahead = Ahead(req.round, list(req.draft), stats.tasks + 1, p.k, p.first_alternatives, p.fuse_ngram)
+    req.ahead = Ahead(req.round, list(req.draft), stats.tasks + 1, p.k, p.first_alternatives, p.fuse_ngram,
+                      outcomes(sched))
     sched.topics["ahead"].append(req.rid, worker_id, req.params.priority)
     stats.tasks += 1
+
+
+def outcomes(sched: Scheduler) -> int:
+    """How many outcomes a pre-draft queued now covers: ``draft_ahead`` while the pool holds at most
+    ``FULL_COVER_PER_DRAFTER`` requests per draft worker, else that share of it (the most likely
+    outcomes: ``outcome_plan``)."""
+    drafters = sum(w.role == "draft" for w in sched.workers.values()) or 1
+    per_drafter = -(-len(sched.requests) // drafters)
+    return max(1, sched.policy.draft_ahead * FULL_COVER_PER_DRAFTER // max(FULL_COVER_PER_DRAFTER, per_drafter))
 
 
 def _light(sched: Scheduler) -> bool:
@@ -162,7 +183,7 @@ def dispatch(sched: Scheduler, waiting: list[WorkerState], picks: dict[int, list
     for w in waiting:
         if not topic or w.role != "draft" or picks.get(w.worker_id) or w.pull_credits <= 0 or not w.pull_idle:
             continue
-        room = min(w.pull_credits, max(1, w.capacity // sched.policy.draft_ahead))
+        room = min(w.pull_credits, max(1, w.capacity // max(sched.requests[r].ahead.outcomes for r in topic)))
         chosen = []
         for rid in topic.held_by([w.worker_id, None, *(h for h in topic.holders() if h not in sched.workers)]):
             req = sched.requests[rid]

@@ -92,8 +92,9 @@ class PolicyConfig:
                              "idle pre-drafts the next round for this many likely outcomes (the whole draft accepted "
                              "plus its guess of the bonus token first; then a correction after 0, 1, ... k - 1 "
                              "accepted tokens and the whole draft plus a second guess: k + 2 in all; then the same "
-                             "with third and fourth guesses: 2k + 3, 3k + 4); a verify that commits one sends the "
-                             "next verify at once (nebula_flow/ahead.py). 0: off.", lo=0, hi=MAX_AHEAD)
+                             "with third and fourth guesses: 2k + 3, 3k + 4; fewer while the pool holds more than "
+                             "2 requests per draft worker); a verify that commits one sends the next verify at once "
+                             "(nebula_flow/ahead.py). 0: off.", lo=0, hi=MAX_AHEAD)
     fuse_drafters: int = _knob(0, "Pooled mode with several model drafters: a round also goes to the next best model "
                                "drafter at once, its draft verified beside the first as a chain of the round's token "
                                "tree (CoSine's fusion; nebula_flow/fusion.py). 1: where the expected tokens per cost "

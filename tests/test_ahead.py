@@ -23,6 +23,7 @@ from nebula_flow.sim.predraft import UNGUESSED, outcomes
 from nebula_flow.sim.scenario import load_scenario
 from nebula_flow.speclen import Acceptance
 from nebula_flow_broker.results import predrafted
+from nebula_flow_broker.tasks import predraft
 
 
 def req(rid: int, max_new: int = 32) -> Request:
@@ -195,6 +196,7 @@ def test_pre_drafts_are_made_only_while_the_pool_is_light() -> None:
 def test_pre_drafts_go_to_idle_draft_workers_in_batches_of_a_draft_batch_s_rows() -> None:
     s = pooled(ahead=2)  # capacity 4: two pre-drafts of two outcomes each per batch
     s.register(3, "target", 4)
+    s.register(4, "draft", 4)  # (two requests or fewer per draft worker: pre-drafts cover every outcome asked)
     rs = [req(i) for i in range(3)]
     for r in rs:
         s.admit(r)
@@ -207,6 +209,26 @@ def test_pre_drafts_go_to_idle_draft_workers_in_batches_of_a_draft_batch_s_rows(
     s.pull(1, 4, True, now=2.0)
     [(_, batch)] = s.dispatch()
     assert [r.rid for r in batch] == [0, 1] and s.workers[1].stage == "ahead"
+
+
+def test_pre_drafts_cover_fewer_outcomes_as_each_draft_worker_s_share_of_the_pool_grows() -> None:
+    """A pre-draft batch runs to its end, and a draft that comes meanwhile waits: past two requests
+    per draft worker, a pre-draft covers that share of ``draft_ahead``'s outcomes (the most likely),
+    and the task carries its count."""
+    s = pooled(ahead=16)  # one draft worker
+    s.register(3, "target", 4)  # (the pool stays light up to 8 requests)
+    rs = [req(i) for i in range(8)]
+    covered = {}
+    for n in (1, 2, 4, 8):
+        for r in rs[:n]:
+            if r.rid not in s.requests:
+                s.admit(r)
+        rs[0].draft = [5, 6, 7, 8]
+        ahead.queue(s, rs[0], 1)
+        covered[n] = rs[0].ahead.outcomes
+    assert covered == {1: 16, 2: 16, 4: 8, 8: 4}
+    spec = predraft(s, rs[0], lambda held: None, ([], 0, 0))
+    assert spec.ahead == 4 and spec.kind == "ahead"
 
 
 @pytest.mark.parametrize("change", ["k", "alts", "drafter"])

@@ -144,7 +144,7 @@ class Simulator:
             if self.policy.workers[wid].stage == AHEAD:  # (pre-drafts: draft-ahead)
                 tasks = [SimTask(r, AHEAD, r.ahead.attempt, r.ahead.round, len(r.prompt) + len(r.output), r.ahead.k,
                                  r.holders.get(holder_key("draft", r.drafter)), r.ahead.alts, r.ahead.fuse, r.drafter,
-                                 draft_len=len(r.ahead.draft), outcomes=self.policy.policy.draft_ahead) for r in batch]
+                                 draft_len=len(r.ahead.draft), outcomes=r.ahead.outcomes) for r in batch]
             else:  # (a fused round's second draft: sim/fused.py)
                 alone = budget.prefills_whole(len(self.policy.requests), self.policy.streaming)
                 steps.assign(self.policy, batch)  # (multi-step decoding, as the broker's ``task_specs``)
