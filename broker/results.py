@@ -196,9 +196,12 @@ def predrafted(st: Ahead, items: list[TaskResult], worker: int, drafter: str | N
     """A pre-draft's branches (draft-ahead), checked against what it was asked for (``st``): each
     assumes a verify outcome of the round being verified (accepted draft tokens plus one), a draft
     of at most ``st.k`` tokens after it (with its proposal q when sampled), runner-ups and a fused
-    chain as asked. A result without ``assumes`` says the worker pre-drafted nothing."""
+    chain as asked. A result without ``assumes`` says the worker pre-drafted nothing; one with an
+    ``error``, that it failed (``ProtocolError`` "predraft_failed")."""
     branches, seen = [], set()
     for out in items:
+        if out.error:  # (the worker could not run it: counted, where "nothing made" is not)
+            raise ProtocolError("predraft_failed", f"a pre-draft failed at its worker: {out.error[:300]}")
         if not out.assumes:
             if out.draft:
                 raise ProtocolError("malformed", "a pre-drafted branch needs the outcome it assumes")

@@ -336,6 +336,10 @@ def test_the_broker_refuses_branches_that_assume_no_outcome_of_the_draft() -> No
             predrafted(st, [bad], 1, "draft", False, 512)
     with pytest.raises(ProtocolError):  # the same outcome twice
         predrafted(st, [item([11], [1]), item([11], [2])], 1, "draft", False)
+    failed = TaskResult(0, "ahead", st.round, st.attempt, error="malformed: a sampled draft needs its proposal q")
+    with pytest.raises(ProtocolError, match="proposal q") as exc:  # (counted by its code, not taken for nothing made)
+        predrafted(st, [failed], 1, "draft", True)
+    assert exc.value.code == "predraft_failed"
 
 
 def test_pre_drafted_branches_are_the_drafts_fresh_rounds_make(tiny_pair) -> None:  # noqa: ANN001

@@ -126,6 +126,9 @@ def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profile
     with Deployment(cfg) as dep, Client(dep.address) as c:
         outs = [c.generate(token_ids=p, max_new_tokens=30, ignore_eos=True) for p in prompts]
         state = c.status()
+        # a sampled request's rounds are pre-drafted too (the HTTP API's default: temperature 1)
+        sampled = c.generate(token_ids=[5, 6, 7], max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=3)
+        sampled_hits = c.status()["draft_ahead"]["hits"] - state["draft_ahead"]["hits"]
     counters = state["draft_ahead"]
     for p, out in zip(prompts, outs):
         assert out.token_ids == stand_in_reference(p, 30)
@@ -133,6 +136,7 @@ def test_emulated_deployment_is_lossless_against_the_stand_in(tiny_pair, profile
     assert len(ahead_lines) == ahead  # (`status` says how draft-ahead does, where it is on)
     if ahead:
         assert counters["hits"] >= 0.2 * sum(o.rounds for o in outs) and counters["wasted"] > 0
+        assert sampled_hits >= 0.2 * sampled.rounds, (sampled_hits, sampled.rounds)
         assert ahead_lines[0].startswith(f"draft-ahead: {counters['hits']} rounds took a pre-drafted draft (")
         assert sum(counters["hits_by_outcome"]) == counters["hits"] and len(counters["hits_by_outcome"]) <= 16
         metrics = render(state)  # (what /metrics serves from this status)

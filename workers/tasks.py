@@ -28,7 +28,7 @@ def runnable(spec: TaskSpec, vocab_size: int | None, book: TokenBook, guided: bo
         for name, ids in (("draft", spec.draft), ("runner_ups", spec.runner_ups), *(("chains", c) for c in spec.chains)):
             if ids and max(ids) >= vocab_size:
                 raise malformed(f"{name} must be token ids below {vocab_size}")
-    if spec.draft and not params.greedy and spec.q_len is None:
+    if spec.draft and not params.greedy and spec.q_len is None and spec.kind != "ahead":  # (a pre-draft reads tokens)
         raise malformed("a sampled draft needs its proposal q")
     q_idx, q_prob = spec.proposal() if spec.q_len is not None else (None, None)
     if vocab_size is not None and spec.prediction is not None and len(spec.prediction) \
