@@ -101,7 +101,7 @@ class Ahead:
     k: int
     alts: int
     fuse: int
-    outcomes: int = 1
+    outcomes: int
     worker: int | None = None
     branches: list[Branch] | None = None
 
@@ -180,10 +180,13 @@ def dispatch(sched: Scheduler, waiting: list[WorkerState], picks: dict[int, list
     rows (its capacity over the outcomes each pre-draft covers), so a draft that comes meanwhile waits
     no longer than behind a draft batch; a busy worker takes none (it is not idle in the meantime)."""
     topic = sched.topics["ahead"]
+    if not topic:
+        return
+    widest = max(sched.requests[rid].ahead.outcomes for rid in topic)  # (a batch's rows: its pre-drafts' outcomes)
     for w in waiting:
-        if not topic or w.role != "draft" or picks.get(w.worker_id) or w.pull_credits <= 0 or not w.pull_idle:
+        if w.role != "draft" or picks.get(w.worker_id) or w.pull_credits <= 0 or not w.pull_idle:
             continue
-        room = min(w.pull_credits, max(1, w.capacity // max(sched.requests[r].ahead.outcomes for r in topic)))
+        room = min(w.pull_credits, max(1, w.capacity // widest))
         chosen = []
         for rid in topic.held_by([w.worker_id, None, *(h for h in topic.holders() if h not in sched.workers)]):
             req = sched.requests[rid]
