@@ -103,6 +103,33 @@ def test_a_sampled_verify_of_non_finite_logits_fails_with_a_clear_error() -> Non
         specdec.draw(np.arange(4, dtype=np.int32), draft, 0, 0)
 
 
+def test_draws_of_many_rows_at_once_are_the_draws_one_by_one() -> None:
+    """``draw_rows`` picks, bit for bit, the place ``draw`` picks for each row: proposals of every
+    width, sharp and flat, cut short (a top-p's zeros last), without a distribution (NaN, all
+    zeros: -1), and with zeros or NaN between positive entries (no top-k gives these)."""
+    rng = np.random.default_rng(1)
+    rows = 0
+    for _ in range(300):
+        n, width = int(rng.integers(1, 40)), int(rng.choice([1, 2, 5, 8, 16, 20, 33, 64]))
+        q = np.sort(rng.random((n, width)).astype(np.float32) ** rng.integers(1, 20), -1)[:, ::-1].copy()
+        q /= q.sum(-1, keepdims=True)
+        for i in range(n):
+            r = rng.random()
+            if r < 0.3:
+                q[i, rng.integers(1, width + 1):] = 0
+            elif r < 0.45:
+                q[i, rng.integers(0, width)] = (np.nan, 0)[int(r < 0.4)]
+            elif r < 0.5:
+                q[i] = (np.nan, 0)[int(r < 0.48)]
+        seeds, positions = rng.integers(0, 2**62, n).tolist(), rng.integers(0, 5000, n).tolist()
+        got = specdec.draw_rows(q, seeds, positions).tolist()
+        want = [specdec.draw(np.arange(width), q[i], seeds[i], positions[i])[0] if (q[i] > 0).any() else -1
+                for i in range(n)]
+        assert got == want
+        rows += n
+    assert rows > 5000 and specdec.draw_rows(np.zeros((0, 4), np.float32), [], []).tolist() == []
+
+
 def test_greedy_verify_accepts_the_matching_prefix_and_corrects() -> None:
     logits = torch.full((4, 10), -1.0)
     for row, best in enumerate([3, 5, 7, 9]):

@@ -50,6 +50,7 @@ class Drafted:
     q_prob: list[np.ndarray] | None
     runner_ups: list[int]  # the next most likely first tokens after the one chosen
     picks: list[int] = field(default_factory=list)  # sampled: the place in its proposal each step drew
+    drawn: list[int] = field(default_factory=list)  # sampled: the place ``specdec.draw`` picks there (-1: none)
 
 
 def device_draw(q_prob: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -139,15 +140,18 @@ class DraftSteps:
             q_idx = flat[at + n:at + n + n * width].reshape(n, width).astype(np.int32)
             q_prob = flat[at + n + n * width:at + n + 2 * n * width].astype(np.int32).view(np.float32).reshape(n, width)
             at += n + 2 * n * width
-            for j, place in enumerate(s.sampled):
-                d = out[s.rows[place]]
+            dests = [out[s.rows[place]] for place in s.sampled]
+            drawn = specdec.draw_rows(q_prob, [self.seeds[s.rows[place]] for place in s.sampled],
+                                      [self.starts[s.rows[place]] + len(d.picks) for place, d in zip(s.sampled, dests)])
+            for j, d in enumerate(dests):
                 d.q_idx.append(q_idx[j])
                 d.q_prob.append(q_prob[j])
                 d.picks.append(int(picks[j]))
-        for r, d in enumerate(out):
+                d.drawn.append(int(drawn[j]))
+        for d in out:
             d.tokens = list(d.fed)
             if d.q_idx is not None:
-                d.tokens, d.q_idx, d.q_prob = self._confirmed(r, d)
+                d.tokens, d.q_idx, d.q_prob = self._confirmed(d)
         if self.alts is not None:
             rows, wanted, _ = self.alts
             ranked = flat[at:].reshape(len(rows), -1).tolist()
@@ -156,17 +160,17 @@ class DraftSteps:
                     out[r].runner_ups = [x for x in ids if x != out[r].fed[0]][:n]
         return out
 
-    def _confirmed(self, r: int, d: Drafted) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
-        """A sampled draft cut before the first draw the host's ``specdec.draw`` does not repeat,
-        with each kept token's proposal as shipped (its positive entries)."""
+    @staticmethod
+    def _confirmed(d: Drafted) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
+        """A sampled draft cut before the first draw the host's ``specdec.draw`` does not repeat
+        (or the first step without a distribution: NaN logits; the verify decides), with each kept
+        token's proposal as shipped (its positive entries)."""
         tokens, q_idx, q_prob = [], [], []
-        for step, (token, idx, prob, pick) in enumerate(zip(d.fed, d.q_idx, d.q_prob, d.picks)):
-            if not (prob > 0).any():  # no distribution (NaN logits): the draft ends before it, the verify decides
+        for token, idx, prob, pick, drawn in zip(d.fed, d.q_idx, d.q_prob, d.picks, d.drawn):
+            if drawn < 0 or drawn != pick:
                 break
-            place, kept_idx, kept_prob = specdec.draw(idx, prob, self.seeds[r], self.starts[r] + step)
-            if place != pick:
-                break
+            keep = prob > 0
             tokens.append(token)
-            q_idx.append(kept_idx)
-            q_prob.append(kept_prob)
+            q_idx.append(idx[keep])
+            q_prob.append(prob[keep])
         return tokens, q_idx, q_prob
