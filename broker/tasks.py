@@ -39,7 +39,7 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
             tasks.append(predicted(req, penalized(req, TaskSpec(req.rid, DRAFT, req.round, s.attempt, tokens, s.k,
                                                             req.params.to_wire(), req.seed,
                                                             holder(req.holders.get(holder_key("draft", s.drafter), (0, 0))),
-                                                            base=base, base_crc=crc))))
+                                                            base=base, base_crc=crc, prompt_len=len(req.prompt)))))
             continue
         task = TaskSpec(req.rid, req.phase, req.round, req.attempt, tokens, req.k, req.params.to_wire(),
                         req.seed, holder(req.holders.get(scheduler.task_holder_key(req), (0, 0))), draft=req.draft,
@@ -64,6 +64,7 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
             task.score_from, task.prompt_len = len(req.prompt_logprobs), len(req.prompt)  # (the target scores it)
         task.alone = alone
         task.steps = req.steps
+        task.prompt_len = len(req.prompt)  # (a CPU without runs computes a prompt in blocks: models/rows.py)
         tasks.append(task)
     return tasks
 
@@ -93,7 +94,8 @@ def predraft(scheduler: Scheduler, req: Request, holder: HolderOf, tokens: tuple
     st, (rest, base, crc) = req.ahead, tokens
     return penalized(req, TaskSpec(req.rid, AHEAD, st.round, st.attempt, rest, st.k, req.params.to_wire(), req.seed,
                                    holder(req.holders.get(holder_key("draft", req.drafter), (0, 0))), draft=st.draft,
-                                   alts=st.alts, fuse=st.fuse, ahead=st.outcomes, base=base, base_crc=crc))
+                                   alts=st.alts, fuse=st.fuse, ahead=st.outcomes, base=base, base_crc=crc,
+                                   prompt_len=len(req.prompt)))
 
 
 def predicted(req: Request, task: TaskSpec) -> TaskSpec:

@@ -261,8 +261,9 @@ class TaskSpec(Proposes):
     runner-ups to the first draft token, ``runner_ups`` (verify tasks) carries them; ``fuse`` (draft/round tasks)
     asks for a prompt-lookup chain of up to that many tokens beside the draft, ``chains`` (verify tasks) carries the
     fused chains. ``draft`` and ``q_*``: a verify task's draft and, for a sampled request, its proposal.
-    ``target_holder``: an elastic worker's round task's target KV (``holder``: its draft KV). ``prompt_len``: a
-    penalized request's (penalties count its output's tokens apart, ``nebula_flow/penalties.py``).
+    ``target_holder``: an elastic worker's round task's target KV (``holder``: its draft KV). ``prompt_len``: the
+    request's prompt length (penalties count its output's tokens apart, ``nebula_flow/penalties.py``; a
+    batch-invariant CPU model without runs computes prompt positions in blocks, ``models/rows.py``).
 
     ``tokens`` start at position ``base``: the worker was sent the first ``base`` in earlier tasks of the request,
     and ``base_crc`` is their CRC-32 (as int32 bytes), so it finds and checks them in its own book

@@ -67,7 +67,7 @@ class KVPrep:
                 t.kind, [("draft", t.holder), ("target", t.holder if self.one_holder else t.target_holder)])
             for role, h in needs:
                 if role in self.served and h is not None and h.endpoint and h.endpoint != self.endpoint and h.valid > 0:
-                    if h.source is not None and self.served[role].held(t.rid, t.tokens, t.params.cache_salt) >= min(
+                    if h.source is not None and self.served[role].held(t.rid, t.tokens, t.params.cache_salt, None, t.prompt_len) >= min(
                             h.valid, len(t.tokens) - 1):
                         continue  # (a prefix this worker holds too)
                     by_holder.setdefault((h.endpoint, role), []).append(

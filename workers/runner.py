@@ -63,7 +63,7 @@ class Task:
     score_from: int = 0  # verify: the prompt's logprobs are wanted from this position on (0: none)
     # set by verify: the prompt's scored tokens' logprobs, top ids and ranks, and from where
     prompt_scores: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None
-    prompt_len: int = 0  # a penalized request's (its output's tokens are penalized: ``nebula_flow/penalties.py``)
+    prompt_len: int = 0  # its request's (penalties count the output apart; ``KVCache.prompt_len``)
     suppress: list[int] = field(default_factory=list)  # min_tokens: the ids it must not pick yet
     alone: bool = False  # no other stream of its broker's pool flowed when sent: it prefills whole
     steps: int = 1  # a draft-less verify: the tokens it decodes, one forward each (``nebula_flow/steps.py``)
@@ -143,7 +143,7 @@ class ModelRunner:
         budget = forward_budget(self.max_forward_tokens, [t.alone for t in tasks])
         if not budget:
             return [None] * len(tasks)
-        held = held if held is not None else [self.store.held(t.rid, t.tokens, t.params.cache_salt, upto(t))
+        held = held if held is not None else [self.store.held(t.rid, t.tokens, t.params.cache_salt, upto(t), t.prompt_len)
                                               for t in tasks]
         tails = [len(t.tokens) - h for t, h in zip(tasks, held)]
         plan = plan_forward(tails, [n - 1 for n in tails], budget)
@@ -153,7 +153,7 @@ class ModelRunner:
         """Propose ``task.k`` tokens per task, one forward per draft position for the batch. A task
         with an end (``chunk_ends``; by default this runner's budget) only prefills up to it, in
         the first forward, and proposes nothing (``task.prefilled``)."""
-        caches = [self.store.prepare(t.rid, t.tokens, t.params.cache_salt) for t in tasks]
+        caches = [self.store.prepare(t.rid, t.tokens, t.params.cache_salt, prompt_len=t.prompt_len) for t in tasks]
         ends = self.chunk_ends(tasks, [c.length for c in caches]) if ends is None else ends
         drafts = self._drafts(tasks, caches, ends)
         self._finish(tasks)
@@ -222,7 +222,7 @@ class ModelRunner:
         ready, caches, new = [], [], []
         for i, t in enumerate(tasks):
             full = np.concatenate([t.tokens, np.asarray(t.draft, dtype=t.tokens.dtype)])
-            cache = self.store.prepare(t.rid, full, t.params.cache_salt)
+            cache = self.store.prepare(t.rid, full, t.params.cache_salt, prompt_len=t.prompt_len)
             if cache.length + len(t.draft) + 1 < len(t.tokens):  # (the holder's KV did not come: not worth a prefill)
                 continue
             cache.truncate(min(cache.length, len(t.tokens) - 1))  # (the last committed token's row scores d1)
@@ -286,7 +286,7 @@ class ModelRunner:
 
     def _verify(self, tasks: list[Task], ends: list[int | None] | None = None) -> list[list[int] | None]:
         """One forward of ``verify``'s."""
-        caches = [self.store.prepare(t.rid, t.tokens, t.params.cache_salt, upto(t)) for t in tasks]
+        caches = [self.store.prepare(t.rid, t.tokens, t.params.cache_salt, upto(t), t.prompt_len) for t in tasks]
         for t in tasks:  # a round without a draft: the chain is looked up here
             if t.fuse and not t.draft and not t.chains and (chain := fused_ngram(t.tokens, t.fuse, t.prediction)):
                 t.chains = [chain]

@@ -55,6 +55,9 @@ class KVCache:
         self._row_bytes = self.buf.element_size() * int(np.prod(self.row_shape))
         self.tokens: list[int] = []
         self.salt: str | None = None  # its request's cache_salt: only caches of the same salt share prefixes (kv/store.py)
+        # its request's prompt length, where the worker knows it: a batch-invariant model that has no
+        # runs computes positions before it in blocks (``models.rows.BlockCall``; 0: every row alone)
+        self.prompt_len = 0
         self.shared = None  # kv/shm.py SharedRows when peers on this host read this cache directly
         self.shared_path = None
         self.owner = 0  # the request id its shared file names

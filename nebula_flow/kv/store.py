@@ -17,6 +17,7 @@ Only caches of requests with the same ``cache_salt`` share prefixes (none: those
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -155,7 +156,8 @@ class KVStore:
             self.caches[rid] = cache
             return cache
 
-    def held(self, rid: int, tokens: np.ndarray, salt: str | None = None, upto: int | None = None) -> int:
+    def held(self, rid: int, tokens: np.ndarray, salt: str | None = None, upto: int | None = None,
+             prompt_len: int = 0) -> int:
         """How many positions of ``tokens`` ``prepare`` would keep for ``rid`` or copy from another
         request's cache of the same ``salt`` (changing nothing; pre-drafted outcomes aside)."""
         with self.lock:
@@ -164,19 +166,20 @@ class KVStore:
             if upto is not None:
                 return min(keep, upto)
             if self.prefix_cache and len(tokens) - 1 - keep >= MIN_SHARED:
-                keep = self._longest_prefix(cache, tokens, keep, salt)[1]
+                keep = self._longest_prefix(cache, tokens, keep, salt, prompt_len=prompt_len)[1]
             return keep
 
-    def prepare(self, rid: int, tokens: np.ndarray, salt: str | None = None, upto: int | None = None) -> KVCache:
-        """The cache for ``rid`` (of ``cache_salt`` ``salt``), cut to the longest prefix of ``tokens``
-        it holds, or that another request's cache of the same salt holds (the prefix cache).
-        ``upto``: it keeps at most this many positions of its own and copies none (the rows after
-        are computed again: a prompt's log-probabilities come from them).
+    def prepare(self, rid: int, tokens: np.ndarray, salt: str | None = None, upto: int | None = None,
+                prompt_len: int = 0) -> KVCache:
+        """The cache for ``rid`` (of ``cache_salt`` ``salt``, and a prompt of ``prompt_len`` tokens),
+        cut to the longest prefix of ``tokens`` it holds, or that another request's cache of the same
+        salt holds (the prefix cache). ``upto``: it keeps at most this many positions of its own and
+        copies none (the rows after are computed again: a prompt's log-probabilities come from them).
 
         At least the last token is left to compute, because the step needs its logits.
         """
         cache = self._get(rid, len(tokens))
-        cache.salt = salt
+        cache.salt, cache.prompt_len = salt, prompt_len
         keep = min(cache.common_prefix(tokens), len(tokens) - 1, len(tokens) if upto is None else upto)
         cache.truncate(keep)
         copies = upto is None  # (from a pre-drafted outcome or another request: not where rows are scored again)
@@ -192,12 +195,16 @@ class KVStore:
         self.stats.computed += len(tokens) - 1 - keep
         return cache
 
-    def _longest_prefix(self, cache: KVCache | None, tokens: np.ndarray, keep: int,
-                        salt: str | None, finished_only: bool = False) -> tuple[KVCache | None, int, object]:
+    def _longest_prefix(self, cache: KVCache | None, tokens: np.ndarray, keep: int, salt: str | None,
+                        finished_only: bool = False, prompt_len: int = 0) -> tuple[KVCache | None, int, object]:
         """The other cache of ``salt``, live or finished (``finished_only``: finished), holding the
         longest prefix of ``tokens`` beyond ``keep`` positions and of ``MIN_SHARED`` or more, how long
         that is (``keep`` where there is none), and its key (a live request's id, or ``(None, key)``
-        of a finished one). Lock held."""
+        of a finished one). Where this model computes prompts in blocks, only positions of the same
+        form in both count (``same_form``; ``prompt_len``: the asking request's, where ``cache`` is
+        None). Lock held."""
+        asking = cache.prompt_len if cache is not None else prompt_len
+        blocks = getattr(self.model, "prompt_blocks", False)
         head = tokens[:MIN_SHARED].tolist()
         best, most, key = None, max(keep, MIN_SHARED - 1), None
         live = () if finished_only else self.caches.items()
@@ -206,7 +213,10 @@ class KVStore:
             if other is cache or rid in self.pinned or other.length <= most or other.salt != salt \
                     or other.tokens[:MIN_SHARED] != head:
                 continue
-            if (n := min(other.common_prefix(tokens), len(tokens) - 1)) > most:
+            n = min(other.common_prefix(tokens), len(tokens) - 1)
+            if blocks:
+                n = min(n, same_form(other.prompt_len, asking))
+            if n > most:
                 best, most, key = other, n, rid
         return best, most if best is not None else keep, key
 
@@ -217,13 +227,13 @@ class KVStore:
         writes any more (the prefetch thread's copies: the compute thread may be writing a live one)."""
         # (held through the copy: the prefetch thread pins a cache, under this lock, before it changes it)
         with self.lock:
-            best, _, key = self._longest_prefix(cache, tokens, keep, cache.salt, finished_only)
+            best, most, key = self._longest_prefix(cache, tokens, keep, cache.salt, finished_only)
             if best is None:
                 return keep
             if isinstance(key, tuple):  # (a finished request's cache that served is kept longest)
                 self.finished.move_to_end(key[1])
             best.await_rows()
-            return _copy_rows(best, cache, tokens, keep)
+            return _copy_rows(best, cache, tokens, keep, most)
 
     def _count_copied(self, rid: int, positions: int) -> None:
         """``positions`` of ``rid``'s prompt came from other requests' KV (its usage's cached tokens)."""
@@ -295,6 +305,8 @@ class KVStore:
                 self.stats.pull_saved += have - start
                 if source != rid:  # (a prompt's start: copied, not computed, as ``prepare`` counts it)
                     self._count_copied(rid, have - start)
+            if source != rid and getattr(self.model, "prompt_blocks", False):  # (its prompt's length is not known here: computed)
+                valid = have
             if have < valid:
                 cache.reserve(valid)
                 plan.append((source, tokens, have, valid, cache, rid if source != rid else None))
@@ -418,10 +430,18 @@ class KVStore:
                     self.stats.evicted += 1
 
 
-def _copy_rows(source: KVCache, dest: KVCache, tokens: np.ndarray, have: int) -> int:
+def same_form(a: int, b: int) -> int:
+    """How many leading positions two requests of prompt lengths ``a`` and ``b`` compute in the same
+    form, where a model computes prompt positions in blocks and the rest alone (``models/rows.py``,
+    ``BlockCall``): all of them for equal lengths, else those before the shorter prompt's end."""
+    return sys.maxsize if a == b else min(a, b)
+
+
+def _copy_rows(source: KVCache, dest: KVCache, tokens: np.ndarray, have: int, most: int = sys.maxsize) -> int:
     """Copy into ``dest`` (which holds ``have`` positions of ``tokens``) the further positions of
-    ``tokens`` that ``source`` holds, all but the last; returns the positions ``dest`` holds now."""
-    upto = min(source.common_prefix(tokens), len(tokens) - 1)
+    ``tokens`` that ``source`` holds, all but the last and at most ``most``; returns the positions
+    ``dest`` holds now."""
+    upto = min(source.common_prefix(tokens), len(tokens) - 1, most)
     if upto <= have:
         return have
     dest.reserve(upto)

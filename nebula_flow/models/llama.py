@@ -409,6 +409,11 @@ class CausalLM(nn.Module):
             out["cuda_graphs"] = self.step_graphs.status()
         return out
 
+    @property
+    def prompt_blocks(self) -> bool:
+        """Whether it computes prompt positions in aligned blocks, the rest alone (``rows.BlockCall``)."""
+        return self.batch_invariant and self.run_block is None
+
     def uses_flash(self) -> bool:
         """Whether this model's grouped chains attend through FlashAttention-2 (``models.flash``;
         a batch-invariant model's rows attend as problems of their own, ``models.rows``)."""

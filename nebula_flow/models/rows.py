@@ -254,6 +254,31 @@ class RunCall:
         return attend_run(q[self.first:self.first + self.size], wide[id(self.source), self.start][:self.keys], self.mask)
 
 
+class BlockCall:
+    """A prompt's rows of one aligned block of ``BUCKET`` positions (``32j`` to ``32j + 31``) where
+    runs keep no row's bits (``RowPlan(block=None)``): a call of exactly that block's query rows
+    (rows this forward does not compute are zeros) against keys ``0..32j + 31``, each row masked to
+    its own, in the cache's dtype. The call's shape depends on the block alone, and a row's bits on
+    its own query and keys, not on the other rows (checked by ``tests/test_prompt_blocks.py``), so a
+    prompt position has the same bits whole, in chunks or batched; it is a form of its own, not the
+    row's problem alone, which is why only positions before the request's prompt length take it
+    (``KVCache.prompt_len``). The rows as matrix products: ~4x faster than 32 problems of one row."""
+
+    def __init__(self, source: torch.Tensor, base: int, block: int, offset: int, first: int, size: int,
+                 device: torch.device) -> None:
+        self.source, self.start, self.offset, self.first, self.size = source, base, offset, first, size
+        self.keys = (block + 1) * BUCKET
+        self.rows = staging.tensor(range(first, first + size), device)
+        sees = block * BUCKET + 1 + torch.arange(BUCKET)
+        self.mask = staging.to_device(_mask(sees, self.keys)[None, None].to(source.dtype), device)
+
+    def __call__(self, q: torch.Tensor, layer: int, wide: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+        block = q.new_zeros((BUCKET, *q.shape[1:]), dtype=self.source.dtype)
+        block[self.offset:self.offset + self.size] = q[self.first:self.first + self.size]
+        kv = self.source[self.start:self.start + self.keys, layer]  # (its own dtype: a view, no copy)
+        return attend_run(block, kv, self.mask)[self.offset:self.offset + self.size].to(q.dtype)
+
+
 class RowPlan:
     """A batch-invariant forward's attention: where each sequence's new KV goes and each window's
     row groups and run calls (built once per forward). ``block``: the fewest rows of a query block
@@ -273,7 +298,7 @@ class RowPlan:
             source, base = (cache.arena.chunk(cache.lease), cache.lease.base) if cache.lease is not None else (cache.buf, 0)
             with torch.inference_mode():
                 cache.buf[past + n:reach].zero_()
-            self._seqs.append((source, base, past, n, tree, starts[i]))
+            self._seqs.append((source, base, past, n, tree, starts[i], cache.prompt_len))
             _, slots, rows = sources.setdefault(id(source), (source, [], []))
             slots.extend(range(base + past, base + past + n))
             rows.extend(range(starts[i], starts[i] + n))
@@ -289,6 +314,8 @@ class RowPlan:
         for w, groups in self.groups.items():
             views = self.views[w] = {}
             for g in groups:
+                if isinstance(g, BlockCall):  # (reads its own view, in the cache's dtype)
+                    continue
                 if isinstance(g, RunCall) or g.gather is None:
                     key = (id(g.source), g.start)
                     views[key] = (g.source, g.start, max(g.keys, views.get(key, (None, 0, 0))[2]))
@@ -296,7 +323,7 @@ class RowPlan:
     def _groups(self, window: int | None) -> list[RowGroup | RunCall]:
         by_size: dict[tuple[int, int], list] = defaultdict(list)
         calls: list[RowGroup | RunCall] = []
-        for source, base, past, n, tree, start in self._seqs:
+        for source, base, past, n, tree, start, prompt_len in self._seqs:
             # its first rows that see exactly the rows before them, from its first slot, are a run (a
             # prompt or a chain; a prompt before a draft's token tree too): the rest attend alone
             run = n if tree is None else next((j for j in range(n) if not _in_order(tree, j)), n)
@@ -304,6 +331,13 @@ class RowPlan:
             if self.block and run > 1:
                 calls.extend(RunCall(source, base, start + a, mask, rows, self.device, self.dtype)
                              for a, rows, mask in run_calls(past, run, self.block))
+            elif not self.block and window is None and past < prompt_len:  # (no runs here: a prompt in blocks)
+                run = min(run, prompt_len - past)
+                for a in range(0, run):
+                    if a == 0 or (past + a) % BUCKET == 0:  # (a block's first row this forward computes)
+                        size = min(run - a, BUCKET - (past + a) % BUCKET)
+                        calls.append(BlockCall(source, base, (past + a) // BUCKET, (past + a) % BUCKET, start + a,
+                                               size, self.device))
             else:
                 run = 0
             for j in range(run, n):

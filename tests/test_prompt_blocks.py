@@ -1,0 +1,119 @@
+"""Prompts in aligned blocks: where a CPU's attention kernel gives no run of rows the bits of each
+row alone (``rows.run_block`` None, as on the 2-core AMD EPYC hosts), a batch-invariant model
+computes a request's prompt positions in blocks of ``BUCKET`` positions (``rows.BlockCall``) and
+every other position alone. A prompt position then has the same bits whole, in chunks, beside
+other sequences and at any thread count, and the positions after the prompt keep decoding's bits.
+The runs are turned off here by hand, so this holds on hosts whose kernels allow runs too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nebula_flow.kv.store import KVStore, same_form
+from nebula_flow.models.loader import load_model
+from nebula_flow.models.rows import BUCKET, RowPlan
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def model(request, tiny_pair):  # noqa: ANN001, ANN201
+    m = load_model(tiny_pair / "target", dtype=request.param, batch_invariant=True)
+    m.run_block = None  # (no runs: prompts in blocks, whatever this host's kernels allow)
+    assert m.prompt_blocks
+    return m
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPT, EXTRA = _ids(2 * BUCKET + 11, 1), _ids(5, 2)  # (two whole blocks and part of a third)
+
+
+def _prefill(model, chunks: list[int], beside: bool = False, threads: int | None = None):  # noqa: ANN001, ANN202
+    """The prompt's KV and its last logits, computed in ``chunks`` (then decoding ``EXTRA``'s logits)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        cache = model.new_cache()
+        cache.prompt_len = len(PROMPT)
+        at = 0
+        for n in chunks:
+            if beside:  # (a ragged batch: another request's prompt in the same forward)
+                other = model.new_cache()
+                other.prompt_len = 9
+                last = model([other, cache], [_ids(9, 5), PROMPT[at:at + n]], [1, 1])[1]
+            else:
+                last = model([cache], [PROMPT[at:at + n]], [1])[0]
+            at += n
+        kv = cache.buf[:len(PROMPT)].clone()
+        decoded = torch.cat([model([cache], [[t]], [1])[0] for t in EXTRA])
+        return kv, last, decoded
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_prompt_has_the_same_bits_whole_in_chunks_beside_others_and_at_any_thread_count(model) -> None:  # noqa: ANN001
+    whole = _prefill(model, [len(PROMPT)])
+    n = len(PROMPT)
+    for name, got in (("chunks of 16", _prefill(model, [16] * (n // 16) + [n % 16])),
+                      ("chunks across blocks", _prefill(model, [5, 30, n - 35])),
+                      ("beside another sequence", _prefill(model, [n], beside=True)),
+                      ("one thread", _prefill(model, [n], threads=1)),
+                      ("two threads", _prefill(model, [n], threads=2))):
+        for part, a, b in zip(("prompt KV", "last logits", "decoded logits"), whole, got):
+            assert torch.equal(a, b), f"{part} differ {name}"
+
+
+def test_positions_after_the_prompt_keep_decodings_bits(model) -> None:  # noqa: ANN001
+    """A verify block, and a prefill of prompt and output together (a request whose KV was lost),
+    score the output's positions as decoding them does: alone, not in blocks."""
+    _, _, decoded = _prefill(model, [len(PROMPT)])
+    cache = model.new_cache()
+    cache.prompt_len = len(PROMPT)
+    model([cache], [PROMPT], [1])
+    verified = model([cache], [EXTRA], [len(EXTRA)])[0]
+    again = model.new_cache()
+    again.prompt_len = len(PROMPT)
+    recomputed = model([again], [PROMPT + EXTRA], [len(EXTRA)])[0]
+    assert torch.equal(verified, decoded) and torch.equal(recomputed, decoded)
+
+
+def test_prefix_copies_keep_to_positions_of_the_same_form(model) -> None:  # noqa: ANN001
+    """A request copies another's KV only where both computed it in the same form: before the
+    shorter prompt's end, or all of it where the prompts are as long. A chat's next turn (the last
+    turn's prompt and output, then more) then gets the bits of its own prefill."""
+    assert same_form(40, 40) > 10**9 and same_form(40, 70) == same_form(70, 40) == 40
+    turn = PROMPT + EXTRA  # (the first turn's prompt and its output)
+    store = KVStore(model, prefix_cache=True)
+    first = store.prepare(1, np.array(PROMPT), prompt_len=len(PROMPT))
+    model([first], [PROMPT], [1])
+    model([first], [EXTRA], [1])
+    nxt = np.array(turn + _ids(40, 9))  # the next turn's prompt
+    copied = store.prepare(2, nxt, prompt_len=len(nxt))
+    assert copied.length == len(PROMPT)  # (not the first turn's output: computed alone there)
+    got = model([copied], [nxt[copied.length:].tolist()], [1])[0]
+    fresh = KVStore(model).prepare(3, nxt, prompt_len=len(nxt))
+    want = model([fresh], [nxt.tolist()], [1])[0]
+    assert torch.equal(got, want) and torch.equal(copied.buf[:len(nxt)], fresh.buf[:len(nxt)])
+    same = store.prepare(4, np.array(turn + _ids(3, 11)), prompt_len=len(PROMPT))  # (another sample of turn 1)
+    assert same.length == len(turn)
+
+
+def test_a_prompts_rows_attend_in_blocks_and_the_rest_alone(model) -> None:  # noqa: ANN001
+    """The plan of a forward: a prompt of two blocks and part of a third in three block calls (a
+    chunk that starts mid-block too), the output's rows in groups of rows alone."""
+    def kinds(prompt_len: int, past: int, n: int) -> list[str]:
+        cache = model.new_cache()
+        cache.prompt_len = prompt_len
+        if past:
+            model([cache], [PROMPT[:past]], [1])
+        plan = RowPlan([cache], [n], [None], [0], {None}, torch.device("cpu"), None, model.attention_dtype)
+        return [type(g).__name__ for g in plan.groups[None]]
+
+    n = len(PROMPT)
+    assert kinds(n, 0, n) == ["BlockCall"] * 3
+    assert kinds(n, 40, n - 40) == ["BlockCall"] * 2  # (positions 40..63, then 64..74)
+    assert set(kinds(0, 0, n)) == {"RowGroup"}  # (no prompt length known: every row alone)
+    assert kinds(n - 5, 0, n)[:3] == ["BlockCall"] * 3 and set(kinds(n - 5, 0, n)[3:]) == {"RowGroup"}
