@@ -7,13 +7,19 @@ The runs are turned off here by hand, so this holds on hosts whose kernels allow
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
 
+from nebula_flow.client import Client
+from nebula_flow.deploy import Deployment
 from nebula_flow.kv.store import KVStore, same_form
 from nebula_flow.models.loader import load_model
 from nebula_flow.models.rows import BUCKET, RowPlan
+from tests.conftest import deploy_config
+from tests.test_chunked_prefill import _generate, long_prompts
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
@@ -117,3 +123,43 @@ def test_a_prompts_rows_attend_in_blocks_and_the_rest_alone(model) -> None:  # n
     assert kinds(n, 40, n - 40) == ["BlockCall"] * 2  # (positions 40..63, then 64..74)
     assert set(kinds(0, 0, n)) == {"RowGroup"}  # (no prompt length known: every row alone)
     assert kinds(n - 5, 0, n)[:3] == ["BlockCall"] * 3 and set(kinds(n - 5, 0, n)[3:]) == {"RowGroup"}
+
+
+def test_bf16_prompts_chunked_beside_a_stream_give_the_targets_own_output(tiny_pair) -> None:  # noqa: ANN001
+    """End to end in bf16 (batch-invariant: prompts in blocks on hosts without runs, as this one
+    may be): long prompts prefilled speculatively in chunks of 16 beside a flowing stream give the
+    bf16 target's own greedy output, its prompts computed whole."""
+    reqs = [{"token_ids": p, "max_new_tokens": 12} for p in long_prompts()]
+    outs, chunks = {}, 0
+    for mode, budget in (("autoregressive", 0), ("pooled", 16)):
+        cfg = deploy_config(tiny_pair, mode, 1, 1, max_batch=4)
+        cfg.target.dtype = "bfloat16"
+        cfg.broker.policy = cfg.broker.policy.replace(max_forward_tokens=budget)
+        with Deployment(cfg) as dep:
+            outs[mode] = asyncio.run(_generate(dep.address, reqs, beside_a_stream=budget > 0))
+            with Client(dep.address) as client:
+                chunks = client.status()["counters"].get("prefill_chunks", 0)
+    assert chunks >= 149 // 16  # (the 150-token prompt really went in chunks)
+    for i, (spec, alone) in enumerate(zip(outs["pooled"], outs["autoregressive"])):
+        assert spec.token_ids == alone.token_ids, f"request {i} differs"
+
+
+class _Recorder:
+    """A transport that records what a store asks of it and delivers nothing (a failed pull)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple] = []
+
+    def pull_many(self, endpoint: str, items: list, timeout: float) -> list:
+        self.asked += [(source, have, valid) for source, _, have, valid, _ in items]
+        return [None] * len(items)
+
+
+def test_another_requests_prefix_is_not_pulled_where_prompts_go_in_blocks(model) -> None:  # noqa: ANN001
+    """A peer's KV of another request may hold positions past that request's prompt, computed alone,
+    and its prompt's length is not known here: computed, not pulled. The request's own KV is."""
+    tokens = np.array(PROMPT + EXTRA)
+    recorder = _Recorder()
+    store = KVStore(model)
+    store.fetch_many("target", [(1, tokens, 60, 7, None), (2, tokens, 60, 2, None)], "tcp://peer", recorder)
+    assert recorder.asked == [(2, 0, 60)]
