@@ -80,6 +80,7 @@ def prefix_sources(req: Request, task: TaskSpec, wid: int, holder: HolderOf, key
             return None
         found = holder(where[:2])
         found.source = where[2]
+        found.source_prompt = where[3] if len(where) > 3 else 0  # (0, unknown: a worker that needs it computes)
         return found
 
     if task.holder.valid == 0 and (found := source(key)) is not None:

@@ -60,7 +60,7 @@ class PrefixRoutes:
     request whose KV it was (a worker that lacks it pulls it from there: ``broker/tasks.py``)."""
 
     def __init__(self, max_keys: int = MAX_KEYS) -> None:
-        self.where: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
+        self.where: OrderedDict[tuple[str, int], tuple[int, int, int]] = OrderedDict()  # -> (worker, request, its prompt's length)
         self.max_keys = max_keys
         # requests whose prompt is being computed: each whole block's key -> (the first such request, the
         # tokens it computes, its priority); and the requests waiting for each (``leader``): rid -> [(rid, shared tokens)]
@@ -117,26 +117,28 @@ class PrefixRoutes:
             marks = {len(keys) - 1, *(2 ** i - 1 for i in range(len(keys).bit_length())),
                      *range(EVERY - 1, len(keys), EVERY)}
             for i in sorted(m for m in marks if m >= 0):
-                self.where[(role, keys[i])] = (worker, req.rid)
+                self.where[(role, keys[i])] = (worker, req.rid, len(req.prompt))
                 self.where.move_to_end((role, keys[i]))
         while len(self.where) > self.max_keys:
             self.where.popitem(last=False)
 
     def find(self, req: Request, alive: Collection[int], roles: Sequence[str] = ROLES,
-             keys: list[int] | None = None) -> dict[str, tuple[int, int, int]]:
+             keys: list[int] | None = None) -> dict[str, tuple[int, int, int, int]]:
         """Per holder key of ``roles``: the worker among ``alive`` whose KV likely holds the longest
         prefix of ``req``'s prompt (all but its last token, whose logits its first task computes),
-        that prefix's length and the request whose KV it was; keys with none known are left out
+        that prefix's length, the request whose KV it was and that request's prompt length (a worker
+        that computes prompts in blocks pulls only positions of one form: ``kv/store.same_form``);
+        keys with none known are left out
         (``Request.affinity``; ``keys``: its prompt's, where known)."""
-        found: dict[str, tuple[int, int, int]] = {}
+        found: dict[str, tuple[int, int, int, int]] = {}
         if not self.where:
             return found
         keys = keys if keys is not None else chain(req.prompt, len(req.prompt) - 1, req.params.cache_salt)
         for role in roles:
             for i in range(len(keys) - 1, -1, -1):
-                worker, rid = self.where.get((role, keys[i]), (None, 0))
+                worker, rid, prompt_len = self.where.get((role, keys[i]), (None, 0, 0))
                 if worker is not None and worker in alive:
-                    found[role] = (worker, (i + 1) * BLOCK, rid)
+                    found[role] = (worker, (i + 1) * BLOCK, rid, prompt_len)
                     break
         return found
 
@@ -154,6 +156,6 @@ def learnt(scheduler: Scheduler, req: Request) -> None:
             continue
         for role, (worker, valid) in req.holders.items():
             if role in ROLES and min(shared, valid) > follower.affinity.get(role, (0, 0))[1]:
-                follower.affinity[role] = (worker, min(shared, valid), req.rid)
+                follower.affinity[role] = (worker, min(shared, valid), req.rid, len(req.prompt))
         follower.waits_for = None
         scheduler.start(follower)

@@ -246,12 +246,14 @@ class Pull(Msg):
 class Holder:
     """Who holds a task's KV for its role: worker id, valid positions, KV endpoint; ``source``: the
     request whose KV there holds this one's first ``valid`` positions, where it is another's (its
-    prompt's start: a prefix pull, ``nebula_flow/prefixes.py``)."""
+    prompt's start: a prefix pull, ``nebula_flow/prefixes.py``), and ``source_prompt`` that request's prompt length
+    (0: not known), since a worker that computes prompts in blocks pulls only positions of one form."""
 
     worker: int = 0
     valid: int = 0
     endpoint: str | None = None
     source: int | None = None
+    source_prompt: int = 0
 
 
 @dataclass

@@ -255,22 +255,23 @@ def test_prefix_routes_find_the_worker_that_held_the_longest_prefix() -> None:
     doc = list(range(1000, 1300))
     routes.learn(_ended(doc[:100], {"target": (7, 100), "draft": (3, 40)}, rid=10))
     routes.learn(_ended(doc[:40] + [5] * 60, {"target": (8, 100)}, rid=11))  # (shares 2 blocks, learnt later)
-    # (the worker, the prefix's positions, and the request whose KV it was: a worker without it pulls it from there)
-    assert routes.find(_request(1, doc + [1]), alive={3, 7, 8}) == {"target": (7, 96, 10), "draft": (3, 32, 10)}
-    assert routes.find(_request(1, doc[:40] + [5] * 60 + [1]), alive={7, 8}) == {"target": (8, 96, 11)}
-    assert routes.find(_request(1, doc + [1]), alive={8}) == {"target": (8, 32, 11)}  # (a worker gone: the next best)
+    # (the worker, the prefix's positions, the request whose KV it was and its prompt's length: a worker
+    # without it pulls it from there)
+    assert routes.find(_request(1, doc + [1]), alive={3, 7, 8}) == {"target": (7, 96, 10, 100), "draft": (3, 32, 10, 100)}
+    assert routes.find(_request(1, doc[:40] + [5] * 60 + [1]), alive={7, 8}) == {"target": (8, 96, 11, 100)}
+    assert routes.find(_request(1, doc + [1]), alive={8}) == {"target": (8, 32, 11, 100)}  # (a worker gone: the next best)
     assert routes.find(_request(1, doc[:16]), alive={7, 8}) == {}  # (all but the last token: less than a block)
     assert routes.find(_request(1, list(range(50))), alive={7, 8}) == {}
     # a cache_salt keeps requests apart: only those of the same salt look alike
     routes.learn(_ended(doc[:100], {"target": (9, 100)}, salt="alice", rid=12))
-    assert routes.find(_request(1, doc + [1], salt="alice"), alive={7, 8, 9}) == {"target": (9, 96, 12)}
+    assert routes.find(_request(1, doc + [1], salt="alice"), alive={7, 8, 9}) == {"target": (9, 96, 12, 100)}
     assert routes.find(_request(1, doc + [1], salt="bob"), alive={7, 8, 9}) == {}
-    assert routes.find(_request(1, doc + [1]), alive={7, 8, 9})["target"] == (7, 96, 10)
+    assert routes.find(_request(1, doc + [1]), alive={7, 8, 9})["target"] == (7, 96, 10, 100)
     # a long shared start is known to within EVERY blocks, not only at 1, 2, 4, ... blocks
     system = list(range(2000, 3500))  # (1,500 tokens: 93 whole blocks)
     routes.learn(_ended(system + [7] * 40, {"target": (7, 1540)}, rid=13))
     found = routes.find(_request(1, system + [9] * 30), alive={7})["target"]
-    assert found == (7, (93 // EVERY) * EVERY * BLOCK, 13) and found[1] == 1408  # (was 1,024: 64 blocks)
+    assert found == (7, (93 // EVERY) * EVERY * BLOCK, 13, 1540) and found[1] == 1408  # (was 1,024: 64 blocks)
     few = PrefixRoutes(max_keys=4)
     for i in range(10):
         few.learn(_ended([i] * 200, {"target": (1, 200)}))
@@ -367,7 +368,7 @@ def test_a_running_requests_prompt_is_found_once_its_first_tokens_are_committed(
     [(_, [running])] = s.dispatch()
     s.end_round(running, 1, [7])
     assert running.rid in s.requests and running.output == [7]  # (still running)
-    assert s.prefixes.find(_request(2, doc + [2]), {1})["target"] == (1, 192, 1)
+    assert s.prefixes.find(_request(2, doc + [2]), {1})["target"] == (1, 192, 1, len(first.prompt))
 
 
 def _recording_elastic() -> policy_log.RecordingScheduler:
@@ -722,7 +723,7 @@ def test_requests_that_arrive_together_wait_for_the_one_computing_their_shared_s
     assert sorted(r.rid for r in verifies) == [1, 3, 4]
     s.end_round(first, 2, [7, 7, 8])  # (its first tokens: its prompt's KV is held, on both workers)
     assert same.waits_for is None and _topics(s) == {1, 2}  # (the cancelled one stays out)
-    assert same.affinity == {"target": (2, 192, 1), "draft": (1, 192, 1)}
+    assert same.affinity == {"target": (2, 192, 1, len(first.prompt)), "draft": (1, 192, 1, len(first.prompt))}
     # a request that shares too little of what the first computes starts at once: 96 of 400 tokens
     s = pooled()
     s.admit(_request(1, list(range(5000, 5400))))
@@ -753,7 +754,7 @@ def test_requests_that_arrive_together_wait_for_the_one_computing_their_shared_s
     s.pull(3, 8, idle=True, now=2.0)
     [(_, [running])] = s.dispatch()
     s.end_round(first, 3, [7, 7, 8])
-    assert waiting.waits_for is None and waiting.affinity["target"] == (3, 192, 1) and _topics(s) == {1, 2}
+    assert waiting.waits_for is None and waiting.affinity["target"] == (3, 192, 1, len(first.prompt)) and _topics(s) == {1, 2}
     # the first cancelled before its first tokens: the one that waited starts, placed as it arrived
     s = pooled()
     s.admit(_request(1, doc + [1]))

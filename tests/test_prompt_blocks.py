@@ -15,9 +15,13 @@ import torch
 
 from nebula_flow.client import Client
 from nebula_flow.deploy import Deployment
-from nebula_flow.kv.store import KVStore, same_form
+from nebula_flow.kv.store import KVStore, prefix_valid, same_form
 from nebula_flow.models.loader import load_model
 from nebula_flow.models.rows import BUCKET, RowPlan
+from nebula_flow.params import SamplingParams
+from nebula_flow.prefixes import PrefixRoutes
+from nebula_flow.protocol import Holder
+from nebula_flow.request import Request
 from tests.conftest import deploy_config
 from tests.test_chunked_prefill import _generate, long_prompts
 
@@ -144,22 +148,18 @@ def test_bf16_prompts_chunked_beside_a_stream_give_the_targets_own_output(tiny_p
         assert spec.token_ids == alone.token_ids, f"request {i} differs"
 
 
-class _Recorder:
-    """A transport that records what a store asks of it and delivers nothing (a failed pull)."""
-
-    def __init__(self) -> None:
-        self.asked: list[tuple] = []
-
-    def pull_many(self, endpoint: str, items: list, timeout: float) -> list:
-        self.asked += [(source, have, valid) for source, _, have, valid, _ in items]
-        return [None] * len(items)
-
-
-def test_another_requests_prefix_is_not_pulled_where_prompts_go_in_blocks(model) -> None:  # noqa: ANN001
-    """A peer's KV of another request may hold positions past that request's prompt, computed alone,
-    and its prompt's length is not known here: computed, not pulled. The request's own KV is."""
-    tokens = np.array(PROMPT + EXTRA)
-    recorder = _Recorder()
-    store = KVStore(model)
-    store.fetch_many("target", [(1, tokens, 60, 7, None), (2, tokens, 60, 2, None)], "tcp://peer", recorder)
-    assert recorder.asked == [(2, 0, 60)]
+def test_another_requests_prefix_is_pulled_only_where_both_computed_it_in_one_form(model, tiny_pair) -> None:  # noqa: ANN001
+    """A peer's KV of another request holds positions past that request's prompt computed alone: a
+    prefix pull takes the positions of one form in both (the source's prompt length comes with its
+    holder; unknown, none), where the model computes prompts in blocks, and all of them elsewhere."""
+    offer = Holder(3, 60, "tcp://peer", source=7)
+    for source_prompt, prompt_len, want in ((75, 75, 60), (40, 75, 40), (75, 50, 50), (0, 75, 0)):
+        offer.source_prompt = source_prompt
+        assert prefix_valid(offer, prompt_len, model) == want
+    assert prefix_valid(offer, 75, load_model(tiny_pair / "target")) == 60  # (fp32: no blocks)
+    routes = PrefixRoutes()
+    req = Request(1, "1", list(range(40, 140)), SamplingParams(max_new_tokens=4), seed=1)
+    req.output, req.holders = [5, 6], {"target": (3, 101)}
+    routes.learn(req)
+    later = Request(2, "2", list(range(40, 140)) + [5, 6, 7, 8], SamplingParams(max_new_tokens=4), seed=2)
+    assert routes.find(later, {3})["target"][2:] == (1, 100)  # (the source, and its prompt's length)

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from nebula_flow.kv import device_copy
 from nebula_flow.kv.cache import KVCache
 from nebula_flow.kv.link_fit import PULL_TIMEOUT_S, LinkFit
 from nebula_flow.models.llama import CausalLM
+
+if TYPE_CHECKING:
+    from nebula_flow.protocol import Holder
 
 log = logging.getLogger("nebula_flow.kv")
 
@@ -305,8 +309,6 @@ class KVStore:
                 self.stats.pull_saved += have - start
                 if source != rid:  # (a prompt's start: copied, not computed, as ``prepare`` counts it)
                     self._count_copied(rid, have - start)
-            if source != rid and getattr(self.model, "prompt_blocks", False):  # (its prompt's length is not known here: computed)
-                valid = have
             if have < valid:
                 cache.reserve(valid)
                 plan.append((source, tokens, have, valid, cache, rid if source != rid else None))
@@ -428,6 +430,15 @@ class KVStore:
                     self.branches.pop(rid, None)  # (not kept: memory is short)
                     cache.release()
                     self.stats.evicted += 1
+
+
+def prefix_valid(holder: Holder, prompt_len: int, model: object) -> int:
+    """How many of the positions ``holder`` offers from another request's KV (a prefix pull) a request
+    of prompt length ``prompt_len`` takes: where ``model`` computes prompts in blocks, those of one
+    form in both (``same_form``; none where the source's prompt length is not known)."""
+    if not getattr(model, "prompt_blocks", False):
+        return holder.valid
+    return min(holder.valid, same_form(holder.source_prompt, prompt_len)) if holder.source_prompt else 0
 
 
 def same_form(a: int, b: int) -> int:
