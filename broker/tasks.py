@@ -44,7 +44,7 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
         task = TaskSpec(req.rid, req.phase, req.round, req.attempt, tokens, req.k, req.params.to_wire(),
                         req.seed, holder(req.holders.get(scheduler.task_holder_key(req), (0, 0))), draft=req.draft,
                         runner_ups=req.runner_ups if req.draft else [], chains=[*req.chains, *fusion.chains(req)] if req.draft else [],
-                        base=base, base_crc=crc)
+                        base=base, base_crc=crc, prompt_len=len(req.prompt))
         if req.phase == ROUND and "target" in req.holders:  # (an elastic round: its target KV's holder too)
             task.target_holder = holder(req.holders["target"])
         if req.affinity and (task.holder.valid == 0 or task.target_holder is None and req.phase == ROUND) \
@@ -61,10 +61,9 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
         if req.prediction is not None:  # (checked here, as penalties are)
             predicted(req, task)
         if req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt) and req.phase != DRAFT:
-            task.score_from, task.prompt_len = len(req.prompt_logprobs), len(req.prompt)  # (the target scores it)
+            task.score_from = len(req.prompt_logprobs)  # (the target scores it)
         task.alone = alone
         task.steps = req.steps
-        task.prompt_len = len(req.prompt)  # (a CPU without runs computes a prompt in blocks: models/rows.py)
         tasks.append(task)
     return tasks
 
@@ -109,10 +108,9 @@ def predicted(req: Request, task: TaskSpec) -> TaskSpec:
 
 def penalized(req: Request, task: TaskSpec) -> TaskSpec:
     """``task`` with what its rows' rules need (``nebula_flow/penalties.py``), where ``req`` has
-    any: penalties count the output's tokens apart from the prompt's, min_tokens names the ids it
-    must not pick yet. Every task kind carries them: a draft follows the same rules as the verify."""
-    if req.params.penalized:
-        task.prompt_len = len(req.prompt)
-        if len(req.output) < req.params.min_tokens:
-            task.suppress = req.suppress
+    any: min_tokens names the ids it must not pick yet (penalties count the output's tokens apart
+    from the prompt's, whose length every task carries). Every task kind carries them: a draft
+    follows the same rules as the verify."""
+    if req.params.penalized and len(req.output) < req.params.min_tokens:
+        task.suppress = req.suppress
     return task

@@ -15,7 +15,7 @@ import torch
 
 from nebula_flow.client import Client
 from nebula_flow.deploy import Deployment
-from nebula_flow.kv.store import KVStore, prefix_valid, same_form
+from nebula_flow.kv.store import KVStore, same_form
 from nebula_flow.models.loader import load_model
 from nebula_flow.models.rows import BUCKET, RowPlan
 from nebula_flow.params import SamplingParams
@@ -153,10 +153,11 @@ def test_another_requests_prefix_is_pulled_only_where_both_computed_it_in_one_fo
     prefix pull takes the positions of one form in both (the source's prompt length comes with its
     holder; unknown, none), where the model computes prompts in blocks, and all of them elsewhere."""
     offer = Holder(3, 60, "tcp://peer", source=7)
+    store = KVStore(model)
     for source_prompt, prompt_len, want in ((75, 75, 60), (40, 75, 40), (75, 50, 50), (0, 75, 0)):
         offer.source_prompt = source_prompt
-        assert prefix_valid(offer, prompt_len, model) == want
-    assert prefix_valid(offer, 75, load_model(tiny_pair / "target")) == 60  # (fp32: no blocks)
+        assert store.prefix_valid(offer, prompt_len) == want
+    assert KVStore(load_model(tiny_pair / "target")).prefix_valid(offer, 75) == 60  # (fp32: no blocks)
     routes = PrefixRoutes()
     req = Request(1, "1", list(range(40, 140)), SamplingParams(max_new_tokens=4), seed=1)
     req.output, req.holders = [5, 6], {"target": (3, 101)}

@@ -11,7 +11,7 @@ from typing import Any
 
 from nebula_flow.elastic import estimate
 from nebula_flow.kv.link_fit import LinkFit
-from nebula_flow.kv.store import KVStore, Wanted, add_by_size, prefix_valid
+from nebula_flow.kv.store import KVStore, Wanted, add_by_size
 from nebula_flow.kv.transport import KVTransport, endpoint_part
 from nebula_flow_workers.runner import ModelRunner, Task
 
@@ -70,7 +70,7 @@ class KVPrep:
                     if h.source is not None and self.served[role].held(t.rid, t.tokens, t.params.cache_salt, None, t.prompt_len) >= min(
                             h.valid, len(t.tokens) - 1):
                         continue  # (a prefix this worker holds too)
-                    valid = h.valid if h.source is None else prefix_valid(h, t.prompt_len, self.served[role].model)
+                    valid = h.valid if h.source is None else self.served[role].prefix_valid(h, t.prompt_len)
                     if valid > 0:
                         by_holder.setdefault((h.endpoint, role), []).append(
                             (t.rid, t.tokens, valid, t.rid if h.source is None else h.source, t.params.cache_salt))

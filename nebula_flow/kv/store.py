@@ -199,6 +199,20 @@ class KVStore:
         self.stats.computed += len(tokens) - 1 - keep
         return cache
 
+    @property
+    def prompt_blocks(self) -> bool:
+        """Whether its model computes prompt positions in blocks (``CausalLM.prompt_blocks``): then
+        only positions of one form in two requests are the same bits (``same_form``)."""
+        return getattr(self.model, "prompt_blocks", False)
+
+    def prefix_valid(self, holder: Holder, prompt_len: int) -> int:
+        """How many of the positions ``holder`` offers from another request's KV (a prefix pull) a
+        request of prompt length ``prompt_len`` takes: with ``prompt_blocks``, those of one form in
+        both (none where the source's prompt length is not known)."""
+        if not self.prompt_blocks:
+            return holder.valid
+        return min(holder.valid, same_form(holder.source_prompt, prompt_len)) if holder.source_prompt else 0
+
     def _longest_prefix(self, cache: KVCache | None, tokens: np.ndarray, keep: int, salt: str | None,
                         finished_only: bool = False, prompt_len: int = 0) -> tuple[KVCache | None, int, object]:
         """The other cache of ``salt``, live or finished (``finished_only``: finished), holding the
@@ -208,7 +222,7 @@ class KVStore:
         form in both count (``same_form``; ``prompt_len``: the asking request's, where ``cache`` is
         None). Lock held."""
         asking = cache.prompt_len if cache is not None else prompt_len
-        blocks = getattr(self.model, "prompt_blocks", False)
+        blocks = self.prompt_blocks
         head = tokens[:MIN_SHARED].tolist()
         best, most, key = None, max(keep, MIN_SHARED - 1), None
         live = () if finished_only else self.caches.items()
@@ -430,15 +444,6 @@ class KVStore:
                     self.branches.pop(rid, None)  # (not kept: memory is short)
                     cache.release()
                     self.stats.evicted += 1
-
-
-def prefix_valid(holder: Holder, prompt_len: int, model: object) -> int:
-    """How many of the positions ``holder`` offers from another request's KV (a prefix pull) a request
-    of prompt length ``prompt_len`` takes: where ``model`` computes prompts in blocks, those of one
-    form in both (``same_form``; none where the source's prompt length is not known)."""
-    if not getattr(model, "prompt_blocks", False):
-        return holder.valid
-    return min(holder.valid, same_form(holder.source_prompt, prompt_len)) if holder.source_prompt else 0
 
 
 def same_form(a: int, b: int) -> int:

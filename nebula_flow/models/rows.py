@@ -332,12 +332,12 @@ class RowPlan:
                 calls.extend(RunCall(source, base, start + a, mask, rows, self.device, self.dtype)
                              for a, rows, mask in run_calls(past, run, self.block))
             elif not self.block and window is None and past < prompt_len:  # (no runs here: a prompt in blocks)
-                run = min(run, prompt_len - past)
-                for a in range(0, run):
-                    if a == 0 or (past + a) % BUCKET == 0:  # (a block's first row this forward computes)
-                        size = min(run - a, BUCKET - (past + a) % BUCKET)
-                        calls.append(BlockCall(source, base, (past + a) // BUCKET, (past + a) % BUCKET, start + a,
-                                               size, self.device))
+                run, a = min(run, prompt_len - past), 0
+                while a < run:  # (each block's rows this forward computes)
+                    block, offset = divmod(past + a, BUCKET)
+                    size = min(run - a, BUCKET - offset)
+                    calls.append(BlockCall(source, base, block, offset, start + a, size, self.device))
+                    a += size
             else:
                 run = 0
             for j in range(run, n):
