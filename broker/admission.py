@@ -190,6 +190,8 @@ class Admission:
             raise ProtocolError("invalid_prediction", f"the prediction ({len(prediction)} tokens) is longer than "
                                                       f"the context ({self.max_model_len})")
         req = Request(rid, msg.req_id, prompt, params, seed, owner=owner, t_submit=now, prediction=prediction)
+        if msg.resume_tokens is not None and len(msg.resume_tokens):
+            req.output = self.resumed(msg.resume_tokens, params)
         if params.prompt_logprobs is not None:  # (the first token's is null: nothing predicts it)
             req.prompt_logprobs = [[prompt[0], self.token_text(prompt[0]), None, [], None]]
         if params.min_tokens:  # (the ids that would end it early, which its verifies must not pick)
@@ -198,6 +200,17 @@ class Admission:
                 raise ProtocolError("invalid_params", "allowed_token_ids holds only ids that end the output, "
                                                       "and min_tokens asks for more tokens than that")
         return req
+
+    def resumed(self, ids: np.ndarray, params: SamplingParams) -> list[int]:
+        """A resend's ``resume_tokens`` (``Submit``): the output its run continues after, checked."""
+        if len(ids) >= params.max_new_tokens:
+            raise ProtocolError("invalid_params", f"resume_tokens holds {len(ids)} tokens: a resumed request needs "
+                                                  f"fewer than max_new_tokens ({params.max_new_tokens})")
+        resumed = ids.tolist()
+        if self.vocab_size is not None and not 0 <= min(resumed) <= max(resumed) < self.vocab_size:
+            raise ProtocolError("invalid_params", f"resume_tokens holds token ids outside the vocabulary "
+                                                  f"[0, {self.vocab_size})")
+        return resumed
 
     def stop_text(self, req: Request) -> bool:
         """Extend ``req.text`` with what its new tokens decode to (only those are decoded), cut

@@ -236,6 +236,7 @@ class Intake:
         self.by_req_id[msg.req_id] = req.rid
         self.owners[msg.req_id] = owner
         self.counters["requests_submitted"] += 1
+        self.counters["requests_resumed"] += bool(req.output)  # (a resend after its tokens began: ``Submit.resume_tokens``)
         self.scheduler.admit(req)
         if req.waits_for is not None:  # (it waits for the request computing its prompt's start: prefixes.py)
             self.counters["prefix_waits"] += 1

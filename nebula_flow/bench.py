@@ -118,6 +118,7 @@ class BenchWorkload:
     urgent_priority: int = 0  # the priority urgent requests are sent at (-1 where the policy schedules by priority)
     # a shared start new to the deployment in each repeat (``--fresh-prefix``): the warm-up's prompts, then each repeat's
     fresh: list[list[str]] | None = None
+    seeded: bool = True  # sampled requests carry seeds (the same samples in every mode), or none (as API clients send)
 
 
 # A conversation's later turns (``BenchWorkload.turns``), each asked after the answers before it.
@@ -144,7 +145,8 @@ async def _closed_loop(address: str, wl: BenchWorkload, api: str | None = None,
                     done = await _conversation(client, wl, i, prompt, **priority)
                 else:
                     done = [await client.generate(prompt, max_new_tokens=wl.max_new_tokens, temperature=wl.temperature,
-                                                  top_p=wl.top_p, seed=i, ignore_eos=wl.ignore_eos, chat=wl.chat,
+                                                  top_p=wl.top_p, seed=i if wl.seeded else None,
+                                                  ignore_eos=wl.ignore_eos, chat=wl.chat,
                                                   **({"structured": wl.structured} if wl.structured else {}),
                                                   **({"prediction": wl.predictions[i]} if wl.predictions else {}),
                                                   **priority)]
@@ -166,7 +168,8 @@ async def _conversation(client: Any, wl: BenchWorkload, i: int, prompt: str,  # 
     for turn in range(wl.turns):
         history.append({"role": "user", "content": prompt if turn == 0 else FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]})
         out = await client.generate(messages=list(history), max_new_tokens=wl.max_new_tokens,
-                                    temperature=wl.temperature, top_p=wl.top_p, seed=i * wl.turns + turn,
+                                    temperature=wl.temperature, top_p=wl.top_p,
+                                    seed=i * wl.turns + turn if wl.seeded else None,
                                     ignore_eos=wl.ignore_eos, prompt_cache_key=f"conversation-{i}", **params)
         history.append({"role": "assistant", "content": out.text})
         outs.append(out)

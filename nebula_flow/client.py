@@ -46,6 +46,7 @@ from nebula_flow.outputs import (  # noqa: F401
 )
 from nebula_flow.params import SamplingParams, is_int
 from nebula_flow.protocol import Cancel, Chunks, Done, Error, Msg, ProtocolError, State, Status, Submit, Tokens
+from nebula_flow.resume import resend, seeded
 from nebula_flow.shards import addresses as shard_addresses
 from nebula_flow.shards import merge_states, route, shard_of
 
@@ -124,14 +125,6 @@ def _tokenization(reply: Msg) -> Tokenization:
     if isinstance(reply, Error):
         _raise_error(reply)
     return Tokenization(reply.token_ids.tolist(), reply.max_model_len, reply.text, reply.pieces)
-
-
-def _reproducible(params: dict[str, Any]) -> dict[str, Any]:
-    """A sampled request needs a seed to come out the same when it is sent again (a retry, a
-    restarted broker); pick one if none is given (a random seed samples the same distribution)."""
-    if params.get("temperature", 0.0) and params.get("seed") is None:
-        params = dict(params, seed=int.from_bytes(uuid.uuid4().bytes[:7], "big"))
-    return params
 
 
 class Client:
@@ -238,7 +231,7 @@ class Client:
         broker shard: ``shards.route``)."""
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
         conn = self.conns[route(req_id, params.pop("prompt_cache_key", None), len(self.conns))]
-        submit = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
+        submit = build_submit(req_id, prompt, token_ids, chat, self.session, **seeded(params))
         conn.boxes[req_id] = deque()  # (its mailbox holds its own messages only: ``_recv``)
         col = Collector()
         finished, attempts = False, 0
@@ -251,10 +244,10 @@ class Client:
                     if attempts >= self.retries:
                         raise
                     attempts += 1  # same req_id: the broker re-attaches or replays, never duplicates
-                    self._send(conn, submit)
+                    self._send(conn, resend(submit, col))
                     continue
                 if msg is None:  # a new connection (a restarted broker): send it again
-                    self._send(conn, submit)
+                    self._send(conn, resend(submit, col))
                     continue
                 if isinstance(msg, Tokens):
                     chunk = col.chunk(msg)
@@ -328,7 +321,8 @@ class AsyncClient:
         self.session = secrets.token_hex(16)  # (without keys: what proves these requests are ours)
         self.conns = [Conn(zmq.asyncio.Context.instance(), a, keys) for a in shard_addresses(address)]
         self.queues: dict[str, asyncio.Queue[Msg]] = {}
-        self.inflight: dict[str, tuple[Conn, Msg]] = {}  # sent again when a dropped connection is back
+        # sent again when a dropped connection is back (a request's with what its stream had: ``resend``)
+        self.inflight: dict[str, tuple[Conn, Msg, Collector | None]] = {}
         self.tasks: list[asyncio.Task] = []  # each connection's reader and watcher
         self.started = 0.0
         self.closed = False
@@ -364,9 +358,9 @@ class AsyncClient:
         """Send every request in flight to that broker again when its dropped connection is back."""
         while True:
             if conn.link.event(await conn.monitor.recv_multipart()):
-                for to, msg in list(self.inflight.values()):
+                for to, msg, col in list(self.inflight.values()):
                     if to is conn:
-                        await conn.sock.send_multipart(protocol.encode(msg), copy=False)
+                        await conn.sock.send_multipart(protocol.encode(resend(msg, col) if col else msg), copy=False)
 
     async def _read(self, index: int, conn: Conn) -> None:
         while True:
@@ -380,7 +374,7 @@ class AsyncClient:
                 if key in self.queues:
                     self.queues[key].put_nowait(one)
                 elif key is None and isinstance(one, Error):  # (an error that names no request: each one's of that broker)
-                    for waiting, (to, _) in list(self.inflight.items()):
+                    for waiting, (to, _, _) in list(self.inflight.items()):
                         if to is conn and waiting in self.queues:
                             self.queues[waiting].put_nowait(one)
 
@@ -407,12 +401,12 @@ class AsyncClient:
         self.start()
         req_id = params.pop("request_id", None) or uuid.uuid4().hex
         conn = self.conns[route(req_id, params.pop("prompt_cache_key", None), len(self.conns))]
-        msg = build_submit(req_id, prompt, token_ids, chat, self.session, **_reproducible(params))
+        msg = build_submit(req_id, prompt, token_ids, chat, self.session, **seeded(params))
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues[req_id] = queue
-        self.inflight[req_id] = (conn, msg)
-        await self._send(conn, msg)
         col = Collector()
+        self.inflight[req_id] = (conn, msg, col)
+        await self._send(conn, msg)
         finished, attempts = False, 0
         try:
             while True:
@@ -422,7 +416,7 @@ class AsyncClient:
                     if attempts >= self.retries:
                         raise
                     attempts += 1  # same req_id: the broker re-attaches or replays, never duplicates
-                    await self._send(conn, msg)
+                    await self._send(conn, resend(msg, col))
                     continue
                 if isinstance(reply, Tokens):
                     chunk = col.chunk(reply)
@@ -460,7 +454,7 @@ class AsyncClient:
         msg = build_tokenize(text, **kwargs)
         queue: asyncio.Queue[Msg] = self.queues.setdefault(msg.req_id, asyncio.Queue())
         conn = self.conns[shard_of(msg.req_id, len(self.conns))]
-        self.inflight[msg.req_id] = (conn, msg)  # (asked again on a new connection too)
+        self.inflight[msg.req_id] = (conn, msg, None)  # (asked again on a new connection too)
         try:
             await self._send(conn, msg)
             return _tokenization(await self._next(queue))
@@ -488,7 +482,7 @@ class AsyncClient:
         key = f"__status__{index}"
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.queues[key] = queue
-        self.inflight[key] = (conn, Status())  # (asked again on a new connection too)
+        self.inflight[key] = (conn, Status(), None)  # (asked again on a new connection too)
         try:
             await self._send(conn, Status())
             if isinstance(answer := await self._next(queue), Error):

@@ -103,6 +103,7 @@ class Collector:
         self.counts: list[int] = []
         self.seen_tokens = 0
         self.seen_text = 0
+        self.token_ids: list[int] = []  # the tokens passed on so far (what a resend resumes after: ``client.resend``)
         self.logprobs: list | None = None  # asked for: every token's, as the chunks brought them
         self.prompt_logprobs: list | None = None  # asked for: the prompt's tokens', as their chunks brought them
         self.prompt_text: str | None = None  # asked for (echo)
@@ -123,6 +124,7 @@ class Collector:
         if not tokens and not text:
             return None  # all of it was seen already
         self.seen_tokens = max(self.seen_tokens, msg.offset + len(msg.token_ids))
+        self.token_ids.extend(tokens)
         self.seen_text = max(self.seen_text, msg.text_offset + len(msg.text))
         t = time.monotonic() - self.t0
         first = self.ttft is None

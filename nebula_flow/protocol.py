@@ -80,7 +80,9 @@ class Submit(Msg):
     where keys are on, else the ``session`` it sends (a secret the client library draws per client). ``prediction``
     (text) or ``prediction_tokens``: what the client expects much of the output to be (OpenAI's Predicted Outputs,
     e.g. a file being edited): rounds look up draft chains in it as in the prompt; the output is the same with or
-    without it, only quicker where it matches."""
+    without it, only quicker where it matches. ``resume_tokens``: on a resend only, the output the client has had
+    so far (a sampled request without a seed, whose draws no resend repeats): a broker that runs the request anew
+    (it restarted) continues after them; one that still runs it, or has its result, ignores them."""
 
     KIND: ClassVar[str] = "SUBMIT"
     req_id: str
@@ -93,13 +95,14 @@ class Submit(Msg):
     chat_options: dict | None = None
     prediction: str | None = None
     prediction_tokens: Tensor | None = None
+    resume_tokens: Tensor | None = None
 
     def check(self) -> None:
         check_req_id(self.req_id)
         check_session(self.session)
         if sum(x is not None for x in (self.prompt, self.prompt_tokens, self.messages)) != 1:
             raise malformed("give exactly one of prompt, prompt_tokens and messages")
-        for name in ("prompt_tokens", "prediction_tokens"):
+        for name in ("prompt_tokens", "prediction_tokens", "resume_tokens"):
             ids = getattr(self, name)
             if ids is not None and (ids.ndim != 1 or ids.dtype.kind != "i"):
                 raise malformed(f"{name} must be a 1-d integer tensor")

@@ -314,3 +314,21 @@ def test_max_model_len_bounds_the_context_served_and_never_exceeds_the_models(ti
     assert refused.value.code == "too_long"
     with pytest.raises(ConfigError, match="max_model_len 2048 exceeds the model's context"):
         Admission(model, 4096, max_model_len=2048)
+
+
+def test_a_resend_resumes_after_the_tokens_its_client_had(tiny_pair) -> None:  # noqa: ANN001
+    """``Submit.resume_tokens`` at admission: the request's output begins with them (its rounds go on
+    after them, within the same ``max_new_tokens``); ids outside the vocabulary, or as many as the
+    request may make, are refused."""
+    admission = Admission(str(tiny_pair / "target"), 4096)
+    prompt = np.array([1, 2], np.int32)
+    sampled = {"temperature": 1.0, "max_new_tokens": 8}
+    req = admission.request(1, Submit("a", sampled, prompt_tokens=prompt, resume_tokens=np.array([5, 6, 7])),
+                            owner=b"c", now=0.0)
+    assert req.output == [5, 6, 7] and req.remaining == 5 and req.prompt == [1, 2] and not req.reproducible
+    assert admission.request(2, Submit("b", sampled, prompt_tokens=prompt, resume_tokens=np.array([], np.int64)),
+                             owner=b"c", now=0.0).output == []
+    for bad, says in ((np.array([admission.vocab_size]), "outside the vocabulary"), (np.arange(8), "fewer than max_new")):
+        with pytest.raises(ProtocolError, match=says) as err:
+            admission.request(3, Submit("c", sampled, prompt_tokens=prompt, resume_tokens=bad), owner=b"c", now=0.0)
+        assert err.value.code == "invalid_params"

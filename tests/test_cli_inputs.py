@@ -186,3 +186,8 @@ def test_a_misspelled_config_key_is_named_with_the_one_meant(tmp_path, table: st
 def test_a_max_model_len_under_two_is_refused() -> None:
     with pytest.raises(ValueError, match="max_model_len must be >= 2, got 1"):
         BrokerOptions(max_model_len=1).check()
+
+
+def test_bench_unseeded_needs_sampled_requests() -> None:
+    res = CliRunner().invoke(main, ["bench", "--unseeded"])
+    assert res.exit_code == 2 and "Invalid value for --unseeded: seeds are for sampled requests" in res.output, res.output

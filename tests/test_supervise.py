@@ -190,6 +190,56 @@ def test_serve_restarts_a_killed_broker_and_clients_carry_their_requests(tiny_pa
     assert "broker was killed by SIGKILL; starting it again" in (tmp_path / "serve.err").read_text()
 
 
+@pytest.mark.parametrize("kind", ["blocking", "asyncio"])
+def test_a_sampled_stream_without_a_seed_goes_on_after_a_killed_broker(tiny_pair, tmp_path, kind: str) -> None:  # noqa: ANN001
+    """kill -9 of the broker mid-stream, a sampled request without a seed (one the policy may plan by
+    load): the client sends it again with the tokens it has had, the restarted broker's run goes on
+    after them, and the stream is one sample: what was streamed is the final output, nothing twice.
+    (Run anew from the start, its draws would differ from the tokens already streamed.)"""
+    proc, address = _serve(tiny_pair, tmp_path, 1, 1)
+    ask = {"token_ids": [5, 9, 13], "max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+    try:
+        state = _wait_for(lambda s: len(s["workers"]) == 2, 60, address)
+        broker_pid = state["pid"]
+        streamed, final, before_kill = [], [], []
+        first_chunk = threading.Event()
+
+        def took(item: object) -> None:
+            if isinstance(item, Completion):
+                final.append(item)
+            else:
+                streamed.extend(item.token_ids)
+                first_chunk.set()
+
+        def consume() -> None:
+            if kind == "blocking":
+                with Client(address, timeout_s=120) as c:
+                    for item in c.stream(**ask):
+                        took(item)
+                return
+
+            async def run() -> None:
+                async with AsyncClient(address, timeout_s=120) as c:
+                    async for item in c.stream(**ask):
+                        took(item)
+            asyncio.run(run())
+
+        t = threading.Thread(target=consume)
+        t.start()
+        assert first_chunk.wait(60)
+        os.kill(broker_pid, signal.SIGKILL)
+        before_kill.extend(streamed)
+        t.join(120)
+        assert not t.is_alive() and final, (tmp_path / "serve.err").read_text()
+        out = final[0]
+        assert len(out.token_ids) == 200 and out.token_ids == streamed  # one sample: nothing lost, nothing twice
+        assert out.token_ids[:len(before_kill)] == before_kill
+        state = _wait_for(lambda s: len(s["workers"]) == 2, 60, address)
+        assert state["pid"] != broker_pid and state["counters"].get("requests_resumed") == 1, state["counters"]
+    finally:
+        _stop(proc)
+
+
 def test_a_crash_looping_worker_is_given_up_while_the_rest_serve(tiny_pair) -> None:  # noqa: ANN001
     cfg = deploy_config(tiny_pair, "pooled", 2, 1)
     cfg.broker.heartbeat_s, cfg.broker.liveness_s = 0.5, 3.0

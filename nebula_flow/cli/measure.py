@@ -51,6 +51,9 @@ from nebula_flow.roles import MODES
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
               help="Nucleus sampling with --temperature > 0: each token drawn from the fewest most likely tokens "
               "whose probability reaches this (1: the whole distribution).")
+@click.option("--unseeded", is_flag=True, help="With --temperature: send sampled requests without seeds, as most API "
+              "clients do (by default each carries one: the same samples in every mode). The policy plans a seeded "
+              "request as on any placement, so only an unseeded one is planned by load and measured costs.")
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Repeats per mode; figures are medians.")
 @click.option("--chat", is_flag=True, help="Send code requests in the model's chat format (how an instruct model "
               "is used) instead of raw code and prose prompts.")
@@ -88,7 +91,7 @@ from nebula_flow.roles import MODES
               "Compare MODE and MODE@priority_scheduling=true with --concurrency above what the workers batch.")
 @click.option("--json", "as_json", is_flag=True, help="Print {\"modes\": {mode: {...}}} as JSON.")
 def bench(config, target_model, draft_model, modes, draft_workers, target_workers, concurrency, n_requests,  # noqa: ANN001
-          max_new_tokens, temperature, top_p, repeats, chat, edit, json_schema, breakdown, via, predict, shared_prefix,
+          max_new_tokens, temperature, top_p, unseeded, repeats, chat, edit, json_schema, breakdown, via, predict, shared_prefix,
           fresh_prefix, turns, urgent, as_json) -> None:  # noqa: ANN001
     """Benchmark the modes side by side on one config and workload (medians over repeats)."""
     from nebula_flow.bench import (
@@ -132,6 +135,9 @@ def bench(config, target_model, draft_model, modes, draft_workers, target_worker
         raise click.ClickException(f"{', '.join(peers)} run one prompt at a time; bench them without --turns")
     if top_p < 1 and temperature == 0:
         raise click.BadParameter("top-p samples: give a --temperature above 0 too", param_hint="--top-p")
+    if unseeded and temperature == 0:
+        raise click.BadParameter("seeds are for sampled requests: give a --temperature above 0 too",
+                                 param_hint="--unseeded")
     if urgent is not None and (urgent > n_requests or any(m in PEERS for m in names)):
         raise click.BadParameter("urgent requests need at least N requests, and modes of ours (HF's peers run "
                                  "one request at a time)", param_hint="--urgent")
@@ -146,7 +152,7 @@ def bench(config, target_model, draft_model, modes, draft_workers, target_worker
             fresh = [with_context(prompts, shared_prefix, first.target.model, True, i) for i in range(repeats + 1)]
         prompts = fresh[1] if fresh else with_context(prompts, shared_prefix, first.target.model, shared=True)
     wl = BenchWorkload(prompts, max_new_tokens, concurrency, temperature, chat=chat or edit or bool(json_schema),
-                       top_p=top_p, turns=turns, urgent_every=urgent or 0, fresh=fresh)
+                       top_p=top_p, turns=turns, urgent_every=urgent or 0, fresh=fresh, seeded=not unseeded)
     if json_schema:
         if peers := [m for m in names if m in PEERS]:
             raise click.ClickException(f"{', '.join(peers)} cannot follow a JSON schema; bench them without --json-schema")
