@@ -360,7 +360,7 @@ class AsyncClient:
             if conn.link.event(await conn.monitor.recv_multipart()):
                 for to, msg, col in list(self.inflight.values()):
                     if to is conn:
-                        await conn.sock.send_multipart(protocol.encode(resend(msg, col) if col else msg), copy=False)
+                        await conn.sock.send_multipart(protocol.encode(resend(msg, col) if col is not None else msg), copy=False)
 
     async def _read(self, index: int, conn: Conn) -> None:
         while True:
