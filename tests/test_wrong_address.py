@@ -106,6 +106,22 @@ def test_a_worker_at_an_http_port_says_why_it_hears_nothing(dep, tiny_pair) -> N
         worker.wait(30)
 
 
+def test_a_worker_where_nothing_listens_says_so(tiny_pair) -> None:  # noqa: ANN001
+    """A worker started before its broker, or given a wrong port, logged only "no word from the
+    broker ... reconnecting": the same words as for a broker that went silent."""
+    worker = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "worker", "--broker", f"tcp://127.0.0.1:{free_port()}",
+                               "--role", "target", "--model", str(tiny_pair / "target"), "--threads", "1"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        for line in worker.stderr:  # (its first reconnect comes after ~10 s of silence)
+            if "no word from the broker" in line:
+                break
+        assert "(nothing accepts connections there: no broker runs at that address yet" in line, line
+    finally:
+        worker.kill()
+        worker.wait(30)
+
+
 def test_a_gateway_whose_broker_is_not_there_answers_its_probes_at_once() -> None:
     """/health asked the broker and waited 5 s for nothing, each time: longer than a load balancer's probe waits."""
     nobody = f"tcp://127.0.0.1:{free_port()}"

@@ -41,8 +41,9 @@ class BrokerLink:
     def __init__(self, address: str, identity: Identity | None) -> None:
         self.address, self.identity = address, identity
         self.sock: zmq.Socket | None = None
-        self.monitor: zmq.Socket | None = None  # (failed handshakes: what a silent broker's address holds; main thread)
+        self.monitor: zmq.Socket | None = None  # (connections and failed handshakes: what a silent broker's address holds)
         self.refused: int | None = None
+        self.reached = False  # a connection was made to the address since ``connect`` (something listens there)
         self.fd: int | None = None
         self.lock = threading.Lock()
         self.registered = False
@@ -62,7 +63,8 @@ class BrokerLink:
             self.sock.setsockopt(zmq.LINGER, 2000)
             if self.identity:
                 make_client(self.sock, self.identity)
-            self.monitor, self.refused = self.sock.get_monitor_socket(HANDSHAKE_FAILED), None
+            self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_CONNECTED)
+            self.refused, self.reached = None, False
             self.sock.connect(self.address)
             self.fd = self.sock.getsockopt(zmq.FD)
         self.last_heard = time.monotonic()
@@ -91,10 +93,18 @@ class BrokerLink:
         return now - self.last_heard
 
     def refusal(self) -> str:
-        """Why a silent broker's address failed this worker's handshakes, as " (...)" (else "")."""
+        """Why a silent broker's address failed this worker, as " (...)": nothing accepted a
+        connection there, or its handshakes failed (else "")."""
         while self.monitor is not None and self.monitor.poll(0):
-            self.refused = parse_monitor_message(self.monitor.recv_multipart())["event"]
-        return "" if self.refused is None else f" ({handshake_failed(self.refused, self.identity is not None, 'worker')})"
+            kind = parse_monitor_message(self.monitor.recv_multipart())["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.reached = True
+            else:
+                self.refused = kind
+        if self.refused is not None:
+            return f" ({handshake_failed(self.refused, self.identity is not None, 'worker')})"
+        return "" if self.reached else (" (nothing accepts connections there: no broker runs at that address yet, "
+                                        "or it is not reachable from this host)")
 
     def _close_monitor(self) -> None:
         if self.monitor is not None:
