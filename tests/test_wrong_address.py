@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -89,37 +90,30 @@ def test_a_handshake_that_succeeds_later_clears_the_refusal() -> None:
     assert link.up and link.refused is None
 
 
-def test_a_worker_at_an_http_port_says_why_it_hears_nothing(dep, tiny_pair) -> None:  # noqa: ANN001
-    """It logged "no word from the broker ... reconnecting" every time, the same whatever was there."""
-    http_port = dep.http_url.rsplit(":", 1)[1]
-    worker = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "worker", "--broker", f"tcp://127.0.0.1:{http_port}",
+def _first_reconnect(broker: str, tiny_pair: Path) -> str:
+    """The line a worker pointed at ``broker`` logs when it first reconnects (after ~10 s of silence)."""
+    worker = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "worker", "--broker", broker,
                                "--role", "target", "--model", str(tiny_pair / "target"), "--threads", "1"],
                               stderr=subprocess.PIPE, text=True)
     try:
-        for line in worker.stderr:  # (its first reconnect comes after ~10 s of silence)
-            if "no word from the broker" in line:
-                break
-        assert "(it answers, but its ZeroMQ handshake failed: a broker that uses CURVE keys (give the worker its key " \
-               "folder" in line and "an HTTP port, such as the HTTP API's?" in line, line
+        return next(line for line in worker.stderr if "no word from the broker" in line)
     finally:
         worker.kill()
         worker.wait(30)
+
+
+def test_a_worker_at_an_http_port_says_why_it_hears_nothing(dep, tiny_pair) -> None:  # noqa: ANN001
+    """It logged "no word from the broker ... reconnecting" every time, the same whatever was there."""
+    line = _first_reconnect(f"tcp://127.0.0.1:{dep.http_url.rsplit(':', 1)[1]}", tiny_pair)
+    assert "(it answers, but its ZeroMQ handshake failed: a broker that uses CURVE keys (give the worker its key " \
+           "folder" in line and "an HTTP port, such as the HTTP API's?" in line, line
 
 
 def test_a_worker_where_nothing_listens_says_so(tiny_pair) -> None:  # noqa: ANN001
     """A worker started before its broker, or given a wrong port, logged only "no word from the
     broker ... reconnecting": the same words as for a broker that went silent."""
-    worker = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "worker", "--broker", f"tcp://127.0.0.1:{free_port()}",
-                               "--role", "target", "--model", str(tiny_pair / "target"), "--threads", "1"],
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        for line in worker.stderr:  # (its first reconnect comes after ~10 s of silence)
-            if "no word from the broker" in line:
-                break
-        assert "(nothing accepts connections there: no broker runs at that address yet" in line, line
-    finally:
-        worker.kill()
-        worker.wait(30)
+    line = _first_reconnect(f"tcp://127.0.0.1:{free_port()}", tiny_pair)
+    assert "(nothing accepts connections there: no broker runs at that address yet" in line, line
 
 
 def test_a_gateway_whose_broker_is_not_there_answers_its_probes_at_once() -> None:
