@@ -21,6 +21,11 @@ from nebula_flow.outputs import Collector
 from nebula_flow.protocol import Submit
 
 
+def _unseeded_sample(params: dict[str, Any]) -> bool:
+    """A sampled request without a seed (``params``: as the caller gives them, or as they travel)."""
+    return bool(params.get("temperature")) and params.get("seed") is None
+
+
 def seeded(params: dict[str, Any]) -> dict[str, Any]:
     """A sampled request without a seed is sent again with the tokens it has had (``resend``), so
     a restarted broker goes on from them. One that asks for its tokens' log-probabilities gets a seed
@@ -28,7 +33,7 @@ def seeded(params: dict[str, Any]) -> dict[str, Any]:
     tokens' log-probabilities, so it runs again from the start and must draw the same tokens. A seed
     makes the policy plan a request as it would on any placement (never by load or measured costs:
     ``Request.reproducible``), so only those requests get one."""
-    if params.get("temperature", 0.0) and params.get("seed") is None and params.get("logprobs") is not None:
+    if _unseeded_sample(params) and params.get("logprobs") is not None:
         params = dict(params, seed=int.from_bytes(uuid.uuid4().bytes[:7], "big"))
     return params
 
@@ -38,6 +43,6 @@ def resend(submit: Submit, col: Collector | None) -> Submit:
     seed carries the tokens ``col`` has passed on (``Submit.resume_tokens``): a broker that lost
     the request runs it on after them, where drawing anew from the start would break the stream
     the caller has. Greedy and seeded output comes out the same again: sent as it was."""
-    if col is None or not col.token_ids or not submit.params.get("temperature") or submit.params.get("seed") is not None:
+    if col is None or not col.token_ids or not _unseeded_sample(submit.params):
         return submit
     return replace(submit, resume_tokens=np.asarray(col.token_ids, dtype=np.int64))
