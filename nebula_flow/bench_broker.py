@@ -88,8 +88,10 @@ def prompt(i: int, length: int) -> list[int]:
 
 
 def worker_roles(mode: str, workers: int) -> list[str]:
-    """``workers`` per stage of ``mode`` (pooled, paired: draft and target; the others: their one role)."""
-    return [role for role in MODES[mode] for _ in range(workers)]
+    """``workers`` per stage of ``mode`` (pooled, paired: draft and target; elastic: elastic workers,
+    each taking either stage; the others: their one role)."""
+    roles = ("any",) if mode == "elastic" else MODES[mode]  # (elastic also admits fixed roles: none here)
+    return [role for role in roles for _ in range(workers)]
 
 
 async def _drive(client_address: str, worker_addresses: list[str], mode: str, workers: int, capacity: int,

@@ -13,14 +13,16 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_broker_measures_rounds_and_broker_cpu(tiny_pair) -> None:  # noqa: ANN001
-    res = CliRunner().invoke(main, ["bench-broker", "--modes", "pooled,autoregressive", "--model",
+    res = CliRunner().invoke(main, ["bench-broker", "--modes", "pooled,elastic,autoregressive", "--model",
                                     str(tiny_pair / "target"), "--workers", "2", "--requests", "12", "--concurrency",
                                     "6", "--max-new-tokens", "20", "--k", "3", "--json"])
     assert res.exit_code == 0, res.output
     modes = json.loads(res.output.strip().splitlines()[-1])["modes"]
-    pooled, ar = modes["pooled"], modes["autoregressive"]
+    pooled, elastic, ar = modes["pooled"], modes["elastic"], modes["autoregressive"]
     # every round of zero-cost workers commits the whole draft and a bonus token (the last round: what is left)
     assert pooled["rounds"] == 12 * 5 and pooled["tokens_per_round"] == 4.0
+    # (elastic, the bundled default's mode: its workers take either stage, most rounds whole on one)
+    assert elastic["rounds"] == 12 * 5 and elastic["tokens_per_round"] == 4.0
     assert ar["rounds"] == 12 * 20 and ar["tokens_per_round"] == 1.0
     assert all(0 < m["broker_cpu_us_per_round"] < 100_000 and m["round_rate"] > 0 for m in modes.values())
 

@@ -295,9 +295,10 @@ def replay(trace, address, tokenizer, config, time_scale, limit, start_s, end_s,
 
 
 @click.command("bench-broker")
-@click.option("--modes", default="pooled,colocated", show_default=True, help="Broker modes, comma-separated.")
+@click.option("--modes", default="pooled,colocated", show_default=True, help="Broker modes, comma-separated "
+              "(pooled, paired, colocated, elastic, autoregressive).")
 @click.option("--workers", type=click.IntRange(1), default=4, show_default=True, help="Zero-cost workers per stage (pooled/paired: this many "
-              "draft and this many target workers).")
+              "draft and this many target workers; elastic: this many elastic workers, each taking either stage).")
 @click.option("--max-batch", type=click.IntRange(1), default=32, show_default=True, help="Each worker's batch capacity.")
 @click.option("--concurrency", type=click.IntRange(1), default=64, show_default=True, help="Requests in flight.")
 @click.option("--requests", "n_requests", type=click.IntRange(1), default=256, show_default=True, help="Requests in all.")
@@ -333,8 +334,8 @@ def bench_broker_cmd(modes, workers, max_batch, concurrency, n_requests, max_new
     from nebula_flow.bench_broker import bench_broker, profile_table
 
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    if bad := [m for m in names if m not in MODES or m == "elastic"]:
-        raise click.BadParameter(f"unknown or unsupported modes {bad}", param_hint="--modes")
+    if bad := [m for m in names if m not in MODES]:
+        raise click.BadParameter(f"unknown modes {bad}", param_hint="--modes")
     counts = list(shard_counts)
     if model is None:
         model = str(ensure_tiny_pair() / "target")
