@@ -470,6 +470,37 @@ def test_serve_rejects_a_bad_config(tmp_path) -> None:  # noqa: ANN001
     assert res.exit_code != 0 and "elastic must be true or false" in res.output, res.output
 
 
+def test_run_serving_the_http_api_names_its_broker_for_the_other_commands(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """`run --http-port` (what `make run` does) serves on after its demo, its broker on a port of its
+    own choosing: it prints the broker's client address, and `nebula-flow status` reaches the
+    deployment there (at the default address it found nothing); Ctrl-C stops it cleanly."""
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'mode = "pooled"\n[draft]\nmodel = "{tiny_pair / "draft"}"\n'
+                   f'[target]\nmodel = "{tiny_pair / "target"}"\n')
+    err = tmp_path / "run.err"
+    proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "run", "--config", str(cfg), "--http-port", "0",
+                             "--max-new-tokens", "4", "--log-dir", str(tmp_path / "logs"), "The fox"],
+                            stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    try:
+        deadline = time.monotonic() + 120
+        while "the broker's client address: " not in err.read_text():  # (printed once the demo is done)
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        line = next(x for x in err.read_text().splitlines() if x.startswith("the broker's client address: "))
+        address = line.split(": ", 1)[1].split()[0]
+        assert address.startswith("tcp://127.0.0.1:") and f"nebula-flow status --broker {address}" in line, line
+        status = subprocess.run([sys.executable, "-m", "nebula_flow.cli", "status", "--broker", address, "--json"],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        state = json.loads(status.stdout)
+        assert state["mode"] == "pooled" and state["counters"]["tokens_out"] >= 4  # (the demo's: the deployment it ran)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_a_port_that_is_taken_is_one_clear_error(tiny_pair, tmp_path) -> None:  # noqa: ANN001
     """`serve --http-port P` and `api --port P` where P is taken: one line that names the address
     and why, before any deployment starts (it was a traceback whose cause the log's tail cut off);

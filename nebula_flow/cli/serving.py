@@ -148,6 +148,9 @@ def run(prompts, config, mode, draft_workers, target_workers, port, log_dir, tar
         if url is not None:
             name = dep.cfg.broker.model_name
             click.echo(f"\nserving the HTTP API on {url}/v1 until Ctrl-C; try:\n  {curl_line(url, name)}", err=True)
+            # (its broker listens on a port of its own choosing, not the config's: the other commands need it)
+            click.echo(f"the broker's client address: {dep.address} (e.g. nebula-flow status --broker {dep.address})",
+                       err=True)
             supervise_until_stopped(dep, again)
     finally:
         stop_deployment(dep, again)
