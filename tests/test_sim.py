@@ -525,3 +525,34 @@ def test_plan_tries_every_way_to_use_the_devices_best_first() -> None:
     devices = {w.wid: {m: c.hw.name for m, c in w.costs.items()} for w in Simulator(hetero, "colocated").workers.values()}
     assert devices == {1: {"draft": "l4", "target": "l4"}, 2: {"draft": "l4", "target": "l4"},
                        3: {"draft": "a100", "target": "a100"}, 4: {"draft": "a100", "target": "a100"}}
+
+
+def test_a_trace_scenario_is_planned_at_each_load(tmp_path) -> None:  # noqa: ANN001
+    """`simulate TRACE-SCENARIO --gpus N --loads ...`: the trace time-scaled to each load's mean rate
+    (its bursts kept), all at once at saturation. (It raised once the simulator's arrivals carried
+    shared prompt starts, and nothing ran it.)"""
+    from nebula_flow.sim.loads import ALL_AT_ONCE, at_rate
+
+    trace = tmp_path / "trace.csv"  # (Azure's columns: 12 requests over 5.5 s, a burst of 4 at 2 s)
+    stamps = ["00.000", "00.500", "01.000", "02.000", "02.010", "02.020", "02.030", "03.000", "04.000", "04.500",
+              "05.000", "05.500"]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"2023-11-16 18:17:{s}0000,{40 + 8 * i},{6 + i % 3}\n" for i, s in enumerate(stamps)))
+    scenario = tmp_path / "s.toml"
+    scenario.write_text((REPO / "configs" / "sim" / "paper-2d2t-trace.toml").read_text()
+                        .replace("../shared/traces/AzureLLMInferenceTrace_code.csv", str(trace)))
+    sc = load_scenario(scenario)
+    native = 11 / 5.5  # requests/s: the trace's own mean rate
+    scaled = at_rate(sc, 2 * native)
+    assert scaled.time_scale == pytest.approx(2.0) and at_rate(sc, None).time_scale == ALL_AT_ONCE
+    times = [a.at for a in scaled.arrivals(sc.seed)]
+    assert times[-1] - times[0] == pytest.approx(5.5 / 2) and times[4] - times[3] == pytest.approx(0.005)
+    result = CliRunner().invoke(main, ["simulate", str(scenario), "--gpus", "2", "--loads", "light,saturation",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output.strip().splitlines()[-1])["plan_by_load"]
+    assert set(plan["loads"]) == {"light", "saturation"}
+    assert plan["loads"]["light"]["rate_rps"] == pytest.approx(0.3 * plan["capacity_rps"])
+    for load in plan["loads"].values():
+        assert {r["mode"] for r in load["rows"]} >= {"elastic", "colocated", "autoregressive"}
+        assert all(r["requests"] == 12 and r["tokens_per_s"] > 0 for r in load["rows"])

@@ -34,7 +34,7 @@ def at_rate(sc: Scenario, rate: float | None) -> Workload:
     if wl.trace:
         if rate is None:
             return replace(wl, time_scale=ALL_AT_ONCE)
-        times = [t for t, _, _ in replace(wl, time_scale=1.0).arrivals(sc.seed)]
+        times = [a.at for a in replace(wl, time_scale=1.0).arrivals(sc.seed)]
         native = (len(times) - 1) / max(max(times) - min(times), 1e-9)  # the trace's own mean rate
         return replace(wl, time_scale=rate / native)
     return wl if rate is None else replace(wl, poisson_rate=rate, concurrency=None)
