@@ -181,7 +181,7 @@ class Broker(Intake):
         info.busy_s += max(0.0, msg.busy_s)
         if msg.kv is not None:
             info.kv = msg.kv
-            elastic.observe_pulls(self.scheduler, wid, msg.kv.get("pull_s"), msg.kv.get("pulled"))
+            self.scheduler.observe_pulls(wid, msg.kv.get("pull_s"), msg.kv.get("pulled"))
         if msg.device is not None:
             info.device = msg.device
             self._observe_costs(wid, msg.device.get("step_costs"), msg.device.get("batch_costs"))

@@ -156,6 +156,15 @@ def home(req: Request, held: int | None, homes: Mapping[int, int], workers: Mapp
     return homes.get(req.slot, held) if req.slot is not None else held
 
 
+def spreads(waiting: Sequence[WorkerState]) -> bool:
+    """Whether a dispatch spreads whole rounds over the idle elastic workers ``waiting``: with more
+    than one idle, each takes its own requests' rounds only up to its share of the pool until the
+    others have had their turn (what is left goes back to it after). Else the worker idle the
+    shortest, served first, took back all of its own every time, and one that joined later (a
+    restarted one) sat idle beside it until new requests came."""
+    return sum(1 for w in waiting if w.role == "any" and w.pull_idle) > 1
+
+
 def choose_rounds(sched: Scheduler, w: WorkerState, room: int, held_only: bool, taken: set[int]) -> list[int]:
     """Up to ``room`` queued whole rounds for elastic worker ``w``: with drafts (the draft topic's) and
     draft-less (the target topic's: a request's last round, or one adaptive k leaves without a draft).

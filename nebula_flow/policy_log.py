@@ -36,6 +36,8 @@ Records are JSON arrays, one per line (JSONL)::
                                          the one that assumed what its verify committed, when that
                                          verify has already ended, or null)
     ["step_costs", worker, role, [seconds by new rows]]
+    ["pull_rate", worker, seconds, positions]
+                                         (a worker's KV pull counters, which price moving KV to it)
     ["finish", rid]                      (a cancelled or failed request)
     ["dispatch", [[worker, [[rid, attempt], ...]], ...]]
 """
@@ -137,6 +139,10 @@ class RecordingScheduler(Scheduler):
     def observe_costs(self, worker_id: int, role: str, seconds: list[float | None], by_batch: bool = False) -> None:
         self.records.append(["batch_costs" if by_batch else "step_costs", worker_id, role, list(seconds)])
         super().observe_costs(worker_id, role, seconds, by_batch)
+
+    def observe_pulls(self, worker_id: int, seconds: object, positions: object) -> None:
+        self.records.append(["pull_rate", worker_id, seconds, positions])
+        super().observe_pulls(worker_id, seconds, positions)
 
     def finish(self, rid: int) -> Request | None:
         if not self._quiet:
@@ -258,6 +264,8 @@ def replay(records: list[list[Any]], policy: Scheduler) -> ReplayReport:
                                          for i, (n, m) in enumerate(shapes)])
         elif kind == "step_costs":
             policy.observe_costs(*args)
+        elif kind == "pull_rate":
+            policy.observe_pulls(*args)
         elif kind == "batch_costs":
             policy.observe_costs(*args, by_batch=True)
         elif kind == "finish":

@@ -23,20 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from nebula_flow import ahead, elastic, fusion, routing, speclen
+from nebula_flow import ahead, elastic, fusion, roles, routing, speclen
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.prefixes import PrefixRoutes, learnt
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
-from nebula_flow.roles import (
-    DEFAULT_DRAFTER,
-    MODES,
-    PHASE_ROLE,
-    ROLE_TOPICS,
-    STAGE_TOPIC,
-    Binder,
-    WorkerState,
-    holder_key,
-)
+from nebula_flow.roles import MODES, PHASE_ROLE, ROLE_TOPICS, STAGE_TOPIC, Binder, WorkerState, holder_key
 from nebula_flow.speclen import Acceptance
 from nebula_flow.topic import Topic
 
@@ -78,6 +69,7 @@ class Scheduler:
         self.homes: dict[int, int] = {}  # elastic: slot -> its worker (a request's home: ``_holder``)
         self.binder = Binder()  # the work bound to each slot (paired, colocated, elastic)
         self.pull_rates: dict[int, float] = {}  # worker -> seconds per KV position it pulled (``elastic.observe_pulls``)
+        self.spreading = False  # dispatch: an elastic worker's own rounds past its share wait for the others' turns
         self.prefixes: PrefixRoutes | None = None  # cache-aware placement (the broker's; a simulator's whose prompts share)
 
     # -- workers ---------------------------------------------------------------------------
@@ -92,7 +84,7 @@ class Scheduler:
             raise ValueError("capacity must be >= 1")
         used = {w.slot for w in self.workers.values() if w.role == role}
         slot = next(i for i in range(len(used) + 1) if i not in used)
-        drafter = (drafter or DEFAULT_DRAFTER) if role == "draft" else None
+        drafter = (drafter or roles.DEFAULT_DRAFTER) if role == "draft" else None
         self.workers[worker_id] = WorkerState(worker_id, role, slot, capacity, drafter=drafter,
                                               draft_capacity=draft_capacity if role == "any" else None)
         if drafter is not None:
@@ -139,6 +131,10 @@ class Scheduler:
                 return
             self.step_costs[(worker_id, role)] = list(seconds)
             self._update_costs()
+
+    def observe_pulls(self, worker_id: int, seconds: object, positions: object) -> None:
+        """A worker's KV pull counters: what moving a position to it costs (``elastic.observe_pulls``)."""
+        elastic.observe_pulls(self, worker_id, seconds, positions)
 
     def _update_costs(self) -> None:
         """The costs ``choose_round`` uses: per row count, the median worker's of each role (a request may run on any)."""
@@ -253,9 +249,8 @@ class Scheduler:
         ahead.done(self, req, worker_id, branches)
 
     def prefilled(self, req: Request, worker_id: int, valid: int) -> None:
-        """A worker computed a chunk of ``req``'s prompt (chunked prefill) and holds ``valid``
-        positions of the KV its task needs: the same task goes back on its topic for the rest
-        (to that worker, by locality, unless another is idle)."""
+        """A worker computed a chunk of ``req``'s prompt (chunked prefill) and holds ``valid`` positions of the KV its
+        task needs: the same task goes back on its topic for the rest (to that worker, by locality, unless another is idle)."""
         req.holders[self.task_holder_key(req)] = (worker_id, valid)
         if self._unround(req):  # (an elastic round prefilled both models)
             req.holders["target"] = (worker_id, valid)
@@ -378,7 +373,9 @@ class Scheduler:
         taken: set[int] = set()
         for w in waiting:
             w.stage = None if w.role == "any" else ROLE_TOPICS[w.role][0]
-        for first_pass in ((True, False) if self.policy.locality else (False,)):
+        passes, spread = (True, False) if self.policy.locality else (False,), elastic.spreads(waiting)
+        for i, first_pass in enumerate(passes + ((True,) if spread else ())):  # (spreading: a last pass gives
+            self.spreading = spread and i < len(passes)  # each worker what is left of its own, after the others')
             for w in waiting:
                 w.stage = w.stage or elastic.stage(self, w, taken, self._choose)
                 room = self._room(w, w.stage) - len(picks.get(w.worker_id, []))
@@ -386,6 +383,7 @@ class Scheduler:
                     got = self._choose(w, room, first_pass, taken)
                     picks.setdefault(w.worker_id, []).extend(got)
                     taken.update(got)
+        self.spreading = False
         seconds = fusion.dispatch(self, waiting, picks) if self.topics[fusion.TOPIC] else {}  # (second drafts join)
         if self.topics["ahead"]:
             ahead.dispatch(self, waiting, picks)  # (draft workers left without a draft task: pre-drafts)
@@ -442,6 +440,8 @@ class Scheduler:
             if holder != w.worker_id and req.params.priority >= bar and (busy_local and holder in self.workers
                     or rounds and len(chosen) >= share or steals and holder in self.workers and not steals.take(req)):
                 continue  # leave it for its holder or an idle worker (elastic: while the KV moves pay)
+            if holder == w.worker_id and rounds and len(chosen) >= share and self.spreading:
+                continue  # its own past its share: first the other idle workers' turns (``elastic.spreads``)
             chosen.append(rid)
             if len(chosen) == room:
                 break

@@ -221,6 +221,29 @@ def test_an_idle_elastic_worker_takes_anothers_rounds_only_while_moving_their_kv
     assert [r.rid for r in mine] == [0]  # its own again, none of worker 1's: one of its results is still out
 
 
+def test_idle_elastic_workers_spread_a_pool_that_one_of_them_holds() -> None:
+    """Both idle: the one idle the shortest is served first, but takes its own rounds only up to its
+    share of the pool before the other's turn; what the other does not take (its KV moves priced as
+    above) goes back to the holder. Before, the holder took back all of its own every time, and a
+    worker that joined later (one restarted after a death) sat idle beside it until new requests came."""
+    def both_pull(s: Scheduler) -> dict[int, list[int]]:
+        s.pull(2, 8, True, now=1.0)  # (the new worker waits since it joined)
+        s.pull(1, 8, True, now=2.0)  # (worker 1 idle the shortest: its turn first)
+        return {wid: [r.rid for r in batch] for wid, batch in s.dispatch()}
+
+    assert both_pull(_homed_at_worker_1(6)) == {1: [0, 1, 2, 4, 5], 2: [3]}  # unmeasured link: one, which measures it
+    s = _homed_at_worker_1(6)
+    elastic.observe_pulls(s, 2, 1e-5, 100)  # a fast link: half each
+    assert both_pull(s) == {1: [0, 1, 2], 2: [3, 4, 5]}
+    assert all(s.requests[rid].slot == s.workers[2].slot for rid in (3, 4, 5))  # (their new home)
+    s = _homed_at_worker_1(6)
+    elastic.observe_pulls(s, 2, 1.0, 100)  # a slow one: all stay with their holder, none waits
+    assert both_pull(s) == {1: [0, 1, 2, 3, 4, 5]}
+    s = _homed_at_worker_1(6)  # one idle worker: nothing to spread
+    s.pull(1, 8, True, now=2.0)
+    assert [(wid, len(batch)) for wid, batch in s.dispatch()] == [(1, 6)]
+
+
 def test_a_workers_pull_counters_price_its_link_and_bad_ones_are_ignored() -> None:
     s = _homed_at_worker_1(1)
     for seconds, positions in (("1", 10), (1.0, "10"), (1.0, 0), (1.0, -3), (None, 10), (1.0, True)):

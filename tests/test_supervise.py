@@ -63,11 +63,13 @@ def test_the_restart_policy_comes_from_the_config(tmp_path) -> None:  # noqa: AN
             load_config(path).validate()
 
 
-def _serve(tiny_pair: Path, tmp_path: Path, draft_workers: int, target_workers: int) -> tuple[subprocess.Popen, str]:
+def _serve(tiny_pair: Path, tmp_path: Path, draft_workers: int, target_workers: int,
+           mode: str = "pooled", more: str = "") -> tuple[subprocess.Popen, str]:
+    """`serve` of the tiny pair; ``more``: tables added to its config."""
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(f'mode = "pooled"\n[broker]\nheartbeat_s = 0.5\nliveness_s = 3.0\n'
+    cfg.write_text(f'mode = "{mode}"\n[broker]\nheartbeat_s = 0.5\nliveness_s = 3.0\n'
                    f'[draft]\nmodel = "{tiny_pair / "draft"}"\nworkers = {draft_workers}\nthreads = 1\n'
-                   f'[target]\nmodel = "{tiny_pair / "target"}"\nworkers = {target_workers}\nthreads = 1\n')
+                   f'[target]\nmodel = "{tiny_pair / "target"}"\nworkers = {target_workers}\nthreads = 1\n{more}')
     proc = subprocess.Popen([sys.executable, "-m", "nebula_flow.cli", "serve", "--config", str(cfg),
                              "--port", "0", "--log-dir", str(tmp_path / "logs")],  # (0: free ports, picked again if one is taken)
                             stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "w"), text=True,
@@ -150,6 +152,52 @@ def test_serve_restarts_killed_workers_and_every_request_completes(tiny_pair, tm
         _stop(proc)
     err = (tmp_path / "serve.err").read_text()
     assert "draft-1 was killed by SIGKILL; starting it again" in err and "target-3 started again" in err, err
+
+
+def test_a_restarted_elastic_worker_takes_rounds_of_the_requests_in_flight(tiny_pair, tmp_path) -> None:  # noqa: ANN001
+    """Elastic, two workers, 16 long greedy requests; kill -9 of one worker once they are under way:
+    its restart takes rounds of those requests while they run (no other request is sent), and every
+    output is the target's own. Before, the survivor took back all of its rounds at every batch's
+    end (served first: idle the shortest) and the restarted worker sat idle until new requests came."""
+    prompts = [[i + 3, 2 * i + 5, 7] for i in range(8)]
+    refs = [hf_greedy(tiny_pair / "target", p, 1000) for p in prompts]  # (long: they outlast the restart)
+    proc, address = _serve(tiny_pair, tmp_path, 1, 1, mode="elastic", more="[supervise]\nbackoff_s = 0.1\n")
+    try:
+        state = _wait_for(lambda s: len(s["workers"]) == 2, 60, address)
+        victim = next(w for w in state["workers"] if w["name"] == "any-0")
+        rejoined: list[float] = []
+
+        async def run() -> list:
+            async with AsyncClient(address, timeout_s=300) as client:
+                tokens = 0
+
+                async def one(p: list[int]) -> Completion:
+                    nonlocal tokens
+                    async for item in client.stream(token_ids=p, max_new_tokens=1000):
+                        if isinstance(item, Completion):
+                            return item
+                        tokens += len(item.token_ids)
+                    raise AssertionError("no completion")
+
+                async def killer() -> None:
+                    while tokens < 32:
+                        await asyncio.sleep(0.005)
+                    os.kill(victim["pid"], signal.SIGKILL)
+                    while not any(w["restarts"] for w in (await client.status())["workers"]):
+                        await asyncio.sleep(0.05)
+                    rejoined.append(tokens)
+
+                results = await asyncio.gather(*(one(p) for p in prompts), killer())
+                return results[:-1]
+
+        outs = asyncio.run(run())
+        assert [o.token_ids for o in outs] == refs
+        assert rejoined and rejoined[0] < 0.75 * sum(map(len, refs)), rejoined  # (back with much of the work to come)
+        with Client(address) as client:
+            back = next(w for w in client.status()["workers"] if w["restarts"])
+        assert back["name"] == "any-0" and back["tasks"] > 0, back
+    finally:
+        _stop(proc)
 
 
 def test_serve_restarts_a_killed_broker_and_clients_carry_their_requests(tiny_pair, tmp_path) -> None:  # noqa: ANN001

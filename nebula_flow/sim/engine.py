@@ -41,7 +41,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from nebula_flow import ahead, budget, elastic, fusion, steps
+from nebula_flow import ahead, budget, fusion, steps
 from nebula_flow.config import DeployConfig, PoolConfig
 from nebula_flow.elastic import BatchCosts
 from nebula_flow.params import SamplingParams
@@ -204,7 +204,7 @@ class Simulator:
             for role, costs in sender.batch_costs.items():
                 if costs.seconds:
                     self.policy.observe_costs(wid, role, costs.table(), by_batch=True)
-        elastic.observe_pulls(self.policy, wid, sender.pull_s, sender.pulled)  # (a live RESULT's ``kv`` counters)
+        self.policy.observe_pulls(wid, sender.pull_s, sender.pulled)  # (a live RESULT's ``kv`` counters)
         for task, outcome in results:
             if task.kind == AHEAD:  # (a pre-draft's branches: the broker's _predrafted)
                 req = ahead.accepts(self.policy, wid, task.req.rid, task.attempt)
