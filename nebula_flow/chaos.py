@@ -54,17 +54,26 @@ def _back(state: dict[str, Any], name: str, killed_pid: int, workers: int) -> bo
     return any(w["name"] == name and w["pid"] != killed_pid for w in state["workers"])
 
 
-def _wait_back(client: Client, kill: dict[str, Any], workers: int, timeout_s: float) -> float | None:
-    """Seconds from ``kill`` until its process served again (None: not within ``timeout_s``)."""
-    killed_at = kill.pop("t")
-    while time.monotonic() < killed_at + timeout_s:
+async def _watch_back(client: AsyncClient, kill: dict[str, Any], workers: int, timeout_s: float) -> None:
+    """Poll from the kill on, beside the load, until the killed process serves again: seconds from
+    ``kill`` to then in its ``recovered_s`` (None: not within ``timeout_s``). (Polled only once the
+    load had ended, a worker back in 2 s was said to be back when the load ended, 13 s later.)"""
+    kill["recovered_s"] = None
+    while time.monotonic() < kill["t"] + timeout_s:
         try:
-            if _back(client.status(), kill["name"], kill["pid"], workers):
-                return round(time.monotonic() - killed_at, 2)
+            if _back(await client.status(), kill["name"], kill["pid"], workers):
+                kill["recovered_s"] = round(time.monotonic() - kill["t"], 2)
+                return
         except NebulaError:  # (the broker is starting again)
             pass
-        time.sleep(0.1)
-    return None
+        await asyncio.sleep(0.1)
+
+
+def _tasks_since(state: dict[str, Any], kill: dict[str, Any]) -> int | None:
+    """The tasks a killed worker's new process ran (all of them after its restart: the drill's load
+    included, which shows whether the requests in flight came back to it); None for the broker or
+    a worker not back."""
+    return next((w["tasks"] for w in state["workers"] if w["name"] == kill["name"] and w["pid"] != kill["pid"]), None)
 
 
 async def _load(address: str, prompts: list[str], max_new_tokens: int, chat: bool,
@@ -96,6 +105,8 @@ def drill(dep: Deployment, prompts: list[str], max_new_tokens: int, kills: list[
     try:
         async def run() -> tuple[list[Completion | str], float]:
             first_token = asyncio.Event()
+            watch = AsyncClient(dep.address, timeout_s=5)
+            watches = []
 
             async def killer(load: asyncio.Task) -> None:
                 await asyncio.wait([asyncio.ensure_future(first_token.wait()), load],
@@ -110,6 +121,7 @@ def drill(dep: Deployment, prompts: list[str], max_new_tokens: int, kills: list[
                     done.append({"name": kill.name, "at_s": round(time.monotonic() - t0, 2), "pid": pid,
                                  "t": time.monotonic()})
                     log(f"{time.strftime('%H:%M:%S')} killed {kill.name} (pid {pid})")
+                    watches.append(asyncio.ensure_future(_watch_back(watch, done[-1], workers, recover_timeout_s)))
 
             async def timed_load() -> tuple[list[Completion | str], float]:
                 """The load and when it ended (read in it: a done-callback's turn may come after ``await``)."""
@@ -118,17 +130,20 @@ def drill(dep: Deployment, prompts: list[str], max_new_tokens: int, kills: list[
 
             t_start = time.monotonic()
             load = asyncio.ensure_future(timed_load())
-            await killer(load)  # (kills may go on after the load is done)
-            outs, ended = await load
+            async with watch:
+                await killer(load)  # (kills may go on after the load is done)
+                outs, ended = await load
+                await asyncio.gather(*watches)
             for k in done:  # (a kill after the last request ended tested a restart, not a recovery mid-request)
-                k["during_load"] = k["t"] < ended
+                k["during_load"] = k.pop("t") < ended
             return outs, ended - t_start
 
         outs, wall_s = asyncio.run(run())
         with Client(dep.address, timeout_s=5) as c:
-            for k in done:
-                k["recovered_s"] = _wait_back(c, k, workers, recover_timeout_s)
             state = c.status()
+        for k in done:
+            if k["name"] != "broker":
+                k["tasks_since"] = _tasks_since(state, k)
     finally:
         stop.set()
         supervisor.join()

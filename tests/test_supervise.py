@@ -364,6 +364,7 @@ def test_chaos_drill_reports_completions_recovery_and_equality(tiny_pair, tmp_pa
     assert report["completed"] == 6 and report["equal_to_target_alone"] == 6 and not report["failures"]
     assert [k["name"] for k in report["kills"]] == ["draft-1", "broker"]
     assert all(k["recovered_s"] is not None and k["during_load"] for k in report["kills"])
+    assert isinstance(report["kills"][0]["tasks_since"], int) and "tasks_since" not in report["kills"][1]
     assert report["restarts"]["broker"] == 1
     # a kill after the load has ended is said to be one no request saw (a drill too small for its schedule)
     res = subprocess.run([sys.executable, "-m", "nebula_flow.cli", "chaos", "--config", str(cfg), "--requests", "1",

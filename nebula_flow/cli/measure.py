@@ -468,7 +468,8 @@ def chaos(config, mode, draft_workers, target_workers, port, log_dir, target_mod
         back = "not back" if k["recovered_s"] is None else f"serving again {k['recovered_s']:.1f} s later"
         late = "" if k["during_load"] else (" (after the requests had ended: no request saw it; more --requests or "
                                              "--max-new-tokens make a load that outlasts the kills)")
-        click.echo(f"  killed {k['name']} at {k['at_s']:.1f} s: {back}{late}")
+        since = f", {k['tasks_since']} tasks since" if k.get("tasks_since") is not None else ""
+        click.echo(f"  killed {k['name']} at {k['at_s']:.1f} s: {back}{since}{late}")
     click.echo(f"restarts {report['restarts']}, counters {report['counters']}")
     for failure in report["failures"]:
         click.echo(f"  failed: {failure}")
