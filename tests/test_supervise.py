@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,28 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
+def _stream_while(address: str, prompts: list[list[int]], max_new_tokens: int, timeout_s: float,
+                  meanwhile: Callable[[AsyncClient, Callable[[], int]], Awaitable[None]]) -> list[Completion]:
+    """Stream ``prompts`` at once (greedy) while ``meanwhile(client, tokens)`` runs (``tokens()``: the
+    tokens streamed so far, so a kill can land mid-run whatever the machine's speed); the completions."""
+    async def run() -> list[Completion]:
+        async with AsyncClient(address, timeout_s=timeout_s) as client:
+            tokens = 0
+
+            async def one(p: list[int]) -> Completion:
+                nonlocal tokens
+                async for item in client.stream(token_ids=p, max_new_tokens=max_new_tokens):
+                    if isinstance(item, Completion):
+                        return item
+                    tokens += len(item.token_ids)
+                raise AssertionError("no completion")
+
+            results = await asyncio.gather(*(one(p) for p in prompts), meanwhile(client, lambda: tokens))
+            return results[:-1]
+
+    return asyncio.run(run())
+
+
 def _wait_for(check, timeout_s: float, address: str):  # noqa: ANN001, ANN202
     """Poll the broker's status until ``check(state)`` holds; the state, or None at the deadline."""
     deadline = time.monotonic() + timeout_s
@@ -115,31 +138,16 @@ def test_serve_restarts_killed_workers_and_every_request_completes(tiny_pair, tm
         pids = {w["name"]: w["pid"] for w in state["workers"]}
         killed_at: dict[str, float] = {}
 
-        async def run() -> list:
-            async with AsyncClient(address, timeout_s=120) as client:
-                tokens = 0
+        async def killer(_client: AsyncClient, tokens: Callable[[], int]) -> None:
+            # the draft worker once the requests are under way, the target worker after
+            # more tokens came out (each kill lands mid-run, whatever the machine's speed)
+            for name, after in (("draft-1", 16), ("target-3", 64)):
+                while tokens() < after:
+                    await asyncio.sleep(0.005)
+                os.kill(pids[name], signal.SIGKILL)
+                killed_at[name] = time.monotonic()
 
-                async def one(p: list[int]) -> Completion:
-                    nonlocal tokens
-                    async for item in client.stream(token_ids=p, max_new_tokens=40):
-                        if isinstance(item, Completion):
-                            return item
-                        tokens += len(item.token_ids)
-                    raise AssertionError("no completion")
-
-                async def killer() -> None:
-                    # the draft worker once the requests are under way, the target worker after
-                    # more tokens came out (each kill lands mid-run, whatever the machine's speed)
-                    for name, after in (("draft-1", 16), ("target-3", 64)):
-                        while tokens < after:
-                            await asyncio.sleep(0.005)
-                        os.kill(pids[name], signal.SIGKILL)
-                        killed_at[name] = time.monotonic()
-
-                results = await asyncio.gather(*(one(p) for p in prompts), killer())
-                return results[:-1]
-
-        outs = asyncio.run(run())
+        outs = _stream_while(address, prompts, 40, 120, killer)
         assert [o.token_ids for o in outs] == refs
         back = _wait_for(lambda s: len(s["workers"]) == 4 and s["restarts"]["workers"] == 2, 30, address)
         assert back is not None, (tmp_path / "serve.err").read_text()
@@ -165,32 +173,17 @@ def test_a_restarted_elastic_worker_takes_rounds_of_the_requests_in_flight(tiny_
     try:
         state = _wait_for(lambda s: len(s["workers"]) == 2, 60, address)
         victim = next(w for w in state["workers"] if w["name"] == "any-0")
-        rejoined: list[float] = []
+        rejoined: list[int] = []
 
-        async def run() -> list:
-            async with AsyncClient(address, timeout_s=300) as client:
-                tokens = 0
+        async def killer(client: AsyncClient, tokens: Callable[[], int]) -> None:
+            while tokens() < 32:
+                await asyncio.sleep(0.005)
+            os.kill(victim["pid"], signal.SIGKILL)
+            while not any(w["restarts"] for w in (await client.status())["workers"]):
+                await asyncio.sleep(0.05)
+            rejoined.append(tokens())
 
-                async def one(p: list[int]) -> Completion:
-                    nonlocal tokens
-                    async for item in client.stream(token_ids=p, max_new_tokens=1000):
-                        if isinstance(item, Completion):
-                            return item
-                        tokens += len(item.token_ids)
-                    raise AssertionError("no completion")
-
-                async def killer() -> None:
-                    while tokens < 32:
-                        await asyncio.sleep(0.005)
-                    os.kill(victim["pid"], signal.SIGKILL)
-                    while not any(w["restarts"] for w in (await client.status())["workers"]):
-                        await asyncio.sleep(0.05)
-                    rejoined.append(tokens)
-
-                results = await asyncio.gather(*(one(p) for p in prompts), killer())
-                return results[:-1]
-
-        outs = asyncio.run(run())
+        outs = _stream_while(address, prompts, 1000, 300, killer)
         assert [o.token_ids for o in outs] == refs
         assert rejoined and rejoined[0] < 0.75 * sum(map(len, refs)), rejoined  # (back with much of the work to come)
         with Client(address) as client:
