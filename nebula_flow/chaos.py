@@ -71,8 +71,7 @@ async def _watch_back(client: AsyncClient, kill: dict[str, Any], workers: int, t
 
 def _tasks_since(state: dict[str, Any], kill: dict[str, Any]) -> int | None:
     """The tasks a killed worker's new process ran (all of them after its restart: the drill's load
-    included, which shows whether the requests in flight came back to it); None for the broker or
-    a worker not back."""
+    included, which shows whether the requests in flight came back to it); None where it is not back."""
     return next((w["tasks"] for w in state["workers"] if w["name"] == kill["name"] and w["pid"] != kill["pid"]), None)
 
 
