@@ -10,26 +10,23 @@ where the time goes when verification is the bottleneck. Whether merging pays is
 forward times each worker measured by batch rows (``BatchCosts``): on a CPU, where a forward
 grows with its rows, it does not, and rounds stay whole.
 
-Where a request's work goes (``home``, ``Steals``): each request has a home, the elastic worker
+Where a request's work goes (``home``, ``balance.Steals``): each request has a home, the elastic worker
 it was bound to on arrival as colocated requests are (the least loaded), so every worker keeps a
 full pipeline of its own requests and their KV stays put. A worker merges only its own requests'
 drafts (another's draft KV would move there and back again). An idle worker with none of its own
 takes others' work only while moving their KV costs less than a verify batch, priced by the
-seconds per KV position the workers measured pulling (``observe_pulls``): on a fast link that
+seconds per KV position the workers measured pulling (``balance.observe_pulls``): on a fast link that
 rebalances, on a slow one (loopback TCP on a busy host) it would cost more than it saves. A
 request run as a whole round elsewhere makes that worker its home.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Callable, Mapping, Sequence
-from functools import cached_property
 from typing import TYPE_CHECKING
 
 from nebula_flow import speclen
-from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
+from nebula_flow.request import VERIFY, Request
 from nebula_flow.roles import WorkerState
 
 if TYPE_CHECKING:
@@ -156,15 +153,6 @@ def home(req: Request, held: int | None, homes: Mapping[int, int], workers: Mapp
     return homes.get(req.slot, held) if req.slot is not None else held
 
 
-def spreads(waiting: Sequence[WorkerState]) -> bool:
-    """Whether a dispatch spreads whole rounds over the idle elastic workers ``waiting``: with more
-    than one idle, each takes its own requests' rounds only up to its share of the pool until the
-    others have had their turn (what is left goes back to it after). Else the worker idle the
-    shortest, served first, took back all of its own every time, and one that joined later (a
-    restarted one) sat idle beside it until new requests came."""
-    return sum(1 for w in waiting if w.role == "any" and w.pull_idle) > 1
-
-
 def choose_rounds(sched: Scheduler, w: WorkerState, room: int, held_only: bool, taken: set[int]) -> list[int]:
     """Up to ``room`` queued whole rounds for elastic worker ``w``: with drafts (the draft topic's) and
     draft-less (the target topic's: a request's last round, or one adaptive k leaves without a draft).
@@ -180,7 +168,7 @@ def choose_rounds(sched: Scheduler, w: WorkerState, room: int, held_only: bool, 
     return chosen
 
 
-def _median_table(sched: Scheduler, w: WorkerState, role: str) -> list[float | None] | None:
+def worker_table(sched: Scheduler, w: WorkerState, role: str) -> list[float | None] | None:
     """``w``'s forward times by batch rows for ``role``'s model, or the median worker's until it has some."""
     return sched.batch_costs.get((w.worker_id, role)) or speclen.median_table(
         [t for (_, r), t in sched.batch_costs.items() if r == role])
@@ -195,7 +183,7 @@ def stage(sched: Scheduler, w: WorkerState, taken: set[int], choose: Callable[..
     drafts, verifies = ([sched.requests[rid] for rid in choose(w, room, False, taken, topic)]
                         for room, topic in zip(rooms, ("draft", "target")))  # (verifies: and draft-less rounds)
     chosen = stage_of(drafts, verifies, rooms, lambda r: r.holders.get(sched.task_holder_key(r), (None, 0))[1],
-                      _median_table(sched, w, "draft"), sched.policy.elastic_split)
+                      worker_table(sched, w, "draft"), sched.policy.elastic_split)
     # (drafts merge only its own: with none of its own, an idle worker may take others' whole rounds)
     return chosen or ("round" if w.pull_idle and choose(w, rooms[1], False, taken, "round") else None)
 
@@ -203,53 +191,3 @@ def stage(sched: Scheduler, w: WorkerState, taken: set[int], choose: Callable[..
 def unregister(sched: Scheduler, w: WorkerState) -> None:
     """``w`` left: its requests have no home until a worker runs them as a round (or one takes its slot)."""
     sched.homes = {slot: wid for slot, wid in sched.homes.items() if wid != w.worker_id}
-    sched.pull_rates.pop(w.worker_id, None)
-
-
-def observe_pulls(sched: Scheduler, worker_id: int, seconds: object, positions: object) -> None:
-    """A worker's KV pulls so far (its RESULT's ``kv.pull_s`` and ``kv.pulled``): what moving a position
-    to it costs (``Steals``). Anything but numbers, or no pulls yet: left as it was."""
-    if worker_id in sched.workers and type(positions) is int and positions > 0 and type(seconds) in (int, float):
-        sched.pull_rates[worker_id] = max(0.0, float(seconds)) / positions
-
-
-class Steals:
-    """What idle elastic worker ``w`` may take of others' queued tasks in one batch: tasks whose KV
-    another live worker holds, while the moves add up to no more than one verify batch of its own
-    (the forwards of the bucket below a full batch's rows), about what the tasks would otherwise
-    wait for their holders. A batch's pulls run one after another before it starts, so on a fast
-    link a rebalance pays, on a slow one it does not. A move costs the positions held elsewhere
-    that the task needs, at the seconds per position ``w`` measured pulling (or the median
-    worker's); before any pull is measured, the whole budget: one such task per batch, which
-    measures the link. None while results of ``w``'s own are still to come (it is not short of
-    work: its PULL overtook them). No measured verify batch: no bound. The budget and the rate are
-    priced at the first task held elsewhere (most picks meet none)."""
-
-    def __init__(self, sched: Scheduler, w: WorkerState) -> None:
-        self.sched, self.w, self.moving = sched, w, 0.0
-
-    @cached_property
-    def budget(self) -> float:
-        rows = self.w.capacity * (self.sched.policy.k + 1)
-        batch = estimate(_median_table(self.sched, self.w, "target"), 1 << (max(rows, 1).bit_length() - 1))
-        return math.inf if batch is None else batch
-
-    @cached_property
-    def rate(self) -> float:
-        pulls = self.sched.pull_rates
-        return pulls.get(self.w.worker_id) or (statistics.median(pulls.values()) if pulls else 0.0)
-
-    def take(self, req: Request) -> bool:
-        """Whether ``w`` takes ``req``'s task, held by another live worker (its moves are then counted)."""
-        if self.w.inflight:
-            return False
-        if not self.rate:
-            moves = self.budget if self.budget < math.inf else 0.0
-        else:
-            keys = {"target"} | ({self.sched.task_holder_key(req)} if req.phase in (DRAFT, ROUND) else set())  # (a round)
-            moves = self.rate * sum(n for wid, n in (req.holders.get(key, (None, 0)) for key in keys)
-                                    if wid is not None and wid != self.w.worker_id)
-        if self.moving + moves > self.budget:
-            return False
-        self.moving += moves
-        return True

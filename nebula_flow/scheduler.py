@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from nebula_flow import ahead, elastic, fusion, roles, routing, speclen
+from nebula_flow import ahead, balance, elastic, fusion, roles, routing, speclen
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.prefixes import PrefixRoutes, learnt
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
@@ -68,8 +68,8 @@ class Scheduler:
         self.workers: dict[int, WorkerState] = {}
         self.homes: dict[int, int] = {}  # elastic: slot -> its worker (a request's home: ``_holder``)
         self.binder = Binder()  # the work bound to each slot (paired, colocated, elastic)
-        self.pull_rates: dict[int, float] = {}  # worker -> seconds per KV position it pulled (``elastic.observe_pulls``)
-        self.spreading = False  # dispatch: an elastic worker's own rounds past its share wait for the others' turns
+        self.pull_rates: dict[int, float] = {}  # worker -> seconds per KV position it pulled (``balance.observe_pulls``)
+        self.sharing: frozenset[int] = frozenset()  # dispatch: workers whose held tasks others take, priced (balance)
         self.prefixes: PrefixRoutes | None = None  # cache-aware placement (the broker's; a simulator's whose prompts share)
 
     # -- workers ---------------------------------------------------------------------------
@@ -108,6 +108,7 @@ class Scheduler:
                 self.drafter_costs.pop(w.drafter, None)
         fusion.unregister(self, w)
         elastic.unregister(self, w)
+        self.pull_rates.pop(worker_id, None)
         self.binder.reset()
         requeued = [rid for rid in sorted(w.inflight) if rid in self.requests and self.requests[rid].phase != DONE]
         for rid in requeued:
@@ -133,8 +134,8 @@ class Scheduler:
             self._update_costs()
 
     def observe_pulls(self, worker_id: int, seconds: object, positions: object) -> None:
-        """A worker's KV pull counters: what moving a position to it costs (``elastic.observe_pulls``)."""
-        elastic.observe_pulls(self, worker_id, seconds, positions)
+        """A worker's KV pull counters: what moving a position to it costs (``balance.observe_pulls``)."""
+        balance.observe_pulls(self, worker_id, seconds, positions)
 
     def _update_costs(self) -> None:
         """The costs ``choose_round`` uses: per row count, the median worker's of each role (a request may run on any)."""
@@ -359,44 +360,39 @@ class Scheduler:
         stream request on one core of two), then busy ones by arrival.
 
         With ``locality`` on, a first pass gives every waiting worker the tasks whose KV it already holds (of the
-        most urgent priority queued). In the second pass an idle worker takes any remaining task in topic order (a
-        task is never kept for its holder while a worker sits idle), but a busy worker only prefetching takes no
-        task another live worker holds (unless more urgent than its own: ``Topic.overtaking_bar``): moving that KV
-        would buy nothing.
+        most urgent priority queued). In the second pass an idle worker takes any remaining task in topic order,
+        but a busy worker only prefetching takes no task another live worker holds (unless more urgent than its own:
+        ``Topic.overtaking_bar``): moving that KV would buy nothing.
 
-        A busy worker is also not given a partial batch no larger than the one it is running (``merge_batches``): that
+        A busy worker is also not given a partial batch no larger than the one it is running (``holds_back``): that
         would split its requests into two groups that alternate for ever, each paying a whole forward (a GPU's weight
-        read) for half the work. The tasks wait and join the returning ones when it goes idle."""
+        read) for half the work. The tasks wait and join the returning ones when it goes idle, unless idle workers
+        take them (``balance.release``). Several idle workers of one role share a pool one of them holds by turns
+        (``balance.spreads``); both move KV only where it pays."""
         waiting = sorted((w for w in self.workers.values() if w.pull_credits > 0),
                          key=lambda w: (not w.pull_idle, -w.pull_since if w.pull_idle else w.pull_since, w.worker_id))
-        picks: dict[int, list[int]] = {}  # (an elastic worker's stage: chosen at its turn, from the tasks left to it)
+        picks: dict[int, list[int]] = {}
         taken: set[int] = set()
         for w in waiting:
             w.stage = None if w.role == "any" else ROLE_TOPICS[w.role][0]
-        passes, spread = (True, False) if self.policy.locality else (False,), elastic.spreads(waiting)
-        for i, first_pass in enumerate(passes + ((True,) if spread else ())):  # (spreading: a last pass gives
-            self.spreading = spread and i < len(passes)  # each worker what is left of its own, after the others')
-            for w in waiting:
-                w.stage = w.stage or elastic.stage(self, w, taken, self._choose)
-                room = self._room(w, w.stage) - len(picks.get(w.worker_id, []))
-                if room > 0 and w.stage is not None:
-                    got = self._choose(w, room, first_pass, taken)
-                    picks.setdefault(w.worker_id, []).extend(got)
-                    taken.update(got)
-        self.spreading = False
+        balance.serve(self, waiting, picks, taken)  # (the passes: held tasks first, then the rest)
         seconds = fusion.dispatch(self, waiting, picks) if self.topics[fusion.TOPIC] else {}  # (second drafts join)
         if self.topics["ahead"]:
             ahead.dispatch(self, waiting, picks)  # (draft workers left without a draft task: pre-drafts)
         out = []
         for w in waiting:
             rids = picks.get(w.worker_id)
-            if not rids or self.policy.merge_batches and w.stage != "ahead" and not w.pull_idle \
-                    and len(w.inflight) >= len(rids) < self._room(w, w.stage):
+            if not rids or self.holds_back(w, rids):
                 continue
             w.pull_credits = 0
             out.append((w.worker_id, ahead.commit(self, w, rids) if w.stage == "ahead"
                         else self._commit(w, rids, seconds.get(w.worker_id, ()))))
         return out
+
+    def holds_back(self, w: WorkerState, rids: list[int] | None) -> bool:
+        """Whether busy worker ``w`` waits rather than take ``rids`` beside a running batch as large (``dispatch``)."""
+        return bool(rids) and self.policy.merge_batches and w.stage != "ahead" and not w.pull_idle \
+            and len(w.inflight) >= len(rids) < self._room(w, w.stage)
 
     def _room(self, w: WorkerState, stage: str | None) -> int:
         return min(w.pull_credits, w.draft_capacity if stage == "draft" and w.draft_capacity else w.capacity)  # (round: verify's)
@@ -412,13 +408,14 @@ class Scheduler:
     def _choose_from(self, topic: Topic, w: WorkerState, stage: str, room: int, held_only: bool, taken: set[int],
                      bare: bool = False) -> list[int]:
         """``_choose`` in one topic; ``bare``: only tasks without a draft. An idle elastic worker takes others'
-        tasks only while the KV moves pay (``elastic.Steals``), whole rounds up to its share of the pool; the round's
+        tasks only while the KV moves pay (``balance.Steals``), whole rounds up to its share of the pool; the round's
         request makes it its home (``_commit``). Its merged draft batch, busy or idle, takes its own requests' drafts
-        and unheld ones: another's draft KV would move there and back again. Urgent ones: ``Topic.overtaking_bar``."""
+        and unheld ones: another's draft KV would move there and back again. Urgent ones: ``Topic.overtaking_bar``.
+        A worker ``sharing`` its tasks (``balance``) takes its own up to its share; others take them as elastic rounds."""
         rounds = stage == "round"
         busy_local = self.policy.locality and (not w.pull_idle or stage == "draft" and w.role == "any") and not held_only
-        share = -(-len(self.requests) // max(1, sum(o.role == "any" for o in self.workers.values()))) \
-            - (self._room(w, "round") - room) - len(w.inflight) if rounds else room  # (less what it has and took)
+        sharing = self.sharing if w.role != "any" or rounds else frozenset()
+        share = balance.share(self, w, stage, room) if rounds or sharing else room
         if held_only:
             candidates: Iterable[int] = topic.held_by([w.worker_id], most_urgent=True)
         elif busy_local:  # a prefetching worker: urgent tasks, its own, unheld ones, and those of departed holders
@@ -426,7 +423,7 @@ class Scheduler:
                                                   or h not in self.workers])
         else:
             candidates = topic
-        chosen, steals = [], elastic.Steals(self, w) if w.role == "any" and not held_only else None
+        chosen, steals = [], balance.Steals(self, w) if (w.role == "any" or sharing) and not held_only else None
         bar = topic.overtaking_bar(w.worker_id, (self.requests[r].params.priority for r in w.inflight if r in self.requests))
         for rid in candidates:  # stop at ``room``: a long topic costs nothing when its head is eligible
             if rid in taken or rid in w.second or rid in chosen:  # (a worker never runs both drafts of a fused round)
@@ -438,10 +435,11 @@ class Scheduler:
             if held_only and holder != w.worker_id:
                 continue
             if holder != w.worker_id and req.params.priority >= bar and (busy_local and holder in self.workers
-                    or rounds and len(chosen) >= share or steals and holder in self.workers and not steals.take(req)):
+                    or (rounds or holder in sharing) and len(chosen) >= share
+                    or steals and (w.role == "any" or holder in sharing) and holder in self.workers and not steals.take(req)):
                 continue  # leave it for its holder or an idle worker (elastic: while the KV moves pay)
-            if holder == w.worker_id and rounds and len(chosen) >= share and self.spreading:
-                continue  # its own past its share: first the other idle workers' turns (``elastic.spreads``)
+            if holder == w.worker_id and w.worker_id in sharing and len(chosen) >= share:
+                continue  # its own past its share: first the other idle workers' turns (``balance.spreads``)
             chosen.append(rid)
             if len(chosen) == room:
                 break

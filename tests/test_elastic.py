@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nebula_flow import elastic
+from nebula_flow import balance, elastic
 from nebula_flow.params import SamplingParams
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DRAFT, ROUND, VERIFY, Request
@@ -205,12 +205,12 @@ def test_an_idle_elastic_worker_takes_anothers_rounds_only_while_moving_their_kv
     assert wid == 2 and probe.phase == ROUND and probe.slot == s.workers[2].slot  # its new home
     # a slow link: 10 KV positions (both models' 5) would take 0.1 s, longer than a verify batch
     s = _homed_at_worker_1(4)
-    elastic.observe_pulls(s, 2, 1.0, 100)
+    balance.observe_pulls(s, 2, 1.0, 100)
     s.pull(2, 8, True, now=1.0)
     assert s.dispatch() == []
     # a fast one: up to its share of the pool (4 requests over 2 workers)
     s = _homed_at_worker_1(4)
-    elastic.observe_pulls(s, 2, 1e-5, 100)
+    balance.observe_pulls(s, 2, 1e-5, 100)
     s.pull(2, 8, True, now=1.0)
     [(_, moved)] = s.dispatch()
     assert [r.rid for r in moved] == [0, 1]
@@ -233,11 +233,11 @@ def test_idle_elastic_workers_spread_a_pool_that_one_of_them_holds() -> None:
 
     assert both_pull(_homed_at_worker_1(6)) == {1: [0, 1, 2, 4, 5], 2: [3]}  # unmeasured link: one, which measures it
     s = _homed_at_worker_1(6)
-    elastic.observe_pulls(s, 2, 1e-5, 100)  # a fast link: half each
+    balance.observe_pulls(s, 2, 1e-5, 100)  # a fast link: half each
     assert both_pull(s) == {1: [0, 1, 2], 2: [3, 4, 5]}
     assert all(s.requests[rid].slot == s.workers[2].slot for rid in (3, 4, 5))  # (their new home)
     s = _homed_at_worker_1(6)
-    elastic.observe_pulls(s, 2, 1.0, 100)  # a slow one: all stay with their holder, none waits
+    balance.observe_pulls(s, 2, 1.0, 100)  # a slow one: all stay with their holder, none waits
     assert both_pull(s) == {1: [0, 1, 2, 3, 4, 5]}
     s = _homed_at_worker_1(6)  # one idle worker: nothing to spread
     s.pull(1, 8, True, now=2.0)
@@ -247,10 +247,10 @@ def test_idle_elastic_workers_spread_a_pool_that_one_of_them_holds() -> None:
 def test_a_workers_pull_counters_price_its_link_and_bad_ones_are_ignored() -> None:
     s = _homed_at_worker_1(1)
     for seconds, positions in (("1", 10), (1.0, "10"), (1.0, 0), (1.0, -3), (None, 10), (1.0, True)):
-        elastic.observe_pulls(s, 2, seconds, positions)
+        balance.observe_pulls(s, 2, seconds, positions)
     assert s.pull_rates == {}
-    elastic.observe_pulls(s, 2, 0.5, 100)
-    elastic.observe_pulls(s, 9, 0.5, 100)  # (no such worker)
+    balance.observe_pulls(s, 2, 0.5, 100)
+    balance.observe_pulls(s, 9, 0.5, 100)  # (no such worker)
     assert s.pull_rates == {2: 0.005}
     s.unregister(2)
     assert s.pull_rates == {} and 2 not in s.homes.values()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nebula_flow import roles
+from nebula_flow import balance, roles
 from nebula_flow.params import SamplingParams
 from nebula_flow.policy import PolicyConfig
 from nebula_flow.request import DONE, DRAFT, ROUND, VERIFY, Request
@@ -290,6 +290,51 @@ def test_a_busy_worker_gets_no_small_batch_beside_a_bigger_running_one() -> None
     s.pull(1, 4, idle=False, now=3.0)
     assert [len(b) for _, b in s.dispatch()] == [4]
     assert Scheduler("colocated", PolicyConfig(k=4, merge_batches=False)).policy.merge_batches is False
+
+
+def _held_by_worker_1(queued: int, running: int, role: str = "target") -> Scheduler:
+    """Pooled, two workers of ``role`` (1 and 2); worker 1 runs ``running`` requests and holds the KV
+    of ``queued`` more, whose tasks wait on its topic; worker 2 holds nothing (one just restarted)."""
+    s = Scheduler("pooled", PolicyConfig(k=4))
+    for wid in (1, 2):
+        s.register(wid, role, 8)
+        s.observe_costs(wid, role, [0.01] * 8, by_batch=True)
+    phase, key = (DRAFT, "draft") if role == "draft" else (VERIFY, "target")
+    for rid in range(queued + running):
+        r = req(rid)
+        r.phase, r.draft, r.holders[key] = phase, [] if role == "draft" else [5], (1, 3)
+        s.requests[rid] = r
+        if rid < queued:
+            s.enqueue(r)
+        else:
+            s.workers[1].inflight.add(rid)
+    return s
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_an_idle_worker_takes_the_tasks_a_busy_holder_may_not_take_yet(role: str) -> None:
+    """Worker 1 runs 6 and holds 3 more, too few to take beside its running batch (merging): they
+    wait for it. Worker 2 sits idle; before, it got none of them (worker 1's picks were withheld,
+    yet counted as taken), for as long as worker 1 held every request (a restarted worker ran nothing
+    until new requests came). It now takes them while moving their KV pays, as an elastic worker
+    takes others' rounds (``balance.Steals``)."""
+    def pulls(s: Scheduler) -> dict[int, list[int]]:
+        s.pull(2, 8, True, now=1.0)
+        s.pull(1, 8, False, now=2.0)  # (worker 1 prefetching behind its running batch)
+        return {wid: [r.rid for r in batch] for wid, batch in s.dispatch()}
+
+    assert pulls(_held_by_worker_1(3, 6, role)) == {2: [0]}  # an unmeasured link: one, which measures it
+    s = _held_by_worker_1(3, 6, role)
+    balance.observe_pulls(s, 2, 1e-5, 100)  # a fast link: all three
+    assert pulls(s) == {2: [0, 1, 2]} and s.workers[2].inflight == {0, 1, 2}
+    s = _held_by_worker_1(3, 6, role)
+    balance.observe_pulls(s, 2, 1.0, 10)  # a slow one: they wait for their holder, as before
+    assert pulls(s) == {}
+    s.pull(1, 8, True, now=3.0)  # (its batch came back: it takes them)
+    assert [r.rid for r in dict(s.dispatch())[1]] == [0, 1, 2]
+    s = _held_by_worker_1(3, 2, role)  # a batch larger than the running one: the holder takes it
+    balance.observe_pulls(s, 2, 1e-5, 100)
+    assert pulls(s) == {1: [0, 1, 2]}
 
 
 def test_topic_keeps_queue_order_across_holders_and_requeues() -> None:
