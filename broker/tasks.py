@@ -30,7 +30,8 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
     w = scheduler.workers[wid]
     if w.stage == AHEAD:
         return [predicted(req, predraft(scheduler, req, holder, tokens_for(req, wid, full_tokens))) for req in batch]
-    tasks, alone = [], budget.prefills_whole(len(scheduler.requests), scheduler.streaming)
+    tasks, alone = [], budget.prefills_whole(len(scheduler.requests), scheduler.streaming,
+                                                  scheduler.workers.values())
     steps.assign(scheduler, batch)  # (multi-step decoding: a draft-less verify's ``steps``)
     for req in batch:
         tokens, base, crc = tokens_for(req, wid, full_tokens)

@@ -104,7 +104,9 @@ def test_a_request_alone_in_the_pool_prefills_whole(tiny_pair, mode: str) -> Non
 def test_tasks_go_out_whole_until_an_output_begins() -> None:
     """The broker's rule (``budget.prefills_whole``, through the scheduler's count of the pool's
     requests whose output has begun): every task goes out ``alone`` while no output has begun,
-    none once one has, and again once that request has left the pool."""
+    none once one has, and again once that request has left the pool; none while the pool holds
+    more requests than the verifying workers batch at once (a burst at saturation: chunks let the
+    short prompts' streams begin first)."""
     from nebula_flow.params import SamplingParams
     from nebula_flow.policy import PolicyConfig
     from nebula_flow.request import Request
@@ -112,13 +114,13 @@ def test_tasks_go_out_whole_until_an_output_begins() -> None:
     from nebula_flow_broker.tasks import task_specs
 
     s = Scheduler("autoregressive", PolicyConfig(max_forward_tokens=BUDGET))
-    s.register(1, "target", 2)
+    s.register(1, "target", 3)
     reqs = [Request(i, str(i), long_prompts()[i], SamplingParams(max_new_tokens=4), seed=i) for i in (1, 2, 3)]
     for r in reqs:
         s.admit(r)
 
     def sent() -> list:
-        s.pull(1, 2, True, 0.0)
+        s.pull(1, 2, True, 0.0)  # (two at a time, of the three slots it has)
         batch = dict(s.dispatch())[1]
         return [(r.rid, t.alone) for r, t in zip(batch, task_specs(s, 1, batch, {}))]
 
@@ -129,13 +131,23 @@ def test_tasks_go_out_whole_until_an_output_begins() -> None:
     s.finish(1)
     s.finish(2)  # (both end: no output flows)
     assert s.streaming == 0 and sent() == [(3, True)]
+    more = Scheduler("autoregressive", PolicyConfig(max_forward_tokens=BUDGET))
+    more.register(1, "target", 2)  # (three requests over two slots: the third waits behind the batch)
+    for r in [Request(i, str(i), long_prompts()[i], SamplingParams(max_new_tokens=4), seed=i) for i in (1, 2, 3)]:
+        more.admit(r)
+    more.pull(1, 2, True, 0.0)
+    batch = dict(more.dispatch())[1]
+    assert [t.alone for t in task_specs(more, 1, batch, {})] == [False, False]
 
 
 def test_a_forward_of_tasks_all_alone_has_no_budget() -> None:
     from nebula_flow.budget import alone, forward_budget, prefills_whole
+    from nebula_flow.roles import WorkerState
 
     assert alone(1) and not alone(2)
-    assert prefills_whole(1, 1) and prefills_whole(5, 0) and not prefills_whole(5, 1)
+    workers = [WorkerState(1, "draft", 0, 64), WorkerState(2, "target", 0, 4), WorkerState(3, "any", 1, 2)]
+    assert prefills_whole(1, 1, workers) and prefills_whole(6, 0, workers) and not prefills_whole(6, 1, workers)
+    assert not prefills_whole(7, 0, workers)  # (more requests than the verifiers' 6 slots; drafts' not counted)
     assert forward_budget(16, [True]) == forward_budget(16, [True, True]) == 0
     assert forward_budget(16, [True, False]) == forward_budget(16, [False]) == forward_budget(16, []) == 16
 

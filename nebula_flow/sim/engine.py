@@ -146,7 +146,8 @@ class Simulator:
                                  r.holders.get(holder_key("draft", r.drafter)), r.ahead.alts, r.ahead.fuse, r.drafter,
                                  draft_len=len(r.ahead.draft), outcomes=r.ahead.outcomes) for r in batch]
             else:  # (a fused round's second draft: sim/fused.py)
-                alone = budget.prefills_whole(len(self.policy.requests), self.policy.streaming)
+                alone = budget.prefills_whole(len(self.policy.requests), self.policy.streaming,
+                                               self.policy.workers.values())
                 steps.assign(self.policy, batch)  # (multi-step decoding, as the broker's ``task_specs``)
                 tasks = [fused.second_task(r, self.policy.workers[wid]) or
                          SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
