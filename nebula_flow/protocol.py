@@ -53,8 +53,9 @@ from nebula_flow.wire import (  # noqa: F401 - the codec's names are part of thi
     plain,
 )
 
-VERSION = 6  # 2: typed messages, runner-ups as "runner_ups"; 3: small integer tensors inline in the header; 4: CHUNKS;
-# 5: a message's small integer tensors packed in one frame per dtype; 6: a task's tokens from its ``base`` on
+VERSION = 7  # 2: typed messages, runner-ups as "runner_ups"; 3: small integer tensors inline in the header; 4: CHUNKS;
+# 5: a message's small integer tensors packed in one frame per dtype; 6: a task's tokens from its ``base`` on; 7: a
+# SUBMIT's ``resume_tokens`` (a broker that ignored them, as unknown fields are, would start a resumed stream over)
 DRAFTER_CHARS = "A-Za-z0-9._:-"  # what a REGISTER's drafter name may hold (1-64 of them)
 DRAFTER_NAME = re.compile(f"[{DRAFTER_CHARS}]{{1,64}}")
 DRAFTER_RULE = "1-64 letters, digits or . _ - :"  # (what DRAFTER_NAME takes, for error messages)
