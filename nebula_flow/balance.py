@@ -91,9 +91,9 @@ def release(sched: Scheduler, waiting: list[WorkerState], picks: dict[int, list[
     idle workers with room, as far as ``Steals`` allows; the rest stay picked by their busy worker."""
     if sched.mode not in RELEASE_MODES or sched.policy.migrate:
         return
-    held = [w for w in waiting if sched.holds_back(w, picks.get(w.worker_id))]
-    idle = [w for w in waiting if w.pull_idle]
-    if not held or not idle:
+    idle = [w for w in waiting if w.pull_idle]  # (first: most dispatches have none, and it costs less)
+    held = [w for w in waiting if sched.holds_back(w, picks.get(w.worker_id))] if idle else []
+    if not held:
         return
     released = {rid for w in held for rid in picks[w.worker_id]}
     taken -= released

@@ -17,8 +17,8 @@ bundled pair's chat prompts, single stream: 117 ms to the first token chunked by
 whole; docs/benchmarks.md). So does every request of a pool where no output has begun and
 whose requests the workers batch at once (a burst of new requests; prompts scored for their
 log-probabilities with one output token, as an evaluation harness sends them: 16 prompts of 256
-tokens, 4 at a time, were scored 1.95-2.13x faster whole: docs/benchmarks.md). The broker marks such a task ``alone`` when it sends it; a forward
-whose every task is alone has no budget.
+tokens, 4 at a time, were scored 1.95-2.13x faster whole: docs/benchmarks.md). The broker marks
+such a task ``alone`` when it sends it; a forward whose every task is alone has no budget.
 """
 
 from __future__ import annotations

@@ -367,7 +367,7 @@ class Scheduler:
         A busy worker is also not given a partial batch no larger than the one it is running (``holds_back``): that
         would split its requests into two groups that alternate for ever, each paying a whole forward (a GPU's weight
         read) for half the work. The tasks wait and join the returning ones when it goes idle, unless idle workers
-        take them (``balance.release``). Several idle workers of one role share a pool one of them holds by turns
+        take them (``balance.release``). Several idle elastic workers share a pool one of them holds by turns
         (``balance.spreads``); both move KV only where it pays."""
         waiting = sorted((w for w in self.workers.values() if w.pull_credits > 0),
                          key=lambda w: (not w.pull_idle, -w.pull_since if w.pull_idle else w.pull_since, w.worker_id))
