@@ -10,7 +10,8 @@
 #   2. `profile --ops --device cuda`: a Qwen3-0.6B-shaped bf16 model's forwards, with CUDA graphs
 #      and eager                                                    -> ops.json
 #   3. tools/gpu_kernels.py: a decode step's kernels and steady-state times -> kernels.json
-#   4. `bench` of the tiny pair on the GPU, single stream and 8 at once, and 8 at once with CUDA
+#   4. `bench` of the tiny pair on the GPU (elastic, the bundled default's mode, beside pooled, colocated
+#      and autoregressive), single stream and 8 at once, and 8 at once with CUDA
 #      graphs off -> bench-1.json, bench-8.json, bench-8-eager.json;
 #      the deployments' logs                                         -> logs.tgz
 #   (8 files: what the device machines lent here send back at most)
@@ -53,7 +54,7 @@ if [[ $steps == *bench* ]]; then
     c=${run%-eager}; graphs=$([[ $run == *-eager ]] && echo 0 || echo 1)
     echo "[bench] concurrency $c, CUDA graphs $graphs" >>"$out/steps.log"
     NEBULA_FLOW_CUDA_GRAPHS=$graphs timeout "${GPU_BENCH_TIMEOUT_S:-90}" $nf bench --config configs/tiny-gpu.toml \
-        --modes pooled,colocated,autoregressive --concurrency $c --requests $((c == 1 ? 4 : 16)) \
+        --modes elastic,pooled,colocated,autoregressive --concurrency $c --requests $((c == 1 ? 4 : 16)) \
         --max-new-tokens 48 --repeats 3 --breakdown --json >"$out/bench-$run.json" 2>>"$out/steps.log"
     echo "bench $run rc=$?"
   done
