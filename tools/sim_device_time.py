@@ -9,7 +9,7 @@ against what the scenario allows before anyone tunes for it.
     python tools/sim_device_time.py [--scenario configs/sim/paper-2d2t.toml] [--modes colocated,elastic]
         [--all-at-once]
 
-A mode may carry policy settings as ``bench``'s do (``elastic@elastic_split=1000000``). ``--all-at-once``
+A mode may carry settings as ``simulate``'s do (``elastic@elastic_split=1000000``, ``@prefix_cache=false``). ``--all-at-once``
 replays a trace scenario's requests all at once (the planner's saturation). The last column is the
 busy share of the run's last tenth: where a run's tail, a few long requests on a few workers, costs
 wall time that no split of the work wins back.
@@ -27,7 +27,7 @@ import click
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from nebula_flow.cli.common import with_settings  # noqa: E402
+from nebula_flow.cli.simulate import with_mode_settings  # noqa: E402
 from nebula_flow.sim import engine  # noqa: E402
 from nebula_flow.sim.loads import at_rate  # noqa: E402
 from nebula_flow.sim.scenario import load_scenario  # noqa: E402
@@ -83,7 +83,7 @@ def main(scenario: str, modes: str, all_at_once: bool) -> None:
         mode, *settings = spec.split("@")
         spent.clear()
         busy.clear()
-        result = engine.Simulator(replace(sc, policy=with_settings(sc.policy, settings, "--modes")), mode).run()
+        result = engine.Simulator(with_mode_settings(sc, settings, spec), mode).run()
         wall, util = result["wall_s"], result["utilization"]  # (the engine's own busy share)
         first = first or wall
         print(f"{spec:<{width}}{wall:>8.2f}{wall * len(result['workers']):>10.1f}{spent['draft_s']:>9.2f}"

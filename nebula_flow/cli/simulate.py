@@ -98,7 +98,7 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
         t0 = time.monotonic()
         base, *settings = mode.split("@")
         try:
-            result["modes"][mode] = engine.simulate(_with_mode_settings(sc, settings, mode), base,
+            result["modes"][mode] = engine.simulate(with_mode_settings(sc, settings, mode), base,
                                                     draft_workers, target_workers)
         except (ValueError, RuntimeError) as exc:
             raise click.ClickException(f"{mode}: {exc}") from None
@@ -115,7 +115,7 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
         targets = list(sweep_targets) if sweep_targets else None
         log(f"[simulate] sweep ({first}):")
         base, *settings = first.split("@")
-        result["sweep"] = planner.sweep(_with_mode_settings(sc, settings, first), base, sizes,
+        result["sweep"] = planner.sweep(with_mode_settings(sc, settings, first), base, sizes,
                                        log=log, targets=targets)
     if devices is not None:
         if devices < 2:
@@ -158,7 +158,7 @@ def simulate(scenario, modes, concurrency, urgent, draft_workers, target_workers
 COMMANDS = [simulate]
 
 
-def _with_mode_settings(sc: Scenario, settings: list[str], where: str) -> Scenario:
+def with_mode_settings(sc: Scenario, settings: list[str], where: str) -> Scenario:
     """``sc`` with a mode's ``@KNOB=VALUE`` settings: ``prefix_cache`` (the workers', as bench's
     ``POOL_KNOBS``) and the policy's knobs."""
     from dataclasses import replace
