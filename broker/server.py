@@ -258,7 +258,7 @@ class Broker(Intake):
         log.info("worker %d (%s, %s) joined in slot %d", wid, msg.name[:64], msg.role, slot)
         self._send(self.peers, identity, Welcome(wid, slot, self.opts.mode, {
             "proposal_top_k": self.opts.proposal_top_k, "heartbeat_s": self.opts.heartbeat_s,
-            "max_forward_tokens": self.opts.policy.max_forward_tokens}))
+            "max_forward_tokens": self.opts.policy.max_forward_tokens, "max_burst_tokens": self.opts.policy.max_burst_tokens}))
 
     def _drop_worker(self, wid: int, why: str) -> None:
         info = self.workers.pop(wid, None)

@@ -18,7 +18,12 @@ whole; docs/benchmarks.md). So does every request of a pool where no output has 
 whose requests the workers batch at once (a burst of new requests; prompts scored for their
 log-probabilities with one output token, as an evaluation harness sends them: 16 prompts of 256
 tokens, 4 at a time, were scored 1.95-2.13x faster whole: docs/benchmarks.md). The broker marks
-such a task ``alone`` when it sends it; a forward whose every task is alone has no budget.
+such a task ``alone`` when it sends it, and a request whose prompt began so stays alone until its
+output begins (``mark_alone``). A forward with a task alone has the policy's burst budget
+(``max_burst_tokens``; 0: none where every task is alone): a burst of long prompts on a CPU, whole,
+was one forward of many seconds, after which a dozen streams began in the same second; bounded, the
+smallest prompts go first and streams begin one forward after another, while the burst's prompts
+go on at the burst's budget beside them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from nebula_flow.request import Request
     from nebula_flow.roles import WorkerState
 
 MIN_CHUNK = 16  # a chunked prefill moves at least this far each forward, so a full budget never starves it
@@ -48,11 +54,26 @@ def prefills_whole(pool: int, streaming: int, workers: Iterable[WorkerState]) ->
     return pool == 1 or streaming == 0 and pool <= sum(w.capacity for w in workers if w.role != "draft")
 
 
-def forward_budget(budget: int, alone: list[bool]) -> int:
-    """The budget of a forward of tasks each ``alone`` or not (0: no bound): none where every task
-    of it is alone (with several brokers, a task alone in its own pool may share the forward with
-    another broker's)."""
-    return 0 if alone and all(alone) else budget
+def mark_alone(req: Request, whole: bool) -> bool:
+    """Whether a task of ``req`` goes out alone, ``whole`` (``prefills_whole``) the pool's state as
+    it is sent: also where ``req``'s prompt began prefilling alone and its output has not begun (a
+    burst's prompts keep the burst's budget after the first of its streams began)."""
+    if req.output:
+        return whole
+    req.burst = req.burst or whole
+    return req.burst
+
+
+def forward_budget(budget: int, burst: int, alone: list[bool]) -> int:
+    """The budget of a forward of tasks each ``alone`` or not (0: no bound): ``budget`` where none
+    is alone or it is 0, else ``burst`` (at least ``budget``). ``burst`` 0: no bound where every task of the
+    forward is alone (with several brokers, a task alone in its own pool may share the forward with
+    another broker's), ``budget`` where some are not."""
+    if not budget or not any(alone):
+        return budget
+    if burst:
+        return max(burst, budget)
+    return 0 if all(alone) else budget
 
 
 def plan_forward(needs: list[int], deferrable: list[int], budget: int) -> list[int | None]:

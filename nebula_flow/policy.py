@@ -107,7 +107,14 @@ class PolicyConfig:
     max_forward_tokens: int = _knob(0, "The most uncached prompt (committed) tokens one forward pass computes: a "
                                     "longer prompt is prefilled in chunks beside the other requests' decode and "
                                     "verify rows, which are not counted (chunked prefill, nebula_flow/budget.py); a "
-                                    "request alone in the pool prefills whole. 0: no bound.", lo=0)
+                                    "request alone in the pool prefills whole (up to max_burst_tokens). 0: no bound.",
+                                    lo=0)
+    max_burst_tokens: int = _knob(0, "The most uncached prompt tokens a forward computes where a task of it went "
+                                  "out alone: its request alone in the pool, or one of a burst sent while no "
+                                  "stream flowed (it stays so until its output begins). Smallest prompts first, "
+                                  "the rest in chunks, so a burst's streams begin one forward after another. At "
+                                  "least max_forward_tokens; 0: no bound (a forward of tasks all alone prefills "
+                                  "whole; nebula_flow/budget.py).", lo=0)
 
     def __post_init__(self) -> None:
         for f in fields(self):

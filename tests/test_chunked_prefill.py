@@ -140,7 +140,38 @@ def test_tasks_go_out_whole_until_an_output_begins() -> None:
     assert [t.alone for t in task_specs(more, 1, batch, {})] == [False, False]
 
 
-def test_a_forward_of_tasks_all_alone_has_no_budget() -> None:
+def test_a_bursts_prompts_stay_alone_until_their_output_begins() -> None:
+    """A request whose prompt began prefilling alone (a burst's) keeps going out alone after
+    another's output began, until its own output begins (``budget.mark_alone``): its chunks keep
+    the burst's budget. A request that arrives while a stream flows goes out chunked."""
+    from nebula_flow.params import SamplingParams
+    from nebula_flow.policy import PolicyConfig
+    from nebula_flow.request import Request
+    from nebula_flow.scheduler import Scheduler
+    from nebula_flow_broker.tasks import task_specs
+
+    s = Scheduler("autoregressive", PolicyConfig(max_forward_tokens=BUDGET, max_burst_tokens=64))
+    s.register(1, "target", 3)
+    first, second, later = (Request(i, str(i), long_prompts()[i], SamplingParams(max_new_tokens=4), seed=i)
+                            for i in (1, 2, 3))
+
+    def sent() -> list:
+        s.pull(1, 3, True, 0.0)
+        batch = dict(s.dispatch())[1]
+        return sorted((r.rid, t.alone) for r, t in zip(batch, task_specs(s, 1, batch, {})))
+
+    s.admit(first)
+    s.admit(second)
+    assert sent() == [(1, True), (2, True)]  # (a burst)
+    s.end_round(first, 1, [7])  # (its first token: a stream flows)
+    s.prefilled(second, 1, 64)  # (a chunk of the other's prompt: it goes back for the rest)
+    s.admit(later)
+    assert s.streaming == 1 and sent() == [(1, False), (2, True), (3, False)]
+    s.end_round(second, 1, [7])
+    assert sent() == [(2, False)]  # (its output began: its rounds go out as any other's)
+
+
+def test_a_forward_with_a_task_alone_has_the_burst_budget() -> None:
     from nebula_flow.budget import alone, forward_budget, prefills_whole
     from nebula_flow.roles import WorkerState
 
@@ -148,8 +179,32 @@ def test_a_forward_of_tasks_all_alone_has_no_budget() -> None:
     workers = [WorkerState(1, "draft", 0, 64), WorkerState(2, "target", 0, 4), WorkerState(3, "any", 1, 2)]
     assert prefills_whole(1, 1, workers) and prefills_whole(6, 0, workers) and not prefills_whole(6, 1, workers)
     assert not prefills_whole(7, 0, workers)  # (more requests than the verifiers' 6 slots; drafts' not counted)
-    assert forward_budget(16, [True]) == forward_budget(16, [True, True]) == 0
-    assert forward_budget(16, [True, False]) == forward_budget(16, [False]) == forward_budget(16, []) == 16
+    # no burst budget: a forward of tasks all alone has none
+    assert forward_budget(16, 0, [True]) == forward_budget(16, 0, [True, True]) == 0
+    assert forward_budget(16, 0, [True, False]) == forward_budget(16, 0, [False]) == forward_budget(16, 0, []) == 16
+    # with one: any task alone gives the forward the burst's budget, never less than the plain one
+    assert forward_budget(16, 1024, [True]) == forward_budget(16, 1024, [False, True]) == 1024
+    assert forward_budget(16, 1024, [False]) == forward_budget(16, 1024, []) == 16
+    assert forward_budget(16, 8, [True]) == 16 and forward_budget(0, 1024, [True]) == 0  # (0: no bound at all)
+
+
+@pytest.mark.parametrize("mode", ["pooled", "elastic"])
+def test_a_burst_prefills_within_its_budget_losslessly(tiny_pair, mode: str) -> None:  # noqa: ANN001
+    """With ``max_burst_tokens``, a lone long prompt and a burst of prompts sent while no stream
+    flows prefill in chunks of that budget (not whole), with the target's own greedy output and
+    seeded sampling drawing the same tokens as without chunks."""
+    cfg = deploy_config(tiny_pair, mode, 1, 1, max_batch=4)
+    cfg.broker.policy = cfg.broker.policy.replace(max_forward_tokens=BUDGET, max_burst_tokens=64)
+    prompt = long_prompts()[1]
+    with Deployment(cfg) as dep, Client(dep.address) as c:
+        out = c.generate(token_ids=prompt, max_new_tokens=20)
+        lone = c.status()["counters"].get("prefill_chunks", 0)
+        outs = asyncio.run(_generate(dep.address, [{**r, "cache_salt": "burst"} for r in _requests()]))
+    assert out.token_ids == hf_greedy(tiny_pair / "target", prompt, 20)
+    assert (len(prompt) - 1) // 64 <= lone < (len(prompt) - 1) // BUDGET  # (chunks of the burst's budget)
+    prompts = long_prompts()
+    assert [o.token_ids for o in outs[:len(prompts)]] == [hf_greedy(tiny_pair / "target", p, 20) for p in prompts]
+    assert [o.token_ids for o in outs[len(prompts):]] == [o.token_ids for o in unchunked(tiny_pair, mode)[len(prompts):]]
 
 
 @pytest.mark.parametrize("mode", ["pooled", "colocated", "autoregressive"])
@@ -177,6 +232,11 @@ def test_the_simulator_prefills_in_chunks_with_the_live_policy(mode: str) -> Non
                            max_forward_tokens=256)
     together = Simulator(burst, mode, policy=policy_log.RecordingScheduler)
     assert together.run()["requests"] == 6 and not any(r[0] == "prefilled" for r in together.policy.records)
+    # ... and with a burst budget, in chunks of it, smallest prompts first, as live
+    bounded = Simulator(small_scenario(workload=burst.workload, max_forward_tokens=256, max_burst_tokens=512), mode,
+                        policy=policy_log.RecordingScheduler)
+    assert bounded.run()["requests"] == 6 and any(r[0] == "prefilled" for r in bounded.policy.records)
+    assert policy_log.replay(bounded.policy.records, policy_log.policy_of(bounded.policy.records)).identical
 
 
 @pytest.mark.slow

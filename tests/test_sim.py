@@ -375,7 +375,8 @@ def test_live_broker_events_replayed_into_the_simulators_policy_give_identical_d
                                                "merge_batches": True, "adaptive_k": False, "spec_costs": list(DEFAULT_COSTS),
                                                "measure_costs": True, "first_alternatives": 0,
                                                "fuse_ngram": 0, "disable_by_batch_size": 0, "elastic_split": 0,
-                                               "draft_ahead": 0, "fuse_drafters": 0, "decode_steps": 4, "max_forward_tokens": 0}]
+                                               "draft_ahead": 0, "fuse_drafters": 0, "decode_steps": 4, "max_forward_tokens": 0,
+                                               "max_burst_tokens": 0}]
     # the workers' forward times are events too (the policy weighs them with adaptive k)
     assert {r[2] for r in records if r[0] == "step_costs"} == {"draft", "target"}
     assert sum(bool(r[6]) for r in records if r[0] == "admit") >= 10  # (the second wave's: where their prefix was)

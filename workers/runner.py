@@ -88,7 +88,8 @@ class ModelRunner:
     """One model plus its KV store. ``busy_s`` accumulates time spent in forward passes;
     ``step_costs`` times its forwards of one sequence by their new rows (what a round's draft
     steps and verify block cost on this device, for the policy's adaptive k). ``max_forward_tokens``:
-    the policy's token budget of one forward (0: none); past it, prompts are prefilled in chunks.
+    the policy's token budget of one forward (0: none); past it, prompts are prefilled in chunks
+    (``max_burst_tokens``: that of a forward with a task alone, ``budget.forward_budget``).
     ``model_dir``: the checkpoint's folder, whose tokenizer a verify of a structured output reads."""
 
     def __init__(self, model: CausalLM, *, proposal_top_k: int = 16, max_kv_bytes: int = 4 << 30,
@@ -100,7 +101,7 @@ class ModelRunner:
         self.forwards = 0
         self.step_costs = StepCosts()
         self.batch_costs = BatchCosts()  # by the forward's rows in all: what an elastic worker's stages cost
-        self.max_forward_tokens = 0
+        self.max_forward_tokens = self.max_burst_tokens = 0
         self.before_forward: Callable[[], object] | None = None  # (a worker's core lease claims its threads)
         self.clock = ForwardClock(model.lm_head.weight.device if isinstance(model, CausalLM) else torch.device("cpu"))
         # a target's grammar matchers for structured outputs (``workers/guides.py``), from its
@@ -140,7 +141,7 @@ class ModelRunner:
         """Under the token budget, where each task's forward stops this time: None where it runs
         whole, else the position its prompt's prefill reaches (``budget.plan_forward``). ``held``:
         the positions each task's cache keeps, where ``prepare`` has already cut them."""
-        budget = forward_budget(self.max_forward_tokens, [t.alone for t in tasks])
+        budget = forward_budget(self.max_forward_tokens, self.max_burst_tokens, [t.alone for t in tasks])
         if not budget:
             return [None] * len(tasks)
         held = held if held is not None else [self.store.held(t.rid, t.tokens, t.params.cache_salt, upto(t), t.prompt_len)

@@ -418,6 +418,7 @@ class Worker:
             for r in self.runners:
                 r.proposal_top_k = int(settings.get("proposal_top_k", r.proposal_top_k))
                 r.max_forward_tokens = int(settings.get("max_forward_tokens", 0))
+                r.max_burst_tokens = int(settings.get("max_burst_tokens", 0))
             # The broker judges liveness against its own interval: beat at that pace.
             self.heartbeat_s = float(settings.get("heartbeat_s", self.heartbeat_s))
         elif isinstance(msg, Tasks):
