@@ -188,12 +188,12 @@ def test_a_forward_with_a_task_alone_has_the_burst_budget() -> None:
     assert forward_budget(16, 8, [True]) == 16 and forward_budget(0, 1024, [True]) == 0  # (0: no bound at all)
 
 
-@pytest.mark.parametrize("mode", ["pooled", "elastic"])
+@pytest.mark.parametrize("mode", ["pooled", "paired", "colocated", "autoregressive", "elastic"])
 def test_a_burst_prefills_within_its_budget_losslessly(tiny_pair, mode: str) -> None:  # noqa: ANN001
     """With ``max_burst_tokens``, a lone long prompt and a burst of prompts sent while no stream
-    flows prefill in chunks of that budget (not whole), with the target's own greedy output and
-    seeded sampling drawing the same tokens as without chunks."""
-    cfg = deploy_config(tiny_pair, mode, 1, 1, max_batch=4)
+    flows (fewer than a worker batches at once) prefill in chunks of that budget (not whole), with
+    the target's own greedy output and seeded sampling drawing the same tokens as without chunks."""
+    cfg = deploy_config(tiny_pair, mode, 1, 1, max_batch=16)
     cfg.broker.policy = cfg.broker.policy.replace(max_forward_tokens=BUDGET, max_burst_tokens=64)
     prompt = long_prompts()[1]
     with Deployment(cfg) as dep, Client(dep.address) as c:
