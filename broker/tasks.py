@@ -30,8 +30,8 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
     w = scheduler.workers[wid]
     if w.stage == AHEAD:
         return [predicted(req, predraft(scheduler, req, holder, tokens_for(req, wid, full_tokens))) for req in batch]
-    tasks, whole = [], budget.prefills_whole(len(scheduler.requests), scheduler.streaming,
-                                                  scheduler.workers.values())
+    tasks, alone = [], budget.sends_alone(batch, len(scheduler.requests), scheduler.streaming,
+                                          scheduler.workers.values())
     steps.assign(scheduler, batch)  # (multi-step decoding: a draft-less verify's ``steps``)
     for req in batch:
         tokens, base, crc = tokens_for(req, wid, full_tokens)
@@ -63,7 +63,7 @@ def task_specs(scheduler: Scheduler, wid: int, batch: list[Request], workers: Ma
             predicted(req, task)
         if req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt) and req.phase != DRAFT:
             task.score_from = len(req.prompt_logprobs)  # (the target scores it)
-        task.alone = budget.mark_alone(req, whole)
+        task.alone = alone
         task.steps = req.steps
         tasks.append(task)
     return tasks

@@ -18,12 +18,12 @@ whole; docs/benchmarks.md). So does every request of a pool where no output has 
 whose requests the workers batch at once (a burst of new requests; prompts scored for their
 log-probabilities with one output token, as an evaluation harness sends them: 16 prompts of 256
 tokens, 4 at a time, were scored 1.95-2.13x faster whole: docs/benchmarks.md). The broker marks
-such a task ``alone`` when it sends it, and a request whose prompt began so stays alone until its
-output begins (``mark_alone``). A forward with a task alone has the policy's burst budget
-(``max_burst_tokens``; 0: none where every task is alone): a burst of long prompts on a CPU, whole,
-was one forward of many seconds, after which a dozen streams began in the same second; bounded, the
-smallest prompts go first and streams begin one forward after another, while the burst's prompts
-go on at the burst's budget beside them.
+such a task ``alone`` when it sends it, and so every task sent beside a request of that burst
+whose output has not begun (``sends_alone``). A forward whose every task is alone has the policy's
+burst budget (``max_burst_tokens``; 0: none): a burst of long prompts on a CPU, whole, was one
+forward of many seconds, after which a dozen streams began in the same second; bounded, the
+smallest prompts go first and the streams begin one forward after another, while the burst's
+prompts go on at the burst's budget beside them.
 """
 
 from __future__ import annotations
@@ -54,26 +54,27 @@ def prefills_whole(pool: int, streaming: int, workers: Iterable[WorkerState]) ->
     return pool == 1 or streaming == 0 and pool <= sum(w.capacity for w in workers if w.role != "draft")
 
 
-def mark_alone(req: Request, whole: bool) -> bool:
-    """Whether a task of ``req`` goes out alone, ``whole`` (``prefills_whole``) the pool's state as
-    it is sent: also where ``req``'s prompt began prefilling alone and its output has not begun (a
-    burst's prompts keep the burst's budget after the first of its streams began)."""
-    if req.output:
-        return whole
-    req.burst = req.burst or whole
-    return req.burst
+def sends_alone(batch: list[Request], pool: int, streaming: int, workers: Iterable[WorkerState]) -> bool:
+    """Whether the tasks of ``batch``, sent while its broker's pool holds ``pool`` requests,
+    ``streaming`` of them with their output begun, go out ``alone``: where ``prefills_whole`` (their
+    requests are then a burst's), and where one of them is a burst's request whose output has not
+    begun. So a burst's prompts, and the rounds sent beside them, keep the burst's budget after its
+    first streams began; another broker's tasks in the same forward are not alone, and take the
+    forward back to the plain budget."""
+    if prefills_whole(pool, streaming, workers):
+        for req in batch:
+            req.burst = True
+        return True
+    return any(req.burst and not req.output for req in batch)
 
 
 def forward_budget(budget: int, burst: int, alone: list[bool]) -> int:
-    """The budget of a forward of tasks each ``alone`` or not (0: no bound): ``budget`` where none
-    is alone or it is 0, else ``burst`` (at least ``budget``). ``burst`` 0: no bound where every task of the
-    forward is alone (with several brokers, a task alone in its own pool may share the forward with
-    another broker's), ``budget`` where some are not."""
-    if not budget or not any(alone):
+    """The budget of a forward of tasks each ``alone`` or not (0: no bound): ``burst`` (at least
+    ``budget``; 0: none) where every task of it is alone, else ``budget``. (With several brokers,
+    a task alone in its own pool may share the forward with another broker's.)"""
+    if not budget or not alone or not all(alone):
         return budget
-    if burst:
-        return max(burst, budget)
-    return 0 if all(alone) else budget
+    return max(burst, budget) if burst else 0
 
 
 def plan_forward(needs: list[int], deferrable: list[int], budget: int) -> list[int | None]:

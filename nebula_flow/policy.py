@@ -109,11 +109,11 @@ class PolicyConfig:
                                     "verify rows, which are not counted (chunked prefill, nebula_flow/budget.py); a "
                                     "request alone in the pool prefills whole (up to max_burst_tokens). 0: no bound.",
                                     lo=0)
-    max_burst_tokens: int = _knob(0, "The most uncached prompt tokens a forward computes where a task of it went "
-                                  "out alone: its request alone in the pool, or one of a burst sent while no "
-                                  "stream flowed (it stays so until its output begins). Smallest prompts first, "
-                                  "the rest in chunks, so a burst's streams begin one forward after another. At "
-                                  "least max_forward_tokens; 0: no bound (a forward of tasks all alone prefills "
+    max_burst_tokens: int = _knob(0, "The most uncached prompt tokens a forward computes where its tasks went out "
+                                  "alone: a request alone in the pool, a burst sent while no stream flowed, and "
+                                  "every task sent beside a burst's request whose output has not begun. Smallest "
+                                  "prompts first, the rest in chunks, so a burst's streams begin one forward after "
+                                  "another. At least max_forward_tokens; 0: no bound (such a forward prefills "
                                   "whole; nebula_flow/budget.py).", lo=0)
 
     def __post_init__(self) -> None:

@@ -55,7 +55,7 @@ class Request:
     accepted: int = 0
     alt_accepted: int = 0  # rounds an alternative to the first draft token won
     fused_accepted: int = 0  # tokens accepted from fused chains beyond what the draft had
-    burst: bool = False  # its prompt began prefilling alone: it stays alone until its output begins (``budget.mark_alone``)
+    burst: bool = False  # a task of it went out alone (a burst's, or alone in the pool): ``budget.sends_alone``
     cached: int = 0  # positions its target workers copied from other requests' KV (prefix cache): usage's cached_tokens
     prediction: np.ndarray | None = None  # the client's prediction of the output (int32): chains are looked up in it too
     acceptance: Acceptance = field(default_factory=Acceptance)  # decayed, for adaptive k (speclen): the drafter's in use

@@ -140,10 +140,11 @@ def test_tasks_go_out_whole_until_an_output_begins() -> None:
     assert [t.alone for t in task_specs(more, 1, batch, {})] == [False, False]
 
 
-def test_a_bursts_prompts_stay_alone_until_their_output_begins() -> None:
-    """A request whose prompt began prefilling alone (a burst's) keeps going out alone after
-    another's output began, until its own output begins (``budget.mark_alone``): its chunks keep
-    the burst's budget. A request that arrives while a stream flows goes out chunked."""
+def test_a_burst_goes_out_alone_until_every_output_of_it_began() -> None:
+    """While a burst's request has not begun its output, every task sent beside it goes out alone
+    (``budget.sends_alone``), its first streams' rounds and later arrivals too, so the forward keeps
+    the burst's budget; once the burst's outputs have all begun, tasks go out as before: chunked
+    while a stream flows."""
     from nebula_flow.params import SamplingParams
     from nebula_flow.policy import PolicyConfig
     from nebula_flow.request import Request
@@ -166,12 +167,13 @@ def test_a_bursts_prompts_stay_alone_until_their_output_begins() -> None:
     s.end_round(first, 1, [7])  # (its first token: a stream flows)
     s.prefilled(second, 1, 64)  # (a chunk of the other's prompt: it goes back for the rest)
     s.admit(later)
-    assert s.streaming == 1 and sent() == [(1, False), (2, True), (3, False)]
+    assert s.streaming == 1 and sent() == [(1, True), (2, True), (3, True)]
+    s.end_round(first, 1, [7])
     s.end_round(second, 1, [7])
-    assert sent() == [(2, False)]  # (its output began: its rounds go out as any other's)
+    assert not later.burst and sent() == [(1, False), (2, False)]  # (the burst's outputs began: chunked beside them)
 
 
-def test_a_forward_with_a_task_alone_has_the_burst_budget() -> None:
+def test_a_forward_of_tasks_all_alone_has_the_burst_budget() -> None:
     from nebula_flow.budget import alone, forward_budget, prefills_whole
     from nebula_flow.roles import WorkerState
 
@@ -182,9 +184,9 @@ def test_a_forward_with_a_task_alone_has_the_burst_budget() -> None:
     # no burst budget: a forward of tasks all alone has none
     assert forward_budget(16, 0, [True]) == forward_budget(16, 0, [True, True]) == 0
     assert forward_budget(16, 0, [True, False]) == forward_budget(16, 0, [False]) == forward_budget(16, 0, []) == 16
-    # with one: any task alone gives the forward the burst's budget, never less than the plain one
-    assert forward_budget(16, 1024, [True]) == forward_budget(16, 1024, [False, True]) == 1024
-    assert forward_budget(16, 1024, [False]) == forward_budget(16, 1024, []) == 16
+    # with one: a forward of tasks all alone has it, never less than the plain budget
+    assert forward_budget(16, 1024, [True]) == forward_budget(16, 1024, [True, True]) == 1024
+    assert forward_budget(16, 1024, [False, True]) == forward_budget(16, 1024, [False]) == forward_budget(16, 1024, []) == 16
     assert forward_budget(16, 8, [True]) == 16 and forward_budget(0, 1024, [True]) == 0  # (0: no bound at all)
 
 

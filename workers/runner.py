@@ -89,7 +89,7 @@ class ModelRunner:
     ``step_costs`` times its forwards of one sequence by their new rows (what a round's draft
     steps and verify block cost on this device, for the policy's adaptive k). ``max_forward_tokens``:
     the policy's token budget of one forward (0: none); past it, prompts are prefilled in chunks
-    (``max_burst_tokens``: that of a forward with a task alone, ``budget.forward_budget``).
+    (``max_burst_tokens``: that of a forward whose tasks all went out alone, ``budget.forward_budget``).
     ``model_dir``: the checkpoint's folder, whose tokenizer a verify of a structured output reads."""
 
     def __init__(self, model: CausalLM, *, proposal_top_k: int = 16, max_kv_bytes: int = 4 << 30,

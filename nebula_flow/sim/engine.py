@@ -146,14 +146,14 @@ class Simulator:
                                  r.holders.get(holder_key("draft", r.drafter)), r.ahead.alts, r.ahead.fuse, r.drafter,
                                  draft_len=len(r.ahead.draft), outcomes=r.ahead.outcomes) for r in batch]
             else:  # (a fused round's second draft: sim/fused.py)
-                whole = budget.prefills_whole(len(self.policy.requests), self.policy.streaming,
-                                               self.policy.workers.values())
+                alone = budget.sends_alone(batch, len(self.policy.requests), self.policy.streaming,
+                                           self.policy.workers.values())
                 steps.assign(self.policy, batch)  # (multi-step decoding, as the broker's ``task_specs``)
                 tasks = [fused.second_task(r, self.policy.workers[wid]) or
                          SimTask(r, r.phase, r.attempt, r.round, len(r.prompt) + len(r.output), r.k,
                                  r.holders.get(self.policy.task_holder_key(r)), r.alts, r.fuse, r.drafter,
                                  r.holders.get("target") if r.phase == ROUND else None, second=fused.second_chain(r),
-                                 alone=budget.mark_alone(r, whole), steps=r.steps)
+                                 alone=alone, steps=r.steps)
                          for r in batch]
             self.at(self.broker_free + self.lat, self._tasks_arrive, self.workers[wid], tasks)
 
